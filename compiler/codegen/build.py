@@ -1,0 +1,150 @@
+"""Compile generated C++ into a shared library, cached by content.
+
+`build_shared_library(sources, flags=CPU_FLAGS)` compiles with g++ into
+`<cache>/<key>/lib.so`, where key = sha256(source names and texts, flags, compiler and its
+`--version`, and for `-march=native` the ISA the compiler resolves it to on this host). A hit costs
+one stat. The sources are kept next to the .so for reading. Every file is written to a temporary name
+in its final folder and moved into place with `os.replace`, so concurrent builds of the same key never
+see a half-written file (both produce the same bytes; the last rename wins).
+
+Cache root: `$LLMC_CACHE_DIR/build`, else `$XDG_CACHE_HOME/llmc/build`, else `~/.cache/llmc/build`.
+
+`-march=native` binds the .so to this host's ISA; the artifact manifest records `CPU_FLAGS` (and the
+loader must check the target matches the machine).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Mapping, Sequence
+
+from llmc.errors import CompileError
+
+CPU_FLAGS: tuple[str, ...] = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c++17")
+DEFAULT_COMPILER = "g++"
+_COMPILED_SUFFIXES = (".cc", ".cpp", ".cxx")
+_STDERR_TAIL_LINES = 40
+
+
+def default_cache_dir() -> Path:
+    """Where builds are cached; the one place the cache environment variables are read."""
+    root = os.environ.get("LLMC_CACHE_DIR")
+    if root:
+        return Path(root).expanduser() / "build"
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "llmc" / "build"
+
+
+@functools.lru_cache(maxsize=None)
+def compiler_version(compiler: str = DEFAULT_COMPILER) -> str:
+    """`<compiler> --version`, first line; CompileError if the compiler cannot run."""
+    try:
+        out = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError) as e:
+        raise CompileError(f"cannot run the C++ compiler {compiler!r}: {e}",
+                           "install g++ (Debian/Ubuntu: apt-get install g++)") from e
+    return out.strip().splitlines()[0] if out.strip() else "unknown"
+
+
+@functools.lru_cache(maxsize=None)
+def _native_isa(compiler: str) -> str:
+    """What -march=native means here (g++ -Q --help=target), hashed: a cache shared across hosts
+    must not hand a .so built for another ISA."""
+    try:
+        out = subprocess.run([compiler, "-march=native", "-Q", "--help=target"], capture_output=True, text=True,
+                             check=True).stdout
+    except (OSError, subprocess.CalledProcessError):  # fall back to the kernel's view of the CPU
+        try:
+            out = Path("/proc/cpuinfo").read_text().split("\n\n")[0]
+        except OSError:
+            out = ""
+    return hashlib.sha256(out.encode()).hexdigest()
+
+
+def build_key(sources: Mapping[str, str], flags: Sequence[str], compiler: str = DEFAULT_COMPILER) -> str:
+    """The cache key of a build: sha256 over everything that changes the produced .so."""
+    ident = {
+        "sources": sorted(sources.items()),
+        "flags": list(flags),
+        "compiler": compiler,
+        "version": compiler_version(compiler),
+        "native": _native_isa(compiler) if any("=native" in f for f in flags) else None,
+    }
+    return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()
+
+
+def _write_atomic(path: Path, data: str) -> None:
+    if path.is_file() and path.read_text() == data:
+        return
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def build_shared_library(
+    sources: Mapping[str, str] | str,
+    *,
+    flags: Sequence[str] = CPU_FLAGS,
+    cache_dir: str | os.PathLike | None = None,
+    compiler: str = DEFAULT_COMPILER,
+) -> Path:
+    """Compile `sources` ({file name: text}, or one C++ text) into a shared library; return its path.
+
+    Files ending in .cc/.cpp/.cxx are compiled; the others (headers) sit next to them, so
+    `#include "common.h"` finds them. Raises CompileError with the compiler's stderr tail on failure.
+    """
+    if isinstance(sources, str):
+        sources = {"module.cc": sources}
+    sources = dict(sources)
+    for name in sources:
+        if not name or "/" in name or "\\" in name or name.startswith("."):
+            raise CompileError(f"bad source file name {name!r}", "use a plain file name such as model.cc")
+    units = sorted(n for n in sources if n.endswith(_COMPILED_SUFFIXES))
+    if not units:
+        raise CompileError(f"nothing to compile among {sorted(sources)}", "give at least one .cc file")
+
+    key = build_key(sources, flags, compiler)
+    out_dir = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    out_dir = out_dir / key
+    lib = out_dir / "lib.so"
+    if lib.is_file():
+        return lib
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for name, text in sources.items():
+        _write_atomic(out_dir / name, text)
+    fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=".lib.", suffix=".so.tmp")
+    os.close(fd)
+    cmd = [compiler, *flags, "-o", tmp, *units]
+    try:
+        proc = subprocess.run(cmd, cwd=out_dir, capture_output=True, text=True)
+        if proc.returncode != 0:
+            tail = "\n".join(proc.stderr.strip().splitlines()[-_STDERR_TAIL_LINES:])
+            raise CompileError(
+                f"{compiler} failed (exit {proc.returncode}) building {', '.join(units)}:\n{tail}",
+                f"sources kept in {out_dir}; command: {' '.join(cmd)}",
+            )
+        os.replace(tmp, lib)
+    except OSError as e:
+        raise CompileError(f"cannot run {compiler} in {out_dir}: {e}") from e
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+    return lib
+
+
+def clear_cache(cache_dir: str | os.PathLike | None = None) -> None:
+    """Remove every cached build (e.g. after a compiler upgrade left old ones behind)."""
+    shutil.rmtree(Path(cache_dir) if cache_dir is not None else default_cache_dir(), ignore_errors=True)

@@ -1,0 +1,228 @@
+"""Render kernel templates (templates/<target>/<op>.<ext>.j2) into source text.
+
+One function renders every kernel: `render_kernel(target, op, **params)`. The parameters are exactly
+the compile-time parameters of docs/contracts.md ("Kernel templates"); a missing or unknown one is a
+CompileError that names the op and the template. `kernel_id(target, op, params)` spells every
+parameter that changes the code into one readable, filename- and identifier-safe string (FlashInfer's
+URI idea): it names the kernel in the manifest, the tuning database and the build cache.
+
+Templates stay thin: they fill in constants and call inline functions of the target's common header
+(`templates/cpu/common.h`), which `template_file(target, "common.h")` returns.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import math
+import numbers
+import re
+import struct
+from pathlib import Path
+from typing import Any, Mapping
+
+import jinja2
+import jinja2.meta
+
+from llmc.errors import CompileError
+
+TEMPLATE_DIR = Path(__file__).resolve().parents[2] / "templates"
+try:  # the installed package maps templates/ to llmc.templates; prefer its location when importable
+    import llmc.templates as _templates_pkg
+
+    TEMPLATE_DIR = Path(_templates_pkg.__file__).resolve().parent
+except ImportError:  # pragma: no cover - running from a bare checkout
+    pass
+
+WDTYPES = {"f32": "float", "bf16": "uint16_t"}
+_IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+# --- filters: Python values -> C++ literals ------------------------------------------------------
+
+
+def _to_f32(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"expected a float, got {value!r}")
+    f = struct.unpack("<f", struct.pack("<f", float(value)))[0]
+    if not math.isfinite(f):
+        raise ValueError(f"{value!r} is not a finite float32")
+    return f
+
+
+def _f32_text(value: Any) -> str:
+    """The shortest decimal that reads back as the same float32 (at most 9 digits, always enough)."""
+    f = _to_f32(value)
+    for digits in range(1, 10):
+        text = "%.*g" % (digits, f)
+        if _to_f32(float(text)) == f:
+            return text
+    raise AssertionError("unreachable: 9 significant digits round-trip every float32")
+
+
+def _f32(value: Any) -> str:
+    """A C float literal equal to `value` rounded to float32 (`1e-06f`, `0.125f`, `10000.0f`)."""
+    text = _f32_text(value)
+    if not any(ch in text for ch in ".en"):
+        text += ".0"
+    return text + "f"
+
+
+def _ctype(wdtype: Any) -> str:
+    if wdtype not in WDTYPES:
+        raise ValueError(f"wdtype must be one of {sorted(WDTYPES)}, got {wdtype!r}")
+    return WDTYPES[wdtype]
+
+
+def _cbool(value: Any) -> str:
+    if not isinstance(value, bool):
+        raise TypeError(f"expected a bool, got {value!r}")
+    return "true" if value else "false"
+
+
+def _cint(value: Any) -> str:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
+        raise TypeError(f"expected a positive int, got {value!r}")
+    return str(int(value))
+
+
+@functools.lru_cache(maxsize=None)
+def _environment() -> jinja2.Environment:
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(TEMPLATE_DIR)),
+        undefined=jinja2.StrictUndefined,
+        autoescape=False,
+        keep_trailing_newline=True,
+    )
+    env.filters.update(f32=_f32, ctype=_ctype, cbool=_cbool, cint=_cint)
+    return env
+
+
+# --- per-op checks that a template cannot express -------------------------------------------------
+
+
+def _check_params(op: str, params: Mapping[str, Any]) -> None:
+    if op == "rope":
+        hd, freqs = params["head_dim"], params["inv_freq"]
+        if not isinstance(hd, int) or hd % 2:
+            raise ValueError(f"head_dim must be an even int, got {hd!r}")
+        if not isinstance(freqs, (list, tuple)) or len(freqs) != hd // 2:
+            raise ValueError(f"inv_freq must be a list of head_dim/2 = {hd // 2} floats")
+    if op == "paged_attention":
+        nh, nkv = params["num_heads"], params["num_kv_heads"]
+        if isinstance(nh, int) and isinstance(nkv, int) and nkv > 0 and nh % nkv:
+            raise ValueError(f"num_heads ({nh}) must be a multiple of num_kv_heads ({nkv})")
+
+
+def template_path(target: str, op: str) -> str:
+    """The template of `op` for `target`, relative to the templates folder (`cpu/gemm.cc.j2`)."""
+    folder = TEMPLATE_DIR / target
+    found = sorted(folder.glob(f"{op}.*.j2")) if folder.is_dir() and _IDENT.match(op) else []
+    if len(found) != 1:
+        have = sorted(p.name.split(".")[0] for p in folder.glob("*.j2")) if folder.is_dir() else []
+        raise CompileError(
+            f"no kernel template for op {op!r} on target {target!r} (looked for {folder}/{op}.*.j2)",
+            f"templates for this target: {', '.join(have) or 'none'}; add one or let the op fall back",
+        )
+    return found[0].relative_to(TEMPLATE_DIR).as_posix()
+
+
+def template_file(target: str, filename: str) -> str:
+    """A fixed source file of the target, e.g. `template_file("cpu", "common.h")`."""
+    path = TEMPLATE_DIR / target / filename
+    if not path.is_file():
+        raise CompileError(f"target {target!r} has no file {filename!r} under {TEMPLATE_DIR / target}")
+    return path.read_text()
+
+
+def template_params(target: str, op: str) -> set[str]:
+    """The parameters the template of `op` reads."""
+    rel = template_path(target, op)
+    env = _environment()
+    source = env.loader.get_source(env, rel)[0]
+    return set(jinja2.meta.find_undeclared_variables(env.parse(source)))
+
+
+def render_kernel(target: str, op: str, **params: Any) -> str:
+    """Render the kernel `op` for `target` with its compile-time parameters (docs/contracts.md)."""
+    rel = template_path(target, op)
+    where = f"op {op!r} (template {rel}, params {_short(params)})"
+    needed = template_params(target, op)
+    missing, unknown = sorted(needed - params.keys()), sorted(params.keys() - needed)
+    if missing or unknown:
+        parts = ([f"missing {', '.join(missing)}"] if missing else []) + (
+            [f"unknown {', '.join(unknown)}"] if unknown else []
+        )
+        raise CompileError(f"bad parameters for {where}: {'; '.join(parts)}",
+                           f"the template takes exactly: {', '.join(sorted(needed))}")
+    name = params.get("name")
+    if not isinstance(name, str) or not _IDENT.match(name):
+        raise CompileError(f"bad parameters for {where}: name must be a C identifier, got {name!r}")
+    try:
+        _check_params(op, params)
+        return _environment().get_template(rel).render(**params)
+    except jinja2.UndefinedError as e:  # a parameter used in a way the signature check missed
+        raise CompileError(f"template {rel} of op {op!r} needs a parameter it was not given: {e}") from e
+    except (TypeError, ValueError) as e:
+        raise CompileError(f"bad parameters for {where}: {e}") from e
+
+
+# --- kernel identity -------------------------------------------------------------------------------
+
+# How each parameter is spelled in a kernel id; "" spells the value alone (`bf16`).
+_ID_PREFIX = {
+    "n": "n", "k": "k", "hidden": "h", "inter": "i", "cols": "c",
+    "num_heads": "qh", "num_kv_heads": "kvh", "head_dim": "d", "block_size": "bs",
+    "eps": "eps", "scale": "sc", "wdtype": "", "has_bias": "bias", "add_residual": "res",
+    "inv_freq": "if",
+}
+# Canonical order per op (docs/contracts.md); parameters not listed follow, sorted.
+_ID_ORDER = {
+    "embedding": ["hidden", "wdtype"],
+    "rmsnorm": ["hidden", "eps", "wdtype", "add_residual"],
+    "gemm": ["n", "k", "wdtype", "has_bias"],
+    "rope": ["num_heads", "head_dim", "inv_freq"],
+    "paged_attention": ["num_heads", "num_kv_heads", "head_dim", "block_size", "scale"],
+    "silu_mul": ["inter"],
+    "gather_rows": ["cols"],
+}
+_LIST_INLINE_MAX = 4  # longer lists are spelled as length + content hash
+
+
+def _id_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    if isinstance(value, numbers.Integral):
+        return str(int(value))
+    if isinstance(value, numbers.Real):  # as the float32 the code holds: 1e-06 -> 1em06, 0.125 -> 0p125
+        return _f32_text(value).replace("-", "m").replace("+", "").replace(".", "p")
+    if isinstance(value, str):
+        return re.sub(r"[^A-Za-z0-9]", "", value)
+    if isinstance(value, (list, tuple)):
+        if len(value) <= _LIST_INLINE_MAX and all(isinstance(v, numbers.Integral) for v in value):
+            return "x".join(str(int(v)) for v in value)
+        blob = json.dumps([_id_value(v) for v in value]).encode()
+        return f"{len(value)}x{hashlib.sha256(blob).hexdigest()[:10]}"
+    raise CompileError(f"kernel parameter value {value!r} ({type(value).__name__}) has no id spelling")
+
+
+def kernel_id(target: str, op: str, params: Mapping[str, Any]) -> str:
+    """`cpu_gemm_n1536_k576_bf16_bias0`: target, op and every code-changing parameter (not `name`).
+
+    Readable, a valid C identifier and file name; long lists (inv_freq) become length x short hash of
+    their float32 values, e.g. `cpu_rope_qh9_d64_if32x1a2b3c4d5e`.
+    """
+    keys = [k for k in _ID_ORDER.get(op, []) if k in params]
+    keys += sorted(k for k in params if k not in keys and k != "name")
+    parts = [target, op] + [_ID_PREFIX.get(k, re.sub(r"[^A-Za-z0-9]", "", k)) + _id_value(params[k]) for k in keys]
+    return "_".join(parts)
+
+
+def _short(params: Mapping[str, Any]) -> str:
+    """Parameters for an error message, long lists abbreviated."""
+    items = []
+    for k, v in params.items():
+        long_list = isinstance(v, (list, tuple)) and len(v) > _LIST_INLINE_MAX
+        items.append(f"{k}=[{len(v)} values]" if long_list else f"{k}={v!r}")
+    return "{" + ", ".join(items) + "}"
