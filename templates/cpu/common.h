@@ -1,0 +1,411 @@
+// llmc CPU target: helpers shared by every kernel of a generated model.cc.
+//
+// The kernel templates (templates/cpu/*.cc.j2) are thin: each renders one `static void name(...)`
+// that fixes the compile-time sizes and calls one of the inline functions below.
+//
+// Numerics. Activations are float32; weights are float32 or bf16 (uint16_t, widened with `<< 16`).
+// Built without -ffast-math: every reduction has one fixed order. A dot product of length K is
+// always summed the same way (kAcc accumulators of Vec::W lanes, a fixed tail, a fixed horizontal
+// sum), whether it runs alone (T = 1, decode) or in a tile of rows (prefill), and on whichever thread.
+// Work is split across rows / outputs / heads, never inside one reduction, so a row's result does not
+// depend on T, on its neighbours in the batch, or on the thread count.
+//
+// SIMD: AVX-512 (F+BW+VL) intrinsics, else AVX2+FMA intrinsics, else a portable 8-lane fallback.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+#if (defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)) || \
+    (defined(__AVX2__) && defined(__FMA__))
+#include <immintrin.h>
+#endif
+
+#define LLMC_RESTRICT __restrict__
+#define LLMC_INLINE inline __attribute__((always_inline))
+#define LLMC_PRAGMA(x) _Pragma(#x)
+#ifdef _OPENMP
+#define LLMC_OMP(x) LLMC_PRAGMA(omp x)
+#else
+#define LLMC_OMP(x)
+#endif
+#if defined(__clang__)
+#define LLMC_UNROLL LLMC_PRAGMA(unroll)
+#else
+#define LLMC_UNROLL LLMC_PRAGMA(GCC unroll 16)
+#endif
+
+namespace llmc {
+
+// A kernel opens an OpenMP parallel region only above this much work (multiply-adds or elements);
+// below it the fork/join costs more than it saves. Never changes results, only speed.
+constexpr long kParallelWork = 1L << 15;
+
+LLMC_INLINE float bf16_to_f32(uint16_t h) {
+  uint32_t u = uint32_t(h) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+LLMC_INLINE float load_w(float v) { return v; }
+LLMC_INLINE float load_w(uint16_t v) { return bf16_to_f32(v); }
+
+// ---------------------------------------------------------------------------------------------
+// Vec: one SIMD register of float32 lanes, with just what the kernels need.
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define LLMC_SIMD "avx512"
+struct Vec {
+  static constexpr int W = 16;
+  __m512 v;
+  static LLMC_INLINE Vec zero() { return {_mm512_setzero_ps()}; }
+  static LLMC_INLINE Vec load(const float* p) { return {_mm512_loadu_ps(p)}; }
+  static LLMC_INLINE Vec load(const uint16_t* p) {
+    __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))};
+  }
+  // The first n (< W) elements, zeros after.
+  static LLMC_INLINE Vec load_part(const float* p, int n) {
+    return {_mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n) - 1), p)};
+  }
+  static LLMC_INLINE Vec load_part(const uint16_t* p, int n) {
+    __m256i h = _mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << n) - 1), p);
+    return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))};
+  }
+  LLMC_INLINE void fma(Vec a, Vec b) { v = _mm512_fmadd_ps(a.v, b.v, v); }  // this += a * b
+  LLMC_INLINE Vec operator+(Vec o) const { return {_mm512_add_ps(v, o.v)}; }
+  LLMC_INLINE float sum() const { return _mm512_reduce_add_ps(v); }  // fixed shuffle tree
+};
+#elif defined(__AVX2__) && defined(__FMA__)
+#define LLMC_SIMD "avx2"
+struct Vec {
+  static constexpr int W = 8;
+  __m256 v;
+  static LLMC_INLINE Vec zero() { return {_mm256_setzero_ps()}; }
+  static LLMC_INLINE Vec load(const float* p) { return {_mm256_loadu_ps(p)}; }
+  static LLMC_INLINE Vec load(const uint16_t* p) {
+    __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return {_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16))};
+  }
+  template <typename T>
+  static LLMC_INLINE Vec load_part(const T* p, int n) {
+    alignas(32) float tmp[W] = {};
+    for (int i = 0; i < n; ++i) tmp[i] = load_w(p[i]);
+    return {_mm256_load_ps(tmp)};
+  }
+  LLMC_INLINE void fma(Vec a, Vec b) { v = _mm256_fmadd_ps(a.v, b.v, v); }
+  LLMC_INLINE Vec operator+(Vec o) const { return {_mm256_add_ps(v, o.v)}; }
+  LLMC_INLINE float sum() const {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+    return _mm_cvtss_f32(s);
+  }
+};
+#else
+#define LLMC_SIMD "scalar"
+struct Vec {  // portable fallback: 8 independent lanes the compiler may map onto SSE/NEON
+  static constexpr int W = 8;
+  float v[W];
+  static LLMC_INLINE Vec zero() { return Vec{}; }
+  template <typename T>
+  static LLMC_INLINE Vec load(const T* p) {
+    Vec r;
+    for (int i = 0; i < W; ++i) r.v[i] = load_w(p[i]);
+    return r;
+  }
+  template <typename T>
+  static LLMC_INLINE Vec load_part(const T* p, int n) {
+    Vec r{};
+    for (int i = 0; i < n; ++i) r.v[i] = load_w(p[i]);
+    return r;
+  }
+  LLMC_INLINE void fma(Vec a, Vec b) {
+    for (int i = 0; i < W; ++i) v[i] += a.v[i] * b.v[i];
+  }
+  LLMC_INLINE Vec operator+(Vec o) const {
+    Vec r;
+    for (int i = 0; i < W; ++i) r.v[i] = v[i] + o.v[i];
+    return r;
+  }
+  LLMC_INLINE float sum() const {
+    return ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7]));
+  }
+};
+#endif
+
+// ---------------------------------------------------------------------------------------------
+// dot_rows<R, K>: out[r] = sum_i x[r*ldx + i] * w[i] for R rows of x against one row w.
+//
+// The summation order of each row is a function of K only: element i goes to accumulator
+// (i / W) % kAcc of that row (full vectors), the last partial vector to accumulator kAcc-1, then
+// ((a0 + a1) + (a2 + a3)) and Vec::sum(). R only decides how many rows share each load of w, so
+// dot_rows<1> and dot_rows<4> give bit-identical results for the same row.
+constexpr int kAcc = 4;
+
+template <int R, int K, typename WT>
+LLMC_INLINE void dot_rows(const float* LLMC_RESTRICT x, long ldx, const WT* LLMC_RESTRICT w,
+                          float* LLMC_RESTRICT out) {
+  static_assert(R >= 1 && K >= 1, "dot_rows: bad sizes");
+  constexpr int VW = Vec::W;
+  constexpr int STEP = kAcc * VW;
+  constexpr int KMAIN = K / STEP * STEP;     // covered by the unrolled main loop
+  constexpr int NFULL = (K - KMAIN) / VW;    // full vectors after it (< kAcc)
+  constexpr int KTAIL = KMAIN + NFULL * VW;  // start of the partial vector
+  constexpr int NREM = K - KTAIL;            // its length (< VW)
+
+  Vec acc[R][kAcc];
+  LLMC_UNROLL for (int r = 0; r < R; ++r) {
+    LLMC_UNROLL for (int a = 0; a < kAcc; ++a) acc[r][a] = Vec::zero();
+  }
+  for (int i = 0; i < KMAIN; i += STEP) {
+    LLMC_UNROLL for (int a = 0; a < kAcc; ++a) {
+      const Vec wv = Vec::load(w + i + a * VW);
+      LLMC_UNROLL for (int r = 0; r < R; ++r) acc[r][a].fma(Vec::load(x + r * ldx + i + a * VW), wv);
+    }
+  }
+  LLMC_UNROLL for (int a = 0; a < NFULL; ++a) {
+    const Vec wv = Vec::load(w + KMAIN + a * VW);
+    LLMC_UNROLL for (int r = 0; r < R; ++r) acc[r][a].fma(Vec::load(x + r * ldx + KMAIN + a * VW), wv);
+  }
+  if constexpr (NREM > 0) {
+    const Vec wv = Vec::load_part(w + KTAIL, NREM);
+    LLMC_UNROLL for (int r = 0; r < R; ++r)
+      acc[r][kAcc - 1].fma(Vec::load_part(x + r * ldx + KTAIL, NREM), wv);
+  }
+  LLMC_UNROLL for (int r = 0; r < R; ++r)
+    out[r] = ((acc[r][0] + acc[r][1]) + (acc[r][2] + acc[r][3])).sum();
+}
+
+template <int K, typename WT>
+LLMC_INLINE float dot(const float* LLMC_RESTRICT x, const WT* LLMC_RESTRICT w) {
+  float s;
+  dot_rows<1, K>(x, 0, w, &s);
+  return s;
+}
+
+// y[i] += a * x[i] (element-wise, no reduction: auto-vectorised, order-free).
+template <int N>
+LLMC_INLINE void axpy(float a, const float* LLMC_RESTRICT x, float* LLMC_RESTRICT y) {
+  for (int i = 0; i < N; ++i) y[i] += a * x[i];
+}
+
+template <int N>
+LLMC_INLINE void scale_inplace(float a, float* LLMC_RESTRICT y) {
+  for (int i = 0; i < N; ++i) y[i] *= a;
+}
+
+// ---------------------------------------------------------------------------------------------
+// embedding: out[t, :] = table[ids[t], :] (bf16 widened).
+template <int H, typename WT>
+inline void embedding(const int32_t* ids, int T, const WT* LLMC_RESTRICT table, float* LLMC_RESTRICT out) {
+  LLMC_OMP(parallel for schedule(static) if ((long)T * H >= kParallelWork))
+  for (int t = 0; t < T; ++t) {
+    const WT* src = table + (long)ids[t] * H;
+    float* dst = out + (long)t * H;
+    for (int i = 0; i < H; ++i) dst[i] = load_w(src[i]);
+  }
+}
+
+// rmsnorm, as transformers' LlamaRMSNorm in float32: y = w * (h * (1 / sqrt(mean(h^2) + eps))).
+// ADD: h = residual_out = x + residual_in first (residual_out may alias residual_in or x).
+template <int H, bool ADD, typename WT>
+inline void rmsnorm(const float* x, const float* residual_in, float* residual_out, const WT* w, float* y,
+                    int T, float eps) {
+  LLMC_OMP(parallel for schedule(static) if ((long)T * H >= kParallelWork))
+  for (int t = 0; t < T; ++t) {
+    const float* h = x + (long)t * H;
+    if constexpr (ADD) {
+      const float* ri = residual_in + (long)t * H;
+      float* ro = residual_out + (long)t * H;
+      for (int i = 0; i < H; ++i) ro[i] = h[i] + ri[i];
+      h = ro;
+    }
+    const float ss = dot<H>(h, h);
+    const float r = 1.0f / std::sqrt(ss / float(H) + eps);
+    float* out = y + (long)t * H;
+    for (int i = 0; i < H; ++i) out[i] = load_w(w[i]) * (h[i] * r);
+  }
+}
+
+// gemm: y[T, N] = x[T, K] @ w[N, K]^T (+ bias[N]); w in HF Linear layout, one row per output.
+//
+// T <= kGemmRows (decode): a GEMV split over outputs; each weight row is streamed once and reused by
+// the T rows of x. Larger T (prefill): blocks of kGemmTChunk rows x `NB` outputs (NB weight rows
+// ~ kGemmBlockBytes, so they stay in L2), each weight row reused by kGemmRows rows of x per pass.
+// Every (row, output) goes through dot_rows with the same K, so the numbers do not depend on T.
+#if defined(__AVX512F__)
+constexpr int kGemmRows = 4;  // 4 rows x kAcc accumulators = 16 of 32 zmm registers
+#else
+constexpr int kGemmRows = 2;  // 2 x kAcc = 8 of 16 ymm registers
+#endif
+constexpr int kGemmTChunk = 64;
+constexpr long kGemmBlockBytes = 128 * 1024;
+
+template <int K, typename WT>
+LLMC_INLINE void dot_tile(int rows, const float* x, const WT* w, float* out) {
+  static_assert(kGemmRows <= 4, "dot_tile: extend the switch");
+  switch (rows) {
+    case 1: dot_rows<1, K>(x, K, w, out); break;
+    case 2: dot_rows<2, K>(x, K, w, out); break;
+    case 3: if constexpr (kGemmRows >= 3) dot_rows<3, K>(x, K, w, out); break;
+    case 4: if constexpr (kGemmRows >= 4) dot_rows<4, K>(x, K, w, out); break;
+  }
+}
+
+template <int N, int K, bool HAS_BIAS, typename WT>
+inline void gemm(const float* LLMC_RESTRICT x, const WT* LLMC_RESTRICT w, const WT* LLMC_RESTRICT bias,
+                 float* LLMC_RESTRICT y, int T) {
+  constexpr int R = kGemmRows;
+  const bool par = (long)T * N * K >= kParallelWork;
+  if (T <= R) {
+    LLMC_OMP(parallel for schedule(static) if (par))
+    for (int j = 0; j < N; ++j) {
+      float s[R] = {};
+      dot_tile<K>(T, x, w + (long)j * K, s);
+      const float b = HAS_BIAS ? load_w(bias[j]) : 0.0f;
+      for (int t = 0; t < T; ++t) y[(long)t * N + j] = HAS_BIAS ? s[t] + b : s[t];
+    }
+    return;
+  }
+  constexpr long RB = (long)K * sizeof(WT);
+  constexpr int NB0 = (int)std::max<long>(8, kGemmBlockBytes / RB);
+  constexpr int NB = NB0 < N ? NB0 : N;
+  constexpr int NBLK = (N + NB - 1) / NB;
+  const int ntc = (T + kGemmTChunk - 1) / kGemmTChunk;
+  LLMC_OMP(parallel for collapse(2) schedule(static) if (par))
+  for (int tc = 0; tc < ntc; ++tc) {
+    for (int nb = 0; nb < NBLK; ++nb) {
+      const int t1 = std::min(T, (tc + 1) * kGemmTChunk);
+      const int j0 = nb * NB, j1 = std::min(N, j0 + NB);
+      for (int t = tc * kGemmTChunk; t < t1; t += R) {
+        const int rows = std::min(R, t1 - t);
+        for (int j = j0; j < j1; ++j) {
+          float s[R] = {};
+          dot_tile<K>(rows, x + (long)t * K, w + (long)j * K, s);
+          const float b = HAS_BIAS ? load_w(bias[j]) : 0.0f;
+          for (int r = 0; r < rows; ++r) y[(long)(t + r) * N + j] = HAS_BIAS ? s[r] + b : s[r];
+        }
+      }
+    }
+  }
+}
+
+// rope, rotate-half convention (transformers' Llama): with c, s = cos, sin(float(pos) * inv_freq[i]),
+//   x[i] = x[i] * c - x[i + D/2] * s,   x[i + D/2] = x[i + D/2] * c + x[i] * s,   i < D/2,
+// in place on heads [0, NH) of each row (row t starts at x + t * row_stride).
+template <int NH, int D>
+inline void rope(float* x, int row_stride, const int32_t* positions, int T, const float* inv_freq) {
+  static_assert(D % 2 == 0, "rope: odd head_dim");
+  constexpr int HALF = D / 2;
+  LLMC_OMP(parallel for schedule(static) if ((long)T * NH * D >= kParallelWork))
+  for (int t = 0; t < T; ++t) {
+    float c[HALF], s[HALF];
+    const float p = float(positions[t]);
+    for (int i = 0; i < HALF; ++i) {
+      const float a = p * inv_freq[i];
+      c[i] = std::cos(a);
+      s[i] = std::sin(a);
+    }
+    float* row = x + (long)t * row_stride;
+    for (int h = 0; h < NH; ++h) {
+      float* x1 = row + h * D;
+      float* x2 = x1 + HALF;
+      for (int i = 0; i < HALF; ++i) {
+        const float a = x1[i], b = x2[i];
+        x1[i] = a * c[i] - b * s[i];
+        x2[i] = b * c[i] + a * s[i];
+      }
+    }
+  }
+}
+
+// paged attention over a ragged batch (docs/contracts.md, "The step").
+// 1. Write this step's k/v rows (kv heads [0, NKV) of k/v + t*row_stride) to their cache slots;
+//    a negative slot (padding) is skipped. Cache layout: [num_blocks, BS, NKV, D] each.
+// 2. For each query token t of sequence b at position p and each head h: causal attention over
+//    cache positions 0..p of b through its block table, kv head h / (NH / NKV), online softmax in
+//    float32 (one rescale per cache block). One (t, h) is one task: no reduction is split.
+template <int NH, int NKV, int D, int BS>
+inline void paged_attention(const float* q, const float* k, const float* v, int row_stride, float* k_cache,
+                            float* v_cache, const int64_t* slot_mapping, const int32_t* query_start_loc,
+                            const int32_t* seq_lens, const int32_t* block_tables, int max_blocks, int B,
+                            float* out, float scale) {
+  static_assert(NH % NKV == 0, "paged_attention: num_heads must be a multiple of num_kv_heads");
+  constexpr int GROUP = NH / NKV;
+  constexpr long SLOT = (long)NKV * D;  // floats per cache slot
+  const int T = query_start_loc[B];
+
+  LLMC_OMP(parallel for schedule(static) if ((long)T * SLOT >= kParallelWork))
+  for (int t = 0; t < T; ++t) {
+    const int64_t slot = slot_mapping[t];
+    if (slot < 0) continue;
+    std::memcpy(k_cache + slot * SLOT, k + (long)t * row_stride, sizeof(float) * SLOT);
+    std::memcpy(v_cache + slot * SLOT, v + (long)t * row_stride, sizeof(float) * SLOT);
+  }
+
+  long work = 0;  // rough multiply-adds, to decide whether to go parallel
+  for (int b = 0; b < B; ++b) work += (long)(query_start_loc[b + 1] - query_start_loc[b]) * seq_lens[b];
+  LLMC_OMP(parallel for collapse(2) schedule(dynamic, 1) if (work * NH * D >= kParallelWork))
+  for (int t = 0; t < T; ++t) {
+    for (int h = 0; h < NH; ++h) {
+      // sequence of token t: the last b with query_start_loc[b] <= t
+      const int b = int(std::upper_bound(query_start_loc, query_start_loc + B + 1, t) - query_start_loc) - 1;
+      const int n_new = query_start_loc[b + 1] - query_start_loc[b];
+      const int ctx = seq_lens[b] - n_new + (t - query_start_loc[b]) + 1;  // positions 0..p
+      const float* qh = q + (long)t * row_stride + h * D;
+      const long kvo = (long)(h / GROUP) * D;
+      const int32_t* table = block_tables + (long)b * max_blocks;
+
+      float acc[D] = {};
+      float m = -std::numeric_limits<float>::infinity(), l = 0.0f;
+      for (int j0 = 0; j0 < ctx; j0 += BS) {
+        const int n = std::min(BS, ctx - j0);
+        const long base = (long)table[j0 / BS] * BS * SLOT + kvo;
+        float sc[BS];
+        float mb = m;
+        for (int i = 0; i < n; ++i) {
+          sc[i] = dot<D>(qh, k_cache + base + i * SLOT) * scale;
+          mb = std::max(mb, sc[i]);
+        }
+        if (mb > m) {  // new running max: rescale what we have (exp(-inf) = 0 on the first block)
+          const float corr = std::exp(m - mb);
+          l *= corr;
+          scale_inplace<D>(corr, acc);
+          m = mb;
+        }
+        for (int i = 0; i < n; ++i) {
+          const float p = std::exp(sc[i] - m);
+          l += p;
+          axpy<D>(p, v_cache + base + i * SLOT, acc);
+        }
+      }
+      float* o = out + (long)t * NH * D + h * D;
+      const float inv = 1.0f / l;
+      for (int d = 0; d < D; ++d) o[d] = acc[d] * inv;
+    }
+  }
+}
+
+// silu_mul: out[t, i] = silu(gate[t, i]) * up[t, i], gate_up = [gate | up] per row;
+// silu(g) = g / (1 + exp(-g)) as torch computes it.
+template <int I>
+inline void silu_mul(const float* LLMC_RESTRICT gate_up, float* LLMC_RESTRICT out, int T) {
+  LLMC_OMP(parallel for schedule(static) if ((long)T * I >= kParallelWork))
+  for (int t = 0; t < T; ++t) {
+    const float* g = gate_up + (long)t * 2 * I;
+    const float* u = g + I;
+    float* o = out + (long)t * I;
+    for (int i = 0; i < I; ++i) o[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
+  }
+}
+
+// gather_rows: out[i, :] = x[rows[i], :] for i < n (e.g. the rows that produce logits).
+template <int C>
+inline void gather_rows(const float* LLMC_RESTRICT x, const int32_t* rows, int n, float* LLMC_RESTRICT out) {
+  for (int i = 0; i < n; ++i) std::memcpy(out + (long)i * C, x + (long)rows[i] * C, sizeof(float) * C);
+}
+
+}  // namespace llmc
