@@ -1,0 +1,99 @@
+"""StepBatch: one ragged step, field for field the arguments of the C ABI `llmc_step` (docs/contracts.md).
+
+T flattened tokens from B sequences, prefill chunks and decode tokens mixed. The runtime builds it from
+the scheduler's output; the compiled module (or a test's fake model) consumes it and returns float32
+logits [B, vocab]. Nothing here knows about requests, sampling or the block pool.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+
+from llmc.runtime.kv_cache import slot_ids
+
+
+@dataclasses.dataclass(frozen=True)
+class StepBatch:
+    token_ids: np.ndarray  # int32 [T]: the new tokens of this step, sequence by sequence
+    positions: np.ndarray  # int32 [T]: absolute position of each token in its sequence
+    slot_mapping: np.ndarray  # int64 [T]: cache slot of the token's k/v = block_id * block_size + offset
+    query_start_loc: np.ndarray  # int32 [B+1]: tokens of sequence b are [qsl[b], qsl[b+1])
+    seq_lens: np.ndarray  # int32 [B]: context length of sequence b after this step (cached + new)
+    block_tables: np.ndarray  # int32 [B, max_blocks]: cache blocks of sequence b in order; unused = 0
+    logits_indices: np.ndarray  # int32 [B]: row of T whose logits sequence b returns (its last token)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.token_ids.shape[0])
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.seq_lens.shape[0])
+
+    @property
+    def max_blocks(self) -> int:
+        return int(self.block_tables.shape[1])
+
+    @classmethod
+    def build(
+        cls,
+        token_ids: Sequence[Sequence[int]],
+        num_computed_tokens: Sequence[int],
+        block_tables: Sequence[Sequence[int]],
+        block_size: int,
+    ) -> StepBatch:
+        """Flatten B sequences' new tokens into one step.
+
+        token_ids[b]: the new tokens of sequence b (n_b >= 1), which sit at positions
+        num_computed_tokens[b] .. num_computed_tokens[b] + n_b - 1; block_tables[b]: its block ids, covering
+        at least seq_len slots. Block tables are padded with 0 to the longest one in the batch.
+        """
+        num_seqs = len(token_ids)
+        assert num_seqs == len(num_computed_tokens) == len(block_tables) and num_seqs > 0, "empty or ragged step"
+        n = np.fromiter((len(t) for t in token_ids), dtype=np.int32, count=num_seqs)  # [B]
+        assert (n > 0).all(), "every sequence in a step carries at least one new token"
+        computed = np.asarray(num_computed_tokens, dtype=np.int32)  # [B]
+        qsl = np.zeros(num_seqs + 1, dtype=np.int32)
+        np.cumsum(n, out=qsl[1:])
+        num_tokens = int(qsl[-1])
+        seq_lens = computed + n
+        seq_index = np.repeat(np.arange(num_seqs, dtype=np.int32), n)  # [T]: which sequence owns token t
+        positions = (np.arange(num_tokens, dtype=np.int32) - qsl[:-1][seq_index] + computed[seq_index]).astype(np.int32)
+        max_blocks = max(1, max(len(bt) for bt in block_tables))
+        tables = np.zeros((num_seqs, max_blocks), dtype=np.int32)
+        for b, bt in enumerate(block_tables):
+            assert len(bt) * block_size >= seq_lens[b], f"sequence {b}: {len(bt)} blocks < {seq_lens[b]} tokens"
+            tables[b, : len(bt)] = bt
+        flat_ids = np.fromiter((t for seq in token_ids for t in seq), dtype=np.int32, count=num_tokens)
+        return cls(
+            token_ids=flat_ids,
+            positions=positions,
+            slot_mapping=slot_ids(tables, seq_index, positions, block_size),
+            query_start_loc=qsl,
+            seq_lens=seq_lens.astype(np.int32),
+            block_tables=tables,
+            logits_indices=(qsl[1:] - 1).astype(np.int32),
+        )
+
+    def validate(self) -> None:
+        """Check dtypes, shapes and contiguity against the C ABI; a mismatch would be silent memory corruption."""
+        expected = {
+            "token_ids": np.int32, "positions": np.int32, "slot_mapping": np.int64, "query_start_loc": np.int32,
+            "seq_lens": np.int32, "block_tables": np.int32, "logits_indices": np.int32,
+        }  # fmt: skip
+        for name, dtype in expected.items():
+            a = getattr(self, name)
+            if a.dtype != dtype or not a.flags.c_contiguous:
+                raise ValueError(f"StepBatch.{name}: need C-contiguous {np.dtype(dtype)}, got {a.dtype}")
+        t, b = self.num_tokens, self.num_seqs
+        if self.positions.shape != (t,) or self.slot_mapping.shape != (t,):
+            raise ValueError(f"StepBatch: positions/slot_mapping must be [{t}]")
+        if self.query_start_loc.shape != (b + 1,) or self.logits_indices.shape != (b,):
+            raise ValueError(f"StepBatch: query_start_loc must be [{b + 1}], logits_indices [{b}]")
+        if self.block_tables.ndim != 2 or self.block_tables.shape[0] != b:
+            raise ValueError(f"StepBatch: block_tables must be [{b}, max_blocks]")
+        if self.query_start_loc[0] != 0 or self.query_start_loc[-1] != t:
+            raise ValueError("StepBatch: query_start_loc must run from 0 to T")

@@ -1,0 +1,37 @@
+import dataclasses
+
+import numpy as np
+import pytest
+
+from llmc.runtime.batch import StepBatch
+
+
+def test_build_flattens_prefill_chunk_and_decodes():
+    # seq 0: a 5-token prefill chunk at positions 3..7 (blocks 2, 0); seq 1: one decode token at position 9
+    batch = StepBatch.build([[10, 11, 12, 13, 14], [20]], [3, 9], [[2, 0], [1, 3, 5]], block_size=4)
+    batch.validate()
+    np.testing.assert_array_equal(batch.token_ids, [10, 11, 12, 13, 14, 20])
+    np.testing.assert_array_equal(batch.positions, [3, 4, 5, 6, 7, 9])
+    np.testing.assert_array_equal(batch.slot_mapping, [2 * 4 + 3, 0, 1, 2, 3, 5 * 4 + 1])
+    np.testing.assert_array_equal(batch.query_start_loc, [0, 5, 6])
+    np.testing.assert_array_equal(batch.seq_lens, [8, 10])
+    np.testing.assert_array_equal(batch.block_tables, [[2, 0, 0], [1, 3, 5]])
+    np.testing.assert_array_equal(batch.logits_indices, [4, 5])
+    assert (batch.num_tokens, batch.num_seqs, batch.max_blocks) == (6, 2, 3)
+    for name, dtype in [("token_ids", np.int32), ("slot_mapping", np.int64), ("block_tables", np.int32)]:
+        assert getattr(batch, name).dtype == dtype
+
+
+def test_build_rejects_a_block_table_too_short():
+    with pytest.raises(AssertionError, match="blocks"):
+        StepBatch.build([[1, 2, 3]], [14], [[0, 1, 2, 3]], block_size=4)  # 17 tokens need 5 blocks
+
+
+def test_validate_catches_abi_mismatches():
+    batch = StepBatch.build([[1, 2]], [0], [[0]], block_size=4)
+    with pytest.raises(ValueError, match="slot_mapping"):
+        dataclasses.replace(batch, slot_mapping=batch.slot_mapping.astype(np.int32)).validate()
+    with pytest.raises(ValueError, match="C-contiguous"):
+        dataclasses.replace(batch, block_tables=np.zeros((4, 2), np.int32)[::2]).validate()
+    with pytest.raises(ValueError, match="query_start_loc"):
+        dataclasses.replace(batch, query_start_loc=np.array([0, 1], np.int32)).validate()

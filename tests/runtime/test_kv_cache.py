@@ -1,0 +1,114 @@
+import numpy as np
+import pytest
+
+from llmc.runtime.kv_cache import (
+    BlockPool,
+    KVCacheManager,
+    blocks_for_memory,
+    kv_bytes_per_block,
+    kv_cache_budget_bytes,
+    mem_available_bytes,
+    parse_memory_size,
+)
+
+
+def test_allocate_free_exact_block_ids_and_free_queue_order():
+    kv = KVCacheManager(num_blocks=11, block_size=16)
+    assert kv.pool.free_block_ids() == list(range(11))
+
+    assert kv.allocate_slots("a", 35)  # 35 tokens: 3 blocks
+    assert kv.block_ids("a") == [0, 1, 2]
+    assert kv.pool.free_block_ids() == list(range(3, 11))
+    assert kv.allocate_slots("b", 16)  # exactly one block
+    assert kv.block_ids("b") == [3]
+
+    assert kv.allocate_slots("a", 13)  # 48 tokens: still 3 blocks, the last one filled
+    assert kv.block_ids("a") == [0, 1, 2] and kv.num_free_blocks == 7
+    assert kv.allocate_slots("a", 1)  # 49: a 4th block, next in the free queue
+    assert kv.block_ids("a") == [0, 1, 2, 4]
+    assert kv.allocate_slots("b", 1)
+    assert kv.block_ids("b") == [3, 5]
+
+    kv.free("a")  # tail first: 4, 2, 1, 0 go to the back of the queue
+    assert kv.pool.free_block_ids() == [6, 7, 8, 9, 10, 4, 2, 1, 0]
+    assert kv.allocate_slots("c", 16 * 6 + 1)  # 7 blocks: the queue's front
+    assert kv.block_ids("c") == [6, 7, 8, 9, 10, 4, 2]
+    assert kv.pool.free_block_ids() == [1, 0]
+    kv.free("b")
+    assert kv.pool.free_block_ids() == [1, 0, 5, 3]
+    kv.free("c")
+    assert kv.num_free_blocks == 11 and kv.usage == 0.0
+
+
+def test_allocate_slots_out_of_blocks_returns_false_and_changes_nothing():
+    kv = KVCacheManager(num_blocks=4, block_size=16)
+    assert kv.allocate_slots("a", 40)  # 3 blocks
+    before = kv.pool.free_block_ids()
+    assert not kv.allocate_slots("b", 17)  # needs 2, 1 free
+    assert "b" not in kv and kv.pool.free_block_ids() == before
+    assert not kv.allocate_slots("a", 40)  # 80 tokens = 5 blocks > 4
+    assert kv.num_slots("a") == 40 and kv.block_ids("a") == [0, 1, 2]
+    assert kv.allocate_slots("a", 24)  # 64 = 4 blocks: the last free one
+    assert kv.num_free_blocks == 0
+    assert kv.allocate_slots("b", 0)  # an empty table needs no block
+    assert kv.block_ids("b") == []
+
+
+def test_double_free_and_unknown_request_raise():
+    kv = KVCacheManager(num_blocks=4, block_size=16)
+    kv.allocate_slots("a", 20)
+    kv.free("a")
+    with pytest.raises(ValueError, match="already freed"):
+        kv.free("a")
+    with pytest.raises(ValueError, match="never allocated"):
+        kv.free("nobody")
+    assert kv.num_free_blocks == 4
+
+
+def test_block_pool_checks_each_free():
+    pool = BlockPool(4)
+    blocks = pool.allocate(2)
+    with pytest.raises(ValueError, match="twice"):
+        pool.free([blocks[0], blocks[0]])
+    with pytest.raises(ValueError, match="double free"):
+        pool.free([2])  # never allocated
+    with pytest.raises(ValueError, match="not in the pool"):
+        pool.free([7])
+    assert pool.num_free_blocks == 2  # failed frees changed nothing
+    pool.free(blocks)
+    with pytest.raises(ValueError, match="double free"):
+        pool.free(blocks[:1])
+
+
+def test_slot_mapping_follows_the_block_table():
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    kv.allocate_slots("x", 3)  # block 0
+    kv.allocate_slots("y", 4)  # block 1
+    kv.allocate_slots("x", 6)  # 9 tokens: blocks 0, 2, 3
+    assert kv.block_ids("x") == [0, 2, 3]
+    np.testing.assert_array_equal(kv.slot_mapping("x", 0, 9), [0, 1, 2, 3, 8, 9, 10, 11, 12])
+    np.testing.assert_array_equal(kv.slot_mapping("x", 7, 9), [11, 12])
+    assert kv.slot_mapping("x", 0, 9).dtype == np.int64
+    with pytest.raises(AssertionError):
+        kv.slot_mapping("x", 0, 10)
+
+
+def test_sizing_helpers(tmp_path):
+    per_block = kv_bytes_per_block(num_layers=2, num_kv_heads=4, head_dim=8, block_size=16, dtype_bytes=4)
+    assert per_block == 2 * 2 * 16 * 4 * 8 * 4
+    assert blocks_for_memory(10 * per_block + per_block - 1, per_block) == 10
+    assert blocks_for_memory(per_block - 1, per_block) == 0
+    assert parse_memory_size("4GiB") == 4 * 2**30
+    assert parse_memory_size("512MB") == 512 * 10**6
+    assert parse_memory_size("1.5g") == 1_500_000_000
+    assert parse_memory_size("1024") == 1024
+    with pytest.raises(ValueError, match="memory size"):
+        parse_memory_size("lots")
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       32000000 kB\nMemFree:  1000 kB\nMemAvailable:   2000000 kB\n")
+    assert mem_available_bytes(str(meminfo)) == 2000000 * 1024
+    assert kv_cache_budget_bytes("1GiB") == 2**30
+    assert kv_cache_budget_bytes(None, memory_fraction=0.25, free_bytes=4000) == 1000
+    assert kv_cache_budget_bytes(None, 0.5) > 0  # reads this machine's /proc/meminfo
+    with pytest.raises(ValueError):
+        kv_cache_budget_bytes(None, memory_fraction=1.5, free_bytes=1)
