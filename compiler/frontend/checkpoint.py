@@ -1,0 +1,165 @@
+"""Open and validate a Hugging Face checkpoint directory without loading its weights.
+
+A checkpoint is config.json, model.safetensors or shards listed by model.safetensors.index.json, and
+tokenizer.json (+ tokenizer_config.json, whose chat template is kept). Validation reads only the
+safetensors headers, so an 8B checkpoint opens in milliseconds; tensors are read one at a time later
+(`Checkpoint.tensor`), mmapped, which is how compile streams weights without holding them twice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import torch
+from safetensors import safe_open
+
+from llmc.errors import CheckpointError
+
+from .config import ModelConfig, parse_config
+
+_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+
+
+@dataclasses.dataclass
+class Checkpoint:
+    path: Path
+    config: ModelConfig
+    tensor_files: dict[str, Path]  # HF tensor name -> the safetensors file holding it
+    dtypes: dict[str, str]  # HF tensor name -> "float32" | "float16" | "bfloat16"
+    tokenizer_path: Path
+    chat_template: str | None
+    special_tokens: dict[str, str]  # bos_token / eos_token from tokenizer_config.json, when given
+
+    @property
+    def weight_dtype(self) -> str:
+        """The dtype of the checkpoint's weights (the most common one, by tensor count)."""
+        values = list(self.dtypes.values())
+        return max(set(values), key=values.count)
+
+    def tensor(self, name: str) -> torch.Tensor:
+        with safe_open(self.tensor_files[name], framework="pt") as f:
+            return f.get_tensor(name)
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every tensor in config order, one file open at a time."""
+        for name in self.config.weight_shapes():
+            yield name, self.tensor(name)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return dict(self.tensors())
+
+    def files(self) -> list[Path]:
+        return sorted(set(self.tensor_files.values()))
+
+
+def _read_json(path: Path, what: str) -> dict:
+    if not path.is_file():
+        raise CheckpointError(f"{path}: {what} is missing", "a Hugging Face checkpoint directory needs it")
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: not valid JSON ({e})", f"re-download or rewrite {path.name}") from None
+
+
+def _weight_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = _read_json(index, "the shard index").get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index}: has no 'weight_map'", "rewrite the index with save_pretrained")
+        files = sorted({path / f for f in weight_map.values()})
+        for f in files:
+            if not f.is_file():
+                raise CheckpointError(f"{f}: shard listed in {index.name} is missing", "copy the missing shard")
+        return files
+    single = path / "model.safetensors"
+    if single.is_file():
+        return [single]
+    if any(path.glob("*.bin")) or any(path.glob("*.pth")):
+        raise CheckpointError(
+            f"{path}: has only PyTorch .bin/.pth weights",
+            "convert them to safetensors (save_pretrained(..., safe_serialization=True))",
+        )
+    raise CheckpointError(f"{path}: no model.safetensors or model.safetensors.index.json", "is this a checkpoint dir?")
+
+
+def _scan_safetensors(f: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """name -> (dtype, shape) from one file's header; a truncated or corrupt file is a CheckpointError."""
+    try:
+        size = f.stat().st_size
+        with open(f, "rb") as fh:
+            head = fh.read(8)
+            if len(head) < 8:
+                raise ValueError("file is shorter than its 8-byte header length")
+            n = int.from_bytes(head, "little")
+            if n > size - 8:
+                raise ValueError(f"header length {n} runs past the end of the file ({size} bytes)")
+            header = json.loads(fh.read(n))
+        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+        if 8 + n + end > size:
+            raise ValueError(f"tensor data ends at byte {8 + n + end} but the file has {size} bytes (truncated)")
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError, OSError) as e:
+        raise CheckpointError(f"{f}: corrupt safetensors: {e}", "re-download or re-save this file") from None
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        out[name] = (info["dtype"], tuple(info["shape"]))
+    return out
+
+
+def load_checkpoint(path: str | Path) -> Checkpoint:
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"{path}: no such directory", "pass a Hugging Face checkpoint directory")
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: not a directory", "pass the checkpoint's directory, not a file in it")
+    config = parse_config(_read_json(path / "config.json", "config.json"))
+
+    expected = config.weight_shapes()
+    found: dict[str, tuple[Path, str, tuple[int, ...]]] = {}
+    for f in _weight_files(path):
+        for name, (dtype, shape) in _scan_safetensors(f).items():
+            found[name] = (f, dtype, shape)
+    tensor_files, dtypes = {}, {}
+    for name, shape in expected.items():
+        if name not in found:
+            raise CheckpointError(
+                f"{path}: tensor {name!r} is missing from the weights",
+                "the config does not match these weights (check num_hidden_layers, tie_word_embeddings, biases)",
+            )
+        f, dtype, got = found[name]
+        if got != shape:
+            raise CheckpointError(
+                f"{f.name}: tensor {name!r} has shape {list(got)} but config.json implies {list(shape)}",
+                "config.json and the weights disagree; fix the config or use matching weights",
+            )
+        if dtype not in _DTYPES:
+            raise CheckpointError(f"{f.name}: tensor {name!r} has dtype {dtype}", "llmc reads F32, F16 and BF16 weights")
+        tensor_files[name], dtypes[name] = f, _DTYPES[dtype]
+
+    tokenizer_path = path / "tokenizer.json"
+    if not tokenizer_path.is_file():
+        raise CheckpointError(f"{tokenizer_path}: tokenizer is missing", "copy tokenizer.json into the checkpoint dir")
+    tok_config_path = path / "tokenizer_config.json"
+    tok_config = _read_json(tok_config_path, "tokenizer_config.json") if tok_config_path.is_file() else {}
+    chat_template = tok_config.get("chat_template")
+    if (path / "chat_template.jinja").is_file():
+        chat_template = (path / "chat_template.jinja").read_text()
+    special = {k: _token_text(tok_config[k]) for k in ("bos_token", "eos_token") if tok_config.get(k)}
+    return Checkpoint(path, config, tensor_files, dtypes, tokenizer_path, chat_template, special)
+
+
+def _token_text(token) -> str:
+    return token["content"] if isinstance(token, dict) else str(token)
+
+
+def to_numpy(t: torch.Tensor) -> np.ndarray:
+    """A tensor as numpy; bf16 comes out as its raw uint16 bits (numpy has no bf16)."""
+    if t.dtype == torch.bfloat16:
+        return t.contiguous().view(torch.int16).numpy().view(np.uint16)
+    return t.contiguous().numpy()

@@ -1,0 +1,178 @@
+"""ModelConfig: the one validated view of a checkpoint's config.json.
+
+Everything downstream (passes, templates, manifest, runtime) reads this dataclass, never the raw JSON.
+It accepts both spellings transformers has used for RoPE: `rope_theta` + `rope_scaling` (v4) and
+`rope_parameters` (v5).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+from llmc.errors import UnsupportedModelError
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None  # {"rope_type": "linear" | "llama3", ...}; None for plain RoPE
+    max_position_embeddings: int
+    sliding_window: int | None  # Mistral; the runtime caps the context at it, so results stay exact
+    tie_word_embeddings: bool
+    attention_bias: bool  # q/k/v carry a bias (Qwen2 always; Llama with attention_bias)
+    o_bias: bool  # o_proj carries a bias (Llama attention_bias)
+    mlp_bias: bool
+    torch_dtype: str  # "float32" | "float16" | "bfloat16"
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def max_context(self) -> int:
+        """Longest sequence the compiled model serves exactly as transformers would."""
+        if self.sliding_window is not None:
+            return min(self.max_position_embeddings, self.sliding_window)
+        return self.max_position_embeddings
+
+    def weight_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every tensor the checkpoint must hold, by its Hugging Face name."""
+        h, i = self.hidden_size, self.intermediate_size
+        shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (self.vocab_size, h)}
+        for n in range(self.num_layers):
+            p = f"model.layers.{n}."
+            shapes[p + "input_layernorm.weight"] = (h,)
+            shapes[p + "post_attention_layernorm.weight"] = (h,)
+            for name, out_features in (("q", self.q_size), ("k", self.kv_size), ("v", self.kv_size)):
+                shapes[p + f"self_attn.{name}_proj.weight"] = (out_features, h)
+                if self.attention_bias:
+                    shapes[p + f"self_attn.{name}_proj.bias"] = (out_features,)
+            shapes[p + "self_attn.o_proj.weight"] = (h, self.q_size)
+            if self.o_bias:
+                shapes[p + "self_attn.o_proj.bias"] = (h,)
+            for name, (out_features, in_features) in (("gate", (i, h)), ("up", (i, h)), ("down", (h, i))):
+                shapes[p + f"mlp.{name}_proj.weight"] = (out_features, in_features)
+                if self.mlp_bias:
+                    shapes[p + f"mlp.{name}_proj.bias"] = (out_features,)
+        shapes["model.norm.weight"] = (h,)
+        if not self.tie_word_embeddings:
+            shapes["lm_head.weight"] = (self.vocab_size, h)
+        return shapes
+
+    def num_parameters(self) -> int:
+        return sum(math.prod(s) for s in self.weight_shapes().values())
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["eos_token_ids"] = list(self.eos_token_ids)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+        d = dict(d)
+        d["eos_token_ids"] = tuple(d["eos_token_ids"])
+        return cls(**d)
+
+
+def _rope(raw: dict) -> tuple[float, dict | None]:
+    params = raw.get("rope_parameters")
+    if params is None:
+        params = dict(raw.get("rope_scaling") or {})
+        params.setdefault("rope_theta", raw.get("rope_theta", 10000.0))
+    params = dict(params)
+    rope_type = params.pop("rope_type", params.pop("type", "default")) or "default"
+    theta = float(params.pop("rope_theta", raw.get("rope_theta", 10000.0)))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise UnsupportedModelError(
+            f"config.json: rope type {rope_type!r} is not supported",
+            f"llmc compiles RoPE of type {', '.join(SUPPORTED_ROPE_TYPES)}",
+        )
+    if rope_type == "default":
+        return theta, None
+    if "factor" not in params:
+        raise UnsupportedModelError(f"config.json: rope type {rope_type!r} needs a 'factor'", "add it to rope_scaling")
+    if rope_type == "llama3":
+        for key in ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
+            if key not in params:
+                raise UnsupportedModelError(f"config.json: llama3 rope scaling lacks {key!r}", "add it to rope_scaling")
+    return theta, {"rope_type": rope_type, **params}
+
+
+def parse_config(raw: dict) -> ModelConfig:
+    """Validate config.json and normalise it. Raises UnsupportedModelError for anything not compiled."""
+    archs = raw.get("architectures") or []
+    arch = archs[0] if archs else None
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"config.json: architecture {arch!r} is not supported",
+            f"llmc compiles {', '.join(SUPPORTED_ARCHITECTURES)}",
+        )
+    act = raw.get("hidden_act", "silu")
+    if act != "silu":
+        raise UnsupportedModelError(f"config.json: hidden_act {act!r} is not supported", "llmc compiles SwiGLU (silu)")
+    try:
+        hidden = int(raw["hidden_size"])
+        heads = int(raw["num_attention_heads"])
+        kv_heads = int(raw.get("num_key_value_heads") or heads)
+        head_dim = int(raw.get("head_dim") or hidden // heads)
+        layers = int(raw["num_hidden_layers"])
+        vocab = int(raw["vocab_size"])
+        inter = int(raw["intermediate_size"])
+    except KeyError as e:
+        raise UnsupportedModelError(f"config.json: missing field {e.args[0]!r}", "is this a causal LM config?") from None
+    if heads % kv_heads:
+        raise UnsupportedModelError(
+            f"config.json: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}"
+        )
+    if head_dim % 2:
+        raise UnsupportedModelError(f"config.json: head_dim={head_dim} is odd; RoPE needs an even head_dim")
+    theta, scaling = _rope(raw)
+    sliding = raw.get("sliding_window")
+    if arch == "Qwen2ForCausalLM" and not raw.get("use_sliding_window", False):
+        sliding = None
+    eos = raw.get("eos_token_id")
+    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+    llama_bias = bool(raw.get("attention_bias", False))
+    dtype = str(raw.get("torch_dtype") or raw.get("dtype") or "float32").replace("torch.", "")
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+        sliding_window=int(sliding) if sliding else None,
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        attention_bias=True if arch == "Qwen2ForCausalLM" else llama_bias,
+        o_bias=llama_bias and arch != "Qwen2ForCausalLM",
+        mlp_bias=bool(raw.get("mlp_bias", False)),
+        torch_dtype=dtype,
+        bos_token_id=raw.get("bos_token_id"),
+        eos_token_ids=eos_ids,
+    )

@@ -1,0 +1,144 @@
+"""The Llama family (Llama, Mistral, Qwen2) as one plain, stateless torch module.
+
+This is what the compiler traces, not what it runs: a full-sequence forward over one sequence with
+explicit positions and no cache. Parameter names equal Hugging Face's, so a checkpoint's tensors map
+onto it 1:1 and `torch.func.functional_call` can feed them in as explicit inputs. The passes later find
+RMSNorm, RoPE, attention and SwiGLU in the traced graph and rewrite attention into paged-KV attention;
+nothing here knows about the cache.
+
+Numerics follow transformers at fp32: variance in fp32, rotate-half RoPE, repeat_kv for GQA, and
+`scaled_dot_product_attention(is_causal=True)` (kept as one node through the import).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelConfig
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """float32 [head_dim // 2], computed exactly as transformers' rope init functions do."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq
+    factor = float(scaling["factor"])
+    if scaling["rope_type"] == "linear":
+        return inv_freq / factor
+    # llama3: keep high frequencies, divide low ones by factor, interpolate in between.
+    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+    old_len = float(scaling["original_max_position_embeddings"])
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    inv_freq_llama = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * inv_freq_llama / factor + smooth * inv_freq_llama
+    is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(is_medium, smoothed, inv_freq_llama)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, c: ModelConfig):
+        super().__init__()
+        self.c = c
+        self.q_proj = nn.Linear(c.hidden_size, c.q_size, bias=c.attention_bias)
+        self.k_proj = nn.Linear(c.hidden_size, c.kv_size, bias=c.attention_bias)
+        self.v_proj = nn.Linear(c.hidden_size, c.kv_size, bias=c.attention_bias)
+        self.o_proj = nn.Linear(c.q_size, c.hidden_size, bias=c.o_bias)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        # x: [1, T, hidden]; cos, sin: [1, 1, T, head_dim]
+        c = self.c
+        T = x.shape[1]
+        q = self.q_proj(x).view(1, T, c.num_heads, c.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(1, T, c.num_kv_heads, c.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(1, T, c.num_kv_heads, c.head_dim).transpose(1, 2)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        group = c.num_heads // c.num_kv_heads
+        if group > 1:  # repeat_kv, as transformers spells it
+            k = k[:, :, None].expand(1, c.num_kv_heads, group, T, c.head_dim).reshape(1, c.num_heads, T, c.head_dim)
+            v = v[:, :, None].expand(1, c.num_kv_heads, group, T, c.head_dim).reshape(1, c.num_heads, T, c.head_dim)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=c.head_dim**-0.5)
+        return self.o_proj(o.transpose(1, 2).reshape(1, T, c.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, c: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=c.mlp_bias)
+        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=c.mlp_bias)
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=c.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, c: ModelConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.self_attn = Attention(c)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.mlp = MLP(c)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    def __init__(self, c: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.num_layers))
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+
+
+class LlamaFamily(nn.Module):
+    """input_ids: [T] int64, positions: [T] int64 -> logits: [T, vocab] (one sequence, causal)."""
+
+    def __init__(self, c: ModelConfig):
+        super().__init__()
+        self.config = c
+        self.model = Backbone(c)
+        if not c.tie_word_embeddings:
+            self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        c = self.config
+        x = self.model.embed_tokens(input_ids)[None]  # [1, T, hidden]
+        # RoPE tables from the positions; inv_freq is a trace-time constant, not a buffer.
+        inv_freq = rope_inv_freq(c).to(x.device)
+        freqs = positions.float()[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)[None, None]  # [1, 1, T, head_dim]
+        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin)
+        x = self.model.norm(x)
+        head = self.model.embed_tokens.weight if c.tie_word_embeddings else self.lm_head.weight
+        return F.linear(x, head)[0]

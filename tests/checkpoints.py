@@ -1,0 +1,94 @@
+"""Tiny random Hugging Face checkpoints, built with transformers' own config classes. Nothing downloads.
+
+Each variant stresses one thing the compiler must get right: an odd head count, GQA ratio 4, tied
+embeddings, qkv bias, sharded safetensors, and both rope_scaling types. The tokenizer is a byte-level
+BPE trained here on text that ships with CPython.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+VOCAB = 384
+
+VARIANTS = {
+    # GQA ratio 4, llama3 rope scaling, untied lm_head.
+    "llama": dict(
+        arch="llama", hidden_size=64, num_attention_heads=8, num_key_value_heads=2, intermediate_size=136,
+        num_hidden_layers=2,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 32},
+    ),
+    # Odd head count (9 heads, 3 KV heads, head_dim 8), tied embeddings, sharded safetensors.
+    "mistral": dict(
+        arch="mistral", hidden_size=72, num_attention_heads=9, num_key_value_heads=3, intermediate_size=100,
+        num_hidden_layers=2, tie_word_embeddings=True, shard="20KB",
+    ),
+    # qkv bias (always, for Qwen2), linear rope scaling.
+    "qwen2": dict(
+        arch="qwen2", hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=120,
+        num_hidden_layers=2, rope_scaling={"rope_type": "linear", "factor": 2.0},
+    ),
+}
+
+
+def train_tokenizer(out_dir: Path, vocab_size: int = VOCAB) -> None:
+    from pydoc_data.topics import topics
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=["<|bos|>", "<|eos|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    text = [topics[k] for k in sorted(topics)][:40]
+    tok.train_from_iterator(text, trainer)
+    tok.save(str(out_dir / "tokenizer.json"))
+    template = (
+        "{% for m in messages %}<|bos|>{{ m['role'] }}\n{{ m['content'] }}<|eos|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|bos|>assistant\n{% endif %}"
+    )
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<|bos|>", "eos_token": "<|eos|>", "chat_template": template,
+         "tokenizer_class": "PreTrainedTokenizerFast"}
+    ))
+
+
+def make_checkpoint(out_dir: Path, variant: str, dtype: torch.dtype = torch.float32, seed: int = 0, **overrides) -> Path:
+    """Write a random checkpoint of one VARIANTS entry (plus overrides) to out_dir; returns out_dir."""
+    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    classes = {"llama": (LlamaConfig, LlamaForCausalLM), "mistral": (MistralConfig, MistralForCausalLM),
+               "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
+    spec = {**VARIANTS[variant], **overrides}
+    arch, shard = spec.pop("arch"), spec.pop("shard", None)
+    config_cls, model_cls = classes[arch]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    train_tokenizer(out_dir)
+    config = config_cls(vocab_size=VOCAB, max_position_embeddings=256, bos_token_id=0, eos_token_id=1,
+                        rms_norm_eps=1e-5, **spec)
+    torch.manual_seed(seed)
+    model = model_cls(config).eval()
+    with torch.no_grad():  # weights wide enough that logits are far from ties
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            elif name.endswith("bias"):
+                p.copy_(0.3 * torch.randn_like(p))
+            else:
+                p.copy_(torch.randn_like(p) / p.shape[-1] ** 0.5 * (3.0 if "embed" in name else 1.0))
+    model = model.to(dtype)
+    kwargs = {"max_shard_size": shard} if shard else {}
+    model.save_pretrained(out_dir, safe_serialization=True, **kwargs)
+    return out_dir
+
+
+def hf_model(path: Path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
