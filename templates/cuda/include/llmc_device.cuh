@@ -1,0 +1,285 @@
+// llmc_device.cuh: the device header every generated .cu includes. It compiles under nvcc (sm_80+) and,
+// with g++ -DLLMC_SIMULATOR, against the simulator (llmc_sim.h), which emulates the inline-PTX wrappers
+// below from the PTX fragment layouts.
+//
+//   LLMC_LAUNCH(kernel, grid, block, smem_bytes, stream, args...)   the only way to launch a kernel
+//                       (wrap a template-id with commas in parentheses: LLMC_LAUNCH((k<64, 4>), ...))
+//   LLMC_DYNAMIC_SMEM(type, name)    inside a kernel: `type* name` points at the dynamic shared memory
+//                       (16-byte aligned; never write `extern __shared__` directly)
+//   llmc::warp_sum / warp_max, llmc::block_sum / block_max       reductions (1-D blocks, blockDim.x % 32 == 0)
+//   llmc::bf16_to_float, load_bf16x2/x4/x8, load_f16x2/x4/x8, pack_bf16x2, pack_f16x2
+//   llmc::mma_m16n8k16_bf16 / _f16  (f32 accumulate), llmc::ldmatrix_x1/x2/x4[_trans],
+//   llmc::cp_async_16 / cp_async_16_zfill / cp_async_commit / cp_async_wait<N> / cp_async_wait_all
+#pragma once
+
+#ifdef LLMC_SIMULATOR
+#include "llmc_sim.h"
+#define LLMC_SITE_DECL , const char *llmc_file_ = __builtin_FILE(), int llmc_line_ = __builtin_LINE()
+#else
+#include <cuda_runtime.h>
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+#define LLMC_SITE_DECL
+#endif
+#include <stdint.h>
+
+#ifdef LLMC_SIMULATOR
+#define LLMC_LAUNCH(kernel, grid, block, smem_bytes, stream, ...) \
+  ::llmc_sim::launch(kernel, grid, block, smem_bytes, stream, ##__VA_ARGS__)
+#define LLMC_DYNAMIC_SMEM(type, name) type* name = reinterpret_cast<type*>(::llmc_sim::dynamic_smem())
+#else
+#define LLMC_LAUNCH(kernel, grid, block, smem_bytes, stream, ...) \
+  kernel<<<(grid), (block), (smem_bytes), (stream)>>>(__VA_ARGS__)
+#define LLMC_DYNAMIC_SMEM(type, name)                                 \
+  extern __shared__ __align__(16) unsigned char llmc_dynamic_smem_[]; \
+  type* name = reinterpret_cast<type*>(llmc_dynamic_smem_)
+#endif
+
+namespace llmc {
+
+constexpr unsigned kFullMask = 0xffffffffu;
+
+// ---------------------------------------------------------------------------------------------------
+// reductions
+template <int WIDTH = 32>
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = WIDTH / 2; o > 0; o >>= 1) v += __shfl_xor_sync(kFullMask, v, o, WIDTH);
+  return v;
+}
+template <int WIDTH = 32>
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int o = WIDTH / 2; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(kFullMask, v, o, WIDTH));
+  return v;
+}
+
+// Every thread of the (1-D, blockDim.x % 32 == 0) block gets the total. Contains two __syncthreads, so
+// every thread must call it; it may be called repeatedly.
+__device__ __forceinline__ float block_sum(float v) {
+  __shared__ float llmc_scratch[32];
+  const unsigned lane = threadIdx.x & 31u, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  v = warp_sum(v);
+  if (lane == 0) llmc_scratch[warp] = v;
+  __syncthreads();
+  v = lane < nwarps ? llmc_scratch[lane] : 0.0f;
+  v = warp_sum(v);
+  __syncthreads();  // the scratch may be reused by the next call
+  return v;
+}
+__device__ __forceinline__ float block_max(float v) {
+  __shared__ float llmc_scratch[32];
+  const unsigned lane = threadIdx.x & 31u, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  v = warp_max(v);
+  if (lane == 0) llmc_scratch[warp] = v;
+  __syncthreads();
+  v = lane < nwarps ? llmc_scratch[lane] : -INFINITY;
+  v = warp_max(v);
+  __syncthreads();
+  return v;
+}
+
+// ---------------------------------------------------------------------------------------------------
+// bf16 / fp16 loads (pointers aligned to the load width) and packing. Element 2j of a packed pair is the
+// low half of the 32-bit word (PTX register packing).
+__device__ __forceinline__ float bf16_to_float(uint16_t bits) { return __uint_as_float(static_cast<uint32_t>(bits) << 16); }
+__device__ __forceinline__ float f16_to_float(uint16_t bits) {
+  __half_raw r;
+  r.x = bits;
+  return __half2float(__half(r));
+}
+__device__ __forceinline__ void unpack_bf16x2(uint32_t w, float& lo, float& hi) {
+  lo = __uint_as_float(w << 16);
+  hi = __uint_as_float(w & 0xffff0000u);
+}
+__device__ __forceinline__ void unpack_f16x2(uint32_t w, float& lo, float& hi) {
+  lo = f16_to_float(static_cast<uint16_t>(w & 0xffffu));
+  hi = f16_to_float(static_cast<uint16_t>(w >> 16));
+}
+__device__ __forceinline__ float2 load_bf16x2(const void* p) {
+  float2 r;
+  unpack_bf16x2(*static_cast<const uint32_t*>(p), r.x, r.y);
+  return r;
+}
+__device__ __forceinline__ void load_bf16x4(const void* p, float (&out)[4]) {
+  const uint2 v = *static_cast<const uint2*>(p);
+  unpack_bf16x2(v.x, out[0], out[1]);
+  unpack_bf16x2(v.y, out[2], out[3]);
+}
+__device__ __forceinline__ void load_bf16x8(const void* p, float (&out)[8]) {
+  const uint4 v = *static_cast<const uint4*>(p);
+  unpack_bf16x2(v.x, out[0], out[1]);
+  unpack_bf16x2(v.y, out[2], out[3]);
+  unpack_bf16x2(v.z, out[4], out[5]);
+  unpack_bf16x2(v.w, out[6], out[7]);
+}
+__device__ __forceinline__ float2 load_f16x2(const void* p) {
+  float2 r;
+  unpack_f16x2(*static_cast<const uint32_t*>(p), r.x, r.y);
+  return r;
+}
+__device__ __forceinline__ void load_f16x4(const void* p, float (&out)[4]) {
+  const uint2 v = *static_cast<const uint2*>(p);
+  unpack_f16x2(v.x, out[0], out[1]);
+  unpack_f16x2(v.y, out[2], out[3]);
+}
+__device__ __forceinline__ void load_f16x8(const void* p, float (&out)[8]) {
+  const uint4 v = *static_cast<const uint4*>(p);
+  unpack_f16x2(v.x, out[0], out[1]);
+  unpack_f16x2(v.y, out[2], out[3]);
+  unpack_f16x2(v.z, out[4], out[5]);
+  unpack_f16x2(v.w, out[6], out[7]);
+}
+// (lo, hi) -> one 32-bit register, lo in bits 15:0, round to nearest even.
+__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+__device__ __forceinline__ uint32_t pack_f16x2(float lo, float hi) {
+  const __half2 v = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+// ---------------------------------------------------------------------------------------------------
+// mma.sync.aligned.m16n8k16.row.col, f32 accumulate: d = a * b + c for the warp's 16x8 tile.
+// Fragments (g = lane / 4, t = lane % 4, register r, half h):
+//   a[r] = A(g + 8*(r&1), 2t + h + 8*(r>>1)),  b[r] = B(k = 2t + h + 8r, n = g),
+//   c[i], d[i] = C(g + 8*(i>>1), 2t + (i&1)).   d may alias c. All 32 lanes must call it together.
+__device__ __forceinline__ void mma_m16n8k16_bf16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2],
+                                                  const float (&c)[4] LLMC_SITE_DECL) {
+#ifdef LLMC_SIMULATOR
+  llmc_sim::Thread& t = llmc_sim::self();
+  t.p[0] = a; t.p[1] = b; t.p[2] = c; t.q = d;
+  llmc_sim::warp_op(llmc_sim::Op::Mma, kFullMask, 0, /*f16=*/0, 0, llmc_file_, llmc_line_);
+#else
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%10,%11,%12,%13};\n"
+      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]));
+#endif
+}
+__device__ __forceinline__ void mma_m16n8k16_f16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2],
+                                                 const float (&c)[4] LLMC_SITE_DECL) {
+#ifdef LLMC_SIMULATOR
+  llmc_sim::Thread& t = llmc_sim::self();
+  t.p[0] = a; t.p[1] = b; t.p[2] = c; t.q = d;
+  llmc_sim::warp_op(llmc_sim::Op::Mma, kFullMask, 0, /*f16=*/1, 0, llmc_file_, llmc_line_);
+#else
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%10,%11,%12,%13};\n"
+      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]));
+#endif
+}
+
+// ---------------------------------------------------------------------------------------------------
+// ldmatrix.sync.aligned.m8n8.{x1,x2,x4}{.trans}.shared.b16. Lane 8j + i passes the (16-byte aligned) shared
+// address of row i of matrix j (x1: lanes 0-7, x2: 0-15, x4: all). Lane t receives in r[j]
+// {M_j[t/4][2(t%4)], M_j[t/4][2(t%4)+1]} (lo, hi); with .trans the same of M_j transposed.
+#ifdef LLMC_SIMULATOR
+#define LLMC_LDMATRIX(NUM, TRANS)                                                                  \
+  llmc_sim::Thread& t = llmc_sim::self();                                                          \
+  t.p[0] = smem_row;                                                                               \
+  t.q = r;                                                                                         \
+  llmc_sim::warp_op(llmc_sim::Op::Ldmatrix, kFullMask, 0, NUM, TRANS, llmc_file_, llmc_line_);
+#endif
+__device__ __forceinline__ void ldmatrix_x1(uint32_t (&r)[1], const void* smem_row LLMC_SITE_DECL) {
+#ifdef LLMC_SIMULATOR
+  LLMC_LDMATRIX(1, 0)
+#else
+  const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(smem_row));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x1.shared.b16 {%0}, [%1];\n" : "=r"(r[0]) : "r"(addr));
+#endif
+}
+__device__ __forceinline__ void ldmatrix_x2(uint32_t (&r)[2], const void* smem_row LLMC_SITE_DECL) {
+#ifdef LLMC_SIMULATOR
+  LLMC_LDMATRIX(2, 0)
+#else
+  const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(smem_row));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n" : "=r"(r[0]), "=r"(r[1]) : "r"(addr));
+#endif
+}
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* smem_row LLMC_SITE_DECL) {
+#ifdef LLMC_SIMULATOR
+  LLMC_LDMATRIX(4, 0)
+#else
+  const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(smem_row));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+#endif
+}
+__device__ __forceinline__ void ldmatrix_x1_trans(uint32_t (&r)[1], const void* smem_row LLMC_SITE_DECL) {
+#ifdef LLMC_SIMULATOR
+  LLMC_LDMATRIX(1, 1)
+#else
+  const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(smem_row));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x1.trans.shared.b16 {%0}, [%1];\n" : "=r"(r[0]) : "r"(addr));
+#endif
+}
+__device__ __forceinline__ void ldmatrix_x2_trans(uint32_t (&r)[2], const void* smem_row LLMC_SITE_DECL) {
+#ifdef LLMC_SIMULATOR
+  LLMC_LDMATRIX(2, 1)
+#else
+  const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(smem_row));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n" : "=r"(r[0]), "=r"(r[1]) : "r"(addr));
+#endif
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* smem_row LLMC_SITE_DECL) {
+#ifdef LLMC_SIMULATOR
+  LLMC_LDMATRIX(4, 1)
+#else
+  const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(smem_row));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+#endif
+}
+#undef LLMC_LDMATRIX
+
+// ---------------------------------------------------------------------------------------------------
+// cp.async (global -> shared, 16 bytes, both 16-byte aligned). The data may be read only after this thread's
+// cp_async_wait that covers its group, and by other threads only after a __syncthreads that follows it.
+// The simulator writes the destination only at that wait (0xFF bytes until then).
+__device__ __forceinline__ void cp_async_16(void* smem_dst, const void* gmem_src LLMC_SITE_DECL) {
+#ifdef LLMC_SIMULATOR
+  llmc_sim::cp_async(smem_dst, gmem_src, 16, 16, llmc_file_, llmc_line_);
+#else
+  const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(smem_dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(addr), "l"(gmem_src) : "memory");
+#endif
+}
+// Reads src_bytes (0..16) from gmem_src and zero-fills the rest; with 0, gmem_src is not read.
+__device__ __forceinline__ void cp_async_16_zfill(void* smem_dst, const void* gmem_src, int src_bytes LLMC_SITE_DECL) {
+#ifdef LLMC_SIMULATOR
+  llmc_sim::cp_async(smem_dst, gmem_src, 16, src_bytes, llmc_file_, llmc_line_);
+#else
+  const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(smem_dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(addr), "l"(gmem_src), "r"(src_bytes) : "memory");
+#endif
+}
+__device__ __forceinline__ void cp_async_commit() {
+#ifdef LLMC_SIMULATOR
+  llmc_sim::cp_async_commit();
+#else
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+#endif
+}
+// Waits until at most N of this thread's committed groups are still pending.
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+#ifdef LLMC_SIMULATOR
+  llmc_sim::cp_async_wait(N);
+#else
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+#endif
+}
+// Commits the uncommitted copies, then waits for all.
+__device__ __forceinline__ void cp_async_wait_all() {
+#ifdef LLMC_SIMULATOR
+  llmc_sim::cp_async_commit();
+  llmc_sim::cp_async_wait(0);
+#else
+  asm volatile("cp.async.wait_all;\n" ::: "memory");
+#endif
+}
+
+}  // namespace llmc
