@@ -1,0 +1,226 @@
+"""Iteration-level (continuous) batching over the paged KV cache.
+
+The algorithm (vLLM v1's model). There is no prefill phase and no decode phase. Each request has
+`num_tokens` (prompt + generated so far) and `num_computed_tokens` (tokens whose k/v are in the cache).
+Between steps every request misses num_tokens - num_computed_tokens >= 1 tokens. A step computes some
+of them; when it reaches num_tokens, the logits of the last token sample one more (num_tokens += 1). So a
+new request misses its whole prompt ("prefill"), a decoding one misses 1 token (its last sampled one), and
+a preempted one simply has num_computed_tokens = 0 again.
+
+Each `schedule()` hands out a budget of `max_num_batched_tokens` tokens:
+  1. Running requests, oldest first, each get min(missing tokens, budget left). A long prompt that does
+     not fit takes what is left (chunked prefill) and continues next step, mixed with others' decodes.
+     Cache slots come from `KVCacheManager.allocate_slots`. When it fails, the newest running request is
+     preempted (recompute): its blocks are freed, num_computed_tokens = 0, and it goes to the FRONT of the
+     waiting queue, keeping its generated tokens, which are recomputed like prompt next time. Repeat until
+     the allocation succeeds or the request preempted is the one being scheduled.
+  2. Then, if nothing was preempted this step, waiting requests in FIFO order are admitted while budget,
+     `max_num_seqs` and cache blocks allow. Admission stops at the first that does not fit (no skipping
+     ahead, so a long request is not starved by short ones).
+  3. num_computed_tokens of every scheduled request advances now; the step runs; the engine appends the
+     sampled tokens (`append_token`) and finishes requests (`finish_request`), which frees their blocks.
+
+Admission, budget, preemption and output building are separate helpers (`_admit_waiting`,
+`_num_new_tokens`, `_preempt_newest`, `_schedule_request`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections import deque
+from collections.abc import Sequence
+
+from llmc.runtime.kv_cache import KVCacheManager
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # new, or preempted (then num_preemptions > 0)
+    RUNNING = "running"  # holds cache blocks
+    FINISHED = "finished"
+
+
+class Request:
+    """The scheduler's view of one sequence: its tokens and how many of them are in the cache."""
+
+    __slots__ = ("req_id", "all_token_ids", "num_prompt_tokens", "num_computed_tokens", "status", "num_preemptions")
+
+    def __init__(self, req_id: str, prompt_token_ids: Sequence[int]):
+        assert len(prompt_token_ids) > 0, "a request needs at least one prompt token"
+        self.req_id = req_id
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(self.all_token_ids)
+        self.num_computed_tokens = 0
+        self.status = RequestStatus.WAITING
+        self.num_preemptions = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - self.num_prompt_tokens
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.all_token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[self.num_prompt_tokens :]
+
+    def __repr__(self) -> str:
+        return (f"Request({self.req_id!r}, {self.status.value}, computed={self.num_computed_tokens}/"
+                f"{self.num_tokens})")  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduledRequest:
+    """One sequence of the step: its new tokens, where they start, and its block table."""
+
+    req_id: str
+    token_ids: list[int]  # [n]: the tokens computed this step
+    num_computed_tokens: int  # position of token_ids[0]
+    block_ids: list[int]  # the request's block table (covers num_computed_tokens + n)
+    samples: bool  # the step reaches the request's last token, so its logits give a new token
+
+
+@dataclasses.dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest]  # batch order
+    num_scheduled_tokens: int
+    preempted_req_ids: list[str]
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, kv_cache: KVCacheManager, *, max_num_batched_tokens: int, max_num_seqs: int):
+        if max_num_batched_tokens < 1 or max_num_seqs < 1:
+            raise ValueError(f"max_num_batched_tokens={max_num_batched_tokens}, max_num_seqs={max_num_seqs}: need >= 1")
+        self.kv_cache = kv_cache
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # admission order: oldest first, newest (first to preempt) last
+        self.num_preemptions = 0  # since creation, for stats and tests
+
+    # -- the request set ------------------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        if request.req_id in self.requests:
+            raise ValueError(f"request {request.req_id!r} already exists")
+        self.requests[request.req_id] = request
+        self.waiting.append(request)
+
+    def finish_request(self, req_id: str) -> Request:
+        """Remove a request (finished or aborted) and free its blocks at once."""
+        request = self.requests.pop(req_id)
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+            self.kv_cache.free(req_id)
+        else:
+            self.waiting.remove(request)
+        request.status = RequestStatus.FINISHED
+        return request
+
+    def abort(self, req_id: str) -> bool:
+        """Cancel a request if it is still here; True if it was."""
+        if req_id not in self.requests:
+            return False
+        self.finish_request(req_id)
+        return True
+
+    def append_token(self, req_id: str, token_id: int) -> None:
+        """Record a token sampled from the last step's logits."""
+        request = self.requests[req_id]
+        assert request.num_computed_tokens == request.num_tokens, f"{request}: sampled before caught up"
+        request.all_token_ids.append(int(token_id))
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    # -- one step -------------------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(scheduled=[], num_scheduled_tokens=0, preempted_req_ids=[])
+        budget = self._schedule_running(self.max_num_batched_tokens, out)
+        if not out.preempted_req_ids:
+            self._admit_waiting(budget, out)
+        return out
+
+    def _schedule_running(self, budget: int, out: SchedulerOutput) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = self._num_new_tokens(request, budget)
+            while not self.kv_cache.allocate_slots(request.req_id, num_new):
+                victim = self._preempt_newest()
+                out.preempted_req_ids.append(victim.req_id)
+                if victim is request:
+                    break
+            else:
+                self._schedule_request(request, num_new, out)
+                budget -= num_new
+                i += 1
+                continue
+            break  # the request being scheduled was itself preempted, so all later ones were too
+        return budget
+
+    def _admit_waiting(self, budget: int, out: SchedulerOutput) -> int:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            num_new = self._num_new_tokens(request, budget)
+            if not self.kv_cache.allocate_slots(request.req_id, num_new):
+                break  # FIFO: wait for blocks rather than let a later request jump ahead
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            self._schedule_request(request, num_new, out)
+            budget -= num_new
+        return budget
+
+    @staticmethod
+    def _num_new_tokens(request: Request, budget: int) -> int:
+        """Budget: the request's missing tokens, cut to what is left of the step's budget (chunked prefill)."""
+        missing = request.num_tokens - request.num_computed_tokens
+        assert missing >= 1, f"{request}: nothing to compute"
+        return min(missing, budget)
+
+    def _preempt_newest(self) -> Request:
+        """Preemption by recompute: the newest running request loses its blocks and waits at the front."""
+        victim = self.running.pop()
+        self.kv_cache.free(victim.req_id)
+        victim.num_computed_tokens = 0  # its generated tokens stay in all_token_ids and are recomputed
+        victim.status = RequestStatus.WAITING
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(victim)
+        return victim
+
+    def _schedule_request(self, request: Request, num_new: int, out: SchedulerOutput) -> None:
+        """Output building: record the request's chunk and advance its computed tokens."""
+        start = request.num_computed_tokens
+        request.num_computed_tokens = start + num_new
+        out.scheduled.append(
+            ScheduledRequest(
+                req_id=request.req_id,
+                token_ids=request.all_token_ids[start : start + num_new],
+                num_computed_tokens=start,
+                block_ids=self.kv_cache.block_ids(request.req_id),
+                samples=request.num_computed_tokens == request.num_tokens,
+            )
+        )
+        out.num_scheduled_tokens += num_new
