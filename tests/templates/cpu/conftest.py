@@ -35,6 +35,7 @@ SIGNATURES = {
 _C_TYPE = {"f32*": "float*", "i32*": "int32_t*", "i64*": "int64_t*", "int": "int"}
 _NP_TYPE = {"f32*": np.float32, "i32*": np.int32, "i64*": np.int64}
 _W = {"f32": ("float*", np.float32), "bf16": ("uint16_t*", np.uint16)}
+_ROW_STRIDED = {"q", "k", "v"}  # may be column slices of a fused [T, row_stride] qkv buffer
 
 
 class Kernel:
@@ -58,7 +59,10 @@ class Kernel:
                 continue
             want = _W[self.params["wdtype"]][1] if kind == "W*" else _NP_TYPE[kind]
             assert isinstance(a, np.ndarray) and a.dtype == want, f"{self.op}.{name}: want {np.dtype(want)}"
-            assert a.flags.c_contiguous, f"{self.op}.{name} must be C-contiguous"
+            if name in _ROW_STRIDED:
+                assert a.ndim == 2 and a.strides[1] == a.itemsize, f"{self.op}.{name}: rows must be dense"
+            else:
+                assert a.flags.c_contiguous, f"{self.op}.{name} must be C-contiguous"
             c_args.append(a.ctypes.data)
         self.fn(*c_args)
 
