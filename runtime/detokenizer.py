@@ -78,9 +78,9 @@ class IncrementalDetokenizer:
         return delta
 
     def _decode_step(self, force: bool = False) -> str:
-        decode = self.tokenizer.decode
-        prefix_text = decode(self._ids[self._prefix_offset : self._read_offset], skip_special_tokens=self.skip_special_tokens)
-        new_text = decode(self._ids[self._prefix_offset :], skip_special_tokens=self.skip_special_tokens)
+        decode, skip = self.tokenizer.decode, self.skip_special_tokens
+        prefix_text = decode(self._ids[self._prefix_offset : self._read_offset], skip_special_tokens=skip)
+        new_text = decode(self._ids[self._prefix_offset :], skip_special_tokens=skip)
         if force or (len(new_text) > len(prefix_text) and not new_text.endswith(REPLACEMENT_CHAR)):
             # NOTE: if new_text does not start with prefix_text (a decoder rewrote the window), slicing
             # by length still gives the new characters, which is what vLLM does too.

@@ -171,7 +171,8 @@ class KVCacheManager:
         try:
             return self._blocks[req_id]
         except KeyError:
-            raise ValueError(f"request {req_id!r} holds no KV cache blocks (never allocated or already freed)") from None
+            msg = f"request {req_id!r} holds no KV cache blocks (never allocated or already freed)"
+            raise ValueError(msg) from None
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -79,7 +79,7 @@ class SamplingParams:
         if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
             raise bad(f"min_tokens={self.min_tokens!r}", "min_tokens must be an integer >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise bad(f"min_tokens={self.min_tokens} > max_tokens={self.max_tokens}", "min_tokens must be <= max_tokens")
+            raise bad(f"min_tokens={self.min_tokens} > max_tokens={self.max_tokens}", "need min_tokens <= max_tokens")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise bad(f"logprobs={self.logprobs!r}", f"logprobs must be an integer in [0, {MAX_LOGPROBS}]")
 

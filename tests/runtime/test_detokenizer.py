@@ -1,34 +1,7 @@
 import pytest
-from tokenizers import SentencePieceBPETokenizer, Tokenizer, decoders, models, pre_tokenizers, trainers
+from runtime_fakes import byte_level_bpe, sentencepiece_bpe
 
 from llmc.runtime.detokenizer import IncrementalDetokenizer
-
-CORPUS = [
-    "hello world, this is a small corpus",
-    "naïve café déjà vu",
-    "日本語のテキスト",
-    "emoji 🙂 and 🚀 rockets",
-    "the quick brown fox jumps over the lazy dog",
-] * 20
-
-
-def byte_level_bpe() -> Tokenizer:
-    """A tiny GPT-2/Llama-3 style byte-level BPE: few merges, so multi-byte characters span tokens."""
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=["<s>", "</s>"],
-        show_progress=False)  # fmt: skip
-    tok.train_from_iterator(CORPUS, trainer)
-    return tok
-
-
-def sentencepiece_bpe() -> Tokenizer:
-    """A Llama-2 style Metaspace tokenizer, whose decoder strips the leading space of a decoded window."""
-    sp = SentencePieceBPETokenizer()
-    sp.train_from_iterator(CORPUS, vocab_size=200, show_progress=False, special_tokens=["<s>", "</s>", "<unk>"])
-    return sp._tokenizer
 
 
 @pytest.fixture(scope="module")

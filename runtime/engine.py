@@ -1,0 +1,464 @@
+"""LLMEngine: requests in, incremental outputs out, one model step at a time; AsyncLLMEngine for servers.
+
+The step loop (`LLMEngine.step`):
+  1. `Scheduler.schedule()` picks this step's sequences and token counts under the token budget,
+     allocating cache slots (preempting by recompute when the cache is full).
+  2. `StepBatch.build` flattens them into the C ABI arrays; `model.step(batch)` returns logits [B, vocab].
+  3. Every sequence whose step reached its last token samples one token (sampling.py), appends it, checks
+     stop tokens / length, detokenizes it and checks stop strings (detokenizer.py); a finished sequence is
+     removed and its blocks are freed at once.
+  4. One `RequestOutput` per sampled token is returned: the new token ids, the new text, finished and why.
+
+The model is anything with `config` (ModelConfig: vocab_size, max_context, eos_token_ids), `block_size`,
+`num_blocks`, `max_num_tokens`, `max_num_seqs` and `step(StepBatch) -> float32 [B, vocab]`
+(docs/contracts.md, "Runtime model interface"), so tests use a fake model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import dataclasses
+import itertools
+from collections.abc import AsyncIterator, Sequence
+
+import numpy as np
+
+from llmc.errors import LlmcError, RequestError
+from llmc.runtime.batch import StepBatch
+from llmc.runtime.detokenizer import IncrementalDetokenizer
+from llmc.runtime.kv_cache import KVCacheManager
+from llmc.runtime.sampling import SamplingParams, make_rng, sample_next_token, top_logprobs
+from llmc.runtime.scheduler import Request, Scheduler
+
+_NO_TOKENS = np.zeros(0, dtype=np.int64)
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    """What one step produced for one sequence: the increment, not the whole text."""
+
+    req_id: str  # the caller's request id (the n sequences of a request share it)
+    index: int  # which of the request's n sequences
+    new_token_ids: list[int]
+    new_text: str  # text delta; "" while an incomplete character or a possible stop string is held back
+    finished: bool
+    finish_reason: str | None = None  # "stop" (EOS, stop token, stop string) | "length"
+    stop_reason: str | int | None = None  # the stop string or stop token id that matched; None for EOS
+    logprobs: list[dict[int, float]] | None = None  # per new token: {token id: logprob}, sampled + top-n
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0  # so far, this sequence
+
+
+@dataclasses.dataclass
+class Completion:
+    """One finished sequence, as `generate` returns it."""
+
+    index: int
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    logprobs: list[dict[int, float]] | None = None
+
+
+@dataclasses.dataclass
+class GenerationResult:
+    req_id: str
+    prompt_token_ids: list[int]
+    outputs: list[Completion]  # n of them, by index
+
+
+@dataclasses.dataclass(eq=False)
+class _Sequence:
+    """Engine-side state of one sequence; the scheduler's `Request` holds its tokens."""
+
+    req_id: str
+    index: int
+    params: SamplingParams
+    request: Request
+    rng: np.random.Generator
+    prompt_ids: np.ndarray  # int64 [P], for the repetition penalty
+    detokenizer: IncrementalDetokenizer | None
+    min_tokens_suppress: tuple[int, ...]  # EOS and stop token ids, banned until min_tokens are out
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        model,
+        tokenizer=None,
+        *,
+        max_num_batched_tokens: int | None = None,
+        max_num_seqs: int | None = None,
+        max_model_len: int | None = None,
+        seed: int | None = None,
+    ):
+        """model: the CompiledModel interface; tokenizer: a `tokenizers.Tokenizer`, or None for token ids only.
+
+        max_num_batched_tokens / max_num_seqs default to (and are capped by) what the model was created for;
+        max_model_len defaults to the model's context (max_context).
+        """
+        self.model = model
+        self.tokenizer = tokenizer
+        config = model.config
+        self.vocab_size = int(config.vocab_size)
+        self.eos_token_ids = tuple(int(t) for t in config.eos_token_ids)
+        self.context_len = int(config.max_context)  # max_position_embeddings, or the sliding window
+        self.kv_cache = KVCacheManager(model.num_blocks, model.block_size)
+        self.max_model_len = min(self.context_len, max_model_len or self.context_len, self.kv_cache.max_num_tokens)
+        self.scheduler = Scheduler(
+            self.kv_cache,
+            max_num_batched_tokens=min(max_num_batched_tokens or model.max_num_tokens, model.max_num_tokens),
+            max_num_seqs=min(max_num_seqs or model.max_num_seqs, model.max_num_seqs),
+        )
+        self._rng = np.random.default_rng(seed)
+        self._seqs: dict[str, _Sequence] = {}  # by sequence id (== req_id when n == 1)
+        self._seq_ids: dict[str, list[str]] = {}  # req_id -> its live sequence ids
+        self._ids = itertools.count()
+
+    # -- requests -------------------------------------------------------------------------------------
+
+    def check_request(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+        """Raise RequestError if the request can never be served. Reads only immutable engine state."""
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise RequestError("the prompt is empty", "give at least one token (most models want BOS first)")
+        bad = [t for t in prompt_token_ids if not (isinstance(t, (int, np.integer)) and 0 <= t < self.vocab_size)]
+        if bad:
+            raise RequestError(
+                f"prompt token ids {bad[:5]} are outside the vocabulary", f"ids must be in [0, {self.vocab_size})"
+            )
+        if n > self.context_len:
+            raise RequestError(
+                f"the prompt has {n} tokens, more than the model's context of {self.context_len} tokens "
+                "(max_position_embeddings)", "shorten the prompt")  # fmt: skip
+        if n > self.kv_cache.max_num_tokens:
+            raise RequestError(
+                f"the prompt has {n} tokens, but the KV cache can hold at most {self.kv_cache.max_num_tokens} "
+                f"({self.kv_cache.num_blocks} blocks of {self.kv_cache.block_size})",
+                "give the cache more memory (--kv-cache-memory) or shorten the prompt")  # fmt: skip
+        if n > self.max_model_len:
+            raise RequestError(
+                f"the prompt has {n} tokens, more than max_model_len={self.max_model_len}", "shorten the prompt"
+            )
+        if params.stop and self.tokenizer is None:
+            raise RequestError(
+                "stop strings need a tokenizer", "load the engine with the model's tokenizer, or use stop_token_ids"
+            )
+        if params.logprobs is not None and params.logprobs > self.vocab_size:
+            raise RequestError(f"logprobs={params.logprobs} exceeds the vocabulary ({self.vocab_size})")
+
+    def add_request(
+        self, prompt_token_ids: Sequence[int], params: SamplingParams | None = None, req_id: str | None = None
+    ) -> str:
+        """Queue a request (n sequences for params.n > 1); returns its id. Invalid requests raise RequestError."""
+        params = params or SamplingParams()
+        prompt = [int(t) for t in prompt_token_ids]
+        self.check_request(prompt, params)
+        if req_id is None:
+            req_id = self._new_id()
+        elif req_id in self._seq_ids:
+            raise RequestError(f"request id {req_id!r} is already in use")
+        seq_ids = [req_id] if params.n == 1 else [f"{i}_{req_id}" for i in range(params.n)]
+        if any(s in self._seqs for s in seq_ids):
+            raise RequestError(f"request id {req_id!r} clashes with a running request's sequence ids")
+        for index, seq_id in enumerate(seq_ids):
+            # n > 1: n independent sequences; seeded ones get seed + index (as vLLM), or they would be equal
+            seq_params = params if params.n == 1 else dataclasses.replace(
+                params, n=1, seed=None if params.seed is None else params.seed + index)  # fmt: skip
+            self._add_sequence(req_id, index, seq_id, prompt, seq_params)
+        self._seq_ids[req_id] = seq_ids
+        return req_id
+
+    def _add_sequence(self, req_id: str, index: int, seq_id: str, prompt: list[int], params: SamplingParams) -> None:
+        detokenizer = None
+        if self.tokenizer is not None:
+            detokenizer = IncrementalDetokenizer(
+                self.tokenizer, prompt, stop=params.stop, skip_special_tokens=params.skip_special_tokens)  # fmt: skip
+        request = Request(seq_id, prompt)
+        self._seqs[seq_id] = _Sequence(
+            req_id=req_id,
+            index=index,
+            params=params,
+            request=request,
+            rng=make_rng(params.seed, self._rng),
+            prompt_ids=np.asarray(prompt, dtype=np.int64),
+            detokenizer=detokenizer,
+            min_tokens_suppress=tuple(sorted(set(self.eos_token_ids) | set(params.stop_token_ids))),
+        )
+        self.scheduler.add_request(request)
+
+    def abort(self, req_id: str) -> bool:
+        """Cancel a request (all its sequences); their cache blocks are freed at once. False if unknown."""
+        seq_ids = self._seq_ids.pop(req_id, None)
+        if seq_ids is None:
+            return False
+        for seq_id in seq_ids:
+            self.scheduler.abort(seq_id)
+            del self._seqs[seq_id]
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def _new_id(self) -> str:
+        while (req_id := f"req-{next(self._ids)}") in self._seq_ids:
+            pass
+        return req_id
+
+    # -- the step -------------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            # Cannot happen while requests wait: every admitted prompt fits the empty cache. Fail, never spin.
+            assert not self.scheduler.has_unfinished(), "the scheduler made no progress"
+            return []
+        batch = StepBatch.build(
+            [s.token_ids for s in sched.scheduled],
+            [s.num_computed_tokens for s in sched.scheduled],
+            [s.block_ids for s in sched.scheduled],
+            self.kv_cache.block_size,
+        )
+        logits = self.model.step(batch)  # float32 [B, vocab]
+        assert logits.shape == (batch.num_seqs, self.vocab_size), f"model returned logits {logits.shape}"
+        outputs = []
+        for row, scheduled in enumerate(sched.scheduled):
+            if scheduled.samples:  # partial prefill chunks produce no token
+                outputs.append(self._sample_and_finish(self._seqs[scheduled.req_id], logits[row]))
+        return outputs
+
+    def _sample_and_finish(self, seq: _Sequence, logits: np.ndarray) -> RequestOutput:
+        """Sample one token for the sequence, apply every stop rule, and build its output."""
+        params, request = seq.params, seq.request
+        num_out = request.num_output_tokens  # before this token
+        suppress = seq.min_tokens_suppress if num_out < params.min_tokens else ()
+        output_ids = np.asarray(request.output_token_ids, dtype=np.int64) if params.has_penalties else _NO_TOKENS
+        token = sample_next_token(logits, params, seq.rng, seq.prompt_ids, output_ids, suppress)
+        logprobs = [top_logprobs(logits, token, params.logprobs)] if params.logprobs is not None else None
+        self.scheduler.append_token(request.req_id, token)
+        num_out += 1
+
+        finish_reason, stop_reason = self._check_stop_token(seq, token, num_out)
+        stopped_by_token = finish_reason == "stop"
+        if finish_reason is None and (
+            (params.max_tokens is not None and num_out >= params.max_tokens) or request.num_tokens >= self.max_model_len
+        ):
+            finish_reason = "length"
+        text = ""
+        if seq.detokenizer is not None:
+            # NOTE: a stop token (EOS or stop_token_ids) is returned as an id but not as text (as vLLM).
+            matched = seq.detokenizer.update(
+                [] if stopped_by_token else [token],
+                check_stop=num_out > params.min_tokens,
+                flush=finish_reason is not None,
+            )
+            if matched is not None:
+                finish_reason, stop_reason = "stop", matched
+            text = seq.detokenizer.take_delta(finished=finish_reason is not None)
+        if finish_reason is not None:
+            self._finish_sequence(seq)
+        return RequestOutput(
+            req_id=seq.req_id,
+            index=seq.index,
+            new_token_ids=[token],
+            new_text=text,
+            finished=finish_reason is not None,
+            finish_reason=finish_reason,
+            stop_reason=stop_reason,
+            logprobs=logprobs,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_output_tokens=num_out,
+        )
+
+    def _check_stop_token(self, seq: _Sequence, token: int, num_out: int) -> tuple[str | None, int | None]:
+        if num_out <= seq.params.min_tokens:
+            return None, None
+        if token in self.eos_token_ids and not seq.params.ignore_eos:
+            return "stop", None
+        if token in seq.params.stop_token_ids:
+            return "stop", token
+        return None, None
+
+    def _finish_sequence(self, seq: _Sequence) -> None:
+        self.scheduler.finish_request(seq.request.req_id)
+        del self._seqs[seq.request.req_id]
+        live = self._seq_ids[seq.req_id]
+        live.remove(seq.request.req_id)
+        if not live:
+            del self._seq_ids[seq.req_id]
+
+    # -- convenience ----------------------------------------------------------------------------------
+
+    def generate(
+        self, prompts: Sequence[Sequence[int] | str], params: SamplingParams | Sequence[SamplingParams] | None = None
+    ) -> list[GenerationResult]:
+        """Run the given prompts (token ids, or text to encode with the tokenizer) to completion.
+
+        Other requests already in the engine run along; their outputs are not returned.
+        """
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise RequestError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
+        results: dict[str, GenerationResult] = {}
+        for prompt, p in zip(prompts, params):
+            if isinstance(prompt, str):
+                if self.tokenizer is None:
+                    raise RequestError("a text prompt needs a tokenizer", "pass token ids or give the engine one")
+                prompt = self.tokenizer.encode(prompt).ids
+            req_id = self.add_request(prompt, p)
+            results[req_id] = GenerationResult(req_id, list(prompt), [Completion(i) for i in range(p.n)])
+        while any(r in self._seq_ids for r in results):
+            for out in self.step():
+                if (result := results.get(out.req_id)) is not None:
+                    _accumulate(result.outputs[out.index], out)
+        return list(results.values())
+
+
+def _accumulate(completion: Completion, out: RequestOutput) -> None:
+    completion.token_ids.extend(out.new_token_ids)
+    completion.text += out.new_text
+    if out.logprobs is not None:
+        completion.logprobs = (completion.logprobs or []) + out.logprobs
+    if out.finished:
+        completion.finish_reason, completion.stop_reason = out.finish_reason, out.stop_reason
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Async wrapper
+
+
+class _Aborted:
+    pass
+
+
+_ABORTED = _Aborted()
+
+
+class AsyncLLMEngine:
+    """An LLMEngine for asyncio code (the HTTP server is a thin layer over `generate`).
+
+    Threads: the engine runs on one worker thread and is touched by nothing else. The event loop thread
+    only queues adds and aborts (`_pending`, drained by the worker before each step), and a background
+    task awaits steps and routes their outputs to per-request asyncio queues. So a step never blocks the
+    event loop, and no lock guards the engine. Call the methods from the event loop's thread.
+
+        async for out in engine.generate(prompt_ids, SamplingParams(max_tokens=64)):
+            send(out.new_text)          # leaving the loop early (client gone) aborts the request
+    """
+
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="llmc-engine")
+        self._pending: collections.deque[tuple[str, tuple]] = collections.deque()
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._wakeup: asyncio.Event | None = None
+        self._task: asyncio.Task | None = None
+        self._busy = False  # the engine had unfinished requests after the last step
+        self._error: BaseException | None = None
+        self._closed = False
+        self._ids = itertools.count()
+
+    async def generate(
+        self, prompt_token_ids: Sequence[int], params: SamplingParams | None = None, req_id: str | None = None
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream one request's outputs until all n sequences finish. Raises RequestError at once if invalid."""
+        params = params or SamplingParams()
+        self.engine.check_request(prompt_token_ids, params)  # immutable engine state: safe from this thread
+        if self._error is not None:
+            raise RuntimeError("the engine loop failed earlier") from self._error
+        if self._closed:
+            raise RuntimeError("the engine is shut down")
+        if req_id is None:
+            req_id = f"async-{next(self._ids)}"
+        if req_id in self._queues:
+            raise RequestError(f"request id {req_id!r} is already in use")
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[req_id] = queue
+        self._submit(("add", (list(prompt_token_ids), params, req_id)))
+        remaining = params.n
+        try:
+            while remaining:
+                item = await queue.get()
+                if item is _ABORTED:
+                    remaining = 0
+                    return
+                if isinstance(item, BaseException):
+                    remaining = 0
+                    raise item
+                if item.finished:
+                    remaining -= 1
+                yield item
+        finally:
+            self._queues.pop(req_id, None)
+            if remaining:  # the consumer left early (client disconnected, task cancelled)
+                self._submit(("abort", (req_id,)))
+
+    def abort(self, req_id: str) -> None:
+        """Cancel a request; its stream ends without a final output; blocks are freed before the next step."""
+        queue = self._queues.pop(req_id, None)
+        if queue is not None:
+            queue.put_nowait(_ABORTED)
+        self._submit(("abort", (req_id,)))
+
+    async def shutdown(self) -> None:
+        self._closed = True
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+        self._executor.shutdown(wait=True)
+
+    # -- loop thread side -----------------------------------------------------------------------------
+
+    def _submit(self, item: tuple[str, tuple]) -> None:
+        if self._closed:
+            return
+        self._pending.append(item)
+        if self._task is None:
+            self._wakeup = asyncio.Event()
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="llmc-engine-loop")
+        self._wakeup.set()
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            if not self._pending and not self._busy:
+                self._wakeup.clear()
+                await self._wakeup.wait()
+            try:
+                outputs, errors, self._busy = await loop.run_in_executor(self._executor, self._work)
+            except Exception as e:  # a model or engine bug: fail every stream loudly, accept no more work
+                self._error = e
+                for queue in self._queues.values():
+                    queue.put_nowait(e)
+                self._queues.clear()
+                return
+            for req_id, error in errors:
+                if (queue := self._queues.get(req_id)) is not None:
+                    queue.put_nowait(error)
+            for out in outputs:
+                if (queue := self._queues.get(out.req_id)) is not None:
+                    queue.put_nowait(out)
+
+    # -- worker thread side ---------------------------------------------------------------------------
+
+    def _work(self) -> tuple[list[RequestOutput], list[tuple[str, BaseException]], bool]:
+        errors = []
+        while self._pending:
+            kind, args = self._pending.popleft()
+            if kind == "add":
+                try:
+                    self.engine.add_request(*args)
+                except LlmcError as e:
+                    errors.append((args[2], e))
+            else:
+                self.engine.abort(*args)
+        outputs = self.engine.step() if self.engine.has_unfinished() else []
+        return outputs, errors, self.engine.has_unfinished()
