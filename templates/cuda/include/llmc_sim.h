@@ -410,7 +410,9 @@ inline void exchange(unsigned w, unsigned group, Op op) {
     if (group >> l & 1) L[l].out = r;
 }
 
-// Completes every group of lanes of warp w whose lanes have all arrived.
+// Completes every group of lanes of warp w whose lanes have all arrived at the same primitive (op, mask and
+// call site). A group whose lanes wait at different primitives stays blocked; if nothing else can run, that
+// is reported as a deadlock.
 inline void try_warp(unsigned w) {
   const unsigned live = live_lanes(w);
   unsigned waiting = 0;
@@ -421,23 +423,22 @@ inline void try_warp(unsigned w) {
   unsigned todo = waiting;
   while (todo) {
     const unsigned l0 = static_cast<unsigned>(__builtin_ctz(todo));
-    Thread& t0 = g.th[32 * w + l0];
+    todo &= todo - 1;
+    const Thread& t0 = g.th[32 * w + l0];
     if (!(t0.mask >> l0 & 1))
       fatal("%s: lane %u calls it with mask 0x%08x, which does not include the lane itself (%s:%d)", op_name(t0.op),
             l0, t0.mask, t0.file, t0.line);
     const unsigned group = t0.mask & live;
-    todo &= ~group;
-    todo &= ~(1u << l0);
-    if (group & ~waiting) continue;  // lanes still running (or stuck elsewhere: see deadlock)
-    for (unsigned l = 0; l < 32; ++l) {
-      if (!(group >> l & 1)) continue;
+    if (group & ~waiting) continue;  // lanes still running, or stuck elsewhere (see deadlock)
+    bool same = true;
+    for (unsigned l = 0; l < 32 && same; ++l) {
       const Thread& t = g.th[32 * w + l];
-      if (t.op != t0.op || t.mask != t0.mask || !same_site(t, t0))
-        fatal("warp %u: lane %u is at %s (mask 0x%08x, %s:%d) while lane %u is at %s (mask 0x%08x, %s:%d); the lanes "
-              "of a mask must meet at the same warp primitive",
-              w, l0, op_name(t0.op), t0.mask, t0.file, t0.line, l, op_name(t.op), t.mask, t.file, t.line);
+      same = !(group >> l & 1) || (t.op == t0.op && t.mask == t0.mask && same_site(t, t0));
     }
+    if (!same) continue;
     exchange(w, group, t0.op);
+    waiting &= ~group;
+    todo &= ~group;
     for (unsigned l = 0; l < 32; ++l)
       if (group >> l & 1) {
         g.th[32 * w + l].st = St::Runnable;
@@ -473,22 +474,36 @@ inline uint64_t warp_op(Op op, unsigned mask, uint64_t in, int a0, int a1, const
   std::fprintf(stderr, "llmc_sim: error: deadlock in block (%u,%u,%u) of %u threads: %u exited, %u wait at "
                "__syncthreads, %u wait at a warp primitive\n", g_bid.x, g_bid.y, g_bid.z, g.nthreads, g.nexited,
                nbar, nwarp);
-  for (unsigned i = 0; i < g.nthreads; ++i) {
+  std::vector<bool> told(g.nthreads, false);
+  for (unsigned i = 0; i < g.nthreads; ++i) {  // one line per distinct sync point
     const Thread& t = g.th[i];
-    if (t.st == St::Barrier && (i == 0 || g.th[i - 1].st != St::Barrier || !same_site(t, g.th[i - 1])))
-      std::fprintf(stderr, "  thread %u (and following): __syncthreads at %s:%d\n", i, t.file, t.line);
-    if (t.st == St::Warp) {
-      const unsigned live = live_lanes(i / 32);
-      std::fprintf(stderr, "  thread %u (warp %u lane %u): %s mask 0x%08x at %s:%d, lanes of the mask not there: 0x%08x"
-                   " (exited: 0x%08x)\n", i, i / 32, i % 32, op_name(t.op), t.mask, t.file, t.line,
-                   t.mask & ~[&] { unsigned m = 0; for (unsigned l = 0; l < 32; ++l) { unsigned j = 32 * (i / 32) + l;
-                     if (j < g.nthreads && g.th[j].st == St::Warp && g.th[j].op == t.op && g.th[j].mask == t.mask)
-                       m |= 1u << l; } return m; }(), t.mask & ~live);
+    if (told[i] || (t.st != St::Barrier && t.st != St::Warp)) continue;
+    if (t.st == St::Barrier) {
+      unsigned n = 0;
+      for (unsigned j = i; j < g.nthreads; ++j)
+        if (g.th[j].st == St::Barrier && same_site(g.th[j], t)) told[j] = true, ++n;
+      std::fprintf(stderr, "  %u threads (first: %u) wait at __syncthreads at %s:%d\n", n, i, t.file, t.line);
+      continue;
     }
+    const unsigned w = i / 32;
+    unsigned here = 0;
+    for (unsigned l = 0; l < 32; ++l) {
+      const unsigned j = 32 * w + l;
+      if (j < g.nthreads && g.th[j].st == St::Warp && g.th[j].op == t.op && g.th[j].mask == t.mask &&
+          same_site(g.th[j], t))
+        told[j] = true, here |= 1u << l;
+    }
+    const unsigned live = live_lanes(w);
+    std::fprintf(stderr, "  warp %u: lanes 0x%08x wait at %s (mask 0x%08x) at %s:%d; lanes of the mask not there: "
+                 "0x%08x (of them exited: 0x%08x)\n", w, here, op_name(t.op), t.mask, t.file, t.line,
+                 t.mask & ~here, t.mask & ~live);
   }
   if (nbar && g.nexited)
     std::fprintf(stderr, "  a __syncthreads must be reached by every thread of the block; %u threads exited "
                  "before it\n", g.nexited);
+  if (nwarp)
+    std::fprintf(stderr, "  the lanes of a warp primitive's mask must all reach it, at the same call site and "
+                 "with the same mask\n");
   std::fflush(stderr);
   std::abort();
 }
