@@ -5,8 +5,8 @@
 //
 // Numerics. Activations are float32; weights are float32 or bf16 (uint16_t, widened with `<< 16`).
 // Built without -ffast-math: every reduction has one fixed order. A dot product of length K is
-// always summed the same way (kAcc accumulators of Vec::W lanes, a fixed tail, a fixed horizontal
-// sum), whether it runs alone (T = 1, decode) or in a tile of rows (prefill), and on whichever thread.
+// always summed the same way (one accumulator of Vec::W lanes, a masked tail, a fixed horizontal
+// sum), whether it runs alone (T = 1, decode) or in a register tile (prefill), on whichever thread.
 // Work is split across rows / outputs / heads, never inside one reduction, so a row's result does not
 // depend on T, on its neighbours in the batch, or on the thread count.
 //
@@ -137,52 +137,50 @@ struct Vec {  // portable fallback: 8 independent lanes the compiler may map ont
 #endif
 
 // ---------------------------------------------------------------------------------------------
-// dot_rows<R, K>: out[r] = sum_i x[r*ldx + i] * w[i] for R rows of x against one row w.
+// dot_block<R, C, K>: out[r * C + c] = sum_i x[r * ldx + i] * w[c * ldw + i], r < R, c < C.
 //
-// The summation order of each row is a function of K only: element i goes to accumulator
-// (i / W) % kAcc of that row (full vectors), the last partial vector to accumulator kAcc-1, then
-// ((a0 + a1) + (a2 + a3)) and Vec::sum(). R only decides how many rows share each load of w, so
-// dot_rows<1> and dot_rows<4> give bit-identical results for the same row.
-constexpr int kAcc = 4;
-
-template <int R, int K, typename WT>
-LLMC_INLINE void dot_rows(const float* LLMC_RESTRICT x, long ldx, const WT* LLMC_RESTRICT w,
-                          float* LLMC_RESTRICT out) {
-  static_assert(R >= 1 && K >= 1, "dot_rows: bad sizes");
+// One accumulator Vec per (r, c): element i goes to lane i % W in order of i, the last partial vector
+// is a masked load into the same accumulator, then Vec::sum(). So the result of one (row, output) is a
+// function of K and the data only: dot_block<1, 1> and dot_block<4, 4> give bit-identical numbers for
+// it. The R x C independent accumulators are the instruction-level parallelism (R + C loads per
+// R * C FMAs), not a split of one dot product.
+template <int R, int C, int K, typename WT>
+LLMC_INLINE void dot_block(const float* LLMC_RESTRICT x, long ldx, const WT* LLMC_RESTRICT w, long ldw,
+                           float* LLMC_RESTRICT out) {
+  static_assert(R >= 1 && C >= 1 && K >= 1, "dot_block: bad sizes");
   constexpr int VW = Vec::W;
-  constexpr int STEP = kAcc * VW;
-  constexpr int KMAIN = K / STEP * STEP;     // covered by the unrolled main loop
-  constexpr int NFULL = (K - KMAIN) / VW;    // full vectors after it (< kAcc)
-  constexpr int KTAIL = KMAIN + NFULL * VW;  // start of the partial vector
-  constexpr int NREM = K - KTAIL;            // its length (< VW)
+  constexpr int KMAIN = K / VW * VW;
+  constexpr int NREM = K - KMAIN;
 
-  Vec acc[R][kAcc];
+  Vec acc[R][C];
   LLMC_UNROLL for (int r = 0; r < R; ++r) {
-    LLMC_UNROLL for (int a = 0; a < kAcc; ++a) acc[r][a] = Vec::zero();
+    LLMC_UNROLL for (int c = 0; c < C; ++c) acc[r][c] = Vec::zero();
   }
-  for (int i = 0; i < KMAIN; i += STEP) {
-    LLMC_UNROLL for (int a = 0; a < kAcc; ++a) {
-      const Vec wv = Vec::load(w + i + a * VW);
-      LLMC_UNROLL for (int r = 0; r < R; ++r) acc[r][a].fma(Vec::load(x + r * ldx + i + a * VW), wv);
+  for (int i = 0; i < KMAIN; i += VW) {
+    Vec wv[C];
+    LLMC_UNROLL for (int c = 0; c < C; ++c) wv[c] = Vec::load(w + c * ldw + i);
+    LLMC_UNROLL for (int r = 0; r < R; ++r) {
+      const Vec xv = Vec::load(x + r * ldx + i);
+      LLMC_UNROLL for (int c = 0; c < C; ++c) acc[r][c].fma(xv, wv[c]);
     }
   }
-  LLMC_UNROLL for (int a = 0; a < NFULL; ++a) {
-    const Vec wv = Vec::load(w + KMAIN + a * VW);
-    LLMC_UNROLL for (int r = 0; r < R; ++r) acc[r][a].fma(Vec::load(x + r * ldx + KMAIN + a * VW), wv);
-  }
   if constexpr (NREM > 0) {
-    const Vec wv = Vec::load_part(w + KTAIL, NREM);
-    LLMC_UNROLL for (int r = 0; r < R; ++r)
-      acc[r][kAcc - 1].fma(Vec::load_part(x + r * ldx + KTAIL, NREM), wv);
+    Vec wv[C];
+    LLMC_UNROLL for (int c = 0; c < C; ++c) wv[c] = Vec::load_part(w + c * ldw + KMAIN, NREM);
+    LLMC_UNROLL for (int r = 0; r < R; ++r) {
+      const Vec xv = Vec::load_part(x + r * ldx + KMAIN, NREM);
+      LLMC_UNROLL for (int c = 0; c < C; ++c) acc[r][c].fma(xv, wv[c]);
+    }
   }
-  LLMC_UNROLL for (int r = 0; r < R; ++r)
-    out[r] = ((acc[r][0] + acc[r][1]) + (acc[r][2] + acc[r][3])).sum();
+  LLMC_UNROLL for (int r = 0; r < R; ++r) {
+    LLMC_UNROLL for (int c = 0; c < C; ++c) out[r * C + c] = acc[r][c].sum();
+  }
 }
 
 template <int K, typename WT>
 LLMC_INLINE float dot(const float* LLMC_RESTRICT x, const WT* LLMC_RESTRICT w) {
   float s;
-  dot_rows<1, K>(x, 0, w, &s);
+  dot_block<1, 1, K>(x, 0, w, 0, &s);
   return s;
 }
 
@@ -232,26 +230,51 @@ inline void rmsnorm(const float* x, const float* residual_in, float* residual_ou
 
 // gemm: y[T, N] = x[T, K] @ w[N, K]^T (+ bias[N]); w in HF Linear layout, one row per output.
 //
-// T <= kGemmRows (decode): a GEMV split over outputs; each weight row is streamed once and reused by
-// the T rows of x. Larger T (prefill): blocks of kGemmTChunk rows x `NB` outputs (NB weight rows
-// ~ kGemmBlockBytes, so they stay in L2), each weight row reused by kGemmRows rows of x per pass.
-// Every (row, output) goes through dot_rows with the same K, so the numbers do not depend on T.
+// Register tiles of `rows` rows of x x gemm_cols(rows) outputs (dot_block), with 1-output tiles
+// for the N tail. T <= kGemmRows (decode): a GEMV split over chunks of outputs, each weight row
+// streamed once and shared by the T rows. Larger T (prefill): blocks of kGemmTChunk rows x NB
+// outputs (NB weight rows ~ kGemmBlockBytes, so they stay in L2), kGemmRows rows per tile.
+// Every (row, output) is one dot_block accumulator over the same K, so numbers do not depend on T.
+constexpr int kGemmRows = 4;
 #if defined(__AVX512F__)
-constexpr int kGemmRows = 4;  // 4 rows x kAcc accumulators = 16 of 32 zmm registers
+constexpr int gemm_cols(int rows) { return rows <= 2 ? 8 : 4; }  // <= 16 + 8 of 32 zmm registers
 #else
-constexpr int kGemmRows = 2;  // 2 x kAcc = 8 of 16 ymm registers
+constexpr int gemm_cols(int rows) { return rows <= 2 ? 4 : 2; }  // <= 8 + 4 of 16 ymm registers
 #endif
+constexpr int kGemvChunk = 64;  // outputs per parallel task in decode
 constexpr int kGemmTChunk = 64;
 constexpr long kGemmBlockBytes = 128 * 1024;
 
-template <int K, typename WT>
-LLMC_INLINE void dot_tile(int rows, const float* x, const WT* w, float* out) {
-  static_assert(kGemmRows <= 4, "dot_tile: extend the switch");
+// y[r, j] for r < R and j in [j0, j1); x and y point at the first row.
+template <int R, int N, int K, bool HAS_BIAS, typename WT>
+LLMC_INLINE void gemm_tile_rows(const float* LLMC_RESTRICT x, const WT* LLMC_RESTRICT w,
+                                const WT* LLMC_RESTRICT bias, float* LLMC_RESTRICT y, int j0, int j1) {
+  constexpr int C = gemm_cols(R);
+  int j = j0;
+  for (; j + C <= j1; j += C) {
+    float s[R * C];
+    dot_block<R, C, K>(x, K, w + (long)j * K, K, s);
+    LLMC_UNROLL for (int c = 0; c < C; ++c) {
+      const float b = HAS_BIAS ? load_w(bias[j + c]) : 0.0f;
+      LLMC_UNROLL for (int r = 0; r < R; ++r) y[(long)r * N + j + c] = HAS_BIAS ? s[r * C + c] + b : s[r * C + c];
+    }
+  }
+  for (; j < j1; ++j) {
+    float s[R];
+    dot_block<R, 1, K>(x, K, w + (long)j * K, K, s);
+    const float b = HAS_BIAS ? load_w(bias[j]) : 0.0f;
+    LLMC_UNROLL for (int r = 0; r < R; ++r) y[(long)r * N + j] = HAS_BIAS ? s[r] + b : s[r];
+  }
+}
+
+template <int N, int K, bool HAS_BIAS, typename WT>
+LLMC_INLINE void gemm_rows(int rows, const float* x, const WT* w, const WT* bias, float* y, int j0, int j1) {
+  static_assert(kGemmRows == 4, "gemm_rows: extend the switch");
   switch (rows) {
-    case 1: dot_rows<1, K>(x, K, w, out); break;
-    case 2: dot_rows<2, K>(x, K, w, out); break;
-    case 3: if constexpr (kGemmRows >= 3) dot_rows<3, K>(x, K, w, out); break;
-    case 4: if constexpr (kGemmRows >= 4) dot_rows<4, K>(x, K, w, out); break;
+    case 1: gemm_tile_rows<1, N, K, HAS_BIAS>(x, w, bias, y, j0, j1); break;
+    case 2: gemm_tile_rows<2, N, K, HAS_BIAS>(x, w, bias, y, j0, j1); break;
+    case 3: gemm_tile_rows<3, N, K, HAS_BIAS>(x, w, bias, y, j0, j1); break;
+    case 4: gemm_tile_rows<4, N, K, HAS_BIAS>(x, w, bias, y, j0, j1); break;
   }
 }
 
@@ -261,17 +284,14 @@ inline void gemm(const float* LLMC_RESTRICT x, const WT* LLMC_RESTRICT w, const 
   constexpr int R = kGemmRows;
   const bool par = (long)T * N * K >= kParallelWork;
   if (T <= R) {
+    constexpr int NCH = (N + kGemvChunk - 1) / kGemvChunk;
     LLMC_OMP(parallel for schedule(static) if (par))
-    for (int j = 0; j < N; ++j) {
-      float s[R] = {};
-      dot_tile<K>(T, x, w + (long)j * K, s);
-      const float b = HAS_BIAS ? load_w(bias[j]) : 0.0f;
-      for (int t = 0; t < T; ++t) y[(long)t * N + j] = HAS_BIAS ? s[t] + b : s[t];
-    }
+    for (int ch = 0; ch < NCH; ++ch)
+      gemm_rows<N, K, HAS_BIAS>(T, x, w, bias, y, ch * kGemvChunk, std::min(N, (ch + 1) * kGemvChunk));
     return;
   }
   constexpr long RB = (long)K * sizeof(WT);
-  constexpr int NB0 = (int)std::max<long>(8, kGemmBlockBytes / RB);
+  constexpr int NB0 = (int)std::max<long>(16, kGemmBlockBytes / RB) / 8 * 8;
   constexpr int NB = NB0 < N ? NB0 : N;
   constexpr int NBLK = (N + NB - 1) / NB;
   const int ntc = (T + kGemmTChunk - 1) / kGemmTChunk;
@@ -280,15 +300,8 @@ inline void gemm(const float* LLMC_RESTRICT x, const WT* LLMC_RESTRICT w, const 
     for (int nb = 0; nb < NBLK; ++nb) {
       const int t1 = std::min(T, (tc + 1) * kGemmTChunk);
       const int j0 = nb * NB, j1 = std::min(N, j0 + NB);
-      for (int t = tc * kGemmTChunk; t < t1; t += R) {
-        const int rows = std::min(R, t1 - t);
-        for (int j = j0; j < j1; ++j) {
-          float s[R] = {};
-          dot_tile<K>(rows, x + (long)t * K, w + (long)j * K, s);
-          const float b = HAS_BIAS ? load_w(bias[j]) : 0.0f;
-          for (int r = 0; r < rows; ++r) y[(long)(t + r) * N + j] = HAS_BIAS ? s[r] + b : s[r];
-        }
-      }
+      for (int t = tc * kGemmTChunk; t < t1; t += R)
+        gemm_rows<N, K, HAS_BIAS>(std::min(R, t1 - t), x + (long)t * K, w, bias, y + (long)t * N, j0, j1);
     }
   }
 }
@@ -366,8 +379,11 @@ inline void paged_attention(const float* q, const float* k, const float* v, int 
         const long base = (long)table[j0 / BS] * BS * SLOT + kvo;
         float sc[BS];
         float mb = m;
-        for (int i = 0; i < n; ++i) {
-          sc[i] = dot<D>(qh, k_cache + base + i * SLOT) * scale;
+        int i = 0;
+        for (; i + 4 <= n; i += 4) dot_block<1, 4, D>(qh, 0, k_cache + base + i * SLOT, SLOT, sc + i);
+        for (; i < n; ++i) sc[i] = dot<D>(qh, k_cache + base + i * SLOT);
+        for (i = 0; i < n; ++i) {
+          sc[i] *= scale;
           mb = std::max(mb, sc[i]);
         }
         if (mb > m) {  // new running max: rescale what we have (exp(-inf) = 0 on the first block)
