@@ -1,0 +1,149 @@
+"""What every llmc pass shares: the fused-op call form, binding-level matching, and the rewriter.
+
+A fused op is `R.call_pure_packed("llmc.<op>", *args, ty_args=...)`: pure, printable, and named, so
+the kernel-program lowering can find it by name. Scalar attributes (eps, layer index) are trailing
+`R.prim_value` arguments; OPS lists each op's argument names, which is the op's whole contract.
+
+Each pass works in two phases (as TVM's own Python passes do): match dpl patterns against every binding
+of `main` and collect a replacement map {var: new value}, then rebuild `main` with `rewrite`. Bindings
+that become unused disappear. Each pass records how many patterns it rewrote in the module attribute
+`llmc.rewrites`, so tests and `llmc inspect` can say what fused and what did not.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import tvm
+from tvm import relax
+from tvm.relax.dpl import DFPattern
+
+OPS = {
+    "rms_norm": ("x", "weight", "eps"),
+    "add_rms_norm": ("x", "residual", "weight", "eps"),  # -> (x + residual, rms_norm(x + residual))
+    "rope": ("x", "positions"),  # x: [1, heads, T, head_dim]; rotate-half RoPE of the model's config
+    "paged_attention": (  # -> [T, heads * head_dim]; RoPE on q and k applied inside
+        "q", "k", "v", "positions", "kv_cache", "slot_mapping", "query_start_loc", "seq_lens", "block_tables",
+        "layer",
+    ),
+    "silu_mul": ("gate_up",),  # [rows, 2 * inter] -> [rows, inter]: silu(gate) * up
+}
+
+
+def llmc_call(op: str, args: Iterable[relax.Expr], out: relax.Type) -> relax.Call:
+    args = list(args)
+    assert len(args) == len(OPS[op]), f"llmc.{op} takes {OPS[op]}, got {len(args)} args"
+    return relax.op.call_pure_packed(f"llmc.{op}", *args, ty_args=out)
+
+
+def llmc_op_name(expr: relax.Expr) -> str | None:
+    """'rms_norm' for a call to llmc.rms_norm, else None."""
+    if not isinstance(expr, relax.Call) or expr.op != tvm.ir.Op.get("relax.call_pure_packed"):
+        return None
+    callee = expr.args[0]
+    if isinstance(callee, relax.ExternFunc) and callee.global_symbol.startswith("llmc."):
+        return callee.global_symbol[len("llmc."):]
+    return None
+
+
+def llmc_args(call: relax.Call) -> dict[str, relax.Expr]:
+    name = llmc_op_name(call)
+    return dict(zip(OPS[name], call.args[1:]))
+
+
+def prim(value: int | float) -> relax.Expr:
+    dtype = "int64" if isinstance(value, int) else "float32"
+    return relax.prim_value(tvm.tirx.const(value, dtype))
+
+
+def prim_value(expr: relax.Expr) -> int | float:
+    return expr.value
+
+
+def main_function(mod: tvm.IRModule) -> relax.Function:
+    return mod["main"]
+
+
+def bindings(func: relax.Function) -> list[relax.VarBinding]:
+    return [b for block in func.body.blocks for b in block.bindings]
+
+
+def match(pattern: DFPattern, expr: relax.Expr, var2val) -> dict | None:
+    return pattern.extract_matched_expr(expr, var2val)
+
+
+def shape_of(expr: relax.Expr) -> list:
+    return list(expr.ty.shape.values)
+
+
+def users(func: relax.Function) -> dict[relax.Var, int]:
+    """How many bindings (and the function output) use each var."""
+    count: dict[relax.Var, int] = {}
+
+    def visit(e):
+        if isinstance(e, relax.Var):
+            count[e] = count.get(e, 0) + 1
+
+    for b in bindings(func):
+        relax.analysis.post_order_visit(b.value, visit)
+    relax.analysis.post_order_visit(func.body.body, visit)
+    return count
+
+
+@relax.expr_functor.mutator
+class _Rewriter(relax.PyExprMutator):
+    def __init__(self, edits: dict, mod: tvm.IRModule):
+        super().__init__(mod)
+        self.edits = edits
+        self.emitted: list[tuple[relax.Expr, relax.Var]] = []  # multi-output fused calls, emitted once
+
+    def _emit_shared(self, call: relax.Expr) -> relax.Var:
+        for seen, var in self.emitted:
+            if seen.same_as(call):
+                return var
+        var = self.builder_.emit(self.visit_expr(call))
+        self.emitted.append((call, var))
+        return var
+
+    def visit_var_binding_(self, binding: relax.VarBinding) -> None:
+        value = self.edits.get(binding.var)
+        if value is None:
+            return super().visit_var_binding_(binding)
+        if isinstance(value, relax.TupleGetItem):
+            new_value = relax.TupleGetItem(self._emit_shared(value.tuple_value), value.index)
+        else:
+            new_value = self.visit_expr(value)
+        if isinstance(binding.var, relax.DataflowVar):
+            new_var = self.builder_.emit(new_value, name_hint=binding.var.name)
+        else:
+            new_var = self.builder_.emit_output(new_value, name_hint=binding.var.name)
+        self.set_var_remap(binding.var, new_var)
+
+
+def rewrite(mod: tvm.IRModule, edits: dict, *, pass_name: str, count: int, params: list | None = None) -> tvm.IRModule:
+    """Apply {var: new value} to main, drop what became unused, and record the rewrite count.
+
+    `params` replaces main's parameter list (a pass that adds batch-state inputs passes it).
+    """
+    func = main_function(mod)
+    if edits:
+        new_body = _Rewriter(edits, mod).visit_expr(func.body)
+        func = relax.Function(params if params is not None else func.params, new_body, func.ret_ty,
+                              func.is_pure, func.attrs, func.span)
+        func = relax.analysis.remove_all_unused(func)
+    mod = tvm.IRModule(dict(mod.functions_items()), attrs=mod.attrs)
+    mod["main"] = func
+    return record(mod, pass_name, count)
+
+
+def record(mod: tvm.IRModule, pass_name: str, count: int) -> tvm.IRModule:
+    rewrites = dict(rewrite_counts(mod))
+    rewrites[pass_name] = count
+    return mod.with_attr("llmc.rewrites", rewrites)
+
+
+def rewrite_counts(mod: tvm.IRModule) -> dict[str, int]:
+    attrs = mod.attrs
+    if attrs is None or "llmc.rewrites" not in attrs:
+        return {}
+    return {str(k): int(v) for k, v in attrs["llmc.rewrites"].items()}
