@@ -158,6 +158,19 @@ __global__ void racy_kernel(const float* x, float* y, int sync) {
   s[i] = -1.0f;  // makes a stale read visible too
 }
 
+#ifdef LLMC_SIMULATOR
+// ---- a fiber stack overflow (simulator only): a 1 MB local array in a 64 KB stack ----------------------
+__global__ void big_stack_kernel(float* y) {
+  volatile float big[256 * 1024];
+  for (int i = 0; i < 256 * 1024; i += 1024) big[i] = static_cast<float>(i);
+  y[threadIdx.x] = big[1024 * threadIdx.x];
+}
+extern "C" int stack_overflow(float* y) {
+  LLMC_LAUNCH(big_stack_kernel, 1, 32, 0, 0, y);
+  return cudaGetLastError();
+}
+#endif
+
 // ---- host entry points ---------------------------------------------------------------------------
 extern "C" {
 int block_reduce(const float* x, int rows, int n, int threads, float* out) {

@@ -8,6 +8,7 @@ for sm_80/89/90 to check that ptxas reports no spills.
 from __future__ import annotations
 
 import ctypes
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -37,15 +38,20 @@ def lib(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def kernels_so(lib):
+    return Path(lib._name)
+
+
+@pytest.fixture(scope="module")
 def faults_so(tmp_path_factory):
     return simulator.build_simulated([HERE / "faults.cu"], tmp_path_factory.mktemp("asan") / "faults.so", asan=True)
 
 
-def run_entry(so: Path, expr: str, env_extra: dict | None = None) -> subprocess.CompletedProcess:
-    """Runs `expr` (with `lib` = the loaded .so) in a fresh Python under ASan."""
-    env = simulator.asan_env()
+def run_entry(so: Path, expr: str, env_extra: dict | None = None, asan: bool = True) -> subprocess.CompletedProcess:
+    """Prints `expr` (with `lib` = the loaded .so) in a fresh Python, under ASan by default."""
+    env = simulator.asan_env() if asan else dict(os.environ)
     env.update(env_extra or {})
-    code = f"import ctypes; lib = ctypes.CDLL({str(so)!r}); lib.racy_sum.restype = ctypes.c_float; print({expr})"
+    code = f"import ctypes; lib = ctypes.CDLL({str(so)!r}); print({expr})"
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
 
 
@@ -238,8 +244,18 @@ def test_warp_lane_missing_is_reported(faults_so):
     assert "0x80000000" in r.stderr  # lane 31 is the one missing
 
 
+def test_fiber_stack_overflow_is_reported(kernels_so):
+    r = run_entry(kernels_so, "lib.stack_overflow((ctypes.c_float * 32)())", asan=False)
+    assert r.returncode != 0
+    assert "llmc_sim: error: fiber stack overflow" in r.stderr and "LLMC_SIM_STACK_KB" in r.stderr, r.stderr[-3000:]
+    r = run_entry(kernels_so, "lib.stack_overflow((ctypes.c_float * 32)())", {"LLMC_SIM_STACK_KB": "2048"},
+                  asan=False)
+    assert r.returncode == 0, r.stderr[-3000:]
+
+
 def test_seed_from_environment(faults_so):
-    sums = [run_entry(faults_so, "lib.racy_sum()", {"LLMC_SIM_SEED": str(s)}).stdout for s in (1, 2, 1)]
+    expr = "ctypes.CFUNCTYPE(ctypes.c_float)(('racy_sum', lib))()"
+    sums = [run_entry(faults_so, expr, {"LLMC_SIM_SEED": str(s)}).stdout for s in (1, 2, 1)]
     assert sums[0] == sums[2] and sums[0] != sums[1], sums
 
 
@@ -275,3 +291,11 @@ def test_nvcc_compiles_without_spills(tmp_path, arch):
         assert kernel in names
     spills = {k: (v.spill_stores, v.spill_loads) for k, v in res.items() if v.spill_stores or v.spill_loads}
     assert not spills
+
+
+def test_nvcc_host_code_compiles(tmp_path):
+    """LLMC_LAUNCH is `<<<>>>` under nvcc (with a parenthesized template-id too): compile the host side."""
+    cmd = [simulator.nvcc_path(), "-c", "-std=c++17", "-gencode=arch=compute_80,code=sm_80",
+           f"-I{simulator.INCLUDE_DIR}", str(HERE / "kernels.cu"), "-o", str(tmp_path / "kernels.o")]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr

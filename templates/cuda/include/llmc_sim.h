@@ -28,6 +28,7 @@
 #endif
 
 #include <ucontext.h>
+#include <signal.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -38,6 +39,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <memory>  // before __noinline__ is defined: shared_ptr_base.h spells __attribute__((__noinline__))
 #include <mutex>
 #include <tuple>
 #include <type_traits>
@@ -59,6 +61,8 @@
 #define __managed__
 #define __grid_constant__
 #define __forceinline__ inline
+#define __noinline__ __attribute__((noinline))
+#define __launch_bounds__(...)
 #define __shared__ static
 
 // <cuda_runtime.h> / <cuda_runtime_api.h> become no-ops (cuda_fp16.h would pull in the latter): this header
@@ -585,6 +589,56 @@ inline void launch_error(cudaError_t e, const char* fmt, ...) {
   std::fprintf(stderr, "\n");
 }
 
+// A fault in a fiber stack's guard page is a stack overflow: say so instead of a bare "Segmentation fault".
+// (ASan builds report it themselves.) Any other fault goes on to the handler that was there before.
+inline struct sigaction g_old_segv;
+inline bool g_segv_installed = false;
+inline void segv_handler(int, siginfo_t* info, void* uctx) {
+  const char* a = static_cast<const char*>(info->si_addr);
+  bool overflow = g.stacks && a >= g.stacks && a < g.stacks + g.stacks_len &&
+                  static_cast<size_t>(a - g.stacks) % g.stack_stride < g.stack_stride - g.stack_size;
+  if (g.in_kernel && g.cur >= 0) {  // a big frame jumps over the guard page: look at the stack pointer
+    const ucontext_t* uc = static_cast<const ucontext_t*>(uctx);
+    uintptr_t sp = 0;
+#if defined(__x86_64__)
+    sp = static_cast<uintptr_t>(uc->uc_mcontext.gregs[REG_RSP]);
+#elif defined(__aarch64__)
+    sp = static_cast<uintptr_t>(uc->uc_mcontext.sp);
+#endif
+    overflow |= sp && sp < reinterpret_cast<uintptr_t>(stack_of(g.cur));
+  }
+  if (overflow) {
+    char msg[300];
+    const int n = std::snprintf(msg, sizeof msg, "llmc_sim: error: fiber stack overflow in block (%u,%u,%u), thread "
+                                "(%u,%u,%u): the stack is %zu KB; raise it with LLMC_SIM_STACK_KB or "
+                                "llmc_sim_set_stack_size()\n", g_bid.x, g_bid.y, g_bid.z, g_tid.x, g_tid.y, g_tid.z,
+                                g.stack_size / 1024);
+    if (write(2, msg, static_cast<size_t>(n)) < 0) {}
+    signal(SIGABRT, SIG_DFL);
+    std::abort();
+  }
+  sigaction(SIGSEGV, &g_old_segv, nullptr);  // the fault repeats and reaches the previous handler
+  g_segv_installed = false;
+}
+inline void install_segv_handler() {
+#if !defined(LLMC_SIM_ASAN)
+  if (g_segv_installed) return;
+  stack_t cur;
+  if (sigaltstack(nullptr, &cur) == 0 && (cur.ss_flags & SS_DISABLE)) {  // the handler needs its own stack
+    static char alt[64 * 1024];
+    stack_t st{};
+    st.ss_sp = alt;
+    st.ss_size = sizeof alt;
+    sigaltstack(&st, nullptr);
+  }
+  struct sigaction sa{};
+  sa.sa_sigaction = segv_handler;
+  sa.sa_flags = SA_SIGINFO | SA_ONSTACK;
+  sigemptyset(&sa.sa_mask);
+  if (sigaction(SIGSEGV, &sa, &g_old_segv) == 0) g_segv_installed = true;
+#endif
+}
+
 inline void launch_impl(const void* kernel, dim3 grid, dim3 block, size_t smem, void (*invoke)(void*), void* args) {
   std::lock_guard<std::recursive_mutex> lock(g.launch_mutex);
   if (g.in_kernel) fatal("a kernel was launched from inside a kernel (not supported by the simulator)");
@@ -605,6 +659,7 @@ inline void launch_impl(const void* kernel, dim3 grid, dim3 block, size_t smem, 
   g.nthreads = static_cast<unsigned>(nthreads);
   if (g.th.size() < g.nthreads) g.th.resize(g.nthreads);
   ensure_stacks(g.nthreads);
+  install_segv_handler();
   g.invoke = invoke;
   g.args = args;
   g.dyn_smem_bytes = smem;
@@ -717,7 +772,7 @@ inline void __syncwarp(unsigned mask = 0xffffffffu, LLMC_SIM_SITE) {
 namespace llmc_sim {
 template <class T>
 inline T shfl(Op op, unsigned mask, T var, int v, int width, const char* file, int line) {
-  static_assert(std::is_trivially_copyable<T>::value && sizeof(T) <= 8, "shuffle of a type wider than 8 bytes");
+  static_assert(sizeof(T) <= 8, "shuffle of a type wider than 8 bytes");  // __half2 & co. are not trivially copyable
   uint64_t in = 0;
   std::memcpy(&in, &var, sizeof(T));
   uint64_t out = warp_op(op, mask, in, v, width, file, line);
@@ -934,6 +989,48 @@ inline float min(float a, float b) { return fminf(a, b); }
 inline float max(float a, float b) { return fmaxf(a, b); }
 inline double min(double a, double b) { return fmin(a, b); }
 inline double max(double a, double b) { return fmax(a, b); }
+
+// fp16 / bf16 math that CUDA's headers declare for the device only: computed in float, rounded once
+#define LLMC_SIM_HMATH(name, name2, expr)                                                        \
+  inline __half name(__half a) { const float x = __half2float(a); return __float2half(expr); }   \
+  inline __nv_bfloat16 name(__nv_bfloat16 a) {                                                   \
+    const float x = __bfloat162float(a);                                                         \
+    return __float2bfloat16(expr);                                                               \
+  }                                                                                              \
+  inline __half2 name2(__half2 a) {                                                              \
+    const float lo = [](float x) { return expr; }(__low2float(a));                               \
+    const float hi = [](float x) { return expr; }(__high2float(a));                              \
+    return __floats2half2_rn(lo, hi);                                                            \
+  }                                                                                              \
+  inline __nv_bfloat162 name2(__nv_bfloat162 a) {                                                \
+    const float lo = [](float x) { return expr; }(__low2float(a));                               \
+    const float hi = [](float x) { return expr; }(__high2float(a));                              \
+    return __floats2bfloat162_rn(lo, hi);                                                        \
+  }
+LLMC_SIM_HMATH(hexp, h2exp, expf(x))
+LLMC_SIM_HMATH(hexp2, h2exp2, exp2f(x))
+LLMC_SIM_HMATH(hlog, h2log, logf(x))
+LLMC_SIM_HMATH(hlog2, h2log2, log2f(x))
+LLMC_SIM_HMATH(hsqrt, h2sqrt, sqrtf(x))
+LLMC_SIM_HMATH(hrsqrt, h2rsqrt, 1.0f / sqrtf(x))
+LLMC_SIM_HMATH(hrcp, h2rcp, 1.0f / x)
+LLMC_SIM_HMATH(hsin, h2sin, sinf(x))
+LLMC_SIM_HMATH(hcos, h2cos, cosf(x))
+#undef LLMC_SIM_HMATH
+inline __half __hfma(__half a, __half b, __half c) {
+  return __float2half(fmaf(__half2float(a), __half2float(b), __half2float(c)));
+}
+inline __nv_bfloat16 __hfma(__nv_bfloat16 a, __nv_bfloat16 b, __nv_bfloat16 c) {
+  return __float2bfloat16(fmaf(__bfloat162float(a), __bfloat162float(b), __bfloat162float(c)));
+}
+inline __half2 __hfma2(__half2 a, __half2 b, __half2 c) {
+  return __floats2half2_rn(fmaf(__low2float(a), __low2float(b), __low2float(c)),
+                           fmaf(__high2float(a), __high2float(b), __high2float(c)));
+}
+inline __nv_bfloat162 __hfma2(__nv_bfloat162 a, __nv_bfloat162 b, __nv_bfloat162 c) {
+  return __floats2bfloat162_rn(fmaf(__low2float(a), __low2float(b), __low2float(c)),
+                               fmaf(__high2float(a), __high2float(b), __high2float(c)));
+}
 
 // ---------------------------------------------------------------------------------------------------
 // host runtime API on host memory
