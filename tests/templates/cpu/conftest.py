@@ -6,16 +6,20 @@ build_shared_library (cached), and returns {kernel_id: Kernel}. A Kernel is call
 arrays / ints / None in the order of the contract signature; dtypes and contiguity are checked.
 Each test module builds its whole grid in one g++ call, so the suite compiles ~7 times, not once
 per parameter combination.
+
+LLMC_TEST_MARCH=haswell (AVX2) or =x86-64 (portable fallback) builds the kernels for that ISA
+instead of -march=native, to test common.h's other SIMD paths on an AVX-512 host.
 """
 
 from __future__ import annotations
 
 import ctypes
+import os
 
 import numpy as np
 import pytest
 
-from llmc.compiler.codegen.build import build_shared_library
+from llmc.compiler.codegen.build import CPU_FLAGS, build_shared_library
 from llmc.compiler.codegen.render import kernel_id, render_kernel, template_file
 
 # docs/contracts.md, "Kernel templates": (argument, kind) per op. W* is float32 or bf16 (uint16).
@@ -77,6 +81,8 @@ def _trampoline(op: str, params: dict, kid: str) -> str:
 
 
 _built: dict[tuple, dict[str, Kernel]] = {}
+_MARCH = os.environ.get("LLMC_TEST_MARCH")
+FLAGS = [f"-march={_MARCH}" if f == "-march=native" and _MARCH else f for f in CPU_FLAGS]
 
 
 def build_kernels(specs) -> dict[str, Kernel]:
@@ -93,7 +99,7 @@ def build_kernels(specs) -> dict[str, Kernel]:
         parts.append(render_kernel("cpu", op, name=kid, **params))
         parts.append(_trampoline(op, params, kid))
     lib = ctypes.CDLL(str(build_shared_library({"common.h": template_file("cpu", "common.h"),
-                                                "kernels.cc": "".join(parts)})))
+                                                "kernels.cc": "".join(parts)}, flags=FLAGS)))
     _built[key] = {kid: Kernel(getattr(lib, f"test_{kid}"), op, p) for kid, (op, p) in seen.items()}
     return _built[key]
 
