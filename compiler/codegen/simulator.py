@@ -134,9 +134,9 @@ def build_simulated(sources: list[Path] | str, out_so: Path, *, asan: bool = Fal
     with tempfile.TemporaryDirectory(prefix="llmc-sim-") as tmp:
         srcs = _sources(sources, Path(tmp))
         parts: list[str | bytes] = [_tool_version(CXX), " ".join(flags)]
-        for s in srcs:  # the preprocessed text covers every included header
-            pre = _run([CXX, *flags, "-E", "-P", str(s), "-o", "-"], f"preprocessing {s.name}").stdout
-            parts.append(pre)
+        for s in srcs:  # the preprocessed text covers every included header; its line markers, the lines
+            pre = _run([CXX, *flags, "-E", str(s), "-o", "-"], f"preprocessing {s.name}").stdout
+            parts.append(pre.replace(str(s), s.name))  # the same file in another directory hits the cache
         cached = cache_dir() / f"sim-{_key(parts)}.so"
         if not cached.exists():
             built = Path(tmp) / "out.so"

@@ -19,8 +19,8 @@ __global__ void block_reduce_kernel(const float* x, int n, float* out) {
   }
 }
 
-// ---- warp shuffles and votes: 12 results per thread --------------------------------------------------
-constexpr int kWarpOut = 12;
+// ---- warp shuffles and votes, and the counting barriers: 15 results per thread --------------------------------------------------
+constexpr int kWarpOut = 15;
 __global__ void warp_ops_kernel(int* out) {
   const unsigned lane = threadIdx.x & 31u;
   int* o = out + threadIdx.x * kWarpOut;
@@ -38,6 +38,9 @@ __global__ void warp_ops_kernel(int* out) {
   o[9] = static_cast<int>((d - 0.5) / 1e10);
   o[10] = static_cast<int>(llmc::warp_sum(static_cast<float>(lane)));
   o[11] = static_cast<int>(llmc::warp_max(static_cast<float>((lane * 7) % 32)));
+  o[12] = __syncthreads_count(lane % 2);
+  o[13] = __syncthreads_and(threadIdx.x < 64) + 2 * __syncthreads_and(threadIdx.x != 3);
+  o[14] = __syncthreads_or(threadIdx.x == 5) + 2 * __syncthreads_or(0);
 }
 
 // ---- dynamic shared memory: reverse each block's slice --------------------------------------------

@@ -82,8 +82,8 @@ def test_block_reduction(lib):
         np.testing.assert_array_equal(out[1::2], x.max(axis=1))
 
 
-def test_warp_shuffles_and_votes(lib):
-    out = np.zeros((64, 12), np.int32)
+def test_warp_shuffles_votes_and_counting_barriers(lib):
+    out = np.zeros((64, 15), np.int32)
     assert lib.warp_ops(64, ptr(out)) == 0
     tid = np.arange(64)
     lane, base, v = tid % 32, tid - tid % 32, tid * 10
@@ -101,6 +101,9 @@ def test_warp_shuffles_and_votes(lib):
     exp[:, 9] = base + 31 - lane
     exp[:, 10] = 496
     exp[:, 11] = 31
+    exp[:, 12] = 32
+    exp[:, 13] = 1
+    exp[:, 14] = 1
     np.testing.assert_array_equal(out, exp)
 
 

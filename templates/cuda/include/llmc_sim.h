@@ -195,7 +195,6 @@ inline Thread& self() {
   if (!g.in_kernel || g.cur < 0) fatal("a device intrinsic was called outside a kernel launch");
   return g.th[g.cur];
 }
-inline unsigned lane_of(int i) { return static_cast<unsigned>(i) & 31u; }
 
 inline void ensure_stacks(size_t n) {
   size_t want = g.stack_request;
