@@ -17,8 +17,16 @@
 //   the same storage); they start zeroed and keep their values from block to block. The dynamic shared
 //   memory buffer (LLMC_DYNAMIC_SMEM) is filled with 0xFF bytes before every block, so reading dynamic
 //   shared memory the block did not write gives NaN / -1.
-// - Built with -fsanitize=address, fiber switches are annotated for ASan.
-// - cudaMalloc & co. work on host memory, so host code compiles unchanged. Launches are serialized.
+// - cp.async (llmc_device.cuh wrappers) reads its source at issue, fills the destination with 0xFF bytes,
+//   and writes the data only at the cp_async_wait that retires its group, so a read before the wait shows.
+// - mma.sync / ldmatrix gather the operands of all 32 lanes by the PTX fragment layouts; mma products are
+//   exact and summed in double (hardware differs in the last bits: compare with a tolerance).
+// - Built with -fsanitize=address, fiber switches are annotated for ASan. Fiber stacks are 64 KB (256 KB under
+//   ASan), or LLMC_SIM_STACK_KB / llmc_sim_set_stack_size(bytes); an overflow is reported as such.
+// - cudaMalloc & co. work on host memory, so host code compiles unchanged. Launches are serialized; a bad
+//   launch configuration sets the error that cudaGetLastError() returns, as on a GPU.
+// Build: compiler/codegen/simulator.py build_simulated() (g++ -x c++ -std=c++17 -O1 -DLLMC_SIMULATOR
+// -I templates/cuda/include -I <cuda>/include -fPIC -shared).
 // Limits: no preemption between sync points (a thread spinning on a value another thread of the block
 // writes must call __nanosleep in the loop, or it hangs); no inter-block waiting; memory visibility is
 // sequentially consistent (weak-memory bugs other than missing barriers are not exposed).
