@@ -988,6 +988,10 @@ inline unsigned min(int a, unsigned b) { return min(static_cast<unsigned>(a), b)
 inline unsigned max(int a, unsigned b) { return max(static_cast<unsigned>(a), b); }
 inline unsigned min(unsigned a, int b) { return min(a, static_cast<unsigned>(b)); }
 inline unsigned max(unsigned a, int b) { return max(a, static_cast<unsigned>(b)); }
+inline long min(long a, long b) { return a < b ? a : b; }
+inline long max(long a, long b) { return a > b ? a : b; }
+inline unsigned long min(unsigned long a, unsigned long b) { return a < b ? a : b; }
+inline unsigned long max(unsigned long a, unsigned long b) { return a > b ? a : b; }
 inline long long min(long long a, long long b) { return a < b ? a : b; }
 inline long long max(long long a, long long b) { return a > b ? a : b; }
 inline unsigned long long min(unsigned long long a, unsigned long long b) { return a < b ? a : b; }
