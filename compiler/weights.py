@@ -1,0 +1,197 @@
+"""Packed weights: the artifact's `weights.safetensors`, written by streaming one tensor at a time.
+
+A packed tensor (`WeightSpec`) is the concatenation along dim 0 of one or more checkpoint tensors (q/k/v
+merged into one qkv weight, gate/up into one), stored as float32 or bfloat16. The file is a plain
+safetensors file (`safetensors.safe_open` reads it), laid out for the generated module, which mmaps it and
+finds each tensor at a byte offset fixed at compile time:
+
+    [8-byte header length][JSON header, space-padded][data: tensor, pad, tensor, pad, ...]
+
+- The header is computed from the specs alone (every size is known), so it is written first and the data
+  follows in one sequential pass. Each source tensor is read (mmapped, `Checkpoint.tensor`), converted in
+  row chunks and written, then dropped: the model is never held in memory twice, and a 2 GB embedding
+  converts through a ~64 MiB buffer.
+- The data region starts at a 64-byte boundary, and so does every tensor: safetensors allows no gaps
+  between tensors, so a gap is filled by a small uint8 tensor named `__pad__.<n>` (ignored by llmc; not in
+  the returned offsets). 64 bytes is a cache line and one AVX-512 vector.
+- The sha256 of the written file is computed while writing; `known_sha256` hands it to the artifact
+  writer, which so never reads the weights back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from llmc.errors import CompileError
+
+ALIGN = 64
+_CHUNK_BYTES = 64 << 20  # conversion buffer for one slab of rows
+_DTYPES = {"float32": (torch.float32, "F32", 4), "bfloat16": (torch.bfloat16, "BF16", 2)}
+PAD_PREFIX = "__pad__."
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightSpec:
+    name: str
+    sources: tuple[str, ...]  # checkpoint tensor names, concatenated along dim 0 in this order
+    dtype: str  # "float32" | "bfloat16"
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * _DTYPES[self.dtype][2]
+
+
+def _align(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def _source_shapes(ckpt, spec: WeightSpec) -> list[tuple[int, ...]]:
+    """Shapes of the spec's sources, from the config (no file is read); checks they pack into spec.shape."""
+    if spec.dtype not in _DTYPES:
+        raise CompileError(f"packed weight {spec.name!r}: dtype {spec.dtype!r}", "use float32 or bfloat16")
+    if not spec.sources:
+        raise CompileError(f"packed weight {spec.name!r} has no sources")
+    expected = ckpt.config.weight_shapes()
+    shapes = []
+    for src in spec.sources:
+        if src not in ckpt.tensor_files:
+            raise CompileError(f"packed weight {spec.name!r}: the checkpoint has no tensor {src!r}")
+        shapes.append(tuple(expected[src]) if src in expected else None)
+    known = [s for s in shapes if s is not None]
+    if len(known) == len(shapes):
+        rows = sum(s[0] for s in known)
+        if any(s[1:] != known[0][1:] for s in known) or (rows, *known[0][1:]) != tuple(spec.shape):
+            raise CompileError(
+                f"packed weight {spec.name!r}: sources {list(spec.sources)} have shapes {[list(s) for s in known]}, "
+                f"which do not concatenate along dim 0 into {list(spec.shape)}"
+            )
+    return shapes
+
+
+def plan_layout(specs: list[WeightSpec]) -> tuple[bytes, dict[str, tuple[int, int]], list[tuple[str | None, int]]]:
+    """The header bytes (length prefix included), name -> (absolute offset, nbytes), and the write order.
+
+    The write order is a list of (spec name or None for padding, nbytes).
+    """
+    names = [s.name for s in specs]
+    if len(set(names)) != len(names):
+        dup = sorted({n for n in names if names.count(n) > 1})
+        raise CompileError(f"packed weights: duplicate names {dup}")
+    entries: dict[str, dict] = {}
+    rel: dict[str, tuple[int, int]] = {}
+    order: list[tuple[str | None, int]] = []
+    pos = 0
+    for spec in specs:
+        if spec.name.startswith(PAD_PREFIX) or spec.name == "__metadata__":
+            raise CompileError(f"packed weight name {spec.name!r} is reserved")
+        gap = _align(pos) - pos
+        if gap:
+            entries[f"{PAD_PREFIX}{len(order)}"] = {"dtype": "U8", "shape": [gap], "data_offsets": [pos, pos + gap]}
+            order.append((None, gap))
+            pos += gap
+        n = spec.nbytes
+        entries[spec.name] = {"dtype": _DTYPES[spec.dtype][1], "shape": list(spec.shape), "data_offsets": [pos, pos + n]}
+        rel[spec.name] = (pos, n)
+        order.append((spec.name, n))
+        pos += n
+    meta = {"__metadata__": {"format": "llmc-packed", "alignment": str(ALIGN)}}
+    header = json.dumps({**meta, **entries}, separators=(",", ":")).encode()
+    header += b" " * (_align(8 + len(header)) - 8 - len(header))
+    prefix = len(header).to_bytes(8, "little") + header
+    data_start = len(prefix)
+    assert data_start % ALIGN == 0
+    return prefix, {k: (data_start + off, n) for k, (off, n) in rel.items()}, order
+
+
+# sha256 of files this process wrote, keyed by path and checked against the file's identity
+_known_digests: dict[str, tuple[tuple[int, int, int], str]] = {}
+
+
+def _identity(path: Path) -> tuple[int, int, int]:
+    st = os.stat(path)
+    return st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def known_sha256(path: Path) -> str | None:
+    """The sha256 of a file `write_packed_weights` wrote, if it is unchanged since (else None)."""
+    entry = _known_digests.get(os.path.realpath(path))
+    if entry is None:
+        return None
+    try:
+        return entry[1] if _identity(path) == entry[0] else None
+    except OSError:
+        return None
+
+
+def write_packed_weights(
+    ckpt, specs: list[WeightSpec], path: Path, progress: Callable[[int], None] | None = None
+) -> dict[str, tuple[int, int]]:
+    """Stream the packed weights to `path`; returns name -> (absolute byte offset of the data, nbytes).
+
+    progress(n_bytes) is called as data is written (the sum over the calls is the data size).
+    """
+    path = Path(path)
+    shapes = {spec.name: _source_shapes(ckpt, spec) for spec in specs}
+    prefix, offsets, order = plan_layout(specs)
+    by_name = {s.name: s for s in specs}
+    digest = hashlib.sha256(prefix)
+    tmp = path.with_name(path.name + ".partial")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(prefix)
+            for name, nbytes in order:
+                if name is None:
+                    pad = bytes(nbytes)
+                    f.write(pad)
+                    digest.update(pad)
+                    continue
+                written = _write_spec(ckpt, by_name[name], shapes[name], f, digest, progress)
+                if written != nbytes:  # shapes unknown to the config that did not add up
+                    raise CompileError(
+                        f"packed weight {name!r}: sources {list(by_name[name].sources)} hold {written} bytes "
+                        f"as {by_name[name].dtype}, but shape {list(by_name[name].shape)} needs {nbytes}"
+                    )
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _known_digests[os.path.realpath(path)] = (_identity(path), digest.hexdigest())
+    return offsets
+
+
+def _write_spec(ckpt, spec: WeightSpec, shapes, f, digest, progress) -> int:
+    torch_dtype, _, width = _DTYPES[spec.dtype]
+    total = 0
+    for src, shape in zip(spec.sources, shapes):
+        t = ckpt.tensor(src)
+        if shape is None and tuple(t.shape[1:]) != tuple(spec.shape[1:]):
+            raise CompileError(
+                f"packed weight {spec.name!r}: source {src!r} has shape {list(t.shape)}, "
+                f"which does not stack into {list(spec.shape)}"
+            )
+        if t.dim() == 0:
+            t = t.reshape(1)
+        row_bytes = max(1, math.prod(t.shape[1:]) * width)
+        step = max(1, _CHUNK_BYTES // row_bytes)
+        for start in range(0, t.shape[0], step):
+            chunk = t[start : start + step].to(torch_dtype).contiguous()
+            if torch_dtype == torch.bfloat16:
+                chunk = chunk.view(torch.int16)
+            buf = memoryview(chunk.numpy()).cast("B")
+            f.write(buf)
+            digest.update(buf)
+            total += len(buf)
+            if progress is not None:
+                progress(len(buf))
+            del chunk, buf
+        del t
+    return total
