@@ -1,0 +1,186 @@
+"""compiler/artifact.py: atomic writes, hash checks, version and target checks."""
+
+import json
+import os
+
+import pytest
+
+from llmc import __version__
+from llmc.compiler import artifact as art
+from llmc.compiler.frontend.checkpoint import load_checkpoint
+from llmc.errors import ArtifactError
+
+
+@pytest.fixture(scope="module")
+def config(checkpoint_dir):
+    return load_checkpoint(checkpoint_dir("llama")).config
+
+
+def _populate(config, target="cpu", fail=False):
+    def populate(tmp):
+        (tmp / "model.so").write_bytes(b"\x7fELF not really")
+        (tmp / ("model.cu" if target != "cpu" else "model.cc")).write_text("// generated\n")
+        (tmp / "weights.safetensors").write_bytes(b"w" * 100)
+        (tmp / "tokenizer.json").write_text("{}")
+        if fail:
+            raise RuntimeError("populate failed half-way")
+        return {
+            "target": {"name": target, "cflags": ["-O3"]},
+            "model_config": config,
+            "weight_dtype": "float32",
+            "kernels": [{"id": "k0", "template": "rmsnorm", "params": {"hidden": 64}, "tuning_source": "default"}],
+            "passes": {"fuse_rmsnorm": 3, "fuse_rope": 0},
+            "buffer_plan": {"bytes": 4096},
+            "tokenizer": {"chat_template": "{{x}}", "bos_token": "<s>", "eos_token": "</s>"},
+        }
+
+    return populate
+
+
+def _rewrite_manifest(path, **changes):
+    m = json.loads((path / "manifest.json").read_text())
+    m.update(changes)
+    (path / "manifest.json").write_text(json.dumps(m))
+
+
+def test_write_and_load(tmp_path, config):
+    out = art.write_artifact(tmp_path / "a.cpu", _populate(config))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.cpu"], "no temporary dir may stay behind"
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["magic"] == "llmc-artifact" and m["format_version"] == 1 and m["abi_version"] == 1
+    assert m["compiler_version"] == __version__ and m["quantization"] == "none"
+    assert m["target"]["name"] == "cpu" and m["target"]["cflags"] == ["-O3"]
+    assert m["target"]["isa"] == art.host_cpu_isa(), "a cpu target records this host's ISA"
+    assert set(m["files"]) == {"model.so", "model.cc", "weights.safetensors", "tokenizer.json"}
+    a = art.load_artifact(out)
+    assert a.config == config and a.chat_template == "{{x}}" and a.eos_token == "</s>"
+    assert a.library_path == out / "model.so" and a.source_path == out / "model.cc"
+
+
+def test_failed_populate_leaves_nothing(tmp_path, config):
+    with pytest.raises(RuntimeError, match="half-way"):
+        art.write_artifact(tmp_path / "a.cpu", _populate(config, fail=True))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_failed_rewrite_keeps_the_old_artifact(tmp_path, config):
+    out = art.write_artifact(tmp_path / "a.cpu", _populate(config))
+    before = (out / "manifest.json").read_text()
+    with pytest.raises(RuntimeError):
+        art.write_artifact(out, _populate(config, fail=True))
+    assert (out / "manifest.json").read_text() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.cpu"]
+
+
+def test_replace_existing_artifact(tmp_path, config):
+    out = art.write_artifact(tmp_path / "a.cpu", _populate(config))
+    (out / "stale.txt").write_text("old")
+    art.write_artifact(out, _populate(config))
+    assert not (out / "stale.txt").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.cpu"]
+    art.load_artifact(out)
+
+
+def test_refuses_to_replace_a_non_artifact(tmp_path, config):
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep me")
+    with pytest.raises(ArtifactError, match="not an llmc artifact"):
+        art.write_artifact(tmp_path / "mine", _populate(config))
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
+
+
+@pytest.mark.parametrize("name", ["weights.safetensors", "model.so", "tokenizer.json"])
+def test_corrupt_file_is_named(tmp_path, config, name):
+    out = art.write_artifact(tmp_path / "a.cpu", _populate(config))
+    with open(out / name, "r+b") as f:
+        f.write(b"X")
+    with pytest.raises(ArtifactError, match=rf"{name} is corrupt.*recompile"):
+        art.load_artifact(out)
+    art.load_artifact(out, verify=False)  # inspect can still read it
+
+
+def test_missing_file_is_named(tmp_path, config):
+    out = art.write_artifact(tmp_path / "a.cpu", _populate(config))
+    os.remove(out / "weights.safetensors")
+    with pytest.raises(ArtifactError, match="weights.safetensors is missing"):
+        art.load_artifact(out)
+
+
+@pytest.mark.parametrize("key", ["format_version", "abi_version"])
+def test_version_mismatch(tmp_path, config, key):
+    out = art.write_artifact(tmp_path / "a.cpu", _populate(config))
+    _rewrite_manifest(out, **{key: 99})
+    with pytest.raises(ArtifactError, match=rf"{key.replace('_', ' ')} 99.*reads version 1.*llmc compile CHECKPOINT --target cpu -o"):
+        art.load_artifact(out)
+
+
+def test_not_an_artifact(tmp_path, checkpoint_dir):
+    with pytest.raises(ArtifactError, match="no such artifact"):
+        art.load_artifact(tmp_path / "nope")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ArtifactError, match="no manifest.json"):
+        art.load_artifact(tmp_path / "empty")
+    with pytest.raises(ArtifactError, match="is a checkpoint.*llmc compile"):
+        art.load_artifact(checkpoint_dir("llama"))
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "manifest.json").write_text("{not json")
+    with pytest.raises(ArtifactError, match="corrupt manifest"):
+        art.load_artifact(tmp_path / "bad")
+    (tmp_path / "bad" / "manifest.json").write_text('{"magic": "other"}')
+    with pytest.raises(ArtifactError, match="not an llmc artifact manifest"):
+        art.load_artifact(tmp_path / "bad")
+
+
+def test_cpu_isa_mismatch(tmp_path, config):
+    out = art.write_artifact(tmp_path / "a.cpu", _populate(config))
+    m = json.loads((out / "manifest.json").read_text())
+    _rewrite_manifest(out, target={**m["target"], "isa": m["target"]["isa"] + ["avx9000_quantum"]})
+    with pytest.raises(ArtifactError, match="built for another CPU.*avx9000_quantum.*recompile"):
+        art.load_artifact(out)
+    art.load_artifact(out, check_target=False)
+    _rewrite_manifest(out, target={**m["target"], "machine": "vax"})
+    with pytest.raises(ArtifactError, match=r"built for another CPU \(vax"):
+        art.load_artifact(out)
+
+
+def test_host_cpu_isa_parses_cpuinfo(tmp_path):
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nflags\t\t: fpu sse sse2 sse4_1 avx avx2 hypervisor avx512f fma tsc\n\n")
+    assert art.host_cpu_isa(str(info)) == ["avx", "avx2", "avx512f", "fma", "sse", "sse2", "sse4_1"]
+    info.write_text("processor\t: 0\nFeatures\t: fp asimd evtstrm aes sve\n")
+    assert art.host_cpu_isa(str(info)) == ["aes", "asimd", "sve"]
+    assert art.host_cpu_isa(str(tmp_path / "none")) == []
+
+
+def test_cuda_target_manifest(tmp_path, config):
+    out = art.write_artifact(tmp_path / "a.sm90", _populate(config, target="sm90"))
+    a = art.load_artifact(out)
+    assert a.is_cuda and a.source_path.name == "model.cu" and "isa" not in a.target
+
+
+def test_unknown_target(tmp_path, config):
+    pop = _populate(config)
+
+    def bad(tmp):
+        return {**pop(tmp), "target": {"name": "tpu"}}
+
+    with pytest.raises(ArtifactError, match="tpu"):
+        art.write_artifact(tmp_path / "a", bad)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_checkpoint_hash(tmp_path, checkpoint_dir):
+    import shutil
+
+    src = checkpoint_dir("mistral")  # sharded
+    h = art.checkpoint_hash(src)
+    copy = tmp_path / "copy"
+    shutil.copytree(src, copy)
+    assert art.checkpoint_hash(copy) == h, "the hash depends on contents, not on the path"
+    shard = sorted(copy.glob("*.safetensors"))[-1]
+    with open(shard, "r+b") as f:
+        f.seek(-1, 2)
+        b = f.read(1)
+        f.seek(-1, 2)
+        f.write(bytes([b[0] ^ 1]))
+    assert art.checkpoint_hash(copy) != h
