@@ -1,0 +1,154 @@
+"""The chat REPL with scripted stdin, and the chat template rendering it shares with the server."""
+
+import dataclasses
+import io
+
+import pytest
+from runtime_fakes import FakeConfig, FakeModel, byte_level_bpe
+
+from llmc.errors import ArtifactError, RequestError
+from llmc.runtime.chat import run_chat
+from llmc.runtime.chat_template import NO_TEMPLATE_NOTICE, chat_prompt_ids, render_chat
+from llmc.runtime.engine import LLMEngine
+from llmc.runtime.sampling import SamplingParams
+
+TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+PARAMS = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class Config(FakeConfig):
+    bos_token_id: int = 0
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return byte_level_bpe()
+
+
+@pytest.fixture(scope="module")
+def config(tok):
+    return Config(vocab_size=tok.get_vocab_size(), max_position_embeddings=256)
+
+
+def new_engine(tok, config):
+    return LLMEngine(FakeModel(config, num_blocks=64, block_size=8), tok, seed=0)
+
+
+class Recorder(io.StringIO):
+    """stdout that remembers each write, to see the reply arrive in pieces."""
+
+    def __init__(self):
+        super().__init__()
+        self.writes = []
+
+    def write(self, s):
+        self.writes.append(s)
+        return super().write(s)
+
+
+def reply_for(tok, config, messages, template=TEMPLATE):
+    ids = chat_prompt_ids(tok, template, messages, "<s>", "</s>")
+    return new_engine(tok, config).generate([ids], PARAMS)[0].outputs[0].text
+
+
+def test_conversation_history_reset_and_exit(tok, config):
+    out = Recorder()
+    script = "hello there\nand the fox?\n/reset\n\nhello there\n/exit\nnever read\n"
+    history = run_chat(new_engine(tok, config), tok, TEMPLATE, PARAMS, input=io.StringIO(script), output=out)
+
+    first = reply_for(tok, config, [{"role": "user", "content": "hello there"}])
+    second = reply_for(tok, config, [{"role": "user", "content": "hello there"}, {"role": "assistant", "content": first},
+                                     {"role": "user", "content": "and the fox?"}])  # fmt: skip
+    assert first and second and first != second
+    text = out.getvalue()
+    assert text.count(first + "\n") >= 2  # the same answer after /reset: the history was cleared
+    assert second + "\n" in text
+    assert "(new conversation)" in text
+    assert history == [{"role": "user", "content": "hello there"}, {"role": "assistant", "content": first}]
+    # streamed: the reply arrived in several writes, not one
+    assert sum(1 for w in out.writes if w and w in first) > 3
+    assert ">>>" not in text  # no prompt when stdin is not a terminal
+
+
+def test_end_of_input_quits_and_system_prompt(tok, config):
+    out = io.StringIO()
+    history = run_chat(new_engine(tok, config), tok, TEMPLATE, PARAMS, input=io.StringIO("hi"), output=out,
+                       system_prompt="be brief")  # fmt: skip
+    want = reply_for(tok, config, [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}])
+    assert history[-1] == {"role": "assistant", "content": want}
+    assert out.getvalue().endswith(want + "\n")
+
+
+def test_no_template_falls_back_to_a_transcript_and_says_so_once(tok, config):
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}, {"role": "user", "content": "x"}]
+    assert render_chat(None, messages, "<s>") == "<s>user: hi\nassistant: yo\nuser: x\nassistant:"
+    out = io.StringIO()
+    run_chat(new_engine(tok, config), tok, None, PARAMS, input=io.StringIO("hi\nagain\n"), output=out)
+    assert out.getvalue().count(NO_TEMPLATE_NOTICE) == 1
+    want = reply_for(tok, config, [{"role": "user", "content": "hi"}], template=None)
+    assert want + "\n" in out.getvalue()
+
+
+def test_a_too_long_turn_is_reported_and_the_chat_goes_on(tok, config):
+    out = io.StringIO()
+    script = "z" * 400 + "\nhello there\n"
+    history = run_chat(new_engine(tok, config), tok, TEMPLATE, PARAMS, input=io.StringIO(script), output=out)
+    assert "error: the prompt has" in out.getvalue() and "/reset" in out.getvalue()
+    assert [m["role"] for m in history] == ["user", "assistant"] and history[0]["content"] == "hello there"
+
+
+def test_template_rendering_like_transformers():
+    template = (
+        "{% for m in messages %}{% if m['role'] == 'user' %}[U]{{ m['content'] | trim }}"
+        "{% elif m['role'] == 'assistant' %}[A]{{ m['content'] }}{{ eos_token }}"
+        "{% else %}{{ raise_exception('bad role ' + m['role']) }}{% endif %}\n{% endfor %}"
+        "{% if add_generation_prompt %}[A]{% endif %}{{ {'k': 'é'} | tojson }}"
+    )
+    messages = [{"role": "user", "content": " hi "}, {"role": "assistant", "content": "yo"}]
+    # trim_blocks: the newline after a block tag goes, as in transformers
+    assert render_chat(template, messages, "<s>", "</s>") == '[U]hi[A]yo</s>[A]{"k": "é"}'
+    assert render_chat(template, messages, "<s>", "</s>", add_generation_prompt=False) == '[U]hi[A]yo</s>{"k": "é"}'
+    with pytest.raises(RequestError, match="bad role tool"):
+        render_chat(template, [{"role": "tool", "content": "x"}])
+    with pytest.raises(ArtifactError, match="does not parse"):
+        render_chat("{% for %}", messages)
+    # HF may store several named templates
+    assert render_chat([{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D"}], messages) == "D"
+
+
+LLAMA3 = (
+    "{% set loop_messages = messages %}{% for message in loop_messages %}"
+    "{% set content = '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'+ message['content'] | trim"
+    " + '<|eot_id|>' %}{% if loop.index0 == 0 %}{% set content = bos_token + content %}{% endif %}{{ content }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
+)
+MISTRAL = """{{ bos_token }}
+{%- for message in messages %}
+    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}
+        {{- raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}
+    {%- endif %}
+    {%- if message['role'] == 'user' %}
+        {{- ' [INST] ' + message['content'] + ' [/INST]' }}
+    {%- else %}
+        {{- ' ' + message['content'] + eos_token }}
+    {%- endif %}
+{%- endfor %}
+"""
+
+
+@pytest.mark.parametrize("template", [LLAMA3, MISTRAL, TEMPLATE], ids=["llama3", "mistral", "simple"])
+def test_render_chat_equals_transformers(template):
+    cu = pytest.importorskip("transformers.utils.chat_template_utils")
+    messages = [{"role": "user", "content": "  hi é 🙂 "}, {"role": "assistant", "content": "yo\n"},
+                {"role": "user", "content": "and then?"}]  # fmt: skip
+    for add in (True, False):
+        (want,), _ = cu.render_jinja_template([messages], chat_template=template, add_generation_prompt=add,
+                                               bos_token="<s>", eos_token="</s>")  # fmt: skip
+        assert render_chat(template, messages, "<s>", "</s>", add_generation_prompt=add) == want
+    if template is MISTRAL:
+        with pytest.raises(RequestError, match="roles must alternate"):
+            render_chat(template, messages[:1] * 2, "<s>", "</s>")
