@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
+import math
+import os
 import sys
+import time
 from pathlib import Path
 
 import click
@@ -59,10 +64,270 @@ def export(model: Path, fmt: str, output: Path) -> None:
     click.echo(f"wrote {output}")
 
 
+@main.command("compile")
+@click.argument("model", type=click.Path(path_type=Path))
+@click.option("--target", type=click.Choice(["cpu", "sm80", "sm89", "sm90"]), default="cpu", show_default=True,
+              help="The machine to build for: this host's CPU, or an NVIDIA GPU generation.")
+@click.option("-o", "--output", type=click.Path(path_type=Path), required=True, help="Artifact directory to write.")
+@click.option("--dtype", "weight_dtype", type=click.Choice(["auto", "float32", "bfloat16"]), default="auto",
+              show_default=True, help="Weight dtype in the artifact (auto: the checkpoint's).")
+def compile_cmd(model: Path, target: str, output: Path, weight_dtype: str) -> None:
+    """Compile MODEL (a Hugging Face checkpoint dir) into an artifact for TARGET."""
+    out = _compile_checkpoint()(model, target=target, output=output, weight_dtype=weight_dtype, progress=True)
+    click.echo(f"wrote {out}")
+
+
+def _compile_checkpoint():
+    try:
+        from .compiler.compile import compile_checkpoint
+    except ModuleNotFoundError as e:
+        if e.name != "llmc.compiler.compile":
+            raise
+        from .errors import CompileError
+
+        raise CompileError("the compiler core (llmc.compiler.compile) is not in this build", "update llmc") from None
+    return compile_checkpoint
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Artifacts from checkpoints, cached: `llmc run` with no argument or with a checkpoint dir
+
+DEFAULT_PROMPT = "The list type"
+DEFAULT_MAX_TOKENS = 64
+
+
+def _examples_dir() -> Path:
+    from . import examples
+
+    return Path(examples.__file__).resolve().parent
+
+
+def bundled_checkpoint() -> Path:
+    """The checkpoint shipped in llmc/examples (the one dir there with a config.json)."""
+    root = _examples_dir()
+    found = sorted(p.parent for p in root.glob("*/config.json"))
+    if not found:
+        raise LlmcError(f"no bundled model found in {root}", "pass an artifact or a checkpoint: llmc run PATH")
+    return found[0]
+
+
+def _cached_checkpoint_hash(ckpt: Path) -> str:
+    """checkpoint_hash, remembered per directory while its files' sizes and mtimes stay the same."""
+    from .compiler.artifact import cache_root, checkpoint_hash
+
+    ckpt = ckpt.resolve()
+    stamp = [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in sorted(ckpt.iterdir()) if p.is_file()]
+    memo_path = cache_root() / "checkpoint-hashes.json"
+    try:
+        memo = json.loads(memo_path.read_text())
+    except (OSError, ValueError):
+        memo = {}
+    entry = memo.get(str(ckpt))
+    if isinstance(entry, dict) and entry.get("stamp") == stamp:
+        return entry["hash"]
+    digest = checkpoint_hash(ckpt)
+    memo[str(ckpt)] = {"stamp": stamp, "hash": digest}
+    with contextlib.suppress(OSError):
+        memo_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = memo_path.with_name(f"{memo_path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(memo))
+        os.replace(tmp, memo_path)
+    return digest
+
+
+def cached_artifact(ckpt: Path) -> Path:
+    """A CPU artifact of checkpoint `ckpt`, compiled once into the cache and reused while it is unchanged.
+
+    Key: the checkpoint's hash, the compiler version and this host's CPU (a cache shared across hosts
+    never hands out an artifact built for another ISA).
+    """
+    import fcntl
+    import hashlib
+
+    from .compiler.artifact import cache_root, host_cpu_target
+
+    isa = hashlib.sha256(json.dumps(host_cpu_target(), sort_keys=True).encode()).hexdigest()[:8]
+    key = f"{_cached_checkpoint_hash(ckpt)[:24]}-llmc{__version__}-cpu-{isa}"
+    root = cache_root() / "artifacts"
+    out = root / key
+    if (out / "manifest.json").is_file():
+        return out
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / f"{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one compile per key; others wait and reuse it
+        if not (out / "manifest.json").is_file():
+            click.echo(f"compiling {ckpt} for this CPU (once; cached in {out})", err=True)
+            _compile_checkpoint()(ckpt, target="cpu", output=out, weight_dtype="auto", progress=True)
+    return out
+
+
+def _resolve_artifact(path: Path | None) -> Path:
+    if path is None:
+        return cached_artifact(bundled_checkpoint())
+    if path.is_dir() and not (path / "manifest.json").exists() and (path / "config.json").is_file():
+        return cached_artifact(path)
+    return path  # an artifact, or load_artifact says what is wrong with it
+
+
+def _load_model(path: Path, kv_cache_memory: str | None, **kw):
+    from .runtime.module import CompiledModel, load_tokenizer
+
+    model = CompiledModel.load(path, kv_cache_memory=kv_cache_memory, **kw)
+    return model, load_tokenizer(model.tokenizer_path)
+
+
+def _check_simulate(path: Path) -> None:
+    from .compiler.artifact import CUDA_TARGETS, read_manifest
+    from .errors import ArtifactError
+
+    target = (read_manifest(path).get("target") or {}).get("name")
+    if target not in CUDA_TARGETS:
+        raise ArtifactError(f"{path}: --simulate needs a CUDA-target artifact (sm80/sm89/sm90); this one is built for "
+                            f"{target}", "run it without --simulate, or compile with --target sm90")  # fmt: skip
+    raise LlmcError("running a CUDA artifact under the simulator is not supported yet")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# run
+
+
+@main.command()
+@click.argument("artifact", required=False, type=click.Path(path_type=Path))
+@click.option("--prompt", help="Text to continue. Default: stdin when piped; the bundled model's demo prompt.")
+@click.option("--max-tokens", type=click.IntRange(min=1), default=DEFAULT_MAX_TOKENS, show_default=True)
+@click.option("--temperature", type=float, default=0.0, show_default=True, help="0 is greedy.")
+@click.option("--top-p", type=float, default=1.0, show_default=True)
+@click.option("--top-k", type=int, default=0, show_default=True, help="0 is off.")
+@click.option("--seed", type=int, default=None)
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object (token ids, text, timings).")
+@click.option("--simulate", is_flag=True, help="Run a CUDA-target artifact under the CUDA simulator.")
+@click.option("--kv-cache-memory", default=None, help="KV cache size, e.g. 1GiB (default: 20% of free memory).")
+def run(artifact: Path | None, prompt: str | None, max_tokens: int, temperature: float, top_p: float, top_k: int,
+        seed: int | None, as_json: bool, simulate: bool, kv_cache_memory: str | None) -> None:  # fmt: skip
+    """Generate from ARTIFACT (a compiled artifact or a checkpoint dir; default: the bundled model).
+
+    A checkpoint is compiled for this CPU once and cached ($LLMC_CACHE_DIR, else ~/.cache/llmc).
+    """
+    from .runtime.engine import LLMEngine
+    from .runtime.sampling import SamplingParams
+
+    if prompt is None and artifact is not None and sys.stdin.isatty():
+        raise LlmcError("interactive chat is not available yet", "pass --prompt TEXT, or pipe the prompt on stdin")
+    params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, max_tokens=max_tokens)
+    if simulate:
+        if artifact is None or not (artifact / "manifest.json").is_file():
+            raise LlmcError("--simulate needs a CUDA-target artifact (sm80/sm89/sm90)",
+                            "compile one: llmc compile CHECKPOINT --target sm90 -o OUT")  # fmt: skip
+        _check_simulate(artifact)
+    path = _resolve_artifact(artifact)
+    if prompt is None:
+        prompt = DEFAULT_PROMPT if artifact is None else sys.stdin.read()
+        if not prompt:
+            raise LlmcError("no prompt given", "pass --prompt TEXT, or pipe the prompt on stdin")
+        if artifact is None and not as_json:
+            click.echo(f"prompt: {prompt!r}", err=True)
+    model, tokenizer = _load_model(path, kv_cache_memory, max_num_seqs=1)
+    with model:
+        engine = LLMEngine(model, tokenizer)
+        prompt_ids = tokenizer.encode(prompt).ids
+        engine.add_request(prompt_ids, params)
+        token_ids: list[int] = []
+        text, first, finish = [], None, None
+        start = time.perf_counter()
+        while engine.has_unfinished():
+            for out in engine.step():
+                if first is None:
+                    first = time.perf_counter()
+                token_ids += out.new_token_ids
+                text.append(out.new_text)
+                finish = out.finish_reason or finish
+                if not as_json and out.new_text:
+                    click.echo(out.new_text, nl=False)
+                    sys.stdout.flush()
+        end = time.perf_counter()
+    first = first or end
+    timings = {
+        "prefill_ms": round((first - start) * 1e3, 3),
+        "decode_tokens_per_s": round((len(token_ids) - 1) / (end - first), 2) if len(token_ids) > 1 and end > first
+        else 0.0,
+        "total_ms": round((end - start) * 1e3, 3),
+    }  # fmt: skip
+    if as_json:
+        click.echo(json.dumps({"prompt_token_ids": prompt_ids, "token_ids": token_ids, "text": "".join(text),
+                               "finish_reason": finish, "timings": timings}))  # fmt: skip
+    else:
+        click.echo()
+        click.echo(f"[{len(prompt_ids)} prompt tokens, {len(token_ids)} generated ({finish}); prefill "
+                   f"{timings['prefill_ms']:.1f} ms, decode {timings['decode_tokens_per_s']:.1f} tokens/s]", err=True)  # fmt: skip
+
+
+# ----------------------------------------------------------------------------------------------------------
+# eval
+
+
+@main.group("eval")
+def eval_group() -> None:
+    """Evaluate a compiled model."""
+
+
+@eval_group.command("ppl")
+@click.argument("artifact", type=click.Path(path_type=Path))
+@click.option("--text", "text_file", type=click.Path(path_type=Path, exists=True, dir_okay=False), required=True,
+              help="UTF-8 text file to score.")
+@click.option("--max-tokens", type=click.IntRange(min=2), default=None, help="Score only the first N tokens.")
+@click.option("--kv-cache-memory", default=None, help="KV cache size, e.g. 1GiB.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def eval_ppl(artifact: Path, text_file: Path, max_tokens: int | None, kv_cache_memory: str | None,
+             as_json: bool) -> None:  # fmt: skip
+    """Perplexity of the compiled ARTIFACT over a text file.
+
+    The text is split into windows of the model's context; each window is run one token per step (decode
+    steps), scoring every next token. Exact and simple; fine for small files.
+    """
+    import numpy as np
+
+    from .runtime.batch import StepBatch
+    from .runtime.kv_cache import cdiv
+
+    model, tokenizer = _load_model(_resolve_artifact(artifact), kv_cache_memory, max_num_seqs=1)
+    ids = tokenizer.encode(text_file.read_text(encoding="utf-8")).ids
+    if max_tokens is not None:
+        ids = ids[:max_tokens]
+    if len(ids) < 2:
+        raise LlmcError(f"{text_file}: has {len(ids)} token(s); perplexity needs at least 2")
+    bs = model.block_size
+    window = min(model.config.max_context, model.num_blocks * bs)
+    nll, count = 0.0, 0
+    start = time.perf_counter()
+    with model:
+        for w in range(0, len(ids), window):
+            chunk = ids[w : w + window]
+            blocks = list(range(cdiv(len(chunk), bs)))
+            for i in range(len(chunk) - 1):
+                batch = StepBatch.build([[chunk[i]]], [i], [blocks[: i // bs + 1]], bs)
+                logits = model.step(batch)[0].astype(np.float64)
+                top = logits.max()
+                nll += top + math.log(np.exp(logits - top).sum()) - logits[chunk[i + 1]]
+                count += 1
+    elapsed = time.perf_counter() - start
+    ppl = math.exp(nll / count)
+    if as_json:
+        click.echo(json.dumps({"perplexity": ppl, "num_tokens": count, "tokens_per_s": count / elapsed}))
+    else:
+        click.echo(f"perplexity {ppl:.4f} over {count} tokens ({count / elapsed:.1f} tokens/s)")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# inspect
+
+
 @main.command()
 @click.argument("model", type=click.Path(path_type=Path))
-def inspect(model: Path) -> None:
+@click.option("-v", "--verbose", is_flag=True, help="Artifacts: list every kernel.")
+def inspect(model: Path, verbose: bool) -> None:
     """Describe MODEL: a checkpoint dir (architecture, size, memory) or a compiled artifact."""
+    if (model / "manifest.json").is_file():
+        return _inspect_artifact(model, verbose)
     from .compiler.frontend.checkpoint import load_checkpoint
 
     ckpt = load_checkpoint(model)
@@ -82,6 +347,70 @@ def inspect(model: Path) -> None:
     ))
     kv_per_token = 2 * c.num_layers * c.kv_size
     click.echo(f"  kv cache       {_human_bytes(kv_per_token * 4)}/token at fp32, {_human_bytes(kv_per_token * 2)}/token at bf16")
+
+
+def _inspect_artifact(path: Path, verbose: bool) -> None:
+    from .compiler.artifact import load_artifact, safetensors_data_bytes
+
+    a = load_artifact(path, verify=False, check_target=False)
+    m, c = a.manifest, a.config
+    target = dict(a.target)
+    name = target.pop("name")
+    isa = target.pop("isa", None)
+    click.echo(f"{path}: llmc artifact for {name}, compiled by llmc {m.get('compiler_version')} "
+               f"(format {m.get('format_version')}, ABI {m.get('abi_version')})")  # fmt: skip
+    click.echo(f"  model          {c.architecture}, {c.num_parameters() / 1e6:.1f}M parameters, {c.num_layers} layers, "
+               f"context {c.max_context}")  # fmt: skip
+    for key, value in target.items():
+        click.echo(f"  target {key:<8}{' '.join(map(str, value)) if isinstance(value, list) else value}")
+    if isa:
+        simd = [f for f in isa if f.startswith(("avx", "amx", "sve", "asimd", "fma", "f16c"))]
+        click.echo(f"  target isa     {' '.join(simd or isa)}")
+    weights = path / "weights.safetensors"
+    size = _human_bytes(safetensors_data_bytes(weights)) if weights.is_file() else "missing"
+    click.echo(f"  weights        {m.get('weight_dtype')}, {size}; quantization {m.get('quantization', 'none')}")
+    plan = m.get("buffer_plan") or {}
+    parts = []
+    for key, value in plan.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+            continue
+        shown = _human_bytes(value) if key.endswith("bytes") and isinstance(value, int) else value
+        parts.append(f"{key.removesuffix('_bytes')} {shown}")
+    click.echo(f"  buffer plan    {', '.join(parts) if parts else '(none recorded)'}")
+    passes = m.get("passes") or {}
+    click.echo("  passes" + ("         (none recorded)" if not passes else ""))
+    for pname, count in passes.items():
+        n = count.get("rewrites", count) if isinstance(count, dict) else count
+        click.echo(f"    {pname:<22} {'no pattern found' if not n else f'{n} rewrite' + ('s' if n != 1 else '')}")
+    kernels = m.get("kernels") or []
+    click.echo(f"  kernels        {len(kernels)}")
+    if verbose:
+        for k in kernels:
+            click.echo(f"    {k.get('id')}: {k.get('template')} [{k.get('tuning_source', '')}] {_params(k)}")
+    else:
+        groups: dict[str, list[dict]] = {}
+        for k in kernels:
+            groups.setdefault(str(k.get("template")), []).append(k)
+        for template, ks in groups.items():
+            fused = _fused(ks[0])
+            sources = sorted({str(k.get("tuning_source")) for k in ks if k.get("tuning_source")})
+            click.echo(f"    {template:<22} x{len(ks):<4}{' fuses ' + fused if fused else ''}"
+                       f"{'  (tuning: ' + ', '.join(sources) + ')' if sources else ''}")  # fmt: skip
+        if kernels:
+            click.echo("    (-v lists every kernel with its parameters)")
+
+
+def _fused(kernel: dict) -> str:
+    for key in ("ops", "fused", "fused_ops"):
+        value = kernel.get(key) or (kernel.get("params") or {}).get(key)
+        if value:
+            return " + ".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)
+    return ""
+
+
+def _params(kernel: dict) -> str:
+    params = kernel.get("params") or {}
+    return ", ".join(f"{k}={v}" for k, v in params.items() if not (isinstance(v, list) and len(v) > 8))
 
 
 if __name__ == "__main__":

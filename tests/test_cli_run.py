@@ -1,0 +1,405 @@
+"""runtime/module.py (CompiledModel) and the CLI commands that run models: run, eval ppl, inspect, compile.
+
+Two kinds of artifact:
+- a *fake* one, whose model.so is a few lines of C++ built here that speak the C ABI (next token = this
+  token + 1): it tests loading, KV sizing, step checks, error paths and the CLI plumbing without the
+  compiler core;
+- a *real* one compiled from a tiny checkpoint; those tests turn on by themselves once
+  `llmc.compiler.compile` can be imported, and compare with Hugging Face transformers.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import json
+import math
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from llmc import cli
+from llmc.compiler.artifact import load_artifact, write_artifact
+from llmc.compiler.frontend.checkpoint import load_checkpoint
+from llmc.errors import ArtifactError, LlmcError, RequestError
+from llmc.runtime.batch import StepBatch
+from llmc.runtime.kv_cache import cdiv, kv_bytes_per_block
+from llmc.runtime.module import CompiledModel
+
+HAVE_COMPILER = importlib.util.find_spec("llmc.compiler.compile") is not None
+needs_compiler = pytest.mark.skipif(not HAVE_COMPILER, reason="llmc.compiler.compile is not there yet")
+
+POISON = 2  # ("!") the fake module fails a step that returns logits for this token
+REFUSED_SEQS = 13  # the fake module refuses to start with max_num_seqs == 13
+
+FAKE_MODULE = r"""
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+extern "C" {
+typedef struct { int32_t abi_version, num_layers, num_kv_heads, head_dim, vocab_size, kv_dtype_bytes,
+                 max_num_tokens; } llmc_model_info;
+struct Model { int32_t args[5]; char last_error[256]; };
+static int32_t g_args[5];
+int fake_create_args(int32_t *out) { memcpy(out, g_args, sizeof g_args); return 0; }
+int llmc_info(llmc_model_info *o) {
+  o->abi_version = 1; o->num_layers = LAYERS; o->num_kv_heads = KV_HEADS; o->head_dim = HEAD_DIM;
+  o->vocab_size = VOCAB; o->kv_dtype_bytes = 4; o->max_num_tokens = 4096; return 0;
+}
+void *llmc_create(const char *weights, int32_t nb, int32_t bs, int32_t mt, int32_t ms, int32_t mbps,
+                  char *err, int32_t err_len) {
+  FILE *f = fopen(weights, "rb");
+  if (!f) { snprintf(err, err_len, "cannot open %s", weights); return nullptr; }
+  fclose(f);
+  if (ms == REFUSED) { snprintf(err, err_len, "fake module refuses max_num_seqs=%d", ms); return nullptr; }
+  Model *m = new Model{{nb, bs, mt, ms, mbps}, {0}};
+  memcpy(g_args, m->args, sizeof g_args);
+  return m;
+}
+int llmc_step(void *mp, int32_t T, const int32_t *ids, const int32_t *pos, const int64_t *slots, int32_t B,
+              const int32_t *qsl, const int32_t *seq_lens, const int32_t *bt, int32_t max_blocks,
+              const int32_t *li, float *logits) {
+  Model *m = (Model *)mp;
+  int32_t bs = m->args[1];
+  for (int b = 0; b < B; b++) {
+    for (int t = qsl[b]; t < qsl[b + 1]; t++) {
+      int64_t want = (int64_t)bt[b * max_blocks + pos[t] / bs] * bs + pos[t] % bs;
+      if (slots[t] != want || pos[t] >= seq_lens[b]) { snprintf(m->last_error, 256, "bad slot"); return 4; }
+    }
+    int32_t tok = ids[li[b]];
+    if (tok == POISON) { snprintf(m->last_error, 256, "poisoned token at row %d", li[b]); return 3; }
+    float *row = logits + (int64_t)b * VOCAB;
+    for (int v = 0; v < VOCAB; v++) row[v] = 0.0f;
+    row[(tok + 1) % VOCAB] = 10.0f;
+  }
+  return 0;
+}
+const char *llmc_last_error(void *mp) { return ((Model *)mp)->last_error; }
+void llmc_destroy(void *mp) { delete (Model *)mp; }
+}
+"""
+
+
+def _fake_populate(ckpt_dir, lib_dir, target="cpu"):
+    ckpt = load_checkpoint(ckpt_dir)
+
+    def populate(tmp):
+        shutil.copy(lib_dir / "model.so", tmp / "model.so")
+        (tmp / ("model.cc" if target == "cpu" else "model.cu")).write_text(FAKE_MODULE)
+        # a valid (tiny) safetensors file: weight_bytes reads its header
+        from safetensors.numpy import save_file
+
+        save_file({"w": np.zeros(16, np.float32)}, str(tmp / "weights.safetensors"))
+        shutil.copy(ckpt_dir / "tokenizer.json", tmp / "tokenizer.json")
+        shutil.copy(ckpt_dir / "tokenizer_config.json", tmp / "tokenizer_config.json")
+        return {
+            "target": target,
+            "model_config": ckpt.config,
+            "weight_dtype": "float32",
+            "kernels": [
+                {"id": "k0", "template": "rmsnorm", "params": {"hidden": 64, "ops": ["add", "rmsnorm"]},
+                 "tuning_source": "default"},
+                {"id": "k1", "template": "gemm", "params": {"n": 64, "k": 64}, "tuning_source": "default"},
+            ],
+            "passes": {"fuse_rmsnorm": 5, "fuse_rope": 0},
+            "buffer_plan": {"total_bytes": 8192, "buffers": 3},
+            "tokenizer": {"chat_template": ckpt.chat_template, "bos_token": "<|bos|>", "eos_token": "<|eos|>"},
+        }
+
+    return populate
+
+
+@pytest.fixture(scope="module")
+def fake_lib(tmp_path_factory, checkpoint_dir):
+    c = load_checkpoint(checkpoint_dir("llama")).config
+    d = tmp_path_factory.mktemp("fake_lib")
+    (d / "fake.cc").write_text(FAKE_MODULE)
+    defines = [f"-DLAYERS={c.num_layers}", f"-DKV_HEADS={c.num_kv_heads}", f"-DHEAD_DIM={c.head_dim}",
+               f"-DVOCAB={c.vocab_size}", f"-DPOISON={POISON}", f"-DREFUSED={REFUSED_SEQS}"]
+    subprocess.run(["g++", "-O1", "-shared", "-fPIC", *defines, "-o", str(d / "model.so"), str(d / "fake.cc")],
+                   check=True)
+    return d
+
+
+@pytest.fixture
+def fake_artifact(tmp_path, checkpoint_dir, fake_lib):
+    return write_artifact(tmp_path / "fake.cpu", _fake_populate(checkpoint_dir("llama"), fake_lib))
+
+
+def _invoke(*args, env=None):
+    return CliRunner().invoke(cli.main, [str(a) for a in args], env=env)
+
+
+def _created_args(model) -> list[int]:
+    out = (ctypes.c_int32 * 5)()
+    model._lib.fake_create_args(out)
+    return list(out)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# CompiledModel on the fake module
+
+
+def test_load_sizes_the_kv_cache(fake_artifact):
+    a = load_artifact(fake_artifact)
+    c = a.config
+    per_block = kv_bytes_per_block(c.num_layers, c.num_kv_heads, c.head_dim, 16, 4)
+    with CompiledModel.load(fake_artifact, kv_cache_memory=7 * per_block + 5, max_num_seqs=4) as m:
+        assert m.num_blocks == 7
+        assert m.max_blocks_per_seq == cdiv(c.max_context, 16)
+        assert _created_args(m) == [7, 16, 512, 4, m.max_blocks_per_seq]
+        assert m.kv_cache_bytes == 7 * per_block
+        assert m.config == c and m.tokenizer_path == fake_artifact / "tokenizer.json"
+        assert m.bos_token == "<|bos|>" and m.eos_token == "<|eos|>" and m.chat_template
+        assert m.weight_bytes == 64
+    # a big budget is capped at max_num_seqs full-context sequences
+    with CompiledModel.load(fake_artifact, kv_cache_memory="1GiB", max_num_seqs=3, block_size=32) as m:
+        assert m.num_blocks == 3 * cdiv(c.max_context, 32)
+
+
+def test_budget_below_one_block(fake_artifact):
+    with pytest.raises(LlmcError, match="holds no block.*--kv-cache-memory"):
+        CompiledModel.load(fake_artifact, kv_cache_memory=100)
+    with pytest.raises(LlmcError, match="cannot read memory size"):
+        CompiledModel.load(fake_artifact, kv_cache_memory="lots")
+
+
+def test_step_and_its_checks(fake_artifact):
+    m = CompiledModel.load(fake_artifact, kv_cache_memory="64MiB", max_num_tokens=8, max_num_seqs=2)
+    batch = StepBatch.build([[5, 6, 7], [9]], [0, 4], [[0], [1]], m.block_size)
+    logits = m.step(batch)
+    assert logits.dtype == np.float32 and logits.shape == (2, m.config.vocab_size)
+    assert logits.argmax(-1).tolist() == [8, 10]
+    with pytest.raises(RequestError, match="9 tokens"):
+        m.step(StepBatch.build([list(range(9))], [0], [[0]], m.block_size))
+    with pytest.raises(RequestError, match="3 sequences"):
+        m.step(StepBatch.build([[1], [2], [3]], [0, 0, 0], [[0], [1], [2]], m.block_size))
+    with pytest.raises(LlmcError, match=r"step failed \(code 3\): poisoned token at row 0"):
+        m.step(StepBatch.build([[POISON]], [0], [[0]], m.block_size))
+    m.close()
+    m.close()  # idempotent
+    with pytest.raises(LlmcError, match="closed"):
+        m.step(batch)
+
+
+def test_create_failure_is_an_artifact_error(fake_artifact):
+    with pytest.raises(ArtifactError, match=f"failed to start: fake module refuses max_num_seqs={REFUSED_SEQS}"):
+        CompiledModel.load(fake_artifact, kv_cache_memory="64MiB", max_num_seqs=REFUSED_SEQS)
+
+
+def test_cuda_artifact_is_refused_for_now(tmp_path, checkpoint_dir, fake_lib):
+    out = write_artifact(tmp_path / "fake.sm90", _fake_populate(checkpoint_dir("llama"), fake_lib, "sm90"))
+    with pytest.raises(ArtifactError, match="built for sm90.*not supported yet"):
+        CompiledModel.load(out)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# CLI on the fake module
+
+
+def test_run_streams_and_json(fake_artifact):
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(fake_artifact / "tokenizer.json"))
+    prompt = "The list type"
+    ids = tok.encode(prompt).ids
+    r = _invoke("run", fake_artifact, "--prompt", prompt, "--max-tokens", 6, "--json", "--kv-cache-memory", "8MiB")
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)
+    want = [(ids[-1] + 1 + i) % 384 for i in range(6)]
+    assert out["prompt_token_ids"] == ids and out["token_ids"] == want
+    assert out["text"] == tok.decode(want) and out["finish_reason"] == "length"
+    assert set(out["timings"]) == {"prefill_ms", "decode_tokens_per_s", "total_ms"}
+    r = _invoke("run", fake_artifact, "--prompt", prompt, "--max-tokens", 6, "--kv-cache-memory", "8MiB")
+    assert r.exit_code == 0, r.output
+    assert r.stdout == tok.decode(want) + "\n"
+    assert "6 generated" in r.stderr
+
+
+def test_run_prompt_from_stdin(fake_artifact):
+    r = CliRunner().invoke(cli.main, ["run", str(fake_artifact), "--max-tokens", "2", "--json"], input="hello")
+    assert r.exit_code == 0, r.output
+    assert len(json.loads(r.stdout)["token_ids"]) == 2
+
+
+def test_run_errors(tmp_path, fake_artifact):
+    r = _invoke("run", tmp_path / "missing", "--prompt", "hi")
+    assert r.exit_code == 1 and r.stderr.startswith("error: ") and "no such artifact" in r.stderr
+    assert "Traceback" not in r.output and len(r.stderr.strip().splitlines()) == 1
+
+    long_prompt = " ".join(["list"] * 400)
+    r = _invoke("run", fake_artifact, "--prompt", long_prompt, "--kv-cache-memory", "8MiB")
+    assert r.exit_code == 1 and "more than the model's context of 256 tokens" in r.stderr
+
+    r = _invoke("run", fake_artifact, "--prompt", "hi", "--simulate")
+    assert r.exit_code == 1 and "needs a CUDA-target artifact" in r.stderr
+
+    with open(fake_artifact / "weights.safetensors", "r+b") as f:
+        f.seek(100)
+        f.write(b"\xff")
+    r = _invoke("run", fake_artifact, "--prompt", "hi")
+    assert r.exit_code == 1 and "weights.safetensors is corrupt" in r.stderr
+    r = _invoke("--debug", "run", fake_artifact, "--prompt", "hi")
+    assert isinstance(r.exception, ArtifactError)
+
+
+def test_run_without_a_bundled_model(tmp_path, monkeypatch):
+    monkeypatch.setattr(cli, "_examples_dir", lambda: tmp_path)
+    r = _invoke("run")
+    assert r.exit_code == 1 and "no bundled model found" in r.stderr
+
+
+def test_run_compiles_a_checkpoint_once_into_the_cache(tmp_path, checkpoint_dir, fake_lib, monkeypatch):
+    ckpt = checkpoint_dir("llama")
+    calls = []
+
+    def fake_compile(model, *, target, output, weight_dtype, progress):
+        calls.append((model, target, output))
+        return write_artifact(output, _fake_populate(ckpt, fake_lib))
+
+    monkeypatch.setattr(cli, "_compile_checkpoint", lambda: fake_compile)
+    env = {"LLMC_CACHE_DIR": str(tmp_path / "cache")}
+    for _ in range(2):
+        r = _invoke("run", ckpt, "--prompt", "hi", "--max-tokens", 2, "--json", "--kv-cache-memory", "8MiB", env=env)
+        assert r.exit_code == 0, r.output
+    assert len(calls) == 1 and calls[0][1] == "cpu"
+    assert calls[0][2].parent == tmp_path / "cache" / "artifacts"
+    # the bundled model goes the same way
+    monkeypatch.setattr(cli, "_examples_dir", lambda: ckpt.parent)
+    r = _invoke("run", "--max-tokens", 2, "--kv-cache-memory", "8MiB", env=env)
+    assert r.exit_code == 0, r.output
+    assert "The list type" in r.stderr and len(calls) == 1
+
+
+def test_eval_ppl(tmp_path, fake_artifact):
+    from tokenizers import Tokenizer
+
+    text = tmp_path / "t.txt"
+    text.write_text("Lists are mutable sequences, typically used to store collections. " * 40)
+    ids = Tokenizer.from_file(str(fake_artifact / "tokenizer.json")).encode(text.read_text()).ids
+    assert len(ids) > 256, "the text must span more than one context window"
+    r = _invoke("eval", "ppl", fake_artifact, "--text", text, "--json", "--kv-cache-memory", "8MiB")
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)
+    nll, n = 0.0, 0
+    lse = math.log(math.exp(10) + 383)
+    for w in range(0, len(ids), 256):  # windows of the context (max_position_embeddings = 256)
+        chunk = ids[w : w + 256]
+        for a, b in zip(chunk, chunk[1:]):
+            nll += lse - (10.0 if b == (a + 1) % 384 else 0.0)
+            n += 1
+    assert out["num_tokens"] == n
+    assert out["perplexity"] == pytest.approx(math.exp(nll / n), rel=1e-9)
+    r = _invoke("eval", "ppl", fake_artifact, "--text", text, "--max-tokens", 10)
+    assert r.exit_code == 0 and "over 9 tokens" in r.stdout
+
+
+def test_inspect_artifact(fake_artifact):
+    r = _invoke("inspect", fake_artifact)
+    assert r.exit_code == 0, r.output
+    assert "llmc artifact for cpu" in r.stdout
+    assert "fuse_rmsnorm" in r.stdout and "5 rewrites" in r.stdout
+    assert "fuse_rope" in r.stdout and "no pattern found" in r.stdout
+    assert "rmsnorm" in r.stdout and "fuses add + rmsnorm" in r.stdout
+    assert "total 8.0 KiB" in r.stdout and "LlamaForCausalLM" in r.stdout
+    r = _invoke("inspect", "-v", fake_artifact)
+    assert "k1: gemm" in r.stdout
+
+
+def test_compile_without_the_compiler_core(tmp_path, checkpoint_dir):
+    if HAVE_COMPILER:
+        pytest.skip("the compiler core is there")
+    r = _invoke("compile", checkpoint_dir("llama"), "--target", "cpu", "-o", tmp_path / "out")
+    assert r.exit_code == 1 and "compiler core" in r.stderr
+
+
+# ----------------------------------------------------------------------------------------------------------
+# A real compiled tiny model (turns on with llmc.compiler.compile)
+
+
+@pytest.fixture(scope="module")
+def real_artifact(tmp_path_factory, checkpoint_dir):
+    out = tmp_path_factory.mktemp("real") / "tiny.cpu"
+    r = _invoke("compile", checkpoint_dir("llama"), "--target", "cpu", "-o", out)
+    assert r.exit_code == 0, r.output
+    return out
+
+
+@needs_compiler
+def test_real_run_matches_transformers_greedy(real_artifact, checkpoint_dir):
+    import torch
+    from checkpoints import hf_model
+
+    r = _invoke("run", real_artifact, "--prompt", "The list type", "--max-tokens", 12, "--json",
+                "--kv-cache-memory", "16MiB")
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)
+    hf = hf_model(checkpoint_dir("llama"))
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([out["prompt_token_ids"]]), max_new_tokens=12, do_sample=False,
+                          eos_token_id=1, pad_token_id=1)
+    assert out["token_ids"] == ref[0, len(out["prompt_token_ids"]):].tolist()
+
+
+@needs_compiler
+def test_real_step_logits_match_transformers(real_artifact, checkpoint_dir):
+    import torch
+    from checkpoints import hf_model
+
+    hf = hf_model(checkpoint_dir("llama"))
+    ids = [3, 17, 200, 45, 9, 120, 33]
+    with CompiledModel.load(real_artifact, kv_cache_memory="16MiB") as m:
+        logits = m.step(StepBatch.build([ids], [0], [[0]], m.block_size))[0]
+        nxt = m.step(StepBatch.build([[88]], [len(ids)], [[0]], m.block_size))[0]
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids + [88]])).logits[0].numpy()
+    np.testing.assert_allclose(logits, ref[len(ids) - 1], rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(nxt, ref[len(ids)], rtol=1e-4, atol=1e-4)
+
+
+@needs_compiler
+def test_real_eval_ppl_matches_transformers(tmp_path, real_artifact, checkpoint_dir):
+    import torch
+    from checkpoints import hf_model
+    from tokenizers import Tokenizer
+
+    text = tmp_path / "t.txt"
+    text.write_text("Lists may be constructed in several ways: using a pair of square brackets.")
+    r = _invoke("eval", "ppl", real_artifact, "--text", text, "--json", "--kv-cache-memory", "16MiB")
+    assert r.exit_code == 0, r.output
+    ids = Tokenizer.from_file(str(real_artifact / "tokenizer.json")).encode(text.read_text()).ids
+    hf = hf_model(checkpoint_dir("llama"))
+    with torch.no_grad():
+        loss = hf(torch.tensor([ids]), labels=torch.tensor([ids])).loss.item()
+    out = json.loads(r.stdout)
+    assert out["num_tokens"] == len(ids) - 1
+    assert out["perplexity"] == pytest.approx(math.exp(loss), rel=1e-4)
+
+
+@needs_compiler
+def test_real_inspect_and_errors(tmp_path, real_artifact):
+    r = _invoke("inspect", real_artifact)
+    assert r.exit_code == 0 and "llmc artifact for cpu" in r.stdout and "passes" in r.stdout
+    r = _invoke("run", real_artifact, "--prompt", " ".join(["list"] * 400), "--kv-cache-memory", "16MiB")
+    assert r.exit_code == 1 and "more than the model's context" in r.stderr
+    broken = tmp_path / "broken"
+    shutil.copytree(real_artifact, broken)
+    (broken / "model.so").write_bytes(b"garbage")
+    r = _invoke("run", broken, "--prompt", "hi")
+    assert r.exit_code == 1 and "model.so is corrupt" in r.stderr
+
+
+@needs_compiler
+def test_real_run_of_a_checkpoint_uses_the_cache(tmp_path, checkpoint_dir):
+    env = {"LLMC_CACHE_DIR": str(tmp_path / "cache")}
+    args = ("run", checkpoint_dir("llama"), "--prompt", "The list type", "--max-tokens", 4, "--json",
+            "--kv-cache-memory", "16MiB")
+    first = _invoke(*args, env=env)
+    assert first.exit_code == 0, first.output
+    assert len(list((tmp_path / "cache" / "artifacts").glob("*/manifest.json"))) == 1
+    second = _invoke(*args, env=env)
+    assert json.loads(second.stdout)["token_ids"] == json.loads(first.stdout)["token_ids"]
+    assert "compiling" not in second.stderr
