@@ -1,0 +1,206 @@
+"""`llmc bench`: latency and throughput of a compiled model on a fixed synthetic workload, against the roofline.
+
+The workload is the same on every run with the same arguments: prompts of `prompt_len` random token ids
+from a seeded generator, greedy sampling, `ignore_eos`, so that every request generates exactly `output_len`
+tokens. Each concurrency level runs `num_requests` requests through a fresh LLMEngine (the sync engine:
+nothing but the engine's own work is timed), keeping `concurrency` of them in flight: when one finishes,
+the next is added before the next step (a closed loop). A token's arrival time is the end of the step
+that produced it.
+
+Per level: TTFT (arrival -> first token) and TPOT ((last token - first token) / (output_len - 1)), p50 and
+p99 over the requests; request throughput and output tokens/s over the level's wall time.
+
+Roofline: decoding is memory-bound. Every step reads all the weights once, whatever the batch size, so a
+sequence can never decode faster than memory_bandwidth / weight_bytes tokens/s. The bandwidth is measured
+in-process with a large numpy copy (host memory: right for the CPU target; pass `memory_bandwidth` for a
+GPU) and `roofline_fraction` = roofline TPOT / measured TPOT p50.
+"""
+
+from __future__ import annotations
+
+import collections
+import sys
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+from tqdm import tqdm
+
+from llmc.errors import LlmcError
+from llmc.runtime.engine import LLMEngine
+from llmc.runtime.sampling import SamplingParams
+
+
+def make_workload(num_requests: int, prompt_len: int, vocab_size: int, seed: int) -> list[list[int]]:
+    """The synthetic prompts: `num_requests` lists of `prompt_len` token ids, a pure function of its arguments."""
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, vocab_size, size=(num_requests, prompt_len)).tolist()
+
+
+def measure_memory_bandwidth(nbytes: int = 256 * 2**20, repeats: int = 5) -> float:
+    """Host memory bandwidth in bytes/s: the best of `repeats` copies of an `nbytes` array (read + write)."""
+    src = np.ones(nbytes // 8, dtype=np.float64)
+    dst = np.empty_like(src)
+    np.copyto(dst, src)  # touch every page first
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - t)
+    return 2 * src.nbytes / best
+
+
+def _percentiles(values: Sequence[float]) -> tuple[float | None, float | None]:
+    if not values:
+        return None, None
+    p50, p99 = np.percentile(np.asarray(values, dtype=np.float64), [50, 99])
+    return float(p50), float(p99)
+
+
+def _run_level(engine: LLMEngine, prompts: list[list[int]], output_len: int, concurrency: int, bar) -> dict:
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    pending = collections.deque(range(len(prompts)))
+    in_flight: dict[str, int] = {}
+    added = [0.0] * len(prompts)
+    token_times: list[list[float]] = [[] for _ in prompts]
+    start = time.perf_counter()
+    while pending or in_flight:
+        while pending and len(in_flight) < concurrency:
+            i = pending.popleft()
+            in_flight[engine.add_request(prompts[i], params)] = i
+            added[i] = time.perf_counter()
+        outputs = engine.step()
+        now = time.perf_counter()
+        for out in outputs:
+            i = in_flight[out.req_id]
+            token_times[i].extend([now] * len(out.new_token_ids))
+            if out.finished:
+                del in_flight[out.req_id]
+                bar.update(1)
+    duration = time.perf_counter() - start
+
+    lengths = {len(t) for t in token_times}
+    if lengths != {output_len}:
+        raise LlmcError(f"bench requests generated {sorted(lengths)} tokens, expected exactly {output_len}",
+                        "this is an engine bug: ignore_eos and max_tokens should fix the length")  # fmt: skip
+    ttft = [(t[0] - a) * 1e3 for t, a in zip(token_times, added)]
+    tpot = [(t[-1] - t[0]) * 1e3 / (len(t) - 1) for t in token_times if len(t) > 1]
+    (ttft50, ttft99), (tpot50, tpot99) = _percentiles(ttft), _percentiles(tpot)
+    return {
+        "concurrency": concurrency,
+        "num_requests": len(prompts),
+        "duration_s": duration,
+        "ttft_p50_ms": ttft50,
+        "ttft_p99_ms": ttft99,
+        "tpot_p50_ms": tpot50,
+        "tpot_p99_ms": tpot99,
+        "request_throughput": len(prompts) / duration,
+        "output_tokens_per_s": len(prompts) * output_len / duration,
+    }
+
+
+def run_bench(
+    engine_factory: Callable[[], LLMEngine],
+    *,
+    concurrency: Sequence[int] = (1, 4, 16),
+    num_requests: int | None = None,
+    prompt_len: int = 128,
+    output_len: int = 128,
+    seed: int = 0,
+    weight_bytes: int | None = None,
+    memory_bandwidth: float | None = None,
+    progress: bool = True,
+) -> dict:
+    """Run the workload at each concurrency level; returns a JSON-ready dict (see format_bench_table).
+
+    engine_factory: makes a fresh LLMEngine over the model (called once for a warm-up and once per level),
+    e.g. `lambda: LLMEngine(model)`. num_requests: per level; default max(4, 2 * concurrency).
+    weight_bytes: bytes of weights one decode step reads (default: the model's `weight_bytes`, if it has
+    one); with it the result has a roofline. memory_bandwidth: bytes/s; default measured here.
+    """
+    if prompt_len < 1 or output_len < 1 or any(c < 1 for c in concurrency):
+        raise LlmcError("bench needs prompt_len, output_len and every concurrency level >= 1")
+    engine = engine_factory()
+    if prompt_len + output_len > engine.max_model_len:
+        raise LlmcError(
+            f"prompt_len + output_len = {prompt_len + output_len} exceeds the model's max_model_len "
+            f"({engine.max_model_len})", "choose a shorter workload")  # fmt: skip
+    if weight_bytes is None:
+        weight_bytes = getattr(engine.model, "weight_bytes", None)
+    counts = {c: num_requests or max(4, 2 * c) for c in concurrency}
+    # warm-up (not timed): first-call costs (page faults on mmapped weights, lazy inits) stay out of the numbers
+    engine.generate([make_workload(1, prompt_len, engine.vocab_size, seed)[0]],
+                    SamplingParams(temperature=0.0, max_tokens=min(2, output_len), ignore_eos=True))  # fmt: skip
+
+    levels = []
+    with tqdm(total=sum(counts.values()), desc="bench", unit="req", file=sys.stderr, disable=not progress) as bar:
+        for c in concurrency:
+            bar.set_postfix(concurrency=c)
+            engine = engine_factory()
+            prompts = make_workload(counts[c], prompt_len, engine.vocab_size, seed + c)
+            levels.append(_run_level(engine, prompts, output_len, c, bar))
+            levels[-1]["max_num_seqs"] = engine.scheduler.max_num_seqs
+
+    roofline = None
+    if weight_bytes:
+        source = "given"
+        if memory_bandwidth is None:
+            memory_bandwidth, source = measure_memory_bandwidth(), "measured in-process: numpy copy, host memory"
+        tokens_per_s = memory_bandwidth / weight_bytes
+        roofline = {
+            "weight_bytes_per_decode_step": int(weight_bytes),
+            "memory_bandwidth_bytes_per_s": float(memory_bandwidth),
+            "memory_bandwidth_source": source,
+            "decode_tokens_per_s_per_seq": tokens_per_s,
+            "tpot_ms": 1e3 / tokens_per_s,
+        }
+        for level in levels:
+            tpot = level["tpot_p50_ms"]
+            level["roofline_fraction"] = roofline["tpot_ms"] / tpot if tpot else None
+
+    return {
+        "workload": {"prompt_len": prompt_len, "output_len": output_len, "seed": seed,
+                     "sampling": "greedy, ignore_eos"},  # fmt: skip
+        "levels": levels,
+        "roofline": roofline,
+    }
+
+
+_COLUMNS = [  # header, key, format
+    ("concurrency", "concurrency", "{:d}"),
+    ("requests", "num_requests", "{:d}"),
+    ("TTFT p50 ms", "ttft_p50_ms", "{:.2f}"),
+    ("TTFT p99 ms", "ttft_p99_ms", "{:.2f}"),
+    ("TPOT p50 ms", "tpot_p50_ms", "{:.2f}"),
+    ("TPOT p99 ms", "tpot_p99_ms", "{:.2f}"),
+    ("req/s", "request_throughput", "{:.2f}"),
+    ("output tok/s", "output_tokens_per_s", "{:.1f}"),
+    ("% of roofline", "roofline_fraction", "{:.1%}"),
+]
+
+
+def format_bench_table(result: dict) -> str:
+    """The result as a plain-text table, with the workload above it and the roofline below."""
+    w = result["workload"]
+    lines = [f"workload: prompt {w['prompt_len']} tokens, output {w['output_len']} tokens ({w['sampling']}), "
+             f"seed {w['seed']}"]  # fmt: skip
+    cells = [[h for h, _, _ in _COLUMNS]]
+    for level in result["levels"]:
+        row = []
+        for _, key, fmt in _COLUMNS:
+            value = level.get(key)
+            row.append("-" if value is None else fmt.format(value))
+        cells.append(row)
+    widths = [max(len(r[i]) for r in cells) for i in range(len(_COLUMNS))]
+    for r in cells:
+        lines.append("  ".join(c.rjust(wd) for c, wd in zip(r, widths)))
+    roof = result.get("roofline")
+    if roof:
+        lines.append(
+            f"roofline: {roof['weight_bytes_per_decode_step'] / 1e9:.3f} GB of weights per decode step, memory "
+            f"bandwidth {roof['memory_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s ({roof['memory_bandwidth_source']}) "
+            f"-> at most {roof['decode_tokens_per_s_per_seq']:.1f} tokens/s per sequence (TPOT >= "
+            f"{roof['tpot_ms']:.2f} ms); % of roofline = roofline TPOT / TPOT p50")  # fmt: skip
+    else:
+        lines.append("roofline: not computed (the weight bytes per decode step are unknown)")
+    return "\n".join(lines)
