@@ -510,7 +510,10 @@ def create_app(
 
     @app.exception_handler(LlmcError)
     async def llmc_error(request: Request, e: LlmcError):  # RequestError: the request cannot be served
-        return _error_response(str(e), 400, _error_param(e) if isinstance(e, RequestError) else None)
+        param = _error_param(e) if isinstance(e, RequestError) else None
+        if param == "prompt" and request.url.path.endswith("/chat/completions"):
+            param = "messages"
+        return _error_response(str(e), 400, param)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, e: RequestValidationError):
