@@ -113,6 +113,9 @@ class _Rewriter(relax.PyExprMutator):
             new_value = relax.TupleGetItem(self._emit_shared(value.tuple_value), value.index)
         else:
             new_value = self.visit_expr(value)
+        if isinstance(new_value, relax.Var) and isinstance(binding.var, relax.DataflowVar):
+            self.set_var_remap(binding.var, new_value)  # a pure alias: uses read the source directly
+            return
         if isinstance(binding.var, relax.DataflowVar):
             new_var = self.builder_.emit(new_value, name_hint=binding.var.name)
         else:
@@ -128,7 +131,8 @@ def rewrite(mod: tvm.IRModule, edits: dict, *, pass_name: str, count: int, param
     func = main_function(mod)
     if edits:
         new_body = _Rewriter(edits, mod).visit_expr(func.body)
-        func = relax.Function(params if params is not None else func.params, new_body, func.ret_ty,
+        # ret_ty None: re-inferred, since a pass may change what main returns (select_logits_rows).
+        func = relax.Function(params if params is not None else func.params, new_body, None,
                               func.is_pure, func.attrs, func.span)
         func = relax.analysis.remove_all_unused(func)
     mod = tvm.IRModule(dict(mod.functions_items()), attrs=mod.attrs)
@@ -147,3 +151,57 @@ def rewrite_counts(mod: tvm.IRModule) -> dict[str, int]:
     if attrs is None or "llmc.rewrites" not in attrs:
         return {}
     return {str(k): int(v) for k, v in attrs["llmc.rewrites"].items()}
+
+
+def is_op(expr: relax.Expr, name: str) -> bool:
+    return isinstance(expr, relax.Call) and expr.op == tvm.ir.Op.get(name)
+
+
+def source_of(expr: relax.Expr, var2val) -> relax.Expr:
+    """Follow aliases and reshapes back to the tensor they view."""
+    while True:
+        value = var2val.get(expr)
+        if isinstance(value, relax.Var):
+            expr = value
+        elif is_op(value, "relax.reshape") or is_op(value, "relax.expand_dims"):
+            expr = value.args[0]
+        else:
+            return expr
+
+
+class Linear:
+    """y = x @ W.T (+ bias), as traced from nn.Linear: matmul(x, permute_dims(W)) [+ add(., bias)]."""
+
+    def __init__(self, x, weight, bias):
+        self.x, self.weight, self.bias = x, weight, bias
+
+    @classmethod
+    def match(cls, var: relax.Expr, var2val) -> "Linear | None":
+        value = var2val.get(var)
+        bias = None
+        if is_op(value, "relax.add"):  # the bias is a parameter; the traced add takes it on either side
+            a, b = value.args
+            if isinstance(a, relax.Var) and a not in var2val:
+                a, b = b, a
+            if not (isinstance(b, relax.Var) and b not in var2val):
+                return None
+            bias, value = b, var2val.get(a)
+        if not is_op(value, "relax.matmul"):
+            return None
+        x, wt = value.args
+        wt_value = var2val.get(wt)
+        if not is_op(wt_value, "relax.permute_dims"):
+            return None
+        weight = wt_value.args[0]
+        if not isinstance(weight, relax.Var) or weight in var2val:  # a parameter, not a computed tensor
+            return None
+        return cls(x, weight, bias)
+
+
+def merged_linear(x: relax.Expr, parts: list[Linear]) -> relax.Expr:
+    """One GEMM for several Linears on the same input: weights (and biases) concatenated along out."""
+    weight = relax.op.concat([p.weight for p in parts], axis=0)
+    y = relax.op.matmul(x, relax.op.permute_dims(weight, [1, 0]))
+    if parts[0].bias is not None:
+        y = relax.op.add(y, relax.op.concat([p.bias for p in parts], axis=0))
+    return y

@@ -1,0 +1,116 @@
+"""`llmc compile`: checkpoint -> traced graph -> fused Relax -> kernel program -> built artifact.
+
+Weights are touched once, late: the trace runs on meta tensors, and the packed weights are streamed
+tensor by tensor into the artifact (compiler/weights.py), so peak memory stays near one tensor.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import tvm
+from tqdm import tqdm
+
+from llmc.errors import CompileError
+
+from .artifact import CUDA_TARGETS, write_artifact
+from .codegen.build import CPU_FLAGS, build_shared_library
+from .codegen.module import render_module
+from .codegen.render import template_file
+from .export import to_relax
+from .frontend.checkpoint import Checkpoint, load_checkpoint
+from .frontend.trace import trace
+from .lower import KernelProgram, lower
+from .passes.common import rewrite_counts
+from .passes.pipeline import run_passes
+from .weights import write_packed_weights
+
+WEIGHT_DTYPES = ("auto", "float32", "bfloat16")
+STAGES = ("trace", "import to Relax", "fuse", "lower", "pack weights", "render", "build")
+
+
+def resolve_weight_dtype(ckpt: Checkpoint, requested: str) -> str:
+    if requested not in WEIGHT_DTYPES:
+        raise CompileError(f"weight dtype {requested!r} is not supported", f"choose one of {', '.join(WEIGHT_DTYPES)}")
+    if requested != "auto":
+        return requested
+    # fp16 has more mantissa than bf16: keep it exact as fp32 rather than round it.
+    return "bfloat16" if ckpt.weight_dtype == "bfloat16" else "float32"
+
+
+def check_fusion(mod: tvm.IRModule, num_layers: int) -> None:
+    """A model whose attention was not rewritten cannot use the KV cache: refuse to compile it."""
+    counts = rewrite_counts(mod)
+    if counts.get("fuse_attention", 0) != num_layers:
+        raise CompileError(
+            f"fuse_attention rewrote {counts.get('fuse_attention', 0)} of {num_layers} attention layers",
+            "this model's attention does not match the Llama-family pattern; llmc will not compile it silently",
+        )
+
+
+def build_program(ckpt: Checkpoint, weight_dtype: str, block_size: int, step=lambda name: None) -> KernelProgram:
+    step("trace")
+    traced = trace(ckpt.config)
+    step("import to Relax")
+    mod = to_relax(traced)
+    step("fuse")
+    mod = run_passes(mod)
+    check_fusion(mod, ckpt.config.num_layers)
+    step("lower")
+    return lower(mod, ckpt.config, traced.weight_names, weight_dtype=weight_dtype, block_size=block_size)
+
+
+def compile_checkpoint(checkpoint: str | Path, *, target: str = "cpu", output: str | Path,
+                       weight_dtype: str = "auto", block_size: int = 16, progress: bool = False) -> Path:
+    if target in CUDA_TARGETS:
+        raise CompileError(f"target {target!r}: the CUDA code generator is not built yet", "use --target cpu")
+    if target != "cpu":
+        raise CompileError(f"unknown target {target!r}", "choose cpu, sm80, sm89 or sm90")
+    ckpt = load_checkpoint(checkpoint)
+    dtype = resolve_weight_dtype(ckpt, weight_dtype)
+    bar = tqdm(total=len(STAGES), desc="compile", unit="stage", disable=not progress, leave=False)
+
+    def step(name: str) -> None:
+        if bar.n < len(STAGES) and bar.desc != "compile":
+            bar.update(1)
+        bar.set_description(name)
+
+    program = build_program(ckpt, dtype, block_size, step)
+
+    def populate(tmp: Path) -> dict:
+        step("pack weights")
+        weights = tmp / "weights.safetensors"
+        offsets = write_packed_weights(ckpt, program.weights, weights)
+        step("render")
+        rendered = render_module(program, "cpu", offsets, weights.stat().st_size, arch=" ".join(CPU_FLAGS))
+        (tmp / "model.cc").write_text(rendered.source)
+        step("build")
+        library = build_shared_library({"model.cc": rendered.source, "common.h": template_file("cpu", "common.h")})
+        shutil.copyfile(library, tmp / "model.so")
+        shutil.copyfile(ckpt.tokenizer_path, tmp / "tokenizer.json")
+        tok_config = ckpt.path / "tokenizer_config.json"
+        if tok_config.is_file():
+            shutil.copyfile(tok_config, tmp / "tokenizer_config.json")
+        bar.update(1)
+        return {
+            "target": {"name": "cpu", "cflags": list(CPU_FLAGS)},
+            "model_config": ckpt.config,
+            "weight_dtype": dtype,
+            "quantization": "none",
+            "block_size": block_size,
+            "kernels": rendered.kernels,
+            "passes": program.rewrites,
+            "buffer_plan": {
+                "buffers": [{"cols": b.cols, "rows": b.rows} for b in program.buffers],
+                "floats_per_token_row": sum(b.cols for b in program.buffers if b.rows == "T"),
+                "floats_per_sequence_row": sum(b.cols for b in program.buffers if b.rows == "B"),
+            },
+            "kernel_program": str(program).splitlines(),
+            "tokenizer": {"chat_template": ckpt.chat_template, **{k: v for k, v in ckpt.special_tokens.items()}},
+        }
+
+    try:
+        return write_artifact(output, populate)
+    finally:
+        bar.close()

@@ -1,0 +1,403 @@
+"""Lower the fused Relax module to a kernel program: plain data, printable, target-independent.
+
+A kernel program is an ordered list of launches over a static buffer plan. Each launch names a kernel
+template and its compile-time parameters, and lists its call arguments as C expressions over:
+  - the step arguments of the C ABI (token_ids, positions, slot_mapping, query_start_loc, seq_lens,
+    block_tables, max_blocks, B, T, logits),
+  - packed weights `W[i]` (WeightSpec i of the program),
+  - activation buffers `buf<i>` (float, rows x cols; rows is max_num_tokens, or max_num_seqs for
+    buffers that hold one row per sequence), and column views of them (`buf3 + 64`),
+  - the per-layer KV cache halves `k_cache[l]` / `v_cache[l]`.
+So a target's codegen only has to render each template once per distinct parameter set and emit the
+launches in order. Buffers are reused by liveness, so the plan is a handful of buffers however deep
+the model is.
+
+Every binding of the fused main must lower to a template or be a free view (reshape, expand_dims,
+split into columns, a weight concat evaluated at pack time). Anything else is a CompileError naming the
+op: llmc has no fallback codegen yet, and a model it cannot lower must not compile.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import tvm
+from tvm import relax
+
+from llmc.errors import CompileError
+
+from .frontend.config import ModelConfig
+from .frontend.model import rope_inv_freq
+from .passes.common import bindings, llmc_args, llmc_op_name, main_function, prim_value, rewrite_counts
+from .weights import WeightSpec
+
+ABI_PARAMS = ("input_ids", "positions", "logits_indices", "seq_lens", "query_start_loc", "block_tables",
+              "slot_mapping")
+
+
+@dataclasses.dataclass
+class Launch:
+    op: str  # template name (templates/<target>/<op>.*.j2)
+    params: dict  # compile-time template parameters, without `name`
+    args: list[str]  # C expressions, in the template's signature order
+    fused: list[str]  # the graph ops this launch computes, for `llmc inspect`
+
+
+@dataclasses.dataclass
+class Buffer:
+    cols: int
+    rows: str  # "T" (one row per token) or "B" (one row per sequence)
+
+
+@dataclasses.dataclass
+class KernelProgram:
+    config: ModelConfig
+    weights: list[WeightSpec]
+    buffers: list[Buffer]
+    launches: list[Launch]
+    rewrites: dict[str, int]
+    block_size: int
+
+    def buffer_floats(self, max_num_tokens: int, max_num_seqs: int) -> int:
+        return sum(b.cols * (max_num_tokens if b.rows == "T" else max_num_seqs) for b in self.buffers)
+
+    def __str__(self) -> str:
+        lines = [f"kernel program: {len(self.launches)} launches, {len(self.buffers)} buffers, "
+                 f"{len(self.weights)} packed weights"]
+        for i, b in enumerate(self.buffers):
+            lines.append(f"  buf{i}: float[{b.rows}, {b.cols}]")
+        for i, w in enumerate(self.weights):
+            lines.append(f"  W[{i}] {w.name}: {w.dtype}{list(w.shape)} <- {', '.join(w.sources)}")
+        for launch in self.launches:
+            params = ", ".join(f"{k}={v}" for k, v in launch.params.items() if k != "inv_freq")
+            lines.append(f"  {launch.op}({params})({', '.join(launch.args)})  # {' + '.join(launch.fused)}")
+        return "\n".join(lines)
+
+
+@dataclasses.dataclass(frozen=True)
+class _View:
+    """A [rows, cols] float tensor inside a buffer, possibly a column slice (row stride > cols)."""
+
+    value: int  # the producing value id (before buffer assignment)
+    col_offset: int
+    cols: int
+    stride: int
+    rows: str
+
+
+@dataclasses.dataclass
+class _Pending:
+    """A launch before buffer assignment: args may hold _Views; defs are the value ids it writes."""
+
+    op: str
+    params: dict
+    args: list
+    fused: list[str]
+    defs: list[int]
+    weight: int | None = None  # the packed weight of a gemm, so its bias can join it
+
+
+@dataclasses.dataclass(frozen=True)
+class _Weight:
+    sources: tuple[str, ...]  # HF tensor names, concatenated along dim 0
+    shape: tuple[int, ...]
+    transposed: bool = False
+
+
+def _static(expr) -> int:
+    if isinstance(expr, tvm.tirx.IntImm):
+        return int(expr)
+    raise CompileError(f"expected a static dimension, got {expr}")
+
+
+def _cols(ty) -> int:
+    return _static(ty.shape.values[-1])
+
+
+class _Lowering:
+    def __init__(self, func: relax.Function, config: ModelConfig, weight_names: list[str], weight_dtype: str,
+                 block_size: int):
+        self.config = config
+        self.weight_dtype = weight_dtype
+        self.block_size = block_size
+        self.env: dict = {}  # relax var -> _View | _Weight | str (an ABI argument) | tuple
+        self.value_cols: list[int] = []
+        self.value_rows: list[str] = []
+        self.launches: list[_Pending] = []
+        self.weight_specs: dict[tuple[str, ...], int] = {}
+        self.weight_list: list[WeightSpec] = []
+        self.var2val = relax.analysis.get_var2val(func)
+        self.uses: dict = {}
+        for b in bindings(func):
+            relax.analysis.post_order_visit(b.value, self._count_use)
+        relax.analysis.post_order_visit(func.body.body, self._count_use)
+        weights = iter(weight_names)
+        for p in func.params:
+            if p.name in ABI_PARAMS:
+                self.env[p] = p.name
+            elif p.name.startswith("kv_cache_"):
+                self.env[p] = ("kv_cache", int(p.name[len("kv_cache_"):]))
+            else:
+                name = next(weights)
+                self.env[p] = _Weight((name,), tuple(_static(d) for d in p.ty.shape.values))
+        self.output = func.body.body
+
+    def _count_use(self, e):
+        if isinstance(e, relax.Var):
+            self.uses[e] = self.uses.get(e, 0) + 1
+
+    # --- values ---------------------------------------------------------------------------------
+
+    def new_value(self, cols: int, rows: str) -> _View:
+        self.value_cols.append(cols)
+        self.value_rows.append(rows)
+        return _View(len(self.value_cols) - 1, 0, cols, cols, rows)
+
+    def view(self, var) -> _View:
+        v = self.env.get(var)
+        if not isinstance(v, _View):
+            raise CompileError(f"expected an activation tensor, got {v!r} for {var}")
+        return v
+
+    def weight(self, expr) -> int:
+        w = self.env.get(expr) if isinstance(expr, relax.Var) else None
+        if not isinstance(w, _Weight):
+            raise CompileError(f"expected a weight, got {expr}")
+        return self.weight_index(w)
+
+    def weight_index(self, w: _Weight, dtype: str | None = None) -> int:
+        if w.sources not in self.weight_specs:
+            dtype = dtype or (self.weight_dtype if len(w.shape) == 2 else "float32")
+            self.weight_specs[w.sources] = len(self.weight_list)
+            self.weight_list.append(WeightSpec(_packed_name(w.sources), w.sources, dtype, w.shape))
+        return self.weight_specs[w.sources]
+
+    def wdtype(self, index: int) -> str:
+        return {"float32": "f32", "bfloat16": "bf16"}[self.weight_list[index].dtype]
+
+    def emit(self, op: str, params: dict, args: list, fused: list[str], defs: list[_View], weight=None) -> None:
+        self.launches.append(_Pending(op, params, args, fused, [d.value for d in defs], weight))
+
+    # --- bindings -------------------------------------------------------------------------------
+
+    def lower(self, func: relax.Function) -> None:
+        for b in bindings(func):
+            self.binding(b.var, b.value)
+
+    def binding(self, var, value) -> None:
+        env = self.env
+        if isinstance(value, relax.Var):
+            env[var] = env[value]
+            return
+        if isinstance(value, relax.TupleGetItem):
+            env[var] = env[value.tuple_value][value.index]
+            return
+        name = llmc_op_name(value)
+        if name is not None:
+            return getattr(self, f"op_{name}")(var, value)
+        op = value.op.name if isinstance(value, relax.Call) and hasattr(value.op, "name") else type(value).__name__
+        handler = getattr(self, "relax_" + op.replace("relax.", "").replace(".", "_"), None)
+        if handler is None:
+            raise CompileError(
+                f"no kernel template covers `{op}` (binding {var.name}: {var.ty})",
+                "llmc lowers the Llama family's fused graph; this op was not fused by any pass",
+            )
+        handler(var, value)
+
+    def relax_astype(self, var, value):
+        src = self.env[value.args[0]]
+        if src != "input_ids":
+            raise CompileError(f"astype of {value.args[0]} is not lowered (only token ids are cast)")
+        self.env[var] = "token_ids"  # the ABI passes int32 token ids already
+
+    def relax_reshape(self, var, value):
+        # Reshapes here add or drop the leading batch 1 or split a row into heads: the rows stay put.
+        src = self.env[value.args[0]]
+        if isinstance(src, _View) and src.stride != src.cols and _cols(var.ty) != src.cols:
+            raise CompileError(f"reshape {var.name} of a column slice is not a view")
+        self.env[var] = src
+
+    relax_expand_dims = relax_reshape
+
+    def relax_concat(self, var, value):
+        fields = value.args[0].fields if isinstance(value.args[0], relax.Tuple) else value.args[0]
+        parts = [self.env[f] for f in fields]
+        if not all(isinstance(p, _Weight) for p in parts) or int(value.attrs.axis) != 0:
+            raise CompileError(f"concat {var.name} of activations is not lowered")
+        shape = (sum(p.shape[0] for p in parts), *parts[0].shape[1:])
+        self.env[var] = _Weight(tuple(s for p in parts for s in p.sources), shape)
+
+    def relax_permute_dims(self, var, value):
+        src = self.env[value.args[0]]
+        if not isinstance(src, _Weight) or len(src.shape) != 2:
+            raise CompileError(f"permute_dims {var.name} of an activation is not lowered")
+        self.env[var] = dataclasses.replace(src, transposed=True)
+
+    def relax_take(self, var, value):
+        table, indices = (self.env.get(a) for a in value.args)
+        if isinstance(table, _Weight) and indices == "token_ids":
+            w = self.weight_index(table)
+            out = self.new_value(table.shape[1], "T")
+            self.emit("embedding", {"hidden": table.shape[1], "wdtype": self.wdtype(w)},
+                      ["token_ids", "T", f"W[{w}]", out], ["take(embed_tokens)"], [out])
+            self.env[var] = out
+        elif isinstance(table, _View) and indices == "logits_indices":
+            if table.stride != table.cols:
+                raise CompileError(f"gather of a column slice ({var.name}) is not lowered")
+            out = self.new_value(table.cols, "B")
+            self.emit("gather_rows", {"cols": table.cols}, [table, "logits_indices", "B", out],
+                      ["take(logits_indices)"], [out])
+            self.env[var] = out
+        else:
+            raise CompileError(f"take {var.name} is neither an embedding nor a row gather")
+
+    def relax_matmul(self, var, value):
+        x, wt = (self.env.get(a) for a in value.args)
+        if not (isinstance(x, _View) and isinstance(wt, _Weight) and wt.transposed):
+            raise CompileError(f"matmul {var.name} is not x @ W.T with a packed weight")
+        if x.stride != x.cols:
+            raise CompileError(f"matmul {var.name} reads a column slice")
+        w = self.weight_index(_Weight(wt.sources, wt.shape))
+        n, k = wt.shape
+        out = self.new_value(n, x.rows)
+        self.emit("gemm", {"n": n, "k": k, "wdtype": self.wdtype(w), "has_bias": False},
+                  [x, f"W[{w}]", "nullptr", out, x.rows], [_linear_name(wt.sources)], [out], weight=w)
+        self.env[var] = out
+
+    def relax_add(self, var, value):
+        a, b = (self.env.get(x) for x in value.args)
+        if isinstance(a, _Weight):
+            a, b = b, a
+        last = self.launches[-1] if self.launches else None
+        if (isinstance(a, _View) and isinstance(b, _Weight) and last is not None and last.op == "gemm"
+                and last.defs == [a.value] and not last.params["has_bias"]):
+            # The bias add of the GEMM just emitted joins it (the template reads bias in the weight dtype).
+            bias = self.weight_index(b, dtype=self.weight_list[last.weight].dtype)
+            last.params["has_bias"] = True
+            last.args[2] = f"W[{bias}]"
+            last.fused[0] += " + bias"
+            self.env[var] = a
+            return
+        raise CompileError(f"add {var.name} is neither a residual (fused into add_rms_norm) nor a bias")
+
+    def relax_split(self, var, value):
+        src = self.view(value.args[0])
+        bounds = [0, *(int(i) for i in value.attrs.indices_or_sections), src.cols]
+        self.env[var] = tuple(
+            _View(src.value, src.col_offset + lo, hi - lo, src.stride, src.rows) for lo, hi in zip(bounds, bounds[1:])
+        )
+
+    # --- llmc ops -------------------------------------------------------------------------------
+
+    def _norm(self, var, value, add_residual: bool):
+        args = llmc_args(value)
+        w = self.weight(args["weight"])
+        x = self.view(args["x"])
+        hidden = x.cols
+        params = {"hidden": hidden, "eps": float(prim_value(args["eps"])), "wdtype": self.wdtype(w),
+                  "add_residual": add_residual}
+        y = self.new_value(hidden, x.rows)
+        if add_residual:
+            residual = self.view(args["residual"])
+            total = self.new_value(hidden, x.rows)
+            self.emit("rmsnorm", params, [x, residual, total, f"W[{w}]", y, x.rows], ["add", "rms_norm"], [total, y])
+            self.env[var] = (total, y)
+        else:
+            self.emit("rmsnorm", params, [x, "nullptr", "nullptr", f"W[{w}]", y, x.rows], ["rms_norm"], [y])
+            self.env[var] = y
+
+    def op_rms_norm(self, var, value):
+        self._norm(var, value, add_residual=False)
+
+    def op_add_rms_norm(self, var, value):
+        self._norm(var, value, add_residual=True)
+
+    def op_silu_mul(self, var, value):
+        gate_up = self.view(llmc_args(value)["gate_up"])
+        inter = gate_up.cols // 2
+        out = self.new_value(inter, gate_up.rows)
+        self.emit("silu_mul", {"inter": inter}, [gate_up, out, gate_up.rows], ["silu", "mul"], [out])
+        self.env[var] = out
+
+    def op_paged_attention(self, var, value):
+        c = self.config
+        args = llmc_args(value)
+        q, k, v = (self.view(args[n]) for n in ("q", "k", "v"))
+        if not (q.value == k.value == v.value and q.stride == k.stride == v.stride):
+            raise CompileError("paged attention needs q, k and v as column slices of one buffer (merge_qkv)")
+        layer = int(prim_value(args["layer"]))
+        inv_freq = [float(f) for f in rope_inv_freq(c).tolist()]
+        for view, heads in ((q, c.num_heads), (k, c.num_kv_heads)):
+            self.emit("rope", {"num_heads": heads, "head_dim": c.head_dim, "inv_freq": inv_freq},
+                      [view, str(q.stride), "positions", "T"], ["rope"], [])
+        out = self.new_value(c.num_heads * c.head_dim, "T")
+        params = {"num_heads": c.num_heads, "num_kv_heads": c.num_kv_heads, "head_dim": c.head_dim,
+                  "block_size": self.block_size, "scale": c.head_dim ** -0.5}
+        self.emit("paged_attention", params,
+                  [q, k, v, str(q.stride), f"k_cache[{layer}]", f"v_cache[{layer}]", "slot_mapping",
+                   "query_start_loc", "seq_lens", "block_tables", "max_blocks", "B", out],
+                  ["kv write", "attention"], [out])
+        self.env[var] = out
+
+    # --- buffer plan ----------------------------------------------------------------------------
+
+    def finish(self, rewrites: dict) -> KernelProgram:
+        final = self.env[self.output]
+        if not isinstance(final, _View) or final.rows != "B" or final.cols != self.config.vocab_size:
+            raise CompileError("main must return logits [B, vocab]; select_logits_rows did not apply")
+        last_use: dict[int, int] = {}
+        for i, launch in enumerate(self.launches):
+            for a in launch.args:
+                if isinstance(a, _View):
+                    last_use[a.value] = i
+        # Greedy reuse by liveness: a value takes a free buffer of its row kind (widening it if needed);
+        # a buffer frees after the last launch that reads its value. Logits go straight to the ABI output.
+        assignment: dict[int, int] = {final.value: -1}
+        buffers: list[Buffer] = []
+        free: list[int] = []
+        for i, launch in enumerate(self.launches):
+            for d in launch.defs:
+                if d in assignment:
+                    continue
+                pick = next((b for b in free if buffers[b].rows == self.value_rows[d]), None)
+                if pick is None:
+                    buffers.append(Buffer(self.value_cols[d], self.value_rows[d]))
+                    pick = len(buffers) - 1
+                else:
+                    free.remove(pick)
+                    buffers[pick].cols = max(buffers[pick].cols, self.value_cols[d])
+                assignment[d] = pick
+            free += [assignment[v] for v, last in last_use.items() if last == i and assignment.get(v, -1) >= 0]
+        launches = [Launch(l.op, l.params, [_c_arg(a, assignment) for a in l.args], l.fused) for l in self.launches]
+        return KernelProgram(self.config, self.weight_list, buffers, launches, rewrites, self.block_size)
+
+
+def _c_arg(arg, assignment: dict[int, int]) -> str:
+    if isinstance(arg, _View):
+        base = "logits" if assignment[arg.value] == -1 else f"buf{assignment[arg.value]}"
+        return base if arg.col_offset == 0 else f"{base} + {arg.col_offset}"
+    return str(arg)
+
+
+def _packed_name(sources: tuple[str, ...]) -> str:
+    """q_proj, k_proj, v_proj of one layer -> model.layers.0.self_attn.q+k+v_proj.weight."""
+    if len(sources) == 1:
+        return sources[0]
+    prefix = sources[0][: len(sources[0]) - len(sources[0].split(".")[-2]) - len(sources[0].split(".")[-1]) - 1]
+    suffix = "." + sources[0].split(".")[-1]
+    mids = [s[len(prefix): -len(suffix)] for s in sources]
+    tail = "_proj" if all(m.endswith("_proj") for m in mids) else ""
+    return prefix + "+".join(m[: len(m) - len(tail)] for m in mids) + tail + suffix
+
+
+def _linear_name(sources: tuple[str, ...]) -> str:
+    return _packed_name(sources).rsplit(".", 1)[0].split(".")[-1]
+
+
+def lower(mod: tvm.IRModule, config: ModelConfig, weight_names: list[str], *, weight_dtype: str = "float32",
+          block_size: int = 16) -> KernelProgram:
+    """weight_names: the HF names of main's weight parameters, in order (Traced.weight_names)."""
+    func = main_function(mod)
+    lowering = _Lowering(func, config, weight_names, weight_dtype, block_size)
+    lowering.lower(func)
+    return lowering.finish(rewrite_counts(mod))

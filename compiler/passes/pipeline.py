@@ -1,0 +1,33 @@
+"""The pass pipeline, in order. Each entry is one IRModule -> IRModule function (see its docstring)."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import tvm
+
+from .fold import fold
+from .fuse_attention import fuse_attention
+from .fuse_rmsnorm import fuse_rmsnorm
+from .fuse_rope import fuse_rope
+from .fuse_swiglu import fuse_swiglu
+from .merge_qkv import merge_qkv
+from .select_logits_rows import select_logits_rows
+
+PASSES: list[Callable[[tvm.IRModule], tvm.IRModule]] = [
+    fuse_rmsnorm,  # first: select_logits_rows and the attention match read its fused ops
+    fuse_rope,
+    fuse_attention,  # needs llmc.rope
+    merge_qkv,  # needs llmc.paged_attention to find q, k, v
+    fuse_swiglu,
+    select_logits_rows,  # needs the fused final norm and the batch size of fuse_attention
+    fold,
+]
+
+
+def run_passes(mod: tvm.IRModule, after_each: Callable[[str, tvm.IRModule], None] | None = None) -> tvm.IRModule:
+    for p in PASSES:
+        mod = p(mod)
+        if after_each is not None:
+            after_each(p.__name__, mod)
+    return mod

@@ -1,0 +1,76 @@
+"""select_logits_rows: only the rows in logits_indices reach the final norm and the lm_head.
+
+A step computes hidden states for every token, but the runtime samples from one row per sequence (its
+last token). This pass adds the parameter `logits_indices: [B] int32` and gathers those rows before
+the final (add +) RMSNorm, so the norm and the vocab-sized GEMM run on B rows, not T: for a 512-token
+prefill that is 512x less lm_head work. main then returns logits [B, vocab], as the C ABI says.
+
+Runs after fuse_rmsnorm (it moves the fused final norm) and fuse_attention (it reuses the batch size B
+of seq_lens). Not covered: returning logits for every position (prompt logprobs).
+"""
+
+from __future__ import annotations
+
+import tvm
+from tvm import relax
+
+from .common import Linear, llmc_args, llmc_call, llmc_op_name, main_function, rewrite, source_of
+
+
+def _output_linear(func: relax.Function, var2val):
+    """The lm_head Linear whose result main returns (through reshapes and a leading-1 squeeze)."""
+    out = func.body.body
+    expr = out
+    while True:
+        value = var2val.get(expr)
+        if isinstance(value, relax.Var) or (
+            isinstance(value, relax.Call) and value.op.name in ("relax.reshape", "relax.take", "relax.squeeze")
+            and (value.op.name != "relax.take" or int(value.args[0].ty.shape.values[0]) == 1)
+        ):
+            expr = value if isinstance(value, relax.Var) else value.args[0]
+            continue
+        return expr, Linear.match(expr, var2val)
+
+
+def _batch_var(func: relax.Function):
+    for p in func.params:
+        if p.name == "seq_lens":
+            return p.ty.shape.values[0]
+    return tvm.tirx.Var("B", "int64")
+
+
+def select_logits_rows(mod: tvm.IRModule) -> tvm.IRModule:
+    func = main_function(mod)
+    var2val = relax.analysis.get_var2val(func)
+    _, head = _output_linear(func, var2val)
+    if head is None:
+        return rewrite(mod, {}, pass_name="select_logits_rows", count=0)
+    normed = source_of(head.x, var2val)
+    value = var2val.get(normed)
+    norm_call = value.tuple_value if isinstance(value, relax.TupleGetItem) else value
+    norm_call = var2val.get(norm_call, norm_call)
+    op = llmc_op_name(norm_call)
+    if op not in ("rms_norm", "add_rms_norm"):
+        return rewrite(mod, {}, pass_name="select_logits_rows", count=0)
+
+    batch = _batch_var(func)
+    indices = relax.Var("logits_indices", relax.TensorType([batch], "int32"))
+    args = llmc_args(norm_call)
+    hidden = normed.ty.shape.values[-1]
+    row_axis = len(normed.ty.shape.values) - 2
+
+    def gather(x):
+        return relax.op.take(x, indices, axis=row_axis)
+
+    if op == "add_rms_norm":
+        gathered_ty = relax.TensorType([*normed.ty.shape.values[:-2], batch, hidden], "float32")
+        call = llmc_call("add_rms_norm", [gather(args["x"]), gather(args["residual"]), args["weight"], args["eps"]],
+                         relax.TupleType([gathered_ty, gathered_ty]))
+        rows = relax.TupleGetItem(call, 1)
+    else:
+        rows = llmc_call("rms_norm", [gather(args["x"]), args["weight"], args["eps"]],
+                         relax.TensorType([*normed.ty.shape.values[:-2], batch, hidden], "float32"))
+    logits = relax.op.matmul(relax.op.reshape(rows, [batch, hidden]), relax.op.permute_dims(head.weight, [1, 0]))
+    out_var = func.body.body
+    return rewrite(mod, {out_var: logits}, pass_name="select_logits_rows", count=1,
+                   params=[*func.params[:2], indices, *func.params[2:]])
