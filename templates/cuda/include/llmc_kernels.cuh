@@ -1,0 +1,528 @@
+// llmc_kernels.cuh: device code shared by the CUDA kernel templates (templates/cuda/*.cu.j2).
+//
+// The templates are thin: each renders `__global__` wrappers that call the static device functions of one
+// config struct below (its template arguments are the op's compile-time parameters), plus one host launcher
+// `static void name(<the CPU signature>, cudaStream_t stream)` that takes its grid and block from the same
+// struct and launches through LLMC_LAUNCH. A generated model.cu includes this header once, before the kernels.
+//
+// Numerics: activations, KV cache and every accumulation are float32; weights are float, uint16_t (bf16 bits)
+// or __half, widened to float on load. No atomics and no split reductions: every result is computed by one
+// thread, one warp or one block in a fixed order, so a run is bit-reproducible (and seed-independent under
+// the simulator). expf/sincosf/sqrtf/division are the accurate (non-fast-math) versions.
+//
+// Alignment: vector (16-byte) accesses are used only where the row length makes every row 16-byte aligned
+// (decided at compile time), and assume 16-byte aligned base pointers (cudaMalloc'd buffers, offsets that are
+// multiples of 16 bytes). The simulator checks every vector access and reports a misaligned one.
+#pragma once
+
+#include "llmc_device.cuh"
+
+#include <stdint.h>
+
+#ifdef LLMC_SIMULATOR
+#define LLMC_CHECK_ALIGNED16(p)                                                                            \
+  do {                                                                                                     \
+    if (reinterpret_cast<uintptr_t>(p) % 16)                                                               \
+      ::llmc_sim::fatal("%s:%d: 16-byte vector access at %p is misaligned (buffers must be 16-byte aligned)", \
+                        __FILE__, __LINE__, static_cast<const void*>(p));                                 \
+  } while (0)
+#else
+#define LLMC_CHECK_ALIGNED16(p) ((void)0)
+#endif
+
+namespace llmc {
+
+__host__ __device__ constexpr int ceil_div(int a, int b) { return (a + b - 1) / b; }
+__host__ __device__ constexpr int round_up(int a, int b) { return ceil_div(a, b) * b; }
+__host__ __device__ constexpr int clamp_int(int v, int lo, int hi) { return v < lo ? lo : (v > hi ? hi : v); }
+// Threads for a row of n work items: a multiple of 32, at least 32, at most cap.
+__host__ __device__ constexpr int row_threads(int n, int cap) { return clamp_int(round_up(n, 32), 32, cap); }
+__host__ __device__ constexpr int largest_divisor_le(int n, int cap) {
+  for (int d = cap; d > 1; --d)
+    if (n % d == 0) return d;
+  return 1;
+}
+
+// ---------------------------------------------------------------------------------------------------
+// weights: float, uint16_t (bf16 bits) or __half -> float
+__device__ __forceinline__ float wload(float v) { return v; }
+__device__ __forceinline__ float wload(uint16_t v) { return bf16_to_float(v); }
+__device__ __forceinline__ float wload(__half v) { return __half2float(v); }
+
+__device__ __forceinline__ float4 load4(const float* p) {
+  LLMC_CHECK_ALIGNED16(p);
+  return *reinterpret_cast<const float4*>(p);
+}
+__device__ __forceinline__ void store4(float* p, float a, float b, float c, float d) {
+  LLMC_CHECK_ALIGNED16(p);
+  *reinterpret_cast<float4*>(p) = float4{a, b, c, d};
+}
+
+// One 16-byte load of weights, widened: N elements.
+template <typename W>
+struct Vec16;
+template <>
+struct Vec16<float> {
+  static constexpr int N = 4;
+  static __device__ __forceinline__ void load(const float* p, float (&o)[4]) {
+    const float4 v = load4(p);
+    o[0] = v.x, o[1] = v.y, o[2] = v.z, o[3] = v.w;
+  }
+};
+template <>
+struct Vec16<uint16_t> {
+  static constexpr int N = 8;
+  static __device__ __forceinline__ void load(const uint16_t* p, float (&o)[8]) {
+    LLMC_CHECK_ALIGNED16(p);
+    load_bf16x8(p, o);
+  }
+};
+template <>
+struct Vec16<__half> {
+  static constexpr int N = 8;
+  static __device__ __forceinline__ void load(const __half* p, float (&o)[8]) {
+    LLMC_CHECK_ALIGNED16(p);
+    load_f16x8(p, o);
+  }
+};
+
+// Copies C floats from src to dst (one row), threads [0, NT) of the block; float4 when C % 4 == 0.
+template <int C, int NT>
+__device__ __forceinline__ void copy_row(const float* src, float* dst) {
+  if constexpr (C % 4 == 0) {
+    for (int i = threadIdx.x * 4; i < C; i += NT * 4) {
+      const float4 v = load4(src + i);
+      store4(dst + i, v.x, v.y, v.z, v.w);
+    }
+  } else {
+    for (int i = threadIdx.x; i < C; i += NT) dst[i] = src[i];
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------
+// embedding: out[t, :] = table[ids[t], :]. Grid (T), block kThreads; 16-byte loads when rows are aligned.
+template <int H, typename W>
+struct Embedding {
+  static constexpr int V = Vec16<W>::N;
+  static constexpr bool kVec = H % V == 0;
+  static constexpr int kThreads = row_threads(ceil_div(H, kVec ? V : 1), 256);
+
+  static __device__ __forceinline__ void run(const int32_t* ids, const W* table, float* out) {
+    const int t = blockIdx.x;
+    const W* src = table + static_cast<int64_t>(ids[t]) * H;
+    float* dst = out + static_cast<int64_t>(t) * H;
+    if constexpr (kVec) {
+      for (int i = threadIdx.x * V; i < H; i += kThreads * V) {
+        float f[V];
+        Vec16<W>::load(src + i, f);
+#pragma unroll
+        for (int j = 0; j < V; j += 4) store4(dst + i + j, f[j], f[j + 1], f[j + 2], f[j + 3]);
+      }
+    } else {
+      for (int i = threadIdx.x; i < H; i += kThreads) dst[i] = wload(src[i]);
+    }
+  }
+};
+
+// ---------------------------------------------------------------------------------------------------
+// rmsnorm, as transformers' LlamaRMSNorm in float32: y = w * (h * (1 / sqrt(mean(h^2) + eps))).
+// ADD: h = residual_out = x + residual_in first (residual_out may alias x or residual_in: each element is
+// read and written by the same thread). Grid (T), block kThreads; a thread keeps its PER elements in
+// registers (element i = j * kThreads + tid: coalesced), one block_sum.
+template <int H, bool ADD, typename W>
+struct RmsNorm {
+  static constexpr int kThreads = row_threads(ceil_div(H, 8), 512);
+  static constexpr int PER = ceil_div(H, kThreads);
+
+  static __device__ __forceinline__ void run(const float* x, const float* residual_in, float* residual_out,
+                                             const W* w, float* y, float eps) {
+    const int64_t base = static_cast<int64_t>(blockIdx.x) * H;
+    float h[PER];
+    float ss = 0.0f;
+#pragma unroll
+    for (int j = 0; j < PER; ++j) {
+      const int i = j * kThreads + threadIdx.x;
+      float v = 0.0f;
+      if (i < H) {
+        v = x[base + i];
+        if constexpr (ADD) {
+          v += residual_in[base + i];
+          residual_out[base + i] = v;
+        }
+      }
+      h[j] = v;
+      ss += v * v;
+    }
+    ss = block_sum(ss);
+    const float r = 1.0f / sqrtf(ss / static_cast<float>(H) + eps);
+#pragma unroll
+    for (int j = 0; j < PER; ++j) {
+      const int i = j * kThreads + threadIdx.x;
+      if (i < H) y[base + i] = wload(w[i]) * (h[j] * r);
+    }
+  }
+};
+
+// ---------------------------------------------------------------------------------------------------
+// gemm: y[T, N] = x[T, K] @ w[N, K]^T (+ bias[N]); w in HF Linear layout, one row per output.
+//  - decode (T <= kGemvMaxT): gemv(). One warp per output row j; lanes stride K with 16-byte weight loads
+//    (scalar loads when K * sizeof(W) is no multiple of 16), kGemvRows rows of x per pass over the weight
+//    row, one warp_sum per (row, output). Grid (kGemvBlocks), block kGemvThreads.
+//  - prefill: tiled(). BM x BN output tile per block through shared memory (x and w both staged k-major,
+//    w widened to float), BK-deep k steps, 4 x 4 outputs per thread, fp32 accumulate; zero-filled tails.
+//    Grid (kTilesN, ceil(T / BM)), block kTileThreads.
+template <int N, int K, bool BIAS, typename W>
+struct Gemm {
+  static constexpr int V = Vec16<W>::N;
+  static constexpr bool kVec = K % V == 0;  // rows of w (and of x) are 16-byte aligned
+  static constexpr int kGemvWarps = 4, kGemvThreads = 32 * kGemvWarps, kGemvRows = 4, kGemvMaxT = 8;
+  static constexpr int kGemvBlocks = ceil_div(N, kGemvWarps);
+  static constexpr int BM = 64, BN = 64, BK = 16, kTileThreads = 256;
+  static constexpr int kTilesN = ceil_div(N, BN);
+
+  static __device__ __forceinline__ void gemv(const float* x, const W* w, const W* bias, float* y, int T) {
+    constexpr int R = kGemvRows;
+    const int lane = threadIdx.x & 31;
+    const int j = blockIdx.x * kGemvWarps + (threadIdx.x >> 5);
+    if (j >= N) return;  // whole warps only: no block barrier below
+    const W* wr = w + static_cast<int64_t>(j) * K;
+    const float b = BIAS ? wload(bias[j]) : 0.0f;
+    for (int t0 = 0; t0 < T; t0 += R) {
+      const int rows = min(R, T - t0);
+      const float* x0 = x + static_cast<int64_t>(t0) * K;
+      float acc[R];
+#pragma unroll
+      for (int r = 0; r < R; ++r) acc[r] = 0.0f;
+      if constexpr (kVec) {
+        for (int k = lane * V; k < K; k += 32 * V) {
+          float wv[V];
+          Vec16<W>::load(wr + k, wv);
+#pragma unroll
+          for (int r = 0; r < R; ++r) {
+            if (r < rows) {
+#pragma unroll
+              for (int q = 0; q < V; q += 4) {
+                const float4 xv = load4(x0 + static_cast<int64_t>(r) * K + k + q);
+                acc[r] += xv.x * wv[q] + xv.y * wv[q + 1] + xv.z * wv[q + 2] + xv.w * wv[q + 3];
+              }
+            }
+          }
+        }
+      } else {
+        for (int k = lane; k < K; k += 32) {
+          const float wv = wload(wr[k]);
+#pragma unroll
+          for (int r = 0; r < R; ++r)
+            if (r < rows) acc[r] += x0[static_cast<int64_t>(r) * K + k] * wv;
+        }
+      }
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        if (r < rows) {  // warp-uniform
+          const float s = warp_sum(acc[r]);
+          if (lane == 0) y[static_cast<int64_t>(t0 + r) * N + j] = s + b;
+        }
+      }
+    }
+  }
+
+  static __device__ __forceinline__ void tiled(const float* x, const W* w, const W* bias, float* y, int T) {
+    static_assert(BM * BK % kTileThreads == 0 && BN * BK % kTileThreads == 0, "gemm: tile loads");
+    static_assert((BM / 4) * (BN / 4) == kTileThreads, "gemm: 4 x 4 outputs per thread");
+    struct alignas(16) Smem {
+      float x[BK][BM + 4];  // k-major; +4 keeps rows 16-byte aligned and spreads the transposing stores
+      float w[BK][BN + 4];
+    };
+    __shared__ Smem sm;
+    const int tid = threadIdx.x;
+    const int tx = tid % (BN / 4), ty = tid / (BN / 4);
+    const int m0 = blockIdx.y * BM, n0 = blockIdx.x * BN;
+    float acc[4][4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+      for (int jj = 0; jj < 4; ++jj) acc[i][jj] = 0.0f;
+
+    for (int k0 = 0; k0 < K; k0 += BK) {
+#pragma unroll
+      for (int e = 0; e < BM * BK / kTileThreads; ++e) {  // consecutive threads read consecutive k
+        const int idx = tid + e * kTileThreads, r = idx / BK, c = idx % BK;
+        const int gm = m0 + r, gk = k0 + c;
+        sm.x[c][r] = (gm < T && gk < K) ? x[static_cast<int64_t>(gm) * K + gk] : 0.0f;
+      }
+#pragma unroll
+      for (int e = 0; e < BN * BK / kTileThreads; ++e) {
+        const int idx = tid + e * kTileThreads, r = idx / BK, c = idx % BK;
+        const int gn = n0 + r, gk = k0 + c;
+        sm.w[c][r] = (gn < N && gk < K) ? wload(w[static_cast<int64_t>(gn) * K + gk]) : 0.0f;
+      }
+      __syncthreads();
+#pragma unroll
+      for (int kk = 0; kk < BK; ++kk) {
+        const float4 a = load4(&sm.x[kk][ty * 4]);
+        const float4 bv = load4(&sm.w[kk][tx * 4]);
+        const float av[4] = {a.x, a.y, a.z, a.w}, bw[4] = {bv.x, bv.y, bv.z, bv.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+#pragma unroll
+          for (int jj = 0; jj < 4; ++jj) acc[i][jj] += av[i] * bw[jj];
+      }
+      __syncthreads();
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int gm = m0 + ty * 4 + i;
+      if (gm >= T) break;
+#pragma unroll
+      for (int jj = 0; jj < 4; ++jj) {
+        const int gn = n0 + tx * 4 + jj;
+        if (gn < N) y[static_cast<int64_t>(gm) * N + gn] = BIAS ? acc[i][jj] + wload(bias[gn]) : acc[i][jj];
+      }
+    }
+  }
+};
+
+// ---------------------------------------------------------------------------------------------------
+// rope, rotate-half (transformers' Llama), in place on heads [0, NH) of each row: with c, s = cos, sin of
+// float(pos) * inv_freq[i],  x[i] = x[i] c - x[i + D/2] s,  x[i + D/2] = x[i + D/2] c + x[i] s.
+// Grid (T), block kThreads; one thread per (head, i) pair.
+template <int NH, int D>
+struct Rope {
+  static_assert(D % 2 == 0, "rope: odd head_dim");
+  static constexpr int HALF = D / 2;
+  static constexpr int kThreads = row_threads(NH * HALF, 256);
+
+  static __device__ __forceinline__ void run(float* x, int row_stride, const int32_t* positions,
+                                             const float* inv_freq) {
+    const int t = blockIdx.x;
+    const float p = static_cast<float>(positions[t]);
+    float* row = x + static_cast<int64_t>(t) * row_stride;
+    for (int idx = threadIdx.x; idx < NH * HALF; idx += kThreads) {
+      const int h = idx / HALF, i = idx % HALF;
+      float s, c;
+      sincosf(p * inv_freq[i], &s, &c);
+      float* x1 = row + h * D + i;
+      const float a = x1[0], b = x1[HALF];
+      x1[0] = a * c - b * s;
+      x1[HALF] = b * c + a * s;
+    }
+  }
+};
+
+// ---------------------------------------------------------------------------------------------------
+// paged attention over a ragged batch (docs/contracts.md, "The step"). KV cache [num_blocks, BS, NKV, D]
+// float32 each. T = query_start_loc[B] lives in device memory, so both kernels take a grid bounded from the
+// host-side arguments (T <= B * max_blocks * BS) and capped at kMaxGrid, and loop over their items.
+//  1. write(): token t's k/v rows (kv heads [0, NKV)) go to cache slot slot_mapping[t] (< 0: skipped).
+//     Grid (write_grid()), block kWriteThreads; one block per token.
+//  2. attend(): one warp per (token t, head h); a block holds HPB heads of one token that share a kv head
+//     (HPB divides NH / NKV), so their K/V reads meet in L1. Causal over cache positions 0..p of t's
+//     sequence, through its block table. Per 32 cache positions: lane j scores position c0 + j (a full
+//     D-long dot with the q row staged in shared memory), warp_max / warp_sum for the online softmax (fp32,
+//     one rescale per 32 positions), then every lane accumulates D/32 output dims over the 32 positions'
+//     V rows (coalesced). Grid (attend_grid()), block kThreads.
+template <int NH, int NKV, int D, int BS>
+struct PagedAttention {
+  static_assert(NH % NKV == 0, "paged_attention: num_heads must be a multiple of num_kv_heads");
+  static constexpr int GROUP = NH / NKV;
+  static constexpr int HPB = largest_divisor_le(GROUP, 8);  // heads (warps) per block
+  static constexpr int kThreads = 32 * HPB;
+  static constexpr int kHeadBlocks = NH / HPB;
+  static constexpr int DPL = ceil_div(D, 32);  // output dims per lane
+  static constexpr int SLOT = NKV * D;         // floats per cache slot
+  static constexpr int kWriteThreads = row_threads(SLOT, 256);
+  static constexpr int64_t kMaxGrid = 1024;
+
+  static int grid(int B, int max_blocks, int per_token) {
+    const int64_t bound = static_cast<int64_t>(B) * max_blocks * BS * per_token;
+    return static_cast<int>(bound < kMaxGrid ? (bound > 0 ? bound : 1) : kMaxGrid);
+  }
+  static int write_grid(int B, int max_blocks) { return grid(B, max_blocks, 1); }
+  static int attend_grid(int B, int max_blocks) { return grid(B, max_blocks, kHeadBlocks); }
+
+  static __device__ __forceinline__ void write(const float* k, const float* v, int row_stride, float* k_cache,
+                                               float* v_cache, const int64_t* slot_mapping,
+                                               const int32_t* query_start_loc, int B) {
+    const int T = query_start_loc[B];
+    for (int t = blockIdx.x; t < T; t += gridDim.x) {
+      const int64_t slot = slot_mapping[t];
+      if (slot < 0) continue;
+      const int64_t src = static_cast<int64_t>(t) * row_stride, dst = slot * SLOT;
+      for (int i = threadIdx.x; i < SLOT; i += kWriteThreads) {
+        k_cache[dst + i] = k[src + i];
+        v_cache[dst + i] = v[src + i];
+      }
+    }
+  }
+
+  static __device__ __forceinline__ float dot_q(const float* qs, const float* kr) {
+    float s = 0.0f;
+    if constexpr (D % 4 == 0) {
+#pragma unroll 4
+      for (int d = 0; d < D; d += 4) {
+        const float4 a = load4(qs + d), b = load4(kr + d);
+        s += a.x * b.x + a.y * b.y + a.z * b.z + a.w * b.w;
+      }
+    } else {
+      for (int d = 0; d < D; ++d) s += qs[d] * kr[d];
+    }
+    return s;
+  }
+
+  static __device__ __forceinline__ void attend(const float* q, int row_stride, const float* k_cache,
+                                                const float* v_cache, const int32_t* query_start_loc,
+                                                const int32_t* seq_lens, const int32_t* block_tables,
+                                                int max_blocks, int B, float* out, float scale) {
+    struct alignas(16) Smem {
+      float q[HPB][D];     // this warp's query row
+      float p[HPB][32];    // softmax weights of the current 32 positions
+      int64_t row[HPB][32];  // their V rows (float offsets into the cache)
+    };
+    __shared__ Smem sm;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int T = query_start_loc[B];
+    for (int item = blockIdx.x; item < T * kHeadBlocks; item += gridDim.x) {
+      const int t = item / kHeadBlocks, h = (item % kHeadBlocks) * HPB + warp;
+      int b = 0, hi = B;  // the last b with query_start_loc[b] <= t
+      while (hi - b > 1) {
+        const int mid = (b + hi) >> 1;
+        if (query_start_loc[mid] <= t) b = mid; else hi = mid;
+      }
+      const int n_new = query_start_loc[b + 1] - query_start_loc[b];
+      const int ctx = seq_lens[b] - n_new + (t - query_start_loc[b]) + 1;  // positions 0..p
+      const int kvh = h / GROUP;
+      const int32_t* table = block_tables + static_cast<int64_t>(b) * max_blocks;
+      const float* qh = q + static_cast<int64_t>(t) * row_stride + h * D;
+      for (int d = lane; d < D; d += 32) sm.q[warp][d] = qh[d];
+      __syncwarp();
+
+      float m = -INFINITY, l = 0.0f, acc[DPL];
+#pragma unroll
+      for (int i = 0; i < DPL; ++i) acc[i] = 0.0f;
+      for (int c0 = 0; c0 < ctx; c0 += 32) {
+        const int pos = c0 + lane;
+        float s = -INFINITY;
+        if (pos < ctx) {
+          const int64_t row = (static_cast<int64_t>(table[pos / BS]) * BS + pos % BS) * SLOT + kvh * D;
+          sm.row[warp][lane] = row;
+          s = dot_q(sm.q[warp], k_cache + row) * scale;
+        }
+        const float m_new = fmaxf(m, warp_max(s));  // finite: position c0 is always < ctx
+        const float corr = expf(m - m_new);         // 0 on the first chunk (m = -inf)
+        const float p = pos < ctx ? expf(s - m_new) : 0.0f;
+        l = l * corr + warp_sum(p);
+        sm.p[warp][lane] = p;
+        __syncwarp();
+        const int n = min(32, ctx - c0);
+#pragma unroll
+        for (int i = 0; i < DPL; ++i) acc[i] *= corr;
+        for (int j = 0; j < n; ++j) {
+          const float pj = sm.p[warp][j];
+          const float* vr = v_cache + sm.row[warp][j];
+#pragma unroll
+          for (int i = 0; i < DPL; ++i) {
+            const int d = lane + 32 * i;
+            if (D % 32 == 0 || d < D) acc[i] += pj * vr[d];
+          }
+        }
+        m = m_new;
+        __syncwarp();  // p/row are rewritten by the next chunk, q by the next item
+      }
+      const float inv = 1.0f / l;
+      float* o = out + static_cast<int64_t>(t) * (NH * D) + h * D;
+#pragma unroll
+      for (int i = 0; i < DPL; ++i) {
+        const int d = lane + 32 * i;
+        if (D % 32 == 0 || d < D) o[d] = acc[i] * inv;
+      }
+    }
+  }
+};
+
+// ---------------------------------------------------------------------------------------------------
+// silu_mul: out[t, i] = silu(gate[t, i]) * up[t, i], gate_up = [gate | up] per row; silu(g) = g / (1 +
+// exp(-g)) as torch computes it. Grid (T, kChunks), block kThreads, V elements per thread.
+template <int I>
+struct SiluMul {
+  static constexpr int V = I % 4 == 0 ? 4 : 1;
+  static constexpr int kThreads = row_threads(ceil_div(I, V), 256);
+  static constexpr int kChunks = ceil_div(I, kThreads * V);
+
+  static __device__ __forceinline__ float silu_mul1(float g, float u) { return g / (1.0f + expf(-g)) * u; }
+
+  static __device__ __forceinline__ void run(const float* gate_up, float* out) {
+    const int64_t t = blockIdx.x;
+    const int i = (blockIdx.y * kThreads + threadIdx.x) * V;
+    if (i >= I) return;
+    const float* g = gate_up + t * 2 * I + i;
+    float* o = out + t * I + i;
+    if constexpr (V == 4) {
+      const float4 gv = load4(g), uv = load4(g + I);
+      store4(o, silu_mul1(gv.x, uv.x), silu_mul1(gv.y, uv.y), silu_mul1(gv.z, uv.z), silu_mul1(gv.w, uv.w));
+    } else {
+      o[0] = silu_mul1(g[0], g[I]);
+    }
+  }
+};
+
+// ---------------------------------------------------------------------------------------------------
+// gather_rows: out[i, :] = x[rows[i], :]. Grid (n), block kThreads.
+template <int C>
+struct GatherRows {
+  static constexpr int kThreads = row_threads(ceil_div(C, C % 4 == 0 ? 4 : 1), 256);
+
+  static __device__ __forceinline__ void run(const float* x, const int32_t* rows, float* out) {
+    const int i = blockIdx.x;
+    copy_row<C, kThreads>(x + static_cast<int64_t>(rows[i]) * C, out + static_cast<int64_t>(i) * C);
+  }
+};
+
+// ---------------------------------------------------------------------------------------------------
+// argmax: out[b] = argmax(logits[b, :]) as numpy: the lowest index among equal maxima, and the first NaN if
+// there is one. Grid (B), block kThreads: strided scan per thread, then a warp and a block reduction under
+// the same total order.
+template <int VOCAB>
+struct Argmax {
+  static constexpr int kThreads = row_threads(ceil_div(VOCAB, 8), 1024);
+
+  // (a, ia) ranks before (b, ib): NaN first, then larger, then lower index.
+  static __device__ __forceinline__ bool better(float a, int ia, float b, int ib) {
+    const bool na = a != a, nb = b != b;
+    if (na || nb) return na && (!nb || ia < ib);
+    return a > b || (a == b && ia < ib);
+  }
+  static __device__ __forceinline__ void warp_best(float& v, int& idx) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      const float ov = __shfl_xor_sync(kFullMask, v, o);
+      const int oi = __shfl_xor_sync(kFullMask, idx, o);
+      if (better(ov, oi, v, idx)) v = ov, idx = oi;
+    }
+  }
+
+  static __device__ __forceinline__ void run(const float* logits, int32_t* out) {
+    __shared__ float best_v[32];
+    __shared__ int best_i[32];
+    const float* row = logits + static_cast<int64_t>(blockIdx.x) * VOCAB;
+    float v = -INFINITY;
+    int idx = 0x7fffffff;  // "none": loses to every element
+    for (int i = threadIdx.x; i < VOCAB; i += kThreads) {
+      const float x = row[i];
+      if (better(x, i, v, idx)) v = x, idx = i;
+    }
+    warp_best(v, idx);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if constexpr (kThreads > 32) {
+      if (lane == 0) best_v[warp] = v, best_i[warp] = idx;
+      __syncthreads();
+      if (warp == 0) {
+        v = lane < kThreads / 32 ? best_v[lane] : -INFINITY;
+        idx = lane < kThreads / 32 ? best_i[lane] : 0x7fffffff;
+        warp_best(v, idx);
+      }
+    }
+    if (threadIdx.x == 0) out[blockIdx.x] = idx;
+  }
+};
+
+}  // namespace llmc
