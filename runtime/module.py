@@ -101,13 +101,23 @@ class CompiledModel:
         *,
         kv_cache_memory: int | str | None = None,
         memory_fraction: float = 0.2,
-        block_size: int = 16,
+        block_size: int | None = None,
         max_num_tokens: int = 512,
         max_num_seqs: int = 64,
     ) -> CompiledModel:
         """Load an artifact; the KV cache gets `kv_cache_memory` bytes (e.g. '2GiB') or `memory_fraction`
-        of available memory, capped at what max_num_seqs sequences of full context could use."""
+        of available memory, capped at what max_num_seqs sequences of full context could use.
+
+        block_size: None takes the artifact's (manifest "block_size", when the module is built for one),
+        else 16; a module built for one block size refuses another.
+        """
         artifact = load_artifact(path)
+        built_for = artifact.manifest.get("block_size")
+        if block_size is None:
+            block_size = int(built_for) if built_for else 16
+        elif built_for and block_size != built_for:
+            raise LlmcError(f"{artifact.path}: the module is built for KV blocks of {built_for} tokens, not {block_size}",
+                            f"load it with block_size={built_for}, or recompile with --block-size")  # fmt: skip
         if artifact.is_cuda:
             raise ArtifactError(
                 f"{artifact.path}: is built for {artifact.target_name}; running CUDA artifacts is not supported yet",
