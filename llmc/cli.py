@@ -71,9 +71,12 @@ def export(model: Path, fmt: str, output: Path) -> None:
 @click.option("-o", "--output", type=click.Path(path_type=Path), required=True, help="Artifact directory to write.")
 @click.option("--dtype", "weight_dtype", type=click.Choice(["auto", "float32", "bfloat16"]), default="auto",
               show_default=True, help="Weight dtype in the artifact (auto: the checkpoint's).")
-def compile_cmd(model: Path, target: str, output: Path, weight_dtype: str) -> None:
+@click.option("--block-size", type=click.IntRange(min=1), default=None,
+              help="KV cache block size (tokens) the module is built for [default: 16].")
+def compile_cmd(model: Path, target: str, output: Path, weight_dtype: str, block_size: int | None) -> None:
     """Compile MODEL (a Hugging Face checkpoint dir) into an artifact for TARGET."""
-    out = _compile_checkpoint()(model, target=target, output=output, weight_dtype=weight_dtype, progress=True)
+    extra = {} if block_size is None else {"block_size": block_size}
+    out = _compile_checkpoint()(model, target=target, output=output, weight_dtype=weight_dtype, progress=True, **extra)
     click.echo(f"wrote {out}")
 
 
@@ -194,7 +197,8 @@ def _check_simulate(path: Path) -> None:
 @main.command()
 @click.argument("artifact", required=False, type=click.Path(path_type=Path))
 @click.option("--prompt", help="Text to continue. Default: stdin when piped; the bundled model's demo prompt.")
-@click.option("--max-tokens", type=click.IntRange(min=1), default=DEFAULT_MAX_TOKENS, show_default=True)
+@click.option("--max-tokens", type=click.IntRange(min=1), default=None,
+              help=f"Tokens to generate [default: {DEFAULT_MAX_TOKENS}; chat: until EOS].")
 @click.option("--temperature", type=float, default=0.0, show_default=True, help="0 is greedy.")
 @click.option("--top-p", type=float, default=1.0, show_default=True)
 @click.option("--top-k", type=int, default=0, show_default=True, help="0 is off.")
@@ -206,13 +210,15 @@ def run(artifact: Path | None, prompt: str | None, max_tokens: int, temperature:
         seed: int | None, as_json: bool, simulate: bool, kv_cache_memory: str | None) -> None:  # fmt: skip
     """Generate from ARTIFACT (a compiled artifact or a checkpoint dir; default: the bundled model).
 
-    A checkpoint is compiled for this CPU once and cached ($LLMC_CACHE_DIR, else ~/.cache/llmc).
+    A checkpoint is compiled for this CPU once and cached ($LLMC_CACHE_DIR, else ~/.cache/llmc). With an
+    ARTIFACT, no --prompt and a terminal on stdin, it starts an interactive chat.
     """
     from .runtime.engine import LLMEngine
     from .runtime.sampling import SamplingParams
 
-    if prompt is None and artifact is not None and sys.stdin.isatty():
-        raise LlmcError("interactive chat is not available yet", "pass --prompt TEXT, or pipe the prompt on stdin")
+    chat = prompt is None and artifact is not None and not as_json and _stdin_is_tty()
+    if max_tokens is None and not chat:
+        max_tokens = DEFAULT_MAX_TOKENS
     params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, max_tokens=max_tokens)
     if simulate:
         if artifact is None or not (artifact / "manifest.json").is_file():
@@ -220,6 +226,14 @@ def run(artifact: Path | None, prompt: str | None, max_tokens: int, temperature:
                             "compile one: llmc compile CHECKPOINT --target sm90 -o OUT")  # fmt: skip
         _check_simulate(artifact)
     path = _resolve_artifact(artifact)
+    if chat:
+        from .runtime.chat import run_chat
+
+        model, tokenizer = _load_model(path, kv_cache_memory, max_num_seqs=1)
+        with model:
+            run_chat(LLMEngine(model, tokenizer), tokenizer, model.chat_template, params,
+                     bos_token=model.bos_token, eos_token=model.eos_token)  # fmt: skip
+        return
     if prompt is None:
         prompt = DEFAULT_PROMPT if artifact is None else sys.stdin.read()
         if not prompt:
@@ -259,6 +273,85 @@ def run(artifact: Path | None, prompt: str | None, max_tokens: int, temperature:
         click.echo()
         click.echo(f"[{len(prompt_ids)} prompt tokens, {len(token_ids)} generated ({finish}); prefill "
                    f"{timings['prefill_ms']:.1f} ms, decode {timings['decode_tokens_per_s']:.1f} tokens/s]", err=True)  # fmt: skip
+
+
+def _stdin_is_tty() -> bool:
+    return sys.stdin.isatty()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# serve
+
+
+@main.command()
+@click.argument("artifact", type=click.Path(path_type=Path))
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", type=int, default=8000, show_default=True)
+@click.option("--model-name", default=None, help="The model id clients send and see [default: the artifact's name].")
+@click.option("--max-num-seqs", type=click.IntRange(min=1), default=64, show_default=True,
+              help="Most sequences in one step.")
+@click.option("--max-num-batched-tokens", type=click.IntRange(min=1), default=512, show_default=True,
+              help="Most tokens in one step (prefill chunks and decodes together).")
+@click.option("--kv-cache-memory", default=None, help="KV cache size, e.g. 4GiB (default: 20% of free memory).")
+def serve(artifact: Path, host: str, port: int, model_name: str | None, max_num_seqs: int,
+          max_num_batched_tokens: int, kv_cache_memory: str | None) -> None:  # fmt: skip
+    """Serve ARTIFACT over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions)."""
+    from .runtime import server
+    from .runtime.engine import AsyncLLMEngine, LLMEngine
+
+    path = _resolve_artifact(artifact)
+    model, tokenizer = _load_model(path, kv_cache_memory, max_num_seqs=max_num_seqs,
+                                   max_num_tokens=max_num_batched_tokens)  # fmt: skip
+    engine = AsyncLLMEngine(LLMEngine(model, tokenizer))
+    name = model_name or artifact.resolve().name
+    app = server.create_app(engine, tokenizer, name, model.chat_template, bos_token=model.bos_token,
+                            eos_token=model.eos_token)  # fmt: skip
+    click.echo(f"serving {name} ({model.num_blocks} KV blocks of {model.block_size} tokens) on http://{host}:{port}/v1",
+               err=True)  # fmt: skip
+    try:
+        server.serve(app, host, port)
+    finally:
+        model.close()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# bench
+
+
+def _int_list(ctx, param, value: str) -> list[int]:
+    try:
+        levels = [int(v) for v in value.split(",") if v.strip()]
+    except ValueError:
+        raise click.BadParameter(f"{value!r}: write comma-separated integers, e.g. 1,4,16") from None
+    if not levels or min(levels) < 1:
+        raise click.BadParameter(f"{value!r}: every level must be >= 1")
+    return levels
+
+
+@main.command()
+@click.argument("artifact", type=click.Path(path_type=Path))
+@click.option("--concurrency", default="1,4,16", show_default=True, callback=_int_list,
+              help="Concurrency levels, comma-separated.")
+@click.option("--num-requests", type=click.IntRange(min=1), default=None,
+              help="Requests per level [default: max(4, 2 x concurrency)].")
+@click.option("--prompt-len", type=click.IntRange(min=1), default=128, show_default=True)
+@click.option("--output-len", type=click.IntRange(min=1), default=128, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--memory-bandwidth", type=float, default=None, help="Bytes/s for the roofline [default: measured].")
+@click.option("--kv-cache-memory", default=None, help="KV cache size, e.g. 4GiB (default: 20% of free memory).")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+def bench(artifact: Path, concurrency: list[int], num_requests: int | None, prompt_len: int, output_len: int,
+          seed: int, memory_bandwidth: float | None, kv_cache_memory: str | None, as_json: bool) -> None:  # fmt: skip
+    """TTFT, TPOT and tokens/s of ARTIFACT on a fixed synthetic workload, against the memory roofline."""
+    from .runtime.bench import format_bench_table, run_bench
+    from .runtime.engine import LLMEngine
+
+    model, _ = _load_model(_resolve_artifact(artifact), kv_cache_memory, max_num_seqs=max(concurrency))
+    with model:
+        result = run_bench(lambda: LLMEngine(model), concurrency=concurrency, num_requests=num_requests,
+                           prompt_len=prompt_len, output_len=output_len, seed=seed,
+                           memory_bandwidth=memory_bandwidth, progress=not as_json)  # fmt: skip
+    click.echo(json.dumps(result, indent=2) if as_json else format_bench_table(result))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -372,6 +465,8 @@ def _inspect_artifact(path: Path, verbose: bool) -> None:
     plan = m.get("buffer_plan") or {}
     parts = []
     for key, value in plan.items():
+        if isinstance(value, (list, tuple, dict)):
+            value = len(value)
         if isinstance(value, bool) or not isinstance(value, (int, float, str)):
             continue
         shown = _human_bytes(value) if key.endswith("bytes") and isinstance(value, int) else value
@@ -386,22 +481,25 @@ def _inspect_artifact(path: Path, verbose: bool) -> None:
     click.echo(f"  kernels        {len(kernels)}")
     if verbose:
         for k in kernels:
-            click.echo(f"    {k.get('id')}: {k.get('template')} [{k.get('tuning_source', '')}] {_params(k)}")
+            fused = _fused(k)
+            click.echo(f"    {k.get('id')}: {k.get('template')} x{k.get('launches', 1)} [{k.get('tuning_source', '')}] "
+                       f"{_params(k)}{'; fuses ' + fused if fused else ''}")  # fmt: skip
     else:
-        groups: dict[str, list[dict]] = {}
+        groups: dict[tuple[str, str], list[dict]] = {}
         for k in kernels:
-            groups.setdefault(str(k.get("template")), []).append(k)
-        for template, ks in groups.items():
-            fused = _fused(ks[0])
+            groups.setdefault((str(k.get("template")), _fused(k)), []).append(k)
+        for (template, fused), ks in groups.items():
+            launches = sum(int(k.get("launches", 1)) for k in ks)
             sources = sorted({str(k.get("tuning_source")) for k in ks if k.get("tuning_source")})
-            click.echo(f"    {template:<22} x{len(ks):<4}{' fuses ' + fused if fused else ''}"
-                       f"{'  (tuning: ' + ', '.join(sources) + ')' if sources else ''}")  # fmt: skip
+            click.echo(f"    {template:<22} {len(ks)} kernel{'s' if len(ks) != 1 else ' '} {launches:>3} launch"
+                       f"{'es' if launches != 1 else '  '}  {'fuses ' + fused if fused else '':<28}"
+                       f"{' tuning: ' + ', '.join(sources) if sources else ''}".rstrip())  # fmt: skip
         if kernels:
             click.echo("    (-v lists every kernel with its parameters)")
 
 
 def _fused(kernel: dict) -> str:
-    for key in ("ops", "fused", "fused_ops"):
+    for key in ("fuses", "ops", "fused", "fused_ops"):
         value = kernel.get(key) or (kernel.get("params") or {}).get(key)
         if value:
             return " + ".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)

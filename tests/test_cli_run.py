@@ -160,6 +160,15 @@ def test_load_sizes_the_kv_cache(fake_artifact):
         assert m.num_blocks == 3 * cdiv(c.max_context, 32)
 
 
+def test_block_size_comes_from_the_artifact(tmp_path, checkpoint_dir, fake_lib):
+    populate = _fake_populate(checkpoint_dir("llama"), fake_lib)
+    out = write_artifact(tmp_path / "b32", lambda tmp: {**populate(tmp), "block_size": 32})
+    with CompiledModel.load(out, kv_cache_memory="8MiB") as m:
+        assert m.block_size == 32 and _created_args(m)[1] == 32
+    with pytest.raises(LlmcError, match="built for KV blocks of 32 tokens, not 16"):
+        CompiledModel.load(out, kv_cache_memory="8MiB", block_size=16)
+
+
 def test_budget_below_one_block(fake_artifact):
     with pytest.raises(LlmcError, match="holds no block.*--kv-cache-memory"):
         CompiledModel.load(fake_artifact, kv_cache_memory=100)
@@ -244,6 +253,53 @@ def test_run_errors(tmp_path, fake_artifact):
     assert r.exit_code == 1 and "weights.safetensors is corrupt" in r.stderr
     r = _invoke("--debug", "run", fake_artifact, "--prompt", "hi")
     assert isinstance(r.exception, ArtifactError)
+
+
+def test_run_interactive_chat(fake_artifact, monkeypatch):
+    monkeypatch.setattr(cli, "_stdin_is_tty", lambda: True)
+    r = CliRunner().invoke(cli.main, ["run", str(fake_artifact), "--max-tokens", "3", "--kv-cache-memory", "8MiB"],
+                           input="hello\n/reset\nagain\n/exit\n")
+    assert r.exit_code == 0, r.output
+    assert "/reset starts a new conversation" in r.stdout and "(new conversation)" in r.stdout
+
+
+def test_serve(fake_artifact, monkeypatch):
+    from fastapi.testclient import TestClient
+
+    from llmc.runtime import server
+
+    seen = {}
+
+    def fake_serve(app, host, port, **kw):
+        seen["where"] = (host, port)
+        with TestClient(app) as client:
+            seen["models"] = client.get("/v1/models").json()
+            seen["completion"] = client.post("/v1/completions", json={
+                "model": "fake.cpu", "prompt": [5, 6], "max_tokens": 3, "temperature": 0}).json()
+            seen["too_long"] = client.post("/v1/completions", json={"prompt": [5] * 300, "max_tokens": 1})
+
+    monkeypatch.setattr(server, "serve", fake_serve)
+    r = _invoke("serve", fake_artifact, "--port", 8123, "--kv-cache-memory", "8MiB")
+    assert r.exit_code == 0, r.output
+    assert seen["where"] == ("127.0.0.1", 8123)
+    assert [m["id"] for m in seen["models"]["data"]] == ["fake.cpu"]
+    choice = seen["completion"]["choices"][0]
+    assert choice["finish_reason"] == "length" and seen["completion"]["usage"]["completion_tokens"] == 3
+    assert seen["too_long"].status_code == 400
+
+
+def test_bench(fake_artifact):
+    args = ("bench", fake_artifact, "--concurrency", "1,2", "--prompt-len", 8, "--output-len", 4,
+            "--memory-bandwidth", 1e10, "--kv-cache-memory", "8MiB")
+    r = _invoke(*args, "--json")
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)
+    assert [lv["concurrency"] for lv in out["levels"]] == [1, 2]
+    assert out["roofline"]["weight_bytes_per_decode_step"] == 64
+    r = _invoke(*args)
+    assert r.exit_code == 0 and "TTFT p50 ms" in r.stdout
+    r = _invoke("bench", fake_artifact, "--concurrency", "0,x")
+    assert r.exit_code == 2 and "comma-separated" in r.stderr
 
 
 def test_run_without_a_bundled_model(tmp_path, monkeypatch):
