@@ -2,10 +2,11 @@
 
 `cuda_kernels(specs)` renders every (op, params) with render_kernel("cuda", ...), puts them after
 llmc_kernels.cuh in one .cu with an `extern "C"` trampoline each (it calls the host launcher with the
-default stream and returns cudaGetLastError()), builds that once with build_simulated (g++ against
-llmc_sim.h, cached) and returns {kernel_id: Kernel}. Under the simulator device memory is host memory,
+default stream and returns cudaGetLastError()), builds that with build_simulated (g++ against llmc_sim.h,
+cached) and returns {kernel_id: Kernel}. The first build also takes the SPECS of every collected test
+module, so a whole run compiles the simulated kernels once. Under the simulator device memory is host memory,
 so a Kernel is called with numpy arrays / ints / None in the order of the contract signature, exactly
-like the CPU harness (tests/templates/cpu/conftest.py). Each test module builds its grid in one g++ call.
+like the CPU harness (tests/templates/cpu/conftest.py).
 
 `sim_seed(n)` sets the simulator's scheduling seed (thread order between sync points).
 """
@@ -13,6 +14,8 @@ like the CPU harness (tests/templates/cpu/conftest.py). Each test module builds 
 from __future__ import annotations
 
 import ctypes
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -95,8 +98,20 @@ def kernels_source(specs) -> tuple[str, dict[str, tuple[str, dict]]]:
     return "".join(parts), seen
 
 
-_built: dict[tuple, dict[str, Kernel]] = {}
+_kernels: dict[str, Kernel] = {}  # every kernel built so far, by kernel id
+_collected: list[tuple[str, dict]] = []  # the SPECS of the test modules collected in this session
 _libs: list[ctypes.CDLL] = []
+
+
+def pytest_collection_finish(session):
+    """Note every collected test module's SPECS, so the first build compiles them all in one g++ call."""
+    here, seen = Path(__file__).parent, set()
+    for item in session.items:
+        mod = getattr(item, "module", None)
+        if mod is None or mod.__name__ in seen or Path(mod.__file__).parent != here:
+            continue
+        seen.add(mod.__name__)
+        _collected.extend(getattr(mod, "SPECS", []))
 
 
 def set_seed(n: int) -> None:
@@ -107,20 +122,25 @@ def set_seed(n: int) -> None:
 
 @pytest.fixture(scope="session")
 def cuda_kernels(tmp_path_factory):
-    """cuda_kernels([(op, params), ...]) -> {kernel_id("cuda", op, params): Kernel} (simulator build)."""
+    """cuda_kernels([(op, params), ...]) -> {kernel_id("cuda", op, params): Kernel} (simulator build).
+
+    The first call builds its specs together with those of every collected module (one g++ run);
+    later calls build only what is still missing.
+    """
     out_dir = tmp_path_factory.mktemp("cuda-sim")
 
     def build(specs) -> dict[str, Kernel]:
-        key = tuple((op, repr(sorted(p.items()))) for op, p in specs)
-        if key not in _built:
-            source, seen = kernels_source(specs)
-            so = simulator.build_simulated(source, out_dir / f"kernels{len(_built)}.so")
+        ids = [kernel_id("cuda", op, p) for op, p in specs]
+        missing = [s for s in [*specs, *_collected] if kernel_id("cuda", *s) not in _kernels]
+        if any(kid not in _kernels for kid in ids):
+            source, seen = kernels_source(missing)
+            so = simulator.build_simulated(source, out_dir / f"kernels{len(_libs)}.so")
             lib = ctypes.CDLL(str(so))
             lib.llmc_sim_set_seed.argtypes = [ctypes.c_ulonglong]
             lib.llmc_sim_set_seed(1)
             _libs.append(lib)
-            _built[key] = {kid: Kernel(getattr(lib, f"test_{kid}"), op, p) for kid, (op, p) in seen.items()}
-        return _built[key]
+            _kernels.update({kid: Kernel(getattr(lib, f"test_{kid}"), op, p) for kid, (op, p) in seen.items()})
+        return {kid: _kernels[kid] for kid in ids}
 
     return build
 

@@ -1,0 +1,77 @@
+"""templates/cuda/rmsnorm.cu.j2 under the simulator: y = w * (h / sqrt(mean(h^2) + eps)),
+h = x (+ residual_in -> residual_out)."""
+
+import numpy as np
+import pytest
+
+from llmc.compiler.codegen.render import kernel_id
+
+# hidden 37 (one partial warp), 64, 576 (576 / 96 threads), 4100 (512 threads x 9 elements, partial tail)
+SPECS = [("rmsnorm", dict(hidden=h, eps=eps, wdtype=wd, add_residual=res))
+         for h, eps in ((37, 1e-6), (64, 1e-5), (576, 1e-5)) for wd in ("f32", "bf16", "f16") for res in (False, True)]
+SPECS.append(("rmsnorm", dict(hidden=4100, eps=1e-5, wdtype="bf16", add_residual=True)))
+
+
+@pytest.fixture(scope="module")
+def kernels(cuda_kernels):
+    return cuda_kernels(SPECS)
+
+
+def _reference(h, wf, eps):
+    h = h.astype(np.float64)
+    return wf * (h / np.sqrt(np.mean(h * h, axis=-1, keepdims=True) + np.float32(eps)))
+
+
+@pytest.mark.parametrize("T", [1, 3, 17])
+@pytest.mark.parametrize("op,params", SPECS, ids=[kernel_id("cuda", *s) for s in SPECS])
+def test_rmsnorm_matches_numpy(kernels, weights, op, params, T):
+    rng = np.random.default_rng(T)
+    hidden, add = params["hidden"], params["add_residual"]
+    x = rng.standard_normal((T, hidden), dtype=np.float32) * 3
+    w, wf = weights(rng.standard_normal(hidden, dtype=np.float32), params["wdtype"])
+    res_in = rng.standard_normal((T, hidden), dtype=np.float32) if add else None
+    res_out = np.full((T, hidden), np.nan, dtype=np.float32) if add else None
+    y = np.full((T, hidden), np.nan, dtype=np.float32)
+    kernels[kernel_id("cuda", op, params)](x, res_in, res_out, w, y, T)
+    h = x
+    if add:
+        h = x + res_in  # float32 add, as transformers does
+        assert np.array_equal(res_out, h)
+    np.testing.assert_allclose(y, _reference(h, wf, params["eps"]), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("alias", ["residual_in", "x"])
+def test_rmsnorm_residual_in_place(kernels, weights, alias):
+    """residual_out may alias residual_in (the residual stream updated in place) or x."""
+    params = dict(hidden=576, eps=1e-5, wdtype="bf16", add_residual=True)
+    rng = np.random.default_rng(5)
+    T = 9
+    x = rng.standard_normal((T, 576), dtype=np.float32)
+    res = rng.standard_normal((T, 576), dtype=np.float32)
+    w, wf = weights(rng.standard_normal(576, dtype=np.float32), "bf16")
+    expect_res = x + res
+    y = np.empty_like(x)
+    out = res if alias == "residual_in" else x
+    kernels[kernel_id("cuda", "rmsnorm", params)](x, res, out, w, y, T)
+    assert np.array_equal(out, expect_res)
+    np.testing.assert_allclose(y, _reference(expect_res, wf, 1e-5), rtol=1e-5, atol=1e-6)
+
+
+def test_rmsnorm_row_independent_of_batch_and_thread_order(kernels, weights, sim_seed):
+    params = dict(hidden=4100, eps=1e-5, wdtype="bf16", add_residual=True)
+    fn = kernels[kernel_id("cuda", "rmsnorm", params)]
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((5, 4100), dtype=np.float32)
+    r = rng.standard_normal((5, 4100), dtype=np.float32)
+    w, _ = weights(rng.standard_normal(4100, dtype=np.float32), "bf16")
+    outs = []
+    for seed in (1, 2):
+        sim_seed(seed)
+        y, ro = np.empty_like(x), np.empty_like(x)
+        fn(x, r, ro, w, y, 5)
+        outs.append(y)
+    assert np.array_equal(outs[0], outs[1])
+    for t in (0, 4):
+        alone, ro = np.empty((1, 4100), dtype=np.float32), np.empty((1, 4100), dtype=np.float32)
+        fn(np.ascontiguousarray(x[t:t + 1]), np.ascontiguousarray(r[t:t + 1]), ro, w, alone, 1)
+        assert np.array_equal(alone[0], outs[0][t])
