@@ -34,6 +34,8 @@ VARIANTS = {
     ),
 }
 
+ARCHS = tuple(VARIANTS)
+
 
 def train_tokenizer(out_dir: Path, vocab_size: int = VOCAB) -> None:
     from pydoc_data.topics import topics

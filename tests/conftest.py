@@ -5,9 +5,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from checkpoints import VARIANTS, make_checkpoint  # noqa: E402
-
-ARCHS = tuple(VARIANTS)
+from checkpoints import make_checkpoint  # noqa: E402
 
 
 @pytest.fixture(scope="session")

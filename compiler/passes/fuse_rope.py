@@ -48,7 +48,6 @@ def _rotate_half_of(rotated: relax.Expr, var2val) -> relax.Expr | None:
 
 def fuse_rope(mod: tvm.IRModule) -> tvm.IRModule:
     func = main_function(mod)
-    positions = func.params[1]
     var2val = relax.analysis.get_var2val(func)
     pattern = _pattern()
     edits, count = {}, 0
@@ -60,6 +59,7 @@ def fuse_rope(mod: tvm.IRModule) -> tvm.IRModule:
         source = _rotate_half_of(rotated, var2val)
         if source is None or not source.same_as(x):
             continue
+        positions = func.params[1]  # main is (input_ids, positions, ...) as traced
         edits[b.var] = llmc_call("rope", [x, positions], b.var.ty)
         count += 1
     return rewrite(mod, edits, pass_name="fuse_rope", count=count)
