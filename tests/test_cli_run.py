@@ -324,7 +324,10 @@ def test_run_compiles_a_checkpoint_once_into_the_cache(tmp_path, checkpoint_dir,
     assert len(calls) == 1 and calls[0][1] == "cpu"
     assert calls[0][2].parent == tmp_path / "cache" / "artifacts"
     # the bundled model goes the same way
-    monkeypatch.setattr(cli, "_examples_dir", lambda: ckpt.parent)
+    examples = tmp_path / "examples"
+    examples.mkdir()
+    (examples / "tiny-model").symlink_to(ckpt, target_is_directory=True)
+    monkeypatch.setattr(cli, "_examples_dir", lambda: examples)
     r = _invoke("run", "--max-tokens", 2, "--kv-cache-memory", "8MiB", env=env)
     assert r.exit_code == 0, r.output
     assert "The list type" in r.stderr and len(calls) == 1
