@@ -70,10 +70,12 @@ def compile_checkpoint(checkpoint: str | Path, *, target: str = "cpu", output: s
     ckpt = load_checkpoint(checkpoint)
     dtype = resolve_weight_dtype(ckpt, weight_dtype)
     bar = tqdm(total=len(STAGES), desc="compile", unit="stage", disable=not progress, leave=False)
+    started: list[str] = []
 
     def step(name: str) -> None:
-        if bar.n < len(STAGES) and bar.desc != "compile":
-            bar.update(1)
+        if started:
+            bar.update(1)  # the previous stage is done
+        started.append(name)
         bar.set_description(name)
 
     program = build_program(ckpt, dtype, block_size, step)
