@@ -145,6 +145,12 @@ def cuda_kernels(tmp_path_factory):
     return build
 
 
+@pytest.fixture(scope="session")
+def cuda_source():
+    """kernels_source(specs) -> (.cu text with the kernels and trampolines, {kernel_id: (op, params)})."""
+    return kernels_source
+
+
 @pytest.fixture
 def sim_seed():
     """sim_seed(n): set the scheduling seed; it goes back to 1 after the test."""

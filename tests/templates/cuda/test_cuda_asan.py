@@ -1,0 +1,86 @@
+"""Representative CUDA kernels (paged attention, both gemm paths, rmsnorm) in an AddressSanitizer build of
+the simulator, run in a subprocess (an ASan report ends the process): a clean run on the ragged test
+batches, and a block table entry past the cache that ASan must report."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from llmc.compiler.codegen import simulator
+
+HERE = Path(__file__).parent
+SPECS_ASAN = [
+    ("paged_attention", dict(num_heads=9, num_kv_heads=3, head_dim=8, block_size=8, scale=1 / math.sqrt(8))),
+    ("gemm", dict(n=53, k=37, wdtype="bf16", has_bias=True)),
+    ("rmsnorm", dict(hidden=37, eps=1e-6, wdtype="f16", add_residual=True)),
+]
+
+# Runs in the subprocess: the kernels through the harness's Kernel wrapper, checked against the same
+# numpy references as the simulator tests.
+CHILD = r"""
+import ctypes, sys
+import numpy as np
+sys.path.insert(0, {here!r})
+from conftest import Kernel, make_weights
+from llmc.compiler.codegen.render import kernel_id
+import test_cuda_paged_attention as pa
+from test_cuda_asan import SPECS_ASAN
+lib = ctypes.CDLL({so!r})
+k = {{kernel_id("cuda", op, p): Kernel(getattr(lib, "test_" + kernel_id("cuda", op, p)), op, p) for op, p in SPECS_ASAN}}
+(op, attn), (_, gemm), (_, rms) = SPECS_ASAN
+fn = k[kernel_id("cuda", op, attn)]
+if {oob!r}:
+    batch = pa.Batch(attn, [(5, 3), (20, 1)], seed=1)
+    batch.block_tables[1, 1] = pa.NUM_BLOCKS  # one block past the end of the cache
+    batch.run(fn)
+    sys.exit(0)
+for seqs in (pa.MIXED, [(0, 17)]):
+    batch = pa.Batch(attn, seqs, seed=2)
+    np.testing.assert_allclose(batch.run(fn), batch.reference(), rtol=1e-5, atol=2e-6)
+rng = np.random.default_rng(0)
+for T in (3, 17):
+    x = rng.standard_normal((T, 37), dtype=np.float32)
+    w, wf = make_weights(rng.standard_normal((53, 37), dtype=np.float32), "bf16")
+    b, bf = make_weights(rng.standard_normal(53, dtype=np.float32), "bf16")
+    y = np.empty((T, 53), np.float32)
+    k[kernel_id("cuda", "gemm", gemm)](x, w, b, y, T)
+    np.testing.assert_allclose(y, x.astype(np.float64) @ wf.T.astype(np.float64) + bf, rtol=1e-4, atol=1e-5)
+    res = rng.standard_normal((T, 37), dtype=np.float32)
+    w, wf = make_weights(rng.standard_normal(37, dtype=np.float32), "f16")
+    h = x + res
+    y = np.empty_like(x)
+    k[kernel_id("cuda", "rmsnorm", rms)](x, res, res, w, y, T)
+    ref = wf * (h / np.sqrt(np.mean(h.astype(np.float64) ** 2, axis=-1, keepdims=True) + np.float32(1e-6)))
+    np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-6)
+print("ok")
+"""
+
+
+@pytest.fixture(scope="module")
+def asan_so(tmp_path_factory, cuda_source):
+    source, _ = cuda_source(SPECS_ASAN)
+    return simulator.build_simulated(source, tmp_path_factory.mktemp("asan") / "kernels.so", asan=True)
+
+
+def _run(so: Path, oob: bool) -> subprocess.CompletedProcess:
+    code = CHILD.format(here=str(HERE), so=str(so), oob=oob)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env=simulator.asan_env(), cwd=HERE)
+
+
+def test_asan_clean_on_ragged_batches(asan_so):
+    r = _run(asan_so, oob=False)
+    assert "AddressSanitizer" not in r.stderr, r.stderr[-4000:]
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-4000:]
+
+
+def test_asan_reports_block_table_past_the_cache(asan_so):
+    r = _run(asan_so, oob=True)
+    assert r.returncode != 0
+    assert "ERROR: AddressSanitizer: heap-buffer-overflow" in r.stderr, r.stderr[-4000:]
+    assert "_attend" in r.stderr  # in the attention kernel

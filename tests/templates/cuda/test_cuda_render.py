@@ -1,0 +1,62 @@
+"""The CUDA templates keep the CPU contract: the same parameters and the same launcher signature plus a
+stream, so model.cu calls the same functions with the same arguments as model.cc."""
+
+import math
+import re
+
+import pytest
+
+from llmc.compiler.codegen.render import kernel_id, render_kernel, template_params
+from llmc.errors import CompileError
+
+COMMON = {
+    "embedding": dict(hidden=64, wdtype="bf16"),
+    "rmsnorm": dict(hidden=64, eps=1e-5, wdtype="f32", add_residual=True),
+    "gemm": dict(n=8, k=16, wdtype="bf16", has_bias=True),
+    "rope": dict(num_heads=2, head_dim=8, inv_freq=[1.0, 0.1, 0.01, 0.001]),
+    "paged_attention": dict(num_heads=4, num_kv_heads=2, head_dim=16, block_size=4, scale=0.25),
+    "silu_mul": dict(inter=32),
+    "gather_rows": dict(cols=32),
+}
+
+
+def _signature(src: str, name: str) -> str:
+    m = re.search(r"static void " + name + r"\(([^)]*)\)", src)
+    assert m, src
+    return " ".join(m.group(1).split())
+
+
+@pytest.mark.parametrize("op", sorted(COMMON))
+def test_same_params_and_signature_as_cpu(op):
+    assert template_params("cuda", op) == template_params("cpu", op)
+    cpu = _signature(render_kernel("cpu", op, name="f", **COMMON[op]), "f")
+    cuda = _signature(render_kernel("cuda", op, name="f", **COMMON[op]), "f")
+    assert cuda == cpu + ", cudaStream_t stream"
+
+
+def test_argmax_signature_and_id():
+    src = render_kernel("cuda", "argmax", name="pick", vocab=32000)
+    assert _signature(src, "pick") == "const float* logits, int B, int32_t* out, cudaStream_t stream"
+    assert kernel_id("cuda", "argmax", dict(vocab=32000)) == "cuda_argmax_v32000"
+
+
+def test_weight_types():
+    sig = {wd: _signature(render_kernel("cuda", "gemm", name="g", n=8, k=8, wdtype=wd, has_bias=False), "g")
+           for wd in ("f32", "bf16", "f16")}
+    assert "const float* w" in sig["f32"] and "const uint16_t* w" in sig["bf16"] and "const __half* w" in sig["f16"]
+    with pytest.raises(CompileError, match="wdtype must be one of"):
+        render_kernel("cuda", "gemm", name="g", n=8, k=8, wdtype="fp8", has_bias=False)
+    with pytest.raises(CompileError, match="wdtype must be one of"):  # the CPU target has no f16 weights
+        render_kernel("cpu", "gemm", name="g", n=8, k=8, wdtype="f16", has_bias=False)
+
+
+def test_render_errors_name_the_cuda_template():
+    with pytest.raises(CompileError, match=r"template cuda/paged_attention.cu.j2.*missing scale"):
+        render_kernel("cuda", "paged_attention", name="a", num_heads=4, num_kv_heads=2, head_dim=16, block_size=4)
+    with pytest.raises(CompileError, match="head_dim/2"):
+        render_kernel("cuda", "rope", name="r", num_heads=2, head_dim=8, inv_freq=[1.0])
+    assert "1e-06f" in render_kernel("cuda", "rmsnorm", name="n", hidden=8, eps=1e-6, wdtype="f32",
+                                     add_residual=False)
+    assert kernel_id("cuda", "paged_attention", COMMON["paged_attention"]) == \
+        "cuda_paged_attention_qh4_kvh2_d16_bs4_sc0p25"
+    assert math.isfinite(0.25)
