@@ -14,20 +14,23 @@ from tqdm import tqdm
 
 from llmc.errors import CompileError
 
-from .artifact import CUDA_TARGETS, write_artifact
-from .codegen.build import CPU_FLAGS, build_shared_library
+from .artifact import write_artifact
+from .codegen.build import build_shared_library
 from .codegen.module import render_module
 from .codegen.render import template_file
+from .codegen.simulator import nvcc_path
 from .export import to_relax
 from .frontend.checkpoint import Checkpoint, load_checkpoint
 from .frontend.trace import trace
 from .lower import KernelProgram, lower
 from .passes.common import rewrite_counts
 from .passes.pipeline import run_passes
+from .targets import Target, load_target
 from .weights import write_packed_weights
 
 WEIGHT_DTYPES = ("auto", "float32", "bfloat16")
 STAGES = ("trace", "import to Relax", "fuse", "lower", "pack weights", "render", "build")
+CUDA_HEADERS = ("llmc_device.cuh", "llmc_kernels.cuh", "llmc_sim.h")
 
 
 def resolve_weight_dtype(ckpt: Checkpoint, requested: str) -> str:
@@ -61,12 +64,24 @@ def build_program(ckpt: Checkpoint, weight_dtype: str, block_size: int, step=lam
     return lower(mod, ckpt.config, traced.weight_names, weight_dtype=weight_dtype, block_size=block_size)
 
 
+def module_sources(target: Target, source: str) -> dict[str, str]:
+    """The files a target's build compiles: the generated source and the fixed headers it includes."""
+    if target.is_cuda:
+        return {"model.cu": source, **{h: template_file("cuda", f"include/{h}") for h in CUDA_HEADERS}}
+    return {"model.cc": source, "common.h": template_file("cpu", "common.h")}
+
+
+def build_module(target: Target, source: str) -> Path:
+    if target.is_cuda:
+        flags = ["-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-gencode", target.gencode, "-lineinfo"]
+        return build_shared_library(module_sources(target, source), flags=flags, compiler=nvcc_path())
+    return build_shared_library(module_sources(target, source), flags=target.raw["flags"])
+
+
 def compile_checkpoint(checkpoint: str | Path, *, target: str = "cpu", output: str | Path,
-                       weight_dtype: str = "auto", block_size: int = 16, progress: bool = False) -> Path:
-    if target in CUDA_TARGETS:
-        raise CompileError(f"target {target!r}: the CUDA code generator is not built yet", "use --target cpu")
-    if target != "cpu":
-        raise CompileError(f"unknown target {target!r}", "choose cpu, sm80, sm89 or sm90")
+                       weight_dtype: str = "auto", block_size: int | None = None, progress: bool = False) -> Path:
+    tgt = load_target(target)
+    block_size = block_size or tgt.defaults.get("block_size", 16)
     ckpt = load_checkpoint(checkpoint)
     dtype = resolve_weight_dtype(ckpt, weight_dtype)
     bar = tqdm(total=len(STAGES), desc="compile", unit="stage", disable=not progress, leave=False)
@@ -85,18 +100,17 @@ def compile_checkpoint(checkpoint: str | Path, *, target: str = "cpu", output: s
         weights = tmp / "weights.safetensors"
         offsets = write_packed_weights(ckpt, program.weights, weights)
         step("render")
-        rendered = render_module(program, "cpu", offsets, weights.stat().st_size, arch=" ".join(CPU_FLAGS))
-        (tmp / "model.cc").write_text(rendered.source)
+        rendered = render_module(program, tgt, offsets, weights.stat().st_size)
+        (tmp / ("model.cu" if tgt.is_cuda else "model.cc")).write_text(rendered.source)
         step("build")
-        library = build_shared_library({"model.cc": rendered.source, "common.h": template_file("cpu", "common.h")})
-        shutil.copyfile(library, tmp / "model.so")
+        shutil.copyfile(build_module(tgt, rendered.source), tmp / "model.so")
         shutil.copyfile(ckpt.tokenizer_path, tmp / "tokenizer.json")
         tok_config = ckpt.path / "tokenizer_config.json"
         if tok_config.is_file():
             shutil.copyfile(tok_config, tmp / "tokenizer_config.json")
         bar.update(1)
         return {
-            "target": {"name": "cpu", "cflags": list(CPU_FLAGS)},
+            "target": {**tgt.raw, "name": tgt.name},
             "model_config": ckpt.config,
             "weight_dtype": dtype,
             "quantization": "none",

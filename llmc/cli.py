@@ -179,17 +179,6 @@ def _load_model(path: Path, kv_cache_memory: str | None, **kw):
     return model, load_tokenizer(model.tokenizer_path)
 
 
-def _check_simulate(path: Path) -> None:
-    from .compiler.artifact import CUDA_TARGETS, read_manifest
-    from .errors import ArtifactError
-
-    target = (read_manifest(path).get("target") or {}).get("name")
-    if target not in CUDA_TARGETS:
-        raise ArtifactError(f"{path}: --simulate needs a CUDA-target artifact (sm80/sm89/sm90); this one is built for "
-                            f"{target}", "run it without --simulate, or compile with --target sm90")  # fmt: skip
-    raise LlmcError("running a CUDA artifact under the simulator is not supported yet")
-
-
 # ----------------------------------------------------------------------------------------------------------
 # run
 
@@ -220,11 +209,9 @@ def run(artifact: Path | None, prompt: str | None, max_tokens: int, temperature:
     if max_tokens is None and not chat:
         max_tokens = DEFAULT_MAX_TOKENS
     params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, max_tokens=max_tokens)
-    if simulate:
-        if artifact is None or not (artifact / "manifest.json").is_file():
-            raise LlmcError("--simulate needs a CUDA-target artifact (sm80/sm89/sm90)",
-                            "compile one: llmc compile CHECKPOINT --target sm90 -o OUT")  # fmt: skip
-        _check_simulate(artifact)
+    if simulate and (artifact is None or not (artifact / "manifest.json").is_file()):
+        raise LlmcError("--simulate needs a CUDA-target artifact (sm80/sm89/sm90)",
+                        "compile one: llmc compile CHECKPOINT --target sm90 -o OUT")  # fmt: skip
     path = _resolve_artifact(artifact)
     if chat:
         from .runtime.chat import run_chat
@@ -240,7 +227,7 @@ def run(artifact: Path | None, prompt: str | None, max_tokens: int, temperature:
             raise LlmcError("no prompt given", "pass --prompt TEXT, or pipe the prompt on stdin")
         if artifact is None and not as_json:
             click.echo(f"prompt: {prompt!r}", err=True)
-    model, tokenizer = _load_model(path, kv_cache_memory, max_num_seqs=1)
+    model, tokenizer = _load_model(path, kv_cache_memory, max_num_seqs=1, simulate=simulate)
     with model:
         engine = LLMEngine(model, tokenizer)
         prompt_ids = tokenizer.encode(prompt).ids

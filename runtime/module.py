@@ -104,12 +104,14 @@ class CompiledModel:
         block_size: int | None = None,
         max_num_tokens: int = 512,
         max_num_seqs: int = 64,
+        simulate: bool = False,
     ) -> CompiledModel:
         """Load an artifact; the KV cache gets `kv_cache_memory` bytes (e.g. '2GiB') or `memory_fraction`
         of available memory, capped at what max_num_seqs sequences of full context could use.
 
         block_size: None takes the artifact's (manifest "block_size", when the module is built for one),
         else 16; a module built for one block size refuses another.
+        simulate: run a CUDA artifact's model.cu on the CPU under the CUDA simulator (built once, cached).
         """
         artifact = load_artifact(path)
         built_for = artifact.manifest.get("block_size")
@@ -118,16 +120,14 @@ class CompiledModel:
         elif built_for and block_size != built_for:
             raise LlmcError(f"{artifact.path}: the module is built for KV blocks of {built_for} tokens, not {block_size}",
                             f"load it with block_size={built_for}, or recompile with --block-size")  # fmt: skip
-        if artifact.is_cuda:
-            raise ArtifactError(
-                f"{artifact.path}: is built for {artifact.target_name}; running CUDA artifacts is not supported yet",
-                "compile for this machine with --target cpu",
-            )
+        if simulate and not artifact.is_cuda:
+            raise ArtifactError(f"{artifact.path}: --simulate needs a CUDA-target artifact (sm80/sm89/sm90); this one "
+                                f"is built for {artifact.target_name}", "run it without --simulate")  # fmt: skip
         for name, value in (("block_size", block_size), ("max_num_tokens", max_num_tokens),
                             ("max_num_seqs", max_num_seqs)):  # fmt: skip
             if not isinstance(value, int) or value < 1:
                 raise LlmcError(f"{name}={value!r} is invalid", f"{name} must be an integer >= 1")
-        lib_path = artifact.library_path
+        lib_path = _simulated_library(artifact) if simulate else artifact.library_path
         try:
             lib = ctypes.CDLL(str(lib_path.resolve()), mode=ctypes.RTLD_LOCAL)
         except OSError as e:
@@ -228,6 +228,16 @@ def _check_info(info: ModelInfo, artifact: Artifact) -> None:
     if got != want or info.kv_dtype_bytes not in (1, 2, 4):
         raise ArtifactError(f"{artifact.library_path}: llmc_info {info.as_dict()} does not match the manifest's model",
                             recompile_hint(artifact.path))  # fmt: skip
+
+
+def _simulated_library(artifact) -> Path:
+    """model.cu built with g++ against the CUDA simulator; cached by the source's hash."""
+    from llmc.compiler.artifact import cache_root
+    from llmc.compiler.codegen.simulator import build_simulated
+
+    digest = artifact.manifest["files"][artifact.source_path.name]
+    return build_simulated([artifact.source_path], cache_root() / "simulated" / f"{digest[:24]}.so",
+                           extra_flags=("-O2",))
 
 
 def load_tokenizer(path: str | Path):

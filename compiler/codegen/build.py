@@ -29,7 +29,7 @@ from llmc.errors import CompileError
 
 CPU_FLAGS: tuple[str, ...] = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c++17")
 DEFAULT_COMPILER = "g++"
-_COMPILED_SUFFIXES = (".cc", ".cpp", ".cxx")
+_COMPILED_SUFFIXES = (".cc", ".cpp", ".cxx", ".cu")
 _STDERR_TAIL_LINES = 40
 
 

@@ -13,10 +13,14 @@ import re
 from llmc import __version__
 
 from ..lower import KernelProgram
+from ..targets import Target
 from .render import kernel_id, render_host, render_kernel
 
-HOST_TEMPLATE = {"cpu": "model.cc.j2"}
+HOST_TEMPLATE = {"cpu": "model.cc.j2", "cuda": "model.cu.j2"}
 _CTYPE = {"float32": "float", "bfloat16": "uint16_t"}
+# Step arrays of the C ABI; the CUDA host copies them to the device first and launches on the copies.
+_STEP_ARRAYS = ("token_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens", "block_tables",
+                "logits_indices", "logits")
 
 
 @dataclasses.dataclass
@@ -25,31 +29,37 @@ class RenderedModule:
     kernels: list[dict]  # manifest entries: id, template, params, tuning_source, launches
 
 
-def _c_expr(arg: str, program: KernelProgram) -> str:
+def _c_expr(arg: str, program: KernelProgram, device: bool) -> str:
     def weight(m):
         spec = program.weights[int(m.group(1))]
         return f"static_cast<const {_CTYPE[spec.dtype]}*>(m->w[{m.group(1)}])"
 
     arg = re.sub(r"\bW\[(\d+)\]", weight, arg)
     arg = re.sub(r"\bbuf(\d+)\b", r"m->buf[\1]", arg)
+    if device:
+        arg = re.sub(r"\b(" + "|".join(_STEP_ARRAYS) + r")\b", r"m->d_\1", arg)
     return re.sub(r"\b([kv]_cache)\[", r"m->\1[", arg)
 
 
-def render_module(program: KernelProgram, target: str, offsets: dict[str, tuple[int, int]],
-                  weights_file_bytes: int, arch: str = "") -> RenderedModule:
+def render_module(program: KernelProgram, target: Target, offsets: dict[str, tuple[int, int]],
+                  weights_file_bytes: int) -> RenderedModule:
+    family = target.template_dir
     sources: dict[str, str] = {}
     entries: dict[str, dict] = {}
     launches = []
     for launch in program.launches:
-        kid = kernel_id(target, launch.op, launch.params)
+        kid = kernel_id(family, launch.op, launch.params)
         if kid not in sources:
-            sources[kid] = render_kernel(target, launch.op, name=kid, **launch.params)
+            sources[kid] = render_kernel(family, launch.op, name=kid, **launch.params)
             params = {k: v for k, v in launch.params.items() if k != "inv_freq"}
-            entries[kid] = {"id": kid, "template": f"{target}/{launch.op}", "params": params,
+            entries[kid] = {"id": kid, "template": f"{family}/{launch.op}", "params": params,
                             "tuning_source": "default", "launches": 0, "fuses": launch.fused}
         entries[kid]["launches"] += 1
-        launches.append({"name": kid, "args": [_c_expr(a, program) for a in launch.args], "fused": launch.fused})
-    source = render_host(target, HOST_TEMPLATE[target], version=__version__, arch=arch, program=program,
-                         config=program.config, kernels=list(sources.values()), launches=launches,
-                         offsets=offsets, weights_file_bytes=weights_file_bytes)
+        args = [_c_expr(a, program, target.is_cuda) for a in launch.args]
+        launches.append({"name": kid, "args": args, "fused": launch.fused})
+    source = render_host(family, HOST_TEMPLATE[family], version=__version__, target=target.name,
+                         arch=target.gencode or " ".join(target.raw.get("flags", [])), sm=target.compute_capability,
+                         program=program, config=program.config, kernels=list(sources.values()), launches=launches,
+                         offsets=offsets, weights_file_bytes=weights_file_bytes,
+                         weights_data_start=min((o for o, _ in offsets.values()), default=weights_file_bytes))
     return RenderedModule(source, list(entries.values()))

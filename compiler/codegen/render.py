@@ -152,9 +152,9 @@ def template_params(target: str, op: str) -> set[str]:
     return set(jinja2.meta.find_undeclared_variables(env.parse(source)))
 
 
-def render_host(target: str, filename: str, **context: Any) -> str:
-    """Render a target's host-side template (`model.cc.j2`), which includes the kernels."""
-    return _environment().get_template(f"{target}/{filename}").render(**context)
+def render_host(template_dir: str, filename: str, **context: Any) -> str:
+    """Render a target family's host-side template (`cpu/model.cc.j2`), which includes the kernels."""
+    return _environment().get_template(f"{template_dir}/{filename}").render(**context)
 
 
 def render_kernel(target: str, op: str, **params: Any) -> str:
