@@ -285,7 +285,8 @@ struct Gemm {
 // ---------------------------------------------------------------------------------------------------
 // rope, rotate-half (transformers' Llama), in place on heads [0, NH) of each row: with c, s = cos, sin of
 // float(pos) * inv_freq[i],  x[i] = x[i] c - x[i + D/2] s,  x[i + D/2] = x[i + D/2] c + x[i] s.
-// Grid (T), block kThreads; one thread per (head, i) pair.
+// Grid (T), block kThreads: the token's D/2 (cos, sin) pairs once into shared memory (accurate sincosf),
+// then one thread per (head, i) pair.
 template <int NH, int D>
 struct Rope {
   static_assert(D % 2 == 0, "rope: odd head_dim");
@@ -294,13 +295,15 @@ struct Rope {
 
   static __device__ __forceinline__ void run(float* x, int row_stride, const int32_t* positions,
                                              const float* inv_freq) {
+    __shared__ float cos_s[HALF], sin_s[HALF];
     const int t = blockIdx.x;
     const float p = static_cast<float>(positions[t]);
+    for (int i = threadIdx.x; i < HALF; i += kThreads) sincosf(p * inv_freq[i], &sin_s[i], &cos_s[i]);
+    __syncthreads();
     float* row = x + static_cast<int64_t>(t) * row_stride;
     for (int idx = threadIdx.x; idx < NH * HALF; idx += kThreads) {
       const int h = idx / HALF, i = idx % HALF;
-      float s, c;
-      sincosf(p * inv_freq[i], &s, &c);
+      const float c = cos_s[i], s = sin_s[i];
       float* x1 = row + h * D + i;
       const float a = x1[0], b = x1[HALF];
       x1[0] = a * c - b * s;

@@ -37,7 +37,7 @@ def _check(y, x, wf, bf):
     assert np.all(err <= 1e-5 * mag + 1e-7), f"max rel err {np.max(err / (mag + 1e-30)):.3g}"
 
 
-@pytest.mark.parametrize("T", [1, 3, 8, 9, 70])
+@pytest.mark.parametrize("T", [1, 3, 8, 9, 17, 70])
 @pytest.mark.parametrize("op,params", SPECS, ids=[kernel_id("cuda", *s) for s in SPECS])
 def test_gemm_matches_numpy(kernels, weights, op, params, T):
     n, k = params["n"], params["k"]
