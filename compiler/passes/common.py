@@ -153,17 +153,26 @@ def rewrite_counts(mod: tvm.IRModule) -> dict[str, int]:
     return {str(k): int(v) for k, v in attrs["llmc.rewrites"].items()}
 
 
-def is_op(expr: relax.Expr, name: str) -> bool:
-    return isinstance(expr, relax.Call) and expr.op == tvm.ir.Op.get(name)
+def calls(expr: relax.Expr, *op_names: str) -> bool:
+    """Whether expr is a call to one of the Relax ops named (`relax.reshape`, ...)."""
+    return isinstance(expr, relax.Call) and any(expr.op == tvm.ir.Op.get(n) for n in op_names)
 
 
-def source_of(expr: relax.Expr, var2val) -> relax.Expr:
-    """Follow aliases and reshapes back to the tensor they view."""
+def matching_bindings(func: relax.Function, pattern: DFPattern):
+    """(binding, var2val) for every binding of main whose value matches the dpl pattern."""
+    var2val = relax.analysis.get_var2val(func)
+    for b in bindings(func):
+        if pattern.match(b.value, var2val):
+            yield b, var2val
+
+
+def source_of(expr: relax.Expr, var2val, through=("relax.reshape", "relax.expand_dims")) -> relax.Expr:
+    """Follow aliases and the view ops in `through` back to the tensor they view."""
     while True:
         value = var2val.get(expr)
         if isinstance(value, relax.Var):
             expr = value
-        elif is_op(value, "relax.reshape") or is_op(value, "relax.expand_dims"):
+        elif calls(value, *through):
             expr = value.args[0]
         else:
             return expr
@@ -179,18 +188,18 @@ class Linear:
     def match(cls, var: relax.Expr, var2val) -> "Linear | None":
         value = var2val.get(var)
         bias = None
-        if is_op(value, "relax.add"):  # the bias is a parameter; the traced add takes it on either side
+        if calls(value, "relax.add"):  # the bias is a parameter; the traced add takes it on either side
             a, b = value.args
             if isinstance(a, relax.Var) and a not in var2val:
                 a, b = b, a
             if not (isinstance(b, relax.Var) and b not in var2val):
                 return None
             bias, value = b, var2val.get(a)
-        if not is_op(value, "relax.matmul"):
+        if not calls(value, "relax.matmul"):
             return None
         x, wt = value.args
         wt_value = var2val.get(wt)
-        if not is_op(wt_value, "relax.permute_dims"):
+        if not calls(wt_value, "relax.permute_dims"):
             return None
         weight = wt_value.args[0]
         if not isinstance(weight, relax.Var) or weight in var2val:  # a parameter, not a computed tensor

@@ -15,14 +15,10 @@ import tvm
 import tvm_ffi
 from tvm import relax
 
-from .common import bindings, main_function, rewrite
+from .common import bindings, calls, main_function, rewrite
 
 _RESHAPE = "relax.reshape"
 _PERMUTE = "relax.permute_dims"
-
-
-def _is(expr, op_name: str) -> bool:
-    return isinstance(expr, relax.Call) and expr.op == tvm.ir.Op.get(op_name)
 
 
 def _same_shape(a: relax.Expr, b_ty) -> bool:
@@ -54,10 +50,10 @@ def fold(mod: tvm.IRModule) -> tvm.IRModule:
         if isinstance(value, relax.Var) and isinstance(b.var, relax.DataflowVar):
             edits[b.var] = resolve(value)
             count += 1
-        elif _is(value, _RESHAPE):
+        elif calls(value, _RESHAPE):
             src = resolve(value.args[0])
             inner = var2val.get(src)
-            if _is(inner, _RESHAPE):
+            if calls(inner, _RESHAPE):
                 src = inner.args[0]
             if _same_shape(src, b.var.ty):
                 edits[b.var] = src
@@ -65,9 +61,9 @@ def fold(mod: tvm.IRModule) -> tvm.IRModule:
             elif not src.same_as(value.args[0]):
                 edits[b.var] = relax.op.reshape(src, value.args[1])
                 count += 1
-        elif _is(value, _PERMUTE):
+        elif calls(value, _PERMUTE):
             inner = var2val.get(resolve(value.args[0]))
-            if _is(inner, _PERMUTE) and value.attrs.axes is not None and inner.attrs.axes is not None:
+            if calls(inner, _PERMUTE) and value.attrs.axes is not None and inner.attrs.axes is not None:
                 outer_axes, inner_axes = _axes(value), _axes(inner)
                 if [inner_axes[a] for a in outer_axes] == list(range(len(outer_axes))):
                     edits[b.var] = inner.args[0]

@@ -22,25 +22,14 @@ from __future__ import annotations
 import tvm
 from tvm import relax
 
-from .common import bindings, llmc_call, llmc_op_name, main_function, prim, rewrite
+from .common import bindings, calls, llmc_call, llmc_op_name, main_function, prim, rewrite, source_of
 
 _LAYOUT_OPS = ("relax.permute_dims", "relax.reshape", "relax.expand_dims", "relax.broadcast_to")
 
 
-def _op(expr, name: str) -> bool:
-    return isinstance(expr, relax.Call) and expr.op == tvm.ir.Op.get(name)
-
-
 def _strip_layout(expr: relax.Expr, var2val) -> relax.Expr:
     """Follow layout-only ops (head split, transposes, repeat_kv) back to their source."""
-    while True:
-        value = var2val.get(expr)
-        if isinstance(value, relax.Var):
-            expr = value
-        elif any(_op(value, name) for name in _LAYOUT_OPS):
-            expr = value.args[0]
-        else:
-            return expr
+    return source_of(expr, var2val, through=_LAYOUT_OPS)
 
 
 def _through_rope(expr: relax.Expr, var2val) -> relax.Expr | None:
@@ -82,7 +71,7 @@ def fuse_attention(mod: tvm.IRModule) -> tvm.IRModule:
     var2val = relax.analysis.get_var2val(func)
     matches = []
     for b in bindings(func):
-        if not _op(b.value, "relax.nn.attention") or b.value.attrs.causal_mask != "TopLeft":
+        if not calls(b.value, "relax.nn.attention") or b.value.attrs.causal_mask != "TopLeft":
             continue
         if b.value.attrs.scale is not None or len(b.value.args) != 3:
             continue

@@ -15,7 +15,7 @@ import tvm
 from tvm import relax
 from tvm.relax.dpl import is_op, wildcard
 
-from .common import bindings, llmc_call, main_function, rewrite
+from .common import calls, llmc_call, main_function, matching_bindings, rewrite
 
 
 def _pattern():
@@ -24,36 +24,28 @@ def _pattern():
     return is_op("relax.add")(is_op("relax.multiply")(wildcard(), is_op("relax.cos")(wildcard())), rotated_times_sin)
 
 
-def _is(expr, op_name: str) -> bool:
-    return isinstance(expr, relax.Call) and expr.op == tvm.ir.Op.get(op_name)
-
-
 def _rotate_half_of(rotated: relax.Expr, var2val) -> relax.Expr | None:
     """x if `rotated` is concat(-x[..., d/2:], x[..., :d/2]) on the last axis, else None."""
     value = var2val.get(rotated)
-    if not _is(value, "relax.concat"):
+    if not calls(value, "relax.concat"):
         return None
     parts = value.args[0]
     parts = var2val.get(parts, parts)
     if not isinstance(parts, relax.Tuple) or len(parts.fields) != 2:
         return None
     neg, low = (var2val.get(f) for f in parts.fields)
-    if not (_is(neg, "relax.negative") and _is(low, "relax.strided_slice")):
+    if not (calls(neg, "relax.negative") and calls(low, "relax.strided_slice")):
         return None
     high = var2val.get(neg.args[0])
-    if not _is(high, "relax.strided_slice") or not high.args[0].same_as(low.args[0]):
+    if not calls(high, "relax.strided_slice") or not high.args[0].same_as(low.args[0]):
         return None
     return low.args[0]
 
 
 def fuse_rope(mod: tvm.IRModule) -> tvm.IRModule:
     func = main_function(mod)
-    var2val = relax.analysis.get_var2val(func)
-    pattern = _pattern()
     edits, count = {}, 0
-    for b in bindings(func):
-        if not pattern.match(b.value, var2val):
-            continue
+    for b, var2val in matching_bindings(func, _pattern()):
         first, second = (var2val[a] for a in b.value.args)
         x, rotated = first.args[0], second.args[0]
         source = _rotate_half_of(rotated, var2val)

@@ -13,7 +13,7 @@ import tvm
 from tvm import relax
 from tvm.relax.dpl import is_op, wildcard
 
-from .common import Linear, bindings, llmc_call, main_function, merged_linear, rewrite, source_of
+from .common import Linear, llmc_call, main_function, matching_bindings, merged_linear, rewrite, source_of
 
 
 def _pattern():
@@ -24,12 +24,8 @@ def _pattern():
 
 def fuse_swiglu(mod: tvm.IRModule) -> tvm.IRModule:
     func = main_function(mod)
-    var2val = relax.analysis.get_var2val(func)
-    pattern = _pattern()
     edits, count = {}, 0
-    for b in bindings(func):
-        if not pattern.match(b.value, var2val):
-            continue
+    for b, var2val in matching_bindings(func, _pattern()):
         silu, up_var = b.value.args
         gate_var = var2val[silu].args[0]
         gate, up = Linear.match(source_of(gate_var, var2val), var2val), Linear.match(source_of(up_var, var2val), var2val)
