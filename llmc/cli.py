@@ -441,8 +441,10 @@ def _inspect_artifact(path: Path, verbose: bool) -> None:
                f"(format {m.get('format_version')}, ABI {m.get('abi_version')})")  # fmt: skip
     click.echo(f"  model          {c.architecture}, {c.num_parameters() / 1e6:.1f}M parameters, {c.num_layers} layers, "
                f"context {c.max_context}")  # fmt: skip
-    for key, value in target.items():
-        click.echo(f"  target {key:<8}{' '.join(map(str, value)) if isinstance(value, list) else value}")
+    for key in ("gencode", "flags", "machine"):  # what the module was built with; the rest is in the manifest
+        if key in target:
+            value = target[key]
+            click.echo(f"  target {key:<8}{' '.join(map(str, value)) if isinstance(value, list) else value}")
     if isa:
         simd = [f for f in isa if f.startswith(("avx", "amx", "sve", "asimd", "fma", "f16c"))]
         click.echo(f"  target isa     {' '.join(simd or isa)}")
