@@ -8,6 +8,7 @@ BPE trained here on text that ships with CPython.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -94,3 +95,34 @@ def hf_model(path: Path):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+
+
+def write_large_checkpoint(out_dir: Path, config, dtype: torch.dtype = torch.bfloat16, shard_bytes: int = 2 << 30) -> Path:
+    """A full-size checkpoint without ever holding the model: tensors are made and written one shard at a time.
+
+    The values are zeros: compile never looks at them, and zeros cost no random-number time.
+    """
+    from safetensors.torch import save_file
+
+    from llmc.compiler.frontend.config import parse_config
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(out_dir)
+    train_tokenizer(out_dir)
+    shapes = parse_config(config.to_dict()).weight_shapes()
+    shards, current, size = [], {}, 0
+    for name, shape in shapes.items():
+        nbytes = math.prod(shape) * torch.finfo(dtype).bits // 8
+        if current and size + nbytes > shard_bytes:
+            shards.append(current)
+            current, size = {}, 0
+        current[name] = shape
+        size += nbytes
+    shards.append(current)
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file({n: torch.zeros(s, dtype=dtype) for n, s in shard.items()}, str(out_dir / fname))
+        weight_map.update({n: fname for n in shard})
+    (out_dir / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return out_dir
