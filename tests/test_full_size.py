@@ -6,6 +6,7 @@ size, which proves they are streamed, never held. Its wall time is printed, not 
 never timed assertions); the figure belongs in the notes.
 """
 
+import shutil
 import subprocess
 import sys
 import time
@@ -27,16 +28,23 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
 """
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("target", ["sm90", "cpu"])
-def test_compile_8b_streams_weights(target, tmp_path_factory):
+@pytest.fixture(scope="module")
+def llama8b(tmp_path_factory):
+    """A 15 GiB checkpoint on disk, removed after the module's tests (disks here are not large)."""
     from transformers import LlamaConfig
 
-    ckpt = tmp_path_factory.getbasetemp() / "llama3-8b"
-    if not (ckpt / "model.safetensors.index.json").is_file():
-        write_large_checkpoint(ckpt, LlamaConfig(**LLAMA3_8B, tie_word_embeddings=False, architectures=["LlamaForCausalLM"]))
+    ckpt = tmp_path_factory.mktemp("llama3-8b")
+    config = LlamaConfig(**LLAMA3_8B, tie_word_embeddings=False, architectures=["LlamaForCausalLM"])
+    yield write_large_checkpoint(ckpt, config)
+    shutil.rmtree(ckpt, ignore_errors=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("target", ["sm90", "cpu"])
+def test_compile_8b_streams_weights(target, llama8b, tmp_path):
+    ckpt = llama8b
     weight_bytes = sum(f.stat().st_size for f in ckpt.glob("*.safetensors"))
-    out = tmp_path_factory.mktemp("art") / f"llama8b.{target}"
+    out = tmp_path / f"llama8b.{target}"
     start = time.perf_counter()
     proc = subprocess.run([sys.executable, "-c", _COMPILE, str(ckpt), target, str(out)], capture_output=True, text=True)
     wall = time.perf_counter() - start
@@ -46,3 +54,4 @@ def test_compile_8b_streams_weights(target, tmp_path_factory):
           f"weights {weight_bytes / 2**30:.1f} GiB")
     assert peak_rss < weight_bytes / 4, f"peak RSS {peak_rss} is not far under the weights ({weight_bytes})"
     assert (out / "manifest.json").is_file()
+    shutil.rmtree(out)
