@@ -110,3 +110,23 @@ def sentencepiece_bpe() -> Tokenizer:
     sp = SentencePieceBPETokenizer()
     sp.train_from_iterator(CORPUS, vocab_size=200, show_progress=False, special_tokens=["<s>", "</s>", "<unk>"])
     return sp._tokenizer
+
+
+def run_with_arrivals(engine, requests, arrivals):
+    """Add request i at step arrivals[i]; step until all finish; return {i: (token ids, finish reason)}."""
+    order = sorted(range(len(requests)), key=lambda i: arrivals[i])
+    ids: dict[str, int] = {}
+    got: dict[int, list[int]] = {i: [] for i in range(len(requests))}
+    reasons: dict[int, str] = {}
+    step = 0
+    while order or engine.has_unfinished():
+        while order and arrivals[order[0]] <= step:
+            i = order.pop(0)
+            prompt, params = requests[i]
+            ids[engine.add_request(prompt, params)] = i
+        for out in engine.step():
+            got[ids[out.req_id]].extend(out.new_token_ids)
+            if out.finished:
+                reasons[ids[out.req_id]] = out.finish_reason
+        step += 1
+    return {i: (got[i], reasons[i]) for i in got}

@@ -3,7 +3,7 @@ import dataclasses
 
 import numpy as np
 import pytest
-from runtime_fakes import FakeConfig, FakeModel, byte_level_bpe, context_logits, reference_greedy
+from runtime_fakes import FakeConfig, FakeModel, byte_level_bpe, context_logits, reference_greedy, run_with_arrivals
 
 from llmc.errors import RequestError
 from llmc.runtime.engine import AsyncLLMEngine, LLMEngine
@@ -21,26 +21,6 @@ def random_requests(rng, count, vocab, max_prompt, max_new):
         ([int(t) for t in rng.integers(2, vocab, rng.integers(1, max_prompt + 1))], int(rng.integers(1, max_new + 1)))
         for _ in range(count)
     ]
-
-
-def run_with_arrivals(engine, requests, arrivals):
-    """Add request i at step arrivals[i]; step until all finish; return {i: (token ids, finish reason)}."""
-    order = sorted(range(len(requests)), key=lambda i: arrivals[i])
-    ids: dict[str, int] = {}
-    got: dict[int, list[int]] = {i: [] for i in range(len(requests))}
-    reasons: dict[int, str] = {}
-    step = 0
-    while order or engine.has_unfinished():
-        while order and arrivals[order[0]] <= step:
-            i = order.pop(0)
-            prompt, params = requests[i]
-            ids[engine.add_request(prompt, params)] = i
-        for out in engine.step():
-            got[ids[out.req_id]].extend(out.new_token_ids)
-            if out.finished:
-                reasons[ids[out.req_id]] = out.finish_reason
-        step += 1
-    return {i: (got[i], reasons[i]) for i in got}
 
 
 def test_greedy_matches_the_cacheless_reference():
