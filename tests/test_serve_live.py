@@ -1,0 +1,422 @@
+"""`llmc serve` end to end: a real compiled artifact, served by the CLI in a subprocess, driven by the `openai` client.
+
+The tiny random Qwen2 checkpoint is compiled once for this CPU. Two servers run on loopback ports:
+- `server`: `--kv-cache-memory 16MiB` (1024 blocks: the cache never binds), for answers and concurrency;
+- `small_server`: a cache of exactly one full context (16 blocks of 16 tokens = 256 tokens), so a request
+  that needs the whole context can only run once every block is free again. The server exposes no KV
+  usage, so that is how the cancellation tests see a leak: the request would wait forever (here: time out).
+
+Every answer is compared with the same request run alone through an in-process LLMEngine on the same
+artifact. Every wait is bounded; each server is stopped with SIGTERM (killed if it hangs) and must exit by
+it, without a traceback in its log.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from llmc.runtime.chat_template import chat_prompt_ids, pick_template
+from llmc.runtime.engine import LLMEngine
+from llmc.runtime.module import CompiledModel, load_tokenizer
+from llmc.runtime.sampling import SamplingParams
+
+KV = "16MiB"
+CONTEXT = 256  # the checkpoint's max_position_embeddings
+SMALL_KV = str(16 * 2 * 2 * 16 * 2 * 16 * 4)  # 16 blocks x (k+v, 2 layers, 16 tokens, 2 kv heads, head_dim 16, fp32)
+STARTUP_TIMEOUT = 60.0
+REQUEST_TIMEOUT = 30.0
+GREEDY = dict(temperature=0.0)
+PROMPTS = ["The list type", "Lists may be constructed", "A dictionary maps", "for x in range(3):",
+           "Strings are immutable", "The with statement", "import sys", "naïve café 🙂"]  # fmt: skip
+
+
+# -- the artifact, the reference engine, the servers -------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def artifact(tmp_path_factory, checkpoint_dir) -> Path:
+    from llmc.compiler.compile import compile_checkpoint
+
+    out = tmp_path_factory.mktemp("live") / "tiny.cpu"
+    return compile_checkpoint(checkpoint_dir("qwen2"), target="cpu", output=out)
+
+
+@pytest.fixture(scope="module")
+def ref_model(artifact):
+    with CompiledModel.load(artifact, kv_cache_memory=KV, max_num_seqs=4) as model:
+        yield model
+
+
+@pytest.fixture(scope="module")
+def tok(ref_model):
+    return load_tokenizer(ref_model.tokenizer_path)
+
+
+@pytest.fixture(scope="module")
+def reference(ref_model, tok):
+    """reference(prompt_ids, params) -> the Completion of that request alone through a fresh in-process engine."""
+
+    def run(prompt_ids, params):
+        (result,) = LLMEngine(ref_model, tok).generate([list(prompt_ids)], params)
+        (completion,) = result.outputs
+        return completion
+
+    return run
+
+
+@pytest.fixture(scope="module")
+def chat_ids(ref_model, tok):
+    template = pick_template(ref_model.chat_template)
+    return lambda messages: chat_prompt_ids(tok, template, messages, ref_model.bos_token, ref_model.eos_token)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LiveServer:
+    def __init__(self, proc: subprocess.Popen, port: int, log: Path):
+        self.proc, self.port, self.log = proc, port, log
+        self.base = f"http://127.0.0.1:{port}"
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.base}/v1", api_key="x", max_retries=0, timeout=REQUEST_TIMEOUT)
+
+
+def _launch(artifact: Path, log_dir: Path, extra: tuple[str, ...]) -> LiveServer:
+    port = _free_port()
+    log = log_dir / f"serve-{port}.log"
+    cmd = [sys.executable, "-m", "llmc.cli", "serve", str(artifact), "--host", "127.0.0.1", "--port", str(port),
+           *extra]  # fmt: skip
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip
+    return LiveServer(proc, port, log)
+
+
+def _wait_up(server: LiveServer) -> bool:
+    """True once /health answers; False if the process exited first; fails the test after STARTUP_TIMEOUT."""
+    deadline = time.monotonic() + STARTUP_TIMEOUT
+    while server.proc.poll() is None:
+        with contextlib.suppress(httpx.TransportError):
+            if httpx.get(f"{server.base}/health", timeout=2).status_code == 200:
+                return True
+        if time.monotonic() > deadline:
+            pytest.fail(f"llmc serve did not answer /health within {STARTUP_TIMEOUT:.0f} s; its output:\n"
+                        f"{server.log_text()}")  # fmt: skip
+        time.sleep(0.1)
+    return False
+
+
+def _stop(server: LiveServer) -> bool:
+    """SIGTERM, then SIGKILL if it has not exited within 15 s; True if it exited by itself."""
+    if server.proc.poll() is not None:
+        return True
+    server.proc.terminate()
+    try:
+        server.proc.wait(timeout=15)
+        return True
+    except subprocess.TimeoutExpired:
+        server.proc.kill()
+        server.proc.wait(timeout=15)
+        return False
+
+
+@contextlib.contextmanager
+def _serving(artifact: Path, log_dir: Path, *configs: tuple[str, ...]):
+    """One `llmc serve` subprocess per config (its extra CLI arguments), started together, all answering
+    /health; on exit each gets SIGTERM and must shut down cleanly. A port taken meanwhile is retried."""
+    servers = [_launch(artifact, log_dir, extra) for extra in configs]
+    try:
+        for i, extra in enumerate(configs):
+            for attempt in range(3):
+                if _wait_up(servers[i]):
+                    break
+                if "address already in use" in servers[i].log_text().lower() and attempt < 2:
+                    servers[i] = _launch(artifact, log_dir, extra)  # another process took the free port first
+                    continue
+                pytest.fail(f"llmc serve exited with {servers[i].proc.returncode} before it came up; its output:\n"
+                            f"{servers[i].log_text()}")  # fmt: skip
+        yield servers
+    finally:
+        exited = [_stop(s) for s in servers]
+    for server, ok in zip(servers, exited):
+        log = server.log_text()
+        assert ok, f"llmc serve ignored SIGTERM for 15 s and was killed; its output:\n{log}"
+        # uvicorn re-raises the SIGTERM it handled once it has shut down gracefully: -15 is a clean exit
+        rc = server.proc.returncode
+        assert rc in (0, -signal.SIGTERM), f"llmc serve exited with {rc}; its output:\n{log}"
+        assert "Traceback" not in log, f"llmc serve logged a traceback:\n{log}"
+
+
+@pytest.fixture(scope="module")
+def servers(artifact, tmp_path_factory):
+    with _serving(artifact, tmp_path_factory.mktemp("serve"), ("--kv-cache-memory", KV),
+                  ("--kv-cache-memory", SMALL_KV, "--max-num-seqs", "4")) as both:  # fmt: skip
+        yield both
+
+
+@pytest.fixture(scope="module")
+def server(servers):
+    return servers[0]
+
+
+@pytest.fixture(scope="module")
+def small_server(servers):
+    return servers[1]
+
+
+@pytest.fixture
+def client(server):
+    with server.client() as c:
+        yield c
+
+
+def _model_name(artifact: Path) -> str:
+    return artifact.resolve().name
+
+
+# -- answers -----------------------------------------------------------------------------------------------
+
+
+def test_health_and_models(server, artifact):
+    r = httpx.get(f"{server.base}/health", timeout=10)
+    assert r.status_code == 200 and r.json() == {"status": "ok"}
+    with server.client() as c:
+        (card,) = c.models.list().data
+    assert card.id == _model_name(artifact)
+    assert card.model_extra["max_model_len"] == CONTEXT
+    assert "1024 KV blocks of 16 tokens" in server.log_text()
+
+
+def test_completions_match_the_in_process_engine(client, artifact, tok, reference):
+    for prompt in PROMPTS[:3]:
+        ids = tok.encode(prompt).ids
+        want = reference(ids, SamplingParams(max_tokens=16, logprobs=1, **GREEDY))
+        r = client.completions.create(model=_model_name(artifact), prompt=prompt, max_tokens=16, logprobs=1, **GREEDY)
+        (choice,) = r.choices
+        assert choice.text == want.text, prompt
+        assert choice.finish_reason == want.finish_reason
+        assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(ids), len(want.token_ids))
+        # the tokens themselves (logprobs name them) and their log-probabilities
+        assert choice.logprobs.tokens == [tok.decode([t], skip_special_tokens=False) for t in want.token_ids]
+        assert choice.logprobs.token_logprobs == pytest.approx(
+            [d[t] for t, d in zip(want.token_ids, want.logprobs)], abs=1e-4)  # fmt: skip
+
+    # the same prompt as token ids
+    ids = tok.encode(PROMPTS[0]).ids
+    want = reference(ids, SamplingParams(max_tokens=16, **GREEDY))
+    r = client.completions.create(model=_model_name(artifact), prompt=ids, max_tokens=16, **GREEDY)
+    assert r.choices[0].text == want.text
+
+
+def test_chat_streaming_equals_non_streaming(client, artifact, reference, chat_ids):
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": PROMPTS[3]}]
+    ids = chat_ids(messages)
+    name = _model_name(artifact)
+    for sampling in (GREEDY, dict(temperature=0.8, top_p=0.9, seed=1234)):
+        want = reference(ids, SamplingParams(max_tokens=24, **sampling))
+        r = client.chat.completions.create(model=name, messages=messages, max_tokens=24, **sampling)
+        (choice,) = r.choices
+        assert choice.message.role == "assistant"
+        assert choice.message.content == want.text, sampling
+        assert choice.finish_reason == want.finish_reason
+        assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(ids), len(want.token_ids))
+
+        chunks = list(client.chat.completions.create(model=name, messages=messages, max_tokens=24, stream=True,
+                                                     **sampling))  # fmt: skip
+        assert chunks[0].choices[0].delta.role == "assistant"
+        assert "".join(c.choices[0].delta.content or "" for c in chunks) == choice.message.content
+        assert [c.choices[0].finish_reason for c in chunks] == [None] * (len(chunks) - 1) + [choice.finish_reason]
+
+
+def _clean_stop_string(text: str) -> str:
+    """A 2-character printable ASCII piece of the second half of `text`, first seen after its start."""
+    for i in range(len(text) // 2, len(text) - 1):
+        s = text[i : i + 2]
+        if s.isascii() and s.isprintable() and not s.isspace() and text.index(s) > 0:
+            return s
+    raise AssertionError(f"no usable stop string in {text!r}")
+
+
+def test_stop_strings_and_max_tokens(client, artifact, tok, reference):
+    name = _model_name(artifact)
+    ids = tok.encode(PROMPTS[4]).ids
+    long = reference(ids, SamplingParams(max_tokens=48, ignore_eos=True, **GREEDY))
+    assert len(long.token_ids) == 48 and long.finish_reason == "length"
+    stop = _clean_stop_string(long.text)
+    cut = long.text.index(stop)
+    for stream in (False, True):
+        r = client.completions.create(model=name, prompt=PROMPTS[4], max_tokens=48, stop=[stop], stream=stream,
+                                      extra_body={"ignore_eos": True}, **GREEDY)  # fmt: skip
+        if stream:
+            chunks = list(r)
+            text, last = "".join(c.choices[0].text for c in chunks), chunks[-1].choices[0]
+        else:
+            text, last = r.choices[0].text, r.choices[0]
+            assert r.usage.completion_tokens < 48
+        assert (text, last.finish_reason) == (long.text[:cut], "stop"), (stop, stream)
+        assert last.model_extra.get("stop_reason") == stop
+
+    for max_tokens in (1, 5):
+        want = reference(ids, SamplingParams(max_tokens=max_tokens, ignore_eos=True, **GREEDY))
+        r = client.completions.create(model=name, prompt=PROMPTS[4], max_tokens=max_tokens,
+                                      extra_body={"ignore_eos": True}, **GREEDY)  # fmt: skip
+        assert (r.choices[0].finish_reason, r.usage.completion_tokens) == ("length", max_tokens)
+        assert r.choices[0].text == want.text
+
+    # a long generation stops at the context: prompt + completion == max_model_len
+    r = client.completions.create(model=name, prompt=ids, max_tokens=None, extra_body={"ignore_eos": True}, **GREEDY)
+    assert r.choices[0].finish_reason == "length" and r.usage.total_tokens == CONTEXT
+
+
+# -- errors ------------------------------------------------------------------------------------------------
+
+
+def _bad(call, param):
+    with pytest.raises(openai.BadRequestError) as e:
+        r = call()
+        if isinstance(r, openai.Stream):
+            list(r)
+    assert e.value.status_code == 400
+    err = e.value.response.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["message"] and err["param"] == param, err
+
+
+def test_bad_requests_get_400_and_the_server_goes_on(client, artifact, tok, reference):
+    name = _model_name(artifact)
+    ok_ids = tok.encode(PROMPTS[5]).ids
+    want = reference(ok_ids, SamplingParams(max_tokens=8, **GREEDY))
+
+    def ok():
+        r = client.completions.create(model=name, prompt=PROMPTS[5], max_tokens=8, **GREEDY)
+        assert r.choices[0].text == want.text
+
+    for stream in (False, True):
+        _bad(lambda s=stream: client.completions.create(model=name, prompt="hi", max_tokens=4, temperature=-1,
+                                                        stream=s), "temperature")  # fmt: skip
+        ok()
+        _bad(lambda s=stream: client.completions.create(model=name, prompt=list(range(CONTEXT + 44)), max_tokens=4,
+                                                        stream=s), "prompt")  # fmt: skip
+        ok()
+    _bad(lambda: client.completions.create(model=name, prompt="hi", extra_body={"max_tokens": "many"}), "max_tokens")
+    _bad(lambda: client.completions.create(model=name, prompt=[5, 10_000], max_tokens=2), "prompt")  # not in the vocab
+    _bad(lambda: client.chat.completions.create(model=name, messages=[{"role": "user", "content": "list " * 400}]),
+         "messages")  # fmt: skip
+    _bad(lambda: client.chat.completions.create(model=name, messages=[{"role": "user", "content": "x"}], top_p=0),
+         "top_p")  # fmt: skip
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="not-this-one", prompt="hi", max_tokens=2)
+    ok()
+
+
+# -- cancellation ------------------------------------------------------------------------------------------
+
+
+def test_clients_that_hang_up_leave_the_whole_cache_free(small_server, artifact, tok, reference):
+    """Hang-ups mid-stream and mid-wait; then requests that each need every KV block run and are right."""
+    full = [list(tok.encode(p).ids * 200)[:200] for p in PROMPTS[:4]]  # 200 + 56 tokens = the whole cache
+    want = [reference(ids, SamplingParams(max_tokens=56, ignore_eos=True, **GREEDY)) for ids in full]
+    name = _model_name(artifact)
+    long_job = dict(model=name, prompt=PROMPTS[0], max_tokens=CONTEXT - 10, extra_body={"ignore_eos": True}, **GREEDY)
+
+    with small_server.client() as c:
+        (card,) = c.models.list().data
+        assert card.model_extra["max_model_len"] == CONTEXT  # the cache holds exactly one full context
+        assert "16 KV blocks of 16 tokens" in small_server.log_text()
+
+        for _ in range(2):  # streaming clients that leave after the first chunk
+            stream = c.completions.create(stream=True, **long_job)
+            first = next(iter(stream))
+            assert first.choices[0].finish_reason is None
+            stream.close()
+        with contextlib.suppress(httpx.ReadTimeout):  # a non-streaming client that gives up waiting
+            httpx.post(f"{small_server.base}/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": CONTEXT - 10,
+                       "ignore_eos": True, "temperature": 0}, timeout=httpx.Timeout(10, read=0.02))  # fmt: skip
+
+        def run(i):
+            return c.completions.create(model=name, prompt=full[i], max_tokens=56, extra_body={"ignore_eos": True},
+                                        **GREEDY)  # fmt: skip
+
+        try:
+            r = run(0)
+        except (openai.APITimeoutError, openai.InternalServerError) as e:
+            pytest.fail(f"a request needing the whole KV cache failed ({type(e).__name__}): a client that hung up left "
+                        f"blocks allocated? Server output:\n{small_server.log_text()}")  # fmt: skip
+        assert (r.choices[0].text, r.usage.completion_tokens) == (want[0].text, 56)
+
+        # a burst: 4 at once, each needing the whole cache (they queue or preempt each other)
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            got = list(pool.map(run, range(4), timeout=2 * REQUEST_TIMEOUT))
+        for i, r in enumerate(got):
+            assert (r.choices[0].text, r.usage.completion_tokens) == (want[i].text, 56), i
+        assert httpx.get(f"{small_server.base}/health", timeout=10).status_code == 200
+
+
+def test_streaming_hang_up_on_the_main_server(client, artifact, tok, reference):
+    name = _model_name(artifact)
+    messages = [{"role": "user", "content": PROMPTS[6]}]
+    stream = client.chat.completions.create(model=name, messages=messages, max_tokens=200, stream=True,
+                                            extra_body={"ignore_eos": True}, **GREEDY)  # fmt: skip
+    next(iter(stream))
+    stream.close()
+    want = reference(tok.encode(PROMPTS[6]).ids, SamplingParams(max_tokens=12, **GREEDY))
+    r = client.completions.create(model=name, prompt=PROMPTS[6], max_tokens=12, **GREEDY)
+    assert r.choices[0].text == want.text
+
+
+# -- concurrency -------------------------------------------------------------------------------------------
+
+
+def test_32_concurrent_clients_each_get_their_own_answer(server, artifact, tok, reference, chat_ids):
+    name = _model_name(artifact)
+    jobs = [(f"{PROMPTS[i % len(PROMPTS)]} {i}", 8 + i % 9, i % 2 == 1, i % 4 >= 2) for i in range(32)]
+    # (prompt, max_tokens, stream, chat), every prompt different
+
+    def expected(prompt, max_tokens, chat):
+        ids = chat_ids([{"role": "user", "content": prompt}]) if chat else tok.encode(prompt).ids
+        want = reference(ids, SamplingParams(max_tokens=max_tokens, **GREEDY))
+        return want.text, want.finish_reason
+
+    start = threading.Barrier(len(jobs), timeout=30)
+
+    def run(job):
+        prompt, max_tokens, stream, chat = job
+        with server.client() as c:  # a client (and connection) per thread, as 32 separate users would have
+            start.wait()  # all 32 requests go out together
+            if chat:
+                r = c.chat.completions.create(model=name, messages=[{"role": "user", "content": prompt}],
+                                              max_tokens=max_tokens, stream=stream, **GREEDY)  # fmt: skip
+                if stream:
+                    chunks = list(r)
+                    text = "".join(ch.choices[0].delta.content or "" for ch in chunks)
+                    return text, chunks[-1].choices[0].finish_reason
+                return r.choices[0].message.content, r.choices[0].finish_reason
+            r = c.completions.create(model=name, prompt=prompt, max_tokens=max_tokens, stream=stream, **GREEDY)
+            if stream:
+                chunks = list(r)
+                return "".join(ch.choices[0].text for ch in chunks), chunks[-1].choices[0].finish_reason
+            return r.choices[0].text, r.choices[0].finish_reason
+
+    with concurrent.futures.ThreadPoolExecutor(32) as pool:
+        got = list(pool.map(run, jobs, timeout=60))
+    for job, answer in zip(jobs, got):
+        assert answer == expected(job[0], job[1], job[3]), job
