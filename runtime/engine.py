@@ -362,6 +362,11 @@ class AsyncLLMEngine:
         self._closed = False
         self._ids = itertools.count()
 
+    @property
+    def healthy(self) -> bool:
+        """False once the engine loop has failed: it serves nothing more."""
+        return self._error is None
+
     async def generate(
         self, prompt_token_ids: Sequence[int], params: SamplingParams | None = None, req_id: str | None = None
     ) -> AsyncIterator[RequestOutput]:

@@ -543,6 +543,8 @@ def create_app(
 
     @app.get("/health")
     async def health():
+        if not engine.healthy:
+            return JSONResponse({"status": "error", "detail": "the engine loop failed; restart the server"}, 503)
         return {"status": "ok"}
 
     return app
