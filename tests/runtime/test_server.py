@@ -365,3 +365,14 @@ def test_32_concurrent_clients_each_get_their_own_answer(server, client, tok, co
     assert model.max_batch_seen > 2, "the requests did not run batched"
     for job, answer in zip(jobs, got):
         assert answer == expected(job[0], job[1], job[3]), job
+
+
+def test_health_turns_503_when_the_engine_loop_failed(tok, config):
+    from fastapi.testclient import TestClient
+
+    engine = AsyncLLMEngine(LLMEngine(new_model(config), tok))
+    with TestClient(create_app(engine, tok, MODEL, TEMPLATE)) as http:
+        assert http.get("/health").status_code == 200
+        engine._error = RuntimeError("a step raised")  # what the loop records when a step fails
+        response = http.get("/health")
+    assert response.status_code == 503 and response.json()["status"] == "error"
