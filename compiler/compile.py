@@ -123,7 +123,8 @@ def compile_checkpoint(checkpoint: str | Path, *, target: str = "cpu", output: s
                 "floats_per_sequence_row": sum(b.cols for b in program.buffers if b.rows == "B"),
             },
             "kernel_program": str(program).splitlines(),
-            "tokenizer": {"chat_template": ckpt.chat_template, **{k: v for k, v in ckpt.special_tokens.items()}},
+            "tokenizer": {"chat_template": ckpt.chat_template, **ckpt.special_tokens},
+            "generation_defaults": ckpt.generation_defaults,
         }
 
     try:

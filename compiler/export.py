@@ -32,7 +32,9 @@ def to_relax(traced: Traced):
     """Relax IRModule whose main is (input_ids: [T] i64, positions: [T] i64, *weights) -> logits [T, vocab]."""
     from tvm.relax.frontend.torch import from_exported_program
 
-    program = traced.program.run_decompositions(_decomposition_table())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # torch's own pytree deprecation, raised while copying
+        program = traced.program.run_decompositions(_decomposition_table())
     try:
         return from_exported_program(program, run_ep_decomposition=False, unwrap_unit_return_tuple=True)
     except Exception as e:  # the importer raises bare AssertionError/KeyError on ops it lacks

@@ -318,7 +318,9 @@ def save(model, tok, bos_id, eos_id, held_docs, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         model = model.to(torch.bfloat16)
-        model.generation_config = GenerationConfig(bos_token_id=bos_id, eos_token_id=eos_id, pad_token_id=eos_id)
+        # Sampling defaults for `llmc run` and transformers: greedy decoding of a model this small loops.
+        model.generation_config = GenerationConfig(bos_token_id=bos_id, eos_token_id=eos_id, pad_token_id=eos_id,
+                                                   do_sample=True, temperature=0.7, top_k=40)
         model.save_pretrained(tmp, safe_serialization=True)
         for name in ("config.json", "generation_config.json", "model.safetensors"):
             shutil.copyfile(Path(tmp) / name, out / name)

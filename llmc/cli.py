@@ -188,9 +188,10 @@ def _load_model(path: Path, kv_cache_memory: str | None, **kw):
 @click.option("--prompt", help="Text to continue. Default: stdin when piped; the bundled model's demo prompt.")
 @click.option("--max-tokens", type=click.IntRange(min=1), default=None,
               help=f"Tokens to generate [default: {DEFAULT_MAX_TOKENS}; chat: until EOS].")
-@click.option("--temperature", type=float, default=0.0, show_default=True, help="0 is greedy.")
-@click.option("--top-p", type=float, default=1.0, show_default=True)
-@click.option("--top-k", type=int, default=0, show_default=True, help="0 is off.")
+@click.option("--temperature", type=float, default=None,
+              help="0 is greedy [default: the checkpoint's generation_config.json, else 0].")
+@click.option("--top-p", type=float, default=None, help="[default: the checkpoint's, else 1.0]")
+@click.option("--top-k", type=int, default=None, help="0 is off [default: the checkpoint's, else 0].")
 @click.option("--seed", type=int, default=None)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (token ids, text, timings).")
 @click.option("--simulate", is_flag=True, help="Run a CUDA-target artifact under the CUDA simulator.")
@@ -208,7 +209,8 @@ def run(artifact: Path | None, prompt: str | None, max_tokens: int, temperature:
     chat = prompt is None and artifact is not None and not as_json and _stdin_is_tty()
     if max_tokens is None and not chat:
         max_tokens = DEFAULT_MAX_TOKENS
-    params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, max_tokens=max_tokens)
+    given = {"temperature": temperature, "top_p": top_p, "top_k": top_k}
+    given = {k: v for k, v in given.items() if v is not None}
     if simulate and (artifact is None or not (artifact / "manifest.json").is_file()):
         raise LlmcError("--simulate needs a CUDA-target artifact (sm80/sm89/sm90)",
                         "compile one: llmc compile CHECKPOINT --target sm90 -o OUT")  # fmt: skip
@@ -217,6 +219,7 @@ def run(artifact: Path | None, prompt: str | None, max_tokens: int, temperature:
         from .runtime.chat import run_chat
 
         model, tokenizer = _load_model(path, kv_cache_memory, max_num_seqs=1)
+        params = SamplingParams(**{**model.generation_defaults, **given}, seed=seed, max_tokens=max_tokens)
         with model:
             run_chat(LLMEngine(model, tokenizer), tokenizer, model.chat_template, params,
                      bos_token=model.bos_token, eos_token=model.eos_token)  # fmt: skip
@@ -228,6 +231,7 @@ def run(artifact: Path | None, prompt: str | None, max_tokens: int, temperature:
         if artifact is None and not as_json:
             click.echo(f"prompt: {prompt!r}", err=True)
     model, tokenizer = _load_model(path, kv_cache_memory, max_num_seqs=1, simulate=simulate)
+    params = SamplingParams(**{**model.generation_defaults, **given}, seed=seed, max_tokens=max_tokens)
     with model:
         engine = LLMEngine(model, tokenizer)
         prompt_ids = tokenizer.encode(prompt).ids

@@ -91,6 +91,7 @@ class CompiledModel:
         self.bos_token = artifact.bos_token
         self.eos_token = artifact.eos_token
         self.weight_bytes = artifact.weight_bytes
+        self.generation_defaults = dict(artifact.manifest.get("generation_defaults") or {})
 
     # -- loading --------------------------------------------------------------------------------------
 

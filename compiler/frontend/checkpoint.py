@@ -33,6 +33,7 @@ class Checkpoint:
     tokenizer_path: Path
     chat_template: str | None
     special_tokens: dict[str, str]  # bos_token / eos_token from tokenizer_config.json, when given
+    generation_defaults: dict  # sampling defaults from generation_config.json (SamplingParams names)
 
     @property
     def weight_dtype(self) -> str:
@@ -151,7 +152,17 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
     if (path / "chat_template.jinja").is_file():
         chat_template = (path / "chat_template.jinja").read_text()
     special = {k: _token_text(tok_config[k]) for k in ("bos_token", "eos_token") if tok_config.get(k)}
-    return Checkpoint(path, config, tensor_files, dtypes, tokenizer_path, chat_template, special)
+    gen_path = path / "generation_config.json"
+    generation = generation_defaults(_read_json(gen_path, "generation_config.json")) if gen_path.is_file() else {}
+    return Checkpoint(path, config, tensor_files, dtypes, tokenizer_path, chat_template, special, generation)
+
+
+def generation_defaults(gen: dict) -> dict:
+    """The sampling settings a checkpoint ships, as SamplingParams fields: greedy unless it samples."""
+    if not gen.get("do_sample", False):
+        return {"temperature": 0.0} if gen else {}
+    keys = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")
+    return {k: gen[k] for k in keys if gen.get(k) is not None}
 
 
 def _token_text(token) -> str:
