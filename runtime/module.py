@@ -160,7 +160,9 @@ class CompiledModel:
                                  max_num_tokens, max_num_seqs, max_blocks_per_seq, err, _ERR_LEN)  # fmt: skip
         if not handle:
             msg = err.value.decode(errors="replace").strip() or "no message"
-            raise ArtifactError(f"{artifact.path}: the module failed to start: {msg}")
+            hint = ("to run a GPU artifact on a machine without that GPU, pass --simulate (simulate=True)"
+                    if artifact.is_cuda and not simulate else None)
+            raise ArtifactError(f"{artifact.path}: the module failed to start: {msg}", hint)
         return cls(artifact, lib, handle, info, block_size=block_size, num_blocks=num_blocks,
                    max_num_tokens=max_num_tokens, max_num_seqs=max_num_seqs, max_blocks_per_seq=max_blocks_per_seq)  # fmt: skip
 

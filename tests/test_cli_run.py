@@ -199,10 +199,16 @@ def test_create_failure_is_an_artifact_error(fake_artifact):
         CompiledModel.load(fake_artifact, kv_cache_memory="64MiB", max_num_seqs=REFUSED_SEQS)
 
 
-def test_cuda_artifact_is_refused_for_now(tmp_path, checkpoint_dir, fake_lib):
-    out = write_artifact(tmp_path / "fake.sm90", _fake_populate(checkpoint_dir("llama"), fake_lib, "sm90"))
-    with pytest.raises(ArtifactError, match="built for sm90.*not supported yet"):
-        CompiledModel.load(out)
+@needs_compiler
+def test_cuda_artifact_without_a_gpu_says_to_simulate(tmp_path, checkpoint_dir):
+    from llmc.compiler.compile import compile_checkpoint
+
+    out = compile_checkpoint(checkpoint_dir("llama"), target="sm90", output=tmp_path / "m.sm90")
+    try:
+        CompiledModel.load(out, kv_cache_memory="8MiB").close()  # a machine with an sm90 GPU runs it
+    except ArtifactError as e:
+        assert "failed to start: CUDA error" in str(e) or "GPU architecture mismatch" in str(e)
+        assert "--simulate" in str(e)
 
 
 # ----------------------------------------------------------------------------------------------------------
