@@ -75,20 +75,15 @@ def export(model: Path, fmt: str, output: Path) -> None:
               help="KV cache block size (tokens) the module is built for [default: 16].")
 def compile_cmd(model: Path, target: str, output: Path, weight_dtype: str, block_size: int | None) -> None:
     """Compile MODEL (a Hugging Face checkpoint dir) into an artifact for TARGET."""
-    extra = {} if block_size is None else {"block_size": block_size}
-    out = _compile_checkpoint()(model, target=target, output=output, weight_dtype=weight_dtype, progress=True, **extra)
+    out = _compile_checkpoint()(model, target=target, output=output, weight_dtype=weight_dtype, progress=True,
+                                block_size=block_size)
     click.echo(f"wrote {out}")
 
 
 def _compile_checkpoint():
-    try:
-        from .compiler.compile import compile_checkpoint
-    except ModuleNotFoundError as e:
-        if e.name != "llmc.compiler.compile":
-            raise
-        from .errors import CompileError
+    """The compiler entry point, imported late: torch and TVM load only for commands that compile."""
+    from .compiler.compile import compile_checkpoint
 
-        raise CompileError("the compiler core (llmc.compiler.compile) is not in this build", "update llmc") from None
     return compile_checkpoint
 
 

@@ -2,16 +2,13 @@
 
 Two kinds of artifact:
 - a *fake* one, whose model.so is a few lines of C++ built here that speak the C ABI (next token = this
-  token + 1): it tests loading, KV sizing, step checks, error paths and the CLI plumbing without the
-  compiler core;
-- a *real* one compiled from a tiny checkpoint; those tests turn on by themselves once
-  `llmc.compiler.compile` can be imported, and compare with Hugging Face transformers.
+  token + 1): it tests loading, KV sizing, step checks, error paths and the CLI plumbing in isolation;
+- a *real* one compiled from a tiny checkpoint, compared with Hugging Face transformers.
 """
 
 from __future__ import annotations
 
 import ctypes
-import importlib.util
 import json
 import math
 import shutil
@@ -29,8 +26,6 @@ from llmc.runtime.batch import StepBatch
 from llmc.runtime.kv_cache import cdiv, kv_bytes_per_block
 from llmc.runtime.module import CompiledModel
 
-HAVE_COMPILER = importlib.util.find_spec("llmc.compiler.compile") is not None
-needs_compiler = pytest.mark.skipif(not HAVE_COMPILER, reason="llmc.compiler.compile is not there yet")
 
 POISON = 2  # ("!") the fake module fails a step that returns logits for this token
 REFUSED_SEQS = 13  # the fake module refuses to start with max_num_seqs == 13
@@ -199,7 +194,6 @@ def test_create_failure_is_an_artifact_error(fake_artifact):
         CompiledModel.load(fake_artifact, kv_cache_memory="64MiB", max_num_seqs=REFUSED_SEQS)
 
 
-@needs_compiler
 def test_cuda_artifact_without_a_gpu_says_to_simulate(tmp_path, checkpoint_dir):
     from llmc.compiler.compile import compile_checkpoint
 
@@ -374,13 +368,6 @@ def test_inspect_artifact(fake_artifact):
     assert "k1: gemm" in r.stdout
 
 
-def test_compile_without_the_compiler_core(tmp_path, checkpoint_dir):
-    if HAVE_COMPILER:
-        pytest.skip("the compiler core is there")
-    r = _invoke("compile", checkpoint_dir("llama"), "--target", "cpu", "-o", tmp_path / "out")
-    assert r.exit_code == 1 and "compiler core" in r.stderr
-
-
 # ----------------------------------------------------------------------------------------------------------
 # A real compiled tiny model (turns on with llmc.compiler.compile)
 
@@ -393,7 +380,6 @@ def real_artifact(tmp_path_factory, checkpoint_dir):
     return out
 
 
-@needs_compiler
 def test_real_run_matches_transformers_greedy(real_artifact, checkpoint_dir):
     import torch
     from checkpoints import hf_model
@@ -409,7 +395,6 @@ def test_real_run_matches_transformers_greedy(real_artifact, checkpoint_dir):
     assert out["token_ids"] == ref[0, len(out["prompt_token_ids"]):].tolist()
 
 
-@needs_compiler
 def test_real_step_logits_match_transformers(real_artifact, checkpoint_dir):
     import torch
     from checkpoints import hf_model
@@ -425,7 +410,6 @@ def test_real_step_logits_match_transformers(real_artifact, checkpoint_dir):
     np.testing.assert_allclose(nxt, ref[len(ids)], rtol=1e-4, atol=1e-4)
 
 
-@needs_compiler
 def test_real_eval_ppl_matches_transformers(tmp_path, real_artifact, checkpoint_dir):
     import torch
     from checkpoints import hf_model
@@ -444,7 +428,6 @@ def test_real_eval_ppl_matches_transformers(tmp_path, real_artifact, checkpoint_
     assert out["perplexity"] == pytest.approx(math.exp(loss), rel=1e-4)
 
 
-@needs_compiler
 def test_real_inspect_and_errors(tmp_path, real_artifact):
     r = _invoke("inspect", real_artifact)
     assert r.exit_code == 0 and "llmc artifact for cpu" in r.stdout and "passes" in r.stdout
@@ -457,7 +440,6 @@ def test_real_inspect_and_errors(tmp_path, real_artifact):
     assert r.exit_code == 1 and "model.so is corrupt" in r.stderr
 
 
-@needs_compiler
 def test_real_run_of_a_checkpoint_uses_the_cache(tmp_path, checkpoint_dir):
     env = {"LLMC_CACHE_DIR": str(tmp_path / "cache")}
     args = ("run", checkpoint_dir("llama"), "--prompt", "The list type", "--max-tokens", 4, "--json",
