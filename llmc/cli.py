@@ -403,7 +403,9 @@ def eval_ppl(artifact: Path, text_file: Path, max_tokens: int | None, kv_cache_m
 @main.command()
 @click.argument("model", type=click.Path(path_type=Path))
 @click.option("-v", "--verbose", is_flag=True, help="Artifacts: list every kernel.")
-def inspect(model: Path, verbose: bool) -> None:
+@click.option("--passes", "show_passes", is_flag=True,
+              help="Checkpoints: trace, run each pass (what it rewrote), and print the kernel program.")
+def inspect(model: Path, verbose: bool, show_passes: bool) -> None:
     """Describe MODEL: a checkpoint dir (architecture, size, memory) or a compiled artifact."""
     if (model / "manifest.json").is_file():
         return _inspect_artifact(model, verbose)
@@ -426,6 +428,29 @@ def inspect(model: Path, verbose: bool) -> None:
     ))
     kv_per_token = 2 * c.num_layers * c.kv_size
     click.echo(f"  kv cache       {_human_bytes(kv_per_token * 4)}/token at fp32, {_human_bytes(kv_per_token * 2)}/token at bf16")
+    if show_passes:
+        _inspect_passes(ckpt)
+
+
+def _inspect_passes(ckpt) -> None:
+    from .compiler.compile import check_fusion, resolve_weight_dtype
+    from .compiler.export import to_relax
+    from .compiler.frontend.trace import trace
+    from .compiler.lower import lower
+    from .compiler.passes.common import rewrite_counts
+    from .compiler.passes.pipeline import run_passes
+
+    traced = trace(ckpt.config)
+    click.echo("  passes")
+
+    def report(name, mod):
+        count = rewrite_counts(mod)[name]
+        click.echo(f"    {name:<22} {f'{count} rewrites' if count else 'no pattern found: module unchanged'}")
+
+    mod = run_passes(to_relax(traced), after_each=report)
+    check_fusion(mod, ckpt.config.num_layers)
+    program = lower(mod, ckpt.config, traced.weight_names, weight_dtype=resolve_weight_dtype(ckpt, "auto"))
+    click.echo("\n".join("  " + line for line in str(program).splitlines()))
 
 
 def _inspect_artifact(path: Path, verbose: bool) -> None:

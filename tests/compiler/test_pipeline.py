@@ -1,0 +1,13 @@
+from click.testing import CliRunner
+
+from llmc.cli import main
+from llmc.compiler.passes.pipeline import PASSES
+
+
+def test_inspect_passes_reports_every_pass_and_the_kernel_program(checkpoint_dir):
+    result = CliRunner().invoke(main, ["inspect", str(checkpoint_dir("qwen2")), "--passes"])
+    assert result.exit_code == 0, result.output
+    for p in PASSES:
+        assert f"    {p.__name__} " in result.output
+    assert "no pattern found" not in result.output  # a Llama-family model fuses everywhere
+    assert "kernel program:" in result.output and "paged_attention(" in result.output
