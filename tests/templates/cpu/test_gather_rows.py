@@ -8,11 +8,6 @@ from llmc.compiler.codegen.render import kernel_id
 SPECS = [("gather_rows", dict(cols=c)) for c in (37, 64)]
 
 
-@pytest.fixture(scope="module")
-def kernels(cpu_kernels):
-    return cpu_kernels(SPECS)
-
-
 @pytest.mark.parametrize("n", [0, 1, 4])
 @pytest.mark.parametrize("op,params", SPECS, ids=[kernel_id("cpu", *s) for s in SPECS])
 def test_gather_rows(kernels, op, params, n):

@@ -2,6 +2,7 @@
 
 import numpy as np
 import pytest
+from kernel_reference import gemm_inputs as _inputs
 
 from llmc.compiler.codegen.render import kernel_id
 
@@ -15,14 +16,6 @@ SPECS = [("gemm", dict(n=n, k=k, wdtype=wd, has_bias=bias))
 @pytest.fixture(scope="module")
 def kernels(cpu_kernels):
     return cpu_kernels(SPECS)
-
-
-def _inputs(n, k, T, wdtype, has_bias, weights, seed=0):
-    rng = np.random.default_rng(seed)
-    x = rng.standard_normal((T, k), dtype=np.float32)
-    w, wf = weights(rng.standard_normal((n, k), dtype=np.float32) / np.sqrt(k), wdtype)
-    b, bf = weights(rng.standard_normal(n, dtype=np.float32), wdtype) if has_bias else (None, np.zeros(n))
-    return x, w, wf, b, bf
 
 
 @pytest.mark.parametrize("T", [1, 2, 3, 4, 5, 17, 70])

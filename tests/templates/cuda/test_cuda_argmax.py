@@ -9,11 +9,6 @@ from llmc.compiler.codegen.render import kernel_id
 SPECS = [("argmax", dict(vocab=v)) for v in (37, 1000, 32003)]
 
 
-@pytest.fixture(scope="module")
-def kernels(cuda_kernels):
-    return cuda_kernels(SPECS)
-
-
 @pytest.mark.parametrize("B", [1, 3, 9])
 @pytest.mark.parametrize("op,params", SPECS, ids=[kernel_id("cuda", *s) for s in SPECS])
 def test_argmax_matches_numpy(kernels, op, params, B):

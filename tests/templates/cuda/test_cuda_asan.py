@@ -20,27 +20,27 @@ SPECS_ASAN = [
     ("rmsnorm", dict(hidden=37, eps=1e-6, wdtype="f16", add_residual=True)),
 ]
 
-# Runs in the subprocess: the kernels through the harness's Kernel wrapper, checked against the same
-# numpy references as the simulator tests.
+# Runs in the subprocess: the kernels through the harness's CudaKernel wrapper (tests/templates/kernel_harness.py),
+# checked against the same numpy references as the simulator tests (tests/templates/kernel_reference.py).
 CHILD = r"""
 import ctypes, sys
 import numpy as np
-sys.path.insert(0, {here!r})
-from conftest import Kernel, make_weights
+sys.path[:0] = [{here!r}, {shared!r}]
+from kernel_harness import CudaKernel
+from kernel_reference import MIXED, NUM_BLOCKS, Batch, make_weights, rmsnorm_reference
 from llmc.compiler.codegen.render import kernel_id
-import test_cuda_paged_attention as pa
 from test_cuda_asan import SPECS_ASAN
 lib = ctypes.CDLL({so!r})
-k = {{kernel_id("cuda", op, p): Kernel(getattr(lib, "test_" + kernel_id("cuda", op, p)), op, p) for op, p in SPECS_ASAN}}
+k = {{kernel_id("cuda", op, p): CudaKernel(getattr(lib, "test_" + kernel_id("cuda", op, p)), op, p) for op, p in SPECS_ASAN}}
 (op, attn), (_, gemm), (_, rms) = SPECS_ASAN
 fn = k[kernel_id("cuda", op, attn)]
 if {oob!r}:
-    batch = pa.Batch(attn, [(5, 3), (20, 1)], seed=1)
-    batch.block_tables[1, 1] = pa.NUM_BLOCKS  # one block past the end of the cache
+    batch = Batch(attn, [(5, 3), (20, 1)], seed=1)
+    batch.block_tables[1, 1] = NUM_BLOCKS  # one block past the end of the cache
     batch.run(fn)
     sys.exit(0)
-for seqs in (pa.MIXED, [(0, 17)]):
-    batch = pa.Batch(attn, seqs, seed=2)
+for seqs in (MIXED, [(0, 17)]):
+    batch = Batch(attn, seqs, seed=2)
     np.testing.assert_allclose(batch.run(fn), batch.reference(), rtol=1e-5, atol=2e-6)
 rng = np.random.default_rng(0)
 for T in (3, 17):
@@ -55,8 +55,7 @@ for T in (3, 17):
     h = x + res
     y = np.empty_like(x)
     k[kernel_id("cuda", "rmsnorm", rms)](x, res, res, w, y, T)
-    ref = wf * (h / np.sqrt(np.mean(h.astype(np.float64) ** 2, axis=-1, keepdims=True) + np.float32(1e-6)))
-    np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(y, rmsnorm_reference(h, wf, 1e-6), rtol=1e-5, atol=1e-6)
 print("ok")
 """
 
@@ -68,7 +67,7 @@ def asan_so(tmp_path_factory, cuda_source):
 
 
 def _run(so: Path, oob: bool) -> subprocess.CompletedProcess:
-    code = CHILD.format(here=str(HERE), so=str(so), oob=oob)
+    code = CHILD.format(here=str(HERE), shared=str(HERE.parent), so=str(so), oob=oob)
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                           env=simulator.asan_env(), cwd=HERE)
 

@@ -2,6 +2,7 @@
 
 import numpy as np
 import pytest
+from kernel_reference import embedding_inputs, silu_mul_inputs, silu_mul_reference
 
 from llmc.compiler.codegen.render import kernel_id
 
@@ -15,22 +16,12 @@ GATHER = [("gather_rows", dict(cols=c)) for c in (37, 64, 1100)]
 SPECS = EMB + SILU + GATHER
 
 
-@pytest.fixture(scope="module")
-def kernels(cuda_kernels):
-    return cuda_kernels(SPECS)
-
-
 @pytest.mark.parametrize("T", [1, 3, 17])
 @pytest.mark.parametrize("op,params", EMB, ids=[kernel_id("cuda", *s) for s in EMB])
-def test_embedding_matches_numpy(kernels, weights, op, params, T):
-    rng = np.random.default_rng(T)
-    vocab, hidden = 50, params["hidden"]
-    table, tf = weights(rng.standard_normal((vocab, hidden), dtype=np.float32), params["wdtype"])
-    ids = rng.integers(0, vocab, size=T, dtype=np.int32)
-    ids[0] = vocab - 1  # the last row
-    if T > 2:
-        ids[1] = ids[2]  # a repeated id
-    out = np.full((T, hidden), np.nan, dtype=np.float32)
+def test_embedding_matches_numpy(kernels, op, params, T):
+    # vocab 50: the last row (ids[0]) and a repeated id (ids[1] = ids[2])
+    ids, table, tf = embedding_inputs(T, params["hidden"], params["wdtype"], vocab=50, seed=T, repeat=True)
+    out = np.full((T, params["hidden"]), np.nan, dtype=np.float32)
     kernels[kernel_id("cuda", op, params)](ids, T, table, out)
     assert np.array_equal(out, tf[ids])
 
@@ -38,14 +29,10 @@ def test_embedding_matches_numpy(kernels, weights, op, params, T):
 @pytest.mark.parametrize("T", [1, 3, 17])
 @pytest.mark.parametrize("op,params", SILU, ids=[kernel_id("cuda", *s) for s in SILU])
 def test_silu_mul_matches_numpy(kernels, op, params, T):
-    rng = np.random.default_rng(T)
-    inter = params["inter"]
-    gate_up = (rng.standard_normal((T, 2 * inter), dtype=np.float32) * 4).astype(np.float32)
-    gate_up[0, :4] = [-100.0, 100.0, 0.0, -0.0]  # exp overflow / saturation / zero
-    out = np.full((T, inter), np.nan, dtype=np.float32)
+    gate_up = silu_mul_inputs(T, params["inter"], seed=T)
+    out = np.full((T, params["inter"]), np.nan, dtype=np.float32)
     kernels[kernel_id("cuda", op, params)](gate_up, out, T)
-    g, u = gate_up[:, :inter].astype(np.float64), gate_up[:, inter:].astype(np.float64)
-    np.testing.assert_allclose(out, g / (1.0 + np.exp(-g)) * u, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(out, silu_mul_reference(gate_up), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("n", [1, 3, 17])

@@ -6,6 +6,7 @@ both (k = 37: scalar weight loads, n = 53 / 23: partial warps and tiles, T = 70 
 
 import numpy as np
 import pytest
+from kernel_reference import gemm_inputs
 
 from llmc.compiler.codegen.render import kernel_id
 
@@ -14,19 +15,6 @@ from llmc.compiler.codegen.render import kernel_id
 SHAPES = [(53, 37), (23, 64), (70, 136)]
 SPECS = [("gemm", dict(n=n, k=k, wdtype=wd, has_bias=bias))
          for n, k in SHAPES for wd in ("f32", "bf16", "f16") for bias in (False, True)]
-
-
-@pytest.fixture(scope="module")
-def kernels(cuda_kernels):
-    return cuda_kernels(SPECS)
-
-
-def _inputs(n, k, T, wdtype, has_bias, weights, seed=0):
-    rng = np.random.default_rng(seed)
-    x = rng.standard_normal((T, k), dtype=np.float32)
-    w, wf = weights(rng.standard_normal((n, k), dtype=np.float32) / np.sqrt(k), wdtype)
-    b, bf = weights(rng.standard_normal(n, dtype=np.float32), wdtype) if has_bias else (None, np.zeros(n))
-    return x, w, wf, b, bf
 
 
 def _check(y, x, wf, bf):
@@ -41,7 +29,7 @@ def _check(y, x, wf, bf):
 @pytest.mark.parametrize("op,params", SPECS, ids=[kernel_id("cuda", *s) for s in SPECS])
 def test_gemm_matches_numpy(kernels, weights, op, params, T):
     n, k = params["n"], params["k"]
-    x, w, wf, b, bf = _inputs(n, k, T, params["wdtype"], params["has_bias"], weights, seed=T)
+    x, w, wf, b, bf = gemm_inputs(n, k, T, params["wdtype"], params["has_bias"], weights, seed=T)
     y = np.full((T, n), np.nan, dtype=np.float32)
     kernels[kernel_id("cuda", op, params)](x, w, b, y, T)
     _check(y, x, wf, bf)
@@ -51,7 +39,7 @@ def test_gemm_matches_numpy(kernels, weights, op, params, T):
 def test_gemm_three_row_tiles(kernels, weights, wdtype):
     """T = 130: two full 64-row tiles and a 2-row tail."""
     params = dict(n=70, k=136, wdtype=wdtype, has_bias=True)
-    x, w, wf, b, bf = _inputs(70, 136, 130, wdtype, True, weights, seed=5)
+    x, w, wf, b, bf = gemm_inputs(70, 136, 130, wdtype, True, weights, seed=5)
     y = np.full((130, 70), np.nan, dtype=np.float32)
     kernels[kernel_id("cuda", "gemm", params)](x, w, b, y, 130)
     _check(y, x, wf, bf)
@@ -62,7 +50,7 @@ def test_gemv_row_independent_of_batch(kernels, weights, n, k):
     """In the GEMV range each row is bit-identical whether it runs alone or with others."""
     params = dict(n=n, k=k, wdtype="bf16", has_bias=True)
     fn = kernels[kernel_id("cuda", "gemm", params)]
-    x, w, _, b, _ = _inputs(n, k, 8, "bf16", True, weights, seed=1)
+    x, w, _, b, _ = gemm_inputs(n, k, 8, "bf16", True, weights, seed=1)
     batch = np.empty((8, n), dtype=np.float32)
     fn(x, w, b, batch, 8)
     for t in (0, 5, 7):
@@ -76,7 +64,7 @@ def test_gemm_independent_of_thread_order(kernels, weights, sim_seed, T):
     """Two scheduling seeds give bit-identical results (no race on the shared-memory tiles)."""
     params = dict(n=70, k=136, wdtype="f16", has_bias=False)
     fn = kernels[kernel_id("cuda", "gemm", params)]
-    x, w, _, _, _ = _inputs(70, 136, T, "f16", False, weights, seed=3)
+    x, w, _, _, _ = gemm_inputs(70, 136, T, "f16", False, weights, seed=3)
     outs = []
     for seed in (1, 2):
         sim_seed(seed)

@@ -3,6 +3,7 @@ h = x (+ residual_in -> residual_out)."""
 
 import numpy as np
 import pytest
+from kernel_reference import rmsnorm_inputs, rmsnorm_reference
 
 from llmc.compiler.codegen.render import kernel_id
 
@@ -12,32 +13,17 @@ SPECS = [("rmsnorm", dict(hidden=h, eps=eps, wdtype=wd, add_residual=res))
 SPECS.append(("rmsnorm", dict(hidden=4100, eps=1e-5, wdtype="bf16", add_residual=True)))
 
 
-@pytest.fixture(scope="module")
-def kernels(cuda_kernels):
-    return cuda_kernels(SPECS)
-
-
-def _reference(h, wf, eps):
-    h = h.astype(np.float64)
-    return wf * (h / np.sqrt(np.mean(h * h, axis=-1, keepdims=True) + np.float32(eps)))
-
-
 @pytest.mark.parametrize("T", [1, 3, 17])
 @pytest.mark.parametrize("op,params", SPECS, ids=[kernel_id("cuda", *s) for s in SPECS])
-def test_rmsnorm_matches_numpy(kernels, weights, op, params, T):
-    rng = np.random.default_rng(T)
-    hidden, add = params["hidden"], params["add_residual"]
-    x = rng.standard_normal((T, hidden), dtype=np.float32) * 3
-    w, wf = weights(rng.standard_normal(hidden, dtype=np.float32), params["wdtype"])
-    res_in = rng.standard_normal((T, hidden), dtype=np.float32) if add else None
-    res_out = np.full((T, hidden), np.nan, dtype=np.float32) if add else None
-    y = np.full((T, hidden), np.nan, dtype=np.float32)
+def test_rmsnorm_matches_numpy(kernels, op, params, T):
+    add = params["add_residual"]
+    x, w, wf, res_in, res_out, y = rmsnorm_inputs(T, params["hidden"], params["wdtype"], add, seed=T)
     kernels[kernel_id("cuda", op, params)](x, res_in, res_out, w, y, T)
     h = x
     if add:
         h = x + res_in  # float32 add, as transformers does
         assert np.array_equal(res_out, h)
-    np.testing.assert_allclose(y, _reference(h, wf, params["eps"]), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(y, rmsnorm_reference(h, wf, params["eps"]), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("alias", ["residual_in", "x"])
@@ -54,7 +40,7 @@ def test_rmsnorm_residual_in_place(kernels, weights, alias):
     out = res if alias == "residual_in" else x
     kernels[kernel_id("cuda", "rmsnorm", params)](x, res, out, w, y, T)
     assert np.array_equal(out, expect_res)
-    np.testing.assert_allclose(y, _reference(expect_res, wf, 1e-5), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(y, rmsnorm_reference(expect_res, wf, 1e-5), rtol=1e-5, atol=1e-6)
 
 
 def test_rmsnorm_row_independent_of_batch_and_thread_order(kernels, weights, sim_seed):

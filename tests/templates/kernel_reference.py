@@ -1,0 +1,268 @@
+"""References and input builders shared by the CPU (tests/templates/cpu) and CUDA (tests/templates/cuda) kernel tests.
+
+Plain numpy / torch, no kernels: what each op must compute, and the random inputs the tests hand the kernels.
+T is the number of token rows; weights come as (array to pass the kernel, the float32 values it holds).
+tests/templates/conftest.py puts this folder on sys.path, so tests import it as `kernel_reference`. torch is
+imported only by the rope functions: the ASan child process (cuda/test_cuda_asan.py) imports this module too.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+
+import numpy as np
+
+# ---------------------------------------------------------------------------------------------------
+# weights
+
+
+def to_bf16(a):
+    """Round float32 to bf16 (nearest even). Returns (uint16 bits, the float32 values they hold)."""
+    u = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
+    bits = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+    return bits, (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def make_weights(a, wdtype):
+    """(array to pass the kernel, float32 values it holds) for wdtype f32 | bf16 | f16 (f16: CUDA only)."""
+    a = np.ascontiguousarray(a, dtype=np.float32)
+    if wdtype == "f32":
+        return a, a
+    if wdtype == "bf16":
+        return to_bf16(a)
+    h = a.astype(np.float16)
+    return h, h.astype(np.float32)
+
+
+# ---------------------------------------------------------------------------------------------------
+# embedding: out[t] = table[ids[t]]
+
+
+def embedding_inputs(T, hidden, wdtype, vocab, seed, repeat=False):
+    """ids [T] int32 (ids[0] = vocab - 1, the last row; repeat: ids[1] = ids[2] when T > 2), and the table
+    [vocab, hidden] as (array to pass the kernel, float32 values)."""
+    rng = np.random.default_rng(seed)
+    table, table_f = make_weights(rng.standard_normal((vocab, hidden), dtype=np.float32), wdtype)
+    ids = rng.integers(0, vocab, size=T, dtype=np.int32)
+    ids[0] = vocab - 1
+    if repeat and T > 2:
+        ids[1] = ids[2]
+    return ids, table, table_f
+
+
+# ---------------------------------------------------------------------------------------------------
+# rmsnorm: y = w * (h / sqrt(mean(h^2) + eps)), h = x (+ residual_in -> residual_out)
+
+
+def rmsnorm_inputs(T, hidden, wdtype, add_residual, seed):
+    """x [T, hidden] (std 3), w [hidden] as (array to pass the kernel, float32 values), residual_in [T, hidden]
+    (None without add_residual) and the NaN-filled outputs residual_out [T, hidden] (or None) and y [T, hidden]."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((T, hidden), dtype=np.float32) * 3
+    w, wf = make_weights(rng.standard_normal(hidden, dtype=np.float32), wdtype)
+    res_in = rng.standard_normal((T, hidden), dtype=np.float32) if add_residual else None
+    res_out = np.full((T, hidden), np.nan, dtype=np.float32) if add_residual else None
+    y = np.full((T, hidden), np.nan, dtype=np.float32)
+    return x, w, wf, res_in, res_out, y
+
+
+def rmsnorm_reference(h, wf, eps):
+    """h [T, hidden] (x, or the float32 sum x + residual_in), wf [hidden] float32 -> y [T, hidden] float64."""
+    h = h.astype(np.float64)
+    return wf * (h / np.sqrt(np.mean(h * h, axis=-1, keepdims=True) + np.float32(eps)))
+
+
+# ---------------------------------------------------------------------------------------------------
+# gemm: y = x @ w.T + bias, w in HF Linear layout [n, k]
+
+
+def gemm_inputs(n, k, T, wdtype, has_bias, weights, seed=0):
+    """x [T, k], w [n, k] (scaled by 1/sqrt(k)) and bias [n] (None without has_bias) as the kernel takes them,
+    with wf / bf their float32 values (bf = zeros without bias): (x, w, wf, b, bf). weights: the `weights`
+    fixture, i.e. make_weights."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((T, k), dtype=np.float32)
+    w, wf = weights(rng.standard_normal((n, k), dtype=np.float32) / np.sqrt(k), wdtype)
+    b, bf = weights(rng.standard_normal(n, dtype=np.float32), wdtype) if has_bias else (None, np.zeros(n))
+    return x, w, wf, b, bf
+
+
+# ---------------------------------------------------------------------------------------------------
+# rope: transformers' Llama rotary embedding (rotate-half), in place on heads [0, num_heads) of each row
+
+
+def rope_inv_freq(head_dim, theta):
+    """[head_dim / 2] torch float32, as transformers' default rope init computes it."""
+    import torch
+
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+
+
+def rope_inputs(T, row_stride, seed):
+    """x [T, row_stride] float32 and positions [T] int32 in [0, 8192): positions[0] = 0, and a large angle
+    (131071) in the last row when T > 2."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((T, row_stride), dtype=np.float32)
+    positions = rng.integers(0, 8192, size=T, dtype=np.int32)
+    positions[0] = 0
+    if T > 2:
+        positions[-1] = 131071
+    return x, positions
+
+
+def rope_reference(x, positions, inv_freq):
+    """x [T, H, D] float32, positions [T] -> [T, H, D] float32.
+
+    transformers.models.llama: LlamaRotaryEmbedding.forward + apply_rotary_pos_emb, float32."""
+    import torch
+
+    inv = torch.tensor(inv_freq, dtype=torch.float32)
+    pos = torch.from_numpy(positions)[None, :].float()
+    freqs = (inv[None, :, None] @ pos[:, None, :]).transpose(1, 2)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos()[0, :, None, :], emb.sin()[0, :, None, :]  # [T, 1, D]
+    q = torch.from_numpy(x)
+    half = q.shape[-1] // 2
+    rotated = torch.cat((-q[..., half:], q[..., :half]), dim=-1)
+    return ((q * cos) + (rotated * sin)).numpy()
+
+
+def emitted_floats(src, table):
+    """The float32 values of the `float` literals in the brace initialiser after `table` in rendered source."""
+    body = src[src.index("{", src.index(table)) + 1:src.index("};")]
+    return np.array([float(v) for v in re.findall(r"([-+0-9.eE]+)f", body)], dtype=np.float32)
+
+
+# ---------------------------------------------------------------------------------------------------
+# silu_mul: out = silu(gate) * up, gate_up = [gate | up] per row
+
+
+def silu_mul_inputs(T, inter, seed):
+    """gate_up [T, 2 * inter] float32 (std 4), its first row starting -100, 100, 0, -0 (exp overflow /
+    saturation / zero)."""
+    rng = np.random.default_rng(seed)
+    gate_up = (rng.standard_normal((T, 2 * inter), dtype=np.float32) * 4).astype(np.float32)
+    gate_up[0, :4] = [-100.0, 100.0, 0.0, -0.0]
+    return gate_up
+
+
+def silu_mul_reference(gate_up):
+    """gate_up [T, 2 * inter] -> [T, inter] float64."""
+    inter = gate_up.shape[1] // 2
+    g, u = gate_up[:, :inter].astype(np.float64), gate_up[:, inter:].astype(np.float64)
+    return g / (1.0 + np.exp(-g)) * u
+
+
+# ---------------------------------------------------------------------------------------------------
+# paged attention
+
+NUM_BLOCKS = 200  # cache blocks in the pool
+
+# (cached tokens, new tokens) per sequence: prefill, decode, chunked prefill; contexts cross 32 positions
+MIXED = [(0, 7), (10, 1), (5, 3), (33, 1), (0, 1), (16, 17), (70, 1)]
+
+
+class Batch:
+    """A random step: history in the cache, new q/k/v rows, block tables from a shuffled pool.
+
+    p: the paged_attention params (num_heads nh, num_kv_heads nkv, head_dim hd, block_size bs, scale);
+    seqs: (cached tokens, new tokens) per sequence. Arrays, as the kernel takes them:
+      qkv [T, stride = (nh + 2 nkv) hd] float32, q | k | v columns (q/k/v are column slices of it)
+      k_cache, v_cache [NUM_BLOCKS, bs, nkv, hd] float32: the history at its positions, garbage elsewhere
+      slots [T] int64 (block * bs + offset of each new token), qsl [B + 1] int32 (query_start_loc),
+      seq_lens [B] int32 (cached + new), block_tables [B, max_blocks] int32 (a spare column; unused entries 0)
+    K, V: per sequence, every k/v row 0..seq_len-1, [seq_len, nkv, hd] float32.
+    """
+
+    def __init__(self, p, seqs, seed):
+        rng = np.random.default_rng(seed)
+        nh, nkv, hd, bs = p["num_heads"], p["num_kv_heads"], p["head_dim"], p["block_size"]
+        self.p, self.seqs, self.B = p, seqs, len(seqs)
+        self.T = sum(n for _, n in seqs)
+        need = [-(-(c + n) // bs) for c, n in seqs]
+        self.max_blocks = max(need) + 1  # a spare column: unused entries are 0
+        assert sum(need) <= NUM_BLOCKS
+        pool = rng.permutation(NUM_BLOCKS)
+        self.block_tables = np.zeros((self.B, self.max_blocks), dtype=np.int32)
+        at = 0
+        for b, nb in enumerate(need):
+            self.block_tables[b, :nb] = pool[at:at + nb]
+            at += nb
+        shape = (NUM_BLOCKS, bs, nkv, hd)
+        self.k_cache = rng.standard_normal(shape, dtype=np.float32) * 100  # garbage unless written
+        self.v_cache = rng.standard_normal(shape, dtype=np.float32) * 100
+        self.stride = (nh + 2 * nkv) * hd
+        self.qkv = rng.standard_normal((self.T, self.stride), dtype=np.float32)
+        self.K, self.V = [], []  # per sequence: all k/v rows 0..seq_len-1
+        self.qsl = np.zeros(self.B + 1, dtype=np.int32)
+        self.seq_lens = np.zeros(self.B, dtype=np.int32)
+        self.slots = np.zeros(self.T, dtype=np.int64)
+        q_end = nh * hd
+        for b, (c, n) in enumerate(seqs):
+            t0 = self.qsl[b]
+            self.qsl[b + 1] = t0 + n
+            self.seq_lens[b] = c + n
+            hist_k = rng.standard_normal((c, nkv, hd), dtype=np.float32)
+            hist_v = rng.standard_normal((c, nkv, hd), dtype=np.float32)
+            for pos in range(c):
+                blk, off = self.block_tables[b, pos // bs], pos % bs
+                self.k_cache[blk, off], self.v_cache[blk, off] = hist_k[pos], hist_v[pos]
+            for i in range(n):
+                pos = c + i
+                self.slots[t0 + i] = self.block_tables[b, pos // bs] * bs + pos % bs
+            new_k = self.qkv[t0:t0 + n, q_end:q_end + nkv * hd].reshape(n, nkv, hd)
+            new_v = self.qkv[t0:t0 + n, q_end + nkv * hd:].reshape(n, nkv, hd)
+            self.K.append(np.concatenate([hist_k, new_k]))
+            self.V.append(np.concatenate([hist_v, new_v]))
+
+    def run(self, fn):
+        """Call the kernel on this step; returns out [T, nh * hd] float32 (the caches are written in place)."""
+        nh, nkv, hd = self.p["num_heads"], self.p["num_kv_heads"], self.p["head_dim"]
+        q = self.qkv[:, :nh * hd]
+        k = self.qkv[:, nh * hd:(nh + nkv) * hd]
+        v = self.qkv[:, (nh + nkv) * hd:]
+        out = np.full((self.T, nh * hd), np.nan, dtype=np.float32)
+        fn(q, k, v, self.stride, self.k_cache, self.v_cache, self.slots, self.qsl, self.seq_lens,
+           self.block_tables, self.max_blocks, self.B, out)
+        return out
+
+    def reference(self):
+        """Causal GQA attention of each new token over its sequence's K/V, in float64: [T, nh * hd]."""
+        nh, nkv, hd = self.p["num_heads"], self.p["num_kv_heads"], self.p["head_dim"]
+        group = nh // nkv
+        out = np.zeros((self.T, nh, hd))
+        for b, (c, n) in enumerate(self.seqs):
+            K, V = self.K[b].astype(np.float64), self.V[b].astype(np.float64)
+            for i in range(n):
+                t = self.qsl[b] + i
+                q = self.qkv[t, :nh * hd].reshape(nh, hd).astype(np.float64)
+                for h in range(nh):
+                    s = K[:c + i + 1, h // group] @ q[h] * self.p["scale"]
+                    w = np.exp(s - s.max())
+                    out[t, h] = (w / w.sum()) @ V[:c + i + 1, h // group]
+        return out.reshape(self.T, nh * hd)
+
+    def cache_after(self, k_before, v_before):
+        """The caches as the step must leave them: copies of k_before / v_before [NUM_BLOCKS, bs, nkv, hd] with
+        this step's new k/v rows at their slots; a negative slot (a padding token) writes nothing."""
+        nh, nkv, hd = self.p["num_heads"], self.p["num_kv_heads"], self.p["head_dim"]
+        keep = self.slots >= 0
+        k, v = k_before.copy(), v_before.copy()
+        k.reshape(-1, nkv, hd)[self.slots[keep]] = self.qkv[keep, nh * hd:(nh + nkv) * hd].reshape(-1, nkv, hd)
+        v.reshape(-1, nkv, hd)[self.slots[keep]] = self.qkv[keep, (nh + nkv) * hd:].reshape(-1, nkv, hd)
+        return k, v
+
+    def alone(self, b, cache):
+        """Sequence b of this step as a batch of its own (B = 1), on copies of cache = (k_cache, v_cache)."""
+        t0, t1 = self.qsl[b], self.qsl[b + 1]
+        one = copy.copy(self)
+        one.seqs, one.K, one.V = [self.seqs[b]], [self.K[b]], [self.V[b]]
+        one.k_cache, one.v_cache = cache[0].copy(), cache[1].copy()
+        one.qkv = np.ascontiguousarray(self.qkv[t0:t1])
+        one.slots = self.slots[t0:t1].copy()
+        one.qsl = np.array([0, t1 - t0], dtype=np.int32)
+        one.seq_lens = self.seq_lens[b:b + 1].copy()
+        one.block_tables = np.ascontiguousarray(self.block_tables[b:b + 1])
+        one.B, one.T = 1, int(t1 - t0)
+        return one
