@@ -1,0 +1,448 @@
+#!/usr/bin/env python
+"""CPU decode benchmark at batch 1: llmc (fp32 and bf16 weights) vs transformers eager, against the roofline.
+
+    /work/venv/bin/python benchmarks/cpu_decode.py [--threads 2] [--tokens 64] [--json]
+
+The model is SmolLM-135M's shape (LlamaConfig: hidden 576, 30 layers, 9 heads / 3 KV heads, intermediate
+1536, vocab 49152, tied embeddings) with random fp32 weights, written once with save_pretrained (plus a small
+byte-level BPE tokenizer) into the cache dir. It is compiled for the CPU target with compile_checkpoint once
+per weight dtype and llmc source state (the artifact is cached under a hash of compiler/ and templates/cpu/).
+
+Rows, all measured in this one process, interleaved round by round so that machine noise hits every peer:
+  llmc step      CompiledModel.step directly: one prefill of --prompt-len tokens (untimed), then --tokens
+                 greedy decode steps (argmax in numpy), timed; tokens/s of the window.
+  llmc engine    the same request through LLMEngine (scheduler, StepBatch, sampler), timed from the first
+                 token (the prefill step's) to the last: the runtime's overhead over the bare step.
+  transformers   LlamaForCausalLM (fp32, torch eager, default attention) with a DynamicCache: the same prompt
+                 prefilled untimed, then --tokens greedy steps with past_key_values, timed.
+Each row's number is the median over --rounds windows. With --threads > 1, llmc fp32 (step) and
+transformers also run on 1 thread, in the same rounds (omp_set_num_threads / torch.set_num_threads).
+
+Roofline: batch-1 decode reads every weight once per token, so tokens/s <= bandwidth / weight bytes per
+token. Weight bytes per token = the bytes the step's kernels read from the packed weights (from the
+artifact's kernel program: every gemm and rmsnorm weight in full, the lm_head (the tied embedding table)
+in full, the embedding one row). Bandwidth = memory read bandwidth measured in this process, once per
+round next to the peers: a C++ loop (built with llmc's own g++ flags) that reads a 1 GiB buffer (several
+times the last-level cache) with --threads OpenMP threads, static schedule; best of 5 reads per round,
+median over rounds. A 1-thread read and a 1-thread numpy copy ((read + write) bytes / time) are shown
+for reference. Note: an fp32 SmolLM-135M (0.54 GB) is under 2x a 300 MB LLC and its bf16 weights fit in
+one, so part of a step's weights may come from the LLC and a row can beat the DRAM roofline.
+
+Threads: llmc's kernels run on their own pool sized by OMP_NUM_THREADS (templates/cpu/common.h); torch
+uses --threads too. No thread pinning: on a machine whose cores are shared with other work, a pinned
+thread cannot leave a busy core. Numbers on a shared machine are noisy: compare rows of one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import re
+import shutil
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+SMOLLM_135M = {  # LlamaConfig kwargs
+    "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
+    "num_key_value_heads": 3, "vocab_size": 49152, "max_position_embeddings": 2048, "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0, "tie_word_embeddings": True, "bos_token_id": 0, "eos_token_id": 1,
+}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--threads", type=int, default=os.cpu_count(), help="OMP_NUM_THREADS and torch threads")
+    p.add_argument("--tokens", type=int, default=64, help="decode steps per timed window")
+    p.add_argument("--prompt-len", type=int, default=16)
+    p.add_argument("--rounds", type=int, default=5, help="timed windows per row (median)")
+    p.add_argument("--dtypes", default="float32,bfloat16", help="llmc weight dtypes, comma-separated")
+    p.add_argument("--no-hf", action="store_true", help="skip the transformers row")
+    p.add_argument("--no-engine", action="store_true", help="skip the LLMEngine rows")
+    p.add_argument("--no-1thread", action="store_true",
+                   help="with --threads > 1, skip the 1-thread rows of llmc fp32 and transformers")
+    p.add_argument("--cache-dir", type=Path, default=None,
+                   help="checkpoint and artifacts (default: $LLMC_CACHE_DIR/bench or ~/.cache/llmc/bench)")
+    p.add_argument("--json", action="store_true", help="print the result as JSON instead of a table")
+    return p.parse_args(argv)
+
+
+def set_threads(n: int) -> None:
+    """Before any OpenMP runtime loads (llmc's modules, torch, the bandwidth probe): n threads."""
+    os.environ["OMP_NUM_THREADS"] = str(n)
+
+
+# -- checkpoint and artifacts -------------------------------------------------------------------------
+
+
+def cache_dir(arg: Path | None) -> Path:
+    if arg is not None:
+        return arg
+    root = os.environ.get("LLMC_CACHE_DIR")
+    return (Path(root) if root else Path.home() / ".cache" / "llmc") / "bench"
+
+
+def make_checkpoint(out: Path, log) -> Path:
+    if (out / "config.json").is_file() and (out / "tokenizer.json").is_file():
+        return out
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    sys.path.insert(0, str(REPO / "tests"))
+    from checkpoints import train_tokenizer
+
+    log(f"writing a random SmolLM-135M-shaped checkpoint to {out}")
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    train_tokenizer(tmp)  # 384-token byte-level BPE: ids < 384 <= vocab 49152
+    config = LlamaConfig(**SMOLLM_135M)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():  # as tests/checkpoints.py: wide enough that greedy logits are far from ties
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            else:
+                p.copy_(torch.randn_like(p) / p.shape[-1] ** 0.5 * (3.0 if "embed" in name else 1.0))
+    model.save_pretrained(tmp, safe_serialization=True)
+    del model
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return out
+
+
+def source_hash() -> str:
+    """What an artifact depends on besides the checkpoint: the compiler and the CPU templates."""
+    h = hashlib.sha256()
+    for root in (REPO / "compiler", REPO / "templates" / "cpu"):
+        for f in sorted(root.rglob("*")):
+            if f.is_file() and f.suffix in (".py", ".j2", ".h"):
+                h.update(str(f.relative_to(REPO)).encode())
+                h.update(f.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def compiled(ckpt: Path, cache: Path, dtype: str, log) -> Path:
+    from llmc.compiler.compile import compile_checkpoint
+
+    out = cache / f"smollm135m-{dtype}-{source_hash()}.cpu"
+    if (out / "manifest.json").is_file():
+        return out
+    for old in cache.glob(f"smollm135m-{dtype}-*.cpu"):  # stale builds of older sources: 0.5 GB each
+        shutil.rmtree(old, ignore_errors=True)
+    log(f"compiling ({dtype}) -> {out}")
+    t = time.perf_counter()
+    compile_checkpoint(ckpt, target="cpu", output=out, weight_dtype=dtype, progress=True)
+    log(f"  compiled in {time.perf_counter() - t:.1f} s")
+    return out
+
+
+_W_DECL = re.compile(r"^\s*W\[(\d+)\] (\S+): (\w+)\[([\d, ]*)\]")
+_LAUNCH = re.compile(r"^\s*(\w+)\((.*?)\)\((.*)\)\s*#")
+_BYTES = {"float32": 4, "bfloat16": 2}
+
+
+def decode_weight_bytes(manifest: dict) -> tuple[int, dict[str, int]]:
+    """Weight bytes one decode token (T = 1) reads, from the artifact's kernel program; and by op."""
+    weights = {}
+    for line in manifest["kernel_program"]:
+        if m := _W_DECL.match(line):
+            shape = [int(s) for s in m.group(4).split(",") if s.strip()]
+            weights[int(m.group(1))] = (_BYTES[m.group(3)], shape)
+    by_op: dict[str, int] = {}
+    for line in manifest["kernel_program"]:
+        m = _LAUNCH.match(line)
+        if not m:
+            continue
+        op = m.group(1)
+        for i in re.findall(r"\bW\[(\d+)\]", m.group(3)):
+            size, shape = weights[int(i)]
+            n = size * (shape[-1] if op == "embedding" else math.prod(shape))  # an embedding reads one row
+            by_op[op] = by_op.get(op, 0) + n
+    return sum(by_op.values()), by_op
+
+
+# -- memory bandwidth ---------------------------------------------------------------------------------
+
+
+_READ_PROBE = r"""
+#include <cstdint>
+#include <omp.h>
+// Read n uint64 words with `threads` threads (static schedule); the xor keeps the loads alive.
+extern "C" uint64_t llmc_read_probe(const uint64_t* p, long n, int threads) {
+  uint64_t acc = 0;
+#pragma omp parallel for schedule(static) reduction(^ : acc) num_threads(threads)
+  for (long i = 0; i < n; ++i) acc ^= p[i];
+  return acc;
+}
+"""
+
+
+class Bandwidth:
+    """Memory bandwidth probes over one 1 GiB buffer, kept for the whole run."""
+
+    def __init__(self, threads: int, nbytes: int = 1 << 30):
+        import ctypes
+
+        import numpy as np
+        from llmc.compiler.codegen.build import build_shared_library
+
+        self.threads, self.nbytes = threads, nbytes
+        lib = ctypes.CDLL(str(build_shared_library({"read_probe.cc": _READ_PROBE})))
+        lib.llmc_read_probe.restype = ctypes.c_uint64
+        lib.llmc_read_probe.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_int]
+        self.probe = lib.llmc_read_probe
+        self.src = np.ones(nbytes // 8, dtype=np.uint64)
+        self.dst = np.empty_like(self.src)
+        np.copyto(self.dst, self.src)  # touch every page of both
+
+    def _read(self, threads: int, repeats: int) -> float:
+        best = 0.0
+        for _ in range(repeats):
+            t = time.perf_counter()
+            self.probe(self.src.ctypes.data, self.src.size, threads)
+            best = max(best, self.nbytes / (time.perf_counter() - t))
+        return best / 1e9
+
+    def measure(self, repeats: int = 5) -> dict:
+        import numpy as np
+
+        copy = 0.0
+        for _ in range(3):
+            t = time.perf_counter()
+            np.copyto(self.dst, self.src)
+            copy = max(copy, 2 * self.nbytes / (time.perf_counter() - t))
+        return {"read_GBps": self._read(self.threads, repeats), "read_1thread_GBps": self._read(1, 3),
+                "copy_1thread_GBps": copy / 1e9}
+
+
+def llc_bytes() -> int | None:
+    try:
+        sizes = []
+        for d in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+            text = (d / "size").read_text().strip()
+            sizes.append(int(text[:-1]) * {"K": 1 << 10, "M": 1 << 20}[text[-1]] if text[-1] in "KM" else int(text))
+        return max(sizes) if sizes else None
+    except (OSError, ValueError):
+        return None
+
+
+# -- the peers ----------------------------------------------------------------------------------------
+
+
+class LlmcStep:
+    """CompiledModel.step at batch 1: prefill, then greedy decode through the C ABI."""
+
+    def __init__(self, path: Path, max_len: int):
+        from llmc.runtime.module import CompiledModel
+
+        self.model = CompiledModel.load(path, kv_cache_memory=64 << 20, max_num_tokens=256, max_num_seqs=4)
+        bs = self.model.block_size
+        self.blocks = list(range(-(-max_len // bs)))
+        assert len(self.blocks) <= self.model.num_blocks
+
+    def generate(self, prompt: list[int], n: int) -> tuple[float, list[int]]:
+        """Prefill the prompt (untimed), then n greedy decode steps: (seconds of the n steps, the n + 1 tokens)."""
+        import numpy as np
+        from llmc.runtime.batch import StepBatch
+
+        bs = self.model.block_size
+        logits = self.model.step(StepBatch.build([prompt], [0], [self.blocks], bs))
+        tok = int(np.argmax(logits[0]))
+        out = [tok]
+        pos = len(prompt)
+        t = time.perf_counter()
+        for _ in range(n):
+            logits = self.model.step(StepBatch.build([[tok]], [pos], [self.blocks], bs))
+            tok = int(np.argmax(logits[0]))
+            out.append(tok)
+            pos += 1
+        return time.perf_counter() - t, out
+
+
+class LlmcEngine:
+    """The same through LLMEngine: scheduler, block manager, batch building and the sampler."""
+
+    def __init__(self, step: LlmcStep):
+        self.model = step.model
+
+    def generate(self, prompt: list[int], n: int) -> tuple[float, list[int]]:
+        from llmc.runtime.engine import LLMEngine
+        from llmc.runtime.sampling import SamplingParams
+
+        engine = LLMEngine(self.model)
+        engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=n + 1, ignore_eos=True))
+        out = []
+        t0 = None
+        while engine.has_unfinished():
+            for o in engine.step():
+                out += o.new_token_ids
+            if t0 is None:  # the prefill step made the first token
+                t0 = time.perf_counter()
+        return time.perf_counter() - t0, out
+
+
+class Transformers:
+    def __init__(self, ckpt: Path):
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        self.torch = torch
+        self.model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+
+    def generate(self, prompt: list[int], n: int) -> tuple[float, list[int]]:
+        torch = self.torch
+        with torch.inference_mode():
+            out = self.model(torch.tensor([prompt]), use_cache=True)
+            past = out.past_key_values
+            tok = int(out.logits[0, -1].argmax())
+            toks = [tok]
+            t = time.perf_counter()
+            for _ in range(n):
+                out = self.model(torch.tensor([[tok]]), past_key_values=past, use_cache=True)
+                past = out.past_key_values
+                tok = int(out.logits[0, -1].argmax())
+                toks.append(tok)
+            return time.perf_counter() - t, toks
+
+
+# -- main ---------------------------------------------------------------------------------------------
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    set_threads(args.threads)
+    log = (lambda msg: print(msg, file=sys.stderr, flush=True))
+    import numpy as np
+
+    cache = cache_dir(args.cache_dir)
+    cache.mkdir(parents=True, exist_ok=True)
+    ckpt = make_checkpoint(cache / "smollm135m-random", log)
+    dtypes = [d for d in args.dtypes.split(",") if d]
+    artifacts = {d: compiled(ckpt, cache, d, log) for d in dtypes}
+
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(2, 384, size=args.prompt_len).tolist()
+    max_len = args.prompt_len + args.tokens + 1
+
+    # name -> (peer, threads, weight bytes per token)
+    peers: dict[str, tuple[object, int, int | None]] = {}
+    by_op = {}
+    one = args.threads > 1 and not args.no_1thread
+    for d, path in artifacts.items():
+        step = LlmcStep(path, max_len)
+        total, by_op[d] = decode_weight_bytes(step.model.artifact.manifest)
+        peers[f"llmc {d} step"] = (step, args.threads, total)
+        if not args.no_engine:
+            peers[f"llmc {d} engine"] = (LlmcEngine(step), args.threads, total)
+        if one and d == "float32":
+            peers[f"llmc {d} step, 1 thread"] = (step, 1, total)
+    if not args.no_hf:
+        hf, fp32_bytes = Transformers(ckpt), peers.get("llmc float32 step", (None, 0, None))[2]
+        peers["transformers eager fp32"] = (hf, args.threads, fp32_bytes)
+        if one:
+            peers["transformers eager fp32, 1 thread"] = (hf, 1, fp32_bytes)
+
+    import ctypes
+
+    import torch
+
+    gomp = ctypes.CDLL("libgomp.so.1")  # the OpenMP runtime of the llmc modules (torch bundles its own)
+
+    def use_threads(n: int) -> None:
+        gomp.omp_set_num_threads(n)
+        torch.set_num_threads(n)
+
+    probe = Bandwidth(args.threads)
+    log(f"warm-up ({len(peers)} peers, {args.threads} threads)")
+    tokens = {}
+    for name, (peer, threads, _) in peers.items():
+        use_threads(threads)
+        _, tokens[name] = peer.generate(prompt, min(4, args.tokens))
+    times: dict[str, list[float]] = {name: [] for name in peers}
+    bandwidth = []
+    for r in range(args.rounds):
+        log(f"round {r + 1}/{args.rounds}")
+        for name, (peer, threads, _) in peers.items():
+            use_threads(threads)
+            sec, toks = peer.generate(prompt, args.tokens)
+            times[name].append(sec)
+            tokens[name] = toks
+        use_threads(args.threads)
+        bandwidth.append(probe.measure())
+    bw = {k: statistics.median(b[k] for b in bandwidth) for k in bandwidth[0]}
+
+    ref = tokens.get("transformers eager fp32")
+    hf_tps = args.tokens / statistics.median(times["transformers eager fp32"]) if ref is not None else None
+    rows = []
+    for name, (_, threads, wb) in peers.items():
+        tps = args.tokens / statistics.median(times[name])
+        roof = bw["read_GBps" if threads == args.threads else "read_1thread_GBps"] * 1e9 / wb if wb else None
+        rows.append({
+            "row": name,
+            "threads": threads,
+            "tokens_per_s": tps,
+            "tokens_per_s_windows": [args.tokens / s for s in times[name]],
+            "weight_MB_per_token": wb / 1e6 if wb else None,
+            "roofline_tokens_per_s": roof,
+            "of_roofline": tps / roof if roof else None,
+            "vs_transformers": tps / hf_tps if hf_tps else None,
+            "greedy_tokens_match_transformers": (sum(a == b for a, b in zip(tokens[name], ref)) / len(ref)
+                                                 if ref is not None else None),
+        })
+    result = {
+        "model": "SmolLM-135M shape, random weights (LlamaConfig: 576 hidden, 30 layers, 9/3 heads, 1536, 49152)",
+        "threads": args.threads,
+        "prompt_len": args.prompt_len,
+        "decode_tokens": args.tokens,
+        "rounds": args.rounds,
+        "bandwidth": {**bw, "llc_bytes": llc_bytes(),
+                      "method": "read: C++ xor-reduce of a 1 GiB buffer with --threads OpenMP threads (static), "
+                                "best of 5 per round, median over rounds; copy: 1-thread numpy copy of 1 GiB, "
+                                "(read+write)/time"},
+        "weight_bytes_by_op": by_op,
+        "rows": rows,
+    }
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print(format_table(result))
+    return result
+
+
+def format_table(result: dict) -> str:
+    bw = result["bandwidth"]
+    lines = [
+        f"{result['model']}",
+        (f"batch 1, prompt {result['prompt_len']} tokens, {result['decode_tokens']} greedy decode tokens per "
+         f"window, median of {result['rounds']} windows; OMP_NUM_THREADS={result['threads']}"),
+        (f"memory bandwidth: {bw['read_GBps']:.1f} GB/s read with {result['threads']} threads (1 GiB buffer, LLC "
+         f"{(bw['llc_bytes'] or 0) / 2**20:.0f} MiB); 1 thread: {bw['read_1thread_GBps']:.1f} GB/s read, "
+         f"{bw['copy_1thread_GBps']:.1f} GB/s numpy copy (read + write)"),
+    ]
+    cols = [("row", "row", "{}"), ("tok/s", "tokens_per_s", "{:.1f}"), ("MB/token", "weight_MB_per_token", "{:.1f}"),
+            ("roofline tok/s", "roofline_tokens_per_s", "{:.1f}"), ("of roofline", "of_roofline", "{:.0%}"),
+            ("vs transformers", "vs_transformers", "{:.2f}x"),
+            ("tokens = HF", "greedy_tokens_match_transformers", "{:.0%}")]
+    cells = [[c[0] for c in cols]]
+    for r in result["rows"]:
+        cells.append(["-" if r[k] is None else f.format(r[k]) for _, k, f in cols])
+    widths = [max(len(row[i]) for row in cells) for i in range(len(cols))]
+    for row in cells:
+        lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))))
+    lines.append("roofline tok/s = read bandwidth (at the row's thread count) / weight bytes per decode token "
+                 "(every layer weight and the lm_head in full, one embedding row); transformers is held to the fp32 "
+                 "weights' roofline; 'vs transformers' and 'tokens = HF' compare with the transformers row at "
+                 f"{result['threads']} threads")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
