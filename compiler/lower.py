@@ -131,9 +131,14 @@ class _Lowering:
         for b in bindings(func):
             relax.analysis.post_order_visit(b.value, self._count_use)
         relax.analysis.post_order_visit(func.body.body, self._count_use)
+        weight_params = [p for p in func.params if p.name not in ABI_PARAMS and not p.name.startswith("kv_cache_")]
+        if len(weight_params) != len(weight_names):
+            raise CompileError(f"main has {len(weight_params)} weight parameters but {len(weight_names)} weight names")
         weights = iter(weight_names)
         for p in func.params:
-            if p.name in ABI_PARAMS:
+            if p.name == "input_ids":
+                self.env[p] = "token_ids"  # the ABI's name; it passes int32 ids, so casts of them are free
+            elif p.name in ABI_PARAMS:
                 self.env[p] = p.name
             elif p.name.startswith("kv_cache_"):
                 self.env[p] = ("kv_cache", int(p.name[len("kv_cache_"):]))
@@ -205,10 +210,9 @@ class _Lowering:
         handler(var, value)
 
     def relax_astype(self, var, value):
-        src = self.env[value.args[0]]
-        if src != "input_ids":
+        if self.env[value.args[0]] != "token_ids":
             raise CompileError(f"astype of {value.args[0]} is not lowered (only token ids are cast)")
-        self.env[var] = "token_ids"  # the ABI passes int32 token ids already
+        self.env[var] = "token_ids"
 
     def relax_reshape(self, var, value):
         # Reshapes here add or drop the leading batch 1 or split a row into heads: the rows stay put.
