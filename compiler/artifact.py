@@ -30,6 +30,8 @@ from llmc import __version__
 from llmc.compiler.frontend.config import ModelConfig
 from llmc.errors import ArtifactError, LlmcError
 
+from .digests import file_sha256
+
 MAGIC = "llmc-artifact"
 FORMAT_VERSION = 1
 ABI_VERSION = 1  # docs/contracts.md LLMC_ABI_VERSION
@@ -42,7 +44,6 @@ LIBRARY = "model.so"
 WEIGHTS = "weights.safetensors"
 TOKENIZER = "tokenizer.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"
-_CHUNK = 1 << 20
 
 # Instruction-set extensions in /proc/cpuinfo that generated code built with -march=native may use
 # (x86 "flags", Arm "Features"); kernel and virtualisation flags are left out so that two VMs of one CPU
@@ -88,41 +89,21 @@ def cache_root() -> Path:
 # Hashing
 
 
-def file_sha256(path: Path) -> str:
-    from llmc.compiler.weights import known_sha256
-
-    known = known_sha256(path)
-    if known is not None:
-        return known
-    h = hashlib.sha256()
-    buf = bytearray(_CHUNK)
-    view = memoryview(buf)
-    with open(path, "rb", buffering=0) as f:
-        while n := f.readinto(buf):
-            h.update(view[:n])
-    return h.hexdigest()
-
-
 def checkpoint_hash(ckpt_dir: str | Path) -> str:
-    """sha256 over a checkpoint's config.json, tokenizer files and weights (for cache keys).
+    """sha256 over a checkpoint's config, generation config, tokenizer files and weights (for cache keys).
 
-    Each file contributes its name, size and contents, streamed in 1 MiB chunks.
+    Each file contributes its name, size and sha256 (remembered for big files: compiler/digests.py).
     """
     ckpt_dir = Path(ckpt_dir)
-    names = ["config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
-             "model.safetensors.index.json"]  # fmt: skip
+    names = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+             "chat_template.jinja", "model.safetensors.index.json"]  # fmt: skip
     files = [ckpt_dir / n for n in names if (ckpt_dir / n).is_file()]
     files += sorted(p for p in ckpt_dir.glob("*.safetensors") if p.is_file())
     if not (ckpt_dir / "config.json").is_file():
         raise LlmcError(f"{ckpt_dir}: no config.json", "is this a Hugging Face checkpoint directory?")
     h = hashlib.sha256()
-    buf = bytearray(_CHUNK)
-    view = memoryview(buf)
     for p in files:
-        h.update(f"{p.name}\0{p.stat().st_size}\0".encode())
-        with open(p, "rb", buffering=0) as f:
-            while n := f.readinto(buf):
-                h.update(view[:n])
+        h.update(f"{p.name}\0{p.stat().st_size}\0{file_sha256(p)}\0".encode())
     return h.hexdigest()
 
 

@@ -14,8 +14,8 @@ finds each tensor at a byte offset fixed at compile time:
 - The data region starts at a 64-byte boundary, and so does every tensor: safetensors allows no gaps
   between tensors, so a gap is filled by a small uint8 tensor named `__pad__.<n>` (ignored by llmc; not in
   the returned offsets). 64 bytes is a cache line and one AVX-512 vector.
-- The sha256 of the written file is computed while writing; `known_sha256` hands it to the artifact
-  writer, which so never reads the weights back.
+- The sha256 of the written file is computed while writing and remembered (compiler/digests.py), so
+  neither the artifact writer nor a later load reads the weights back to hash them.
 """
 
 from __future__ import annotations
@@ -31,6 +31,8 @@ from pathlib import Path
 import torch
 
 from llmc.errors import CompileError
+
+from .digests import remember_sha256
 
 ALIGN = 64
 _CHUNK_BYTES = 64 << 20  # conversion buffer for one slab of rows
@@ -112,26 +114,6 @@ def plan_layout(specs: list[WeightSpec]) -> tuple[bytes, dict[str, tuple[int, in
     return prefix, {k: (data_start + off, n) for k, (off, n) in rel.items()}, order
 
 
-# sha256 of files this process wrote, keyed by path and checked against the file's identity
-_known_digests: dict[str, tuple[tuple[int, int, int], str]] = {}
-
-
-def _identity(path: Path) -> tuple[int, int, int]:
-    st = os.stat(path)
-    return st.st_ino, st.st_size, st.st_mtime_ns
-
-
-def known_sha256(path: Path) -> str | None:
-    """The sha256 of a file `write_packed_weights` wrote, if it is unchanged since (else None)."""
-    entry = _known_digests.get(os.path.realpath(path))
-    if entry is None:
-        return None
-    try:
-        return entry[1] if _identity(path) == entry[0] else None
-    except OSError:
-        return None
-
-
 def write_packed_weights(
     ckpt, specs: list[WeightSpec], path: Path, progress: Callable[[int], None] | None = None
 ) -> dict[str, tuple[int, int]]:
@@ -164,7 +146,7 @@ def write_packed_weights(
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    _known_digests[os.path.realpath(path)] = (_identity(path), digest.hexdigest())
+    remember_sha256(path, digest.hexdigest())
     return offsets
 
 

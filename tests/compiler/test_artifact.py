@@ -184,3 +184,21 @@ def test_checkpoint_hash(tmp_path, checkpoint_dir):
         f.seek(-1, 2)
         f.write(bytes([b[0] ^ 1]))
     assert art.checkpoint_hash(copy) != h
+
+
+def test_big_file_digests_are_remembered_across_renames(tmp_path, monkeypatch):
+    from llmc.compiler import digests
+
+    monkeypatch.setenv("LLMC_CACHE_DIR", str(tmp_path / "cache"))
+    f = tmp_path / "a" / "weights.bin"
+    f.parent.mkdir()
+    f.write_bytes(os.urandom(260 << 20))
+    digest = digests.file_sha256(f)
+    moved = tmp_path / "b"
+    os.rename(f.parent, moved)  # an artifact renamed into place keeps its files' identity
+    digests._memory.clear()  # as a new process would see it: only the on-disk store
+    assert digests.known_sha256(moved / "weights.bin") == digest
+    with open(moved / "weights.bin", "r+b") as fh:  # a rewrite changes the identity: hashed again
+        fh.write(b"x" * 16)
+    assert digests.known_sha256(moved / "weights.bin") is None
+    assert digests.file_sha256(moved / "weights.bin") != digest

@@ -9,7 +9,8 @@ import torch
 from safetensors import safe_open
 
 from llmc.compiler.frontend.checkpoint import load_checkpoint
-from llmc.compiler.weights import ALIGN, PAD_PREFIX, WeightSpec, known_sha256, write_packed_weights
+from llmc.compiler import digests
+from llmc.compiler.weights import ALIGN, PAD_PREFIX, WeightSpec, write_packed_weights
 from llmc.errors import CompileError
 
 
@@ -35,7 +36,9 @@ def _specs(ckpt, dtype):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_packed_file_is_valid_safetensors(ckpt, tmp_path, dtype):
+def test_packed_file_is_valid_safetensors(ckpt, tmp_path, dtype, monkeypatch):
+    monkeypatch.setattr(digests, "_MIN_BYTES", 0)  # remember even this small file's write-time digest
+    monkeypatch.setenv("LLMC_CACHE_DIR", str(tmp_path / "cache"))
     specs = _specs(ckpt, dtype)
     out = tmp_path / "weights.safetensors"
     seen = []
@@ -63,7 +66,7 @@ def test_packed_file_is_valid_safetensors(ckpt, tmp_path, dtype):
             at = np.frombuffer(raw, dtype=np_dtype, count=nbytes // np.dtype(np_dtype).itemsize, offset=off)
             ref = want.view(torch.int16).numpy().view(np.uint16) if s.dtype == "bfloat16" else want.numpy()
             np.testing.assert_array_equal(at, ref.reshape(-1))
-    assert known_sha256(out) == hashlib.sha256(raw).hexdigest()
+    assert digests.known_sha256(out) == hashlib.sha256(raw).hexdigest()  # hashed while writing, and right
 
 
 def test_bf16_conversion_rounds_like_torch(ckpt, tmp_path):
