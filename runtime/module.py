@@ -52,9 +52,6 @@ def _bind(lib: ctypes.CDLL, path: Path) -> None:
         lib.llmc_destroy.restype = None
     except AttributeError as e:
         raise ArtifactError(f"{path}: does not export the llmc C ABI ({e})", recompile_hint(path.parent)) from None
-    if hasattr(lib, "llmc_last_error"):  # optional: the message of the last failed step
-        lib.llmc_last_error.argtypes = [ctypes.c_void_p]
-        lib.llmc_last_error.restype = ctypes.c_char_p
 
 
 def _ptr(a: np.ndarray, ptype):
@@ -189,11 +186,7 @@ class CompiledModel:
             _ptr(logits, _f32p),
         )  # fmt: skip
         if rc != 0:
-            msg = None
-            if hasattr(self._lib, "llmc_last_error"):
-                raw = self._lib.llmc_last_error(self._handle)
-                msg = raw.decode(errors="replace") if raw else None
-            raise LlmcError(f"the model step failed (code {rc}){': ' + msg if msg else ''}")
+            raise LlmcError(f"the model step failed: {_STEP_ERRORS.get(rc, f'code {rc}')}")
         return logits
 
     # -- lifetime -------------------------------------------------------------------------------------
@@ -231,6 +224,15 @@ def _check_info(info: ModelInfo, artifact: Artifact) -> None:
     if got != want or info.kv_dtype_bytes not in (1, 2, 4):
         raise ArtifactError(f"{artifact.library_path}: llmc_info {info.as_dict()} does not match the manifest's model",
                             recompile_hint(artifact.path))  # fmt: skip
+
+
+# llmc_step's return codes (docs/contracts.md)
+_STEP_ERRORS = {
+    1: "the batch exceeds the sizes the module was created for",
+    2: "a token id is outside the vocabulary",
+    3: "capturing the decode step in a CUDA graph failed (LLMC_CUDA_GRAPHS=0 turns graphs off)",
+    4: "a CUDA error",
+}
 
 
 def _simulated_library(artifact) -> Path:

@@ -37,7 +37,7 @@ FAKE_MODULE = r"""
 extern "C" {
 typedef struct { int32_t abi_version, num_layers, num_kv_heads, head_dim, vocab_size, kv_dtype_bytes,
                  max_num_tokens; } llmc_model_info;
-struct Model { int32_t args[5]; char last_error[256]; };
+struct Model { int32_t args[5]; };
 static int32_t g_args[5];
 int fake_create_args(int32_t *out) { memcpy(out, g_args, sizeof g_args); return 0; }
 int llmc_info(llmc_model_info *o) {
@@ -50,7 +50,7 @@ void *llmc_create(const char *weights, int32_t nb, int32_t bs, int32_t mt, int32
   if (!f) { snprintf(err, err_len, "cannot open %s", weights); return nullptr; }
   fclose(f);
   if (ms == REFUSED) { snprintf(err, err_len, "fake module refuses max_num_seqs=%d", ms); return nullptr; }
-  Model *m = new Model{{nb, bs, mt, ms, mbps}, {0}};
+  Model *m = new Model{{nb, bs, mt, ms, mbps}};
   memcpy(g_args, m->args, sizeof g_args);
   return m;
 }
@@ -62,17 +62,16 @@ int llmc_step(void *mp, int32_t T, const int32_t *ids, const int32_t *pos, const
   for (int b = 0; b < B; b++) {
     for (int t = qsl[b]; t < qsl[b + 1]; t++) {
       int64_t want = (int64_t)bt[b * max_blocks + pos[t] / bs] * bs + pos[t] % bs;
-      if (slots[t] != want || pos[t] >= seq_lens[b]) { snprintf(m->last_error, 256, "bad slot"); return 4; }
+      if (slots[t] != want || pos[t] >= seq_lens[b]) return 1;
     }
     int32_t tok = ids[li[b]];
-    if (tok == POISON) { snprintf(m->last_error, 256, "poisoned token at row %d", li[b]); return 3; }
+    if (tok == POISON) return 2;
     float *row = logits + (int64_t)b * VOCAB;
     for (int v = 0; v < VOCAB; v++) row[v] = 0.0f;
     row[(tok + 1) % VOCAB] = 10.0f;
   }
   return 0;
 }
-const char *llmc_last_error(void *mp) { return ((Model *)mp)->last_error; }
 void llmc_destroy(void *mp) { delete (Model *)mp; }
 }
 """
@@ -181,7 +180,7 @@ def test_step_and_its_checks(fake_artifact):
         m.step(StepBatch.build([list(range(9))], [0], [[0]], m.block_size))
     with pytest.raises(RequestError, match="3 sequences"):
         m.step(StepBatch.build([[1], [2], [3]], [0, 0, 0], [[0], [1], [2]], m.block_size))
-    with pytest.raises(LlmcError, match=r"step failed \(code 3\): poisoned token at row 0"):
+    with pytest.raises(LlmcError, match="step failed: a token id is outside the vocabulary"):
         m.step(StepBatch.build([[POISON]], [0], [[0]], m.block_size))
     m.close()
     m.close()  # idempotent
