@@ -27,6 +27,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from openai_ask import ask
 
 from llmc.runtime.chat_template import chat_prompt_ids, pick_template
 from llmc.runtime.engine import LLMEngine
@@ -402,19 +403,7 @@ def test_32_concurrent_clients_each_get_their_own_answer(server, artifact, tok, 
         prompt, max_tokens, stream, chat = job
         with server.client() as c:  # a client (and connection) per thread, as 32 separate users would have
             start.wait()  # all 32 requests go out together
-            if chat:
-                r = c.chat.completions.create(model=name, messages=[{"role": "user", "content": prompt}],
-                                              max_tokens=max_tokens, stream=stream, **GREEDY)  # fmt: skip
-                if stream:
-                    chunks = list(r)
-                    text = "".join(ch.choices[0].delta.content or "" for ch in chunks)
-                    return text, chunks[-1].choices[0].finish_reason
-                return r.choices[0].message.content, r.choices[0].finish_reason
-            r = c.completions.create(model=name, prompt=prompt, max_tokens=max_tokens, stream=stream, **GREEDY)
-            if stream:
-                chunks = list(r)
-                return "".join(ch.choices[0].text for ch in chunks), chunks[-1].choices[0].finish_reason
-            return r.choices[0].text, r.choices[0].finish_reason
+            return ask(c, name, prompt, max_tokens=max_tokens, stream=stream, chat=chat, **GREEDY)
 
     with concurrent.futures.ThreadPoolExecutor(32) as pool:
         got = list(pool.map(run, jobs, timeout=60))

@@ -12,6 +12,7 @@ import httpx
 import openai
 import pytest
 import uvicorn
+from openai_ask import ask
 from runtime_fakes import FakeConfig, FakeModel, byte_level_bpe
 
 from llmc.runtime.chat_template import chat_prompt_ids
@@ -346,18 +347,7 @@ def test_32_concurrent_clients_each_get_their_own_answer(server, client, tok, co
 
     def run(job):
         prompt, max_tokens, stream, chat = job
-        if chat:
-            r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}],
-                                               max_tokens=max_tokens, stream=stream, **GREEDY)  # fmt: skip
-            if stream:
-                chunks = list(r)
-                return "".join(c.choices[0].delta.content or "" for c in chunks), chunks[-1].choices[0].finish_reason
-            return r.choices[0].message.content, r.choices[0].finish_reason
-        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens, stream=stream, **GREEDY)
-        if stream:
-            chunks = list(r)
-            return "".join(c.choices[0].text for c in chunks), chunks[-1].choices[0].finish_reason
-        return r.choices[0].text, r.choices[0].finish_reason
+        return ask(client, MODEL, prompt, max_tokens=max_tokens, stream=stream, chat=chat, **GREEDY)
 
     with concurrent.futures.ThreadPoolExecutor(32) as pool:
         futures = [pool.submit(run, job) for job in jobs]
