@@ -88,7 +88,8 @@ class CompiledModel:
         self.bos_token = artifact.bos_token
         self.eos_token = artifact.eos_token
         self.weight_bytes = artifact.weight_bytes
-        self.generation_defaults = dict(artifact.manifest.get("generation_defaults") or {})
+        # transformers generates greedily unless generation_config.json says do_sample
+        self.generation_defaults = {"temperature": 0.0, **(artifact.manifest.get("generation_defaults") or {})}
 
     # -- loading --------------------------------------------------------------------------------------
 

@@ -29,6 +29,7 @@ def test_generation_defaults_follow_do_sample():
     assert generation_defaults({"do_sample": False, "temperature": 0.6}) == {"temperature": 0.0}
     assert generation_defaults({"do_sample": True, "temperature": 0.6, "top_k": 40, "top_p": None}) == {
         "temperature": 0.6, "top_k": 40}
+    assert generation_defaults({"do_sample": True}) == {"temperature": 1.0}
 
 
 def test_default_run_compiles_once_and_writes_english_about_python(tmp_path):

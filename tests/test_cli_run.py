@@ -149,6 +149,7 @@ def test_load_sizes_the_kv_cache(fake_artifact):
         assert m.config == c and m.tokenizer_path == fake_artifact / "tokenizer.json"
         assert m.bos_token == "<|bos|>" and m.eos_token == "<|eos|>" and m.chat_template
         assert m.weight_bytes == 64
+        assert m.generation_defaults == {"temperature": 0.0}  # no generation_config.json: greedy, as in HF
     # a big budget is capped at max_num_seqs full-context sequences
     with CompiledModel.load(fake_artifact, kv_cache_memory="1GiB", max_num_seqs=3, block_size=32) as m:
         assert m.num_blocks == 3 * cdiv(c.max_context, 32)

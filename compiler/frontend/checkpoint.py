@@ -162,7 +162,7 @@ def generation_defaults(gen: dict) -> dict:
     if not gen.get("do_sample", False):
         return {"temperature": 0.0} if gen else {}
     keys = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")
-    return {k: gen[k] for k in keys if gen.get(k) is not None}
+    return {"temperature": 1.0, **{k: gen[k] for k in keys if gen.get(k) is not None}}
 
 
 def _token_text(token) -> str:
