@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer
 
-from llmc.compiler.frontend.checkpoint import generation_defaults, load_checkpoint
+from llmc.compiler.frontend.checkpoint import load_checkpoint
 
 BUNDLED = Path(__file__).resolve().parents[1] / "examples" / "pystdlib-5m"
 
@@ -22,14 +22,6 @@ def test_checkpoint_is_the_one_the_readme_describes():
     ckpt = load_checkpoint(BUNDLED)
     assert 5e6 <= ckpt.config.num_parameters() <= 20e6
     assert ckpt.chat_template and ckpt.generation_defaults["temperature"] > 0
-
-
-def test_generation_defaults_follow_do_sample():
-    assert generation_defaults({}) == {}
-    assert generation_defaults({"do_sample": False, "temperature": 0.6}) == {"temperature": 0.0}
-    assert generation_defaults({"do_sample": True, "temperature": 0.6, "top_k": 40, "top_p": None}) == {
-        "temperature": 0.6, "top_k": 40}
-    assert generation_defaults({"do_sample": True}) == {"temperature": 1.0}
 
 
 def test_default_run_compiles_once_and_writes_english_about_python(tmp_path):
