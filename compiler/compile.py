@@ -19,6 +19,7 @@ from .codegen.build import build_shared_library
 from .codegen.module import render_module
 from .codegen.render import template_file
 from .codegen.simulator import nvcc_path
+from .codegen.tvm_fallback import include_dirs
 from .export import to_relax
 from .frontend.checkpoint import Checkpoint, load_checkpoint
 from .frontend.trace import trace
@@ -64,18 +65,24 @@ def build_program(ckpt: Checkpoint, weight_dtype: str, block_size: int, step=lam
     return lower(mod, ckpt.config, traced.weight_names, weight_dtype=weight_dtype, block_size=block_size)
 
 
-def module_sources(target: Target, source: str) -> dict[str, str]:
-    """The files a target's build compiles: the generated source and the fixed headers it includes."""
+def module_sources(target: Target, source: str, tvm_source: str | None = None) -> dict[str, str]:
+    """The files a target's build compiles: the generated sources and the fixed files they need."""
     if target.is_cuda:
         return {"model.cu": source, **{h: template_file("cuda", f"include/{h}") for h in CUDA_HEADERS}}
-    return {"model.cc": source, "common.h": template_file("cpu", "common.h")}
+    sources = {"model.cc": source, "common.h": template_file("cpu", "common.h")}
+    if tvm_source is not None:
+        sources |= {"tvm_kernels.cc": tvm_source, "tvm_backend.cc": template_file("cpu", "tvm_backend.cc")}
+    return sources
 
 
-def build_module(target: Target, source: str) -> Path:
+def build_module(target: Target, source: str, tvm_source: str | None = None) -> Path:
     if target.is_cuda:
         flags = ["-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-gencode", target.gencode, "-lineinfo"]
         return build_shared_library(module_sources(target, source), flags=flags, compiler=nvcc_path())
-    return build_shared_library(module_sources(target, source), flags=target.raw["flags"])
+    flags = list(target.raw["flags"])
+    if tvm_source is not None:  # TVM's C includes its headers; -Bsymbolic: our runtime shims, not a loaded TVM's
+        flags += [f"-I{d}" for d in include_dirs()] + ["-Wl,-Bsymbolic"]
+    return build_shared_library(module_sources(target, source, tvm_source), flags=flags)
 
 
 def compile_checkpoint(checkpoint: str | Path, *, target: str = "cpu", output: str | Path,
@@ -102,8 +109,10 @@ def compile_checkpoint(checkpoint: str | Path, *, target: str = "cpu", output: s
         step("render")
         rendered = render_module(program, tgt, offsets, weights.stat().st_size)
         (tmp / ("model.cu" if tgt.is_cuda else "model.cc")).write_text(rendered.source)
+        if rendered.tvm_source is not None:
+            (tmp / "tvm_kernels.cc").write_text(rendered.tvm_source)
         step("build")
-        shutil.copyfile(build_module(tgt, rendered.source), tmp / "model.so")
+        shutil.copyfile(build_module(tgt, rendered.source, rendered.tvm_source), tmp / "model.so")
         shutil.copyfile(ckpt.tokenizer_path, tmp / "tokenizer.json")
         tok_config = ckpt.path / "tokenizer_config.json"
         if tok_config.is_file():

@@ -12,9 +12,9 @@ So a target's codegen only has to render each template once per distinct paramet
 launches in order. Buffers are reused by liveness, so the plan is a handful of buffers however deep
 the model is.
 
-Every binding of the fused main must lower to a template or be a free view (reshape, expand_dims,
-split into columns, a weight concat evaluated at pack time). Anything else is a CompileError naming the
-op: llmc has no fallback codegen yet, and a model it cannot lower must not compile.
+Every binding of the fused main lowers to a template or is a free view (reshape, expand_dims, split into
+columns, a weight concat evaluated at pack time). Any other op falls back to TVM's own codegen: its
+PrimFunc joins `tvm_funcs`, and a `tvm_call` launch runs it (compiler/codegen/tvm_fallback.py).
 """
 
 from __future__ import annotations
@@ -22,10 +22,12 @@ from __future__ import annotations
 import dataclasses
 
 import tvm
+import tvm_ffi
 from tvm import relax
 
 from llmc.errors import CompileError
 
+from .codegen.tvm_fallback import legalize_call
 from .frontend.config import ModelConfig
 from .frontend.model import rope_inv_freq
 from .passes.common import bindings, llmc_args, llmc_op_name, main_function, prim_value, rewrite_counts
@@ -57,6 +59,7 @@ class KernelProgram:
     launches: list[Launch]
     rewrites: dict[str, int]
     block_size: int
+    tvm_funcs: dict[str, tvm.tirx.PrimFunc] = dataclasses.field(default_factory=dict)  # TVM-lowered fallbacks
 
     def buffer_floats(self, max_num_tokens: int, max_num_seqs: int) -> int:
         return sum(b.cols * (max_num_tokens if b.rows == "T" else max_num_seqs) for b in self.buffers)
@@ -71,6 +74,9 @@ class KernelProgram:
         for launch in self.launches:
             params = ", ".join(f"{k}={v}" for k, v in launch.params.items() if k != "inv_freq")
             lines.append(f"  {launch.op}({params})({', '.join(launch.args)})  # {' + '.join(launch.fused)}")
+        for name, func in self.tvm_funcs.items():
+            lines.append(f"  TVM fallback {name}:")
+            lines += ["    " + line for line in func.script(show_meta=False).splitlines()]
         return "\n".join(lines)
 
 
@@ -114,6 +120,10 @@ def _cols(ty) -> int:
     return _static(ty.shape.values[-1])
 
 
+class _Unlowered(Exception):
+    """A handler's op form that no template covers: the binding falls back to TVM."""
+
+
 class _Lowering:
     def __init__(self, func: relax.Function, config: ModelConfig, weight_names: list[str], weight_dtype: str,
                  block_size: int):
@@ -126,7 +136,11 @@ class _Lowering:
         self.launches: list[_Pending] = []
         self.weight_specs: dict[tuple[str, ...], int] = {}
         self.weight_list: list[WeightSpec] = []
+        self.tvm_funcs: dict[str, tvm.tirx.PrimFunc] = {}
         self.var2val = relax.analysis.get_var2val(func)
+        # the symbolic row counts: tokens (input_ids: [T]) and sequences (logits_indices: [B])
+        self.row_vars = {str(p.ty.shape.values[0]): {"input_ids": "T", "logits_indices": "B"}[p.name]
+                         for p in func.params if p.name in ("input_ids", "logits_indices")}
         self.uses: dict = {}
         for b in bindings(func):
             relax.analysis.post_order_visit(b.value, self._count_use)
@@ -202,16 +216,59 @@ class _Lowering:
             return getattr(self, f"op_{name}")(var, value)
         op = value.op.name if isinstance(value, relax.Call) and hasattr(value.op, "name") else type(value).__name__
         handler = getattr(self, "relax_" + op.replace("relax.", "").replace(".", "_"), None)
-        if handler is None:
-            raise CompileError(
-                f"no kernel template covers `{op}` (binding {var.name}: {var.ty})",
-                "llmc lowers the Llama family's fused graph; this op was not fused by any pass",
-            )
-        handler(var, value)
+        try:
+            if handler is None:
+                raise _Unlowered
+            handler(var, value)
+        except _Unlowered:
+            self.tvm_fallback(var, value, op)
+
+    def tvm_fallback(self, var, value, op: str) -> None:
+        """One launch of TVM's lowering of `value`: float32 tensors in, one float32 [rows, ...] tensor out."""
+        where = f"`{op}` (binding {var.name}: {var.ty})"
+        if not isinstance(value, relax.Call) or not isinstance(var.ty, relax.TensorType):
+            raise CompileError(f"no kernel template covers {where}, and TVM's fallback takes one tensor call")
+        inputs = list(dict.fromkeys(a for a in _tensor_args(value)))
+        if any(v.ty.dtype != "float32" for v in [*inputs, var]):
+            raise CompileError(f"no kernel template covers {where}; TVM's fallback here takes float32 only")
+        args, shapes = [], []
+        for v in inputs:
+            src = self.env.get(v)
+            shapes.append(self.dims(v, where, rows=not isinstance(src, _Weight)))
+            if isinstance(src, _Weight) and not src.transposed:
+                w = self.weight_index(src, dtype="float32")
+                if self.weight_list[w].dtype != "float32":
+                    raise CompileError(f"{where} reads {src.sources[0]}, packed as {self.weight_list[w].dtype}",
+                                       "compile with --weight-dtype float32")  # fmt: skip
+                args.append(f"W[{w}]")
+            elif isinstance(src, _View) and src.stride == src.cols:
+                args.append(src)
+            else:
+                raise CompileError(f"no kernel template covers {where}, and its input {v.name} is not a whole "
+                                   "tensor that TVM's fallback can read")  # fmt: skip
+        shapes.append(self.dims(var, where, rows=True))
+        func = legalize_call(value, inputs)
+        name = next((n for n, f in self.tvm_funcs.items() if tvm_ffi.structural_equal(f, func)), None)
+        if name is None:
+            name = f"tvm_{op.replace('relax.', '').replace('.', '_')}_{len(self.tvm_funcs)}"
+            self.tvm_funcs[name] = func
+        rows = next(d for d in shapes[-1] if isinstance(d, str))
+        out = self.new_value(_prod(d for d in shapes[-1] if isinstance(d, int)), rows)
+        self.emit("tvm_call", {"func": name, "shapes": shapes, "num_inputs": len(inputs)},
+                  [*args, out, "T", "B"], [op], [out])  # fmt: skip
+        self.env[var] = out
+
+    def dims(self, v, where: str, rows: bool) -> list:
+        """v's shape: static dims as ints, the token / sequence count as "T" / "B" (once in an activation)."""
+        dims = [int(d) if isinstance(d, tvm.tirx.IntImm) else self.row_vars.get(str(d), d) for d in v.ty.shape.values]
+        if sum(isinstance(d, str) for d in dims) != int(rows) or not all(isinstance(d, (int, str)) for d in dims):
+            raise CompileError(f"no kernel template covers {where}, and {v.name}: {v.ty} has a shape that "
+                               "TVM's fallback does not take (static but for one dimension of T or B rows)")  # fmt: skip
+        return dims
 
     def relax_astype(self, var, value):
         if self.env[value.args[0]] != "token_ids":
-            raise CompileError(f"astype of {value.args[0]} is not lowered (only token ids are cast)")
+            raise _Unlowered
         self.env[var] = "token_ids"
 
     def relax_reshape(self, var, value):
@@ -227,14 +284,14 @@ class _Lowering:
         fields = value.args[0].fields if isinstance(value.args[0], relax.Tuple) else value.args[0]
         parts = [self.env[f] for f in fields]
         if not all(isinstance(p, _Weight) for p in parts) or int(value.attrs.axis) != 0:
-            raise CompileError(f"concat {var.name} of activations is not lowered")
+            raise _Unlowered
         shape = (sum(p.shape[0] for p in parts), *parts[0].shape[1:])
         self.env[var] = _Weight(tuple(s for p in parts for s in p.sources), shape)
 
     def relax_permute_dims(self, var, value):
         src = self.env[value.args[0]]
         if not isinstance(src, _Weight) or len(src.shape) != 2:
-            raise CompileError(f"permute_dims {var.name} of an activation is not lowered")
+            raise _Unlowered
         self.env[var] = dataclasses.replace(src, transposed=True)
 
     def relax_take(self, var, value):
@@ -253,14 +310,12 @@ class _Lowering:
                       ["take(logits_indices)"], [out])
             self.env[var] = out
         else:
-            raise CompileError(f"take {var.name} is neither an embedding nor a row gather")
+            raise _Unlowered
 
     def relax_matmul(self, var, value):
         x, wt = (self.env.get(a) for a in value.args)
-        if not (isinstance(x, _View) and isinstance(wt, _Weight) and wt.transposed):
-            raise CompileError(f"matmul {var.name} is not x @ W.T with a packed weight")
-        if x.stride != x.cols:
-            raise CompileError(f"matmul {var.name} reads a column slice")
+        if not (isinstance(x, _View) and isinstance(wt, _Weight) and wt.transposed) or x.stride != x.cols:
+            raise _Unlowered
         w = self.weight_index(_Weight(wt.sources, wt.shape))
         n, k = wt.shape
         out = self.new_value(n, x.rows)
@@ -282,7 +337,7 @@ class _Lowering:
             last.fused[0] += " + bias"
             self.env[var] = a
             return
-        raise CompileError(f"add {var.name} is neither a residual (fused into add_rms_norm) nor a bias")
+        raise _Unlowered
 
     def relax_split(self, var, value):
         src = self.view(value.args[0])
@@ -373,7 +428,23 @@ class _Lowering:
                 assignment[d] = pick
             free += [assignment[v] for v, last in last_use.items() if last == i and assignment.get(v, -1) >= 0]
         launches = [Launch(l.op, l.params, [_c_arg(a, assignment) for a in l.args], l.fused) for l in self.launches]
-        return KernelProgram(self.config, self.weight_list, buffers, launches, rewrites, self.block_size)
+        return KernelProgram(self.config, self.weight_list, buffers, launches, rewrites, self.block_size,
+                             self.tvm_funcs)
+
+
+def _tensor_args(call: relax.Call):
+    for a in call.args:
+        if isinstance(a, relax.Var):
+            yield a
+        elif isinstance(a, relax.Tuple):
+            yield from (f for f in a.fields if isinstance(f, relax.Var))
+
+
+def _prod(xs) -> int:
+    out = 1
+    for x in xs:
+        out *= x
+    return out
 
 
 def _c_arg(arg, assignment: dict[int, int]) -> str:

@@ -492,6 +492,8 @@ def _inspect_artifact(path: Path, verbose: bool) -> None:
         click.echo(f"    {pname:<22} {'no pattern found' if not n else f'{n} rewrite' + ('s' if n != 1 else '')}")
     kernels = m.get("kernels") or []
     click.echo(f"  kernels        {len(kernels)}")
+    fallback = sorted({op for k in kernels if str(k.get("template")).endswith("/tvm_call") for op in k.get("fuses", [])})
+    click.echo(f"  TVM fallback   {', '.join(fallback) if fallback else 'none (every op has a kernel template)'}")
     if verbose:
         for k in kernels:
             fused = _fused(k)

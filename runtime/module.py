@@ -233,6 +233,7 @@ _STEP_ERRORS = {
     2: "a token id is outside the vocabulary",
     3: "capturing the decode step in a CUDA graph failed (LLMC_CUDA_GRAPHS=0 turns graphs off)",
     4: "a CUDA error",
+    5: "a TVM fallback kernel rejected its arguments (a compiler bug; TVM's message is on stderr)",
 }
 
 

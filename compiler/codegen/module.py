@@ -11,10 +11,12 @@ import dataclasses
 import re
 
 from llmc import __version__
+from llmc.errors import CompileError
 
 from ..lower import KernelProgram
 from ..targets import Target
 from .render import kernel_id, render_host, render_kernel
+from .tvm_fallback import c_source
 
 HOST_TEMPLATE = {"cpu": "model.cc.j2", "cuda": "model.cu.j2"}
 _CTYPE = {"float32": "float", "bfloat16": "uint16_t"}
@@ -27,6 +29,7 @@ _STEP_ARRAYS = ("token_ids", "positions", "slot_mapping", "query_start_loc", "se
 class RenderedModule:
     source: str
     kernels: list[dict]  # manifest entries: id, template, params, tuning_source, launches
+    tvm_source: str | None = None  # C that TVM generated for the program's tvm_funcs (CPU target only)
 
 
 def _c_expr(arg: str, program: KernelProgram, device: bool) -> str:
@@ -44,6 +47,10 @@ def _c_expr(arg: str, program: KernelProgram, device: bool) -> str:
 def render_module(program: KernelProgram, target: Target, offsets: dict[str, tuple[int, int]],
                   weights_file_bytes: int) -> RenderedModule:
     family = target.template_dir
+    if program.tvm_funcs and target.is_cuda:
+        ops = sorted({op for launch in program.launches if launch.op == "tvm_call" for op in launch.fused})
+        raise CompileError(f"no CUDA kernel template covers {', '.join(ops)}",
+                           "the TVM codegen fallback exists for --target cpu only")  # fmt: skip
     sources: dict[str, str] = {}
     entries: dict[str, dict] = {}
     launches = []
@@ -56,10 +63,12 @@ def render_module(program: KernelProgram, target: Target, offsets: dict[str, tup
                             "tuning_source": "default", "launches": 0, "fuses": launch.fused}
         entries[kid]["launches"] += 1
         args = [_c_expr(a, program, target.is_cuda) for a in launch.args]
-        launches.append({"name": kid, "args": args, "fused": launch.fused})
+        # a TVM fallback returns nonzero when its own argument checks fail: the step returns 5
+        launches.append({"name": kid, "args": args, "fused": launch.fused, "checked": launch.op == "tvm_call"})
     source = render_host(family, HOST_TEMPLATE[family], version=__version__, target=target.name,
                          arch=target.gencode or " ".join(target.raw.get("flags", [])), sm=target.compute_capability,
                          program=program, config=program.config, kernels=list(sources.values()), launches=launches,
                          offsets=offsets, weights_file_bytes=weights_file_bytes,
                          weights_data_start=min((o for o, _ in offsets.values()), default=weights_file_bytes))
-    return RenderedModule(source, list(entries.values()))
+    tvm_source = c_source(program.tvm_funcs) if program.tvm_funcs else None
+    return RenderedModule(source, list(entries.values()), tvm_source)

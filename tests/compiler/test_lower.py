@@ -32,3 +32,19 @@ def test_an_op_no_template_covers_is_a_compile_error(checkpoint_dir):
         lower(plain_module(), config, ["x.weight", "p.weight"])
     with pytest.raises(CompileError, match="2 weight parameters but 0 weight names"):
         lower(plain_module(), config, [])
+
+
+def test_ops_no_template_covers_fall_back_to_tvm(checkpoint_dir, monkeypatch):
+    from llmc.compiler.passes import pipeline
+
+    mod, config = imported(checkpoint_dir, "llama")
+    monkeypatch.setattr(pipeline, "PASSES", [p for p in pipeline.PASSES if p.__name__ != "fuse_swiglu"])
+    program = lower(pipeline.run_passes(mod), config, trace(config).weight_names)
+    print(program)
+    fallbacks = [launch for launch in program.launches if launch.op == "tvm_call"]
+    # silu(gate) * up unfused: sigmoid, then two multiplies that share one TVM function, per layer
+    assert [launch.fused for launch in fallbacks] == [["relax.sigmoid"], ["relax.multiply"], ["relax.multiply"]] * 2
+    assert sorted(program.tvm_funcs) == ["tvm_multiply_1", "tvm_sigmoid_0"]
+    sigmoid = fallbacks[0]
+    assert sigmoid.params["shapes"] == [[1, "T", config.intermediate_size]] * 2 and sigmoid.args[-2:] == ["T", "B"]
+    assert "TVM fallback tvm_sigmoid_0" in str(program)
