@@ -391,7 +391,7 @@ class _Lowering:
                       [view, str(q.stride), "positions", "T"], ["rope"], [])
         out = self.new_value(c.num_heads * c.head_dim, "T")
         params = {"num_heads": c.num_heads, "num_kv_heads": c.num_kv_heads, "head_dim": c.head_dim,
-                  "block_size": self.block_size, "scale": c.head_dim ** -0.5}
+                  "block_size": self.block_size, "scale": c.head_dim ** -0.5, "sliding_window": c.attention_window(layer)}
         self.emit("paged_attention", params,
                   [q, k, v, str(q.stride), f"k_cache[{layer}]", f"v_cache[{layer}]", "slot_mapping",
                    "query_start_loc", "seq_lens", "block_tables", "max_blocks", "B", out],

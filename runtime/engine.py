@@ -105,7 +105,7 @@ class LLMEngine:
         config = model.config
         self.vocab_size = int(config.vocab_size)
         self.eos_token_ids = tuple(int(t) for t in config.eos_token_ids)
-        self.context_len = int(config.max_context)  # max_position_embeddings, or the sliding window
+        self.context_len = int(config.max_context)
         self.kv_cache = KVCacheManager(model.num_blocks, model.block_size)
         self.max_model_len = min(self.context_len, max_model_len or self.context_len, self.kv_cache.max_num_tokens)
         self.scheduler = Scheduler(

@@ -69,3 +69,23 @@ def test_every_step_logits_within_1e3(arch, checkpoint_dir, tmp_path_factory):
         computed += len(new)
         new = [int(np.argmax(logits))]
         tokens.append(new[0])
+
+
+# Windows far shorter than the prompts, so nearly every attention row is cut by one. Qwen2's window covers
+# only the layers from max_window_layers up; the layers below it attend to the whole context.
+SLIDING = {"mistral": dict(sliding_window=6), "qwen2": dict(use_sliding_window=True, sliding_window=5,
+                                                           max_window_layers=1)}
+
+
+@pytest.mark.parametrize("arch", SLIDING)
+def test_sliding_window_matches_transformers(arch, checkpoint_dir, tmp_path):
+    path = checkpoint_dir(arch, **SLIDING[arch])
+    model = CompiledModel.load(compile_checkpoint(path, target="cpu", output=tmp_path / "model.cpu"))
+    prompts = _prompt_ids(path)[:2]
+    results = LLMEngine(model).generate(prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
+    reference = hf_model(path)
+    for ids, result in zip(prompts, results):
+        with torch.no_grad():
+            expected = reference.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                                          do_sample=False)[0, len(ids):].tolist()
+        assert result.outputs[0].token_ids == expected

@@ -121,6 +121,9 @@ def _check_params(op: str, params: Mapping[str, Any]) -> None:
         nh, nkv = params["num_heads"], params["num_kv_heads"]
         if isinstance(nh, int) and isinstance(nkv, int) and nkv > 0 and nh % nkv:
             raise ValueError(f"num_heads ({nh}) must be a multiple of num_kv_heads ({nkv})")
+        w = params["sliding_window"]
+        if isinstance(w, bool) or not isinstance(w, int) or w < 0:
+            raise ValueError(f"sliding_window must be an int >= 0 (0: no window), got {w!r}")
 
 
 def template_path(target: str, op: str) -> str:
@@ -188,7 +191,7 @@ _ID_PREFIX = {
     "n": "n", "k": "k", "hidden": "h", "inter": "i", "cols": "c",
     "num_heads": "qh", "num_kv_heads": "kvh", "head_dim": "d", "block_size": "bs",
     "eps": "eps", "scale": "sc", "wdtype": "", "has_bias": "bias", "add_residual": "res",
-    "inv_freq": "if", "vocab": "v",
+    "inv_freq": "if", "vocab": "v", "sliding_window": "sw",
 }
 # Canonical order per op (docs/contracts.md); parameters not listed follow, sorted.
 _ID_ORDER = {
@@ -196,7 +199,7 @@ _ID_ORDER = {
     "rmsnorm": ["hidden", "eps", "wdtype", "add_residual"],
     "gemm": ["n", "k", "wdtype", "has_bias"],
     "rope": ["num_heads", "head_dim", "inv_freq"],
-    "paged_attention": ["num_heads", "num_kv_heads", "head_dim", "block_size", "scale"],
+    "paged_attention": ["num_heads", "num_kv_heads", "head_dim", "block_size", "scale", "sliding_window"],
     "silu_mul": ["inter"],
     "gather_rows": ["cols"],
     "argmax": ["vocab"],

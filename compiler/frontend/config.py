@@ -31,7 +31,7 @@ class ModelConfig:
     rope_theta: float
     rope_scaling: dict | None  # {"rope_type": "linear" | "llama3", ...}; None for plain RoPE
     max_position_embeddings: int
-    sliding_window: int | None  # Mistral; the runtime caps the context at it, so results stay exact
+    sliding_window: int | None  # a query at position p sees keys p-W+1..p in the layers of sliding_layers
     tie_word_embeddings: bool
     attention_bias: bool  # q/k/v carry a bias (Qwen2 always; Llama with attention_bias)
     o_bias: bool  # o_proj carries a bias (Llama attention_bias)
@@ -39,6 +39,7 @@ class ModelConfig:
     torch_dtype: str  # "float32" | "float16" | "bfloat16"
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
+    sliding_layers: tuple[int, ...] = ()  # Mistral: every layer; Qwen2 with use_sliding_window: the upper ones
 
     @property
     def q_size(self) -> int:
@@ -50,10 +51,12 @@ class ModelConfig:
 
     @property
     def max_context(self) -> int:
-        """Longest sequence the compiled model serves exactly as transformers would."""
-        if self.sliding_window is not None:
-            return min(self.max_position_embeddings, self.sliding_window)
+        """Longest sequence the compiled model serves."""
         return self.max_position_embeddings
+
+    def attention_window(self, layer: int) -> int:
+        """Keys a query of `layer` attends to, itself included; 0 is the whole causal context."""
+        return self.sliding_window if self.sliding_window and layer in self.sliding_layers else 0
 
     def weight_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every tensor the checkpoint must hold, by its Hugging Face name."""
@@ -85,12 +88,14 @@ class ModelConfig:
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["eos_token_ids"] = list(self.eos_token_ids)
+        d["sliding_layers"] = list(self.sliding_layers)
         return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
         d = dict(d)
         d["eos_token_ids"] = tuple(d["eos_token_ids"])
+        d["sliding_layers"] = tuple(d.get("sliding_layers", ()))
         return cls(**d)
 
 
@@ -150,6 +155,7 @@ def parse_config(raw: dict) -> ModelConfig:
     sliding = raw.get("sliding_window")
     if arch == "Qwen2ForCausalLM" and not raw.get("use_sliding_window", False):
         sliding = None
+    sliding_layers = _sliding_layers(raw, arch, layers) if sliding else ()
     eos = raw.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
     llama_bias = bool(raw.get("attention_bias", False))
@@ -167,7 +173,7 @@ def parse_config(raw: dict) -> ModelConfig:
         rope_theta=theta,
         rope_scaling=scaling,
         max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
-        sliding_window=int(sliding) if sliding else None,
+        sliding_window=int(sliding) if sliding_layers else None,
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         attention_bias=True if arch == "Qwen2ForCausalLM" else llama_bias,
         o_bias=llama_bias and arch != "Qwen2ForCausalLM",
@@ -175,4 +181,18 @@ def parse_config(raw: dict) -> ModelConfig:
         torch_dtype=dtype,
         bos_token_id=raw.get("bos_token_id"),
         eos_token_ids=eos_ids,
+        sliding_layers=sliding_layers,
     )
+
+
+def _sliding_layers(raw: dict, arch: str, layers: int) -> tuple[int, ...]:
+    """The layers that use the sliding window, as transformers decides them (config.layer_types first)."""
+    types = raw.get("layer_types")
+    if types:
+        if len(types) != layers or not set(types) <= {"full_attention", "sliding_attention"}:
+            raise UnsupportedModelError(f"config.json: layer_types {types!r} is not supported",
+                                        "llmc compiles full_attention and sliding_attention layers")  # fmt: skip
+        return tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+    if arch == "Qwen2ForCausalLM":
+        return tuple(range(int(raw.get("max_window_layers", 0)), layers))
+    return tuple(range(layers))

@@ -541,9 +541,10 @@ inline void rope(float* x, int row_stride, const int32_t* positions, int T, cons
 // 1. Write this step's k/v rows (kv heads [0, NKV) of k/v + t*row_stride) to their cache slots;
 //    a negative slot (padding) is skipped. Cache layout: [num_blocks, BS, NKV, D] each.
 // 2. For each query token t of sequence b at position p and each head h: causal attention over
-//    cache positions 0..p of b through its block table, kv head h / (NH / NKV), online softmax in
-//    float32 (one rescale per cache block). One (t, h) is one task: no reduction is split.
-template <int NH, int NKV, int D, int BS>
+//    cache positions 0..p of b (W > 0, a sliding window: p-W+1..p) through its block table, kv head
+//    h / (NH / NKV), online softmax in float32 (one rescale per cache block). One (t, h) is one task:
+//    no reduction is split.
+template <int NH, int NKV, int D, int BS, int W>
 inline void paged_attention(const float* q, const float* k, const float* v, int row_stride, float* k_cache,
                             float* v_cache, const int64_t* slot_mapping, const int32_t* query_start_loc,
                             const int32_t* seq_lens, const int32_t* block_tables, int max_blocks, int B,
@@ -568,21 +569,22 @@ inline void paged_attention(const float* q, const float* k, const float* v, int 
     const int b = int(std::upper_bound(query_start_loc, query_start_loc + B + 1, t) - query_start_loc) - 1;
     const int n_new = query_start_loc[b + 1] - query_start_loc[b];
     const int ctx = seq_lens[b] - n_new + (t - query_start_loc[b]) + 1;  // positions 0..p
+    const int first = W > 0 ? std::max(0, ctx - W) : 0;                   // the window's first position
     const float* qh = q + (long)t * row_stride + h * D;
     const long kvo = (long)(h / GROUP) * D;
     const int32_t* table = block_tables + (long)b * max_blocks;
 
     float acc[D] = {};
     float m = -std::numeric_limits<float>::infinity(), l = 0.0f;
-    for (int j0 = 0; j0 < ctx; j0 += BS) {
-      const int n = std::min(BS, ctx - j0);
+    for (int j0 = first - first % BS; j0 < ctx; j0 += BS) {
+      const int lo = std::max(0, first - j0), n = std::min(BS, ctx - j0);  // this block's positions [lo, n)
       const long base = (long)table[j0 / BS] * BS * SLOT + kvo;
       float sc[BS];
       float mb = m;
-      int i = 0;
+      int i = lo;
       for (; i + 4 <= n; i += 4) dot_block<1, 4, D>(qh, 0, k_cache + base + i * SLOT, SLOT, sc + i);
       for (; i < n; ++i) sc[i] = dot<D>(qh, k_cache + base + i * SLOT);
-      for (i = 0; i < n; ++i) {
+      for (i = lo; i < n; ++i) {
         sc[i] *= scale;
         mb = std::max(mb, sc[i]);
       }
@@ -592,7 +594,7 @@ inline void paged_attention(const float* q, const float* k, const float* v, int 
         scale_inplace<D>(corr, acc);
         m = mb;
       }
-      for (int i = 0; i < n; ++i) {
+      for (int i = lo; i < n; ++i) {
         const float p = std::exp(sc[i] - m);
         l += p;
         axpy<D>(p, v_cache + base + i * SLOT, acc);

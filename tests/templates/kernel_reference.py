@@ -166,7 +166,8 @@ MIXED = [(0, 7), (10, 1), (5, 3), (33, 1), (0, 1), (16, 17), (70, 1)]
 class Batch:
     """A random step: history in the cache, new q/k/v rows, block tables from a shuffled pool.
 
-    p: the paged_attention params (num_heads nh, num_kv_heads nkv, head_dim hd, block_size bs, scale);
+    p: the paged_attention params (num_heads nh, num_kv_heads nkv, head_dim hd, block_size bs, scale,
+       sliding_window);
     seqs: (cached tokens, new tokens) per sequence. Arrays, as the kernel takes them:
       qkv [T, stride = (nh + 2 nkv) hd] float32, q | k | v columns (q/k/v are column slices of it)
       k_cache, v_cache [NUM_BLOCKS, bs, nkv, hd] float32: the history at its positions, garbage elsewhere
@@ -228,19 +229,21 @@ class Batch:
         return out
 
     def reference(self):
-        """Causal GQA attention of each new token over its sequence's K/V, in float64: [T, nh * hd]."""
+        """Causal GQA attention of each new token over its sequence's K/V (the last sliding_window positions
+        when that is > 0), in float64: [T, nh * hd]."""
         nh, nkv, hd = self.p["num_heads"], self.p["num_kv_heads"], self.p["head_dim"]
-        group = nh // nkv
+        group, window = nh // nkv, self.p["sliding_window"]
         out = np.zeros((self.T, nh, hd))
         for b, (c, n) in enumerate(self.seqs):
             K, V = self.K[b].astype(np.float64), self.V[b].astype(np.float64)
             for i in range(n):
                 t = self.qsl[b] + i
                 q = self.qkv[t, :nh * hd].reshape(nh, hd).astype(np.float64)
+                lo = max(0, c + i + 1 - window) if window else 0
                 for h in range(nh):
-                    s = K[:c + i + 1, h // group] @ q[h] * self.p["scale"]
+                    s = K[lo:c + i + 1, h // group] @ q[h] * self.p["scale"]
                     w = np.exp(s - s.max())
-                    out[t, h] = (w / w.sum()) @ V[:c + i + 1, h // group]
+                    out[t, h] = (w / w.sum()) @ V[lo:c + i + 1, h // group]
         return out.reshape(self.T, nh * hd)
 
     def cache_after(self, k_before, v_before):

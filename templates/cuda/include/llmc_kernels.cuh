@@ -320,11 +320,11 @@ struct Rope {
 //     Grid (write_grid()), block kWriteThreads; one block per token.
 //  2. attend(): one warp per (token t, head h); a block holds HPB heads of one token that share a kv head
 //     (HPB divides NH / NKV), so their K/V reads meet in L1. Causal over cache positions 0..p of t's
-//     sequence, through its block table. Per 32 cache positions: lane j scores position c0 + j (a full
+//     sequence (W > 0, a sliding window: p-W+1..p), through its block table. Per 32 cache positions: lane j scores position c0 + j (a full
 //     D-long dot with the q row staged in shared memory), warp_max / warp_sum for the online softmax (fp32,
 //     one rescale per 32 positions), then every lane accumulates D/32 output dims over the 32 positions'
 //     V rows (coalesced). Grid (attend_grid()), block kThreads.
-template <int NH, int NKV, int D, int BS>
+template <int NH, int NKV, int D, int BS, int W>
 struct PagedAttention {
   static_assert(NH % NKV == 0, "paged_attention: num_heads must be a multiple of num_kv_heads");
   static constexpr int GROUP = NH / NKV;
@@ -393,6 +393,7 @@ struct PagedAttention {
       }
       const int n_new = query_start_loc[b + 1] - query_start_loc[b];
       const int ctx = seq_lens[b] - n_new + (t - query_start_loc[b]) + 1;  // positions 0..p
+      const int first = W > 0 ? max(0, ctx - W) : 0;                      // the window's first position
       const int kvh = h / GROUP;
       const int32_t* table = block_tables + static_cast<int64_t>(b) * max_blocks;
       const float* qh = q + static_cast<int64_t>(t) * row_stride + h * D;
@@ -402,7 +403,7 @@ struct PagedAttention {
       float m = -INFINITY, l = 0.0f, acc[DPL];
 #pragma unroll
       for (int i = 0; i < DPL; ++i) acc[i] = 0.0f;
-      for (int c0 = 0; c0 < ctx; c0 += 32) {
+      for (int c0 = first; c0 < ctx; c0 += 32) {
         const int pos = c0 + lane;
         float s = -INFINITY;
         if (pos < ctx) {

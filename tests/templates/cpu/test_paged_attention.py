@@ -13,10 +13,12 @@ from kernel_reference import MIXED, Batch
 
 from llmc.compiler.codegen.render import kernel_id
 
-# (num_heads, num_kv_heads, head_dim, block_size): GQA ratios 1, 4 and 3 (odd head count)
-CONFIGS = [(4, 4, 16, 4), (8, 2, 64, 16), (9, 3, 8, 8), (4, 1, 16, 1)]
+# (num_heads, num_kv_heads, head_dim, block_size, sliding_window): GQA ratios 1, 4 and 3 (odd head count);
+# windows that start mid-block, span blocks, and cover a single position
+CONFIGS = [(4, 4, 16, 4, 0), (8, 2, 64, 16, 0), (9, 3, 8, 8, 0), (4, 1, 16, 1, 0), (4, 2, 16, 4, 5),
+           (9, 3, 8, 8, 13), (8, 2, 64, 16, 1)]
 SPECS = [("paged_attention", dict(num_heads=nh, num_kv_heads=nkv, head_dim=hd, block_size=bs,
-                                  scale=1.0 / math.sqrt(hd))) for nh, nkv, hd, bs in CONFIGS]
+                                  scale=1.0 / math.sqrt(hd), sliding_window=w)) for nh, nkv, hd, bs, w in CONFIGS]
 IDS = [kernel_id("cpu", *s) for s in SPECS]
 
 
@@ -53,4 +55,7 @@ def test_paged_attention_rejects_bad_gqa():
 
     with pytest.raises(CompileError, match="multiple of num_kv_heads"):
         render_kernel("cpu", "paged_attention", name="a", num_heads=9, num_kv_heads=2, head_dim=8, block_size=4,
-                      scale=0.35)
+                      scale=0.35, sliding_window=0)
+    with pytest.raises(CompileError, match="sliding_window must be an int >= 0"):
+        render_kernel("cpu", "paged_attention", name="a", num_heads=9, num_kv_heads=3, head_dim=8, block_size=4,
+                      scale=0.35, sliding_window=-1)

@@ -15,11 +15,12 @@ from kernel_reference import MIXED, Batch
 from llmc.compiler.codegen.render import kernel_id, render_kernel
 from llmc.errors import CompileError
 
-# (num_heads, num_kv_heads, head_dim, block_size): GQA ratios 1, 4, 3 (9 heads / 3 kv heads) and 4 (one kv
-# head); head_dim 16 / 64 / 8 / 128
-CONFIGS = [(4, 4, 16, 4), (8, 2, 64, 16), (9, 3, 8, 8), (4, 1, 128, 1)]
+# (num_heads, num_kv_heads, head_dim, block_size, sliding_window): GQA ratios 1, 4, 3 (9 heads / 3 kv heads)
+# and 4 (one kv head); head_dim 16 / 64 / 8 / 128; windows of 5 and 37 positions (across a 32-lane chunk)
+CONFIGS = [(4, 4, 16, 4, 0), (8, 2, 64, 16, 0), (9, 3, 8, 8, 0), (4, 1, 128, 1, 0), (4, 2, 16, 4, 5),
+           (9, 3, 8, 8, 37)]
 SPECS = [("paged_attention", dict(num_heads=nh, num_kv_heads=nkv, head_dim=hd, block_size=bs,
-                                  scale=1.0 / math.sqrt(hd))) for nh, nkv, hd, bs in CONFIGS]
+                                  scale=1.0 / math.sqrt(hd), sliding_window=w)) for nh, nkv, hd, bs, w in CONFIGS]
 IDS = [kernel_id("cuda", *s) for s in SPECS]
 
 
@@ -75,4 +76,4 @@ def test_paged_attention_independent_of_thread_order(kernels, sim_seed, op, para
 def test_paged_attention_rejects_bad_gqa():
     with pytest.raises(CompileError, match="multiple of num_kv_heads"):
         render_kernel("cuda", "paged_attention", name="a", num_heads=9, num_kv_heads=2, head_dim=8, block_size=4,
-                      scale=0.35)
+                      scale=0.35, sliding_window=0)

@@ -14,7 +14,7 @@ COMMON = {
     "rmsnorm": dict(hidden=64, eps=1e-5, wdtype="f32", add_residual=True),
     "gemm": dict(n=8, k=16, wdtype="bf16", has_bias=True),
     "rope": dict(num_heads=2, head_dim=8, inv_freq=[1.0, 0.1, 0.01, 0.001]),
-    "paged_attention": dict(num_heads=4, num_kv_heads=2, head_dim=16, block_size=4, scale=0.25),
+    "paged_attention": dict(num_heads=4, num_kv_heads=2, head_dim=16, block_size=4, scale=0.25, sliding_window=0),
     "silu_mul": dict(inter=32),
     "gather_rows": dict(cols=32),
 }
@@ -58,5 +58,5 @@ def test_render_errors_name_the_cuda_template():
     assert "1e-06f" in render_kernel("cuda", "rmsnorm", name="n", hidden=8, eps=1e-6, wdtype="f32",
                                      add_residual=False)
     assert kernel_id("cuda", "paged_attention", COMMON["paged_attention"]) == \
-        "cuda_paged_attention_qh4_kvh2_d16_bs4_sc0p25"
+        "cuda_paged_attention_qh4_kvh2_d16_bs4_sc0p25_sw0"
     assert math.isfinite(0.25)
