@@ -29,7 +29,10 @@ def _decomposition_table() -> dict:
 
 
 def to_relax(traced: Traced):
-    """Relax IRModule whose main is (input_ids: [T] i64, positions: [T] i64, *weights) -> logits [T, vocab]."""
+    """Relax IRModule whose main is (input_ids: [T] i64, positions: [T] i64, *weights) -> logits [T, vocab].
+
+    The compile graph: attention stays plainly causal in sliding-window layers (the kernels apply the window).
+    """
     from tvm.relax.frontend.torch import from_exported_program
 
     with warnings.catch_warnings():

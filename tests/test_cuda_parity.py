@@ -95,3 +95,15 @@ def test_nvcc_builds_every_target_without_spills(target, checkpoint_dir, tmp_pat
     assert report, "ptxas reported no kernels"
     for kernel, res in report.items():
         assert res.spill_stores == 0 and res.spill_loads == 0, f"{target} {kernel}: {res}"
+
+
+def test_simulated_sliding_window_matches_transformers(checkpoint_dir, tmp_path):
+    path = checkpoint_dir("mistral", sliding_window=6)
+    ids = Tokenizer.from_file(str(path / "tokenizer.json")).encode(PROMPT).ids
+    out = compile_checkpoint(path, target="sm90", output=tmp_path / "model.sm90")
+    with CompiledModel.load(out, simulate=True, max_num_seqs=2) as sim:
+        simulated = _greedy(sim, ids)
+    with torch.no_grad():
+        expected = hf_model(path).generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS,
+                                           min_new_tokens=NEW_TOKENS, do_sample=False)[0, len(ids):].tolist()
+    assert simulated == expected

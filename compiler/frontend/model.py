@@ -62,15 +62,15 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, c: ModelConfig):
+    def __init__(self, c: ModelConfig, window: int):
         super().__init__()
-        self.c = c
+        self.c, self.window = c, window
         self.q_proj = nn.Linear(c.hidden_size, c.q_size, bias=c.attention_bias)
         self.k_proj = nn.Linear(c.hidden_size, c.kv_size, bias=c.attention_bias)
         self.v_proj = nn.Linear(c.hidden_size, c.kv_size, bias=c.attention_bias)
         self.o_proj = nn.Linear(c.q_size, c.hidden_size, bias=c.o_bias)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # x: [1, T, hidden]; cos, sin: [1, 1, T, head_dim]
         c = self.c
         T = x.shape[1]
@@ -83,7 +83,12 @@ class Attention(nn.Module):
         if group > 1:  # repeat_kv, as transformers spells it
             k = k[:, :, None].expand(1, c.num_kv_heads, group, T, c.head_dim).reshape(1, c.num_heads, T, c.head_dim)
             v = v[:, :, None].expand(1, c.num_kv_heads, group, T, c.head_dim).reshape(1, c.num_heads, T, c.head_dim)
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=c.head_dim**-0.5)
+        if self.window:  # key j is seen from query i when p_i - window < p_j <= p_i
+            delta = positions[:, None] - positions[None, :]
+            mask = (delta >= 0) & (delta < self.window)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=c.head_dim**-0.5)
+        else:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=c.head_dim**-0.5)
         return self.o_proj(o.transpose(1, 2).reshape(1, T, c.q_size))
 
 
@@ -99,33 +104,38 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, c: ModelConfig):
+    def __init__(self, c: ModelConfig, window: int):
         super().__init__()
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.self_attn = Attention(c)
+        self.self_attn = Attention(c, window)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = MLP(c)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, positions)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class Backbone(nn.Module):
-    def __init__(self, c: ModelConfig):
+    def __init__(self, c: ModelConfig, sliding_windows: bool):
         super().__init__()
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.num_layers))
+        windows = [c.attention_window(i) if sliding_windows else 0 for i in range(c.num_layers)]
+        self.layers = nn.ModuleList(DecoderLayer(c, w) for w in windows)
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
 
 class LlamaFamily(nn.Module):
-    """input_ids: [T] int64, positions: [T] int64 -> logits: [T, vocab] (one sequence, causal)."""
+    """input_ids: [T] int64, positions: [T] int64 -> logits: [T, vocab] (one sequence, causal).
 
-    def __init__(self, c: ModelConfig):
+    sliding_windows=False keeps every layer's attention plainly causal: the graph that llmc compiles, whose
+    attention fuse_attention rewrites and whose kernels take each layer's window from the config.
+    """
+
+    def __init__(self, c: ModelConfig, sliding_windows: bool = True):
         super().__init__()
         self.config = c
-        self.model = Backbone(c)
+        self.model = Backbone(c, sliding_windows)
         if not c.tie_word_embeddings:
             self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
 
@@ -138,7 +148,7 @@ class LlamaFamily(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)[None, None]  # [1, 1, T, head_dim]
         cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
         for layer in self.model.layers:
-            x = layer(x, cos, sin)
+            x = layer(x, cos, sin, positions)
         x = self.model.norm(x)
         head = self.model.embed_tokens.weight if c.tie_word_embeddings else self.lm_head.weight
         return F.linear(x, head)[0]

@@ -13,8 +13,9 @@ the batch-state parameters of the C ABI and one KV cache per layer, [2, num_bloc
 kv_heads, head_dim] (docs/contracts.md).
 
 Runs after fuse_rope. A model whose attention does not match keeps R.nn.attention, which no target
-lowers: compile then fails, rather than serve a model without its cache. Not covered: sliding-window
-masks (the runtime caps the context instead), attention sinks, non-default scales.
+lowers: compile then fails, rather than serve a model without its cache. The traced graph is plainly
+causal even for sliding-window layers: lowering takes each layer's window from the config
+(ModelConfig.attention_window). Not covered: attention sinks, non-default scales.
 """
 
 from __future__ import annotations
