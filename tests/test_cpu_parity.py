@@ -40,8 +40,12 @@ def _prompt_ids(path):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_greedy_tokens_match_transformers_in_one_batch(arch, checkpoint_dir, tmp_path_factory):
     path = checkpoint_dir(arch)
-    model = CompiledModel.load(compiled(checkpoint_dir, tmp_path_factory, arch))
-    prompts = _prompt_ids(path)
+    _assert_batched_greedy_matches(CompiledModel.load(compiled(checkpoint_dir, tmp_path_factory, arch)), path,
+                                   _prompt_ids(path))  # fmt: skip
+
+
+def _assert_batched_greedy_matches(model, path, prompts):
+    """The prompts run as one batch (shared steps); each continuation equals transformers' generate."""
     results = LLMEngine(model).generate(prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
     reference = hf_model(path)
     for ids, result in zip(prompts, results):
@@ -81,11 +85,4 @@ SLIDING = {"mistral": dict(sliding_window=6), "qwen2": dict(use_sliding_window=T
 def test_sliding_window_matches_transformers(arch, checkpoint_dir, tmp_path):
     path = checkpoint_dir(arch, **SLIDING[arch])
     model = CompiledModel.load(compile_checkpoint(path, target="cpu", output=tmp_path / "model.cpu"))
-    prompts = _prompt_ids(path)[:2]
-    results = LLMEngine(model).generate(prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
-    reference = hf_model(path)
-    for ids, result in zip(prompts, results):
-        with torch.no_grad():
-            expected = reference.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
-                                          do_sample=False)[0, len(ids):].tolist()
-        assert result.outputs[0].token_ids == expected
+    _assert_batched_greedy_matches(model, path, _prompt_ids(path)[:2])
