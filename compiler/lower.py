@@ -29,7 +29,7 @@ from llmc.errors import CompileError
 
 from .codegen.tvm_fallback import legalize_call
 from .frontend.config import ModelConfig
-from .frontend.model import rope_inv_freq
+from .frontend.model import attention_scale, rope_inv_freq
 from .passes.common import bindings, llmc_args, llmc_op_name, main_function, prim_value, rewrite_counts
 from .weights import WeightSpec
 
@@ -390,8 +390,9 @@ class _Lowering:
             self.emit("rope", {"num_heads": heads, "head_dim": c.head_dim, "inv_freq": inv_freq},
                       [view, str(q.stride), "positions", "T"], ["rope"], [])
         out = self.new_value(c.num_heads * c.head_dim, "T")
+        # the softmax scale comes from the config: TVM's import of scaled_dot_product_attention drops `scale`
         params = {"num_heads": c.num_heads, "num_kv_heads": c.num_kv_heads, "head_dim": c.head_dim,
-                  "block_size": self.block_size, "scale": c.head_dim ** -0.5, "sliding_window": c.attention_window(layer)}
+                  "block_size": self.block_size, "scale": attention_scale(c), "sliding_window": c.attention_window(layer)}
         self.emit("paged_attention", params,
                   [q, k, v, str(q.stride), f"k_cache[{layer}]", f"v_cache[{layer}]", "slot_mapping",
                    "query_start_loc", "seq_lens", "block_tables", "max_blocks", "B", out],

@@ -418,7 +418,9 @@ def inspect(model: Path, verbose: bool, show_passes: bool) -> None:
     click.echo(f"{model}: {c.architecture}")
     click.echo(f"  parameters     {n:,} ({n / 1e6:.1f}M)")
     click.echo(f"  layers         {c.num_layers}, hidden {c.hidden_size}, intermediate {c.intermediate_size}")
-    click.echo(f"  heads          {c.num_heads} query, {c.num_kv_heads} kv, head_dim {c.head_dim}")
+    window = (f"; sliding window {c.sliding_window} in {len(c.sliding_layers)} of {c.num_layers} layers"
+              if c.sliding_window else "")  # fmt: skip
+    click.echo(f"  heads          {c.num_heads} query, {c.num_kv_heads} kv, head_dim {c.head_dim}{window}")
     click.echo(f"  vocab          {c.vocab_size}{', tied embeddings' if c.tie_word_embeddings else ''}")
     rope = c.rope_scaling["rope_type"] if c.rope_scaling else "default"
     click.echo(f"  rope           theta {c.rope_theta:g}, {rope}; context {c.max_context}")

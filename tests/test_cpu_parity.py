@@ -75,14 +75,20 @@ def test_every_step_logits_within_1e3(arch, checkpoint_dir, tmp_path_factory):
         tokens.append(new[0])
 
 
-# Windows far shorter than the prompts, so nearly every attention row is cut by one. Qwen2's window covers
-# only the layers from max_window_layers up; the layers below it attend to the whole context.
-SLIDING = {"mistral": dict(sliding_window=6), "qwen2": dict(use_sliding_window=True, sliding_window=5,
-                                                           max_window_layers=1)}
+# More checkpoint variants. Sliding windows far shorter than the prompts, so nearly every attention row is cut
+# by one (Qwen2's window covers only the layers from max_window_layers up); YaRN RoPE, whose inverse
+# frequencies ramp between interpolated and extrapolated and whose attention factor scales q.k.
+VARIANTS = {
+    "mistral_sliding": ("mistral", dict(sliding_window=6)),
+    "qwen2_sliding": ("qwen2", dict(use_sliding_window=True, sliding_window=5, max_window_layers=1)),
+    "qwen2_yarn": ("qwen2", dict(rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                               "original_max_position_embeddings": 32})),
+}
 
 
-@pytest.mark.parametrize("arch", SLIDING)
-def test_sliding_window_matches_transformers(arch, checkpoint_dir, tmp_path):
-    path = checkpoint_dir(arch, **SLIDING[arch])
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_variant_matches_transformers(variant, checkpoint_dir, tmp_path):
+    arch, overrides = VARIANTS[variant]
+    path = checkpoint_dir(arch, **overrides)
     model = CompiledModel.load(compile_checkpoint(path, target="cpu", output=tmp_path / "model.cpu"))
     _assert_batched_greedy_matches(model, path, _prompt_ids(path)[:2])

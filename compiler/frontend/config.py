@@ -14,7 +14,7 @@ from typing import Any
 from llmc.errors import UnsupportedModelError
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,12 +114,21 @@ def _rope(raw: dict) -> tuple[float, dict | None]:
         )
     if rope_type == "default":
         return theta, None
+    if rope_type in ("llama3", "yarn"):  # as transformers' standardize_rope_params fills it in
+        params["original_max_position_embeddings"] = int(raw.get(
+            "original_max_position_embeddings",
+            params.get("original_max_position_embeddings", raw.get("max_position_embeddings", 2048))))  # fmt: skip
+    if rope_type == "yarn" and params.get("factor") is None:
+        params["factor"] = raw.get("max_position_embeddings", 2048) / params["original_max_position_embeddings"]
     if "factor" not in params:
         raise UnsupportedModelError(f"config.json: rope type {rope_type!r} needs a 'factor'", "add it to rope_scaling")
     if rope_type == "llama3":
-        for key in ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
+        for key in ("low_freq_factor", "high_freq_factor"):
             if key not in params:
                 raise UnsupportedModelError(f"config.json: llama3 rope scaling lacks {key!r}", "add it to rope_scaling")
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise UnsupportedModelError("config.json: partial rotary embeddings are not supported",
+                                    "llmc rotates the whole head_dim")  # fmt: skip
     return theta, {"rope_type": rope_type, **params}
 
 

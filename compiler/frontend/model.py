@@ -31,6 +31,8 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     factor = float(scaling["factor"])
     if scaling["rope_type"] == "linear":
         return inv_freq / factor
+    if scaling["rope_type"] == "yarn":
+        return _yarn_inv_freq(config, factor)
     # llama3: keep high frequencies, divide low ones by factor, interpolate in between.
     low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
     old_len = float(scaling["original_max_position_embeddings"])
@@ -41,6 +43,46 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     smoothed = (1 - smooth) * inv_freq_llama / factor + smooth * inv_freq_llama
     is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
     return torch.where(is_medium, smoothed, inv_freq_llama)
+
+
+def _yarn_inv_freq(config: ModelConfig, factor: float) -> torch.Tensor:
+    """YaRN: interpolated low frequencies, extrapolated high ones, a linear ramp between (beta_fast/slow)."""
+    s, dim, base = config.rope_scaling, config.head_dim, config.rope_theta
+    old_len = s["original_max_position_embeddings"]
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(s.get("beta_fast") or 32), correction_dim(s.get("beta_slow") or 1)
+    if s.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
+    extrapolation = 1 - ramp
+    return (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+
+
+def attention_scale(config: ModelConfig) -> float:
+    """The softmax scale: head_dim^-0.5, times YaRN's attention factor squared.
+
+    transformers multiplies YaRN's cos and sin by the attention factor, which scales q.k by its square;
+    folding that into the softmax scale keeps the rotate-half pattern fuse_rope matches.
+    """
+    scale = config.head_dim**-0.5
+    s = config.rope_scaling
+    if s is None or s["rope_type"] != "yarn":
+        return scale
+    factor = s.get("attention_factor")
+    if factor is None:
+        def mscale(m: float = 1.0) -> float:
+            return 1.0 if s["factor"] <= 1 else 0.1 * m * math.log(s["factor"]) + 1.0
+
+        both = s.get("mscale") and s.get("mscale_all_dim")
+        factor = mscale(s["mscale"]) / mscale(s["mscale_all_dim"]) if both else mscale()
+    return scale * float(factor) ** 2
 
 
 class RMSNorm(nn.Module):
@@ -86,9 +128,9 @@ class Attention(nn.Module):
         if self.window:  # key j is seen from query i when p_i - window < p_j <= p_i
             delta = positions[:, None] - positions[None, :]
             mask = (delta >= 0) & (delta < self.window)
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=c.head_dim**-0.5)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=attention_scale(c))
         else:
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=c.head_dim**-0.5)
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=attention_scale(c))
         return self.o_proj(o.transpose(1, 2).reshape(1, T, c.q_size))
 
 

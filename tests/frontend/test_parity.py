@@ -69,11 +69,17 @@ def test_relax_matches_transformers(arch, checkpoint_dir):
         np.testing.assert_allclose(got, _reference(path, ids, pos), atol=TOL, rtol=0)
 
 
-def test_onnx_applies_sliding_windows(checkpoint_dir, tmp_path):
-    """The exported model masks each sliding layer to its window (the compiled graph leaves that to the kernels)."""
+ONNX_VARIANTS = {  # the exported model masks sliding layers to their window and applies YaRN's attention factor
+    "sliding": dict(use_sliding_window=True, sliding_window=5, max_window_layers=1),
+    "yarn": dict(rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}),
+}
+
+
+@pytest.mark.parametrize("variant", ONNX_VARIANTS)
+def test_onnx_variant_matches_transformers(variant, checkpoint_dir, tmp_path):
     import onnxruntime as ort
 
-    path = checkpoint_dir("qwen2", use_sliding_window=True, sliding_window=5, max_window_layers=1)
+    path = checkpoint_dir("qwen2", **ONNX_VARIANTS[variant])
     out = export_onnx(load_checkpoint(path), tmp_path / "model.onnx")
     session = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
     ids, pos = _inputs(37, seed=7)
