@@ -142,7 +142,7 @@ def parse_config(raw: dict) -> ModelConfig:
             f"llmc compiles {', '.join(SUPPORTED_ARCHITECTURES)}",
         )
     act = raw.get("hidden_act", "silu")
-    if act != "silu":
+    if act not in ("silu", "swish"):  # transformers maps both to SiLU
         raise UnsupportedModelError(f"config.json: hidden_act {act!r} is not supported", "llmc compiles SwiGLU (silu)")
     try:
         hidden = int(raw["hidden_size"])
