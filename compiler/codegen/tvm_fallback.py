@@ -44,7 +44,8 @@ def legalize_call(call: relax.Call, params: list[relax.Var]) -> tirx.PrimFunc:
         raise CompileError(f"TVM cannot lower `{op}` to one TIR function ({len(tir_calls)} found)",
                            "this op needs a kernel template")  # fmt: skip
     callee, args = tir_calls[0].args[0], tir_calls[0].args[1]
-    if len(tir_calls[0].args) > 2 or [a for a in args.fields] != fresh:
+    takes = list(args.fields)
+    if len(tir_calls[0].args) > 2 or len(takes) != len(fresh) or not all(a.same_as(f) for a, f in zip(takes, fresh)):
         raise CompileError(f"TVM's lowering of `{op}` takes arguments other than its input tensors",
                            "this op needs a kernel template")  # fmt: skip
     return mod[callee]
