@@ -1,4 +1,4 @@
-"""The TVM codegen fallback, end to end: with fuse_swiglu left out of the pipeline, silu and the multiplies
+"""The TVM codegen fallback, end to end: with fuse_swiglu left out of the pipeline, silu and the multiply
 have no kernel template, so TVM generates them (compiler/codegen/tvm_fallback.py). The model must still
 match transformers token for token, run without TVM importable, and say in `llmc inspect` what fell back.
 A CUDA target has no fallback and refuses such a graph."""
@@ -72,9 +72,9 @@ def test_fallback_module_runs_without_tvm(fallback_artifact):
 def test_inspect_names_the_ops_that_fell_back(fallback_artifact):
     r = CliRunner().invoke(cli.main, ["inspect", str(fallback_artifact)])
     assert r.exit_code == 0, r.output
-    assert "TVM fallback   relax.multiply, relax.sigmoid" in r.output
+    assert "TVM fallback   relax.multiply, relax.nn.silu" in r.output
 
 
 def test_cuda_target_refuses_a_fallback(checkpoint_dir, tmp_path, without_swiglu):
-    with pytest.raises(CompileError, match="no CUDA kernel template covers relax.multiply, relax.sigmoid"):
+    with pytest.raises(CompileError, match="no CUDA kernel template covers relax.multiply, relax.nn.silu"):
         compile_checkpoint(checkpoint_dir("qwen2"), target="sm90", output=tmp_path / "m")

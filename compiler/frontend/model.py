@@ -40,7 +40,7 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     wavelen = 2 * math.pi / inv_freq
     inv_freq_llama = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
     smooth = (old_len / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * inv_freq_llama / factor + smooth * inv_freq_llama
+    smoothed = (1.0 - smooth) * inv_freq_llama / factor + smooth * inv_freq_llama
     is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
     return torch.where(is_medium, smoothed, inv_freq_llama)
 
@@ -59,10 +59,10 @@ def _yarn_inv_freq(config: ModelConfig, factor: float) -> torch.Tensor:
     low, high = max(low, 0), min(high, dim - 1)
     if low == high:
         high += 0.001
-    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0.0, 1.0)
     pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
-    extrapolation = 1 - ramp
-    return (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    extrapolation = 1.0 - ramp
+    return (1.0 / (factor * pos_freqs)) * (1.0 - extrapolation) + (1.0 / pos_freqs) * extrapolation
 
 
 def attention_scale(config: ModelConfig) -> float:

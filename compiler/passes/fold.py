@@ -4,9 +4,10 @@
 - reshape(x, shape of x) -> x
 - permute_dims(permute_dims(x, p1), p2) -> x when p2 undoes p1
 - y = x (an alias) -> uses of y read x
+- astype(x, dtype of x) -> x (torch's `.float()` / `.to(dtype)` on a tensor already of that dtype)
 
-Runs after each fusing pass; the kernel program then sees only row-major [rows, cols] tensors joined by
-free views. Not covered: general constant folding (the traced graph has no weight constants to fold).
+Runs first (on the imported graph) and last (after the fusing passes); the kernel program then sees only
+row-major [rows, cols] tensors joined by free views. Not covered: general constant folding (the traced graph has no weight constants to fold).
 """
 
 from __future__ import annotations
@@ -61,6 +62,9 @@ def fold(mod: tvm.IRModule) -> tvm.IRModule:
             elif not src.same_as(value.args[0]):
                 edits[b.var] = relax.op.reshape(src, value.args[1])
                 count += 1
+        elif calls(value, "relax.astype") and value.args[0].ty.dtype == b.var.ty.dtype:
+            edits[b.var] = resolve(value.args[0])
+            count += 1
         elif calls(value, _PERMUTE):
             inner = var2val.get(resolve(value.args[0]))
             if calls(inner, _PERMUTE) and value.attrs.axes is not None and inner.attrs.axes is not None:

@@ -1,6 +1,7 @@
 """fuse_swiglu: silu(gate(x)) * up(x) becomes `llmc.silu_mul(gate_up(x))`, gate and up merged.
 
-Matches the traced SwiGLU, `(g * sigmoid(g)) * u` with g and u Linears of the same input, and rewrites
+Matches the traced SwiGLU, `silu(g) * u` (silu as one op, or spelled `g * sigmoid(g)`) with g and u
+Linears of the same input, and rewrites
 it to one GEMM over the concatenated [gate; up] weights followed by `llmc.silu_mul`, which reads the
 [rows, 2 * inter] result and writes [rows, inter].
 
@@ -18,7 +19,7 @@ from .common import Linear, llmc_call, main_function, matching_bindings, merged_
 
 def _pattern():
     gate = wildcard()
-    silu = is_op("relax.multiply")(gate, is_op("relax.sigmoid")(gate))
+    silu = is_op("relax.nn.silu")(gate) | is_op("relax.multiply")(gate, is_op("relax.sigmoid")(gate))
     return is_op("relax.multiply")(silu, wildcard())
 
 

@@ -15,7 +15,8 @@ from .merge_qkv import merge_qkv
 from .select_logits_rows import select_logits_rows
 
 PASSES: list[Callable[[tvm.IRModule], tvm.IRModule]] = [
-    fuse_rmsnorm,  # first: select_logits_rows and the attention match read its fused ops
+    fold,  # the imported graph's no-op casts (x.float() on float32) would hide the patterns below
+    fuse_rmsnorm,  # before select_logits_rows and the attention match, which read its fused ops
     fuse_rope,
     fuse_attention,  # needs llmc.rope
     merge_qkv,  # needs llmc.paged_attention to find q, k, v

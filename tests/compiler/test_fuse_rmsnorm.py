@@ -1,7 +1,7 @@
 import pytest
 import tvm_ffi
 from checkpoints import ARCHS
-from pass_helpers import apply, count_ops, imported, plain_module
+from pass_helpers import apply, before, count_ops, imported, plain_module
 
 from llmc.compiler.passes.fuse_rmsnorm import fuse_rmsnorm
 
@@ -9,7 +9,7 @@ from llmc.compiler.passes.fuse_rmsnorm import fuse_rmsnorm
 @pytest.mark.parametrize("arch", ARCHS)
 def test_fuses_every_norm_and_residual(arch, checkpoint_dir):
     mod, config = imported(checkpoint_dir, arch)
-    out, count = apply(fuse_rmsnorm, mod)
+    out, count = apply(fuse_rmsnorm, before(mod, fuse_rmsnorm))
     # each layer's two norms and the final norm
     assert count == 2 * config.num_layers + 1
     # every norm but the first (whose input is the embedding) takes the residual add with it
