@@ -428,7 +428,7 @@ class _Lowering:
                     buffers[pick].cols = max(buffers[pick].cols, self.value_cols[d])
                 assignment[d] = pick
             free += [assignment[v] for v, last in last_use.items() if last == i and assignment.get(v, -1) >= 0]
-        launches = [Launch(l.op, l.params, [_c_arg(a, assignment) for a in l.args], l.fused) for l in self.launches]
+        launches = [Launch(p.op, p.params, [_c_arg(a, assignment) for a in p.args], p.fused) for p in self.launches]
         return KernelProgram(self.config, self.weight_list, buffers, launches, rewrites, self.block_size,
                              self.tvm_funcs)
 

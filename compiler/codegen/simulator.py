@@ -209,7 +209,7 @@ def nvcc_compile(source: Path | str, arch: str, out: Path, extra_flags=()) -> di
     with tempfile.TemporaryDirectory(prefix="llmc-nvcc-") as tmp:
         src = _sources(source, Path(tmp))[0]
         pre = _run([nvcc, *flags[1:], "-E", str(src), "-o", "-"], f"preprocessing {src.name} (nvcc)").stdout
-        pre = "\n".join(l for l in pre.splitlines() if not l.startswith("#"))
+        pre = "\n".join(line for line in pre.splitlines() if not line.startswith("#"))
         key = _key([_tool_version(nvcc), " ".join(flags), pre])
         cubin, report = cache_dir() / f"nvcc-{key}.cubin", cache_dir() / f"nvcc-{key}.ptxas.txt"
         if not (cubin.exists() and report.exists()):

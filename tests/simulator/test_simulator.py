@@ -58,7 +58,7 @@ def run_entry(so: Path, expr: str, env_extra: dict | None = None, asan: bool = T
 def line_of(text: str, src: str = "faults.cu") -> str:
     """'faults.cu:<line>' of the first line that contains `text`."""
     lines = (HERE / src).read_text().splitlines()
-    return f"{src}:{next(i for i, l in enumerate(lines, 1) if text in l)}"
+    return f"{src}:{next(i for i, line in enumerate(lines, 1) if text in line)}"
 
 
 def to_bf16(x: np.ndarray) -> np.ndarray:
@@ -94,7 +94,7 @@ def test_warp_shuffles_votes_and_counting_barriers(lib):
     exp[:, 2] = np.where(lane + 5 <= seg16 + 15, v + 50, v)
     exp[:, 3] = (base + (lane ^ 7)) * 10
     exp[:, 4] = np.where(lane >= 16, v - 160, v)  # xor 16 with width 16: earlier segment, or own value
-    exp[:, 5] = np.uint32(sum(1 << l for l in range(0, 32, 3))).view(np.int32)
+    exp[:, 5] = np.uint32(sum(1 << bit for bit in range(0, 32, 3))).view(np.int32)
     exp[:, 6] = 1 + 2 + 0
     exp[:, 7] = 496
     exp[:, 8] = np.where(lane < 16, (base + 15 - lane) * 10, -1)
