@@ -260,7 +260,8 @@ class _Lowering:
 
     def dims(self, v, where: str, rows: bool) -> list:
         """v's shape: static dims as ints, the token / sequence count as "T" / "B" (once in an activation)."""
-        dims = [int(d) if isinstance(d, tvm.tirx.IntImm) else self.row_vars.get(str(d), d) for d in v.ty.shape.values]
+        dims = [int(d) if isinstance(d, tvm.tirx.IntImm) else self.row_vars.get(str(d), d)
+                for d in v.ty.shape.values]
         if sum(isinstance(d, str) for d in dims) != int(rows) or not all(isinstance(d, (int, str)) for d in dims):
             raise CompileError(f"no kernel template covers {where}, and {v.name}: {v.ty} has a shape that "
                                "TVM's fallback does not take (static but for one dimension of T or B rows)")  # fmt: skip
@@ -392,7 +393,8 @@ class _Lowering:
         out = self.new_value(c.num_heads * c.head_dim, "T")
         # the softmax scale comes from the config: TVM's import of scaled_dot_product_attention drops `scale`
         params = {"num_heads": c.num_heads, "num_kv_heads": c.num_kv_heads, "head_dim": c.head_dim,
-                  "block_size": self.block_size, "scale": attention_scale(c), "sliding_window": c.attention_window(layer)}
+                  "block_size": self.block_size, "scale": attention_scale(c),
+                  "sliding_window": c.attention_window(layer)}
         self.emit("paged_attention", params,
                   [q, k, v, str(q.stride), f"k_cache[{layer}]", f"v_cache[{layer}]", "slot_mapping",
                    "query_start_loc", "seq_lens", "block_tables", "max_blocks", "B", out],

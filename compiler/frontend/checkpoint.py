@@ -154,9 +154,10 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
     special = {k: _token_text(tok_config[k]) for k in ("bos_token", "eos_token") if tok_config.get(k)}
     gen_path = path / "generation_config.json"
     gen = _read_json(gen_path, "generation_config.json") if gen_path.is_file() else {}
-    if gen.get("eos_token_id") is not None:  # transformers' generate stops on these, not config.json's
-        eos = gen["eos_token_id"]
-        config = dataclasses.replace(config, eos_token_ids=tuple(int(t) for t in (eos if isinstance(eos, list) else [eos])))
+    eos = gen.get("eos_token_id")
+    if eos is not None:  # transformers' generate stops on these, not config.json's
+        eos_ids = tuple(int(t) for t in (eos if isinstance(eos, list) else [eos]))
+        config = dataclasses.replace(config, eos_token_ids=eos_ids)
     generation = generation_defaults(gen) if gen_path.is_file() else {}
     return Checkpoint(path, config, tensor_files, dtypes, tokenizer_path, chat_template, special, generation)
 

@@ -29,7 +29,7 @@ class ModelConfig:
     head_dim: int
     rms_norm_eps: float
     rope_theta: float
-    rope_scaling: dict | None  # {"rope_type": "linear" | "llama3", ...}; None for plain RoPE
+    rope_scaling: dict | None  # {"rope_type": "linear" | "llama3" | "yarn", ...}; None for plain RoPE
     max_position_embeddings: int
     sliding_window: int | None  # a query at position p sees keys p-W+1..p in the layers of sliding_layers
     tie_word_embeddings: bool

@@ -7,7 +7,8 @@
 - astype(x, dtype of x) -> x (torch's `.float()` / `.to(dtype)` on a tensor already of that dtype)
 
 Runs first (on the imported graph) and last (after the fusing passes); the kernel program then sees only
-row-major [rows, cols] tensors joined by free views. Not covered: general constant folding (the traced graph has no weight constants to fold).
+row-major [rows, cols] tensors joined by free views. Not covered: general constant folding (the traced
+graph has no weight constants to fold).
 """
 
 from __future__ import annotations
