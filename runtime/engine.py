@@ -9,7 +9,7 @@ The step loop (`LLMEngine.step`):
      removed and its blocks are freed at once.
   4. One `RequestOutput` per sampled token is returned: the new token ids, the new text, finished and why.
 
-The model is anything with `config` (ModelConfig: vocab_size, max_context, eos_token_ids), `block_size`,
+The model is anything with `config` (ModelConfig: vocab_size, max_context, eos_token_ids, kv_window), `block_size`,
 `num_blocks`, `max_num_tokens`, `max_num_seqs` and `step(StepBatch) -> float32 [B, vocab]`
 (docs/contracts.md, "Runtime model interface"), so tests use a fake model.
 """
@@ -106,13 +106,19 @@ class LLMEngine:
         self.vocab_size = int(config.vocab_size)
         self.eos_token_ids = tuple(int(t) for t in config.eos_token_ids)
         self.context_len = int(config.max_context)
-        self.kv_cache = KVCacheManager(model.num_blocks, model.block_size)
-        self.max_model_len = min(self.context_len, max_model_len or self.context_len, self.kv_cache.max_num_tokens)
+        self.kv_cache = KVCacheManager(model.num_blocks, model.block_size, sliding_window=int(config.kv_window))
         self.scheduler = Scheduler(
             self.kv_cache,
             max_num_batched_tokens=min(max_num_batched_tokens or model.max_num_tokens, model.max_num_tokens),
             max_num_seqs=min(max_num_seqs or model.max_num_seqs, model.max_num_seqs),
         )
+        # A sequence holds at most its window plus one step's chunk (and a partial block at each end) when
+        # the cache releases out-of-window blocks; else all of its tokens, so the cache caps its length.
+        window = self.kv_cache.sliding_window
+        bounded = window and window + self.scheduler.max_num_batched_tokens + 2 * model.block_size <= \
+            self.kv_cache.max_num_tokens
+        cache_cap = self.context_len if bounded else self.kv_cache.max_num_tokens
+        self.max_model_len = min(self.context_len, max_model_len or self.context_len, cache_cap)
         self._rng = np.random.default_rng(seed)
         self._seqs: dict[str, _Sequence] = {}  # by sequence id (== req_id when n == 1)
         self._seq_ids: dict[str, list[str]] = {}  # req_id -> its live sequence ids

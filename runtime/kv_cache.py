@@ -78,18 +78,28 @@ class BlockPool:
             self._free.append(b)
 
 
+_RELEASED = -1  # a block-table entry whose block slid out of the attention window and went back to the pool
+
+
 class KVCacheManager:
     """Per-request block tables over a `BlockPool` of `num_blocks` blocks of `block_size` tokens.
 
     A request that has called `allocate_slots` at least once owns a (possibly empty) block table until
     `free(req_id)`. `num_slots(req_id)` counts the token slots handed out so far; they are contiguous
-    positions 0..num_slots-1, and the block table always has exactly cdiv(num_slots, block_size) blocks.
+    positions 0..num_slots-1, and the block table always has exactly cdiv(num_slots, block_size) entries.
+
+    sliding_window W > 0 (every layer attends to the last W positions only): a query at position p never
+    reads keys before p - W + 1, so `allocate_slots` first releases the blocks that lie wholly before the
+    window of the chunk it allocates for. Their table entries read 0 in `block_ids`; no kernel reads them.
     """
 
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, sliding_window: int = 0):
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if sliding_window < 0:
+            raise ValueError(f"sliding_window must be >= 0, got {sliding_window}")
         self.block_size = block_size
+        self.sliding_window = sliding_window
         self.pool = BlockPool(num_blocks)
         self._blocks: dict[str, list[int]] = {}
         self._num_slots: dict[str, int] = {}
@@ -126,11 +136,14 @@ class KVCacheManager:
         | block 0 | block 1 | ... | last block: used | spare  | new block | new block  |
                                                     ^ filled first, then new blocks from the free queue
         ```
-        A new request (first call) gets an empty table first. num_new_tokens == 0 is allowed.
+        A new request (first call) gets an empty table first. num_new_tokens == 0 is allowed. With a sliding
+        window, blocks the new tokens' window has left are released first, even when the call returns False.
         """
         assert num_new_tokens >= 0, f"allocate_slots({req_id!r}, {num_new_tokens})"
         blocks = self._blocks.get(req_id, [])
         num_slots = self._num_slots.get(req_id, 0)
+        if self.sliding_window:
+            self._release_before(blocks, num_slots - self.sliding_window + 1)
         need = self.num_blocks_needed(num_slots + num_new_tokens) - len(blocks)
         if need > self.pool.num_free_blocks:
             return False
@@ -140,9 +153,16 @@ class KVCacheManager:
         self._num_slots[req_id] = num_slots + num_new_tokens
         return True
 
+    def _release_before(self, blocks: list[int], position: int) -> None:
+        """Return the blocks that hold only positions < `position` to the pool."""
+        for i in range(min(max(position, 0) // self.block_size, len(blocks))):
+            if blocks[i] != _RELEASED:
+                self.pool.free([blocks[i]])
+                blocks[i] = _RELEASED
+
     def block_ids(self, req_id: str) -> list[int]:
-        """A copy of the request's block table, in position order."""
-        return list(self._require(req_id))
+        """A copy of the request's block table, in position order (a released entry reads 0)."""
+        return [max(b, 0) for b in self._require(req_id)]
 
     def num_slots(self, req_id: str) -> int:
         self._require(req_id)
@@ -152,6 +172,7 @@ class KVCacheManager:
         """int64 [end - start]: cache slots of positions start..end-1 of the request."""
         blocks = self._require(req_id)
         assert 0 <= start <= end <= self._num_slots[req_id], f"slots {start}..{end} of {req_id!r} not allocated"
+        assert start == end or blocks[start // self.block_size] != _RELEASED, f"slot {start} of {req_id!r} released"
         table = np.asarray([blocks], dtype=np.int32).reshape(1, -1)
         positions = np.arange(start, end, dtype=np.int32)
         return slot_ids(table, np.zeros(end - start, dtype=np.int32), positions, self.block_size)
@@ -165,7 +186,7 @@ class KVCacheManager:
         blocks = self._require(req_id)
         del self._blocks[req_id]
         del self._num_slots[req_id]
-        self.pool.free(blocks[::-1])
+        self.pool.free([b for b in blocks[::-1] if b != _RELEASED])
 
     def _require(self, req_id: str) -> list[int]:
         try:

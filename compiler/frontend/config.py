@@ -58,6 +58,11 @@ class ModelConfig:
         """Keys a query of `layer` attends to, itself included; 0 is the whole causal context."""
         return self.sliding_window if self.sliding_window and layer in self.sliding_layers else 0
 
+    @property
+    def kv_window(self) -> int:
+        """The window every layer shares (so older KV cache blocks can be released); 0 if any layer has none."""
+        return self.sliding_window if self.sliding_window and len(self.sliding_layers) == self.num_layers else 0
+
     def weight_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every tensor the checkpoint must hold, by its Hugging Face name."""
         h, i = self.hidden_size, self.intermediate_size

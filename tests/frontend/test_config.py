@@ -13,12 +13,13 @@ def _parse(config_cls, **kw):
 
 def test_sliding_window_layers():
     mistral = _parse(MistralConfig, sliding_window=6, max_position_embeddings=64)
-    assert mistral.sliding_layers == (0, 1, 2, 3) and mistral.attention_window(2) == 6
+    assert mistral.sliding_layers == (0, 1, 2, 3) and mistral.attention_window(2) == 6 and mistral.kv_window == 6
     assert mistral.max_context == 64  # the window is exact in the kernels; it no longer caps the context
     assert _parse(MistralConfig, sliding_window=None).attention_window(0) == 0
     # Qwen2: only with use_sliding_window, and only from max_window_layers up
     qwen = _parse(Qwen2Config, use_sliding_window=True, sliding_window=5, max_window_layers=3)
     assert qwen.sliding_layers == (3,) and [qwen.attention_window(i) for i in range(4)] == [0, 0, 0, 5]
+    assert qwen.kv_window == 0  # the full-attention layers need every block
     assert _parse(Qwen2Config, sliding_window=5).sliding_window is None
     assert _parse(LlamaConfig).sliding_layers == ()
 

@@ -23,6 +23,7 @@ class FakeConfig:
     vocab_size: int = 64
     max_position_embeddings: int = 512
     eos_token_ids: tuple[int, ...] = (1,)
+    kv_window: int = 0
 
     @property
     def max_context(self) -> int:

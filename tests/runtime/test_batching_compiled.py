@@ -33,3 +33,29 @@ def test_concurrent_requests_equal_each_alone_under_preemption(artifact):
         assert tight.num_blocks == 12
     for i, tokens in enumerate(alone):
         assert together[i][0] == tokens, f"request {i} changed when batched"
+
+
+def test_sliding_window_releases_blocks_and_runs_past_the_cache(checkpoint_dir, tmp_path):
+    """Every Mistral layer attends to the last 6 positions, so blocks behind the window go back to the pool:
+    a cache of 4 blocks (64 tokens) serves sequences of 96 tokens, batched, with transformers' tokens."""
+    import torch
+    from checkpoints import hf_model
+
+    path = checkpoint_dir("mistral", sliding_window=6)
+    out = compile_checkpoint(path, target="cpu", output=tmp_path / "m")
+    rng = np.random.default_rng(3)
+    prompts = [[int(t) for t in rng.integers(2, 380, n)] for n in (20, 9)]
+    params = SamplingParams(temperature=0, max_tokens=76, ignore_eos=True)
+    per_block = 2 * 2 * 16 * 3 * 8 * 4  # k and v, 2 layers, 16 slots of 3 kv heads x 8 dims, fp32
+    with CompiledModel.load(out, kv_cache_memory=4 * per_block, max_num_seqs=2) as model:
+        assert model.num_blocks == 4
+        engine = LLMEngine(model, max_num_batched_tokens=8)
+        assert engine.max_model_len == model.config.max_context  # the cache no longer caps the length
+        results = engine.generate(prompts, params)
+        assert engine.kv_cache.num_free_blocks == 4
+    reference = hf_model(path)
+    for ids, result in zip(prompts, results):
+        with torch.no_grad():
+            expected = reference.generate(torch.tensor([ids]), max_new_tokens=76, min_new_tokens=76,
+                                          do_sample=False)[0, len(ids):].tolist()  # fmt: skip
+        assert result.outputs[0].token_ids == expected

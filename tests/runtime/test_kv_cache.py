@@ -54,6 +54,25 @@ def test_allocate_slots_out_of_blocks_returns_false_and_changes_nothing():
     assert kv.block_ids("b") == []
 
 
+def test_sliding_window_releases_blocks_behind_the_window():
+    kv = KVCacheManager(num_blocks=6, block_size=4, sliding_window=5)
+    assert kv.allocate_slots("a", 10)  # positions 0..9: 3 blocks
+    assert kv.block_ids("a") == [0, 1, 2]
+    # the next token (position 10) reads keys 6..10: block 0 (positions 0..3) is behind the window
+    assert kv.allocate_slots("a", 1)
+    assert kv.block_ids("a") == [0, 1, 2] and kv.pool.free_block_ids() == [3, 4, 5, 0]
+    assert kv.allocate_slots("a", 3)  # positions 11..13; position 11 reads keys 7..11, so block 1 stays
+    assert kv.block_ids("a") == [0, 1, 2, 3] and kv.pool.free_block_ids() == [4, 5, 0]
+    assert kv.allocate_slots("a", 1)  # position 14 reads keys 10..14: block 1 (positions 4..7) goes
+    assert kv.block_ids("a") == [0, 0, 2, 3] and kv.pool.free_block_ids() == [4, 5, 0, 1]  # released: 0
+    assert kv.slot_mapping("a", 12, 15).tolist() == [12, 13, 14]
+    assert kv.num_slots("a") == 15
+    kv.free("a")  # only the blocks still held go back
+    assert kv.num_free_blocks == 6 and sorted(kv.pool.free_block_ids()) == list(range(6))
+    with pytest.raises(ValueError, match="sliding_window"):
+        KVCacheManager(num_blocks=2, block_size=4, sliding_window=-1)
+
+
 def test_double_free_and_unknown_request_raise():
     kv = KVCacheManager(num_blocks=4, block_size=16)
     kv.allocate_slots("a", 20)
