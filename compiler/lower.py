@@ -20,6 +20,7 @@ PrimFunc joins `tvm_funcs`, and a `tvm_call` launch runs it (compiler/codegen/tv
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import tvm
 import tvm_ffi
@@ -253,7 +254,7 @@ class _Lowering:
             name = f"tvm_{op.replace('relax.', '').replace('.', '_')}_{len(self.tvm_funcs)}"
             self.tvm_funcs[name] = func
         rows = next(d for d in shapes[-1] if isinstance(d, str))
-        out = self.new_value(_prod(d for d in shapes[-1] if isinstance(d, int)), rows)
+        out = self.new_value(math.prod(d for d in shapes[-1] if isinstance(d, int)), rows)
         self.emit("tvm_call", {"func": name, "shapes": shapes, "num_inputs": len(inputs)},
                   [*args, out, "T", "B"], [op], [out])  # fmt: skip
         self.env[var] = out
@@ -441,13 +442,6 @@ def _tensor_args(call: relax.Call):
             yield a
         elif isinstance(a, relax.Tuple):
             yield from (f for f in a.fields if isinstance(f, relax.Var))
-
-
-def _prod(xs) -> int:
-    out = 1
-    for x in xs:
-        out *= x
-    return out
 
 
 def _c_arg(arg, assignment: dict[int, int]) -> str:

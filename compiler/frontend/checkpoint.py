@@ -19,7 +19,7 @@ from safetensors import safe_open
 
 from llmc.errors import CheckpointError
 
-from .config import ModelConfig, parse_config
+from .config import ModelConfig, parse_config, token_ids
 
 _DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 
@@ -154,10 +154,8 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
     special = {k: _token_text(tok_config[k]) for k in ("bos_token", "eos_token") if tok_config.get(k)}
     gen_path = path / "generation_config.json"
     gen = _read_json(gen_path, "generation_config.json") if gen_path.is_file() else {}
-    eos = gen.get("eos_token_id")
-    if eos is not None:  # transformers' generate stops on these, not config.json's
-        eos_ids = tuple(int(t) for t in (eos if isinstance(eos, list) else [eos]))
-        config = dataclasses.replace(config, eos_token_ids=eos_ids)
+    if gen.get("eos_token_id") is not None:  # transformers' generate stops on these, not config.json's
+        config = dataclasses.replace(config, eos_token_ids=token_ids(gen["eos_token_id"]))
     generation = generation_defaults(gen) if gen_path.is_file() else {}
     return Checkpoint(path, config, tensor_files, dtypes, tokenizer_path, chat_template, special, generation)
 

@@ -170,8 +170,6 @@ def parse_config(raw: dict) -> ModelConfig:
     if arch == "Qwen2ForCausalLM" and not raw.get("use_sliding_window", False):
         sliding = None
     sliding_layers = _sliding_layers(raw, arch, layers) if sliding else ()
-    eos = raw.get("eos_token_id")
-    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
     llama_bias = bool(raw.get("attention_bias", False))
     dtype = str(raw.get("torch_dtype") or raw.get("dtype") or "float32").replace("torch.", "")
     return ModelConfig(
@@ -194,9 +192,16 @@ def parse_config(raw: dict) -> ModelConfig:
         mlp_bias=bool(raw.get("mlp_bias", False)),
         torch_dtype=dtype,
         bos_token_id=raw.get("bos_token_id"),
-        eos_token_ids=eos_ids,
+        eos_token_ids=token_ids(raw.get("eos_token_id")),
         sliding_layers=sliding_layers,
     )
+
+
+def token_ids(value) -> tuple[int, ...]:
+    """An `eos_token_id` field (config.json, generation_config.json): one id, a list of them, or null."""
+    if value is None:
+        return ()
+    return tuple(int(t) for t in (value if isinstance(value, list) else [value]))
 
 
 def _sliding_layers(raw: dict, arch: str, layers: int) -> tuple[int, ...]:
