@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 from typing import Iterator
 
@@ -88,8 +89,19 @@ def _weight_files(path: Path) -> list[Path]:
     raise CheckpointError(f"{path}: no model.safetensors or model.safetensors.index.json", "is this a checkpoint dir?")
 
 
+# Bytes per element of every safetensors dtype; llmc reads only _DTYPES, but any valid file must scan.
+_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8, "U32": 4,
+             "U16": 2, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}  # fmt: skip
+_MAX_HEADER = 100 << 20  # the safetensors format's own limit on the JSON header
+
+
 def _scan_safetensors(f: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """name -> (dtype, shape) from one file's header; a truncated or corrupt file is a CheckpointError."""
+    """name -> (dtype, shape) from one file's header, checked as strictly as the format allows.
+
+    The header is untrusted input that later drives mmapped reads: every tensor's byte range must match
+    its dtype and shape exactly, and the ranges must tile the data region with no overlap or gap, as the
+    safetensors format requires. Anything else is a CheckpointError naming the file.
+    """
     try:
         size = f.stat().st_size
         with open(f, "rb") as fh:
@@ -99,17 +111,49 @@ def _scan_safetensors(f: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
             n = int.from_bytes(head, "little")
             if n > size - 8:
                 raise ValueError(f"header length {n} runs past the end of the file ({size} bytes)")
+            if n > _MAX_HEADER:
+                raise ValueError(f"header of {n} bytes exceeds the format's {_MAX_HEADER}-byte limit")
             header = json.loads(fh.read(n))
-        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
-        if 8 + n + end > size:
-            raise ValueError(f"tensor data ends at byte {8 + n + end} but the file has {size} bytes (truncated)")
-    except (ValueError, KeyError, TypeError, UnicodeDecodeError, OSError) as e:
+        return _check_header(header, data_bytes=size - 8 - n)
+    except (ValueError, UnicodeDecodeError, RecursionError, OSError) as e:
         raise CheckpointError(f"{f}: corrupt safetensors: {e}", "re-download or re-save this file") from None
-    out = {}
+
+
+def _check_header(header, data_bytes: int) -> dict[str, tuple[str, tuple[int, ...]]]:
+    if not isinstance(header, dict):
+        raise ValueError(f"the header is a JSON {type(header).__name__}, not an object")
+    out, ranges = {}, []
     for name, info in header.items():
         if name == "__metadata__":
+            if not isinstance(info, dict) or not all(isinstance(v, str) for v in info.values()):
+                raise ValueError("__metadata__ must map strings to strings")
             continue
-        out[name] = (info["dtype"], tuple(info["shape"]))
+        if not isinstance(info, dict):
+            raise ValueError(f"tensor {name!r}: entry is not an object")
+        dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+        if not isinstance(dtype, str) or dtype not in _ITEMSIZE:
+            raise ValueError(f"tensor {name!r}: unknown dtype {dtype!r}")
+        if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+            raise ValueError(f"tensor {name!r}: shape {shape!r} is not a list of non-negative integers")
+        if (not isinstance(offsets, list) or len(offsets) != 2 or not all(type(o) is int for o in offsets)
+                or not 0 <= offsets[0] <= offsets[1]):  # fmt: skip
+            raise ValueError(f"tensor {name!r}: data_offsets {offsets!r} is not [begin, end] with begin <= end")
+        if offsets[1] > data_bytes:
+            raise ValueError(f"tensor {name!r} ends at data byte {offsets[1]} but the file holds {data_bytes} "
+                             "bytes of data (truncated)")  # fmt: skip
+        if offsets[1] - offsets[0] != math.prod(shape) * _ITEMSIZE[dtype]:
+            raise ValueError(f"tensor {name!r}: {offsets[1] - offsets[0]} bytes of data for {dtype}{shape}")
+        ranges.append((offsets[0], offsets[1], name))
+        out[name] = (dtype, tuple(shape))
+    ranges.sort()
+    for (_, end, a), (begin, _, b) in zip(ranges, ranges[1:]):
+        if begin < end:
+            raise ValueError(f"tensors {a!r} and {b!r} overlap")
+        if begin > end:
+            raise ValueError(f"{begin - end} bytes between tensors {a!r} and {b!r} belong to no tensor")
+    covered = (ranges[0][0], ranges[-1][1]) if ranges else (0, 0)
+    if covered != (0, data_bytes):  # the format's rule: the tensors tile the data region exactly
+        raise ValueError(f"the tensors cover data bytes {covered[0]}..{covered[1]} of {data_bytes}")
     return out
 
 
