@@ -31,4 +31,12 @@ class ArtifactError(LlmcError):
 
 
 class RequestError(LlmcError):
-    """A generation request is malformed or cannot be served (prompt too long, bad parameters)."""
+    """A generation request is malformed or cannot be served (prompt too long, bad parameters).
+
+    param: the request field at fault ("temperature", "prompt", ...), or None; the server reports it in
+    OpenAI's error body.
+    """
+
+    def __init__(self, what: str, hint: str | None = None, *, param: str | None = None):
+        super().__init__(what, hint)
+        self.param = param

@@ -43,7 +43,7 @@ def run_chat(
     if params.n != 1:
         raise LlmcError(f"chat streams one reply, but n={params.n}", "use n=1")
     template = pick_template(chat_template)
-    default_bos, default_eos = special_tokens(tokenizer, engine.model.config)
+    default_bos, default_eos = special_tokens(tokenizer, engine.bos_token_id, engine.eos_token_ids)
     bos = default_bos if bos_token is None else bos_token
     eos = default_eos if eos_token is None else eos_token
     interactive = getattr(input, "isatty", lambda: False)()

@@ -8,13 +8,23 @@ the special tokens the template wants, so it is encoded with `add_special_tokens
 
 A checkpoint without a template gets a plain "role: content" transcript (`NO_TEMPLATE_NOTICE` says so; the
 server logs it once at start, the REPL prints it once).
+
+A template is code from the checkpoint, so it runs under bounds (`TemplateLimits`). The sandbox refuses
+Python internals (`__class__`, `mro`, ...) and caps `range` at 100000 items. On top of it: a template larger
+than `max_template_chars` is refused at load; jinja's compile-time constant folding is off, so no
+expression runs before a render; `*`, `**` and `%` refuse results larger than the output budget; a render
+stops when its output passes `max_output_chars` or when it runs longer than `timeout_s` (the render runs in
+its own thread and is interrupted there). Each refusal is an LlmcError; the caller's process goes on.
 """
 
 from __future__ import annotations
 
+import ctypes
+import dataclasses
 import datetime
 import functools
 import json
+import threading
 
 import jinja2
 import jinja2.ext
@@ -40,22 +50,103 @@ def _strftime_now(fmt: str) -> str:
     return datetime.datetime.now().strftime(fmt)
 
 
+@dataclasses.dataclass(frozen=True)
+class TemplateLimits:
+    """Bounds on one chat template: far above what real templates need (they are a few KiB and render in ms)."""
+
+    max_template_chars: int = 1 << 20
+    max_output_chars: int = 8 << 20
+    timeout_s: float = 5.0
+
+
+DEFAULT_LIMITS = TemplateLimits()
+
+
+class _RenderInterrupted(BaseException):
+    """Raised inside a render's thread when it runs out of time (BaseException: templates cannot catch it)."""
+
+
+class _TemplateOutputTooLarge(jinja2.exceptions.SecurityError):
+    pass
+
+
+class _BoundedEnvironment(jinja2.sandbox.ImmutableSandboxedEnvironment):
+    """The sandbox, with `*`, `**` and `%` checked so that one expression cannot build a huge value."""
+
+    intercepted_binops = frozenset(["*", "**", "%"])
+
+    def __init__(self, max_value_chars: int, **kw):
+        super().__init__(**kw)
+        self.max_value_chars = max_value_chars
+
+    def call_binop(self, context, operator: str, left, right):
+        if operator == "*":
+            for seq, count in ((left, right), (right, left)):
+                if isinstance(seq, (str, list, tuple)) and isinstance(count, int) and len(seq) * count > self.max_value_chars:
+                    raise _TemplateOutputTooLarge(f"'*' would build {len(seq) * count:,} items")
+        if operator == "**" and isinstance(left, int) and isinstance(right, int) and abs(right) > 1024:
+            raise _TemplateOutputTooLarge(f"'**' with exponent {right:,}")
+        result = super().call_binop(context, operator, left, right)
+        if isinstance(result, str) and len(result) > self.max_value_chars:
+            raise _TemplateOutputTooLarge(f"'{operator}' built {len(result):,} characters")
+        return result
+
+
+def _template_error(what: str) -> ArtifactError:
+    return ArtifactError(f"the model's chat template {what}",
+                         "fix chat_template in the checkpoint's tokenizer_config.json and compile again")  # fmt: skip
+
+
 @functools.lru_cache(maxsize=8)
-def compile_template(template: str) -> jinja2.Template:
-    """The template compiled as transformers compiles it. A syntax error is the checkpoint's fault."""
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
-    )
+def compile_template(template: str, limits: TemplateLimits = DEFAULT_LIMITS) -> jinja2.Template:
+    """The template compiled as transformers compiles it, under `limits`. Its faults are the checkpoint's."""
+    if len(template) > limits.max_template_chars:
+        raise _template_error(f"has {len(template):,} characters, more than the {limits.max_template_chars:,} allowed")
+    # optimized=False: jinja's optimizer evaluates constant expressions and filters at compile time, unbounded
+    env = _BoundedEnvironment(limits.max_output_chars, trim_blocks=True, lstrip_blocks=True, optimized=False,
+                              extensions=[jinja2.ext.loopcontrols])  # fmt: skip
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     try:
         return env.from_string(template)
     except jinja2.exceptions.TemplateSyntaxError as e:
-        raise ArtifactError(
-            f"the model's chat template does not parse: {e.message} (line {e.lineno})",
-            "fix chat_template in the checkpoint's tokenizer_config.json and compile again",
-        ) from e
+        raise _template_error(f"does not parse: {e.message} (line {e.lineno})") from e
+
+
+def _render_bounded(template: jinja2.Template, limits: TemplateLimits, variables: dict) -> str:
+    """template.render(**variables) in a thread of its own, stopped at limits.timeout_s or max_output_chars.
+
+    Stopping: CPython raises an exception in another thread at its next bytecode
+    (PyThreadState_SetAsyncExc); a render is Python bytecode between bounded builtin calls, so it stops.
+    """
+    result: dict = {}
+
+    def render() -> None:
+        try:
+            parts, size = [], 0
+            for part in template.generate(**variables):
+                size += len(part)
+                if size > limits.max_output_chars:
+                    raise _TemplateOutputTooLarge(f"its output passed {limits.max_output_chars:,} characters")
+                parts.append(part)
+            result["text"] = "".join(parts)
+        except BaseException as e:  # noqa: BLE001  (handed to the caller's thread, interrupt included)
+            result["error"] = e
+
+    thread = threading.Thread(target=render, name="llmc-chat-template", daemon=True)
+    thread.start()
+    thread.join(limits.timeout_s)
+    if thread.is_alive():
+        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(_RenderInterrupted))
+        thread.join(1.0)
+        raise _template_error(f"took more than {limits.timeout_s:g} s to render; it was stopped")
+    error = result.get("error")
+    if isinstance(error, (jinja2.exceptions.SecurityError, RecursionError, MemoryError)):
+        raise _template_error(f"was refused by the sandbox: {error}") from error
+    if error is not None:
+        raise error
+    return result["text"]
 
 
 def pick_template(chat_template) -> str | None:
@@ -72,40 +163,39 @@ def render_chat(
     bos_token: str = "",
     eos_token: str = "",
     add_generation_prompt: bool = True,
+    limits: TemplateLimits = DEFAULT_LIMITS,
 ) -> str:
     """The prompt text for `messages` ([{"role", "content"}, ...]). template None: plain transcript.
 
     A template that rejects the conversation (raise_exception, e.g. "roles must alternate") or fails to
-    render raises RequestError: the request is at fault, not the server.
+    render raises RequestError: the request is at fault, not the server. One that breaks its bounds
+    (time, output size, the sandbox) raises ArtifactError: the checkpoint is at fault.
     """
     template = pick_template(template)
     if template is None:
         text = bos_token + "".join(f"{m['role']}: {m['content']}\n" for m in messages)
         return text + "assistant:" if add_generation_prompt else text
+    variables = dict(messages=messages, add_generation_prompt=add_generation_prompt, bos_token=bos_token,
+                     eos_token=eos_token, tools=None, documents=None)  # fmt: skip
     try:
-        return compile_template(template).render(
-            messages=messages,
-            add_generation_prompt=add_generation_prompt,
-            bos_token=bos_token,
-            eos_token=eos_token,
-            tools=None,
-            documents=None,
-        )
+        return _render_bounded(compile_template(template, limits), limits, variables)
     except jinja2.exceptions.TemplateError as e:
-        raise RequestError(f"the chat template rejected the conversation: {e}", "check the messages' roles and order") from e
+        raise RequestError(f"the chat template rejected the conversation: {e}", "check the messages' roles and order",
+                           param="messages") from e  # fmt: skip
 
 
-def special_tokens(tokenizer, config) -> tuple[str, str]:
-    """(bos_token, eos_token) strings for the template, from the config's token ids; "" where unknown."""
+def special_tokens(tokenizer, bos_token_id: int | None, eos_token_ids) -> tuple[str, str]:
+    """(bos_token, eos_token) strings for the template, from the model's token ids; "" where unknown."""
 
     def name(token_id) -> str:
         return (tokenizer.id_to_token(int(token_id)) or "") if token_id is not None else ""
 
-    eos_ids = list(getattr(config, "eos_token_ids", ()) or ())
-    return name(getattr(config, "bos_token_id", None)), name(eos_ids[0] if eos_ids else None)
+    eos_ids = list(eos_token_ids or ())
+    return name(bos_token_id), name(eos_ids[0] if eos_ids else None)
 
 
-def chat_prompt_ids(tokenizer, template: str | None, messages: list[dict], bos_token: str, eos_token: str) -> list[int]:
+def chat_prompt_ids(tokenizer, template: str | None, messages: list[dict], bos_token: str, eos_token: str,
+                    limits: TemplateLimits = DEFAULT_LIMITS) -> list[int]:  # fmt: skip
     """Render and encode; the template placed the special tokens itself, so none are added."""
-    text = render_chat(template, messages, bos_token, eos_token, add_generation_prompt=True)
+    text = render_chat(template, messages, bos_token, eos_token, add_generation_prompt=True, limits=limits)
     return tokenizer.encode(text, add_special_tokens=False).ids

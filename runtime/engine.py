@@ -9,6 +9,10 @@ The step loop (`LLMEngine.step`):
      removed and its blocks are freed at once.
   4. One `RequestOutput` per sampled token is returned: the new token ids, the new text, finished and why.
 
+Failures stay with the request that caused them: a sequence whose sampling raises, or every sequence of a
+step whose model call raised, is aborted and gets one final `RequestOutput` with finish_reason "error" and
+the exception in `error`; the engine goes on with the rest.
+
 The model is anything with `config` (ModelConfig: vocab_size, max_context, eos_token_ids, kv_window), `block_size`,
 `num_blocks`, `max_num_tokens`, `max_num_seqs` and `step(StepBatch) -> float32 [B, vocab]`
 (docs/contracts.md, "Runtime model interface"), so tests use a fake model.
@@ -25,7 +29,7 @@ from collections.abc import AsyncIterator, Sequence
 
 import numpy as np
 
-from llmc.errors import LlmcError, RequestError
+from llmc.errors import RequestError
 from llmc.runtime.batch import StepBatch
 from llmc.runtime.detokenizer import IncrementalDetokenizer
 from llmc.runtime.kv_cache import KVCacheManager
@@ -44,11 +48,12 @@ class RequestOutput:
     new_token_ids: list[int]
     new_text: str  # text delta; "" while an incomplete character or a possible stop string is held back
     finished: bool
-    finish_reason: str | None = None  # "stop" (EOS, stop token, stop string) | "length"
+    finish_reason: str | None = None  # "stop" (EOS, stop token, stop string) | "length" | "error"
     stop_reason: str | int | None = None  # the stop string or stop token id that matched; None for EOS
     logprobs: list[dict[int, float]] | None = None  # per new token: {token id: logprob}, sampled + top-n
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0  # so far, this sequence
+    error: Exception | None = None  # finish_reason "error": why the request was aborted
 
 
 @dataclasses.dataclass
@@ -105,6 +110,8 @@ class LLMEngine:
         config = model.config
         self.vocab_size = int(config.vocab_size)
         self.eos_token_ids = tuple(int(t) for t in config.eos_token_ids)
+        bos = getattr(config, "bos_token_id", None)
+        self.bos_token_id = None if bos is None else int(bos)
         self.context_len = int(config.max_context)
         self.kv_cache = KVCacheManager(model.num_blocks, model.block_size, sliding_window=int(config.kv_window))
         self.scheduler = Scheduler(
@@ -130,31 +137,30 @@ class LLMEngine:
         """Raise RequestError if the request can never be served. Reads only immutable engine state."""
         n = len(prompt_token_ids)
         if n == 0:
-            raise RequestError("the prompt is empty", "give at least one token (most models want BOS first)")
+            raise RequestError("the prompt is empty", "give at least one token (most models want BOS first)",
+                               param="prompt")  # fmt: skip
         bad = [t for t in prompt_token_ids if not (isinstance(t, (int, np.integer)) and 0 <= t < self.vocab_size)]
         if bad:
-            raise RequestError(
-                f"prompt token ids {bad[:5]} are outside the vocabulary", f"ids must be in [0, {self.vocab_size})"
-            )
+            raise RequestError(f"prompt token ids {bad[:5]} are outside the vocabulary",
+                               f"ids must be in [0, {self.vocab_size})", param="prompt")  # fmt: skip
         if n > self.context_len:
             raise RequestError(
                 f"the prompt has {n} tokens, more than the model's context of {self.context_len} tokens "
-                "(max_position_embeddings)", "shorten the prompt")  # fmt: skip
+                "(max_position_embeddings)", "shorten the prompt", param="prompt")  # fmt: skip
         if n > self.kv_cache.max_num_tokens:
             raise RequestError(
                 f"the prompt has {n} tokens, but the KV cache can hold at most {self.kv_cache.max_num_tokens} "
                 f"({self.kv_cache.num_blocks} blocks of {self.kv_cache.block_size})",
-                "give the cache more memory (--kv-cache-memory) or shorten the prompt")  # fmt: skip
+                "give the cache more memory (--kv-cache-memory) or shorten the prompt", param="prompt")  # fmt: skip
         if n > self.max_model_len:
-            raise RequestError(
-                f"the prompt has {n} tokens, more than max_model_len={self.max_model_len}", "shorten the prompt"
-            )
+            raise RequestError(f"the prompt has {n} tokens, more than max_model_len={self.max_model_len}",
+                               "shorten the prompt", param="prompt")  # fmt: skip
         if params.stop and self.tokenizer is None:
-            raise RequestError(
-                "stop strings need a tokenizer", "load the engine with the model's tokenizer, or use stop_token_ids"
-            )
+            raise RequestError("stop strings need a tokenizer",
+                               "load the engine with the model's tokenizer, or use stop_token_ids", param="stop")  # fmt: skip
         if params.logprobs is not None and params.logprobs > self.vocab_size:
-            raise RequestError(f"logprobs={params.logprobs} exceeds the vocabulary ({self.vocab_size})")
+            raise RequestError(f"logprobs={params.logprobs} exceeds the vocabulary ({self.vocab_size})",
+                               param="logprobs")  # fmt: skip
 
     def add_request(
         self, prompt_token_ids: Sequence[int], params: SamplingParams | None = None, req_id: str | None = None
@@ -170,12 +176,16 @@ class LLMEngine:
         seq_ids = [req_id] if params.n == 1 else [f"{i}_{req_id}" for i in range(params.n)]
         if any(s in self._seqs for s in seq_ids):
             raise RequestError(f"request id {req_id!r} clashes with a running request's sequence ids")
-        for index, seq_id in enumerate(seq_ids):
-            # n > 1: n independent sequences; seeded ones get seed + index (as vLLM), or they would be equal
-            seq_params = params if params.n == 1 else dataclasses.replace(
-                params, n=1, seed=None if params.seed is None else params.seed + index)  # fmt: skip
-            self._add_sequence(req_id, index, seq_id, prompt, seq_params)
         self._seq_ids[req_id] = seq_ids
+        try:
+            for index, seq_id in enumerate(seq_ids):
+                # n > 1: n independent sequences; seeded ones get seed + index (as vLLM), or they would be equal
+                seq_params = params if params.n == 1 else dataclasses.replace(
+                    params, n=1, seed=None if params.seed is None else params.seed + index)  # fmt: skip
+                self._add_sequence(req_id, index, seq_id, prompt, seq_params)
+        except Exception:
+            self.abort(req_id)  # all or nothing: no sequence of a failed add stays behind
+            raise
         return req_id
 
     def _add_sequence(self, req_id: str, index: int, seq_id: str, prompt: list[int], params: SamplingParams) -> None:
@@ -203,7 +213,7 @@ class LLMEngine:
             return False
         for seq_id in seq_ids:
             self.scheduler.abort(seq_id)
-            del self._seqs[seq_id]
+            self._seqs.pop(seq_id, None)  # absent when add_request failed before this sequence
         return True
 
     def has_unfinished(self) -> bool:
@@ -228,13 +238,31 @@ class LLMEngine:
             [s.block_ids for s in sched.scheduled],
             self.kv_cache.block_size,
         )
-        logits = self.model.step(batch)  # float32 [B, vocab]
-        assert logits.shape == (batch.num_seqs, self.vocab_size), f"model returned logits {logits.shape}"
+        try:
+            logits = self.model.step(batch)  # float32 [B, vocab]
+            if logits.shape != (batch.num_seqs, self.vocab_size):
+                raise RuntimeError(f"the model returned logits of shape {logits.shape}, "
+                                   f"not {(batch.num_seqs, self.vocab_size)}")  # fmt: skip
+        except Exception as e:  # the step's requests cannot go on; the others (waiting) can
+            failed = {self._seqs[s.req_id].req_id: self._seqs[s.req_id] for s in sched.scheduled}
+            return [self._fail(seq, e) for seq in failed.values()]
         outputs = []
         for row, scheduled in enumerate(sched.scheduled):
-            if scheduled.samples:  # partial prefill chunks produce no token
-                outputs.append(self._sample_and_finish(self._seqs[scheduled.req_id], logits[row]))
+            seq = self._seqs.get(scheduled.req_id)  # None: a sibling sequence failed earlier in this loop
+            if seq is None or not scheduled.samples:  # partial prefill chunks produce no token
+                continue
+            try:
+                outputs.append(self._sample_and_finish(seq, logits[row]))
+            except Exception as e:
+                outputs.append(self._fail(seq, e))
         return outputs
+
+    def _fail(self, seq: _Sequence, error: Exception) -> RequestOutput:
+        """Abort the whole request of `seq` (all n sequences) because of `error`, and say so in one output."""
+        self.abort(seq.req_id)
+        return RequestOutput(req_id=seq.req_id, index=seq.index, new_token_ids=[], new_text="", finished=True,
+                             finish_reason="error", error=error, num_prompt_tokens=seq.request.num_prompt_tokens,
+                             num_output_tokens=seq.request.num_output_tokens)  # fmt: skip
 
     def _sample_and_finish(self, seq: _Sequence, logits: np.ndarray) -> RequestOutput:
         """Sample one token for the sequence, apply every stop rule, and build its output."""
@@ -319,6 +347,10 @@ class LLMEngine:
             results[req_id] = GenerationResult(req_id, list(prompt), [Completion(i) for i in range(p.n)])
         while any(r in self._seq_ids for r in results):
             for out in self.step():
+                if out.error is not None and out.req_id in results:
+                    for req_id in results:
+                        self.abort(req_id)
+                    raise out.error
                 if (result := results.get(out.req_id)) is not None:
                     _accumulate(result.outputs[out.index], out)
         return list(results.values())
@@ -370,15 +402,42 @@ class AsyncLLMEngine:
 
     @property
     def healthy(self) -> bool:
-        """False once the engine loop has failed: it serves nothing more."""
+        """False once the engine loop itself has failed (not a request: those fail alone): it serves nothing more."""
         return self._error is None
+
+    # What a front end may know about the engine; it reaches no further in.
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def max_num_seqs(self) -> int:
+        return self.engine.scheduler.max_num_seqs
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self.engine.bos_token_id
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self.engine.eos_token_ids
+
+    @property
+    def num_requests(self) -> int:
+        """Requests streaming now: running or waiting for a place in a step."""
+        return len(self._queues)
+
+    def check_request(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+        """LLMEngine.check_request: raise RequestError if the request can never be served."""
+        self.engine.check_request(prompt_token_ids, params)  # immutable engine state: safe from this thread
 
     async def generate(
         self, prompt_token_ids: Sequence[int], params: SamplingParams | None = None, req_id: str | None = None
     ) -> AsyncIterator[RequestOutput]:
         """Stream one request's outputs until all n sequences finish. Raises RequestError at once if invalid."""
         params = params or SamplingParams()
-        self.engine.check_request(prompt_token_ids, params)  # immutable engine state: safe from this thread
+        self.check_request(prompt_token_ids, params)
         if self._error is not None:
             raise RuntimeError("the engine loop failed earlier") from self._error
         if self._closed:
@@ -445,7 +504,7 @@ class AsyncLLMEngine:
                 await self._wakeup.wait()
             try:
                 outputs, errors, self._busy = await loop.run_in_executor(self._executor, self._work)
-            except Exception as e:  # a model or engine bug: fail every stream loudly, accept no more work
+            except Exception as e:  # a bug in the loop itself (requests' failures are theirs): accept no more work
                 self._error = e
                 for queue in self._queues.values():
                     queue.put_nowait(e)
@@ -456,7 +515,7 @@ class AsyncLLMEngine:
                     queue.put_nowait(error)
             for out in outputs:
                 if (queue := self._queues.get(out.req_id)) is not None:
-                    queue.put_nowait(out)
+                    queue.put_nowait(out if out.error is None else out.error)
 
     # -- worker thread side ---------------------------------------------------------------------------
 
@@ -467,7 +526,7 @@ class AsyncLLMEngine:
             if kind == "add":
                 try:
                     self.engine.add_request(*args)
-                except LlmcError as e:
+                except Exception as e:  # this request's fault or bug; never the other requests'
                     errors.append((args[2], e))
             else:
                 self.engine.abort(*args)

@@ -12,6 +12,7 @@ vLLM and the OpenAI API.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import numpy as np
 
@@ -19,6 +20,11 @@ from llmc.errors import RequestError
 
 GREEDY_TEMPERATURE = 1e-5  # temperature below this samples greedily (argmax)
 MAX_LOGPROBS = 20  # as vLLM's default max_logprobs and OpenAI's top_logprobs limit
+# Far past any useful value (OpenAI stops at 2); beyond it the distribution is uniform to float precision.
+MAX_TEMPERATURE = 100.0
+MAX_REPETITION_PENALTY = 100.0
+# numpy's SeedSequence takes non-negative integers only; 64 bits is every seed a client sends in practice.
+MAX_SEED = 2**64 - 1
 
 
 @dataclasses.dataclass
@@ -50,38 +56,49 @@ class SamplingParams:
         self._validate()
 
     def _validate(self) -> None:
-        def bad(what: str, hint: str) -> RequestError:
-            return RequestError(f"invalid sampling parameter: {what}", hint)
+        def bad(param: str, value, hint: str) -> RequestError:
+            return RequestError(f"invalid sampling parameter: {param}={value!r}", hint, param=param)
 
-        if not isinstance(self.n, int) or self.n < 1:
-            raise bad(f"n={self.n!r}", "n must be an integer >= 1")
-        if not self.temperature >= 0.0:
-            raise bad(f"temperature={self.temperature!r}", "temperature must be >= 0 (0 is greedy)")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise bad(f"top_k={self.top_k!r}", "top_k must be an integer >= 1, or 0 / -1 to turn it off")
-        if not 0.0 < self.top_p <= 1.0:
-            raise bad(f"top_p={self.top_p!r}", "top_p must be in (0, 1]")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise bad(f"min_p={self.min_p!r}", "min_p must be in [0, 1]")
-        if not self.repetition_penalty > 0.0:
-            raise bad(f"repetition_penalty={self.repetition_penalty!r}", "repetition_penalty must be > 0 (1 is off)")
+        def real(name: str) -> float:
+            """The float field `name`, refused when it is not a finite number (inf and nan pass every range check)."""
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise bad(name, value, f"{name} must be a finite number")
+            return value
+
+        def integer(name: str, low: int, high: int | None = None, hint: str = "") -> None:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
+                raise bad(name, value, hint or f"{name} must be an integer in [{low}, {high if high is not None else 'inf'}]")
+
+        integer("n", 1, hint="n must be an integer >= 1")
+        if not 0.0 <= real("temperature") <= MAX_TEMPERATURE:
+            raise bad("temperature", self.temperature, f"temperature must be in [0, {MAX_TEMPERATURE:g}] (0 is greedy)")
+        integer("top_k", 0, hint="top_k must be an integer >= 1, or 0 / -1 to turn it off")
+        if not 0.0 < real("top_p") <= 1.0:
+            raise bad("top_p", self.top_p, "top_p must be in (0, 1]")
+        if not 0.0 <= real("min_p") <= 1.0:
+            raise bad("min_p", self.min_p, "min_p must be in [0, 1]")
+        if not 0.0 < real("repetition_penalty") <= MAX_REPETITION_PENALTY:
+            raise bad("repetition_penalty", self.repetition_penalty,
+                      f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}] (1 is off)")  # fmt: skip
         for name in ("presence_penalty", "frequency_penalty"):
-            if not -2.0 <= getattr(self, name) <= 2.0:
-                raise bad(f"{name}={getattr(self, name)!r}", f"{name} must be in [-2, 2]")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise bad(f"seed={self.seed!r}", "seed must be an integer")
+            if not -2.0 <= real(name) <= 2.0:
+                raise bad(name, getattr(self, name), f"{name} must be in [-2, 2]")
+        if self.seed is not None:
+            integer("seed", 0, MAX_SEED, "seed must be an integer in [0, 2**64 - 1], or null for a random one")
         if not all(isinstance(s, str) and s for s in self.stop):
-            raise bad(f"stop={self.stop!r}", "stop must be a non-empty string or a list of them")
-        if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
-            raise bad(f"stop_token_ids={self.stop_token_ids!r}", "stop_token_ids must be token ids >= 0")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
-            raise bad(f"max_tokens={self.max_tokens!r}", "max_tokens must be an integer >= 1, or None")
-        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
-            raise bad(f"min_tokens={self.min_tokens!r}", "min_tokens must be an integer >= 0")
+            raise bad("stop", self.stop, "stop must be a non-empty string or a list of them")
+        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids", self.stop_token_ids, "stop_token_ids must be token ids >= 0")
+        if self.max_tokens is not None:
+            integer("max_tokens", 1, hint="max_tokens must be an integer >= 1, or None")
+        integer("min_tokens", 0, hint="min_tokens must be an integer >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise bad(f"min_tokens={self.min_tokens} > max_tokens={self.max_tokens}", "need min_tokens <= max_tokens")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise bad(f"logprobs={self.logprobs!r}", f"logprobs must be an integer in [0, {MAX_LOGPROBS}]")
+            raise RequestError(f"invalid sampling parameter: min_tokens={self.min_tokens} > max_tokens={self.max_tokens}",
+                               "need min_tokens <= max_tokens", param="min_tokens")  # fmt: skip
+        if self.logprobs is not None:
+            integer("logprobs", 0, MAX_LOGPROBS)
 
     @property
     def greedy(self) -> bool:
