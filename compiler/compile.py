@@ -31,7 +31,8 @@ from .weights import write_packed_weights
 
 WEIGHT_DTYPES = ("auto", "float32", "bfloat16")
 STAGES = ("trace", "import to Relax", "fuse", "lower", "pack weights", "render", "build")
-CUDA_HEADERS = ("llmc_device.cuh", "llmc_kernels.cuh", "llmc_sim.h")
+CUDA_HEADERS = ("llmc_device.cuh", "llmc_kernels.cuh", "llmc_sim.h", "llmc_sim_fibers.h", "llmc_sim_mma.h",
+                "llmc_sim_warp.h", "llmc_sim_memory.h", "llmc_sim_launch.h", "llmc_sim_math.h")
 
 
 def resolve_weight_dtype(ckpt: Checkpoint, requested: str) -> str:

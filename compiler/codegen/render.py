@@ -35,9 +35,8 @@ try:  # the installed package maps templates/ to llmc.templates; prefer its loca
 except ImportError:  # pragma: no cover - running from a bare checkout
     pass
 
+# weight dtype -> the C type of a weight pointer on every target; bf16 stays raw uint16_t bits
 WDTYPES = {"f32": "float", "bf16": "uint16_t"}
-# CUDA weight types: bf16 stays raw uint16_t bits (the same pointer type as on the CPU), f16 is __half.
-CUDA_WDTYPES = {"f32": "float", "bf16": "uint16_t", "f16": "__half"}
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
@@ -77,12 +76,6 @@ def _ctype(wdtype: Any) -> str:
     return WDTYPES[wdtype]
 
 
-def _cutype(wdtype: Any) -> str:
-    if wdtype not in CUDA_WDTYPES:
-        raise ValueError(f"wdtype must be one of {sorted(CUDA_WDTYPES)}, got {wdtype!r}")
-    return CUDA_WDTYPES[wdtype]
-
-
 def _cbool(value: Any) -> str:
     if not isinstance(value, bool):
         raise TypeError(f"expected a bool, got {value!r}")
@@ -103,7 +96,7 @@ def _environment() -> jinja2.Environment:
         autoescape=False,
         keep_trailing_newline=True,
     )
-    env.filters.update(f32=_f32, ctype=_ctype, cutype=_cutype, cbool=_cbool, cint=_cint)
+    env.filters.update(f32=_f32, ctype=_ctype, cbool=_cbool, cint=_cint)
     return env
 
 
@@ -191,7 +184,7 @@ _ID_PREFIX = {
     "n": "n", "k": "k", "hidden": "h", "inter": "i", "cols": "c",
     "num_heads": "qh", "num_kv_heads": "kvh", "head_dim": "d", "block_size": "bs",
     "eps": "eps", "scale": "sc", "wdtype": "", "has_bias": "bias", "add_residual": "res",
-    "inv_freq": "if", "vocab": "v", "sliding_window": "sw",
+    "inv_freq": "if", "sliding_window": "sw",
 }
 # Canonical order per op (docs/contracts.md); parameters not listed follow, sorted.
 _ID_ORDER = {
@@ -202,7 +195,6 @@ _ID_ORDER = {
     "paged_attention": ["num_heads", "num_kv_heads", "head_dim", "block_size", "scale", "sliding_window"],
     "silu_mul": ["inter"],
     "gather_rows": ["cols"],
-    "argmax": ["vocab"],
 }
 _LIST_INLINE_MAX = 4  # longer lists are spelled as length + content hash
 

@@ -52,27 +52,6 @@ __global__ void reverse_kernel(const float* x, float* y) {
   y[base + threadIdx.x] = buf[n - 1 - threadIdx.x];
 }
 
-// ---- atomics from many blocks --------------------------------------------------------------------
-__device__ __forceinline__ void cas_add(float* addr, float v) {  // lock-free float add through atomicCAS
-  unsigned* a = reinterpret_cast<unsigned*>(addr);
-  unsigned old = *a, assumed;
-  do {
-    assumed = old;
-    old = atomicCAS(a, assumed, __float_as_uint(__uint_as_float(assumed) + v));
-  } while (old != assumed);
-}
-__global__ void atomics_kernel(const int* x, int n, int* hist, int* total, int* maxv, float* fsum, float* csum,
-                               unsigned long long* ticket) {
-  const int i = blockIdx.x * blockDim.x + threadIdx.x;
-  if (i >= n) return;
-  atomicAdd(&hist[x[i] & 15], 1);
-  atomicAdd(total, x[i]);
-  atomicMax(maxv, x[i]);
-  atomicAdd(fsum, 1.0f);
-  cas_add(csum, 0.5f);
-  atomicAdd(ticket, 1ull);
-}
-
 // ---- mma.sync m16n8k16: fragments loaded straight from global by the PTX formulas --------------------
 // A [16][16] row-major, Bt [8][16] (B transposed: K contiguous), C, D [16][8] f32.
 __global__ void mma_kernel(const uint16_t* A, const uint16_t* Bt, const float* C, float* D, int is_f16) {
@@ -204,11 +183,6 @@ int reverse(const float* x, float* y, int blocks, int threads, int max_smem) {
 }
 int reverse_too_much_smem(const float* x, float* y) {
   LLMC_LAUNCH(reverse_kernel, 1, 32, 64 * 1024, 0, x, y);
-  return cudaGetLastError();
-}
-int atomics(const int* x, int n, int* hist, int* total, int* maxv, float* fsum, float* csum,
-            unsigned long long* ticket) {
-  LLMC_LAUNCH(atomics_kernel, (n + 63) / 64, 64, 0, 0, x, n, hist, total, maxv, fsum, csum, ticket);
   return cudaGetLastError();
 }
 int mma(const uint16_t* A, const uint16_t* Bt, const float* C, float* D, int is_f16) {

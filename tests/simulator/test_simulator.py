@@ -120,17 +120,6 @@ def test_dynamic_shared_memory(lib):
     np.testing.assert_array_equal(y, x.reshape(6, 96)[:, ::-1].ravel())
 
 
-def test_atomics_from_many_blocks(lib):
-    n = 5000
-    x = np.random.default_rng(1).integers(0, 1000, size=n).astype(np.int32)
-    hist, total, maxv = np.zeros(16, np.int32), np.zeros(1, np.int32), np.full(1, -1, np.int32)
-    fsum, csum, ticket = np.zeros(1, np.float32), np.zeros(1, np.float32), np.zeros(1, np.uint64)
-    assert lib.atomics(ptr(x), n, ptr(hist), ptr(total), ptr(maxv), ptr(fsum), ptr(csum), ptr(ticket)) == 0
-    np.testing.assert_array_equal(hist, np.bincount(x & 15, minlength=16))
-    assert total[0] == x.sum() and maxv[0] == x.max()
-    assert fsum[0] == n and csum[0] == n / 2 and ticket[0] == n
-
-
 @pytest.mark.parametrize("dtype", ["bf16", "f16"])
 def test_mma_m16n8k16(lib, dtype):
     rng = np.random.default_rng(2)

@@ -15,8 +15,8 @@ import numpy as np
 
 from llmc.compiler.codegen.render import kernel_id, render_kernel
 
-# docs/contracts.md, "Kernel templates" (+ argmax, CUDA only): (argument, kind) per op; the CUDA launcher takes a
-# cudaStream_t after them. W* is float32, bf16 (uint16 bits) or f16 (CUDA only).
+# docs/contracts.md, "Kernel templates": (argument, kind) per op; the CUDA launcher takes a cudaStream_t after
+# them. W* is float32 or bf16 (uint16 bits).
 SIGNATURES = {
     "embedding": [("ids", "i32*"), ("T", "int"), ("table", "W*"), ("out", "f32*")],
     "rmsnorm": [("x", "f32*"), ("residual_in", "f32*"), ("residual_out", "f32*"), ("w", "W*"), ("y", "f32*"),
@@ -29,11 +29,10 @@ SIGNATURES = {
                         ("out", "f32*")],
     "silu_mul": [("gate_up", "f32*"), ("out", "f32*"), ("T", "int")],
     "gather_rows": [("x", "f32*"), ("rows", "i32*"), ("n", "int"), ("out", "f32*")],
-    "argmax": [("logits", "f32*"), ("B", "int"), ("out", "i32*")],
 }
 _C_TYPE = {"f32*": "float*", "i32*": "int32_t*", "i64*": "int64_t*", "int": "int"}
 _NP_TYPE = {"f32*": np.float32, "i32*": np.int32, "i64*": np.int64}
-W_TYPES = {"f32": ("float*", np.float32), "bf16": ("uint16_t*", np.uint16), "f16": ("__half*", np.float16)}
+W_TYPES = {"f32": ("float*", np.float32), "bf16": ("uint16_t*", np.uint16)}
 _ROW_STRIDED = {"q", "k", "v"}  # may be column slices of a fused [T, row_stride] qkv buffer
 HEADERS = {"cpu": "common.h", "cuda": "llmc_kernels.cuh"}
 

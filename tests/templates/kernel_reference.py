@@ -25,14 +25,12 @@ def to_bf16(a):
 
 
 def make_weights(a, wdtype):
-    """(array to pass the kernel, float32 values it holds) for wdtype f32 | bf16 | f16 (f16: CUDA only)."""
+    """(array to pass the kernel, float32 values it holds) for wdtype f32 | bf16."""
     a = np.ascontiguousarray(a, dtype=np.float32)
     if wdtype == "f32":
         return a, a
-    if wdtype == "bf16":
-        return to_bf16(a)
-    h = a.astype(np.float16)
-    return h, h.astype(np.float32)
+    assert wdtype == "bf16", wdtype
+    return to_bf16(a)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -7,7 +7,7 @@
 //   LLMC_DYNAMIC_SMEM(type, name)    inside a kernel: `type* name` points at the dynamic shared memory
 //                       (16-byte aligned; never write `extern __shared__` directly)
 //   llmc::warp_sum / warp_max, llmc::block_sum / block_max       reductions (1-D blocks, blockDim.x % 32 == 0)
-//   llmc::bf16_to_float, load_bf16x2/x4/x8, load_f16x2/x4/x8, pack_bf16x2, pack_f16x2
+//   llmc::bf16_to_float, load_bf16x2/x4/x8, pack_bf16x2 / pack_f16x2 (mma operands)
 //   llmc::mma_m16n8k16_bf16 / _f16  (f32 accumulate), llmc::ldmatrix_x1/x2/x4[_trans],
 //   llmc::cp_async_16 / cp_async_16_zfill / cp_async_commit / cp_async_wait<N> / cp_async_wait_all
 #pragma once
@@ -80,21 +80,12 @@ __device__ __forceinline__ float block_max(float v) {
 }
 
 // ---------------------------------------------------------------------------------------------------
-// bf16 / fp16 loads (pointers aligned to the load width) and packing. Element 2j of a packed pair is the
-// low half of the 32-bit word (PTX register packing).
+// bf16 loads (pointers aligned to the load width) and bf16 / fp16 packing. Element 2j of a packed pair is
+// the low half of the 32-bit word (PTX register packing).
 __device__ __forceinline__ float bf16_to_float(uint16_t bits) { return __uint_as_float(static_cast<uint32_t>(bits) << 16); }
-__device__ __forceinline__ float f16_to_float(uint16_t bits) {
-  __half_raw r;
-  r.x = bits;
-  return __half2float(__half(r));
-}
 __device__ __forceinline__ void unpack_bf16x2(uint32_t w, float& lo, float& hi) {
   lo = __uint_as_float(w << 16);
   hi = __uint_as_float(w & 0xffff0000u);
-}
-__device__ __forceinline__ void unpack_f16x2(uint32_t w, float& lo, float& hi) {
-  lo = f16_to_float(static_cast<uint16_t>(w & 0xffffu));
-  hi = f16_to_float(static_cast<uint16_t>(w >> 16));
 }
 __device__ __forceinline__ float2 load_bf16x2(const void* p) {
   float2 r;
@@ -112,23 +103,6 @@ __device__ __forceinline__ void load_bf16x8(const void* p, float (&out)[8]) {
   unpack_bf16x2(v.y, out[2], out[3]);
   unpack_bf16x2(v.z, out[4], out[5]);
   unpack_bf16x2(v.w, out[6], out[7]);
-}
-__device__ __forceinline__ float2 load_f16x2(const void* p) {
-  float2 r;
-  unpack_f16x2(*static_cast<const uint32_t*>(p), r.x, r.y);
-  return r;
-}
-__device__ __forceinline__ void load_f16x4(const void* p, float (&out)[4]) {
-  const uint2 v = *static_cast<const uint2*>(p);
-  unpack_f16x2(v.x, out[0], out[1]);
-  unpack_f16x2(v.y, out[2], out[3]);
-}
-__device__ __forceinline__ void load_f16x8(const void* p, float (&out)[8]) {
-  const uint4 v = *static_cast<const uint4*>(p);
-  unpack_f16x2(v.x, out[0], out[1]);
-  unpack_f16x2(v.y, out[2], out[3]);
-  unpack_f16x2(v.z, out[4], out[5]);
-  unpack_f16x2(v.w, out[6], out[7]);
 }
 // (lo, hi) -> one 32-bit register, lo in bits 15:0, round to nearest even.
 __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {

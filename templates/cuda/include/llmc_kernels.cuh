@@ -5,8 +5,8 @@
 // `static void name(<the CPU signature>, cudaStream_t stream)` that takes its grid and block from the same
 // struct and launches through LLMC_LAUNCH. A generated model.cu includes this header once, before the kernels.
 //
-// Numerics: activations, KV cache and every accumulation are float32; weights are float, uint16_t (bf16 bits)
-// or __half, widened to float on load. No atomics and no split reductions: every result is computed by one
+// Numerics: activations, KV cache and every accumulation are float32; weights are float or uint16_t (bf16
+// bits), widened to float on load. No atomics and no split reductions: every result is computed by one
 // thread, one warp or one block in a fixed order, so a run is bit-reproducible (and seed-independent under
 // the simulator). expf/sincosf/sqrtf/division are the accurate (non-fast-math) versions.
 //
@@ -44,10 +44,9 @@ __host__ __device__ constexpr int largest_divisor_le(int n, int cap) {
 }
 
 // ---------------------------------------------------------------------------------------------------
-// weights: float, uint16_t (bf16 bits) or __half -> float
+// weights: float or uint16_t (bf16 bits) -> float
 __device__ __forceinline__ float wload(float v) { return v; }
 __device__ __forceinline__ float wload(uint16_t v) { return bf16_to_float(v); }
-__device__ __forceinline__ float wload(__half v) { return __half2float(v); }
 
 __device__ __forceinline__ float4 load4(const float* p) {
   LLMC_CHECK_ALIGNED16(p);
@@ -75,14 +74,6 @@ struct Vec16<uint16_t> {
   static __device__ __forceinline__ void load(const uint16_t* p, float (&o)[8]) {
     LLMC_CHECK_ALIGNED16(p);
     load_bf16x8(p, o);
-  }
-};
-template <>
-struct Vec16<__half> {
-  static constexpr int N = 8;
-  static __device__ __forceinline__ void load(const __half* p, float (&o)[8]) {
-    LLMC_CHECK_ALIGNED16(p);
-    load_f16x8(p, o);
   }
 };
 
@@ -478,54 +469,6 @@ struct GatherRows {
   static __device__ __forceinline__ void run(const float* x, const int32_t* rows, float* out) {
     const int i = blockIdx.x;
     copy_row<C, kThreads>(x + static_cast<int64_t>(rows[i]) * C, out + static_cast<int64_t>(i) * C);
-  }
-};
-
-// ---------------------------------------------------------------------------------------------------
-// argmax: out[b] = argmax(logits[b, :]) as numpy: the lowest index among equal maxima, and the first NaN if
-// there is one. Grid (B), block kThreads: strided scan per thread, then a warp and a block reduction under
-// the same total order.
-template <int VOCAB>
-struct Argmax {
-  static constexpr int kThreads = row_threads(ceil_div(VOCAB, 8), 1024);
-
-  // (a, ia) ranks before (b, ib): NaN first, then larger, then lower index.
-  static __device__ __forceinline__ bool better(float a, int ia, float b, int ib) {
-    const bool na = a != a, nb = b != b;
-    if (na || nb) return na && (!nb || ia < ib);
-    return a > b || (a == b && ia < ib);
-  }
-  static __device__ __forceinline__ void warp_best(float& v, int& idx) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-      const float ov = __shfl_xor_sync(kFullMask, v, o);
-      const int oi = __shfl_xor_sync(kFullMask, idx, o);
-      if (better(ov, oi, v, idx)) v = ov, idx = oi;
-    }
-  }
-
-  static __device__ __forceinline__ void run(const float* logits, int32_t* out) {
-    __shared__ float best_v[32];
-    __shared__ int best_i[32];
-    const float* row = logits + static_cast<int64_t>(blockIdx.x) * VOCAB;
-    float v = -INFINITY;
-    int idx = 0x7fffffff;  // "none": loses to every element
-    for (int i = threadIdx.x; i < VOCAB; i += kThreads) {
-      const float x = row[i];
-      if (better(x, i, v, idx)) v = x, idx = i;
-    }
-    warp_best(v, idx);
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    if constexpr (kThreads > 32) {
-      if (lane == 0) best_v[warp] = v, best_i[warp] = idx;
-      __syncthreads();
-      if (warp == 0) {
-        v = lane < kThreads / 32 ? best_v[lane] : -INFINITY;
-        idx = lane < kThreads / 32 ? best_i[lane] : 0x7fffffff;
-        warp_best(v, idx);
-      }
-    }
-    if (threadIdx.x == 0) out[blockIdx.x] = idx;
   }
 };
 

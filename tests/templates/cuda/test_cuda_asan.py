@@ -18,7 +18,7 @@ SPECS_ASAN = [
     ("paged_attention", dict(num_heads=9, num_kv_heads=3, head_dim=8, block_size=8, scale=1 / math.sqrt(8),
                              sliding_window=0)),
     ("gemm", dict(n=53, k=37, wdtype="bf16", has_bias=True)),
-    ("rmsnorm", dict(hidden=37, eps=1e-6, wdtype="f16", add_residual=True)),
+    ("rmsnorm", dict(hidden=37, eps=1e-6, wdtype="f32", add_residual=True)),
 ]
 
 # Runs in the subprocess: the kernels through the harness's CudaKernel wrapper (tests/templates/kernel_harness.py),
@@ -52,7 +52,7 @@ for T in (3, 17):
     k[kernel_id("cuda", "gemm", gemm)](x, w, b, y, T)
     np.testing.assert_allclose(y, x.astype(np.float64) @ wf.T.astype(np.float64) + bf, rtol=1e-4, atol=1e-5)
     res = rng.standard_normal((T, 37), dtype=np.float32)
-    w, wf = make_weights(rng.standard_normal(37, dtype=np.float32), "f16")
+    w, wf = make_weights(rng.standard_normal(37, dtype=np.float32), "f32")
     h = x + res
     y = np.empty_like(x)
     k[kernel_id("cuda", "rmsnorm", rms)](x, res, res, w, y, T)

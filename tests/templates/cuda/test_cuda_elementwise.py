@@ -6,9 +6,9 @@ from kernel_reference import embedding_inputs, silu_mul_inputs, silu_mul_referen
 
 from llmc.compiler.codegen.render import kernel_id
 
-# embedding: hidden 37 (scalar loads), 64 (16-byte loads: 4 floats / 8 halves), 1000 (f32: 250 threads'
+# embedding: hidden 37 (scalar loads), 64 (16-byte loads: 4 floats / 8 bf16), 1000 (f32: 250 threads'
 # worth of float4 on 256 threads; 16-bit: 125 x 8)
-EMB = [("embedding", dict(hidden=h, wdtype=wd)) for h in (37, 64, 1000) for wd in ("f32", "bf16", "f16")]
+EMB = [("embedding", dict(hidden=h, wdtype=wd)) for h in (37, 64, 1000) for wd in ("f32", "bf16")]
 # silu_mul: inter 37 (scalar), 64, 1100 (float4, two blocks per row)
 SILU = [("silu_mul", dict(inter=i)) for i in (37, 64, 1100)]
 # gather_rows: cols 37 (scalar), 64, 1100 (float4, several sweeps)

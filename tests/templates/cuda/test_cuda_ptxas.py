@@ -22,11 +22,11 @@ def _inv_freq(head_dim, theta=500000.0):
 
 REPRESENTATIVE = [
     ("embedding", dict(hidden=4096, wdtype="bf16")),
-    ("embedding", dict(hidden=37, wdtype="f16")),
+    ("embedding", dict(hidden=37, wdtype="f32")),
     ("rmsnorm", dict(hidden=4096, eps=1e-5, wdtype="bf16", add_residual=True)),
     ("rmsnorm", dict(hidden=8192, eps=1e-5, wdtype="f32", add_residual=False)),
     ("gemm", dict(n=4096, k=4096, wdtype="bf16", has_bias=False)),
-    ("gemm", dict(n=6144, k=4096, wdtype="f16", has_bias=True)),
+    ("gemm", dict(n=6144, k=4096, wdtype="bf16", has_bias=True)),
     ("gemm", dict(n=4096, k=14336, wdtype="f32", has_bias=False)),
     ("gemm", dict(n=53, k=37, wdtype="bf16", has_bias=True)),
     ("rope", dict(num_heads=32, head_dim=128, inv_freq=_inv_freq(128))),
@@ -36,7 +36,6 @@ REPRESENTATIVE = [
                              sliding_window=0)),
     ("silu_mul", dict(inter=14336)),
     ("gather_rows", dict(cols=4096)),
-    ("argmax", dict(vocab=128256)),
 ]
 # the __global__ functions each template renders, after the kernel name
 KERNELS = {"gemm": ["gemv", "tiled"], "paged_attention": ["write", "attend"]}
