@@ -279,25 +279,44 @@ def _stdin_is_tty() -> bool:
 @click.option("--max-num-batched-tokens", type=click.IntRange(min=1), default=512, show_default=True,
               help="Most tokens in one step (prefill chunks and decodes together).")
 @click.option("--kv-cache-memory", default=None, help="KV cache size, e.g. 4GiB (default: 20% of free memory).")
+@click.option("--max-body-size", default=None, callback=lambda ctx, param, v: None if v is None else _byte_size(v),
+              help="Largest request body, e.g. 16MiB; larger ones get 413 [default: 4MiB].")
+@click.option("--max-n", type=click.IntRange(min=1), default=None, help="Most choices (n) per request [default: 16].")
+@click.option("--max-waiting-requests", type=click.IntRange(min=0), default=None,
+              help="Requests that may wait beyond --max-num-seqs; more get 429 with Retry-After [default: 256].")
+@click.option("--shutdown-timeout", type=click.FloatRange(min=0), default=30.0, show_default=True,
+              help="Seconds requests in flight get to finish after SIGTERM or Ctrl-C; then they are cut.")
 def serve(artifact: Path, host: str, port: int, model_name: str | None, max_num_seqs: int,
-          max_num_batched_tokens: int, kv_cache_memory: str | None) -> None:  # fmt: skip
+          max_num_batched_tokens: int, kv_cache_memory: str | None, max_body_size: int | None, max_n: int | None,
+          max_waiting_requests: int | None, shutdown_timeout: float) -> None:  # fmt: skip
     """Serve ARTIFACT over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions)."""
     from .runtime import server
     from .runtime.engine import AsyncLLMEngine, LLMEngine
 
+    given = {"max_body_bytes": max_body_size, "max_n": max_n, "max_waiting_requests": max_waiting_requests}
+    limits = server.ServerLimits(**{k: v for k, v in given.items() if v is not None})  # unset: the library's default
     path = _resolve_artifact(artifact)
     model, tokenizer = _load_model(path, kv_cache_memory, max_num_seqs=max_num_seqs,
                                    max_num_tokens=max_num_batched_tokens)  # fmt: skip
     engine = AsyncLLMEngine(LLMEngine(model, tokenizer))
     name = model_name or artifact.resolve().name
     app = server.create_app(engine, tokenizer, name, model.chat_template, bos_token=model.bos_token,
-                            eos_token=model.eos_token)  # fmt: skip
+                            eos_token=model.eos_token, limits=limits)  # fmt: skip
     click.echo(f"serving {name} ({model.num_blocks} KV blocks of {model.block_size} tokens) on http://{host}:{port}/v1",
                err=True)  # fmt: skip
     try:
-        server.serve(app, host, port)
+        server.serve(app, host, port, shutdown_timeout=shutdown_timeout)
     finally:
         model.close()
+
+
+def _byte_size(text: str) -> int:
+    from .runtime.kv_cache import parse_memory_size
+
+    try:
+        return parse_memory_size(text)
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -11,16 +11,27 @@ Both generation endpoints take OpenAI's and vLLM's parameter names (model, max_t
 top_k, min_p, n, stop, seed, presence/frequency/repetition_penalty, logprobs / top_logprobs, stream,
 stream_options, stop_token_ids, min_tokens, ignore_eos) and stream with Server-Sent Events: `data: {json}`
 chunks, then `data: [DONE]`. Other OpenAI fields are ignored, except the few that would change the output
-and are not implemented (echo, suffix, logit_bias, tools, ...): those are refused.
+and are not implemented (echo, suffix, logit_bias, tools, ...): those are refused. Both share one
+generation path (`_Server.respond`); what differs (object names, choice and logprobs layout) is a
+`_Format`.
 
-Errors: anything wrong with a request (bad JSON, wrong types, invalid values, a prompt longer than the
-context: the engine's RequestError) is an HTTP 400 with OpenAI's error body
-`{"error": {"message", "type": "invalid_request_error", "param", "code"}}`; the server never answers a bad
-request with a 500 and keeps serving. A request is validated before the stream starts, so a streaming
-request that cannot run gets the 400 too, not a stream.
+A bad request fails alone, with OpenAI's error body `{"error": {"message", "type", "param", "code"}}`; the
+server never answers a bad request with a 500 and keeps serving:
+- 400: bad JSON (a lone UTF-16 surrogate included), wrong types, invalid values (non-finite floats, a
+  negative seed), a prompt longer than the context, prompt + max_tokens past it, n / stop / logprobs past
+  the `ServerLimits`. A request is validated before its stream starts, so a streaming request that cannot
+  run gets the 400 too, not a stream.
+- 413: a body larger than `ServerLimits.max_body_bytes`, told by Content-Length or counted while it arrives.
+- 429 with Retry-After: more than `max_num_seqs + max_waiting_requests` requests already in flight.
+- 503: the server is shutting down.
+Large bodies are parsed off the event loop, and so are chat templates (bounded by chat_template.py).
 
 Cancellation: a client that disconnects (mid-stream or while waiting for a non-streaming answer) aborts its
 request, so its KV cache blocks are freed before the next step.
+
+Shutdown (`serve`): SIGTERM or Ctrl-C stops new requests (503) and lets those in flight finish for
+`shutdown_timeout` seconds; then the rest are cut: a non-streaming client gets a 503 error body, a stream
+gets an SSE error event and `[DONE]`. The process then exits normally (status 0).
 """
 
 from __future__ import annotations
@@ -30,26 +41,41 @@ import contextlib
 import dataclasses
 import json
 import logging
-import re
+import signal
+import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any, ClassVar
 
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from llmc.errors import LlmcError, RequestError
-from llmc.runtime.chat_template import NO_TEMPLATE_NOTICE, chat_prompt_ids, compile_template, pick_template
-from llmc.runtime.chat_template import special_tokens
+from llmc.runtime.chat_template import DEFAULT_LIMITS, NO_TEMPLATE_NOTICE, TemplateLimits, chat_prompt_ids
+from llmc.runtime.chat_template import compile_template, pick_template, special_tokens
 from llmc.runtime.engine import AsyncLLMEngine, RequestOutput
 from llmc.runtime.sampling import SamplingParams
 
 logger = logging.getLogger("llmc.server")
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerLimits:
+    """What one request may ask for; past a limit it gets a 4xx naming it. The defaults suit a public endpoint."""
+
+    max_body_bytes: int = 4 << 20  # 413 past it; a context of 128K token ids is about 1 MB of JSON
+    max_n: int = 16  # choices per request: each is a sequence in the engine
+    max_stop: int = 16  # stop strings per request
+    max_stop_chars: int = 256  # characters per stop string
+    max_waiting_requests: int = 256  # in flight beyond max_num_seqs; 429 past it
+    retry_after_s: int = 1  # the Retry-After a 429 sends
+    parse_off_loop_bytes: int = 64 << 10  # bodies larger than this are parsed in a worker thread
+    chat_template: TemplateLimits = DEFAULT_LIMITS  # time and size bounds of the checkpoint's chat template
+
 
 # ----------------------------------------------------------------------------------------------------------
 # Request bodies
@@ -91,6 +117,10 @@ class _GenerationRequest(_Body):
     logit_bias: dict[str, float] | None = None
 
     _unsupported: ClassVar[tuple[str, ...]] = ("logit_bias",)
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
 
     def sampling_params(self, *, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         for name in self._unsupported:
@@ -134,38 +164,74 @@ class ChatCompletionRequest(_GenerationRequest):
 
 
 class _ApiError(Exception):
-    def __init__(self, message: str, *, status: int = 400, param: str | None = None, code: str | None = None):
+    def __init__(self, message: str, *, status: int = 400, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):  # fmt: skip
         super().__init__(message)
-        self.message, self.status, self.param, self.code = message, status, param, code
+        self.message, self.status, self.param, self.code, self.headers = message, status, param, code, headers
 
 
-def _error_response(message: str, status: int = 400, param: str | None = None, code: str | None = None):
+def _error_body(message: str, status: int = 400, param: str | None = None, code: str | None = None) -> dict:
     kind = "invalid_request_error" if status < 500 else "server_error"
-    body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
-    return JSONResponse(body, status_code=status)
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
-def _error_param(error: LlmcError) -> str | None:
-    """The request field a RequestError is about, where its message names one (SamplingParams' do)."""
-    m = re.match(r"invalid sampling parameter: (\w+)", error.what)
-    if m:
-        return m.group(1)
-    return "prompt" if "prompt" in error.what else None
+def _error_response(message: str, status: int = 400, param: str | None = None, code: str | None = None,
+                    headers: dict[str, str] | None = None) -> JSONResponse:  # fmt: skip
+    return JSONResponse(_error_body(message, status, param, code), status_code=status, headers=headers)
 
 
-def _validation_message(errors) -> tuple[str, str | None]:
+def _shutting_down() -> _ApiError:
+    return _ApiError("the server is shutting down; send the request again to another instance", status=503,
+                     code="shutting_down")  # fmt: skip
+
+
+def _validation_error(e: ValidationError) -> _ApiError:
     parts, param = [], None
-    for e in errors:
-        loc = [str(x) for x in e.get("loc", ()) if x != "body"]
-        if e.get("type") == "json_invalid":
-            return f"the request body is not valid JSON: {e.get('ctx', {}).get('error', e.get('msg'))}", None
+    for err in e.errors(include_url=False):
+        loc = [str(x) for x in err.get("loc", ())]
+        if err.get("type") == "json_invalid":
+            return _ApiError(f"the request body is not valid JSON: {err.get('ctx', {}).get('error', err.get('msg'))}")
         param = param or (loc[0] if loc else None)
-        parts.append(f"{'.'.join(loc) or 'body'}: {e.get('msg')}")
-    return "invalid request: " + "; ".join(parts), param
+        parts.append(f"{'.'.join(loc) or 'body'}: {err.get('msg')}")
+    return _ApiError("invalid request: " + "; ".join(parts), param=param)
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Per-choice state while generating
+# Request bodies: read with a size limit, parsed (off the event loop when large) and validated
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The body, refused with a 413 as soon as it is known to pass `limit`: by Content-Length, else by count."""
+
+    def too_large() -> _ApiError:
+        return _ApiError(f"the request body is larger than {limit:,} bytes", status=413, code="request_too_large")
+
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise too_large()
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large()
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def _parse_body(request: Request, model: type[BaseModel], limits: ServerLimits) -> BaseModel:
+    body = await _read_body(request, limits.max_body_bytes)
+
+    def parse() -> BaseModel:
+        try:
+            return model.model_validate_json(body)
+        except ValidationError as e:
+            raise _validation_error(e) from None
+
+    return await asyncio.to_thread(parse) if len(body) > limits.parse_off_loop_bytes else parse()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Per-choice state while generating, and the two response formats
 
 
 @dataclasses.dataclass
@@ -175,9 +241,107 @@ class _Choice:
     num_tokens: int = 0
     finish_reason: str | None = None
     stop_reason: str | int | None = None
-    logprobs: list = dataclasses.field(default_factory=list)  # formatted entries
+    logprobs: Any = None  # the format's accumulated logprobs of the whole choice
     text_offset: int = 0  # completions logprobs: characters of token text so far
-    started: bool = False  # chat streaming: the role chunk went out
+
+    def update(self, out: RequestOutput) -> None:
+        self.text += out.new_text
+        self.num_tokens = out.num_output_tokens
+        if out.finished:
+            self.finish_reason, self.stop_reason = out.finish_reason, out.stop_reason
+
+
+class _Format:
+    """What differs between /v1/completions and /v1/chat/completions; the generation path is shared."""
+
+    id_prefix: ClassVar[str]
+    object: ClassVar[str]  # of a whole response
+    chunk_object: ClassVar[str]  # of a stream chunk
+
+    def __init__(self, token_text: Callable[[int], str], num_logprobs: int | None):
+        self.token_text, self.num_logprobs = token_text, num_logprobs
+
+    def logprobs(self, choice: _Choice, out: RequestOutput):
+        """The logprobs of out's new tokens (None when not asked for), also added to choice.logprobs."""
+        raise NotImplementedError
+
+    def opening(self, choices: list[_Choice]) -> list[dict]:
+        """Choice entries of the stream's first chunks, before any token."""
+        return []
+
+    def choice(self, choice: _Choice) -> dict:
+        """A whole choice of a non-streaming response."""
+        raise NotImplementedError
+
+    def delta(self, choice: _Choice, out: RequestOutput, logprobs) -> dict:
+        """The choice entry of one stream chunk."""
+        raise NotImplementedError
+
+
+class _CompletionFormat(_Format):
+    id_prefix, object, chunk_object = "cmpl", "text_completion", "text_completion"
+
+    def logprobs(self, choice: _Choice, out: RequestOutput):
+        """OpenAI's legacy logprobs object for the new tokens of `out`."""
+        if self.num_logprobs is None:
+            return None
+        lp = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for token, dist in zip(out.new_token_ids, out.logprobs or []):
+            text = self.token_text(token)
+            lp["tokens"].append(text)
+            lp["token_logprobs"].append(dist[token])
+            lp["top_logprobs"].append({self.token_text(t): v for t, v in list(dist.items())[: self.num_logprobs]})
+            lp["text_offset"].append(choice.text_offset)
+            choice.text_offset += len(text)
+        choice.logprobs = choice.logprobs or {key: [] for key in lp}
+        for key, values in lp.items():
+            choice.logprobs[key].extend(values)
+        return lp
+
+    def choice(self, choice: _Choice) -> dict:
+        return self._entry(choice, choice.text, choice.logprobs)
+
+    def delta(self, choice: _Choice, out: RequestOutput, logprobs) -> dict:
+        return self._entry(choice, out.new_text, logprobs)
+
+    @staticmethod
+    def _entry(choice: _Choice, text: str, logprobs) -> dict:
+        return {"index": choice.index, "text": text, "logprobs": logprobs, "finish_reason": choice.finish_reason,
+                "stop_reason": choice.stop_reason}  # fmt: skip
+
+
+class _ChatFormat(_Format):
+    id_prefix, object, chunk_object = "chatcmpl", "chat.completion", "chat.completion.chunk"
+
+    def logprobs(self, choice: _Choice, out: RequestOutput):
+        if self.num_logprobs is None:
+            return None
+
+        def entry(token: int, logprob: float) -> dict:
+            text = self.token_text(token)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+        content = []
+        for token, dist in zip(out.new_token_ids, out.logprobs or []):
+            top = [entry(t, v) for t, v in list(dist.items())[: self.num_logprobs]]
+            content.append({**entry(token, dist[token]), "top_logprobs": top})
+        choice.logprobs = choice.logprobs or {"content": []}
+        choice.logprobs["content"].extend(content)
+        return {"content": content}
+
+    def opening(self, choices: list[_Choice]) -> list[dict]:  # every choice opens with the role
+        return [{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                 "finish_reason": None} for c in choices]  # fmt: skip
+
+    def choice(self, choice: _Choice) -> dict:
+        return {"index": choice.index, "message": {"role": "assistant", "content": choice.text},
+                "logprobs": choice.logprobs, "finish_reason": choice.finish_reason,
+                "stop_reason": choice.stop_reason}  # fmt: skip
+
+    def delta(self, choice: _Choice, out: RequestOutput, logprobs) -> dict:
+        delta = {"content": out.new_text} if out.new_text or not out.finished else {}
+        return {"index": choice.index, "delta": delta, "logprobs": logprobs, "finish_reason": choice.finish_reason,
+                "stop_reason": choice.stop_reason}  # fmt: skip
 
 
 def _sse(obj) -> str:
@@ -213,102 +377,169 @@ async def _wait_for_disconnect(request: Request) -> None:
 
 
 class _Server:
-    def __init__(self, engine: AsyncLLMEngine, tokenizer, model_name: str, chat_template, bos_token, eos_token):
+    def __init__(self, engine: AsyncLLMEngine, tokenizer, model_name: str, chat_template, bos_token, eos_token,
+                 limits: ServerLimits):  # fmt: skip
         self.engine = engine
         self.tokenizer = tokenizer
         self.model_name = model_name
+        self.limits = limits
         self.chat_template = pick_template(chat_template)
         if self.chat_template is not None:
-            compile_template(self.chat_template)  # a broken template fails at start, not per request
+            compile_template(self.chat_template, limits.chat_template)  # a broken template fails at start
         else:
             logger.warning(NO_TEMPLATE_NOTICE)
-        config = engine.engine.model.config
-        default_bos, default_eos = special_tokens(tokenizer, config)
+        default_bos, default_eos = special_tokens(tokenizer, engine.bos_token_id, engine.eos_token_ids)
         self.bos_token = default_bos if bos_token is None else bos_token
         self.eos_token = default_eos if eos_token is None else eos_token
         self.created = int(time.time())
+        self.draining = False  # shutdown began: new requests get 503
+        self.cut = False  # shutdown's grace period is over: requests still running were aborted
+        self.in_flight: set[str] = set()
 
-    # -- shared --------------------------------------------------------------------------------------------
+    # -- shutdown -------------------------------------------------------------------------------------------
 
-    def check_model(self, model: str | None) -> None:
+    def begin_shutdown(self, timeout_s: float) -> None:
+        """Refuse new requests from now on; in `timeout_s` seconds abort those still running."""
+        if self.draining:
+            return
+        self.draining = True
+        logger.info("shutting down: %d request(s) in flight get %g s to finish", len(self.in_flight), timeout_s)
+        asyncio.get_running_loop().call_later(timeout_s, self.cut_in_flight)
+
+    def cut_in_flight(self) -> None:
+        self.cut = True
+        if self.in_flight:
+            logger.warning("shutdown: aborting %d request(s) still running", len(self.in_flight))
+        for req_id in list(self.in_flight):
+            self.engine.abort(req_id)  # its stream ends; respond() sees self.cut and says why
+
+    # -- checks before a request starts ---------------------------------------------------------------------
+
+    def admit(self, model: str | None) -> None:
+        if self.draining:
+            raise _shutting_down()
         if model not in (None, "", self.model_name):
             raise _ApiError(f"the model '{model}' does not exist; this server serves '{self.model_name}'",
                             status=404, param="model", code="model_not_found")  # fmt: skip
+        most = self.engine.max_num_seqs + self.limits.max_waiting_requests
+        if self.engine.num_requests >= most:
+            raise _ApiError(f"the server is busy: {self.engine.num_requests} requests are in flight (at most {most})",
+                            status=429, code="queue_full",
+                            headers={"Retry-After": str(self.limits.retry_after_s)})  # fmt: skip
 
-    def token_text(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id], skip_special_tokens=False)
-
-    async def start(self, prompt_ids: list[int], params: SamplingParams, req_id: str):
-        """Start the request and wait for its first output, so that an invalid request raises here (-> 400)."""
-        stream = self.engine.generate(prompt_ids, params, req_id)
+    def check_limits(self, params: SamplingParams, prompt_ids: list[int], prompt_param: str) -> None:
+        """The server's own limits, then the engine's (prompt length, vocabulary): all before the request starts."""
+        lim = self.limits
+        if params.n > lim.max_n:
+            raise _ApiError(f"n={params.n} is more than this server's limit of {lim.max_n}", param="n")
+        if len(params.stop) > lim.max_stop or any(len(s) > lim.max_stop_chars for s in params.stop):
+            raise _ApiError(f"stop: at most {lim.max_stop} strings of at most {lim.max_stop_chars} characters",
+                            param="stop")  # fmt: skip
         try:
-            first = await anext(stream)
-        except StopAsyncIteration:
-            first = None  # aborted before it produced anything
+            self.engine.check_request(prompt_ids, params)
+        except RequestError as e:
+            raise _ApiError(str(e), param=prompt_param if e.param == "prompt" else e.param) from None
+        room = self.engine.max_model_len - len(prompt_ids)
+        if params.max_tokens is not None and params.max_tokens > room:
+            raise _ApiError(f"max_tokens={params.max_tokens} with a prompt of {len(prompt_ids)} tokens passes the "
+                            f"model's context of {self.engine.max_model_len} tokens; at most {room} can be generated",
+                            param="max_tokens")  # fmt: skip
+
+    # -- the one generation path ----------------------------------------------------------------------------
+
+    async def respond(self, request: Request, fmt: _Format, prompt_ids: list[int], params: SamplingParams,
+                      stream: bool, include_usage: bool):  # fmt: skip
+        req_id, created = f"{fmt.id_prefix}-{uuid.uuid4().hex}", int(time.time())
+        choices = [_Choice(i) for i in range(params.n)]
+
+        def envelope(choice_list: list[dict], obj: str, **extra) -> dict:
+            return {"id": req_id, "object": obj, "created": created, "model": self.model_name,
+                    "choices": choice_list, **extra}  # fmt: skip
+
+        def usage() -> dict:
+            completion = sum(c.num_tokens for c in choices)
+            return {"prompt_tokens": len(prompt_ids), "completion_tokens": completion,
+                    "total_tokens": len(prompt_ids) + completion}  # fmt: skip
+
+        def chunks_for(out: RequestOutput) -> list[dict]:
+            choice = choices[out.index]
+            lp = fmt.logprobs(choice, out)
+            choice.update(out)
+            if not out.new_text and not out.finished and lp is None:
+                return []  # text held back (an incomplete character, a possible stop string)
+            return [envelope([fmt.delta(choice, out, lp)], fmt.chunk_object)]
+
+        engine_stream = self.engine.generate(prompt_ids, params, req_id)
+        self.in_flight.add(req_id)
+        try:
+            first = await anext(engine_stream, None)  # an invalid request raises here: a 400, not a stream
         except BaseException:
-            await stream.aclose()
+            self.in_flight.discard(req_id)
+            await engine_stream.aclose()
             raise
-        return stream, first
 
-    async def run_to_end(self, request: Request, prompt_ids, params, req_id, on_output) -> bool:
-        """Feed every output to on_output until all sequences finish; False if the client left first."""
-
-        async def consume():
-            stream, first = await self.start(prompt_ids, params, req_id)
-            async with contextlib.aclosing(stream):
+        if not stream:
+            async def consume() -> None:
                 if first is not None:
-                    on_output(first)
-                async for out in stream:
-                    on_output(out)
+                    chunks_for(first)
+                async for out in engine_stream:
+                    chunks_for(out)
 
-        work = asyncio.ensure_future(consume())
+            try:
+                if not await self._until_disconnect(request, consume(), req_id):
+                    return Response(status_code=499)
+            finally:
+                self.in_flight.discard(req_id)
+                await engine_stream.aclose()
+            if self.cut and any(c.finish_reason is None for c in choices):
+                raise _shutting_down()
+            return envelope([fmt.choice(c) for c in choices], fmt.object, usage=usage())
+
+        async def body() -> AsyncIterator[str]:
+            try:
+                for entry in fmt.opening(choices):
+                    yield _sse(envelope([entry], fmt.chunk_object))
+                if first is not None:
+                    for chunk in chunks_for(first):
+                        yield _sse(chunk)
+                async for out in engine_stream:
+                    for chunk in chunks_for(out):
+                        yield _sse(chunk)
+                if self.cut and any(c.finish_reason is None for c in choices):
+                    raise _shutting_down()
+                if include_usage:
+                    yield _sse(envelope([], fmt.chunk_object, usage=usage()))
+            except _ApiError as e:  # cannot become an HTTP status any more: the stream has started
+                yield _sse(_error_body(e.message, e.status, e.param, e.code))
+            except LlmcError as e:
+                yield _sse(_error_body(str(e), 400, getattr(e, "param", None)))
+            except Exception as e:
+                logger.exception("generation failed")
+                yield _sse(_error_body(f"internal error: {type(e).__name__}: {e}", 500))
+            finally:
+                self.in_flight.discard(req_id)
+                await engine_stream.aclose()
+            yield _SSE_DONE
+
+        return _SSEResponse(body())
+
+    @staticmethod
+    async def _until_disconnect(request: Request, work, req_id: str) -> bool:
+        """Run `work` to its end; False (and work cancelled, so its request aborted) if the client left first."""
+        work = asyncio.ensure_future(work)
         gone = asyncio.ensure_future(_wait_for_disconnect(request))
         try:
             await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
             if work.done():
-                work.result()  # re-raises a RequestError
+                work.result()  # re-raises a request's failure
                 return True
             logger.info("client disconnected; request %s aborted", req_id)
             return False
         finally:
             gone.cancel()
             if not work.done():
-                work.cancel()  # closes the engine stream: the request is aborted
+                work.cancel()
                 await asyncio.gather(work, return_exceptions=True)
-
-    def usage(self, num_prompt: int, choices: list[_Choice]) -> dict:
-        completion = sum(c.num_tokens for c in choices)
-        return {"prompt_tokens": num_prompt, "completion_tokens": completion, "total_tokens": num_prompt + completion}
-
-    @staticmethod
-    def update_choice(choice: _Choice, out: RequestOutput) -> None:
-        choice.text += out.new_text
-        choice.num_tokens = out.num_output_tokens
-        if out.finished:
-            choice.finish_reason, choice.stop_reason = out.finish_reason, out.stop_reason
-
-    async def stream_chunks(self, stream, first, choices, params, make_chunks, usage_chunk) -> AsyncIterator[str]:
-        """The SSE body: make_chunks(out) -> chunk dicts per output, then the usage chunk (if any), then [DONE]."""
-        try:
-            for chunk in make_chunks(None):  # opening chunks (chat: the assistant role)
-                yield _sse(chunk)
-            if first is not None:
-                for chunk in make_chunks(first):
-                    yield _sse(chunk)
-            async for out in stream:
-                for chunk in make_chunks(out):
-                    yield _sse(chunk)
-            if usage_chunk is not None:
-                yield _sse(usage_chunk())
-        except LlmcError as e:  # cannot become a 400 any more: the stream has started
-            yield _sse({"error": {"message": str(e), "type": "invalid_request_error", "param": None, "code": None}})
-        except Exception as e:
-            logger.exception("generation failed")
-            yield _sse({"error": {"message": f"internal error: {e}", "type": "server_error", "param": None,
-                                  "code": None}})  # fmt: skip
-        finally:
-            await stream.aclose()
-        yield _SSE_DONE
 
     # -- /v1/completions -----------------------------------------------------------------------------------
 
@@ -322,71 +553,18 @@ class _Server:
         raise _ApiError("this server takes one prompt per request; send the prompts as separate requests",
                         param="prompt")  # fmt: skip
 
-    def completion_logprobs(self, choice: _Choice, out: RequestOutput, k: int) -> dict:
-        """OpenAI's legacy logprobs object for the new tokens of `out`."""
-        lp = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        for token, dist in zip(out.new_token_ids, out.logprobs or []):
-            text = self.token_text(token)
-            lp["tokens"].append(text)
-            lp["token_logprobs"].append(dist[token])
-            lp["top_logprobs"].append({self.token_text(t): v for t, v in list(dist.items())[:k]})
-            lp["text_offset"].append(choice.text_offset)
-            choice.text_offset += len(text)
-        return lp
-
-    async def completions(self, body: CompletionRequest, request: Request):
-        self.check_model(body.model)
+    async def completions(self, request: Request):
+        body = await _parse_body(request, CompletionRequest, self.limits)
+        self.admit(body.model)
         if body.best_of is not None and body.best_of != (body.n or 1):
             raise _ApiError("best_of other than n is not supported", param="best_of")
         params = body.sampling_params(max_tokens=body.max_tokens, logprobs=body.logprobs)
-        prompt_ids = self.completion_prompt(body.prompt)
-        req_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        choices = [_Choice(i) for i in range(params.n)]
-        want_logprobs = params.logprobs is not None
-
-        def choice_json(choice: _Choice, text: str, logprobs) -> dict:
-            return {"index": choice.index, "text": text, "logprobs": logprobs,
-                    "finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason}  # fmt: skip
-
-        def envelope(choice_list, **extra) -> dict:
-            return {"id": req_id, "object": "text_completion", "created": created, "model": self.model_name,
-                    "choices": choice_list, **extra}  # fmt: skip
-
-        if not body.stream:
-            full_logprobs: list[dict] = [{} for _ in choices]
-
-            def on_output(out: RequestOutput) -> None:
-                choice = choices[out.index]
-                if want_logprobs:
-                    lp = self.completion_logprobs(choice, out, params.logprobs)
-                    acc = full_logprobs[out.index]
-                    for key, values in lp.items():
-                        acc.setdefault(key, []).extend(values)
-                self.update_choice(choice, out)
-
-            if not await self.run_to_end(request, prompt_ids, params, req_id, on_output):
-                return Response(status_code=499)
-            return envelope(
-                [choice_json(c, c.text, full_logprobs[c.index] if want_logprobs else None) for c in choices],
-                usage=self.usage(len(prompt_ids), choices),
-            )
-
-        stream, first = await self.start(prompt_ids, params, req_id)
-
-        def make_chunks(out: RequestOutput | None) -> list[dict]:
-            if out is None:
-                return []
-            choice = choices[out.index]
-            lp = self.completion_logprobs(choice, out, params.logprobs) if want_logprobs else None
-            self.update_choice(choice, out)
-            if not out.new_text and not out.finished and lp is None:
-                return []  # text held back (an incomplete character, a possible stop string)
-            return [envelope([choice_json(choice, out.new_text, lp)])]
-
-        usage_chunk = None
-        if body.stream_options is not None and body.stream_options.include_usage:
-            usage_chunk = lambda: envelope([], usage=self.usage(len(prompt_ids), choices))  # noqa: E731
-        return _SSEResponse(self.stream_chunks(stream, first, choices, params, make_chunks, usage_chunk))
+        prompt = body.prompt
+        prompt_ids = (await asyncio.to_thread(self.completion_prompt, prompt) if isinstance(prompt, str)
+                      and len(prompt) > self.limits.parse_off_loop_bytes else self.completion_prompt(prompt))  # fmt: skip
+        self.check_limits(params, prompt_ids, "prompt")
+        fmt = _CompletionFormat(self.token_text, params.logprobs)
+        return await self.respond(request, fmt, prompt_ids, params, body.stream, body.include_usage)
 
     # -- /v1/chat/completions ------------------------------------------------------------------------------
 
@@ -401,18 +579,9 @@ class _Server:
             out.append({**(m.model_extra or {}), "role": m.role, "content": content or ""})
         return out
 
-    def chat_logprobs(self, out: RequestOutput, k: int) -> list[dict]:
-        def entry(token: int, logprob: float) -> dict:
-            text = self.token_text(token)
-            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
-
-        return [
-            {**entry(token, dist[token]), "top_logprobs": [entry(t, v) for t, v in list(dist.items())[:k]]}
-            for token, dist in zip(out.new_token_ids, out.logprobs or [])
-        ]
-
-    async def chat_completions(self, body: ChatCompletionRequest, request: Request):
-        self.check_model(body.model)
+    async def chat_completions(self, request: Request):
+        body = await _parse_body(request, ChatCompletionRequest, self.limits)
+        self.admit(body.model)
         if body.top_logprobs is not None and not body.logprobs:
             raise _ApiError("top_logprobs needs logprobs=true", param="top_logprobs")
         if body.response_format not in (None, {"type": "text"}):
@@ -421,61 +590,21 @@ class _Server:
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         params = body.sampling_params(max_tokens=max_tokens, logprobs=logprobs)
         messages = self.chat_messages(body.messages)
-        prompt_ids = chat_prompt_ids(self.tokenizer, self.chat_template, messages, self.bos_token, self.eos_token)
-        req_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        choices = [_Choice(i) for i in range(params.n)]
-        want_logprobs = params.logprobs is not None
+        # the template runs in a thread: even bounded (chat_template.py), a render may take its whole budget
+        prompt_ids = await asyncio.to_thread(chat_prompt_ids, self.tokenizer, self.chat_template, messages,
+                                             self.bos_token, self.eos_token, self.limits.chat_template)  # fmt: skip
+        self.check_limits(params, prompt_ids, "messages")
+        fmt = _ChatFormat(self.token_text, params.logprobs)
+        return await self.respond(request, fmt, prompt_ids, params, body.stream, body.include_usage)
 
-        def envelope(choice_list, obj="chat.completion.chunk", **extra) -> dict:
-            return {"id": req_id, "object": obj, "created": created, "model": self.model_name,
-                    "choices": choice_list, **extra}  # fmt: skip
-
-        if not body.stream:
-            full_logprobs: list[list] = [[] for _ in choices]
-
-            def on_output(out: RequestOutput) -> None:
-                if want_logprobs:
-                    full_logprobs[out.index].extend(self.chat_logprobs(out, params.logprobs))
-                self.update_choice(choices[out.index], out)
-
-            if not await self.run_to_end(request, prompt_ids, params, req_id, on_output):
-                return Response(status_code=499)
-            return envelope(
-                [
-                    {"index": c.index, "message": {"role": "assistant", "content": c.text},
-                     "logprobs": {"content": full_logprobs[c.index]} if want_logprobs else None,
-                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}  # fmt: skip
-                    for c in choices
-                ],
-                obj="chat.completion",
-                usage=self.usage(len(prompt_ids), choices),
-            )
-
-        stream, first = await self.start(prompt_ids, params, req_id)
-
-        def make_chunks(out: RequestOutput | None) -> list[dict]:
-            if out is None:  # every choice opens with the role
-                return [envelope([{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                   "finish_reason": None}]) for c in choices]  # fmt: skip
-            choice = choices[out.index]
-            lp = {"content": self.chat_logprobs(out, params.logprobs)} if want_logprobs else None
-            self.update_choice(choice, out)
-            if not out.new_text and not out.finished and lp is None:
-                return []
-            delta = {"content": out.new_text} if out.new_text or not out.finished else {}
-            return [envelope([{"index": choice.index, "delta": delta, "logprobs": lp,
-                               "finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason}])]  # fmt: skip
-
-        usage_chunk = None
-        if body.stream_options is not None and body.stream_options.include_usage:
-            usage_chunk = lambda: envelope([], usage=self.usage(len(prompt_ids), choices))  # noqa: E731
-        return _SSEResponse(self.stream_chunks(stream, first, choices, params, make_chunks, usage_chunk))
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
     # -- /v1/models ----------------------------------------------------------------------------------------
 
     def models(self) -> dict:
         card = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "llmc",
-                "max_model_len": self.engine.engine.max_model_len}  # fmt: skip
+                "max_model_len": self.engine.max_model_len}  # fmt: skip
         return {"object": "list", "data": [card]}
 
 
@@ -487,6 +616,7 @@ def create_app(
     *,
     bos_token: str | None = None,
     eos_token: str | None = None,
+    limits: ServerLimits | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible app over `engine` (whose LLMEngine must hold the same tokenizer, for text).
 
@@ -494,7 +624,7 @@ def create_app(
     transcript. bos_token / eos_token: the strings the template sees; by default the tokens of the model
     config's bos_token_id and first eos_token_id. The engine is shut down when the app stops.
     """
-    server = _Server(engine, tokenizer, model_name, chat_template, bos_token, eos_token)
+    server = _Server(engine, tokenizer, model_name, chat_template, bos_token, eos_token, limits or ServerLimits())
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -506,19 +636,14 @@ def create_app(
 
     @app.exception_handler(_ApiError)
     async def api_error(request: Request, e: _ApiError):
-        return _error_response(e.message, e.status, e.param, e.code)
+        return _error_response(e.message, e.status, e.param, e.code, e.headers)
 
     @app.exception_handler(LlmcError)
-    async def llmc_error(request: Request, e: LlmcError):  # RequestError: the request cannot be served
-        param = _error_param(e) if isinstance(e, RequestError) else None
-        if param == "prompt" and request.url.path.endswith("/chat/completions"):
-            param = "messages"
-        return _error_response(str(e), 400, param)
-
-    @app.exception_handler(RequestValidationError)
-    async def validation_error(request: Request, e: RequestValidationError):
-        message, param = _validation_message(e.errors())
-        return _error_response(message, 400, param)
+    async def llmc_error(request: Request, e: LlmcError):
+        if isinstance(e, RequestError):  # the request cannot be served
+            return _error_response(str(e), 400, e.param)
+        logger.error("request failed: %s", e)  # the model's or the checkpoint's fault (a chat template out of bounds)
+        return _error_response(str(e), 500)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException):
@@ -530,12 +655,12 @@ def create_app(
         return _error_response(f"internal error: {type(e).__name__}: {e}", 500)
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request):
-        return await server.completions(body, request)
+    async def completions(request: Request):
+        return await server.completions(request)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request):
-        return await server.chat_completions(body, request)
+    async def chat_completions(request: Request):
+        return await server.chat_completions(request)
 
     @app.get("/v1/models")
     async def models():
@@ -543,6 +668,8 @@ def create_app(
 
     @app.get("/health")
     async def health():
+        if server.draining:
+            return JSONResponse({"status": "shutting down"}, 503)
         if not engine.healthy:
             return JSONResponse({"status": "error", "detail": "the engine loop failed; restart the server"}, 503)
         return {"status": "ok"}
@@ -550,7 +677,37 @@ def create_app(
     return app
 
 
-def serve(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, *, log_level: str = "info") -> None:
-    """Run the app until Ctrl-C (blocking). Open streams get 5 s to finish on shutdown."""
-    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+class _Uvicorn(uvicorn.Server):
+    """uvicorn, with the app's own graceful shutdown: drain on the first signal, exit 0 after it."""
 
+    def __init__(self, config: uvicorn.Config, server: _Server, shutdown_timeout: float):
+        super().__init__(config)
+        self.llmc, self.shutdown_timeout = server, shutdown_timeout
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        # uvicorn's own re-raises the signal after shutting down, which ends the process with -SIGTERM
+        if threading.current_thread() is not threading.main_thread():
+            yield  # signals reach the main thread only; whoever runs the server there stops it
+            return
+        handled = (signal.SIGINT, signal.SIGTERM)
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in handled}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def handle_exit(self, sig, frame) -> None:
+        if not self.llmc.draining and self.started:
+            asyncio.get_running_loop().call_soon_threadsafe(self.llmc.begin_shutdown, self.shutdown_timeout)
+        super().handle_exit(sig, frame)
+
+
+def serve(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, *, log_level: str = "info",
+          shutdown_timeout: float = 30.0) -> None:  # fmt: skip
+    """Run the app until SIGTERM or Ctrl-C (blocking); requests in flight get `shutdown_timeout` s to finish."""
+    # uvicorn's own deadline comes after ours: by then every request has answered, so none gets its plain 500
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                            timeout_graceful_shutdown=shutdown_timeout + 5)  # fmt: skip
+    _Uvicorn(config, app.state.llmc, shutdown_timeout).run()

@@ -2,13 +2,14 @@
 
 import dataclasses
 import io
+import time
 
 import pytest
 from runtime_fakes import FakeConfig, FakeModel, byte_level_bpe
 
 from llmc.errors import ArtifactError, RequestError
 from llmc.runtime.chat import run_chat
-from llmc.runtime.chat_template import NO_TEMPLATE_NOTICE, chat_prompt_ids, render_chat
+from llmc.runtime.chat_template import NO_TEMPLATE_NOTICE, TemplateLimits, chat_prompt_ids, compile_template, render_chat
 from llmc.runtime.engine import LLMEngine
 from llmc.runtime.sampling import SamplingParams
 
@@ -152,3 +153,36 @@ def test_render_chat_equals_transformers(template):
     if template is MISTRAL:
         with pytest.raises(RequestError, match="roles must alternate"):
             render_chat(template, messages[:1] * 2, "<s>", "</s>")
+
+
+# -- hostile templates: the checkpoint's code runs under bounds ----------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "template, match",
+    [
+        ("{{ messages.__class__.__mro__[1].__subclasses__() }}", "unsafe"),  # Python internals
+        ("{{ ().__class__.__base__.__subclasses__() }}", "unsafe"),
+        ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", "took more than"),
+        ("{% set l = range(100000)|list %}{% for a in l %}{% for b in l %}{% endfor %}{% endfor %}", "took more than"),
+        ("{{ 'a' * 1000000000 }}", "would build"),  # no constant folding at compile time either
+        ("{{ 9 ** 100000000 }}", "exponent"),
+        ("{% for i in range(100000) %}{{ 'x' * 1000 }}{% endfor %}", "output passed"),
+        ("{% macro f(n) %}{{ f(n) }}{% endmacro %}{{ f(1) }}", "recursion"),
+    ],
+)
+def test_a_hostile_template_is_refused_with_an_artifact_error(template, match):
+    limits = TemplateLimits(timeout_s=0.5, max_output_chars=1 << 20)
+    start = time.monotonic()
+    with pytest.raises(ArtifactError, match=match):
+        render_chat(template, [{"role": "user", "content": "hi"}], limits=limits)
+    assert time.monotonic() - start < 3
+    assert render_chat(TEMPLATE, [{"role": "user", "content": "hi"}], "<s>", "</s>", limits=limits) == (
+        "<s><|user|>hi</s><|assistant|>")  # the process goes on
+
+
+def test_a_template_too_large_or_broken_is_refused_at_load():
+    with pytest.raises(ArtifactError, match="characters, more than"):
+        compile_template("x" * 1001, TemplateLimits(max_template_chars=1000))
+    with pytest.raises(ArtifactError, match="does not parse"):
+        compile_template("{% if %}")

@@ -281,3 +281,68 @@ def test_async_engine_aborts_when_the_client_leaves_and_rejects_bad_requests():
         assert engine.kv_cache.num_free_blocks == 128
 
     asyncio.run(main())
+
+
+class FailingModel(FakeModel):
+    """Raises on any step that holds `poison`, as a model bug would."""
+
+    poison = 63
+
+    def step(self, batch):
+        if self.poison in batch.token_ids:
+            raise RuntimeError("model failure")
+        return super().step(batch)
+
+
+def test_a_failing_step_aborts_its_requests_and_the_engine_goes_on():
+    engine = LLMEngine(FailingModel(max_num_seqs=1), seed=0)  # one sequence per step: the second request waits
+    bad = engine.add_request([5, FailingModel.poison, 7], SamplingParams(n=2, temperature=0.0, max_tokens=4))
+    good = engine.add_request([5, 6, 7], GREEDY)
+    outputs = engine.step()
+    assert [(o.req_id, o.finish_reason, str(o.error)) for o in outputs] == [(bad, "error", "model failure")]
+    tokens = []
+    while engine.has_unfinished():
+        outputs = engine.step()
+        assert all(o.req_id == good for o in outputs)
+        tokens += [t for o in outputs for t in o.new_token_ids]
+    assert tokens == reference_greedy([5, 6, 7], 20, FakeConfig())
+    assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks
+    with pytest.raises(RuntimeError, match="model failure"):  # the sync convenience API raises it
+        engine.generate([[FailingModel.poison]], GREEDY)
+    assert not engine.has_unfinished()
+
+
+def test_a_sampling_failure_aborts_only_its_request(monkeypatch):
+    import llmc.runtime.engine as engine_module
+
+    engine = engine_for()
+    bad = engine.add_request([3, 4], SamplingParams(temperature=0.0, max_tokens=5, stop_token_ids=[9]))
+    good = engine.add_request([3, 4], SamplingParams(temperature=0.0, max_tokens=5))
+    real = engine_module.sample_next_token
+
+    def sample(logits, params, *args):
+        if params.stop_token_ids:
+            raise ValueError("sampler bug")
+        return real(logits, params, *args)
+
+    monkeypatch.setattr(engine_module, "sample_next_token", sample)
+    outputs = engine.step()
+    assert {o.req_id: o.finish_reason for o in outputs} == {bad: "error", good: None}
+    while engine.has_unfinished():
+        outputs += engine.step()
+    assert sum(len(o.new_token_ids) for o in outputs if o.req_id == good) == 5
+    assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks
+
+
+def test_async_engine_fails_the_request_not_the_loop():
+    async def main():
+        engine = AsyncLLMEngine(LLMEngine(FailingModel(), seed=0))
+        with pytest.raises(RuntimeError, match="model failure"):
+            async for _ in engine.generate([FailingModel.poison], GREEDY):
+                pass
+        got = [t async for out in engine.generate([5, 6, 7], GREEDY) for t in out.new_token_ids]
+        assert engine.healthy and engine.num_requests == 0
+        await engine.shutdown()
+        return got
+
+    assert asyncio.run(main()) == reference_greedy([5, 6, 7], 20, FakeConfig())

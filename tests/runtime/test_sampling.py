@@ -59,11 +59,21 @@ def test_defaults_and_normalization():
         ({"min_tokens": 5, "max_tokens": 4}, "min_tokens"),
         ({"logprobs": 21}, "logprobs"),
         ({"seed": 1.5}, "seed"),
+        ({"seed": -1}, "seed"),  # numpy refuses it deep inside the engine: it must not get that far
+        ({"seed": 2**64}, "seed"),
+        ({"temperature": float("inf")}, "temperature"),
+        ({"temperature": 1e30}, "temperature"),
+        ({"top_p": float("nan")}, "top_p"),
+        ({"min_p": float("nan")}, "min_p"),
+        ({"repetition_penalty": float("inf")}, "repetition_penalty"),
+        ({"frequency_penalty": float("nan")}, "frequency_penalty"),
+        ({"n": True}, "n"),
     ],
 )
 def test_validation_raises_request_error(kwargs, match):
-    with pytest.raises(RequestError, match=match):
+    with pytest.raises(RequestError, match=match) as exc_info:
         SamplingParams(**kwargs)
+    assert exc_info.value.param == next(iter(kwargs))  # the server names it in its 400
 
 
 # -- transforms against numpy references -----------------------------------------------------------------

@@ -3,8 +3,11 @@
 Every answer is checked against the same request run alone through a sync LLMEngine (greedy, or seeded).
 """
 
+import asyncio
 import concurrent.futures
+import contextlib
 import dataclasses
+import json
 import threading
 import time
 
@@ -15,10 +18,11 @@ import uvicorn
 from openai_ask import ask
 from runtime_fakes import FakeConfig, FakeModel, byte_level_bpe
 
-from llmc.runtime.chat_template import chat_prompt_ids
+from llmc.errors import ArtifactError
+from llmc.runtime.chat_template import TemplateLimits, chat_prompt_ids
 from llmc.runtime.engine import AsyncLLMEngine, LLMEngine
 from llmc.runtime.sampling import SamplingParams
-from llmc.runtime.server import create_app
+from llmc.runtime.server import ServerLimits, create_app
 
 MODEL = "tiny-fake"
 NUM_BLOCKS = 128
@@ -35,13 +39,17 @@ class Config(FakeConfig):
 
 
 class SlowModel(FakeModel):
-    """The fake model, with an optional sleep per step so that a test can act while a request runs."""
+    """The fake model, with an optional sleep per step so that a test can act while a request runs, and a
+    poison token: a step that holds it raises, as a model bug would."""
 
     delay = 0.0
+    poison_token: int | None = None
 
     def step(self, batch):
         if self.delay:
             time.sleep(self.delay)
+        if self.poison_token is not None and self.poison_token in batch.token_ids:
+            raise RuntimeError("the model failed on this batch")
         return super().step(batch)
 
 
@@ -67,27 +75,42 @@ def new_model(config):
     return SlowModel(config, num_blocks=NUM_BLOCKS, block_size=16, max_num_tokens=256, max_num_seqs=16)
 
 
-@pytest.fixture(scope="module")
-def server(tok, config):
-    """(base_url, engine, model): uvicorn in a background thread, stopped at the end of the module."""
-    engine = LLMEngine(new_model(config), tok, seed=0)
-    app = create_app(AsyncLLMEngine(engine), tok, MODEL, TEMPLATE)
+@contextlib.contextmanager
+def running(app):
+    """(base_url, uvicorn server, its event loop): the app served in a background thread until the block ends."""
     uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on"))
-    thread = threading.Thread(target=uv.run, name="uvicorn", daemon=True)
+    loops = []
+
+    def run():
+        loop = asyncio.new_event_loop()
+        loops.append(loop)
+        loop.run_until_complete(uv.serve())
+
+    thread = threading.Thread(target=run, name="uvicorn", daemon=True)
     thread.start()
     wait_until(lambda: uv.started or not thread.is_alive(), what="uvicorn to start")
     assert uv.started, "uvicorn did not start"
     port = uv.servers[0].sockets[0].getsockname()[1]
-    yield f"http://127.0.0.1:{port}", engine, engine.model
-    uv.should_exit = True
-    thread.join(timeout=15)
+    try:
+        yield f"http://127.0.0.1:{port}", uv, loops[0]
+    finally:
+        uv.should_exit = True
+        thread.join(timeout=15)
     assert not thread.is_alive(), "uvicorn did not stop"
+
+
+@pytest.fixture(scope="module")
+def server(tok, config):
+    """(base_url, engine, model): uvicorn in a background thread, stopped at the end of the module."""
+    engine = LLMEngine(new_model(config), tok, seed=0)
+    with running(create_app(AsyncLLMEngine(engine), tok, MODEL, TEMPLATE)) as (base, _, _):
+        yield base, engine, engine.model
 
 
 @pytest.fixture
 def client(server):
     base, engine, model = server
-    model.delay = 0.0
+    model.delay, model.poison_token = 0.0, None
     with openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=30) as c:
         yield c
     # every test leaves the engine idle with all blocks free
@@ -366,3 +389,161 @@ def test_health_turns_503_when_the_engine_loop_failed(tok, config):
         engine._error = RuntimeError("a step raised")  # what the loop records when a step fails
         response = http.get("/health")
     assert response.status_code == 503 and response.json()["status"] == "error"
+
+
+# -- hardening: a bad request fails alone ------------------------------------------------------------------
+
+
+def post(base, path, body, **kw):
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return httpx.post(f"{base}{path}", content=content, headers={"content-type": "application/json"}, timeout=30,
+                      **kw)  # fmt: skip
+
+
+def check_raw_error(r, status, param=None):
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) >= {"message", "type", "param", "code"} and err["message"]
+    if param is not None:
+        assert err["param"] == param, err
+    return err
+
+
+def check_still_serving(base):
+    r = post(base, "/v1/completions", {"prompt": "hi", "max_tokens": 2, "temperature": 0})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+    assert httpx.get(f"{base}/health", timeout=10).status_code == 200
+
+
+@pytest.mark.parametrize("path, extra", [("/v1/completions", {"prompt": "hi"}),
+                                         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})])  # fmt: skip
+@pytest.mark.parametrize(
+    "fields, param",
+    [
+        ({"seed": -1}, "seed"),  # once raised inside the engine loop and took the server down for good
+        ({"seed": 2**64}, "seed"),
+        ({"n": 17}, "n"),  # past ServerLimits.max_n
+        ({"n": 100000}, "n"),
+        ({"temperature": 1e30}, "temperature"),
+        ({"top_p": float("nan")}, "top_p"),
+        ({"presence_penalty": float("-inf")}, "presence_penalty"),
+        ({"stop": ["x"] * 17}, "stop"),
+        ({"stop": "y" * 257}, "stop"),
+        ({"max_tokens": 600}, "max_tokens"),  # prompt + max_tokens past the context of 512
+    ],
+)
+def test_bad_values_get_400_naming_the_param_and_the_engine_lives_on(server, client, path, extra, fields, param):
+    base, _, _ = server
+    for stream in (False, True):
+        check_raw_error(post(base, path, {**extra, **fields, "stream": stream}), 400, param)
+    check_still_serving(base)
+
+
+def test_non_finite_json_numbers_and_lone_surrogates_get_400(server, client):
+    base, _, _ = server
+    for raw in (b'{"prompt": "hi", "temperature": Infinity}', b'{"prompt": "hi", "temperature": 1e999}',
+                b'{"prompt": "a\\ud800b"}', b'{"messages": [{"role": "user", "content": "\\udfff"}]}'):  # fmt: skip
+        path = "/v1/chat/completions" if b"messages" in raw else "/v1/completions"
+        check_raw_error(post(base, path, raw), 400)
+    check_still_serving(base)
+
+
+def test_a_request_whose_step_fails_fails_alone(server, client, tok):
+    base, _, model = server
+    model.poison_token = tok.encode("rockets").ids[0]
+    for stream in (False, True):  # the failure comes with the first output, before a stream starts
+        r = post(base, "/v1/completions", {"prompt": "rockets", "max_tokens": 4, "stream": stream})
+        err = check_raw_error(r, 500)
+        assert err["type"] == "server_error" and "the model failed" in err["message"]
+    model.poison_token = None
+    check_still_serving(base)
+
+
+def test_body_over_the_limit_gets_413_by_length_and_by_count(tok, config):
+    from fastapi.testclient import TestClient
+
+    engine = AsyncLLMEngine(LLMEngine(new_model(config), tok))
+    app = create_app(engine, tok, MODEL, TEMPLATE, limits=ServerLimits(max_body_bytes=1000))
+    big = json.dumps({"prompt": "x" * 2000}).encode()
+    with TestClient(app) as http:
+        r = http.post("/v1/completions", content=big, headers={"content-type": "application/json"})
+        assert check_raw_error(r, 413)["code"] == "request_too_large"
+        r = http.post("/v1/completions", content=iter([big[:600], big[600:]]),  # chunked: no Content-Length
+                      headers={"content-type": "application/json"})  # fmt: skip
+        check_raw_error(r, 413)
+        r = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 200
+
+
+def test_a_full_queue_gets_429_with_retry_after(tok, config):
+    model = SlowModel(config, num_blocks=NUM_BLOCKS, block_size=16, max_num_tokens=256, max_num_seqs=1)
+    model.delay = 0.01
+    engine = LLMEngine(model, tok)
+    app = create_app(AsyncLLMEngine(engine), tok, MODEL, TEMPLATE, limits=ServerLimits(max_waiting_requests=1))
+    with running(app) as (base, _, _), concurrent.futures.ThreadPoolExecutor(2) as pool:
+        long = {"prompt": "hi", "max_tokens": 300, "ignore_eos": True}
+        busy = [pool.submit(post, base, "/v1/completions", long) for _ in range(2)]  # one running, one waiting
+        wait_until(lambda: engine.scheduler.num_waiting == 1, what="a request to wait")
+        r = post(base, "/v1/completions", {"prompt": "hi", "max_tokens": 2})
+        assert check_raw_error(r, 429)["code"] == "queue_full"
+        assert r.headers["retry-after"] == "1"
+        model.delay = 0.0
+        assert [f.result(timeout=60).status_code for f in busy] == [200, 200]
+        check_still_serving(base)
+
+
+HOSTILE_TEMPLATES = {
+    "python internals": "{{ messages.__class__.__mro__[1].__subclasses__() }}",
+    "a huge loop": "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+    "a huge literal": "{{ 'a' * 1000000000 }}",
+    "a huge output": "{% for i in range(100000) %}{{ messages }}{{ 'x' * 100000 }}{% endfor %}",
+}
+
+
+@pytest.mark.parametrize("name", HOSTILE_TEMPLATES)
+def test_a_hostile_chat_template_is_refused_and_the_server_keeps_answering(tok, config, name):
+    engine = AsyncLLMEngine(LLMEngine(new_model(config), tok))
+    limits = ServerLimits(chat_template=TemplateLimits(timeout_s=0.5))
+    app = create_app(engine, tok, MODEL, HOSTILE_TEMPLATES[name], limits=limits)
+    with running(app) as (base, _, _):
+        start = time.monotonic()
+        r = post(base, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})
+        assert time.monotonic() - start < 5
+        err = check_raw_error(r, 500)
+        assert "chat template" in err["message"], err
+        check_still_serving(base)
+
+
+def test_a_chat_template_that_cannot_compile_is_refused_at_load(tok, config):
+    engine = AsyncLLMEngine(LLMEngine(new_model(config), tok))
+    with pytest.raises(ArtifactError, match="does not parse"):
+        create_app(engine, tok, MODEL, "{% for %}")
+    with pytest.raises(ArtifactError, match="characters, more than"):
+        create_app(engine, tok, MODEL, "x" * 2000, limits=ServerLimits(chat_template=TemplateLimits(max_template_chars=1000)))
+
+
+def test_shutdown_refuses_new_requests_and_cuts_the_rest_with_an_error(tok, config):
+    model = new_model(config)
+    model.delay = 0.01
+    engine = LLMEngine(model, tok)
+    app = create_app(AsyncLLMEngine(engine), tok, MODEL, TEMPLATE)
+    long = {"prompt": "hi", "max_tokens": 400, "ignore_eos": True}
+    with running(app) as (base, _, loop), concurrent.futures.ThreadPoolExecutor(2) as pool:
+        def stream_lines():
+            with httpx.stream("POST", f"{base}/v1/completions", json={**long, "stream": True}, timeout=30) as r:
+                return [line for line in r.iter_lines() if line]
+
+        streamed = pool.submit(stream_lines)
+        waited = pool.submit(post, base, "/v1/completions", long)
+        wait_until(lambda: len(engine.scheduler.running) == 2, what="both requests to run")
+        loop.call_soon_threadsafe(app.state.llmc.begin_shutdown, 0.3)
+        wait_until(lambda: app.state.llmc.draining, what="the shutdown to begin")
+        assert check_raw_error(post(base, "/v1/completions", {"prompt": "hi"}), 503)["code"] == "shutting_down"
+        assert httpx.get(f"{base}/health", timeout=10).status_code == 503
+        r = waited.result(timeout=30)
+        assert check_raw_error(r, 503)["code"] == "shutting_down"
+        lines = streamed.result(timeout=30)
+        assert lines[-1] == "data: [DONE]"
+        assert json.loads(lines[-2].removeprefix("data: "))["error"]["code"] == "shutting_down"
+        wait_until(lambda: not engine.has_unfinished(), what="the cut requests to leave the engine")
+        assert engine.kv_cache.num_free_blocks == NUM_BLOCKS
