@@ -41,43 +41,43 @@ constexpr unsigned kFullMask = 0xffffffffu;
 
 // ---------------------------------------------------------------------------------------------------
 // reductions
-template <int WIDTH = 32>
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-  for (int o = WIDTH / 2; o > 0; o >>= 1) v += __shfl_xor_sync(kFullMask, v, o, WIDTH);
-  return v;
-}
-template <int WIDTH = 32>
-__device__ __forceinline__ float warp_max(float v) {
-#pragma unroll
-  for (int o = WIDTH / 2; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(kFullMask, v, o, WIDTH));
-  return v;
-}
+struct SumOp {
+  static __device__ __forceinline__ float identity() { return 0.0f; }
+  __device__ __forceinline__ float operator()(float a, float b) const { return a + b; }
+};
+struct MaxOp {
+  static __device__ __forceinline__ float identity() { return -INFINITY; }
+  __device__ __forceinline__ float operator()(float a, float b) const { return fmaxf(a, b); }
+};
 
-// Every thread of the (1-D, blockDim.x % 32 == 0) block gets the total. Contains two __syncthreads, so
+// Every lane of the WIDTH-lane group gets the result (butterfly through __shfl_xor_sync).
+template <class Op, int WIDTH = 32>
+__device__ __forceinline__ float warp_reduce(float v) {
+#pragma unroll
+  for (int o = WIDTH / 2; o > 0; o >>= 1) v = Op()(v, __shfl_xor_sync(kFullMask, v, o, WIDTH));
+  return v;
+}
+template <int WIDTH = 32>
+__device__ __forceinline__ float warp_sum(float v) { return warp_reduce<SumOp, WIDTH>(v); }
+template <int WIDTH = 32>
+__device__ __forceinline__ float warp_max(float v) { return warp_reduce<MaxOp, WIDTH>(v); }
+
+// Every thread of the (1-D, blockDim.x % 32 == 0) block gets the result. Contains two __syncthreads, so
 // every thread must call it; it may be called repeatedly.
-__device__ __forceinline__ float block_sum(float v) {
+template <class Op>
+__device__ __forceinline__ float block_reduce(float v) {
   __shared__ float llmc_scratch[32];
   const unsigned lane = threadIdx.x & 31u, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
-  v = warp_sum(v);
+  v = warp_reduce<Op>(v);
   if (lane == 0) llmc_scratch[warp] = v;
   __syncthreads();
-  v = lane < nwarps ? llmc_scratch[lane] : 0.0f;
-  v = warp_sum(v);
+  v = lane < nwarps ? llmc_scratch[lane] : Op::identity();
+  v = warp_reduce<Op>(v);
   __syncthreads();  // the scratch may be reused by the next call
   return v;
 }
-__device__ __forceinline__ float block_max(float v) {
-  __shared__ float llmc_scratch[32];
-  const unsigned lane = threadIdx.x & 31u, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
-  v = warp_max(v);
-  if (lane == 0) llmc_scratch[warp] = v;
-  __syncthreads();
-  v = lane < nwarps ? llmc_scratch[lane] : -INFINITY;
-  v = warp_max(v);
-  __syncthreads();
-  return v;
-}
+__device__ __forceinline__ float block_sum(float v) { return block_reduce<SumOp>(v); }
+__device__ __forceinline__ float block_max(float v) { return block_reduce<MaxOp>(v); }
 
 // ---------------------------------------------------------------------------------------------------
 // bf16 loads (pointers aligned to the load width) and bf16 / fp16 packing. Element 2j of a packed pair is
@@ -119,95 +119,62 @@ __device__ __forceinline__ uint32_t pack_f16x2(float lo, float hi) {
 // Fragments (g = lane / 4, t = lane % 4, register r, half h):
 //   a[r] = A(g + 8*(r&1), 2t + h + 8*(r>>1)),  b[r] = B(k = 2t + h + 8r, n = g),
 //   c[i], d[i] = C(g + 8*(i>>1), 2t + (i&1)).   d may alias c. All 32 lanes must call it together.
-__device__ __forceinline__ void mma_m16n8k16_bf16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2],
-                                                  const float (&c)[4] LLMC_SITE_DECL) {
+// The simulator gathers the operands of all 32 lanes at once (llmc_sim_mma.h).
 #ifdef LLMC_SIMULATOR
-  llmc_sim::Thread& t = llmc_sim::self();
-  t.p[0] = a; t.p[1] = b; t.p[2] = c; t.q = d;
-  llmc_sim::warp_op(llmc_sim::Op::Mma, kFullMask, 0, /*f16=*/0, 0, llmc_file_, llmc_line_);
+#define LLMC_MMA_M16N8K16(NAME, AB, IS_F16)                                                            \
+  __device__ __forceinline__ void NAME(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2],    \
+                                       const float (&c)[4] LLMC_SITE_DECL) {                            \
+    llmc_sim::Thread& t = llmc_sim::self();                                                            \
+    t.p[0] = a, t.p[1] = b, t.p[2] = c, t.q = d;                                                       \
+    llmc_sim::warp_op(llmc_sim::Op::Mma, kFullMask, 0, IS_F16, 0, llmc_file_, llmc_line_);             \
+  }
 #else
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%10,%11,%12,%13};\n"
-      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]));
+#define LLMC_MMA_M16N8K16(NAME, AB, IS_F16)                                                                \
+  __device__ __forceinline__ void NAME(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2],        \
+                                       const float (&c)[4]) {                                               \
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." AB "." AB ".f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "   \
+                 "{%8,%9}, {%10,%11,%12,%13};\n"                                                            \
+                 : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])                                           \
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "f"(c[0]), "f"(c[1]), \
+                   "f"(c[2]), "f"(c[3]));                                                                   \
+  }
 #endif
-}
-__device__ __forceinline__ void mma_m16n8k16_f16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2],
-                                                 const float (&c)[4] LLMC_SITE_DECL) {
-#ifdef LLMC_SIMULATOR
-  llmc_sim::Thread& t = llmc_sim::self();
-  t.p[0] = a; t.p[1] = b; t.p[2] = c; t.q = d;
-  llmc_sim::warp_op(llmc_sim::Op::Mma, kFullMask, 0, /*f16=*/1, 0, llmc_file_, llmc_line_);
-#else
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%10,%11,%12,%13};\n"
-      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]));
-#endif
-}
+LLMC_MMA_M16N8K16(mma_m16n8k16_bf16, "bf16", 0)
+LLMC_MMA_M16N8K16(mma_m16n8k16_f16, "f16", 1)
+#undef LLMC_MMA_M16N8K16
 
 // ---------------------------------------------------------------------------------------------------
 // ldmatrix.sync.aligned.m8n8.{x1,x2,x4}{.trans}.shared.b16. Lane 8j + i passes the (16-byte aligned) shared
 // address of row i of matrix j (x1: lanes 0-7, x2: 0-15, x4: all). Lane t receives in r[j]
 // {M_j[t/4][2(t%4)], M_j[t/4][2(t%4)+1]} (lo, hi); with .trans the same of M_j transposed.
+// LLMC_LDMATRIX(name, NUM matrices, TRANS, PTX registers, r's output operands): NUM is also the PTX operand
+// number of the address.
 #ifdef LLMC_SIMULATOR
-#define LLMC_LDMATRIX(NUM, TRANS)                                                                  \
-  llmc_sim::Thread& t = llmc_sim::self();                                                          \
-  t.p[0] = smem_row;                                                                               \
-  t.q = r;                                                                                         \
-  llmc_sim::warp_op(llmc_sim::Op::Ldmatrix, kFullMask, 0, NUM, TRANS, llmc_file_, llmc_line_);
-#endif
-__device__ __forceinline__ void ldmatrix_x1(uint32_t (&r)[1], const void* smem_row LLMC_SITE_DECL) {
-#ifdef LLMC_SIMULATOR
-  LLMC_LDMATRIX(1, 0)
+#define LLMC_LDMATRIX(NAME, NUM, TRANS, ...)                                                     \
+  __device__ __forceinline__ void NAME(uint32_t (&r)[NUM], const void* smem_row LLMC_SITE_DECL) { \
+    llmc_sim::Thread& t = llmc_sim::self();                                                      \
+    t.p[0] = smem_row, t.q = r;                                                                  \
+    llmc_sim::warp_op(llmc_sim::Op::Ldmatrix, kFullMask, 0, NUM, TRANS, llmc_file_, llmc_line_); \
+  }
 #else
-  const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(smem_row));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x1.shared.b16 {%0}, [%1];\n" : "=r"(r[0]) : "r"(addr));
+#define LLMC_LDMATRIX_SUFFIX0 ""
+#define LLMC_LDMATRIX_SUFFIX1 ".trans"
+#define LLMC_LDMATRIX(NAME, NUM, TRANS, REGS, ...)                                                          \
+  __device__ __forceinline__ void NAME(uint32_t (&r)[NUM], const void* smem_row) {                          \
+    const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(smem_row));                        \
+    asm volatile("ldmatrix.sync.aligned.m8n8.x" #NUM LLMC_LDMATRIX_SUFFIX##TRANS ".shared.b16 " REGS ", [%" \
+                 #NUM "];\n" : __VA_ARGS__ : "r"(addr));                                                    \
+  }
 #endif
-}
-__device__ __forceinline__ void ldmatrix_x2(uint32_t (&r)[2], const void* smem_row LLMC_SITE_DECL) {
-#ifdef LLMC_SIMULATOR
-  LLMC_LDMATRIX(2, 0)
-#else
-  const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(smem_row));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n" : "=r"(r[0]), "=r"(r[1]) : "r"(addr));
-#endif
-}
-__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* smem_row LLMC_SITE_DECL) {
-#ifdef LLMC_SIMULATOR
-  LLMC_LDMATRIX(4, 0)
-#else
-  const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(smem_row));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
-#endif
-}
-__device__ __forceinline__ void ldmatrix_x1_trans(uint32_t (&r)[1], const void* smem_row LLMC_SITE_DECL) {
-#ifdef LLMC_SIMULATOR
-  LLMC_LDMATRIX(1, 1)
-#else
-  const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(smem_row));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x1.trans.shared.b16 {%0}, [%1];\n" : "=r"(r[0]) : "r"(addr));
-#endif
-}
-__device__ __forceinline__ void ldmatrix_x2_trans(uint32_t (&r)[2], const void* smem_row LLMC_SITE_DECL) {
-#ifdef LLMC_SIMULATOR
-  LLMC_LDMATRIX(2, 1)
-#else
-  const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(smem_row));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n" : "=r"(r[0]), "=r"(r[1]) : "r"(addr));
-#endif
-}
-__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* smem_row LLMC_SITE_DECL) {
-#ifdef LLMC_SIMULATOR
-  LLMC_LDMATRIX(4, 1)
-#else
-  const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(smem_row));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
-#endif
-}
+LLMC_LDMATRIX(ldmatrix_x1, 1, 0, "{%0}", "=r"(r[0]))
+LLMC_LDMATRIX(ldmatrix_x2, 2, 0, "{%0,%1}", "=r"(r[0]), "=r"(r[1]))
+LLMC_LDMATRIX(ldmatrix_x4, 4, 0, "{%0,%1,%2,%3}", "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]))
+LLMC_LDMATRIX(ldmatrix_x1_trans, 1, 1, "{%0}", "=r"(r[0]))
+LLMC_LDMATRIX(ldmatrix_x2_trans, 2, 1, "{%0,%1}", "=r"(r[0]), "=r"(r[1]))
+LLMC_LDMATRIX(ldmatrix_x4_trans, 4, 1, "{%0,%1,%2,%3}", "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]))
 #undef LLMC_LDMATRIX
+#undef LLMC_LDMATRIX_SUFFIX0
+#undef LLMC_LDMATRIX_SUFFIX1
 
 // ---------------------------------------------------------------------------------------------------
 // cp.async (global -> shared, 16 bytes, both 16-byte aligned). The data may be read only after this thread's
