@@ -243,24 +243,29 @@ class LlmcStep:
     def __init__(self, path: Path, max_len: int):
         from llmc.runtime.module import CompiledModel
 
+        from llmc.runtime.kv_cache import KVCacheManager
+
         self.model = CompiledModel.load(path, kv_cache_memory=64 << 20, max_num_tokens=256, max_num_seqs=4)
-        bs = self.model.block_size
-        self.blocks = list(range(-(-max_len // bs)))
-        assert len(self.blocks) <= self.model.num_blocks
+        self.kv_cache = KVCacheManager(self.model.num_blocks, self.model.block_size)  # the runtime's blocks
+        self.max_len = max_len
 
     def generate(self, prompt: list[int], n: int) -> tuple[float, list[int]]:
         """Prefill the prompt (untimed), then n greedy decode steps: (seconds of the n steps, the n + 1 tokens)."""
         import numpy as np
         from llmc.runtime.batch import StepBatch
 
-        bs = self.model.block_size
-        logits = self.model.step(StepBatch.build([prompt], [0], [self.blocks], bs))
+        assert len(prompt) + n <= self.max_len
+        if "bench" in self.kv_cache:
+            self.kv_cache.free("bench")
+        assert self.kv_cache.allocate_slots("bench", len(prompt) + n), "the cache was sized for max_len"
+        blocks, bs = self.kv_cache.block_ids("bench"), self.model.block_size
+        logits = self.model.step(StepBatch.build([prompt], [0], [blocks], bs))
         tok = int(np.argmax(logits[0]))
         out = [tok]
         pos = len(prompt)
         t = time.perf_counter()
         for _ in range(n):
-            logits = self.model.step(StepBatch.build([[tok]], [pos], [self.blocks], bs))
+            logits = self.model.step(StepBatch.build([[tok]], [pos], [blocks], bs))
             tok = int(np.argmax(logits[0]))
             out.append(tok)
             pos += 1
