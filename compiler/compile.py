@@ -12,9 +12,10 @@ from pathlib import Path
 import tvm
 from tqdm import tqdm
 
+from llmc.artifact import write_artifact
 from llmc.errors import CompileError
+from llmc.targets import Target, load_target
 
-from .artifact import write_artifact
 from .codegen.build import build_shared_library
 from .codegen.module import render_module
 from .codegen.render import template_file
@@ -26,7 +27,6 @@ from .frontend.trace import trace
 from .lower import KernelProgram, lower
 from .passes.common import rewrite_counts
 from .passes.pipeline import run_passes
-from .targets import Target, load_target
 from .weights import write_packed_weights
 
 WEIGHT_DTYPES = ("auto", "float32", "bfloat16")
@@ -68,28 +68,28 @@ def build_program(ckpt: Checkpoint, weight_dtype: str, block_size: int, step=lam
 
 def module_sources(target: Target, source: str, tvm_source: str | None = None) -> dict[str, str]:
     """The files a target's build compiles: the generated sources and the fixed files they need."""
+    family = target.template_dir
     if target.is_cuda:
-        return {"model.cu": source, **{h: template_file("cuda", f"include/{h}") for h in CUDA_HEADERS}}
-    sources = {"model.cc": source, "common.h": template_file("cpu", "common.h")}
+        return {target.source_file: source, **{h: template_file(family, f"include/{h}") for h in CUDA_HEADERS}}
+    sources = {target.source_file: source, "common.h": template_file(family, "common.h")}
     if tvm_source is not None:
-        sources |= {"tvm_kernels.cc": tvm_source, "tvm_backend.cc": template_file("cpu", "tvm_backend.cc")}
+        sources |= {"tvm_kernels.cc": tvm_source, "tvm_backend.cc": template_file(family, "tvm_backend.cc")}
     return sources
 
 
 def build_module(target: Target, source: str, tvm_source: str | None = None) -> Path:
-    if target.is_cuda:
-        flags = ["-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-gencode", target.gencode, "-lineinfo"]
-        return build_shared_library(module_sources(target, source), flags=flags, compiler=nvcc_path())
-    flags = list(target.raw["flags"])
+    """model.so, built with the target's compiler and flags (targets/<name>.toml)."""
+    flags = target.build_flags
     if tvm_source is not None:  # TVM's C includes its headers; -Bsymbolic: our runtime shims, not a loaded TVM's
         flags += [f"-I{d}" for d in include_dirs()] + ["-Wl,-Bsymbolic"]
-    return build_shared_library(module_sources(target, source, tvm_source), flags=flags)
+    compiler = nvcc_path() if target.compiler == "nvcc" else target.compiler  # nvcc: the CUDA toolkit's own
+    return build_shared_library(module_sources(target, source, tvm_source), flags=flags, compiler=compiler)
 
 
 def compile_checkpoint(checkpoint: str | Path, *, target: str = "cpu", output: str | Path,
                        weight_dtype: str = "auto", block_size: int | None = None, progress: bool = False) -> Path:
     tgt = load_target(target)
-    block_size = block_size or tgt.defaults.get("block_size", 16)
+    block_size = block_size or tgt.block_size
     ckpt = load_checkpoint(checkpoint)
     dtype = resolve_weight_dtype(ckpt, weight_dtype)
     bar = tqdm(total=len(STAGES), desc="compile", unit="stage", disable=not progress, leave=False)
@@ -109,7 +109,7 @@ def compile_checkpoint(checkpoint: str | Path, *, target: str = "cpu", output: s
         offsets = write_packed_weights(ckpt, program.weights, weights)
         step("render")
         rendered = render_module(program, tgt, offsets, weights.stat().st_size)
-        (tmp / ("model.cu" if tgt.is_cuda else "model.cc")).write_text(rendered.source)
+        (tmp / tgt.source_file).write_text(rendered.source)
         if rendered.tvm_source is not None:
             (tmp / "tvm_kernels.cc").write_text(rendered.tvm_source)
         step("build")

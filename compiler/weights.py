@@ -14,7 +14,7 @@ finds each tensor at a byte offset fixed at compile time:
 - The data region starts at a 64-byte boundary, and so does every tensor: safetensors allows no gaps
   between tensors, so a gap is filled by a small uint8 tensor named `__pad__.<n>` (ignored by llmc; not in
   the returned offsets). 64 bytes is a cache line and one AVX-512 vector.
-- The sha256 of the written file is computed while writing and remembered (compiler/digests.py), so
+- The sha256 of the written file is computed while writing and remembered (llmc/digests.py), so
   neither the artifact writer nor a later load reads the weights back to hash them.
 """
 
@@ -30,9 +30,8 @@ from pathlib import Path
 
 import torch
 
+from llmc.digests import remember_sha256
 from llmc.errors import CompileError
-
-from .digests import remember_sha256
 
 ALIGN = 64
 _CHUNK_BYTES = 64 << 20  # conversion buffer for one slab of rows

@@ -1,16 +1,24 @@
-"""The compiled artifact: a directory with a manifest, written atomically and checked when loaded.
+"""The compiled artifact: the boundary between compiler and runtime, written atomically and checked when loaded.
+
+The compiler writes artifacts through this module and the runtime reads them through it; it imports
+nothing from either side (the model-config schema is llmc/model_config.py, digests llmc/digests.py, the
+cache directory and host ISA llmc/host.py, targets llmc.targets).
 
 Layout:
-    manifest.json          what was built, for which target, and the sha256 of every other file
+    manifest.json          what was built, for which target, the sha256 of every other file, and of its own fields
     model.so               the module (C ABI of docs/contracts.md)
-    model.cc | model.cu    its generated source (.cu for the CUDA targets), kept to be read
+    model.cc | model.cu    its generated source (.cu for targets of kind "cuda"), kept to be read
     weights.safetensors    packed weights (compiler/weights.py)
     tokenizer.json         and tokenizer_config.json when the checkpoint has one
 
 `write_artifact` builds the directory under a temporary name next to the output and renames it into place
 (an existing artifact is renamed away first and deleted last), so a half-written artifact never exists at
-the output path. `load_artifact` checks the manifest versions, every file's sha256, and that the target is
-this machine; each mismatch is an ArtifactError that says what to run.
+the output path. `load_artifact` checks the manifest versions, the manifest's own digests, every file's
+sha256, and that a CPU target is this machine; each mismatch is an ArtifactError that says what to run.
+
+The manifest's `manifest_sha256` maps each of its other top-level fields to the sha256 of that field's
+canonical JSON, so an edit names the field it touched (model_config, block_size, tokenizer, ...). It
+guards against edits and damage, not against someone who recomputes the digests on purpose.
 """
 
 from __future__ import annotations
@@ -20,91 +28,31 @@ import hashlib
 import json
 import os
 import platform
-import re
 import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
 from llmc import __version__
-from llmc.compiler.frontend.config import ModelConfig
-from llmc.errors import ArtifactError, LlmcError
-
-from .digests import file_sha256
+from llmc.digests import file_sha256
+from llmc.errors import ArtifactError, CompileError
+from llmc.host import host_cpu_isa, host_cpu_target
+from llmc.model_config import ModelConfig
+from llmc.targets import KINDS, SOURCE_FILE, load_target
 
 MAGIC = "llmc-artifact"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the target's kind, block_size and manifest_sha256 are required
 ABI_VERSION = 1  # docs/contracts.md LLMC_ABI_VERSION
-CPU_TARGETS = ("cpu",)
-CUDA_TARGETS = ("sm80", "sm89", "sm90")
-TARGETS = CPU_TARGETS + CUDA_TARGETS
 
 MANIFEST = "manifest.json"
+MANIFEST_DIGESTS = "manifest_sha256"
 LIBRARY = "model.so"
 WEIGHTS = "weights.safetensors"
 TOKENIZER = "tokenizer.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"
 
-# Instruction-set extensions in /proc/cpuinfo that generated code built with -march=native may use
-# (x86 "flags", Arm "Features"); kernel and virtualisation flags are left out so that two VMs of one CPU
-# model agree.
-_ISA_FLAG = re.compile(
-    r"(sse\d?(_\d)?|ssse3|sse4a|avx.*|fma4?|f16c|amx.*|bmi\d|popcnt|movbe|abm|adx|aes|vaes|pclmulqdq|vpclmulqdq"
-    r"|gfni|sha_ni|cx16|xsave|rdrand|rdseed|asimd.*|sve.*|sme.*|fphp|bf16|i8mm|dotprod|svebf16|svei8mm)"
-)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# The host
-
-
-def host_cpu_isa(cpuinfo_path: str = "/proc/cpuinfo") -> list[str]:
-    """This CPU's instruction-set extensions (sorted), from /proc/cpuinfo; [] where it cannot be read."""
-    try:
-        text = Path(cpuinfo_path).read_text()
-    except OSError:
-        return []
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() in ("flags", "Features"):
-            return sorted({f for f in value.split() if _ISA_FLAG.fullmatch(f)})
-    return []
-
-
-def host_cpu_target() -> dict:
-    """What a CPU artifact built here records about the machine: architecture and ISA extensions."""
-    return {"name": "cpu", "machine": platform.machine(), "isa": host_cpu_isa()}
-
-
-def cache_root() -> Path:
-    """llmc's cache directory: $LLMC_CACHE_DIR, else $XDG_CACHE_HOME/llmc, else ~/.cache/llmc."""
-    root = os.environ.get("LLMC_CACHE_DIR")
-    if root:
-        return Path(root).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "llmc"
-
-
 # ----------------------------------------------------------------------------------------------------------
 # Hashing
-
-
-def checkpoint_hash(ckpt_dir: str | Path) -> str:
-    """sha256 over a checkpoint's config, generation config, tokenizer files and weights (for cache keys).
-
-    Each file contributes its name, size and sha256 (remembered for big files: compiler/digests.py).
-    """
-    ckpt_dir = Path(ckpt_dir)
-    names = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-             "chat_template.jinja", "model.safetensors.index.json"]  # fmt: skip
-    files = [ckpt_dir / n for n in names if (ckpt_dir / n).is_file()]
-    files += sorted(p for p in ckpt_dir.glob("*.safetensors") if p.is_file())
-    if not (ckpt_dir / "config.json").is_file():
-        raise LlmcError(f"{ckpt_dir}: no config.json", "is this a Hugging Face checkpoint directory?")
-    h = hashlib.sha256()
-    for p in files:
-        h.update(f"{p.name}\0{p.stat().st_size}\0{file_sha256(p)}\0".encode())
-    return h.hexdigest()
 
 
 def _hash_tree(root: Path) -> dict[str, str]:
@@ -115,33 +63,52 @@ def _hash_tree(root: Path) -> dict[str, str]:
     return out
 
 
+def _canonical_sha256(value) -> str:
+    """sha256 of a JSON value's canonical text: key order and whitespace do not change it."""
+    text = json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Writing
 
 
-def _source_file(target_name: str) -> str:
-    return "model.cu" if target_name in CUDA_TARGETS else "model.cc"
+def seal_manifest(m: dict) -> dict:
+    """The manifest with `manifest_sha256` (re)computed over its other fields."""
+    fields = {k: v for k, v in m.items() if k != MANIFEST_DIGESTS}
+    return {**fields, MANIFEST_DIGESTS: {k: _canonical_sha256(v) for k, v in fields.items()}}
+
+
+def _complete_target(target) -> dict:
+    """A target name, or a dict with "name": completed from its TOML unless it already says its kind."""
+    if isinstance(target, str):
+        target = {"name": target}
+    if not isinstance(target, dict) or not isinstance(target.get("name"), str):
+        raise ArtifactError(f"manifest: target {target!r} has no name")
+    if "kind" not in target:
+        try:
+            target = {**load_target(target["name"]).raw, **target}
+        except CompileError as e:
+            raise ArtifactError(f"manifest: target {target['name']!r}: {e.what}", e.hint) from None
+    if target["kind"] == "cpu":
+        target = {**host_cpu_target(), **target}
+    return target
 
 
 def _complete_manifest(fields: dict, files: dict[str, str]) -> dict:
     if not isinstance(fields, dict):
         raise TypeError(f"populate must return the manifest fields as a dict, got {type(fields).__name__}")
     fields = dict(fields)
-    target = fields.pop("target", None)
-    if isinstance(target, str):
-        target = {"name": target}
-    if not isinstance(target, dict) or target.get("name") not in TARGETS:
-        raise ArtifactError(f"manifest: target {target!r} is not one of {', '.join(TARGETS)}")
-    if target["name"] == "cpu":
-        target = {**host_cpu_target(), **target}
+    target = _complete_target(fields.pop("target", None))
+    block_size = fields.pop("block_size", None) or (target.get("defaults") or {}).get("block_size")
     config = fields.pop("model_config", None)
     if isinstance(config, ModelConfig):
         config = config.to_dict()
     if not isinstance(config, dict):
         raise ArtifactError("manifest: model_config is missing")
-    for reserved in ("magic", "format_version", "abi_version", "compiler_version", "files"):
+    for reserved in ("magic", "format_version", "abi_version", "compiler_version", "files", MANIFEST_DIGESTS):
         fields.pop(reserved, None)
-    return {
+    manifest = {
         "magic": MAGIC,
         "format_version": FORMAT_VERSION,
         "abi_version": ABI_VERSION,
@@ -150,6 +117,7 @@ def _complete_manifest(fields: dict, files: dict[str, str]) -> dict:
         "model_config": config,
         "weight_dtype": fields.pop("weight_dtype", None),
         "quantization": fields.pop("quantization", "none"),
+        "block_size": block_size,
         "kernels": fields.pop("kernels", []),
         "passes": fields.pop("passes", {}),
         "buffer_plan": fields.pop("buffer_plan", {}),
@@ -157,15 +125,17 @@ def _complete_manifest(fields: dict, files: dict[str, str]) -> dict:
         **fields,
         "files": files,
     }
+    return seal_manifest(json.loads(json.dumps(manifest)))  # digests over what a reader will parse
 
 
 def write_artifact(output: str | Path, populate: Callable[[Path], dict]) -> Path:
     """Build an artifact atomically: populate(tmp_dir) fills the files and returns the manifest fields.
 
-    The fields are those of the manifest except magic, versions and files, which this adds: target (a
-    name or a dict with "name"; a cpu target gains this host's machine and ISA unless given), model_config
-    (a ModelConfig or its dict), weight_dtype, quantization, kernels, passes, buffer_plan, tokenizer, and
-    any extra key. Every file is hashed, manifest.json is written, and the directory is renamed into place,
+    The fields are those of the manifest except magic, versions, files and manifest_sha256, which this adds:
+    target (a name, completed from targets/<name>.toml, or a dict with "name" and "kind"; a cpu target gains
+    this host's machine and ISA unless given), model_config (a ModelConfig or its dict), weight_dtype,
+    quantization, block_size (default: the target's), kernels, passes, buffer_plan, tokenizer, and any extra
+    key. Every file is hashed, manifest.json is written, and the directory is renamed into place,
     replacing an existing artifact. Any failure (populate raising included) removes the temporary dir and
     leaves `output` as it was.
     """
@@ -226,8 +196,18 @@ class Artifact:
         return self.manifest["target"]["name"]
 
     @property
+    def kind(self) -> str:
+        """How the module runs: "cpu" or "cuda" (llmc.targets.KINDS), as the manifest's target records it."""
+        return self.manifest["target"]["kind"]
+
+    @property
     def is_cuda(self) -> bool:
-        return self.target_name in CUDA_TARGETS
+        return self.kind == "cuda"
+
+    @property
+    def block_size(self) -> int:
+        """The KV cache block size (tokens) the module is built for."""
+        return self.manifest["block_size"]
 
     @property
     def library_path(self) -> Path:
@@ -239,7 +219,7 @@ class Artifact:
 
     @property
     def source_path(self) -> Path:
-        return self.path / _source_file(self.target_name)
+        return self.path / SOURCE_FILE[self.kind]
 
     @property
     def tokenizer_path(self) -> Path:
@@ -281,20 +261,44 @@ def recompile_hint(path: Path, target: str = "cpu") -> str:
     return f"recompile it: llmc compile CHECKPOINT --target {target} -o {path}"
 
 
-def _check_manifest(m: dict, path: Path) -> None:
-    """Structure and consistency (no hashing): required files listed, the config parses."""
+def _recorded_target_name(m: dict) -> str:
+    """The target a (possibly damaged) manifest names, for the recompile hint."""
     target = m.get("target")
-    if not isinstance(target, dict) or target.get("name") not in TARGETS:
-        raise ArtifactError(f"{path}: manifest target {target!r} is not one of {', '.join(TARGETS)}",
+    return str(target.get("name", "cpu")) if isinstance(target, dict) else "cpu"
+
+
+def _check_manifest(m: dict, path: Path) -> None:
+    """Structure and consistency (no hashing): the target's name and kind, block_size, required files listed."""
+    target = m.get("target")
+    if not isinstance(target, dict) or not isinstance(target.get("name"), str) or target.get("kind") not in KINDS:
+        raise ArtifactError(f"{path}: manifest target {target!r} has no name or no kind of {', '.join(KINDS)}",
                             "the manifest is damaged; recompile the artifact")  # fmt: skip
+    block_size = m.get("block_size")
+    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
+        raise ArtifactError(f"{path}: manifest block_size {block_size!r} is not a positive integer",
+                            recompile_hint(path, target["name"]))  # fmt: skip
     files = m.get("files")
     if not isinstance(files, dict):
         raise ArtifactError(f"{path}: manifest lists no files", "the manifest is damaged; recompile the artifact")
-    for required in (LIBRARY, WEIGHTS, TOKENIZER, _source_file(target["name"])):
+    for required in (LIBRARY, WEIGHTS, TOKENIZER, SOURCE_FILE[target["kind"]]):
         if required not in files:
             raise ArtifactError(
                 f"{path}: the manifest lists no {required}", recompile_hint(path, target["name"])
             )
+
+
+def _check_seal(m: dict, path: Path) -> None:
+    """Every field of the manifest still has the sha256 recorded when it was written."""
+    recorded = m.get(MANIFEST_DIGESTS)
+    hint = recompile_hint(path, _recorded_target_name(m))
+    if not isinstance(recorded, dict):
+        raise ArtifactError(f"{path / MANIFEST}: no {MANIFEST_DIGESTS} (the manifest's own digests)", hint)
+    fields = {k: v for k, v in m.items() if k != MANIFEST_DIGESTS}
+    changed = sorted(k for k in fields.keys() | recorded.keys()
+                     if k not in recorded or k not in fields or _canonical_sha256(fields[k]) != recorded[k])  # fmt: skip
+    if changed:
+        raise ArtifactError(f"{path / MANIFEST}: field {', '.join(changed)} was edited or damaged after compile "
+                            f"(its sha256 does not match {MANIFEST_DIGESTS})", hint)  # fmt: skip
 
 
 def _parse_config(m: dict, path: Path) -> ModelConfig:
@@ -324,7 +328,7 @@ def read_manifest(path: str | Path) -> dict:
         raise ArtifactError(f"{mpath}: corrupt manifest ({e})", "recompile the artifact") from None
     if not isinstance(m, dict) or m.get("magic") != MAGIC:
         raise ArtifactError(f"{path}: {MANIFEST} is not an llmc artifact manifest", "recompile the artifact")
-    target_name = (m.get("target") or {}).get("name", "cpu") if isinstance(m.get("target"), dict) else "cpu"
+    target_name = _recorded_target_name(m)
     for key, want in (("format_version", FORMAT_VERSION), ("abi_version", ABI_VERSION)):
         if m.get(key) != want:
             raise ArtifactError(
@@ -336,9 +340,11 @@ def read_manifest(path: str | Path) -> dict:
 
 
 def load_artifact(path: str | Path, *, verify: bool = True, check_target: bool = True) -> Artifact:
-    """Open an artifact: versions, every file's sha256 (verify) and the target against this host."""
+    """Open an artifact: versions, the manifest's and every file's sha256 (verify), a CPU target against this host."""
     path = Path(path)
     m = read_manifest(path)
+    if verify:
+        _check_seal(m, path)
     _check_manifest(m, path)
     config = _parse_config(m, path)
     target_name = m["target"]["name"]
@@ -350,7 +356,7 @@ def load_artifact(path: str | Path, *, verify: bool = True, check_target: bool =
             if file_sha256(f) != digest:
                 raise ArtifactError(f"{path}: file {rel} is corrupt (its sha256 does not match the manifest)",
                                     recompile_hint(path, target_name))  # fmt: skip
-    if check_target and target_name == "cpu":
+    if check_target and m["target"]["kind"] == "cpu":
         check_cpu_target(m["target"], path)
     return Artifact(path=path, manifest=m, config=config)
 

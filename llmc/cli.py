@@ -66,13 +66,14 @@ def export(model: Path, fmt: str, output: Path) -> None:
 
 @main.command("compile")
 @click.argument("model", type=click.Path(path_type=Path))
-@click.option("--target", type=click.Choice(["cpu", "sm80", "sm89", "sm90"]), default="cpu", show_default=True,
-              help="The machine to build for: this host's CPU, or an NVIDIA GPU generation.")
+@click.option("--target", default="cpu", show_default=True,
+              help="The machine to build for: cpu (this host) or an NVIDIA GPU generation such as sm90, as "
+                   "targets/<name>.toml, or a TOML in a directory of $LLMC_TARGET_PATH.")
 @click.option("-o", "--output", type=click.Path(path_type=Path), required=True, help="Artifact directory to write.")
 @click.option("--dtype", "weight_dtype", type=click.Choice(["auto", "float32", "bfloat16"]), default="auto",
               show_default=True, help="Weight dtype in the artifact (auto: the checkpoint's).")
 @click.option("--block-size", type=click.IntRange(min=1), default=None,
-              help="KV cache block size (tokens) the module is built for [default: 16].")
+              help="KV cache block size (tokens) the module is built for [default: the target's].")
 def compile_cmd(model: Path, target: str, output: Path, weight_dtype: str, block_size: int | None) -> None:
     """Compile MODEL (a Hugging Face checkpoint dir) into an artifact for TARGET."""
     out = _compile_checkpoint()(model, target=target, output=output, weight_dtype=weight_dtype, progress=True,
@@ -111,7 +112,8 @@ def bundled_checkpoint() -> Path:
 
 def _cached_checkpoint_hash(ckpt: Path) -> str:
     """checkpoint_hash, remembered per directory while its files' sizes and mtimes stay the same."""
-    from .compiler.artifact import cache_root, checkpoint_hash
+    from .digests import checkpoint_hash
+    from .host import cache_root
 
     ckpt = ckpt.resolve()
     stamp = [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in sorted(ckpt.iterdir()) if p.is_file()]
@@ -142,7 +144,7 @@ def cached_artifact(ckpt: Path) -> Path:
     import fcntl
     import hashlib
 
-    from .compiler.artifact import cache_root, host_cpu_target
+    from .host import cache_root, host_cpu_target
 
     isa = hashlib.sha256(json.dumps(host_cpu_target(), sort_keys=True).encode()).hexdigest()[:8]
     key = f"{_cached_checkpoint_hash(ckpt)[:24]}-llmc{__version__}-cpu-{isa}"
@@ -167,9 +169,13 @@ def _resolve_artifact(path: Path | None) -> Path:
     return path  # an artifact, or load_artifact says what is wrong with it
 
 
-def _load_model(path: Path, kv_cache_memory: str | None, **kw):
+def _load_model(path: Path, kv_cache_memory: str | None, simulate: bool = False, **kw):
     from .runtime.module import CompiledModel, load_tokenizer
 
+    if simulate:  # the compiler builds the simulated module; the runtime only loads a library
+        from .compiler.codegen.simulator import build_simulated_library
+
+        kw["library"] = build_simulated_library(path)
     model = CompiledModel.load(path, kv_cache_memory=kv_cache_memory, **kw)
     return model, load_tokenizer(model.tokenizer_path)
 
@@ -207,7 +213,7 @@ def run(artifact: Path | None, prompt: str | None, max_tokens: int, temperature:
     given = {"temperature": temperature, "top_p": top_p, "top_k": top_k}
     given = {k: v for k, v in given.items() if v is not None}
     if simulate and (artifact is None or not (artifact / "manifest.json").is_file()):
-        raise LlmcError("--simulate needs a CUDA-target artifact (sm80/sm89/sm90)",
+        raise LlmcError("--simulate needs a CUDA-target artifact",
                         "compile one: llmc compile CHECKPOINT --target sm90 -o OUT")  # fmt: skip
     path = _resolve_artifact(artifact)
     if chat:
@@ -475,7 +481,7 @@ def _inspect_passes(ckpt) -> None:
 
 
 def _inspect_artifact(path: Path, verbose: bool) -> None:
-    from .compiler.artifact import load_artifact, safetensors_data_bytes
+    from .artifact import load_artifact, safetensors_data_bytes
 
     a = load_artifact(path, verify=False, check_target=False)
     m, c = a.manifest, a.config

@@ -1,4 +1,6 @@
-"""sha256 of large files, remembered by file identity so each file is hashed once, not at every load.
+"""sha256 of files: an artifact's files (remembered by identity when large) and a checkpoint's (a cache key).
+
+Large files are remembered by file identity so each is hashed once, not at every load.
 
 An 8B artifact's weights are 16 GB: reading them back to check the manifest would cost more than a load.
 The packed-weights writer hashes as it writes and records the digest here; `file_sha256` hashes anything
@@ -16,6 +18,9 @@ import hashlib
 import json
 import os
 from pathlib import Path
+
+from llmc.errors import LlmcError
+from llmc.host import cache_root
 
 _CHUNK = 1 << 20
 _SAMPLE = 64 << 10
@@ -35,8 +40,6 @@ def _identity(path: Path) -> str:
 
 
 def _store() -> Path:
-    from .artifact import cache_root
-
     return cache_root() / "digests.json"
 
 
@@ -87,3 +90,21 @@ def file_sha256(path: Path) -> str:
     digest = h.hexdigest()
     remember_sha256(path, digest)
     return digest
+
+
+def checkpoint_hash(ckpt_dir: str | Path) -> str:
+    """sha256 over a checkpoint's config, generation config, tokenizer files and weights (for cache keys).
+
+    Each file contributes its name, size and sha256 (remembered for big files, above).
+    """
+    ckpt_dir = Path(ckpt_dir)
+    names = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+             "chat_template.jinja", "model.safetensors.index.json"]  # fmt: skip
+    files = [ckpt_dir / n for n in names if (ckpt_dir / n).is_file()]
+    files += sorted(p for p in ckpt_dir.glob("*.safetensors") if p.is_file())
+    if not (ckpt_dir / "config.json").is_file():
+        raise LlmcError(f"{ckpt_dir}: no config.json", "is this a Hugging Face checkpoint directory?")
+    h = hashlib.sha256()
+    for p in files:
+        h.update(f"{p.name}\0{p.stat().st_size}\0{file_sha256(p)}\0".encode())
+    return h.hexdigest()

@@ -3,7 +3,8 @@
     model = CompiledModel.load("tiny.cpu", kv_cache_memory="1GiB")
     logits = model.step(StepBatch.build(...))      # float32 [B, vocab]
 
-`load` checks the artifact (versions, sha256 of every file, target = this machine), opens model.so, checks
+`load` checks the artifact (versions, sha256 of the manifest and every file, a CPU target = this machine), opens
+model.so (or the library given, e.g. the simulated build of a CUDA artifact's model.cu), checks
 that `llmc_info` agrees with the manifest, sizes the KV cache from a memory budget and calls `llmc_create`.
 The module allocates the cache; the runtime (engine, scheduler) decides which block belongs to whom.
 ctypes releases the GIL during a call, so a step never blocks other Python threads.
@@ -16,9 +17,9 @@ from pathlib import Path
 
 import numpy as np
 
-from llmc.compiler.artifact import ABI_VERSION, Artifact, load_artifact, recompile_hint
-from llmc.compiler.frontend.config import ModelConfig
+from llmc.artifact import ABI_VERSION, Artifact, load_artifact, recompile_hint
 from llmc.errors import ArtifactError, LlmcError, RequestError
+from llmc.model_config import ModelConfig
 from llmc.runtime.batch import StepBatch
 from llmc.runtime.kv_cache import blocks_for_memory, cdiv, kv_bytes_per_block, kv_cache_budget_bytes
 
@@ -103,30 +104,28 @@ class CompiledModel:
         block_size: int | None = None,
         max_num_tokens: int = 512,
         max_num_seqs: int = 64,
-        simulate: bool = False,
+        library: str | Path | None = None,
     ) -> CompiledModel:
         """Load an artifact; the KV cache gets `kv_cache_memory` bytes (e.g. '2GiB') or `memory_fraction`
         of available memory, capped at what max_num_seqs sequences of full context could use.
 
-        block_size: None takes the artifact's (manifest "block_size", when the module is built for one),
-        else 16; a module built for one block size refuses another.
-        simulate: run a CUDA artifact's model.cu on the CPU under the CUDA simulator (built once, cached).
+        block_size: None takes the artifact's (manifest "block_size"); the module is built for that one and
+        refuses another.
+        library: a shared library to load instead of the artifact's model.so, built from the same source: e.g.
+        llmc.compiler.codegen.simulator.build_simulated_library(path), a CUDA artifact under the CUDA simulator.
         """
         artifact = load_artifact(path)
-        built_for = artifact.manifest.get("block_size")
         if block_size is None:
-            block_size = int(built_for) if built_for else 16
-        elif built_for and block_size != built_for:
-            raise LlmcError(f"{artifact.path}: the module is built for KV blocks of {built_for} tokens, not {block_size}",
-                            f"load it with block_size={built_for}, or recompile with --block-size")  # fmt: skip
-        if simulate and not artifact.is_cuda:
-            raise ArtifactError(f"{artifact.path}: --simulate needs a CUDA-target artifact (sm80/sm89/sm90); this one "
-                                f"is built for {artifact.target_name}", "run it without --simulate")  # fmt: skip
+            block_size = artifact.block_size
+        elif block_size != artifact.block_size:
+            raise LlmcError(f"{artifact.path}: the module is built for KV blocks of {artifact.block_size} tokens, not "
+                            f"{block_size}", f"load it with block_size={artifact.block_size}, or recompile with "
+                            "--block-size")  # fmt: skip
         for name, value in (("block_size", block_size), ("max_num_tokens", max_num_tokens),
                             ("max_num_seqs", max_num_seqs)):  # fmt: skip
             if not isinstance(value, int) or value < 1:
                 raise LlmcError(f"{name}={value!r} is invalid", f"{name} must be an integer >= 1")
-        lib_path = _simulated_library(artifact) if simulate else artifact.library_path
+        lib_path = Path(library) if library is not None else artifact.library_path
         try:
             lib = ctypes.CDLL(str(lib_path.resolve()), mode=ctypes.RTLD_LOCAL)
         except OSError as e:
@@ -158,8 +157,8 @@ class CompiledModel:
                                  max_num_tokens, max_num_seqs, max_blocks_per_seq, err, _ERR_LEN)  # fmt: skip
         if not handle:
             msg = err.value.decode(errors="replace").strip() or "no message"
-            hint = ("to run a GPU artifact on a machine without that GPU, pass --simulate (simulate=True)"
-                    if artifact.is_cuda and not simulate else None)
+            hint = ("to run a GPU artifact on a machine without that GPU, pass --simulate (in Python, library="
+                    "build_simulated_library(path))" if artifact.is_cuda and library is None else None)
             raise ArtifactError(f"{artifact.path}: the module failed to start: {msg}", hint)
         return cls(artifact, lib, handle, info, block_size=block_size, num_blocks=num_blocks,
                    max_num_tokens=max_num_tokens, max_num_seqs=max_num_seqs, max_blocks_per_seq=max_blocks_per_seq)  # fmt: skip
@@ -235,16 +234,6 @@ _STEP_ERRORS = {
     4: "a CUDA error",
     5: "a TVM fallback kernel rejected its arguments (a compiler bug; TVM's message is on stderr)",
 }
-
-
-def _simulated_library(artifact) -> Path:
-    """model.cu built with g++ against the CUDA simulator; cached by the source's hash."""
-    from llmc.compiler.artifact import cache_root
-    from llmc.compiler.codegen.simulator import build_simulated
-
-    digest = artifact.manifest["files"][artifact.source_path.name]
-    return build_simulated([artifact.source_path], cache_root() / "simulated" / f"{digest[:24]}.so",
-                           extra_flags=("-O2",))
 
 
 def load_tokenizer(path: str | Path):

@@ -19,7 +19,7 @@ import pytest
 from click.testing import CliRunner
 
 from llmc import cli
-from llmc.compiler.artifact import load_artifact, write_artifact
+from llmc.artifact import load_artifact, write_artifact
 from llmc.compiler.frontend.checkpoint import load_checkpoint
 from llmc.errors import ArtifactError, LlmcError, RequestError
 from llmc.runtime.batch import StepBatch
@@ -151,8 +151,8 @@ def test_load_sizes_the_kv_cache(fake_artifact):
         assert m.weight_bytes == 64
         assert m.generation_defaults == {"temperature": 0.0}  # no generation_config.json: greedy, as in HF
     # a big budget is capped at max_num_seqs full-context sequences
-    with CompiledModel.load(fake_artifact, kv_cache_memory="1GiB", max_num_seqs=3, block_size=32) as m:
-        assert m.num_blocks == 3 * cdiv(c.max_context, 32)
+    with CompiledModel.load(fake_artifact, kv_cache_memory="1GiB", max_num_seqs=3) as m:
+        assert m.num_blocks == 3 * cdiv(c.max_context, 16)
 
 
 def test_block_size_comes_from_the_artifact(tmp_path, checkpoint_dir, fake_lib):

@@ -14,7 +14,7 @@ import torch
 from checkpoints import ARCHS, hf_model
 from tokenizers import Tokenizer
 
-from llmc.compiler.codegen.simulator import nvcc_compile
+from llmc.compiler.codegen.simulator import build_simulated_library, nvcc_compile
 from llmc.compiler.compile import compile_checkpoint
 from llmc.runtime.batch import StepBatch
 from llmc.runtime.engine import LLMEngine
@@ -44,8 +44,8 @@ def _greedy(model, ids):
 def test_simulated_sm90_matches_cpu_and_transformers(arch, checkpoint_dir, tmp_path_factory):
     path = checkpoint_dir(arch)
     ids = Tokenizer.from_file(str(path / "tokenizer.json")).encode(PROMPT).ids
-    with CompiledModel.load(artifact(checkpoint_dir, tmp_path_factory, arch, "sm90"), simulate=True,
-                            max_num_seqs=2) as sim:
+    sm90 = artifact(checkpoint_dir, tmp_path_factory, arch, "sm90")
+    with CompiledModel.load(sm90, library=build_simulated_library(sm90), max_num_seqs=2) as sim:
         simulated = _greedy(sim, ids)
     with CompiledModel.load(artifact(checkpoint_dir, tmp_path_factory, arch, "cpu")) as cpu:
         assert simulated == _greedy(cpu, ids)
@@ -64,8 +64,8 @@ def test_simulated_bf16_within_tolerance(checkpoint_dir, tmp_path_factory):
                                     do_sample=False)[0].tolist()
         ref_logits = reference(torch.tensor([tokens])).logits[0].numpy()
     clear = 0
-    with CompiledModel.load(artifact(checkpoint_dir, tmp_path_factory, "qwen2", "sm90", "bfloat16"), simulate=True,
-                            max_num_seqs=2) as sim:
+    sm90 = artifact(checkpoint_dir, tmp_path_factory, "qwen2", "sm90", "bfloat16")
+    with CompiledModel.load(sm90, library=build_simulated_library(sm90), max_num_seqs=2) as sim:
         blocks = list(range(sim.num_blocks))
         computed, new = 0, ids
         for pos in range(len(ids) - 1, len(tokens) - 1):
@@ -87,7 +87,7 @@ def test_simulated_bf16_within_tolerance(checkpoint_dir, tmp_path_factory):
 def test_nvcc_builds_every_target_without_spills(target, checkpoint_dir, tmp_path_factory, tmp_path):
     built = artifact(checkpoint_dir, tmp_path_factory, "llama", target)
     from llmc.compiler.compile import module_sources
-    from llmc.compiler.targets import load_target
+    from llmc.targets import load_target
 
     for name, text in module_sources(load_target(target), (built / "model.cu").read_text()).items():
         (tmp_path / name).write_text(text)
@@ -101,7 +101,7 @@ def test_simulated_sliding_window_matches_transformers(checkpoint_dir, tmp_path)
     path = checkpoint_dir("mistral", sliding_window=6)
     ids = Tokenizer.from_file(str(path / "tokenizer.json")).encode(PROMPT).ids
     out = compile_checkpoint(path, target="sm90", output=tmp_path / "model.sm90")
-    with CompiledModel.load(out, simulate=True, max_num_seqs=2) as sim:
+    with CompiledModel.load(out, library=build_simulated_library(out), max_num_seqs=2) as sim:
         simulated = _greedy(sim, ids)
     with torch.no_grad():
         expected = hf_model(path).generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS,

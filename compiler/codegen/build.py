@@ -7,7 +7,8 @@ one stat. The sources are kept next to the .so for reading. Every file is writte
 in its final folder and moved into place with `os.replace`, so concurrent builds of the same key never
 see a half-written file (both produce the same bytes; the last rename wins).
 
-Cache root: `$LLMC_CACHE_DIR/build`, else `$XDG_CACHE_HOME/llmc/build`, else `~/.cache/llmc/build`.
+Cache root: llmc.host.cache_root()/build (`$LLMC_CACHE_DIR/build`, else `$XDG_CACHE_HOME/llmc/build`, else
+`~/.cache/llmc/build`).
 
 `-march=native` binds the .so to this host's ISA; the artifact manifest records `CPU_FLAGS` (and the
 loader must check the target matches the machine).
@@ -26,6 +27,7 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from llmc.errors import CompileError
+from llmc.host import cache_root
 
 CPU_FLAGS: tuple[str, ...] = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c++17")
 DEFAULT_COMPILER = "g++"
@@ -34,13 +36,8 @@ _STDERR_TAIL_LINES = 40
 
 
 def default_cache_dir() -> Path:
-    """Where builds are cached; the one place the cache environment variables are read."""
-    root = os.environ.get("LLMC_CACHE_DIR")
-    if root:
-        return Path(root).expanduser() / "build"
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
-    return base / "llmc" / "build"
+    """Where builds are cached."""
+    return cache_root() / "build"
 
 
 @functools.lru_cache(maxsize=None)

@@ -12,9 +12,9 @@ import re
 
 from llmc import __version__
 from llmc.errors import CompileError
+from llmc.targets import Target
 
 from ..lower import KernelProgram
-from ..targets import Target
 from .render import kernel_id, render_host, render_kernel
 from .tvm_fallback import c_source
 

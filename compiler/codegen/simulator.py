@@ -4,8 +4,10 @@
   (templates/cuda/include/llmc_sim.h). Load it with ctypes; `llmc_sim_set_seed(n)` sets the scheduling seed.
 - `nvcc_compile(source, "sm_90", out)`: nvcc -cubin with `ptxas -v`; returns registers and spills per kernel.
 - `asan_env()`: the environment a subprocess needs to load an `asan=True` build.
+- `build_simulated_library(artifact)`: a CUDA artifact's model.cu as a simulated model.so, for
+  `CompiledModel.load(artifact, library=...)` (`llmc run --simulate`); the runtime never builds it itself.
 
-Outputs are cached in $LLMC_CACHE_DIR (default ~/.cache/llmc/build) under a hash of the preprocessed
+Outputs are cached under the build cache (llmc.host.cache_root()/build) by a hash of the preprocessed
 source, the flags and the compiler version, and written to a temporary file first and renamed, so
 concurrent builds never see a partial file.
 """
@@ -22,7 +24,9 @@ import tempfile
 from functools import lru_cache
 from pathlib import Path
 
-from llmc.errors import CompileError
+from llmc.artifact import load_artifact
+from llmc.errors import ArtifactError, CompileError
+from llmc.host import cache_root
 
 INCLUDE_DIR = Path(__file__).resolve().parents[2] / "templates" / "cuda" / "include"
 CXX = "g++"
@@ -61,7 +65,7 @@ def nvcc_path() -> str:
 
 
 def cache_dir() -> Path:
-    d = Path(os.environ.get("LLMC_CACHE_DIR") or Path.home() / ".cache" / "llmc" / "build")
+    d = cache_root() / "build"
     d.mkdir(parents=True, exist_ok=True)
     return d
 
@@ -144,6 +148,21 @@ def build_simulated(sources: list[Path] | str, out_so: Path, *, asan: bool = Fal
             _atomic_copy(built, cached)
     _atomic_copy(cached, out_so)
     return out_so
+
+
+def build_simulated_library(artifact_path: str | Path) -> Path:
+    """The artifact's model.cu built with g++ against the CUDA simulator; cached by the source's sha256.
+
+    Pass the result to `CompiledModel.load(artifact_path, library=...)`. ArtifactError unless the artifact
+    is built for a CUDA target.
+    """
+    artifact = load_artifact(artifact_path)
+    if not artifact.is_cuda:
+        raise ArtifactError(f"{artifact.path}: --simulate needs a CUDA-target artifact; this one is built for "
+                            f"{artifact.target_name} ({artifact.kind})", "run it without --simulate")  # fmt: skip
+    digest = artifact.manifest["files"][artifact.source_path.name]
+    return build_simulated([artifact.source_path], cache_root() / "simulated" / f"{digest[:24]}.so",
+                           extra_flags=("-O2",))
 
 
 def asan_env(base: dict | None = None) -> dict:

@@ -1,107 +1,17 @@
-"""ModelConfig: the one validated view of a checkpoint's config.json.
+"""parse_config: config.json -> ModelConfig (llmc/model_config.py), the one validated view of a checkpoint.
 
-Everything downstream (passes, templates, manifest, runtime) reads this dataclass, never the raw JSON.
+Everything downstream (passes, templates, manifest, runtime) reads that dataclass, never the raw JSON.
 It accepts both spellings transformers has used for RoPE: `rope_theta` + `rope_scaling` (v4) and
 `rope_parameters` (v5).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import math
-from typing import Any
-
 from llmc.errors import UnsupportedModelError
+from llmc.model_config import ModelConfig
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelConfig:
-    architecture: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
-    rope_scaling: dict | None  # {"rope_type": "linear" | "llama3" | "yarn", ...}; None for plain RoPE
-    max_position_embeddings: int
-    sliding_window: int | None  # a query at position p sees keys p-W+1..p in the layers of sliding_layers
-    tie_word_embeddings: bool
-    attention_bias: bool  # q/k/v carry a bias (Qwen2 always; Llama with attention_bias)
-    o_bias: bool  # o_proj carries a bias (Llama attention_bias)
-    mlp_bias: bool
-    torch_dtype: str  # "float32" | "float16" | "bfloat16"
-    bos_token_id: int | None
-    eos_token_ids: tuple[int, ...]
-    sliding_layers: tuple[int, ...] = ()  # Mistral: every layer; Qwen2 with use_sliding_window: the upper ones
-
-    @property
-    def q_size(self) -> int:
-        return self.num_heads * self.head_dim
-
-    @property
-    def kv_size(self) -> int:
-        return self.num_kv_heads * self.head_dim
-
-    @property
-    def max_context(self) -> int:
-        """Longest sequence the compiled model serves."""
-        return self.max_position_embeddings
-
-    def attention_window(self, layer: int) -> int:
-        """Keys a query of `layer` attends to, itself included; 0 is the whole causal context."""
-        return self.sliding_window if self.sliding_window and layer in self.sliding_layers else 0
-
-    @property
-    def kv_window(self) -> int:
-        """The window every layer shares (so older KV cache blocks can be released); 0 if any layer has none."""
-        return self.sliding_window if self.sliding_window and len(self.sliding_layers) == self.num_layers else 0
-
-    def weight_shapes(self) -> dict[str, tuple[int, ...]]:
-        """Every tensor the checkpoint must hold, by its Hugging Face name."""
-        h, i = self.hidden_size, self.intermediate_size
-        shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (self.vocab_size, h)}
-        for n in range(self.num_layers):
-            p = f"model.layers.{n}."
-            shapes[p + "input_layernorm.weight"] = (h,)
-            shapes[p + "post_attention_layernorm.weight"] = (h,)
-            for name, out_features in (("q", self.q_size), ("k", self.kv_size), ("v", self.kv_size)):
-                shapes[p + f"self_attn.{name}_proj.weight"] = (out_features, h)
-                if self.attention_bias:
-                    shapes[p + f"self_attn.{name}_proj.bias"] = (out_features,)
-            shapes[p + "self_attn.o_proj.weight"] = (h, self.q_size)
-            if self.o_bias:
-                shapes[p + "self_attn.o_proj.bias"] = (h,)
-            for name, (out_features, in_features) in (("gate", (i, h)), ("up", (i, h)), ("down", (h, i))):
-                shapes[p + f"mlp.{name}_proj.weight"] = (out_features, in_features)
-                if self.mlp_bias:
-                    shapes[p + f"mlp.{name}_proj.bias"] = (out_features,)
-        shapes["model.norm.weight"] = (h,)
-        if not self.tie_word_embeddings:
-            shapes["lm_head.weight"] = (self.vocab_size, h)
-        return shapes
-
-    def num_parameters(self) -> int:
-        return sum(math.prod(s) for s in self.weight_shapes().values())
-
-    def to_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        d["eos_token_ids"] = list(self.eos_token_ids)
-        d["sliding_layers"] = list(self.sliding_layers)
-        return d
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
-        d = dict(d)
-        d["eos_token_ids"] = tuple(d["eos_token_ids"])
-        d["sliding_layers"] = tuple(d.get("sliding_layers", ()))
-        return cls(**d)
 
 
 def _rope(raw: dict) -> tuple[float, dict | None]:

@@ -1,13 +1,14 @@
-"""compiler/artifact.py: atomic writes, hash checks, version and target checks."""
+"""llmc/artifact.py: atomic writes, hash checks (files and the manifest's own fields), version and target checks."""
 
 import json
 import os
 
 import pytest
 
-from llmc import __version__
-from llmc.compiler import artifact as art
+from llmc import __version__, digests
+from llmc import artifact as art
 from llmc.compiler.frontend.checkpoint import load_checkpoint
+from llmc.host import host_cpu_isa
 from llmc.errors import ArtifactError
 
 
@@ -37,20 +38,22 @@ def _populate(config, target="cpu", fail=False):
     return populate
 
 
-def _rewrite_manifest(path, **changes):
+def _rewrite_manifest(path, *, seal=True, **changes):
+    """Change top-level fields; sealed, as a compiler elsewhere would have written them (not an edit)."""
     m = json.loads((path / "manifest.json").read_text())
     m.update(changes)
-    (path / "manifest.json").write_text(json.dumps(m))
+    (path / "manifest.json").write_text(json.dumps(art.seal_manifest(m) if seal else m))
 
 
 def test_write_and_load(tmp_path, config):
     out = art.write_artifact(tmp_path / "a.cpu", _populate(config))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.cpu"], "no temporary dir may stay behind"
     m = json.loads((out / "manifest.json").read_text())
-    assert m["magic"] == "llmc-artifact" and m["format_version"] == 1 and m["abi_version"] == 1
+    assert m["magic"] == "llmc-artifact" and m["format_version"] == art.FORMAT_VERSION and m["abi_version"] == 1
     assert m["compiler_version"] == __version__ and m["quantization"] == "none"
-    assert m["target"]["name"] == "cpu" and m["target"]["cflags"] == ["-O3"]
-    assert m["target"]["isa"] == art.host_cpu_isa(), "a cpu target records this host's ISA"
+    assert m["target"]["name"] == "cpu" and m["target"]["cflags"] == ["-O3"] and m["target"]["kind"] == "cpu"
+    assert m["target"]["isa"] == host_cpu_isa(), "a cpu target records this host's ISA"
+    assert m["block_size"] == 16, "the block size defaults to the target's (targets/cpu.toml)"
     assert set(m["files"]) == {"model.so", "model.cc", "weights.safetensors", "tokenizer.json"}
     a = art.load_artifact(out)
     assert a.config == config and a.chat_template == "{{x}}" and a.eos_token == "</s>"
@@ -89,7 +92,7 @@ def test_refuses_to_replace_a_non_artifact(tmp_path, config):
     assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
 
 
-@pytest.mark.parametrize("name", ["weights.safetensors", "model.so", "tokenizer.json"])
+@pytest.mark.parametrize("name", ["weights.safetensors", "model.so", "model.cc", "tokenizer.json"])
 def test_corrupt_file_is_named(tmp_path, config, name):
     out = art.write_artifact(tmp_path / "a.cpu", _populate(config))
     with open(out / name, "r+b") as f:
@@ -110,7 +113,9 @@ def test_missing_file_is_named(tmp_path, config):
 def test_version_mismatch(tmp_path, config, key):
     out = art.write_artifact(tmp_path / "a.cpu", _populate(config))
     _rewrite_manifest(out, **{key: 99})
-    with pytest.raises(ArtifactError, match=rf"{key.replace('_', ' ')} 99.*reads version 1.*llmc compile CHECKPOINT --target cpu -o"):
+    want = {"format_version": art.FORMAT_VERSION, "abi_version": art.ABI_VERSION}[key]
+    with pytest.raises(ArtifactError,
+                       match=rf"{key.replace('_', ' ')} 99.*reads version {want}.*llmc compile CHECKPOINT --target cpu -o"):
         art.load_artifact(out)
 
 
@@ -146,10 +151,10 @@ def test_cpu_isa_mismatch(tmp_path, config):
 def test_host_cpu_isa_parses_cpuinfo(tmp_path):
     info = tmp_path / "cpuinfo"
     info.write_text("processor\t: 0\nflags\t\t: fpu sse sse2 sse4_1 avx avx2 hypervisor avx512f fma tsc\n\n")
-    assert art.host_cpu_isa(str(info)) == ["avx", "avx2", "avx512f", "fma", "sse", "sse2", "sse4_1"]
+    assert host_cpu_isa(str(info)) == ["avx", "avx2", "avx512f", "fma", "sse", "sse2", "sse4_1"]
     info.write_text("processor\t: 0\nFeatures\t: fp asimd evtstrm aes sve\n")
-    assert art.host_cpu_isa(str(info)) == ["aes", "asimd", "sve"]
-    assert art.host_cpu_isa(str(tmp_path / "none")) == []
+    assert host_cpu_isa(str(info)) == ["aes", "asimd", "sve"]
+    assert host_cpu_isa(str(tmp_path / "none")) == []
 
 
 def test_cuda_target_manifest(tmp_path, config):
@@ -173,22 +178,20 @@ def test_checkpoint_hash(tmp_path, checkpoint_dir):
     import shutil
 
     src = checkpoint_dir("mistral")  # sharded
-    h = art.checkpoint_hash(src)
+    h = digests.checkpoint_hash(src)
     copy = tmp_path / "copy"
     shutil.copytree(src, copy)
-    assert art.checkpoint_hash(copy) == h, "the hash depends on contents, not on the path"
+    assert digests.checkpoint_hash(copy) == h, "the hash depends on contents, not on the path"
     shard = sorted(copy.glob("*.safetensors"))[-1]
     with open(shard, "r+b") as f:
         f.seek(-1, 2)
         b = f.read(1)
         f.seek(-1, 2)
         f.write(bytes([b[0] ^ 1]))
-    assert art.checkpoint_hash(copy) != h
+    assert digests.checkpoint_hash(copy) != h
 
 
 def test_big_file_digests_are_remembered_across_renames(tmp_path, monkeypatch):
-    from llmc.compiler import digests
-
     monkeypatch.setenv("LLMC_CACHE_DIR", str(tmp_path / "cache"))
     f = tmp_path / "a" / "weights.bin"
     f.parent.mkdir()
@@ -202,3 +205,58 @@ def test_big_file_digests_are_remembered_across_renames(tmp_path, monkeypatch):
         fh.write(b"x" * 16)
     assert digests.known_sha256(moved / "weights.bin") is None
     assert digests.file_sha256(moved / "weights.bin") != digest
+
+
+@pytest.mark.parametrize("field, edit", [
+    ("model_config", lambda m: m["model_config"].update(max_position_embeddings=1 << 20)),
+    ("model_config", lambda m: m["model_config"].update(hidden_size=m["model_config"]["hidden_size"] * 2)),
+    ("block_size", lambda m: m.update(block_size=32)),
+    ("tokenizer", lambda m: m["tokenizer"].update(eos_token="<s>")),
+    ("generation_defaults", lambda m: m.update(generation_defaults={"temperature": 0.7})),
+    ("files", lambda m: m["files"].update({"model.so": "0" * 64})),
+])  # fmt: skip
+def test_edited_manifest_is_refused_naming_the_field(tmp_path, config, field, edit):
+    out = art.write_artifact(tmp_path / "a.cpu", _populate(config))
+    m = json.loads((out / "manifest.json").read_text())
+    edit(m)
+    (out / "manifest.json").write_text(json.dumps(m, indent=1))
+    with pytest.raises(ArtifactError, match=rf"manifest.json: field {field} was edited or damaged.*recompile"):
+        art.load_artifact(out)
+
+
+def test_manifest_without_its_digests_is_refused(tmp_path, config):
+    out = art.write_artifact(tmp_path / "a.cpu", _populate(config))
+    m = json.loads((out / "manifest.json").read_text())
+    del m["manifest_sha256"]
+    (out / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(ArtifactError, match="manifest.json: no manifest_sha256"):
+        art.load_artifact(out)
+
+
+def test_manifest_reformatted_is_accepted(tmp_path, config):
+    out = art.write_artifact(tmp_path / "a.cpu", _populate(config))
+    m = json.loads((out / "manifest.json").read_text())
+    (out / "manifest.json").write_text(json.dumps(dict(reversed(m.items())), indent=None))  # same content
+    assert art.load_artifact(out).config == config
+
+
+def test_target_kind_comes_from_the_manifest_not_the_name(tmp_path, config):
+    """A target the reader has never heard of loads by the kind its manifest records."""
+    pop = _populate(config, target="sm120x")
+
+    def custom(tmp):
+        return {**pop(tmp), "target": {"name": "sm120x", "kind": "cuda", "gencode": "arch=compute_120,code=sm_120"},
+                "block_size": 8}  # fmt: skip
+
+    a = art.load_artifact(art.write_artifact(tmp_path / "a.sm120x", custom))
+    assert a.is_cuda and a.kind == "cuda" and a.source_path.name == "model.cu" and a.block_size == 8
+    _rewrite_manifest(a.path, target={"name": "sm120x"})
+    with pytest.raises(ArtifactError, match="manifest target.*no kind"):
+        art.load_artifact(a.path)
+
+
+def test_block_size_is_required(tmp_path, config):
+    out = art.write_artifact(tmp_path / "a.cpu", _populate(config))
+    _rewrite_manifest(out, block_size=None)
+    with pytest.raises(ArtifactError, match="block_size None is not a positive integer"):
+        art.load_artifact(out)

@@ -8,8 +8,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from llmc import digests
 from llmc.compiler.frontend.checkpoint import load_checkpoint
-from llmc.compiler import digests
 from llmc.compiler.weights import ALIGN, PAD_PREFIX, WeightSpec, write_packed_weights
 from llmc.errors import CompileError
 

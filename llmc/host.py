@@ -1,0 +1,47 @@
+"""The machine llmc runs on: its cache directory and its CPU's instruction set.
+
+Compiler and runtime both ask these questions (builds and digests are cached; a CPU artifact records the
+ISA it was built for and loading checks it), so the answers live here, outside both.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import re
+from pathlib import Path
+
+# Instruction-set extensions in /proc/cpuinfo that generated code built with -march=native may use
+# (x86 "flags", Arm "Features"); kernel and virtualisation flags are left out so that two VMs of one CPU
+# model agree.
+_ISA_FLAG = re.compile(
+    r"(sse\d?(_\d)?|ssse3|sse4a|avx.*|fma4?|f16c|amx.*|bmi\d|popcnt|movbe|abm|adx|aes|vaes|pclmulqdq|vpclmulqdq"
+    r"|gfni|sha_ni|cx16|xsave|rdrand|rdseed|asimd.*|sve.*|sme.*|fphp|bf16|i8mm|dotprod|svebf16|svei8mm)"
+)
+
+
+def cache_root() -> Path:
+    """llmc's cache directory: $LLMC_CACHE_DIR, else $XDG_CACHE_HOME/llmc, else ~/.cache/llmc."""
+    root = os.environ.get("LLMC_CACHE_DIR")
+    if root:
+        return Path(root).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "llmc"
+
+
+def host_cpu_isa(cpuinfo_path: str = "/proc/cpuinfo") -> list[str]:
+    """This CPU's instruction-set extensions (sorted), from /proc/cpuinfo; [] where it cannot be read."""
+    try:
+        text = Path(cpuinfo_path).read_text()
+    except OSError:
+        return []
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            return sorted({f for f in value.split() if _ISA_FLAG.fullmatch(f)})
+    return []
+
+
+def host_cpu_target() -> dict:
+    """What a CPU artifact built here records about the machine: architecture and ISA extensions."""
+    return {"machine": platform.machine(), "isa": host_cpu_isa()}
