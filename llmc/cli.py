@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
-import math
-import os
 import sys
 import time
 from pathlib import Path
@@ -110,58 +107,9 @@ def bundled_checkpoint() -> Path:
     return found[0]
 
 
-def _cached_checkpoint_hash(ckpt: Path) -> str:
-    """checkpoint_hash, remembered per directory while its files' sizes and mtimes stay the same."""
-    from .digests import checkpoint_hash
-    from .host import cache_root
-
-    ckpt = ckpt.resolve()
-    stamp = [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in sorted(ckpt.iterdir()) if p.is_file()]
-    memo_path = cache_root() / "checkpoint-hashes.json"
-    try:
-        memo = json.loads(memo_path.read_text())
-    except (OSError, ValueError):
-        memo = {}
-    entry = memo.get(str(ckpt))
-    if isinstance(entry, dict) and entry.get("stamp") == stamp:
-        return entry["hash"]
-    digest = checkpoint_hash(ckpt)
-    memo[str(ckpt)] = {"stamp": stamp, "hash": digest}
-    with contextlib.suppress(OSError):
-        memo_path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = memo_path.with_name(f"{memo_path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(memo))
-        os.replace(tmp, memo_path)
-    return digest
-
-
-def cached_artifact(ckpt: Path) -> Path:
-    """A CPU artifact of checkpoint `ckpt`, compiled once into the cache and reused while it is unchanged.
-
-    Key: the checkpoint's hash, the compiler version and this host's CPU (a cache shared across hosts
-    never hands out an artifact built for another ISA).
-    """
-    import fcntl
-    import hashlib
-
-    from .host import cache_root, host_cpu_target
-
-    isa = hashlib.sha256(json.dumps(host_cpu_target(), sort_keys=True).encode()).hexdigest()[:8]
-    key = f"{_cached_checkpoint_hash(ckpt)[:24]}-llmc{__version__}-cpu-{isa}"
-    root = cache_root() / "artifacts"
-    out = root / key
-    if (out / "manifest.json").is_file():
-        return out
-    root.mkdir(parents=True, exist_ok=True)
-    with open(root / f"{key}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # one compile per key; others wait and reuse it
-        if not (out / "manifest.json").is_file():
-            click.echo(f"compiling {ckpt} for this CPU (once; cached in {out})", err=True)
-            _compile_checkpoint()(ckpt, target="cpu", output=out, weight_dtype="auto", progress=True)
-    return out
-
-
 def _resolve_artifact(path: Path | None) -> Path:
+    from .compiler.cache import cached_artifact
+
     if path is None:
         return cached_artifact(bundled_checkpoint())
     if path.is_dir() and not (path / "manifest.json").exists() and (path / "config.json").is_file():
@@ -388,37 +336,20 @@ def eval_ppl(artifact: Path, text_file: Path, max_tokens: int | None, kv_cache_m
     The text is split into windows of the model's context; each window is run one token per step (decode
     steps), scoring every next token. Exact and simple; fine for small files.
     """
-    import numpy as np
-
-    from .runtime.batch import StepBatch
-    from .runtime.kv_cache import cdiv
+    from .runtime.scoring import perplexity
 
     model, tokenizer = _load_model(_resolve_artifact(artifact), kv_cache_memory, max_num_seqs=1)
     ids = tokenizer.encode(text_file.read_text(encoding="utf-8")).ids
     if max_tokens is not None:
         ids = ids[:max_tokens]
-    if len(ids) < 2:
-        raise LlmcError(f"{text_file}: has {len(ids)} token(s); perplexity needs at least 2")
-    bs = model.block_size
-    window = min(model.config.max_context, model.num_blocks * bs)
-    nll, count = 0.0, 0
-    start = time.perf_counter()
     with model:
-        for w in range(0, len(ids), window):
-            chunk = ids[w : w + window]
-            blocks = list(range(cdiv(len(chunk), bs)))
-            for i in range(len(chunk) - 1):
-                batch = StepBatch.build([[chunk[i]]], [i], [blocks[: i // bs + 1]], bs)
-                logits = model.step(batch)[0].astype(np.float64)
-                top = logits.max()
-                nll += top + math.log(np.exp(logits - top).sum()) - logits[chunk[i + 1]]
-                count += 1
-    elapsed = time.perf_counter() - start
-    ppl = math.exp(nll / count)
+        result = perplexity(model, ids)
     if as_json:
-        click.echo(json.dumps({"perplexity": ppl, "num_tokens": count, "tokens_per_s": count / elapsed}))
+        click.echo(json.dumps({"perplexity": result.perplexity, "num_tokens": result.num_tokens,
+                               "tokens_per_s": result.tokens_per_s}))  # fmt: skip
     else:
-        click.echo(f"perplexity {ppl:.4f} over {count} tokens ({count / elapsed:.1f} tokens/s)")
+        click.echo(f"perplexity {result.perplexity:.4f} over {result.num_tokens} tokens "
+                   f"({result.tokens_per_s:.1f} tokens/s)")  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -514,8 +445,7 @@ def _inspect_artifact(path: Path, verbose: bool) -> None:
     click.echo(f"  buffer plan    {', '.join(parts) if parts else '(none recorded)'}")
     passes = m.get("passes") or {}
     click.echo("  passes" + ("         (none recorded)" if not passes else ""))
-    for pname, count in passes.items():
-        n = count.get("rewrites", count) if isinstance(count, dict) else count
+    for pname, n in passes.items():
         click.echo(f"    {pname:<22} {'no pattern found' if not n else f'{n} rewrite' + ('s' if n != 1 else '')}")
     kernels = m.get("kernels") or []
     click.echo(f"  kernels        {len(kernels)}")
@@ -541,11 +471,7 @@ def _inspect_artifact(path: Path, verbose: bool) -> None:
 
 
 def _fused(kernel: dict) -> str:
-    for key in ("fuses", "ops", "fused", "fused_ops"):
-        value = kernel.get(key) or (kernel.get("params") or {}).get(key)
-        if value:
-            return " + ".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)
-    return ""
+    return " + ".join(map(str, kernel.get("fuses") or []))
 
 
 def _params(kernel: dict) -> str:

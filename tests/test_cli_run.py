@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
+import llmc.compiler.compile
 from llmc import cli
 from llmc.artifact import load_artifact, write_artifact
 from llmc.compiler.frontend.checkpoint import load_checkpoint
@@ -94,7 +95,7 @@ def _fake_populate(ckpt_dir, lib_dir, target="cpu"):
             "model_config": ckpt.config,
             "weight_dtype": "float32",
             "kernels": [
-                {"id": "k0", "template": "rmsnorm", "params": {"hidden": 64, "ops": ["add", "rmsnorm"]},
+                {"id": "k0", "template": "rmsnorm", "params": {"hidden": 64}, "fuses": ["add", "rmsnorm"],
                  "tuning_source": "default"},
                 {"id": "k1", "template": "gemm", "params": {"n": 64, "k": 64}, "tuning_source": "default"},
             ],
@@ -316,7 +317,7 @@ def test_run_compiles_a_checkpoint_once_into_the_cache(tmp_path, checkpoint_dir,
         calls.append((model, target, output))
         return write_artifact(output, _fake_populate(ckpt, fake_lib))
 
-    monkeypatch.setattr(cli, "_compile_checkpoint", lambda: fake_compile)
+    monkeypatch.setattr(llmc.compiler.compile, "compile_checkpoint", fake_compile)
     env = {"LLMC_CACHE_DIR": str(tmp_path / "cache")}
     for _ in range(2):
         r = _invoke("run", ckpt, "--prompt", "hi", "--max-tokens", 2, "--json", "--kv-cache-memory", "8MiB", env=env)

@@ -1,0 +1,41 @@
+"""Artifacts compiled from checkpoints on demand and kept in llmc's cache (`llmc run CHECKPOINT`, the bundled
+model): compiled once per checkpoint, compiler version and host CPU, then reused while the checkpoint is
+unchanged.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+from llmc import __version__
+from llmc.digests import checkpoint_hash
+from llmc.host import cache_root, host_cpu_target
+
+
+def cached_artifact(ckpt: Path, *, progress: bool = True) -> Path:
+    """A CPU artifact of checkpoint `ckpt`, from the cache, compiled into it first if it is not there.
+
+    Key: the checkpoint's content hash (digests.py remembers the hashes of big files), the compiler version
+    and this host's CPU, so a cache shared across hosts never hands out an artifact built for another ISA.
+    Processes that ask for the same key at once compile it once: the others wait on its lock, then reuse it.
+    """
+    isa = hashlib.sha256(json.dumps(host_cpu_target(), sort_keys=True).encode()).hexdigest()[:8]
+    key = f"{checkpoint_hash(ckpt)[:24]}-llmc{__version__}-cpu-{isa}"
+    root = cache_root() / "artifacts"
+    out = root / key
+    if (out / "manifest.json").is_file():
+        return out
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / f"{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (out / "manifest.json").is_file():
+            from llmc.compiler.compile import compile_checkpoint  # torch and TVM load only when it compiles
+
+            if progress:
+                print(f"compiling {ckpt} for this CPU (once; cached in {out})", file=sys.stderr)
+            compile_checkpoint(ckpt, target="cpu", output=out, weight_dtype="auto", progress=progress)
+    return out
