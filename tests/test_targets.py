@@ -68,3 +68,14 @@ def test_a_new_gpu_target_is_a_toml(tmp_path, monkeypatch, checkpoint_dir):
     assert a.target["gencode"] == "arch=compute_120,code=sm_120" and a.block_size == 32
     device_code = a.library_path.read_bytes()  # the fatbin records the architecture its cubin was built for
     assert b"-arch sm_120" in device_code and b"sm_90" not in device_code
+
+
+def test_cli_names_an_unknown_target(tmp_path, checkpoint_dir):
+    from click.testing import CliRunner
+
+    from llmc import cli
+
+    r = CliRunner().invoke(cli.main, ["compile", str(checkpoint_dir("llama")), "--target", "sm999", "-o",
+                                      str(tmp_path / "out")])  # fmt: skip
+    assert r.exit_code == 1 and "unknown target 'sm999'" in r.output and "LLMC_TARGET_PATH" in r.output
+    assert "Traceback" not in r.output and not (tmp_path / "out").exists()
