@@ -1,19 +1,31 @@
-"""The calling side shared by the CPU and CUDA kernel test harnesses (tests/templates/{cpu,cuda}/conftest.py).
+"""Builds kernel templates into test libraries and calls them from numpy, on either target.
 
 kernels_source(target, specs) renders every distinct (op, params) of `specs` after the target's header, each
 with an `extern "C"` trampoline `test_<kernel_id>` taking the contract signature: on the CPU it calls the
 kernel, on CUDA the host launcher with the default stream, returning cudaGetLastError(). A Kernel wraps a
 loaded trampoline and is called with numpy arrays / ints / None in contract order; dtypes and contiguity are
 checked. Under the CUDA simulator device memory is host memory, so both targets take the same numpy arrays.
+
+A Harness per target (CpuHarness: g++ with the CPU target's flags; CudaHarness: g++ against the CUDA
+simulator) builds specs into one library, cached by content, and hands out the Kernel of an (op, params).
+Its schedules() are the ways the target may order a kernel's work (OpenMP thread counts; the simulator's
+scheduling seeds, which shuffle threads and blocks), for tests that results do not depend on them.
+
+LLMC_TEST_MARCH=haswell (AVX2) or =x86-64 (portable fallback) builds the CPU kernels for that ISA instead of
+-march=native, to test common.h's other SIMD paths on an AVX-512 host.
 """
 
 from __future__ import annotations
 
 import ctypes
+import os
+from pathlib import Path
 
 import numpy as np
 
-from llmc.compiler.codegen.render import kernel_id, render_kernel
+from llmc.compiler.codegen import simulator
+from llmc.compiler.codegen.build import CPU_FLAGS, build_shared_library
+from llmc.compiler.codegen.render import kernel_id, render_kernel, template_file
 
 # docs/contracts.md, "Kernel templates": (argument, kind) per op; the CUDA launcher takes a cudaStream_t after
 # them. W* is float32 or bf16 (uint16 bits).
@@ -35,6 +47,11 @@ _NP_TYPE = {"f32*": np.float32, "i32*": np.int32, "i64*": np.int64}
 W_TYPES = {"f32": ("float*", np.float32), "bf16": ("uint16_t*", np.uint16)}
 _ROW_STRIDED = {"q", "k", "v"}  # may be column slices of a fused [T, row_stride] qkv buffer
 HEADERS = {"cpu": "common.h", "cuda": "llmc_kernels.cuh"}
+
+
+def spec_id(spec) -> str:
+    """`gemm_n53_k37_f32_bias0`: the kernel id of (op, params) without a target, for test ids."""
+    return kernel_id("", *spec).lstrip("_")
 
 
 class Kernel:
@@ -104,3 +121,86 @@ def kernels_source(target: str, specs) -> tuple[str, dict[str, tuple[str, dict]]
         parts.append(render_kernel(target, op, name=kid, **params))
         parts.append(trampoline(target, op, params, kid))
     return "".join(parts), seen
+
+
+class Harness:
+    """The kernels of one target: build(specs) compiles what is missing, harness(op, params) is its Kernel.
+
+    `pending` holds specs to compile along with the next build (the collected test modules' SPECS), so a run
+    builds one library per target, not one per module. A target class adds _load(source) -> CDLL,
+    schedules() (functions that each put the target in one schedule, the default first) and reset_schedule().
+    """
+
+    target: str
+    kernel_class = Kernel
+
+    def __init__(self):
+        self._kernels: dict[str, Kernel] = {}
+        self.pending: list[tuple[str, dict]] = []
+
+    def build(self, specs) -> None:
+        if all(kernel_id(self.target, *s) in self._kernels for s in specs):
+            return
+        missing = [s for s in [*specs, *self.pending] if kernel_id(self.target, *s) not in self._kernels]
+        source, seen = kernels_source(self.target, missing)
+        lib = self._load(source)
+        self._kernels.update({kid: self.kernel_class(getattr(lib, f"test_{kid}"), op, p) for kid, (op, p) in seen.items()})
+
+    def __call__(self, op: str, params: dict) -> Kernel:
+        return self._kernels[kernel_id(self.target, op, params)]
+
+
+class CpuHarness(Harness):
+    target = "cpu"
+
+    def __init__(self):
+        super().__init__()
+        march = os.environ.get("LLMC_TEST_MARCH")
+        self.flags = [f"-march={march}" if f == "-march=native" and march else f for f in CPU_FLAGS]
+        self._gomp = None
+
+    def _load(self, source: str) -> ctypes.CDLL:
+        files = {"common.h": template_file("cpu", "common.h"), "kernels.cc": source}
+        return ctypes.CDLL(str(build_shared_library(files, flags=self.flags)))
+
+    def _omp(self) -> ctypes.CDLL:  # libgomp, which the kernels load
+        if self._gomp is None:
+            self._gomp = ctypes.CDLL("libgomp.so.1")
+            self._gomp.omp_get_max_threads.restype = ctypes.c_int
+            self._default_threads = self._gomp.omp_get_max_threads()
+        return self._gomp
+
+    def schedules(self) -> list:
+        """OpenMP thread counts 1, 2 and 3."""
+        return [lambda n=n: self._omp().omp_set_num_threads(ctypes.c_int(n)) for n in (1, 2, 3)]
+
+    def reset_schedule(self) -> None:
+        self._omp().omp_set_num_threads(ctypes.c_int(self._default_threads))
+
+
+class CudaHarness(Harness):
+    target = "cuda"
+    kernel_class = CudaKernel
+
+    def __init__(self, out_dir: Path):
+        super().__init__()
+        self.out_dir = out_dir
+        self._libs: list[ctypes.CDLL] = []
+
+    def _load(self, source: str) -> ctypes.CDLL:
+        lib = ctypes.CDLL(str(simulator.build_simulated(source, self.out_dir / f"kernels{len(self._libs)}.so")))
+        lib.llmc_sim_set_seed.argtypes = [ctypes.c_ulonglong]
+        lib.llmc_sim_set_seed(1)
+        self._libs.append(lib)
+        return lib
+
+    def _set_seed(self, n: int) -> None:  # in every library loaded so far
+        for lib in self._libs:
+            lib.llmc_sim_set_seed(n)
+
+    def schedules(self) -> list:
+        """Scheduling seeds 1 (the default) and 2: other thread orders between sync points, other block orders."""
+        return [lambda n=n: self._set_seed(n) for n in (1, 2)]
+
+    def reset_schedule(self) -> None:
+        self._set_seed(1)

@@ -1,4 +1,4 @@
-"""References and input builders shared by the CPU (tests/templates/cpu) and CUDA (tests/templates/cuda) kernel tests.
+"""References and input builders of the kernel template tests (tests/templates/test_<op>.py, on every target).
 
 Plain numpy / torch, no kernels: what each op must compute, and the random inputs the tests hand the kernels.
 T is the number of token rows; weights come as (array to pass the kernel, the float32 values it holds).
@@ -37,14 +37,14 @@ def make_weights(a, wdtype):
 # embedding: out[t] = table[ids[t]]
 
 
-def embedding_inputs(T, hidden, wdtype, vocab, seed, repeat=False):
-    """ids [T] int32 (ids[0] = vocab - 1, the last row; repeat: ids[1] = ids[2] when T > 2), and the table
+def embedding_inputs(T, hidden, wdtype, vocab, seed):
+    """ids [T] int32 (ids[0] = vocab - 1, the last row; ids[1] = ids[2] when T > 2), and the table
     [vocab, hidden] as (array to pass the kernel, float32 values)."""
     rng = np.random.default_rng(seed)
     table, table_f = make_weights(rng.standard_normal((vocab, hidden), dtype=np.float32), wdtype)
     ids = rng.integers(0, vocab, size=T, dtype=np.int32)
-    ids[0] = vocab - 1
-    if repeat and T > 2:
+    ids[:1] = vocab - 1
+    if T > 2:
         ids[1] = ids[2]
     return ids, table, table_f
 
@@ -84,6 +84,14 @@ def gemm_inputs(n, k, T, wdtype, has_bias, weights, seed=0):
     w, wf = weights(rng.standard_normal((n, k), dtype=np.float32) / np.sqrt(k), wdtype)
     b, bf = weights(rng.standard_normal(n, dtype=np.float32), wdtype) if has_bias else (None, np.zeros(n))
     return x, w, wf, b, bf
+
+
+def assert_gemm_close(y, x, wf, bf):
+    """y [T, n] within float32 accumulation error of x @ wf.T + bf, relative to the magnitude of the terms."""
+    ref = x.astype(np.float64) @ wf.astype(np.float64).T + bf
+    mag = np.abs(x).astype(np.float64) @ np.abs(wf).astype(np.float64).T + np.abs(bf)
+    err = np.abs(y - ref)
+    assert np.all(err <= 1e-5 * mag + 1e-7), f"max rel err {np.max(err / (mag + 1e-30)):.3g}"
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -137,11 +145,11 @@ def emitted_floats(src, table):
 
 
 def silu_mul_inputs(T, inter, seed):
-    """gate_up [T, 2 * inter] float32 (std 4), its first row starting -100, 100, 0, -0 (exp overflow /
+    """gate_up [T, 2 * inter] float32 (std 4), its first row (if any) starting -100, 100, 0, -0 (exp overflow /
     saturation / zero)."""
     rng = np.random.default_rng(seed)
     gate_up = (rng.standard_normal((T, 2 * inter), dtype=np.float32) * 4).astype(np.float32)
-    gate_up[0, :4] = [-100.0, 100.0, 0.0, -0.0]
+    gate_up[:1, :4] = [-100.0, 100.0, 0.0, -0.0]
     return gate_up
 
 

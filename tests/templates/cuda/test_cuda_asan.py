@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from kernel_harness import kernels_source
 
 from llmc.compiler.codegen import simulator
 
@@ -62,8 +63,8 @@ print("ok")
 
 
 @pytest.fixture(scope="module")
-def asan_so(tmp_path_factory, cuda_source):
-    source, _ = cuda_source(SPECS_ASAN)
+def asan_so(tmp_path_factory):
+    source, _ = kernels_source("cuda", SPECS_ASAN)
     return simulator.build_simulated(source, tmp_path_factory.mktemp("asan") / "kernels.so", asan=True)
 
 

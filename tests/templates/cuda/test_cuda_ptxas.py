@@ -11,6 +11,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from kernel_harness import kernels_source
 
 from llmc.compiler.codegen import simulator
 from llmc.compiler.codegen.render import TEMPLATE_DIR, kernel_id
@@ -42,8 +43,8 @@ KERNELS = {"gemm": ["gemv", "tiled"], "paged_attention": ["write", "attend"]}
 
 
 @pytest.fixture(scope="module")
-def source(tmp_path_factory, cuda_source):
-    text, _ = cuda_source(REPRESENTATIVE)
+def source(tmp_path_factory):
+    text, _ = kernels_source("cuda", REPRESENTATIVE)
     path = tmp_path_factory.mktemp("nvcc") / "templates.cu"
     path.write_text(text)
     return path

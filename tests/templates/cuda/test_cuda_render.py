@@ -3,10 +3,14 @@ stream, so model.cu calls the same functions with the same arguments as model.cc
 
 import math
 import re
+import subprocess
 
 import pytest
+from kernel_harness import kernels_source
 
-from llmc.compiler.codegen.render import kernel_id, render_kernel, template_params
+from llmc.compiler.codegen import simulator
+from llmc.compiler.codegen.render import kernel_id, render_kernel, template_file, template_params
+from llmc.compiler.compile import CUDA_HEADERS
 from llmc.errors import CompileError
 
 COMMON = {
@@ -53,3 +57,17 @@ def test_render_errors_name_the_cuda_template():
     assert kernel_id("cuda", "paged_attention", COMMON["paged_attention"]) == \
         "cuda_paged_attention_qh4_kvh2_d16_bs4_sc0p25_sw0"
     assert math.isfinite(0.25)
+
+
+def test_the_build_ships_every_header(tmp_path):
+    """compile.CUDA_HEADERS, the headers that go next to model.cu, are all of templates/cuda/include, and with
+    them alone (no include path into the repository) kernels compile for the simulator."""
+    assert set(CUDA_HEADERS) == {p.name for p in simulator.INCLUDE_DIR.iterdir()}
+    for name in CUDA_HEADERS:
+        (tmp_path / name).write_text(template_file("cuda", f"include/{name}"))
+    source, _ = kernels_source("cuda", [("rmsnorm", COMMON["rmsnorm"])])
+    (tmp_path / "model.cu").write_text(source)
+    cmd = [simulator.CXX, "-x", "c++", "-std=c++17", "-fsyntax-only", "-DLLMC_SIMULATOR",
+           f"-I{simulator.cuda_include_dir()}", "model.cu"]
+    r = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-4000:]

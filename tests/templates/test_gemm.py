@@ -1,0 +1,84 @@
+"""gemm (templates/{cpu,cuda}/gemm.*.j2) against numpy: y = x @ w.T + bias, w in HF Linear layout [n, k].
+
+On CUDA, T <= 8 runs the warp-per-output GEMV and larger T the shared-memory tiled kernel; the shapes have
+tails for every path.
+"""
+
+import numpy as np
+import pytest
+from kernel_harness import spec_id
+from kernel_reference import assert_gemm_close, gemm_inputs
+
+# (n, k): 53 / 37 / 23 are no multiple of any vector, warp or tile width (k = 37: scalar weight loads on CUDA);
+# k = 64 / 136 take 16-byte loads (136 = 4 full + 1 partial lane sweep for f32).
+SHAPES = [(53, 37), (23, 64), (70, 136)]
+# The tiny model's projection, CPU only: there its outputs split into several chunks over the OpenMP threads;
+# under the CUDA simulator a GEMV of 1536 outputs takes about a second, and the shapes above cover its paths.
+MODEL_SHAPE = (1536, 576)
+CPU_ONLY = pytest.mark.targets("cpu")
+
+
+def _grid(shapes):
+    return [("gemm", dict(n=n, k=k, wdtype=wd, has_bias=bias))
+            for n, k in shapes for wd in ("f32", "bf16") for bias in (False, True)]
+
+
+SPECS = _grid(SHAPES) + _grid([MODEL_SHAPE])
+CASES = [pytest.param(*s, id=spec_id(s)) for s in _grid(SHAPES)] + [
+    pytest.param(*s, id=spec_id(s), marks=CPU_ONLY) for s in _grid([MODEL_SHAPE])]
+ALL_SHAPES = [*SHAPES, pytest.param(*MODEL_SHAPE, marks=CPU_ONLY)]
+# The T up to which each row is bit-identical whatever else is in the batch: any T on the CPU; on CUDA the
+# GEMV range, since the tiled kernel above it sums in another order.
+BATCH_INVARIANT_T = {"cpu": (7, 70), "cuda": (8,)}
+
+
+# T: 1-5 the CPU's row blocks, 8 / 9 either side of CUDA's GEMV limit, 17 and 70 partial row tiles
+@pytest.mark.parametrize("T", [1, 2, 3, 4, 5, 8, 9, 17, 70])
+@pytest.mark.parametrize("op,params", CASES)
+def test_gemm_matches_numpy(kernels, weights, op, params, T):
+    n, k = params["n"], params["k"]
+    x, w, wf, b, bf = gemm_inputs(n, k, T, params["wdtype"], params["has_bias"], weights, seed=T)
+    y = np.full((T, n), np.nan, dtype=np.float32)
+    kernels(op, params)(x, w, b, y, T)
+    assert_gemm_close(y, x, wf, bf)
+
+
+@pytest.mark.parametrize("wdtype", ["f32", "bf16"])
+def test_gemm_three_row_tiles(kernels, weights, wdtype):
+    """T = 130: two full 64-row tiles and a 2-row tail."""
+    params = dict(n=70, k=136, wdtype=wdtype, has_bias=True)
+    x, w, wf, b, bf = gemm_inputs(70, 136, 130, wdtype, True, weights, seed=5)
+    y = np.full((130, 70), np.nan, dtype=np.float32)
+    kernels("gemm", params)(x, w, b, y, 130)
+    assert_gemm_close(y, x, wf, bf)
+
+
+@pytest.mark.parametrize("wdtype", ["f32", "bf16"])
+@pytest.mark.parametrize("n,k", ALL_SHAPES)
+def test_gemm_row_independent_of_batch(kernels, weights, target, wdtype, n, k):
+    """Each row of a batch is bit-identical to the same row computed alone (T = 1)."""
+    fn = kernels("gemm", dict(n=n, k=k, wdtype=wdtype, has_bias=True))
+    sizes = BATCH_INVARIANT_T[target]
+    x, w, _, b, _ = gemm_inputs(n, k, max(sizes), wdtype, True, weights, seed=1)
+    alone = np.empty((max(sizes), n), dtype=np.float32)
+    for t in range(max(sizes)):
+        fn(np.ascontiguousarray(x[t:t + 1]), w, b, alone[t:t + 1], 1)
+    for T in sizes:
+        batch = np.empty((T, n), dtype=np.float32)
+        fn(np.ascontiguousarray(x[:T]), w, b, batch, T)
+        assert np.array_equal(batch, alone[:T])
+
+
+@pytest.mark.parametrize("T", [1, 3, 17, 70])
+@pytest.mark.parametrize("n,k", [(70, 136), pytest.param(*MODEL_SHAPE, marks=CPU_ONLY)])
+def test_gemm_independent_of_schedule(kernels, weights, schedules, n, k, T):
+    """Every schedule (thread count, or thread and block order) gives bit-identical results."""
+    fn = kernels("gemm", dict(n=n, k=k, wdtype="bf16", has_bias=False))
+    x, w, _, _, _ = gemm_inputs(n, k, T, "bf16", False, weights, seed=3)
+    outs = []
+    for schedule in schedules:
+        schedule()
+        y = np.full((T, n), np.nan, dtype=np.float32)
+        fn(x, w, None, y, T)
+        outs.append(y)
+    assert all(np.array_equal(o, outs[0]) for o in outs)

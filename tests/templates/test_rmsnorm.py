@@ -1,0 +1,66 @@
+"""rmsnorm (templates/{cpu,cuda}/rmsnorm.*.j2): y = w * (h / sqrt(mean(h^2) + eps)),
+h = x (+ residual_in -> residual_out)."""
+
+import numpy as np
+import pytest
+from kernel_harness import spec_id
+from kernel_reference import rmsnorm_inputs, rmsnorm_reference
+
+# hidden 37 (on CUDA one partial warp), 64, 576 (576 / 96 threads), 4100 (512 threads x 9 elements, a
+# partial tail)
+SPECS = [("rmsnorm", dict(hidden=h, eps=eps, wdtype=wd, add_residual=res))
+         for h, eps in ((37, 1e-6), (64, 1e-5), (576, 1e-5)) for wd in ("f32", "bf16") for res in (False, True)]
+SPECS.append(("rmsnorm", dict(hidden=4100, eps=1e-5, wdtype="bf16", add_residual=True)))
+
+
+@pytest.mark.parametrize("T", [1, 3, 17])
+@pytest.mark.parametrize("op,params", SPECS, ids=map(spec_id, SPECS))
+def test_rmsnorm_matches_numpy(kernels, op, params, T):
+    add = params["add_residual"]
+    x, w, wf, res_in, res_out, y = rmsnorm_inputs(T, params["hidden"], params["wdtype"], add, seed=T)
+    kernels(op, params)(x, res_in, res_out, w, y, T)
+    h = x
+    if add:
+        h = x + res_in  # float32 add, as transformers does
+        assert np.array_equal(res_out, h)
+    np.testing.assert_allclose(y, rmsnorm_reference(h, wf, params["eps"]), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("alias", ["residual_in", "x"])
+@pytest.mark.parametrize("wdtype", ["f32", "bf16"])
+def test_rmsnorm_residual_in_place(kernels, weights, wdtype, alias):
+    """residual_out may alias residual_in (the residual stream updated in place) or x."""
+    params = dict(hidden=576, eps=1e-5, wdtype=wdtype, add_residual=True)
+    rng = np.random.default_rng(5)
+    T = 9
+    x = rng.standard_normal((T, 576), dtype=np.float32)
+    res = rng.standard_normal((T, 576), dtype=np.float32)
+    w, wf = weights(rng.standard_normal(576, dtype=np.float32), wdtype)
+    expect_res = x + res
+    y = np.empty_like(x)
+    out = res if alias == "residual_in" else x
+    kernels("rmsnorm", params)(x, res, out, w, y, T)
+    assert np.array_equal(out, expect_res)
+    np.testing.assert_allclose(y, rmsnorm_reference(expect_res, wf, 1e-5), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("hidden,add", [(576, False), (4100, True)])
+def test_rmsnorm_row_independent_of_batch_and_schedule(kernels, weights, schedules, hidden, add):
+    """Each row is bit-identical alone (T = 1) and in a batch of 5, in every schedule."""
+    fn = kernels("rmsnorm", dict(hidden=hidden, eps=1e-5, wdtype="bf16", add_residual=add))
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((5, hidden), dtype=np.float32)
+    r = rng.standard_normal((5, hidden), dtype=np.float32) if add else None
+    w, _ = weights(rng.standard_normal(hidden, dtype=np.float32), "bf16")
+    outs = []
+    for schedule in schedules:
+        schedule()
+        y = np.empty_like(x)
+        fn(x, r, np.empty_like(x) if add else None, w, y, 5)
+        outs.append(y)
+    assert all(np.array_equal(o, outs[0]) for o in outs)
+    for t in (0, 4):
+        alone = np.empty((1, hidden), dtype=np.float32)
+        r_t = np.ascontiguousarray(r[t:t + 1]) if add else None
+        fn(np.ascontiguousarray(x[t:t + 1]), r_t, np.empty_like(alone) if add else None, w, alone, 1)
+        assert np.array_equal(alone[0], outs[0][t])

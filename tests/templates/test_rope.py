@@ -1,0 +1,44 @@
+"""rope (templates/{cpu,cuda}/rope.*.j2) against transformers' Llama rotary embedding (rotate-half), in torch
+float32."""
+
+import numpy as np
+import pytest
+from kernel_harness import spec_id
+from kernel_reference import emitted_floats, rope_inputs, rope_inv_freq, rope_reference
+
+from llmc.compiler.codegen.render import kernel_id, render_kernel
+
+# (num_heads, head_dim, theta): 9 heads is the odd GQA case (on CUDA 9 x 32 pairs > 256 threads: a second
+# sweep), head_dim 8 / 16 / 64
+CASES = [(9, 64, 10000.0), (3, 16, 500000.0), (2, 8, 10000.0)]
+SPECS = [("rope", dict(num_heads=nh, head_dim=hd, inv_freq=rope_inv_freq(hd, th).tolist())) for nh, hd, th in CASES]
+
+
+@pytest.mark.parametrize("T", [1, 3, 17])
+@pytest.mark.parametrize("extra_cols", [0, 40])
+@pytest.mark.parametrize("op,params", SPECS, ids=map(spec_id, SPECS))
+def test_rope_matches_transformers(kernels, op, params, T, extra_cols):
+    """Rotates heads [0, num_heads) of each row in place; the rest of the row (k, v) is untouched."""
+    nh, hd = params["num_heads"], params["head_dim"]
+    stride = nh * hd + extra_cols
+    x, positions = rope_inputs(T, stride, seed=T + extra_cols)
+    orig = x.copy()
+    kernels(op, params)(x, stride, positions, T)
+    ref = rope_reference(orig[:, :nh * hd].reshape(T, nh, hd), positions, params["inv_freq"]).reshape(T, nh * hd)
+    np.testing.assert_allclose(x[:, :nh * hd], ref, rtol=1e-5, atol=1e-5)
+    assert np.array_equal(x[:, nh * hd:], orig[:, nh * hd:])
+
+
+def test_rope_inv_freq_round_trips_float32(target):
+    """The emitted table holds exactly the float32 values transformers uses."""
+    freqs = rope_inv_freq(64, 10000.0)
+    src = render_kernel(target, "rope", name="k", num_heads=1, head_dim=64, inv_freq=freqs.tolist())
+    assert np.array_equal(emitted_floats(src, "inv_freq["), freqs.numpy())
+
+
+def test_rope_kernel_id_hashes_inv_freq():
+    a = dict(num_heads=9, head_dim=64, inv_freq=rope_inv_freq(64, 10000.0).tolist())
+    b = dict(a, inv_freq=rope_inv_freq(64, 500000.0).tolist())
+    ida, idb = kernel_id("cpu", "rope", a), kernel_id("cpu", "rope", b)
+    assert ida.startswith("cpu_rope_qh9_d64_if32x") and ida != idb
+    assert ida == kernel_id("cpu", "rope", dict(a, inv_freq=tuple(np.float32(v) for v in a["inv_freq"])))
