@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
-from llmc.errors import CheckpointError
+from llmc.errors import CheckpointError, LlmcError
 
 from .config import ModelConfig, parse_config, token_ids
 
@@ -62,9 +62,13 @@ def _read_json(path: Path, what: str) -> dict:
     if not path.is_file():
         raise CheckpointError(f"{path}: {what} is missing", "a Hugging Face checkpoint directory needs it")
     try:
-        return json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        value = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
         raise CheckpointError(f"{path}: not valid JSON ({e})", f"re-download or rewrite {path.name}") from None
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{path}: holds a JSON {type(value).__name__}, not an object",
+                              f"re-download or rewrite {path.name}")  # fmt: skip
+    return value
 
 
 def _weight_files(path: Path) -> list[Path]:
@@ -188,32 +192,69 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
         tensor_files[name], dtypes[name] = f, _DTYPES[dtype]
 
     tokenizer_path = path / "tokenizer.json"
-    if not tokenizer_path.is_file():
-        raise CheckpointError(f"{tokenizer_path}: tokenizer is missing", "copy tokenizer.json into the checkpoint dir")
+    _check_tokenizer(tokenizer_path)
     tok_config_path = path / "tokenizer_config.json"
     tok_config = _read_json(tok_config_path, "tokenizer_config.json") if tok_config_path.is_file() else {}
-    chat_template = tok_config.get("chat_template")
+    chat_template = _chat_template(tok_config.get("chat_template"), tok_config_path)
     if (path / "chat_template.jinja").is_file():
         chat_template = (path / "chat_template.jinja").read_text()
-    special = {k: _token_text(tok_config[k]) for k in ("bos_token", "eos_token") if tok_config.get(k)}
+    special = {k: _token_text(tok_config[k], tok_config_path, k) for k in ("bos_token", "eos_token")
+               if tok_config.get(k)}  # fmt: skip
     gen_path = path / "generation_config.json"
     gen = _read_json(gen_path, "generation_config.json") if gen_path.is_file() else {}
     if gen.get("eos_token_id") is not None:  # transformers' generate stops on these, not config.json's
-        config = dataclasses.replace(config, eos_token_ids=token_ids(gen["eos_token_id"]))
-    generation = generation_defaults(gen) if gen_path.is_file() else {}
+        config = dataclasses.replace(config, eos_token_ids=token_ids(gen["eos_token_id"], gen_path))
+    generation = generation_defaults(gen, gen_path) if gen_path.is_file() else {}
     return Checkpoint(path, config, tensor_files, dtypes, tokenizer_path, chat_template, special, generation)
 
 
-def generation_defaults(gen: dict) -> dict:
-    """The sampling settings a checkpoint ships, as SamplingParams fields: greedy unless it samples."""
+def _check_tokenizer(path: Path) -> None:
+    """tokenizer.json must parse now: compile copies it into the artifact, and run would fail on it later."""
+    from tokenizers import Tokenizer
+
+    if not path.is_file():
+        raise CheckpointError(f"{path}: tokenizer is missing", "copy tokenizer.json into the checkpoint dir")
+    try:
+        Tokenizer.from_file(str(path))
+    except Exception as e:  # tokenizers raises plain Exception for every parse error
+        raise CheckpointError(f"{path}: not a valid tokenizer ({str(e).splitlines()[0][:200]})",
+                              "re-download tokenizer.json, or re-save it with transformers") from None  # fmt: skip
+
+
+def generation_defaults(gen: dict, path: Path | str = "generation_config.json") -> dict:
+    """The sampling settings a checkpoint ships, as SamplingParams fields: greedy unless it samples.
+
+    They become every request's defaults, so they are checked here by the runtime's own rules: a bad
+    value fails the compile, not every later request.
+    """
+    from llmc.runtime.sampling import SamplingParams
+
     if not gen.get("do_sample", False):
         return {"temperature": 0.0} if gen else {}
     keys = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")
-    return {"temperature": 1.0, **{k: gen[k] for k in keys if gen.get(k) is not None}}
+    defaults = {"temperature": 1.0, **{k: gen[k] for k in keys if gen.get(k) is not None}}
+    try:
+        SamplingParams(**defaults)
+    except LlmcError as e:
+        raise CheckpointError(f"{path}: {e.what}", e.hint) from None
+    return defaults
 
 
-def _token_text(token) -> str:
-    return token["content"] if isinstance(token, dict) else str(token)
+def _token_text(token, path: Path, key: str) -> str:
+    text = token.get("content") if isinstance(token, dict) else token
+    if not isinstance(text, str):
+        raise CheckpointError(f"{path}: {key} is {token!r}, not a token string", f"fix {key} in {path.name}")
+    return text
+
+
+def _chat_template(value, path: Path) -> str | None:
+    """A template string; transformers also allows a list of named templates, of which "default" is used."""
+    if isinstance(value, list):
+        named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
+        value = named.get("default")
+    if value is None or isinstance(value, str):
+        return value
+    raise CheckpointError(f"{path}: chat_template is not a string", f"fix chat_template in {path.name}")
 
 
 def to_numpy(t: torch.Tensor) -> np.ndarray:

@@ -7,40 +7,84 @@ It accepts both spellings transformers has used for RoPE: `rope_theta` + `rope_s
 
 from __future__ import annotations
 
-from llmc.errors import UnsupportedModelError
+import math
+
+from llmc.errors import CheckpointError, UnsupportedModelError
 from llmc.model_config import ModelConfig
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
+# Bounds far beyond any released checkpoint; a config outside them is damaged or hostile, and would make
+# compile or run allocate without limit (10**7 layers, a context of 10**12 tokens).
+_LIMITS = {"hidden_size": 1 << 17, "num_attention_heads": 1024, "num_hidden_layers": 1024, "vocab_size": 1 << 22,
+           "intermediate_size": 1 << 20, "head_dim": 1024, "max_position_embeddings": 1 << 24,
+           "sliding_window": 1 << 24, "max_window_layers": 1024, "original_max_position_embeddings": 1 << 24}  # fmt: skip
+_ROPE_NUMBERS = ("factor", "low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow", "attention_factor",
+                 "mscale", "mscale_all_dim", "partial_rotary_factor")  # fmt: skip
+
+
+def _bad(key: str, value, want: str) -> CheckpointError:
+    return CheckpointError(f"config.json: {key}={value!r} is invalid ({want})", "fix config.json, or re-download it")
+
+
+def _int(raw: dict, key: str, default=None, low: int = 1) -> int:
+    value = raw.get(key)
+    value = default if value is None else value  # configs spell "use the default" as null, too
+    if value is None:
+        raise UnsupportedModelError(f"config.json: missing field {key!r}", "is this a causal LM config?")
+    high = _LIMITS.get(key, 1 << 31)
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise _bad(key, value, f"an integer in [{low}, {high}]")
+    return value
+
+
+def _number(raw: dict, key: str, default: float, low: float = 0.0) -> float:
+    """A finite float > low (every float field here is a positive scale, base or epsilon)."""
+    value = raw.get(key)
+    value = default if value is None else value
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= low:
+        raise _bad(key, value, f"a finite number > {low:g}")
+    return float(value)
+
+
 def _rope(raw: dict) -> tuple[float, dict | None]:
     params = raw.get("rope_parameters")
     if params is None:
-        params = dict(raw.get("rope_scaling") or {})
-        params.setdefault("rope_theta", raw.get("rope_theta", 10000.0))
+        params = raw.get("rope_scaling") or {}
+        if not isinstance(params, dict):
+            raise _bad("rope_scaling", params, "an object")
+        params = {"rope_theta": raw.get("rope_theta", 10000.0), **params}
+    if not isinstance(params, dict):
+        raise _bad("rope_parameters", params, "an object")
     params = dict(params)
     rope_type = params.pop("rope_type", params.pop("type", "default")) or "default"
-    theta = float(params.pop("rope_theta", raw.get("rope_theta", 10000.0)))
-    if rope_type not in SUPPORTED_ROPE_TYPES:
+    theta = _number({"rope_theta": params.pop("rope_theta", raw.get("rope_theta", 10000.0))}, "rope_theta", 1e4)
+    if not isinstance(rope_type, str) or rope_type not in SUPPORTED_ROPE_TYPES:
         raise UnsupportedModelError(
             f"config.json: rope type {rope_type!r} is not supported",
             f"llmc compiles RoPE of type {', '.join(SUPPORTED_ROPE_TYPES)}",
         )
     if rope_type == "default":
         return theta, None
+    for key in _ROPE_NUMBERS:
+        if params.get(key) is not None:
+            params[key] = _number(params, key, 1.0)
     if rope_type in ("llama3", "yarn"):  # as transformers' standardize_rope_params fills it in
-        params["original_max_position_embeddings"] = int(raw.get(
-            "original_max_position_embeddings",
-            params.get("original_max_position_embeddings", raw.get("max_position_embeddings", 2048))))  # fmt: skip
+        key = "original_max_position_embeddings"
+        source = raw if raw.get(key) is not None else params if params.get(key) is not None else None
+        params[key] = _int(source, key) if source else _int(raw, "max_position_embeddings", 2048)
     if rope_type == "yarn" and params.get("factor") is None:
-        params["factor"] = raw.get("max_position_embeddings", 2048) / params["original_max_position_embeddings"]
+        params["factor"] = _int(raw, "max_position_embeddings", 2048) / params["original_max_position_embeddings"]
     if "factor" not in params:
         raise UnsupportedModelError(f"config.json: rope type {rope_type!r} needs a 'factor'", "add it to rope_scaling")
     if rope_type == "llama3":
         for key in ("low_freq_factor", "high_freq_factor"):
             if key not in params:
                 raise UnsupportedModelError(f"config.json: llama3 rope scaling lacks {key!r}", "add it to rope_scaling")
+        if params["low_freq_factor"] == params["high_freq_factor"]:
+            raise _bad("high_freq_factor", params["high_freq_factor"], "different from low_freq_factor")
     if params.get("partial_rotary_factor", 1.0) != 1.0:
         raise UnsupportedModelError("config.json: partial rotary embeddings are not supported",
                                     "llmc rotates the whole head_dim")  # fmt: skip
@@ -48,27 +92,25 @@ def _rope(raw: dict) -> tuple[float, dict | None]:
 
 
 def parse_config(raw: dict) -> ModelConfig:
-    """Validate config.json and normalise it. Raises UnsupportedModelError for anything not compiled."""
+    """Validate config.json and normalise it: UnsupportedModelError for anything not compiled,
+    CheckpointError for a field of the wrong type or outside any real model's range."""
     archs = raw.get("architectures") or []
-    arch = archs[0] if archs else None
-    if arch not in SUPPORTED_ARCHITECTURES:
+    arch = archs[0] if isinstance(archs, list) and archs else None
+    if not isinstance(arch, str) or arch not in SUPPORTED_ARCHITECTURES:
         raise UnsupportedModelError(
             f"config.json: architecture {arch!r} is not supported",
             f"llmc compiles {', '.join(SUPPORTED_ARCHITECTURES)}",
         )
     act = raw.get("hidden_act", "silu")
-    if act not in ("silu", "swish"):  # transformers maps both to SiLU
+    if not isinstance(act, str) or act not in ("silu", "swish"):  # transformers maps both to SiLU
         raise UnsupportedModelError(f"config.json: hidden_act {act!r} is not supported", "llmc compiles SwiGLU (silu)")
-    try:
-        hidden = int(raw["hidden_size"])
-        heads = int(raw["num_attention_heads"])
-        kv_heads = int(raw.get("num_key_value_heads") or heads)
-        head_dim = int(raw.get("head_dim") or hidden // heads)
-        layers = int(raw["num_hidden_layers"])
-        vocab = int(raw["vocab_size"])
-        inter = int(raw["intermediate_size"])
-    except KeyError as e:
-        raise UnsupportedModelError(f"config.json: missing field {e.args[0]!r}", "is this a causal LM config?") from None
+    hidden = _int(raw, "hidden_size")
+    heads = _int(raw, "num_attention_heads")
+    kv_heads = _int(raw, "num_key_value_heads", heads)
+    head_dim = _int(raw, "head_dim", hidden // heads or None)
+    layers = _int(raw, "num_hidden_layers")
+    vocab = _int(raw, "vocab_size")
+    inter = _int(raw, "intermediate_size")
     if heads % kv_heads:
         raise UnsupportedModelError(
             f"config.json: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}"
@@ -79,9 +121,15 @@ def parse_config(raw: dict) -> ModelConfig:
     sliding = raw.get("sliding_window")
     if arch == "Qwen2ForCausalLM" and not raw.get("use_sliding_window", False):
         sliding = None
+    sliding = _int(raw, "sliding_window") if sliding is not None else None
     sliding_layers = _sliding_layers(raw, arch, layers) if sliding else ()
     llama_bias = bool(raw.get("attention_bias", False))
-    dtype = str(raw.get("torch_dtype") or raw.get("dtype") or "float32").replace("torch.", "")
+    dtype = raw.get("torch_dtype") or raw.get("dtype") or "float32"
+    if not isinstance(dtype, str):
+        raise _bad("torch_dtype", dtype, "a dtype name")
+    bos = raw.get("bos_token_id")
+    if bos is not None and (isinstance(bos, bool) or not isinstance(bos, int) or bos < 0):
+        raise _bad("bos_token_id", bos, "a token id >= 0, or null")
     return ModelConfig(
         architecture=arch,
         vocab_size=vocab,
@@ -91,37 +139,42 @@ def parse_config(raw: dict) -> ModelConfig:
         num_heads=heads,
         num_kv_heads=kv_heads,
         head_dim=head_dim,
-        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        rms_norm_eps=_number(raw, "rms_norm_eps", 1e-6),
         rope_theta=theta,
         rope_scaling=scaling,
-        max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
-        sliding_window=int(sliding) if sliding_layers else None,
+        max_position_embeddings=_int(raw, "max_position_embeddings", 2048),
+        sliding_window=sliding if sliding_layers else None,
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         attention_bias=True if arch == "Qwen2ForCausalLM" else llama_bias,
         o_bias=llama_bias and arch != "Qwen2ForCausalLM",
         mlp_bias=bool(raw.get("mlp_bias", False)),
-        torch_dtype=dtype,
-        bos_token_id=raw.get("bos_token_id"),
+        torch_dtype=dtype.replace("torch.", ""),
+        bos_token_id=bos,
         eos_token_ids=token_ids(raw.get("eos_token_id")),
         sliding_layers=sliding_layers,
     )
 
 
-def token_ids(value) -> tuple[int, ...]:
+def token_ids(value, path: object = "config.json") -> tuple[int, ...]:
     """An `eos_token_id` field (config.json, generation_config.json): one id, a list of them, or null."""
     if value is None:
         return ()
-    return tuple(int(t) for t in (value if isinstance(value, list) else [value]))
+    ids = value if isinstance(value, list) else [value]
+    if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 1 << 31 for t in ids):
+        raise CheckpointError(f"{path}: eos_token_id={value!r} is not a token id or a list of them",
+                              "fix eos_token_id, or re-download the file")  # fmt: skip
+    return tuple(ids)
 
 
 def _sliding_layers(raw: dict, arch: str, layers: int) -> tuple[int, ...]:
     """The layers that use the sliding window, as transformers decides them (config.layer_types first)."""
     types = raw.get("layer_types")
     if types:
-        if len(types) != layers or not set(types) <= {"full_attention", "sliding_attention"}:
+        if (not isinstance(types, list) or len(types) != layers
+                or not all(t in ("full_attention", "sliding_attention") for t in types)):  # fmt: skip
             raise UnsupportedModelError(f"config.json: layer_types {types!r} is not supported",
                                         "llmc compiles full_attention and sliding_attention layers")  # fmt: skip
         return tuple(i for i, t in enumerate(types) if t == "sliding_attention")
     if arch == "Qwen2ForCausalLM":
-        return tuple(range(int(raw.get("max_window_layers", 0)), layers))
+        return tuple(range(_int(raw, "max_window_layers", 0, low=0), layers))
     return tuple(range(layers))
