@@ -288,6 +288,8 @@ class LlmcEngine:
         t0 = None
         while engine.has_unfinished():
             for o in engine.step():
+                if o.error is not None:
+                    raise o.error
                 out += o.new_token_ids
             if t0 is None:  # the prefill step made the first token
                 t0 = time.perf_counter()

@@ -190,6 +190,8 @@ def run(artifact: Path | None, prompt: str | None, max_tokens: int, temperature:
         start = time.perf_counter()
         while engine.has_unfinished():
             for out in engine.step():
+                if out.error is not None:
+                    raise out.error
                 if first is None:
                     first = time.perf_counter()
                 token_ids += out.new_token_ids

@@ -72,6 +72,8 @@ def _run_level(engine: LLMEngine, prompts: list[list[int]], output_len: int, con
         outputs = engine.step()
         now = time.perf_counter()
         for out in outputs:
+            if out.error is not None:
+                raise out.error
             i = in_flight[out.req_id]
             token_times[i].extend([now] * len(out.new_token_ids))
             if out.finished:

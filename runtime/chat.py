@@ -108,6 +108,8 @@ def _stream_reply(engine: LLMEngine, req_id: str, say) -> str:
             for out in engine.step():
                 if out.req_id != req_id:
                     continue
+                if out.error is not None:
+                    raise out.error
                 if out.new_text:
                     parts.append(out.new_text)
                     say(out.new_text)
