@@ -128,13 +128,6 @@ inline uint64_t warp_op(Op op, unsigned mask, uint64_t in, int a0, int a1, const
   return t.out;
 }
 
-}  // namespace llmc_sim
-
-inline void __syncwarp(unsigned mask = 0xffffffffu, LLMC_SIM_SITE) {
-  llmc_sim::warp_op(llmc_sim::Op::Syncwarp, mask, 0, 0, 32, llmc_file_, llmc_line_);
-}
-
-namespace llmc_sim {
 template <class T>
 inline T shfl(Op op, unsigned mask, T var, int v, int width, const char* file, int line) {
   static_assert(sizeof(T) <= 8, "shuffle of a type wider than 8 bytes");  // __half2 & co. are not trivially copyable
@@ -145,8 +138,14 @@ inline T shfl(Op op, unsigned mask, T var, int v, int width, const char* file, i
   std::memcpy(&r, &out, sizeof(T));
   return r;
 }
+
 }  // namespace llmc_sim
 
+// ---------------------------------------------------------------------------------------------------
+// the intrinsics (each records its call site, LLMC_SIM_SITE)
+inline void __syncwarp(unsigned mask = 0xffffffffu, LLMC_SIM_SITE) {
+  llmc_sim::warp_op(llmc_sim::Op::Syncwarp, mask, 0, 0, 32, llmc_file_, llmc_line_);
+}
 template <class T>
 inline T __shfl_sync(unsigned mask, T var, int srcLane, int width = 32, LLMC_SIM_SITE) {
   return llmc_sim::shfl(llmc_sim::Op::ShflIdx, mask, var, srcLane, width, llmc_file_, llmc_line_);
