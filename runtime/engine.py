@@ -158,6 +158,9 @@ class LLMEngine:
         if params.stop and self.tokenizer is None:
             raise RequestError("stop strings need a tokenizer",
                                "load the engine with the model's tokenizer, or use stop_token_ids", param="stop")  # fmt: skip
+        if any(t >= self.vocab_size for t in params.stop_token_ids):
+            raise RequestError(f"stop_token_ids {params.stop_token_ids[:5]} reach outside the vocabulary",
+                               f"ids must be in [0, {self.vocab_size})", param="stop_token_ids")  # fmt: skip
         if params.logprobs is not None and params.logprobs > self.vocab_size:
             raise RequestError(f"logprobs={params.logprobs} exceeds the vocabulary ({self.vocab_size})",
                                param="logprobs")  # fmt: skip

@@ -430,6 +430,7 @@ def check_still_serving(base):
         ({"stop": ["x"] * 17}, "stop"),
         ({"stop": "y" * 257}, "stop"),
         ({"max_tokens": 600}, "max_tokens"),  # prompt + max_tokens past the context of 512
+        ({"stop_token_ids": [10**30]}, "stop_token_ids"),  # once an overflow deep in the sampler
     ],
 )
 def test_bad_values_get_400_naming_the_param_and_the_engine_lives_on(server, client, path, extra, fields, param):
