@@ -10,8 +10,8 @@ see a half-written file (both produce the same bytes; the last rename wins).
 Cache root: llmc.host.cache_root()/build (`$LLMC_CACHE_DIR/build`, else `$XDG_CACHE_HOME/llmc/build`, else
 `~/.cache/llmc/build`).
 
-`-march=native` binds the .so to this host's ISA; the artifact manifest records `CPU_FLAGS` (and the
-loader must check the target matches the machine).
+`-march=native` binds the .so to this host's ISA; the artifact manifest records the cpu target's flags and
+this host's ISA, and loading checks the machine has it.
 """
 
 from __future__ import annotations
@@ -28,8 +28,10 @@ from typing import Mapping, Sequence
 
 from llmc.errors import CompileError
 from llmc.host import cache_root
+from llmc.targets import load_target
 
-CPU_FLAGS: tuple[str, ...] = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c++17")
+# targets/cpu.toml's flags: kernel tests and probes build exactly as compile builds model.so
+CPU_FLAGS: tuple[str, ...] = tuple(load_target("cpu").build_flags)
 DEFAULT_COMPILER = "g++"
 _COMPILED_SUFFIXES = (".cc", ".cpp", ".cxx", ".cu")
 _STDERR_TAIL_LINES = 40

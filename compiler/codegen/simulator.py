@@ -28,6 +28,8 @@ from llmc.artifact import load_artifact
 from llmc.errors import ArtifactError, CompileError
 from llmc.host import cache_root
 
+from .build import default_cache_dir
+
 INCLUDE_DIR = Path(__file__).resolve().parents[2] / "templates" / "cuda" / "include"
 CXX = "g++"
 
@@ -65,7 +67,7 @@ def nvcc_path() -> str:
 
 
 def cache_dir() -> Path:
-    d = cache_root() / "build"
+    d = default_cache_dir()
     d.mkdir(parents=True, exist_ok=True)
     return d
 
