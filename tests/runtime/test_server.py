@@ -548,3 +548,37 @@ def test_shutdown_refuses_new_requests_and_cuts_the_rest_with_an_error(tok, conf
         assert json.loads(lines[-2].removeprefix("data: "))["error"]["code"] == "shutting_down"
         wait_until(lambda: not engine.has_unfinished(), what="the cut requests to leave the engine")
         assert engine.kv_cache.num_free_blocks == NUM_BLOCKS
+
+
+def test_fuzzed_request_fields_never_get_a_500(tok, config):
+    """Any JSON value in any field: a 200 or a 4xx with OpenAI's error body, and the engine stays healthy."""
+    from fastapi.testclient import TestClient
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    fields = ["n", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "presence_penalty", "frequency_penalty",
+              "repetition_penalty", "stop_token_ids", "min_tokens", "ignore_eos", "max_tokens", "logprobs",
+              "top_logprobs", "stream", "best_of", "echo", "model", "max_completion_tokens"]  # fmt: skip
+    scalars = st.one_of(
+        st.none(), st.booleans(), st.integers(-3, 40), st.sampled_from([2**63, -(2**63), 10**30]),
+        st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=5),
+    )  # fmt: skip
+    values = st.one_of(scalars, st.lists(scalars, max_size=3))
+    prompts = st.one_of(st.text(max_size=20), st.lists(st.integers(-2, 400), max_size=8))
+    engine = AsyncLLMEngine(LLMEngine(new_model(config), tok))
+    app = create_app(engine, tok, MODEL, TEMPLATE)
+
+    with TestClient(app) as http:
+
+        @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+        @given(st.dictionaries(st.sampled_from(fields), values, max_size=5), prompts, st.booleans())
+        def check(body, prompt, chat):
+            path = "/v1/chat/completions" if chat else "/v1/completions"
+            body = {**body, "messages": [{"role": "user", "content": str(prompt)}]} if chat else {**body, "prompt": prompt}
+            r = http.post(path, content=json.dumps(body).encode(), headers={"content-type": "application/json"})
+            assert r.status_code in (200, 400, 404), (body, r.status_code, r.text)
+            if r.status_code != 200:
+                assert r.json()["error"]["message"]
+            assert engine.healthy
+
+        check()
