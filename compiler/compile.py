@@ -63,7 +63,7 @@ def build_program(ckpt: Checkpoint, weight_dtype: str, block_size: int, step=lam
     mod = run_passes(mod)
     check_fusion(mod, ckpt.config.num_layers)
     step("lower")
-    return lower(mod, ckpt.config, traced.weight_names, weight_dtype=weight_dtype, block_size=block_size)
+    return lower(mod, traced.weight_names, weight_dtype=weight_dtype, block_size=block_size)
 
 
 def module_sources(target: Target, source: str, tvm_source: str | None = None) -> dict[str, str]:

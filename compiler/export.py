@@ -8,6 +8,11 @@ permute_dims + matmul. TVM's importer takes these ops directly. Running torch's 
 AOT autograd: about 0.7 s per layer, 22 s of an 8B compile. The no-op casts the undecomposed graph keeps
 (`x.float()` on float32) are removed by the fold pass. No weight is handed to the importer; the Relax
 `main` takes `(input_ids, positions, *weights)`.
+
+Attention goes through llmc's own converter (`_attention`): TVM's drops scaled_dot_product_attention's
+`scale` and takes float masks only, so the imported graph would lose YaRN's attention factor and every
+sliding window. Ours keeps the scale and turns the model's sliding-window mask into the op's
+`window_size`, so the imported graph states what the model computes and the passes carry it on.
 """
 
 from __future__ import annotations
@@ -24,15 +29,61 @@ from .frontend.model import LlamaFamily
 from .frontend.trace import Traced, trace
 
 
-def to_relax(traced: Traced):
-    """Relax IRModule whose main is (input_ids: [T] i64, positions: [T] i64, *weights) -> logits [T, vocab].
+_SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 
-    The compile graph: attention stays plainly causal in sliding-window layers (the kernels apply the window).
+
+def _sliding_window(mask) -> int | None:
+    """W if the fx node `mask` is LlamaFamily's window mask (d >= 0) & (d < W), d = p[:, None] - p[None, :].
+
+    The traced forward runs one sequence at positions 0..T-1 (as is_causal assumes too), so this is
+    R.nn.attention's window: key j is seen from query i when i - W < j <= i.
     """
+    aten = torch.ops.aten
+    if mask.target is not aten.__and__.Tensor:
+        return None
+    ge, lt = mask.args
+    if ge.target is not aten.ge.Scalar or lt.target is not aten.lt.Scalar or ge.args != (lt.args[0], 0):
+        return None
+    delta = ge.args[0]
+    if delta.target is not aten.sub.Tensor:
+        return None
+    rows, cols = delta.args
+    if not (rows.target is cols.target is aten.unsqueeze.default and rows.args[1] == 1 and cols.args[1] == 0
+            and rows.args[0] is cols.args[0] and rows.args[0].name == "positions"):
+        return None
+    return int(lt.args[1])
+
+
+def _attention(node, importer):
+    """scaled_dot_product_attention [1, H, T, D] -> R.nn.attention over [1, T, H, D], with its scale and window."""
+    from tvm import relax
+
+    args = dict(zip(_SDPA_ARGS, node.args)) | node.kwargs
+    mask = args.get("attn_mask")
+    window = None if mask is None else _sliding_window(mask)
+    if (mask is not None and window is None) or args.get("dropout_p", 0.0) or args.get("enable_gqa", False):
+        raise CompileError(f"attention {node.name} has a mask, dropout or GQA flag llmc does not compile",
+                           "llmc compiles causal attention, with or without a sliding window")  # fmt: skip
+    bb = importer.block_builder
+
+    def swap_heads_and_tokens(t):
+        return bb.emit(relax.op.permute_dims(t, [0, 2, 1, 3]))
+
+    q, k, v = (swap_heads_and_tokens(importer.env[args[n]]) for n in ("query", "key", "value"))
+    causal = "TopLeft" if args.get("is_causal", False) or window is not None else None
+    out = bb.emit(relax.op.nn.attention(q, k, v, scale=args.get("scale"), causal_mask=causal, window_size=window))
+    return swap_heads_and_tokens(out)
+
+
+def to_relax(traced: Traced):
+    """Relax IRModule whose main is (input_ids: [T] i64, positions: [T] i64, *weights) -> logits [T, vocab]."""
     from tvm.relax.frontend.torch import from_exported_program
 
     try:
-        return from_exported_program(traced.program, run_ep_decomposition=False, unwrap_unit_return_tuple=True)
+        return from_exported_program(traced.program, run_ep_decomposition=False, unwrap_unit_return_tuple=True,
+                                     custom_convert_map={"scaled_dot_product_attention.default": _attention})
+    except CompileError:
+        raise
     except Exception as e:  # the importer raises bare AssertionError/KeyError on ops it lacks
         raise CompileError(f"TVM Relax import failed: {type(e).__name__}: {e}", "run with --debug for the trace") from e
 

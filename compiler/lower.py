@@ -12,6 +12,10 @@ So a target's codegen only has to render each template once per distinct paramet
 launches in order. Buffers are reused by liveness, so the plan is a handful of buffers however deep
 the model is.
 
+Lowering reads the IR and nothing else: each fused `llmc.*` op carries its facts (RoPE inverse frequencies,
+softmax scale, sliding window, head counts), and the KV cache geometry and vocabulary come from main's
+signature. It needs no model config and imports no torch.
+
 Every binding of the fused main lowers to a template or is a free view (reshape, expand_dims, split into
 columns, a weight concat evaluated at pack time). Any other op falls back to TVM's own codegen: its
 PrimFunc joins `tvm_funcs`, and a `tvm_call` launch runs it (compiler/codegen/tvm_fallback.py).
@@ -29,8 +33,6 @@ from tvm import relax
 from llmc.errors import CompileError
 
 from .codegen.tvm_fallback import legalize_call
-from .frontend.config import ModelConfig
-from .frontend.model import attention_scale, rope_inv_freq
 from .passes.common import bindings, llmc_args, llmc_op_name, main_function, prim_value, rewrite_counts
 from .weights import WeightSpec
 
@@ -52,9 +54,19 @@ class Buffer:
     rows: str  # "T" (one row per token) or "B" (one row per sequence)
 
 
+@dataclasses.dataclass(frozen=True)
+class ModelGeometry:
+    """What the host code sizes its KV caches and logits by, read off the fused main's signature."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+
+
 @dataclasses.dataclass
 class KernelProgram:
-    config: ModelConfig
+    geometry: ModelGeometry
     weights: list[WeightSpec]
     buffers: list[Buffer]
     launches: list[Launch]
@@ -126,9 +138,7 @@ class _Unlowered(Exception):
 
 
 class _Lowering:
-    def __init__(self, func: relax.Function, config: ModelConfig, weight_names: list[str], weight_dtype: str,
-                 block_size: int):
-        self.config = config
+    def __init__(self, func: relax.Function, weight_names: list[str], weight_dtype: str, block_size: int):
         self.weight_dtype = weight_dtype
         self.block_size = block_size
         self.env: dict = {}  # relax var -> _View | _Weight | str (an ABI argument) | tuple
@@ -138,6 +148,7 @@ class _Lowering:
         self.weight_specs: dict[tuple[str, ...], int] = {}
         self.weight_list: list[WeightSpec] = []
         self.tvm_funcs: dict[str, tvm.tirx.PrimFunc] = {}
+        self.kv_cache_heads: list[tuple[int, int]] = []  # per layer, from its cache [2, blocks, size, kv_heads, head_dim]
         self.var2val = relax.analysis.get_var2val(func)
         # the symbolic row counts: tokens (input_ids: [T]) and sequences (logits_indices: [B])
         self.row_vars = {str(p.ty.shape.values[0]): {"input_ids": "T", "logits_indices": "B"}[p.name]
@@ -157,6 +168,7 @@ class _Lowering:
                 self.env[p] = p.name
             elif p.name.startswith("kv_cache_"):
                 self.env[p] = ("kv_cache", int(p.name[len("kv_cache_"):]))
+                self.kv_cache_heads.append(tuple(_static(d) for d in p.ty.shape.values[3:]))
             else:
                 name = next(weights)
                 self.env[p] = _Weight((name,), tuple(_static(d) for d in p.ty.shape.values))
@@ -381,21 +393,19 @@ class _Lowering:
         self.env[var] = out
 
     def op_paged_attention(self, var, value):
-        c = self.config
         args = llmc_args(value)
         q, k, v = (self.view(args[n]) for n in ("q", "k", "v"))
         if not (q.value == k.value == v.value and q.stride == k.stride == v.stride):
             raise CompileError("paged attention needs q, k and v as column slices of one buffer (merge_qkv)")
-        layer = int(prim_value(args["layer"]))
-        inv_freq = [float(f) for f in rope_inv_freq(c).tolist()]
-        for view, heads in ((q, c.num_heads), (k, c.num_kv_heads)):
-            self.emit("rope", {"num_heads": heads, "head_dim": c.head_dim, "inv_freq": inv_freq},
+        layer, num_heads, num_kv_heads, head_dim, window = (
+            int(prim_value(args[n])) for n in ("layer", "num_heads", "num_kv_heads", "head_dim", "sliding_window"))
+        inv_freq = [float(f) for f in args["inv_freq"].value.numpy().tolist()]
+        for view, heads in ((q, num_heads), (k, num_kv_heads)):
+            self.emit("rope", {"num_heads": heads, "head_dim": head_dim, "inv_freq": inv_freq},
                       [view, str(q.stride), "positions", "T"], ["rope"], [])
-        out = self.new_value(c.num_heads * c.head_dim, "T")
-        # the softmax scale comes from the config: TVM's import of scaled_dot_product_attention drops `scale`
-        params = {"num_heads": c.num_heads, "num_kv_heads": c.num_kv_heads, "head_dim": c.head_dim,
-                  "block_size": self.block_size, "scale": attention_scale(c),
-                  "sliding_window": c.attention_window(layer)}
+        out = self.new_value(num_heads * head_dim, "T")
+        params = {"num_heads": num_heads, "num_kv_heads": num_kv_heads, "head_dim": head_dim,
+                  "block_size": self.block_size, "scale": float(prim_value(args["scale"])), "sliding_window": window}
         self.emit("paged_attention", params,
                   [q, k, v, str(q.stride), f"k_cache[{layer}]", f"v_cache[{layer}]", "slot_mapping",
                    "query_start_loc", "seq_lens", "block_tables", "max_blocks", "B", out],
@@ -406,8 +416,12 @@ class _Lowering:
 
     def finish(self, rewrites: dict) -> KernelProgram:
         final = self.env[self.output]
-        if not isinstance(final, _View) or final.rows != "B" or final.cols != self.config.vocab_size:
+        if not isinstance(final, _View) or final.rows != "B":
             raise CompileError("main must return logits [B, vocab]; select_logits_rows did not apply")
+        if len(set(self.kv_cache_heads)) != 1:
+            raise CompileError("main must take one KV cache per layer, all with the same heads and head_dim; "
+                               "fuse_attention did not apply")  # fmt: skip
+        geometry = ModelGeometry(len(self.kv_cache_heads), *self.kv_cache_heads[0], vocab_size=final.cols)
         last_use: dict[int, int] = {}
         for i, launch in enumerate(self.launches):
             for a in launch.args:
@@ -432,7 +446,7 @@ class _Lowering:
                 assignment[d] = pick
             free += [assignment[v] for v, last in last_use.items() if last == i and assignment.get(v, -1) >= 0]
         launches = [Launch(p.op, p.params, [_c_arg(a, assignment) for a in p.args], p.fused) for p in self.launches]
-        return KernelProgram(self.config, self.weight_list, buffers, launches, rewrites, self.block_size,
+        return KernelProgram(geometry, self.weight_list, buffers, launches, rewrites, self.block_size,
                              self.tvm_funcs)
 
 
@@ -466,10 +480,10 @@ def _linear_name(sources: tuple[str, ...]) -> str:
     return _packed_name(sources).rsplit(".", 1)[0].split(".")[-1]
 
 
-def lower(mod: tvm.IRModule, config: ModelConfig, weight_names: list[str], *, weight_dtype: str = "float32",
+def lower(mod: tvm.IRModule, weight_names: list[str], *, weight_dtype: str = "float32",
           block_size: int = 16) -> KernelProgram:
     """weight_names: the HF names of main's weight parameters, in order (Traced.weight_names)."""
     func = main_function(mod)
-    lowering = _Lowering(func, config, weight_names, weight_dtype, block_size)
+    lowering = _Lowering(func, weight_names, weight_dtype, block_size)
     lowering.lower(func)
     return lowering.finish(rewrite_counts(mod))

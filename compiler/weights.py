@@ -28,14 +28,12 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-import torch
-
 from llmc.digests import remember_sha256
 from llmc.errors import CompileError
 
 ALIGN = 64
 _CHUNK_BYTES = 64 << 20  # conversion buffer for one slab of rows
-_DTYPES = {"float32": (torch.float32, "F32", 4), "bfloat16": (torch.bfloat16, "BF16", 2)}
+_DTYPES = {"float32": ("F32", 4), "bfloat16": ("BF16", 2)}  # safetensors code, bytes per element
 PAD_PREFIX = "__pad__."
 
 
@@ -48,7 +46,7 @@ class WeightSpec:
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * _DTYPES[self.dtype][2]
+        return math.prod(self.shape) * _DTYPES[self.dtype][1]
 
 
 def _align(n: int) -> int:
@@ -100,7 +98,7 @@ def plan_layout(specs: list[WeightSpec]) -> tuple[bytes, dict[str, tuple[int, in
             order.append((None, gap))
             pos += gap
         n = spec.nbytes
-        entries[spec.name] = {"dtype": _DTYPES[spec.dtype][1], "shape": list(spec.shape), "data_offsets": [pos, pos + n]}
+        entries[spec.name] = {"dtype": _DTYPES[spec.dtype][0], "shape": list(spec.shape), "data_offsets": [pos, pos + n]}
         rel[spec.name] = (pos, n)
         order.append((spec.name, n))
         pos += n
@@ -150,7 +148,9 @@ def write_packed_weights(
 
 
 def _write_spec(ckpt, spec: WeightSpec, shapes, f, digest, progress) -> int:
-    torch_dtype, _, width = _DTYPES[spec.dtype]
+    import torch  # here, not at the top: lowering imports WeightSpec and must not pull in torch
+
+    torch_dtype, width = getattr(torch, spec.dtype), _DTYPES[spec.dtype][1]
     total = 0
     for src, shape in zip(spec.sources, shapes):
         t = ckpt.tensor(src)

@@ -409,7 +409,7 @@ def _inspect_passes(ckpt) -> None:
 
     mod = run_passes(to_relax(traced), after_each=report)
     check_fusion(mod, ckpt.config.num_layers)
-    program = lower(mod, ckpt.config, traced.weight_names, weight_dtype=resolve_weight_dtype(ckpt, "auto"))
+    program = lower(mod, traced.weight_names, weight_dtype=resolve_weight_dtype(ckpt, "auto"))
     click.echo("\n".join("  " + line for line in str(program).splitlines()))
 
 

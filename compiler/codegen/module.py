@@ -67,7 +67,7 @@ def render_module(program: KernelProgram, target: Target, offsets: dict[str, tup
         launches.append({"name": kid, "args": args, "fused": launch.fused, "checked": launch.op == "tvm_call"})
     source = render_host(family, HOST_TEMPLATE[family], version=__version__, target=target.name,
                          arch=target.gencode or " ".join(target.raw.get("flags", [])), sm=target.compute_capability,
-                         program=program, config=program.config, kernels=list(sources.values()), launches=launches,
+                         program=program, geometry=program.geometry, kernels=list(sources.values()), launches=launches,
                          offsets=offsets, weights_file_bytes=weights_file_bytes,
                          weights_data_start=min((o for o, _ in offsets.values()), default=weights_file_bytes))
     tvm_source = c_source(program.tvm_funcs) if program.tvm_funcs else None

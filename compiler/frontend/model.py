@@ -7,7 +7,8 @@ RMSNorm, RoPE, attention and SwiGLU in the traced graph and rewrite attention in
 nothing here knows about the cache.
 
 Numerics follow transformers at fp32: variance in fp32, rotate-half RoPE, repeat_kv for GQA, and
-`scaled_dot_product_attention(is_causal=True)` (kept as one node through the import).
+`scaled_dot_product_attention`, causal or with a sliding layer's window mask (one R.nn.attention each
+through the import).
 """
 
 from __future__ import annotations
@@ -159,25 +160,27 @@ class DecoderLayer(nn.Module):
 
 
 class Backbone(nn.Module):
-    def __init__(self, c: ModelConfig, sliding_windows: bool):
+    def __init__(self, c: ModelConfig):
         super().__init__()
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
-        windows = [c.attention_window(i) if sliding_windows else 0 for i in range(c.num_layers)]
-        self.layers = nn.ModuleList(DecoderLayer(c, w) for w in windows)
+        self.layers = nn.ModuleList(DecoderLayer(c, c.attention_window(i)) for i in range(c.num_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
 
 class LlamaFamily(nn.Module):
     """input_ids: [T] int64, positions: [T] int64 -> logits: [T, vocab] (one sequence, causal).
 
-    sliding_windows=False keeps every layer's attention plainly causal: the graph that llmc compiles, whose
-    attention fuse_attention rewrites and whose kernels take each layer's window from the config.
+    The graph states every fact the kernels need: the RoPE inverse frequencies are a constant tensor, each
+    attention's `scale` is explicit, and a sliding layer's window is its mask (compiler/export.py reads it).
     """
 
-    def __init__(self, c: ModelConfig, sliding_windows: bool = True):
+    def __init__(self, c: ModelConfig):
         super().__init__()
         self.config = c
-        self.model = Backbone(c, sliding_windows)
+        # A real CPU tensor even when the module is built on meta: the trace captures its values as a constant.
+        with torch.device("cpu"):
+            self.inv_freq = rope_inv_freq(c)
+        self.model = Backbone(c)
         if not c.tie_word_embeddings:
             self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
 
@@ -185,7 +188,7 @@ class LlamaFamily(nn.Module):
         c = self.config
         x = self.model.embed_tokens(input_ids)[None]  # [1, T, hidden]
         # RoPE tables from the positions; inv_freq is a trace-time constant, not a buffer.
-        inv_freq = rope_inv_freq(c).to(x.device)
+        inv_freq = self.inv_freq.to(x.device)
         freqs = positions.float()[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)[None, None]  # [1, 1, T, head_dim]
         cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)

@@ -41,7 +41,7 @@ class Traced:
 def trace(config: ModelConfig, dtype: torch.dtype = torch.float32, device: str = "meta") -> Traced:
     """device="meta" for compiling; "cpu" gives a program that can also be run eagerly (tests)."""
     with torch.device("meta"):
-        model = LlamaFamily(config, sliding_windows=False).eval()
+        model = LlamaFamily(config).eval()
     shapes = config.weight_shapes()
     names = list(shapes)
     weights = tuple(torch.empty(shapes[n], dtype=dtype, device=device) for n in names)

@@ -1,8 +1,10 @@
 """What every llmc pass shares: the fused-op call form, binding-level matching, and the rewriter.
 
 A fused op is `R.call_pure_packed("llmc.<op>", *args, ty_args=...)`: pure, printable, and named, so
-the kernel-program lowering can find it by name. Scalar attributes (eps, layer index) are trailing
-`R.prim_value` arguments; OPS lists each op's argument names, which is the op's whole contract.
+the kernel-program lowering can find it by name. It carries every fact its kernels need, so lowering
+reads the IR and nothing else: scalar attributes (eps, layer index, head counts, softmax scale, window)
+are trailing `R.prim_value` arguments, the RoPE inverse frequencies a float32 constant tensor. OPS lists
+each op's argument names, which is the op's whole contract.
 
 Each pass works in two phases (as TVM's own Python passes do): match dpl patterns against every binding
 of `main` and collect a replacement map {var: new value}, then rebuild `main` with `rewrite`. Bindings
@@ -21,11 +23,12 @@ from tvm.relax.dpl import DFPattern
 OPS = {
     "rms_norm": ("x", "weight", "eps"),
     "add_rms_norm": ("x", "residual", "weight", "eps"),  # -> (x + residual, rms_norm(x + residual))
-    "rope": ("x", "positions"),  # x: [1, heads, T, head_dim]; rotate-half RoPE of the model's config
-    "paged_attention": (  # -> [T, heads * head_dim]; RoPE on q and k applied inside
-        "q", "k", "v", "positions", "kv_cache", "slot_mapping", "query_start_loc", "seq_lens", "block_tables",
-        "layer",
-    ),
+    # x: [1, heads, T, head_dim], rotate-half RoPE; inv_freq: float32 [head_dim / 2] constant
+    "rope": ("x", "positions", "inv_freq"),
+    "paged_attention": (  # -> [T, num_heads * head_dim]; RoPE by inv_freq on q and k applied inside
+        "q", "k", "v", "positions", "inv_freq", "kv_cache", "slot_mapping", "query_start_loc", "seq_lens",
+        "block_tables", "layer", "num_heads", "num_kv_heads", "head_dim", "scale", "sliding_window",
+    ),  # sliding_window 0: plain causal; else key j is seen from query i when i - window < j <= i
     "silu_mul": ("gate_up",),  # [rows, 2 * inter] -> [rows, inter]: silu(gate) * up
 }
 
@@ -52,7 +55,7 @@ def llmc_args(call: relax.Call) -> dict[str, relax.Expr]:
 
 
 def prim(value: int | float) -> relax.Expr:
-    dtype = "int64" if isinstance(value, int) else "float32"
+    dtype = "int64" if isinstance(value, int) else "float64"  # a Python float is a double: keep every bit
     return relax.prim_value(tvm.tirx.const(value, dtype))
 
 
@@ -167,10 +170,10 @@ def matching_bindings(func: relax.Function, pattern: DFPattern):
 
 
 def source_of(expr: relax.Expr, var2val, through=("relax.reshape", "relax.expand_dims")) -> relax.Expr:
-    """Follow aliases and the view ops in `through` back to the tensor they view."""
+    """Follow aliases and the view ops in `through` back to the tensor they view (a constant, if bound to one)."""
     while True:
         value = var2val.get(expr)
-        if isinstance(value, relax.Var):
+        if isinstance(value, (relax.Var, tvm.ir.Constant)):
             expr = value
         elif calls(value, *through):
             expr = value.args[0]

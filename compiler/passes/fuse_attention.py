@@ -1,29 +1,34 @@
 """fuse_attention: causal attention over the sequence becomes paged-KV attention over the cache.
 
-Matches, per layer, `R.nn.attention(q, k, v, causal_mask="TopLeft")` whose inputs come from the q/k/v
-projections through the head split ([T, H*D] -> [1, H, T, D]), `llmc.rope` on q and k, and for GQA
-transformers' repeat_kv (expand_dims, broadcast_to, reshape). It rewrites the whole chain into
+Matches, per layer, `R.nn.attention(q, k, v, scale=s, causal_mask="TopLeft", window_size=w)` whose inputs
+come from the q/k/v projections through the head split ([T, H*D] -> [1, H, T, D]), `llmc.rope` on q and k
+(by the same positions and inverse frequencies), and for GQA transformers' repeat_kv (expand_dims,
+broadcast_to, reshape). It rewrites the whole chain into
 
-    llmc.paged_attention(q2d, k2d, v2d, positions, kv_cache_<layer>, slot_mapping, query_start_loc,
-                         seq_lens, block_tables, layer)  -> [T, H*D]
+    llmc.paged_attention(q2d, k2d, v2d, positions, inv_freq, kv_cache_<layer>, slot_mapping, query_start_loc,
+                         seq_lens, block_tables, layer, num_heads, num_kv_heads, head_dim, scale,
+                         sliding_window)  -> [T, H*D]
 
 which applies RoPE, writes this step's k/v into the cache through slot_mapping, and attends over each
-sequence's cached context. The GQA repeat disappears (the kernel maps heads to KV heads). main gains
-the batch-state parameters of the C ABI and one KV cache per layer, [2, num_blocks, block_size,
-kv_heads, head_dim] (docs/contracts.md).
+sequence's cached context. The op carries what the graph states: the scale (head_dim^-0.5 when the graph
+gives none), the window (0 for none), and the head counts, read off the matched shapes. The GQA repeat
+disappears (the kernel maps heads to KV heads). main gains the batch-state parameters of the C ABI and one
+KV cache per layer, [2, num_blocks, block_size, kv_heads, head_dim] (docs/contracts.md).
 
 Runs after fuse_rope. A model whose attention does not match keeps R.nn.attention, which no target
-lowers: compile then fails, rather than serve a model without its cache. The traced graph is plainly
-causal even for sliding-window layers: lowering takes each layer's window from the config
-(ModelConfig.attention_window). Not covered: attention sinks, non-default scales.
+lowers: compile then fails, rather than serve a model without its cache. Not covered: attention with a
+bias, bidirectional attention, attention sinks.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import tvm
+import tvm_ffi
 from tvm import relax
 
-from .common import bindings, calls, llmc_call, llmc_op_name, main_function, prim, rewrite, source_of
+from .common import bindings, calls, llmc_args, llmc_call, llmc_op_name, main_function, prim, rewrite, source_of
 
 _LAYOUT_OPS = ("relax.permute_dims", "relax.reshape", "relax.expand_dims", "relax.broadcast_to")
 
@@ -33,12 +38,27 @@ def _strip_layout(expr: relax.Expr, var2val) -> relax.Expr:
     return source_of(expr, var2val, through=_LAYOUT_OPS)
 
 
-def _through_rope(expr: relax.Expr, var2val) -> relax.Expr | None:
-    source = _strip_layout(expr, var2val)
-    call = var2val.get(source)
-    if llmc_op_name(call) != "rope":
-        return None
-    return _strip_layout(call.args[1], var2val)
+@dataclasses.dataclass
+class _Attention:
+    """One matched layer: its binding, the [T, cols] q/k/v before the head split, and the facts it states."""
+
+    binding: relax.VarBinding
+    q: relax.Expr
+    k: relax.Expr
+    v: relax.Expr
+    positions: relax.Expr
+    inv_freq: tvm.ir.Constant
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scale: float
+    sliding_window: int
+
+
+def _through_rope(expr: relax.Expr, var2val) -> relax.Call | None:
+    """The llmc.rope call `expr` views (through the head split and repeat_kv), else None."""
+    call = var2val.get(_strip_layout(expr, var2val))
+    return call if llmc_op_name(call) == "rope" else None
 
 
 def _columns(expr: relax.Expr) -> int | None:
@@ -74,29 +94,39 @@ def fuse_attention(mod: tvm.IRModule) -> tvm.IRModule:
     for b in bindings(func):
         if not calls(b.value, "relax.nn.attention") or b.value.attrs.causal_mask != "TopLeft":
             continue
-        if b.value.attrs.scale is not None or len(b.value.args) != 3:
+        if len(b.value.args) != 3:  # a bias
             continue
         q_in, k_in, v_in = b.value.args
-        q2, k2 = _through_rope(q_in, var2val), _through_rope(k_in, var2val)
+        q_rope, k_rope = _through_rope(q_in, var2val), _through_rope(k_in, var2val)
+        if q_rope is None or k_rope is None:
+            continue
+        q_args, k_args = llmc_args(q_rope), llmc_args(k_rope)
+        if not (q_args["positions"].same_as(k_args["positions"])
+                and tvm_ffi.structural_equal(q_args["inv_freq"], k_args["inv_freq"])):
+            continue
+        q2, k2 = (_strip_layout(a["x"], var2val) for a in (q_args, k_args))
         v2 = _strip_layout(v_in, var2val)
-        if q2 is None or k2 is None:
+        heads, head_dim = (int(d) for d in b.var.ty.shape.values[2:])  # attention out: [1, T, heads, head_dim]
+        if _columns(q2) != heads * head_dim or _columns(k2) != _columns(v2):
             continue
-        _, _, heads, head_dim = b.var.ty.shape.values
-        if _columns(q2) != int(heads) * int(head_dim) or _columns(k2) != _columns(v2):
-            continue
-        matches.append((b, q2, k2, v2, int(head_dim), _columns(k2) // int(head_dim)))
+        attrs = b.value.attrs
+        matches.append(_Attention(b, q2, k2, v2, q_args["positions"], q_args["inv_freq"], heads,
+                                  _columns(k2) // head_dim, head_dim,
+                                  head_dim**-0.5 if attrs.scale is None else float(attrs.scale.value),
+                                  0 if attrs.window_size is None else int(attrs.window_size)))
     if not matches:
         return rewrite(mod, {}, pass_name="fuse_attention", count=0)
 
-    head_dim, kv_heads = matches[0][4], matches[0][5]
-    seq_lens, qsl, block_tables, slot_mapping, caches = batch_state_params(func, len(matches), kv_heads, head_dim)
-    positions = func.params[1]
+    seq_lens, qsl, block_tables, slot_mapping, caches = batch_state_params(
+        func, len(matches), matches[0].num_kv_heads, matches[0].head_dim)
     edits = {}
-    for layer, (b, q2, k2, v2, _, _) in enumerate(matches):
-        shape = b.var.ty.shape.values
+    for layer, m in enumerate(matches):
+        shape = m.binding.var.ty.shape.values
         out_ty = relax.TensorType([shape[1], shape[2] * shape[3]], "float32")
-        call = llmc_call("paged_attention", [q2, k2, v2, positions, caches[layer], slot_mapping, qsl, seq_lens,
-                                             block_tables, prim(layer)], out_ty)
-        edits[b.var] = relax.op.reshape(call, b.var.ty.shape)
+        call = llmc_call("paged_attention", [
+            m.q, m.k, m.v, m.positions, m.inv_freq, caches[layer], slot_mapping, qsl, seq_lens, block_tables,
+            prim(layer), prim(m.num_heads), prim(m.num_kv_heads), prim(m.head_dim), prim(m.scale),
+            prim(m.sliding_window)], out_ty)  # fmt: skip
+        edits[m.binding.var] = relax.op.reshape(call, m.binding.var.ty.shape)
     params = [*func.params[:2], seq_lens, qsl, block_tables, slot_mapping, *caches, *func.params[2:]]
     return rewrite(mod, edits, pass_name="fuse_attention", count=len(matches), params=params)

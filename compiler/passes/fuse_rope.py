@@ -1,12 +1,14 @@
-"""fuse_rope: the rotate-half RoPE on q and k becomes `llmc.rope(x, positions)`.
+"""fuse_rope: the rotate-half RoPE on q and k becomes `llmc.rope(x, positions, inv_freq)`.
 
 Matches transformers' `x * cos + rotate_half(x) * sin` with
-`rotate_half(x) = concat(-x[..., d/2:], x[..., :d/2])`, where cos and sin are computed in the graph
-from the positions. The rewritten op rotates by the model's own inverse frequencies (ModelConfig and
-`rope_inv_freq`), so the cos/sin subgraph becomes dead and is removed.
+`rotate_half(x) = concat(-x[..., d/2:], x[..., :d/2])`, where cos and sin are taken in the graph of the
+same angles `concat(f, f)`, `f = positions[:, None] * inv_freq[None, :]`, and inv_freq is a float32
+constant (the model's inverse frequencies, scaling included, as the frontend traced them). The op carries
+that constant, so the cos/sin subgraph becomes dead and is removed.
 
-Runs before fuse_attention, which folds llmc.rope into paged attention. Not covered: interleaved
-(GPT-J style) rotation and partial rotary dims.
+Runs after the first fold (which drops the no-op casts around cos and sin) and before fuse_attention,
+which folds llmc.rope into paged attention. Not covered: interleaved (GPT-J style) rotation, partial
+rotary dims, and inverse frequencies computed in the graph rather than traced as a constant.
 """
 
 from __future__ import annotations
@@ -15,7 +17,9 @@ import tvm
 from tvm import relax
 from tvm.relax.dpl import is_op, wildcard
 
-from .common import calls, llmc_call, main_function, matching_bindings, rewrite
+from .common import calls, llmc_call, main_function, matching_bindings, rewrite, source_of
+
+_VIEWS_AND_CASTS = ("relax.reshape", "relax.expand_dims", "relax.astype")
 
 
 def _pattern():
@@ -42,16 +46,41 @@ def _rotate_half_of(rotated: relax.Expr, var2val) -> relax.Expr | None:
     return low.args[0]
 
 
+def _angles(emb: relax.Expr, var2val) -> tuple[relax.Var, tvm.ir.Constant] | None:
+    """(positions, inv_freq) if emb is concat(f, f) with f = positions[:, None] * inv_freq[None, :], else None.
+
+    positions must be a parameter of main and inv_freq a float32 [n] constant.
+    """
+    value = var2val.get(source_of(emb, var2val))
+    if not calls(value, "relax.concat"):
+        return None
+    parts = value.args[0]
+    parts = var2val.get(parts, parts)
+    if not isinstance(parts, relax.Tuple) or len(parts.fields) != 2 or not parts.fields[0].same_as(parts.fields[1]):
+        return None
+    freqs = var2val.get(parts.fields[0])
+    if not calls(freqs, "relax.multiply"):
+        return None
+    positions, inv_freq = (source_of(a, var2val, through=_VIEWS_AND_CASTS) for a in freqs.args)
+    if not (isinstance(positions, relax.Var) and positions not in var2val and isinstance(inv_freq, tvm.ir.Constant)
+            and inv_freq.ty.dtype == "float32" and inv_freq.ty.ndim == 1):
+        return None
+    return positions, inv_freq
+
+
 def fuse_rope(mod: tvm.IRModule) -> tvm.IRModule:
     func = main_function(mod)
     edits, count = {}, 0
     for b, var2val in matching_bindings(func, _pattern()):
         first, second = (var2val[a] for a in b.value.args)
         x, rotated = first.args[0], second.args[0]
+        cos, sin = var2val[first.args[1]], var2val[second.args[1]]
         source = _rotate_half_of(rotated, var2val)
-        if source is None or not source.same_as(x):
+        if source is None or not source.same_as(x) or not cos.args[0].same_as(sin.args[0]):
             continue
-        positions = func.params[1]  # main is (input_ids, positions, ...) as traced
-        edits[b.var] = llmc_call("rope", [x, positions], b.var.ty)
+        angles = _angles(cos.args[0], var2val)
+        if angles is None or 2 * int(angles[1].ty.shape.values[0]) != int(x.ty.shape.values[-1]):
+            continue
+        edits[b.var] = llmc_call("rope", [x, *angles], b.var.ty)
         count += 1
     return rewrite(mod, edits, pass_name="fuse_rope", count=count)

@@ -1,9 +1,110 @@
+import numpy as np
 import pytest
+import tvm
 import tvm_ffi
 from checkpoints import ARCHS
 from pass_helpers import apply, before, count_ops, imported, plain_module
+from tvm.script import ir as I
+from tvm.script import relax as R
+from tvm.script import tirx as T
 
 from llmc.compiler.passes.fuse_rope import fuse_rope
+
+INV_FREQ = np.array([1.0, 0.01], dtype="float32")  # head_dim 4
+
+
+@I.ir_module
+class Before:
+    @R.function
+    def main(x: R.Tensor((1, 2, "n", 4), "float32"), positions: R.Tensor(("n",), "int64")):
+        with R.dataflow():
+            freqs = R.multiply(R.expand_dims(R.astype(positions, "float32"), axis=[1]),
+                               R.expand_dims(R.const(INV_FREQ), axis=[0]))
+            emb = R.expand_dims(R.concat((freqs, freqs), axis=-1), axis=[0, 1])
+            rotated = R.concat((R.negative(R.strided_slice(x, (3,), (2,), (4,), (1,))),
+                                R.strided_slice(x, (3,), (0,), (2,), (1,))), axis=-1)
+            out = R.add(R.multiply(x, R.cos(emb)), R.multiply(rotated, R.sin(emb)))
+            R.output(out)
+        return out
+
+
+@I.ir_module
+class Expected:
+    @R.function
+    def main(x: R.Tensor((1, 2, "n", 4), "float32"), positions: R.Tensor(("n",), "int64")):
+        n = T.int64()
+        with R.dataflow():
+            out = R.call_pure_packed("llmc.rope", x, positions, R.const(INV_FREQ),
+                                     ty_args=R.Tensor((1, 2, n, 4), "float32"))
+            R.output(out)
+        return out
+
+
+def test_rope_becomes_one_op_carrying_its_inverse_frequencies():
+    out, count = apply(fuse_rope, Before)
+    assert count == 1
+    tvm.ir.assert_structural_equal(out["main"], Expected["main"])
+
+
+@I.ir_module
+class FrequenciesComputedInTheGraph:
+    """inv_freq is a parameter, not a constant: the op could not carry it, so nothing is rewritten."""
+
+    @R.function
+    def main(x: R.Tensor((1, 2, "n", 4), "float32"), positions: R.Tensor(("n",), "int64"),
+             inv_freq: R.Tensor((2,), "float32")):
+        with R.dataflow():
+            freqs = R.multiply(R.expand_dims(R.astype(positions, "float32"), axis=[1]),
+                               R.expand_dims(inv_freq, axis=[0]))
+            emb = R.expand_dims(R.concat((freqs, freqs), axis=-1), axis=[0, 1])
+            rotated = R.concat((R.negative(R.strided_slice(x, (3,), (2,), (4,), (1,))),
+                                R.strided_slice(x, (3,), (0,), (2,), (1,))), axis=-1)
+            out = R.add(R.multiply(x, R.cos(emb)), R.multiply(rotated, R.sin(emb)))
+            R.output(out)
+        return out
+
+
+@I.ir_module
+class SinOfOtherAngles:
+    """cos and sin of different angles: not a rotation."""
+
+    @R.function
+    def main(x: R.Tensor((1, 2, "n", 4), "float32"), positions: R.Tensor(("n",), "int64")):
+        with R.dataflow():
+            freqs = R.multiply(R.expand_dims(R.astype(positions, "float32"), axis=[1]),
+                               R.expand_dims(R.const(INV_FREQ), axis=[0]))
+            emb = R.expand_dims(R.concat((freqs, freqs), axis=-1), axis=[0, 1])
+            rotated = R.concat((R.negative(R.strided_slice(x, (3,), (2,), (4,), (1,))),
+                                R.strided_slice(x, (3,), (0,), (2,), (1,))), axis=-1)
+            out = R.add(R.multiply(x, R.cos(emb)), R.multiply(rotated, R.sin(R.add(emb, emb))))
+            R.output(out)
+        return out
+
+
+@I.ir_module
+class RotatesAnotherTensor:
+    """x * cos + rotate_half(y) * sin: the rotated tensor is not x."""
+
+    @R.function
+    def main(x: R.Tensor((1, 2, "n", 4), "float32"), y: R.Tensor((1, 2, "n", 4), "float32"),
+             positions: R.Tensor(("n",), "int64")):
+        with R.dataflow():
+            freqs = R.multiply(R.expand_dims(R.astype(positions, "float32"), axis=[1]),
+                               R.expand_dims(R.const(INV_FREQ), axis=[0]))
+            emb = R.expand_dims(R.concat((freqs, freqs), axis=-1), axis=[0, 1])
+            rotated = R.concat((R.negative(R.strided_slice(y, (3,), (2,), (4,), (1,))),
+                                R.strided_slice(y, (3,), (0,), (2,), (1,))), axis=-1)
+            out = R.add(R.multiply(x, R.cos(emb)), R.multiply(rotated, R.sin(emb)))
+            R.output(out)
+        return out
+
+
+@pytest.mark.parametrize("near_miss", [FrequenciesComputedInTheGraph, SinOfOtherAngles, RotatesAnotherTensor],
+                         ids=lambda m: m.__name__)
+def test_near_misses_are_left_alone(near_miss):
+    out, count = apply(fuse_rope, near_miss)
+    assert count == 0
+    tvm.ir.assert_structural_equal(out["main"], near_miss["main"])
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -1,15 +1,21 @@
+import subprocess
+import sys
+
 import pytest
 from pass_helpers import imported, plain_module
 
+from llmc.compiler.export import to_relax
+from llmc.compiler.frontend.checkpoint import load_checkpoint
+from llmc.compiler.frontend.model import attention_scale, rope_inv_freq
 from llmc.compiler.frontend.trace import trace
-from llmc.compiler.lower import lower
+from llmc.compiler.lower import ModelGeometry, lower
 from llmc.compiler.passes.pipeline import run_passes
 from llmc.errors import CompileError
 
 
 def test_kernel_program_of_a_fused_model(checkpoint_dir):
     mod, config = imported(checkpoint_dir, "mistral")  # tied embeddings, 9 heads / 3 KV heads
-    program = lower(run_passes(mod), config, trace(config).weight_names, weight_dtype="bfloat16")
+    program = lower(run_passes(mod), trace(config).weight_names, weight_dtype="bfloat16")
     print(program)
     ops = [launch.op for launch in program.launches]
     per_layer = ["rmsnorm", "gemm", "rope", "rope", "paged_attention", "gemm", "rmsnorm", "gemm", "silu_mul", "gemm"]
@@ -26,12 +32,34 @@ def test_kernel_program_of_a_fused_model(checkpoint_dir):
     assert len(qkv) == config.num_layers and qkv[0].shape == (config.q_size + 2 * config.kv_size, config.hidden_size)
 
 
+@pytest.mark.parametrize("arch, overrides", [
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 5, "max_window_layers": 1}),
+    ("qwen2", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}}),
+    ("llama", {}),
+], ids=["sliding_window", "yarn", "llama3"])
+def test_kernels_take_rope_scale_window_and_geometry_from_the_ir(arch, overrides, checkpoint_dir):
+    """What lowering reads off the fused ops equals what the frontend derives from the config."""
+    config = load_checkpoint(checkpoint_dir(arch, **overrides)).config
+    traced = trace(config)
+    program = lower(run_passes(to_relax(traced)), traced.weight_names)
+    attention = [launch.params for launch in program.launches if launch.op == "paged_attention"]
+    assert [p["sliding_window"] for p in attention] == [config.attention_window(i) for i in range(config.num_layers)]
+    assert [p["scale"] for p in attention] == [attention_scale(config)] * config.num_layers
+    assert {(p["num_heads"], p["num_kv_heads"], p["head_dim"]) for p in attention} == {
+        (config.num_heads, config.num_kv_heads, config.head_dim)}
+    rope = [launch.params for launch in program.launches if launch.op == "rope"]
+    assert len(rope) == 2 * config.num_layers
+    assert all(p["inv_freq"] == rope_inv_freq(config).tolist() for p in rope)
+    assert program.geometry == ModelGeometry(config.num_layers, config.num_kv_heads, config.head_dim,
+                                             config.vocab_size)
+
+
 def test_an_op_no_template_covers_is_a_compile_error(checkpoint_dir):
     _, config = imported(checkpoint_dir, "mistral")
     with pytest.raises(CompileError, match="no kernel template covers `relax.sigmoid`"):
-        lower(plain_module(), config, ["x.weight", "p.weight"])
+        lower(plain_module(), ["x.weight", "p.weight"])
     with pytest.raises(CompileError, match="2 weight parameters but 0 weight names"):
-        lower(plain_module(), config, [])
+        lower(plain_module(), [])
 
 
 def test_ops_no_template_covers_fall_back_to_tvm(checkpoint_dir, monkeypatch):
@@ -39,7 +67,7 @@ def test_ops_no_template_covers_fall_back_to_tvm(checkpoint_dir, monkeypatch):
 
     mod, config = imported(checkpoint_dir, "llama")
     monkeypatch.setattr(pipeline, "PASSES", [p for p in pipeline.PASSES if p.__name__ != "fuse_swiglu"])
-    program = lower(pipeline.run_passes(mod), config, trace(config).weight_names)
+    program = lower(pipeline.run_passes(mod), trace(config).weight_names)
     print(program)
     fallbacks = [launch for launch in program.launches if launch.op == "tvm_call"]
     # silu(gate) * up unfused: silu, then the multiply, per layer; both layers share the two TVM functions
@@ -48,3 +76,18 @@ def test_ops_no_template_covers_fall_back_to_tvm(checkpoint_dir, monkeypatch):
     silu = fallbacks[0]
     assert silu.params["shapes"] == [[1, "T", config.intermediate_size]] * 2 and silu.args[-2:] == ["T", "B"]
     assert "TVM fallback tvm_nn_silu_0" in str(program)
+
+
+def test_lowering_imports_no_torch():
+    """Lowering reads the IR only. tvm_ffi imports torch whenever it can, so torch is blocked, not just looked for."""
+    code = ("import importlib.abc, sys\n"
+            "class NoTorch(importlib.abc.MetaPathFinder):\n"
+            "    def find_spec(self, name, path=None, target=None):\n"
+            "        if name.split('.')[0] == 'torch':\n"
+            "            raise ImportError(name + ' is blocked')\n"
+            "sys.meta_path.insert(0, NoTorch())\n"
+            "import llmc.compiler.lower\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))")  # fmt: skip
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "[]"
