@@ -6,8 +6,9 @@ and rewrites it to `llmc.rms_norm(x, weight, eps)`. When x is itself `a + b` (th
 the add joins the op: `llmc.add_rms_norm(a, b, weight, eps)` returns (a + b, norm(a + b)), and every
 other user of the sum (the next residual add) reads field 0.
 
-Runs first in the pipeline, on the imported graph. Not covered: RMSNorm traced with dtype casts (llmc
-traces at fp32), and norms whose weight is applied before the scale (Gemma's 1 + w).
+Runs after the first fold (which removes the no-op fp32 casts inside the traced norm), before everything
+that reads its fused ops. Not covered: RMSNorm traced with dtype casts (llmc traces at fp32), and norms
+whose weight is applied before the scale (Gemma's 1 + w).
 """
 
 from __future__ import annotations
@@ -21,10 +22,18 @@ from .common import bindings, llmc_call, main_function, prim, rewrite
 
 
 def _pattern():
-    x, w, eps = wildcard(), wildcard(), is_const()
-    mean = is_op("relax.mean")(is_op("relax.power")(x, is_const()))
+    x, w, exponent, eps = wildcard(), wildcard(), is_const(), is_const()
+    mean = is_op("relax.mean")(is_op("relax.power")(x, exponent))
     scaled = is_op("relax.multiply")(x, is_op("relax.rsqrt")(is_op("relax.add")(mean, eps)))
-    return is_op("relax.multiply")(w, scaled), eps
+    return is_op("relax.multiply")(w, scaled), mean, exponent, eps
+
+
+def _mean_square_of_rows(mean: relax.Call, exponent: relax.Expr) -> bool:
+    """mean(x ** 2) over the last axis, kept as a column."""
+    axis = mean.attrs.axis
+    rank = len(mean.ty.shape.values)
+    return (float(exponent.value.numpy()) == 2.0 and mean.attrs.keepdims and axis is not None and len(axis) == 1
+            and int(axis[0]) % rank == rank - 1)
 
 
 def _residual_add(x: relax.Expr, var2val) -> tuple[relax.Expr, relax.Expr] | None:
@@ -42,11 +51,11 @@ def _residual_add(x: relax.Expr, var2val) -> tuple[relax.Expr, relax.Expr] | Non
 def fuse_rmsnorm(mod: tvm.IRModule) -> tvm.IRModule:
     func = main_function(mod)
     var2val = relax.analysis.get_var2val(func)
-    root, eps_pat = _pattern()
+    root, mean_pat, exponent_pat, eps_pat = _pattern()
     edits, count = {}, 0
     for b in bindings(func):
         m = root.extract_matched_expr(b.value, var2val)
-        if m is None:
+        if m is None or not _mean_square_of_rows(m[mean_pat], m[exponent_pat]):
             continue
         # Matched expressions are auto-jumped values; the vars the rewrite needs are the call's arguments.
         w, scaled = b.value.args

@@ -5,7 +5,8 @@ Linears of the same input, and rewrites
 it to one GEMM over the concatenated [gate; up] weights followed by `llmc.silu_mul`, which reads the
 [rows, 2 * inter] result and writes [rows, inter].
 
-Not covered: GeGLU / other activations (the frontend rejects hidden_act other than silu).
+Needs no other pass's ops; the pipeline runs it after merge_qkv, before select_logits_rows. Not covered:
+GeGLU / other activations (the frontend rejects hidden_act other than silu).
 """
 
 from __future__ import annotations

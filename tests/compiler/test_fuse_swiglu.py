@@ -1,9 +1,63 @@
 import pytest
+import tvm
 import tvm_ffi
 from checkpoints import ARCHS
 from pass_helpers import apply, before, count_ops, imported, plain_module
+from tvm.script import ir as I
+from tvm.script import relax as R
+from tvm.script import tirx as T
 
 from llmc.compiler.passes.fuse_swiglu import fuse_swiglu
+
+
+@I.ir_module
+class Before:
+    @R.function
+    def main(x: R.Tensor(("n", 8), "float32"), y: R.Tensor(("n", 8), "float32"), wg: R.Tensor((6, 8), "float32"),
+             wu: R.Tensor((6, 8), "float32")):
+        with R.dataflow():
+            out = R.multiply(R.nn.silu(R.matmul(x, R.permute_dims(wg))), R.matmul(x, R.permute_dims(wu)))
+            R.output(out)
+        return out
+
+
+@I.ir_module
+class Expected:
+    @R.function
+    def main(x: R.Tensor(("n", 8), "float32"), y: R.Tensor(("n", 8), "float32"), wg: R.Tensor((6, 8), "float32"),
+             wu: R.Tensor((6, 8), "float32")):
+        n = T.int64()
+        with R.dataflow():
+            gate_up = R.matmul(x, R.permute_dims(R.concat((wg, wu), axis=0), axes=[1, 0]))
+            fused = R.call_pure_packed("llmc.silu_mul", gate_up, ty_args=R.Tensor((n, 6), "float32"))
+            out = R.reshape(fused, R.shape([n, 6]))
+            R.output(out)
+        return out
+
+
+def test_gate_and_up_become_one_gemm_and_silu_mul():
+    out, count = apply(fuse_swiglu, Before)
+    assert count == 1
+    tvm.ir.assert_structural_equal(out["main"], Expected["main"])
+
+
+@I.ir_module
+class UpOfAnotherInput:
+    """silu(gate(x)) * up(y): a gated product, but the two Linears read different inputs."""
+
+    @R.function
+    def main(x: R.Tensor(("n", 8), "float32"), y: R.Tensor(("n", 8), "float32"), wg: R.Tensor((6, 8), "float32"),
+             wu: R.Tensor((6, 8), "float32")):
+        with R.dataflow():
+            out = R.multiply(R.nn.silu(R.matmul(x, R.permute_dims(wg))), R.matmul(y, R.permute_dims(wu)))
+            R.output(out)
+        return out
+
+
+def test_near_miss_is_left_alone():
+    out, count = apply(fuse_swiglu, UpOfAnotherInput)
+    assert count == 0
+    tvm.ir.assert_structural_equal(out["main"], UpOfAnotherInput["main"])
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -1,9 +1,71 @@
 import pytest
+import tvm
 import tvm_ffi
 from checkpoints import ARCHS
 from pass_helpers import apply, before, count_ops, imported, plain_module
+from tvm.script import ir as I
+from tvm.script import relax as R
+from tvm.script import tirx as T
 
 from llmc.compiler.passes.select_logits_rows import select_logits_rows
+
+
+@I.ir_module
+class Before:
+    @R.function
+    def main(input_ids: R.Tensor(("n",), "int64"), positions: R.Tensor(("n",), "int64"),
+             seq_lens: R.Tensor(("B",), "int32"), h: R.Tensor((1, "n", 8), "float32"), w: R.Tensor((8,), "float32"),
+             head: R.Tensor((16, 8), "float32")):
+        n = T.int64()
+        with R.dataflow():
+            normed = R.call_pure_packed("llmc.rms_norm", h, w, R.prim_value(T.float64(1e-5)),
+                                        ty_args=R.Tensor((1, n, 8), "float32"))
+            out = R.reshape(R.matmul(normed, R.permute_dims(head)), R.shape([n, 16]))
+            R.output(out)
+        return out
+
+
+@I.ir_module
+class Expected:
+    @R.function
+    def main(input_ids: R.Tensor(("n",), "int64"), positions: R.Tensor(("n",), "int64"),
+             logits_indices: R.Tensor(("B",), "int32"), seq_lens: R.Tensor(("B",), "int32"),
+             h: R.Tensor((1, "n", 8), "float32"), w: R.Tensor((8,), "float32"), head: R.Tensor((16, 8), "float32")):
+        B = T.int64()
+        with R.dataflow():
+            rows = R.take(h, logits_indices, axis=1)
+            normed = R.call_pure_packed("llmc.rms_norm", rows, w, R.prim_value(T.float64(1e-5)),
+                                        ty_args=R.Tensor((1, B, 8), "float32"))
+            out = R.matmul(R.reshape(normed, R.shape([B, 8])), R.permute_dims(head, axes=[1, 0]))
+            R.output(out)
+        return out
+
+
+def test_final_norm_and_lm_head_move_behind_the_row_gather():
+    out, count = apply(select_logits_rows, Before)
+    assert count == 1
+    tvm.ir.assert_structural_equal(out["main"], Expected["main"])
+
+
+@I.ir_module
+class HeadWithoutNorm:
+    """An lm_head reading the hidden states directly: no fused final norm to move the gather in front of."""
+
+    @R.function
+    def main(input_ids: R.Tensor(("n",), "int64"), positions: R.Tensor(("n",), "int64"),
+             seq_lens: R.Tensor(("B",), "int32"), h: R.Tensor((1, "n", 8), "float32"), w: R.Tensor((8,), "float32"),
+             head: R.Tensor((16, 8), "float32")):
+        n = T.int64()
+        with R.dataflow():
+            out = R.reshape(R.matmul(h, R.permute_dims(head)), R.shape([n, 16]))
+            R.output(out)
+        return out
+
+
+def test_near_miss_is_left_alone():
+    out, count = apply(select_logits_rows, HeadWithoutNorm)
+    assert count == 0
+    tvm.ir.assert_structural_equal(out["main"], HeadWithoutNorm["main"])
 
 
 @pytest.mark.parametrize("arch", ARCHS)
