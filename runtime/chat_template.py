@@ -196,6 +196,11 @@ def special_tokens(tokenizer, bos_token_id: int | None, eos_token_ids) -> tuple[
 
 def chat_prompt_ids(tokenizer, template: str | None, messages: list[dict], bos_token: str, eos_token: str,
                     limits: TemplateLimits = DEFAULT_LIMITS) -> list[int]:  # fmt: skip
-    """Render and encode; the template placed the special tokens itself, so none are added."""
+    """Render and encode; the template placed the special tokens itself, so none are added.
+
+    encode_batch, not encode: it lets go of the GIL, so a server that calls this in a worker thread goes on
+    serving while a long conversation is tokenized.
+    """
     text = render_chat(template, messages, bos_token, eos_token, add_generation_prompt=True, limits=limits)
-    return tokenizer.encode(text, add_special_tokens=False).ids
+    (encoding,) = tokenizer.encode_batch([text], add_special_tokens=False)
+    return encoding.ids

@@ -134,15 +134,14 @@ class LLMEngine:
     # -- requests -------------------------------------------------------------------------------------
 
     def check_request(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
-        """Raise RequestError if the request can never be served. Reads only immutable engine state."""
+        """Raise RequestError if the request can never be served. Reads only immutable engine state.
+
+        Lengths are checked before the tokens, so an oversized prompt costs no scan.
+        """
         n = len(prompt_token_ids)
         if n == 0:
             raise RequestError("the prompt is empty", "give at least one token (most models want BOS first)",
                                param="prompt")  # fmt: skip
-        bad = [t for t in prompt_token_ids if not (isinstance(t, (int, np.integer)) and 0 <= t < self.vocab_size)]
-        if bad:
-            raise RequestError(f"prompt token ids {bad[:5]} are outside the vocabulary",
-                               f"ids must be in [0, {self.vocab_size})", param="prompt")  # fmt: skip
         if n > self.context_len:
             raise RequestError(
                 f"the prompt has {n} tokens, more than the model's context of {self.context_len} tokens "
@@ -155,6 +154,10 @@ class LLMEngine:
         if n > self.max_model_len:
             raise RequestError(f"the prompt has {n} tokens, more than max_model_len={self.max_model_len}",
                                "shorten the prompt", param="prompt")  # fmt: skip
+        bad = [t for t in prompt_token_ids if not (isinstance(t, (int, np.integer)) and 0 <= t < self.vocab_size)]
+        if bad:
+            raise RequestError(f"prompt token ids {bad[:5]} are outside the vocabulary",
+                               f"ids must be in [0, {self.vocab_size})", param="prompt")  # fmt: skip
         if params.stop and self.tokenizer is None:
             raise RequestError("stop strings need a tokenizer",
                                "load the engine with the model's tokenizer, or use stop_token_ids", param="stop")  # fmt: skip

@@ -543,13 +543,17 @@ class _Server:
 
     # -- /v1/completions -----------------------------------------------------------------------------------
 
-    def completion_prompt(self, prompt) -> list[int]:
+    async def completion_prompt(self, prompt) -> list[int]:
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]
         if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt).ids
+            if len(prompt) <= self.limits.parse_off_loop_bytes:
+                return self.tokenizer.encode(prompt).ids
+            # tokenizers' encode holds the GIL and encode_batch lets go of it: a long text leaves the loop free
+            (encoding,) = await asyncio.to_thread(self.tokenizer.encode_batch, [prompt])
+            return encoding.ids
         if all(isinstance(t, int) for t in prompt):
             return list(prompt)
-        if len(prompt) == 1:
-            return self.completion_prompt(prompt[0])
         raise _ApiError("this server takes one prompt per request; send the prompts as separate requests",
                         param="prompt")  # fmt: skip
 
@@ -559,9 +563,7 @@ class _Server:
         if body.best_of is not None and body.best_of != (body.n or 1):
             raise _ApiError("best_of other than n is not supported", param="best_of")
         params = body.sampling_params(max_tokens=body.max_tokens, logprobs=body.logprobs)
-        prompt = body.prompt
-        prompt_ids = (await asyncio.to_thread(self.completion_prompt, prompt) if isinstance(prompt, str)
-                      and len(prompt) > self.limits.parse_off_loop_bytes else self.completion_prompt(prompt))  # fmt: skip
+        prompt_ids = await self.completion_prompt(body.prompt)
         self.check_limits(params, prompt_ids, "prompt")
         fmt = _CompletionFormat(self.token_text, params.logprobs)
         return await self.respond(request, fmt, prompt_ids, params, body.stream, body.include_usage)
