@@ -35,7 +35,6 @@ class _WeightsAsInputs(nn.Module):
 class Traced:
     program: ExportedProgram
     weight_names: list[str]  # HF names, in the order of the program's weight inputs
-    config: ModelConfig
 
 
 def trace(config: ModelConfig, dtype: torch.dtype = torch.float32, device: str = "meta") -> Traced:
@@ -52,4 +51,4 @@ def trace(config: ModelConfig, dtype: torch.dtype = torch.float32, device: str =
     dynamic = ({0: tokens}, {0: tokens}, (None,) * len(weights))
     with torch.no_grad():
         program = torch.export.export(_WeightsAsInputs(model, names), (ids, pos, *weights), dynamic_shapes=dynamic)
-    return Traced(program, names, config)
+    return Traced(program, names)

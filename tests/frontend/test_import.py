@@ -36,4 +36,4 @@ class _MaskedAttention(torch.nn.Module):
 def test_a_mask_other_than_a_sliding_window_is_refused():
     program = torch.export.export(_MaskedAttention(), (torch.randn(1, 2, 3, 4), torch.ones(3, 3, dtype=torch.bool)))
     with pytest.raises(CompileError, match="has a mask, dropout or GQA flag llmc does not compile"):
-        to_relax(Traced(program, [], None))
+        to_relax(Traced(program, []))
