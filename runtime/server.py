@@ -471,26 +471,27 @@ class _Server:
 
         engine_stream = self.engine.generate(prompt_ids, params, req_id)
         self.in_flight.add(req_id)
+        first: list[RequestOutput | None] = []
+
+        async def consume() -> None:
+            """Non-streaming: the whole request; streaming: its first output, so that a failure is a status."""
+            out = await anext(engine_stream, None)
+            first.append(out)
+            while not stream and out is not None:
+                chunks_for(out)
+                out = await anext(engine_stream, None)
+
+        handed_to_stream = False
         try:
-            first = await anext(engine_stream, None)  # an invalid request raises here: a 400, not a stream
-        except BaseException:
-            self.in_flight.discard(req_id)
-            await engine_stream.aclose()
-            raise
-
-        if not stream:
-            async def consume() -> None:
-                if first is not None:
-                    chunks_for(first)
-                async for out in engine_stream:
-                    chunks_for(out)
-
-            try:
-                if not await self._until_disconnect(request, consume(), req_id):
-                    return Response(status_code=499)
-            finally:
+            # a client that leaves while its request waits in the queue or prefills aborts it too
+            if not await self._until_disconnect(request, consume(), req_id):
+                return Response(status_code=499)
+            handed_to_stream = stream
+        finally:
+            if not handed_to_stream:
                 self.in_flight.discard(req_id)
                 await engine_stream.aclose()
+        if not stream:
             if self.cut and any(c.finish_reason is None for c in choices):
                 raise _shutting_down()
             return envelope([fmt.choice(c) for c in choices], fmt.object, usage=usage())
@@ -499,8 +500,8 @@ class _Server:
             try:
                 for entry in fmt.opening(choices):
                     yield _sse(envelope([entry], fmt.chunk_object))
-                if first is not None:
-                    for chunk in chunks_for(first):
+                if first[0] is not None:
+                    for chunk in chunks_for(first[0]):
                         yield _sse(chunk)
                 async for out in engine_stream:
                     for chunk in chunks_for(out):

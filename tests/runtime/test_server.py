@@ -394,10 +394,9 @@ def test_health_turns_503_when_the_engine_loop_failed(tok, config):
 # -- hardening: a bad request fails alone ------------------------------------------------------------------
 
 
-def post(base, path, body, **kw):
+def post(base, path, body, timeout=30):
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
-    return httpx.post(f"{base}{path}", content=content, headers={"content-type": "application/json"}, timeout=30,
-                      **kw)  # fmt: skip
+    return httpx.post(f"{base}{path}", content=content, headers={"content-type": "application/json"}, timeout=timeout)
 
 
 def check_raw_error(r, status, param=None):
@@ -582,3 +581,21 @@ def test_fuzzed_request_fields_never_get_a_500(tok, config):
             assert engine.healthy
 
         check()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_that_leaves_while_its_request_waits_in_the_queue_aborts_it(tok, config, stream):
+    model = SlowModel(config, num_blocks=NUM_BLOCKS, block_size=16, max_num_tokens=256, max_num_seqs=1)
+    model.delay = 0.01
+    engine = LLMEngine(model, tok)
+    app = create_app(AsyncLLMEngine(engine), tok, MODEL, TEMPLATE)
+    long = {"prompt": "hi", "max_tokens": 300, "ignore_eos": True}
+    with running(app) as (base, _, _), concurrent.futures.ThreadPoolExecutor(1) as pool:
+        running_one = pool.submit(post, base, "/v1/completions", long)
+        wait_until(lambda: engine.scheduler.num_running == 1, what="the first request to run")
+        with pytest.raises(httpx.ReadTimeout):  # never gets a place while the first runs; gives up
+            post(base, "/v1/completions", {**long, "stream": stream}, timeout=httpx.Timeout(10, read=0.5))
+        wait_until(lambda: engine.scheduler.num_waiting == 0, what="the waiting request to be aborted")
+        assert engine.scheduler.num_running == 1
+        model.delay = 0.0
+        assert running_one.result(timeout=60).status_code == 200
