@@ -240,16 +240,17 @@ def _stdin_is_tty() -> bool:
 @click.option("--max-n", type=click.IntRange(min=1), default=None, help="Most choices (n) per request [default: 16].")
 @click.option("--max-waiting-requests", type=click.IntRange(min=0), default=None,
               help="Requests that may wait beyond --max-num-seqs; more get 429 with Retry-After [default: 256].")
-@click.option("--shutdown-timeout", type=click.FloatRange(min=0), default=30.0, show_default=True,
-              help="Seconds requests in flight get to finish after SIGTERM or Ctrl-C; then they are cut.")
+@click.option("--shutdown-timeout", type=click.FloatRange(min=0), default=None,
+              help="Seconds requests in flight get to finish after SIGTERM or Ctrl-C; then they are cut [default: 30].")
 def serve(artifact: Path, host: str, port: int, model_name: str | None, max_num_seqs: int,
           max_num_batched_tokens: int, kv_cache_memory: str | None, max_body_size: int | None, max_n: int | None,
-          max_waiting_requests: int | None, shutdown_timeout: float) -> None:  # fmt: skip
+          max_waiting_requests: int | None, shutdown_timeout: float | None) -> None:  # fmt: skip
     """Serve ARTIFACT over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions)."""
     from .runtime import server
     from .runtime.engine import AsyncLLMEngine, LLMEngine
 
-    given = {"max_body_bytes": max_body_size, "max_n": max_n, "max_waiting_requests": max_waiting_requests}
+    given = {"max_body_bytes": max_body_size, "max_n": max_n, "max_waiting_requests": max_waiting_requests,
+             "shutdown_timeout_s": shutdown_timeout}  # fmt: skip
     limits = server.ServerLimits(**{k: v for k, v in given.items() if v is not None})  # unset: the library's default
     path = _resolve_artifact(artifact)
     model, tokenizer = _load_model(path, kv_cache_memory, max_num_seqs=max_num_seqs,

@@ -26,12 +26,12 @@ server never answers a bad request with a 500 and keeps serving:
 - 503: the server is shutting down.
 Large bodies are parsed off the event loop, and so are chat templates (bounded by chat_template.py).
 
-Cancellation: a client that disconnects (mid-stream or while waiting for a non-streaming answer) aborts its
-request, so its KV cache blocks are freed before the next step.
+Cancellation: a client that disconnects (while its request waits, prefills or streams) aborts its request,
+so its KV cache blocks are freed before the next step.
 
-Shutdown (`serve`): SIGTERM or Ctrl-C stops new requests (503) and lets those in flight finish for
-`shutdown_timeout` seconds; then the rest are cut: a non-streaming client gets a 503 error body, a stream
-gets an SSE error event and `[DONE]`. The process then exits normally (status 0).
+Shutdown (`serve`): SIGTERM or Ctrl-C stops new requests (503; uvicorn closes the listening socket too) and
+lets those in flight finish for `ServerLimits.shutdown_timeout_s`; then the rest are cut: a non-streaming
+client gets a 503 error body, a stream an SSE error event and `[DONE]`. The process then exits with 0.
 """
 
 from __future__ import annotations
@@ -75,6 +75,7 @@ class ServerLimits:
     retry_after_s: int = 1  # the Retry-After a 429 sends
     parse_off_loop_bytes: int = 64 << 10  # bodies larger than this are parsed in a worker thread
     chat_template: TemplateLimits = DEFAULT_LIMITS  # time and size bounds of the checkpoint's chat template
+    shutdown_timeout_s: float = 30.0  # after SIGTERM, requests in flight get this long to finish (`serve`)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -683,9 +684,9 @@ def create_app(
 class _Uvicorn(uvicorn.Server):
     """uvicorn, with the app's own graceful shutdown: drain on the first signal, exit 0 after it."""
 
-    def __init__(self, config: uvicorn.Config, server: _Server, shutdown_timeout: float):
+    def __init__(self, config: uvicorn.Config, server: _Server):
         super().__init__(config)
-        self.llmc, self.shutdown_timeout = server, shutdown_timeout
+        self.llmc = server
 
     @contextlib.contextmanager
     def capture_signals(self):
@@ -703,14 +704,16 @@ class _Uvicorn(uvicorn.Server):
 
     def handle_exit(self, sig, frame) -> None:
         if not self.llmc.draining and self.started:
-            asyncio.get_running_loop().call_soon_threadsafe(self.llmc.begin_shutdown, self.shutdown_timeout)
+            timeout = self.llmc.limits.shutdown_timeout_s
+            asyncio.get_running_loop().call_soon_threadsafe(self.llmc.begin_shutdown, timeout)
         super().handle_exit(sig, frame)
 
 
-def serve(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, *, log_level: str = "info",
-          shutdown_timeout: float = 30.0) -> None:  # fmt: skip
-    """Run the app until SIGTERM or Ctrl-C (blocking); requests in flight get `shutdown_timeout` s to finish."""
+def serve(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, *, log_level: str = "info") -> None:
+    """Run the app until SIGTERM or Ctrl-C (blocking); requests in flight get the app's
+    `ServerLimits.shutdown_timeout_s` to finish."""
+    server: _Server = app.state.llmc
     # uvicorn's own deadline comes after ours: by then every request has answered, so none gets its plain 500
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                            timeout_graceful_shutdown=shutdown_timeout + 5)  # fmt: skip
-    _Uvicorn(config, app.state.llmc, shutdown_timeout).run()
+                            timeout_graceful_shutdown=server.limits.shutdown_timeout_s + 5)  # fmt: skip
+    _Uvicorn(config, server).run()
