@@ -262,7 +262,7 @@ def serve(artifact: Path, host: str, port: int, model_name: str | None, max_num_
     click.echo(f"serving {name} ({model.num_blocks} KV blocks of {model.block_size} tokens) on http://{host}:{port}/v1",
                err=True)  # fmt: skip
     try:
-        server.serve(app, host, port, shutdown_timeout=shutdown_timeout)
+        server.serve(app, host, port)
     finally:
         model.close()
 
