@@ -75,6 +75,22 @@ class GenerationResult:
     outputs: list[Completion]  # n of them, by index
 
 
+@dataclasses.dataclass(frozen=True)
+class EngineStats:
+    """The engine's load at one instant: what /metrics and /health report."""
+
+    num_running: int  # sequences that hold KV blocks
+    num_waiting: int  # sequences queued for their first (or, once preempted, next) step
+    num_blocks: int
+    num_free_blocks: int
+    num_preemptions: int  # since the engine was created
+
+    @property
+    def kv_cache_usage(self) -> float:
+        """Fraction of KV blocks in use, 0..1."""
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+
 @dataclasses.dataclass(eq=False)
 class _Sequence:
     """Engine-side state of one sequence; the scheduler's `Request` holds its tokens."""
@@ -224,6 +240,11 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def stats(self) -> EngineStats:
+        sched, cache = self.scheduler, self.kv_cache
+        return EngineStats(num_running=sched.num_running, num_waiting=sched.num_waiting, num_blocks=cache.num_blocks,
+                           num_free_blocks=cache.num_free_blocks, num_preemptions=sched.num_preemptions)  # fmt: skip
 
     def _new_id(self) -> str:
         while (req_id := f"req-{next(self._ids)}") in self._seq_ids:
@@ -405,6 +426,12 @@ class AsyncLLMEngine:
         self._error: BaseException | None = None
         self._closed = False
         self._ids = itertools.count()
+        self._stats = engine.stats()
+
+    @property
+    def stats(self) -> EngineStats:
+        """The engine's load after its last step (or its last add or abort, if later), taken on the worker thread."""
+        return self._stats
 
     @property
     def healthy(self) -> bool:
@@ -537,4 +564,5 @@ class AsyncLLMEngine:
             else:
                 self.engine.abort(*args)
         outputs = self.engine.step() if self.engine.has_unfinished() else []
+        self._stats = self.engine.stats()  # one reference swap: the loop thread reads it whole, never half-written
         return outputs, errors, self.engine.has_unfinished()

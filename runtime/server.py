@@ -7,6 +7,11 @@ Endpoints:
 - POST /v1/completions        prompt: a string or a list of token ids (or a list holding one of them)
 - POST /v1/chat/completions   messages rendered with the checkpoint's chat template (chat_template.py)
 - GET  /v1/models, GET /health
+- GET  /metrics                Prometheus text (metrics.py: vLLM's metric names with `llmc:` for `vllm:`)
+With an API key (`create_app(api_key=...)`, `llmc serve --api-key` or $LLMC_API_KEY) every /v1 request must
+send `Authorization: Bearer <key>`, compared in constant time; /health and /metrics stay open, as in vLLM, for
+load balancers' probes and Prometheus. The OpenAPI schema (/openapi.json) documents the request bodies and
+every error status below, with its body.
 Both generation endpoints take OpenAI's and vLLM's parameter names (model, max_tokens, temperature, top_p,
 top_k, min_p, n, stop, seed, presence/frequency/repetition_penalty, logprobs / top_logprobs, stream,
 stream_options, stop_token_ids, min_tokens, ignore_eos) and stream with Server-Sent Events: `data: {json}`
@@ -21,6 +26,8 @@ server never answers a bad request with a 500 and keeps serving:
   negative seed), a prompt longer than the context, prompt + max_tokens past it, n / stop / logprobs past
   the `ServerLimits`. A request is validated before its stream starts, so a streaming request that cannot
   run gets the 400 too, not a stream.
+- 401: an API key is set and the request did not send it (checked before the body is read).
+- 404: a model other than the one served.
 - 413: a body larger than `ServerLimits.max_body_bytes`, told by Content-Length or counted while it arrives.
 - 429 with Retry-After: more than `max_num_seqs + max_waiting_requests` requests already in flight.
 - 503: the server is shutting down.
@@ -39,6 +46,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import hmac
 import json
 import logging
 import signal
@@ -49,15 +57,18 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any, ClassVar
 
 import uvicorn
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from llmc.errors import LlmcError, RequestError
 from llmc.runtime.chat_template import DEFAULT_LIMITS, NO_TEMPLATE_NOTICE, TemplateLimits, chat_prompt_ids
 from llmc.runtime.chat_template import compile_template, pick_template, special_tokens
 from llmc.runtime.engine import AsyncLLMEngine, RequestOutput
+from llmc.runtime.metrics import CONTENT_TYPE, ServerMetrics
 from llmc.runtime.sampling import SamplingParams
 
 logger = logging.getLogger("llmc.server")
@@ -374,6 +385,75 @@ async def _wait_for_disconnect(request: Request) -> None:
 
 
 # ----------------------------------------------------------------------------------------------------------
+# Authentication and the OpenAPI schema
+
+
+def _bearer_check(api_key: str):
+    """A FastAPI dependency: 401 unless the request sends `Authorization: Bearer <api_key>`."""
+    expected = api_key.encode()
+    bearer = HTTPBearer(auto_error=False, description="the key given to `llmc serve --api-key`")
+
+    async def require_api_key(credentials: HTTPAuthorizationCredentials | None = Depends(bearer)) -> None:
+        given = credentials.credentials.encode() if credentials is not None else b""
+        if not hmac.compare_digest(given, expected):  # constant time: the answer's timing does not leak the key
+            raise _ApiError("a missing or wrong API key: send `Authorization: Bearer <key>` with the server's key",
+                            status=401, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})  # fmt: skip
+
+    return require_api_key
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error body, which every error status carries."""
+
+    error: ErrorDetail
+
+
+def _error_doc(description: str) -> dict:
+    return {"model": ErrorResponse, "description": description}
+
+
+_ERROR_RESPONSES = {
+    400: _error_doc("Bad JSON, a wrong type or value, or a request past a limit; `param` names the field."),
+    404: _error_doc("The model named is not served here."),
+    413: _error_doc("The body is larger than the server's limit."),
+    429: {**_error_doc("Too many requests in flight; see Retry-After."),
+          "headers": {"Retry-After": {"description": "Seconds to wait", "schema": {"type": "integer"}}}},
+    500: _error_doc("The model or its chat template failed on this request; the server goes on."),
+    503: _error_doc("The server is shutting down."),
+}  # fmt: skip
+_ERROR_RESPONSES_AUTH = _error_doc("No API key, or a wrong one.")
+_GENERATION_OK = {"description": "The completion (JSON), or with stream=true Server-Sent Events ending in [DONE].",
+                  "content": {"application/json": {}, "text/event-stream": {"schema": {"type": "string"}}}}  # fmt: skip
+
+
+def _json_body(model: type[BaseModel]) -> dict:
+    """openapi_extra for an endpoint that reads its body itself (for size limits and 400s instead of 422s)."""
+    return {"requestBody": {"required": True, "content": {
+        "application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}  # fmt: skip
+
+
+def _document_request_bodies(app: FastAPI, *models: type[BaseModel]) -> None:
+    """Add the JSON schemas of the request bodies that `_json_body` refers to into the app's OpenAPI schema."""
+    base = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = base()
+            _, defs = models_json_schema([(m, "validation") for m in models], ref_template="#/components/schemas/{model}")
+            schema.setdefault("components", {}).setdefault("schemas", {}).update(defs["$defs"])
+        return app.openapi_schema
+
+    app.openapi = openapi
+
+
+# ----------------------------------------------------------------------------------------------------------
 # The app
 
 
@@ -396,6 +476,7 @@ class _Server:
         self.draining = False  # shutdown began: new requests get 503
         self.cut = False  # shutdown's grace period is over: requests still running were aborted
         self.in_flight: set[str] = set()
+        self.metrics = ServerMetrics(model_name, lambda: engine.stats)
 
     # -- shutdown -------------------------------------------------------------------------------------------
 
@@ -448,8 +529,9 @@ class _Server:
 
     # -- the one generation path ----------------------------------------------------------------------------
 
-    async def respond(self, request: Request, fmt: _Format, prompt_ids: list[int], params: SamplingParams,
-                      stream: bool, include_usage: bool):  # fmt: skip
+    async def respond(self, request: Request, arrival: float, fmt: _Format, prompt_ids: list[int],
+                      params: SamplingParams, stream: bool, include_usage: bool):  # fmt: skip
+        """arrival: the request's time.perf_counter() when it came in, for the time-to-first-token metric."""
         req_id, created = f"{fmt.id_prefix}-{uuid.uuid4().hex}", int(time.time())
         choices = [_Choice(i) for i in range(params.n)]
 
@@ -463,6 +545,7 @@ class _Server:
                     "total_tokens": len(prompt_ids) + completion}  # fmt: skip
 
         def chunks_for(out: RequestOutput) -> list[dict]:
+            tracker.output(out)
             choice = choices[out.index]
             lp = fmt.logprobs(choice, out)
             choice.update(out)
@@ -470,6 +553,7 @@ class _Server:
                 return []  # text held back (an incomplete character, a possible stop string)
             return [envelope([fmt.delta(choice, out, lp)], fmt.chunk_object)]
 
+        tracker = self.metrics.track_request(len(prompt_ids), params.n, arrival)
         engine_stream = self.engine.generate(prompt_ids, params, req_id)
         self.in_flight.add(req_id)
         first: list[RequestOutput | None] = []
@@ -491,6 +575,7 @@ class _Server:
         finally:
             if not handed_to_stream:
                 self.in_flight.discard(req_id)
+                tracker.close()
                 await engine_stream.aclose()
         if not stream:
             if self.cut and any(c.finish_reason is None for c in choices):
@@ -520,6 +605,7 @@ class _Server:
                 yield _sse(_error_body(f"internal error: {type(e).__name__}: {e}", 500))
             finally:
                 self.in_flight.discard(req_id)
+                tracker.close()
                 await engine_stream.aclose()
             yield _SSE_DONE
 
@@ -560,6 +646,7 @@ class _Server:
                         param="prompt")  # fmt: skip
 
     async def completions(self, request: Request):
+        arrival = time.perf_counter()
         body = await _parse_body(request, CompletionRequest, self.limits)
         self.admit(body.model)
         if body.best_of is not None and body.best_of != (body.n or 1):
@@ -568,7 +655,7 @@ class _Server:
         prompt_ids = await self.completion_prompt(body.prompt)
         self.check_limits(params, prompt_ids, "prompt")
         fmt = _CompletionFormat(self.token_text, params.logprobs)
-        return await self.respond(request, fmt, prompt_ids, params, body.stream, body.include_usage)
+        return await self.respond(request, arrival, fmt, prompt_ids, params, body.stream, body.include_usage)
 
     # -- /v1/chat/completions ------------------------------------------------------------------------------
 
@@ -584,6 +671,7 @@ class _Server:
         return out
 
     async def chat_completions(self, request: Request):
+        arrival = time.perf_counter()
         body = await _parse_body(request, ChatCompletionRequest, self.limits)
         self.admit(body.model)
         if body.top_logprobs is not None and not body.logprobs:
@@ -599,7 +687,7 @@ class _Server:
                                              self.bos_token, self.eos_token, self.limits.chat_template)  # fmt: skip
         self.check_limits(params, prompt_ids, "messages")
         fmt = _ChatFormat(self.token_text, params.logprobs)
-        return await self.respond(request, fmt, prompt_ids, params, body.stream, body.include_usage)
+        return await self.respond(request, arrival, fmt, prompt_ids, params, body.stream, body.include_usage)
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
@@ -621,12 +709,15 @@ def create_app(
     bos_token: str | None = None,
     eos_token: str | None = None,
     limits: ServerLimits | None = None,
+    api_key: str | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible app over `engine` (whose LLMEngine must hold the same tokenizer, for text).
 
     tokenizer: a `tokenizers.Tokenizer`; chat_template: the checkpoint's Jinja2 template, or None for a plain
     transcript. bos_token / eos_token: the strings the template sees; by default the tokens of the model
-    config's bos_token_id and first eos_token_id. The engine is shut down when the app stops.
+    config's bos_token_id and first eos_token_id. api_key: if given, every /v1 request must send
+    `Authorization: Bearer <api_key>` (401 otherwise); /health and /metrics stay open, as in vLLM, for
+    probes and scrapers. The engine is shut down when the app stops.
     """
     server = _Server(engine, tokenizer, model_name, chat_template, bos_token, eos_token, limits or ServerLimits())
 
@@ -658,17 +749,26 @@ def create_app(
         logger.exception("internal error")
         return _error_response(f"internal error: {type(e).__name__}: {e}", 500)
 
-    @app.post("/v1/completions")
+    auth = [Depends(_bearer_check(api_key))] if api_key else []
+    errors = {**_ERROR_RESPONSES, 401: _ERROR_RESPONSES_AUTH} if api_key else _ERROR_RESPONSES
+
+    @app.post("/v1/completions", dependencies=auth, responses={200: _GENERATION_OK, **errors},
+              openapi_extra=_json_body(CompletionRequest))  # fmt: skip
     async def completions(request: Request):
         return await server.completions(request)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", dependencies=auth, responses={200: _GENERATION_OK, **errors},
+              openapi_extra=_json_body(ChatCompletionRequest))  # fmt: skip
     async def chat_completions(request: Request):
         return await server.chat_completions(request)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", dependencies=auth, responses={401: _ERROR_RESPONSES_AUTH} if api_key else {})
     async def models():
         return server.models()
+
+    @app.get("/metrics", response_class=Response, responses={200: {"content": {CONTENT_TYPE: {}}}})
+    async def metrics():
+        return Response(server.metrics.render(), media_type=CONTENT_TYPE)
 
     @app.get("/health")
     async def health():
@@ -678,6 +778,7 @@ def create_app(
             return JSONResponse({"status": "error", "detail": "the engine loop failed; restart the server"}, 503)
         return {"status": "ok"}
 
+    _document_request_bodies(app, CompletionRequest, ChatCompletionRequest)
     return app
 
 
