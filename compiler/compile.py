@@ -6,7 +6,9 @@ tensor by tensor into the artifact (compiler/weights.py), so peak memory stays n
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
 from pathlib import Path
 
 import tvm
@@ -31,6 +33,9 @@ from .weights import write_packed_weights
 
 WEIGHT_DTYPES = ("auto", "float32", "bfloat16")
 STAGES = ("trace", "import to Relax", "fuse", "lower", "pack weights", "render", "build")
+# Test hook, off unless set: LLMC_TEST_SIGNAL_AT="STAGE[:SIGNAL]" makes compile send itself SIGNAL (default
+# SIGKILL) as it enters STAGE, so tests/test_artifact_durability.py can kill -9 or stop a real compile there.
+SIGNAL_AT_ENV = "LLMC_TEST_SIGNAL_AT"
 CUDA_HEADERS = ("llmc_device.cuh", "llmc_kernels.cuh", "llmc_sim.h", "llmc_sim_fibers.h", "llmc_sim_mma.h",
                 "llmc_sim_warp.h", "llmc_sim_memory.h", "llmc_sim_launch.h", "llmc_sim_math.h")
 
@@ -54,13 +59,15 @@ def check_fusion(mod: tvm.IRModule, num_layers: int) -> None:
         )
 
 
-def build_program(ckpt: Checkpoint, weight_dtype: str, block_size: int, step=lambda name: None) -> KernelProgram:
+def build_program(ckpt: Checkpoint, weight_dtype: str, block_size: int, step=lambda name: None,
+                  after_each_pass=None) -> KernelProgram:
+    """step(stage) marks each stage's start (a progress bar); after_each_pass(name, mod) sees every pass."""
     step("trace")
     traced = trace(ckpt.config)
     step("import to Relax")
     mod = to_relax(traced)
     step("fuse")
-    mod = run_passes(mod)
+    mod = run_passes(mod, after_each=after_each_pass)
     check_fusion(mod, ckpt.config.num_layers)
     step("lower")
     return lower(mod, traced.weight_names, weight_dtype=weight_dtype, block_size=block_size)
@@ -96,14 +103,16 @@ def compile_checkpoint(checkpoint: str | Path, *, target: str = "cpu", output: s
     started: list[str] = []
 
     def step(name: str) -> None:
+        stage, _, signal_name = os.environ.get(SIGNAL_AT_ENV, "").partition(":")
+        if stage == name:
+            os.kill(os.getpid(), getattr(signal, signal_name or "SIGKILL"))
         if started:
             bar.update(1)  # the previous stage is done
         started.append(name)
         bar.set_description(name)
 
-    program = build_program(ckpt, dtype, block_size, step)
-
-    def populate(tmp: Path) -> dict:
+    def populate(tmp: Path) -> dict:  # all of it under the output's lock: a second compile fails before it traces
+        program = build_program(ckpt, dtype, block_size, step)
         step("pack weights")
         weights = tmp / "weights.safetensors"
         offsets = write_packed_weights(ckpt, program.weights, weights)

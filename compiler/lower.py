@@ -480,8 +480,8 @@ def _linear_name(sources: tuple[str, ...]) -> str:
     return _packed_name(sources).rsplit(".", 1)[0].split(".")[-1]
 
 
-def lower(mod: tvm.IRModule, weight_names: list[str], *, weight_dtype: str = "float32",
-          block_size: int = 16) -> KernelProgram:
+def lower(mod: tvm.IRModule, weight_names: list[str], *, block_size: int,
+          weight_dtype: str = "float32") -> KernelProgram:
     """weight_names: the HF names of main's weight parameters, in order (Traced.weight_names)."""
     func = main_function(mod)
     lowering = _Lowering(func, weight_names, weight_dtype, block_size)

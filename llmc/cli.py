@@ -242,10 +242,13 @@ def _stdin_is_tty() -> bool:
               help="Requests that may wait beyond --max-num-seqs; more get 429 with Retry-After [default: 256].")
 @click.option("--shutdown-timeout", type=click.FloatRange(min=0), default=None,
               help="Seconds requests in flight get to finish after SIGTERM or Ctrl-C; then they are cut [default: 30].")
+@click.option("--api-key", envvar="LLMC_API_KEY", default=None, show_envvar=True,
+              help="Require `Authorization: Bearer <key>` on /v1 (401 otherwise); /health and /metrics stay open.")
 def serve(artifact: Path, host: str, port: int, model_name: str | None, max_num_seqs: int,
           max_num_batched_tokens: int, kv_cache_memory: str | None, max_body_size: int | None, max_n: int | None,
-          max_waiting_requests: int | None, shutdown_timeout: float | None) -> None:  # fmt: skip
-    """Serve ARTIFACT over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions)."""
+          max_waiting_requests: int | None, shutdown_timeout: float | None, api_key: str | None) -> None:  # fmt: skip
+    """Serve ARTIFACT over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models),
+    with /health and Prometheus metrics at /metrics."""
     from .runtime import server
     from .runtime.engine import AsyncLLMEngine, LLMEngine
 
@@ -258,7 +261,7 @@ def serve(artifact: Path, host: str, port: int, model_name: str | None, max_num_
     engine = AsyncLLMEngine(LLMEngine(model, tokenizer))
     name = model_name or artifact.resolve().name
     app = server.create_app(engine, tokenizer, name, model.chat_template, bos_token=model.bos_token,
-                            eos_token=model.eos_token, limits=limits)  # fmt: skip
+                            eos_token=model.eos_token, limits=limits, api_key=api_key or None)  # fmt: skip
     click.echo(f"serving {name} ({model.num_blocks} KV blocks of {model.block_size} tokens) on http://{host}:{port}/v1",
                err=True)  # fmt: skip
     try:
@@ -394,23 +397,18 @@ def inspect(model: Path, verbose: bool, show_passes: bool) -> None:
 
 
 def _inspect_passes(ckpt) -> None:
-    from .compiler.compile import check_fusion, resolve_weight_dtype
-    from .compiler.export import to_relax
-    from .compiler.frontend.trace import trace
-    from .compiler.lower import lower
+    from .compiler.compile import build_program, resolve_weight_dtype
     from .compiler.passes.common import rewrite_counts
-    from .compiler.passes.pipeline import run_passes
-
-    traced = trace(ckpt.config)
-    click.echo("  passes")
+    from .targets import load_target
 
     def report(name, mod):
         count = rewrite_counts(mod)[name]
         click.echo(f"    {name:<22} {f'{count} rewrites' if count else 'no pattern found: module unchanged'}")
 
-    mod = run_passes(to_relax(traced), after_each=report)
-    check_fusion(mod, ckpt.config.num_layers)
-    program = lower(mod, traced.weight_names, weight_dtype=resolve_weight_dtype(ckpt, "auto"))
+    click.echo("  passes")
+    # The kernel program is the same for every target but for the KV block size: show the CPU target's.
+    program = build_program(ckpt, resolve_weight_dtype(ckpt, "auto"), load_target("cpu").block_size,
+                            after_each_pass=report)
     click.echo("\n".join("  " + line for line in str(program).splitlines()))
 
 

@@ -15,7 +15,7 @@ from llmc.errors import CompileError
 
 def test_kernel_program_of_a_fused_model(checkpoint_dir):
     mod, config = imported(checkpoint_dir, "mistral")  # tied embeddings, 9 heads / 3 KV heads
-    program = lower(run_passes(mod), trace(config).weight_names, weight_dtype="bfloat16")
+    program = lower(run_passes(mod), trace(config).weight_names, weight_dtype="bfloat16", block_size=16)
     print(program)
     ops = [launch.op for launch in program.launches]
     per_layer = ["rmsnorm", "gemm", "rope", "rope", "paged_attention", "gemm", "rmsnorm", "gemm", "silu_mul", "gemm"]
@@ -41,7 +41,7 @@ def test_kernels_take_rope_scale_window_and_geometry_from_the_ir(arch, overrides
     """What lowering reads off the fused ops equals what the frontend derives from the config."""
     config = load_checkpoint(checkpoint_dir(arch, **overrides)).config
     traced = trace(config)
-    program = lower(run_passes(to_relax(traced)), traced.weight_names)
+    program = lower(run_passes(to_relax(traced)), traced.weight_names, block_size=16)
     attention = [launch.params for launch in program.launches if launch.op == "paged_attention"]
     assert [p["sliding_window"] for p in attention] == [config.attention_window(i) for i in range(config.num_layers)]
     assert [p["scale"] for p in attention] == [attention_scale(config)] * config.num_layers
@@ -57,9 +57,9 @@ def test_kernels_take_rope_scale_window_and_geometry_from_the_ir(arch, overrides
 def test_an_op_no_template_covers_is_a_compile_error(checkpoint_dir):
     _, config = imported(checkpoint_dir, "mistral")
     with pytest.raises(CompileError, match="no kernel template covers `relax.sigmoid`"):
-        lower(plain_module(), ["x.weight", "p.weight"])
+        lower(plain_module(), ["x.weight", "p.weight"], block_size=16)
     with pytest.raises(CompileError, match="2 weight parameters but 0 weight names"):
-        lower(plain_module(), [])
+        lower(plain_module(), [], block_size=16)
 
 
 def test_ops_no_template_covers_fall_back_to_tvm(checkpoint_dir, monkeypatch):
@@ -67,7 +67,7 @@ def test_ops_no_template_covers_fall_back_to_tvm(checkpoint_dir, monkeypatch):
 
     mod, config = imported(checkpoint_dir, "llama")
     monkeypatch.setattr(pipeline, "PASSES", [p for p in pipeline.PASSES if p.__name__ != "fuse_swiglu"])
-    program = lower(pipeline.run_passes(mod), trace(config).weight_names)
+    program = lower(pipeline.run_passes(mod), trace(config).weight_names, block_size=16)
     print(program)
     fallbacks = [launch for launch in program.launches if launch.op == "tvm_call"]
     # silu(gate) * up unfused: silu, then the multiply, per layer; both layers share the two TVM functions
