@@ -13,8 +13,16 @@ Layout:
 
 `write_artifact` builds the directory under a temporary name next to the output and renames it into place
 (an existing artifact is renamed away first and deleted last), so a half-written artifact never exists at
-the output path. `load_artifact` checks the manifest versions, the manifest's own digests, every file's
-sha256, and that a CPU target is this machine; each mismatch is an ArtifactError that says what to run.
+the output path. It holds `.<name>.lock` (flock) next to the output for the whole write: a second writer of
+the same output fails at once, and leftovers of a killed writer (`.<name>.tmp-*`, `.<name>.old-*`) are
+provably stale when their lock is free, so the next write into that directory removes them (a renamed-away
+artifact whose replacement never arrived goes back to its name). A full disk is an ArtifactError that names
+the output. `load_artifact` checks the manifest versions, the manifest's own digests, every file's sha256,
+and that a CPU target is this machine; each mismatch is an ArtifactError that says what to run.
+
+The manifest is untrusted input: any text either loads or is one ArtifactError of one line. Its `files`
+are plain relative names inside the artifact (no "..", no absolute path, nothing a symlink leads outside
+to), checked before anything is opened, and every field the runtime reads is type-checked.
 
 The manifest's `manifest_sha256` maps each of its other top-level fields to the sha256 of that field's
 canonical JSON, so an edit names the field it touched (model_config, block_size, tokenizer, ...). It
@@ -23,14 +31,19 @@ guards against edits and damage, not against someone who recomputes the digests 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import errno
+import fcntl
 import hashlib
 import json
+import math
 import os
 import platform
+import re
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from llmc import __version__
@@ -50,6 +63,17 @@ LIBRARY = "model.so"
 WEIGHTS = "weights.safetensors"
 TOKENIZER = "tokenizer.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"
+
+# The SamplingParams fields a checkpoint's generation_config.json may set (compiler/frontend/checkpoint.py),
+# every request's defaults: the runtime passes them on as keyword arguments.
+GENERATION_DEFAULT_KEYS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")
+
+_MAX_MANIFEST_BYTES = 64 << 20  # an 8B model's manifest is well under 1 MiB; more is not one llmc wrote
+_FILE_PART = re.compile(r"[A-Za-z0-9_+-][A-Za-z0-9_.+-]*")  # one component of a `files` name
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+_TARGET_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]{0,63}")
+_ISA_NAME = re.compile(r"[A-Za-z0-9_.]{1,64}")
+_LEFTOVER = re.compile(r"\.(?P<name>.+)\.(?:tmp|old)-[A-Za-z0-9_]+")  # tempfile.mkdtemp names of write_artifact
 
 # ----------------------------------------------------------------------------------------------------------
 # Hashing
@@ -137,14 +161,28 @@ def write_artifact(output: str | Path, populate: Callable[[Path], dict]) -> Path
     quantization, block_size (default: the target's), kernels, passes, buffer_plan, tokenizer, and any extra
     key. Every file is hashed, manifest.json is written, and the directory is renamed into place,
     replacing an existing artifact. Any failure (populate raising included) removes the temporary dir and
-    leaves `output` as it was.
+    leaves `output` as it was. The output's lock is held throughout, populate included: a second writer of
+    the same output gets an ArtifactError before it starts any work.
     """
     output = Path(output).absolute()
-    if output.exists() and not (output / MANIFEST).is_file() and not _is_empty_dir(output):
-        raise ArtifactError(
-            f"{output}: exists and is not an llmc artifact", "choose another output path, or remove it first"
-        )
     output.parent.mkdir(parents=True, exist_ok=True)
+    with _output_lock(output):
+        _remove_stale_leftovers(output.parent, held=output.name)
+        if output.exists() and not (output / MANIFEST).is_file() and not _is_empty_dir(output):
+            raise ArtifactError(
+                f"{output}: exists and is not an llmc artifact", "choose another output path, or remove it first"
+            )
+        try:
+            _write_into_place(output, populate)
+        except OSError as e:
+            if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            raise ArtifactError(f"{output}: the disk is full (no space left on the device of {output.parent}); "
+                                "nothing was written", "free space there, or choose another output path")  # fmt: skip
+    return output
+
+
+def _write_into_place(output: Path, populate: Callable[[Path], dict]) -> None:
     tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.tmp-", dir=output.parent))
     old = None
     try:
@@ -170,11 +208,82 @@ def write_artifact(output: str | Path, populate: Callable[[Path], dict]) -> Path
         raise
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
-    return output
 
 
 def _is_empty_dir(p: Path) -> bool:
     return p.is_dir() and not any(p.iterdir())
+
+
+@contextlib.contextmanager
+def _output_lock(output: Path) -> Iterator[None]:
+    lock = output.parent / f".{output.name}.lock"
+    fd = _try_lock(lock)
+    if fd is None:
+        try:
+            holder = f" (pid {int(lock.read_text())})"
+        except (OSError, ValueError):
+            holder = ""
+        raise ArtifactError(f"{output}: another llmc compile{holder} is writing it right now",
+                            "wait for it to finish, or choose another output path")  # fmt: skip
+    try:
+        os.write(fd, str(os.getpid()).encode())  # for the loser's message only
+        yield
+    finally:
+        _unlock(lock, fd)
+
+
+def _try_lock(lock: Path) -> int | None:
+    """An fd holding the flock on `lock` (created if need be), or None while another process holds it.
+
+    The lock file is removed on release, under the lock; an fd opened on a file that its holder has since
+    removed locks nothing, so it is dropped and the path opened again.
+    """
+    while True:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return None
+        opened = os.fstat(fd)
+        try:
+            current = os.stat(lock)
+            if (current.st_dev, current.st_ino) == (opened.st_dev, opened.st_ino):
+                return fd
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+
+
+def _unlock(lock: Path, fd: int) -> None:
+    lock.unlink(missing_ok=True)
+    os.close(fd)
+
+
+def _remove_stale_leftovers(parent: Path, held: str) -> None:
+    """Remove what killed writers left in `parent`: temporary dirs, and renamed-away artifacts (put back under
+    their name when nothing replaced them). A leftover is stale when the lock of its output name is free;
+    `held` is the name whose lock this process holds."""
+    leftovers: dict[str, list[Path]] = {}
+    with os.scandir(parent) as entries:
+        for entry in entries:
+            match = _LEFTOVER.fullmatch(entry.name)
+            if match and entry.is_dir(follow_symlinks=False):
+                leftovers.setdefault(match["name"], []).append(Path(entry.path))
+    for name, dirs in leftovers.items():
+        lock = parent / f".{name}.lock"
+        fd = None if name == held else _try_lock(lock)
+        if fd is None and name != held:
+            continue  # a live writer's
+        try:
+            for d in sorted(dirs, key=lambda d: d.stat().st_mtime, reverse=True):
+                if ".old-" in d.name[len(name) + 1 :] and not (parent / name).exists():
+                    os.rename(d, parent / name)
+                else:
+                    shutil.rmtree(d, ignore_errors=True)
+        finally:
+            if fd is not None:
+                _unlock(lock, fd)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -261,30 +370,73 @@ def recompile_hint(path: Path, target: str = "cpu") -> str:
     return f"recompile it: llmc compile CHECKPOINT --target {target} -o {path}"
 
 
+def _show(value, limit: int = 60) -> str:
+    """A manifest value in a message: its repr, which is one line, cut short."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def _recorded_target_name(m: dict) -> str:
     """The target a (possibly damaged) manifest names, for the recompile hint."""
     target = m.get("target")
-    return str(target.get("name", "cpu")) if isinstance(target, dict) else "cpu"
+    name = target.get("name") if isinstance(target, dict) else None
+    return name if isinstance(name, str) and _TARGET_NAME.fullmatch(name) else "cpu"
+
+
+def _is_file_name(rel) -> bool:
+    """A name llmc writes into `files`: relative, inside the artifact, of plain parts (no "", ".", "..")."""
+    return (isinstance(rel, str) and rel != MANIFEST and len(rel) <= 255
+            and all(_FILE_PART.fullmatch(part) for part in rel.split("/")))  # fmt: skip
+
+
+def _is_int(value, low: int = 1, high: int = 2**31 - 1) -> bool:
+    return type(value) is int and low <= value <= high  # bool is no int here; the C ABI takes int32
 
 
 def _check_manifest(m: dict, path: Path) -> None:
-    """Structure and consistency (no hashing): the target's name and kind, block_size, required files listed."""
+    """Structure and types (no hashing) of every field the runtime reads: target, block_size, files (plain
+    names inside the artifact, the required ones listed), tokenizer, weight_dtype and generation_defaults."""
+    damaged = "the manifest is damaged; recompile the artifact"
     target = m.get("target")
-    if not isinstance(target, dict) or not isinstance(target.get("name"), str) or target.get("kind") not in KINDS:
-        raise ArtifactError(f"{path}: manifest target {target!r} has no name or no kind of {', '.join(KINDS)}",
-                            "the manifest is damaged; recompile the artifact")  # fmt: skip
+    name = target.get("name") if isinstance(target, dict) else None
+    if not isinstance(name, str) or not _TARGET_NAME.fullmatch(name) or target.get("kind") not in KINDS:
+        raise ArtifactError(f"{path}: manifest target {_show(target)} has no name or no kind of {', '.join(KINDS)}",
+                            damaged)  # fmt: skip
+    hint = recompile_hint(path, name)
+    machine, isa = target.get("machine"), target.get("isa")
+    if not (machine is None or isinstance(machine, str) and _ISA_NAME.fullmatch(machine)) or not (
+        isa is None or isinstance(isa, list) and all(isinstance(f, str) and _ISA_NAME.fullmatch(f) for f in isa)
+    ):
+        raise ArtifactError(f"{path}: manifest target machine {_show(machine)} or isa {_show(isa)} is not a name "
+                            "or a list of names", damaged)  # fmt: skip
     block_size = m.get("block_size")
-    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
-        raise ArtifactError(f"{path}: manifest block_size {block_size!r} is not a positive integer",
-                            recompile_hint(path, target["name"]))  # fmt: skip
+    if not _is_int(block_size):
+        raise ArtifactError(f"{path}: manifest block_size {_show(block_size)} is not a positive integer", hint)
     files = m.get("files")
     if not isinstance(files, dict):
-        raise ArtifactError(f"{path}: manifest lists no files", "the manifest is damaged; recompile the artifact")
+        raise ArtifactError(f"{path}: manifest lists no files", damaged)
+    for rel, digest in files.items():
+        if not _is_file_name(rel):
+            raise ArtifactError(f"{path}: the manifest lists a file {_show(rel)}, which is not a plain name inside "
+                                "the artifact; nothing was read", damaged)  # fmt: skip
+        if not isinstance(digest, str) or not _SHA256.fullmatch(digest):
+            raise ArtifactError(f"{path}: the manifest's sha256 of {rel} is {_show(digest)}, not 64 hex digits", hint)
     for required in (LIBRARY, WEIGHTS, TOKENIZER, SOURCE_FILE[target["kind"]]):
         if required not in files:
-            raise ArtifactError(
-                f"{path}: the manifest lists no {required}", recompile_hint(path, target["name"])
-            )
+            raise ArtifactError(f"{path}: the manifest lists no {required}", hint)
+    tokenizer = m.get("tokenizer")
+    if not isinstance(tokenizer, dict) or not all(
+        isinstance(tokenizer.get(k), str | None) for k in ("chat_template", "bos_token", "eos_token")
+    ):
+        raise ArtifactError(f"{path}: manifest tokenizer {_show(tokenizer)} is not an object of strings", hint)
+    if not isinstance(m.get("weight_dtype"), str | None):
+        raise ArtifactError(f"{path}: manifest weight_dtype {_show(m['weight_dtype'])} is not a name", hint)
+    defaults = m.get("generation_defaults")
+    if not (defaults is None or isinstance(defaults, dict) and all(
+        k in GENERATION_DEFAULT_KEYS and type(v) in (int, float) for k, v in defaults.items()
+    )):  # fmt: skip
+        raise ArtifactError(f"{path}: manifest generation_defaults {_show(defaults)} are not sampling parameters "
+                            f"(numbers for {', '.join(GENERATION_DEFAULT_KEYS)})", hint)  # fmt: skip
 
 
 def _check_seal(m: dict, path: Path) -> None:
@@ -297,21 +449,52 @@ def _check_seal(m: dict, path: Path) -> None:
     changed = sorted(k for k in fields.keys() | recorded.keys()
                      if k not in recorded or k not in fields or _canonical_sha256(fields[k]) != recorded[k])  # fmt: skip
     if changed:
-        raise ArtifactError(f"{path / MANIFEST}: field {', '.join(changed)} was edited or damaged after compile "
+        named = ", ".join(k if k.isidentifier() else _show(k) for k in changed[:8])
+        raise ArtifactError(f"{path / MANIFEST}: field {named} was edited or damaged after compile "
                             f"(its sha256 does not match {MANIFEST_DIGESTS})", hint)  # fmt: skip
 
 
-def _parse_config(m: dict, path: Path) -> ModelConfig:
-    try:
-        return ModelConfig.from_dict(m["model_config"])
-    except (KeyError, TypeError) as e:
-        raise ArtifactError(f"{path}: manifest model_config is unreadable ({e})",
-                            recompile_hint(path, m["target"]["name"])) from None  # fmt: skip
+def _check_config(d, path: Path, hint: str) -> None:
+    """model_config has every ModelConfig field, of its type, in range: the runtime sizes buffers from it."""
+    if not isinstance(d, dict):
+        raise ArtifactError(f"{path}: manifest model_config {_show(d)} is not an object", hint)
+    fields = {f.name: f for f in dataclasses.fields(ModelConfig)}
+    unknown = sorted(k for k in d if k not in fields)
+    missing = sorted(k for k, f in fields.items() if k not in d and f.default is dataclasses.MISSING)
+    if unknown or missing:
+        odd = ", ".join(_show(k) for k in unknown[:4])
+        raise ArtifactError(f"{path}: manifest model_config " + (f"has unknown fields {odd}" if unknown else
+                            f"lacks {', '.join(missing)}"), hint)  # fmt: skip
+    for key, value in d.items():
+        if not _CONFIG_TYPES[fields[key].type](value):
+            raise ArtifactError(f"{path}: manifest model_config {key} {_show(value)} is not a {fields[key].type} "
+                                "in range", hint)  # fmt: skip
+    ids = [d["bos_token_id"]] if d["bos_token_id"] is not None else []
+    if not all(i < d["vocab_size"] for i in ids + d["eos_token_ids"]) or not all(
+        i < d["num_layers"] for i in d.get("sliding_layers", ())
+    ) or d["num_heads"] % d["num_kv_heads"]:  # fmt: skip
+        raise ArtifactError(f"{path}: manifest model_config is inconsistent (a token id past the vocabulary, a "
+                            "sliding layer past the last, or heads not a multiple of KV heads)", hint)  # fmt: skip
 
 
-def read_manifest(path: str | Path) -> dict:
-    """manifest.json of an artifact dir, with magic and versions checked (no file hashing)."""
-    path = Path(path)
+def _finite_positive(value) -> bool:
+    return type(value) in (int, float) and math.isfinite(value) and value > 0
+
+
+# ModelConfig's field types (as annotated) -> what a manifest value of that type must be
+_CONFIG_TYPES: dict[str, Callable[[object], bool]] = {
+    "str": lambda v: isinstance(v, str),
+    "int": _is_int,
+    "float": _finite_positive,
+    "bool": lambda v: isinstance(v, bool),
+    "dict | None": lambda v: v is None or isinstance(v, dict),
+    "int | None": lambda v: v is None or _is_int(v, 0),
+    "tuple[int, ...]": lambda v: isinstance(v, list) and all(_is_int(i, 0) for i in v),
+}
+
+
+def _parse_manifest(path: Path) -> dict:
+    """manifest.json of an artifact dir, parsed (with limits on size and nesting) and its magic checked."""
     if not path.exists():
         raise ArtifactError(f"{path}: no such artifact", "compile one: llmc compile CHECKPOINT --target cpu -o " + str(path))
     if not path.is_dir():
@@ -323,39 +506,82 @@ def read_manifest(path: str | Path) -> dict:
                                 f"compile it first: llmc compile {path} --target cpu -o OUT")  # fmt: skip
         raise ArtifactError(f"{path}: not an llmc artifact (no {MANIFEST})", "compile one with llmc compile")
     try:
-        m = json.loads(mpath.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ArtifactError(f"{mpath}: corrupt manifest ({e})", "recompile the artifact") from None
+        with open(mpath, "rb") as f:
+            raw = f.read(_MAX_MANIFEST_BYTES + 1)
+        if len(raw) > _MAX_MANIFEST_BYTES:
+            raise ValueError(f"more than {_MAX_MANIFEST_BYTES >> 20} MiB")
+        m = json.loads(raw.decode())
+        if _nesting_exceeds(m, 32):
+            raise ValueError("nested more than 32 levels deep")
+    except OSError as e:
+        raise ArtifactError(f"{mpath}: cannot be read ({e.strerror})", "check its permissions") from None
+    except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise ArtifactError(f"{mpath}: corrupt manifest ({_show(str(e), 120)[1:-1]})", "recompile the artifact") from None
     if not isinstance(m, dict) or m.get("magic") != MAGIC:
         raise ArtifactError(f"{path}: {MANIFEST} is not an llmc artifact manifest", "recompile the artifact")
-    target_name = _recorded_target_name(m)
+    return m
+
+
+def _nesting_exceeds(value, limit: int) -> bool:
+    """Whether a parsed JSON value nests deeper than `limit` (hashing it again must not exhaust the stack)."""
+    level = [value]
+    for _ in range(limit):
+        level = [v for c in level if isinstance(c, dict | list) for v in (c.values() if isinstance(c, dict) else c)]
+        if not level:
+            return False
+    return True
+
+
+def _check_versions(m: dict, path: Path) -> None:
+    version = m.get("compiler_version")
+    by = version if isinstance(version, str) and re.fullmatch(r"[\w.+-]{1,40}", version) else "?"
     for key, want in (("format_version", FORMAT_VERSION), ("abi_version", ABI_VERSION)):
         if m.get(key) != want:
             raise ArtifactError(
-                f"{path}: artifact {key.replace('_', ' ')} {m.get(key)!r} (compiled by llmc "
-                f"{m.get('compiler_version', '?')}), but llmc {__version__} reads version {want}",
-                recompile_hint(path, target_name),
+                f"{path}: artifact {key.replace('_', ' ')} {_show(m.get(key))} (compiled by llmc {by}), but llmc "
+                f"{__version__} reads version {want}",
+                recompile_hint(path, _recorded_target_name(m)),
             )
+
+
+def read_manifest(path: str | Path) -> dict:
+    """manifest.json of an artifact dir, with magic and versions checked (no file hashing)."""
+    path = Path(path)
+    m = _parse_manifest(path)
+    _check_versions(m, path)
     return m
 
 
 def load_artifact(path: str | Path, *, verify: bool = True, check_target: bool = True) -> Artifact:
-    """Open an artifact: versions, the manifest's and every file's sha256 (verify), a CPU target against this host."""
+    """Open an artifact: versions, the manifest's and every file's sha256 (verify), the manifest's structure and
+    types, a CPU target against this host. Every failure is one ArtifactError; no file outside `path` is read."""
     path = Path(path)
-    m = read_manifest(path)
-    if verify:
+    m = _parse_manifest(path)
+    sealed = isinstance(m.get(MANIFEST_DIGESTS), dict)
+    if verify and sealed:  # first: a damaged version field is damage, not an artifact of another llmc
+        _check_seal(m, path)
+    _check_versions(m, path)
+    if verify and not sealed:
         _check_seal(m, path)
     _check_manifest(m, path)
-    config = _parse_config(m, path)
     target_name = m["target"]["name"]
+    hint = recompile_hint(path, target_name)
+    _check_config(m.get("model_config"), path, hint)
+    config = ModelConfig.from_dict(m["model_config"])
     if verify:
+        root = os.path.realpath(path)
         for rel, digest in m["files"].items():
             f = path / rel
+            if os.path.commonpath([root, os.path.realpath(f)]) != root:
+                raise ArtifactError(f"{path}: file {rel} is a symlink out of the artifact; nothing was read", hint)
             if not f.is_file():
-                raise ArtifactError(f"{path}: file {rel} is missing", recompile_hint(path, target_name))
-            if file_sha256(f) != digest:
-                raise ArtifactError(f"{path}: file {rel} is corrupt (its sha256 does not match the manifest)",
-                                    recompile_hint(path, target_name))  # fmt: skip
+                raise ArtifactError(f"{path}: file {rel} is missing (or not a regular file)", hint)
+            try:
+                actual = file_sha256(f)
+            except OSError as e:
+                raise ArtifactError(f"{path}: file {rel} cannot be read ({e.strerror})", hint) from None
+            if actual != digest:
+                raise ArtifactError(f"{path}: file {rel} is corrupt (its sha256 does not match the manifest)", hint)
     if check_target and m["target"]["kind"] == "cpu":
         check_cpu_target(m["target"], path)
     return Artifact(path=path, manifest=m, config=config)

@@ -7,6 +7,11 @@ one stat. The sources are kept next to the .so for reading. Every file is writte
 in its final folder and moved into place with `os.replace`, so concurrent builds of the same key never
 see a half-written file (both produce the same bytes; the last rename wins).
 
+A build killed half-way leaves its temporary files behind. Their names carry the writer's host and pid
+(`.lib.<host>-<pid>.<random>.so.tmp`), so the next build that compiles removes those whose process is gone
+from this host, and any temporary file of a day old (another host's, or one without a pid).
+A full disk under the cache is a CompileError that names the cache.
+
 Cache root: llmc.host.cache_root()/build (`$LLMC_CACHE_DIR/build`, else `$XDG_CACHE_HOME/llmc/build`, else
 `~/.cache/llmc/build`).
 
@@ -16,13 +21,17 @@ this host's ISA, and loading checks the machine has it.
 
 from __future__ import annotations
 
+import errno
 import functools
 import hashlib
 import json
 import os
+import re
 import shutil
+import socket
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 from typing import Mapping, Sequence
 
@@ -35,6 +44,9 @@ CPU_FLAGS: tuple[str, ...] = tuple(load_target("cpu").build_flags)
 DEFAULT_COMPILER = "g++"
 _COMPILED_SUFFIXES = (".cc", ".cpp", ".cxx", ".cu")
 _STDERR_TAIL_LINES = 40
+_STALE_SECONDS = 24 * 3600  # no build runs a day; a temp file that old is a killed build's, whoever wrote it
+_HOST = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]  # a cache may be shared across hosts
+_OWNED_TEMP = re.compile(r"\..+\.(?P<host>[0-9a-f]{8})-(?P<pid>\d+)\.[A-Za-z0-9_]+\.(?:so\.)?tmp")
 
 
 def default_cache_dir() -> Path:
@@ -80,10 +92,38 @@ def build_key(sources: Mapping[str, str], flags: Sequence[str], compiler: str = 
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()
 
 
+def _temp_prefix(name: str) -> str:
+    return f".{name}.{_HOST}-{os.getpid()}."
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def _remove_stale_temps(cache: Path) -> None:
+    """Delete the temporary files of killed builds under `cache` (see the module docstring)."""
+    now = time.time()
+    for temp in cache.glob("*/.*.tmp"):
+        owner = _OWNED_TEMP.fullmatch(temp.name)
+        try:
+            stale = (owner is not None and owner["host"] == _HOST and not _pid_alive(int(owner["pid"]))
+                     or now - temp.lstat().st_mtime > _STALE_SECONDS)  # fmt: skip
+            if stale:
+                temp.unlink()
+        except OSError:
+            pass  # removed by another build meanwhile
+
+
 def _write_atomic(path: Path, data: str) -> None:
     if path.is_file() and path.read_text() == data:
         return
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=_temp_prefix(path.name), suffix=".tmp")
     try:
         with os.fdopen(fd, "w") as f:
             f.write(data)
@@ -122,11 +162,18 @@ def build_shared_library(
     if lib.is_file():
         return lib
 
-    out_dir.mkdir(parents=True, exist_ok=True)
-    for name, text in sources.items():
-        _write_atomic(out_dir / name, text)
-    fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=".lib.", suffix=".so.tmp")
-    os.close(fd)
+    try:
+        _remove_stale_temps(out_dir.parent)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        for name, text in sources.items():
+            _write_atomic(out_dir / name, text)
+        fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=_temp_prefix("lib"), suffix=".so.tmp")
+        os.close(fd)
+    except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise CompileError(f"{out_dir.parent}: the disk is full (no space left for the build cache)",
+                               "free space there, or set $LLMC_CACHE_DIR to a disk with room") from None  # fmt: skip
+        raise
     cmd = [compiler, *flags, "-o", tmp, *units]
     try:
         proc = subprocess.run(cmd, cwd=out_dir, capture_output=True, text=True)
