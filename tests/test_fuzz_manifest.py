@@ -1,0 +1,239 @@
+"""Property-based fuzzing of an artifact's manifest.json, untrusted input (an artifact may come from anywhere).
+
+Every manifest either loads or raises an LlmcError of one line: no other exception, hang or crash. Nothing
+outside the artifact directory is read: a `files` entry that leads out of it (.., an absolute path, a
+symlink) is refused before any file is hashed or opened. Edits that keep the manifest's own digests valid
+(a resealed manifest, as someone who recomputes them would write) are fuzzed too, so the checks behind the
+seal are reached.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from llmc.compiler.frontend.checkpoint import load_checkpoint
+
+from llmc import artifact as art
+from llmc.errors import ArtifactError, LlmcError
+from llmc.model_config import ModelConfig
+
+FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats() | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=12,
+)
+path_parts = st.sampled_from(["..", ".", "", "etc", "passwd", "model.so", "a b", "\\", "~", "\n", "manifest.json"])
+file_names = st.lists(path_parts, min_size=1, max_size=5).map("/".join) | st.text(max_size=12)
+OUTSIDE = Path("/etc/passwd")
+
+
+@pytest.fixture(scope="module")
+def valid(checkpoint_dir, tmp_path_factory) -> Path:
+    config = load_checkpoint(checkpoint_dir("llama")).config
+
+    def populate(tmp: Path) -> dict:
+        for name in ("model.so", "model.cc", "weights.safetensors", "tokenizer.json", "tokenizer_config.json"):
+            (tmp / name).write_bytes(name.encode() * 8)
+        return {"target": "cpu", "model_config": config, "weight_dtype": "float32",
+                "kernels": [{"id": "k0", "template": "rmsnorm", "params": {"hidden": 64}}],
+                "tokenizer": {"chat_template": "{{x}}", "bos_token": "<s>", "eos_token": "</s>"},
+                "generation_defaults": {"temperature": 0.7, "top_k": 40}}  # fmt: skip
+
+    return art.write_artifact(tmp_path_factory.mktemp("valid") / "a.cpu", populate)
+
+
+@pytest.fixture
+def artifact(valid, tmp_path, monkeypatch):
+    """(a copy of the valid artifact, the list of every path load_artifact hashes)."""
+    path = tmp_path / "a.cpu"
+    shutil.copytree(valid, path)
+    hashed: list[str] = []
+    real = art.file_sha256
+
+    def recording(p):
+        hashed.append(str(p))
+        return real(p)
+
+    monkeypatch.setattr(art, "file_sha256", recording)
+    return path, hashed
+
+
+def _manifest(path: Path) -> dict:
+    return json.loads((path / "manifest.json").read_text())
+
+
+def _write(path: Path, m, seal: bool = True) -> None:
+    m = art.seal_manifest(m) if seal and isinstance(m, dict) else m
+    (path / "manifest.json").write_text(json.dumps(m))
+
+
+def _loads_or_one_line_error(path: Path, hashed: list[str]) -> ArtifactError | None:
+    """The property: load_artifact returns a usable Artifact or raises one LlmcError of one line, and hashes
+    nothing outside the artifact."""
+    hashed.clear()
+    error = None
+    try:
+        a = art.load_artifact(path)
+    except LlmcError as e:
+        assert "\n" not in str(e) and "\r" not in str(e), str(e)
+        error = e
+    else:  # what the runtime reads of a loaded artifact
+        _ = (a.config.max_context, a.config.num_parameters(), a.block_size, a.kind, a.target_name, a.source_path,
+             a.chat_template, a.bos_token, a.eos_token, a.weight_dtype, a.weight_bytes,
+             {"temperature": 0.0, **(a.manifest.get("generation_defaults") or {})})  # fmt: skip
+    root = os.path.realpath(path)
+    outside = [p for p in hashed if os.path.commonpath([root, os.path.realpath(p)]) != root]
+    assert not outside, f"read outside the artifact: {outside}"
+    return error
+
+
+def test_config_field_types_are_all_checked():
+    assert {f.type for f in dataclasses.fields(ModelConfig)} <= set(art._CONFIG_TYPES)
+
+
+def test_valid_manifest_loads(artifact):
+    path, hashed = artifact
+    assert _loads_or_one_line_error(path, hashed) is None
+    assert len(hashed) == 5
+
+
+@FUZZ
+@given(st.binary(max_size=512))
+def test_fuzz_manifest_bytes(artifact, blob):
+    path, hashed = artifact
+    (path / "manifest.json").write_bytes(blob)
+    assert _loads_or_one_line_error(path, hashed) is not None
+
+
+def test_fuzz_manifest_text_edits(artifact):
+    path, hashed = artifact
+    text = (path / "manifest.json").read_bytes()
+
+    @FUZZ
+    @given(st.integers(0, len(text)), st.integers(0, 16), st.binary(max_size=8))
+    def run(at, cut, insert):
+        (path / "manifest.json").write_bytes(text[:at] + insert + text[at + cut :])
+        _loads_or_one_line_error(path, hashed)
+
+    run()
+
+
+def test_fuzz_manifest_fields_resealed(artifact):
+    path, hashed = artifact
+    valid = _manifest(path)
+    keys = sorted(k for k in valid if k != art.MANIFEST_DIGESTS)
+
+    @FUZZ
+    @given(st.sampled_from(keys) | st.text(max_size=8), json_values,
+           st.sampled_from(["replace", "delete", "nested", "nested_delete"]), st.booleans(), st.data())  # fmt: skip
+    def run(key, value, how, seal, data):
+        m = json.loads(json.dumps(valid))
+        if how == "replace":
+            m[key] = value
+        elif how == "delete":
+            m.pop(key, None)
+        elif isinstance(m.get(key), dict):  # a field inside: model_config's, target's, tokenizer's, files'
+            inner = data.draw(st.sampled_from(sorted(m[key]) or [""]) | st.text(max_size=12))
+            if how == "nested":
+                m[key][inner] = value
+            else:
+                m[key].pop(inner, None)
+        _write(path, m, seal)
+        _loads_or_one_line_error(path, hashed)
+
+    run()
+
+
+@pytest.mark.parametrize("field, value", [
+    ("model_config", {"num_layers": 0}),
+    ("model_config", {"num_heads": 7}),
+    ("model_config", {"eos_token_ids": [1 << 20]}),
+    ("model_config", {"rms_norm_eps": float("nan")}),
+    ("model_config", {"hidden_size": True}),
+    ("model_config", {"sliding_layers": [99]}),
+    ("target", {"isa": [["avx2"]]}),
+    ("target", {"name": "cpu\nrm -rf /"}),
+    ("tokenizer", {"chat_template": 7}),
+    ("generation_defaults", {"seed": 1}),
+    ("generation_defaults", {"temperature": "hot"}),
+    ("block_size", 1 << 40),
+])  # fmt: skip
+def test_resealed_bad_field_is_refused(artifact, field, value):
+    path, hashed = artifact
+    m = _manifest(path)
+    m[field] = {**m[field], **value} if isinstance(value, dict) and isinstance(m.get(field), dict) else value
+    _write(path, m)
+    error = _loads_or_one_line_error(path, hashed)
+    assert isinstance(error, ArtifactError) and field in str(error)
+
+
+def _passwd_sha256() -> str:
+    return hashlib.sha256(OUTSIDE.read_bytes()).hexdigest()
+
+
+@pytest.mark.parametrize("name", ["../../../../../../etc/passwd", str(OUTSIDE), "a/../../../../../../etc/passwd",
+                                  "./model.so", "model.so/", "sub//x", "..", ".", "", "manifest.json"])  # fmt: skip
+def test_files_outside_the_artifact_are_refused_unread(artifact, name):
+    path, hashed = artifact
+    m = _manifest(path)
+    m["files"][name] = _passwd_sha256()
+    _write(path, m)
+    error = _loads_or_one_line_error(path, hashed)
+    assert isinstance(error, ArtifactError) and "not a plain name inside the artifact" in str(error)
+    assert hashed == [], "refused before any file is hashed"
+
+
+@FUZZ
+@given(file_names, st.booleans())
+def test_fuzz_files_entries(valid, artifact, name, replace_library):
+    path, hashed = artifact
+    m = _manifest(valid)
+    if replace_library:
+        del m["files"]["model.so"]
+    m["files"][name] = _passwd_sha256()
+    _write(path, m)
+    _loads_or_one_line_error(path, hashed)
+
+
+def test_symlink_out_of_the_artifact_is_refused_unread(artifact, tmp_path):
+    path, hashed = artifact
+    secret = tmp_path / "secret"
+    secret.write_text("not the artifact's")
+    (path / "tokenizer.json").unlink()
+    (path / "tokenizer.json").symlink_to(secret)
+    m = _manifest(path)
+    m["files"]["tokenizer.json"] = hashlib.sha256(secret.read_bytes()).hexdigest()
+    _write(path, m)
+    error = _loads_or_one_line_error(path, hashed)
+    assert isinstance(error, ArtifactError) and "tokenizer.json is a symlink out of the artifact" in str(error)
+    assert str(secret) not in hashed and not any(p.endswith("tokenizer.json") for p in hashed)
+
+
+def test_fifo_is_refused_without_hanging(artifact):
+    path, hashed = artifact
+    (path / "model.so").unlink()
+    os.mkfifo(path / "model.so")
+    error = _loads_or_one_line_error(path, hashed)
+    assert isinstance(error, ArtifactError) and "model.so is missing (or not a regular file)" in str(error)
+
+
+def test_deep_and_huge_manifests_are_refused(artifact, monkeypatch):
+    path, hashed = artifact
+    m = _manifest(path)
+    (path / "manifest.json").write_text("[" * 100_000 + "]" * 100_000)
+    assert "corrupt manifest" in str(_loads_or_one_line_error(path, hashed))
+    _write(path, {**m, "kernels": json.loads("[" * 40 + "]" * 40)})
+    assert "nested more than 32 levels" in str(_loads_or_one_line_error(path, hashed))
+    _write(path, m)
+    monkeypatch.setattr(art, "_MAX_MANIFEST_BYTES", 100)
+    assert "more than" in str(_loads_or_one_line_error(path, hashed))
