@@ -326,7 +326,10 @@ class Transformers:
 def main(argv=None) -> dict:
     args = parse_args(argv)
     set_threads(args.threads)
-    log = (lambda msg: print(msg, file=sys.stderr, flush=True))
+
+    def log(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
     import numpy as np
 
     cache = cache_dir(args.cache_dir)
@@ -401,7 +404,7 @@ def main(argv=None) -> dict:
             "roofline_tokens_per_s": roof,
             "of_roofline": tps / roof if roof else None,
             "vs_transformers": tps / hf_tps if hf_tps else None,
-            "greedy_tokens_match_transformers": (sum(a == b for a, b in zip(tokens[name], ref)) / len(ref)
+            "greedy_tokens_match_transformers": (sum(a == b for a, b in zip(tokens[name], ref, strict=False)) / len(ref)
                                                  if ref is not None else None),
         })
     result = {
@@ -443,7 +446,7 @@ def format_table(result: dict) -> str:
         cells.append(["-" if r[k] is None else f.format(r[k]) for _, k, f in cols])
     widths = [max(len(row[i]) for row in cells) for i in range(len(cols))]
     for row in cells:
-        lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))))
+        lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True))))
     lines.append("roofline tok/s = read bandwidth (at the row's thread count) / weight bytes per decode token "
                  "(every layer weight and the lm_head in full, one embedding row); transformers is held to the fp32 "
                  "weights' roofline; 'vs transformers' and 'tokens = HF' compare with the transformers row at "

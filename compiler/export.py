@@ -58,7 +58,7 @@ def _attention(node, importer):
     """scaled_dot_product_attention [1, H, T, D] -> R.nn.attention over [1, T, H, D], with its scale and window."""
     from tvm import relax
 
-    args = dict(zip(_SDPA_ARGS, node.args)) | node.kwargs
+    args = dict(zip(_SDPA_ARGS, node.args, strict=False)) | node.kwargs
     mask = args.get("attn_mask")
     window = None if mask is None else _sliding_window(mask)
     if (mask is not None and window is None) or args.get("dropout_p", 0.0) or args.get("enable_gqa", False):

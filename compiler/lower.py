@@ -357,7 +357,7 @@ class _Lowering:
         src = self.view(value.args[0])
         bounds = [0, *(int(i) for i in value.attrs.indices_or_sections), src.cols]
         self.env[var] = tuple(
-            _View(src.value, src.col_offset + lo, hi - lo, src.stride, src.rows) for lo, hi in zip(bounds, bounds[1:])
+            _View(src.value, src.col_offset + lo, hi - lo, src.stride, src.rows) for lo, hi in zip(bounds, bounds[1:], strict=False)
         )
 
     # --- llmc ops -------------------------------------------------------------------------------

@@ -152,7 +152,7 @@ def _write_spec(ckpt, spec: WeightSpec, shapes, f, digest, progress) -> int:
 
     torch_dtype, width = getattr(torch, spec.dtype), _DTYPES[spec.dtype][1]
     total = 0
-    for src, shape in zip(spec.sources, shapes):
+    for src, shape in zip(spec.sources, shapes, strict=True):
         t = ckpt.tensor(src)
         if shape is None and tuple(t.shape[1:]) != tuple(spec.shape[1:]):
             raise CompileError(

@@ -85,7 +85,7 @@ def _run_level(engine: LLMEngine, prompts: list[list[int]], output_len: int, con
     if lengths != {output_len}:
         raise LlmcError(f"bench requests generated {sorted(lengths)} tokens, expected exactly {output_len}",
                         "this is an engine bug: ignore_eos and max_tokens should fix the length")  # fmt: skip
-    ttft = [(t[0] - a) * 1e3 for t, a in zip(token_times, added)]
+    ttft = [(t[0] - a) * 1e3 for t, a in zip(token_times, added, strict=True)]
     tpot = [(t[-1] - t[0]) * 1e3 / (len(t) - 1) for t in token_times if len(t) > 1]
     (ttft50, ttft99), (tpot50, tpot99) = _percentiles(ttft), _percentiles(tpot)
     return {
@@ -195,7 +195,7 @@ def format_bench_table(result: dict) -> str:
         cells.append(row)
     widths = [max(len(r[i]) for r in cells) for i in range(len(_COLUMNS))]
     for r in cells:
-        lines.append("  ".join(c.rjust(wd) for c, wd in zip(r, widths)))
+        lines.append("  ".join(c.rjust(wd) for c, wd in zip(r, widths, strict=True)))
     roof = result.get("roofline")
     if roof:
         lines.append(

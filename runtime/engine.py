@@ -365,7 +365,7 @@ class LLMEngine:
         if len(params) != len(prompts):
             raise RequestError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
         results: dict[str, GenerationResult] = {}
-        for prompt, p in zip(prompts, params):
+        for prompt, p in zip(prompts, params, strict=True):
             if isinstance(prompt, str):
                 if self.tokenizer is None:
                     raise RequestError("a text prompt needs a tokenizer", "pass token ids or give the engine one")

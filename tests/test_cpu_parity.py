@@ -48,7 +48,7 @@ def _assert_batched_greedy_matches(model, path, prompts):
     """The prompts run as one batch (shared steps); each continuation equals transformers' generate."""
     results = LLMEngine(model).generate(prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
     reference = hf_model(path)
-    for ids, result in zip(prompts, results):
+    for ids, result in zip(prompts, results, strict=True):
         with torch.no_grad():
             expected = reference.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
                                           do_sample=False)[0, len(ids):].tolist()

@@ -56,7 +56,7 @@ def _f32_text(value: Any) -> str:
     """The shortest decimal that reads back as the same float32 (at most 9 digits, always enough)."""
     f = _to_f32(value)
     for digits in range(1, 10):
-        text = "%.*g" % (digits, f)
+        text = f"{f:.{digits}g}"
         if _to_f32(float(text)) == f:
             return text
     raise AssertionError("unreachable: 9 significant digits round-trip every float32")

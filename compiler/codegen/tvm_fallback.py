@@ -24,7 +24,7 @@ def legalize_call(call: relax.Call, params: list[relax.Var]) -> tirx.PrimFunc:
     """The PrimFunc computing `call` (whose tensor arguments are `params`), with params then the output."""
     bb = relax.BlockBuilder()
     fresh = [relax.Var(p.name, p.ty) for p in params]
-    remap = dict(zip(params, fresh))
+    remap = dict(zip(params, fresh, strict=True))
 
     def substitute(arg):
         if isinstance(arg, relax.Var):
@@ -45,7 +45,7 @@ def legalize_call(call: relax.Call, params: list[relax.Var]) -> tirx.PrimFunc:
                            "this op needs a kernel template")  # fmt: skip
     callee, args = tir_calls[0].args[0], tir_calls[0].args[1]
     takes = list(args.fields)
-    if len(tir_calls[0].args) > 2 or len(takes) != len(fresh) or not all(a.same_as(f) for a, f in zip(takes, fresh)):
+    if len(tir_calls[0].args) > 2 or len(takes) != len(fresh) or not all(a.same_as(f) for a, f in zip(takes, fresh, strict=True)):
         raise CompileError(f"TVM's lowering of `{op}` takes arguments other than its input tensors",
                            "this op needs a kernel template")  # fmt: skip
     return mod[callee]

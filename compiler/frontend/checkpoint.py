@@ -150,7 +150,7 @@ def _check_header(header, data_bytes: int) -> dict[str, tuple[str, tuple[int, ..
         ranges.append((offsets[0], offsets[1], name))
         out[name] = (dtype, tuple(shape))
     ranges.sort()
-    for (_, end, a), (begin, _, b) in zip(ranges, ranges[1:]):
+    for (_, end, a), (begin, _, b) in zip(ranges, ranges[1:], strict=False):
         if begin < end:
             raise ValueError(f"tensors {a!r} and {b!r} overlap")
         if begin > end:

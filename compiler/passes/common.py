@@ -51,7 +51,7 @@ def llmc_op_name(expr: relax.Expr) -> str | None:
 
 def llmc_args(call: relax.Call) -> dict[str, relax.Expr]:
     name = llmc_op_name(call)
-    return dict(zip(OPS[name], call.args[1:]))
+    return dict(zip(OPS[name], call.args[1:], strict=True))
 
 
 def prim(value: int | float) -> relax.Expr:

@@ -54,7 +54,7 @@ def test_sliding_window_releases_blocks_and_runs_past_the_cache(checkpoint_dir, 
         results = engine.generate(prompts, params)
         assert engine.kv_cache.num_free_blocks == 4
     reference = hf_model(path)
-    for ids, result in zip(prompts, results):
+    for ids, result in zip(prompts, results, strict=True):
         with torch.no_grad():
             expected = reference.generate(torch.tensor([ids]), max_new_tokens=76, min_new_tokens=76,
                                           do_sample=False)[0, len(ids):].tolist()  # fmt: skip

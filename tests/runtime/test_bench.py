@@ -38,7 +38,7 @@ def test_bench_levels_numbers_and_table(capsys):
     json.dumps(result)  # JSON-ready (llmc bench --json)
 
     assert [lv["concurrency"] for lv in result["levels"]] == [1, 3]
-    for level, model in zip(result["levels"], models[1:]):  # models[0] ran the warm-up
+    for level, model in zip(result["levels"], models[1:], strict=True):  # models[0] ran the warm-up
         assert level["num_requests"] == 5
         # every request: its whole prompt once, then exactly output_len - 1 decode tokens (the last is not fed)
         assert model.tokens_seen == 5 * (12 + 6 - 1)

@@ -29,7 +29,7 @@ def test_greedy_matches_the_cacheless_reference():
     rng = np.random.default_rng(0)
     reqs = random_requests(rng, 6, config.vocab_size, 40, 20)
     results = engine.generate([p for p, _ in reqs], [dataclasses.replace(GREEDY, max_tokens=m) for _, m in reqs])
-    for (prompt, max_new), result in zip(reqs, results):
+    for (prompt, max_new), result in zip(reqs, results, strict=True):
         assert result.outputs[0].token_ids == reference_greedy(prompt, max_new, config)
 
 
@@ -177,7 +177,7 @@ def test_logprobs_are_raw_model_logprobs():
     out = engine.generate([prompt], params)[0].outputs[0]
     assert len(out.logprobs) == len(out.token_ids)
     context = list(prompt)
-    for token, lp in zip(out.token_ids, out.logprobs):
+    for token, lp in zip(out.token_ids, out.logprobs, strict=True):
         raw = context_logits(np.asarray(context), 64).astype(np.float64)
         ref = raw - np.log(np.exp(raw - raw.max()).sum()) - raw.max()
         assert token in lp and 2 <= len(lp) <= 3

@@ -68,7 +68,7 @@ class Kernel:
     def __call__(self, *args):
         assert len(args) == len(self.sig), f"{self.op} takes {[a for a, _ in self.sig]}"
         c_args = []
-        for (name, kind), a in zip(self.sig, args):
+        for (name, kind), a in zip(self.sig, args, strict=True):
             if kind == "int":
                 c_args.append(int(a))
                 continue

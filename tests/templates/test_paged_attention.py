@@ -67,7 +67,7 @@ def test_paged_attention_independent_of_batch_and_schedule(kernels, schedules, o
         cache = mixed.k_cache.copy(), mixed.v_cache.copy()
         results.append((mixed.run(fn), mixed.k_cache, mixed.v_cache))
     for result in results[1:]:
-        assert all(np.array_equal(a, b) for a, b in zip(result, results[0]))
+        assert all(np.array_equal(a, b) for a, b in zip(result, results[0], strict=True))
     out = results[0][0]
     for b in range(mixed.B):
         assert np.array_equal(mixed.alone(b, cache).run(fn), out[mixed.qsl[b]:mixed.qsl[b + 1]])
