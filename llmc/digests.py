@@ -20,7 +20,7 @@ import os
 from pathlib import Path
 
 from llmc.errors import LlmcError
-from llmc.host import cache_root
+from llmc.host import cache_root, pid_alive
 
 _CHUNK = 1 << 20
 _SAMPLE = 64 << 10
@@ -62,6 +62,9 @@ def remember_sha256(path: Path, digest: str) -> None:
     target = _store()
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
+        for left in target.parent.glob(f".{target.name}.*"):  # a killed writer's
+            if left.suffix[1:].isdigit() and not pid_alive(int(left.suffix[1:])):
+                left.unlink(missing_ok=True)
         tmp = target.with_name(f".{target.name}.{os.getpid()}")
         tmp.write_text(json.dumps(store))
         os.replace(tmp, target)

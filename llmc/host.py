@@ -1,4 +1,4 @@
-"""The machine llmc runs on: its cache directory and its CPU's instruction set.
+"""The machine llmc runs on: its cache directory, its CPU's instruction set, whether a process is alive.
 
 Compiler and runtime both ask these questions (builds and digests are cached; a CPU artifact records the
 ISA it was built for and loading checks it), so the answers live here, outside both.
@@ -27,6 +27,17 @@ def cache_root() -> Path:
         return Path(root).expanduser()
     xdg = os.environ.get("XDG_CACHE_HOME")
     return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "llmc"
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` exists on this host (a temporary file named after a dead one is a leftover)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True
 
 
 def host_cpu_isa(cpuinfo_path: str = "/proc/cpuinfo") -> list[str]:

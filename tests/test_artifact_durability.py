@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from llmc import artifact as art
+from llmc import digests
 from llmc.compiler.codegen import build
 from llmc.compiler.compile import SIGNAL_AT_ENV, STAGES, compile_checkpoint
 from llmc.errors import ArtifactError, CompileError
@@ -249,14 +250,19 @@ def test_flipped_byte_is_refused_naming_the_file(compiled, tmp_path, name, where
         art.load_artifact(out)
 
 
-def test_killed_builds_temporary_files_are_removed(tmp_path):
+def _dead_pid() -> int:
     dead = subprocess.Popen(["true"])
     dead.wait()
+    return dead.pid
+
+
+def test_killed_builds_temporary_files_are_removed(tmp_path):
+    dead = _dead_pid()
     key_dir = tmp_path / ("0" * 64)
     key_dir.mkdir()
-    killed = key_dir / f".lib.{build._HOST}-{dead.pid}.abc_123.so.tmp"  # its build was killed
+    killed = key_dir / f".lib.{build._HOST}-{dead}.abc_123.so.tmp"  # its build was killed
     live = key_dir / f".lib.{build._HOST}-{os.getpid()}.abc_123.so.tmp"  # a build in progress
-    other_host = key_dir / f".model.cc.00000000-{dead.pid}.abc_123.tmp"  # can't tell from here: kept a day
+    other_host = key_dir / f".model.cc.00000000-{dead}.abc_123.tmp"  # can't tell from here: kept a day
     old = key_dir / ".x.so.tmp"  # no owner in the name, a day old
     for p in (killed, live, other_host, old):
         p.write_bytes(b"partial")
@@ -264,3 +270,16 @@ def test_killed_builds_temporary_files_are_removed(tmp_path):
     build.build_shared_library("int f() { return 1; }\n", cache_dir=tmp_path)
     assert not killed.exists() and not old.exists()
     assert live.exists() and other_host.exists()
+
+
+def test_killed_digest_writers_temporary_files_are_removed(tmp_path, monkeypatch):
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    monkeypatch.setenv("LLMC_CACHE_DIR", str(cache))
+    monkeypatch.setattr(digests, "_MIN_BYTES", 0)  # remember even a small file's digest
+    killed, live = cache / f".digests.json.{_dead_pid()}", cache / f".digests.json.{os.getppid()}"
+    for p in (killed, live):
+        p.write_text("{")
+    (tmp_path / "w").write_bytes(b"weights")
+    digests.file_sha256(tmp_path / "w")
+    assert not killed.exists() and live.exists() and (cache / "digests.json").is_file()

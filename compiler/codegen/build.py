@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from llmc.errors import CompileError
-from llmc.host import cache_root
+from llmc.host import cache_root, pid_alive
 from llmc.targets import load_target
 
 # targets/cpu.toml's flags: kernel tests and probes build exactly as compile builds model.so
@@ -96,23 +96,13 @@ def _temp_prefix(name: str) -> str:
     return f".{name}.{_HOST}-{os.getpid()}."
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
-
-
 def _remove_stale_temps(cache: Path) -> None:
     """Delete the temporary files of killed builds under `cache` (see the module docstring)."""
     now = time.time()
     for temp in cache.glob("*/.*.tmp"):
         owner = _OWNED_TEMP.fullmatch(temp.name)
         try:
-            stale = (owner is not None and owner["host"] == _HOST and not _pid_alive(int(owner["pid"]))
+            stale = (owner is not None and owner["host"] == _HOST and not pid_alive(int(owner["pid"]))
                      or now - temp.lstat().st_mtime > _STALE_SECONDS)  # fmt: skip
             if stale:
                 temp.unlink()
