@@ -94,7 +94,7 @@ class ServerLimits:
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)  # no coercion: `"temperature": false` is a wrong type
 
 
 class StreamOptions(_Body):
@@ -154,7 +154,7 @@ class CompletionRequest(_GenerationRequest):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")  # name, tool_calls, ...: passed on to the template
+    model_config = ConfigDict(extra="allow", strict=True)  # name, tool_calls, ...: passed on to the template
     role: str
     content: str | list[dict[str, Any]] | None = None
 
@@ -430,7 +430,9 @@ _ERROR_RESPONSES = {
 }  # fmt: skip
 _ERROR_RESPONSES_AUTH = _error_doc("No API key, or a wrong one.")
 _GENERATION_OK = {"description": "The completion (JSON), or with stream=true Server-Sent Events ending in [DONE].",
-                  "content": {"application/json": {}, "text/event-stream": {"schema": {"type": "string"}}}}  # fmt: skip
+                  "content": {"application/json": {}, "text/event-stream": {"schema": {  # one event
+                      "type": "object", "required": ["data"],
+                      "properties": {"data": {"type": "string", "description": "a chunk's JSON, or [DONE]"}}}}}}  # fmt: skip
 
 
 def _json_body(model: type[BaseModel]) -> dict:
