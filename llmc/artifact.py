@@ -13,8 +13,8 @@ Layout:
 
 `write_artifact` builds the directory under a temporary name next to the output and renames it into place
 (an existing artifact is renamed away first and deleted last), so a half-written artifact never exists at
-the output path. It holds `.<name>.lock` (flock) next to the output for the whole write: a second writer of
-the same output fails at once, and leftovers of a killed writer (`.<name>.tmp-*`, `.<name>.old-*`) are
+the output path. It holds `.<name>.llmc-lock` (flock) next to the output for the whole write: a second writer
+of the same output fails at once, and leftovers of a killed writer (`.<name>.llmc-tmp-*`, `-old-*`) are
 provably stale when their lock is free, so the next write into that directory removes them (a renamed-away
 artifact whose replacement never arrived goes back to its name). A full disk is an ArtifactError that names
 the output. `load_artifact` checks the manifest versions, the manifest's own digests, every file's sha256,
@@ -73,7 +73,7 @@ _FILE_PART = re.compile(r"[A-Za-z0-9_+-][A-Za-z0-9_.+-]*")  # one component of a
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _TARGET_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]{0,63}")
 _ISA_NAME = re.compile(r"[A-Za-z0-9_.]{1,64}")
-_LEFTOVER = re.compile(r"\.(?P<name>.+)\.(?:tmp|old)-[A-Za-z0-9_]+")  # tempfile.mkdtemp names of write_artifact
+_LEFTOVER = re.compile(r"\.(?P<name>.+)\.llmc-(?P<kind>tmp|old)-[a-z0-9_]{8}")  # write_artifact's mkdtemp names
 
 # ----------------------------------------------------------------------------------------------------------
 # Hashing
@@ -178,12 +178,12 @@ def write_artifact(output: str | Path, populate: Callable[[Path], dict]) -> Path
             if e.errno not in (errno.ENOSPC, errno.EDQUOT):
                 raise
             raise ArtifactError(f"{output}: the disk is full (no space left on the device of {output.parent}); "
-                                "nothing was written", "free space there, or choose another output path")  # fmt: skip
+                                "nothing was written", "free space there, or choose another output path") from None  # fmt: skip
     return output
 
 
 def _write_into_place(output: Path, populate: Callable[[Path], dict]) -> None:
-    tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.tmp-", dir=output.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.llmc-tmp-", dir=output.parent))
     old = None
     try:
         fields = populate(tmp)
@@ -193,7 +193,7 @@ def _write_into_place(output: Path, populate: Callable[[Path], dict]) -> None:
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=False) + "\n")
         os.chmod(tmp, 0o755)  # mkdtemp makes it 0700
         if output.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{output.name}.old-", dir=output.parent))
+            old = Path(tempfile.mkdtemp(prefix=f".{output.name}.llmc-old-", dir=output.parent))
             old.rmdir()
             os.rename(output, old)
         try:
@@ -216,7 +216,7 @@ def _is_empty_dir(p: Path) -> bool:
 
 @contextlib.contextmanager
 def _output_lock(output: Path) -> Iterator[None]:
-    lock = output.parent / f".{output.name}.lock"
+    lock = _lock_path(output.parent, output.name)
     fd = _try_lock(lock)
     if fd is None:
         try:
@@ -230,6 +230,10 @@ def _output_lock(output: Path) -> Iterator[None]:
         yield
     finally:
         _unlock(lock, fd)
+
+
+def _lock_path(parent: Path, name: str) -> Path:
+    return parent / f".{name}.llmc-lock"
 
 
 def _try_lock(lock: Path) -> int | None:
@@ -264,20 +268,20 @@ def _remove_stale_leftovers(parent: Path, held: str) -> None:
     """Remove what killed writers left in `parent`: temporary dirs, and renamed-away artifacts (put back under
     their name when nothing replaced them). A leftover is stale when the lock of its output name is free;
     `held` is the name whose lock this process holds."""
-    leftovers: dict[str, list[Path]] = {}
+    leftovers: dict[str, list[tuple[str, Path]]] = {}
     with os.scandir(parent) as entries:
         for entry in entries:
             match = _LEFTOVER.fullmatch(entry.name)
             if match and entry.is_dir(follow_symlinks=False):
-                leftovers.setdefault(match["name"], []).append(Path(entry.path))
+                leftovers.setdefault(match["name"], []).append((match["kind"], Path(entry.path)))
     for name, dirs in leftovers.items():
-        lock = parent / f".{name}.lock"
+        lock = _lock_path(parent, name)
         fd = None if name == held else _try_lock(lock)
         if fd is None and name != held:
             continue  # a live writer's
         try:
-            for d in sorted(dirs, key=lambda d: d.stat().st_mtime, reverse=True):
-                if ".old-" in d.name[len(name) + 1 :] and not (parent / name).exists():
+            for kind, d in sorted(dirs, key=lambda kd: kd[1].stat().st_mtime, reverse=True):
+                if kind == "old" and not (parent / name).exists():
                     os.rename(d, parent / name)
                 else:
                     shutil.rmtree(d, ignore_errors=True)

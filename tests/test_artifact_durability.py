@@ -103,7 +103,7 @@ def test_kill_at_every_compile_stage(checkpoint_dir, tmp_path):
         assert r["signal"] == signal.SIGKILL, f"compile was not killed at {r['stage']}"
         assert "m.cpu" not in r["left"], f"killed at {r['stage']}, a partial artifact is at the output"
         # what this kill left (its lock and temporary dir); the earlier kills' leftovers were cleaned up
-        assert [n.split("-")[0] for n in r["left"]] in ([".m.cpu.lock"], [".m.cpu.lock", ".m.cpu.tmp"]), r
+        assert [n[:16] for n in r["left"]] in ([".m.cpu.llmc-lock"], [".m.cpu.llmc-lock", ".m.cpu.llmc-tmp-"]), r
     compile_checkpoint(checkpoint_dir("llama"), target="cpu", output=out)
     assert os.listdir(out.parent) == ["m.cpu"], "the re-run cleans up every leftover, its own lock included"
     art.load_artifact(out)
@@ -155,24 +155,26 @@ def test_two_compiles_into_one_output(checkpoint_dir, tmp_path):
 
 def test_second_writer_fails_before_populating(compiled, tmp_path):
     out = tmp_path / "m.cpu"
-    fd = art._try_lock(tmp_path / ".m.cpu.lock")  # a live writer
+    fd = art._try_lock(art._lock_path(tmp_path, "m.cpu"))  # a live writer
     try:
         with pytest.raises(ArtifactError, match="another llmc compile.* is writing it"):
             art.write_artifact(out, lambda tmp: pytest.fail("populate ran without the lock"))
     finally:
-        art._unlock(tmp_path / ".m.cpu.lock", fd)
+        art._unlock(art._lock_path(tmp_path, "m.cpu"), fd)
     assert os.listdir(tmp_path) == []
 
 
 def test_leftovers_of_a_live_writer_are_kept(compiled, tmp_path):
-    (tmp_path / ".a.cpu.tmp-abcd1234").mkdir()  # a's writer is alive: it holds a's lock
-    (tmp_path / ".b.cpu.tmp-abcd1234").mkdir()  # b's was killed: nobody holds b's lock
-    fd = art._try_lock(tmp_path / ".a.cpu.lock")
+    (tmp_path / ".a.cpu.llmc-tmp-abcd1234").mkdir()  # a's writer is alive: it holds a's lock
+    (tmp_path / ".b.cpu.llmc-tmp-abcd1234").mkdir()  # b's was killed: nobody holds b's lock
+    (tmp_path / ".c.tmp-abcd1234").mkdir()  # not llmc's
+    fd = art._try_lock(art._lock_path(tmp_path, "a.cpu"))
     try:
         _python(KILL_IN_WRITE, "none", compiled, tmp_path / "c.cpu").check_returncode()
-        assert sorted(os.listdir(tmp_path)) == [".a.cpu.lock", ".a.cpu.tmp-abcd1234", "c.cpu"]
+        assert sorted(os.listdir(tmp_path)) == [".a.cpu.llmc-lock", ".a.cpu.llmc-tmp-abcd1234", ".c.tmp-abcd1234",
+                                                "c.cpu"]  # fmt: skip
     finally:
-        art._unlock(tmp_path / ".a.cpu.lock", fd)
+        art._unlock(art._lock_path(tmp_path, "a.cpu"), fd)
 
 
 def _copy_populate(src: Path, fail_after: str | None = None):
