@@ -55,7 +55,7 @@ from llmc.targets import KINDS, SOURCE_FILE, load_target
 
 MAGIC = "llmc-artifact"
 FORMAT_VERSION = 2  # 2: the target's kind, block_size and manifest_sha256 are required
-ABI_VERSION = 1  # docs/contracts.md LLMC_ABI_VERSION
+ABI_VERSION = 2  # docs/contracts.md LLMC_ABI_VERSION
 
 MANIFEST = "manifest.json"
 MANIFEST_DIGESTS = "manifest_sha256"
@@ -165,7 +165,10 @@ def write_artifact(output: str | Path, populate: Callable[[Path], dict]) -> Path
     the same output gets an ArtifactError before it starts any work.
     """
     output = Path(output).absolute()
-    output.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        output.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ArtifactError(f"{output}: cannot create its directory ({e.strerror})", "choose another output path") from None
     with _output_lock(output):
         _remove_stale_leftovers(output.parent, held=output.name)
         if output.exists() and not (output / MANIFEST).is_file() and not _is_empty_dir(output):
@@ -178,7 +181,8 @@ def write_artifact(output: str | Path, populate: Callable[[Path], dict]) -> Path
             if e.errno not in (errno.ENOSPC, errno.EDQUOT):
                 raise
             raise ArtifactError(f"{output}: the disk is full (no space left on the device of {output.parent}); "
-                                "nothing was written", "free space there, or choose another output path") from None  # fmt: skip
+                                "nothing was written", "free space there, or choose another output path"
+                                ) from None  # fmt: skip
     return output
 
 
@@ -217,7 +221,11 @@ def _is_empty_dir(p: Path) -> bool:
 @contextlib.contextmanager
 def _output_lock(output: Path) -> Iterator[None]:
     lock = _lock_path(output.parent, output.name)
-    fd = _try_lock(lock)
+    try:
+        fd = _try_lock(lock)
+    except OSError as e:
+        raise ArtifactError(f"{output}: cannot write in {output.parent} ({e.strerror})",
+                            "choose another output path, or make that directory writable") from None  # fmt: skip
     if fd is None:
         try:
             holder = f" (pid {int(lock.read_text())})"

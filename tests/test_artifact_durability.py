@@ -164,6 +164,22 @@ def test_second_writer_fails_before_populating(compiled, tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+def test_unwritable_output_directory_is_one_error(tmp_path):
+    (tmp_path / "file").write_text("not a directory")
+    with pytest.raises(ArtifactError, match="cannot create its directory"):
+        art.write_artifact(tmp_path / "file" / "m.cpu", lambda tmp: pytest.fail("populate ran"))
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    subprocess.run(["mount", "--bind", "-o", "ro", str(ro), str(ro)], check=False, capture_output=True)
+    if os.access(ro, os.W_OK) and not os.statvfs(ro).f_flag & os.ST_RDONLY:
+        return  # neither a read-only mount nor a permission denied here (root)
+    try:
+        with pytest.raises(ArtifactError, match=rf"cannot write in {ro}"):
+            art.write_artifact(ro / "m.cpu", lambda tmp: pytest.fail("populate ran"))
+    finally:
+        subprocess.run(["umount", str(ro)], check=False, capture_output=True)
+
+
 def test_leftovers_of_a_live_writer_are_kept(compiled, tmp_path):
     (tmp_path / ".a.cpu.llmc-tmp-abcd1234").mkdir()  # a's writer is alive: it holds a's lock
     (tmp_path / ".b.cpu.llmc-tmp-abcd1234").mkdir()  # b's was killed: nobody holds b's lock
