@@ -84,11 +84,18 @@ class EngineStats:
     num_blocks: int
     num_free_blocks: int
     num_preemptions: int  # since the engine was created
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache, since the engine was created
+    prefix_cache_hits: int = 0  # of those, tokens found cached (not computed)
 
     @property
     def kv_cache_usage(self) -> float:
         """Fraction of KV blocks in use, 0..1."""
         return 1.0 - self.num_free_blocks / self.num_blocks
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        """Fraction of looked-up prompt tokens found in the prefix cache, 0..1 (0 before any lookup)."""
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
 
 
 @dataclasses.dataclass(eq=False)
@@ -115,11 +122,14 @@ class LLMEngine:
         max_num_seqs: int | None = None,
         max_model_len: int | None = None,
         seed: int | None = None,
+        enable_prefix_caching: bool = True,
     ):
         """model: the CompiledModel interface; tokenizer: a `tokenizers.Tokenizer`, or None for token ids only.
 
         max_num_batched_tokens / max_num_seqs default to (and are capped by) what the model was created for;
-        max_model_len defaults to the model's context (max_context).
+        max_model_len defaults to the model's context (max_context). enable_prefix_caching: a request reuses
+        the k/v of the longest cached run of full blocks its tokens start with (kv_cache.py), and computes
+        only the rest.
         """
         self.model = model
         self.tokenizer = tokenizer
@@ -129,7 +139,8 @@ class LLMEngine:
         bos = getattr(config, "bos_token_id", None)
         self.bos_token_id = None if bos is None else int(bos)
         self.context_len = int(config.max_context)
-        self.kv_cache = KVCacheManager(model.num_blocks, model.block_size, sliding_window=int(config.kv_window))
+        self.kv_cache = KVCacheManager(model.num_blocks, model.block_size, sliding_window=int(config.kv_window),
+                                       enable_prefix_caching=enable_prefix_caching)  # fmt: skip
         self.scheduler = Scheduler(
             self.kv_cache,
             max_num_batched_tokens=min(max_num_batched_tokens or model.max_num_tokens, model.max_num_tokens),
@@ -244,7 +255,9 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         sched, cache = self.scheduler, self.kv_cache
         return EngineStats(num_running=sched.num_running, num_waiting=sched.num_waiting, num_blocks=cache.num_blocks,
-                           num_free_blocks=cache.num_free_blocks, num_preemptions=sched.num_preemptions)  # fmt: skip
+                           num_free_blocks=cache.num_free_blocks, num_preemptions=sched.num_preemptions,
+                           prefix_cache_queries=sched.prefix_cache_queries,
+                           prefix_cache_hits=sched.prefix_cache_hits)  # fmt: skip
 
     def _new_id(self) -> str:
         while (req_id := f"req-{next(self._ids)}") in self._seq_ids:
@@ -273,6 +286,7 @@ class LLMEngine:
         except Exception as e:  # the step's requests cannot go on; the others (waiting) can
             failed = {self._seqs[s.req_id].req_id: self._seqs[s.req_id] for s in sched.scheduled}
             return [self._fail(seq, e) for seq in failed.values()]
+        self.scheduler.cache_computed_blocks(sched)  # before sampling finishes (and frees) any of them
         outputs = []
         for row, scheduled in enumerate(sched.scheduled):
             seq = self._seqs.get(scheduled.req_id)  # None: a sibling sequence failed earlier in this loop

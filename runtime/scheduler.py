@@ -16,8 +16,11 @@ Each `schedule()` hands out a budget of `max_num_batched_tokens` tokens:
      the allocation succeeds or the request preempted is the one being scheduled.
   2. Then, if nothing was preempted this step, waiting requests in FIFO order are admitted while budget,
      `max_num_seqs` and cache blocks allow. Admission stops at the first that does not fit (no skipping
-     ahead, so a long request is not starved by short ones).
-  3. num_computed_tokens of every scheduled request advances now; the step runs; the engine appends the
+     ahead, so a long request is not starved by short ones). With prefix caching, an admitted request
+     first takes the longest cached run of full blocks that starts its tokens (`get_computed_blocks`):
+     those tokens count as computed, and only the rest is scheduled (and budgeted).
+  3. num_computed_tokens of every scheduled request advances now; the step runs; once it succeeded the
+     engine calls `cache_computed_blocks`, so the full blocks it wrote become findable, then appends the
      sampled tokens (`append_token`) and finishes requests (`finish_request`), which frees their blocks.
 
 Admission, budget, preemption and output building are separate helpers (`_admit_waiting`,
@@ -108,6 +111,9 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order: oldest first, newest (first to preempt) last
         self.num_preemptions = 0  # since creation, for stats and tests
+        # prefix cache, in tokens, over admissions (a preempted request is looked up again when readmitted)
+        self.prefix_cache_queries = 0  # tokens looked up
+        self.prefix_cache_hits = 0  # of those, tokens found cached
 
     # -- the request set ------------------------------------------------------------------------------
 
@@ -182,9 +188,14 @@ class Scheduler:
     def _admit_waiting(self, budget: int, out: SchedulerOutput) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
+            computed_blocks = self.kv_cache.get_computed_blocks(request.all_token_ids)
+            request.num_computed_tokens = len(computed_blocks) * self.kv_cache.block_size
             num_new = self._num_new_tokens(request, budget)
-            if not self.kv_cache.allocate_slots(request.req_id, num_new):
+            if not self.kv_cache.allocate_slots(request.req_id, num_new, computed_blocks):
+                request.num_computed_tokens = 0
                 break  # FIFO: wait for blocks rather than let a later request jump ahead
+            self.prefix_cache_queries += request.num_tokens
+            self.prefix_cache_hits += request.num_computed_tokens
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
@@ -200,7 +211,10 @@ class Scheduler:
         return min(missing, budget)
 
     def _preempt_newest(self) -> Request:
-        """Preemption by recompute: the newest running request loses its blocks and waits at the front."""
+        """Preemption by recompute: the newest running request loses its blocks and waits at the front.
+
+        Its cached blocks stay cached while free, so when readmitted it may find its own prefix again.
+        """
         victim = self.running.pop()
         self.kv_cache.free(victim.req_id)
         victim.num_computed_tokens = 0  # its generated tokens stay in all_token_ids and are recomputed
@@ -209,6 +223,13 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(victim)
         return victim
+
+    def cache_computed_blocks(self, out: SchedulerOutput) -> None:
+        """The step of `out` has run: make the full blocks it computed findable by later requests."""
+        for scheduled in out.scheduled:
+            request = self.requests.get(scheduled.req_id)
+            if request is not None and request.status is RequestStatus.RUNNING:
+                self.kv_cache.cache_blocks(request.req_id, request.all_token_ids, request.num_computed_tokens)
 
     def _schedule_request(self, request: Request, num_new: int, out: SchedulerOutput) -> None:
         """Output building: record the request's chunk and advance its computed tokens."""
