@@ -8,7 +8,10 @@ the next is added before the next step (a closed loop). A token's arrival time i
 that produced it.
 
 Per level: TTFT (arrival -> first token) and TPOT ((last token - first token) / (output_len - 1)), p50 and
-p99 over the requests; request throughput and output tokens/s over the level's wall time.
+p99 over the requests; request throughput and output tokens/s over the level's wall time; and the prefix
+cache's hit rate (prompt tokens found cached / prompt tokens looked up). With `shared_prefix` N, every prompt
+starts with the same N tokens (a system prompt, say), so with prefix caching on all but the first requests of
+a level find them cached.
 
 Roofline: decoding is memory-bound. Every step reads all the weights once, whatever the batch size, so a
 sequence can never decode faster than memory_bandwidth / weight_bytes tokens/s. The bandwidth is measured
@@ -31,10 +34,16 @@ from llmc.runtime.engine import LLMEngine
 from llmc.runtime.sampling import SamplingParams
 
 
-def make_workload(num_requests: int, prompt_len: int, vocab_size: int, seed: int) -> list[list[int]]:
-    """The synthetic prompts: `num_requests` lists of `prompt_len` token ids, a pure function of its arguments."""
+def make_workload(num_requests: int, prompt_len: int, vocab_size: int, seed: int,
+                  shared_prefix: int = 0) -> list[list[int]]:  # fmt: skip
+    """The synthetic prompts: `num_requests` lists of `prompt_len` token ids, a pure function of its arguments.
+
+    The first `shared_prefix` tokens of every prompt are the same.
+    """
     rng = np.random.default_rng(seed)
-    return rng.integers(0, vocab_size, size=(num_requests, prompt_len)).tolist()
+    prompts = rng.integers(0, vocab_size, size=(num_requests, prompt_len))
+    prompts[:, :shared_prefix] = prompts[0, :shared_prefix]
+    return prompts.tolist()
 
 
 def measure_memory_bandwidth(nbytes: int = 256 * 2**20, repeats: int = 5) -> float:
@@ -88,6 +97,7 @@ def _run_level(engine: LLMEngine, prompts: list[list[int]], output_len: int, con
     ttft = [(t[0] - a) * 1e3 for t, a in zip(token_times, added, strict=True)]
     tpot = [(t[-1] - t[0]) * 1e3 / (len(t) - 1) for t in token_times if len(t) > 1]
     (ttft50, ttft99), (tpot50, tpot99) = _percentiles(ttft), _percentiles(tpot)
+    stats = engine.stats()
     return {
         "concurrency": concurrency,
         "num_requests": len(prompts),
@@ -98,6 +108,9 @@ def _run_level(engine: LLMEngine, prompts: list[list[int]], output_len: int, con
         "tpot_p99_ms": tpot99,
         "request_throughput": len(prompts) / duration,
         "output_tokens_per_s": len(prompts) * output_len / duration,
+        "prefix_cache_queries": stats.prefix_cache_queries,
+        "prefix_cache_hits": stats.prefix_cache_hits,
+        "prefix_cache_hit_rate": stats.prefix_cache_hit_rate,
     }
 
 
@@ -109,6 +122,7 @@ def run_bench(
     prompt_len: int = 128,
     output_len: int = 128,
     seed: int = 0,
+    shared_prefix: int = 0,
     weight_bytes: int | None = None,
     memory_bandwidth: float | None = None,
     progress: bool = True,
@@ -116,12 +130,16 @@ def run_bench(
     """Run the workload at each concurrency level; returns a JSON-ready dict (see format_bench_table).
 
     engine_factory: makes a fresh LLMEngine over the model (called once for a warm-up and once per level),
-    e.g. `lambda: LLMEngine(model)`. num_requests: per level; default max(4, 2 * concurrency).
+    e.g. `lambda: LLMEngine(model)`. num_requests: per level; default max(4, 2 * concurrency). shared_prefix:
+    how many leading tokens all prompts share (at most prompt_len).
     weight_bytes: bytes of weights one decode step reads (default: the model's `weight_bytes`, if it has
     one); with it the result has a roofline. memory_bandwidth: bytes/s; default measured here.
     """
     if prompt_len < 1 or output_len < 1 or any(c < 1 for c in concurrency):
         raise LlmcError("bench needs prompt_len, output_len and every concurrency level >= 1")
+    if not 0 <= shared_prefix <= prompt_len:
+        raise LlmcError(f"the shared prefix ({shared_prefix} tokens) must be within the prompt ({prompt_len} tokens)",
+                        "choose a shared prefix between 0 and the prompt length")  # fmt: skip
     engine = engine_factory()
     if prompt_len + output_len > engine.max_model_len:
         raise LlmcError(
@@ -139,7 +157,7 @@ def run_bench(
         for c in concurrency:
             bar.set_postfix(concurrency=c)
             engine = engine_factory()
-            prompts = make_workload(counts[c], prompt_len, engine.vocab_size, seed + c)
+            prompts = make_workload(counts[c], prompt_len, engine.vocab_size, seed + c, shared_prefix)
             levels.append(_run_level(engine, prompts, output_len, c, bar))
             levels[-1]["max_num_seqs"] = engine.scheduler.max_num_seqs
 
@@ -160,11 +178,13 @@ def run_bench(
             tpot = level["tpot_p50_ms"]
             level["roofline_fraction"] = roofline["tpot_ms"] / tpot if tpot else None
 
+    queries = sum(level["prefix_cache_queries"] for level in levels)
     return {
-        "workload": {"prompt_len": prompt_len, "output_len": output_len, "seed": seed,
+        "workload": {"prompt_len": prompt_len, "output_len": output_len, "seed": seed, "shared_prefix": shared_prefix,
                      "sampling": "greedy, ignore_eos"},  # fmt: skip
         "levels": levels,
         "roofline": roofline,
+        "prefix_cache_hit_rate": sum(level["prefix_cache_hits"] for level in levels) / queries if queries else 0.0,
     }
 
 
@@ -177,6 +197,7 @@ _COLUMNS = [  # header, key, format
     ("TPOT p99 ms", "tpot_p99_ms", "{:.2f}"),
     ("req/s", "request_throughput", "{:.2f}"),
     ("output tok/s", "output_tokens_per_s", "{:.1f}"),
+    ("prefix hit", "prefix_cache_hit_rate", "{:.1%}"),
     ("% of roofline", "roofline_fraction", "{:.1%}"),
 ]
 
@@ -184,8 +205,9 @@ _COLUMNS = [  # header, key, format
 def format_bench_table(result: dict) -> str:
     """The result as a plain-text table, with the workload above it and the roofline below."""
     w = result["workload"]
-    lines = [f"workload: prompt {w['prompt_len']} tokens, output {w['output_len']} tokens ({w['sampling']}), "
-             f"seed {w['seed']}"]  # fmt: skip
+    shared = f" (the first {w['shared_prefix']} shared)" if w.get("shared_prefix") else ""
+    lines = [f"workload: prompt {w['prompt_len']} tokens{shared}, output {w['output_len']} tokens "
+             f"({w['sampling']}), seed {w['seed']}"]  # fmt: skip
     cells = [[h for h, _, _ in _COLUMNS]]
     for level in result["levels"]:
         row = []
@@ -205,4 +227,6 @@ def format_bench_table(result: dict) -> str:
             f"{roof['tpot_ms']:.2f} ms); % of roofline = roofline TPOT / TPOT p50")  # fmt: skip
     else:
         lines.append("roofline: not computed (the weight bytes per decode step are unknown)")
+    if "prefix_cache_hit_rate" in result:
+        lines.append(f"prefix cache hit rate: {result['prefix_cache_hit_rate']:.1%} of prompt tokens, all levels")
     return "\n".join(lines)

@@ -15,7 +15,9 @@ their counts apart. Series (label `model_name` on each):
 - gauges, read from the engine at each scrape: llmc:num_requests_running, llmc:num_requests_waiting (sequences,
   as the scheduler counts them), llmc:kv_cache_usage_perc (a fraction, 0..1, as vLLM's), and, with no vLLM
   counterpart, llmc:kv_cache_free_blocks and llmc:kv_cache_blocks (an idle engine must have all blocks free).
-Not exported because llmc has no such thing yet: prefix-cache hit rate, speculative decoding acceptance.
+- counters read from the engine: llmc:prefix_cache_queries_total and llmc:prefix_cache_hits_total, in tokens
+  (prompt tokens looked up, and of those found cached), as vLLM's: the hit rate is hits / queries.
+Not exported because llmc has no such thing yet: speculative decoding acceptance.
 """
 
 from __future__ import annotations
@@ -61,6 +63,13 @@ class _EngineCollector(Collector):
                                           labels=["model_name"])  # fmt: skip
         preemptions.add_metric([self.model_name], s.num_preemptions)
         yield preemptions
+        for name, doc, value in [
+            ("llmc:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.prefix_cache_queries),
+            ("llmc:prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits),
+        ]:
+            family = CounterMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric([self.model_name], value)
+            yield family
 
 
 class ServerMetrics:

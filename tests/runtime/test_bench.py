@@ -10,7 +10,7 @@ from llmc.runtime.bench import format_bench_table, make_workload, measure_memory
 from llmc.runtime.engine import LLMEngine
 
 COLUMNS = ["concurrency", "requests", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms", "TPOT p99 ms", "req/s",
-           "output tok/s", "% of roofline"]  # fmt: skip
+           "output tok/s", "prefix hit", "% of roofline"]  # fmt: skip
 
 
 class CountingModel(FakeModel):
@@ -59,7 +59,7 @@ def test_bench_levels_numbers_and_table(capsys):
     for col in COLUMNS:
         assert col in header
     rows = [line.split() for line in lines if line.strip()[:1].isdigit()]
-    assert [r[0] for r in rows] == ["1", "3"] and all(len(r) == 9 and r[-1].endswith("%") for r in rows)
+    assert [r[0] for r in rows] == ["1", "3"] and all(len(r) == 10 and r[-1].endswith("%") for r in rows)
     assert "roofline:" in table and "GB/s" in table and "prompt 12 tokens, output 6 tokens" in table
 
 
@@ -78,3 +78,28 @@ def test_bench_without_roofline_and_workload_is_fixed():
 
     with pytest.raises(LlmcError, match="max_model_len"):
         run_bench(lambda: LLMEngine(FakeModel()), prompt_len=500, output_len=100, progress=False)
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_bench_shared_prefix_is_computed_once_per_level_with_prefix_caching(caching):
+    models = []
+
+    def factory():
+        models.append(CountingModel(num_blocks=64, block_size=8, max_num_tokens=64, max_num_seqs=4))
+        return LLMEngine(models[-1], enable_prefix_caching=caching)
+
+    result = run_bench(factory, concurrency=(1,), num_requests=4, prompt_len=20, output_len=3, shared_prefix=16,
+                       progress=False)  # fmt: skip
+    json.dumps(result)
+    prompts = make_workload(4, 20, 64, 1, shared_prefix=16)
+    assert all(p[:16] == prompts[0][:16] for p in prompts) and len({tuple(p[16:]) for p in prompts}) == 4
+    level = result["levels"][0]
+    # one request at a time: the first computes the 2 shared blocks, the 3 others find them (16 of 20 tokens)
+    hits = 3 * 16 if caching else 0
+    assert (level["prefix_cache_queries"], level["prefix_cache_hits"]) == (4 * 20, hits)
+    assert result["prefix_cache_hit_rate"] == level["prefix_cache_hit_rate"] == hits / 80
+    assert models[1].tokens_seen == 4 * (20 + 3 - 1) - hits
+    assert f"prefix cache hit rate: {hits / 80:.1%}" in format_bench_table(result)
+    assert "(the first 16 shared)" in format_bench_table(result)
+    with pytest.raises(LlmcError, match="shared prefix"):
+        run_bench(factory, prompt_len=4, output_len=1, shared_prefix=5, progress=False)
