@@ -49,7 +49,7 @@ def test_write_and_load(tmp_path, config):
     out = art.write_artifact(tmp_path / "a.cpu", _populate(config))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.cpu"], "no temporary dir may stay behind"
     m = json.loads((out / "manifest.json").read_text())
-    assert m["magic"] == "llmc-artifact" and m["format_version"] == art.FORMAT_VERSION and m["abi_version"] == 1
+    assert m["magic"] == "llmc-artifact" and m["format_version"] == art.FORMAT_VERSION and m["abi_version"] == art.ABI_VERSION
     assert m["compiler_version"] == __version__ and m["quantization"] == "none"
     assert m["target"]["name"] == "cpu" and m["target"]["cflags"] == ["-O3"] and m["target"]["kind"] == "cpu"
     assert m["target"]["isa"] == host_cpu_isa(), "a cpu target records this host's ISA"
