@@ -1,0 +1,412 @@
+#!/usr/bin/env python
+"""Load test of `llmc serve`: concurrent clients against the bundled model, with cancellations and requests
+past the limits, on a KV cache small enough to force preemption.
+
+    python benchmarks/load_test.py [--duration 60] [--concurrency 64] [--kv-blocks 40] [--json]
+
+The bundled checkpoint (examples/) is compiled for this CPU through llmc's compile cache, then served by
+`llmc serve` in a subprocess on 127.0.0.1 (a free port), with an API key given through $LLMC_API_KEY, a
+64 KiB body limit, and a KV cache of --kv-blocks blocks. Every client (httpx.AsyncClient, loopback only)
+loops until the deadline, each request picked at random (seeded):
+  valid      completions and chat, streaming or not, n = 1 or 2, ignore_eos with max_tokens in [4, 48], so
+             each choice must end with finish_reason "length" after exactly max_tokens tokens: a token lost
+             or repeated across a preemption shows up as a wrong count. A stream must end with its usage
+             chunk and [DONE], and carry no error event.
+  cancelled  a stream closed after its first chunk, or a non-streaming request given up after 50 ms.
+  limits     prompt + max_tokens past the context (400), n past the server's limit (400), a body past the
+             limit (413), a wrong API key (401): each must get exactly that status.
+The first --warmup seconds run the same load uncounted, then the server's RSS is read (start); after the
+deadline every request is awaited, the engine must drain (no request running or waiting, every KV block
+free: read from /metrics), RSS is read again (end), /health must answer 200, and SIGTERM must end the
+server with exit code 0.
+
+Reported: throughput (valid requests/s, generated tokens/s), p50 / p99 of TTFT (stream start to its first
+chunk) and TPOT ((last chunk - first chunk) / (tokens - 1), per stream), failures (valid requests that did
+not get a right answer, limits not enforced), preemptions and RSS at the start and the end. Goals: no
+failure, every KV block free at the end, RSS growth under 5%. tests/test_load.py runs it for 10 s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import json
+import os
+import random
+import secrets
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+PROMPTS = ["The list type", "Lists may be constructed", "A dictionary maps", "for x in range(3):",
+           "Strings are immutable", "The with statement", "import sys", "def main():", "class Node:",
+           "Exceptions are raised"]  # fmt: skip
+MAX_BODY = 64 << 10
+MAX_N = 4
+STARTUP_TIMEOUT_S = 180.0  # includes compiling nothing (the artifact is compiled first) and loading the model
+DRAIN_TIMEOUT_S = 30.0
+KINDS = {  # kind -> weight
+    "completion": 20, "completion_stream": 20, "chat": 12, "chat_stream": 12,
+    "cancel_stream": 6, "cancel_wait": 4,
+    "too_long": 3, "too_many_n": 3, "too_large": 2, "bad_key": 3,
+}  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadConfig:
+    duration_s: float = 60.0
+    warmup_s: float = 3.0
+    concurrency: int = 64
+    kv_blocks: int = 40  # 640 tokens: more than one full context (512), far less than 64 clients need
+    max_num_seqs: int = 64
+    seed: int = 0
+    request_timeout_s: float = 120.0
+    max_requests_per_client: int = 100_000  # a bound besides the deadline
+
+
+@dataclasses.dataclass
+class Tally:
+    valid_ok: int = 0
+    failures: list[str] = dataclasses.field(default_factory=list)  # valid requests without a right answer
+    limits_enforced: int = 0
+    limits_not_enforced: list[str] = dataclasses.field(default_factory=list)
+    cancelled: int = 0
+    generated_tokens: int = 0
+    ttft: list[float] = dataclasses.field(default_factory=list)
+    tpot: list[float] = dataclasses.field(default_factory=list)
+
+
+# -- the server ---------------------------------------------------------------------------------------------
+
+
+def bundled_artifact() -> Path:
+    from llmc.cli import bundled_checkpoint
+    from llmc.compiler.cache import cached_artifact
+
+    return cached_artifact(bundled_checkpoint())
+
+
+def kv_cache_bytes(artifact: Path, num_blocks: int) -> int:
+    from llmc.artifact import load_artifact
+    from llmc.runtime.kv_cache import kv_bytes_per_block
+
+    a = load_artifact(artifact)
+    c = a.config
+    return num_blocks * kv_bytes_per_block(c.num_layers, c.num_kv_heads, c.head_dim, a.block_size, 4)  # fp32 on CPU
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """`llmc serve` in a subprocess on a loopback port; its output goes to `log`."""
+
+    def __init__(self, artifact: Path, cfg: LoadConfig, log: Path):
+        self.port, self.log, self.api_key = free_port(), log, secrets.token_hex(16)
+        self.base = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "llmc.cli", "serve", str(artifact), "--host", "127.0.0.1", "--port",
+               str(self.port), "--kv-cache-memory", str(kv_cache_bytes(artifact, cfg.kv_blocks)), "--max-num-seqs",
+               str(cfg.max_num_seqs), "--max-body-size", str(MAX_BODY), "--max-n", str(MAX_N)]  # fmt: skip
+        env = {**os.environ, "LLMC_API_KEY": self.api_key, "PYTHONUNBUFFERED": "1"}
+        with open(log, "wb") as out:
+            self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env)
+
+    def log_tail(self, n: int = 4000) -> str:
+        return self.log.read_text(errors="replace")[-n:]
+
+    def wait_up(self) -> None:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"llmc serve exited with {self.proc.returncode}:\n{self.log_tail()}")
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(f"{self.base}/health", timeout=2).status_code == 200:
+                    return
+            time.sleep(0.2)
+        raise RuntimeError(f"llmc serve did not answer /health in {STARTUP_TIMEOUT_S:.0f} s:\n{self.log_tail()}")
+
+    def rss_bytes(self) -> int:
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+        raise RuntimeError("no VmRSS in /proc/<pid>/status")
+
+    def metrics(self) -> dict[str, float]:
+        """{sample name: value}, labels dropped except finished_reason (every series here has one model)."""
+        text = httpx.get(f"{self.base}/metrics", timeout=10).text
+        out = {}
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                reason = s.labels.get("finished_reason")
+                out[s.name if reason is None else f"{s.name}{{{reason}}}"] = s.value
+        return out
+
+    def stop(self) -> int:
+        """SIGTERM, then SIGKILL after 30 s; the exit code (negative: killed by that signal)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=30)
+        return self.proc.returncode
+
+
+# -- the clients --------------------------------------------------------------------------------------------
+
+
+def _generation_body(rng: random.Random, chat: bool, stream: bool) -> tuple[dict, int, int]:
+    """(body, n, max_tokens) of a valid request that must end with exactly max_tokens tokens per choice."""
+    n, max_tokens = rng.choice((1, 1, 1, 2)), rng.randint(4, 48)
+    body = {"max_tokens": max_tokens, "n": n, "ignore_eos": True, "temperature": 0.8, "seed": rng.randrange(1 << 30),
+            "stream": stream}  # fmt: skip
+    prompt = rng.choice(PROMPTS)
+    body.update({"messages": [{"role": "user", "content": prompt}]} if chat else {"prompt": prompt})
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    return body, n, max_tokens
+
+
+async def _valid(http: httpx.AsyncClient, rng: random.Random, tally: Tally, chat: bool, stream: bool) -> None:
+    body, n, max_tokens = _generation_body(rng, chat, stream)
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    what = f"{path} stream={stream} n={n} max_tokens={max_tokens}"
+    start = time.perf_counter()
+    try:
+        if stream:
+            error = await _check_stream(http, path, body, n, max_tokens, start, tally)
+        else:
+            r = await http.post(path, json=body)
+            error = _check_response(r, n, max_tokens)
+    except httpx.HTTPError as e:
+        error = f"{type(e).__name__}: {e}"
+    if error is None:
+        tally.valid_ok += 1
+        tally.generated_tokens += n * max_tokens
+    else:
+        tally.failures.append(f"{what}: {error}")
+
+
+def _check_response(r: httpx.Response, n: int, max_tokens: int) -> str | None:
+    if r.status_code != 200:
+        return f"status {r.status_code}: {r.text[:200]}"
+    out = r.json()
+    reasons = sorted((c["index"], c["finish_reason"]) for c in out["choices"])
+    if reasons != [(i, "length") for i in range(n)]:
+        return f"choices ended {reasons}"
+    if out["usage"]["completion_tokens"] != n * max_tokens:
+        return f"{out['usage']['completion_tokens']} tokens, not {n * max_tokens}"
+    return None
+
+
+async def _check_stream(http, path, body, n, max_tokens, start, tally: Tally) -> str | None:
+    first = last = None
+    finished, usage, done = {}, None, False
+    async with http.stream("POST", path, json=body) as r:
+        if r.status_code != 200:
+            return f"status {r.status_code}: {(await r.aread())[:200]!r}"
+        async for line in r.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            if done:
+                return "data after [DONE]"
+            if line == "data: [DONE]":
+                done = True
+                continue
+            chunk = json.loads(line[len("data: "):])
+            if "error" in chunk:
+                return f"error event: {chunk['error']}"
+            now = time.perf_counter()
+            first = now if first is None else first
+            if chunk["choices"]:
+                last = now
+            for c in chunk["choices"]:
+                if c["finish_reason"] is not None:
+                    finished[c["index"]] = c["finish_reason"]
+            usage = chunk.get("usage") or usage
+    if not done:
+        return "the stream ended without [DONE]"
+    if finished != {i: "length" for i in range(n)}:
+        return f"choices ended {finished}"
+    if usage is None or usage["completion_tokens"] != n * max_tokens:
+        return f"usage {usage}, not {n * max_tokens} tokens"
+    tally.ttft.append(first - start)
+    if max_tokens > 1:
+        tally.tpot.append((last - first) / (max_tokens - 1))
+    return None
+
+
+async def _cancel(http: httpx.AsyncClient, rng: random.Random, tally: Tally, stream: bool) -> None:
+    body = {"prompt": rng.choice(PROMPTS), "max_tokens": 200, "ignore_eos": True, "stream": stream}
+    try:
+        if stream:
+            async with http.stream("POST", "/v1/completions", json=body) as r:
+                if r.status_code != 200:
+                    tally.failures.append(f"cancelled stream: status {r.status_code}")
+                    return
+                async for line in r.aiter_lines():
+                    if line.startswith("data: "):
+                        break  # leaving the block closes the connection mid-stream
+        else:
+            with contextlib.suppress(httpx.ReadTimeout):
+                await http.post("/v1/completions", json=body, timeout=httpx.Timeout(30, read=0.05))
+    except httpx.HTTPError as e:
+        tally.failures.append(f"cancelled stream={stream}: {type(e).__name__}: {e}")
+        return
+    tally.cancelled += 1
+
+
+async def _past_limit(http: httpx.AsyncClient, rng: random.Random, tally: Tally, kind: str) -> None:
+    prompt, headers = rng.choice(PROMPTS), None
+    if kind == "too_long":
+        body, want = {"prompt": [100] * 500, "max_tokens": 100}, 400
+    elif kind == "too_many_n":
+        body, want = {"prompt": prompt, "n": MAX_N + 1, "max_tokens": 4}, 400
+    elif kind == "too_large":
+        body, want = {"prompt": prompt, "stop": ["x" * 10] * (MAX_BODY // 10), "max_tokens": 4}, 413
+    else:
+        body, want, headers = {"prompt": prompt, "max_tokens": 4}, 401, {"Authorization": "Bearer wrong"}
+    try:
+        r = await http.post("/v1/completions", json=body, headers=headers)
+        got = r.status_code if r.json().get("error") else f"{r.status_code} without an error body"
+    except (httpx.HTTPError, ValueError) as e:
+        got = f"{type(e).__name__}: {e}"
+    if got == want:
+        tally.limits_enforced += 1
+    else:
+        tally.limits_not_enforced.append(f"{kind}: got {got}, not {want}")
+
+
+async def _client(http: httpx.AsyncClient, rng: random.Random, deadline: float, cfg: LoadConfig, tally: Tally) -> None:
+    kinds, weights = list(KINDS), list(KINDS.values())
+    for _ in range(cfg.max_requests_per_client):
+        if time.monotonic() >= deadline:
+            return
+        kind = rng.choices(kinds, weights)[0]
+        if kind in ("completion", "completion_stream", "chat", "chat_stream"):
+            await _valid(http, rng, tally, chat=kind.startswith("chat"), stream=kind.endswith("stream"))
+        elif kind.startswith("cancel"):
+            await _cancel(http, rng, tally, stream=kind == "cancel_stream")
+        else:
+            await _past_limit(http, rng, tally, kind)
+
+
+async def _drive(server: Server, cfg: LoadConfig, duration_s: float, seed: int) -> Tally:
+    tally = Tally()
+    headers = {"Authorization": f"Bearer {server.api_key}"}
+    limits = httpx.Limits(max_connections=2 * cfg.concurrency, max_keepalive_connections=cfg.concurrency)
+    async with httpx.AsyncClient(base_url=server.base, headers=headers, timeout=cfg.request_timeout_s,
+                                 limits=limits) as http:  # fmt: skip
+        deadline = time.monotonic() + duration_s
+        await asyncio.gather(*(_client(http, random.Random(seed * 1000 + i), deadline, cfg, tally)
+                               for i in range(cfg.concurrency)))  # fmt: skip
+    return tally
+
+
+# -- the run ------------------------------------------------------------------------------------------------
+
+
+def _wait_drained(server: Server) -> dict[str, float]:
+    """/metrics once no request runs or waits and every KV block is free, or after DRAIN_TIMEOUT_S."""
+    deadline = time.monotonic() + DRAIN_TIMEOUT_S
+    while True:
+        m = server.metrics()
+        idle = m["llmc:num_requests_running"] == m["llmc:num_requests_waiting"] == 0
+        if (idle and m["llmc:kv_cache_free_blocks"] == m["llmc:kv_cache_blocks"]) or time.monotonic() > deadline:
+            return m
+        time.sleep(0.1)
+
+
+def _percentiles(values: list[float]) -> dict[str, float | None]:
+    if len(values) < 2:
+        return {"p50": values[0] if values else None, "p99": values[0] if values else None}
+    q = statistics.quantiles(values, n=100, method="inclusive")
+    return {"p50": statistics.median(values), "p99": q[98]}
+
+
+def run_load(cfg: LoadConfig, log_dir: Path) -> dict:
+    """Serve the bundled model, drive it, stop it; the report (see the module docstring)."""
+    artifact = bundled_artifact()
+    server = Server(artifact, cfg, log_dir / "llmc-serve.log")
+    try:
+        server.wait_up()
+        rss_loaded = server.rss_bytes()
+        if cfg.warmup_s > 0:
+            asyncio.run(_drive(server, cfg, cfg.warmup_s, seed=cfg.seed + 1))
+        _wait_drained(server)
+        before = server.metrics()
+        rss_start = server.rss_bytes()
+        t0 = time.perf_counter()
+        tally = asyncio.run(_drive(server, cfg, cfg.duration_s, seed=cfg.seed))
+        elapsed = time.perf_counter() - t0
+        after = _wait_drained(server)
+        rss_end = server.rss_bytes()
+        health = httpx.get(f"{server.base}/health", timeout=10)
+    finally:
+        exit_code = server.stop()
+    return {
+        "duration_s": round(elapsed, 2),
+        "concurrency": cfg.concurrency,
+        "kv_blocks": int(after["llmc:kv_cache_blocks"]),
+        "valid_ok": tally.valid_ok,
+        "valid_failed": len(tally.failures),
+        "failures": tally.failures[:20],
+        "cancelled": tally.cancelled,
+        "limits_enforced": tally.limits_enforced,
+        "limits_not_enforced": tally.limits_not_enforced[:20],
+        "requests_per_s": round(tally.valid_ok / elapsed, 2),
+        "generated_tokens_per_s": round(tally.generated_tokens / elapsed, 1),
+        "ttft_s": _percentiles(tally.ttft),
+        "tpot_s": _percentiles(tally.tpot),
+        "preemptions": int(after["llmc:num_preemptions_total"] - before["llmc:num_preemptions_total"]),
+        "aborted": int(after["llmc:request_success_total{abort}"] - before["llmc:request_success_total{abort}"]),
+        "kv_free_blocks_end": int(after["llmc:kv_cache_free_blocks"]),
+        "running_end": int(after["llmc:num_requests_running"]),
+        "waiting_end": int(after["llmc:num_requests_waiting"]),
+        "rss_mib": {"loaded": round(rss_loaded / 2**20, 1), "start": round(rss_start / 2**20, 1),
+                    "end": round(rss_end / 2**20, 1)},  # fmt: skip
+        "rss_growth_pct": round(100 * (rss_end - rss_start) / rss_start, 2),
+        "health_end": health.status_code,
+        "exit_code": exit_code,
+    }
+
+
+def main() -> int:
+    d = LoadConfig()
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--duration", type=float, default=d.duration_s, help="seconds of measured load")
+    p.add_argument("--warmup", type=float, default=d.warmup_s, help="seconds of uncounted load first")
+    p.add_argument("--concurrency", type=int, default=d.concurrency)
+    p.add_argument("--kv-blocks", type=int, default=d.kv_blocks, help="KV cache blocks of the server")
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--log-dir", type=Path, default=Path("."), help="where the server's log goes")
+    p.add_argument("--json", action="store_true")
+    a = p.parse_args()
+    cfg = LoadConfig(duration_s=a.duration, warmup_s=a.warmup, concurrency=a.concurrency, kv_blocks=a.kv_blocks,
+                     seed=a.seed)  # fmt: skip
+    report = run_load(cfg, a.log_dir)
+    if a.json:
+        print(json.dumps(report, indent=2))
+    else:
+        for key, value in report.items():
+            print(f"{key:24} {value}")
+    ok = not report["failures"] and not report["limits_not_enforced"] and report["exit_code"] == 0 and \
+        report["kv_free_blocks_end"] == report["kv_blocks"] and report["health_end"] == 200
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
