@@ -128,6 +128,11 @@ def _load_model(path: Path, kv_cache_memory: str | None, simulate: bool = False,
     return model, load_tokenizer(model.tokenizer_path)
 
 
+_no_prefix_caching = click.option(
+    "--no-prefix-caching", is_flag=True,
+    help="Compute every prompt in full, instead of reusing the KV blocks of a prompt prefix seen before.")  # fmt: skip
+
+
 # ----------------------------------------------------------------------------------------------------------
 # run
 
@@ -145,8 +150,10 @@ def _load_model(path: Path, kv_cache_memory: str | None, simulate: bool = False,
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (token ids, text, timings).")
 @click.option("--simulate", is_flag=True, help="Run a CUDA-target artifact under the CUDA simulator.")
 @click.option("--kv-cache-memory", default=None, help="KV cache size, e.g. 1GiB (default: 20% of free memory).")
+@_no_prefix_caching
 def run(artifact: Path | None, prompt: str | None, max_tokens: int, temperature: float, top_p: float, top_k: int,
-        seed: int | None, as_json: bool, simulate: bool, kv_cache_memory: str | None) -> None:  # fmt: skip
+        seed: int | None, as_json: bool, simulate: bool, kv_cache_memory: str | None,
+        no_prefix_caching: bool) -> None:  # fmt: skip
     """Generate from ARTIFACT (a compiled artifact or a checkpoint dir; default: the bundled model).
 
     A checkpoint is compiled for this CPU once and cached ($LLMC_CACHE_DIR, else ~/.cache/llmc). With an
@@ -170,7 +177,7 @@ def run(artifact: Path | None, prompt: str | None, max_tokens: int, temperature:
         model, tokenizer = _load_model(path, kv_cache_memory, max_num_seqs=1)
         params = SamplingParams(**{**model.generation_defaults, **given}, seed=seed, max_tokens=max_tokens)
         with model:
-            run_chat(LLMEngine(model, tokenizer), tokenizer, model.chat_template, params,
+            run_chat(LLMEngine(model, tokenizer, enable_prefix_caching=not no_prefix_caching), tokenizer, model.chat_template, params,
                      bos_token=model.bos_token, eos_token=model.eos_token)  # fmt: skip
         return
     if prompt is None:
@@ -182,7 +189,7 @@ def run(artifact: Path | None, prompt: str | None, max_tokens: int, temperature:
     model, tokenizer = _load_model(path, kv_cache_memory, max_num_seqs=1, simulate=simulate)
     params = SamplingParams(**{**model.generation_defaults, **given}, seed=seed, max_tokens=max_tokens)
     with model:
-        engine = LLMEngine(model, tokenizer)
+        engine = LLMEngine(model, tokenizer, enable_prefix_caching=not no_prefix_caching)
         prompt_ids = tokenizer.encode(prompt).ids
         engine.add_request(prompt_ids, params)
         token_ids: list[int] = []
@@ -244,9 +251,11 @@ def _stdin_is_tty() -> bool:
               help="Seconds requests in flight get to finish after SIGTERM or Ctrl-C; then they are cut [default: 30].")
 @click.option("--api-key", envvar="LLMC_API_KEY", default=None, show_envvar=True,
               help="Require `Authorization: Bearer <key>` on /v1 (401 otherwise); /health and /metrics stay open.")
+@_no_prefix_caching
 def serve(artifact: Path, host: str, port: int, model_name: str | None, max_num_seqs: int,
           max_num_batched_tokens: int, kv_cache_memory: str | None, max_body_size: int | None, max_n: int | None,
-          max_waiting_requests: int | None, shutdown_timeout: float | None, api_key: str | None) -> None:  # fmt: skip
+          max_waiting_requests: int | None, shutdown_timeout: float | None, api_key: str | None,
+          no_prefix_caching: bool) -> None:  # fmt: skip
     """Serve ARTIFACT over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models),
     with /health and Prometheus metrics at /metrics."""
     from .runtime import server
@@ -258,7 +267,7 @@ def serve(artifact: Path, host: str, port: int, model_name: str | None, max_num_
     path = _resolve_artifact(artifact)
     model, tokenizer = _load_model(path, kv_cache_memory, max_num_seqs=max_num_seqs,
                                    max_num_tokens=max_num_batched_tokens)  # fmt: skip
-    engine = AsyncLLMEngine(LLMEngine(model, tokenizer))
+    engine = AsyncLLMEngine(LLMEngine(model, tokenizer, enable_prefix_caching=not no_prefix_caching))
     name = model_name or artifact.resolve().name
     app = server.create_app(engine, tokenizer, name, model.chat_template, bos_token=model.bos_token,
                             eos_token=model.eos_token, limits=limits, api_key=api_key or None)  # fmt: skip
@@ -302,19 +311,24 @@ def _int_list(ctx, param, value: str) -> list[int]:
 @click.option("--prompt-len", type=click.IntRange(min=1), default=128, show_default=True)
 @click.option("--output-len", type=click.IntRange(min=1), default=128, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--shared-prefix", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Tokens at the start of every prompt that all prompts share (at most --prompt-len).")
 @click.option("--memory-bandwidth", type=float, default=None, help="Bytes/s for the roofline [default: measured].")
 @click.option("--kv-cache-memory", default=None, help="KV cache size, e.g. 4GiB (default: 20% of free memory).")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+@_no_prefix_caching
 def bench(artifact: Path, concurrency: list[int], num_requests: int | None, prompt_len: int, output_len: int,
-          seed: int, memory_bandwidth: float | None, kv_cache_memory: str | None, as_json: bool) -> None:  # fmt: skip
+          seed: int, shared_prefix: int, memory_bandwidth: float | None, kv_cache_memory: str | None, as_json: bool,
+          no_prefix_caching: bool) -> None:  # fmt: skip
     """TTFT, TPOT and tokens/s of ARTIFACT on a fixed synthetic workload, against the memory roofline."""
     from .runtime.bench import format_bench_table, run_bench
     from .runtime.engine import LLMEngine
 
     model, _ = _load_model(_resolve_artifact(artifact), kv_cache_memory, max_num_seqs=max(concurrency))
     with model:
-        result = run_bench(lambda: LLMEngine(model), concurrency=concurrency, num_requests=num_requests,
-                           prompt_len=prompt_len, output_len=output_len, seed=seed,
+        result = run_bench(lambda: LLMEngine(model, enable_prefix_caching=not no_prefix_caching),
+                           concurrency=concurrency, num_requests=num_requests, prompt_len=prompt_len,
+                           output_len=output_len, seed=seed, shared_prefix=shared_prefix,
                            memory_bandwidth=memory_bandwidth, progress=not as_json)  # fmt: skip
     click.echo(json.dumps(result, indent=2) if as_json else format_bench_table(result))
 

@@ -297,8 +297,13 @@ def test_bench(fake_artifact):
     out = json.loads(r.stdout)
     assert [lv["concurrency"] for lv in out["levels"]] == [1, 2]
     assert out["roofline"]["weight_bytes_per_decode_step"] == 64
+    assert out["prefix_cache_hit_rate"] == 0.0  # random prompts share no full block
     r = _invoke(*args)
-    assert r.exit_code == 0 and "TTFT p50 ms" in r.stdout
+    assert r.exit_code == 0 and "TTFT p50 ms" in r.stdout and "prefix cache hit rate" in r.stdout
+    for flags, hits in [((), True), (("--no-prefix-caching",), False)]:
+        r = _invoke(*args, "--prompt-len", 40, "--shared-prefix", 32, "--json", *flags)
+        assert r.exit_code == 0, r.output
+        assert (json.loads(r.stdout)["prefix_cache_hit_rate"] > 0) == hits
     r = _invoke("bench", fake_artifact, "--concurrency", "0,x")
     assert r.exit_code == 2 and "comma-separated" in r.stderr
 
