@@ -43,6 +43,7 @@ import platform
 import re
 import shutil
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -220,24 +221,33 @@ def _is_empty_dir(p: Path) -> bool:
 
 @contextlib.contextmanager
 def _output_lock(output: Path) -> Iterator[None]:
+    """Hold the output's lock, or raise if a writer holds it. A holder that has not written its pid is another
+    writer's sweep of leftovers (or a writer an instant after it locked): both let go within moments."""
     lock = _lock_path(output.parent, output.name)
+    deadline = time.monotonic() + 2
     try:
-        fd = _try_lock(lock)
+        while (fd := _try_lock(lock)) is None:
+            writer = _lock_holder(lock)
+            if writer is not None or time.monotonic() > deadline:
+                raise ArtifactError(f"{output}: another llmc compile{f' (pid {writer})' if writer else ''} is "
+                                    "writing it right now", "wait for it to finish, or choose another output path")  # fmt: skip
+            time.sleep(0.05)
     except OSError as e:
         raise ArtifactError(f"{output}: cannot write in {output.parent} ({e.strerror})",
                             "choose another output path, or make that directory writable") from None  # fmt: skip
-    if fd is None:
-        try:
-            holder = f" (pid {int(lock.read_text())})"
-        except (OSError, ValueError):
-            holder = ""
-        raise ArtifactError(f"{output}: another llmc compile{holder} is writing it right now",
-                            "wait for it to finish, or choose another output path")  # fmt: skip
     try:
-        os.write(fd, str(os.getpid()).encode())  # for the loser's message only
+        os.write(fd, str(os.getpid()).encode())
         yield
     finally:
         _unlock(lock, fd)
+
+
+def _lock_holder(lock: Path) -> int | None:
+    """The pid a writer holding `lock` wrote into it, if any."""
+    try:
+        return int(lock.read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def _lock_path(parent: Path, name: str) -> Path:
@@ -282,6 +292,7 @@ def _remove_stale_leftovers(parent: Path, held: str) -> None:
             match = _LEFTOVER.fullmatch(entry.name)
             if match and entry.is_dir(follow_symlinks=False):
                 leftovers.setdefault(match["name"], []).append((match["kind"], Path(entry.path)))
+    stale = []
     for name, dirs in leftovers.items():
         lock = _lock_path(parent, name)
         fd = None if name == held else _try_lock(lock)
@@ -292,10 +303,12 @@ def _remove_stale_leftovers(parent: Path, held: str) -> None:
                 if kind == "old" and not (parent / name).exists():
                     os.rename(d, parent / name)
                 else:
-                    shutil.rmtree(d, ignore_errors=True)
+                    stale.append(d)
         finally:
             if fd is not None:
                 _unlock(lock, fd)
+    for d in stale:  # after the locks are free (no writer makes these random names again): a big rmtree is slow
+        shutil.rmtree(d, ignore_errors=True)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -155,13 +156,25 @@ def test_two_compiles_into_one_output(checkpoint_dir, tmp_path):
 
 def test_second_writer_fails_before_populating(compiled, tmp_path):
     out = tmp_path / "m.cpu"
-    fd = art._try_lock(art._lock_path(tmp_path, "m.cpu"))  # a live writer
+    lock = art._lock_path(tmp_path, "m.cpu")
+    fd = art._try_lock(lock)  # a live writer: it holds the lock and has written its pid
+    os.write(fd, b"4242")
     try:
-        with pytest.raises(ArtifactError, match="another llmc compile.* is writing it"):
+        with pytest.raises(ArtifactError, match=r"another llmc compile \(pid 4242\) is writing it"):
             art.write_artifact(out, lambda tmp: pytest.fail("populate ran without the lock"))
     finally:
-        art._unlock(art._lock_path(tmp_path, "m.cpu"), fd)
+        art._unlock(lock, fd)
     assert os.listdir(tmp_path) == []
+
+
+def test_a_sweep_holding_the_lock_only_delays_a_writer(compiled, tmp_path):
+    """Another write's sweep of leftovers holds a name's lock for a moment, with no pid in it: a writer of that
+    name waits for it rather than failing."""
+    lock = art._lock_path(tmp_path, "m.cpu")
+    fd = art._try_lock(lock)
+    threading.Timer(0.3, art._unlock, (lock, fd)).start()
+    art.write_artifact(tmp_path / "m.cpu", _copy_populate(compiled))
+    assert os.listdir(tmp_path) == ["m.cpu"]
 
 
 def test_unwritable_output_directory_is_one_error(tmp_path):
