@@ -5,6 +5,7 @@ from llmc.runtime.kv_cache import (
     BlockPool,
     KVCacheManager,
     blocks_for_memory,
+    hash_block_tokens,
     kv_bytes_per_block,
     kv_cache_budget_bytes,
     mem_available_bytes,
@@ -97,6 +98,101 @@ def test_block_pool_checks_each_free():
     pool.free(blocks)
     with pytest.raises(ValueError, match="double free"):
         pool.free(blocks[:1])
+
+
+def prefix_cache(num_blocks=8, block_size=4, sliding_window=0):
+    return KVCacheManager(num_blocks, block_size, sliding_window=sliding_window, enable_prefix_caching=True)
+
+
+def computed(kv, req_id, tokens):
+    """Allocate for `tokens` (sharing what is cached) and cache the blocks, as a successful step does."""
+    blocks = kv.get_computed_blocks(tokens)
+    assert kv.allocate_slots(req_id, len(tokens) - len(blocks) * kv.block_size, blocks)
+    kv.cache_blocks(req_id, tokens, len(tokens))
+    return blocks
+
+
+def test_prefix_cache_shares_full_blocks_by_chain_hash_and_counts_holders():
+    kv = prefix_cache()
+    a = list(range(10))  # blocks [0..3] [4..7] and a partial [8, 9]
+    assert computed(kv, "a", a) == [] and kv.block_ids("a") == [0, 1, 2]
+    assert kv.pool.num_cached_blocks == 2  # only full blocks are cached
+    # b starts like a: it shares a's two full blocks and computes the rest in a block of its own
+    b = a[:8] + [50, 51, 52]
+    assert kv.get_computed_blocks(b) == [0, 1]
+    assert computed(kv, "b", b) == [0, 1] and kv.block_ids("b") == [0, 1, 3]
+    assert [kv.pool.ref_count(i) for i in range(4)] == [2, 2, 1, 1]
+    # the chain: an equal second block after a different first one is a different block
+    assert kv.get_computed_blocks([9, 9, 9, 9] + a[4:8] + [1]) == []
+    assert kv.get_computed_blocks(a[:4] + [9] * 5) == [0]
+    assert hash_block_tokens(b"", [1, 2]) != hash_block_tokens(hash_block_tokens(b"", [0]), [1, 2])
+    kv.free("a")  # b still holds 0 and 1: only a's own block 2 goes back
+    assert kv.pool.free_block_ids()[-1:] == [2] and [kv.pool.ref_count(i) for i in range(3)] == [1, 1, 0]
+    kv.free("b")
+    assert kv.num_free_blocks == 8 and kv.pool.num_cached_blocks == 2  # free, still cached
+
+
+def test_prefix_cache_never_covers_the_whole_prompt():
+    kv = prefix_cache()
+    computed(kv, "a", list(range(8)))
+    assert kv.get_computed_blocks(list(range(8))) == [0]  # the last token must be computed to get logits
+    assert kv.get_computed_blocks(list(range(9))) == [0, 1]
+    assert kv.get_computed_blocks([0]) == [] and kv.get_computed_blocks([]) == []
+
+
+def test_free_cached_blocks_are_revived_or_evicted_least_recently_freed_first():
+    kv = prefix_cache(num_blocks=4)
+    computed(kv, "a", list(range(8)) + [0])  # blocks 0, 1 cached, 2 partial
+    kv.free("a")  # tail first: the queue is 3, 2, 1, 0
+    assert kv.pool.free_block_ids() == [3, 2, 1, 0]
+    computed(kv, "c", [7] * 5)  # a fresh block from the front: 3, then 2 (neither cached)
+    assert kv.block_ids("c") == [3, 2] and kv.pool.num_cached_blocks == 3  # c's [7, 7, 7, 7] is cached too
+    kv.free("c")  # queue: 1, 0, 2, 3
+    # a hit takes its blocks out of the middle of the free queue, and they are not counted as free twice
+    assert kv.get_computed_blocks(list(range(8)) + [5]) == [0, 1]
+    assert not kv.allocate_slots("d", 4 * 4 - 7, [0, 1])  # 2 shared + 3 new > 4 blocks: nothing changes
+    assert "d" not in kv and kv.pool.free_block_ids() == [1, 0, 2, 3]
+    assert kv.allocate_slots("d", 4 * 4 - 8, [0, 1])  # 2 shared + 2 new: evicts 2 ... then 3, both free
+    assert kv.block_ids("d") == [0, 1, 2, 3] and kv.num_free_blocks == 0
+    assert kv.get_computed_blocks([7] * 5) == []  # c's block 3 was evicted for d
+    assert kv.pool.num_cached_blocks == 2
+
+
+def test_a_block_computed_twice_side_by_side_is_cached_once():
+    kv = prefix_cache()
+    tokens = list(range(5))
+    assert kv.allocate_slots("a", 5) and kv.allocate_slots("b", 5)  # both before either step ran
+    kv.cache_blocks("a", tokens, 5)
+    kv.cache_blocks("b", tokens, 5)
+    assert kv.get_computed_blocks(tokens) == [0] and kv.pool.num_cached_blocks == 1
+    kv.free("a")
+    kv.free("b")  # b's copy (block 2) is a plain free block; a's block 0 stays cached
+    assert kv.get_computed_blocks(tokens) == [0]
+
+
+def test_prefix_cache_off_finds_nothing():
+    kv = KVCacheManager(8, 4)
+    assert kv.allocate_slots("a", 9)
+    kv.cache_blocks("a", list(range(9)), 9)
+    assert kv.get_computed_blocks(list(range(9))) == [] and kv.pool.num_cached_blocks == 0
+
+
+def test_sliding_window_with_shared_blocks():
+    kv = prefix_cache(num_blocks=8, block_size=4, sliding_window=5)
+    a = list(range(13))
+    assert kv.allocate_slots("a", 12)
+    kv.cache_blocks("a", a, 12)  # blocks 0, 1, 2 cached
+    # b hits all 3 blocks (12 tokens); its next token (position 12) reads 8..12, so block 0 and 1 are never held
+    assert kv.get_computed_blocks(a) == [0, 1, 2]
+    assert kv.allocate_slots("b", 1, [0, 1, 2])
+    assert kv.block_ids("b") == [0, 0, 2, 3]  # released entries read 0
+    assert [kv.pool.ref_count(i) for i in range(4)] == [1, 1, 2, 1]
+    assert kv.allocate_slots("a", 1)  # a moves on too: position 12's window drops blocks 0 and 1
+    assert [kv.pool.ref_count(i) for i in range(3)] == [0, 0, 2]
+    assert kv.get_computed_blocks(a) == [0, 1, 2]  # released blocks stay cached while free
+    kv.free("a")
+    kv.free("b")
+    assert kv.num_free_blocks == 8
 
 
 def test_slot_mapping_follows_the_block_table():

@@ -4,13 +4,15 @@ from llmc.runtime.kv_cache import KVCacheManager
 from llmc.runtime.scheduler import Request, RequestStatus, Scheduler
 
 
-def make(num_blocks=16, block_size=4, budget=32, max_seqs=8):
-    return Scheduler(KVCacheManager(num_blocks, block_size), max_num_batched_tokens=budget, max_num_seqs=max_seqs)
+def make(num_blocks=16, block_size=4, budget=32, max_seqs=8, prefix_caching=False):
+    kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=prefix_caching)
+    return Scheduler(kv, max_num_batched_tokens=budget, max_num_seqs=max_seqs)
 
 
 def run_step(sched: Scheduler, token=7):
-    """schedule() and append a token to every sequence that samples, as the engine does."""
+    """schedule(), cache the computed blocks and append a token to every sequence that samples, as the engine does."""
     out = sched.schedule()
+    sched.cache_computed_blocks(out)
     for s in out.scheduled:
         if s.samples:
             sched.append_token(s.req_id, token)
@@ -119,3 +121,32 @@ def test_duplicate_request_id_is_rejected():
     sched.add_request(Request("a", [1]))
     with pytest.raises(ValueError, match="already exists"):
         sched.add_request(Request("a", [2]))
+
+
+def test_admission_takes_the_cached_prefix_and_prefills_only_the_rest_in_chunks():
+    sched = make(num_blocks=16, block_size=4, budget=6, prefix_caching=True)
+    sched.add_request(Request("a", list(range(10))))
+    assert chunks(run_step(sched)) == [("a", 0, 6, False)]
+    assert chunks(run_step(sched)) == [("a", 6, 4, True)]  # a's blocks 0 and 1 (tokens 0..7) are cached now
+    sched.finish_request("a")
+    sched.add_request(Request("b", list(range(8)) + [40, 41, 42, 43, 44, 45, 46, 47]))
+    out = run_step(sched)
+    assert chunks(out) == [("b", 8, 6, False)]  # 8 tokens found; the budget goes to the 8 missing ones, chunked
+    assert out.scheduled[0].block_ids[:2] == [0, 1] and out.scheduled[0].token_ids == [40, 41, 42, 43, 44, 45]
+    assert chunks(run_step(sched)) == [("b", 14, 2, True)]
+    assert (sched.prefix_cache_queries, sched.prefix_cache_hits) == (10 + 16, 8)
+
+
+def test_preempted_request_finds_its_own_blocks_again():
+    sched = make(num_blocks=4, block_size=4, budget=64, prefix_caching=True)
+    sched.add_request(Request("old", [1, 2, 3, 4, 5, 6, 7, 8]))
+    sched.add_request(Request("new", [9, 10, 11, 12, 13, 14, 15, 16]))
+    run_step(sched)
+    out = run_step(sched)  # the cache is full: new is preempted; its blocks stay cached while free
+    assert out.preempted_req_ids == ["new"]
+    # old's third block is new's last one (a request's tail blocks are evicted first); its first one stays
+    assert sched.kv_cache.block_ids("old") == [0, 1, 3] and sched.kv_cache.pool.num_cached_blocks == 3
+    sched.finish_request("old")
+    out = run_step(sched)
+    assert chunks(out) == [("new", 4, 5, True)]  # its first block is found; the rest and its sampled token computed
+    assert sched.requests["new"].num_preemptions == 1
