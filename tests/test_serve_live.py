@@ -3,8 +3,8 @@
 The tiny random Qwen2 checkpoint is compiled once for this CPU. Two servers run on loopback ports:
 - `server`: `--kv-cache-memory 16MiB` (1024 blocks: the cache never binds), for answers and concurrency;
 - `small_server`: a cache of exactly one full context (16 blocks of 16 tokens = 256 tokens), so a request
-  that needs the whole context can only run once every block is free again. The server exposes no KV
-  usage, so that is how the cancellation tests see a leak: the request would wait forever (here: time out).
+  that needs the whole context can only run once every block is free again: a leak would make it wait
+  forever (here: time out). The cancellation tests also read the free blocks from /metrics.
 
 Every answer is compared with the same request run alone through an in-process LLMEngine on the same
 artifact. Every wait is bounded; each server is stopped with SIGTERM (killed if it hangs) and must exit by
@@ -29,6 +29,7 @@ import httpx
 import openai
 import pytest
 from openai_ask import ask
+from prometheus_client.parser import text_string_to_metric_families
 
 from llmc.runtime.chat_template import chat_prompt_ids, pick_template
 from llmc.runtime.engine import LLMEngine
@@ -195,6 +196,22 @@ def _model_name(artifact: Path) -> str:
     return artifact.resolve().name
 
 
+def _metrics(server: LiveServer) -> dict[str, float]:
+    """/metrics samples by name, those with a label other than model_name left out."""
+    r = httpx.get(f"{server.base}/metrics", timeout=10)
+    assert r.status_code == 200
+    samples = (s for family in text_string_to_metric_families(r.text) for s in family.samples)
+    return {s.name: s.value for s in samples if set(s.labels) <= {"model_name"}}
+
+
+def _wait_all_blocks_free(server: LiveServer, timeout: float = 10.0) -> None:
+    """Every KV block back in the pool, as /metrics reports it, within `timeout` (aborts land before a step)."""
+    deadline = time.monotonic() + timeout
+    while (m := _metrics(server))["llmc:kv_cache_free_blocks"] != m["llmc:kv_cache_blocks"]:
+        assert time.monotonic() < deadline, f"KV blocks still in use {timeout:.0f} s after the requests ended: {m}"
+        time.sleep(0.05)
+
+
 # -- answers -----------------------------------------------------------------------------------------------
 
 
@@ -352,6 +369,7 @@ def test_clients_that_hang_up_leave_the_whole_cache_free(small_server, artifact,
         with contextlib.suppress(httpx.ReadTimeout):  # a non-streaming client that gives up waiting
             httpx.post(f"{small_server.base}/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": CONTEXT - 10,
                        "ignore_eos": True, "temperature": 0}, timeout=httpx.Timeout(10, read=0.02))  # fmt: skip
+        _wait_all_blocks_free(small_server)
 
         def run(i):
             return c.completions.create(model=name, prompt=full[i], max_tokens=56, extra_body={"ignore_eos": True},
@@ -370,6 +388,8 @@ def test_clients_that_hang_up_leave_the_whole_cache_free(small_server, artifact,
         for i, r in enumerate(got):
             assert (r.choices[0].text, r.usage.completion_tokens) == (want[i].text, 56), i
         assert httpx.get(f"{small_server.base}/health", timeout=10).status_code == 200
+        _wait_all_blocks_free(small_server)
+        assert _metrics(small_server)["llmc:kv_cache_blocks"] == 16
 
 
 def test_streaming_hang_up_on_the_main_server(client, artifact, tok, reference):
