@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from llmc.compiler.frontend.checkpoint import load_checkpoint
 
 from llmc import artifact as art
+from llmc.compiler.frontend.checkpoint import load_checkpoint
 from llmc.errors import ArtifactError, LlmcError
 from llmc.model_config import ModelConfig
 
