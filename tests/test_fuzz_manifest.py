@@ -128,6 +128,27 @@ def test_fuzz_manifest_text_edits(artifact):
     run()
 
 
+def test_fuzz_flipped_bit_in_manifest_is_refused(artifact):
+    """Integrity, not only robustness: a flipped bit anywhere is refused naming manifest.json, unless the
+    manifest still parses to the very same content."""
+    path, hashed = artifact
+    text = (path / "manifest.json").read_bytes()
+    original = json.loads(text)
+
+    @FUZZ
+    @given(st.integers(0, len(text) - 1), st.integers(0, 7))
+    def run(at, bit):
+        flipped = text[:at] + bytes([text[at] ^ (1 << bit)]) + text[at + 1 :]
+        (path / "manifest.json").write_bytes(flipped)
+        error = _loads_or_one_line_error(path, hashed)
+        if error is None:
+            assert json.loads(flipped) == original
+        else:
+            assert "manifest.json" in str(error), str(error)
+
+    run()
+
+
 def test_fuzz_manifest_fields_resealed(artifact):
     path, hashed = artifact
     valid = _manifest(path)
