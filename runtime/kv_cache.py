@@ -60,6 +60,7 @@ class BlockPool:
         self._ref_count = [0] * num_blocks
         self._hash: list[bytes | None] = [None] * num_blocks
         self._cached: dict[bytes, int] = {}  # chain hash -> the block that holds those tokens' k/v
+        self.num_evictions = 0  # cached blocks handed out again, since creation: for stats and tests
 
     @property
     def num_free_blocks(self) -> int:
@@ -88,6 +89,7 @@ class BlockPool:
             if (h := self._hash[b]) is not None:
                 del self._cached[h]
                 self._hash[b] = None
+                self.num_evictions += 1
             self._ref_count[b] = 1
         return out
 
