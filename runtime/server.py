@@ -65,8 +65,15 @@ from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from llmc.errors import LlmcError, RequestError
-from llmc.runtime.chat_template import DEFAULT_LIMITS, NO_TEMPLATE_NOTICE, TemplateLimits, chat_prompt_ids
-from llmc.runtime.chat_template import compile_template, pick_template, special_tokens
+from llmc.runtime.chat_template import (
+    DEFAULT_LIMITS,
+    NO_TEMPLATE_NOTICE,
+    TemplateLimits,
+    chat_prompt_ids,
+    compile_template,
+    pick_template,
+    special_tokens,
+)
 from llmc.runtime.engine import AsyncLLMEngine, RequestOutput
 from llmc.runtime.metrics import CONTENT_TYPE, ServerMetrics
 from llmc.runtime.sampling import SamplingParams
@@ -298,7 +305,7 @@ class _CompletionFormat(_Format):
         if self.num_logprobs is None:
             return None
         lp = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        for token, dist in zip(out.new_token_ids, out.logprobs or []):
+        for token, dist in zip(out.new_token_ids, out.logprobs or [], strict=True):
             text = self.token_text(token)
             lp["tokens"].append(text)
             lp["token_logprobs"].append(dist[token])
@@ -334,7 +341,7 @@ class _ChatFormat(_Format):
             return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
         content = []
-        for token, dist in zip(out.new_token_ids, out.logprobs or []):
+        for token, dist in zip(out.new_token_ids, out.logprobs or [], strict=True):
             top = [entry(t, v) for t, v in list(dist.items())[: self.num_logprobs]]
             content.append({**entry(token, dist[token]), "top_logprobs": top})
         choice.logprobs = choice.logprobs or {"content": []}

@@ -161,7 +161,7 @@ def _serving(artifact: Path, log_dir: Path, *configs: tuple[str, ...]):
         yield servers
     finally:
         exited = [_stop(s) for s in servers]
-    for server, ok in zip(servers, exited):
+    for server, ok in zip(servers, exited, strict=True):
         log = server.log_text()
         assert ok, f"llmc serve ignored SIGTERM for 15 s and was killed; its output:\n{log}"
         rc = server.proc.returncode
@@ -237,7 +237,7 @@ def test_completions_match_the_in_process_engine(client, artifact, tok, referenc
         # the tokens themselves (logprobs name them) and their log-probabilities
         assert choice.logprobs.tokens == [tok.decode([t], skip_special_tokens=False) for t in want.token_ids]
         assert choice.logprobs.token_logprobs == pytest.approx(
-            [d[t] for t, d in zip(want.token_ids, want.logprobs)], abs=1e-4)  # fmt: skip
+            [d[t] for t, d in zip(want.token_ids, want.logprobs, strict=True)], abs=1e-4)  # fmt: skip
 
     # the same prompt as token ids
     ids = tok.encode(PROMPTS[0]).ids
@@ -427,7 +427,7 @@ def test_32_concurrent_clients_each_get_their_own_answer(server, artifact, tok, 
 
     with concurrent.futures.ThreadPoolExecutor(32) as pool:
         got = list(pool.map(run, jobs, timeout=60))
-    for job, answer in zip(jobs, got):
+    for job, answer in zip(jobs, got, strict=True):
         assert answer == expected(job[0], job[1], job[3]), job
 
 

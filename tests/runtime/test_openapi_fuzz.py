@@ -13,9 +13,13 @@ from hypothesis import HealthCheck, given, settings
 from runtime_fakes import FakeConfig, FakeModel, byte_level_bpe
 from schemathesis.checks import not_a_server_error
 from schemathesis.generation.modes import GenerationMode
-from schemathesis.specs.openapi.checks import (content_type_conformance, negative_data_rejection,
-                                               response_headers_conformance, response_schema_conformance,
-                                               status_code_conformance)  # fmt: skip
+from schemathesis.specs.openapi.checks import (
+    content_type_conformance,
+    negative_data_rejection,
+    response_headers_conformance,
+    response_schema_conformance,
+    status_code_conformance,
+)
 
 from llmc.runtime.engine import AsyncLLMEngine, LLMEngine
 from llmc.runtime.sampling import SamplingParams
