@@ -139,7 +139,7 @@ def compile_checkpoint(checkpoint: str | Path, *, target: str = "cpu", output: s
             "buffer_plan": {
                 "buffers": [{"cols": b.cols, "rows": b.rows} for b in program.buffers],
                 "floats_per_token_row": sum(b.cols for b in program.buffers if b.rows == "T"),
-                "floats_per_sequence_row": sum(b.cols for b in program.buffers if b.rows == "B"),
+                "floats_per_logits_row": sum(b.cols for b in program.buffers if b.rows == "N"),
             },
             "kernel_program": str(program).splitlines(),
             "tokenizer": {"chat_template": ckpt.chat_template, **ckpt.special_tokens},

@@ -3,10 +3,10 @@
 A kernel program is an ordered list of launches over a static buffer plan. Each launch names a kernel
 template and its compile-time parameters, and lists its call arguments as C expressions over:
   - the step arguments of the C ABI (token_ids, positions, slot_mapping, query_start_loc, seq_lens,
-    block_tables, max_blocks, B, T, logits),
+    block_tables, max_blocks, B, T, logits_indices, N, logits),
   - packed weights `W[i]` (WeightSpec i of the program),
-  - activation buffers `buf<i>` (float, rows x cols; rows is max_num_tokens, or max_num_seqs for
-    buffers that hold one row per sequence), and column views of them (`buf3 + 64`),
+  - activation buffers `buf<i>` (float, rows x cols; rows is max_num_tokens, or max_num_logits for
+    buffers that hold one row per logits row asked for), and column views of them (`buf3 + 64`),
   - the per-layer KV cache halves `k_cache[l]` / `v_cache[l]`.
 So a target's codegen only has to render each template once per distinct parameter set and emit the
 launches in order. Buffers are reused by liveness, so the plan is a handful of buffers however deep
@@ -51,7 +51,7 @@ class Launch:
 @dataclasses.dataclass
 class Buffer:
     cols: int
-    rows: str  # "T" (one row per token) or "B" (one row per sequence)
+    rows: str  # "T" (one row per token) or "N" (one per logits row: logits_indices)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,8 +74,8 @@ class KernelProgram:
     block_size: int
     tvm_funcs: dict[str, tvm.tirx.PrimFunc] = dataclasses.field(default_factory=dict)  # TVM-lowered fallbacks
 
-    def buffer_floats(self, max_num_tokens: int, max_num_seqs: int) -> int:
-        return sum(b.cols * (max_num_tokens if b.rows == "T" else max_num_seqs) for b in self.buffers)
+    def buffer_floats(self, max_num_tokens: int, max_num_logits: int) -> int:
+        return sum(b.cols * (max_num_tokens if b.rows == "T" else max_num_logits) for b in self.buffers)
 
     def __str__(self) -> str:
         lines = [f"kernel program: {len(self.launches)} launches, {len(self.buffers)} buffers, "
@@ -150,8 +150,8 @@ class _Lowering:
         self.tvm_funcs: dict[str, tvm.tirx.PrimFunc] = {}
         self.kv_cache_heads: list[tuple[int, int]] = []  # per layer, from its cache [2, blocks, size, kv_heads, head_dim]
         self.var2val = relax.analysis.get_var2val(func)
-        # the symbolic row counts: tokens (input_ids: [T]) and sequences (logits_indices: [B])
-        self.row_vars = {str(p.ty.shape.values[0]): {"input_ids": "T", "logits_indices": "B"}[p.name]
+        # the symbolic row counts: tokens (input_ids: [T]) and logits rows (logits_indices: [N])
+        self.row_vars = {str(p.ty.shape.values[0]): {"input_ids": "T", "logits_indices": "N"}[p.name]
                          for p in func.params if p.name in ("input_ids", "logits_indices")}
         self.uses: dict = {}
         for b in bindings(func):
@@ -268,16 +268,16 @@ class _Lowering:
         rows = next(d for d in shapes[-1] if isinstance(d, str))
         out = self.new_value(math.prod(d for d in shapes[-1] if isinstance(d, int)), rows)
         self.emit("tvm_call", {"func": name, "shapes": shapes, "num_inputs": len(inputs)},
-                  [*args, out, "T", "B"], [op], [out])  # fmt: skip
+                  [*args, out, "T", "N"], [op], [out])  # fmt: skip
         self.env[var] = out
 
     def dims(self, v, where: str, rows: bool) -> list:
-        """v's shape: static dims as ints, the token / sequence count as "T" / "B" (once in an activation)."""
+        """v's shape: static dims as ints, the token / logits row count as "T" / "N" (once in an activation)."""
         dims = [int(d) if isinstance(d, tvm.tirx.IntImm) else self.row_vars.get(str(d), d)
                 for d in v.ty.shape.values]
         if sum(isinstance(d, str) for d in dims) != int(rows) or not all(isinstance(d, (int, str)) for d in dims):
             raise CompileError(f"no kernel template covers {where}, and {v.name}: {v.ty} has a shape that "
-                               "TVM's fallback does not take (static but for one dimension of T or B rows)")  # fmt: skip
+                               "TVM's fallback does not take (static but for one dimension of T or N rows)")  # fmt: skip
         return dims
 
     def relax_astype(self, var, value):
@@ -319,8 +319,8 @@ class _Lowering:
         elif isinstance(table, _View) and indices == "logits_indices":
             if table.stride != table.cols:
                 raise CompileError(f"gather of a column slice ({var.name}) is not lowered")
-            out = self.new_value(table.cols, "B")
-            self.emit("gather_rows", {"cols": table.cols}, [table, "logits_indices", "B", out],
+            out = self.new_value(table.cols, "N")
+            self.emit("gather_rows", {"cols": table.cols}, [table, "logits_indices", "N", out],
                       ["take(logits_indices)"], [out])
             self.env[var] = out
         else:
@@ -416,8 +416,8 @@ class _Lowering:
 
     def finish(self, rewrites: dict) -> KernelProgram:
         final = self.env[self.output]
-        if not isinstance(final, _View) or final.rows != "B":
-            raise CompileError("main must return logits [B, vocab]; select_logits_rows did not apply")
+        if not isinstance(final, _View) or final.rows != "N":
+            raise CompileError("main must return logits [N, vocab]; select_logits_rows did not apply")
         if len(set(self.kv_cache_heads)) != 1:
             raise CompileError("main must take one KV cache per layer, all with the same heads and head_dim; "
                                "fuse_attention did not apply")  # fmt: skip

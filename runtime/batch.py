@@ -2,7 +2,9 @@
 
 T flattened tokens from B sequences, prefill chunks and decode tokens mixed. The runtime builds it from
 the scheduler's output; the compiled module (or a test's fake model) consumes it and returns float32
-logits [B, vocab]. Nothing here knows about requests, sampling or the block pool.
+logits [N, vocab], one row per entry of logits_indices: by default N = B, each sequence's last token; a
+sequence under speculative verification asks for its last K+1 rows, prompt scoring for all of them.
+Nothing here knows about requests, sampling or the block pool.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ class StepBatch:
     query_start_loc: np.ndarray  # int32 [B+1]: tokens of sequence b are [qsl[b], qsl[b+1])
     seq_lens: np.ndarray  # int32 [B]: context length of sequence b after this step (cached + new)
     block_tables: np.ndarray  # int32 [B, max_blocks]: cache blocks of sequence b in order; unused = 0
-    logits_indices: np.ndarray  # int32 [B]: row of T whose logits sequence b returns (its last token)
+    logits_indices: np.ndarray  # int32 [N]: the token rows (of T) whose logits the step returns, in this order
 
     @property
     def num_tokens(self) -> int:
@@ -32,6 +34,10 @@ class StepBatch:
     @property
     def num_seqs(self) -> int:
         return int(self.seq_lens.shape[0])
+
+    @property
+    def num_logits(self) -> int:
+        return int(self.logits_indices.shape[0])
 
     @property
     def max_blocks(self) -> int:
@@ -44,12 +50,16 @@ class StepBatch:
         num_computed_tokens: Sequence[int],
         block_tables: Sequence[Sequence[int]],
         block_size: int,
+        num_logits: Sequence[int] | None = None,
     ) -> StepBatch:
         """Flatten B sequences' new tokens into one step.
 
         token_ids[b]: the new tokens of sequence b (n_b >= 1), which sit at positions
         num_computed_tokens[b] .. num_computed_tokens[b] + n_b - 1; block_tables[b]: its block ids, covering
         at least seq_len slots. Block tables are padded with 0 to the longest one in the batch.
+        num_logits[b] (1..n_b; default 1): the step returns logits for the last num_logits[b] new tokens of
+        sequence b, sequence by sequence and in token order. Any other set of rows is a `logits_indices` of
+        one's own (dataclasses.replace).
         """
         num_seqs = len(token_ids)
         assert num_seqs == len(num_computed_tokens) == len(block_tables) and num_seqs > 0, "empty or ragged step"
@@ -67,6 +77,11 @@ class StepBatch:
         for b, bt in enumerate(block_tables):
             assert len(bt) * block_size >= seq_lens[b], f"sequence {b}: {len(bt)} blocks < {seq_lens[b]} tokens"
             tables[b, : len(bt)] = bt
+        rows = np.ones(num_seqs, dtype=np.int32) if num_logits is None else np.asarray(num_logits, dtype=np.int32)
+        assert rows.shape == (num_seqs,) and (rows >= 1).all() and (rows <= n).all(), f"num_logits {rows} for {n} tokens"
+        # the last rows[b] token rows of each sequence b: qsl[b+1] - rows[b] .. qsl[b+1] - 1
+        first = np.repeat(qsl[1:] - rows, rows)
+        logits_indices = first + np.arange(int(rows.sum()), dtype=np.int32) - np.repeat(np.cumsum(rows) - rows, rows)
         flat_ids = np.fromiter((t for seq in token_ids for t in seq), dtype=np.int32, count=num_tokens)
         return cls(
             token_ids=flat_ids,
@@ -75,7 +90,7 @@ class StepBatch:
             query_start_loc=qsl,
             seq_lens=seq_lens.astype(np.int32),
             block_tables=tables,
-            logits_indices=(qsl[1:] - 1).astype(np.int32),
+            logits_indices=logits_indices.astype(np.int32),
         )
 
     def validate(self) -> None:
@@ -91,8 +106,12 @@ class StepBatch:
         t, b = self.num_tokens, self.num_seqs
         if self.positions.shape != (t,) or self.slot_mapping.shape != (t,):
             raise ValueError(f"StepBatch: positions/slot_mapping must be [{t}]")
-        if self.query_start_loc.shape != (b + 1,) or self.logits_indices.shape != (b,):
-            raise ValueError(f"StepBatch: query_start_loc must be [{b + 1}], logits_indices [{b}]")
+        if self.query_start_loc.shape != (b + 1,):
+            raise ValueError(f"StepBatch: query_start_loc must be [{b + 1}]")
+        if self.logits_indices.ndim != 1 or self.num_logits < 1:
+            raise ValueError("StepBatch: logits_indices must be [N], N >= 1")
+        if self.logits_indices.min() < 0 or self.logits_indices.max() >= t:
+            raise ValueError(f"StepBatch: logits_indices must be token rows in 0..{t - 1}")
         if self.block_tables.ndim != 2 or self.block_tables.shape[0] != b:
             raise ValueError(f"StepBatch: block_tables must be [{b}, max_blocks]")
         if self.query_start_loc[0] != 0 or self.query_start_loc[-1] != t:

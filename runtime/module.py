@@ -1,7 +1,7 @@
 """CompiledModel: a compiled artifact's model.so, driven through its C ABI with ctypes (docs/contracts.md).
 
     model = CompiledModel.load("tiny.cpu", kv_cache_memory="1GiB")
-    logits = model.step(StepBatch.build(...))      # float32 [B, vocab]
+    logits = model.step(StepBatch.build(...))      # float32 [N, vocab]: the rows batch.logits_indices asks for
 
 `load` checks the artifact (versions, sha256 of the manifest and every file, a CPU target = this machine), opens
 model.so (or the library given, e.g. the simulated build of a CUDA artifact's model.cu), checks
@@ -42,11 +42,11 @@ def _bind(lib: ctypes.CDLL, path: Path) -> None:
     try:
         lib.llmc_info.argtypes = [ctypes.POINTER(ModelInfo)]
         lib.llmc_info.restype = ctypes.c_int
-        lib.llmc_create.argtypes = [ctypes.c_char_p] + [ctypes.c_int32] * 5 + [ctypes.c_char_p, ctypes.c_int32]
+        lib.llmc_create.argtypes = [ctypes.c_char_p] + [ctypes.c_int32] * 6 + [ctypes.c_char_p, ctypes.c_int32]
         lib.llmc_create.restype = ctypes.c_void_p
         lib.llmc_step.argtypes = [
             ctypes.c_void_p, ctypes.c_int32, _i32p, _i32p, _i64p, ctypes.c_int32, _i32p, _i32p, _i32p,
-            ctypes.c_int32, _i32p, _f32p,
+            ctypes.c_int32, ctypes.c_int32, _i32p, _f32p,
         ]  # fmt: skip
         lib.llmc_step.restype = ctypes.c_int
         lib.llmc_destroy.argtypes = [ctypes.c_void_p]
@@ -68,10 +68,12 @@ class CompiledModel:
     num_blocks: int
     max_num_tokens: int
     max_num_seqs: int
+    max_num_logits: int
     max_blocks_per_seq: int
 
     def __init__(self, artifact: Artifact, lib: ctypes.CDLL, handle: int, info: ModelInfo, *, block_size: int,
-                 num_blocks: int, max_num_tokens: int, max_num_seqs: int, max_blocks_per_seq: int):  # fmt: skip
+                 num_blocks: int, max_num_tokens: int, max_num_seqs: int, max_num_logits: int,
+                 max_blocks_per_seq: int):  # fmt: skip
         self.artifact = artifact
         self.config = artifact.config
         self._lib = lib
@@ -81,6 +83,7 @@ class CompiledModel:
         self.num_blocks = num_blocks
         self.max_num_tokens = max_num_tokens
         self.max_num_seqs = max_num_seqs
+        self.max_num_logits = max_num_logits
         self.max_blocks_per_seq = max_blocks_per_seq
         self.kv_cache_bytes = num_blocks * kv_bytes_per_block(
             info.num_layers, info.num_kv_heads, info.head_dim, block_size, info.kv_dtype_bytes)  # fmt: skip
@@ -104,6 +107,7 @@ class CompiledModel:
         block_size: int | None = None,
         max_num_tokens: int = 512,
         max_num_seqs: int = 64,
+        max_num_logits: int | None = None,
         library: str | Path | None = None,
     ) -> CompiledModel:
         """Load an artifact; the KV cache gets `kv_cache_memory` bytes (e.g. '2GiB') or `memory_fraction`
@@ -111,6 +115,8 @@ class CompiledModel:
 
         block_size: None takes the artifact's (manifest "block_size"); the module is built for that one and
         refuses another.
+        max_num_logits: the most logits rows one step may ask for (StepBatch.logits_indices); None: max_num_seqs,
+        one per sequence. A CUDA module holds a [max_num_logits, vocab] float32 buffer for them.
         library: a shared library to load instead of the artifact's model.so, built from the same source: e.g.
         llmc.compiler.codegen.simulator.build_simulated_library(path), a CUDA artifact under the CUDA simulator.
         """
@@ -121,8 +127,10 @@ class CompiledModel:
             raise LlmcError(f"{artifact.path}: the module is built for KV blocks of {artifact.block_size} tokens, not "
                             f"{block_size}", f"load it with block_size={artifact.block_size}, or recompile with "
                             "--block-size")  # fmt: skip
+        if max_num_logits is None:
+            max_num_logits = max_num_seqs
         for name, value in (("block_size", block_size), ("max_num_tokens", max_num_tokens),
-                            ("max_num_seqs", max_num_seqs)):  # fmt: skip
+                            ("max_num_seqs", max_num_seqs), ("max_num_logits", max_num_logits)):  # fmt: skip
             if not isinstance(value, int) or value < 1:
                 raise LlmcError(f"{name}={value!r} is invalid", f"{name} must be an integer >= 1")
         lib_path = Path(library) if library is not None else artifact.library_path
@@ -139,6 +147,7 @@ class CompiledModel:
         c = artifact.config
         if info.max_num_tokens > 0:
             max_num_tokens = min(max_num_tokens, int(info.max_num_tokens))
+        max_num_logits = min(max_num_logits, max_num_tokens)
         max_blocks_per_seq = cdiv(c.max_context, block_size)
         per_block = kv_bytes_per_block(info.num_layers, info.num_kv_heads, info.head_dim, block_size,
                                        info.kv_dtype_bytes)  # fmt: skip
@@ -154,22 +163,24 @@ class CompiledModel:
 
         err = ctypes.create_string_buffer(_ERR_LEN)
         handle = lib.llmc_create(str(artifact.weights_path.resolve()).encode(), num_blocks, block_size,
-                                 max_num_tokens, max_num_seqs, max_blocks_per_seq, err, _ERR_LEN)  # fmt: skip
+                                 max_num_tokens, max_num_seqs, max_num_logits, max_blocks_per_seq, err,
+                                 _ERR_LEN)  # fmt: skip
         if not handle:
             msg = err.value.decode(errors="replace").strip() or "no message"
             hint = ("to run a GPU artifact on a machine without that GPU, pass --simulate (in Python, library="
                     "build_simulated_library(path))" if artifact.is_cuda and library is None else None)
             raise ArtifactError(f"{artifact.path}: the module failed to start: {msg}", hint)
         return cls(artifact, lib, handle, info, block_size=block_size, num_blocks=num_blocks,
-                   max_num_tokens=max_num_tokens, max_num_seqs=max_num_seqs, max_blocks_per_seq=max_blocks_per_seq)  # fmt: skip
+                   max_num_tokens=max_num_tokens, max_num_seqs=max_num_seqs, max_num_logits=max_num_logits,
+                   max_blocks_per_seq=max_blocks_per_seq)  # fmt: skip
 
     # -- the step -------------------------------------------------------------------------------------
 
     def step(self, batch: StepBatch) -> np.ndarray:
-        """Run one ragged batch; float32 logits [B, vocab], one row per sequence (its logits_indices row)."""
+        """Run one ragged batch; float32 logits [N, vocab], row i for token row batch.logits_indices[i]."""
         if self._handle is None:
             raise LlmcError("the model is closed")
-        t, b = batch.num_tokens, batch.num_seqs
+        t, b, n = batch.num_tokens, batch.num_seqs, batch.num_logits
         if not 1 <= t <= self.max_num_tokens:
             raise RequestError(f"a step of {t} tokens; the model was loaded for 1..{self.max_num_tokens} per step")
         if not 1 <= b <= self.max_num_seqs:
@@ -177,12 +188,15 @@ class CompiledModel:
         if batch.max_blocks > self.max_blocks_per_seq:
             raise RequestError(
                 f"block tables of {batch.max_blocks} blocks; the model takes at most {self.max_blocks_per_seq}")
+        if not 1 <= n <= self.max_num_logits:
+            raise RequestError(f"a step asking for {n} logits rows; the model was loaded for 1..{self.max_num_logits}"
+                               " per step (CompiledModel.load(max_num_logits=))")  # fmt: skip
         batch.validate()
-        logits = np.empty((b, self.config.vocab_size), dtype=np.float32)
+        logits = np.empty((n, self.config.vocab_size), dtype=np.float32)
         rc = self._lib.llmc_step(
             self._handle, t, _ptr(batch.token_ids, _i32p), _ptr(batch.positions, _i32p),
             _ptr(batch.slot_mapping, _i64p), b, _ptr(batch.query_start_loc, _i32p), _ptr(batch.seq_lens, _i32p),
-            _ptr(batch.block_tables, _i32p), batch.max_blocks, _ptr(batch.logits_indices, _i32p),
+            _ptr(batch.block_tables, _i32p), batch.max_blocks, n, _ptr(batch.logits_indices, _i32p),
             _ptr(logits, _f32p),
         )  # fmt: skip
         if rc != 0:
@@ -233,6 +247,7 @@ _STEP_ERRORS = {
     3: "capturing the decode step in a CUDA graph failed (LLMC_CUDA_GRAPHS=0 turns graphs off)",
     4: "a CUDA error",
     5: "a TVM fallback kernel rejected its arguments (a compiler bug; TVM's message is on stderr)",
+    6: "a logits index is outside the step's tokens",
 }
 
 

@@ -38,25 +38,25 @@ FAKE_MODULE = r"""
 extern "C" {
 typedef struct { int32_t abi_version, num_layers, num_kv_heads, head_dim, vocab_size, kv_dtype_bytes,
                  max_num_tokens; } llmc_model_info;
-struct Model { int32_t args[5]; };
-static int32_t g_args[5];
+struct Model { int32_t args[6]; };
+static int32_t g_args[6];
 int fake_create_args(int32_t *out) { memcpy(out, g_args, sizeof g_args); return 0; }
 int llmc_info(llmc_model_info *o) {
-  o->abi_version = 1; o->num_layers = LAYERS; o->num_kv_heads = KV_HEADS; o->head_dim = HEAD_DIM;
+  o->abi_version = 2; o->num_layers = LAYERS; o->num_kv_heads = KV_HEADS; o->head_dim = HEAD_DIM;
   o->vocab_size = VOCAB; o->kv_dtype_bytes = 4; o->max_num_tokens = 4096; return 0;
 }
-void *llmc_create(const char *weights, int32_t nb, int32_t bs, int32_t mt, int32_t ms, int32_t mbps,
+void *llmc_create(const char *weights, int32_t nb, int32_t bs, int32_t mt, int32_t ms, int32_t ml, int32_t mbps,
                   char *err, int32_t err_len) {
   FILE *f = fopen(weights, "rb");
   if (!f) { snprintf(err, err_len, "cannot open %s", weights); return nullptr; }
   fclose(f);
   if (ms == REFUSED) { snprintf(err, err_len, "fake module refuses max_num_seqs=%d", ms); return nullptr; }
-  Model *m = new Model{{nb, bs, mt, ms, mbps}};
+  Model *m = new Model{{nb, bs, mt, ms, ml, mbps}};
   memcpy(g_args, m->args, sizeof g_args);
   return m;
 }
 int llmc_step(void *mp, int32_t T, const int32_t *ids, const int32_t *pos, const int64_t *slots, int32_t B,
-              const int32_t *qsl, const int32_t *seq_lens, const int32_t *bt, int32_t max_blocks,
+              const int32_t *qsl, const int32_t *seq_lens, const int32_t *bt, int32_t max_blocks, int32_t N,
               const int32_t *li, float *logits) {
   Model *m = (Model *)mp;
   int32_t bs = m->args[1];
@@ -65,9 +65,11 @@ int llmc_step(void *mp, int32_t T, const int32_t *ids, const int32_t *pos, const
       int64_t want = (int64_t)bt[b * max_blocks + pos[t] / bs] * bs + pos[t] % bs;
       if (slots[t] != want || pos[t] >= seq_lens[b]) return 1;
     }
-    int32_t tok = ids[li[b]];
+  }
+  for (int n = 0; n < N; n++) {
+    int32_t tok = ids[li[n]];
     if (tok == POISON) return 2;
-    float *row = logits + (int64_t)b * VOCAB;
+    float *row = logits + (int64_t)n * VOCAB;
     for (int v = 0; v < VOCAB; v++) row[v] = 0.0f;
     row[(tok + 1) % VOCAB] = 10.0f;
   }
@@ -129,7 +131,7 @@ def _invoke(*args, env=None):
 
 
 def _created_args(model) -> list[int]:
-    out = (ctypes.c_int32 * 5)()
+    out = (ctypes.c_int32 * 6)()
     model._lib.fake_create_args(out)
     return list(out)
 
@@ -145,7 +147,7 @@ def test_load_sizes_the_kv_cache(fake_artifact):
     with CompiledModel.load(fake_artifact, kv_cache_memory=7 * per_block + 5, max_num_seqs=4) as m:
         assert m.num_blocks == 7
         assert m.max_blocks_per_seq == cdiv(c.max_context, 16)
-        assert _created_args(m) == [7, 16, 512, 4, m.max_blocks_per_seq]
+        assert _created_args(m) == [7, 16, 512, 4, 4, m.max_blocks_per_seq]  # max_num_logits: one per sequence
         assert m.kv_cache_bytes == 7 * per_block
         assert m.config == c and m.tokenizer_path == fake_artifact / "tokenizer.json"
         assert m.bos_token == "<|bos|>" and m.eos_token == "<|eos|>" and m.chat_template

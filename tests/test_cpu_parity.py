@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 from checkpoints import ARCHS, hf_model
+from logits_rows import assert_logits_rows_match_transformers
 from tokenizers import Tokenizer
 
 from llmc.compiler.compile import compile_checkpoint
@@ -73,6 +74,14 @@ def test_every_step_logits_within_1e3(arch, checkpoint_dir, tmp_path_factory):
         computed += len(new)
         new = [int(np.argmax(logits))]
         tokens.append(new[0])
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_logits_at_every_row_and_at_mixed_rows(arch, checkpoint_dir, tmp_path_factory):
+    path = checkpoint_dir(arch)
+    prompts = _prompt_ids(path)
+    model = CompiledModel.load(compiled(checkpoint_dir, tmp_path_factory, arch), max_num_logits=len(prompts[1]))
+    assert_logits_rows_match_transformers(model, path, long=prompts[1], short=prompts[0])
 
 
 # More checkpoint variants. Sliding windows far shorter than the prompts, so nearly every attention row is cut

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 from checkpoints import ARCHS, hf_model
+from logits_rows import assert_logits_rows_match_transformers
 from tokenizers import Tokenizer
 
 from llmc.compiler.codegen.simulator import build_simulated_library, nvcc_compile
@@ -53,6 +54,16 @@ def test_simulated_sm90_matches_cpu_and_transformers(arch, checkpoint_dir, tmp_p
         expected = hf_model(path).generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS,
                                            min_new_tokens=NEW_TOKENS, do_sample=False)[0, len(ids):].tolist()
     assert simulated == expected
+
+
+def test_simulated_sm90_logits_at_every_row_and_at_mixed_rows(checkpoint_dir, tmp_path_factory):
+    path = checkpoint_dir("llama")
+    tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+    long, short = tok.encode(PROMPT + " holds items in order").ids, tok.encode(PROMPT).ids
+    sm90 = artifact(checkpoint_dir, tmp_path_factory, "llama", "sm90")
+    with CompiledModel.load(sm90, library=build_simulated_library(sm90), max_num_seqs=2,
+                            max_num_logits=len(long)) as sim:  # fmt: skip
+        assert_logits_rows_match_transformers(sim, path, long=long, short=short)
 
 
 def test_simulated_bf16_within_tolerance(checkpoint_dir, tmp_path_factory):

@@ -21,7 +21,7 @@ PASSES: list[Callable[[tvm.IRModule], tvm.IRModule]] = [
     fuse_attention,  # needs llmc.rope
     merge_qkv,  # needs llmc.paged_attention to find q, k, v
     fuse_swiglu,
-    select_logits_rows,  # needs the fused final norm and the batch size of fuse_attention
+    select_logits_rows,  # needs the fused final norm
     fold,
 ]
 

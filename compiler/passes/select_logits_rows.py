@@ -1,12 +1,14 @@
 """select_logits_rows: only the rows in logits_indices reach the final norm and the lm_head.
 
-A step computes hidden states for every token, but the runtime samples from one row per sequence (its
-last token). This pass adds the parameter `logits_indices: [B] int32` and gathers those rows before
-the final (add +) RMSNorm, so the norm and the vocab-sized GEMM run on B rows, not T: for a 512-token
-prefill that is 512x less lm_head work. main then returns logits [B, vocab], as the C ABI says.
+A step computes hidden states for every token, but the runtime wants logits at a few rows: one per
+sequence when it samples (its last token), K+1 rows of a sequence under speculative verification, every
+row when it scores a prompt. This pass adds the parameter `logits_indices: [N] int32` (any N token rows,
+in the order the caller wants them) and gathers those rows before the final (add +) RMSNorm, so the norm
+and the vocab-sized GEMM run on N rows, not T: for a 512-token prefill sampled once that is 512x less
+lm_head work. main then returns logits [N, vocab], as the C ABI says.
 
-Runs after fuse_rmsnorm (it moves the fused final norm) and fuse_attention (it reuses the batch size B
-of seq_lens). Not covered: returning logits for every position (prompt logprobs).
+Runs after fuse_rmsnorm (it moves the fused final norm). N is a symbolic dimension of its own, so
+lowering can tell the logits rows from token rows.
 """
 
 from __future__ import annotations
@@ -32,13 +34,6 @@ def _output_linear(func: relax.Function, var2val):
         return expr, Linear.match(expr, var2val)
 
 
-def _batch_var(func: relax.Function):
-    for p in func.params:
-        if p.name == "seq_lens":
-            return p.ty.shape.values[0]
-    return tvm.tirx.Var("B", "int64")
-
-
 def select_logits_rows(mod: tvm.IRModule) -> tvm.IRModule:
     func = main_function(mod)
     var2val = relax.analysis.get_var2val(func)
@@ -53,8 +48,8 @@ def select_logits_rows(mod: tvm.IRModule) -> tvm.IRModule:
     if op not in ("rms_norm", "add_rms_norm"):
         return rewrite(mod, {}, pass_name="select_logits_rows", count=0)
 
-    batch = _batch_var(func)
-    indices = relax.Var("logits_indices", relax.TensorType([batch], "int32"))
+    num_logits = tvm.tirx.Var("N", "int64")
+    indices = relax.Var("logits_indices", relax.TensorType([num_logits], "int32"))
     args = llmc_args(norm_call)
     hidden = normed.ty.shape.values[-1]
     row_axis = len(normed.ty.shape.values) - 2
@@ -63,14 +58,14 @@ def select_logits_rows(mod: tvm.IRModule) -> tvm.IRModule:
         return relax.op.take(x, indices, axis=row_axis)
 
     if op == "add_rms_norm":
-        gathered_ty = relax.TensorType([*normed.ty.shape.values[:-2], batch, hidden], "float32")
+        gathered_ty = relax.TensorType([*normed.ty.shape.values[:-2], num_logits, hidden], "float32")
         call = llmc_call("add_rms_norm", [gather(args["x"]), gather(args["residual"]), args["weight"], args["eps"]],
                          relax.TupleType([gathered_ty, gathered_ty]))
         rows = relax.TupleGetItem(call, 1)
     else:
         rows = llmc_call("rms_norm", [gather(args["x"]), args["weight"], args["eps"]],
-                         relax.TensorType([*normed.ty.shape.values[:-2], batch, hidden], "float32"))
-    logits = relax.op.matmul(relax.op.reshape(rows, [batch, hidden]), relax.op.permute_dims(head.weight, [1, 0]))
+                         relax.TensorType([*normed.ty.shape.values[:-2], num_logits, hidden], "float32"))
+    logits = relax.op.matmul(relax.op.reshape(rows, [num_logits, hidden]), relax.op.permute_dims(head.weight, [1, 0]))
     out_var = func.body.body
     return rewrite(mod, {out_var: logits}, pass_name="select_logits_rows", count=1,
                    params=[*func.params[:2], indices, *func.params[2:]])

@@ -21,6 +21,16 @@ def test_kernel_program_of_a_fused_model(checkpoint_dir):
     per_layer = ["rmsnorm", "gemm", "rope", "rope", "paged_attention", "gemm", "rmsnorm", "gemm", "silu_mul", "gemm"]
     assert ops == ["embedding"] + per_layer * config.num_layers + ["gather_rows", "gather_rows", "rmsnorm", "gemm"]
     assert program.launches[-1].args[3] == "logits"  # the lm_head writes the ABI output directly
+    # the rows behind the gather are the N logits rows asked for, sized apart from the T token rows
+    gathers = [launch for launch in program.launches if launch.op == "gather_rows"]
+    assert [launch.args[1:3] for launch in gathers] == [["logits_indices", "N"]] * 2
+    assert program.launches[-1].args[-1] == "N" and {b.rows for b in program.buffers} == {"T", "N"}
+    # the row kind is the only place N shows in the printed program; B stays attention's sequence count
+    for line in str(program).splitlines():
+        if " N" in line or "[N" in line:
+            assert "float[N," in line or line.lstrip().startswith(("gather_rows(", "rmsnorm(", "gemm(")), line
+        if ", B," in line:
+            assert line.lstrip().startswith("paged_attention("), line
     # liveness reuse: a handful of buffers whatever the depth
     assert len(program.buffers) <= 8
     # tied embeddings: one packed table serves the embedding and the lm_head; matrices bf16, norms fp32
@@ -74,7 +84,7 @@ def test_ops_no_template_covers_fall_back_to_tvm(checkpoint_dir, monkeypatch):
     assert [launch.fused for launch in fallbacks] == [["relax.nn.silu"], ["relax.multiply"]] * 2
     assert sorted(program.tvm_funcs) == ["tvm_multiply_1", "tvm_nn_silu_0"]
     silu = fallbacks[0]
-    assert silu.params["shapes"] == [[1, "T", config.intermediate_size]] * 2 and silu.args[-2:] == ["T", "B"]
+    assert silu.params["shapes"] == [[1, "T", config.intermediate_size]] * 2 and silu.args[-2:] == ["T", "N"]
     assert "TVM fallback tvm_nn_silu_0" in str(program)
 
 

@@ -29,14 +29,14 @@ class Before:
 class Expected:
     @R.function
     def main(input_ids: R.Tensor(("n",), "int64"), positions: R.Tensor(("n",), "int64"),
-             logits_indices: R.Tensor(("B",), "int32"), seq_lens: R.Tensor(("B",), "int32"),
+             logits_indices: R.Tensor(("N",), "int32"), seq_lens: R.Tensor(("B",), "int32"),
              h: R.Tensor((1, "n", 8), "float32"), w: R.Tensor((8,), "float32"), head: R.Tensor((16, 8), "float32")):
-        B = T.int64()
+        N = T.int64()
         with R.dataflow():
             rows = R.take(h, logits_indices, axis=1)
             normed = R.call_pure_packed("llmc.rms_norm", rows, w, R.prim_value(T.float64(1e-5)),
-                                        ty_args=R.Tensor((1, B, 8), "float32"))
-            out = R.matmul(R.reshape(normed, R.shape([B, 8])), R.permute_dims(head, axes=[1, 0]))
+                                        ty_args=R.Tensor((1, N, 8), "float32"))
+            out = R.matmul(R.reshape(normed, R.shape([N, 8])), R.permute_dims(head, axes=[1, 0]))
             R.output(out)
         return out
 
@@ -76,7 +76,11 @@ def test_final_norm_and_lm_head_run_on_selected_rows(arch, checkpoint_dir):
     main = out["main"]
     assert "logits_indices" in [p.name for p in main.params]
     rows, vocab = main.ret_ty.shape.values
-    assert str(rows) == "B" and int(vocab) == config.vocab_size
+    # N logits rows, a count of its own: neither the tokens T nor the sequences B of seq_lens
+    assert str(rows) == "N" and int(vocab) == config.vocab_size
+    indices = next(p for p in main.params if p.name == "logits_indices")
+    assert indices.ty.shape.values[0].same_as(rows)
+    assert all(not d.same_as(rows) for p in main.params if p.name != "logits_indices" for d in p.ty.shape.values)
     assert count_ops(out, "take") == 3  # the embedding, and the rows of both residual-add operands
 
 

@@ -39,19 +39,21 @@ def context_logits(context: np.ndarray, vocab_size: int) -> np.ndarray:
 
 class FakeModel:
     def __init__(
-        self, config: FakeConfig | None = None, *, num_blocks=64, block_size=16, max_num_tokens=256, max_num_seqs=16
+        self, config: FakeConfig | None = None, *, num_blocks=64, block_size=16, max_num_tokens=256, max_num_seqs=16,
+        max_num_logits=None,
     ):
         self.config = config or FakeConfig()
         self.num_blocks, self.block_size = num_blocks, block_size
         self.max_num_tokens, self.max_num_seqs = max_num_tokens, max_num_seqs
+        self.max_num_logits = max_num_seqs if max_num_logits is None else max_num_logits
         self.cache = np.full((num_blocks, block_size), -1, dtype=np.int64)
         self.num_steps = 0
         self.max_batch_seen = 0
 
     def step(self, batch: StepBatch) -> np.ndarray:
         batch.validate()
-        t, b = batch.num_tokens, batch.num_seqs
-        assert t <= self.max_num_tokens and b <= self.max_num_seqs, (t, b)
+        t, b, rows = batch.num_tokens, batch.num_seqs, batch.num_logits
+        assert t <= self.max_num_tokens and b <= self.max_num_seqs and rows <= self.max_num_logits, (t, b, rows)
         assert (batch.block_tables < self.num_blocks).all()
         assert (batch.slot_mapping < self.num_blocks * self.block_size).all()
         qsl = batch.query_start_loc
@@ -61,12 +63,13 @@ class FakeModel:
             assert (batch.positions[qsl[s] : qsl[s + 1]] == expect).all(), "positions disagree with seq_lens"
         assert len(np.unique(batch.slot_mapping)) == t, "two tokens of one step share a cache slot"
         self.cache.reshape(-1)[batch.slot_mapping] = batch.token_ids
-        logits = np.empty((b, self.config.vocab_size), dtype=np.float32)
-        for s in range(b):
-            pos = int(batch.positions[batch.logits_indices[s]])
+        logits = np.empty((rows, self.config.vocab_size), dtype=np.float32)
+        for i, row in enumerate(batch.logits_indices):
+            s = int(np.searchsorted(qsl, row, side="right")) - 1  # the sequence that owns token row `row`
+            pos = int(batch.positions[row])
             context = self.cache[batch.block_tables[s]].reshape(-1)[: pos + 1]
             assert (context >= 0).all(), "context reads a slot never written"
-            logits[s] = context_logits(context, self.config.vocab_size)
+            logits[i] = context_logits(context, self.config.vocab_size)
         self.num_steps += 1
         self.max_batch_seen = max(self.max_batch_seen, b)
         return logits

@@ -17,9 +17,20 @@ def test_build_flattens_prefill_chunk_and_decodes():
     np.testing.assert_array_equal(batch.seq_lens, [8, 10])
     np.testing.assert_array_equal(batch.block_tables, [[2, 0, 0], [1, 3, 5]])
     np.testing.assert_array_equal(batch.logits_indices, [4, 5])
-    assert (batch.num_tokens, batch.num_seqs, batch.max_blocks) == (6, 2, 3)
+    assert (batch.num_tokens, batch.num_seqs, batch.num_logits, batch.max_blocks) == (6, 2, 2, 3)
     for name, dtype in [("token_ids", np.int32), ("slot_mapping", np.int64), ("block_tables", np.int32)]:
         assert getattr(batch, name).dtype == dtype
+
+
+def test_build_asks_for_the_last_rows_of_each_sequence():
+    # seq 0 verifies 3 rows of its 5-token chunk, seq 1 decodes (1 row), seq 2 scores both of its tokens
+    batch = StepBatch.build([[10, 11, 12, 13, 14], [20], [30, 31]], [3, 9, 0], [[2, 0], [1, 3, 5], [4]], block_size=4,
+                            num_logits=[3, 1, 2])  # fmt: skip
+    batch.validate()
+    np.testing.assert_array_equal(batch.logits_indices, [2, 3, 4, 5, 6, 7])
+    assert batch.logits_indices.dtype == np.int32 and batch.num_logits == 6
+    with pytest.raises(AssertionError, match="num_logits"):
+        StepBatch.build([[1, 2]], [0], [[0]], block_size=4, num_logits=[3])  # more rows than new tokens
 
 
 def test_build_rejects_a_block_table_too_short():
@@ -35,3 +46,9 @@ def test_validate_catches_abi_mismatches():
         dataclasses.replace(batch, block_tables=np.zeros((4, 2), np.int32)[::2]).validate()
     with pytest.raises(ValueError, match="query_start_loc"):
         dataclasses.replace(batch, query_start_loc=np.array([0, 1], np.int32)).validate()
+    with pytest.raises(ValueError, match="token rows in 0..1"):
+        dataclasses.replace(batch, logits_indices=np.array([0, 2], np.int32)).validate()
+    with pytest.raises(ValueError, match="N >= 1"):
+        dataclasses.replace(batch, logits_indices=np.zeros(0, np.int32)).validate()
+    # any rows, in any order, repeated or not, make a valid step
+    dataclasses.replace(batch, logits_indices=np.array([1, 0, 1], np.int32)).validate()

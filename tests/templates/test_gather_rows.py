@@ -20,3 +20,13 @@ def test_gather_rows_matches_numpy(kernels, op, params, n):
     kernels(op, params)(x, rows, n, out)
     assert np.array_equal(out[:n], x[rows])
     assert np.isnan(out[n:]).all()  # nothing written past the last row
+
+
+@pytest.mark.parametrize("op,params", SPECS, ids=map(spec_id, SPECS))
+def test_gather_rows_takes_every_row_in_any_order(kernels, op, params):
+    """Scoring asks for every row of a prefill; any order is kept (the logits come back in the order asked)."""
+    x = np.random.default_rng(1).standard_normal((20, params["cols"]), dtype=np.float32)
+    for rows in (np.arange(20, dtype=np.int32), np.arange(20, dtype=np.int32)[::-1].copy()):
+        out = np.full_like(x, np.nan)
+        kernels(op, params)(x, rows, 20, out)
+        assert np.array_equal(out, x[rows])
