@@ -4,6 +4,8 @@ The step loop (`LLMEngine.step`):
   1. `Scheduler.schedule()` picks this step's sequences and token counts under the token budget,
      allocating cache slots (preempting by recompute when the cache is full).
   2. `StepBatch.build` flattens them into the C ABI arrays; `model.step(batch)` returns logits [B, vocab].
+     Once the step succeeded, the full blocks it wrote enter the prefix cache (`cache_computed_blocks`), so
+     later requests that start with the same tokens share them instead of computing them again.
   3. Every sequence whose step reached its last token samples one token (sampling.py), appends it, checks
      stop tokens / length, detokenizes it and checks stop strings (detokenizer.py); a finished sequence is
      removed and its blocks are freed at once.
