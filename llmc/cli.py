@@ -353,12 +353,13 @@ def eval_ppl(artifact: Path, text_file: Path, max_tokens: int | None, kv_cache_m
              as_json: bool) -> None:  # fmt: skip
     """Perplexity of the compiled ARTIFACT over a text file.
 
-    The text is split into windows of the model's context; each window is run one token per step (decode
-    steps), scoring every next token. Exact and simple; fine for small files.
+    The text is split into windows of the model's context; each window runs as prefill steps that return the
+    logits of every row, scoring every next token.
     """
     from .runtime.scoring import perplexity
 
-    model, tokenizer = _load_model(_resolve_artifact(artifact), kv_cache_memory, max_num_seqs=1)
+    # logits at every row of a step (max_num_logits is capped at the step's max_num_tokens)
+    model, tokenizer = _load_model(_resolve_artifact(artifact), kv_cache_memory, max_num_seqs=1, max_num_logits=512)
     ids = tokenizer.encode(text_file.read_text(encoding="utf-8")).ids
     if max_tokens is not None:
         ids = ids[:max_tokens]
