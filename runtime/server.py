@@ -422,6 +422,11 @@ class ErrorResponse(BaseModel):
     error: ErrorDetail
 
 
+class HealthStatus(BaseModel):
+    status: str  # "ok", "shutting down" or "error"
+    detail: str | None = None
+
+
 def _error_doc(description: str) -> dict:
     return {"model": ErrorResponse, "description": description}
 
@@ -779,7 +784,8 @@ def create_app(
     async def metrics():
         return Response(server.metrics.render(), media_type=CONTENT_TYPE)
 
-    @app.get("/health")
+    @app.get("/health", responses={200: {"model": HealthStatus}, 503: {"model": HealthStatus, "description":
+             "Shutting down, or the engine loop failed (`detail` says which to do)."}})  # fmt: skip
     async def health():
         if server.draining:
             return JSONResponse({"status": "shutting down"}, 503)

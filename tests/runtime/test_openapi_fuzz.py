@@ -89,3 +89,16 @@ def test_every_answer_is_documented_and_none_is_a_server_error(served, path, met
 def test_the_schema_documents_every_operation(served):
     api_schema, _ = served
     assert sorted((op.path, op.method.upper()) for op in (r.ok() for r in api_schema.get_all_operations())) == sorted(OPERATIONS)
+
+
+def test_the_schema_documents_the_error_statuses_with_openais_error_body(served):
+    api_schema, _ = served
+    ref = {"$ref": "#/components/schemas/ErrorResponse"}
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        responses = api_schema.raw_schema["paths"][path]["post"]["responses"]
+        assert set(responses) == {"200", "400", "404", "413", "429", "500", "503"}
+        for status in set(responses) - {"200"}:
+            assert responses[status]["content"]["application/json"]["schema"] == ref, (path, status)
+        assert "Retry-After" in responses["429"]["headers"]
+        assert set(responses["200"]["content"]) == {"application/json", "text/event-stream"}
+    assert set(api_schema.raw_schema["paths"]["/health"]["get"]["responses"]) == {"200", "503"}
