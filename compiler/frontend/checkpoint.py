@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
+from llmc.artifact import GENERATION_DEFAULT_KEYS
 from llmc.errors import CheckpointError, LlmcError
 
 from .config import ModelConfig, parse_config, token_ids
@@ -231,8 +232,7 @@ def generation_defaults(gen: dict, path: Path | str = "generation_config.json") 
 
     if not gen.get("do_sample", False):
         return {"temperature": 0.0} if gen else {}
-    keys = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")
-    defaults = {"temperature": 1.0, **{k: gen[k] for k in keys if gen.get(k) is not None}}
+    defaults = {"temperature": 1.0, **{k: gen[k] for k in GENERATION_DEFAULT_KEYS if gen.get(k) is not None}}
     try:
         SamplingParams(**defaults)
     except LlmcError as e:
