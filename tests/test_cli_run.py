@@ -20,7 +20,7 @@ from click.testing import CliRunner
 
 import llmc.compiler.compile
 from llmc import cli
-from llmc.artifact import load_artifact, write_artifact
+from llmc.artifact import ABI_VERSION, load_artifact, write_artifact
 from llmc.compiler.frontend.checkpoint import load_checkpoint
 from llmc.errors import ArtifactError, LlmcError, RequestError
 from llmc.runtime.batch import StepBatch
@@ -42,7 +42,7 @@ struct Model { int32_t args[6]; };
 static int32_t g_args[6];
 int fake_create_args(int32_t *out) { memcpy(out, g_args, sizeof g_args); return 0; }
 int llmc_info(llmc_model_info *o) {
-  o->abi_version = 2; o->num_layers = LAYERS; o->num_kv_heads = KV_HEADS; o->head_dim = HEAD_DIM;
+  o->abi_version = ABI; o->num_layers = LAYERS; o->num_kv_heads = KV_HEADS; o->head_dim = HEAD_DIM;
   o->vocab_size = VOCAB; o->kv_dtype_bytes = 4; o->max_num_tokens = 4096; return 0;
 }
 void *llmc_create(const char *weights, int32_t nb, int32_t bs, int32_t mt, int32_t ms, int32_t ml, int32_t mbps,
@@ -116,8 +116,9 @@ def fake_lib(tmp_path_factory, checkpoint_dir):
     (d / "fake.cc").write_text(FAKE_MODULE)
     defines = [f"-DLAYERS={c.num_layers}", f"-DKV_HEADS={c.num_kv_heads}", f"-DHEAD_DIM={c.head_dim}",
                f"-DVOCAB={c.vocab_size}", f"-DPOISON={POISON}", f"-DREFUSED={REFUSED_SEQS}"]
-    subprocess.run(["g++", "-O1", "-shared", "-fPIC", *defines, "-o", str(d / "model.so"), str(d / "fake.cc")],
-                   check=True)
+    for name, abi in (("model.so", ABI_VERSION), ("abi1.so", 1)):  # abi1.so: a module compiled before ABI 2
+        subprocess.run(["g++", "-O1", "-shared", "-fPIC", *defines, f"-DABI={abi}", "-o", str(d / name),
+                        str(d / "fake.cc")], check=True)  # fmt: skip
     return d
 
 
@@ -186,10 +187,22 @@ def test_step_and_its_checks(fake_artifact):
         m.step(StepBatch.build([[1], [2], [3]], [0, 0, 0], [[0], [1], [2]], m.block_size))
     with pytest.raises(LlmcError, match="step failed: a token id is outside the vocabulary"):
         m.step(StepBatch.build([[POISON]], [0], [[0]], m.block_size))
+    with pytest.raises(RequestError, match="3 logits rows; the model was loaded for 1..2"):
+        m.step(StepBatch.build([[5, 6, 7]], [0], [[0]], m.block_size, num_logits=[3]))
     m.close()
     m.close()  # idempotent
     with pytest.raises(LlmcError, match="closed"):
         m.step(batch)
+    # logits at several rows: each row's next token, in the order asked
+    with CompiledModel.load(fake_artifact, kv_cache_memory="64MiB", max_num_tokens=8, max_num_logits=4) as m:
+        logits = m.step(StepBatch.build([[5, 6, 7], [9]], [0, 4], [[0], [1]], m.block_size, num_logits=[3, 1]))
+        assert logits.shape == (4, m.config.vocab_size) and logits.argmax(-1).tolist() == [6, 7, 8, 10]
+        assert m.max_num_logits == 4 and _created_args(m)[4] == 4
+
+
+def test_a_module_of_another_abi_version_is_refused(fake_artifact, fake_lib):
+    with pytest.raises(ArtifactError, match=rf"C ABI version 1, this llmc speaks {ABI_VERSION}.*recompile it"):
+        CompiledModel.load(fake_artifact, kv_cache_memory="64MiB", library=fake_lib / "abi1.so")
 
 
 def test_create_failure_is_an_artifact_error(fake_artifact):
