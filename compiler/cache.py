@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from llmc import __version__
+from llmc.artifact import ABI_VERSION, FORMAT_VERSION
 from llmc.digests import checkpoint_hash
 from llmc.host import cache_root, host_cpu_target
 
@@ -19,12 +20,13 @@ from llmc.host import cache_root, host_cpu_target
 def cached_artifact(ckpt: Path, *, progress: bool = True) -> Path:
     """A CPU artifact of checkpoint `ckpt`, from the cache, compiled into it first if it is not there.
 
-    Key: the checkpoint's content hash (digests.py remembers the hashes of big files), the compiler version
-    and this host's CPU, so a cache shared across hosts never hands out an artifact built for another ISA.
+    Key: the checkpoint's content hash (digests.py remembers the hashes of big files), the compiler version,
+    the artifact format and ABI versions (they change between releases during development) and this host's
+    CPU, so a cache shared across hosts or llmc builds never hands out an artifact another one cannot load.
     Processes that ask for the same key at once compile it once: the others wait on its lock, then reuse it.
     """
     isa = hashlib.sha256(json.dumps(host_cpu_target(), sort_keys=True).encode()).hexdigest()[:8]
-    key = f"{checkpoint_hash(ckpt)[:24]}-llmc{__version__}-cpu-{isa}"
+    key = f"{checkpoint_hash(ckpt)[:24]}-llmc{__version__}-f{FORMAT_VERSION}-abi{ABI_VERSION}-cpu-{isa}"
     root = cache_root() / "artifacts"
     out = root / key
     if (out / "manifest.json").is_file():
