@@ -115,8 +115,9 @@ class CompiledModel:
 
         block_size: None takes the artifact's (manifest "block_size"); the module is built for that one and
         refuses another.
-        max_num_logits: the most logits rows one step may ask for (StepBatch.logits_indices); None: max_num_seqs,
-        one per sequence. A CUDA module holds a [max_num_logits, vocab] float32 buffer for them.
+        max_num_logits: the most logits rows one step may ask for (StepBatch.logits_indices), at least one per
+        sequence of a step and at most max_num_tokens; None: max_num_seqs. A CUDA module holds a
+        [max_num_logits, vocab] float32 buffer for them.
         library: a shared library to load instead of the artifact's model.so, built from the same source: e.g.
         llmc.compiler.codegen.simulator.build_simulated_library(path), a CUDA artifact under the CUDA simulator.
         """
@@ -148,6 +149,10 @@ class CompiledModel:
         if info.max_num_tokens > 0:
             max_num_tokens = min(max_num_tokens, int(info.max_num_tokens))
         max_num_logits = min(max_num_logits, max_num_tokens)
+        if max_num_logits < min(max_num_seqs, max_num_tokens):
+            raise LlmcError(f"max_num_logits={max_num_logits} is below the {min(max_num_seqs, max_num_tokens)} "
+                            "sequences a step may hold, and sampling takes one logits row per sequence",
+                            "pass max_num_logits >= max_num_seqs, or leave it unset")  # fmt: skip
         max_blocks_per_seq = cdiv(c.max_context, block_size)
         per_block = kv_bytes_per_block(info.num_layers, info.num_kv_heads, info.head_dim, block_size,
                                        info.kv_dtype_bytes)  # fmt: skip

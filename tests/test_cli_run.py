@@ -194,10 +194,13 @@ def test_step_and_its_checks(fake_artifact):
     with pytest.raises(LlmcError, match="closed"):
         m.step(batch)
     # logits at several rows: each row's next token, in the order asked
-    with CompiledModel.load(fake_artifact, kv_cache_memory="64MiB", max_num_tokens=8, max_num_logits=4) as m:
+    with CompiledModel.load(fake_artifact, kv_cache_memory="64MiB", max_num_tokens=8, max_num_seqs=2,
+                            max_num_logits=4) as m:  # fmt: skip
         logits = m.step(StepBatch.build([[5, 6, 7], [9]], [0, 4], [[0], [1]], m.block_size, num_logits=[3, 1]))
         assert logits.shape == (4, m.config.vocab_size) and logits.argmax(-1).tolist() == [6, 7, 8, 10]
         assert m.max_num_logits == 4 and _created_args(m)[4] == 4
+    with pytest.raises(LlmcError, match="max_num_logits=2 is below the 3 sequences"):
+        CompiledModel.load(fake_artifact, kv_cache_memory="64MiB", max_num_seqs=3, max_num_logits=2)
 
 
 def test_a_module_of_another_abi_version_is_refused(fake_artifact, fake_lib):

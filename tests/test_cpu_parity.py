@@ -80,7 +80,8 @@ def test_every_step_logits_within_1e3(arch, checkpoint_dir, tmp_path_factory):
 def test_logits_at_every_row_and_at_mixed_rows(arch, checkpoint_dir, tmp_path_factory):
     path = checkpoint_dir(arch)
     prompts = _prompt_ids(path)
-    model = CompiledModel.load(compiled(checkpoint_dir, tmp_path_factory, arch), max_num_logits=len(prompts[1]))
+    model = CompiledModel.load(compiled(checkpoint_dir, tmp_path_factory, arch), max_num_seqs=2,
+                               max_num_logits=len(prompts[1]))  # fmt: skip
     assert_logits_rows_match_transformers(model, path, long=prompts[1], short=prompts[0])
 
 
