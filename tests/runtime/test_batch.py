@@ -2,6 +2,8 @@ import dataclasses
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from llmc.runtime.batch import StepBatch
 
@@ -31,6 +33,18 @@ def test_build_asks_for_the_last_rows_of_each_sequence():
     assert batch.logits_indices.dtype == np.int32 and batch.num_logits == 6
     with pytest.raises(AssertionError, match="num_logits"):
         StepBatch.build([[1, 2]], [0], [[0]], block_size=4, num_logits=[3])  # more rows than new tokens
+
+
+@given(st.lists(st.integers(1, 6).flatmap(lambda n: st.tuples(st.just(n), st.integers(1, n))), min_size=1, max_size=5))
+def test_build_asks_for_each_sequences_last_rows_in_order(lens_and_rows):
+    """logits_indices is the concatenation, sequence by sequence, of each one's last num_logits token rows."""
+    tokens = [list(range(n)) for n, _ in lens_and_rows]
+    batch = StepBatch.build(tokens, [0] * len(tokens), [[i] for i in range(len(tokens))], block_size=8,
+                            num_logits=[r for _, r in lens_and_rows])  # fmt: skip
+    batch.validate()
+    ends = batch.query_start_loc[1:]
+    want = [t for end, (_, r) in zip(ends, lens_and_rows, strict=True) for t in range(end - r, end)]
+    assert batch.logits_indices.tolist() == want and batch.num_logits == len(want)
 
 
 def test_build_rejects_a_block_table_too_short():
