@@ -122,7 +122,8 @@ def machine() -> dict:
                 break
     except OSError:
         pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "llc_bytes": cpu_decode.llc_bytes(), "python": platform.python_version()}
+    return {"cpu": cpu, "cores": os.cpu_count(), "llc_bytes": cpu_decode.llc_bytes(),
+            "python": platform.python_version()}
 
 
 def main(argv=None) -> dict:
@@ -164,8 +165,8 @@ def format_table(result: dict) -> str:
                       f"{r['ttft_uncached_ms']:.1f}", f"{r['speedup']:.1f}x"])  # fmt: skip
     widths = [max(len(row[i]) for row in cells) for i in range(len(cells[0]))]
     for row in cells:
-        lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths,
-                                                                                                   strict=True))))  # fmt: skip
+        padded = [c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True))]
+        lines.append("  ".join(padded))
     return "\n".join(lines)
 
 

@@ -177,8 +177,9 @@ def run(artifact: Path | None, prompt: str | None, max_tokens: int, temperature:
         model, tokenizer = _load_model(path, kv_cache_memory, max_num_seqs=1)
         params = SamplingParams(**{**model.generation_defaults, **given}, seed=seed, max_tokens=max_tokens)
         with model:
-            run_chat(LLMEngine(model, tokenizer, enable_prefix_caching=not no_prefix_caching), tokenizer, model.chat_template, params,
-                     bos_token=model.bos_token, eos_token=model.eos_token)  # fmt: skip
+            engine = LLMEngine(model, tokenizer, enable_prefix_caching=not no_prefix_caching)
+            run_chat(engine, tokenizer, model.chat_template, params, bos_token=model.bos_token,
+                     eos_token=model.eos_token)  # fmt: skip
         return
     if prompt is None:
         prompt = DEFAULT_PROMPT if artifact is None else sys.stdin.read()

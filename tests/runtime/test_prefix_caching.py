@@ -22,7 +22,8 @@ def shared_prefix_workload(seed: int, num_requests: int, vocab: int, base_len: i
     base = [int(t) for t in rng.integers(2, vocab, base_len)]
     requests = []
     for _ in range(num_requests):
-        prompt = base[: rng.integers(0, base_len + 1)] + [int(t) for t in rng.integers(2, vocab, rng.integers(1, max_suffix))]
+        suffix = rng.integers(2, vocab, rng.integers(1, max_suffix))
+        prompt = base[: rng.integers(0, base_len + 1)] + [int(t) for t in suffix]
         params = SamplingParams(temperature=0, max_tokens=int(rng.integers(1, max_tokens)), ignore_eos=ignore_eos)
         requests.append((prompt, params))
     return requests, [int(a) for a in rng.integers(0, num_requests, num_requests)]
