@@ -1,5 +1,7 @@
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from llmc.runtime.kv_cache import (
     BlockPool,
@@ -227,3 +229,49 @@ def test_sizing_helpers(tmp_path):
     assert kv_cache_budget_bytes(None, 0.5) > 0  # reads this machine's /proc/meminfo
     with pytest.raises(ValueError):
         kv_cache_budget_bytes(None, memory_fraction=1.5, free_bytes=1)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_prefix_cache_under_random_operations_never_hands_out_wrong_tokens(data):
+    """Random requests over a 3-token alphabet (so prefixes collide often), growing and freed in random order, in
+    a small pool, with and without a sliding window. The test writes each token into its slot, as a step does, and
+    checks that every block the cache offers holds exactly the tokens asked for, and that the reference counts,
+    the free queue and the hash map always agree with the block tables."""
+    block_size = 2
+    num_blocks = data.draw(st.integers(2, 8))
+    window = data.draw(st.sampled_from([0, 3, 5]))
+    kv = KVCacheManager(num_blocks, block_size, sliding_window=window, enable_prefix_caching=True)
+    slots = np.full(num_blocks * block_size, -1)
+    live: dict[str, list[int]] = {}
+
+    def compute(req_id, tokens, start):
+        slots[kv.slot_mapping(req_id, start, len(tokens))] = tokens[start:]
+        kv.cache_blocks(req_id, tokens, len(tokens))
+        live[req_id] = tokens
+
+    for step in range(data.draw(st.integers(1, 40))):
+        op = data.draw(st.sampled_from(["new", "grow", "free"]))
+        if op == "new":
+            tokens = data.draw(st.lists(st.integers(0, 2), min_size=1, max_size=12))
+            blocks = kv.get_computed_blocks(tokens)
+            assert len(blocks) * block_size < len(tokens)
+            for i, b in enumerate(blocks):
+                held_tokens = slots[b * block_size : (b + 1) * block_size].tolist()
+                assert held_tokens == tokens[i * block_size : (i + 1) * block_size]
+            if kv.allocate_slots(f"r{step}", len(tokens) - len(blocks) * block_size, blocks):
+                compute(f"r{step}", tokens, len(blocks) * block_size)
+        elif live:
+            req_id = data.draw(st.sampled_from(sorted(live)))
+            if op == "free":
+                kv.free(req_id)
+                del live[req_id]
+            elif kv.allocate_slots(req_id, 1):
+                compute(req_id, live[req_id] + [data.draw(st.integers(0, 2))], len(live[req_id]))
+        held = [b for table in kv._blocks.values() for b in table if b >= 0]
+        assert all(kv.pool.ref_count(b) == held.count(b) for b in range(num_blocks))
+        assert sorted(kv.pool.free_block_ids()) == [b for b in range(num_blocks) if b not in held]
+        assert kv.pool.num_cached_blocks <= num_blocks
+    for req_id in list(live):
+        kv.free(req_id)
+    assert kv.num_free_blocks == num_blocks
