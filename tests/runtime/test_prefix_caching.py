@@ -105,3 +105,31 @@ def test_metrics_show_prefix_cache_queries_and_hits():
         samples = scrape(http)
     assert samples[("llmc:prefix_cache_queries_total", ())] == 2 * n
     assert samples[("llmc:prefix_cache_hits_total", ())] == (n - 1) // 16 * 16  # the second found the full blocks
+
+
+class FailOnceModel(FakeModel):
+    """Writes the step's k/v (tokens) into its cache, then fails: the first step only."""
+
+    failed = False
+
+    def step(self, batch):
+        logits = super().step(batch)
+        if not self.failed:
+            self.failed = True
+            self.cache[self.cache >= 0] = 0  # what a step that died half-way may leave behind
+            raise RuntimeError("model failure")
+        return logits
+
+
+def test_a_failed_step_caches_nothing():
+    """Blocks enter the prefix cache only once their step succeeded: a later request must not reuse k/v that a
+    failed step may have left half-written."""
+    model = FailOnceModel(block_size=4)
+    engine = LLMEngine(model)
+    prompt = list(range(2, 14))
+    engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=3))
+    outputs = engine.step()
+    assert [o.finish_reason for o in outputs] == ["error"] and engine.kv_cache.pool.num_cached_blocks == 0
+    result = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=3))[0]
+    assert result.outputs[0].token_ids == reference_greedy(prompt, 3, model.config)
+    assert engine.stats().prefix_cache_hits == 0 and engine.kv_cache.pool.num_cached_blocks == 3
