@@ -1,22 +1,27 @@
 """LLMEngine: requests in, incremental outputs out, one model step at a time; AsyncLLMEngine for servers.
 
 The step loop (`LLMEngine.step`):
+  0. With speculative decoding (spec_decode.py), a proposer first guesses the next K tokens of each decoding
+     sequence; the scheduler puts them after its last token, and the step asks for logits at all K+1 rows.
   1. `Scheduler.schedule()` picks this step's sequences and token counts under the token budget,
      allocating cache slots (preempting by recompute when the cache is full).
-  2. `StepBatch.build` flattens them into the C ABI arrays; `model.step(batch)` returns logits [B, vocab].
+  2. `StepBatch.build` flattens them into the C ABI arrays; `model.step(batch)` returns logits [N, vocab]
+     (one row per sequence, K+1 for a sequence with K guesses).
      Once the step succeeded, the full blocks it wrote enter the prefix cache (`cache_computed_blocks`), so
      later requests that start with the same tokens share them instead of computing them again.
-  3. Every sequence whose step reached its last token samples one token (sampling.py), appends it, checks
+  3. Every sequence whose step reached its last token samples one token (sampling.py), or keeps its accepted
+     guesses and one token after them (each checked in turn as if sampled alone), appends it, checks
      stop tokens / length, detokenizes it and checks stop strings (detokenizer.py); a finished sequence is
      removed and its blocks are freed at once.
-  4. One `RequestOutput` per sampled token is returned: the new token ids, the new text, finished and why.
+  4. One `RequestOutput` per sequence that got tokens is returned: the new token ids (several after a verify
+     step), the new text, finished and why.
 
 Failures stay with the request that caused them: a sequence whose sampling raises, or every sequence of a
 step whose model call raised, is aborted and gets one final `RequestOutput` with finish_reason "error" and
 the exception in `error`; the engine goes on with the rest.
 
 The model is anything with `config` (ModelConfig: vocab_size, max_context, eos_token_ids, kv_window), `block_size`,
-`num_blocks`, `max_num_tokens`, `max_num_seqs` and `step(StepBatch) -> float32 [B, vocab]`
+`num_blocks`, `max_num_tokens`, `max_num_seqs`, `max_num_logits` and `step(StepBatch) -> float32 [N, vocab]`
 (docs/contracts.md, "Runtime model interface"), so tests use a fake model.
 """
 
@@ -31,12 +36,14 @@ from collections.abc import AsyncIterator, Sequence
 
 import numpy as np
 
-from llmc.errors import RequestError
+from llmc.errors import LlmcError, RequestError
 from llmc.runtime.batch import StepBatch
 from llmc.runtime.detokenizer import IncrementalDetokenizer
 from llmc.runtime.kv_cache import KVCacheManager
-from llmc.runtime.sampling import SamplingParams, make_rng, sample_next_token, top_logprobs
+from llmc.runtime.sampling import SamplingParams, make_rng, process_logits, sample_next_token, softmax, top_logprobs
 from llmc.runtime.scheduler import Request, Scheduler
+from llmc.runtime.spec_decode import (NgramProposer, Proposal, ProposalRequest, SpeculativeConfig, accept_greedy,
+                                      rejection_sample)  # fmt: skip
 
 _NO_TOKENS = np.zeros(0, dtype=np.int64)
 
@@ -88,6 +95,8 @@ class EngineStats:
     num_preemptions: int  # since the engine was created
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache, since the engine was created
     prefix_cache_hits: int = 0  # of those, tokens found cached (not computed)
+    spec_num_draft_tokens: int = 0  # speculative guesses verified by the target model, since the engine was created
+    spec_num_accepted_tokens: int = 0  # of those, guesses the target accepted
 
     @property
     def kv_cache_usage(self) -> float:
@@ -98,6 +107,11 @@ class EngineStats:
     def prefix_cache_hit_rate(self) -> float:
         """Fraction of looked-up prompt tokens found in the prefix cache, 0..1 (0 before any lookup)."""
         return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        """Fraction of verified speculative guesses the target accepted, 0..1 (0 before any)."""
+        return self.spec_num_accepted_tokens / self.spec_num_draft_tokens if self.spec_num_draft_tokens else 0.0
 
 
 @dataclasses.dataclass(eq=False)
@@ -112,6 +126,8 @@ class _Sequence:
     prompt_ids: np.ndarray  # int64 [P], for the repetition penalty
     detokenizer: IncrementalDetokenizer | None
     min_tokens_suppress: tuple[int, ...]  # EOS and stop token ids, banned until min_tokens are out
+    speculate: bool = True  # the engine's speculative decoding (if on) guesses this sequence's tokens
+    proposal: Proposal | None = None  # the guesses of its next step, while it runs
 
 
 class LLMEngine:
@@ -125,13 +141,15 @@ class LLMEngine:
         max_model_len: int | None = None,
         seed: int | None = None,
         enable_prefix_caching: bool = True,
+        speculative: SpeculativeConfig | None = None,
     ):
         """model: the CompiledModel interface; tokenizer: a `tokenizers.Tokenizer`, or None for token ids only.
 
         max_num_batched_tokens / max_num_seqs default to (and are capped by) what the model was created for;
         max_model_len defaults to the model's context (max_context). enable_prefix_caching: a request reuses
         the k/v of the longest cached run of full blocks its tokens start with (kv_cache.py), and computes
-        only the rest.
+        only the rest. speculative: guess K tokens per decoding sequence and verify them in one step
+        (spec_decode.py); the model needs logits rows for them (load it with max_num_logits >= max_num_seqs * (K+1)).
         """
         self.model = model
         self.tokenizer = tokenizer
@@ -156,6 +174,18 @@ class LLMEngine:
         cache_cap = self.context_len if bounded else self.kv_cache.max_num_tokens
         self.max_model_len = min(self.context_len, max_model_len or self.context_len, cache_cap)
         self._rng = np.random.default_rng(seed)
+        self.speculative = speculative
+        self._proposer = None if speculative is None else self._make_proposer(speculative, model)
+        # logits rows a step has beyond one per sequence: the guesses of a step may use no more
+        self._spec_rows = int(model.max_num_logits) - self.scheduler.max_num_seqs
+        if speculative is not None and self._spec_rows < speculative.num_speculative_tokens:
+            k = speculative.num_speculative_tokens
+            raise LlmcError(
+                f"speculative decoding of {k} tokens needs logits rows for them, but the model was loaded for "
+                f"{model.max_num_logits} rows per step and {self.scheduler.max_num_seqs} sequences",
+                f"load it with max_num_logits >= max_num_seqs * {k + 1} (CompiledModel.load(max_num_logits=))")  # fmt: skip
+        self.spec_num_draft_tokens = 0
+        self.spec_num_accepted_tokens = 0
         self._seqs: dict[str, _Sequence] = {}  # by sequence id (== req_id when n == 1)
         self._seq_ids: dict[str, list[str]] = {}  # req_id -> its live sequence ids
         self._ids = itertools.count()
@@ -198,9 +228,13 @@ class LLMEngine:
                                param="logprobs")  # fmt: skip
 
     def add_request(
-        self, prompt_token_ids: Sequence[int], params: SamplingParams | None = None, req_id: str | None = None
+        self, prompt_token_ids: Sequence[int], params: SamplingParams | None = None, req_id: str | None = None,
+        speculate: bool = True,
     ) -> str:
-        """Queue a request (n sequences for params.n > 1); returns its id. Invalid requests raise RequestError."""
+        """Queue a request (n sequences for params.n > 1); returns its id. Invalid requests raise RequestError.
+
+        speculate=False: the engine's speculative decoding leaves this request alone (it decodes one token a step).
+        """
         params = params or SamplingParams()
         prompt = [int(t) for t in prompt_token_ids]
         self.check_request(prompt, params)
@@ -217,13 +251,15 @@ class LLMEngine:
                 # n > 1: n independent sequences; seeded ones get seed + index (as vLLM), or they would be equal
                 seq_params = params if params.n == 1 else dataclasses.replace(
                     params, n=1, seed=None if params.seed is None else params.seed + index)  # fmt: skip
-                self._add_sequence(req_id, index, seq_id, prompt, seq_params)
+                self._add_sequence(req_id, index, seq_id, prompt, seq_params, speculate)
         except Exception:
             self.abort(req_id)  # all or nothing: no sequence of a failed add stays behind
             raise
         return req_id
 
-    def _add_sequence(self, req_id: str, index: int, seq_id: str, prompt: list[int], params: SamplingParams) -> None:
+    def _add_sequence(
+        self, req_id: str, index: int, seq_id: str, prompt: list[int], params: SamplingParams, speculate: bool
+    ) -> None:
         detokenizer = None
         if self.tokenizer is not None:
             detokenizer = IncrementalDetokenizer(
@@ -238,6 +274,7 @@ class LLMEngine:
             prompt_ids=np.asarray(prompt, dtype=np.int64),
             detokenizer=detokenizer,
             min_tokens_suppress=tuple(sorted(set(self.eos_token_ids) | set(params.stop_token_ids))),
+            speculate=speculate,
         )
         self.scheduler.add_request(request)
 
@@ -249,6 +286,8 @@ class LLMEngine:
         for seq_id in seq_ids:
             self.scheduler.abort(seq_id)
             self._seqs.pop(seq_id, None)  # absent when add_request failed before this sequence
+            if self._proposer is not None:
+                self._proposer.free(seq_id)
         return True
 
     def has_unfinished(self) -> bool:
@@ -259,7 +298,8 @@ class LLMEngine:
         return EngineStats(num_running=sched.num_running, num_waiting=sched.num_waiting, num_blocks=cache.num_blocks,
                            num_free_blocks=cache.num_free_blocks, num_preemptions=sched.num_preemptions,
                            prefix_cache_queries=sched.prefix_cache_queries,
-                           prefix_cache_hits=sched.prefix_cache_hits)  # fmt: skip
+                           prefix_cache_hits=sched.prefix_cache_hits, spec_num_draft_tokens=self.spec_num_draft_tokens,
+                           spec_num_accepted_tokens=self.spec_num_accepted_tokens)  # fmt: skip
 
     def _new_id(self) -> str:
         while (req_id := f"req-{next(self._ids)}") in self._seq_ids:
@@ -269,36 +309,76 @@ class LLMEngine:
     # -- the step -------------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        if self._proposer is not None:
+            try:
+                self._propose()
+            except Exception as e:  # a failed draft model step: its sequences cannot go on, as for the target's
+                return [self._fail(seq, e) for seq in {seq.req_id: seq for seq in self._seqs.values()}.values()]
         sched = self.scheduler.schedule()
         if sched.is_empty:
             # Cannot happen while requests wait: every admitted prompt fits the empty cache. Fail, never spin.
             assert not self.scheduler.has_unfinished(), "the scheduler made no progress"
             return []
+        num_rows = [1 + s.num_spec_tokens for s in sched.scheduled]  # a verify step's guesses each need a row
         batch = StepBatch.build(
             [s.token_ids for s in sched.scheduled],
             [s.num_computed_tokens for s in sched.scheduled],
             [s.block_ids for s in sched.scheduled],
             self.kv_cache.block_size,
+            num_logits=num_rows,
         )
         try:
-            logits = self.model.step(batch)  # float32 [B, vocab]
-            if logits.shape != (batch.num_seqs, self.vocab_size):
+            logits = self.model.step(batch)  # float32 [N, vocab]: each sequence's last num_rows[b] token rows
+            if logits.shape != (batch.num_logits, self.vocab_size):
                 raise RuntimeError(f"the model returned logits of shape {logits.shape}, "
-                                   f"not {(batch.num_seqs, self.vocab_size)}")  # fmt: skip
+                                   f"not {(batch.num_logits, self.vocab_size)}")  # fmt: skip
         except Exception as e:  # the step's requests cannot go on; the others (waiting) can
             failed = {self._seqs[s.req_id].req_id: self._seqs[s.req_id] for s in sched.scheduled}
             return [self._fail(seq, e) for seq in failed.values()]
         self.scheduler.cache_computed_blocks(sched)  # before sampling finishes (and frees) any of them
         outputs = []
-        for row, scheduled in enumerate(sched.scheduled):
+        row_end = np.cumsum(num_rows)
+        for scheduled, end in zip(sched.scheduled, row_end, strict=True):
             seq = self._seqs.get(scheduled.req_id)  # None: a sibling sequence failed earlier in this loop
             if seq is None or not scheduled.samples:  # partial prefill chunks produce no token
                 continue
             try:
-                outputs.append(self._sample_and_finish(seq, logits[row]))
+                if scheduled.num_spec_tokens:
+                    rows = logits[end - 1 - scheduled.num_spec_tokens : end]
+                    guesses = scheduled.token_ids[-scheduled.num_spec_tokens :]
+                    outputs.append(self._verify_and_finish(seq, rows, guesses))
+                else:
+                    outputs.append(self._sample_and_finish(seq, logits[end - 1]))
             except Exception as e:
                 outputs.append(self._fail(seq, e))
         return outputs
+
+    @staticmethod
+    def _make_proposer(config: SpeculativeConfig, model):
+        return NgramProposer(config.ngram_min, config.ngram_max)
+
+    def _propose(self) -> None:
+        """Guess the next tokens of each running sequence that decodes this step (one token missing), as many as
+        the step's spare logits rows, its max_tokens (one token comes after the guesses) and its length allow."""
+        spare_rows = self._spec_rows
+        wanted: list[_Sequence] = []
+        asks: list[ProposalRequest] = []
+        for request in self.scheduler.running:
+            seq = self._seqs[request.req_id]
+            seq.proposal, request.spec_token_ids = None, []
+            if not seq.speculate or request.num_tokens - request.num_computed_tokens != 1:
+                continue
+            max_tokens = seq.params.max_tokens
+            left = (self.max_model_len if max_tokens is None else max_tokens - request.num_output_tokens - 1)
+            k = min(self.speculative.num_speculative_tokens, spare_rows, left, self.max_model_len - request.num_tokens)
+            if k < 1:
+                continue
+            spare_rows -= k
+            wanted.append(seq)
+            asks.append(ProposalRequest(request.req_id, request.all_token_ids, k, seq.params, seq.rng))
+        for seq, proposal in zip(wanted, self._proposer.propose(asks) if asks else [], strict=True):
+            seq.proposal = proposal
+            seq.request.spec_token_ids = list(proposal.token_ids)
 
     def _fail(self, seq: _Sequence, error: Exception) -> RequestOutput:
         """Abort the whole request of `seq` (all n sequences) because of `error`, and say so in one output."""
@@ -315,37 +395,80 @@ class LLMEngine:
         output_ids = np.asarray(request.output_token_ids, dtype=np.int64) if params.has_penalties else _NO_TOKENS
         token = sample_next_token(logits, params, seq.rng, seq.prompt_ids, output_ids, suppress)
         logprobs = [top_logprobs(logits, token, params.logprobs)] if params.logprobs is not None else None
-        self.scheduler.append_token(request.req_id, token)
-        num_out += 1
+        return self._append_and_finish(seq, [token], logprobs)
 
-        finish_reason, stop_reason = self._check_stop_token(seq, token, num_out)
-        stopped_by_token = finish_reason == "stop"
-        if finish_reason is None and (
-            (params.max_tokens is not None and num_out >= params.max_tokens) or request.num_tokens >= self.max_model_len
-        ):
-            finish_reason = "length"
-        text = ""
-        if seq.detokenizer is not None:
-            # NOTE: a stop token (EOS or stop_token_ids) is returned as an id but not as text (as vLLM).
-            matched = seq.detokenizer.update(
-                [] if stopped_by_token else [token],
-                check_stop=num_out > params.min_tokens,
-                flush=finish_reason is not None,
-            )
-            if matched is not None:
-                finish_reason, stop_reason = "stop", matched
-            text = seq.detokenizer.take_delta(finished=finish_reason is not None)
+    def _verify_and_finish(self, seq: _Sequence, rows: np.ndarray, guesses: list[int]) -> RequestOutput:
+        """Check the sequence's guesses against the target's rows [K+1, vocab] (spec_decode.py), then emit the
+        accepted ones and the token after them as `_sample_and_finish` would, one by one.
+
+        Row i follows guesses 1..i, so it is processed with them as output so far (penalties, min_tokens): every
+        emitted token sees exactly the history it would see without speculation.
+        """
+        params, request = seq.params, seq.request
+        output = request.output_token_ids
+        k = len(guesses)
+
+        def history(i: int) -> tuple[np.ndarray, tuple[int, ...]]:
+            """(output ids for the penalties, ids to suppress) for row i."""
+            output_ids = np.asarray(output + guesses[:i], dtype=np.int64) if params.has_penalties else _NO_TOKENS
+            return output_ids, seq.min_tokens_suppress if len(output) + i < params.min_tokens else ()
+
+        if params.greedy:
+            targets = [sample_next_token(rows[i], params, seq.rng, seq.prompt_ids, *history(i)) for i in range(k + 1)]
+            tokens = accept_greedy(targets, guesses)
+            num_accepted = len(tokens) - 1
+        else:
+            target_probs = np.stack([softmax(process_logits(rows[i], params, seq.prompt_ids, *history(i)))
+                                     for i in range(k + 1)])  # fmt: skip
+            draft_probs = None if seq.proposal is None or seq.proposal.probs is None else seq.proposal.probs[:k]
+            tokens, num_accepted = rejection_sample(target_probs, guesses, draft_probs, seq.rng)
+        self.spec_num_draft_tokens += k
+        self.spec_num_accepted_tokens += num_accepted
+        logprobs = None
+        if params.logprobs is not None:
+            logprobs = [top_logprobs(rows[i], t, params.logprobs) for i, t in enumerate(tokens)]
+        return self._append_and_finish(seq, tokens, logprobs)
+
+    def _append_and_finish(self, seq: _Sequence, tokens: list[int], logprobs: list | None) -> RequestOutput:
+        """Emit `tokens` one by one under every stop rule, stopping at the first that matches, and build the output."""
+        params, request = seq.params, seq.request
+        num_out, num_tokens = request.num_output_tokens, request.num_tokens  # before these tokens
+        emitted: list[int] = []
+        finish_reason = stop_reason = None
+        for token in tokens:
+            emitted.append(token)
+            num_out += 1
+            num_tokens += 1
+            finish_reason, stop_reason = self._check_stop_token(seq, token, num_out)
+            stopped_by_token = finish_reason == "stop"
+            if finish_reason is None and (
+                (params.max_tokens is not None and num_out >= params.max_tokens) or num_tokens >= self.max_model_len
+            ):
+                finish_reason = "length"
+            if seq.detokenizer is not None:
+                # NOTE: a stop token (EOS or stop_token_ids) is returned as an id but not as text (as vLLM).
+                matched = seq.detokenizer.update(
+                    [] if stopped_by_token else [token],
+                    check_stop=num_out > params.min_tokens,
+                    flush=finish_reason is not None,
+                )
+                if matched is not None:
+                    finish_reason, stop_reason = "stop", matched
+            if finish_reason is not None:
+                break
+        text = "" if seq.detokenizer is None else seq.detokenizer.take_delta(finished=finish_reason is not None)
+        self.scheduler.append_tokens(request.req_id, emitted)
         if finish_reason is not None:
             self._finish_sequence(seq)
         return RequestOutput(
             req_id=seq.req_id,
             index=seq.index,
-            new_token_ids=[token],
+            new_token_ids=emitted,
             new_text=text,
             finished=finish_reason is not None,
             finish_reason=finish_reason,
             stop_reason=stop_reason,
-            logprobs=logprobs,
+            logprobs=None if logprobs is None else logprobs[: len(emitted)],
             num_prompt_tokens=request.num_prompt_tokens,
             num_output_tokens=num_out,
         )
@@ -361,6 +484,8 @@ class LLMEngine:
 
     def _finish_sequence(self, seq: _Sequence) -> None:
         self.scheduler.finish_request(seq.request.req_id)
+        if self._proposer is not None:
+            self._proposer.free(seq.request.req_id)
         del self._seqs[seq.request.req_id]
         live = self._seq_ids[seq.req_id]
         live.remove(seq.request.req_id)

@@ -272,6 +272,17 @@ class KVCacheManager:
             if blocks[i] != _RELEASED:
                 self.pool.cache(blocks[i], hashes[-1])
 
+    def trim_slots(self, req_id: str, num_tokens: int) -> None:
+        """Give back the slots past the request's first `num_tokens` (a verify step's rejected guesses): blocks
+        that then hold no slot go back to the pool. Their k/v were never cached (not final), so nobody shares them."""
+        blocks = self._require(req_id)
+        assert 0 <= num_tokens <= self._num_slots[req_id], f"trim {req_id!r} to {num_tokens} > its slots"
+        keep = self.num_blocks_needed(num_tokens)
+        assert len(self._block_hashes[req_id]) <= keep, f"trim {req_id!r} below its cached blocks"
+        self.pool.free([b for b in blocks[keep:][::-1] if b != _RELEASED])
+        del blocks[keep:]
+        self._num_slots[req_id] = num_tokens
+
     def block_ids(self, req_id: str) -> list[int]:
         """A copy of the request's block table, in position order (a released entry reads 0)."""
         return [max(b, 0) for b in self._require(req_id)]

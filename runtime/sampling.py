@@ -191,11 +191,17 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
 
 def sample_from_logits(logits: np.ndarray, rng: np.random.Generator) -> int:
     """Inverse-CDF draw from softmax(logits) with exactly one uniform from `rng`; never a -inf token."""
-    cdf = np.cumsum(softmax(logits))
+    return sample_from_probs(softmax(logits), rng)
+
+
+def sample_from_probs(probs: np.ndarray, rng: np.random.Generator) -> int:
+    """Inverse-CDF draw from probs [V] (non-negative, any positive total) with exactly one uniform from `rng`;
+    never a token of probability 0."""
+    cdf = np.cumsum(probs)
     u = rng.random() * cdf[-1]
     idx = int(np.searchsorted(cdf, u, side="right"))  # first i with cdf[i] > u, so probs[i] > 0
     if idx >= cdf.shape[0]:  # u rounded up to the total: take the last token with mass
-        idx = int(np.flatnonzero(np.isfinite(logits))[-1])
+        idx = int(np.flatnonzero(probs > 0)[-1])
     return idx
 
 

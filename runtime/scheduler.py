@@ -23,6 +23,10 @@ Each `schedule()` hands out a budget of `max_num_batched_tokens` tokens:
      engine calls `cache_computed_blocks`, so the full blocks it wrote become findable, then appends the
      sampled tokens (`append_token`) and finishes requests (`finish_request`), which frees their blocks.
 
+Speculative decoding: the engine puts guesses of a decoding request's next tokens in `spec_token_ids` before
+`schedule()`; its step then computes the last token and the guesses (budget permitting), and `append_tokens`
+records the accepted ones and rolls the computed tokens (and cache slots) back past the rejected ones.
+
 Admission, budget, preemption and output building are separate helpers (`_admit_waiting`,
 `_num_new_tokens`, `_preempt_newest`, `_schedule_request`).
 """
@@ -46,7 +50,8 @@ class RequestStatus(enum.Enum):
 class Request:
     """The scheduler's view of one sequence: its tokens and how many of them are in the cache."""
 
-    __slots__ = ("req_id", "all_token_ids", "num_prompt_tokens", "num_computed_tokens", "status", "num_preemptions")
+    __slots__ = ("req_id", "all_token_ids", "num_prompt_tokens", "num_computed_tokens", "status", "num_preemptions",
+                 "spec_token_ids")  # fmt: skip
 
     def __init__(self, req_id: str, prompt_token_ids: Sequence[int]):
         assert len(prompt_token_ids) > 0, "a request needs at least one prompt token"
@@ -56,6 +61,8 @@ class Request:
         self.num_computed_tokens = 0
         self.status = RequestStatus.WAITING
         self.num_preemptions = 0
+        # guesses of the tokens after its last one (speculative decoding), to verify in its next decode step
+        self.spec_token_ids: list[int] = []
 
     @property
     def num_tokens(self) -> int:
@@ -87,6 +94,7 @@ class ScheduledRequest:
     num_computed_tokens: int  # position of token_ids[0]
     block_ids: list[int]  # the request's block table (covers num_computed_tokens + n)
     samples: bool  # the step reaches the request's last token, so its logits give a new token
+    num_spec_tokens: int = 0  # the last ones of token_ids are guesses to verify (each then gives logits too)
 
 
 @dataclasses.dataclass
@@ -143,9 +151,20 @@ class Scheduler:
 
     def append_token(self, req_id: str, token_id: int) -> None:
         """Record a token sampled from the last step's logits."""
+        self.append_tokens(req_id, [token_id])
+
+    def append_tokens(self, req_id: str, token_ids: Sequence[int]) -> None:
+        """Record the tokens a step gave: one sampled token, or a verify step's accepted guesses and the token after.
+
+        The verify step computed k/v for the last token and every guess; those of rejected guesses are stale, so
+        the computed tokens roll back to all but the new last token, and slots past them go back to the cache.
+        """
         request = self.requests[req_id]
-        assert request.num_computed_tokens == request.num_tokens, f"{request}: sampled before caught up"
-        request.all_token_ids.append(int(token_id))
+        assert request.num_computed_tokens >= request.num_tokens, f"{request}: sampled before caught up"
+        request.all_token_ids.extend(int(t) for t in token_ids)
+        if request.num_computed_tokens >= request.num_tokens:
+            request.num_computed_tokens = request.num_tokens - 1
+            self.kv_cache.trim_slots(req_id, request.num_computed_tokens)
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
@@ -205,9 +224,14 @@ class Scheduler:
 
     @staticmethod
     def _num_new_tokens(request: Request, budget: int) -> int:
-        """Budget: the request's missing tokens, cut to what is left of the step's budget (chunked prefill)."""
+        """Budget: the request's missing tokens, cut to what is left of the step's budget (chunked prefill).
+
+        A decoding request (one token missing) also computes its guesses, as many as the budget leaves room for.
+        """
         missing = request.num_tokens - request.num_computed_tokens
         assert missing >= 1, f"{request}: nothing to compute"
+        if missing == 1:
+            missing += len(request.spec_token_ids)
         return min(missing, budget)
 
     def _preempt_newest(self) -> Request:
@@ -218,6 +242,7 @@ class Scheduler:
         victim = self.running.pop()
         self.kv_cache.free(victim.req_id)
         victim.num_computed_tokens = 0  # its generated tokens stay in all_token_ids and are recomputed
+        victim.spec_token_ids = []
         victim.status = RequestStatus.WAITING
         victim.num_preemptions += 1
         self.num_preemptions += 1
@@ -229,19 +254,26 @@ class Scheduler:
         for scheduled in out.scheduled:
             request = self.requests.get(scheduled.req_id)
             if request is not None and request.status is RequestStatus.RUNNING:
-                self.kv_cache.cache_blocks(request.req_id, request.all_token_ids, request.num_computed_tokens)
+                # never past num_tokens: guesses under verification are not final, so their blocks are not either
+                num_final = min(request.num_computed_tokens, request.num_tokens)
+                self.kv_cache.cache_blocks(request.req_id, request.all_token_ids, num_final)
 
     def _schedule_request(self, request: Request, num_new: int, out: SchedulerOutput) -> None:
         """Output building: record the request's chunk and advance its computed tokens."""
         start = request.num_computed_tokens
+        token_ids = request.all_token_ids[start : start + num_new]
+        num_spec = num_new - len(token_ids)  # the budget may cut the guesses short
+        token_ids += request.spec_token_ids[:num_spec]
+        request.spec_token_ids = []
         request.num_computed_tokens = start + num_new
         out.scheduled.append(
             ScheduledRequest(
                 req_id=request.req_id,
-                token_ids=request.all_token_ids[start : start + num_new],
+                token_ids=token_ids,
                 num_computed_tokens=start,
                 block_ids=self.kv_cache.block_ids(request.req_id),
-                samples=request.num_computed_tokens == request.num_tokens,
+                samples=request.num_computed_tokens >= request.num_tokens,
+                num_spec_tokens=num_spec,
             )
         )
         out.num_scheduled_tokens += num_new

@@ -1,0 +1,301 @@
+"""Speculative decoding changes no greedy output and keeps the target's distribution when sampling.
+
+Greedy: with n-gram guesses, and with an oracle proposer that guesses right except where the test corrupts it,
+every request's tokens equal the non-speculative (and cacheless) reference, batched, with random arrivals,
+prefix caching and a cache small enough to preempt, on the fake model and on a compiled module. Sampled: the
+rejection-sampling function keeps the target distribution (chi-square over many seeded draws).
+"""
+
+import numpy as np
+import pytest
+import torch
+from runtime_fakes import FakeConfig, FakeModel, context_logits, reference_greedy, run_with_arrivals
+
+from llmc.compiler.compile import compile_checkpoint
+from llmc.errors import LlmcError
+from llmc.runtime.engine import LLMEngine
+from llmc.runtime.module import CompiledModel
+from llmc.runtime.sampling import SamplingParams
+from llmc.runtime.spec_decode import Proposal, SpeculativeConfig, accept_greedy, ngram_lookup, rejection_sample
+
+NGRAM = SpeculativeConfig("ngram", 4)
+
+
+# -- n-gram lookup and greedy acceptance ------------------------------------------------------------------
+
+
+def test_ngram_lookup_copies_what_followed_the_longest_latest_match():
+    #        0  1  2  3  4  5  6  7  8  9 10
+    tokens = [5, 6, 7, 8, 9, 1, 6, 7, 2, 3, 6, 7]
+    # "6 7" occurs at 1-2 and 6-7; the latest wins
+    assert ngram_lookup(tokens, 3) == [2, 3, 6]
+    # "5 6 7" is longer than "6 7" and wins although older
+    assert ngram_lookup([5, 6, 7, 8, 9, 4, 6, 7, 2, 5, 6, 7], 2) == [8, 9]
+    assert ngram_lookup([1, 2, 3], 4) == []  # 3 never occurred before
+    assert ngram_lookup([1, 2, 3], 4, ngram_min=2) == []
+    assert ngram_lookup([4, 4, 4, 4], 3) == [4]  # only one token follows the latest match
+    assert ngram_lookup([7], 3) == []
+    assert ngram_lookup([1, 2, 3, 1, 2], 5, ngram_max=1) == [3, 1, 2]  # only "2" is looked up
+
+
+def test_accept_greedy_stops_at_the_first_disagreement_and_keeps_the_targets_token():
+    assert accept_greedy([4, 5, 6], [4, 5]) == [4, 5, 6]  # all accepted, plus the bonus token
+    assert accept_greedy([4, 9, 6], [4, 5]) == [4, 9]
+    assert accept_greedy([3, 5, 6], [4, 5]) == [3]
+
+
+# -- greedy equivalence, fake model ------------------------------------------------------------------------
+
+
+class OracleProposer:
+    """Guesses the true greedy continuation (reference_greedy), with each guess replaced by a wrong token with
+    probability `error_rate`, so runs of every length are accepted and rejected."""
+
+    def __init__(self, config: FakeConfig, error_rate: float, seed: int):
+        self.config, self.error_rate, self.rng = config, error_rate, np.random.default_rng(seed)
+        self.freed: list[str] = []
+
+    def propose(self, requests):
+        out = []
+        for r in requests:
+            context = list(r.token_ids)
+            guesses = []
+            for _ in range(r.num_tokens):
+                tok = int(np.argmax(context_logits(np.asarray(context), self.config.vocab_size)))
+                if self.rng.random() < self.error_rate:
+                    tok = (tok + 1) % self.config.vocab_size
+                guesses.append(tok)
+                context.append(tok)
+            out.append(Proposal(guesses))
+        return out
+
+    def free(self, seq_id):
+        self.freed.append(seq_id)
+
+
+def workload(seed, num_requests, vocab, ignore_eos):
+    rng = np.random.default_rng(seed)
+    base = [int(t) for t in rng.integers(2, vocab, 24)]
+    requests = []
+    for _ in range(num_requests):
+        prompt = base[: rng.integers(0, 25)] + [int(t) for t in rng.integers(2, vocab, rng.integers(1, 20))]
+        params = SamplingParams(temperature=0, max_tokens=int(rng.integers(1, 30)), ignore_eos=ignore_eos)
+        requests.append((prompt, params))
+    return requests, [int(a) for a in rng.integers(0, num_requests, num_requests)]
+
+
+def spec_engine(config, speculative, proposer=None, **kw):
+    model = FakeModel(config, num_blocks=24, block_size=4, max_num_tokens=16, max_num_seqs=6, max_num_logits=30)
+    engine = LLMEngine(model, max_num_batched_tokens=16, speculative=speculative, **kw)
+    if proposer is not None:
+        engine._proposer = proposer
+    return engine
+
+
+@pytest.mark.parametrize("seed", range(5))
+@pytest.mark.parametrize("error_rate", [0.0, 0.3])
+def test_oracle_guesses_change_no_greedy_output_under_preemption_and_prefix_caching(seed, error_rate):
+    config = FakeConfig()
+    requests, arrivals = workload(seed, 16, config.vocab_size, ignore_eos=False)
+    proposer = OracleProposer(config, error_rate, seed)
+    engine = spec_engine(config, SpeculativeConfig("ngram", 3), proposer)
+    got = run_with_arrivals(engine, requests, arrivals)
+    for i, (prompt, params) in enumerate(requests):
+        assert got[i][0] == reference_greedy(prompt, params.max_tokens, config, engine.max_model_len), f"request {i}"
+    st = engine.stats()
+    assert st.spec_num_draft_tokens > 0 and st.spec_num_accepted_tokens > 0
+    if error_rate == 0.0:
+        assert st.spec_num_accepted_tokens == st.spec_num_draft_tokens
+    else:
+        assert st.spec_num_accepted_tokens < st.spec_num_draft_tokens
+    assert engine.scheduler.num_preemptions > 0 and st.prefix_cache_hits > 0
+    assert engine.kv_cache.num_free_blocks == 24  # rollbacks and finishes gave every block back
+    assert sorted(proposer.freed) == sorted(engine.scheduler.requests.keys() | set(proposer.freed))
+
+
+def test_oracle_guesses_cut_a_run_at_max_tokens_and_at_eos():
+    config = FakeConfig(eos_token_ids=(1,))
+    engine = spec_engine(config, SpeculativeConfig("ngram", 8), OracleProposer(config, 0.0, 0))
+    rng = np.random.default_rng(5)
+    reasons = set()
+    for _ in range(40):
+        prompt = [int(t) for t in rng.integers(2, 64, 6)]
+        for max_tokens in (1, 2, 5):
+            out = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=max_tokens))[0].outputs[0]
+            assert out.token_ids == reference_greedy(prompt, max_tokens, config)
+        out = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=200))[0].outputs[0]
+        assert out.token_ids == reference_greedy(prompt, 200, config, engine.max_model_len)  # the cache's length
+        reasons.add(out.finish_reason)
+    assert reasons == {"stop", "length"}
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_ngram_greedy_with_penalties_min_tokens_and_logprobs_equals_no_speculation(seed):
+    config = FakeConfig(vocab_size=12)  # a small vocabulary repeats itself, so n-gram guesses are often right
+    rng = np.random.default_rng(seed)
+    requests = [([int(t) for t in rng.integers(2, 12, rng.integers(2, 30))],
+                 SamplingParams(temperature=0, max_tokens=40, logprobs=2, min_tokens=int(rng.integers(0, 10)),
+                                repetition_penalty=float(rng.choice([1.0, 1.3])),
+                                frequency_penalty=float(rng.choice([0.0, 0.2]))))
+                for _ in range(8)]  # fmt: skip
+    arrivals = [int(a) for a in rng.integers(0, 6, 8)]
+    got = {}
+    for speculative in (None, SpeculativeConfig("ngram", 4, ngram_max=3)):
+        engine = spec_engine(config, speculative)
+        results = {}
+        ids = {}
+        step = 0
+        order = sorted(range(len(requests)), key=lambda i: arrivals[i])
+        while order or engine.has_unfinished():
+            while order and arrivals[order[0]] <= step:
+                i = order.pop(0)
+                ids[engine.add_request(*requests[i])] = i
+                results[i] = ([], [])
+            for out in engine.step():
+                results[ids[out.req_id]][0].extend(out.new_token_ids)
+                results[ids[out.req_id]][1].extend(out.logprobs)
+            step += 1
+        got[speculative is not None] = results, engine.stats()
+    assert got[True][0] == got[False][0]
+    assert got[True][1].spec_num_accepted_tokens > 0
+
+
+def test_requests_without_speculation_mix_with_speculating_ones():
+    config = FakeConfig(eos_token_ids=(999,))  # no EOS in reach: both run 12 tokens
+    proposer = OracleProposer(config, 0.0, 0)
+    engine = spec_engine(config, SpeculativeConfig("ngram", 3), proposer)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    plain = engine.add_request([3, 4, 5], params, speculate=False)
+    spec = engine.add_request([6, 7, 8], params)
+    steps: dict[str, int] = {plain: 0, spec: 0}
+    tokens: dict[str, list[int]] = {plain: [], spec: []}
+    while engine.has_unfinished():
+        for out in engine.step():
+            steps[out.req_id] += 1
+            tokens[out.req_id].extend(out.new_token_ids)
+    assert tokens[plain] == reference_greedy([3, 4, 5], 12, config)
+    assert tokens[spec] == reference_greedy([6, 7, 8], 12, config)
+    assert steps[plain] == 12 and steps[spec] == 4  # 1 + 4 + 4 + 3 tokens: the prompt, then runs of 3 guesses + 1
+
+
+def test_speculation_needs_spare_logits_rows():
+    model = FakeModel(FakeConfig(), max_num_seqs=4, max_num_logits=4)
+    with pytest.raises(LlmcError, match="max_num_logits"):
+        LLMEngine(model, speculative=NGRAM)
+    with pytest.raises(LlmcError, match="draft"):
+        SpeculativeConfig("ngram", 4, draft_model=model)
+    with pytest.raises(LlmcError):
+        SpeculativeConfig("medusa", 4)
+
+
+# -- rejection sampling keeps the target distribution ------------------------------------------------------
+
+
+def chi_square_pvalue(samples: np.ndarray, probs: np.ndarray) -> float:
+    counts = np.bincount(samples, minlength=probs.shape[0])
+    support = probs > 0
+    assert counts[~support].sum() == 0, "a token of probability 0 was emitted"
+    expected = probs[support] * len(samples)
+    chi2 = float(((counts[support] - expected) ** 2 / expected).sum())
+    df = int(support.sum()) - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(chi2 / 2)))
+
+
+def random_probs(rng, vocab, zeros=0):
+    p = rng.dirichlet(np.ones(vocab))
+    p[rng.choice(vocab, zeros, replace=False)] = 0.0
+    return p / p.sum()
+
+
+@pytest.mark.parametrize("draft", ["model", "deterministic"])
+def test_rejection_sampling_emits_each_position_from_the_target_distribution(draft):
+    """K = 2 over a vocabulary of 5: the first emitted token must follow p0, and the second, given the first
+    was the accepted guess, must follow p1 (given it was not, there is no second token)."""
+    rng = np.random.default_rng(0)
+    vocab, draws = 5, 40_000
+    target = np.stack([random_probs(rng, vocab, zeros=1), random_probs(rng, vocab), random_probs(rng, vocab)])
+    draft_probs = np.stack([random_probs(rng, vocab), random_probs(rng, vocab, zeros=1)])
+    first, second_after_accept, num_tokens = [], [], []
+    fixed_guesses = [int(np.argmax(draft_probs[0])), int(np.argmax(draft_probs[1]))]
+    draw_rng = np.random.default_rng(1)
+    for _ in range(draws):
+        if draft == "model":
+            guesses = [int(draw_rng.choice(vocab, p=draft_probs[0])), int(draw_rng.choice(vocab, p=draft_probs[1]))]
+            tokens, accepted = rejection_sample(target, guesses, draft_probs, draw_rng)
+        else:
+            guesses = fixed_guesses
+            tokens, accepted = rejection_sample(target, guesses, None, draw_rng)
+        assert len(tokens) == accepted + 1 and tokens[:accepted] == guesses[:accepted]
+        first.append(tokens[0])
+        num_tokens.append(len(tokens))
+        if accepted >= 1:
+            second_after_accept.append(tokens[1])
+    assert chi_square_pvalue(np.asarray(first), target[0]) > 1e-3
+    assert chi_square_pvalue(np.asarray(second_after_accept), target[1]) > 1e-3
+    assert max(num_tokens) == 3 and min(num_tokens) == 1
+
+
+def test_rejection_sampling_accepts_every_guess_when_draft_equals_target():
+    rng = np.random.default_rng(2)
+    p = np.stack([random_probs(rng, 6) for _ in range(4)])
+    for _ in range(200):
+        guesses = [int(rng.choice(6, p=p[i])) for i in range(3)]
+        tokens, accepted = rejection_sample(p, guesses, p[:3], rng)
+        assert accepted == 3 and tokens[:3] == guesses
+
+
+def test_ngram_sampling_keeps_the_fake_models_distribution_at_engine_level():
+    """Engine level, seeded requests: after the first token (sampled from the prefill, no guess), the next two come
+    from one verify step of one guess (n-gram); each must follow the fake model's tempered distribution given
+    the tokens before it (chi-square on the likeliest history)."""
+    config = FakeConfig(vocab_size=8)
+    prompt = [2, 3, 4, 2, 3, 4, 2, 3, 4, 5, 6, 7, 2, 3]
+    params = [SamplingParams(temperature=1.5, max_tokens=3, seed=s, ignore_eos=True) for s in range(4000)]
+    engine = spec_engine(config, SpeculativeConfig("ngram", 2))
+    outputs = [r.outputs[0].token_ids for r in engine.generate([prompt] * len(params), params)]
+    # max_tokens leaves room for one guess, made when the first token occurs in the prompt
+    assert engine.stats().spec_num_draft_tokens > len(params) // 4
+    assert 0 < engine.stats().spec_num_accepted_tokens < engine.stats().spec_num_draft_tokens
+
+    def target(context):
+        logits = context_logits(np.asarray(context), 8).astype(np.float64) / 1.5
+        p = np.exp(logits - logits.max())
+        return p / p.sum()
+
+    for position in (1, 2):
+        histories = [tuple(o[:position]) for o in outputs]
+        likeliest = max(set(histories), key=histories.count)
+        samples = np.asarray([o[position] for o in outputs if tuple(o[:position]) == likeliest])
+        assert len(samples) > 300
+        assert chi_square_pvalue(samples, target(prompt + list(likeliest))) > 1e-3, position
+
+
+# -- compiled module ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def llama_artifact(checkpoint_dir, tmp_path_factory):
+    return compile_checkpoint(checkpoint_dir("llama"), target="cpu", output=tmp_path_factory.mktemp("art") / "m")
+
+
+@pytest.mark.parametrize("k", [2, 5])
+def test_compiled_ngram_greedy_equals_no_speculation_batched_with_prefix_caching(llama_artifact, k):
+    rng = np.random.default_rng(k)
+    base = [int(t) for t in rng.integers(2, 380, 20)]
+    requests = [(base[: rng.integers(0, 21)] + [int(t) for t in rng.integers(2, 380, rng.integers(1, 12))],
+                 SamplingParams(temperature=0, max_tokens=int(rng.integers(8, 40)), ignore_eos=True))
+                for _ in range(8)]  # fmt: skip
+    arrivals = [int(a) for a in rng.integers(0, 10, len(requests))]
+    got, stats = {}, {}
+    # 14 blocks of 16 tokens for up to 6 sequences of up to 70 tokens: preemption is likely
+    with CompiledModel.load(llama_artifact, kv_cache_memory=14 * 4096, max_num_seqs=6,
+                            max_num_logits=6 * (k + 1)) as model:  # fmt: skip
+        for speculative in (None, SpeculativeConfig("ngram", k)):
+            engine = LLMEngine(model, max_num_batched_tokens=24, speculative=speculative)
+            got[speculative is not None] = run_with_arrivals(engine, requests, arrivals)
+            stats[speculative is not None] = engine.stats()
+            assert engine.kv_cache.num_free_blocks == model.num_blocks
+    for i in range(len(requests)):
+        assert got[True][i] == got[False][i], f"request {i} changed with n-gram speculation"
+    assert stats[True].spec_num_draft_tokens > 0 and stats[True].spec_num_accepted_tokens > 0
+    assert stats[True].prefix_cache_hits > 0
