@@ -133,6 +133,29 @@ _no_prefix_caching = click.option(
     help="Compute every prompt in full, instead of reusing the KV blocks of a prompt prefix seen before.")  # fmt: skip
 
 
+def _speculative_options(command):
+    """--speculative, --num-speculative-tokens: guess tokens cheaply and verify them in one model step."""
+    command = click.option(
+        "--num-speculative-tokens", type=click.IntRange(1, 64), default=4, show_default=True,
+        help="Tokens guessed (and verified in one step) per sequence and step, with --speculative.")(command)  # fmt: skip
+    return click.option(
+        "--speculative", type=click.Choice(["ngram"]), default=None,
+        help="Speculative decoding: ngram guesses the next tokens from the longest earlier match of the last "
+             "tokens in the prompt and output (prompt lookup). Outputs are unchanged.")(command)  # fmt: skip
+
+
+def _speculative_config(method: str | None, num_tokens: int):
+    """The engine's SpeculativeConfig for the flags (None: off)."""
+    from .runtime.spec_decode import SpeculativeConfig
+
+    return None if method is None else SpeculativeConfig(method, num_tokens)
+
+
+def _logits_rows(method: str | None, num_tokens: int, max_num_seqs: int) -> int | None:
+    """max_num_logits for CompiledModel.load: room for every sequence's guesses (None: the default, one each)."""
+    return None if method is None else max_num_seqs * (num_tokens + 1)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # run
 
@@ -151,9 +174,10 @@ _no_prefix_caching = click.option(
 @click.option("--simulate", is_flag=True, help="Run a CUDA-target artifact under the CUDA simulator.")
 @click.option("--kv-cache-memory", default=None, help="KV cache size, e.g. 1GiB (default: 20% of free memory).")
 @_no_prefix_caching
+@_speculative_options
 def run(artifact: Path | None, prompt: str | None, max_tokens: int, temperature: float, top_p: float, top_k: int,
         seed: int | None, as_json: bool, simulate: bool, kv_cache_memory: str | None,
-        no_prefix_caching: bool) -> None:  # fmt: skip
+        no_prefix_caching: bool, speculative: str | None, num_speculative_tokens: int) -> None:  # fmt: skip
     """Generate from ARTIFACT (a compiled artifact or a checkpoint dir; default: the bundled model).
 
     A checkpoint is compiled for this CPU once and cached ($LLMC_CACHE_DIR, else ~/.cache/llmc). With an
@@ -187,10 +211,12 @@ def run(artifact: Path | None, prompt: str | None, max_tokens: int, temperature:
             raise LlmcError("no prompt given", "pass --prompt TEXT, or pipe the prompt on stdin")
         if artifact is None and not as_json:
             click.echo(f"prompt: {prompt!r}", err=True)
-    model, tokenizer = _load_model(path, kv_cache_memory, max_num_seqs=1, simulate=simulate)
+    model, tokenizer = _load_model(path, kv_cache_memory, max_num_seqs=1, simulate=simulate,
+                                   max_num_logits=_logits_rows(speculative, num_speculative_tokens, 1))  # fmt: skip
     params = SamplingParams(**{**model.generation_defaults, **given}, seed=seed, max_tokens=max_tokens)
     with model:
-        engine = LLMEngine(model, tokenizer, enable_prefix_caching=not no_prefix_caching)
+        engine = LLMEngine(model, tokenizer, enable_prefix_caching=not no_prefix_caching,
+                           speculative=_speculative_config(speculative, num_speculative_tokens))  # fmt: skip
         prompt_ids = tokenizer.encode(prompt).ids
         engine.add_request(prompt_ids, params)
         token_ids: list[int] = []
@@ -216,13 +242,20 @@ def run(artifact: Path | None, prompt: str | None, max_tokens: int, temperature:
         else 0.0,
         "total_ms": round((end - start) * 1e3, 3),
     }  # fmt: skip
+    stats = engine.stats()
+    spec = {"proposed": stats.spec_num_draft_tokens, "accepted": stats.spec_num_accepted_tokens}
     if as_json:
-        click.echo(json.dumps({"prompt_token_ids": prompt_ids, "token_ids": token_ids, "text": "".join(text),
-                               "finish_reason": finish, "timings": timings}))  # fmt: skip
+        result = {"prompt_token_ids": prompt_ids, "token_ids": token_ids, "text": "".join(text),
+                  "finish_reason": finish, "timings": timings}  # fmt: skip
+        if speculative is not None:
+            result["speculative"] = spec
+        click.echo(json.dumps(result))
     else:
         click.echo()
+        accepted = f"; {spec['accepted']}/{spec['proposed']} guesses accepted" if speculative is not None else ""
         click.echo(f"[{len(prompt_ids)} prompt tokens, {len(token_ids)} generated ({finish}); prefill "
-                   f"{timings['prefill_ms']:.1f} ms, decode {timings['decode_tokens_per_s']:.1f} tokens/s]", err=True)  # fmt: skip
+                   f"{timings['prefill_ms']:.1f} ms, decode {timings['decode_tokens_per_s']:.1f} tokens/s{accepted}]",
+                   err=True)  # fmt: skip
 
 
 def _stdin_is_tty() -> bool:
@@ -253,10 +286,11 @@ def _stdin_is_tty() -> bool:
 @click.option("--api-key", envvar="LLMC_API_KEY", default=None, show_envvar=True,
               help="Require `Authorization: Bearer <key>` on /v1 (401 otherwise); /health and /metrics stay open.")
 @_no_prefix_caching
+@_speculative_options
 def serve(artifact: Path, host: str, port: int, model_name: str | None, max_num_seqs: int,
           max_num_batched_tokens: int, kv_cache_memory: str | None, max_body_size: int | None, max_n: int | None,
           max_waiting_requests: int | None, shutdown_timeout: float | None, api_key: str | None,
-          no_prefix_caching: bool) -> None:  # fmt: skip
+          no_prefix_caching: bool, speculative: str | None, num_speculative_tokens: int) -> None:  # fmt: skip
     """Serve ARTIFACT over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models),
     with /health and Prometheus metrics at /metrics."""
     from .runtime import server
@@ -267,8 +301,10 @@ def serve(artifact: Path, host: str, port: int, model_name: str | None, max_num_
     limits = server.ServerLimits(**{k: v for k, v in given.items() if v is not None})  # unset: the library's default
     path = _resolve_artifact(artifact)
     model, tokenizer = _load_model(path, kv_cache_memory, max_num_seqs=max_num_seqs,
-                                   max_num_tokens=max_num_batched_tokens)  # fmt: skip
-    engine = AsyncLLMEngine(LLMEngine(model, tokenizer, enable_prefix_caching=not no_prefix_caching))
+                                   max_num_tokens=max_num_batched_tokens,
+                                   max_num_logits=_logits_rows(speculative, num_speculative_tokens, max_num_seqs))  # fmt: skip
+    engine = AsyncLLMEngine(LLMEngine(model, tokenizer, enable_prefix_caching=not no_prefix_caching,
+                                      speculative=_speculative_config(speculative, num_speculative_tokens)))  # fmt: skip
     name = model_name or artifact.resolve().name
     app = server.create_app(engine, tokenizer, name, model.chat_template, bos_token=model.bos_token,
                             eos_token=model.eos_token, limits=limits, api_key=api_key or None)  # fmt: skip
@@ -318,16 +354,20 @@ def _int_list(ctx, param, value: str) -> list[int]:
 @click.option("--kv-cache-memory", default=None, help="KV cache size, e.g. 4GiB (default: 20% of free memory).")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 @_no_prefix_caching
+@_speculative_options
 def bench(artifact: Path, concurrency: list[int], num_requests: int | None, prompt_len: int, output_len: int,
           seed: int, shared_prefix: int, memory_bandwidth: float | None, kv_cache_memory: str | None, as_json: bool,
-          no_prefix_caching: bool) -> None:  # fmt: skip
+          no_prefix_caching: bool, speculative: str | None, num_speculative_tokens: int) -> None:  # fmt: skip
     """TTFT, TPOT and tokens/s of ARTIFACT on a fixed synthetic workload, against the memory roofline."""
     from .runtime.bench import format_bench_table, run_bench
     from .runtime.engine import LLMEngine
 
-    model, _ = _load_model(_resolve_artifact(artifact), kv_cache_memory, max_num_seqs=max(concurrency))
+    max_num_seqs = max(concurrency)
+    model, _ = _load_model(_resolve_artifact(artifact), kv_cache_memory, max_num_seqs=max_num_seqs,
+                           max_num_logits=_logits_rows(speculative, num_speculative_tokens, max_num_seqs))  # fmt: skip
+    spec = _speculative_config(speculative, num_speculative_tokens)
     with model:
-        result = run_bench(lambda: LLMEngine(model, enable_prefix_caching=not no_prefix_caching),
+        result = run_bench(lambda: LLMEngine(model, enable_prefix_caching=not no_prefix_caching, speculative=spec),
                            concurrency=concurrency, num_requests=num_requests, prompt_len=prompt_len,
                            output_len=output_len, seed=seed, shared_prefix=shared_prefix,
                            memory_bandwidth=memory_bandwidth, progress=not as_json)  # fmt: skip

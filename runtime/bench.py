@@ -11,7 +11,8 @@ Per level: TTFT (arrival -> first token) and TPOT ((last token - first token) / 
 p99 over the requests; request throughput and output tokens/s over the level's wall time; and the prefix
 cache's hit rate (prompt tokens found cached / prompt tokens looked up). With `shared_prefix` N, every prompt
 starts with the same N tokens (a system prompt, say), so with prefix caching on all but the first requests of
-a level find them cached.
+a level find them cached. With speculative decoding on (the engine's), the guesses verified and accepted, and
+the acceptance rate; a step then yields several tokens of a sequence, which arrive together.
 
 Roofline: decoding is memory-bound. Every step reads all the weights once, whatever the batch size, so a
 sequence can never decode faster than memory_bandwidth / weight_bytes tokens/s. The bandwidth is measured
@@ -111,6 +112,9 @@ def _run_level(engine: LLMEngine, prompts: list[list[int]], output_len: int, con
         "prefix_cache_queries": stats.prefix_cache_queries,
         "prefix_cache_hits": stats.prefix_cache_hits,
         "prefix_cache_hit_rate": stats.prefix_cache_hit_rate,
+        "spec_draft_tokens": stats.spec_num_draft_tokens,
+        "spec_accepted_tokens": stats.spec_num_accepted_tokens,
+        "spec_acceptance_rate": stats.spec_acceptance_rate,
     }
 
 
@@ -179,12 +183,21 @@ def run_bench(
             level["roofline_fraction"] = roofline["tpot_ms"] / tpot if tpot else None
 
     queries = sum(level["prefix_cache_queries"] for level in levels)
+    speculative = None
+    if engine.speculative is not None:
+        drafted = sum(level["spec_draft_tokens"] for level in levels)
+        speculative = {
+            "method": engine.speculative.method,
+            "num_speculative_tokens": engine.speculative.num_speculative_tokens,
+            "acceptance_rate": sum(level["spec_accepted_tokens"] for level in levels) / drafted if drafted else 0.0,
+        }
     return {
         "workload": {"prompt_len": prompt_len, "output_len": output_len, "seed": seed, "shared_prefix": shared_prefix,
                      "sampling": "greedy, ignore_eos"},  # fmt: skip
         "levels": levels,
         "roofline": roofline,
         "prefix_cache_hit_rate": sum(level["prefix_cache_hits"] for level in levels) / queries if queries else 0.0,
+        "speculative": speculative,
     }
 
 
@@ -200,6 +213,7 @@ _COLUMNS = [  # header, key, format
     ("prefix hit", "prefix_cache_hit_rate", "{:.1%}"),
     ("% of roofline", "roofline_fraction", "{:.1%}"),
 ]
+_SPEC_COLUMN = ("spec accept", "spec_acceptance_rate", "{:.1%}")  # shown when speculative decoding is on
 
 
 def format_bench_table(result: dict) -> str:
@@ -208,14 +222,16 @@ def format_bench_table(result: dict) -> str:
     shared = f" (the first {w['shared_prefix']} shared)" if w.get("shared_prefix") else ""
     lines = [f"workload: prompt {w['prompt_len']} tokens{shared}, output {w['output_len']} tokens "
              f"({w['sampling']}), seed {w['seed']}"]  # fmt: skip
-    cells = [[h for h, _, _ in _COLUMNS]]
+    spec = result.get("speculative")
+    columns = _COLUMNS + [_SPEC_COLUMN] if spec else _COLUMNS
+    cells = [[h for h, _, _ in columns]]
     for level in result["levels"]:
         row = []
-        for _, key, fmt in _COLUMNS:
+        for _, key, fmt in columns:
             value = level.get(key)
             row.append("-" if value is None else fmt.format(value))
         cells.append(row)
-    widths = [max(len(r[i]) for r in cells) for i in range(len(_COLUMNS))]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(columns))]
     for r in cells:
         lines.append("  ".join(c.rjust(wd) for c, wd in zip(r, widths, strict=True)))
     roof = result.get("roofline")
@@ -229,4 +245,7 @@ def format_bench_table(result: dict) -> str:
         lines.append("roofline: not computed (the weight bytes per decode step are unknown)")
     if "prefix_cache_hit_rate" in result:
         lines.append(f"prefix cache hit rate: {result['prefix_cache_hit_rate']:.1%} of prompt tokens, all levels")
+    if spec:
+        lines.append(f"speculative decoding: {spec['method']}, {spec['num_speculative_tokens']} tokens per step; "
+                     f"{spec['acceptance_rate']:.1%} of guesses accepted, all levels")  # fmt: skip
     return "\n".join(lines)

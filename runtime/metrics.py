@@ -16,8 +16,9 @@ their counts apart. Series (label `model_name` on each):
   as the scheduler counts them), llmc:kv_cache_usage_perc (a fraction, 0..1, as vLLM's), and, with no vLLM
   counterpart, llmc:kv_cache_free_blocks and llmc:kv_cache_blocks (an idle engine must have all blocks free).
 - counters read from the engine: llmc:prefix_cache_queries_total and llmc:prefix_cache_hits_total, in tokens
-  (prompt tokens looked up, and of those found cached), as vLLM's: the hit rate is hits / queries.
-Not exported because llmc has no such thing yet: speculative decoding acceptance.
+  (prompt tokens looked up, and of those found cached), as vLLM's: the hit rate is hits / queries; and
+  llmc:spec_decode_num_draft_tokens_total and llmc:spec_decode_num_accepted_tokens_total (speculative guesses
+  verified, and of those accepted; 0 with speculation off), as vLLM's: the acceptance rate is accepted / draft.
 """
 
 from __future__ import annotations
@@ -67,6 +68,8 @@ class _EngineCollector(Collector):
         for name, doc, value in [
             ("llmc:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.prefix_cache_queries),
             ("llmc:prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits),
+            ("llmc:spec_decode_num_draft_tokens", "Speculative guesses verified by the model.", s.spec_num_draft_tokens),
+            ("llmc:spec_decode_num_accepted_tokens", "Speculative guesses accepted.", s.spec_num_accepted_tokens),
         ]:
             family = CounterMetricFamily(name, doc, labels=["model_name"])
             family.add_metric([self.model_name], value)

@@ -299,3 +299,57 @@ def test_compiled_ngram_greedy_equals_no_speculation_batched_with_prefix_caching
         assert got[True][i] == got[False][i], f"request {i} changed with n-gram speculation"
     assert stats[True].spec_num_draft_tokens > 0 and stats[True].spec_num_accepted_tokens > 0
     assert stats[True].prefix_cache_hits > 0
+
+
+def _cli(*args):
+    from click.testing import CliRunner
+
+    from llmc import cli
+
+    result = CliRunner().invoke(cli.main, [str(a) for a in args])
+    assert result.exit_code == 0, result.output
+    return result
+
+
+def test_cli_run_json_reports_guesses_and_bench_prints_the_acceptance_rate(llama_artifact):
+    import json
+
+    prompt = ("run", llama_artifact, "--prompt", "a b c d a b c d a b", "--max-tokens", 24, "--temperature", 0, "--json",
+              "--kv-cache-memory", "1MiB")  # fmt: skip
+    plain = json.loads(_cli(*prompt).stdout)
+    spec = json.loads(_cli(*prompt, "--speculative", "ngram", "--num-speculative-tokens", 3).stdout)
+    assert "speculative" not in plain and spec["token_ids"] == plain["token_ids"]
+    assert spec["speculative"]["proposed"] > 0 and 0 <= spec["speculative"]["accepted"] <= spec["speculative"]["proposed"]
+
+    bench = ("bench", llama_artifact, "--concurrency", "1,2", "--prompt-len", 8, "--output-len", 12,
+             "--memory-bandwidth", 1e10, "--kv-cache-memory", "1MiB", "--speculative", "ngram")  # fmt: skip
+    out = json.loads(_cli(*bench, "--json").stdout)
+    assert out["speculative"]["method"] == "ngram" and out["speculative"]["num_speculative_tokens"] == 4
+    assert all(level["spec_draft_tokens"] >= level["spec_accepted_tokens"] >= 0 for level in out["levels"])
+    assert sum(level["spec_draft_tokens"] for level in out["levels"]) > 0
+    table = _cli(*bench).stdout
+    assert "spec accept" in table and "guesses accepted" in table
+
+
+def test_metrics_count_guesses_verified_and_accepted():
+    from fastapi.testclient import TestClient
+    from test_metrics import scrape
+
+    from llmc.runtime.engine import AsyncLLMEngine
+    from llmc.runtime.server import create_app
+
+    from runtime_fakes import byte_level_bpe
+
+    tok = byte_level_bpe()
+    config = FakeConfig(vocab_size=tok.get_vocab_size())
+    engine = spec_engine(config, SpeculativeConfig("ngram", 3), OracleProposer(config, 0.3, 0))
+    engine.tokenizer = tok
+    with TestClient(create_app(AsyncLLMEngine(engine), tok, "spec", None)) as http:
+        assert scrape(http)[("llmc:spec_decode_num_draft_tokens_total", ())] == 0
+        r = http.post("/v1/completions", json={"prompt": [2, 3, 4, 2, 3, 4, 2, 3], "max_tokens": 30, "temperature": 0,
+                                               "ignore_eos": True})  # fmt: skip
+        assert r.status_code == 200, r.text
+        samples = scrape(http)
+    stats = engine.stats()
+    assert samples[("llmc:spec_decode_num_draft_tokens_total", ())] == stats.spec_num_draft_tokens > 0
+    assert samples[("llmc:spec_decode_num_accepted_tokens_total", ())] == stats.spec_num_accepted_tokens
