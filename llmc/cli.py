@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import time
@@ -134,21 +135,38 @@ _no_prefix_caching = click.option(
 
 
 def _speculative_options(command):
-    """--speculative, --num-speculative-tokens: guess tokens cheaply and verify them in one model step."""
+    """--speculative, --num-speculative-tokens, --draft: guess tokens cheaply and verify them in one model step."""
+    command = click.option(
+        "--draft", type=click.Path(path_type=Path), default=None,
+        help="The draft model of --speculative draft: an artifact or checkpoint dir with the same tokenizer.")(command)  # fmt: skip
     command = click.option(
         "--num-speculative-tokens", type=click.IntRange(1, 64), default=4, show_default=True,
         help="Tokens guessed (and verified in one step) per sequence and step, with --speculative.")(command)  # fmt: skip
     return click.option(
-        "--speculative", type=click.Choice(["ngram"]), default=None,
+        "--speculative", type=click.Choice(["ngram", "draft"]), default=None,
         help="Speculative decoding: ngram guesses the next tokens from the longest earlier match of the last "
-             "tokens in the prompt and output (prompt lookup). Outputs are unchanged.")(command)  # fmt: skip
+             "tokens in the prompt and output (prompt lookup); draft has a smaller model (--draft) guess them. "
+             "Greedy outputs are unchanged, sampled ones keep their distribution.")(command)  # fmt: skip
 
 
-def _speculative_config(method: str | None, num_tokens: int):
-    """The engine's SpeculativeConfig for the flags (None: off)."""
+def _speculative_config(method: str | None, num_tokens: int, draft: Path | None, tokenizer, kv_cache_memory: str | None,
+                        max_num_seqs: int, stack: contextlib.ExitStack):  # fmt: skip
+    """The engine's SpeculativeConfig for the flags (None: off). A draft model is loaded, and closed by `stack`."""
     from .runtime.spec_decode import SpeculativeConfig
 
-    return None if method is None else SpeculativeConfig(method, num_tokens)
+    if (method == "draft") != (draft is not None):
+        raise LlmcError("--draft goes with --speculative draft, and --speculative draft needs it",
+                        "pass both: --speculative draft --draft ARTIFACT")  # fmt: skip
+    if method is None:
+        return None
+    draft_model = None
+    if draft is not None:
+        draft_model, draft_tokenizer = _load_model(_resolve_artifact(draft), kv_cache_memory, max_num_seqs=max_num_seqs)
+        stack.callback(draft_model.close)
+        if draft_tokenizer.get_vocab() != tokenizer.get_vocab():
+            raise LlmcError(f"the draft model {draft} has another tokenizer than the target",
+                            "use a draft trained with the target's tokenizer (examples/train_tiny.py makes one)")  # fmt: skip
+    return SpeculativeConfig(method, num_tokens, draft_model)
 
 
 def _logits_rows(method: str | None, num_tokens: int, max_num_seqs: int) -> int | None:
@@ -177,7 +195,8 @@ def _logits_rows(method: str | None, num_tokens: int, max_num_seqs: int) -> int 
 @_speculative_options
 def run(artifact: Path | None, prompt: str | None, max_tokens: int, temperature: float, top_p: float, top_k: int,
         seed: int | None, as_json: bool, simulate: bool, kv_cache_memory: str | None,
-        no_prefix_caching: bool, speculative: str | None, num_speculative_tokens: int) -> None:  # fmt: skip
+        no_prefix_caching: bool, speculative: str | None, num_speculative_tokens: int,
+        draft: Path | None) -> None:  # fmt: skip
     """Generate from ARTIFACT (a compiled artifact or a checkpoint dir; default: the bundled model).
 
     A checkpoint is compiled for this CPU once and cached ($LLMC_CACHE_DIR, else ~/.cache/llmc). With an
@@ -214,9 +233,9 @@ def run(artifact: Path | None, prompt: str | None, max_tokens: int, temperature:
     model, tokenizer = _load_model(path, kv_cache_memory, max_num_seqs=1, simulate=simulate,
                                    max_num_logits=_logits_rows(speculative, num_speculative_tokens, 1))  # fmt: skip
     params = SamplingParams(**{**model.generation_defaults, **given}, seed=seed, max_tokens=max_tokens)
-    with model:
-        engine = LLMEngine(model, tokenizer, enable_prefix_caching=not no_prefix_caching,
-                           speculative=_speculative_config(speculative, num_speculative_tokens))  # fmt: skip
+    with model, contextlib.ExitStack() as stack:
+        spec = _speculative_config(speculative, num_speculative_tokens, draft, tokenizer, kv_cache_memory, 1, stack)
+        engine = LLMEngine(model, tokenizer, enable_prefix_caching=not no_prefix_caching, speculative=spec)
         prompt_ids = tokenizer.encode(prompt).ids
         engine.add_request(prompt_ids, params)
         token_ids: list[int] = []
@@ -290,7 +309,8 @@ def _stdin_is_tty() -> bool:
 def serve(artifact: Path, host: str, port: int, model_name: str | None, max_num_seqs: int,
           max_num_batched_tokens: int, kv_cache_memory: str | None, max_body_size: int | None, max_n: int | None,
           max_waiting_requests: int | None, shutdown_timeout: float | None, api_key: str | None,
-          no_prefix_caching: bool, speculative: str | None, num_speculative_tokens: int) -> None:  # fmt: skip
+          no_prefix_caching: bool, speculative: str | None, num_speculative_tokens: int,
+          draft: Path | None) -> None:  # fmt: skip
     """Serve ARTIFACT over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models),
     with /health and Prometheus metrics at /metrics."""
     from .runtime import server
@@ -303,17 +323,18 @@ def serve(artifact: Path, host: str, port: int, model_name: str | None, max_num_
     model, tokenizer = _load_model(path, kv_cache_memory, max_num_seqs=max_num_seqs,
                                    max_num_tokens=max_num_batched_tokens,
                                    max_num_logits=_logits_rows(speculative, num_speculative_tokens, max_num_seqs))  # fmt: skip
-    engine = AsyncLLMEngine(LLMEngine(model, tokenizer, enable_prefix_caching=not no_prefix_caching,
-                                      speculative=_speculative_config(speculative, num_speculative_tokens)))  # fmt: skip
-    name = model_name or artifact.resolve().name
-    app = server.create_app(engine, tokenizer, name, model.chat_template, bos_token=model.bos_token,
-                            eos_token=model.eos_token, limits=limits, api_key=api_key or None)  # fmt: skip
-    click.echo(f"serving {name} ({model.num_blocks} KV blocks of {model.block_size} tokens) on http://{host}:{port}/v1",
-               err=True)  # fmt: skip
-    try:
+    with contextlib.ExitStack() as stack:
+        stack.callback(model.close)
+        spec = _speculative_config(speculative, num_speculative_tokens, draft, tokenizer, kv_cache_memory, max_num_seqs,
+                                   stack)  # fmt: skip
+        engine = AsyncLLMEngine(LLMEngine(model, tokenizer, enable_prefix_caching=not no_prefix_caching,
+                                          speculative=spec))  # fmt: skip
+        name = model_name or artifact.resolve().name
+        app = server.create_app(engine, tokenizer, name, model.chat_template, bos_token=model.bos_token,
+                                eos_token=model.eos_token, limits=limits, api_key=api_key or None)  # fmt: skip
+        click.echo(f"serving {name} ({model.num_blocks} KV blocks of {model.block_size} tokens) on "
+                   f"http://{host}:{port}/v1", err=True)  # fmt: skip
         server.serve(app, host, port)
-    finally:
-        model.close()
 
 
 def _byte_size(text: str) -> int:
@@ -357,16 +378,18 @@ def _int_list(ctx, param, value: str) -> list[int]:
 @_speculative_options
 def bench(artifact: Path, concurrency: list[int], num_requests: int | None, prompt_len: int, output_len: int,
           seed: int, shared_prefix: int, memory_bandwidth: float | None, kv_cache_memory: str | None, as_json: bool,
-          no_prefix_caching: bool, speculative: str | None, num_speculative_tokens: int) -> None:  # fmt: skip
+          no_prefix_caching: bool, speculative: str | None, num_speculative_tokens: int,
+          draft: Path | None) -> None:  # fmt: skip
     """TTFT, TPOT and tokens/s of ARTIFACT on a fixed synthetic workload, against the memory roofline."""
     from .runtime.bench import format_bench_table, run_bench
     from .runtime.engine import LLMEngine
 
     max_num_seqs = max(concurrency)
-    model, _ = _load_model(_resolve_artifact(artifact), kv_cache_memory, max_num_seqs=max_num_seqs,
-                           max_num_logits=_logits_rows(speculative, num_speculative_tokens, max_num_seqs))  # fmt: skip
-    spec = _speculative_config(speculative, num_speculative_tokens)
-    with model:
+    model, tokenizer = _load_model(_resolve_artifact(artifact), kv_cache_memory, max_num_seqs=max_num_seqs,
+                                   max_num_logits=_logits_rows(speculative, num_speculative_tokens, max_num_seqs))  # fmt: skip
+    with model, contextlib.ExitStack() as stack:
+        spec = _speculative_config(speculative, num_speculative_tokens, draft, tokenizer, kv_cache_memory, max_num_seqs,
+                                   stack)  # fmt: skip
         result = run_bench(lambda: LLMEngine(model, enable_prefix_caching=not no_prefix_caching, speculative=spec),
                            concurrency=concurrency, num_requests=num_requests, prompt_len=prompt_len,
                            output_len=output_len, seed=seed, shared_prefix=shared_prefix,

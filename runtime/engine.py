@@ -42,8 +42,8 @@ from llmc.runtime.detokenizer import IncrementalDetokenizer
 from llmc.runtime.kv_cache import KVCacheManager
 from llmc.runtime.sampling import SamplingParams, make_rng, process_logits, sample_next_token, softmax, top_logprobs
 from llmc.runtime.scheduler import Request, Scheduler
-from llmc.runtime.spec_decode import (NgramProposer, Proposal, ProposalRequest, SpeculativeConfig, accept_greedy,
-                                      rejection_sample)  # fmt: skip
+from llmc.runtime.spec_decode import (DraftProposer, NgramProposer, Proposal, ProposalRequest, SpeculativeConfig,
+                                      accept_greedy, rejection_sample)  # fmt: skip
 
 _NO_TOKENS = np.zeros(0, dtype=np.int64)
 
@@ -354,7 +354,9 @@ class LLMEngine:
         return outputs
 
     @staticmethod
-    def _make_proposer(config: SpeculativeConfig, model):
+    def _make_proposer(config: SpeculativeConfig, model) -> NgramProposer | DraftProposer:
+        if config.method == "draft":
+            return DraftProposer(config.draft_model, model.config)
         return NgramProposer(config.ngram_min, config.ngram_max)
 
     def _propose(self) -> None:

@@ -24,7 +24,11 @@ from collections.abc import Sequence
 import numpy as np
 
 from llmc.errors import LlmcError
-from llmc.runtime.sampling import SamplingParams, sample_from_probs
+from llmc.runtime.batch import StepBatch
+from llmc.runtime.kv_cache import KVCacheManager
+from llmc.runtime.sampling import SamplingParams, process_logits, sample_from_probs, softmax
+
+_NO_TOKENS = np.zeros(0, dtype=np.int64)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,3 +162,108 @@ def ngram_lookup(token_ids: Sequence[int], k: int, ngram_min: int = 1, ngram_max
         return []
     end = int(np.flatnonzero(match_len == best)[-1])
     return [int(t) for t in tokens[end + 1 : end + 1 + k]]
+
+
+class DraftProposer:
+    """A smaller compiled model with the same tokenizer guesses each sequence's next tokens.
+
+    It keeps its own paged KV cache (a `KVCacheManager` over the draft model's blocks) and, per sequence, the
+    tokens whose k/v it holds. To propose, it first rolls a sequence back to where that record and the
+    sequence's tokens part (the guesses the target rejected), then catches up on the tokens it has not seen
+    (the prompt, accepted tokens, the target's own tokens) in steps batched across sequences and cut to its
+    token budget, and draws K guesses with K-1 more single-token steps, batched too. Greedy requests take the
+    draft's argmax; sampled ones draw from the draft's processed distribution q, which the verifier needs.
+    A sequence the draft cannot hold (its cache or context is too small) gets no guesses this step.
+    """
+
+    def __init__(self, draft_model, target_config):
+        draft_config = draft_model.config
+        if int(draft_config.vocab_size) != int(target_config.vocab_size):
+            raise LlmcError(
+                f"the draft model's vocabulary ({draft_config.vocab_size} tokens) is not the target's "
+                f"({target_config.vocab_size})", "use a draft model trained with the target's tokenizer")  # fmt: skip
+        self.model = draft_model
+        self.kv_cache = KVCacheManager(draft_model.num_blocks, draft_model.block_size,
+                                       sliding_window=int(draft_config.kv_window))  # fmt: skip
+        self.max_context = int(draft_config.max_context)
+        self.max_num_tokens = int(draft_model.max_num_tokens)
+        self.max_num_seqs = int(draft_model.max_num_seqs)
+        self._computed: dict[str, list[int]] = {}  # seq id -> the tokens whose k/v the draft cache holds, in order
+
+    def free(self, seq_id: str) -> None:
+        if self._computed.pop(seq_id, None) is not None:
+            self.kv_cache.free(seq_id)
+
+    def propose(self, requests: Sequence[ProposalRequest]) -> list[Proposal]:
+        proposals = [Proposal([]) for _ in requests]
+        live = [i for i, r in enumerate(requests[: self.max_num_seqs]) if self._prepare(r)]
+        pending = {i: list(requests[i].token_ids[len(self._computed[requests[i].seq_id]) :]) for i in live}
+        probs: dict[int, list[np.ndarray]] = {i: [] for i in live}
+        last_rows: dict[int, np.ndarray] = {}
+        while pending:  # catch up, a budget of tokens at a time; a sequence's last chunk gives its first row
+            budget, chunk = self.max_num_tokens, {}
+            for i in list(pending)[: self.max_num_seqs]:
+                if budget == 0:
+                    break
+                chunk[i] = pending[i][:budget]
+                budget -= len(chunk[i])
+            rows = self._step(requests, chunk)
+            for i, row in zip(chunk, rows, strict=True):
+                del pending[i][: len(chunk[i])]
+                if not pending[i]:
+                    del pending[i]
+                    last_rows[i] = row
+        for round_ in range(max((requests[i].num_tokens for i in live), default=0)):
+            for i, row in last_rows.items():
+                proposals[i].token_ids.append(self._draw(requests[i], row, probs[i]))
+            feeding = {i: [proposals[i].token_ids[-1]] for i in last_rows if requests[i].num_tokens > round_ + 1}
+            if not feeding:
+                break
+            last_rows = dict(zip(feeding, self._step(requests, feeding), strict=True))
+        for i in live:
+            if not requests[i].params.greedy:
+                proposals[i].probs = np.stack(probs[i])
+        return proposals
+
+    def _prepare(self, request: ProposalRequest) -> bool:
+        """Roll the sequence's draft cache back to its tokens, and hold slots for the rest and the guesses."""
+        tokens, seq_id = request.token_ids, request.seq_id
+        if len(tokens) + request.num_tokens > self.max_context:
+            self.free(seq_id)
+            return False
+        computed = self._computed.get(seq_id, [])
+        keep = 0
+        for have, want in zip(computed, tokens[:-1], strict=False):  # the last token is always fed (its row)
+            if have != want:
+                break
+            keep += 1
+        if seq_id in self._computed:
+            self.kv_cache.trim_slots(seq_id, keep)
+        # the guesses but the last are fed back in, so their k/v need slots too
+        if not self.kv_cache.allocate_slots(seq_id, len(tokens) - keep + request.num_tokens - 1):
+            self.free(seq_id)
+            return False
+        self._computed[seq_id] = computed[:keep]
+        return True
+
+    def _step(self, requests: Sequence[ProposalRequest], chunk: dict[int, list[int]]) -> np.ndarray:
+        """Run the draft on each sequence's next tokens; returns the logits of each one's last token [len(chunk), V]."""
+        seq_ids = [requests[i].seq_id for i in chunk]
+        batch = StepBatch.build(
+            list(chunk.values()),
+            [len(self._computed[s]) for s in seq_ids],
+            [self.kv_cache.block_ids(s) for s in seq_ids],
+            self.kv_cache.block_size,
+        )
+        logits = self.model.step(batch)
+        for s, tokens in zip(seq_ids, chunk.values(), strict=True):
+            self._computed[s].extend(tokens)
+        return logits
+
+    @staticmethod
+    def _draw(request: ProposalRequest, row: np.ndarray, probs: list[np.ndarray]) -> int:
+        if request.params.greedy:
+            return int(np.argmax(row))
+        q = softmax(process_logits(row, request.params, _NO_TOKENS, _NO_TOKENS))
+        probs.append(q)
+        return sample_from_probs(q, request.rng)

@@ -320,6 +320,17 @@ def test_cli_run_json_reports_guesses_and_bench_prints_the_acceptance_rate(llama
     spec = json.loads(_cli(*prompt, "--speculative", "ngram", "--num-speculative-tokens", 3).stdout)
     assert "speculative" not in plain and spec["token_ids"] == plain["token_ids"]
     assert spec["speculative"]["proposed"] > 0 and 0 <= spec["speculative"]["accepted"] <= spec["speculative"]["proposed"]
+    # the target as its own draft: every guess accepted
+    spec = json.loads(_cli(*prompt, "--speculative", "draft", "--draft", llama_artifact).stdout)
+    assert spec["token_ids"] == plain["token_ids"]
+    assert spec["speculative"]["proposed"] == spec["speculative"]["accepted"] > 0
+    from click.testing import CliRunner
+
+    from llmc import cli
+
+    for flags in (("--draft", llama_artifact), ("--speculative", "draft")):
+        r = CliRunner().invoke(cli.main, [str(a) for a in (*prompt, *flags)])
+        assert r.exit_code == 1 and "--speculative draft" in r.output
 
     bench = ("bench", llama_artifact, "--concurrency", "1,2", "--prompt-len", 8, "--output-len", 12,
              "--memory-bandwidth", 1e10, "--kv-cache-memory", "1MiB", "--speculative", "ngram")  # fmt: skip
@@ -353,3 +364,106 @@ def test_metrics_count_guesses_verified_and_accepted():
     stats = engine.stats()
     assert samples[("llmc:spec_decode_num_draft_tokens_total", ())] == stats.spec_num_draft_tokens > 0
     assert samples[("llmc:spec_decode_num_accepted_tokens_total", ())] == stats.spec_num_accepted_tokens
+
+
+# -- the draft-model proposer ------------------------------------------------------------------------------
+
+
+class NoisyDraft(FakeModel):
+    """A draft that agrees with the fake target often but not always: the target's logits plus noise that is
+    itself a function of the context (so the draft is a deterministic model of its own)."""
+
+    def step(self, batch):
+        logits = super().step(batch)
+        for row in logits:
+            noise = np.random.default_rng(abs(hash(row.tobytes())) % 2**32).standard_normal(row.shape[0])
+            row += (2.0 * noise).astype(np.float32)
+        return logits
+
+
+def draft_engine(config, k, draft_blocks=24, **kw):
+    draft = NoisyDraft(config, num_blocks=draft_blocks, block_size=4, max_num_tokens=16, max_num_seqs=6)
+    return spec_engine(config, SpeculativeConfig("draft", k, draft_model=draft), **kw), draft
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_draft_greedy_equals_the_reference_under_preemption_and_prefix_caching(seed):
+    config = FakeConfig()
+    requests, arrivals = workload(seed, 16, config.vocab_size, ignore_eos=False)
+    # a draft cache of 10 blocks cannot hold every sequence: some get no guesses some steps
+    engine, draft = draft_engine(config, 3, draft_blocks=10)
+    got = run_with_arrivals(engine, requests, arrivals)
+    for i, (prompt, params) in enumerate(requests):
+        assert got[i][0] == reference_greedy(prompt, params.max_tokens, config, engine.max_model_len), f"request {i}"
+    st = engine.stats()
+    assert 0 < st.spec_num_accepted_tokens < st.spec_num_draft_tokens
+    assert engine.scheduler.num_preemptions > 0
+    assert engine.kv_cache.num_free_blocks == 24 and engine._proposer.kv_cache.num_free_blocks == 10
+    assert not engine._proposer._computed
+
+
+def test_draft_equal_to_the_target_has_every_guess_accepted():
+    config = FakeConfig(eos_token_ids=(999,))
+    draft = FakeModel(config, num_blocks=24, block_size=4, max_num_tokens=16, max_num_seqs=6)
+    engine = spec_engine(config, SpeculativeConfig("draft", 4, draft_model=draft))
+    out = engine.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=21, ignore_eos=True))
+    assert out[0].outputs[0].token_ids == reference_greedy([5, 6, 7], 21, config)
+    st = engine.stats()
+    assert st.spec_num_draft_tokens == st.spec_num_accepted_tokens == 16  # 1 from the prompt, then 4 x (4 + 1)
+
+
+def test_draft_sampling_keeps_the_target_distribution_at_engine_level():
+    """As the n-gram check, with guesses drawn from the noisy draft's own distribution q."""
+    config = FakeConfig(vocab_size=8)
+    prompt = [2, 3, 4, 5]
+    params = [SamplingParams(temperature=1.3, max_tokens=3, seed=s, ignore_eos=True) for s in range(4000)]
+    engine, _ = draft_engine(config, 2)
+    outputs = [r.outputs[0].token_ids for r in engine.generate([prompt] * len(params), params)]
+    st = engine.stats()
+    # one guess after the first token (max_tokens leaves room for no more), or two after a prompt whose last token
+    # a chunked prefill left for the next step
+    assert st.spec_num_draft_tokens >= len(params)
+    assert 0 < st.spec_num_accepted_tokens < st.spec_num_draft_tokens
+
+    def target(context):
+        logits = context_logits(np.asarray(context), 8).astype(np.float64) / 1.3
+        p = np.exp(logits - logits.max())
+        return p / p.sum()
+
+    for position in (1, 2):
+        histories = [tuple(o[:position]) for o in outputs]
+        likeliest = max(set(histories), key=histories.count)
+        samples = np.asarray([o[position] for o in outputs if tuple(o[:position]) == likeliest])
+        assert len(samples) > 300
+        assert chi_square_pvalue(samples, target(prompt + list(likeliest))) > 1e-3, position
+
+
+def test_draft_with_another_vocabulary_is_refused():
+    draft = FakeModel(FakeConfig(vocab_size=32))
+    with pytest.raises(LlmcError, match="vocabulary"):
+        spec_engine(FakeConfig(), SpeculativeConfig("draft", 2, draft_model=draft))
+
+
+@pytest.mark.parametrize("draft_kind", ["itself", "one layer"])
+def test_compiled_draft_greedy_equals_no_speculation(llama_artifact, checkpoint_dir, tmp_path, draft_kind):
+    """The target as its own draft must have every guess accepted (the draft's cache, positions and rollback
+    are right); a random one-layer draft agrees with it by chance only, and the output must not change either."""
+    draft_path = llama_artifact if draft_kind == "itself" else compile_checkpoint(
+        checkpoint_dir("llama", num_hidden_layers=1), target="cpu", output=tmp_path / "d")  # fmt: skip
+    rng = np.random.default_rng(3)
+    requests = [([int(t) for t in rng.integers(2, 380, rng.integers(1, 30))],
+                 SamplingParams(temperature=0, max_tokens=int(rng.integers(8, 30)), ignore_eos=True))
+                for _ in range(6)]  # fmt: skip
+    arrivals = [int(a) for a in rng.integers(0, 6, len(requests))]
+    got, stats = {}, {}
+    with CompiledModel.load(llama_artifact, kv_cache_memory=14 * 4096, max_num_seqs=4, max_num_logits=16) as model, \
+            CompiledModel.load(draft_path, kv_cache_memory=8 * 4096, max_num_seqs=4) as draft:  # fmt: skip
+        for speculative in (None, SpeculativeConfig("draft", 3, draft_model=draft)):
+            engine = LLMEngine(model, max_num_batched_tokens=24, speculative=speculative)
+            got[speculative is not None] = run_with_arrivals(engine, requests, arrivals)
+            stats[speculative is not None] = engine.stats()
+    for i in range(len(requests)):
+        assert got[True][i] == got[False][i], f"request {i} changed with a draft model"
+    assert stats[True].spec_num_draft_tokens > 0
+    if draft_kind == "itself":
+        assert stats[True].spec_num_accepted_tokens == stats[True].spec_num_draft_tokens
