@@ -100,9 +100,9 @@ def _examples_dir() -> Path:
 
 
 def bundled_checkpoint() -> Path:
-    """The checkpoint shipped in llmc/examples (the one dir there with a config.json)."""
+    """The checkpoint shipped in llmc/examples (the one dir there with a config.json, its *-draft model aside)."""
     root = _examples_dir()
-    found = sorted(p.parent for p in root.glob("*/config.json"))
+    found = sorted(p.parent for p in root.glob("*/config.json") if not p.parent.name.endswith("-draft"))
     if not found:
         raise LlmcError(f"no bundled model found in {root}", "pass an artifact or a checkpoint: llmc run PATH")
     return found[0]

@@ -277,8 +277,8 @@ class KVCacheManager:
         that then hold no slot go back to the pool. Their k/v were never cached (not final), so nobody shares them."""
         blocks = self._require(req_id)
         assert 0 <= num_tokens <= self._num_slots[req_id], f"trim {req_id!r} to {num_tokens} > its slots"
+        assert len(self._block_hashes[req_id]) * self.block_size <= num_tokens, f"trim {req_id!r} into a cached block"
         keep = self.num_blocks_needed(num_tokens)
-        assert len(self._block_hashes[req_id]) <= keep, f"trim {req_id!r} below its cached blocks"
         self.pool.free([b for b in blocks[keep:][::-1] if b != _RELEASED])
         del blocks[keep:]
         self._num_slots[req_id] = num_tokens

@@ -467,3 +467,21 @@ def test_compiled_draft_greedy_equals_no_speculation(llama_artifact, checkpoint_
     assert stats[True].spec_num_draft_tokens > 0
     if draft_kind == "itself":
         assert stats[True].spec_num_accepted_tokens == stats[True].spec_num_draft_tokens
+
+
+def test_trim_slots_gives_back_whole_blocks_past_the_kept_tokens():
+    from llmc.runtime.kv_cache import KVCacheManager
+
+    kv = KVCacheManager(8, 4, enable_prefix_caching=True)
+    assert kv.allocate_slots("a", 6)
+    kv.cache_blocks("a", list(range(6)), 6)  # one full block cached
+    assert kv.allocate_slots("a", 5)  # 11 slots: 3 blocks
+    table = kv.block_ids("a")
+    kv.trim_slots("a", 8)  # 2 blocks hold 8 slots: the third goes back
+    assert kv.block_ids("a") == table[:2] and kv.num_slots("a") == 8 and kv.num_free_blocks == 6
+    kv.trim_slots("a", 5)
+    assert kv.block_ids("a") == table[:2] and kv.num_slots("a") == 5
+    assert kv.allocate_slots("a", 4)  # the slots count from 5 again: 9 slots, 3 blocks
+    assert kv.num_slots("a") == 9 and len(kv.block_ids("a")) == 3
+    with pytest.raises(AssertionError):
+        kv.trim_slots("a", 3)  # below the cached block
