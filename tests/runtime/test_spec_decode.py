@@ -485,3 +485,39 @@ def test_trim_slots_gives_back_whole_blocks_past_the_kept_tokens():
     assert kv.num_slots("a") == 9 and len(kv.block_ids("a")) == 3
     with pytest.raises(AssertionError):
         kv.trim_slots("a", 3)  # below the cached block
+
+
+def test_stop_strings_cut_an_accepted_run_as_without_speculation():
+    from runtime_fakes import byte_level_bpe
+
+    tok = byte_level_bpe()
+    config = FakeConfig(vocab_size=tok.get_vocab_size(), eos_token_ids=(999,))
+    prompt = [5, 6, 7]
+    plain = spec_engine(config, None)
+    plain.tokenizer = tok
+    full = plain.generate([prompt], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))[0].outputs[0]
+    for cut in (3, 9, 17):
+        stop = full.text[cut : cut + 2]
+        params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=[stop])
+        got = []
+        for speculative in (None, SpeculativeConfig("ngram", 4)):
+            engine = spec_engine(config, speculative, None if speculative is None else OracleProposer(config, 0.0, 0))
+            engine.tokenizer = tok
+            out = engine.generate([prompt], params)[0].outputs[0]
+            got.append((out.token_ids, out.text, out.finish_reason, out.stop_reason))
+        assert got[0] == got[1] and got[0][2] == "stop" and stop not in got[0][1]
+
+
+def test_the_shipped_draft_shares_the_bundled_models_tokenizer_and_is_not_taken_for_it():
+    import json
+    from pathlib import Path
+
+    from llmc import cli
+
+    examples = Path(__file__).resolve().parents[2] / "examples"
+    draft, bundled = examples / "pystdlib-5m-draft", examples / "pystdlib-5m"
+    assert (draft / "tokenizer.json").read_bytes() == (bundled / "tokenizer.json").read_bytes()
+    configs = [json.loads((d / "config.json").read_text()) for d in (draft, bundled)]
+    assert configs[0]["vocab_size"] == configs[1]["vocab_size"]
+    assert configs[0]["eos_token_id"] == configs[1]["eos_token_id"]
+    assert cli.bundled_checkpoint().name == "pystdlib-5m"
