@@ -177,7 +177,7 @@ class LLMEngine:
         self.speculative = speculative
         self._proposer = None if speculative is None else self._make_proposer(speculative, model)
         # logits rows a step has beyond one per sequence: the guesses of a step may use no more
-        self._spec_rows = int(model.max_num_logits) - self.scheduler.max_num_seqs
+        self._spec_rows = 0 if speculative is None else int(model.max_num_logits) - self.scheduler.max_num_seqs
         if speculative is not None and self._spec_rows < speculative.num_speculative_tokens:
             k = speculative.num_speculative_tokens
             raise LlmcError(
