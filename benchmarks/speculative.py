@@ -113,7 +113,8 @@ def bench(target: Path, draft: Path | None, ks: list[int], max_tokens: int, roun
                         stats = engine.stats()
                     row = {"prompt": prompt_name, "prompt_tokens": len(prompt), "method": method, "k": k,
                            "decode_tokens_per_s": statistics.median(rates), "rounds": rates,
-                           "draft_tokens": stats.spec_num_draft_tokens, "accepted_tokens": stats.spec_num_accepted_tokens,
+                           "draft_tokens": stats.spec_num_draft_tokens,
+                           "accepted_tokens": stats.spec_num_accepted_tokens,
                            "acceptance_rate": stats.spec_acceptance_rate}  # fmt: skip
                     rows.append(row)
                     log(f"{prompt_name} {method} K={k}: {row['decode_tokens_per_s']:.0f} tok/s, "

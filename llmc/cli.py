@@ -138,10 +138,12 @@ def _speculative_options(command):
     """--speculative, --num-speculative-tokens, --draft: guess tokens cheaply and verify them in one model step."""
     command = click.option(
         "--draft", type=click.Path(path_type=Path), default=None,
-        help="The draft model of --speculative draft: an artifact or checkpoint dir with the same tokenizer.")(command)  # fmt: skip
+        help="The draft model of --speculative draft: an artifact or checkpoint dir with the same tokenizer.",
+    )(command)
     command = click.option(
         "--num-speculative-tokens", type=click.IntRange(1, 64), default=4, show_default=True,
-        help="Tokens guessed (and verified in one step) per sequence and step, with --speculative.")(command)  # fmt: skip
+        help="Tokens guessed (and verified in one step) per sequence and step, with --speculative.",
+    )(command)
     return click.option(
         "--speculative", type=click.Choice(["ngram", "draft"]), default=None,
         help="Speculative decoding: ngram guesses the next tokens from the longest earlier match of the last "
@@ -165,7 +167,7 @@ def _speculative_config(method: str | None, num_tokens: int, draft: Path | None,
         stack.callback(draft_model.close)
         if draft_tokenizer.get_vocab() != tokenizer.get_vocab():
             raise LlmcError(f"the draft model {draft} has another tokenizer than the target",
-                            "use a draft trained with the target's tokenizer (examples/train_tiny.py makes one)")  # fmt: skip
+                            "use a draft trained with the target's tokenizer (examples/train_tiny.py makes one)")
     return SpeculativeConfig(method, num_tokens, draft_model)
 
 
@@ -320,9 +322,9 @@ def serve(artifact: Path, host: str, port: int, model_name: str | None, max_num_
              "shutdown_timeout_s": shutdown_timeout}  # fmt: skip
     limits = server.ServerLimits(**{k: v for k, v in given.items() if v is not None})  # unset: the library's default
     path = _resolve_artifact(artifact)
+    rows = _logits_rows(speculative, num_speculative_tokens, max_num_seqs)
     model, tokenizer = _load_model(path, kv_cache_memory, max_num_seqs=max_num_seqs,
-                                   max_num_tokens=max_num_batched_tokens,
-                                   max_num_logits=_logits_rows(speculative, num_speculative_tokens, max_num_seqs))  # fmt: skip
+                                   max_num_tokens=max_num_batched_tokens, max_num_logits=rows)  # fmt: skip
     with contextlib.ExitStack() as stack:
         stack.callback(model.close)
         spec = _speculative_config(speculative, num_speculative_tokens, draft, tokenizer, kv_cache_memory, max_num_seqs,
@@ -385,8 +387,9 @@ def bench(artifact: Path, concurrency: list[int], num_requests: int | None, prom
     from .runtime.engine import LLMEngine
 
     max_num_seqs = max(concurrency)
+    rows = _logits_rows(speculative, num_speculative_tokens, max_num_seqs)
     model, tokenizer = _load_model(_resolve_artifact(artifact), kv_cache_memory, max_num_seqs=max_num_seqs,
-                                   max_num_logits=_logits_rows(speculative, num_speculative_tokens, max_num_seqs))  # fmt: skip
+                                   max_num_logits=rows)  # fmt: skip
     with model, contextlib.ExitStack() as stack:
         spec = _speculative_config(speculative, num_speculative_tokens, draft, tokenizer, kv_cache_memory, max_num_seqs,
                                    stack)  # fmt: skip

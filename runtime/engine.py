@@ -42,8 +42,15 @@ from llmc.runtime.detokenizer import IncrementalDetokenizer
 from llmc.runtime.kv_cache import KVCacheManager
 from llmc.runtime.sampling import SamplingParams, make_rng, process_logits, sample_next_token, softmax, top_logprobs
 from llmc.runtime.scheduler import Request, Scheduler
-from llmc.runtime.spec_decode import (DraftProposer, NgramProposer, Proposal, ProposalRequest, SpeculativeConfig,
-                                      accept_greedy, rejection_sample)  # fmt: skip
+from llmc.runtime.spec_decode import (
+    DraftProposer,
+    NgramProposer,
+    Proposal,
+    ProposalRequest,
+    SpeculativeConfig,
+    accept_greedy,
+    rejection_sample,
+)
 
 _NO_TOKENS = np.zeros(0, dtype=np.int64)
 
@@ -183,7 +190,8 @@ class LLMEngine:
             raise LlmcError(
                 f"speculative decoding of {k} tokens needs logits rows for them, but the model was loaded for "
                 f"{model.max_num_logits} rows per step and {self.scheduler.max_num_seqs} sequences",
-                f"load it with max_num_logits >= max_num_seqs * {k + 1} (CompiledModel.load(max_num_logits=))")  # fmt: skip
+                f"load it with max_num_logits >= max_num_seqs * {k + 1} (CompiledModel.load(max_num_logits=...))",
+            )
         self.spec_num_draft_tokens = 0
         self.spec_num_accepted_tokens = 0
         self._seqs: dict[str, _Sequence] = {}  # by sequence id (== req_id when n == 1)

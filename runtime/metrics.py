@@ -68,7 +68,7 @@ class _EngineCollector(Collector):
         for name, doc, value in [
             ("llmc:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.prefix_cache_queries),
             ("llmc:prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits),
-            ("llmc:spec_decode_num_draft_tokens", "Speculative guesses verified by the model.", s.spec_num_draft_tokens),
+            ("llmc:spec_decode_num_draft_tokens", "Speculative guesses verified.", s.spec_num_draft_tokens),
             ("llmc:spec_decode_num_accepted_tokens", "Speculative guesses accepted.", s.spec_num_accepted_tokens),
         ]:
             family = CounterMetricFamily(name, doc, labels=["model_name"])

@@ -9,7 +9,7 @@ rejection-sampling function keeps the target distribution (chi-square over many 
 import numpy as np
 import pytest
 import torch
-from runtime_fakes import FakeConfig, FakeModel, context_logits, reference_greedy, run_with_arrivals
+from runtime_fakes import FakeConfig, FakeModel, byte_level_bpe, context_logits, reference_greedy, run_with_arrivals
 
 from llmc.compiler.compile import compile_checkpoint
 from llmc.errors import LlmcError
@@ -314,12 +314,12 @@ def _cli(*args):
 def test_cli_run_json_reports_guesses_and_bench_prints_the_acceptance_rate(llama_artifact):
     import json
 
-    prompt = ("run", llama_artifact, "--prompt", "a b c d a b c d a b", "--max-tokens", 24, "--temperature", 0, "--json",
-              "--kv-cache-memory", "1MiB")  # fmt: skip
+    prompt = ("run", llama_artifact, "--prompt", "a b c d a b c d a b", "--max-tokens", 24, "--temperature", 0,
+              "--json", "--kv-cache-memory", "1MiB")  # fmt: skip
     plain = json.loads(_cli(*prompt).stdout)
     spec = json.loads(_cli(*prompt, "--speculative", "ngram", "--num-speculative-tokens", 3).stdout)
     assert "speculative" not in plain and spec["token_ids"] == plain["token_ids"]
-    assert spec["speculative"]["proposed"] > 0 and 0 <= spec["speculative"]["accepted"] <= spec["speculative"]["proposed"]
+    assert spec["speculative"]["proposed"] >= spec["speculative"]["accepted"] >= 0 and spec["speculative"]["proposed"]
     # the target as its own draft: every guess accepted
     spec = json.loads(_cli(*prompt, "--speculative", "draft", "--draft", llama_artifact).stdout)
     assert spec["token_ids"] == plain["token_ids"]
@@ -348,8 +348,6 @@ def test_metrics_count_guesses_verified_and_accepted():
 
     from llmc.runtime.engine import AsyncLLMEngine
     from llmc.runtime.server import create_app
-
-    from runtime_fakes import byte_level_bpe
 
     tok = byte_level_bpe()
     config = FakeConfig(vocab_size=tok.get_vocab_size())
@@ -488,8 +486,6 @@ def test_trim_slots_gives_back_whole_blocks_past_the_kept_tokens():
 
 
 def test_stop_strings_cut_an_accepted_run_as_without_speculation():
-    from runtime_fakes import byte_level_bpe
-
     tok = byte_level_bpe()
     config = FakeConfig(vocab_size=tok.get_vocab_size(), eos_token_ids=(999,))
     prompt = [5, 6, 7]
