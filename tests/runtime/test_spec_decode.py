@@ -517,3 +517,45 @@ def test_the_shipped_draft_shares_the_bundled_models_tokenizer_and_is_not_taken_
     assert configs[0]["vocab_size"] == configs[1]["vocab_size"]
     assert configs[0]["eos_token_id"] == configs[1]["eos_token_id"]
     assert cli.bundled_checkpoint().name == "pystdlib-5m"
+
+
+def test_compiled_sliding_window_with_ngram_guesses_equals_no_speculation(checkpoint_dir, tmp_path):
+    """Mistral layers that see the last 6 positions: blocks behind the window go back to the pool while guesses
+    are written and rolled back; a cache of 4 blocks still serves 96-token sequences, with the same tokens."""
+    path = checkpoint_dir("mistral", sliding_window=6)
+    artifact = compile_checkpoint(path, target="cpu", output=tmp_path / "m")
+    rng = np.random.default_rng(3)
+    prompts = [[int(t) for t in rng.integers(2, 380, n)] for n in (20, 9)]
+    params = SamplingParams(temperature=0, max_tokens=76, ignore_eos=True)
+    per_block = 2 * 2 * 16 * 3 * 8 * 4  # k and v, 2 layers, 16 slots of 3 kv heads x 8 dims, fp32
+    got, stats = {}, {}
+    with CompiledModel.load(artifact, kv_cache_memory=4 * per_block, max_num_seqs=2, max_num_logits=10) as model:
+        for speculative in (None, SpeculativeConfig("ngram", 4)):
+            engine = LLMEngine(model, max_num_batched_tokens=8, speculative=speculative)
+            got[speculative is not None] = [r.outputs[0].token_ids for r in engine.generate(prompts, params)]
+            stats[speculative is not None] = engine.stats()
+            assert engine.kv_cache.num_free_blocks == 4
+    assert got[True] == got[False]
+    assert stats[True].spec_num_draft_tokens > 0
+
+
+def test_cli_serve_with_a_draft_model_counts_guesses_in_metrics(llama_artifact, monkeypatch):
+    from fastapi.testclient import TestClient
+    from test_metrics import scrape
+
+    from llmc.runtime import server
+
+    seen = {}
+
+    def fake_serve(app, host, port, **kw):
+        with TestClient(app) as http:
+            seen["completion"] = http.post("/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 12,
+                                                                    "temperature": 0, "ignore_eos": True}).json()
+            seen["metrics"] = scrape(http)
+
+    monkeypatch.setattr(server, "serve", fake_serve)
+    _cli("serve", llama_artifact, "--kv-cache-memory", "1MiB", "--max-num-seqs", 4, "--speculative", "draft",
+         "--draft", llama_artifact, "--num-speculative-tokens", 3)  # fmt: skip
+    assert seen["completion"]["usage"]["completion_tokens"] == 12
+    drafted = seen["metrics"][("llmc:spec_decode_num_draft_tokens_total", ())]
+    assert drafted > 0 and seen["metrics"][("llmc:spec_decode_num_accepted_tokens_total", ())] == drafted
