@@ -219,10 +219,12 @@ def run(artifact: Path | None, prompt: str | None, max_tokens: int, temperature:
     if chat:
         from .runtime.chat import run_chat
 
-        model, tokenizer = _load_model(path, kv_cache_memory, max_num_seqs=1)
+        model, tokenizer = _load_model(path, kv_cache_memory, max_num_seqs=1,
+                                       max_num_logits=_logits_rows(speculative, num_speculative_tokens, 1))  # fmt: skip
         params = SamplingParams(**{**model.generation_defaults, **given}, seed=seed, max_tokens=max_tokens)
-        with model:
-            engine = LLMEngine(model, tokenizer, enable_prefix_caching=not no_prefix_caching)
+        with model, contextlib.ExitStack() as stack:
+            spec = _speculative_config(speculative, num_speculative_tokens, draft, tokenizer, kv_cache_memory, 1, stack)
+            engine = LLMEngine(model, tokenizer, enable_prefix_caching=not no_prefix_caching, speculative=spec)
             run_chat(engine, tokenizer, model.chat_template, params, bos_token=model.bos_token,
                      eos_token=model.eos_token)  # fmt: skip
         return
