@@ -12,7 +12,7 @@ from llmc import cli
 
 ARGS = ("--concurrency", "1,4", "--prompt-len", "16", "--output-len", "8", "--kv-cache-memory", "16MiB")
 COLUMNS = ["concurrency", "requests", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms", "TPOT p99 ms", "req/s",
-           "output tok/s", "% of roofline"]  # fmt: skip
+           "output tok/s", "prefix hit", "% of roofline"]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -43,14 +43,18 @@ def test_bench_prints_its_table(artifact):
         ttft50, ttft99, tpot50, tpot99, req_s, tok_s = map(float, row[2:8])
         assert 0 < ttft50 <= ttft99 < 60_000 and 0 < tpot50 <= tpot99 < 60_000, row
         assert req_s > 0 and tok_s == pytest.approx(8 * req_s, rel=0.02), row  # 8 output tokens per request
-        assert row[8].endswith("%") and float(row[8][:-1]) >= 0, row
+        assert 0 <= float(row[8][:-1]) <= 100, row  # prefix hit: random prompts share little
+        assert row[9].endswith("%") and float(row[9][:-1]) >= 0, row
     assert lines[4].startswith("roofline: ") and "GB/s (measured in-process" in lines[4], out
-    assert len(lines) == 5, out
+    assert lines[5].startswith("prefix cache hit rate: "), out
+    assert len(lines) == 6, out
 
 
 def test_bench_json(artifact):
     result = json.loads(_bench(artifact, *ARGS, "--memory-bandwidth", "2e10", "--json"))
-    assert result["workload"] == {"prompt_len": 16, "output_len": 8, "seed": 0, "sampling": "greedy, ignore_eos"}
+    assert result["workload"] == {"prompt_len": 16, "output_len": 8, "seed": 0, "shared_prefix": 0,
+                                  "sampling": "greedy, ignore_eos"}
+    assert 0 <= result["prefix_cache_hit_rate"] <= 1
     levels = result["levels"]
     assert [(lv["concurrency"], lv["num_requests"], lv["max_num_seqs"]) for lv in levels] == [(1, 4, 4), (4, 8, 4)]
     for lv in levels:
