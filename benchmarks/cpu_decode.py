@@ -50,9 +50,18 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 
 SMOLLM_135M = {  # LlamaConfig kwargs
-    "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
-    "num_key_value_heads": 3, "vocab_size": 49152, "max_position_embeddings": 2048, "rms_norm_eps": 1e-5,
-    "rope_theta": 10000.0, "tie_word_embeddings": True, "bos_token_id": 0, "eos_token_id": 1,
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "vocab_size": 49152,
+    "max_position_embeddings": 2048,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": True,
+    "bos_token_id": 0,
+    "eos_token_id": 1,
 }
 
 
@@ -65,10 +74,17 @@ def parse_args(argv=None):
     p.add_argument("--dtypes", default="float32,bfloat16", help="llmc weight dtypes, comma-separated")
     p.add_argument("--no-hf", action="store_true", help="skip the transformers row")
     p.add_argument("--no-engine", action="store_true", help="skip the LLMEngine rows")
-    p.add_argument("--no-1thread", action="store_true",
-                   help="with --threads > 1, skip the 1-thread rows of llmc fp32 and transformers")
-    p.add_argument("--cache-dir", type=Path, default=None,
-                   help="checkpoint and artifacts (default: $LLMC_CACHE_DIR/bench or ~/.cache/llmc/bench)")
+    p.add_argument(
+        "--no-1thread",
+        action="store_true",
+        help="with --threads > 1, skip the 1-thread rows of llmc fp32 and transformers",
+    )
+    p.add_argument(
+        "--cache-dir",
+        type=Path,
+        default=None,
+        help="checkpoint and artifacts (default: $LLMC_CACHE_DIR/bench or ~/.cache/llmc/bench)",
+    )
     p.add_argument("--json", action="store_true", help="print the result as JSON instead of a table")
     return p.parse_args(argv)
 
@@ -192,6 +208,7 @@ class Bandwidth:
         import ctypes
 
         import numpy as np
+
         from llmc.compiler.codegen.build import build_shared_library
 
         self.threads, self.nbytes = threads, nbytes
@@ -219,8 +236,11 @@ class Bandwidth:
             t = time.perf_counter()
             np.copyto(self.dst, self.src)
             copy = max(copy, 2 * self.nbytes / (time.perf_counter() - t))
-        return {"read_GBps": self._read(self.threads, repeats), "read_1thread_GBps": self._read(1, 3),
-                "copy_1thread_GBps": copy / 1e9}
+        return {
+            "read_GBps": self._read(self.threads, repeats),
+            "read_1thread_GBps": self._read(1, 3),
+            "copy_1thread_GBps": copy / 1e9,
+        }
 
 
 def llc_bytes() -> int | None:
@@ -241,9 +261,8 @@ class LlmcStep:
     """CompiledModel.step at batch 1: prefill, then greedy decode through the C ABI."""
 
     def __init__(self, path: Path, max_len: int):
-        from llmc.runtime.module import CompiledModel
-
         from llmc.runtime.kv_cache import KVCacheManager
+        from llmc.runtime.module import CompiledModel
 
         self.model = CompiledModel.load(path, kv_cache_memory=64 << 20, max_num_tokens=256, max_num_seqs=4)
         self.kv_cache = KVCacheManager(self.model.num_blocks, self.model.block_size)  # the runtime's blocks
@@ -252,6 +271,7 @@ class LlmcStep:
     def generate(self, prompt: list[int], n: int) -> tuple[float, list[int]]:
         """Prefill the prompt (untimed), then n greedy decode steps: (seconds of the n steps, the n + 1 tokens)."""
         import numpy as np
+
         from llmc.runtime.batch import StepBatch
 
         assert len(prompt) + n <= self.max_len
@@ -395,28 +415,34 @@ def main(argv=None) -> dict:
     for name, (_, threads, wb) in peers.items():
         tps = args.tokens / statistics.median(times[name])
         roof = bw["read_GBps" if threads == args.threads else "read_1thread_GBps"] * 1e9 / wb if wb else None
-        rows.append({
-            "row": name,
-            "threads": threads,
-            "tokens_per_s": tps,
-            "tokens_per_s_windows": [args.tokens / s for s in times[name]],
-            "weight_MB_per_token": wb / 1e6 if wb else None,
-            "roofline_tokens_per_s": roof,
-            "of_roofline": tps / roof if roof else None,
-            "vs_transformers": tps / hf_tps if hf_tps else None,
-            "greedy_tokens_match_transformers": (sum(a == b for a, b in zip(tokens[name], ref, strict=False)) / len(ref)
-                                                 if ref is not None else None),
-        })
+        rows.append(
+            {
+                "row": name,
+                "threads": threads,
+                "tokens_per_s": tps,
+                "tokens_per_s_windows": [args.tokens / s for s in times[name]],
+                "weight_MB_per_token": wb / 1e6 if wb else None,
+                "roofline_tokens_per_s": roof,
+                "of_roofline": tps / roof if roof else None,
+                "vs_transformers": tps / hf_tps if hf_tps else None,
+                "greedy_tokens_match_transformers": (
+                    sum(a == b for a, b in zip(tokens[name], ref, strict=False)) / len(ref) if ref is not None else None
+                ),
+            }
+        )
     result = {
         "model": "SmolLM-135M shape, random weights (LlamaConfig: 576 hidden, 30 layers, 9/3 heads, 1536, 49152)",
         "threads": args.threads,
         "prompt_len": args.prompt_len,
         "decode_tokens": args.tokens,
         "rounds": args.rounds,
-        "bandwidth": {**bw, "llc_bytes": llc_bytes(),
-                      "method": "read: C++ xor-reduce of a 1 GiB buffer with --threads OpenMP threads (static), "
-                                "best of 5 per round, median over rounds; copy: 1-thread numpy copy of 1 GiB, "
-                                "(read+write)/time"},
+        "bandwidth": {
+            **bw,
+            "llc_bytes": llc_bytes(),
+            "method": "read: C++ xor-reduce of a 1 GiB buffer with --threads OpenMP threads (static), "
+            "best of 5 per round, median over rounds; copy: 1-thread numpy copy of 1 GiB, "
+            "(read+write)/time",
+        },
         "weight_bytes_by_op": by_op,
         "rows": rows,
     }
@@ -431,26 +457,39 @@ def format_table(result: dict) -> str:
     bw = result["bandwidth"]
     lines = [
         f"{result['model']}",
-        (f"batch 1, prompt {result['prompt_len']} tokens, {result['decode_tokens']} greedy decode tokens per "
-         f"window, median of {result['rounds']} windows; OMP_NUM_THREADS={result['threads']}"),
-        (f"memory bandwidth: {bw['read_GBps']:.1f} GB/s read with {result['threads']} threads (1 GiB buffer, LLC "
-         f"{(bw['llc_bytes'] or 0) / 2**20:.0f} MiB); 1 thread: {bw['read_1thread_GBps']:.1f} GB/s read, "
-         f"{bw['copy_1thread_GBps']:.1f} GB/s numpy copy (read + write)"),
+        (
+            f"batch 1, prompt {result['prompt_len']} tokens, {result['decode_tokens']} greedy decode tokens per "
+            f"window, median of {result['rounds']} windows; OMP_NUM_THREADS={result['threads']}"
+        ),
+        (
+            f"memory bandwidth: {bw['read_GBps']:.1f} GB/s read with {result['threads']} threads (1 GiB buffer, LLC "
+            f"{(bw['llc_bytes'] or 0) / 2**20:.0f} MiB); 1 thread: {bw['read_1thread_GBps']:.1f} GB/s read, "
+            f"{bw['copy_1thread_GBps']:.1f} GB/s numpy copy (read + write)"
+        ),
     ]
-    cols = [("row", "row", "{}"), ("tok/s", "tokens_per_s", "{:.1f}"), ("MB/token", "weight_MB_per_token", "{:.1f}"),
-            ("roofline tok/s", "roofline_tokens_per_s", "{:.1f}"), ("of roofline", "of_roofline", "{:.0%}"),
-            ("vs transformers", "vs_transformers", "{:.2f}x"),
-            ("tokens = HF", "greedy_tokens_match_transformers", "{:.0%}")]
+    cols = [
+        ("row", "row", "{}"),
+        ("tok/s", "tokens_per_s", "{:.1f}"),
+        ("MB/token", "weight_MB_per_token", "{:.1f}"),
+        ("roofline tok/s", "roofline_tokens_per_s", "{:.1f}"),
+        ("of roofline", "of_roofline", "{:.0%}"),
+        ("vs transformers", "vs_transformers", "{:.2f}x"),
+        ("tokens = HF", "greedy_tokens_match_transformers", "{:.0%}"),
+    ]
     cells = [[c[0] for c in cols]]
     for r in result["rows"]:
         cells.append(["-" if r[k] is None else f.format(r[k]) for _, k, f in cols])
     widths = [max(len(row[i]) for row in cells) for i in range(len(cols))]
     for row in cells:
-        lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True))))
-    lines.append("roofline tok/s = read bandwidth (at the row's thread count) / weight bytes per decode token "
-                 "(every layer weight and the lm_head in full, one embedding row); transformers is held to the fp32 "
-                 "weights' roofline; 'vs transformers' and 'tokens = HF' compare with the transformers row at "
-                 f"{result['threads']} threads")
+        lines.append(
+            "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True)))
+        )
+    lines.append(
+        "roofline tok/s = read bandwidth (at the row's thread count) / weight bytes per decode token "
+        "(every layer weight and the lm_head in full, one embedding row); transformers is held to the fp32 "
+        "weights' roofline; 'vs transformers' and 'tokens = HF' compare with the transformers row at "
+        f"{result['threads']} threads"
+    )
     return "\n".join(lines)
 
 

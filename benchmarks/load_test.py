@@ -226,7 +226,7 @@ async def _check_stream(http, path, body, n, max_tokens, start, tally: Tally) ->
             if line == "data: [DONE]":
                 done = True
                 continue
-            chunk = json.loads(line[len("data: "):])
+            chunk = json.loads(line[len("data: ") :])
             if "error" in chunk:
                 return f"error event: {chunk['error']}"
             now = time.perf_counter()
@@ -376,8 +376,11 @@ def run_load(cfg: LoadConfig, log_dir: Path) -> dict:
         "kv_free_blocks_end": int(after["llmc:kv_cache_free_blocks"]),
         "running_end": int(after["llmc:num_requests_running"]),
         "waiting_end": int(after["llmc:num_requests_waiting"]),
-        "rss_mib": {"loaded": round(rss_loaded / 2**20, 1), "start": round(rss_start / 2**20, 1),
-                    "end": round(rss_end / 2**20, 1)},  # fmt: skip
+        "rss_mib": {
+            "loaded": round(rss_loaded / 2**20, 1),
+            "start": round(rss_start / 2**20, 1),
+            "end": round(rss_end / 2**20, 1),
+        },  # fmt: skip
         "rss_growth_pct": round(100 * (rss_end - rss_start) / rss_start, 2),
         "health_end": health.status_code,
         "exit_code": exit_code,
@@ -403,8 +406,13 @@ def main() -> int:
     else:
         for key, value in report.items():
             print(f"{key:24} {value}")
-    ok = not report["failures"] and not report["limits_not_enforced"] and report["exit_code"] == 0 and \
-        report["kv_free_blocks_end"] == report["kv_blocks"] and report["health_end"] == 200
+    ok = (
+        not report["failures"]
+        and not report["limits_not_enforced"]
+        and report["exit_code"] == 0
+        and report["kv_free_blocks_end"] == report["kv_blocks"]
+        and report["health_end"] == 200
+    )
     return 0 if ok else 1
 
 

@@ -42,8 +42,12 @@ def parse_args(argv=None):
     p.add_argument("--prefix", type=int, default=512, help="cached prefix tokens (smollm; bundled: 496 of 512)")
     p.add_argument("--suffix", type=int, default=16, help="tokens after the prefix (smollm)")
     p.add_argument("--models", default="bundled,smollm", help="comma-separated: bundled, smollm")
-    p.add_argument("--cache-dir", type=Path, default=None,
-                   help="the smollm checkpoint and artifact (default: cpu_decode.py's, $LLMC_CACHE_DIR/bench)")
+    p.add_argument(
+        "--cache-dir",
+        type=Path,
+        default=None,
+        help="the smollm checkpoint and artifact (default: cpu_decode.py's, $LLMC_CACHE_DIR/bench)",
+    )
     p.add_argument("--json", action="store_true", help="print the result as JSON instead of a table")
     return p.parse_args(argv)
 
@@ -122,8 +126,12 @@ def machine() -> dict:
                 break
     except OSError:
         pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "llc_bytes": cpu_decode.llc_bytes(),
-            "python": platform.python_version()}
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "llc_bytes": cpu_decode.llc_bytes(),
+        "python": platform.python_version(),
+    }
 
 
 def main(argv=None) -> dict:

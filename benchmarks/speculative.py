@@ -146,8 +146,15 @@ def main(argv=None) -> dict:
     else:
         log(f"no draft model at {args.draft}: draft rows skipped")
     rows = bench(target, draft, ks, args.max_tokens, args.rounds, log)
-    result = {"threads": args.threads, "rounds": args.rounds, "max_tokens": args.max_tokens, "machine": machine(),
-              "target": str(bundled_checkpoint()), "draft": None if draft is None else str(args.draft), "rows": rows}
+    result = {
+        "threads": args.threads,
+        "rounds": args.rounds,
+        "max_tokens": args.max_tokens,
+        "machine": machine(),
+        "target": str(bundled_checkpoint()),
+        "draft": None if draft is None else str(args.draft),
+        "rows": rows,
+    }
     print(json.dumps(result, indent=2) if args.json else format_table(result))
     return result
 

@@ -36,8 +36,17 @@ STAGES = ("trace", "import to Relax", "fuse", "lower", "pack weights", "render",
 # Test hook, off unless set: LLMC_TEST_SIGNAL_AT="STAGE[:SIGNAL]" makes compile send itself SIGNAL (default
 # SIGKILL) as it enters STAGE, so tests/test_artifact_durability.py can kill -9 or stop a real compile there.
 SIGNAL_AT_ENV = "LLMC_TEST_SIGNAL_AT"
-CUDA_HEADERS = ("llmc_device.cuh", "llmc_kernels.cuh", "llmc_sim.h", "llmc_sim_fibers.h", "llmc_sim_mma.h",
-                "llmc_sim_warp.h", "llmc_sim_memory.h", "llmc_sim_launch.h", "llmc_sim_math.h")
+CUDA_HEADERS = (
+    "llmc_device.cuh",
+    "llmc_kernels.cuh",
+    "llmc_sim.h",
+    "llmc_sim_fibers.h",
+    "llmc_sim_mma.h",
+    "llmc_sim_warp.h",
+    "llmc_sim_memory.h",
+    "llmc_sim_launch.h",
+    "llmc_sim_math.h",
+)
 
 
 def resolve_weight_dtype(ckpt: Checkpoint, requested: str) -> str:
@@ -59,8 +68,9 @@ def check_fusion(mod: tvm.IRModule, num_layers: int) -> None:
         )
 
 
-def build_program(ckpt: Checkpoint, weight_dtype: str, block_size: int, step=lambda name: None,
-                  after_each_pass=None) -> KernelProgram:
+def build_program(
+    ckpt: Checkpoint, weight_dtype: str, block_size: int, step=lambda name: None, after_each_pass=None
+) -> KernelProgram:
     """step(stage) marks each stage's start (a progress bar); after_each_pass(name, mod) sees every pass."""
     step("trace")
     traced = trace(ckpt.config)
@@ -93,8 +103,15 @@ def build_module(target: Target, source: str, tvm_source: str | None = None) -> 
     return build_shared_library(module_sources(target, source, tvm_source), flags=flags, compiler=compiler)
 
 
-def compile_checkpoint(checkpoint: str | Path, *, target: str = "cpu", output: str | Path,
-                       weight_dtype: str = "auto", block_size: int | None = None, progress: bool = False) -> Path:
+def compile_checkpoint(
+    checkpoint: str | Path,
+    *,
+    target: str = "cpu",
+    output: str | Path,
+    weight_dtype: str = "auto",
+    block_size: int | None = None,
+    progress: bool = False,
+) -> Path:
     tgt = load_target(target)
     block_size = block_size or tgt.block_size
     ckpt = load_checkpoint(checkpoint)

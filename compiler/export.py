@@ -28,7 +28,6 @@ from .frontend.checkpoint import Checkpoint
 from .frontend.model import LlamaFamily
 from .frontend.trace import Traced, trace
 
-
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 
 
@@ -48,8 +47,13 @@ def _sliding_window(mask) -> int | None:
     if delta.target is not aten.sub.Tensor:
         return None
     rows, cols = delta.args
-    if not (rows.target is cols.target is aten.unsqueeze.default and rows.args[1] == 1 and cols.args[1] == 0
-            and rows.args[0] is cols.args[0] and rows.args[0].name == "positions"):
+    if not (
+        rows.target is cols.target is aten.unsqueeze.default
+        and rows.args[1] == 1
+        and cols.args[1] == 0
+        and rows.args[0] is cols.args[0]
+        and rows.args[0].name == "positions"
+    ):
         return None
     return int(lt.args[1])
 
@@ -80,8 +84,12 @@ def to_relax(traced: Traced):
     from tvm.relax.frontend.torch import from_exported_program
 
     try:
-        return from_exported_program(traced.program, run_ep_decomposition=False, unwrap_unit_return_tuple=True,
-                                     custom_convert_map={"scaled_dot_product_attention.default": _attention})
+        return from_exported_program(
+            traced.program,
+            run_ep_decomposition=False,
+            unwrap_unit_return_tuple=True,
+            custom_convert_map={"scaled_dot_product_attention.default": _attention},
+        )
     except CompileError:
         raise
     except Exception as e:  # the importer raises bare AssertionError/KeyError on ops it lacks

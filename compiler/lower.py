@@ -36,8 +36,7 @@ from .codegen.tvm_fallback import legalize_call
 from .passes.common import bindings, llmc_args, llmc_op_name, main_function, prim_value, rewrite_counts
 from .weights import WeightSpec
 
-ABI_PARAMS = ("input_ids", "positions", "logits_indices", "seq_lens", "query_start_loc", "block_tables",
-              "slot_mapping")
+ABI_PARAMS = ("input_ids", "positions", "logits_indices", "seq_lens", "query_start_loc", "block_tables", "slot_mapping")
 
 
 @dataclasses.dataclass
@@ -78,8 +77,10 @@ class KernelProgram:
         return sum(b.cols * (max_num_tokens if b.rows == "T" else max_num_logits) for b in self.buffers)
 
     def __str__(self) -> str:
-        lines = [f"kernel program: {len(self.launches)} launches, {len(self.buffers)} buffers, "
-                 f"{len(self.weights)} packed weights"]
+        lines = [
+            f"kernel program: {len(self.launches)} launches, {len(self.buffers)} buffers, "
+            f"{len(self.weights)} packed weights"
+        ]
         for i, b in enumerate(self.buffers):
             lines.append(f"  buf{i}: float[{b.rows}, {b.cols}]")
         for i, w in enumerate(self.weights):
@@ -148,11 +149,16 @@ class _Lowering:
         self.weight_specs: dict[tuple[str, ...], int] = {}
         self.weight_list: list[WeightSpec] = []
         self.tvm_funcs: dict[str, tvm.tirx.PrimFunc] = {}
-        self.kv_cache_heads: list[tuple[int, int]] = []  # per layer, from its cache [2, blocks, size, kv_heads, head_dim]
+        self.kv_cache_heads: list[
+            tuple[int, int]
+        ] = []  # per layer, from its cache [2, blocks, size, kv_heads, head_dim]
         self.var2val = relax.analysis.get_var2val(func)
         # the symbolic row counts: tokens (input_ids: [T]) and logits rows (logits_indices: [N])
-        self.row_vars = {str(p.ty.shape.values[0]): {"input_ids": "T", "logits_indices": "N"}[p.name]
-                         for p in func.params if p.name in ("input_ids", "logits_indices")}
+        self.row_vars = {
+            str(p.ty.shape.values[0]): {"input_ids": "T", "logits_indices": "N"}[p.name]
+            for p in func.params
+            if p.name in ("input_ids", "logits_indices")
+        }
         self.uses: dict = {}
         for b in bindings(func):
             relax.analysis.post_order_visit(b.value, self._count_use)
@@ -167,7 +173,7 @@ class _Lowering:
             elif p.name in ABI_PARAMS:
                 self.env[p] = p.name
             elif p.name.startswith("kv_cache_"):
-                self.env[p] = ("kv_cache", int(p.name[len("kv_cache_"):]))
+                self.env[p] = ("kv_cache", int(p.name[len("kv_cache_") :]))
                 self.kv_cache_heads.append(tuple(_static(d) for d in p.ty.shape.values[3:]))
             else:
                 name = next(weights)
@@ -273,8 +279,7 @@ class _Lowering:
 
     def dims(self, v, where: str, rows: bool) -> list:
         """v's shape: static dims as ints, the token / logits row count as "T" / "N" (once in an activation)."""
-        dims = [int(d) if isinstance(d, tvm.tirx.IntImm) else self.row_vars.get(str(d), d)
-                for d in v.ty.shape.values]
+        dims = [int(d) if isinstance(d, tvm.tirx.IntImm) else self.row_vars.get(str(d), d) for d in v.ty.shape.values]
         if sum(isinstance(d, str) for d in dims) != int(rows) or not all(isinstance(d, (int, str)) for d in dims):
             raise CompileError(f"no kernel template covers {where}, and {v.name}: {v.ty} has a shape that "
                                "TVM's fallback does not take (static but for one dimension of T or N rows)")  # fmt: skip
@@ -313,15 +318,25 @@ class _Lowering:
         if isinstance(table, _Weight) and indices == "token_ids":
             w = self.weight_index(table)
             out = self.new_value(table.shape[1], "T")
-            self.emit("embedding", {"hidden": table.shape[1], "wdtype": self.wdtype(w)},
-                      ["token_ids", "T", f"W[{w}]", out], ["take(embed_tokens)"], [out])
+            self.emit(
+                "embedding",
+                {"hidden": table.shape[1], "wdtype": self.wdtype(w)},
+                ["token_ids", "T", f"W[{w}]", out],
+                ["take(embed_tokens)"],
+                [out],
+            )
             self.env[var] = out
         elif isinstance(table, _View) and indices == "logits_indices":
             if table.stride != table.cols:
                 raise CompileError(f"gather of a column slice ({var.name}) is not lowered")
             out = self.new_value(table.cols, "N")
-            self.emit("gather_rows", {"cols": table.cols}, [table, "logits_indices", "N", out],
-                      ["take(logits_indices)"], [out])
+            self.emit(
+                "gather_rows",
+                {"cols": table.cols},
+                [table, "logits_indices", "N", out],
+                ["take(logits_indices)"],
+                [out],
+            )
             self.env[var] = out
         else:
             raise _Unlowered
@@ -333,8 +348,14 @@ class _Lowering:
         w = self.weight_index(_Weight(wt.sources, wt.shape))
         n, k = wt.shape
         out = self.new_value(n, x.rows)
-        self.emit("gemm", {"n": n, "k": k, "wdtype": self.wdtype(w), "has_bias": False},
-                  [x, f"W[{w}]", "nullptr", out, x.rows], [_linear_name(wt.sources)], [out], weight=w)
+        self.emit(
+            "gemm",
+            {"n": n, "k": k, "wdtype": self.wdtype(w), "has_bias": False},
+            [x, f"W[{w}]", "nullptr", out, x.rows],
+            [_linear_name(wt.sources)],
+            [out],
+            weight=w,
+        )
         self.env[var] = out
 
     def relax_add(self, var, value):
@@ -342,8 +363,14 @@ class _Lowering:
         if isinstance(a, _Weight):
             a, b = b, a
         last = self.launches[-1] if self.launches else None
-        if (isinstance(a, _View) and isinstance(b, _Weight) and last is not None and last.op == "gemm"
-                and last.defs == [a.value] and not last.params["has_bias"]):
+        if (
+            isinstance(a, _View)
+            and isinstance(b, _Weight)
+            and last is not None
+            and last.op == "gemm"
+            and last.defs == [a.value]
+            and not last.params["has_bias"]
+        ):
             # The bias add of the GEMM just emitted joins it (the template reads bias in the weight dtype).
             bias = self.weight_index(b, dtype=self.weight_list[last.weight].dtype)
             last.params["has_bias"] = True
@@ -357,7 +384,8 @@ class _Lowering:
         src = self.view(value.args[0])
         bounds = [0, *(int(i) for i in value.attrs.indices_or_sections), src.cols]
         self.env[var] = tuple(
-            _View(src.value, src.col_offset + lo, hi - lo, src.stride, src.rows) for lo, hi in zip(bounds, bounds[1:], strict=False)
+            _View(src.value, src.col_offset + lo, hi - lo, src.stride, src.rows)
+            for lo, hi in zip(bounds, bounds[1:], strict=False)
         )
 
     # --- llmc ops -------------------------------------------------------------------------------
@@ -367,8 +395,12 @@ class _Lowering:
         w = self.weight(args["weight"])
         x = self.view(args["x"])
         hidden = x.cols
-        params = {"hidden": hidden, "eps": float(prim_value(args["eps"])), "wdtype": self.wdtype(w),
-                  "add_residual": add_residual}
+        params = {
+            "hidden": hidden,
+            "eps": float(prim_value(args["eps"])),
+            "wdtype": self.wdtype(w),
+            "add_residual": add_residual,
+        }
         y = self.new_value(hidden, x.rows)
         if add_residual:
             residual = self.view(args["residual"])
@@ -398,18 +430,47 @@ class _Lowering:
         if not (q.value == k.value == v.value and q.stride == k.stride == v.stride):
             raise CompileError("paged attention needs q, k and v as column slices of one buffer (merge_qkv)")
         layer, num_heads, num_kv_heads, head_dim, window = (
-            int(prim_value(args[n])) for n in ("layer", "num_heads", "num_kv_heads", "head_dim", "sliding_window"))
+            int(prim_value(args[n])) for n in ("layer", "num_heads", "num_kv_heads", "head_dim", "sliding_window")
+        )
         inv_freq = [float(f) for f in args["inv_freq"].value.numpy().tolist()]
         for view, heads in ((q, num_heads), (k, num_kv_heads)):
-            self.emit("rope", {"num_heads": heads, "head_dim": head_dim, "inv_freq": inv_freq},
-                      [view, str(q.stride), "positions", "T"], ["rope"], [])
+            self.emit(
+                "rope",
+                {"num_heads": heads, "head_dim": head_dim, "inv_freq": inv_freq},
+                [view, str(q.stride), "positions", "T"],
+                ["rope"],
+                [],
+            )
         out = self.new_value(num_heads * head_dim, "T")
-        params = {"num_heads": num_heads, "num_kv_heads": num_kv_heads, "head_dim": head_dim,
-                  "block_size": self.block_size, "scale": float(prim_value(args["scale"])), "sliding_window": window}
-        self.emit("paged_attention", params,
-                  [q, k, v, str(q.stride), f"k_cache[{layer}]", f"v_cache[{layer}]", "slot_mapping",
-                   "query_start_loc", "seq_lens", "block_tables", "max_blocks", "B", out],
-                  ["kv write", "attention"], [out])
+        params = {
+            "num_heads": num_heads,
+            "num_kv_heads": num_kv_heads,
+            "head_dim": head_dim,
+            "block_size": self.block_size,
+            "scale": float(prim_value(args["scale"])),
+            "sliding_window": window,
+        }
+        self.emit(
+            "paged_attention",
+            params,
+            [
+                q,
+                k,
+                v,
+                str(q.stride),
+                f"k_cache[{layer}]",
+                f"v_cache[{layer}]",
+                "slot_mapping",
+                "query_start_loc",
+                "seq_lens",
+                "block_tables",
+                "max_blocks",
+                "B",
+                out,
+            ],
+            ["kv write", "attention"],
+            [out],
+        )
         self.env[var] = out
 
     # --- buffer plan ----------------------------------------------------------------------------
@@ -446,8 +507,7 @@ class _Lowering:
                 assignment[d] = pick
             free += [assignment[v] for v, last in last_use.items() if last == i and assignment.get(v, -1) >= 0]
         launches = [Launch(p.op, p.params, [_c_arg(a, assignment) for a in p.args], p.fused) for p in self.launches]
-        return KernelProgram(geometry, self.weight_list, buffers, launches, rewrites, self.block_size,
-                             self.tvm_funcs)
+        return KernelProgram(geometry, self.weight_list, buffers, launches, rewrites, self.block_size, self.tvm_funcs)
 
 
 def _tensor_args(call: relax.Call):
@@ -471,7 +531,7 @@ def _packed_name(sources: tuple[str, ...]) -> str:
         return sources[0]
     prefix = sources[0][: len(sources[0]) - len(sources[0].split(".")[-2]) - len(sources[0].split(".")[-1]) - 1]
     suffix = "." + sources[0].split(".")[-1]
-    mids = [s[len(prefix): -len(suffix)] for s in sources]
+    mids = [s[len(prefix) : -len(suffix)] for s in sources]
     tail = "_proj" if all(m.endswith("_proj") for m in mids) else ""
     return prefix + "+".join(m[: len(m) - len(tail)] for m in mids) + tail + suffix
 
@@ -480,8 +540,9 @@ def _linear_name(sources: tuple[str, ...]) -> str:
     return _packed_name(sources).rsplit(".", 1)[0].split(".")[-1]
 
 
-def lower(mod: tvm.IRModule, weight_names: list[str], *, block_size: int,
-          weight_dtype: str = "float32") -> KernelProgram:
+def lower(
+    mod: tvm.IRModule, weight_names: list[str], *, block_size: int, weight_dtype: str = "float32"
+) -> KernelProgram:
     """weight_names: the HF names of main's weight parameters, in order (Traced.weight_names)."""
     func = main_function(mod)
     lowering = _Lowering(func, weight_names, weight_dtype, block_size)

@@ -98,7 +98,11 @@ def plan_layout(specs: list[WeightSpec]) -> tuple[bytes, dict[str, tuple[int, in
             order.append((None, gap))
             pos += gap
         n = spec.nbytes
-        entries[spec.name] = {"dtype": _DTYPES[spec.dtype][0], "shape": list(spec.shape), "data_offsets": [pos, pos + n]}
+        entries[spec.name] = {
+            "dtype": _DTYPES[spec.dtype][0],
+            "shape": list(spec.shape),
+            "data_offsets": [pos, pos + n],
+        }
         rel[spec.name] = (pos, n)
         order.append((spec.name, n))
         pos += n

@@ -199,9 +199,13 @@ def main(argv=None) -> int:
     p.add_argument("--intermediate", type=int, default=704)
     p.add_argument("--seq", type=int, default=512)
     p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--steps", type=int, default=None,
-                   help="planned optimizer steps (fixes the cosine schedule); default: planned from --budget-min "
-                        "after timing the first steps, and printed")
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="planned optimizer steps (fixes the cosine schedule); default: planned from --budget-min "
+        "after timing the first steps, and printed",
+    )
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--min-lr-frac", type=float, default=0.1)
     p.add_argument("--warmup", type=int, default=40)
@@ -226,16 +230,22 @@ def main(argv=None) -> int:
     docs = load_documents()
     train_docs = [(n, t) for n, t in docs if not is_heldout(n)]
     held_docs = [(n, t) for n, t in docs if is_heldout(n)]
-    print(f"python {sys.version.split()[0]}: {len(docs)} documents, {sum(len(t) for _, t in docs)} chars; "
-          f"held out {len(held_docs)} documents, {sum(len(t) for _, t in held_docs)} chars", flush=True)
+    print(
+        f"python {sys.version.split()[0]}: {len(docs)} documents, {sum(len(t) for _, t in docs)} chars; "
+        f"held out {len(held_docs)} documents, {sum(len(t) for _, t in held_docs)} chars",
+        flush=True,
+    )
 
     tok = train_tokenizer([t for _, t in train_docs], args.vocab)
     bos_id, eos_id = tok.token_to_id(BOS), tok.token_to_id(EOS)
     train_stream = encode_stream(tok, [t for _, t in train_docs])
     held_stream = encode_stream(tok, [t for _, t in held_docs])
     train_data, held_data = chunks(train_stream, args.seq), chunks(held_stream, args.seq)
-    print(f"tokenizer: vocab {tok.get_vocab_size()}; train {len(train_stream)} tokens ({len(train_data)} windows), "
-          f"held-out {len(held_stream)} tokens ({len(held_data)} windows)", flush=True)
+    print(
+        f"tokenizer: vocab {tok.get_vocab_size()}; train {len(train_stream)} tokens ({len(train_data)} windows), "
+        f"held-out {len(held_stream)} tokens ({len(held_data)} windows)",
+        flush=True,
+    )
 
     # model and optimizer
     model = build_model(args, tok.get_vocab_size(), bos_id, eos_id)
@@ -245,7 +255,9 @@ def main(argv=None) -> int:
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
     opt = torch.optim.AdamW(
         [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=args.lr, betas=(0.9, 0.95), eps=1e-8,
+        lr=args.lr,
+        betas=(0.9, 0.95),
+        eps=1e-8,
     )
 
     planned = args.steps or 10**9  # without --steps: replaced by the plan at the end of warm-up
@@ -269,8 +281,11 @@ def main(argv=None) -> int:
         if step == args.warmup and args.steps is None:
             per_step = (time.time() - t_probe) / (args.warmup - 5)
             planned = step + max(1, int(0.95 * (deadline - EVAL_RESERVE_S - time.time()) / per_step))
-            print(f"planned {planned} steps from {per_step:.2f}s/step (rerun with --steps {planned} "
-                  f"for the same schedule)", flush=True)
+            print(
+                f"planned {planned} steps from {per_step:.2f}s/step (rerun with --steps {planned} "
+                f"for the same schedule)",
+                flush=True,
+            )
         if time.time() > deadline - EVAL_RESERVE_S:
             print(f"wall-clock budget reached: stopping at step {step} of {planned}", flush=True)
             break
@@ -290,12 +305,17 @@ def main(argv=None) -> int:
         running = loss.item() if running is None else 0.9 * running + 0.1 * loss.item()
         if step % args.log_every == 0 or step == planned - 1:
             el = time.time() - t_train
-            print(f"step {step:5d}  epoch {epoch}  lr {lr_at(step):.2e}  loss {loss.item():.3f}  "
-                  f"(avg {running:.3f})  {el:.0f}s  {(step + 1) * args.batch * args.seq / el:.0f} tok/s", flush=True)
+            print(
+                f"step {step:5d}  epoch {epoch}  lr {lr_at(step):.2e}  loss {loss.item():.3f}  "
+                f"(avg {running:.3f})  {el:.0f}s  {(step + 1) * args.batch * args.seq / el:.0f} tok/s",
+                flush=True,
+            )
         step += 1
     train_time = time.time() - t_train
-    print(f"trained {step} steps ({step * args.batch * args.seq} tokens, {epoch + 1} epochs begun) "
-          f"in {train_time:.0f}s", flush=True)
+    print(
+        f"trained {step} steps ({step * args.batch * args.seq} tokens, {epoch + 1} epochs begun) in {train_time:.0f}s",
+        flush=True,
+    )
 
     # evaluation: round the weights to bf16 first, so the numbers describe the saved checkpoint
     model = model.to(torch.bfloat16).to(torch.float32)
@@ -304,8 +324,11 @@ def main(argv=None) -> int:
     train_ppl = math.exp(mean_nll(model, train_sample, 8, autocast=False))
     held_ppl = math.exp(mean_nll(model, held_data, 8, autocast=False))
     uni_ppl = math.exp(unigram_nll(train_data[:, 1:], held_data[:, 1:], tok.get_vocab_size()))
-    print(f"perplexity: train (sample of {len(train_sample)} windows) {train_ppl:.2f}  held-out {held_ppl:.2f}  "
-          f"unigram baseline (held-out) {uni_ppl:.2f}", flush=True)
+    print(
+        f"perplexity: train (sample of {len(train_sample)} windows) {train_ppl:.2f}  held-out {held_ppl:.2f}  "
+        f"unigram baseline (held-out) {uni_ppl:.2f}",
+        flush=True,
+    )
 
     save(model, tok, bos_id, eos_id, held_docs, Path(args.out))
     print(f"saved to {args.out}; total wall time {time.time() - t_start:.0f}s", flush=True)
@@ -319,8 +342,9 @@ def save(model, tok, bos_id, eos_id, held_docs, out: Path) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model = model.to(torch.bfloat16)
         # Sampling defaults for `llmc run` and transformers: greedy decoding of a model this small loops.
-        model.generation_config = GenerationConfig(bos_token_id=bos_id, eos_token_id=eos_id, pad_token_id=eos_id,
-                                                   do_sample=True, temperature=0.7, top_k=40)
+        model.generation_config = GenerationConfig(
+            bos_token_id=bos_id, eos_token_id=eos_id, pad_token_id=eos_id, do_sample=True, temperature=0.7, top_k=40
+        )
         model.save_pretrained(tmp, safe_serialization=True)
         for name in ("config.json", "generation_config.json", "model.safetensors"):
             shutil.copyfile(Path(tmp) / name, out / name)

@@ -169,7 +169,9 @@ def write_artifact(output: str | Path, populate: Callable[[Path], dict]) -> Path
     try:
         output.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise ArtifactError(f"{output}: cannot create its directory ({e.strerror})", "choose another output path") from None
+        raise ArtifactError(
+            f"{output}: cannot create its directory ({e.strerror})", "choose another output path"
+        ) from None
     with _output_lock(output):
         _remove_stale_leftovers(output.parent, held=output.name)
         if output.exists() and not (output / MANIFEST).is_file() and not _is_empty_dir(output):
@@ -521,7 +523,9 @@ _CONFIG_TYPES: dict[str, Callable[[object], bool]] = {
 def _parse_manifest(path: Path) -> dict:
     """manifest.json of an artifact dir, parsed (with limits on size and nesting) and its magic checked."""
     if not path.exists():
-        raise ArtifactError(f"{path}: no such artifact", "compile one: llmc compile CHECKPOINT --target cpu -o " + str(path))
+        raise ArtifactError(
+            f"{path}: no such artifact", "compile one: llmc compile CHECKPOINT --target cpu -o " + str(path)
+        )
     if not path.is_dir():
         raise ArtifactError(f"{path}: not an artifact directory", "pass the directory llmc compile -o wrote")
     mpath = path / MANIFEST
@@ -541,7 +545,9 @@ def _parse_manifest(path: Path) -> dict:
     except OSError as e:
         raise ArtifactError(f"{mpath}: cannot be read ({e.strerror})", "check its permissions") from None
     except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-        raise ArtifactError(f"{mpath}: corrupt manifest ({_show(str(e), 120)[1:-1]})", "recompile the artifact") from None
+        raise ArtifactError(
+            f"{mpath}: corrupt manifest ({_show(str(e), 120)[1:-1]})", "recompile the artifact"
+        ) from None
     if not isinstance(m, dict) or m.get("magic") != MAGIC:
         raise ArtifactError(f"{path}: {MANIFEST} is not an llmc artifact manifest", "recompile the artifact")
     return m

@@ -64,18 +64,33 @@ def export(model: Path, fmt: str, output: Path) -> None:
 
 @main.command("compile")
 @click.argument("model", type=click.Path(path_type=Path))
-@click.option("--target", default="cpu", show_default=True,
-              help="The machine to build for: cpu (this host) or an NVIDIA GPU generation such as sm90, as "
-                   "targets/<name>.toml, or a TOML in a directory of $LLMC_TARGET_PATH.")
+@click.option(
+    "--target",
+    default="cpu",
+    show_default=True,
+    help="The machine to build for: cpu (this host) or an NVIDIA GPU generation such as sm90, as "
+    "targets/<name>.toml, or a TOML in a directory of $LLMC_TARGET_PATH.",
+)
 @click.option("-o", "--output", type=click.Path(path_type=Path), required=True, help="Artifact directory to write.")
-@click.option("--dtype", "weight_dtype", type=click.Choice(["auto", "float32", "bfloat16"]), default="auto",
-              show_default=True, help="Weight dtype in the artifact (auto: the checkpoint's).")
-@click.option("--block-size", type=click.IntRange(min=1), default=None,
-              help="KV cache block size (tokens) the module is built for [default: the target's].")
+@click.option(
+    "--dtype",
+    "weight_dtype",
+    type=click.Choice(["auto", "float32", "bfloat16"]),
+    default="auto",
+    show_default=True,
+    help="Weight dtype in the artifact (auto: the checkpoint's).",
+)
+@click.option(
+    "--block-size",
+    type=click.IntRange(min=1),
+    default=None,
+    help="KV cache block size (tokens) the module is built for [default: the target's].",
+)
 def compile_cmd(model: Path, target: str, output: Path, weight_dtype: str, block_size: int | None) -> None:
     """Compile MODEL (a Hugging Face checkpoint dir) into an artifact for TARGET."""
-    out = _compile_checkpoint()(model, target=target, output=output, weight_dtype=weight_dtype, progress=True,
-                                block_size=block_size)
+    out = _compile_checkpoint()(
+        model, target=target, output=output, weight_dtype=weight_dtype, progress=True, block_size=block_size
+    )
     click.echo(f"wrote {out}")
 
 
@@ -137,11 +152,16 @@ _no_prefix_caching = click.option(
 def _speculative_options(command):
     """--speculative, --num-speculative-tokens, --draft: guess tokens cheaply and verify them in one model step."""
     command = click.option(
-        "--draft", type=click.Path(path_type=Path), default=None,
+        "--draft",
+        type=click.Path(path_type=Path),
+        default=None,
         help="The draft model of --speculative draft: an artifact or checkpoint dir with the same tokenizer.",
     )(command)
     command = click.option(
-        "--num-speculative-tokens", type=click.IntRange(1, 64), default=4, show_default=True,
+        "--num-speculative-tokens",
+        type=click.IntRange(1, 64),
+        default=4,
+        show_default=True,
         help="Tokens guessed (and verified in one step) per sequence and step, with --speculative.",
     )(command)
     return click.option(
@@ -166,8 +186,10 @@ def _speculative_config(method: str | None, num_tokens: int, draft: Path | None,
         draft_model, draft_tokenizer = _load_model(_resolve_artifact(draft), kv_cache_memory, max_num_seqs=max_num_seqs)
         stack.callback(draft_model.close)
         if draft_tokenizer.get_vocab() != tokenizer.get_vocab():
-            raise LlmcError(f"the draft model {draft} has another tokenizer than the target",
-                            "use a draft trained with the target's tokenizer (examples/train_tiny.py makes one)")
+            raise LlmcError(
+                f"the draft model {draft} has another tokenizer than the target",
+                "use a draft trained with the target's tokenizer (examples/train_tiny.py makes one)",
+            )
     return SpeculativeConfig(method, num_tokens, draft_model)
 
 
@@ -183,10 +205,18 @@ def _logits_rows(method: str | None, num_tokens: int, max_num_seqs: int) -> int 
 @main.command()
 @click.argument("artifact", required=False, type=click.Path(path_type=Path))
 @click.option("--prompt", help="Text to continue. Default: stdin when piped; the bundled model's demo prompt.")
-@click.option("--max-tokens", type=click.IntRange(min=1), default=None,
-              help=f"Tokens to generate [default: {DEFAULT_MAX_TOKENS}; chat: until EOS].")
-@click.option("--temperature", type=float, default=None,
-              help="0 is greedy [default: the checkpoint's generation_config.json, else 0].")
+@click.option(
+    "--max-tokens",
+    type=click.IntRange(min=1),
+    default=None,
+    help=f"Tokens to generate [default: {DEFAULT_MAX_TOKENS}; chat: until EOS].",
+)
+@click.option(
+    "--temperature",
+    type=float,
+    default=None,
+    help="0 is greedy [default: the checkpoint's generation_config.json, else 0].",
+)
 @click.option("--top-p", type=float, default=None, help="[default: the checkpoint's, else 1.0]")
 @click.option("--top-k", type=int, default=None, help="0 is off [default: the checkpoint's, else 0].")
 @click.option("--seed", type=int, default=None)
@@ -294,20 +324,43 @@ def _stdin_is_tty() -> bool:
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", type=int, default=8000, show_default=True)
 @click.option("--model-name", default=None, help="The model id clients send and see [default: the artifact's name].")
-@click.option("--max-num-seqs", type=click.IntRange(min=1), default=64, show_default=True,
-              help="Most sequences in one step.")
-@click.option("--max-num-batched-tokens", type=click.IntRange(min=1), default=512, show_default=True,
-              help="Most tokens in one step (prefill chunks and decodes together).")
+@click.option(
+    "--max-num-seqs", type=click.IntRange(min=1), default=64, show_default=True, help="Most sequences in one step."
+)
+@click.option(
+    "--max-num-batched-tokens",
+    type=click.IntRange(min=1),
+    default=512,
+    show_default=True,
+    help="Most tokens in one step (prefill chunks and decodes together).",
+)
 @click.option("--kv-cache-memory", default=None, help="KV cache size, e.g. 4GiB (default: 20% of free memory).")
-@click.option("--max-body-size", default=None, callback=lambda ctx, param, v: None if v is None else _byte_size(v),
-              help="Largest request body, e.g. 16MiB; larger ones get 413 [default: 4MiB].")
+@click.option(
+    "--max-body-size",
+    default=None,
+    callback=lambda ctx, param, v: None if v is None else _byte_size(v),
+    help="Largest request body, e.g. 16MiB; larger ones get 413 [default: 4MiB].",
+)
 @click.option("--max-n", type=click.IntRange(min=1), default=None, help="Most choices (n) per request [default: 16].")
-@click.option("--max-waiting-requests", type=click.IntRange(min=0), default=None,
-              help="Requests that may wait beyond --max-num-seqs; more get 429 with Retry-After [default: 256].")
-@click.option("--shutdown-timeout", type=click.FloatRange(min=0), default=None,
-              help="Seconds requests in flight get to finish after SIGTERM or Ctrl-C; then they are cut [default: 30].")
-@click.option("--api-key", envvar="LLMC_API_KEY", default=None, show_envvar=True,
-              help="Require `Authorization: Bearer <key>` on /v1 (401 otherwise); /health and /metrics stay open.")
+@click.option(
+    "--max-waiting-requests",
+    type=click.IntRange(min=0),
+    default=None,
+    help="Requests that may wait beyond --max-num-seqs; more get 429 with Retry-After [default: 256].",
+)
+@click.option(
+    "--shutdown-timeout",
+    type=click.FloatRange(min=0),
+    default=None,
+    help="Seconds requests in flight get to finish after SIGTERM or Ctrl-C; then they are cut [default: 30].",
+)
+@click.option(
+    "--api-key",
+    envvar="LLMC_API_KEY",
+    default=None,
+    show_envvar=True,
+    help="Require `Authorization: Bearer <key>` on /v1 (401 otherwise); /health and /metrics stay open.",
+)
 @_no_prefix_caching
 @_speculative_options
 def serve(artifact: Path, host: str, port: int, model_name: str | None, max_num_seqs: int,
@@ -366,15 +419,29 @@ def _int_list(ctx, param, value: str) -> list[int]:
 
 @main.command()
 @click.argument("artifact", type=click.Path(path_type=Path))
-@click.option("--concurrency", default="1,4,16", show_default=True, callback=_int_list,
-              help="Concurrency levels, comma-separated.")
-@click.option("--num-requests", type=click.IntRange(min=1), default=None,
-              help="Requests per level [default: max(4, 2 x concurrency)].")
+@click.option(
+    "--concurrency",
+    default="1,4,16",
+    show_default=True,
+    callback=_int_list,
+    help="Concurrency levels, comma-separated.",
+)
+@click.option(
+    "--num-requests",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Requests per level [default: max(4, 2 x concurrency)].",
+)
 @click.option("--prompt-len", type=click.IntRange(min=1), default=128, show_default=True)
 @click.option("--output-len", type=click.IntRange(min=1), default=128, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--shared-prefix", type=click.IntRange(min=0), default=0, show_default=True,
-              help="Tokens at the start of every prompt that all prompts share (at most --prompt-len).")
+@click.option(
+    "--shared-prefix",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="Tokens at the start of every prompt that all prompts share (at most --prompt-len).",
+)
 @click.option("--memory-bandwidth", type=float, default=None, help="Bytes/s for the roofline [default: measured].")
 @click.option("--kv-cache-memory", default=None, help="KV cache size, e.g. 4GiB (default: 20% of free memory).")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
@@ -413,8 +480,13 @@ def eval_group() -> None:
 
 @eval_group.command("ppl")
 @click.argument("artifact", type=click.Path(path_type=Path))
-@click.option("--text", "text_file", type=click.Path(path_type=Path, exists=True, dir_okay=False), required=True,
-              help="UTF-8 text file to score.")
+@click.option(
+    "--text",
+    "text_file",
+    type=click.Path(path_type=Path, exists=True, dir_okay=False),
+    required=True,
+    help="UTF-8 text file to score.",
+)
 @click.option("--max-tokens", type=click.IntRange(min=2), default=None, help="Score only the first N tokens.")
 @click.option("--kv-cache-memory", default=None, help="KV cache size, e.g. 1GiB.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
@@ -449,8 +521,12 @@ def eval_ppl(artifact: Path, text_file: Path, max_tokens: int | None, kv_cache_m
 @main.command()
 @click.argument("model", type=click.Path(path_type=Path))
 @click.option("-v", "--verbose", is_flag=True, help="Artifacts: list every kernel.")
-@click.option("--passes", "show_passes", is_flag=True,
-              help="Checkpoints: trace, run each pass (what it rewrote), and print the kernel program.")
+@click.option(
+    "--passes",
+    "show_passes",
+    is_flag=True,
+    help="Checkpoints: trace, run each pass (what it rewrote), and print the kernel program.",
+)
 def inspect(model: Path, verbose: bool, show_passes: bool) -> None:
     """Describe MODEL: a checkpoint dir (architecture, size, memory) or a compiled artifact."""
     if (model / "manifest.json").is_file():
@@ -471,11 +547,17 @@ def inspect(model: Path, verbose: bool, show_passes: bool) -> None:
     rope = c.rope_scaling["rope_type"] if c.rope_scaling else "default"
     click.echo(f"  rope           theta {c.rope_theta:g}, {rope}; context {c.max_context}")
     click.echo(f"  weight dtypes  {', '.join(dtypes)} in {len(ckpt.files())} file(s)")
-    click.echo("  weight memory  " + ", ".join(
-        f"{name} {_human_bytes(n * width)}" for name, width in (("fp32", 4), ("bf16/fp16", 2), ("int8", 1), ("int4", 0.5))
-    ))
+    click.echo(
+        "  weight memory  "
+        + ", ".join(
+            f"{name} {_human_bytes(n * width)}"
+            for name, width in (("fp32", 4), ("bf16/fp16", 2), ("int8", 1), ("int4", 0.5))
+        )
+    )
     kv_per_token = 2 * c.num_layers * c.kv_size
-    click.echo(f"  kv cache       {_human_bytes(kv_per_token * 4)}/token at fp32, {_human_bytes(kv_per_token * 2)}/token at bf16")
+    click.echo(
+        f"  kv cache       {_human_bytes(kv_per_token * 4)}/token at fp32, {_human_bytes(kv_per_token * 2)}/token at bf16"
+    )
     if show_passes:
         _inspect_passes(ckpt)
 
@@ -491,8 +573,9 @@ def _inspect_passes(ckpt) -> None:
 
     click.echo("  passes")
     # The kernel program is the same for every target but for the KV block size: show the CPU target's.
-    program = build_program(ckpt, resolve_weight_dtype(ckpt, "auto"), load_target("cpu").block_size,
-                            after_each_pass=report)
+    program = build_program(
+        ckpt, resolve_weight_dtype(ckpt, "auto"), load_target("cpu").block_size, after_each_pass=report
+    )
     click.echo("\n".join("  " + line for line in str(program).splitlines()))
 
 
@@ -534,7 +617,9 @@ def _inspect_artifact(path: Path, verbose: bool) -> None:
         click.echo(f"    {pname:<22} {'no pattern found' if not n else f'{n} rewrite' + ('s' if n != 1 else '')}")
     kernels = m.get("kernels") or []
     click.echo(f"  kernels        {len(kernels)}")
-    fallback = sorted({op for k in kernels if str(k.get("template")).endswith("/tvm_call") for op in k.get("fuses", [])})
+    fallback = sorted(
+        {op for k in kernels if str(k.get("template")).endswith("/tvm_call") for op in k.get("fuses", [])}
+    )
     click.echo(f"  TVM fallback   {', '.join(fallback) if fallback else 'none (every op has a kernel template)'}")
     if verbose:
         for k in kernels:

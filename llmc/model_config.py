@@ -91,7 +91,7 @@ class ModelConfig:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+    def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
         d = dict(d)
         d["eos_token_ids"] = tuple(d["eos_token_ids"])
         d["sliding_layers"] = tuple(d.get("sliding_layers", ()))

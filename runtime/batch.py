@@ -78,7 +78,9 @@ class StepBatch:
             assert len(bt) * block_size >= seq_lens[b], f"sequence {b}: {len(bt)} blocks < {seq_lens[b]} tokens"
             tables[b, : len(bt)] = bt
         rows = np.ones(num_seqs, dtype=np.int32) if num_logits is None else np.asarray(num_logits, dtype=np.int32)
-        assert rows.shape == (num_seqs,) and (rows >= 1).all() and (rows <= n).all(), f"num_logits {rows} for {n} tokens"
+        assert rows.shape == (num_seqs,) and (rows >= 1).all() and (rows <= n).all(), (
+            f"num_logits {rows} for {n} tokens"
+        )
         # the last rows[b] token rows of each sequence b, in order: qsl[b+1] - rows[b] .. qsl[b+1] - 1
         from_end = np.repeat(np.cumsum(rows), rows) - np.arange(int(rows.sum()))  # [N]: rows[b] down to 1 in seq b
         logits_indices = np.repeat(qsl[1:], rows) - from_end

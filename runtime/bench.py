@@ -192,8 +192,13 @@ def run_bench(
             "acceptance_rate": sum(level["spec_accepted_tokens"] for level in levels) / drafted if drafted else 0.0,
         }
     return {
-        "workload": {"prompt_len": prompt_len, "output_len": output_len, "seed": seed, "shared_prefix": shared_prefix,
-                     "sampling": "greedy, ignore_eos"},  # fmt: skip
+        "workload": {
+            "prompt_len": prompt_len,
+            "output_len": output_len,
+            "seed": seed,
+            "shared_prefix": shared_prefix,
+            "sampling": "greedy, ignore_eos",
+        },  # fmt: skip
         "levels": levels,
         "roofline": roofline,
         "prefix_cache_hit_rate": sum(level["prefix_cache_hits"] for level in levels) / queries if queries else 0.0,

@@ -92,7 +92,10 @@ def run_chat(
             req_id = engine.add_request(prompt_ids, params)
         except RequestError as e:
             messages.pop()
-            say(f"error: {e}\n" + ("(the conversation is too long: /reset starts a new one)\n" if "tokens" in e.what else ""))
+            say(
+                f"error: {e}\n"
+                + ("(the conversation is too long: /reset starts a new one)\n" if "tokens" in e.what else "")
+            )
             continue
         reply = _stream_reply(engine, req_id, say)
         messages.append({"role": "assistant", "content": reply})

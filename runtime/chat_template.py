@@ -82,7 +82,11 @@ class _BoundedEnvironment(jinja2.sandbox.ImmutableSandboxedEnvironment):
     def call_binop(self, context, operator: str, left, right):
         if operator == "*":
             for seq, count in ((left, right), (right, left)):
-                if isinstance(seq, (str, list, tuple)) and isinstance(count, int) and len(seq) * count > self.max_value_chars:
+                if (
+                    isinstance(seq, (str, list, tuple))
+                    and isinstance(count, int)
+                    and len(seq) * count > self.max_value_chars
+                ):
                     raise _TemplateOutputTooLarge(f"'*' would build {len(seq) * count:,} items")
         if operator == "**" and isinstance(left, int) and isinstance(right, int) and abs(right) > 1024:
             raise _TemplateOutputTooLarge(f"'**' with exponent {right:,}")

@@ -176,8 +176,10 @@ class LLMEngine:
         # A sequence holds at most its window plus one step's chunk (and a partial block at each end) when
         # the cache releases out-of-window blocks; else all of its tokens, so the cache caps its length.
         window = self.kv_cache.sliding_window
-        bounded = window and window + self.scheduler.max_num_batched_tokens + 2 * model.block_size <= \
-            self.kv_cache.max_num_tokens
+        bounded = (
+            window
+            and window + self.scheduler.max_num_batched_tokens + 2 * model.block_size <= self.kv_cache.max_num_tokens
+        )
         cache_cap = self.context_len if bounded else self.kv_cache.max_num_tokens
         self.max_model_len = min(self.context_len, max_model_len or self.context_len, cache_cap)
         self._rng = np.random.default_rng(seed)
@@ -236,7 +238,10 @@ class LLMEngine:
                                param="logprobs")  # fmt: skip
 
     def add_request(
-        self, prompt_token_ids: Sequence[int], params: SamplingParams | None = None, req_id: str | None = None,
+        self,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams | None = None,
+        req_id: str | None = None,
         speculate: bool = True,
     ) -> str:
         """Queue a request (n sequences for params.n > 1); returns its id. Invalid requests raise RequestError.
@@ -379,7 +384,7 @@ class LLMEngine:
             if not seq.speculate or request.num_tokens - request.num_computed_tokens != 1:
                 continue
             max_tokens = seq.params.max_tokens
-            left = (self.max_model_len if max_tokens is None else max_tokens - request.num_output_tokens - 1)
+            left = self.max_model_len if max_tokens is None else max_tokens - request.num_output_tokens - 1
             k = min(self.speculative.num_speculative_tokens, spare_rows, left, self.max_model_len - request.num_tokens)
             if k < 1:
                 continue

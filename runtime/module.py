@@ -172,8 +172,12 @@ class CompiledModel:
                                  _ERR_LEN)  # fmt: skip
         if not handle:
             msg = err.value.decode(errors="replace").strip() or "no message"
-            hint = ("to run a GPU artifact on a machine without that GPU, pass --simulate (in Python, library="
-                    "build_simulated_library(path))" if artifact.is_cuda and library is None else None)
+            hint = (
+                "to run a GPU artifact on a machine without that GPU, pass --simulate (in Python, library="
+                "build_simulated_library(path))"
+                if artifact.is_cuda and library is None
+                else None
+            )
             raise ArtifactError(f"{artifact.path}: the module failed to start: {msg}", hint)
         return cls(artifact, lib, handle, info, block_size=block_size, num_blocks=num_blocks,
                    max_num_tokens=max_num_tokens, max_num_seqs=max_num_seqs, max_num_logits=max_num_logits,
@@ -192,7 +196,8 @@ class CompiledModel:
             raise RequestError(f"a step of {b} sequences; the model was loaded for 1..{self.max_num_seqs} per step")
         if batch.max_blocks > self.max_blocks_per_seq:
             raise RequestError(
-                f"block tables of {batch.max_blocks} blocks; the model takes at most {self.max_blocks_per_seq}")
+                f"block tables of {batch.max_blocks} blocks; the model takes at most {self.max_blocks_per_seq}"
+            )
         if not 1 <= n <= self.max_num_logits:
             raise RequestError(f"a step asking for {n} logits rows; the model was loaded for 1..{self.max_num_logits}"
                                " per step (CompiledModel.load(max_num_logits=))")  # fmt: skip

@@ -68,8 +68,15 @@ class SamplingParams:
 
         def integer(name: str, low: int, high: int | None = None, hint: str = "") -> None:
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
-                raise bad(name, value, hint or f"{name} must be an integer in [{low}, {high if high is not None else 'inf'}]")
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, int)
+                or value < low
+                or (high is not None and value > high)
+            ):
+                raise bad(
+                    name, value, hint or f"{name} must be an integer in [{low}, {high if high is not None else 'inf'}]"
+                )
 
         integer("n", 1, hint="n must be an integer >= 1")
         if not 0.0 <= real("temperature") <= MAX_TEMPERATURE:

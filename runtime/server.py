@@ -460,7 +460,9 @@ def _document_request_bodies(app: FastAPI, *models: type[BaseModel]) -> None:
     def openapi() -> dict:
         if app.openapi_schema is None:
             schema = base()
-            _, defs = models_json_schema([(m, "validation") for m in models], ref_template="#/components/schemas/{model}")
+            _, defs = models_json_schema(
+                [(m, "validation") for m in models], ref_template="#/components/schemas/{model}"
+            )
             schema.setdefault("components", {}).setdefault("schemas", {}).update(defs["$defs"])
         return app.openapi_schema
 

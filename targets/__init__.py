@@ -107,7 +107,7 @@ def _check(raw: dict, name: str, path: Path) -> None:
     if not isinstance(raw.get("flags"), list) or not all(isinstance(f, str) for f in raw["flags"]):
         raise bad("flags must be a list of strings")
     if raw["kind"] == "cuda" and not isinstance(raw.get("gencode"), str):
-        raise bad("a cuda target needs gencode (e.g. \"arch=compute_90,code=sm_90\")")
+        raise bad('a cuda target needs gencode (e.g. "arch=compute_90,code=sm_90")')
     block_size = raw.get("defaults", {}).get("block_size")
     if not isinstance(block_size, int) or block_size < 1:
         raise bad(f"[defaults] block_size = {block_size!r}; it must be an integer >= 1")

@@ -18,20 +18,40 @@ VOCAB = 384
 VARIANTS = {
     # GQA ratio 4, llama3 rope scaling, untied lm_head.
     "llama": dict(
-        arch="llama", hidden_size=64, num_attention_heads=8, num_key_value_heads=2, intermediate_size=136,
+        arch="llama",
+        hidden_size=64,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        intermediate_size=136,
         num_hidden_layers=2,
-        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                      "original_max_position_embeddings": 32},
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32,
+        },
     ),
     # Odd head count (9 heads, 3 KV heads, head_dim 8), tied embeddings, sharded safetensors.
     "mistral": dict(
-        arch="mistral", hidden_size=72, num_attention_heads=9, num_key_value_heads=3, intermediate_size=100,
-        num_hidden_layers=2, tie_word_embeddings=True, shard="20KB",
+        arch="mistral",
+        hidden_size=72,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        intermediate_size=100,
+        num_hidden_layers=2,
+        tie_word_embeddings=True,
+        shard="20KB",
     ),
     # qkv bias (always, for Qwen2), linear rope scaling.
     "qwen2": dict(
-        arch="qwen2", hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=120,
-        num_hidden_layers=2, rope_scaling={"rope_type": "linear", "factor": 2.0},
+        arch="qwen2",
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=120,
+        num_hidden_layers=2,
+        rope_scaling={"rope_type": "linear", "factor": 2.0},
     ),
 }
 
@@ -40,13 +60,15 @@ ARCHS = tuple(VARIANTS)
 
 def train_tokenizer(out_dir: Path, vocab_size: int = VOCAB) -> None:
     from pydoc_data.topics import topics
+
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=["<|bos|>", "<|eos|>"],
+        vocab_size=vocab_size,
+        special_tokens=["<|bos|>", "<|eos|>"],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     text = [topics[k] for k in sorted(topics)][:40]
@@ -56,25 +78,44 @@ def train_tokenizer(out_dir: Path, vocab_size: int = VOCAB) -> None:
         "{% for m in messages %}<|bos|>{{ m['role'] }}\n{{ m['content'] }}<|eos|>\n{% endfor %}"
         "{% if add_generation_prompt %}<|bos|>assistant\n{% endif %}"
     )
-    (out_dir / "tokenizer_config.json").write_text(json.dumps(
-        {"bos_token": "<|bos|>", "eos_token": "<|eos|>", "chat_template": template,
-         "tokenizer_class": "PreTrainedTokenizerFast"}
-    ))
+    (out_dir / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "bos_token": "<|bos|>",
+                "eos_token": "<|eos|>",
+                "chat_template": template,
+                "tokenizer_class": "PreTrainedTokenizerFast",
+            }
+        )
+    )
 
 
-def make_checkpoint(out_dir: Path, variant: str, dtype: torch.dtype = torch.float32, seed: int = 0, **overrides) -> Path:
+def make_checkpoint(
+    out_dir: Path, variant: str, dtype: torch.dtype = torch.float32, seed: int = 0, **overrides
+) -> Path:
     """Write a random checkpoint of one VARIANTS entry (plus overrides) to out_dir; returns out_dir."""
-    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
 
-    classes = {"llama": (LlamaConfig, LlamaForCausalLM), "mistral": (MistralConfig, MistralForCausalLM),
-               "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
+    classes = {
+        "llama": (LlamaConfig, LlamaForCausalLM),
+        "mistral": (MistralConfig, MistralForCausalLM),
+        "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+    }
     spec = {**VARIANTS[variant], **overrides}
     arch, shard = spec.pop("arch"), spec.pop("shard", None)
     config_cls, model_cls = classes[arch]
     out_dir.mkdir(parents=True, exist_ok=True)
     train_tokenizer(out_dir)
-    config = config_cls(vocab_size=VOCAB, max_position_embeddings=256, bos_token_id=0, eos_token_id=1,
-                        rms_norm_eps=1e-5, **spec)
+    config = config_cls(
+        vocab_size=VOCAB, max_position_embeddings=256, bos_token_id=0, eos_token_id=1, rms_norm_eps=1e-5, **spec
+    )
     torch.manual_seed(seed)
     model = model_cls(config).eval()
     with torch.no_grad():  # weights wide enough that logits are far from ties
@@ -97,7 +138,9 @@ def hf_model(path: Path):
     return AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
 
 
-def write_large_checkpoint(out_dir: Path, config, dtype: torch.dtype = torch.bfloat16, shard_bytes: int = 2 << 30) -> Path:
+def write_large_checkpoint(
+    out_dir: Path, config, dtype: torch.dtype = torch.bfloat16, shard_bytes: int = 2 << 30
+) -> Path:
     """A full-size checkpoint without ever holding the model: tensors are made and written one shard at a time.
 
     The values are zeros: compile never looks at them, and zeros cost no random-number time.

@@ -52,8 +52,13 @@ def test_bench_prints_its_table(artifact):
 
 def test_bench_json(artifact):
     result = json.loads(_bench(artifact, *ARGS, "--memory-bandwidth", "2e10", "--json"))
-    assert result["workload"] == {"prompt_len": 16, "output_len": 8, "seed": 0, "shared_prefix": 0,
-                                  "sampling": "greedy, ignore_eos"}
+    assert result["workload"] == {
+        "prompt_len": 16,
+        "output_len": 8,
+        "seed": 0,
+        "shared_prefix": 0,
+        "sampling": "greedy, ignore_eos",
+    }
     assert 0 <= result["prefix_cache_hit_rate"] <= 1
     levels = result["levels"]
     assert [(lv["concurrency"], lv["num_requests"], lv["max_num_seqs"]) for lv in levels] == [(1, 4, 4), (4, 8, 4)]

@@ -32,7 +32,9 @@ def _imports(path: Path) -> set[str]:
 @pytest.mark.parametrize("path", sorted((ROOT / "runtime").glob("*.py")) + NEUTRAL, ids=lambda p: p.name)
 def test_no_compiler_import(path):
     bad = sorted(n for n in _imports(path) if n == "llmc.compiler" or n.startswith("llmc.compiler."))
-    assert not bad, f"{path.relative_to(ROOT)} imports {bad}: the runtime reaches the compiler only through the artifact"
+    assert not bad, (
+        f"{path.relative_to(ROOT)} imports {bad}: the runtime reaches the compiler only through the artifact"
+    )
 
 
 def test_import_resolution_sees_relative_imports(tmp_path):

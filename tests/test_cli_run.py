@@ -27,7 +27,6 @@ from llmc.runtime.batch import StepBatch
 from llmc.runtime.kv_cache import cdiv, kv_bytes_per_block
 from llmc.runtime.module import CompiledModel
 
-
 POISON = 2  # ("!") the fake module fails a step that returns logits for this token
 REFUSED_SEQS = 13  # the fake module refuses to start with max_num_seqs == 13
 
@@ -97,8 +96,13 @@ def _fake_populate(ckpt_dir, lib_dir, target="cpu"):
             "model_config": ckpt.config,
             "weight_dtype": "float32",
             "kernels": [
-                {"id": "k0", "template": "rmsnorm", "params": {"hidden": 64}, "fuses": ["add", "rmsnorm"],
-                 "tuning_source": "default"},
+                {
+                    "id": "k0",
+                    "template": "rmsnorm",
+                    "params": {"hidden": 64},
+                    "fuses": ["add", "rmsnorm"],
+                    "tuning_source": "default",
+                },
                 {"id": "k1", "template": "gemm", "params": {"n": 64, "k": 64}, "tuning_source": "default"},
             ],
             "passes": {"fuse_rmsnorm": 5, "fuse_rope": 0},
@@ -114,8 +118,14 @@ def fake_lib(tmp_path_factory, checkpoint_dir):
     c = load_checkpoint(checkpoint_dir("llama")).config
     d = tmp_path_factory.mktemp("fake_lib")
     (d / "fake.cc").write_text(FAKE_MODULE)
-    defines = [f"-DLAYERS={c.num_layers}", f"-DKV_HEADS={c.num_kv_heads}", f"-DHEAD_DIM={c.head_dim}",
-               f"-DVOCAB={c.vocab_size}", f"-DPOISON={POISON}", f"-DREFUSED={REFUSED_SEQS}"]
+    defines = [
+        f"-DLAYERS={c.num_layers}",
+        f"-DKV_HEADS={c.num_kv_heads}",
+        f"-DHEAD_DIM={c.head_dim}",
+        f"-DVOCAB={c.vocab_size}",
+        f"-DPOISON={POISON}",
+        f"-DREFUSED={REFUSED_SEQS}",
+    ]
     for name, abi in (("model.so", ABI_VERSION), ("abi1.so", 1)):  # abi1.so: a module compiled before ABI 2
         subprocess.run(["g++", "-O1", "-shared", "-fPIC", *defines, f"-DABI={abi}", "-o", str(d / name),
                         str(d / "fake.cc")], check=True)  # fmt: skip
@@ -276,8 +286,11 @@ def test_run_errors(tmp_path, fake_artifact):
 
 def test_run_interactive_chat(fake_artifact, monkeypatch):
     monkeypatch.setattr(cli, "_stdin_is_tty", lambda: True)
-    r = CliRunner().invoke(cli.main, ["run", str(fake_artifact), "--max-tokens", "3", "--kv-cache-memory", "8MiB"],
-                           input="hello\n/reset\nagain\n/exit\n")
+    r = CliRunner().invoke(
+        cli.main,
+        ["run", str(fake_artifact), "--max-tokens", "3", "--kv-cache-memory", "8MiB"],
+        input="hello\n/reset\nagain\n/exit\n",
+    )
     assert r.exit_code == 0, r.output
     assert "/reset starts a new conversation" in r.stdout and "(new conversation)" in r.stdout
 
@@ -293,8 +306,9 @@ def test_serve(fake_artifact, monkeypatch):
         seen["where"] = (host, port)
         with TestClient(app) as client:
             seen["models"] = client.get("/v1/models").json()
-            seen["completion"] = client.post("/v1/completions", json={
-                "model": "fake.cpu", "prompt": [5, 6], "max_tokens": 3, "temperature": 0}).json()
+            seen["completion"] = client.post(
+                "/v1/completions", json={"model": "fake.cpu", "prompt": [5, 6], "max_tokens": 3, "temperature": 0}
+            ).json()
             seen["too_long"] = client.post("/v1/completions", json={"prompt": [5] * 300, "max_tokens": 1})
 
     monkeypatch.setattr(server, "serve", fake_serve)
@@ -308,8 +322,20 @@ def test_serve(fake_artifact, monkeypatch):
 
 
 def test_bench(fake_artifact):
-    args = ("bench", fake_artifact, "--concurrency", "1,2", "--prompt-len", 8, "--output-len", 4,
-            "--memory-bandwidth", 1e10, "--kv-cache-memory", "8MiB")
+    args = (
+        "bench",
+        fake_artifact,
+        "--concurrency",
+        "1,2",
+        "--prompt-len",
+        8,
+        "--output-len",
+        4,
+        "--memory-bandwidth",
+        1e10,
+        "--kv-cache-memory",
+        "8MiB",
+    )
     r = _invoke(*args, "--json")
     assert r.exit_code == 0, r.output
     out = json.loads(r.stdout)
@@ -408,15 +434,17 @@ def test_real_run_matches_transformers_greedy(real_artifact, checkpoint_dir):
     import torch
     from checkpoints import hf_model
 
-    r = _invoke("run", real_artifact, "--prompt", "The list type", "--max-tokens", 12, "--json",
-                "--kv-cache-memory", "16MiB")
+    r = _invoke(
+        "run", real_artifact, "--prompt", "The list type", "--max-tokens", 12, "--json", "--kv-cache-memory", "16MiB"
+    )
     assert r.exit_code == 0, r.output
     out = json.loads(r.stdout)
     hf = hf_model(checkpoint_dir("llama"))
     with torch.no_grad():
-        ref = hf.generate(torch.tensor([out["prompt_token_ids"]]), max_new_tokens=12, do_sample=False,
-                          eos_token_id=1, pad_token_id=1)
-    assert out["token_ids"] == ref[0, len(out["prompt_token_ids"]):].tolist()
+        ref = hf.generate(
+            torch.tensor([out["prompt_token_ids"]]), max_new_tokens=12, do_sample=False, eos_token_id=1, pad_token_id=1
+        )
+    assert out["token_ids"] == ref[0, len(out["prompt_token_ids"]) :].tolist()
 
 
 def test_real_step_logits_match_transformers(real_artifact, checkpoint_dir):
@@ -466,8 +494,17 @@ def test_real_inspect_and_errors(tmp_path, real_artifact):
 
 def test_real_run_of_a_checkpoint_uses_the_cache(tmp_path, checkpoint_dir):
     env = {"LLMC_CACHE_DIR": str(tmp_path / "cache")}
-    args = ("run", checkpoint_dir("llama"), "--prompt", "The list type", "--max-tokens", 4, "--json",
-            "--kv-cache-memory", "16MiB")
+    args = (
+        "run",
+        checkpoint_dir("llama"),
+        "--prompt",
+        "The list type",
+        "--max-tokens",
+        4,
+        "--json",
+        "--kv-cache-memory",
+        "16MiB",
+    )
     first = _invoke(*args, env=env)
     assert first.exit_code == 0, first.output
     assert len(list((tmp_path / "cache" / "artifacts").glob("*/manifest.json"))) == 1

@@ -51,8 +51,9 @@ def _assert_batched_greedy_matches(model, path, prompts):
     reference = hf_model(path)
     for ids, result in zip(prompts, results, strict=True):
         with torch.no_grad():
-            expected = reference.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
-                                          do_sample=False)[0, len(ids):].tolist()
+            expected = reference.generate(
+                torch.tensor([ids]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False
+            )[0, len(ids) :].tolist()
         assert result.outputs[0].token_ids == expected
 
 
@@ -91,8 +92,10 @@ def test_logits_at_every_row_and_at_mixed_rows(arch, checkpoint_dir, tmp_path_fa
 VARIANTS = {
     "mistral_sliding": ("mistral", dict(sliding_window=6)),
     "qwen2_sliding": ("qwen2", dict(use_sliding_window=True, sliding_window=5, max_window_layers=1)),
-    "qwen2_yarn": ("qwen2", dict(rope_scaling={"rope_type": "yarn", "factor": 4.0,
-                                               "original_max_position_embeddings": 32})),
+    "qwen2_yarn": (
+        "qwen2",
+        dict(rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}),
+    ),
 }
 
 

@@ -51,8 +51,13 @@ def test_simulated_sm90_matches_cpu_and_transformers(arch, checkpoint_dir, tmp_p
     with CompiledModel.load(artifact(checkpoint_dir, tmp_path_factory, arch, "cpu")) as cpu:
         assert simulated == _greedy(cpu, ids)
     with torch.no_grad():
-        expected = hf_model(path).generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS,
-                                           min_new_tokens=NEW_TOKENS, do_sample=False)[0, len(ids):].tolist()
+        expected = (
+            hf_model(path)
+            .generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)[
+                0, len(ids) :
+            ]
+            .tolist()
+        )
     assert simulated == expected
 
 
@@ -71,8 +76,9 @@ def test_simulated_bf16_within_tolerance(checkpoint_dir, tmp_path_factory):
     reference = hf_model(path)
     ids = Tokenizer.from_file(str(path / "tokenizer.json")).encode(PROMPT).ids
     with torch.no_grad():
-        tokens = reference.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
-                                    do_sample=False)[0].tolist()
+        tokens = reference.generate(
+            torch.tensor([ids]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False
+        )[0].tolist()
         ref_logits = reference(torch.tensor([tokens])).logits[0].numpy()
     clear = 0
     sm90 = artifact(checkpoint_dir, tmp_path_factory, "qwen2", "sm90", "bfloat16")
@@ -115,6 +121,11 @@ def test_simulated_sliding_window_matches_transformers(checkpoint_dir, tmp_path)
     with CompiledModel.load(out, library=build_simulated_library(out), max_num_seqs=2) as sim:
         simulated = _greedy(sim, ids)
     with torch.no_grad():
-        expected = hf_model(path).generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS,
-                                           min_new_tokens=NEW_TOKENS, do_sample=False)[0, len(ids):].tolist()
+        expected = (
+            hf_model(path)
+            .generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)[
+                0, len(ids) :
+            ]
+            .tolist()
+        )
     assert simulated == expected

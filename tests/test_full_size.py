@@ -14,10 +14,23 @@ import time
 import pytest
 from checkpoints import write_large_checkpoint
 
-LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                 num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0,
-                 rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                               "original_max_position_embeddings": 8192})
+LLAMA3_8B = dict(
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    vocab_size=128256,
+    max_position_embeddings=8192,
+    rope_theta=500000.0,
+    rope_scaling={
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    },
+)
 
 # Compile in a fresh process and print its own peak RSS (KiB) last.
 _COMPILE = """
@@ -50,8 +63,10 @@ def test_compile_8b_streams_weights(target, llama8b, tmp_path):
     wall = time.perf_counter() - start
     assert proc.returncode == 0, proc.stderr[-3000:]
     peak_rss = int(proc.stdout.split()[-1]) * 1024  # the compiling process itself, not g++/nvcc
-    print(f"\n8B compile for {target}: {wall:.1f} s, peak RSS {peak_rss / 2**30:.2f} GiB, "
-          f"weights {weight_bytes / 2**30:.1f} GiB")
+    print(
+        f"\n8B compile for {target}: {wall:.1f} s, peak RSS {peak_rss / 2**30:.2f} GiB, "
+        f"weights {weight_bytes / 2**30:.1f} GiB"
+    )
     assert peak_rss < weight_bytes / 4, f"peak RSS {peak_rss} is not far under the weights ({weight_bytes})"
     assert (out / "manifest.json").is_file()
     shutil.rmtree(out)

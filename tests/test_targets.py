@@ -29,8 +29,9 @@ def _sm120(directory):
 
 def test_target_path_adds_and_overrides(tmp_path, monkeypatch):
     _sm120(tmp_path)
-    (tmp_path / "cpu.toml").write_text((BUILTIN_DIR / "cpu.toml").read_text().replace("block_size = 16",
-                                                                                     "block_size = 8"))
+    (tmp_path / "cpu.toml").write_text(
+        (BUILTIN_DIR / "cpu.toml").read_text().replace("block_size = 16", "block_size = 8")
+    )
     monkeypatch.setenv("LLMC_TARGET_PATH", str(tmp_path))
     assert "sm120" in target_names()
     assert load_target("sm120").gencode == "arch=compute_120,code=sm_120"

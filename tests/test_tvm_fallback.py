@@ -57,10 +57,12 @@ def test_fallback_model_matches_transformers(fallback_artifact, checkpoint_dir):
 
 def test_fallback_module_runs_without_tvm(fallback_artifact):
     assert (fallback_artifact / "tvm_kernels.cc").is_file()
-    script = ("import sys, json; sys.modules['tvm'] = sys.modules['tvm_ffi'] = None\n"
-              "from llmc.runtime.module import CompiledModel\nfrom llmc.runtime.batch import StepBatch\n"
-              f"m = CompiledModel.load({str(fallback_artifact)!r}, kv_cache_memory='8MiB')\n"
-              "print(json.dumps(m.step(StepBatch.build([[5, 6, 7]], [0], [[0]], m.block_size))[0][:4].tolist()))")
+    script = (
+        "import sys, json; sys.modules['tvm'] = sys.modules['tvm_ffi'] = None\n"
+        "from llmc.runtime.module import CompiledModel\nfrom llmc.runtime.batch import StepBatch\n"
+        f"m = CompiledModel.load({str(fallback_artifact)!r}, kv_cache_memory='8MiB')\n"
+        "print(json.dumps(m.step(StepBatch.build([[5, 6, 7]], [0], [[0]], m.block_size))[0][:4].tolist()))"
+    )
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=False)
     assert out.returncode == 0, out.stderr[-2000:]
     assert len(json.loads(out.stdout)) == 4

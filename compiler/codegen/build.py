@@ -32,8 +32,8 @@ import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Mapping, Sequence
 
 from llmc.errors import CompileError
 from llmc.host import cache_root, pid_alive
@@ -54,24 +54,26 @@ def default_cache_dir() -> Path:
     return cache_root() / "build"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def compiler_version(compiler: str = DEFAULT_COMPILER) -> str:
     """`<compiler> --version`, first line; CompileError if the compiler cannot run."""
     try:
         out = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
     except (OSError, subprocess.CalledProcessError) as e:
-        raise CompileError(f"cannot run the C++ compiler {compiler!r}: {e}",
-                           "install g++ (Debian/Ubuntu: apt-get install g++)") from e
+        raise CompileError(
+            f"cannot run the C++ compiler {compiler!r}: {e}", "install g++ (Debian/Ubuntu: apt-get install g++)"
+        ) from e
     return out.strip().splitlines()[0] if out.strip() else "unknown"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _native_isa(compiler: str) -> str:
     """What -march=native means here (g++ -Q --help=target), hashed: a cache shared across hosts
     must not hand a .so built for another ISA."""
     try:
-        out = subprocess.run([compiler, "-march=native", "-Q", "--help=target"], capture_output=True, text=True,
-                             check=True).stdout
+        out = subprocess.run(
+            [compiler, "-march=native", "-Q", "--help=target"], capture_output=True, text=True, check=True
+        ).stdout
     except (OSError, subprocess.CalledProcessError):  # fall back to the kernel's view of the CPU
         try:
             out = Path("/proc/cpuinfo").read_text().split("\n\n")[0]

@@ -21,8 +21,16 @@ from .tvm_fallback import c_source
 HOST_TEMPLATE = {"cpu": "model.cc.j2", "cuda": "model.cu.j2"}
 _CTYPE = {"float32": "float", "bfloat16": "uint16_t"}
 # Step arrays of the C ABI; the CUDA host copies them to the device first and launches on the copies.
-_STEP_ARRAYS = ("token_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens", "block_tables",
-                "logits_indices", "logits")
+_STEP_ARRAYS = (
+    "token_ids",
+    "positions",
+    "slot_mapping",
+    "query_start_loc",
+    "seq_lens",
+    "block_tables",
+    "logits_indices",
+    "logits",
+)
 
 
 @dataclasses.dataclass
@@ -44,8 +52,9 @@ def _c_expr(arg: str, program: KernelProgram, device: bool) -> str:
     return re.sub(r"\b([kv]_cache)\[", r"m->\1[", arg)
 
 
-def render_module(program: KernelProgram, target: Target, offsets: dict[str, tuple[int, int]],
-                  weights_file_bytes: int) -> RenderedModule:
+def render_module(
+    program: KernelProgram, target: Target, offsets: dict[str, tuple[int, int]], weights_file_bytes: int
+) -> RenderedModule:
     family = target.template_dir
     if program.tvm_funcs and target.is_cuda:
         ops = sorted({op for launch in program.launches if launch.op == "tvm_call" for op in launch.fused})
@@ -59,16 +68,32 @@ def render_module(program: KernelProgram, target: Target, offsets: dict[str, tup
         if kid not in sources:
             sources[kid] = render_kernel(family, launch.op, name=kid, **launch.params)
             params = {k: v for k, v in launch.params.items() if k != "inv_freq"}
-            entries[kid] = {"id": kid, "template": f"{family}/{launch.op}", "params": params,
-                            "tuning_source": "default", "launches": 0, "fuses": launch.fused}
+            entries[kid] = {
+                "id": kid,
+                "template": f"{family}/{launch.op}",
+                "params": params,
+                "tuning_source": "default",
+                "launches": 0,
+                "fuses": launch.fused,
+            }
         entries[kid]["launches"] += 1
         args = [_c_expr(a, program, target.is_cuda) for a in launch.args]
         # a TVM fallback returns nonzero when its own argument checks fail: the step returns 5
         launches.append({"name": kid, "args": args, "fused": launch.fused, "checked": launch.op == "tvm_call"})
-    source = render_host(family, HOST_TEMPLATE[family], version=__version__, target=target.name,
-                         arch=target.gencode or " ".join(target.raw.get("flags", [])), sm=target.compute_capability,
-                         program=program, geometry=program.geometry, kernels=list(sources.values()), launches=launches,
-                         offsets=offsets, weights_file_bytes=weights_file_bytes,
-                         weights_data_start=min((o for o, _ in offsets.values()), default=weights_file_bytes))
+    source = render_host(
+        family,
+        HOST_TEMPLATE[family],
+        version=__version__,
+        target=target.name,
+        arch=target.gencode or " ".join(target.raw.get("flags", [])),
+        sm=target.compute_capability,
+        program=program,
+        geometry=program.geometry,
+        kernels=list(sources.values()),
+        launches=launches,
+        offsets=offsets,
+        weights_file_bytes=weights_file_bytes,
+        weights_data_start=min((o for o, _ in offsets.values()), default=weights_file_bytes),
+    )
     tvm_source = c_source(program.tvm_funcs) if program.tvm_funcs else None
     return RenderedModule(source, list(entries.values()), tvm_source)

@@ -19,8 +19,9 @@ import math
 import numbers
 import re
 import struct
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import jinja2
 import jinja2.meta
@@ -88,7 +89,7 @@ def _cint(value: Any) -> str:
     return str(int(value))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _environment() -> jinja2.Environment:
     env = jinja2.Environment(
         loader=jinja2.FileSystemLoader(str(TEMPLATE_DIR)),
@@ -163,8 +164,10 @@ def render_kernel(target: str, op: str, **params: Any) -> str:
         parts = ([f"missing {', '.join(missing)}"] if missing else []) + (
             [f"unknown {', '.join(unknown)}"] if unknown else []
         )
-        raise CompileError(f"bad parameters for {where}: {'; '.join(parts)}",
-                           f"the template takes exactly: {', '.join(sorted(needed))}")
+        raise CompileError(
+            f"bad parameters for {where}: {'; '.join(parts)}",
+            f"the template takes exactly: {', '.join(sorted(needed))}",
+        )
     name = params.get("name")
     if not isinstance(name, str) or not _IDENT.match(name):
         raise CompileError(f"bad parameters for {where}: name must be a C identifier, got {name!r}")
@@ -181,10 +184,22 @@ def render_kernel(target: str, op: str, **params: Any) -> str:
 
 # How each parameter is spelled in a kernel id; "" spells the value alone (`bf16`).
 _ID_PREFIX = {
-    "n": "n", "k": "k", "hidden": "h", "inter": "i", "cols": "c",
-    "num_heads": "qh", "num_kv_heads": "kvh", "head_dim": "d", "block_size": "bs",
-    "eps": "eps", "scale": "sc", "wdtype": "", "has_bias": "bias", "add_residual": "res",
-    "inv_freq": "if", "sliding_window": "sw",
+    "n": "n",
+    "k": "k",
+    "hidden": "h",
+    "inter": "i",
+    "cols": "c",
+    "num_heads": "qh",
+    "num_kv_heads": "kvh",
+    "head_dim": "d",
+    "block_size": "bs",
+    "eps": "eps",
+    "scale": "sc",
+    "wdtype": "",
+    "has_bias": "bias",
+    "add_residual": "res",
+    "inv_freq": "if",
+    "sliding_window": "sw",
 }
 # Canonical order per op (docs/contracts.md); parameters not listed follow, sorted.
 _ID_ORDER = {

@@ -21,7 +21,7 @@ import re
 import shutil
 import subprocess
 import tempfile
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 from llmc.artifact import load_artifact
@@ -47,13 +47,15 @@ def cuda_home() -> Path:
     if Path("/usr/local/cuda/include/cuda_fp16.h").exists():
         return Path("/usr/local/cuda")
     if nvcc:  # a wrapper script: ask nvcc where it lives
-        out = subprocess.run([nvcc, "--dryrun", "-x", "cu", "-c", "/dev/null", "-o", "/dev/null"],
-                             capture_output=True, text=True).stderr
+        out = subprocess.run(
+            [nvcc, "--dryrun", "-x", "cu", "-c", "/dev/null", "-o", "/dev/null"], capture_output=True, text=True
+        ).stderr
         m = re.search(r"#\$ TOP=(\S+)", out)
         if m and (Path(m.group(1)).resolve() / "include" / "cuda_fp16.h").exists():
             return Path(m.group(1)).resolve()
-    raise CompileError("cannot find the CUDA toolkit (cuda_fp16.h)",
-                       "install it, or set CUDA_HOME to its root directory")
+    raise CompileError(
+        "cannot find the CUDA toolkit (cuda_fp16.h)", "install it, or set CUDA_HOME to its root directory"
+    )
 
 
 def cuda_include_dir() -> Path:
@@ -72,7 +74,7 @@ def cache_dir() -> Path:
     return d
 
 
-@lru_cache(maxsize=None)
+@cache
 def _tool_version(tool: str) -> str:
     try:
         return subprocess.run([tool, "--version"], capture_output=True, text=True).stdout
@@ -123,8 +125,17 @@ def _key(parts: list[str | bytes]) -> str:
 
 
 def sim_flags(asan: bool = False, extra_flags=()) -> list[str]:
-    flags = ["-x", "c++", "-std=c++17", "-O1", "-DLLMC_SIMULATOR", f"-I{INCLUDE_DIR}",
-             f"-I{cuda_include_dir()}", "-fPIC", "-fno-strict-aliasing"]
+    flags = [
+        "-x",
+        "c++",
+        "-std=c++17",
+        "-O1",
+        "-DLLMC_SIMULATOR",
+        f"-I{INCLUDE_DIR}",
+        f"-I{cuda_include_dir()}",
+        "-fPIC",
+        "-fno-strict-aliasing",
+    ]
     if asan:
         flags += ["-fsanitize=address", "-fno-omit-frame-pointer", "-g"]
     return flags + list(extra_flags)
@@ -163,8 +174,9 @@ def build_simulated_library(artifact_path: str | Path) -> Path:
         raise ArtifactError(f"{artifact.path}: --simulate needs a CUDA-target artifact; this one is built for "
                             f"{artifact.target_name} ({artifact.kind})", "run it without --simulate")  # fmt: skip
     digest = artifact.manifest["files"][artifact.source_path.name]
-    return build_simulated([artifact.source_path], cache_root() / "simulated" / f"{digest[:24]}.so",
-                           extra_flags=("-O2",))
+    return build_simulated(
+        [artifact.source_path], cache_root() / "simulated" / f"{digest[:24]}.so", extra_flags=("-O2",)
+    )
 
 
 def asan_env(base: dict | None = None) -> dict:
@@ -178,6 +190,7 @@ def asan_env(base: dict | None = None) -> dict:
 
 # ---------------------------------------------------------------------------------------------------
 # nvcc + ptxas -v
+
 
 @dataclasses.dataclass
 class KernelResources:
@@ -224,8 +237,15 @@ def nvcc_compile(source: Path | str, arch: str, out: Path, extra_flags=()) -> di
     """
     num = _arch_number(arch)
     out = Path(out)
-    flags = ["-cubin", "-std=c++17", f"-gencode=arch=compute_{num},code=sm_{num}", "-Xptxas", "-v",
-             f"-I{INCLUDE_DIR}", *extra_flags]
+    flags = [
+        "-cubin",
+        "-std=c++17",
+        f"-gencode=arch=compute_{num},code=sm_{num}",
+        "-Xptxas",
+        "-v",
+        f"-I{INCLUDE_DIR}",
+        *extra_flags,
+    ]
     nvcc = nvcc_path()
     with tempfile.TemporaryDirectory(prefix="llmc-nvcc-") as tmp:
         src = _sources(source, Path(tmp))[0]
@@ -242,4 +262,3 @@ def nvcc_compile(source: Path | str, arch: str, out: Path, extra_flags=()) -> di
             _atomic_copy(text_tmp, report)
     _atomic_copy(cubin, out)
     return parse_ptxas(report.read_text())
-

@@ -38,14 +38,22 @@ def legalize_call(call: relax.Call, params: list[relax.Var]) -> tirx.PrimFunc:
         bb.emit_func_output(out)
     mod = relax.transform.LegalizeOps()(bb.get())
     op = call.op.name if hasattr(call.op, "name") else str(call.op)
-    tir_calls = [b.value for blk in mod["main"].body.blocks for b in blk.bindings
-                 if isinstance(b.value, relax.Call) and getattr(b.value.op, "name", "") == "relax.call_tir"]
+    tir_calls = [
+        b.value
+        for blk in mod["main"].body.blocks
+        for b in blk.bindings
+        if isinstance(b.value, relax.Call) and getattr(b.value.op, "name", "") == "relax.call_tir"
+    ]
     if len(tir_calls) != 1:
         raise CompileError(f"TVM cannot lower `{op}` to one TIR function ({len(tir_calls)} found)",
                            "this op needs a kernel template")  # fmt: skip
     callee, args = tir_calls[0].args[0], tir_calls[0].args[1]
     takes = list(args.fields)
-    if len(tir_calls[0].args) > 2 or len(takes) != len(fresh) or not all(a.same_as(f) for a, f in zip(takes, fresh, strict=True)):
+    if (
+        len(tir_calls[0].args) > 2
+        or len(takes) != len(fresh)
+        or not all(a.same_as(f) for a, f in zip(takes, fresh, strict=True))
+    ):
         raise CompileError(f"TVM's lowering of `{op}` takes arguments other than its input tensors",
                            "this op needs a kernel template")  # fmt: skip
     return mod[callee]

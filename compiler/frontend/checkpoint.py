@@ -11,8 +11,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 import torch
@@ -189,7 +189,9 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
                 "config.json and the weights disagree; fix the config or use matching weights",
             )
         if dtype not in _DTYPES:
-            raise CheckpointError(f"{f.name}: tensor {name!r} has dtype {dtype}", "llmc reads F32, F16 and BF16 weights")
+            raise CheckpointError(
+                f"{f.name}: tensor {name!r} has dtype {dtype}", "llmc reads F32, F16 and BF16 weights"
+            )
         tensor_files[name], dtypes[name] = f, _DTYPES[dtype]
 
     tokenizer_path = path / "tokenizer.json"

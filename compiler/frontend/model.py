@@ -78,6 +78,7 @@ def attention_scale(config: ModelConfig) -> float:
         return scale
     factor = s.get("attention_factor")
     if factor is None:
+
         def mscale(m: float = 1.0) -> float:
             return 1.0 if s["factor"] <= 1 else 0.1 * m * math.log(s["factor"]) + 1.0
 

@@ -28,7 +28,9 @@ class _WeightsAsInputs(nn.Module):
         self.names = names
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, *weights: torch.Tensor) -> torch.Tensor:
-        return torch.func.functional_call(self.model, dict(zip(self.names, weights, strict=True)), (input_ids, positions))
+        return torch.func.functional_call(
+            self.model, dict(zip(self.names, weights, strict=True)), (input_ids, positions)
+        )
 
 
 @dataclasses.dataclass

@@ -14,7 +14,7 @@ that become unused disappear. Each pass records how many patterns it rewrote in 
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import tvm
 from tvm import relax
@@ -26,8 +26,22 @@ OPS = {
     # x: [1, heads, T, head_dim], rotate-half RoPE; inv_freq: float32 [head_dim / 2] constant
     "rope": ("x", "positions", "inv_freq"),
     "paged_attention": (  # -> [T, num_heads * head_dim]; RoPE by inv_freq on q and k applied inside
-        "q", "k", "v", "positions", "inv_freq", "kv_cache", "slot_mapping", "query_start_loc", "seq_lens",
-        "block_tables", "layer", "num_heads", "num_kv_heads", "head_dim", "scale", "sliding_window",
+        "q",
+        "k",
+        "v",
+        "positions",
+        "inv_freq",
+        "kv_cache",
+        "slot_mapping",
+        "query_start_loc",
+        "seq_lens",
+        "block_tables",
+        "layer",
+        "num_heads",
+        "num_kv_heads",
+        "head_dim",
+        "scale",
+        "sliding_window",
     ),  # sliding_window 0: plain causal; else key j is seen from query i when i - window < j <= i
     "silu_mul": ("gate_up",),  # [rows, 2 * inter] -> [rows, inter]: silu(gate) * up
 }
@@ -45,7 +59,7 @@ def llmc_op_name(expr: relax.Expr) -> str | None:
         return None
     callee = expr.args[0]
     if isinstance(callee, relax.ExternFunc) and callee.global_symbol.startswith("llmc."):
-        return callee.global_symbol[len("llmc."):]
+        return callee.global_symbol[len("llmc.") :]
     return None
 
 
@@ -135,8 +149,9 @@ def rewrite(mod: tvm.IRModule, edits: dict, *, pass_name: str, count: int, param
     if edits:
         new_body = _Rewriter(edits, mod).visit_expr(func.body)
         # ret_ty None: re-inferred, since a pass may change what main returns (select_logits_rows).
-        func = relax.Function(params if params is not None else func.params, new_body, None,
-                              func.is_pure, func.attrs, func.span)
+        func = relax.Function(
+            params if params is not None else func.params, new_body, None, func.is_pure, func.attrs, func.span
+        )
         func = relax.analysis.remove_all_unused(func)
     mod = tvm.IRModule(dict(mod.functions_items()), attrs=mod.attrs)
     mod["main"] = func
@@ -188,7 +203,7 @@ class Linear:
         self.x, self.weight, self.bias = x, weight, bias
 
     @classmethod
-    def match(cls, var: relax.Expr, var2val) -> "Linear | None":
+    def match(cls, var: relax.Expr, var2val) -> Linear | None:
         value = var2val.get(var)
         bias = None
         if calls(value, "relax.add"):  # the bias is a parameter; the traced add takes it on either side

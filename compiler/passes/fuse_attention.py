@@ -101,8 +101,10 @@ def fuse_attention(mod: tvm.IRModule) -> tvm.IRModule:
         if q_rope is None or k_rope is None:
             continue
         q_args, k_args = llmc_args(q_rope), llmc_args(k_rope)
-        if not (q_args["positions"].same_as(k_args["positions"])
-                and tvm_ffi.structural_equal(q_args["inv_freq"], k_args["inv_freq"])):
+        if not (
+            q_args["positions"].same_as(k_args["positions"])
+            and tvm_ffi.structural_equal(q_args["inv_freq"], k_args["inv_freq"])
+        ):
             continue
         q2, k2 = (_strip_layout(a["x"], var2val) for a in (q_args, k_args))
         v2 = _strip_layout(v_in, var2val)
@@ -110,15 +112,27 @@ def fuse_attention(mod: tvm.IRModule) -> tvm.IRModule:
         if _columns(q2) != heads * head_dim or _columns(k2) != _columns(v2):
             continue
         attrs = b.value.attrs
-        matches.append(_Attention(b, q2, k2, v2, q_args["positions"], q_args["inv_freq"], heads,
-                                  _columns(k2) // head_dim, head_dim,
-                                  head_dim**-0.5 if attrs.scale is None else float(attrs.scale.value),
-                                  0 if attrs.window_size is None else int(attrs.window_size)))
+        matches.append(
+            _Attention(
+                b,
+                q2,
+                k2,
+                v2,
+                q_args["positions"],
+                q_args["inv_freq"],
+                heads,
+                _columns(k2) // head_dim,
+                head_dim,
+                head_dim**-0.5 if attrs.scale is None else float(attrs.scale.value),
+                0 if attrs.window_size is None else int(attrs.window_size),
+            )
+        )
     if not matches:
         return rewrite(mod, {}, pass_name="fuse_attention", count=0)
 
     seq_lens, qsl, block_tables, slot_mapping, caches = batch_state_params(
-        func, len(matches), matches[0].num_kv_heads, matches[0].head_dim)
+        func, len(matches), matches[0].num_kv_heads, matches[0].head_dim
+    )
     edits = {}
     for layer, m in enumerate(matches):
         shape = m.binding.var.ty.shape.values

@@ -32,8 +32,13 @@ def _mean_square_of_rows(mean: relax.Call, exponent: relax.Expr) -> bool:
     """mean(x ** 2) over the last axis, kept as a column."""
     axis = mean.attrs.axis
     rank = len(mean.ty.shape.values)
-    return (float(exponent.value.numpy()) == 2.0 and mean.attrs.keepdims and axis is not None and len(axis) == 1
-            and int(axis[0]) % rank == rank - 1)
+    return (
+        float(exponent.value.numpy()) == 2.0
+        and mean.attrs.keepdims
+        and axis is not None
+        and len(axis) == 1
+        and int(axis[0]) % rank == rank - 1
+    )
 
 
 def _residual_add(x: relax.Expr, var2val) -> tuple[relax.Expr, relax.Expr] | None:

@@ -62,8 +62,13 @@ def _angles(emb: relax.Expr, var2val) -> tuple[relax.Var, tvm.ir.Constant] | Non
     if not calls(freqs, "relax.multiply"):
         return None
     positions, inv_freq = (source_of(a, var2val, through=_VIEWS_AND_CASTS) for a in freqs.args)
-    if not (isinstance(positions, relax.Var) and positions not in var2val and isinstance(inv_freq, tvm.ir.Constant)
-            and inv_freq.ty.dtype == "float32" and inv_freq.ty.ndim == 1):
+    if not (
+        isinstance(positions, relax.Var)
+        and positions not in var2val
+        and isinstance(inv_freq, tvm.ir.Constant)
+        and inv_freq.ty.dtype == "float32"
+        and inv_freq.ty.ndim == 1
+    ):
         return None
     return positions, inv_freq
 

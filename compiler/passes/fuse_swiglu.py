@@ -30,7 +30,10 @@ def fuse_swiglu(mod: tvm.IRModule) -> tvm.IRModule:
     for b, var2val in matching_bindings(func, _pattern()):
         silu, up_var = b.value.args
         gate_var = var2val[silu].args[0]
-        gate, up = Linear.match(source_of(gate_var, var2val), var2val), Linear.match(source_of(up_var, var2val), var2val)
+        gate, up = (
+            Linear.match(source_of(gate_var, var2val), var2val),
+            Linear.match(source_of(up_var, var2val), var2val),
+        )
         if gate is None or up is None or (gate.bias is None) != (up.bias is None):
             continue
         if not source_of(gate.x, var2val).same_as(source_of(up.x, var2val)):

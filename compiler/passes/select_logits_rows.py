@@ -26,7 +26,8 @@ def _output_linear(func: relax.Function, var2val):
     while True:
         value = var2val.get(expr)
         if isinstance(value, relax.Var) or (
-            isinstance(value, relax.Call) and value.op.name in ("relax.reshape", "relax.take", "relax.squeeze")
+            isinstance(value, relax.Call)
+            and value.op.name in ("relax.reshape", "relax.take", "relax.squeeze")
             and (value.op.name != "relax.take" or int(value.args[0].ty.shape.values[0]) == 1)
         ):
             expr = value if isinstance(value, relax.Var) else value.args[0]
@@ -59,13 +60,24 @@ def select_logits_rows(mod: tvm.IRModule) -> tvm.IRModule:
 
     if op == "add_rms_norm":
         gathered_ty = relax.TensorType([*normed.ty.shape.values[:-2], num_logits, hidden], "float32")
-        call = llmc_call("add_rms_norm", [gather(args["x"]), gather(args["residual"]), args["weight"], args["eps"]],
-                         relax.TupleType([gathered_ty, gathered_ty]))
+        call = llmc_call(
+            "add_rms_norm",
+            [gather(args["x"]), gather(args["residual"]), args["weight"], args["eps"]],
+            relax.TupleType([gathered_ty, gathered_ty]),
+        )
         rows = relax.TupleGetItem(call, 1)
     else:
-        rows = llmc_call("rms_norm", [gather(args["x"]), args["weight"], args["eps"]],
-                         relax.TensorType([*normed.ty.shape.values[:-2], num_logits, hidden], "float32"))
+        rows = llmc_call(
+            "rms_norm",
+            [gather(args["x"]), args["weight"], args["eps"]],
+            relax.TensorType([*normed.ty.shape.values[:-2], num_logits, hidden], "float32"),
+        )
     logits = relax.op.matmul(relax.op.reshape(rows, [num_logits, hidden]), relax.op.permute_dims(head.weight, [1, 0]))
     out_var = func.body.body
-    return rewrite(mod, {out_var: logits}, pass_name="select_logits_rows", count=1,
-                   params=[*func.params[:2], indices, *func.params[2:]])
+    return rewrite(
+        mod,
+        {out_var: logits},
+        pass_name="select_logits_rows",
+        count=1,
+        params=[*func.params[:2], indices, *func.params[2:]],
+    )

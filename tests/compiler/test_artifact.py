@@ -8,8 +8,8 @@ import pytest
 from llmc import __version__, digests
 from llmc import artifact as art
 from llmc.compiler.frontend.checkpoint import load_checkpoint
-from llmc.host import host_cpu_isa
 from llmc.errors import ArtifactError
+from llmc.host import host_cpu_isa
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +49,11 @@ def test_write_and_load(tmp_path, config):
     out = art.write_artifact(tmp_path / "a.cpu", _populate(config))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.cpu"], "no temporary dir may stay behind"
     m = json.loads((out / "manifest.json").read_text())
-    assert m["magic"] == "llmc-artifact" and m["format_version"] == art.FORMAT_VERSION and m["abi_version"] == art.ABI_VERSION
+    assert (
+        m["magic"] == "llmc-artifact"
+        and m["format_version"] == art.FORMAT_VERSION
+        and m["abi_version"] == art.ABI_VERSION
+    )
     assert m["compiler_version"] == __version__ and m["quantization"] == "none"
     assert m["target"]["name"] == "cpu" and m["target"]["cflags"] == ["-O3"] and m["target"]["kind"] == "cpu"
     assert m["target"]["isa"] == host_cpu_isa(), "a cpu target records this host's ISA"
@@ -114,8 +118,10 @@ def test_version_mismatch(tmp_path, config, key):
     out = art.write_artifact(tmp_path / "a.cpu", _populate(config))
     _rewrite_manifest(out, **{key: 99})
     want = {"format_version": art.FORMAT_VERSION, "abi_version": art.ABI_VERSION}[key]
-    with pytest.raises(ArtifactError,
-                       match=rf"{key.replace('_', ' ')} 99.*reads version {want}.*llmc compile CHECKPOINT --target cpu -o"):
+    with pytest.raises(
+        ArtifactError,
+        match=rf"{key.replace('_', ' ')} 99.*reads version {want}.*llmc compile CHECKPOINT --target cpu -o",
+    ):
         art.load_artifact(out)
 
 

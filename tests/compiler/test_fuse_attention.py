@@ -21,24 +21,38 @@ def _attention_module(k_inv_freq=INV_FREQ, causal_mask="TopLeft"):
     @I.ir_module
     class Module:
         @R.function
-        def main(input_ids: R.Tensor(("n",), "int64"), positions: R.Tensor(("n",), "int64"),
-                 q: R.Tensor(("n", 8), "float32"), k: R.Tensor(("n", 4), "float32"), v: R.Tensor(("n", 4), "float32")):
+        def main(
+            input_ids: R.Tensor(("n",), "int64"),
+            positions: R.Tensor(("n",), "int64"),
+            q: R.Tensor(("n", 8), "float32"),
+            k: R.Tensor(("n", 4), "float32"),
+            v: R.Tensor(("n", 4), "float32"),
+        ):
             n = T.int64()
             with R.dataflow():
                 q_heads = R.permute_dims(R.reshape(q, R.shape([1, n, 2, 4])), axes=[0, 2, 1, 3])
                 k_heads = R.permute_dims(R.reshape(k, R.shape([1, n, 1, 4])), axes=[0, 2, 1, 3])
                 v_heads = R.permute_dims(R.reshape(v, R.shape([1, n, 1, 4])), axes=[0, 2, 1, 3])
-                q_rot = R.call_pure_packed("llmc.rope", q_heads, positions, R.const(INV_FREQ),
-                                           ty_args=R.Tensor((1, 2, n, 4), "float32"))
-                k_rot = R.call_pure_packed("llmc.rope", k_heads, positions, R.const(k_inv_freq),
-                                           ty_args=R.Tensor((1, 1, n, 4), "float32"))
-                k_rep = R.reshape(R.broadcast_to(R.expand_dims(k_rot, axis=[2]), R.shape([1, 1, 2, n, 4])),
-                                  R.shape([1, 2, n, 4]))
-                v_rep = R.reshape(R.broadcast_to(R.expand_dims(v_heads, axis=[2]), R.shape([1, 1, 2, n, 4])),
-                                  R.shape([1, 2, n, 4]))
-                att = R.nn.attention(R.permute_dims(q_rot, axes=[0, 2, 1, 3]), R.permute_dims(k_rep, axes=[0, 2, 1, 3]),
-                                     R.permute_dims(v_rep, axes=[0, 2, 1, 3]), scale=0.5, causal_mask=causal_mask,
-                                     window_size=3)
+                q_rot = R.call_pure_packed(
+                    "llmc.rope", q_heads, positions, R.const(INV_FREQ), ty_args=R.Tensor((1, 2, n, 4), "float32")
+                )
+                k_rot = R.call_pure_packed(
+                    "llmc.rope", k_heads, positions, R.const(k_inv_freq), ty_args=R.Tensor((1, 1, n, 4), "float32")
+                )
+                k_rep = R.reshape(
+                    R.broadcast_to(R.expand_dims(k_rot, axis=[2]), R.shape([1, 1, 2, n, 4])), R.shape([1, 2, n, 4])
+                )
+                v_rep = R.reshape(
+                    R.broadcast_to(R.expand_dims(v_heads, axis=[2]), R.shape([1, 1, 2, n, 4])), R.shape([1, 2, n, 4])
+                )
+                att = R.nn.attention(
+                    R.permute_dims(q_rot, axes=[0, 2, 1, 3]),
+                    R.permute_dims(k_rep, axes=[0, 2, 1, 3]),
+                    R.permute_dims(v_rep, axes=[0, 2, 1, 3]),
+                    scale=0.5,
+                    causal_mask=causal_mask,
+                    window_size=3,
+                )
                 out = R.reshape(att, R.shape([1, n, 8]))
                 R.output(out)
             return out
@@ -49,19 +63,41 @@ def _attention_module(k_inv_freq=INV_FREQ, causal_mask="TopLeft"):
 @I.ir_module
 class Expected:
     @R.function
-    def main(input_ids: R.Tensor(("n",), "int64"), positions: R.Tensor(("n",), "int64"),
-             seq_lens: R.Tensor(("B",), "int32"), query_start_loc: R.Tensor(("B + 1",), "int32"),
-             block_tables: R.Tensor(("B", "max_blocks"), "int32"), slot_mapping: R.Tensor(("n",), "int64"),
-             kv_cache_0: R.Tensor((2, "num_blocks", "block_size", 1, 4), "float32"),
-             q: R.Tensor(("n", 8), "float32"), k: R.Tensor(("n", 4), "float32"), v: R.Tensor(("n", 4), "float32")):
+    def main(
+        input_ids: R.Tensor(("n",), "int64"),
+        positions: R.Tensor(("n",), "int64"),
+        seq_lens: R.Tensor(("B",), "int32"),
+        query_start_loc: R.Tensor(("B + 1",), "int32"),
+        block_tables: R.Tensor(("B", "max_blocks"), "int32"),
+        slot_mapping: R.Tensor(("n",), "int64"),
+        kv_cache_0: R.Tensor((2, "num_blocks", "block_size", 1, 4), "float32"),
+        q: R.Tensor(("n", 8), "float32"),
+        k: R.Tensor(("n", 4), "float32"),
+        v: R.Tensor(("n", 4), "float32"),
+    ):
         n = T.int64()
         with R.dataflow():
             # layer 0, 2 heads, 1 KV head, head_dim 4, scale 0.5, window 3
-            paged = R.call_pure_packed("llmc.paged_attention", q, k, v, positions, R.const(INV_FREQ), kv_cache_0,
-                                       slot_mapping, query_start_loc, seq_lens, block_tables,
-                                       R.prim_value(0), R.prim_value(2), R.prim_value(1), R.prim_value(4),
-                                       R.prim_value(T.float64(0.5)), R.prim_value(3),
-                                       ty_args=R.Tensor((n, 8), "float32"))
+            paged = R.call_pure_packed(
+                "llmc.paged_attention",
+                q,
+                k,
+                v,
+                positions,
+                R.const(INV_FREQ),
+                kv_cache_0,
+                slot_mapping,
+                query_start_loc,
+                seq_lens,
+                block_tables,
+                R.prim_value(0),
+                R.prim_value(2),
+                R.prim_value(1),
+                R.prim_value(4),
+                R.prim_value(T.float64(0.5)),
+                R.prim_value(3),
+                ty_args=R.Tensor((n, 8), "float32"),
+            )
             att = R.reshape(paged, R.shape([1, n, 2, 4]))
             out = R.reshape(att, R.shape([1, n, 8]))
             R.output(out)
@@ -74,10 +110,14 @@ def test_attention_becomes_paged_attention_carrying_its_facts():
     tvm.ir.assert_structural_equal(out["main"], Expected["main"])
 
 
-@pytest.mark.parametrize("near_miss", [
-    _attention_module(k_inv_freq=INV_FREQ * 2),  # q and k rotated differently: one op cannot carry both
-    _attention_module(causal_mask=None),  # bidirectional
-], ids=["k_rotated_differently", "not_causal"])
+@pytest.mark.parametrize(
+    "near_miss",
+    [
+        _attention_module(k_inv_freq=INV_FREQ * 2),  # q and k rotated differently: one op cannot carry both
+        _attention_module(causal_mask=None),  # bidirectional
+    ],
+    ids=["k_rotated_differently", "not_causal"],
+)
 def test_near_misses_are_left_alone(near_miss):
     out, count = apply(fuse_attention, near_miss)
     assert count == 0

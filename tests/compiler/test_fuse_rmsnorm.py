@@ -34,8 +34,14 @@ class Expected:
     def main(a: R.Tensor(("n", 8), "float32"), b: R.Tensor(("n", 8), "float32"), w: R.Tensor((8,), "float32")):
         n = T.int64()
         with R.dataflow():
-            fused = R.call_pure_packed("llmc.add_rms_norm", a, b, w, R.prim_value(T.float64(float(np.float32(1e-5)))),
-                                       ty_args=R.Tuple(R.Tensor((n, 8), "float32"), R.Tensor((n, 8), "float32")))
+            fused = R.call_pure_packed(
+                "llmc.add_rms_norm",
+                a,
+                b,
+                w,
+                R.prim_value(T.float64(float(np.float32(1e-5)))),
+                ty_args=R.Tuple(R.Tensor((n, 8), "float32"), R.Tensor((n, 8), "float32")),
+            )
             x = fused[0]
             out = fused[1]
             R.output(x, out)
@@ -48,8 +54,9 @@ def test_norm_and_its_residual_add_become_one_op():
     tvm.ir.assert_structural_equal(out["main"], Expected["main"])
 
 
-@pytest.mark.parametrize("near_miss", [_norm_of_sum(exponent=3.0), _norm_of_sum(axis=0)],
-                         ids=["mean_of_cubes", "mean_over_tokens"])
+@pytest.mark.parametrize(
+    "near_miss", [_norm_of_sum(exponent=3.0), _norm_of_sum(axis=0)], ids=["mean_of_cubes", "mean_over_tokens"]
+)
 def test_near_misses_are_left_alone(near_miss):
     out, count = apply(fuse_rmsnorm, near_miss)
     assert count == 0

@@ -18,11 +18,14 @@ class Before:
     @R.function
     def main(x: R.Tensor((1, 2, "n", 4), "float32"), positions: R.Tensor(("n",), "int64")):
         with R.dataflow():
-            freqs = R.multiply(R.expand_dims(R.astype(positions, "float32"), axis=[1]),
-                               R.expand_dims(R.const(INV_FREQ), axis=[0]))
+            freqs = R.multiply(
+                R.expand_dims(R.astype(positions, "float32"), axis=[1]), R.expand_dims(R.const(INV_FREQ), axis=[0])
+            )
             emb = R.expand_dims(R.concat((freqs, freqs), axis=-1), axis=[0, 1])
-            rotated = R.concat((R.negative(R.strided_slice(x, (3,), (2,), (4,), (1,))),
-                                R.strided_slice(x, (3,), (0,), (2,), (1,))), axis=-1)
+            rotated = R.concat(
+                (R.negative(R.strided_slice(x, (3,), (2,), (4,), (1,))), R.strided_slice(x, (3,), (0,), (2,), (1,))),
+                axis=-1,
+            )
             out = R.add(R.multiply(x, R.cos(emb)), R.multiply(rotated, R.sin(emb)))
             R.output(out)
         return out
@@ -34,8 +37,9 @@ class Expected:
     def main(x: R.Tensor((1, 2, "n", 4), "float32"), positions: R.Tensor(("n",), "int64")):
         n = T.int64()
         with R.dataflow():
-            out = R.call_pure_packed("llmc.rope", x, positions, R.const(INV_FREQ),
-                                     ty_args=R.Tensor((1, 2, n, 4), "float32"))
+            out = R.call_pure_packed(
+                "llmc.rope", x, positions, R.const(INV_FREQ), ty_args=R.Tensor((1, 2, n, 4), "float32")
+            )
             R.output(out)
         return out
 
@@ -51,14 +55,20 @@ class FrequenciesComputedInTheGraph:
     """inv_freq is a parameter, not a constant: the op could not carry it, so nothing is rewritten."""
 
     @R.function
-    def main(x: R.Tensor((1, 2, "n", 4), "float32"), positions: R.Tensor(("n",), "int64"),
-             inv_freq: R.Tensor((2,), "float32")):
+    def main(
+        x: R.Tensor((1, 2, "n", 4), "float32"),
+        positions: R.Tensor(("n",), "int64"),
+        inv_freq: R.Tensor((2,), "float32"),
+    ):
         with R.dataflow():
-            freqs = R.multiply(R.expand_dims(R.astype(positions, "float32"), axis=[1]),
-                               R.expand_dims(inv_freq, axis=[0]))
+            freqs = R.multiply(
+                R.expand_dims(R.astype(positions, "float32"), axis=[1]), R.expand_dims(inv_freq, axis=[0])
+            )
             emb = R.expand_dims(R.concat((freqs, freqs), axis=-1), axis=[0, 1])
-            rotated = R.concat((R.negative(R.strided_slice(x, (3,), (2,), (4,), (1,))),
-                                R.strided_slice(x, (3,), (0,), (2,), (1,))), axis=-1)
+            rotated = R.concat(
+                (R.negative(R.strided_slice(x, (3,), (2,), (4,), (1,))), R.strided_slice(x, (3,), (0,), (2,), (1,))),
+                axis=-1,
+            )
             out = R.add(R.multiply(x, R.cos(emb)), R.multiply(rotated, R.sin(emb)))
             R.output(out)
         return out
@@ -71,11 +81,14 @@ class SinOfOtherAngles:
     @R.function
     def main(x: R.Tensor((1, 2, "n", 4), "float32"), positions: R.Tensor(("n",), "int64")):
         with R.dataflow():
-            freqs = R.multiply(R.expand_dims(R.astype(positions, "float32"), axis=[1]),
-                               R.expand_dims(R.const(INV_FREQ), axis=[0]))
+            freqs = R.multiply(
+                R.expand_dims(R.astype(positions, "float32"), axis=[1]), R.expand_dims(R.const(INV_FREQ), axis=[0])
+            )
             emb = R.expand_dims(R.concat((freqs, freqs), axis=-1), axis=[0, 1])
-            rotated = R.concat((R.negative(R.strided_slice(x, (3,), (2,), (4,), (1,))),
-                                R.strided_slice(x, (3,), (0,), (2,), (1,))), axis=-1)
+            rotated = R.concat(
+                (R.negative(R.strided_slice(x, (3,), (2,), (4,), (1,))), R.strided_slice(x, (3,), (0,), (2,), (1,))),
+                axis=-1,
+            )
             out = R.add(R.multiply(x, R.cos(emb)), R.multiply(rotated, R.sin(R.add(emb, emb))))
             R.output(out)
         return out
@@ -86,21 +99,28 @@ class RotatesAnotherTensor:
     """x * cos + rotate_half(y) * sin: the rotated tensor is not x."""
 
     @R.function
-    def main(x: R.Tensor((1, 2, "n", 4), "float32"), y: R.Tensor((1, 2, "n", 4), "float32"),
-             positions: R.Tensor(("n",), "int64")):
+    def main(
+        x: R.Tensor((1, 2, "n", 4), "float32"),
+        y: R.Tensor((1, 2, "n", 4), "float32"),
+        positions: R.Tensor(("n",), "int64"),
+    ):
         with R.dataflow():
-            freqs = R.multiply(R.expand_dims(R.astype(positions, "float32"), axis=[1]),
-                               R.expand_dims(R.const(INV_FREQ), axis=[0]))
+            freqs = R.multiply(
+                R.expand_dims(R.astype(positions, "float32"), axis=[1]), R.expand_dims(R.const(INV_FREQ), axis=[0])
+            )
             emb = R.expand_dims(R.concat((freqs, freqs), axis=-1), axis=[0, 1])
-            rotated = R.concat((R.negative(R.strided_slice(y, (3,), (2,), (4,), (1,))),
-                                R.strided_slice(y, (3,), (0,), (2,), (1,))), axis=-1)
+            rotated = R.concat(
+                (R.negative(R.strided_slice(y, (3,), (2,), (4,), (1,))), R.strided_slice(y, (3,), (0,), (2,), (1,))),
+                axis=-1,
+            )
             out = R.add(R.multiply(x, R.cos(emb)), R.multiply(rotated, R.sin(emb)))
             R.output(out)
         return out
 
 
-@pytest.mark.parametrize("near_miss", [FrequenciesComputedInTheGraph, SinOfOtherAngles, RotatesAnotherTensor],
-                         ids=lambda m: m.__name__)
+@pytest.mark.parametrize(
+    "near_miss", [FrequenciesComputedInTheGraph, SinOfOtherAngles, RotatesAnotherTensor], ids=lambda m: m.__name__
+)
 def test_near_misses_are_left_alone(near_miss):
     out, count = apply(fuse_rope, near_miss)
     assert count == 0

@@ -13,8 +13,12 @@ from llmc.compiler.passes.fuse_swiglu import fuse_swiglu
 @I.ir_module
 class Before:
     @R.function
-    def main(x: R.Tensor(("n", 8), "float32"), y: R.Tensor(("n", 8), "float32"), wg: R.Tensor((6, 8), "float32"),
-             wu: R.Tensor((6, 8), "float32")):
+    def main(
+        x: R.Tensor(("n", 8), "float32"),
+        y: R.Tensor(("n", 8), "float32"),
+        wg: R.Tensor((6, 8), "float32"),
+        wu: R.Tensor((6, 8), "float32"),
+    ):
         with R.dataflow():
             out = R.multiply(R.nn.silu(R.matmul(x, R.permute_dims(wg))), R.matmul(x, R.permute_dims(wu)))
             R.output(out)
@@ -24,8 +28,12 @@ class Before:
 @I.ir_module
 class Expected:
     @R.function
-    def main(x: R.Tensor(("n", 8), "float32"), y: R.Tensor(("n", 8), "float32"), wg: R.Tensor((6, 8), "float32"),
-             wu: R.Tensor((6, 8), "float32")):
+    def main(
+        x: R.Tensor(("n", 8), "float32"),
+        y: R.Tensor(("n", 8), "float32"),
+        wg: R.Tensor((6, 8), "float32"),
+        wu: R.Tensor((6, 8), "float32"),
+    ):
         n = T.int64()
         with R.dataflow():
             gate_up = R.matmul(x, R.permute_dims(R.concat((wg, wu), axis=0), axes=[1, 0]))
@@ -46,8 +54,12 @@ class UpOfAnotherInput:
     """silu(gate(x)) * up(y): a gated product, but the two Linears read different inputs."""
 
     @R.function
-    def main(x: R.Tensor(("n", 8), "float32"), y: R.Tensor(("n", 8), "float32"), wg: R.Tensor((6, 8), "float32"),
-             wu: R.Tensor((6, 8), "float32")):
+    def main(
+        x: R.Tensor(("n", 8), "float32"),
+        y: R.Tensor(("n", 8), "float32"),
+        wg: R.Tensor((6, 8), "float32"),
+        wu: R.Tensor((6, 8), "float32"),
+    ):
         with R.dataflow():
             out = R.multiply(R.nn.silu(R.matmul(x, R.permute_dims(wg))), R.matmul(y, R.permute_dims(wu)))
             R.output(out)

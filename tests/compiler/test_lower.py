@@ -42,11 +42,15 @@ def test_kernel_program_of_a_fused_model(checkpoint_dir):
     assert len(qkv) == config.num_layers and qkv[0].shape == (config.q_size + 2 * config.kv_size, config.hidden_size)
 
 
-@pytest.mark.parametrize("arch, overrides", [
-    ("qwen2", {"use_sliding_window": True, "sliding_window": 5, "max_window_layers": 1}),
-    ("qwen2", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}}),
-    ("llama", {}),
-], ids=["sliding_window", "yarn", "llama3"])
+@pytest.mark.parametrize(
+    "arch, overrides",
+    [
+        ("qwen2", {"use_sliding_window": True, "sliding_window": 5, "max_window_layers": 1}),
+        ("qwen2", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}}),
+        ("llama", {}),
+    ],
+    ids=["sliding_window", "yarn", "llama3"],
+)
 def test_kernels_take_rope_scale_window_and_geometry_from_the_ir(arch, overrides, checkpoint_dir):
     """What lowering reads off the fused ops equals what the frontend derives from the config."""
     config = load_checkpoint(checkpoint_dir(arch, **overrides)).config
@@ -56,12 +60,12 @@ def test_kernels_take_rope_scale_window_and_geometry_from_the_ir(arch, overrides
     assert [p["sliding_window"] for p in attention] == [config.attention_window(i) for i in range(config.num_layers)]
     assert [p["scale"] for p in attention] == [attention_scale(config)] * config.num_layers
     assert {(p["num_heads"], p["num_kv_heads"], p["head_dim"]) for p in attention} == {
-        (config.num_heads, config.num_kv_heads, config.head_dim)}
+        (config.num_heads, config.num_kv_heads, config.head_dim)
+    }
     rope = [launch.params for launch in program.launches if launch.op == "rope"]
     assert len(rope) == 2 * config.num_layers
     assert all(p["inv_freq"] == rope_inv_freq(config).tolist() for p in rope)
-    assert program.geometry == ModelGeometry(config.num_layers, config.num_kv_heads, config.head_dim,
-                                             config.vocab_size)
+    assert program.geometry == ModelGeometry(config.num_layers, config.num_kv_heads, config.head_dim, config.vocab_size)
 
 
 def test_an_op_no_template_covers_is_a_compile_error(checkpoint_dir):

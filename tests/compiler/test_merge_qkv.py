@@ -17,20 +17,44 @@ INV_FREQ = np.array([1.0, 0.01], dtype="float32")
 @I.ir_module
 class Before:
     @R.function
-    def main(x: R.Tensor(("n", 8), "float32"), y: R.Tensor(("n", 8), "float32"), positions: R.Tensor(("n",), "int64"),
-             seq_lens: R.Tensor(("B",), "int32"), query_start_loc: R.Tensor(("B + 1",), "int32"),
-             block_tables: R.Tensor(("B", "max_blocks"), "int32"), slot_mapping: R.Tensor(("n",), "int64"),
-             kv_cache_0: R.Tensor((2, "num_blocks", "block_size", 1, 4), "float32"),
-             wq: R.Tensor((8, 8), "float32"), wk: R.Tensor((4, 8), "float32"), wv: R.Tensor((4, 8), "float32")):
+    def main(
+        x: R.Tensor(("n", 8), "float32"),
+        y: R.Tensor(("n", 8), "float32"),
+        positions: R.Tensor(("n",), "int64"),
+        seq_lens: R.Tensor(("B",), "int32"),
+        query_start_loc: R.Tensor(("B + 1",), "int32"),
+        block_tables: R.Tensor(("B", "max_blocks"), "int32"),
+        slot_mapping: R.Tensor(("n",), "int64"),
+        kv_cache_0: R.Tensor((2, "num_blocks", "block_size", 1, 4), "float32"),
+        wq: R.Tensor((8, 8), "float32"),
+        wk: R.Tensor((4, 8), "float32"),
+        wv: R.Tensor((4, 8), "float32"),
+    ):
         n = T.int64()
         with R.dataflow():
             q = R.matmul(x, R.permute_dims(wq))
             k = R.matmul(x, R.permute_dims(wk))
             v = R.matmul(x, R.permute_dims(wv))
-            out = R.call_pure_packed("llmc.paged_attention", q, k, v, positions, R.const(INV_FREQ), kv_cache_0,
-                                     slot_mapping, query_start_loc, seq_lens, block_tables,
-                                     R.prim_value(0), R.prim_value(2), R.prim_value(1), R.prim_value(4),
-                                     R.prim_value(T.float64(0.5)), R.prim_value(0), ty_args=R.Tensor((n, 8), "float32"))
+            out = R.call_pure_packed(
+                "llmc.paged_attention",
+                q,
+                k,
+                v,
+                positions,
+                R.const(INV_FREQ),
+                kv_cache_0,
+                slot_mapping,
+                query_start_loc,
+                seq_lens,
+                block_tables,
+                R.prim_value(0),
+                R.prim_value(2),
+                R.prim_value(1),
+                R.prim_value(4),
+                R.prim_value(T.float64(0.5)),
+                R.prim_value(0),
+                ty_args=R.Tensor((n, 8), "float32"),
+            )
             R.output(out)
         return out
 
@@ -38,21 +62,45 @@ class Before:
 @I.ir_module
 class Expected:
     @R.function
-    def main(x: R.Tensor(("n", 8), "float32"), y: R.Tensor(("n", 8), "float32"), positions: R.Tensor(("n",), "int64"),
-             seq_lens: R.Tensor(("B",), "int32"), query_start_loc: R.Tensor(("B + 1",), "int32"),
-             block_tables: R.Tensor(("B", "max_blocks"), "int32"), slot_mapping: R.Tensor(("n",), "int64"),
-             kv_cache_0: R.Tensor((2, "num_blocks", "block_size", 1, 4), "float32"),
-             wq: R.Tensor((8, 8), "float32"), wk: R.Tensor((4, 8), "float32"), wv: R.Tensor((4, 8), "float32")):
+    def main(
+        x: R.Tensor(("n", 8), "float32"),
+        y: R.Tensor(("n", 8), "float32"),
+        positions: R.Tensor(("n",), "int64"),
+        seq_lens: R.Tensor(("B",), "int32"),
+        query_start_loc: R.Tensor(("B + 1",), "int32"),
+        block_tables: R.Tensor(("B", "max_blocks"), "int32"),
+        slot_mapping: R.Tensor(("n",), "int64"),
+        kv_cache_0: R.Tensor((2, "num_blocks", "block_size", 1, 4), "float32"),
+        wq: R.Tensor((8, 8), "float32"),
+        wk: R.Tensor((4, 8), "float32"),
+        wv: R.Tensor((4, 8), "float32"),
+    ):
         n = T.int64()
         with R.dataflow():
             qkv = R.split(R.matmul(x, R.permute_dims(R.concat((wq, wk, wv), axis=0), axes=[1, 0])), [8, 12], axis=-1)
             q = qkv[0]
             k = qkv[1]
             v = qkv[2]
-            out = R.call_pure_packed("llmc.paged_attention", q, k, v, positions, R.const(INV_FREQ), kv_cache_0,
-                                     slot_mapping, query_start_loc, seq_lens, block_tables,
-                                     R.prim_value(0), R.prim_value(2), R.prim_value(1), R.prim_value(4),
-                                     R.prim_value(T.float64(0.5)), R.prim_value(0), ty_args=R.Tensor((n, 8), "float32"))
+            out = R.call_pure_packed(
+                "llmc.paged_attention",
+                q,
+                k,
+                v,
+                positions,
+                R.const(INV_FREQ),
+                kv_cache_0,
+                slot_mapping,
+                query_start_loc,
+                seq_lens,
+                block_tables,
+                R.prim_value(0),
+                R.prim_value(2),
+                R.prim_value(1),
+                R.prim_value(4),
+                R.prim_value(T.float64(0.5)),
+                R.prim_value(0),
+                ty_args=R.Tensor((n, 8), "float32"),
+            )
             R.output(out)
         return out
 
@@ -68,20 +116,44 @@ class KeysOfAnotherInput:
     """As Before, but k projects y: cross-attention, not one GEMM."""
 
     @R.function
-    def main(x: R.Tensor(("n", 8), "float32"), y: R.Tensor(("n", 8), "float32"), positions: R.Tensor(("n",), "int64"),
-             seq_lens: R.Tensor(("B",), "int32"), query_start_loc: R.Tensor(("B + 1",), "int32"),
-             block_tables: R.Tensor(("B", "max_blocks"), "int32"), slot_mapping: R.Tensor(("n",), "int64"),
-             kv_cache_0: R.Tensor((2, "num_blocks", "block_size", 1, 4), "float32"),
-             wq: R.Tensor((8, 8), "float32"), wk: R.Tensor((4, 8), "float32"), wv: R.Tensor((4, 8), "float32")):
+    def main(
+        x: R.Tensor(("n", 8), "float32"),
+        y: R.Tensor(("n", 8), "float32"),
+        positions: R.Tensor(("n",), "int64"),
+        seq_lens: R.Tensor(("B",), "int32"),
+        query_start_loc: R.Tensor(("B + 1",), "int32"),
+        block_tables: R.Tensor(("B", "max_blocks"), "int32"),
+        slot_mapping: R.Tensor(("n",), "int64"),
+        kv_cache_0: R.Tensor((2, "num_blocks", "block_size", 1, 4), "float32"),
+        wq: R.Tensor((8, 8), "float32"),
+        wk: R.Tensor((4, 8), "float32"),
+        wv: R.Tensor((4, 8), "float32"),
+    ):
         n = T.int64()
         with R.dataflow():
             q = R.matmul(x, R.permute_dims(wq))
             k = R.matmul(y, R.permute_dims(wk))
             v = R.matmul(x, R.permute_dims(wv))
-            out = R.call_pure_packed("llmc.paged_attention", q, k, v, positions, R.const(INV_FREQ), kv_cache_0,
-                                     slot_mapping, query_start_loc, seq_lens, block_tables,
-                                     R.prim_value(0), R.prim_value(2), R.prim_value(1), R.prim_value(4),
-                                     R.prim_value(T.float64(0.5)), R.prim_value(0), ty_args=R.Tensor((n, 8), "float32"))
+            out = R.call_pure_packed(
+                "llmc.paged_attention",
+                q,
+                k,
+                v,
+                positions,
+                R.const(INV_FREQ),
+                kv_cache_0,
+                slot_mapping,
+                query_start_loc,
+                seq_lens,
+                block_tables,
+                R.prim_value(0),
+                R.prim_value(2),
+                R.prim_value(1),
+                R.prim_value(4),
+                R.prim_value(T.float64(0.5)),
+                R.prim_value(0),
+                ty_args=R.Tensor((n, 8), "float32"),
+            )
             R.output(out)
         return out
 

@@ -13,13 +13,19 @@ from llmc.compiler.passes.select_logits_rows import select_logits_rows
 @I.ir_module
 class Before:
     @R.function
-    def main(input_ids: R.Tensor(("n",), "int64"), positions: R.Tensor(("n",), "int64"),
-             seq_lens: R.Tensor(("B",), "int32"), h: R.Tensor((1, "n", 8), "float32"), w: R.Tensor((8,), "float32"),
-             head: R.Tensor((16, 8), "float32")):
+    def main(
+        input_ids: R.Tensor(("n",), "int64"),
+        positions: R.Tensor(("n",), "int64"),
+        seq_lens: R.Tensor(("B",), "int32"),
+        h: R.Tensor((1, "n", 8), "float32"),
+        w: R.Tensor((8,), "float32"),
+        head: R.Tensor((16, 8), "float32"),
+    ):
         n = T.int64()
         with R.dataflow():
-            normed = R.call_pure_packed("llmc.rms_norm", h, w, R.prim_value(T.float64(1e-5)),
-                                        ty_args=R.Tensor((1, n, 8), "float32"))
+            normed = R.call_pure_packed(
+                "llmc.rms_norm", h, w, R.prim_value(T.float64(1e-5)), ty_args=R.Tensor((1, n, 8), "float32")
+            )
             out = R.reshape(R.matmul(normed, R.permute_dims(head)), R.shape([n, 16]))
             R.output(out)
         return out
@@ -28,14 +34,21 @@ class Before:
 @I.ir_module
 class Expected:
     @R.function
-    def main(input_ids: R.Tensor(("n",), "int64"), positions: R.Tensor(("n",), "int64"),
-             logits_indices: R.Tensor(("N",), "int32"), seq_lens: R.Tensor(("B",), "int32"),
-             h: R.Tensor((1, "n", 8), "float32"), w: R.Tensor((8,), "float32"), head: R.Tensor((16, 8), "float32")):
+    def main(
+        input_ids: R.Tensor(("n",), "int64"),
+        positions: R.Tensor(("n",), "int64"),
+        logits_indices: R.Tensor(("N",), "int32"),
+        seq_lens: R.Tensor(("B",), "int32"),
+        h: R.Tensor((1, "n", 8), "float32"),
+        w: R.Tensor((8,), "float32"),
+        head: R.Tensor((16, 8), "float32"),
+    ):
         N = T.int64()
         with R.dataflow():
             rows = R.take(h, logits_indices, axis=1)
-            normed = R.call_pure_packed("llmc.rms_norm", rows, w, R.prim_value(T.float64(1e-5)),
-                                        ty_args=R.Tensor((1, N, 8), "float32"))
+            normed = R.call_pure_packed(
+                "llmc.rms_norm", rows, w, R.prim_value(T.float64(1e-5)), ty_args=R.Tensor((1, N, 8), "float32")
+            )
             out = R.matmul(R.reshape(normed, R.shape([N, 8])), R.permute_dims(head, axes=[1, 0]))
             R.output(out)
         return out
@@ -52,9 +65,14 @@ class HeadWithoutNorm:
     """An lm_head reading the hidden states directly: no fused final norm to move the gather in front of."""
 
     @R.function
-    def main(input_ids: R.Tensor(("n",), "int64"), positions: R.Tensor(("n",), "int64"),
-             seq_lens: R.Tensor(("B",), "int32"), h: R.Tensor((1, "n", 8), "float32"), w: R.Tensor((8,), "float32"),
-             head: R.Tensor((16, 8), "float32")):
+    def main(
+        input_ids: R.Tensor(("n",), "int64"),
+        positions: R.Tensor(("n",), "int64"),
+        seq_lens: R.Tensor(("B",), "int32"),
+        h: R.Tensor((1, "n", 8), "float32"),
+        w: R.Tensor((8,), "float32"),
+        head: R.Tensor((16, 8), "float32"),
+    ):
         n = T.int64()
         with R.dataflow():
             out = R.reshape(R.matmul(h, R.permute_dims(head)), R.shape([n, 16]))

@@ -30,8 +30,12 @@ def _specs(ckpt, dtype):
         WeightSpec("l0.qkv", qkv, dtype, (rows, c.hidden_size)),
         WeightSpec("l0.qkv_bias", bias, "float32", (rows,)),
         WeightSpec("l0.norm", (p + "input_layernorm.weight",), dtype, (c.hidden_size,)),
-        WeightSpec("l0.gate_up", (p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"), dtype,
-                   (2 * c.intermediate_size, c.hidden_size)),
+        WeightSpec(
+            "l0.gate_up",
+            (p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
+            dtype,
+            (2 * c.intermediate_size, c.hidden_size),
+        ),
     ]
 
 
@@ -70,8 +74,12 @@ def test_packed_file_is_valid_safetensors(ckpt, tmp_path, dtype, monkeypatch):
 
 
 def test_bf16_conversion_rounds_like_torch(ckpt, tmp_path):
-    spec = WeightSpec("w", ("model.layers.1.mlp.down_proj.weight",), "bfloat16",
-                      (ckpt.config.hidden_size, ckpt.config.intermediate_size))
+    spec = WeightSpec(
+        "w",
+        ("model.layers.1.mlp.down_proj.weight",),
+        "bfloat16",
+        (ckpt.config.hidden_size, ckpt.config.intermediate_size),
+    )
     out = tmp_path / "w.safetensors"
     write_packed_weights(ckpt, [spec], out)
     src = ckpt.tensor(spec.sources[0])
@@ -83,8 +91,12 @@ def test_bf16_conversion_rounds_like_torch(ckpt, tmp_path):
 
 def test_shape_mismatch_is_a_compile_error_and_writes_nothing(ckpt, tmp_path):
     c = ckpt.config
-    bad = WeightSpec("qk", ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight"),
-                     "float32", (c.q_size, c.hidden_size))
+    bad = WeightSpec(
+        "qk",
+        ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight"),
+        "float32",
+        (c.q_size, c.hidden_size),
+    )
     out = tmp_path / "w.safetensors"
     with pytest.raises(CompileError, match="do not concatenate"):
         write_packed_weights(ckpt, [bad], out)

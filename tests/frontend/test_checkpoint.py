@@ -14,7 +14,9 @@ def test_generation_defaults_follow_do_sample():
     assert generation_defaults({}) == {}
     assert generation_defaults({"do_sample": False, "temperature": 0.6}) == {"temperature": 0.0}
     assert generation_defaults({"do_sample": True, "temperature": 0.6, "top_k": 40, "top_p": None}) == {
-        "temperature": 0.6, "top_k": 40}
+        "temperature": 0.6,
+        "top_k": 40,
+    }
     assert generation_defaults({"do_sample": True}) == {"temperature": 1.0}
 
 

@@ -34,7 +34,8 @@ CASES = {
     "missing_layer": (lambda p: _edit_config(p, num_hidden_layers=3), "model.layers.2"),
     "unsupported_arch": (lambda p: _edit_config(p, architectures=["GPT2LMHeadModel"]), "GPT2LMHeadModel"),
     "unsupported_rope": (
-        lambda p: _edit_config(p, rope_parameters={"rope_type": "dynamic", "factor": 4.0, "rope_theta": 1e4}), "dynamic"
+        lambda p: _edit_config(p, rope_parameters={"rope_type": "dynamic", "factor": 4.0, "rope_theta": 1e4}),
+        "dynamic",
     ),
     "missing_tokenizer": (lambda p: (p / "tokenizer.json").unlink(), "tokenizer.json"),
 }

@@ -105,10 +105,16 @@ def test_fuzz_safetensors_bytes(tmp_path_factory, blob, claimed):
 @pytest.mark.parametrize(
     "damage, expected",
     [
-        (lambda h: h["model.norm.weight"].update(
-            data_offsets=h["model.layers.0.input_layernorm.weight"]["data_offsets"]), "overlap"),
-        (lambda h: h["model.norm.weight"].update(data_offsets=h["model.norm.weight"]["data_offsets"][::-1]),
-         "begin <= end"),
+        (
+            lambda h: h["model.norm.weight"].update(
+                data_offsets=h["model.layers.0.input_layernorm.weight"]["data_offsets"]
+            ),
+            "overlap",
+        ),
+        (
+            lambda h: h["model.norm.weight"].update(data_offsets=h["model.norm.weight"]["data_offsets"][::-1]),
+            "begin <= end",
+        ),
         (lambda h: h["model.norm.weight"].update(shape=[3]), "bytes of data"),
     ],
     ids=["overlapping", "reversed", "wrong_size"],
@@ -157,8 +163,14 @@ def _mutate_fields(original: dict, data) -> dict:
 
 @pytest.mark.parametrize(
     "field, value",
-    [("num_hidden_layers", 10**7), ("max_position_embeddings", 10**12), ("hidden_size", "64"),
-     ("rms_norm_eps", float("inf")), ("eos_token_id", ["</s>"]), ("rope_parameters", [1, 2])],
+    [
+        ("num_hidden_layers", 10**7),
+        ("max_position_embeddings", 10**12),
+        ("hidden_size", "64"),
+        ("rms_norm_eps", float("inf")),
+        ("eos_token_id", ["</s>"]),
+        ("rope_parameters", [1, 2]),
+    ],
 )
 def test_absurd_config_is_refused_at_once(checkpoint_dir, tmp_path, field, value):
     ckpt = tmp_path / "ckpt"

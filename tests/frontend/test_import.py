@@ -15,10 +15,14 @@ def _attention_attrs(mod):
     return [b.value.attrs for b in bindings(mod["main"]) if calls(b.value, "relax.nn.attention")]
 
 
-@pytest.mark.parametrize("overrides", [
-    {"use_sliding_window": True, "sliding_window": 5, "max_window_layers": 1},
-    {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}},
-], ids=["sliding_window", "yarn"])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"use_sliding_window": True, "sliding_window": 5, "max_window_layers": 1},
+        {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}},
+    ],
+    ids=["sliding_window", "yarn"],
+)
 def test_attention_keeps_its_scale_and_window(overrides, checkpoint_dir):
     config = load_checkpoint(checkpoint_dir("qwen2", **overrides)).config
     attrs = _attention_attrs(to_relax(trace(config)))

@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 import torch
-
 from checkpoints import ARCHS, VOCAB, hf_model
+
 from llmc.compiler.export import export_onnx, to_relax
 from llmc.compiler.frontend.checkpoint import load_checkpoint
 from llmc.compiler.frontend.trace import trace

@@ -39,7 +39,13 @@ def context_logits(context: np.ndarray, vocab_size: int) -> np.ndarray:
 
 class FakeModel:
     def __init__(
-        self, config: FakeConfig | None = None, *, num_blocks=64, block_size=16, max_num_tokens=256, max_num_seqs=16,
+        self,
+        config: FakeConfig | None = None,
+        *,
+        num_blocks=64,
+        block_size=16,
+        max_num_tokens=256,
+        max_num_seqs=16,
         max_num_logits=None,
     ):
         self.config = config or FakeConfig()

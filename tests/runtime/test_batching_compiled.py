@@ -19,9 +19,13 @@ def artifact(checkpoint_dir, tmp_path_factory):
 
 def test_concurrent_requests_equal_each_alone_under_preemption(artifact):
     rng = np.random.default_rng(7)
-    requests = [([int(t) for t in rng.integers(2, 380, rng.integers(1, 40))],
-                 SamplingParams(temperature=0, max_tokens=int(rng.integers(1, 24)), ignore_eos=True))
-                for _ in range(10)]
+    requests = [
+        (
+            [int(t) for t in rng.integers(2, 380, rng.integers(1, 40))],
+            SamplingParams(temperature=0, max_tokens=int(rng.integers(1, 24)), ignore_eos=True),
+        )
+        for _ in range(10)
+    ]
     arrivals = [int(a) for a in rng.integers(0, 12, len(requests))]
     with CompiledModel.load(artifact, max_num_seqs=8) as roomy:
         alone = [LLMEngine(roomy).generate([p], [sp])[0].outputs[0].token_ids for p, sp in requests]

@@ -9,7 +9,13 @@ from runtime_fakes import FakeConfig, FakeModel, byte_level_bpe
 
 from llmc.errors import ArtifactError, RequestError
 from llmc.runtime.chat import run_chat
-from llmc.runtime.chat_template import NO_TEMPLATE_NOTICE, TemplateLimits, chat_prompt_ids, compile_template, render_chat
+from llmc.runtime.chat_template import (
+    NO_TEMPLATE_NOTICE,
+    TemplateLimits,
+    chat_prompt_ids,
+    compile_template,
+    render_chat,
+)
 from llmc.runtime.engine import LLMEngine
 from llmc.runtime.sampling import SamplingParams
 
@@ -85,7 +91,11 @@ def test_end_of_input_quits_and_system_prompt(tok, config):
 
 
 def test_no_template_falls_back_to_a_transcript_and_says_so_once(tok, config):
-    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}, {"role": "user", "content": "x"}]
+    messages = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "yo"},
+        {"role": "user", "content": "x"},
+    ]
     assert render_chat(None, messages, "<s>") == "<s>user: hi\nassistant: yo\nuser: x\nassistant:"
     out = io.StringIO()
     run_chat(new_engine(tok, config), tok, None, PARAMS, input=io.StringIO("hi\nagain\n"), output=out)
@@ -178,7 +188,8 @@ def test_a_hostile_template_is_refused_with_an_artifact_error(template, match):
         render_chat(template, [{"role": "user", "content": "hi"}], limits=limits)
     assert time.monotonic() - start < 3
     assert render_chat(TEMPLATE, [{"role": "user", "content": "hi"}], "<s>", "</s>", limits=limits) == (
-        "<s><|user|>hi</s><|assistant|>")  # the process goes on
+        "<s><|user|>hi</s><|assistant|>"
+    )  # the process goes on
 
 
 def test_a_template_too_large_or_broken_is_refused_at_load():

@@ -66,7 +66,7 @@ def test_counters_and_histograms_move_with_requests(tok):
                          "max_tokens": 3, "ignore_eos": True, "stream": True,
                          "stream_options": {"include_usage": True}}) as s:  # fmt: skip
             lines = [line for line in s.iter_lines() if line.startswith("data: {")]
-        chat_usage = json.loads(lines[-1][len("data: "):])["usage"]
+        chat_usage = json.loads(lines[-1][len("data: ") :])["usage"]
         wait_until(lambda: scrape(http)[("llmc:kv_cache_free_blocks", ())] == NUM_BLOCKS, what="blocks freed")
         after = scrape(http)
 
@@ -100,14 +100,19 @@ def test_gauges_show_a_running_request_and_its_blocks(tok):
         assert done and done[0].status_code == 200
         wait_until(lambda: scrape(http)[("llmc:kv_cache_free_blocks", ())] == NUM_BLOCKS, what="blocks freed")
     assert busy[("llmc:kv_cache_free_blocks", ())] < NUM_BLOCKS
-    assert busy[("llmc:kv_cache_usage_perc", ())] == pytest.approx(1 - busy[("llmc:kv_cache_free_blocks", ())] / NUM_BLOCKS)
+    assert busy[("llmc:kv_cache_usage_perc", ())] == pytest.approx(
+        1 - busy[("llmc:kv_cache_free_blocks", ())] / NUM_BLOCKS
+    )
 
 
 def test_two_apps_in_one_process_count_apart(tok):
     """Each app has its own registry: a second app neither collides with the first nor shares its counts."""
     (a, _), (b, _) = new_app(tok, "a"), new_app(tok, "b")
     with TestClient(a) as http_a, TestClient(b) as http_b:
-        assert http_a.post("/v1/completions", json={"prompt": "hello", "max_tokens": 2, "ignore_eos": True}).status_code == 200
+        assert (
+            http_a.post("/v1/completions", json={"prompt": "hello", "max_tokens": 2, "ignore_eos": True}).status_code
+            == 200
+        )
         assert scrape(http_a)[("llmc:request_success_total", (("finished_reason", "length"),))] == 1
         assert scrape(http_b)[("llmc:request_success_total", (("finished_reason", "length"),))] == 0
         assert 'model_name="b"' in http_b.get("/metrics").text

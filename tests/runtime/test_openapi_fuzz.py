@@ -88,7 +88,9 @@ def test_every_answer_is_documented_and_none_is_a_server_error(served, path, met
 
 def test_the_schema_documents_every_operation(served):
     api_schema, _ = served
-    assert sorted((op.path, op.method.upper()) for op in (r.ok() for r in api_schema.get_all_operations())) == sorted(OPERATIONS)
+    assert sorted((op.path, op.method.upper()) for op in (r.ok() for r in api_schema.get_all_operations())) == sorted(
+        OPERATIONS
+    )
 
 
 def test_the_schema_documents_the_error_statuses_with_openais_error_body(served):

@@ -33,7 +33,9 @@ def test_perplexity_matches_a_cacheless_reference_over_windows(num_blocks, windo
     assert got.num_tokens == count and got.perplexity == pytest.approx(want, rel=1e-9)
     assert got.tokens_per_s > 0
     windows = [min(window, len(ids) - w) - 1 for w in range(0, len(ids), window)]
-    assert model.num_steps == sum(-(-n // max_num_logits) for n in windows), "each step scores up to max_num_logits rows"
+    assert model.num_steps == sum(-(-n // max_num_logits) for n in windows), (
+        "each step scores up to max_num_logits rows"
+    )
 
 
 def test_perplexity_needs_two_tokens():

@@ -229,7 +229,9 @@ def test_n_and_seed_and_logprobs(client, tok, config):
         assert c.text == want[c.index].text
         lp = c.logprobs
         assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 10
-        assert lp.token_logprobs == pytest.approx([d[t] for t, d in zip(want[c.index].token_ids, want[c.index].logprobs)])
+        assert lp.token_logprobs == pytest.approx(
+            [d[t] for t, d in zip(want[c.index].token_ids, want[c.index].logprobs, strict=True)]
+        )
         assert all(len(top) <= 2 for top in lp.top_logprobs)
     assert r.usage.completion_tokens == 30
 
@@ -290,8 +292,10 @@ def test_bad_chat_requests_and_raw_http(server, client):
         (dict(messages=[]), "messages"),
         (dict(messages=[{"role": "user", "content": "x"}], temperature=-0.5), "temperature"),
         (dict(messages=[{"role": "user", "content": "x"}], extra_body={"top_logprobs": 2}), "top_logprobs"),
-        (dict(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
-         "messages.0.content"),
+        (
+            dict(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
+            "messages.0.content",
+        ),
         (dict(messages=[{"role": "user"}] * 2 + [{"role": "user", "content": "z" * 3000}]), "messages"),  # too long
         (dict(messages=[{"role": "user", "content": "x"}], extra_body={"tools": [{"type": "function"}]}), "tools"),
     ):
@@ -376,7 +380,7 @@ def test_32_concurrent_clients_each_get_their_own_answer(server, client, tok, co
         futures = [pool.submit(run, job) for job in jobs]
         got = [f.result(timeout=120) for f in futures]
     assert model.max_batch_seen > 2, "the requests did not run batched"
-    for job, answer in zip(jobs, got):
+    for job, answer in zip(jobs, got, strict=True):
         assert answer == expected(job[0], job[1], job[3]), job
 
 
@@ -519,7 +523,9 @@ def test_a_chat_template_that_cannot_compile_is_refused_at_load(tok, config):
     with pytest.raises(ArtifactError, match="does not parse"):
         create_app(engine, tok, MODEL, "{% for %}")
     with pytest.raises(ArtifactError, match="characters, more than"):
-        create_app(engine, tok, MODEL, "x" * 2000, limits=ServerLimits(chat_template=TemplateLimits(max_template_chars=1000)))
+        create_app(
+            engine, tok, MODEL, "x" * 2000, limits=ServerLimits(chat_template=TemplateLimits(max_template_chars=1000))
+        )
 
 
 def test_shutdown_refuses_new_requests_and_cuts_the_rest_with_an_error(tok, config):
@@ -529,6 +535,7 @@ def test_shutdown_refuses_new_requests_and_cuts_the_rest_with_an_error(tok, conf
     app = create_app(AsyncLLMEngine(engine), tok, MODEL, TEMPLATE)
     long = {"prompt": "hi", "max_tokens": 400, "ignore_eos": True}
     with running(app) as (base, _, loop), concurrent.futures.ThreadPoolExecutor(2) as pool:
+
         def stream_lines():
             with httpx.stream("POST", f"{base}/v1/completions", json={**long, "stream": True}, timeout=30) as r:
                 return [line for line in r.iter_lines() if line]
@@ -573,7 +580,9 @@ def test_fuzzed_request_fields_never_get_a_500(tok, config):
         @given(st.dictionaries(st.sampled_from(fields), values, max_size=5), prompts, st.booleans())
         def check(body, prompt, chat):
             path = "/v1/chat/completions" if chat else "/v1/completions"
-            body = {**body, "messages": [{"role": "user", "content": str(prompt)}]} if chat else {**body, "prompt": prompt}
+            body = (
+                {**body, "messages": [{"role": "user", "content": str(prompt)}]} if chat else {**body, "prompt": prompt}
+            )
             r = http.post(path, content=json.dumps(body).encode(), headers={"content-type": "application/json"})
             assert r.status_code in (200, 400, 404), (body, r.status_code, r.text)
             if r.status_code != 200:

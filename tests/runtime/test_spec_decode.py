@@ -549,8 +549,9 @@ def test_cli_serve_with_a_draft_model_counts_guesses_in_metrics(llama_artifact, 
 
     def fake_serve(app, host, port, **kw):
         with TestClient(app) as http:
-            seen["completion"] = http.post("/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 12,
-                                                                    "temperature": 0, "ignore_eos": True}).json()
+            seen["completion"] = http.post(
+                "/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+            ).json()
             seen["metrics"] = scrape(http)
 
     monkeypatch.setattr(server, "serve", fake_serve)

@@ -73,6 +73,7 @@ def bf16_to_f32(b: np.ndarray) -> np.ndarray:
 
 # ---------------------------------------------------------------------------------------------------
 
+
 def test_block_reduction(lib):
     x = np.random.default_rng(0).integers(-50, 50, size=(5, 1000)).astype(np.float32)
     for threads in (32, 128, 256):
@@ -161,7 +162,7 @@ def test_ldmatrix_layout(lib, num, trans):
     exp = np.zeros_like(out)
     for t in range(32):
         for j in range(num):
-            Mj = table[rows[8 * j: 8 * j + 8]]  # 8x8: row r = table row given by lane 8j+r
+            Mj = table[rows[8 * j : 8 * j + 8]]  # 8x8: row r = table row given by lane 8j+r
             if trans:
                 Mj = Mj.T
             lo, hi = Mj[t // 4, 2 * (t % 4)], Mj[t // 4, 2 * (t % 4) + 1]
@@ -177,12 +178,12 @@ def test_cp_async(lib):
     assert lib.cp_async(ptr(x), ptr(zfill), n, ptr(out0), ptr(out1), ptr(out2)) == 0
     stage0 = x[: n * 4].copy().view(np.uint8).reshape(n, 16)
     for i in range(n):
-        stage0[i, zfill[i]:] = 0
+        stage0[i, zfill[i] :] = 0
     stage0 = stage0.view(np.float32).ravel()
     np.testing.assert_array_equal(out0, np.roll(stage0.reshape(n, 4), -1, axis=0).ravel())
     # The younger group was not waited for: its destination still holds the simulator's 0xFF bytes.
     assert (out1.view(np.uint32) == 0xFFFFFFFF).all()
-    np.testing.assert_array_equal(out2, x[n * 4:])
+    np.testing.assert_array_equal(out2, x[n * 4 :])
 
 
 def test_race_is_exposed_by_the_seed(lib):
@@ -208,6 +209,7 @@ def test_race_is_exposed_by_the_seed(lib):
 
 # ---------------------------------------------------------------------------------------------------
 # reports that end the process: ASan build, in subprocesses
+
 
 def test_asan_reports_out_of_bounds_write(faults_so):
     r = run_entry(faults_so, "lib.oob_write(100)")
@@ -240,8 +242,7 @@ def test_fiber_stack_overflow_is_reported(kernels_so):
     r = run_entry(kernels_so, "lib.stack_overflow((ctypes.c_float * 32)())", asan=False)
     assert r.returncode != 0
     assert "llmc_sim: error: fiber stack overflow" in r.stderr and "LLMC_SIM_STACK_KB" in r.stderr, r.stderr[-3000:]
-    r = run_entry(kernels_so, "lib.stack_overflow((ctypes.c_float * 32)())", {"LLMC_SIM_STACK_KB": "2048"},
-                  asan=False)
+    r = run_entry(kernels_so, "lib.stack_overflow((ctypes.c_float * 32)())", {"LLMC_SIM_STACK_KB": "2048"}, asan=False)
     assert r.returncode == 0, r.stderr[-3000:]
 
 
@@ -253,6 +254,7 @@ def test_seed_from_environment(faults_so):
 
 # ---------------------------------------------------------------------------------------------------
 # the helpers
+
 
 def test_build_errors_and_cache(tmp_path):
     with pytest.raises(CompileError, match="no_such_function"):
@@ -287,7 +289,15 @@ def test_nvcc_compiles_without_spills(tmp_path, arch):
 
 def test_nvcc_host_code_compiles(tmp_path):
     """LLMC_LAUNCH is `<<<>>>` under nvcc (with a parenthesized template-id too): compile the host side."""
-    cmd = [simulator.nvcc_path(), "-c", "-std=c++17", "-gencode=arch=compute_80,code=sm_80",
-           f"-I{simulator.INCLUDE_DIR}", str(HERE / "kernels.cu"), "-o", str(tmp_path / "kernels.o")]
+    cmd = [
+        simulator.nvcc_path(),
+        "-c",
+        "-std=c++17",
+        "-gencode=arch=compute_80,code=sm_80",
+        f"-I{simulator.INCLUDE_DIR}",
+        str(HERE / "kernels.cu"),
+        "-o",
+        str(tmp_path / "kernels.o"),
+    ]
     r = subprocess.run(cmd, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr

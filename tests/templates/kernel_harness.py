@@ -31,14 +31,31 @@ from llmc.compiler.codegen.render import kernel_id, render_kernel, template_file
 # them. W* is float32 or bf16 (uint16 bits).
 SIGNATURES = {
     "embedding": [("ids", "i32*"), ("T", "int"), ("table", "W*"), ("out", "f32*")],
-    "rmsnorm": [("x", "f32*"), ("residual_in", "f32*"), ("residual_out", "f32*"), ("w", "W*"), ("y", "f32*"),
-                ("T", "int")],
+    "rmsnorm": [
+        ("x", "f32*"),
+        ("residual_in", "f32*"),
+        ("residual_out", "f32*"),
+        ("w", "W*"),
+        ("y", "f32*"),
+        ("T", "int"),
+    ],
     "gemm": [("x", "f32*"), ("w", "W*"), ("bias", "W*"), ("y", "f32*"), ("T", "int")],
     "rope": [("x", "f32*"), ("row_stride", "int"), ("positions", "i32*"), ("T", "int")],
-    "paged_attention": [("q", "f32*"), ("k", "f32*"), ("v", "f32*"), ("row_stride", "int"), ("k_cache", "f32*"),
-                        ("v_cache", "f32*"), ("slot_mapping", "i64*"), ("query_start_loc", "i32*"),
-                        ("seq_lens", "i32*"), ("block_tables", "i32*"), ("max_blocks", "int"), ("B", "int"),
-                        ("out", "f32*")],
+    "paged_attention": [
+        ("q", "f32*"),
+        ("k", "f32*"),
+        ("v", "f32*"),
+        ("row_stride", "int"),
+        ("k_cache", "f32*"),
+        ("v_cache", "f32*"),
+        ("slot_mapping", "i64*"),
+        ("query_start_loc", "i32*"),
+        ("seq_lens", "i32*"),
+        ("block_tables", "i32*"),
+        ("max_blocks", "int"),
+        ("B", "int"),
+        ("out", "f32*"),
+    ],
     "silu_mul": [("gate_up", "f32*"), ("out", "f32*"), ("T", "int")],
     "gather_rows": [("x", "f32*"), ("rows", "i32*"), ("n", "int"), ("out", "f32*")],
 }
@@ -104,8 +121,10 @@ def trampoline(target: str, op: str, params: dict, kid: str) -> str:
     names = ", ".join(name for name, _ in SIGNATURES[op])
     if target == "cpu":
         return f'extern "C" void test_{kid}({", ".join(args)}) {{ {kid}({names}); }}\n'
-    return (f'extern "C" int test_{kid}({", ".join(args)}) {{\n'
-            f"  {kid}({names}, (cudaStream_t)0);\n  return (int)cudaGetLastError();\n}}\n")
+    return (
+        f'extern "C" int test_{kid}({", ".join(args)}) {{\n'
+        f"  {kid}({names}, (cudaStream_t)0);\n  return (int)cudaGetLastError();\n}}\n"
+    )
 
 
 def kernels_source(target: str, specs) -> tuple[str, dict[str, tuple[str, dict]]]:
@@ -144,7 +163,9 @@ class Harness:
         missing = [s for s in [*specs, *self.pending] if kernel_id(self.target, *s) not in self._kernels]
         source, seen = kernels_source(self.target, missing)
         lib = self._load(source)
-        self._kernels.update({kid: self.kernel_class(getattr(lib, f"test_{kid}"), op, p) for kid, (op, p) in seen.items()})
+        self._kernels.update(
+            {kid: self.kernel_class(getattr(lib, f"test_{kid}"), op, p) for kid, (op, p) in seen.items()}
+        )
 
     def __call__(self, op: str, params: dict) -> Kernel:
         return self._kernels[kernel_id(self.target, op, params)]

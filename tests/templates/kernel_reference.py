@@ -136,7 +136,7 @@ def rope_reference(x, positions, inv_freq):
 
 def emitted_floats(src, table):
     """The float32 values of the `float` literals in the brace initialiser after `table` in rendered source."""
-    body = src[src.index("{", src.index(table)) + 1:src.index("};")]
+    body = src[src.index("{", src.index(table)) + 1 : src.index("};")]
     return np.array([float(v) for v in re.findall(r"([-+0-9.eE]+)f", body)], dtype=np.float32)
 
 
@@ -194,7 +194,7 @@ class Batch:
         self.block_tables = np.zeros((self.B, self.max_blocks), dtype=np.int32)
         at = 0
         for b, nb in enumerate(need):
-            self.block_tables[b, :nb] = pool[at:at + nb]
+            self.block_tables[b, :nb] = pool[at : at + nb]
             at += nb
         shape = (NUM_BLOCKS, bs, nkv, hd)
         self.k_cache = rng.standard_normal(shape, dtype=np.float32) * 100  # garbage unless written
@@ -218,20 +218,33 @@ class Batch:
             for i in range(n):
                 pos = c + i
                 self.slots[t0 + i] = self.block_tables[b, pos // bs] * bs + pos % bs
-            new_k = self.qkv[t0:t0 + n, q_end:q_end + nkv * hd].reshape(n, nkv, hd)
-            new_v = self.qkv[t0:t0 + n, q_end + nkv * hd:].reshape(n, nkv, hd)
+            new_k = self.qkv[t0 : t0 + n, q_end : q_end + nkv * hd].reshape(n, nkv, hd)
+            new_v = self.qkv[t0 : t0 + n, q_end + nkv * hd :].reshape(n, nkv, hd)
             self.K.append(np.concatenate([hist_k, new_k]))
             self.V.append(np.concatenate([hist_v, new_v]))
 
     def run(self, fn):
         """Call the kernel on this step; returns out [T, nh * hd] float32 (the caches are written in place)."""
         nh, nkv, hd = self.p["num_heads"], self.p["num_kv_heads"], self.p["head_dim"]
-        q = self.qkv[:, :nh * hd]
-        k = self.qkv[:, nh * hd:(nh + nkv) * hd]
-        v = self.qkv[:, (nh + nkv) * hd:]
+        q = self.qkv[:, : nh * hd]
+        k = self.qkv[:, nh * hd : (nh + nkv) * hd]
+        v = self.qkv[:, (nh + nkv) * hd :]
         out = np.full((self.T, nh * hd), np.nan, dtype=np.float32)
-        fn(q, k, v, self.stride, self.k_cache, self.v_cache, self.slots, self.qsl, self.seq_lens,
-           self.block_tables, self.max_blocks, self.B, out)
+        fn(
+            q,
+            k,
+            v,
+            self.stride,
+            self.k_cache,
+            self.v_cache,
+            self.slots,
+            self.qsl,
+            self.seq_lens,
+            self.block_tables,
+            self.max_blocks,
+            self.B,
+            out,
+        )
         return out
 
     def reference(self):
@@ -244,12 +257,12 @@ class Batch:
             K, V = self.K[b].astype(np.float64), self.V[b].astype(np.float64)
             for i in range(n):
                 t = self.qsl[b] + i
-                q = self.qkv[t, :nh * hd].reshape(nh, hd).astype(np.float64)
+                q = self.qkv[t, : nh * hd].reshape(nh, hd).astype(np.float64)
                 lo = max(0, c + i + 1 - window) if window else 0
                 for h in range(nh):
-                    s = K[lo:c + i + 1, h // group] @ q[h] * self.p["scale"]
+                    s = K[lo : c + i + 1, h // group] @ q[h] * self.p["scale"]
                     w = np.exp(s - s.max())
-                    out[t, h] = (w / w.sum()) @ V[lo:c + i + 1, h // group]
+                    out[t, h] = (w / w.sum()) @ V[lo : c + i + 1, h // group]
         return out.reshape(self.T, nh * hd)
 
     def cache_after(self, k_before, v_before):
@@ -258,8 +271,8 @@ class Batch:
         nh, nkv, hd = self.p["num_heads"], self.p["num_kv_heads"], self.p["head_dim"]
         keep = self.slots >= 0
         k, v = k_before.copy(), v_before.copy()
-        k.reshape(-1, nkv, hd)[self.slots[keep]] = self.qkv[keep, nh * hd:(nh + nkv) * hd].reshape(-1, nkv, hd)
-        v.reshape(-1, nkv, hd)[self.slots[keep]] = self.qkv[keep, (nh + nkv) * hd:].reshape(-1, nkv, hd)
+        k.reshape(-1, nkv, hd)[self.slots[keep]] = self.qkv[keep, nh * hd : (nh + nkv) * hd].reshape(-1, nkv, hd)
+        v.reshape(-1, nkv, hd)[self.slots[keep]] = self.qkv[keep, (nh + nkv) * hd :].reshape(-1, nkv, hd)
         return k, v
 
     def alone(self, b, cache):
@@ -271,7 +284,7 @@ class Batch:
         one.qkv = np.ascontiguousarray(self.qkv[t0:t1])
         one.slots = self.slots[t0:t1].copy()
         one.qsl = np.array([0, t1 - t0], dtype=np.int32)
-        one.seq_lens = self.seq_lens[b:b + 1].copy()
-        one.block_tables = np.ascontiguousarray(self.block_tables[b:b + 1])
+        one.seq_lens = self.seq_lens[b : b + 1].copy()
+        one.block_tables = np.ascontiguousarray(self.block_tables[b : b + 1])
         one.B, one.T = 1, int(t1 - t0)
         return one

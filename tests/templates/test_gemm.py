@@ -19,13 +19,18 @@ CPU_ONLY = pytest.mark.targets("cpu")
 
 
 def _grid(shapes):
-    return [("gemm", dict(n=n, k=k, wdtype=wd, has_bias=bias))
-            for n, k in shapes for wd in ("f32", "bf16") for bias in (False, True)]
+    return [
+        ("gemm", dict(n=n, k=k, wdtype=wd, has_bias=bias))
+        for n, k in shapes
+        for wd in ("f32", "bf16")
+        for bias in (False, True)
+    ]
 
 
 SPECS = _grid(SHAPES) + _grid([MODEL_SHAPE])
 CASES = [pytest.param(*s, id=spec_id(s)) for s in _grid(SHAPES)] + [
-    pytest.param(*s, id=spec_id(s), marks=CPU_ONLY) for s in _grid([MODEL_SHAPE])]
+    pytest.param(*s, id=spec_id(s), marks=CPU_ONLY) for s in _grid([MODEL_SHAPE])
+]
 ALL_SHAPES = [*SHAPES, pytest.param(*MODEL_SHAPE, marks=CPU_ONLY)]
 # The T up to which each row is bit-identical whatever else is in the batch: any T on the CPU; on CUDA the
 # GEMV range, since the tiled kernel above it sums in another order.
@@ -62,7 +67,7 @@ def test_gemm_row_independent_of_batch(kernels, weights, target, wdtype, n, k):
     x, w, _, b, _ = gemm_inputs(n, k, max(sizes), wdtype, True, weights, seed=1)
     alone = np.empty((max(sizes), n), dtype=np.float32)
     for t in range(max(sizes)):
-        fn(np.ascontiguousarray(x[t:t + 1]), w, b, alone[t:t + 1], 1)
+        fn(np.ascontiguousarray(x[t : t + 1]), w, b, alone[t : t + 1], 1)
     for T in sizes:
         batch = np.empty((T, n), dtype=np.float32)
         fn(np.ascontiguousarray(x[:T]), w, b, batch, T)

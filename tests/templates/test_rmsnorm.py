@@ -8,8 +8,12 @@ from kernel_reference import rmsnorm_inputs, rmsnorm_reference
 
 # hidden 37 (on CUDA one partial warp), 64, 576 (576 / 96 threads), 4100 (512 threads x 9 elements, a
 # partial tail)
-SPECS = [("rmsnorm", dict(hidden=h, eps=eps, wdtype=wd, add_residual=res))
-         for h, eps in ((37, 1e-6), (64, 1e-5), (576, 1e-5)) for wd in ("f32", "bf16") for res in (False, True)]
+SPECS = [
+    ("rmsnorm", dict(hidden=h, eps=eps, wdtype=wd, add_residual=res))
+    for h, eps in ((37, 1e-6), (64, 1e-5), (576, 1e-5))
+    for wd in ("f32", "bf16")
+    for res in (False, True)
+]
 SPECS.append(("rmsnorm", dict(hidden=4100, eps=1e-5, wdtype="bf16", add_residual=True)))
 
 
@@ -61,6 +65,6 @@ def test_rmsnorm_row_independent_of_batch_and_schedule(kernels, weights, schedul
     assert all(np.array_equal(o, outs[0]) for o in outs)
     for t in (0, 4):
         alone = np.empty((1, hidden), dtype=np.float32)
-        r_t = np.ascontiguousarray(r[t:t + 1]) if add else None
-        fn(np.ascontiguousarray(x[t:t + 1]), r_t, np.empty_like(alone) if add else None, w, alone, 1)
+        r_t = np.ascontiguousarray(r[t : t + 1]) if add else None
+        fn(np.ascontiguousarray(x[t : t + 1]), r_t, np.empty_like(alone) if add else None, w, alone, 1)
         assert np.array_equal(alone[0], outs[0][t])

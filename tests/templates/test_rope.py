@@ -24,9 +24,9 @@ def test_rope_matches_transformers(kernels, op, params, T, extra_cols):
     x, positions = rope_inputs(T, stride, seed=T + extra_cols)
     orig = x.copy()
     kernels(op, params)(x, stride, positions, T)
-    ref = rope_reference(orig[:, :nh * hd].reshape(T, nh, hd), positions, params["inv_freq"]).reshape(T, nh * hd)
-    np.testing.assert_allclose(x[:, :nh * hd], ref, rtol=1e-5, atol=1e-5)
-    assert np.array_equal(x[:, nh * hd:], orig[:, nh * hd:])
+    ref = rope_reference(orig[:, : nh * hd].reshape(T, nh, hd), positions, params["inv_freq"]).reshape(T, nh * hd)
+    np.testing.assert_allclose(x[:, : nh * hd], ref, rtol=1e-5, atol=1e-5)
+    assert np.array_equal(x[:, nh * hd :], orig[:, nh * hd :])
 
 
 def test_rope_inv_freq_round_trips_float32(target):

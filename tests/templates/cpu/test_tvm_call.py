@@ -21,8 +21,12 @@ CASES = {
     # silu's TIR keeps sigmoid(x) in a T-sized workspace
     "silu": (lambda x: relax.op.nn.silu(x), [[1, "T", 37]], [1, "T", 37], lambda x: x / (1 + np.exp(-x))),
     "mul_weight": (lambda x, w: relax.op.multiply(x, w), [["T", 53], [53]], ["T", 53], lambda x, w: x * w),
-    "mean": (lambda x: relax.op.mean(x, axis=[-1], keepdims=True), [[1, "T", 45]], [1, "T", 1],
-             lambda x: x.mean(-1, keepdims=True)),
+    "mean": (
+        lambda x: relax.op.mean(x, axis=[-1], keepdims=True),
+        [[1, "T", 45]],
+        [1, "T", 1],
+        lambda x: x.mean(-1, keepdims=True),
+    ),
     "add": (lambda x, y: relax.op.add(x, y), [["T", 29], ["T", 29]], ["T", 29], lambda x, y: x + y),
 }
 
@@ -45,11 +49,16 @@ def kernels():
         sources.append(f'extern "C" int test_{case}({args}, int T) {{ return {kid}({names}, T, 0); }}')
         wrappers[case] = len(in_shapes) + 1
     # the TVM function called directly with a shape its checks refuse (29 columns declared as 30)
-    sources.append('extern "C" int test_bad_shape(float* x, int T) { const int64_t s[] = {T, 30}; '
-                   'return llmc::call_tvm<3>(__tvm_ffi_tvm_add, {x, x, x}, {s, s, s}, {2, 2, 2}); }')
-    files = {"common.h": template_file("cpu", "common.h"),
-             "kernels.cc": '#include "common.h"\n' + "\n".join(sources),
-             "tvm_kernels.cc": c_source(funcs), "tvm_backend.cc": template_file("cpu", "tvm_backend.cc")}
+    sources.append(
+        'extern "C" int test_bad_shape(float* x, int T) { const int64_t s[] = {T, 30}; '
+        "return llmc::call_tvm<3>(__tvm_ffi_tvm_add, {x, x, x}, {s, s, s}, {2, 2, 2}); }"
+    )
+    files = {
+        "common.h": template_file("cpu", "common.h"),
+        "kernels.cc": '#include "common.h"\n' + "\n".join(sources),
+        "tvm_kernels.cc": c_source(funcs),
+        "tvm_backend.cc": template_file("cpu", "tvm_backend.cc"),
+    }
     flags = [*CPU_FLAGS, *(f"-I{d}" for d in include_dirs()), "-Wl,-Bsymbolic"]
     lib = ctypes.CDLL(str(build_shared_library(files, flags=flags)))
     for case, n in wrappers.items():

@@ -16,8 +16,10 @@ from llmc.compiler.codegen import simulator
 
 HERE = Path(__file__).parent
 SPECS_ASAN = [
-    ("paged_attention", dict(num_heads=9, num_kv_heads=3, head_dim=8, block_size=8, scale=1 / math.sqrt(8),
-                             sliding_window=0)),
+    (
+        "paged_attention",
+        dict(num_heads=9, num_kv_heads=3, head_dim=8, block_size=8, scale=1 / math.sqrt(8), sliding_window=0),
+    ),
     ("gemm", dict(n=53, k=37, wdtype="bf16", has_bias=True)),
     ("rmsnorm", dict(hidden=37, eps=1e-6, wdtype="f32", add_residual=True)),
 ]
@@ -70,8 +72,9 @@ def asan_so(tmp_path_factory):
 
 def _run(so: Path, oob: bool) -> subprocess.CompletedProcess:
     code = CHILD.format(here=str(HERE), shared=str(HERE.parent), so=str(so), oob=oob)
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                          env=simulator.asan_env(), cwd=HERE)
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=simulator.asan_env(), cwd=HERE
+    )
 
 
 def test_asan_clean_on_ragged_batches(asan_so):

@@ -31,10 +31,14 @@ REPRESENTATIVE = [
     ("gemm", dict(n=4096, k=14336, wdtype="f32", has_bias=False)),
     ("gemm", dict(n=53, k=37, wdtype="bf16", has_bias=True)),
     ("rope", dict(num_heads=32, head_dim=128, inv_freq=_inv_freq(128))),
-    ("paged_attention", dict(num_heads=32, num_kv_heads=8, head_dim=128, block_size=16, scale=1 / math.sqrt(128),
-                             sliding_window=4096)),
-    ("paged_attention", dict(num_heads=9, num_kv_heads=3, head_dim=8, block_size=8, scale=1 / math.sqrt(8),
-                             sliding_window=0)),
+    (
+        "paged_attention",
+        dict(num_heads=32, num_kv_heads=8, head_dim=128, block_size=16, scale=1 / math.sqrt(128), sliding_window=4096),
+    ),
+    (
+        "paged_attention",
+        dict(num_heads=9, num_kv_heads=3, head_dim=8, block_size=8, scale=1 / math.sqrt(8), sliding_window=0),
+    ),
     ("silu_mul", dict(inter=14336)),
     ("gather_rows", dict(cols=4096)),
 ]
@@ -66,15 +70,26 @@ def test_ptxas_no_spills(source, tmp_path, arch):
     assert not spills, f"{arch}: spills (store bytes, load bytes): {spills}"
     # No local memory either, except in rope: the accurate sincosf keeps the 7-word table of its Payne-Hanek
     # slow path (|angle| > 105615, i.e. long positions) in a small stack frame on some architectures.
-    stacks = {name: r.stack_frame for name, r in res.items() if r.stack_frame and not (
-        "_rope_" in name and r.stack_frame <= 32)}
+    stacks = {
+        name: r.stack_frame
+        for name, r in res.items()
+        if r.stack_frame and not ("_rope_" in name and r.stack_frame <= 32)
+    }
     assert not stacks, f"{arch}: stack frames (bytes): {stacks}"
     assert all(0 < r.registers <= 128 for r in res.values()), {n: r.registers for n, r in res.items()}
 
 
 def test_host_launchers_compile_with_nvcc(source, tmp_path):
     """The launchers and trampolines as host code under nvcc (PTX only: ptxas ran above)."""
-    cmd = [simulator.nvcc_path(), "-c", "-std=c++17", "-gencode=arch=compute_80,code=compute_80",
-           f"-I{simulator.INCLUDE_DIR}", str(source), "-o", str(tmp_path / "templates.o")]
+    cmd = [
+        simulator.nvcc_path(),
+        "-c",
+        "-std=c++17",
+        "-gencode=arch=compute_80,code=compute_80",
+        f"-I{simulator.INCLUDE_DIR}",
+        str(source),
+        "-o",
+        str(tmp_path / "templates.o"),
+    ]
     r = subprocess.run(cmd, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-4000:]

@@ -39,8 +39,10 @@ def test_same_params_and_signature_as_cpu(op):
 
 
 def test_weight_types():
-    sig = {wd: _signature(render_kernel("cuda", "gemm", name="g", n=8, k=8, wdtype=wd, has_bias=False), "g")
-           for wd in ("f32", "bf16")}
+    sig = {
+        wd: _signature(render_kernel("cuda", "gemm", name="g", n=8, k=8, wdtype=wd, has_bias=False), "g")
+        for wd in ("f32", "bf16")
+    }
     assert "const float* w" in sig["f32"] and "const uint16_t* w" in sig["bf16"]
     for wdtype in ("f16", "fp8"):  # the compiler emits f32 and bf16 weights only
         with pytest.raises(CompileError, match="wdtype must be one of"):
@@ -52,10 +54,11 @@ def test_render_errors_name_the_cuda_template():
         render_kernel("cuda", "paged_attention", name="a", num_heads=4, num_kv_heads=2, head_dim=16, block_size=4)
     with pytest.raises(CompileError, match="head_dim/2"):
         render_kernel("cuda", "rope", name="r", num_heads=2, head_dim=8, inv_freq=[1.0])
-    assert "1e-06f" in render_kernel("cuda", "rmsnorm", name="n", hidden=8, eps=1e-6, wdtype="f32",
-                                     add_residual=False)
-    assert kernel_id("cuda", "paged_attention", COMMON["paged_attention"]) == \
-        "cuda_paged_attention_qh4_kvh2_d16_bs4_sc0p25_sw0"
+    assert "1e-06f" in render_kernel("cuda", "rmsnorm", name="n", hidden=8, eps=1e-6, wdtype="f32", add_residual=False)
+    assert (
+        kernel_id("cuda", "paged_attention", COMMON["paged_attention"])
+        == "cuda_paged_attention_qh4_kvh2_d16_bs4_sc0p25_sw0"
+    )
     assert math.isfinite(0.25)
 
 
@@ -67,7 +70,15 @@ def test_the_build_ships_every_header(tmp_path):
         (tmp_path / name).write_text(template_file("cuda", f"include/{name}"))
     source, _ = kernels_source("cuda", [("rmsnorm", COMMON["rmsnorm"])])
     (tmp_path / "model.cu").write_text(source)
-    cmd = [simulator.CXX, "-x", "c++", "-std=c++17", "-fsyntax-only", "-DLLMC_SIMULATOR",
-           f"-I{simulator.cuda_include_dir()}", "model.cu"]
+    cmd = [
+        simulator.CXX,
+        "-x",
+        "c++",
+        "-std=c++17",
+        "-fsyntax-only",
+        "-DLLMC_SIMULATOR",
+        f"-I{simulator.cuda_include_dir()}",
+        "model.cu",
+    ]
     r = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-4000:]
