@@ -47,6 +47,8 @@ import sys
 import time
 from pathlib import Path
 
+from llmc.runtime.bench import align_columns
+
 REPO = Path(__file__).resolve().parent.parent
 
 SMOLLM_135M = {  # LlamaConfig kwargs
@@ -479,11 +481,7 @@ def format_table(result: dict) -> str:
     cells = [[c[0] for c in cols]]
     for r in result["rows"]:
         cells.append(["-" if r[k] is None else f.format(r[k]) for _, k, f in cols])
-    widths = [max(len(row[i]) for row in cells) for i in range(len(cols))]
-    for row in cells:
-        lines.append(
-            "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True)))
-        )
+    lines += align_columns(cells, left=1)
     lines.append(
         "roofline tok/s = read bandwidth (at the row's thread count) / weight bytes per decode token "
         "(every layer weight and the lm_head in full, one embedding row); transformers is held to the fp32 "

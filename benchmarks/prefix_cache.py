@@ -31,6 +31,8 @@ import sys
 import time
 from pathlib import Path
 
+from llmc.runtime.bench import align_columns
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import cpu_decode  # noqa: E402  (its SmolLM-135M checkpoint and build cache)
 
@@ -171,10 +173,7 @@ def format_table(result: dict) -> str:
     for r in result["rows"]:
         cells.append([r["model"], str(r["prompt_tokens"]), f"{r['cached_tokens']:.0f}", f"{r['ttft_cached_ms']:.1f}",
                       f"{r['ttft_uncached_ms']:.1f}", f"{r['speedup']:.1f}x"])  # fmt: skip
-    widths = [max(len(row[i]) for row in cells) for i in range(len(cells[0]))]
-    for row in cells:
-        padded = [c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True))]
-        lines.append("  ".join(padded))
+    lines += align_columns(cells, left=1)
     return "\n".join(lines)
 
 

@@ -28,6 +28,8 @@ import sys
 import time
 from pathlib import Path
 
+from llmc.runtime.bench import align_columns
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import cpu_decode  # noqa: E402  (thread setting, machine facts)
 from prefix_cache import machine  # noqa: E402
@@ -169,10 +171,7 @@ def format_table(result: dict) -> str:
         cells.append([r["prompt"], r["method"], str(r["k"]) if spec else "-", f"{r['decode_tokens_per_s']:.0f}",
                       f"{r['speedup']:.2f}x", f"{r['accepted_tokens']}/{r['draft_tokens']}" if spec else "-",
                       f"{r['acceptance_rate']:.1%}" if spec else "-"])  # fmt: skip
-    widths = [max(len(row[i]) for row in cells) for i in range(len(cells[0]))]
-    for row in cells:
-        padded = [c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True))]
-        lines.append("  ".join(padded))
+    lines += align_columns(cells, left=2)
     return "\n".join(lines)
 
 

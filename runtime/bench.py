@@ -221,6 +221,13 @@ _COLUMNS = [  # header, key, format
 _SPEC_COLUMN = ("spec accept", "spec_acceptance_rate", "{:.1%}")  # shown when speculative decoding is on
 
 
+def align_columns(cells: list[list[str]], left: int = 0) -> list[str]:
+    """Rows of text cells as aligned lines: the first `left` columns flush left, the rest flush right."""
+    widths = [max(len(row[i]) for row in cells) for i in range(len(cells[0]))]
+    return ["  ".join(c.ljust(w) if i < left else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True)))
+            for row in cells]  # fmt: skip
+
+
 def format_bench_table(result: dict) -> str:
     """The result as a plain-text table, with the workload above it and the roofline below."""
     w = result["workload"]
@@ -236,9 +243,7 @@ def format_bench_table(result: dict) -> str:
             value = level.get(key)
             row.append("-" if value is None else fmt.format(value))
         cells.append(row)
-    widths = [max(len(r[i]) for r in cells) for i in range(len(columns))]
-    for r in cells:
-        lines.append("  ".join(c.rjust(wd) for c, wd in zip(r, widths, strict=True)))
+    lines += align_columns(cells)
     roof = result.get("roofline")
     if roof:
         lines.append(
