@@ -12,7 +12,9 @@ server logs it once at start, the REPL prints it once).
 A template is code from the checkpoint, so it runs under bounds (`TemplateLimits`). The sandbox refuses
 Python internals (`__class__`, `mro`, ...) and caps `range` at 100000 items. On top of it: a template larger
 than `max_template_chars` is refused at load; jinja's compile-time constant folding is off, so no
-expression runs before a render; `*`, `**` and `%` refuse results larger than the output budget; a render
+expression runs before a render; `*`, `**`, `%`, str.format specs, the padding methods (center, ljust,
+rjust, zfill, expandtabs) and the format, center and indent filters refuse to build a string larger than the
+output budget, checked before it is built (one C call could exhaust memory before any later check); a render
 stops when its output passes `max_output_chars` or when it runs longer than `timeout_s` (the render runs in
 its own thread and is interrupted there). Each refusal is an LlmcError; the caller's process goes on.
 """
@@ -24,10 +26,13 @@ import dataclasses
 import datetime
 import functools
 import json
+import re
+import string
 import threading
 
 import jinja2
 import jinja2.ext
+import jinja2.filters
 import jinja2.sandbox
 
 from llmc.errors import ArtifactError, RequestError
@@ -70,30 +75,86 @@ class _TemplateOutputTooLarge(jinja2.exceptions.SecurityError):
     pass
 
 
+# A width or precision in a format spec, a printf conversion or a padding method's argument is the size of a
+# string built inside one C call, before any output budget sees it: each is checked against the budget first.
+_PRINTF_SIZES = re.compile(r"%(?:\([^)]*\))?[-#0 +]*(\*|\d+)?(?:\.(\*|\d+))?")
+_PADDING_METHODS = frozenset(["center", "ljust", "rjust", "zfill", "expandtabs"])
+
+
 class _BoundedEnvironment(jinja2.sandbox.ImmutableSandboxedEnvironment):
-    """The sandbox, with `*`, `**` and `%` checked so that one expression cannot build a huge value."""
+    """The sandbox, with every operation that builds a string of a size the template names bounded:
+    `*`, `**` and `%`, str.format specs, the padding methods and the `format`, `center` and `indent` filters."""
 
     intercepted_binops = frozenset(["*", "**", "%"])
 
     def __init__(self, max_value_chars: int, **kw):
         super().__init__(**kw)
         self.max_value_chars = max_value_chars
+        self.filters["format"] = self._bounded_filter(jinja2.filters.do_format, "format")
+        self.filters["center"] = self._bounded_filter(jinja2.filters.do_center, "center")
+        self.filters["indent"] = self._bounded_filter(jinja2.filters.do_indent, "indent")
+
+    def check_size(self, size, what: str) -> None:
+        if isinstance(size, int) and not isinstance(size, bool) and size > self.max_value_chars:
+            raise _TemplateOutputTooLarge(f"{what} asks for {size:,} characters")
+
+    def check_printf(self, fmt, args) -> None:
+        if not isinstance(fmt, str):
+            return
+        star_args = args if isinstance(args, tuple) else (args,)
+        for width, precision in _PRINTF_SIZES.findall(fmt):
+            for size in (width, precision):
+                if size == "*":
+                    for arg in star_args:
+                        self.check_size(arg, "a '%' conversion")
+                elif size:
+                    self.check_size(int(size), "a '%' conversion")
+
+    def _bounded_filter(self, jinja_filter, name: str):
+        def bounded(value, *args, **kwargs):
+            if name == "format":
+                self.check_printf(value, kwargs or args)
+            else:
+                for size in (*args, *kwargs.values()):
+                    self.check_size(size, f"the {name} filter")
+            return jinja_filter(value, *args, **kwargs)
+
+        return bounded
 
     def call_binop(self, context, operator: str, left, right):
         if operator == "*":
             for seq, count in ((left, right), (right, left)):
-                if (
-                    isinstance(seq, (str, list, tuple))
-                    and isinstance(count, int)
-                    and len(seq) * count > self.max_value_chars
-                ):
-                    raise _TemplateOutputTooLarge(f"'*' would build {len(seq) * count:,} items")
+                if isinstance(seq, (str, list, tuple)) and isinstance(count, int):
+                    self.check_size(len(seq) * count, "'*'")
         if operator == "**" and isinstance(left, int) and isinstance(right, int) and abs(right) > 1024:
             raise _TemplateOutputTooLarge(f"'**' with exponent {right:,}")
+        if operator == "%":
+            self.check_printf(left, right)
         result = super().call_binop(context, operator, left, right)
         if isinstance(result, str) and len(result) > self.max_value_chars:
             raise _TemplateOutputTooLarge(f"'{operator}' built {len(result):,} characters")
         return result
+
+    # jinja's own signature: the template's keyword arguments may be named `self` or `context`
+    def call(__self, __context, __obj, *args, **kwargs):
+        if isinstance(getattr(__obj, "__self__", None), str) and getattr(__obj, "__name__", "") in _PADDING_METHODS:
+            for size in (*args, *kwargs.values()):
+                __self.check_size(size, f"str.{__obj.__name__}")
+        return super().call(__context, __obj, *args, **kwargs)
+
+    def wrap_str_format(self, value):
+        wrapped = super().wrap_str_format(value)
+        if wrapped is not None:
+            try:
+                specs = [spec for _, _, spec, _ in string.Formatter().parse(value.__self__) if spec]
+            except ValueError:
+                specs = []  # str.format itself reports the malformed string
+            for spec in specs:
+                if "{" in spec:
+                    raise _TemplateOutputTooLarge("str.format with a nested width or precision")
+                for size in re.findall(r"\d+", spec):
+                    self.check_size(int(size), "a str.format spec")
+        return wrapped
 
 
 def _template_error(what: str) -> ArtifactError:

@@ -175,10 +175,20 @@ def test_render_chat_equals_transformers(template):
         ("{{ ().__class__.__base__.__subclasses__() }}", "unsafe"),
         ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", "took more than"),
         ("{% set l = range(100000)|list %}{% for a in l %}{% for b in l %}{% endfor %}{% endfor %}", "took more than"),
-        ("{{ 'a' * 1000000000 }}", "would build"),  # no constant folding at compile time either
+        ("{{ 'a' * 1000000000 }}", "'\\*' asks for"),  # no constant folding at compile time either
         ("{{ 9 ** 100000000 }}", "exponent"),
         ("{% for i in range(100000) %}{{ 'x' * 1000 }}{% endfor %}", "output passed"),
         ("{% macro f(n) %}{{ f(n) }}{% endmacro %}{{ f(1) }}", "recursion"),
+        # strings of a size the template names, built in one C call: checked before they are built
+        ("{{ '{:1000000000}'.format(1) }}", "str.format spec"),
+        ("{{ '{:.{w}f}'.format(1.0, w=10**9) }}", "nested"),
+        ("{{ '%1000000000d' % 1 }}", "'%' conversion"),
+        ("{{ '%*d' % (1000000000, 1) }}", "'%' conversion"),
+        ("{{ '%1000000000d'|format(1) }}", "'%' conversion"),
+        ("{{ 'x'.center(1000000000) }}", "str.center"),
+        ("{{ 'x'.zfill(1000000000) }}", "str.zfill"),
+        ("{{ 'x'|center(1000000000) }}", "center filter"),
+        ("{{ 'a\nb'|indent(1000000000) }}", "indent filter"),
     ],
 )
 def test_a_hostile_template_is_refused_with_an_artifact_error(template, match):
