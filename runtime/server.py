@@ -43,6 +43,7 @@ client gets a 503 error body, a stream an SSE error event and `[DONE]`. The proc
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import contextlib
 import dataclasses
@@ -270,7 +271,7 @@ class _Choice:
             self.finish_reason, self.stop_reason = out.finish_reason, out.stop_reason
 
 
-class _Format:
+class _Format(abc.ABC):
     """What differs between /v1/completions and /v1/chat/completions; the generation path is shared."""
 
     id_prefix: ClassVar[str]
@@ -280,21 +281,21 @@ class _Format:
     def __init__(self, token_text: Callable[[int], str], num_logprobs: int | None):
         self.token_text, self.num_logprobs = token_text, num_logprobs
 
+    @abc.abstractmethod
     def logprobs(self, choice: _Choice, out: RequestOutput):
         """The logprobs of out's new tokens (None when not asked for), also added to choice.logprobs."""
-        raise NotImplementedError
 
     def opening(self, choices: list[_Choice]) -> list[dict]:
         """Choice entries of the stream's first chunks, before any token."""
         return []
 
+    @abc.abstractmethod
     def choice(self, choice: _Choice) -> dict:
         """A whole choice of a non-streaming response."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def delta(self, choice: _Choice, out: RequestOutput, logprobs) -> dict:
         """The choice entry of one stream chunk."""
-        raise NotImplementedError
 
 
 class _CompletionFormat(_Format):
