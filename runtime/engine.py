@@ -326,7 +326,7 @@ class LLMEngine:
             try:
                 self._propose()
             except Exception as e:  # a failed draft model step: its sequences cannot go on, as for the target's
-                return [self._fail(seq, e) for seq in {seq.req_id: seq for seq in self._seqs.values()}.values()]
+                return self._fail_requests(self._seqs.values(), e)
         sched = self.scheduler.schedule()
         if sched.is_empty:
             # Cannot happen while requests wait: every admitted prompt fits the empty cache. Fail, never spin.
@@ -346,8 +346,7 @@ class LLMEngine:
                 raise RuntimeError(f"the model returned logits of shape {logits.shape}, "
                                    f"not {(batch.num_logits, self.vocab_size)}")  # fmt: skip
         except Exception as e:  # the step's requests cannot go on; the others (waiting) can
-            failed = {self._seqs[s.req_id].req_id: self._seqs[s.req_id] for s in sched.scheduled}
-            return [self._fail(seq, e) for seq in failed.values()]
+            return self._fail_requests([self._seqs[s.req_id] for s in sched.scheduled], e)
         self.scheduler.cache_computed_blocks(sched)  # before sampling finishes (and frees) any of them
         outputs = []
         row_end = np.cumsum(num_rows)
@@ -394,6 +393,11 @@ class LLMEngine:
         for seq, proposal in zip(wanted, self._proposer.propose(asks) if asks else [], strict=True):
             seq.proposal = proposal
             seq.request.spec_token_ids = list(proposal.token_ids)
+
+    def _fail_requests(self, seqs, error: Exception) -> list[RequestOutput]:
+        """`_fail` once per request among `seqs` (its n sequences go together)."""
+        by_request = {seq.req_id: seq for seq in seqs}
+        return [self._fail(seq, error) for seq in by_request.values()]
 
     def _fail(self, seq: _Sequence, error: Exception) -> RequestOutput:
         """Abort the whole request of `seq` (all n sequences) because of `error`, and say so in one output."""
