@@ -432,15 +432,19 @@ class LLMEngine:
             output_ids = np.asarray(output + guesses[:i], dtype=np.int64) if params.has_penalties else _NO_TOKENS
             return output_ids, seq.min_tokens_suppress if len(output) + i < params.min_tokens else ()
 
+        # Rows are processed only as far as acceptance reads them: each costs O(vocab), more with top_p.
+        def target_at(i: int) -> int:
+            return sample_next_token(rows[i], params, seq.rng, seq.prompt_ids, *history(i))
+
+        def target_row(i: int) -> np.ndarray:
+            return softmax(process_logits(rows[i], params, seq.prompt_ids, *history(i)))
+
         if params.greedy:
-            targets = [sample_next_token(rows[i], params, seq.rng, seq.prompt_ids, *history(i)) for i in range(k + 1)]
-            tokens = accept_greedy(targets, guesses)
+            tokens = accept_greedy(target_at, guesses)
             num_accepted = len(tokens) - 1
         else:
-            target_probs = np.stack([softmax(process_logits(rows[i], params, seq.prompt_ids, *history(i)))
-                                     for i in range(k + 1)])  # fmt: skip
             draft_probs = None if seq.proposal is None or seq.proposal.probs is None else seq.proposal.probs[:k]
-            tokens, num_accepted = rejection_sample(target_probs, guesses, draft_probs, seq.rng)
+            tokens, num_accepted = rejection_sample(target_row, guesses, draft_probs, seq.rng)
         self.spec_num_draft_tokens += k
         self.spec_num_accepted_tokens += num_accepted
         logprobs = None

@@ -19,7 +19,7 @@ Proposers:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -67,32 +67,36 @@ class Proposal:
 # Acceptance
 
 
-def accept_greedy(target_token_ids: Sequence[int], draft_token_ids: Sequence[int]) -> list[int]:
-    """The emitted tokens: the target's own choices (argmax of rows 0..K) up to and including its first
-    disagreement with the guesses, or all K+1 if it agrees with all K."""
-    assert len(target_token_ids) == len(draft_token_ids) + 1
+def accept_greedy(target_at: Callable[[int], int], draft_token_ids: Sequence[int]) -> list[int]:
+    """The emitted tokens: the target's own choices (target_at(i), its argmax of row i) up to and including its
+    first disagreement with the guesses, or all K+1 if it agrees with all K. Rows after a disagreement are never
+    asked for: processing a row is O(vocab)."""
     out = []
-    for target, draft in zip(target_token_ids, draft_token_ids, strict=False):
-        out.append(int(target))
-        if target != draft:
+    for i, draft in enumerate(draft_token_ids):
+        out.append(int(target_at(i)))
+        if out[-1] != draft:
             return out
-    out.append(int(target_token_ids[-1]))
+    out.append(int(target_at(len(draft_token_ids))))
     return out
 
 
 def rejection_sample(
-    target_probs: np.ndarray, draft_token_ids: Sequence[int], draft_probs: np.ndarray | None, rng: np.random.Generator
+    target_row: Callable[[int], np.ndarray],
+    draft_token_ids: Sequence[int],
+    draft_probs: np.ndarray | None,
+    rng: np.random.Generator,
 ) -> tuple[list[int], int]:
     """(emitted tokens, number of guesses accepted), each token distributed as the target's row it comes from.
 
-    target_probs [K+1, V]: row i is p after guesses 1..i; draft_probs [K, V] (None: each guess had q = 1).
-    One uniform per guess checked, and one more for the replacement or the bonus token.
+    target_row(i) is p [V] after guesses 1..i (i = 0..K), asked for only when the loop reaches row i;
+    draft_probs [K, V] (None: each guess had q = 1). One uniform per guess checked, and one more for the
+    replacement or the bonus token.
     """
     k = len(draft_token_ids)
-    assert target_probs.shape[0] == k + 1 and (draft_probs is None or draft_probs.shape[0] == k)
+    assert draft_probs is None or draft_probs.shape[0] == k
     out: list[int] = []
     for i, x in enumerate(draft_token_ids):
-        p = target_probs[i]
+        p = target_row(i)
         q_x = 1.0 if draft_probs is None else float(draft_probs[i, x])
         if rng.random() * q_x < p[x]:  # u < p(x) / q(x) without dividing; q(x) > 0 since x was drawn from q
             out.append(int(x))
@@ -106,7 +110,7 @@ def rejection_sample(
             residual = p
         out.append(sample_from_probs(residual, rng))
         return out, i
-    out.append(sample_from_probs(target_probs[k], rng))
+    out.append(sample_from_probs(target_row(k), rng))
     return out, k
 
 

@@ -39,9 +39,9 @@ def test_ngram_lookup_copies_what_followed_the_longest_latest_match():
 
 
 def test_accept_greedy_stops_at_the_first_disagreement_and_keeps_the_targets_token():
-    assert accept_greedy([4, 5, 6], [4, 5]) == [4, 5, 6]  # all accepted, plus the bonus token
-    assert accept_greedy([4, 9, 6], [4, 5]) == [4, 9]
-    assert accept_greedy([3, 5, 6], [4, 5]) == [3]
+    assert accept_greedy([4, 5, 6].__getitem__, [4, 5]) == [4, 5, 6]  # all accepted, plus the bonus token
+    assert accept_greedy([4, 9, 6].__getitem__, [4, 5]) == [4, 9]
+    assert accept_greedy([3, 5, 6].__getitem__, [4, 5]) == [3]
 
 
 # -- greedy equivalence, fake model ------------------------------------------------------------------------
@@ -221,10 +221,10 @@ def test_rejection_sampling_emits_each_position_from_the_target_distribution(dra
     for _ in range(draws):
         if draft == "model":
             guesses = [int(draw_rng.choice(vocab, p=draft_probs[0])), int(draw_rng.choice(vocab, p=draft_probs[1]))]
-            tokens, accepted = rejection_sample(target, guesses, draft_probs, draw_rng)
+            tokens, accepted = rejection_sample(target.__getitem__, guesses, draft_probs, draw_rng)
         else:
             guesses = fixed_guesses
-            tokens, accepted = rejection_sample(target, guesses, None, draw_rng)
+            tokens, accepted = rejection_sample(target.__getitem__, guesses, None, draw_rng)
         assert len(tokens) == accepted + 1 and tokens[:accepted] == guesses[:accepted]
         first.append(tokens[0])
         num_tokens.append(len(tokens))
@@ -240,7 +240,7 @@ def test_rejection_sampling_accepts_every_guess_when_draft_equals_target():
     p = np.stack([random_probs(rng, 6) for _ in range(4)])
     for _ in range(200):
         guesses = [int(rng.choice(6, p=p[i])) for i in range(3)]
-        tokens, accepted = rejection_sample(p, guesses, p[:3], rng)
+        tokens, accepted = rejection_sample(p.__getitem__, guesses, p[:3], rng)
         assert accepted == 3 and tokens[:3] == guesses
 
 
