@@ -496,12 +496,9 @@ def _check_config(d, path: Path, hint: str) -> None:
         if not _CONFIG_TYPES[fields[key].type](value):
             raise ArtifactError(f"{path}: manifest model_config {key} {_show(value)} is not a {fields[key].type} "
                                 "in range", hint)  # fmt: skip
-    ids = [d["bos_token_id"]] if d["bos_token_id"] is not None else []
-    if not all(i < d["vocab_size"] for i in ids + d["eos_token_ids"]) or not all(
-        i < d["num_layers"] for i in d.get("sliding_layers", ())
-    ) or d["num_heads"] % d["num_kv_heads"]:  # fmt: skip
-        raise ArtifactError(f"{path}: manifest model_config is inconsistent (a token id past the vocabulary, a "
-                            "sliding layer past the last, or heads not a multiple of KV heads)", hint)  # fmt: skip
+    problem = ModelConfig.from_dict(d).inconsistency()
+    if problem:
+        raise ArtifactError(f"{path}: manifest model_config is inconsistent: {problem}", hint)
 
 
 def _finite_positive(value) -> bool:

@@ -57,6 +57,19 @@ class ModelConfig:
         """The window every layer shares (so older KV cache blocks can be released); 0 if any layer has none."""
         return self.sliding_window if self.sliding_window and len(self.sliding_layers) == self.num_layers else 0
 
+    def inconsistency(self) -> str | None:
+        """What makes these fields contradict each other, or None. The one statement of the cross-field rules:
+        a checkpoint is refused by them at compile, and a manifest at load."""
+        if self.num_heads % self.num_kv_heads:
+            return f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
+        ids = ([] if self.bos_token_id is None else [self.bos_token_id]) + list(self.eos_token_ids)
+        past = [i for i in ids if i >= self.vocab_size]
+        if past:
+            return f"token id {past[0]} (bos/eos) is past the vocabulary of {self.vocab_size}"
+        if any(layer >= self.num_layers for layer in self.sliding_layers):
+            return f"a sliding-window layer is past the last of {self.num_layers} layers"
+        return None
+
     def weight_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every tensor the checkpoint must hold, by its Hugging Face name."""
         h, i = self.hidden_size, self.intermediate_size

@@ -169,6 +169,13 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
     if not path.is_dir():
         raise CheckpointError(f"{path}: not a directory", "pass the checkpoint's directory, not a file in it")
     config = parse_config(_read_json(path / "config.json", "config.json"))
+    gen_path = path / "generation_config.json"
+    gen = _read_json(gen_path, "generation_config.json") if gen_path.is_file() else {}
+    if gen.get("eos_token_id") is not None:  # transformers' generate stops on these, not config.json's
+        config = dataclasses.replace(config, eos_token_ids=token_ids(gen["eos_token_id"], gen_path))
+    problem = config.inconsistency()
+    if problem:  # an artifact built from it would be refused at every load
+        raise CheckpointError(f"{path}: {problem}", "fix config.json (or generation_config.json's eos_token_id)")
 
     expected = config.weight_shapes()
     found: dict[str, tuple[Path, str, tuple[int, ...]]] = {}
@@ -203,10 +210,6 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
         chat_template = (path / "chat_template.jinja").read_text()
     special = {k: _token_text(tok_config[k], tok_config_path, k) for k in ("bos_token", "eos_token")
                if tok_config.get(k)}  # fmt: skip
-    gen_path = path / "generation_config.json"
-    gen = _read_json(gen_path, "generation_config.json") if gen_path.is_file() else {}
-    if gen.get("eos_token_id") is not None:  # transformers' generate stops on these, not config.json's
-        config = dataclasses.replace(config, eos_token_ids=token_ids(gen["eos_token_id"], gen_path))
     generation = generation_defaults(gen, gen_path) if gen_path.is_file() else {}
     return Checkpoint(path, config, tensor_files, dtypes, tokenizer_path, chat_template, special, generation)
 

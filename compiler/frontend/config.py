@@ -111,10 +111,6 @@ def parse_config(raw: dict) -> ModelConfig:
     layers = _int(raw, "num_hidden_layers")
     vocab = _int(raw, "vocab_size")
     inter = _int(raw, "intermediate_size")
-    if heads % kv_heads:
-        raise UnsupportedModelError(
-            f"config.json: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}"
-        )
     if head_dim % 2:
         raise UnsupportedModelError(f"config.json: head_dim={head_dim} is odd; RoPE needs an even head_dim")
     theta, scaling = _rope(raw)

@@ -179,3 +179,21 @@ def test_absurd_config_is_refused_at_once(checkpoint_dir, tmp_path, field, value
     (ckpt / "config.json").write_text(json.dumps({**config, field: value}))
     with pytest.raises(LlmcError, match=field):
         load_checkpoint(ckpt)
+
+
+@pytest.mark.parametrize(
+    "name, field, value, match",
+    [
+        ("config.json", "num_key_value_heads", 3, "not a multiple of num_kv_heads"),
+        ("config.json", "bos_token_id", 5000, "past the vocabulary"),
+        ("generation_config.json", "eos_token_id", [1, 5000], "past the vocabulary"),
+    ],
+)
+def test_contradicting_fields_fail_the_compile_not_every_load(checkpoint_dir, tmp_path, name, field, value, match):
+    """The cross-field rules an artifact's manifest is checked by at load refuse the checkpoint first."""
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(checkpoint_dir("llama"), ckpt)
+    original = json.loads((ckpt / name).read_text()) if (ckpt / name).is_file() else {}
+    (ckpt / name).write_text(json.dumps({**original, field: value}))
+    with pytest.raises(LlmcError, match=match):
+        load_checkpoint(ckpt)
