@@ -11,6 +11,7 @@ import dataclasses
 import re
 
 from llmc import __version__
+from llmc.artifact import ABI_VERSION
 from llmc.errors import CompileError
 from llmc.targets import Target
 
@@ -84,6 +85,7 @@ def render_module(
         family,
         HOST_TEMPLATE[family],
         version=__version__,
+        abi_version=ABI_VERSION,
         target=target.name,
         arch=target.gencode or " ".join(target.raw.get("flags", [])),
         sm=target.compute_capability,
