@@ -198,6 +198,26 @@ def _logits_rows(method: str | None, num_tokens: int, max_num_seqs: int) -> int 
     return None if method is None else max_num_seqs * (num_tokens + 1)
 
 
+def _engine_parts(stack: contextlib.ExitStack, path: Path, kv_cache_memory: str | None, max_num_seqs: int,
+                  no_prefix_caching: bool, speculative: str | None, num_speculative_tokens: int, draft: Path | None,
+                  **load_kw):  # fmt: skip
+    """What run, serve and bench share: the model (and a draft) loaded for their flags and closed by `stack`,
+    the tokenizer, and a factory of engines over them (detokenize=False: an engine that returns ids only)."""
+    from .runtime.engine import LLMEngine
+
+    rows = _logits_rows(speculative, num_speculative_tokens, max_num_seqs)
+    model, tokenizer = _load_model(path, kv_cache_memory, max_num_seqs=max_num_seqs, max_num_logits=rows, **load_kw)
+    stack.callback(model.close)
+    spec = _speculative_config(speculative, num_speculative_tokens, draft, tokenizer, kv_cache_memory, max_num_seqs,
+                               stack)  # fmt: skip
+
+    def make_engine(detokenize: bool = True) -> LLMEngine:
+        return LLMEngine(model, tokenizer if detokenize else None, enable_prefix_caching=not no_prefix_caching,
+                         speculative=spec)  # fmt: skip
+
+    return model, tokenizer, make_engine
+
+
 # ----------------------------------------------------------------------------------------------------------
 # run
 
@@ -234,7 +254,6 @@ def run(artifact: Path | None, prompt: str | None, max_tokens: int, temperature:
     A checkpoint is compiled for this CPU once and cached ($LLMC_CACHE_DIR, else ~/.cache/llmc). With an
     ARTIFACT, no --prompt and a terminal on stdin, it starts an interactive chat.
     """
-    from .runtime.engine import LLMEngine
     from .runtime.sampling import SamplingParams
 
     chat = prompt is None and artifact is not None and not as_json and _stdin_is_tty()
@@ -249,12 +268,11 @@ def run(artifact: Path | None, prompt: str | None, max_tokens: int, temperature:
     if chat:
         from .runtime.chat import run_chat
 
-        model, tokenizer = _load_model(path, kv_cache_memory, max_num_seqs=1,
-                                       max_num_logits=_logits_rows(speculative, num_speculative_tokens, 1))  # fmt: skip
-        params = SamplingParams(**{**model.generation_defaults, **given}, seed=seed, max_tokens=max_tokens)
-        with model, contextlib.ExitStack() as stack:
-            spec = _speculative_config(speculative, num_speculative_tokens, draft, tokenizer, kv_cache_memory, 1, stack)
-            engine = LLMEngine(model, tokenizer, enable_prefix_caching=not no_prefix_caching, speculative=spec)
+        with contextlib.ExitStack() as stack:
+            model, tokenizer, make_engine = _engine_parts(stack, path, kv_cache_memory, 1, no_prefix_caching,
+                                                          speculative, num_speculative_tokens, draft)  # fmt: skip
+            params = SamplingParams(**{**model.generation_defaults, **given}, seed=seed, max_tokens=max_tokens)
+            engine = make_engine()
             run_chat(engine, tokenizer, model.chat_template, params, bos_token=model.bos_token,
                      eos_token=model.eos_token)  # fmt: skip
         return
@@ -264,12 +282,11 @@ def run(artifact: Path | None, prompt: str | None, max_tokens: int, temperature:
             raise LlmcError("no prompt given", "pass --prompt TEXT, or pipe the prompt on stdin")
         if artifact is None and not as_json:
             click.echo(f"prompt: {prompt!r}", err=True)
-    model, tokenizer = _load_model(path, kv_cache_memory, max_num_seqs=1, simulate=simulate,
-                                   max_num_logits=_logits_rows(speculative, num_speculative_tokens, 1))  # fmt: skip
-    params = SamplingParams(**{**model.generation_defaults, **given}, seed=seed, max_tokens=max_tokens)
-    with model, contextlib.ExitStack() as stack:
-        spec = _speculative_config(speculative, num_speculative_tokens, draft, tokenizer, kv_cache_memory, 1, stack)
-        engine = LLMEngine(model, tokenizer, enable_prefix_caching=not no_prefix_caching, speculative=spec)
+    with contextlib.ExitStack() as stack:
+        model, tokenizer, make_engine = _engine_parts(stack, path, kv_cache_memory, 1, no_prefix_caching, speculative,
+                                                      num_speculative_tokens, draft, simulate=simulate)  # fmt: skip
+        params = SamplingParams(**{**model.generation_defaults, **given}, seed=seed, max_tokens=max_tokens)
+        engine = make_engine()
         prompt_ids = tokenizer.encode(prompt).ids
         engine.add_request(prompt_ids, params)
         token_ids: list[int] = []
@@ -371,21 +388,17 @@ def serve(artifact: Path, host: str, port: int, model_name: str | None, max_num_
     """Serve ARTIFACT over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models),
     with /health and Prometheus metrics at /metrics."""
     from .runtime import server
-    from .runtime.engine import AsyncLLMEngine, LLMEngine
+    from .runtime.engine import AsyncLLMEngine
 
     given = {"max_body_bytes": max_body_size, "max_n": max_n, "max_waiting_requests": max_waiting_requests,
              "shutdown_timeout_s": shutdown_timeout}  # fmt: skip
     limits = server.ServerLimits(**{k: v for k, v in given.items() if v is not None})  # unset: the library's default
     path = _resolve_artifact(artifact)
-    rows = _logits_rows(speculative, num_speculative_tokens, max_num_seqs)
-    model, tokenizer = _load_model(path, kv_cache_memory, max_num_seqs=max_num_seqs,
-                                   max_num_tokens=max_num_batched_tokens, max_num_logits=rows)  # fmt: skip
     with contextlib.ExitStack() as stack:
-        stack.callback(model.close)
-        spec = _speculative_config(speculative, num_speculative_tokens, draft, tokenizer, kv_cache_memory, max_num_seqs,
-                                   stack)  # fmt: skip
-        engine = AsyncLLMEngine(LLMEngine(model, tokenizer, enable_prefix_caching=not no_prefix_caching,
-                                          speculative=spec))  # fmt: skip
+        model, tokenizer, make_engine = _engine_parts(stack, path, kv_cache_memory, max_num_seqs, no_prefix_caching,
+                                                      speculative, num_speculative_tokens, draft,
+                                                      max_num_tokens=max_num_batched_tokens)  # fmt: skip
+        engine = AsyncLLMEngine(make_engine())
         name = model_name or artifact.resolve().name
         app = server.create_app(engine, tokenizer, name, model.chat_template, bos_token=model.bos_token,
                                 eos_token=model.eos_token, limits=limits, api_key=api_key or None)  # fmt: skip
@@ -453,16 +466,11 @@ def bench(artifact: Path, concurrency: list[int], num_requests: int | None, prom
           draft: Path | None) -> None:  # fmt: skip
     """TTFT, TPOT and tokens/s of ARTIFACT on a fixed synthetic workload, against the memory roofline."""
     from .runtime.bench import format_bench_table, run_bench
-    from .runtime.engine import LLMEngine
 
-    max_num_seqs = max(concurrency)
-    rows = _logits_rows(speculative, num_speculative_tokens, max_num_seqs)
-    model, tokenizer = _load_model(_resolve_artifact(artifact), kv_cache_memory, max_num_seqs=max_num_seqs,
-                                   max_num_logits=rows)  # fmt: skip
-    with model, contextlib.ExitStack() as stack:
-        spec = _speculative_config(speculative, num_speculative_tokens, draft, tokenizer, kv_cache_memory, max_num_seqs,
-                                   stack)  # fmt: skip
-        result = run_bench(lambda: LLMEngine(model, enable_prefix_caching=not no_prefix_caching, speculative=spec),
+    with contextlib.ExitStack() as stack:
+        _, _, make_engine = _engine_parts(stack, _resolve_artifact(artifact), kv_cache_memory, max(concurrency),
+                                          no_prefix_caching, speculative, num_speculative_tokens, draft)  # fmt: skip
+        result = run_bench(lambda: make_engine(detokenize=False),
                            concurrency=concurrency, num_requests=num_requests, prompt_len=prompt_len,
                            output_len=output_len, seed=seed, shared_prefix=shared_prefix,
                            memory_bandwidth=memory_bandwidth, progress=not as_json)  # fmt: skip
