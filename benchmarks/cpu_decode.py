@@ -28,7 +28,7 @@ median over rounds. A 1-thread read and a 1-thread numpy copy ((read + write) by
 for reference. Note: an fp32 SmolLM-135M (0.54 GB) is under 2x a 300 MB LLC and its bf16 weights fit in
 one, so part of a step's weights may come from the LLC and a row can beat the DRAM roofline.
 
-Threads: llmc's kernels run on their own pool sized by OMP_NUM_THREADS (templates/cpu/common.h); torch
+Threads: llmc's kernels run on their own pool sized by OMP_NUM_THREADS (templates/cpu/include/llmc_pool.h); torch
 uses --threads too. No thread pinning: on a machine whose cores are shared with other work, a pinned
 thread cannot leave a busy core. Numbers on a shared machine are noisy: compare rows of one run.
 """

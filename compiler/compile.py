@@ -20,7 +20,7 @@ from llmc.targets import Target, load_target
 
 from .codegen.build import build_shared_library
 from .codegen.module import render_module
-from .codegen.render import template_file
+from .codegen.render import target_headers, template_file
 from .codegen.simulator import nvcc_path
 from .codegen.tvm_fallback import include_dirs
 from .export import to_relax
@@ -36,17 +36,6 @@ STAGES = ("trace", "import to Relax", "fuse", "lower", "pack weights", "render",
 # Test hook, off unless set: LLMC_TEST_SIGNAL_AT="STAGE[:SIGNAL]" makes compile send itself SIGNAL (default
 # SIGKILL) as it enters STAGE, so tests/test_artifact_durability.py can kill -9 or stop a real compile there.
 SIGNAL_AT_ENV = "LLMC_TEST_SIGNAL_AT"
-CUDA_HEADERS = (
-    "llmc_device.cuh",
-    "llmc_kernels.cuh",
-    "llmc_sim.h",
-    "llmc_sim_fibers.h",
-    "llmc_sim_mma.h",
-    "llmc_sim_warp.h",
-    "llmc_sim_memory.h",
-    "llmc_sim_launch.h",
-    "llmc_sim_math.h",
-)
 
 
 def resolve_weight_dtype(ckpt: Checkpoint, requested: str) -> str:
@@ -86,9 +75,7 @@ def build_program(
 def module_sources(target: Target, source: str, tvm_source: str | None = None) -> dict[str, str]:
     """The files a target's build compiles: the generated sources and the fixed files they need."""
     family = target.template_dir
-    if target.is_cuda:
-        return {target.source_file: source, **{h: template_file(family, f"include/{h}") for h in CUDA_HEADERS}}
-    sources = {target.source_file: source, "common.h": template_file(family, "common.h")}
+    sources = {target.source_file: source, **target_headers(family)}
     if tvm_source is not None:
         sources |= {"tvm_kernels.cc": tvm_source, "tvm_backend.cc": template_file(family, "tvm_backend.cc")}
     return sources

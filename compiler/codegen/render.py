@@ -7,7 +7,7 @@ parameter that changes the code into one readable, filename- and identifier-safe
 URI idea): it names the kernel in the manifest, the tuning database and the build cache.
 
 Templates stay thin: they fill in constants and call inline functions of the target's common header
-(`templates/cpu/common.h`), which `template_file(target, "common.h")` returns.
+(`templates/cpu/include/common.h` and the headers it includes), which `target_headers(target)` returns.
 """
 
 from __future__ import annotations
@@ -134,11 +134,20 @@ def template_path(target: str, op: str) -> str:
 
 
 def template_file(target: str, filename: str) -> str:
-    """A fixed source file of the target, e.g. `template_file("cpu", "common.h")`."""
+    """A fixed source file of the target, e.g. `template_file("cpu", "tvm_backend.cc")`."""
     path = TEMPLATE_DIR / target / filename
     if not path.is_file():
         raise CompileError(f"target {target!r} has no file {filename!r} under {TEMPLATE_DIR / target}")
     return path.read_text()
+
+
+def target_headers(target: str) -> dict[str, str]:
+    """Every fixed header of the target (templates/<target>/include), by file name: what goes next to the
+    generated source so that its `#include "..."` lines resolve."""
+    folder = TEMPLATE_DIR / target / "include"
+    if not folder.is_dir():
+        raise CompileError(f"target {target!r} has no header folder {folder}")
+    return {p.name: p.read_text() for p in sorted(folder.iterdir()) if p.is_file()}
 
 
 def template_params(target: str, op: str) -> set[str]:

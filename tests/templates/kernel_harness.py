@@ -12,7 +12,7 @@ Its schedules() are the ways the target may order a kernel's work (OpenMP thread
 scheduling seeds, which shuffle threads and blocks), for tests that results do not depend on them.
 
 LLMC_TEST_MARCH=haswell (AVX2) or =x86-64 (portable fallback) builds the CPU kernels for that ISA instead of
--march=native, to test common.h's other SIMD paths on an AVX-512 host.
+-march=native, to test the CPU headers' other SIMD paths on an AVX-512 host.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import numpy as np
 
 from llmc.compiler.codegen import simulator
 from llmc.compiler.codegen.build import CPU_FLAGS, build_shared_library
-from llmc.compiler.codegen.render import kernel_id, render_kernel, template_file
+from llmc.compiler.codegen.render import kernel_id, render_kernel, target_headers
 
 # docs/contracts.md, "Kernel templates": (argument, kind) per op; the CUDA launcher takes a cudaStream_t after
 # them. W* is float32 or bf16 (uint16 bits).
@@ -181,7 +181,7 @@ class CpuHarness(Harness):
         self._gomp = None
 
     def _load(self, source: str) -> ctypes.CDLL:
-        files = {"common.h": template_file("cpu", "common.h"), "kernels.cc": source}
+        files = {**target_headers("cpu"), "kernels.cc": source}
         return ctypes.CDLL(str(build_shared_library(files, flags=self.flags)))
 
     def _omp(self) -> ctypes.CDLL:  # libgomp, which the kernels load

@@ -10,7 +10,7 @@ import tvm
 from tvm import relax
 
 from llmc.compiler.codegen.build import CPU_FLAGS, build_shared_library
-from llmc.compiler.codegen.render import kernel_id, render_kernel, template_file
+from llmc.compiler.codegen.render import kernel_id, render_kernel, target_headers, template_file
 from llmc.compiler.codegen.tvm_fallback import c_source, include_dirs, legalize_call
 
 ROWS = tvm.tirx.Var("T", "int64")
@@ -54,7 +54,7 @@ def kernels():
         "return llmc::call_tvm<3>(__tvm_ffi_tvm_add, {x, x, x}, {s, s, s}, {2, 2, 2}); }"
     )
     files = {
-        "common.h": template_file("cpu", "common.h"),
+        **target_headers("cpu"),
         "kernels.cc": '#include "common.h"\n' + "\n".join(sources),
         "tvm_kernels.cc": c_source(funcs),
         "tvm_backend.cc": template_file("cpu", "tvm_backend.cc"),

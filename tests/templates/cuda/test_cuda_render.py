@@ -9,8 +9,7 @@ import pytest
 from kernel_harness import kernels_source
 
 from llmc.compiler.codegen import simulator
-from llmc.compiler.codegen.render import kernel_id, render_kernel, template_file, template_params
-from llmc.compiler.compile import CUDA_HEADERS
+from llmc.compiler.codegen.render import kernel_id, render_kernel, target_headers, template_params
 from llmc.errors import CompileError
 
 COMMON = {
@@ -63,11 +62,12 @@ def test_render_errors_name_the_cuda_template():
 
 
 def test_the_build_ships_every_header(tmp_path):
-    """compile.CUDA_HEADERS, the headers that go next to model.cu, are all of templates/cuda/include, and with
+    """render.target_headers, the headers that go next to model.cu, are all of templates/cuda/include, and with
     them alone (no include path into the repository) kernels compile for the simulator."""
-    assert set(CUDA_HEADERS) == {p.name for p in simulator.INCLUDE_DIR.iterdir()}
-    for name in CUDA_HEADERS:
-        (tmp_path / name).write_text(template_file("cuda", f"include/{name}"))
+    headers = target_headers("cuda")
+    assert set(headers) == {p.name for p in simulator.INCLUDE_DIR.iterdir()}
+    for name, text in headers.items():
+        (tmp_path / name).write_text(text)
     source, _ = kernels_source("cuda", [("rmsnorm", COMMON["rmsnorm"])])
     (tmp_path / "model.cu").write_text(source)
     cmd = [

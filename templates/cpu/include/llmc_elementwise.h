@@ -1,0 +1,85 @@
+// llmc CPU target: the row-wise kernels: embedding, RMSNorm, RoPE, SiLU-and-multiply, row gather.
+#pragma once
+
+#include "llmc_pool.h"
+#include "llmc_simd.h"
+
+namespace llmc {
+
+// embedding: out[t, :] = table[ids[t], :] (bf16 widened).
+template <int H, typename WT>
+inline void embedding(const int32_t* ids, int T, const WT* LLMC_RESTRICT table, float* LLMC_RESTRICT out) {
+  parallel_for(T, (long)T * H >= kParallelWork, [&](int t) {
+    const WT* src = table + (long)ids[t] * H;
+    float* dst = out + (long)t * H;
+    for (int i = 0; i < H; ++i) dst[i] = load_w(src[i]);
+  });
+}
+
+// rmsnorm, as transformers' LlamaRMSNorm in float32: y = w * (h * (1 / sqrt(mean(h^2) + eps))).
+// ADD: h = residual_out = x + residual_in first (residual_out may alias residual_in or x).
+template <int H, bool ADD, typename WT>
+inline void rmsnorm(const float* x, const float* residual_in, float* residual_out, const WT* w, float* y,
+                    int T, float eps) {
+  parallel_for(T, (long)T * H >= kParallelWork, [&](int t) {
+    const float* h = x + (long)t * H;
+    if constexpr (ADD) {
+      const float* ri = residual_in + (long)t * H;
+      float* ro = residual_out + (long)t * H;
+      for (int i = 0; i < H; ++i) ro[i] = h[i] + ri[i];
+      h = ro;
+    }
+    const float ss = dot<H>(h, h);
+    const float r = 1.0f / std::sqrt(ss / float(H) + eps);
+    float* out = y + (long)t * H;
+    for (int i = 0; i < H; ++i) out[i] = load_w(w[i]) * (h[i] * r);
+  });
+}
+
+// rope, rotate-half convention (transformers' Llama): with c, s = cos, sin(float(pos) * inv_freq[i]),
+//   x[i] = x[i] * c - x[i + D/2] * s,   x[i + D/2] = x[i + D/2] * c + x[i] * s,   i < D/2,
+// in place on heads [0, NH) of each row (row t starts at x + t * row_stride).
+template <int NH, int D>
+inline void rope(float* x, int row_stride, const int32_t* positions, int T, const float* inv_freq) {
+  static_assert(D % 2 == 0, "rope: odd head_dim");
+  constexpr int HALF = D / 2;
+  parallel_for(T, (long)T * NH * D >= kParallelWork, [&](int t) {
+    float c[HALF], s[HALF];
+    const float p = float(positions[t]);
+    for (int i = 0; i < HALF; ++i) {
+      const float a = p * inv_freq[i];
+      c[i] = std::cos(a);
+      s[i] = std::sin(a);
+    }
+    float* row = x + (long)t * row_stride;
+    for (int h = 0; h < NH; ++h) {
+      float* x1 = row + h * D;
+      float* x2 = x1 + HALF;
+      for (int i = 0; i < HALF; ++i) {
+        const float a = x1[i], b = x2[i];
+        x1[i] = a * c[i] - b * s[i];
+        x2[i] = b * c[i] + a * s[i];
+      }
+    }
+  });
+}
+
+// silu_mul: out[t, i] = silu(gate[t, i]) * up[t, i], gate_up = [gate | up] per row;
+// silu(g) = g / (1 + exp(-g)) as torch computes it.
+template <int I>
+inline void silu_mul(const float* LLMC_RESTRICT gate_up, float* LLMC_RESTRICT out, int T) {
+  parallel_for(T, (long)T * I >= kParallelWork, [&](int t) {
+    const float* g = gate_up + (long)t * 2 * I;
+    const float* u = g + I;
+    float* o = out + (long)t * I;
+    for (int i = 0; i < I; ++i) o[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
+  });
+}
+
+// gather_rows: out[i, :] = x[rows[i], :] for i < n (e.g. the rows that produce logits).
+template <int C>
+inline void gather_rows(const float* LLMC_RESTRICT x, const int32_t* rows, int n, float* LLMC_RESTRICT out) {
+  for (int i = 0; i < n; ++i) std::memcpy(out + (long)i * C, x + (long)rows[i] * C, sizeof(float) * C);
+}
+
+}  // namespace llmc
