@@ -1,0 +1,127 @@
+"""The Hugging Face <-> GGUF naming of the llama family, shared by the GGUF writer and the GGUF importer.
+
+Three things are fixed by llama.cpp (its convert_hf_to_gguf.py and gguf-py's constants), not by llmc:
+- tensor names: `model.layers.N.self_attn.q_proj.weight` is `blk.N.attn_q.weight`, and so on;
+- metadata keys: `general.architecture`, then `{arch}.block_count` etc., with `{arch}` the GGUF arch name;
+- the row order of q_proj and k_proj (weights and biases) in the `llama` arch. Hugging Face's RoPE rotates
+  halves (dimension i pairs with i + head_dim/2); llama.cpp's `llama` arch rotates adjacent pairs (2i with
+  2i + 1), so the converter permutes each head's rows: permute_qk. `qwen2` keeps Hugging Face's order
+  (llama.cpp runs it with NEOX-style rope), so nothing is permuted there.
+
+Pure numpy, no `gguf` import: the importer and the writer each bring the `gguf` package themselves.
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+
+# config.json `architectures[0]` -> GGUF `general.architecture`. llama.cpp converts Mistral as `llama`.
+GGUF_ARCH = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
+# GGUF arch -> the Hugging Face class the importer rebuilds.
+HF_ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+# The GGUF archs whose q/k rows are stored in llama.cpp's interleaved-pair order.
+PERMUTED_ARCHS = frozenset({"llama"})
+
+# Metadata keys; `.format(arch=...)` the ones with `{arch}`.
+ARCHITECTURE = "general.architecture"
+NAME = "general.name"
+FILE_TYPE = "general.file_type"
+CONTEXT_LENGTH = "{arch}.context_length"
+EMBEDDING_LENGTH = "{arch}.embedding_length"
+BLOCK_COUNT = "{arch}.block_count"
+FEED_FORWARD_LENGTH = "{arch}.feed_forward_length"
+VOCAB_SIZE = "{arch}.vocab_size"
+HEAD_COUNT = "{arch}.attention.head_count"
+HEAD_COUNT_KV = "{arch}.attention.head_count_kv"
+KEY_LENGTH = "{arch}.attention.key_length"
+VALUE_LENGTH = "{arch}.attention.value_length"
+RMS_EPS = "{arch}.attention.layer_norm_rms_epsilon"
+ROPE_FREQ_BASE = "{arch}.rope.freq_base"
+ROPE_DIMENSION_COUNT = "{arch}.rope.dimension_count"
+ROPE_SCALING_TYPE = "{arch}.rope.scaling.type"
+ROPE_SCALING_FACTOR = "{arch}.rope.scaling.factor"
+ROPE_SCALING_ORIG_CTX = "{arch}.rope.scaling.original_context_length"
+TOKENIZER_MODEL = "tokenizer.ggml.model"
+TOKENIZER_PRE = "tokenizer.ggml.pre"
+TOKENS = "tokenizer.ggml.tokens"
+TOKEN_TYPE = "tokenizer.ggml.token_type"
+MERGES = "tokenizer.ggml.merges"
+BOS_ID = "tokenizer.ggml.bos_token_id"
+EOS_ID = "tokenizer.ggml.eos_token_id"
+ADD_BOS = "tokenizer.ggml.add_bos_token"
+CHAT_TEMPLATE = "tokenizer.chat_template"
+
+# llama.cpp's token types (llama_token_type / gguf.TokenType).
+TOKEN_NORMAL, TOKEN_CONTROL, TOKEN_USER_DEFINED = 1, 3, 4
+
+_GLOBAL = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+_LAYER = {  # the part after `model.layers.N.` -> the part after `blk.N.`, weights and biases alike
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+}
+_GLOBAL_BACK = {g: h for h, g in _GLOBAL.items()}
+_LAYER_BACK = {g: h for h, g in _LAYER.items()}
+_HF_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)")
+_GGUF_LAYER = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+
+def hf_to_gguf(name: str) -> str:
+    """A Hugging Face tensor name -> llama.cpp's. KeyError for a name outside the llama family."""
+    if name in _GLOBAL:
+        return _GLOBAL[name]
+    m = _HF_LAYER.fullmatch(name)
+    if m and m.group(2) in _LAYER:
+        return f"blk.{m.group(1)}.{_LAYER[m.group(2)]}.{m.group(3)}"
+    raise KeyError(name)
+
+
+def gguf_to_hf(name: str) -> str:
+    """A llama.cpp tensor name -> Hugging Face's. KeyError for a name outside the llama family."""
+    if name in _GLOBAL_BACK:
+        return _GLOBAL_BACK[name]
+    m = _GGUF_LAYER.fullmatch(name)
+    if m and m.group(2) in _LAYER_BACK:
+        return f"model.layers.{m.group(1)}.{_LAYER_BACK[m.group(2)]}.{m.group(3)}"
+    raise KeyError(name)
+
+
+def qk_heads(gguf_arch: str, gguf_name: str, n_head: int, n_head_kv: int) -> int | None:
+    """The head count permute_qk / unpermute_qk take for this tensor, or None when it is stored as is."""
+    if gguf_arch not in PERMUTED_ARCHS:
+        return None
+    m = _GGUF_LAYER.fullmatch(gguf_name)
+    kind = m.group(2) if m else None
+    return n_head if kind == "attn_q" else n_head_kv if kind == "attn_k" else None
+
+
+def _check(w: np.ndarray, n_head: int) -> int:
+    rows = w.shape[0]
+    if n_head < 1 or rows % (2 * n_head):
+        raise ValueError(f"{rows} rows do not split into {n_head} heads of an even head_dim")
+    return rows // n_head // 2
+
+
+def permute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Hugging Face's rotate-half row order -> llama.cpp's interleaved pairs (convert_hf_to_gguf's
+    LlamaModel.permute). Rows are dim 0; any trailing dims (columns, quantized blocks) ride along."""
+    half = _check(w, n_head)
+    return w.reshape(n_head, 2, half, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
+    """The inverse of permute_qk: llama.cpp's interleaved pairs -> Hugging Face's rotate-half rows."""
+    half = _check(w, n_head)
+    return w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
