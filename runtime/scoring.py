@@ -12,7 +12,9 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+
+import numpy as np
 
 from llmc.errors import RequestError
 from llmc.runtime.batch import StepBatch
@@ -31,20 +33,17 @@ class Perplexity:
         return self.num_tokens / self.seconds if self.seconds > 0 else 0.0
 
 
-def perplexity(model, token_ids: Sequence[int]) -> Perplexity:
-    """exp(mean negative log-likelihood) of each token given those before it in its window.
+def next_token_logits(model, token_ids: Sequence[int]) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """Per step: the logits rows [n, vocab] of a chunk of a window and the next tokens [n] they predict.
 
     model: the CompiledModel interface (config, block_size, num_blocks, max_num_tokens, max_num_logits, step),
-    idle: scoring uses its cache.
+    idle: scoring uses its cache. Two models loaded alike (same config, block size, cache and step sizes) cut
+    the text into the same windows and steps, so their rows can be compared one for one.
     """
     ids = [int(t) for t in token_ids]
-    if len(ids) < 2:
-        raise RequestError(f"the text has {len(ids)} token(s); perplexity needs at least 2", param="prompt")
     kv_cache = KVCacheManager(model.num_blocks, model.block_size, sliding_window=int(model.config.kv_window))
     window = min(int(model.config.max_context), kv_cache.max_num_tokens)
     step_tokens = min(model.max_num_tokens, model.max_num_logits)
-    nll, count = 0.0, 0
-    start = time.perf_counter()
     for w in range(0, len(ids), window):
         chunk, req_id = ids[w : w + window], f"window-{w}"
         try:
@@ -55,10 +54,20 @@ def perplexity(model, token_ids: Sequence[int]) -> Perplexity:
                     raise AssertionError(f"{window} tokens do not fit the cache they were sized for")
                 batch = StepBatch.build([new], [i], [kv_cache.block_ids(req_id)], model.block_size,
                                         num_logits=[len(new)])  # fmt: skip
-                for row, logits in enumerate(model.step(batch)):
-                    nll -= float(log_softmax(logits)[chunk[i + row + 1]])
-                count += len(new)
+                yield model.step(batch), np.asarray(chunk[i + 1 : i + 1 + len(new)])
         finally:
             if req_id in kv_cache:
                 kv_cache.free(req_id)
+
+
+def perplexity(model, token_ids: Sequence[int]) -> Perplexity:
+    """exp(mean negative log-likelihood) of each token given those before it in its window."""
+    if len(token_ids) < 2:
+        raise RequestError(f"the text has {len(token_ids)} token(s); perplexity needs at least 2", param="prompt")
+    nll, count = 0.0, 0
+    start = time.perf_counter()
+    for logits, targets in next_token_logits(model, token_ids):
+        for row, target in zip(logits, targets, strict=True):
+            nll -= float(log_softmax(row)[target])
+        count += len(targets)
     return Perplexity(math.exp(nll / count), count, time.perf_counter() - start)
