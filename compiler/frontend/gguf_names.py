@@ -53,8 +53,14 @@ EOS_ID = "tokenizer.ggml.eos_token_id"
 ADD_BOS = "tokenizer.ggml.add_bos_token"
 CHAT_TEMPLATE = "tokenizer.chat_template"
 
+QUANTIZATION_VERSION = "general.quantization_version"
+
 # llama.cpp's token types (llama_token_type / gguf.TokenType).
-TOKEN_NORMAL, TOKEN_CONTROL, TOKEN_USER_DEFINED = 1, 3, 4
+TOKEN_NORMAL, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED = 1, 3, 4, 5
+
+# A GGUF-only tensor: llama3 rope scaling's per-frequency divisors (head_dim / 2 floats), which llama.cpp
+# reads instead of the rope_scaling fields; no Hugging Face tensor maps to it.
+ROPE_FREQS = "rope_freqs.weight"
 
 _GLOBAL = {
     "model.embed_tokens.weight": "token_embd.weight",

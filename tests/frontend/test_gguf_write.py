@@ -1,6 +1,10 @@
 """GGUF naming (gguf_names) and the GGUF writer (gguf_write): names and the q/k row permutation invert exactly,
 and a written file reads back with gguf.GGUFReader as the checkpoint it came from."""
 
+import json
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -58,3 +62,112 @@ def test_permute_qk_inverts(shape, n_head):
 def test_permute_qk_rejects_odd_heads():
     with pytest.raises(ValueError, match="heads"):
         names.permute_qk(np.zeros((30, 4)), 4)
+
+
+# -- the writer ---------------------------------------------------------------------------------------
+
+gguf = pytest.importorskip("gguf")
+
+from llmc.compiler.frontend.checkpoint import load_checkpoint, to_numpy  # noqa: E402
+from llmc.compiler.frontend.gguf_write import write_gguf  # noqa: E402
+from llmc.errors import UnsupportedModelError  # noqa: E402
+
+# Sizes that are whole Q8_0 / Q4_0 blocks (32), so every matrix is quantized; GQA 4 (8 heads, 2 KV heads).
+_QUANTIZABLE = dict(rope_scaling=None, intermediate_size=96)
+
+
+def _fields(reader) -> dict:
+    return {k: f.contents() for k, f in reader.fields.items()}
+
+
+@pytest.mark.parametrize("dtype", ["F32", "BF16", "Q8_0", "Q4_0"])
+def test_writer_round_trips(checkpoint_dir, tmp_path, dtype):
+    path = checkpoint_dir("llama", **_QUANTIZABLE)
+    ckpt = load_checkpoint(path)
+    cfg = ckpt.config
+    reader = gguf.GGUFReader(write_gguf(path, tmp_path / "m.gguf", dtype))
+    meta = _fields(reader)
+    arch = meta[names.ARCHITECTURE]
+    assert arch == "llama"
+    key = {k: v.format(arch=arch) for k, v in vars(names).items() if isinstance(v, str) and "{arch}" in v}
+    assert meta[key["BLOCK_COUNT"]] == cfg.num_layers == 2
+    assert meta[key["EMBEDDING_LENGTH"]] == 64 and meta[key["FEED_FORWARD_LENGTH"]] == 96
+    assert (meta[key["HEAD_COUNT"]], meta[key["HEAD_COUNT_KV"]], meta[key["ROPE_DIMENSION_COUNT"]]) == (8, 2, 8)
+    assert meta[key["ROPE_FREQ_BASE"]] == cfg.rope_theta
+    assert meta[key["RMS_EPS"]] == pytest.approx(cfg.rms_norm_eps)
+    assert meta[names.TOKENIZER_MODEL] == "gpt2"
+    tok = json.loads(ckpt.tokenizer_path.read_text())
+    vocab = {**tok["model"]["vocab"], **{t["content"]: t["id"] for t in tok["added_tokens"]}}
+    assert meta[names.TOKENS] == sorted(vocab, key=vocab.get)
+    assert meta[names.TOKEN_TYPE][:3] == [names.TOKEN_CONTROL, names.TOKEN_CONTROL, names.TOKEN_NORMAL]
+    assert meta[names.MERGES] == [" ".join(m) for m in tok["model"]["merges"]]  # pairs, as tokenizers writes them
+    assert (meta[names.BOS_ID], meta[names.EOS_ID]) == (0, 1)
+    assert meta[names.CHAT_TEMPLATE] == ckpt.chat_template
+
+    tensors = {t.name: t for t in reader.tensors}
+    assert set(tensors) == {names.hf_to_gguf(n) for n in cfg.weight_shapes()}
+    qtype = gguf.GGMLQuantizationType[dtype]
+    tol = {"F32": 0, "BF16": 2**-8, "Q8_0": 2**-7, "Q4_0": 2**-3}[dtype]
+    for hf_name, shape in cfg.weight_shapes().items():
+        t = tensors[names.hf_to_gguf(hf_name)]
+        assert tuple(int(d) for d in reversed(t.shape)) == shape  # GGUF lists dims innermost first
+        assert t.tensor_type == (qtype if len(shape) == 2 else gguf.GGMLQuantizationType.F32)
+        w = gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape)
+        heads = names.qk_heads(arch, t.name, cfg.num_heads, cfg.num_kv_heads)
+        if heads is not None:
+            w = names.unpermute_qk(w, heads)
+        ref = to_numpy(ckpt.tensor(hf_name)).astype(np.float32)
+        # per block, Q8_0 / Q4_0 round to within half a step of the block's absmax / 127 (resp. / 8)
+        np.testing.assert_allclose(w, ref, rtol=0, atol=tol * np.abs(ref).max() + 1e-7, err_msg=hf_name)
+        if dtype == "F32":
+            np.testing.assert_array_equal(w, ref)
+
+
+def test_writer_falls_back_to_f32_for_partial_blocks(checkpoint_dir, tmp_path):
+    path = checkpoint_dir("llama", rope_scaling=None, intermediate_size=100)  # down_proj rows: 100 values
+    reader = gguf.GGUFReader(write_gguf(path, tmp_path / "m.gguf", "q4_0"))
+    types = {t.name: t.tensor_type.name for t in reader.tensors}
+    assert types["blk.0.ffn_down.weight"] == "F32" and types["blk.0.ffn_up.weight"] == "Q4_0"
+
+
+def test_writer_llama3_rope_freqs(checkpoint_dir, tmp_path):
+    path = checkpoint_dir("llama")  # llama3 rope scaling, factor 8, original context 32
+    reader = gguf.GGUFReader(write_gguf(path, tmp_path / "m.gguf", "F32"))
+    freqs = {t.name: t for t in reader.tensors}[names.ROPE_FREQS].data
+    dim, theta = 8, load_checkpoint(path).config.rope_theta
+    wavelen = 2 * np.pi * theta ** (np.arange(0, dim, 2) / dim)
+    assert freqs.shape == (dim // 2,)
+    np.testing.assert_allclose(freqs[wavelen < 32 / 4], 1.0)  # high frequencies are not scaled
+    np.testing.assert_allclose(freqs[wavelen > 32], 8.0)  # low ones by the factor
+
+
+def test_writer_refuses_what_it_cannot_write(checkpoint_dir, tmp_path):
+    path = checkpoint_dir("llama", rope_scaling=None)
+    with pytest.raises(UnsupportedModelError, match="Q5_K"):
+        write_gguf(path, tmp_path / "m.gguf", "Q5_K")
+    yarn = checkpoint_dir("qwen2", rope_scaling={"rope_type": "yarn", "factor": 2.0})
+    with pytest.raises(UnsupportedModelError, match="yarn"):
+        write_gguf(yarn, tmp_path / "m.gguf", "F32")
+    assert not list(tmp_path.iterdir())  # no file, not even the partial one
+
+
+@pytest.mark.parametrize("variant", ["llama", "mistral", "qwen2"])
+def test_llamacpp_greedy_tokens_equal_transformers(checkpoint_dir, tmp_path, variant):
+    """llama.cpp reads the F32 file as transformers runs the checkpoint: names, q/k order, rope, tokenizer ids."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    torch = pytest.importorskip("torch")
+    sys.path.insert(0, str(Path(__file__).parent.parent))
+    from checkpoints import hf_model
+
+    # llama: llama3 rope scaling with 8x8 heads / 2 KV; mistral: 9 heads / 3 KV, tied, sharded; qwen2: biases
+    path = checkpoint_dir(variant, **({"rope_scaling": None} if variant == "qwen2" else {}))
+    prompt = np.random.default_rng(1).integers(2, 384, 40).tolist()  # past llama3's original context of 32
+    with torch.no_grad():
+        ref = hf_model(path).generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False)[0, 40:].tolist()
+    llm = llama_cpp.Llama(str(write_gguf(path, tmp_path / "m.gguf", "F32")), n_ctx=128, n_threads=1, verbose=False)
+    out = []
+    for tok in llm.generate(prompt, temp=0.0, reset=True):
+        out.append(tok)
+        if len(out) == len(ref):
+            break
+    assert out == ref

@@ -1,0 +1,198 @@
+"""write_gguf: a Llama-family safetensors checkpoint -> a GGUF file that llama.cpp loads, as its
+convert_hf_to_gguf.py would write it.
+
+    write_gguf("ckpt/", "model.gguf", "Q8_0")
+
+- Architecture metadata from config.json (through parse_config), under llama.cpp's keys (gguf_names).
+- The tokenizer: tokenizer.json's byte-level BPE as `tokenizer.ggml.model = "gpt2"`: tokens by id (the
+  vocabulary padded to vocab_size with unused `[PAD<id>]` tokens, as the converter does), token types
+  (added special tokens are CONTROL), merges, bos/eos ids, and the chat template when there is one.
+- Tensors under llama.cpp's names. In the `llama` arch, q_proj and k_proj rows (and biases) are permuted to
+  llama.cpp's interleaved RoPE pairs (gguf_names.permute_qk); `qwen2` keeps Hugging Face's order. llama3 rope
+  scaling is written as the `rope_freqs` tensor, as the converter does.
+- dtype F32, BF16, Q8_0 or Q4_0 applies to every 2-D tensor (the token embedding and lm_head included); 1-D
+  tensors (norms, biases, rope_freqs) stay F32, as llama.cpp writes them. A 2-D tensor whose rows are not a
+  whole number of the type's blocks (32 values for Q8_0 / Q4_0) stays F32, as the converter falls back;
+  callers who want every matrix quantized pick hidden and intermediate sizes that are multiples of 32.
+  Q8_0 / Q4_0 / BF16 bytes come from `gguf.quants.quantize`, the converter's own code.
+
+Tensors are read, converted and written one at a time (header and tensor table first), so a checkpoint
+larger than memory converts; the file appears under its name only once complete.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import numpy as np
+
+from llmc.errors import CheckpointError, UnsupportedModelError
+
+from . import gguf_names as names
+from .checkpoint import load_checkpoint, to_numpy
+
+DTYPES = ("F32", "BF16", "Q8_0", "Q4_0")
+
+
+def write_gguf(checkpoint_dir: str | Path, out_path: str | Path, dtype: str) -> Path:
+    """Write checkpoint_dir (config.json, safetensors, tokenizer.json) as a GGUF file of dtype (DTYPES).
+
+    Returns out_path. UnsupportedModelError for an architecture, tokenizer or rope scaling llama.cpp's
+    loader would read differently from transformers (see the module docstring for what is written)."""
+    import gguf
+
+    dtype = dtype.upper()
+    if dtype not in DTYPES:
+        raise UnsupportedModelError(f"GGUF dtype {dtype!r} is not written", f"choose one of {', '.join(DTYPES)}")
+    qtype = gguf.GGMLQuantizationType[dtype]
+    ckpt = load_checkpoint(checkpoint_dir)
+    cfg = ckpt.config
+    arch = names.GGUF_ARCH.get(cfg.architecture)
+    if arch is None:
+        raise UnsupportedModelError(f"{cfg.architecture} has no GGUF writer", "llama, mistral and qwen2 are written")
+    if cfg.sliding_window is not None and cfg.sliding_window < cfg.max_position_embeddings:
+        raise UnsupportedModelError(
+            f"sliding-window attention (window {cfg.sliding_window}) is not written to GGUF",
+            "llama.cpp's llama arch attends to the whole context",
+        )
+
+    out_path = Path(out_path)
+    tmp = out_path.with_name(out_path.name + ".tmp")
+    writer = gguf.GGUFWriter(tmp, arch)
+    writer.add_name(Path(checkpoint_dir).resolve().name)
+    writer.add_file_type(gguf.LlamaFileType[{"F32": "ALL_F32"}.get(dtype, "MOSTLY_" + dtype)])
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    _add_hparams(writer, cfg)
+    _add_tokenizer(writer, ckpt, cfg)
+
+    plan = []  # (gguf name, hf name or None, the array maker's dtype)
+    rope_freqs = _llama3_rope_freqs(cfg)
+    if rope_freqs is not None:
+        plan.append((names.ROPE_FREQS, None, gguf.GGMLQuantizationType.F32))
+    for hf_name, shape in cfg.weight_shapes().items():
+        block = gguf.GGML_QUANT_SIZES[qtype][0]
+        t = qtype if len(shape) == 2 and shape[-1] % block == 0 else gguf.GGMLQuantizationType.F32
+        plan.append((names.hf_to_gguf(hf_name), hf_name, t))
+    shapes = {**cfg.weight_shapes(), None: (cfg.head_dim // 2,)}
+    for gguf_name, hf_name, t in plan:
+        shape = shapes[hf_name]
+        if t == gguf.GGMLQuantizationType.F32:
+            writer.add_tensor_info(gguf_name, shape, np.dtype(np.float32), 4 * math.prod(shape))
+        else:
+            byte_shape = gguf.quants.quant_shape_to_byte_shape(shape, t)
+            writer.add_tensor_info(gguf_name, byte_shape, np.dtype(np.uint8), math.prod(byte_shape), raw_dtype=t)
+
+    try:
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        for gguf_name, hf_name, t in plan:
+            w = rope_freqs if hf_name is None else to_numpy(ckpt.tensor(hf_name)).astype(np.float32, copy=False)
+            heads = names.qk_heads(arch, gguf_name, cfg.num_heads, cfg.num_kv_heads)
+            if heads is not None:
+                w = names.permute_qk(w, heads)
+            if t != gguf.GGMLQuantizationType.F32:
+                w = gguf.quants.quantize(w, t)
+            writer.write_tensor_data(np.ascontiguousarray(w))
+        writer.close()
+        os.replace(tmp, out_path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return out_path
+
+
+def _add_hparams(writer, cfg) -> None:
+    import gguf
+
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_block_count(cfg.num_layers)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_heads)
+    writer.add_head_count_kv(cfg.num_kv_heads)
+    writer.add_key_length(cfg.head_dim)
+    writer.add_value_length(cfg.head_dim)
+    writer.add_rope_dimension_count(cfg.head_dim)
+    writer.add_rope_freq_base(cfg.rope_theta)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_vocab_size(cfg.vocab_size)
+    scaling = cfg.rope_scaling or {}
+    kind = scaling.get("rope_type")
+    if kind == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(scaling["factor"])
+    elif kind not in (None, "llama3"):  # llama3 is the rope_freqs tensor
+        raise UnsupportedModelError(f"rope scaling {kind!r} is not written to GGUF", "default, linear and llama3 are")
+
+
+def _llama3_rope_freqs(cfg) -> np.ndarray | None:
+    """convert_hf_to_gguf's LlamaModel rope_factors: the divisor of each rotary frequency under llama3 scaling."""
+    s = cfg.rope_scaling or {}
+    if s.get("rope_type") != "llama3":
+        return None
+    dim = cfg.head_dim
+    freqs = 1.0 / (cfg.rope_theta ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+    old = s["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old / s["low_freq_factor"], old / s["high_freq_factor"]
+    out = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < high_wavelen:
+            out.append(1.0)
+        elif wavelen > low_wavelen:
+            out.append(s["factor"])
+        else:
+            smooth = (old / wavelen - s["low_freq_factor"]) / (s["high_freq_factor"] - s["low_freq_factor"])
+            out.append(1 / ((1 - smooth) / s["factor"] + smooth))
+    return np.asarray(out, dtype=np.float32)
+
+
+def _add_tokenizer(writer, ckpt, cfg) -> None:
+    raw = json.loads(Path(ckpt.tokenizer_path).read_text())
+    model = raw.get("model") or {}
+    pre = raw.get("pre_tokenizer") or {}
+    if model.get("type") != "BPE" or "ByteLevel" not in json.dumps(pre):
+        raise UnsupportedModelError(
+            f"{ckpt.tokenizer_path}: only byte-level BPE tokenizers are written to GGUF",
+            f"this one is {model.get('type')!r} with pre-tokenizer {pre.get('type')!r}",
+        )
+    vocab: dict[str, int] = dict(model["vocab"])
+    special = set()
+    for t in raw.get("added_tokens") or []:
+        vocab[t["content"]] = t["id"]
+        if t.get("special"):
+            special.add(t["id"])
+    by_id = {i: s for s, i in vocab.items()}
+    if max(by_id) >= cfg.vocab_size:
+        raise CheckpointError(
+            f"{ckpt.tokenizer_path}: token id {max(by_id)} is past vocab_size {cfg.vocab_size}", "fix config.json"
+        )
+    tokens, types = [], []
+    for i in range(cfg.vocab_size):
+        if i in by_id:
+            tokens.append(by_id[i])
+            types.append(names.TOKEN_CONTROL if i in special else names.TOKEN_NORMAL)
+        else:
+            tokens.append(f"[PAD{i}]")
+            types.append(names.TOKEN_UNUSED)
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges") or []]
+    writer.add_tokenizer_model("gpt2")
+    # GPT-2's split regex is what a bare ByteLevel pre-tokenizer runs; anything else gets llama.cpp's default
+    gpt2 = pre.get("type") == "ByteLevel" and pre.get("use_regex", True)
+    writer.add_tokenizer_pre("gpt-2" if gpt2 else "default")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+    if cfg.bos_token_id is not None:
+        writer.add_bos_token_id(cfg.bos_token_id)
+    if cfg.eos_token_ids:
+        writer.add_eos_token_id(cfg.eos_token_ids[0])
+    tok_config = Path(ckpt.path) / "tokenizer_config.json"
+    add_bos = json.loads(tok_config.read_text()).get("add_bos_token") if tok_config.is_file() else None
+    if isinstance(add_bos, bool):
+        writer.add_add_bos_token(add_bos)
+    if ckpt.chat_template:
+        writer.add_chat_template(ckpt.chat_template)
