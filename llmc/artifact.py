@@ -193,11 +193,7 @@ def _write_into_place(output: Path, populate: Callable[[Path], dict]) -> None:
     tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.llmc-tmp-", dir=output.parent))
     old = None
     try:
-        fields = populate(tmp)
-        (tmp / MANIFEST).unlink(missing_ok=True)
-        manifest = _complete_manifest(fields, _hash_tree(tmp))
-        _check_manifest(manifest, tmp)
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=False) + "\n")
+        write_manifest(tmp, populate(tmp))
         os.chmod(tmp, 0o755)  # mkdtemp makes it 0700
         if output.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{output.name}.llmc-old-", dir=output.parent))
@@ -215,6 +211,19 @@ def _write_into_place(output: Path, populate: Callable[[Path], dict]) -> None:
         raise
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def write_manifest(directory: Path, fields: dict) -> dict:
+    """Complete `fields` (as write_artifact does), hash every file of `directory` and write its manifest.json.
+
+    write_artifact's last step; populate may call it too, to load what it has built so far (the quality gate
+    runs the model it is building): write_artifact writes the manifest again over the final files and fields.
+    """
+    (directory / MANIFEST).unlink(missing_ok=True)
+    manifest = _complete_manifest(fields, _hash_tree(directory))
+    _check_manifest(manifest, directory)
+    (directory / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=False) + "\n")
+    return manifest
 
 
 def _is_empty_dir(p: Path) -> bool:
