@@ -1,0 +1,113 @@
+"""compiler/quality.py: the KL / top-1 / perplexity figures against torch on random logits and against a cacheless
+reference over windows."""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
+from runtime_fakes import FakeConfig, FakeModel, context_logits  # noqa: E402
+
+from llmc.compiler import quality  # noqa: E402
+from llmc.errors import CompileError  # noqa: E402
+
+
+def test_compare_logits_matches_torch():
+    rng = np.random.default_rng(0)
+    n, vocab = 37, 101
+    ref = (4 * rng.standard_normal((n, vocab))).astype(np.float32)
+    cand = ref + (0.5 * rng.standard_normal((n, vocab))).astype(np.float32)
+    cand[::5] = ref[::5]  # some rows agree exactly: KL 0
+    targets = rng.integers(0, vocab, n)
+    got = quality.compare_logits(ref, cand, targets)
+
+    log_p = torch.log_softmax(torch.from_numpy(ref).double(), -1)
+    log_q = torch.log_softmax(torch.from_numpy(cand).double(), -1)
+    kl = torch.nn.functional.kl_div(log_q, log_p, reduction="none", log_target=True).sum(-1)
+    np.testing.assert_allclose(got["kl"], kl.numpy(), rtol=1e-9, atol=1e-12)
+    assert (got["kl"][::5] == 0).all() and (got["kl"] >= 0).all()
+    t = torch.from_numpy(targets)
+    ce = torch.nn.functional.cross_entropy
+    np.testing.assert_allclose(got["nll_reference"], ce(log_p, t, reduction="none").numpy(), rtol=1e-12)
+    np.testing.assert_allclose(got["nll_candidate"], ce(log_q, t, reduction="none").numpy(), rtol=1e-12)
+    np.testing.assert_array_equal(got["top1"], torch.argmax(log_p, -1).numpy() == torch.argmax(log_q, -1).numpy())
+    assert 0 < got["top1"].mean() < 1, "the noise changes some argmaxes and not others"
+
+
+def noisy(logits: np.ndarray) -> np.ndarray:
+    return logits + 0.7 * np.sin(3.0 * logits)
+
+
+class NoisyModel(FakeModel):
+    """The fake model with deterministic noise on each logits row: a 'quantized' twin of FakeModel."""
+
+    def step(self, batch):
+        return noisy(super().step(batch))
+
+
+@pytest.mark.parametrize("max_num_logits", [1, 16, 256])  # rows scored per step: one, a chunk, a whole window
+def test_measure_over_windows_matches_a_cacheless_numpy_reference(max_num_logits):
+    config = FakeConfig(vocab_size=67, max_position_embeddings=100)
+    ids = [int(t) for t in np.random.default_rng(1).integers(2, config.vocab_size, 233)]  # 3 windows, the last short
+    ref = FakeModel(config, num_blocks=64, block_size=16, max_num_logits=max_num_logits)
+    cand = NoisyModel(config, num_blocks=64, block_size=16, max_num_logits=max_num_logits)
+    got = quality.measure(ref, cand, ids, quality.BUNDLED_HELDOUT)
+
+    p, target = [], []  # each scored position's reference logits, from its window's prefix with no cache
+    for w in range(0, len(ids), 100):
+        chunk = ids[w : w + 100]
+        for i in range(len(chunk) - 1):
+            p.append(context_logits(np.asarray(chunk[: i + 1]), config.vocab_size))
+            target.append(chunk[i + 1])
+    p = np.array(p, np.float64)
+    q = noisy(p)
+    log_p = p - np.log(np.exp(p).sum(1, keepdims=True))
+    log_q = q - np.log(np.exp(q).sum(1, keepdims=True))
+    rows = np.arange(len(target))
+    assert got.tokens == len(target) == 233 - 3
+    assert got.kl_mean == pytest.approx((np.exp(log_p) * (log_p - log_q)).sum(1).mean(), rel=1e-6)
+    assert got.top1_agreement == pytest.approx((p.argmax(1) == q.argmax(1)).mean(), abs=1e-12)
+    assert got.ppl_reference == pytest.approx(math.exp(-log_p[rows, target].mean()), rel=1e-9)
+    assert got.ppl_quantized == pytest.approx(math.exp(-log_q[rows, target].mean()), rel=1e-6)
+    assert got.kl_mean > 0 and 0 < got.top1_agreement < 1
+    assert got.calibration == quality.BUNDLED_HELDOUT
+
+
+def test_a_model_against_itself_is_exact():
+    config = FakeConfig(vocab_size=50)
+    ids = [int(t) for t in np.random.default_rng(2).integers(2, 50, 77)]
+    got = quality.measure(FakeModel(config, max_num_logits=16), FakeModel(config, max_num_logits=16), ids, "x")
+    assert (got.kl_mean, got.top1_agreement, got.tokens) == (0.0, 1.0, 76)
+    assert got.ppl_reference == got.ppl_quantized
+
+
+def test_models_loaded_unalike_are_refused():
+    config = FakeConfig(vocab_size=50, max_position_embeddings=64)
+    ids = list(range(2, 50)) * 3
+    with pytest.raises(AssertionError, match="not loaded alike"):  # windows of 64 and of 32 tokens
+        quality.measure(FakeModel(config, max_num_logits=8), FakeModel(config, num_blocks=2, max_num_logits=8), ids,
+                        "x")  # fmt: skip
+
+
+def test_too_short_a_calibration_text_is_a_compile_error():
+    with pytest.raises(CompileError, match="calibration text has 1 token"):
+        quality.measure(FakeModel(), FakeModel(), [5], "x")
+
+
+def test_max_kl_and_the_one_line_description():
+    q = quality.Quality(0.0123, 0.95, 255, 10.0, 10.3, {"file": "notes.txt", "sha256": "ab" * 32})
+    quality.check_max_kl(q, None)
+    quality.check_max_kl(q, 0.0123)
+    with pytest.raises(CompileError) as e:
+        quality.check_max_kl(q, 0.01)
+    line = str(e.value)
+    assert "\n" not in line and "0.0123" in line and "--max-kl 0.01" in line and "no artifact was written" in line
+    assert "+3.00%" in line and "top-1 agreement 95.00%" in line and "notes.txt, sha256 abababababab" in line
+    # the manifest is untrusted: fields of the wrong type show as '?'
+    assert quality.describe({"kl_mean": "x", "tokens": 3.5, "calibration": 7}).count("?") >= 4
