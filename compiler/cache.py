@@ -8,6 +8,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -17,16 +18,19 @@ from llmc.digests import checkpoint_hash
 from llmc.host import cache_root, host_cpu_target
 
 
-def cached_artifact(ckpt: Path, *, progress: bool = True) -> Path:
+def cached_artifact(ckpt: Path, *, progress: bool = True, quant=None) -> Path:
     """A CPU artifact of checkpoint `ckpt`, from the cache, compiled into it first if it is not there.
 
     Key: the checkpoint's content hash (digests.py remembers the hashes of big files), the compiler version,
-    the artifact format and ABI versions (they change between releases during development) and this host's
-    CPU, so a cache shared across hosts or llmc builds never hands out an artifact another one cannot load.
+    the artifact format and ABI versions (they change between releases during development), this host's
+    CPU, so a cache shared across hosts or llmc builds never hands out an artifact another one cannot load,
+    and the quantization asked for (quant, a QuantConfig; None is none).
     Processes that ask for the same key at once compile it once: the others wait on its lock, then reuse it.
     """
     isa = hashlib.sha256(json.dumps(host_cpu_target(), sort_keys=True).encode()).hexdigest()[:8]
     key = f"{checkpoint_hash(ckpt)[:24]}-llmc{__version__}-f{FORMAT_VERSION}-abi{ABI_VERSION}-cpu-{isa}"
+    if quant is not None and quant.enabled:
+        key += "-" + re.sub(r"[^a-z0-9]+", "-", quant.describe()).strip("-")  # int8-per-channel, int4-g32-lm-head
     root = cache_root() / "artifacts"
     out = root / key
     if (out / "manifest.json").is_file():
@@ -39,5 +43,5 @@ def cached_artifact(ckpt: Path, *, progress: bool = True) -> Path:
 
             if progress:
                 print(f"compiling {ckpt} for this CPU (once; cached in {out})", file=sys.stderr)
-            compile_checkpoint(ckpt, target="cpu", output=out, weight_dtype="auto", progress=progress)
+            compile_checkpoint(ckpt, target="cpu", output=out, weight_dtype="auto", progress=progress, quant=quant)
     return out

@@ -26,16 +26,20 @@ from .codegen.tvm_fallback import include_dirs
 from .export import to_relax
 from .frontend.checkpoint import Checkpoint, load_checkpoint
 from .frontend.trace import trace
-from .lower import KernelProgram, lower
+from .lower import KV_DTYPES, KernelProgram, lower
 from .passes.common import rewrite_counts
 from .passes.pipeline import run_passes
-from .weights import write_packed_weights
+from .passes.quantize_linear import quantize_linear
+from .quant import QuantConfig, QuantScheme
+from .weights import WeightSpec, write_packed_weights
 
 WEIGHT_DTYPES = ("auto", "float32", "bfloat16")
 STAGES = ("trace", "import to Relax", "fuse", "lower", "pack weights", "render", "build")
 # Test hook, off unless set: LLMC_TEST_SIGNAL_AT="STAGE[:SIGNAL]" makes compile send itself SIGNAL (default
 # SIGKILL) as it enters STAGE, so tests/test_artifact_durability.py can kill -9 or stop a real compile there.
 SIGNAL_AT_ENV = "LLMC_TEST_SIGNAL_AT"
+# How templates/cpu/qgemm.cc.j2 treats the activations of a quantized GEMM, as the manifest records it.
+CPU_QGEMM_ACTIVATIONS = "int8 per 32"
 
 
 def resolve_weight_dtype(ckpt: Checkpoint, requested: str) -> str:
@@ -57,19 +61,70 @@ def check_fusion(mod: tvm.IRModule, num_layers: int) -> None:
         )
 
 
+def quant_schemes(ckpt: Checkpoint, quant: QuantConfig) -> dict[str, QuantScheme]:
+    """Checkpoint weight name -> scheme of each weight a GEMM reads quantized.
+
+    From the flags: every linear of the blocks, and the lm_head (the embedding, when tied) with quant.lm_head;
+    a linear whose K is not a multiple of 32 stays float. A tensor the checkpoint holds quantized (GGUF) keeps
+    its own scheme whatever the flags, so a file imports with no requantization.
+    """
+    shapes = ckpt.config.weight_shapes()
+    lm_head = "lm_head.weight" if "lm_head.weight" in shapes else "model.embed_tokens.weight"
+    linears = [
+        n for n, s in shapes.items() if len(s) == 2 and n.startswith("model.layers.") and n.endswith("_proj.weight")
+    ]
+    schemes = {}
+    for name in linears + ([lm_head] if quant.lm_head else []):
+        scheme = quant.scheme(shapes[name][1])
+        if scheme is not None:
+            schemes[name] = scheme
+    for name in [*linears, lm_head]:
+        held = ckpt.quantized_tensor(name)
+        if held is not None:
+            schemes[name] = held.scheme
+    return schemes
+
+
+def quant_manifest(quant: QuantConfig, weights: list[WeightSpec]) -> dict | None:
+    """The manifest's `quant` entry: the flags, how activations are treated, each quantized GEMM's scheme and
+    the packed bytes; None for a build with no quantized weight."""
+    quantized = [w for w in weights if w.quant is not None]
+    if not quantized:
+        return None
+    return {
+        "mode": quant.mode,
+        "default": quant.describe(),
+        "lm_head": quant.lm_head,
+        "activations": CPU_QGEMM_ACTIVATIONS,
+        "weights": {w.name.removesuffix(".qweight"): w.quant.describe() for w in quantized if w.part == "qweight"},
+        "packed_bytes": {
+            "quantized": sum(w.nbytes for w in quantized),
+            "float": sum(w.nbytes for w in weights if w.quant is None),
+        },
+    }
+
+
 def build_program(
-    ckpt: Checkpoint, weight_dtype: str, block_size: int, step=lambda name: None, after_each_pass=None
+    ckpt: Checkpoint,
+    weight_dtype: str,
+    block_size: int,
+    step=lambda name: None,
+    after_each_pass=None,
+    schemes: dict[str, QuantScheme] | None = None,
+    kv_cache_dtype: str = "float32",
 ) -> KernelProgram:
-    """step(stage) marks each stage's start (a progress bar); after_each_pass(name, mod) sees every pass."""
+    """step(stage) marks each stage's start (a progress bar); after_each_pass(name, mod) sees every pass;
+    schemes (quant_schemes) adds quantize_linear to the passes."""
     step("trace")
     traced = trace(ckpt.config)
     step("import to Relax")
     mod = to_relax(traced)
     step("fuse")
-    mod = run_passes(mod, after_each=after_each_pass)
+    quantize = quantize_linear(schemes, traced.weight_names) if schemes else None
+    mod = run_passes(mod, after_each=after_each_pass, quantize=quantize)
     check_fusion(mod, ckpt.config.num_layers)
     step("lower")
-    return lower(mod, traced.weight_names, weight_dtype=weight_dtype, block_size=block_size)
+    return lower(mod, traced.weight_names, weight_dtype=weight_dtype, block_size=block_size, kv_dtype=kv_cache_dtype)
 
 
 def module_sources(target: Target, source: str, tvm_source: str | None = None) -> dict[str, str]:
@@ -98,11 +153,23 @@ def compile_checkpoint(
     weight_dtype: str = "auto",
     block_size: int | None = None,
     progress: bool = False,
+    quant: QuantConfig | None = None,
+    kv_cache_dtype: str = "float32",
 ) -> Path:
+    """quant: llmc's own quantization (`--quant`); None or QuantConfig() for none.
+    kv_cache_dtype: what the KV cache stores (`--kv-cache-dtype`): float32, or bfloat16 at half the bytes."""
     tgt = load_target(target)
     block_size = block_size or tgt.block_size
+    quant = quant or QuantConfig()
+    if kv_cache_dtype not in KV_DTYPES:
+        raise CompileError(f"KV cache dtype {kv_cache_dtype!r} is not supported",
+                           f"--kv-cache-dtype takes one of {', '.join(KV_DTYPES)}")  # fmt: skip
     ckpt = load_checkpoint(checkpoint)
     dtype = resolve_weight_dtype(ckpt, weight_dtype)
+    schemes = quant_schemes(ckpt, quant)
+    if schemes and tgt.is_cuda:
+        raise CompileError(f"quantized GEMMs are CPU-only so far; target {tgt.name} is a CUDA target",
+                           "compile for --target cpu, or without --quant")  # fmt: skip
     bar = tqdm(total=len(STAGES), desc="compile", unit="stage", disable=not progress, leave=False)
     started: list[str] = []
 
@@ -116,7 +183,7 @@ def compile_checkpoint(
         bar.set_description(name)
 
     def populate(tmp: Path) -> dict:  # all of it under the output's lock: a second compile fails before it traces
-        program = build_program(ckpt, dtype, block_size, step)
+        program = build_program(ckpt, dtype, block_size, step, schemes=schemes, kv_cache_dtype=kv_cache_dtype)
         step("pack weights")
         weights = tmp / "weights.safetensors"
         offsets = write_packed_weights(ckpt, program.weights, weights)
@@ -132,12 +199,15 @@ def compile_checkpoint(
         if tok_config.is_file():
             shutil.copyfile(tok_config, tmp / "tokenizer_config.json")
         bar.update(1)
+        quant_entry = quant_manifest(quant, program.weights)
         return {
+            **({"quant": quant_entry} if quant_entry else {}),
             "target": {**tgt.raw, "name": tgt.name},
             "model_config": ckpt.config,
             "weight_dtype": dtype,
-            "quantization": "none",
+            "quantization": quant.mode if quant.enabled else ("checkpoint" if schemes else "none"),
             "block_size": block_size,
+            "kv_cache_dtype": kv_cache_dtype,
             "kernels": rendered.kernels,
             "passes": program.rewrites,
             "buffer_plan": {

@@ -16,6 +16,9 @@ Lowering reads the IR and nothing else: each fused `llmc.*` op carries its facts
 softmax scale, sliding window, head counts), and the KV cache geometry and vocabulary come from main's
 signature. It needs no model config and imports no torch.
 
+A `llmc.quantized_matmul` lowers to a `qgemm` launch whose weight is two or three packed tensors (qweight,
+scales, mins: WeightSpec parts), which the packer quantizes from the float sources named here.
+
 Every binding of the fused main lowers to a template or is a free view (reshape, expand_dims, split into
 columns, a weight concat evaluated at pack time). Any other op falls back to TVM's own codegen: its
 PrimFunc joins `tvm_funcs`, and a `tvm_call` launch runs it (compiler/codegen/tvm_fallback.py).
@@ -34,9 +37,18 @@ from llmc.errors import CompileError
 
 from .codegen.tvm_fallback import legalize_call
 from .passes.common import bindings, llmc_args, llmc_op_name, main_function, prim_value, rewrite_counts
-from .weights import WeightSpec
+from .quant import QuantScheme
+from .weights import QUANT_PARTS, WeightSpec
 
+# KV cache dtype -> paged_attention's kv_dtype parameter: what the cache stores per k/v value
+KV_DTYPES = {"float32": "f32", "bfloat16": "bf16"}
 ABI_PARAMS = ("input_ids", "positions", "logits_indices", "seq_lens", "query_start_loc", "block_tables", "slot_mapping")
+_BIAS_ARG = {"gemm": 2, "qgemm": 4}  # where a GEMM launch takes its bias (nullptr until an add joins it)
+
+
+def weight_params(func: relax.Function) -> list[relax.Var]:
+    """main's weight parameters, in order: every parameter but the step arguments and the KV caches."""
+    return [p for p in func.params if p.name not in ABI_PARAMS and not p.name.startswith("kv_cache_")]
 
 
 @dataclasses.dataclass
@@ -72,6 +84,7 @@ class KernelProgram:
     rewrites: dict[str, int]
     block_size: int
     tvm_funcs: dict[str, tvm.tirx.PrimFunc] = dataclasses.field(default_factory=dict)  # TVM-lowered fallbacks
+    kv_dtype: str = "float32"  # the KV cache element: "float32" or "bfloat16"
 
     def buffer_floats(self, max_num_tokens: int, max_num_logits: int) -> int:
         return sum(b.cols * (max_num_tokens if b.rows == "T" else max_num_logits) for b in self.buffers)
@@ -79,12 +92,13 @@ class KernelProgram:
     def __str__(self) -> str:
         lines = [
             f"kernel program: {len(self.launches)} launches, {len(self.buffers)} buffers, "
-            f"{len(self.weights)} packed weights"
+            f"{len(self.weights)} packed weights, {self.kv_dtype} KV cache"
         ]
         for i, b in enumerate(self.buffers):
             lines.append(f"  buf{i}: float[{b.rows}, {b.cols}]")
         for i, w in enumerate(self.weights):
-            lines.append(f"  W[{i}] {w.name}: {w.dtype}{list(w.shape)} <- {', '.join(w.sources)}")
+            quant = f" ({w.quant.describe()})" if w.quant is not None else ""
+            lines.append(f"  W[{i}] {w.name}: {w.dtype}{list(w.stored_shape)}{quant} <- {', '.join(w.sources)}")
         for launch in self.launches:
             params = ", ".join(f"{k}={v}" for k, v in launch.params.items() if k != "inv_freq")
             lines.append(f"  {launch.op}({params})({', '.join(launch.args)})  # {' + '.join(launch.fused)}")
@@ -139,14 +153,17 @@ class _Unlowered(Exception):
 
 
 class _Lowering:
-    def __init__(self, func: relax.Function, weight_names: list[str], weight_dtype: str, block_size: int):
+    def __init__(
+        self, func: relax.Function, weight_names: list[str], weight_dtype: str, block_size: int, kv_dtype: str
+    ):
         self.weight_dtype = weight_dtype
         self.block_size = block_size
+        self.kv_dtype = kv_dtype
         self.env: dict = {}  # relax var -> _View | _Weight | str (an ABI argument) | tuple
         self.value_cols: list[int] = []
         self.value_rows: list[str] = []
         self.launches: list[_Pending] = []
-        self.weight_specs: dict[tuple[str, ...], int] = {}
+        self.weight_specs: dict[tuple, int] = {}  # sources (+ part, quantized) -> index
         self.weight_list: list[WeightSpec] = []
         self.tvm_funcs: dict[str, tvm.tirx.PrimFunc] = {}
         self.kv_cache_heads: list[
@@ -163,9 +180,9 @@ class _Lowering:
         for b in bindings(func):
             relax.analysis.post_order_visit(b.value, self._count_use)
         relax.analysis.post_order_visit(func.body.body, self._count_use)
-        weight_params = [p for p in func.params if p.name not in ABI_PARAMS and not p.name.startswith("kv_cache_")]
-        if len(weight_params) != len(weight_names):
-            raise CompileError(f"main has {len(weight_params)} weight parameters but {len(weight_names)} weight names")
+        num_weights = len(weight_params(func))
+        if num_weights != len(weight_names):
+            raise CompileError(f"main has {num_weights} weight parameters but {len(weight_names)} weight names")
         weights = iter(weight_names)
         for p in func.params:
             if p.name == "input_ids":
@@ -209,6 +226,17 @@ class _Lowering:
             self.weight_specs[w.sources] = len(self.weight_list)
             self.weight_list.append(WeightSpec(_packed_name(w.sources), w.sources, dtype, w.shape))
         return self.weight_specs[w.sources]
+
+    def quant_index(self, w: _Weight, scheme: QuantScheme, part: str) -> int:
+        key = (w.sources, part)
+        if key not in self.weight_specs:
+            self.weight_specs[key] = len(self.weight_list)
+            name = f"{_packed_name(w.sources)}.{part}"
+            self.weight_list.append(WeightSpec(name, w.sources, QUANT_PARTS[part], w.shape, scheme, part))
+        spec = self.weight_list[self.weight_specs[key]]
+        if spec.quant != scheme:
+            raise CompileError(f"{spec.name} is quantized as {spec.quant.describe()} and as {scheme.describe()}")
+        return self.weight_specs[key]
 
     def wdtype(self, index: int) -> str:
         return {"float32": "f32", "bfloat16": "bf16"}[self.weight_list[index].dtype]
@@ -367,14 +395,17 @@ class _Lowering:
             isinstance(a, _View)
             and isinstance(b, _Weight)
             and last is not None
-            and last.op == "gemm"
+            and last.op in _BIAS_ARG
             and last.defs == [a.value]
             and not last.params["has_bias"]
         ):
-            # The bias add of the GEMM just emitted joins it (the template reads bias in the weight dtype).
-            bias = self.weight_index(b, dtype=self.weight_list[last.weight].dtype)
+            # The bias add of the GEMM just emitted joins it (gemm reads bias in the weight dtype, qgemm float32).
+            dtype = self.weight_list[last.weight].dtype if last.op == "gemm" else "float32"
+            bias = self.weight_index(b, dtype=dtype)
+            if self.weight_list[bias].dtype != dtype:
+                raise CompileError(f"bias {b.sources[0]} is read as {dtype} and as {self.weight_list[bias].dtype}")
             last.params["has_bias"] = True
-            last.args[2] = f"W[{bias}]"
+            last.args[_BIAS_ARG[last.op]] = f"W[{bias}]"
             last.fused[0] += " + bias"
             self.env[var] = a
             return
@@ -417,6 +448,22 @@ class _Lowering:
     def op_add_rms_norm(self, var, value):
         self._norm(var, value, add_residual=True)
 
+    def op_quantized_matmul(self, var, value):
+        args = llmc_args(value)
+        x, w = self.env.get(args["x"]), self.env.get(args["weight"])
+        if not (isinstance(x, _View) and x.stride == x.cols and isinstance(w, _Weight) and len(w.shape) == 2):
+            raise CompileError(f"quantized matmul {var.name}: expected a whole activation and an [N, K] weight")
+        bits, group_size, asymmetric = (int(prim_value(args[n])) for n in ("bits", "group_size", "asymmetric"))
+        scheme = QuantScheme(bits, group_size, bool(asymmetric))
+        q, scales, *mins = (self.quant_index(w, scheme, p) for p in QUANT_PARTS if p != "mins" or asymmetric)
+        n, k = w.shape
+        out = self.new_value(n, x.rows)
+        params = {"n": n, "k": k, "bits": bits, "group_size": group_size, "asymmetric": bool(asymmetric),
+                  "has_bias": False}  # fmt: skip
+        weights = [f"W[{q}]", f"W[{scales}]", f"W[{mins[0]}]" if mins else "nullptr"]
+        self.emit("qgemm", params, [x, *weights, "nullptr", out, x.rows], [_linear_name(w.sources)], [out], weight=q)
+        self.env[var] = out
+
     def op_silu_mul(self, var, value):
         gate_up = self.view(llmc_args(value)["gate_up"])
         inter = gate_up.cols // 2
@@ -449,6 +496,7 @@ class _Lowering:
             "block_size": self.block_size,
             "scale": float(prim_value(args["scale"])),
             "sliding_window": window,
+            "kv_dtype": KV_DTYPES[self.kv_dtype],
         }
         self.emit(
             "paged_attention",
@@ -507,7 +555,9 @@ class _Lowering:
                 assignment[d] = pick
             free += [assignment[v] for v, last in last_use.items() if last == i and assignment.get(v, -1) >= 0]
         launches = [Launch(p.op, p.params, [_c_arg(a, assignment) for a in p.args], p.fused) for p in self.launches]
-        return KernelProgram(geometry, self.weight_list, buffers, launches, rewrites, self.block_size, self.tvm_funcs)
+        return KernelProgram(
+            geometry, self.weight_list, buffers, launches, rewrites, self.block_size, self.tvm_funcs, self.kv_dtype
+        )
 
 
 def _tensor_args(call: relax.Call):
@@ -541,10 +591,16 @@ def _linear_name(sources: tuple[str, ...]) -> str:
 
 
 def lower(
-    mod: tvm.IRModule, weight_names: list[str], *, block_size: int, weight_dtype: str = "float32"
+    mod: tvm.IRModule,
+    weight_names: list[str],
+    *,
+    block_size: int,
+    weight_dtype: str = "float32",
+    kv_dtype: str = "float32",
 ) -> KernelProgram:
-    """weight_names: the HF names of main's weight parameters, in order (Traced.weight_names)."""
+    """weight_names: the HF names of main's weight parameters, in order (Traced.weight_names); kv_dtype: the
+    KV cache element, a key of KV_DTYPES."""
     func = main_function(mod)
-    lowering = _Lowering(func, weight_names, weight_dtype, block_size)
+    lowering = _Lowering(func, weight_names, weight_dtype, block_size, kv_dtype)
     lowering.lower(func)
     return lowering.finish(rewrite_counts(mod))

@@ -29,6 +29,7 @@ from llmc.errors import CompileError
 
 QUANT_MODES = ("none", "int8", "int4")
 GROUP_SIZES = (32, 64, 128)
+K_MULTIPLE = 32  # a quantized weight's K is a multiple of this (the kernels' activation blocks); else it stays float
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,3 +125,91 @@ def quantize(w: np.ndarray, scheme: QuantScheme) -> QuantizedTensor:
         mins = None
     q = np.clip(q, lo, hi).astype(np.int8).reshape(n, groups * g)[:, :k]
     return QuantizedTensor(np.ascontiguousarray(q), scales, mins, scheme)
+
+
+def restate(t: QuantizedTensor, scheme: QuantScheme) -> QuantizedTensor:
+    """t in `scheme`, exactly: the same q, each scale (and min) repeated over the smaller groups.
+
+    Only widening is exact: scheme has at least t's bits, a group that divides t's, and mins if t has them
+    (a symmetric t gains zero mins). A symmetric int4 q (-8..7) is a valid int8 q as it stands.
+    """
+    if scheme == t.scheme:
+        return t
+    k = t.q.shape[1]
+    old = t.scheme
+    if (
+        scheme.bits < old.bits
+        or (old.asymmetric and not scheme.asymmetric)
+        or (scheme.bits == old.bits and scheme.asymmetric != old.asymmetric)
+        or (old.group_size % scheme.group_size and -(-k // old.group_size) > 1)
+    ):
+        raise CompileError(f"a {old.describe()} weight cannot be stored exactly as {scheme.describe()}")
+    groups = -(-k // scheme.group_size)
+
+    def spread(a: np.ndarray) -> np.ndarray:  # per old group -> per new group: group j lies in old group j*g'//g
+        return np.ascontiguousarray(a[:, (np.arange(groups) * scheme.group_size) // old.group_size])
+
+    mins = spread(t.mins) if t.mins is not None else np.zeros((t.q.shape[0], groups), np.float32)
+    return QuantizedTensor(t.q, spread(t.scales), mins if scheme.asymmetric else None, scheme)
+
+
+def common_scheme(schemes: list[QuantScheme], k: int) -> QuantScheme:
+    """One scheme that holds weights of each of `schemes` exactly (`restate`), for sources fused into one GEMM.
+
+    Equal schemes stay as they are; different ones (GGUF Q4_K_M: attn_v Q6_K beside q/k Q4_K) become int8 with
+    the smallest group, asymmetric if any is.
+    """
+    if len(set(schemes)) == 1:
+        return schemes[0]
+    group = min(s.group_size for s in schemes)
+    if any(s.group_size % group and -(-k // s.group_size) > 1 for s in schemes):
+        raise CompileError(
+            f"fused weights quantized as {', '.join(s.describe() for s in schemes)} have no common group size"
+        )
+    return QuantScheme(8, group, asymmetric=any(s.asymmetric for s in schemes))
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantConfig:
+    """What `llmc compile --quant MODE [--group-size G] [--quant-lm-head]` asks of llmc's own quantizer.
+
+    int8 defaults to one scale per output channel (group_size K), int4 to groups of 32; both symmetric. The
+    linears of the blocks are quantized, the lm_head only with lm_head=True, and a linear whose K is not a
+    multiple of K_MULTIPLE stays float.
+    """
+
+    mode: str = "none"
+    group_size: int | None = None  # None: the mode's default
+    lm_head: bool = False
+
+    def __post_init__(self):
+        if self.mode not in QUANT_MODES:
+            raise CompileError(
+                f"quantization mode {self.mode!r} is not supported", f"choose one of {', '.join(QUANT_MODES)}"
+            )
+        if self.group_size is not None and self.group_size not in GROUP_SIZES:
+            raise CompileError(f"group size {self.group_size} is not supported",
+                               f"choose one of {', '.join(map(str, GROUP_SIZES))}")  # fmt: skip
+        if self.mode == "none" and (self.group_size is not None or self.lm_head):
+            raise CompileError(
+                "--group-size and --quant-lm-head apply to a quantized build", "add --quant int8 or int4"
+            )
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode != "none"
+
+    def scheme(self, k: int) -> QuantScheme | None:
+        """The scheme of a linear with K = k inputs, None where it stays float."""
+        if not self.enabled or k % K_MULTIPLE:
+            return None
+        if self.mode == "int8":
+            return QuantScheme(8, self.group_size or k)
+        return QuantScheme(4, self.group_size or 32)
+
+    def describe(self) -> str:
+        """`int8 per channel`, `int4 g32`, + `, lm_head` when it is quantized too: for the manifest and the cache key."""
+        if not self.enabled:
+            return "none"
+        group = f"g{self.group_size}" if self.group_size else ("per channel" if self.mode == "int8" else "g32")
+        return f"{self.mode} {group}" + (", lm_head" if self.lm_head else "")

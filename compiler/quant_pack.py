@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from compiler.quant import QuantizedTensor
 from llmc.errors import CompileError
+
+from .quant import QuantizedTensor
 
 
 def pack_cpu(t: QuantizedTensor) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:

@@ -14,6 +14,11 @@ finds each tensor at a byte offset fixed at compile time:
 - The data region starts at a 64-byte boundary, and so does every tensor: safetensors allows no gaps
   between tensors, so a gap is filled by a small uint8 tensor named `__pad__.<n>` (ignored by llmc; not in
   the returned offsets). 64 bytes is a cache line and one AVX-512 vector.
+- A quantized linear (WeightSpec.quant) is two or three packed tensors, its `part`s: qweight (uint8), scales
+  and, for asymmetric schemes, mins (float32), in the CPU kernel's layout (compiler/quant_pack.py; quantized
+  GEMMs are CPU-only so far). Each source is quantized once, by rows, or taken as the checkpoint holds it
+  quantized (GGUF); the packed parts of the current fused weight's sources are kept until its last part is
+  written, so memory stays near one packed fused weight.
 - The sha256 of the written file is computed while writing and remembered (llmc/digests.py), so
   neither the artifact writer nor a later load reads the weights back to hash them.
 """
@@ -28,25 +33,40 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
+
 from llmc.digests import remember_sha256
 from llmc.errors import CompileError
 
+from .quant import QuantScheme, quantize, restate
+
 ALIGN = 64
 _CHUNK_BYTES = 64 << 20  # conversion buffer for one slab of rows
-_DTYPES = {"float32": ("F32", 4), "bfloat16": ("BF16", 2)}  # safetensors code, bytes per element
+_DTYPES = {"float32": ("F32", 4), "bfloat16": ("BF16", 2), "uint8": ("U8", 1)}  # safetensors code, bytes each
 PAD_PREFIX = "__pad__."
+QUANT_PARTS = {"qweight": "uint8", "scales": "float32", "mins": "float32"}  # part -> its dtype
 
 
 @dataclasses.dataclass(frozen=True)
 class WeightSpec:
     name: str
     sources: tuple[str, ...]  # checkpoint tensor names, concatenated along dim 0 in this order
-    dtype: str  # "float32" | "bfloat16"
-    shape: tuple[int, ...]
+    dtype: str  # "float32" | "bfloat16"; a quantized part's: QUANT_PARTS
+    shape: tuple[int, ...]  # what the sources concatenate into (a quantized part: the float [N, K] it holds)
+    quant: QuantScheme | None = None  # set for the parts of a quantized linear
+    part: str | None = None  # "qweight" | "scales" | "mins", with quant
+
+    @property
+    def stored_shape(self) -> tuple[int, ...]:
+        """The shape in the file: a quantized part's is [N, K * bits / 8] (qweight) or [N, groups]."""
+        if self.quant is None:
+            return self.shape
+        n, k = self.shape
+        return (n, k * self.quant.bits // 8) if self.part == "qweight" else (n, -(-k // self.quant.group_size))
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * _DTYPES[self.dtype][1]
+        return math.prod(self.stored_shape) * _DTYPES[self.dtype][1]
 
 
 def _align(n: int) -> int:
@@ -57,6 +77,11 @@ def _source_shapes(ckpt, spec: WeightSpec) -> list[tuple[int, ...]]:
     """Shapes of the spec's sources, from the config (no file is read); checks they pack into spec.shape."""
     if spec.dtype not in _DTYPES:
         raise CompileError(f"packed weight {spec.name!r}: dtype {spec.dtype!r}", "use float32 or bfloat16")
+    if (spec.quant is None) != (spec.part is None) or (
+        spec.quant is not None and (QUANT_PARTS.get(spec.part) != spec.dtype or len(spec.shape) != 2)
+    ):
+        raise CompileError(f"packed weight {spec.name!r}: part {spec.part!r} of {spec.dtype}{list(spec.shape)} "
+                           "is not a part of a quantized [N, K] weight")  # fmt: skip
     if not spec.sources:
         raise CompileError(f"packed weight {spec.name!r} has no sources")
     expected = ckpt.config.weight_shapes()
@@ -100,7 +125,7 @@ def plan_layout(specs: list[WeightSpec]) -> tuple[bytes, dict[str, tuple[int, in
         n = spec.nbytes
         entries[spec.name] = {
             "dtype": _DTYPES[spec.dtype][0],
-            "shape": list(spec.shape),
+            "shape": list(spec.stored_shape),
             "data_offsets": [pos, pos + n],
         }
         rel[spec.name] = (pos, n)
@@ -126,6 +151,7 @@ def write_packed_weights(
     shapes = {spec.name: _source_shapes(ckpt, spec) for spec in specs}
     prefix, offsets, order = plan_layout(specs)
     by_name = {s.name: s for s in specs}
+    quantized = _QuantizedSources(ckpt)
     digest = hashlib.sha256(prefix)
     tmp = path.with_name(path.name + ".partial")
     try:
@@ -137,11 +163,15 @@ def write_packed_weights(
                     f.write(pad)
                     digest.update(pad)
                     continue
-                written = _write_spec(ckpt, by_name[name], shapes[name], f, digest, progress)
+                spec = by_name[name]
+                if spec.quant is None:
+                    written = _write_spec(ckpt, spec, shapes[name], f, digest, progress)
+                else:
+                    written = _write_part(quantized.packed(spec), spec.part, f, digest, progress)
                 if written != nbytes:  # shapes unknown to the config that did not add up
                     raise CompileError(
                         f"packed weight {name!r}: sources {list(by_name[name].sources)} hold {written} bytes "
-                        f"as {by_name[name].dtype}, but shape {list(by_name[name].shape)} needs {nbytes}"
+                        f"as {by_name[name].dtype}, but shape {list(by_name[name].stored_shape)} needs {nbytes}"
                     )
         os.replace(tmp, path)
     except BaseException:
@@ -180,3 +210,52 @@ def _write_spec(ckpt, spec: WeightSpec, shapes, f, digest, progress) -> int:
             del chunk, buf
         del t
     return total
+
+
+def _write_part(packed: list[dict], part: str, f, digest, progress) -> int:
+    """One part of a quantized linear: each source's rows of it, in order (row-major, so they concatenate)."""
+    total = 0
+    for arrays in packed:
+        buf = memoryview(np.ascontiguousarray(arrays[part])).cast("B")
+        f.write(buf)
+        digest.update(buf)
+        total += len(buf)
+        if progress is not None:
+            progress(len(buf))
+    return total
+
+
+class _QuantizedSources:
+    """The packed parts of one quantized weight's sources, made once for its two or three parts."""
+
+    def __init__(self, ckpt):
+        self.ckpt = ckpt
+        self.key = None
+        self.value: list[dict] = []
+
+    def packed(self, spec: WeightSpec) -> list[dict]:
+        key = (spec.sources, spec.quant)
+        if key != self.key:
+            self.key, self.value = None, []  # drop the previous weight's before making this one's
+            self.value = [_pack_source(self.ckpt, src, spec.quant) for src in spec.sources]
+            self.key = key
+        return self.value
+
+
+def _pack_source(ckpt, src: str, scheme: QuantScheme) -> dict:
+    """{part: array} of one source tensor in `scheme`: restated exactly if the checkpoint holds it quantized,
+    else quantized from float32 a slab of rows at a time."""
+    from .quant_pack import pack_cpu
+
+    held = ckpt.quantized_tensor(src)
+    if held is not None:
+        pieces = [pack_cpu(restate(held, scheme))]
+    else:
+        t = ckpt.tensor(src)
+        if t.dim() != 2:
+            raise CompileError(f"quantized weight {src!r} has shape {list(t.shape)}; only 2-D weights are quantized")
+        step = max(1, _CHUNK_BYTES // (4 * max(1, t.shape[1])))
+        pieces = [pack_cpu(quantize(t[i : i + step].float().numpy(), scheme)) for i in range(0, t.shape[0], step)]
+        del t
+    parts = dict(zip(QUANT_PARTS, zip(*pieces, strict=True), strict=True))
+    return {part: np.concatenate(arrays) for part, arrays in parts.items() if arrays[0] is not None}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import sys
 import time
@@ -62,6 +63,31 @@ def export(model: Path, fmt: str, output: Path) -> None:
     click.echo(f"wrote {output}")
 
 
+def _quant_options(command):
+    """--quant, --group-size, --quant-lm-head, handed to `command` as one `quant` (a QuantConfig): compile's
+    quantization, which run, serve and bench apply when they compile a checkpoint."""
+
+    @functools.wraps(command)
+    def with_quant(*args, quant: str, group_size: str | None, quant_lm_head: bool, **kwargs):
+        from .compiler.quant import QuantConfig  # numpy only: neither torch nor TVM
+
+        config = QuantConfig(quant, None if group_size is None else int(group_size), quant_lm_head)
+        return command(*args, quant=config, **kwargs)
+
+    options = [
+        click.option("--quant", type=click.Choice(["none", "int8", "int4"]), default="none", show_default=True,
+                     help="Quantize the linears' weights: int8 (one scale per output channel, or per group with "
+                          "--group-size) or int4 (groups of 32 by default), symmetric. A linear whose input size "
+                          "is not a multiple of 32 stays float. CPU targets only."),
+        click.option("--group-size", type=click.Choice(["32", "64", "128"]), default=None,
+                     help="Weights per scale, along the input dim [default: int8 per channel, int4 32]."),
+        click.option("--quant-lm-head", is_flag=True, help="Quantize the lm_head too (off: it stays float)."),
+    ]  # fmt: skip
+    for option in reversed(options):
+        with_quant = option(with_quant)
+    return with_quant
+
+
 @main.command("compile")
 @click.argument("model", type=click.Path(path_type=Path))
 @click.option(
@@ -86,11 +112,22 @@ def export(model: Path, fmt: str, output: Path) -> None:
     default=None,
     help="KV cache block size (tokens) the module is built for [default: the target's].",
 )
-def compile_cmd(model: Path, target: str, output: Path, weight_dtype: str, block_size: int | None) -> None:
+@click.option(
+    "--kv-cache-dtype",
+    type=click.Choice(["float32", "bfloat16"]),
+    default="float32",
+    show_default=True,
+    help="What the KV cache stores: bfloat16 halves its bytes (twice the tokens in the same memory, half the "
+    "attention reads) for k/v rounded to bf16.",
+)
+@_quant_options
+def compile_cmd(model: Path, target: str, output: Path, weight_dtype: str, block_size: int | None,
+                kv_cache_dtype: str, quant) -> None:  # fmt: skip
     """Compile MODEL (a Hugging Face checkpoint dir) into an artifact for TARGET."""
     out = _compile_checkpoint()(
-        model, target=target, output=output, weight_dtype=weight_dtype, progress=True, block_size=block_size
-    )
+        model, target=target, output=output, weight_dtype=weight_dtype, progress=True, block_size=block_size,
+        quant=quant, kv_cache_dtype=kv_cache_dtype,
+    )  # fmt: skip
     click.echo(f"wrote {out}")
 
 
@@ -123,13 +160,17 @@ def bundled_checkpoint() -> Path:
     return found[0]
 
 
-def _resolve_artifact(path: Path | None) -> Path:
+def _resolve_artifact(path: Path | None, quant=None) -> Path:
+    """quant: the QuantConfig a checkpoint is compiled with (--quant); an artifact is compiled already."""
     from .compiler.cache import cached_artifact
 
     if path is None:
-        return cached_artifact(bundled_checkpoint())
+        return cached_artifact(bundled_checkpoint(), quant=quant)
     if path.is_dir() and not (path / "manifest.json").exists() and (path / "config.json").is_file():
-        return cached_artifact(path)
+        return cached_artifact(path, quant=quant)
+    if quant is not None and quant.enabled:
+        raise LlmcError(f"--quant applies when a checkpoint is compiled, and {path} is not a checkpoint dir",
+                        "pass the checkpoint, or compile it with llmc compile --quant")  # fmt: skip
     return path  # an artifact, or load_artifact says what is wrong with it
 
 
@@ -245,10 +286,11 @@ def _engine_parts(stack: contextlib.ExitStack, path: Path, kv_cache_memory: str 
 @click.option("--kv-cache-memory", default=None, help="KV cache size, e.g. 1GiB (default: 20% of free memory).")
 @_no_prefix_caching
 @_speculative_options
+@_quant_options
 def run(artifact: Path | None, prompt: str | None, max_tokens: int, temperature: float, top_p: float, top_k: int,
         seed: int | None, as_json: bool, simulate: bool, kv_cache_memory: str | None,
         no_prefix_caching: bool, speculative: str | None, num_speculative_tokens: int,
-        draft: Path | None) -> None:  # fmt: skip
+        draft: Path | None, quant) -> None:  # fmt: skip
     """Generate from ARTIFACT (a compiled artifact or a checkpoint dir; default: the bundled model).
 
     A checkpoint is compiled for this CPU once and cached ($LLMC_CACHE_DIR, else ~/.cache/llmc). With an
@@ -264,7 +306,7 @@ def run(artifact: Path | None, prompt: str | None, max_tokens: int, temperature:
     if simulate and (artifact is None or not (artifact / "manifest.json").is_file()):
         raise LlmcError("--simulate needs a CUDA-target artifact",
                         "compile one: llmc compile CHECKPOINT --target sm90 -o OUT")  # fmt: skip
-    path = _resolve_artifact(artifact)
+    path = _resolve_artifact(artifact, quant)
     if chat:
         from .runtime.chat import run_chat
 
@@ -380,11 +422,12 @@ def _stdin_is_tty() -> bool:
 )
 @_no_prefix_caching
 @_speculative_options
+@_quant_options
 def serve(artifact: Path, host: str, port: int, model_name: str | None, max_num_seqs: int,
           max_num_batched_tokens: int, kv_cache_memory: str | None, max_body_size: int | None, max_n: int | None,
           max_waiting_requests: int | None, shutdown_timeout: float | None, api_key: str | None,
           no_prefix_caching: bool, speculative: str | None, num_speculative_tokens: int,
-          draft: Path | None) -> None:  # fmt: skip
+          draft: Path | None, quant) -> None:  # fmt: skip
     """Serve ARTIFACT over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models),
     with /health and Prometheus metrics at /metrics."""
     from .runtime import server
@@ -393,7 +436,7 @@ def serve(artifact: Path, host: str, port: int, model_name: str | None, max_num_
     given = {"max_body_bytes": max_body_size, "max_n": max_n, "max_waiting_requests": max_waiting_requests,
              "shutdown_timeout_s": shutdown_timeout}  # fmt: skip
     limits = server.ServerLimits(**{k: v for k, v in given.items() if v is not None})  # unset: the library's default
-    path = _resolve_artifact(artifact)
+    path = _resolve_artifact(artifact, quant)
     with contextlib.ExitStack() as stack:
         model, tokenizer, make_engine = _engine_parts(stack, path, kv_cache_memory, max_num_seqs, no_prefix_caching,
                                                       speculative, num_speculative_tokens, draft,
@@ -460,15 +503,16 @@ def _int_list(ctx, param, value: str) -> list[int]:
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 @_no_prefix_caching
 @_speculative_options
+@_quant_options
 def bench(artifact: Path, concurrency: list[int], num_requests: int | None, prompt_len: int, output_len: int,
           seed: int, shared_prefix: int, memory_bandwidth: float | None, kv_cache_memory: str | None, as_json: bool,
           no_prefix_caching: bool, speculative: str | None, num_speculative_tokens: int,
-          draft: Path | None) -> None:  # fmt: skip
+          draft: Path | None, quant) -> None:  # fmt: skip
     """TTFT, TPOT and tokens/s of ARTIFACT on a fixed synthetic workload, against the memory roofline."""
     from .runtime.bench import format_bench_table, run_bench
 
     with contextlib.ExitStack() as stack:
-        _, _, make_engine = _engine_parts(stack, _resolve_artifact(artifact), kv_cache_memory, max(concurrency),
+        _, _, make_engine = _engine_parts(stack, _resolve_artifact(artifact, quant), kv_cache_memory, max(concurrency),
                                           no_prefix_caching, speculative, num_speculative_tokens, draft)  # fmt: skip
         result = run_bench(lambda: make_engine(detokenize=False),
                            concurrency=concurrency, num_requests=num_requests, prompt_len=prompt_len,
@@ -533,9 +577,11 @@ def eval_ppl(artifact: Path, text_file: Path, max_tokens: int | None, kv_cache_m
     "--passes",
     "show_passes",
     is_flag=True,
-    help="Checkpoints: trace, run each pass (what it rewrote), and print the kernel program.",
+    help="Checkpoints: trace, run each pass (what it rewrote), and print the kernel program (with --quant: "
+    "the quantized one).",
 )
-def inspect(model: Path, verbose: bool, show_passes: bool) -> None:
+@_quant_options
+def inspect(model: Path, verbose: bool, show_passes: bool, quant) -> None:
     """Describe MODEL: a checkpoint dir (architecture, size, memory) or a compiled artifact."""
     if (model / "manifest.json").is_file():
         return _inspect_artifact(model, verbose)
@@ -567,11 +613,11 @@ def inspect(model: Path, verbose: bool, show_passes: bool) -> None:
         f"  kv cache       {_human_bytes(kv_per_token * 4)}/token at fp32, {_human_bytes(kv_per_token * 2)}/token at bf16"
     )
     if show_passes:
-        _inspect_passes(ckpt)
+        _inspect_passes(ckpt, quant)
 
 
-def _inspect_passes(ckpt) -> None:
-    from .compiler.compile import build_program, resolve_weight_dtype
+def _inspect_passes(ckpt, quant) -> None:
+    from .compiler.compile import build_program, quant_schemes, resolve_weight_dtype
     from .compiler.passes.common import rewrite_counts
     from .targets import load_target
 
@@ -582,8 +628,9 @@ def _inspect_passes(ckpt) -> None:
     click.echo("  passes")
     # The kernel program is the same for every target but for the KV block size: show the CPU target's.
     program = build_program(
-        ckpt, resolve_weight_dtype(ckpt, "auto"), load_target("cpu").block_size, after_each_pass=report
-    )
+        ckpt, resolve_weight_dtype(ckpt, "auto"), load_target("cpu").block_size, after_each_pass=report,
+        schemes=quant_schemes(ckpt, quant),
+    )  # fmt: skip
     click.echo("\n".join("  " + line for line in str(program).splitlines()))
 
 
@@ -609,6 +656,10 @@ def _inspect_artifact(path: Path, verbose: bool) -> None:
     weights = path / "weights.safetensors"
     size = _human_bytes(safetensors_data_bytes(weights)) if weights.is_file() else "missing"
     click.echo(f"  weights        {m.get('weight_dtype')}, {size}; quantization {m.get('quantization', 'none')}")
+    click.echo(f"  KV cache       {a.kv_cache_dtype}, blocks of {a.block_size} tokens")
+    quant = m.get("quant")
+    if isinstance(quant, dict):
+        _inspect_quant(quant, verbose)
     plan = m.get("buffer_plan") or {}
     parts = []
     for key, value in plan.items():
@@ -646,6 +697,22 @@ def _inspect_artifact(path: Path, verbose: bool) -> None:
                        f"{' tuning: ' + ', '.join(sources) if sources else ''}".rstrip())  # fmt: skip
         if kernels:
             click.echo("    (-v lists every kernel with its parameters)")
+
+
+def _inspect_quant(quant: dict, verbose: bool) -> None:
+    """The manifest's `quant` entry: the build's scheme, the activations, packed bytes and each GEMM's scheme."""
+    weights = quant.get("weights") if isinstance(quant.get("weights"), dict) else {}
+    packed = quant.get("packed_bytes") if isinstance(quant.get("packed_bytes"), dict) else {}
+    sizes = ", ".join(f"{k} {_human_bytes(v)}" for k, v in packed.items() if isinstance(v, int))
+    click.echo(f"  quant          {quant.get('default')}; activations {quant.get('activations')}"
+               f"{'; ' + sizes if sizes else ''}")  # fmt: skip
+    counts: dict[str, int] = {}
+    for scheme in weights.values():
+        counts[str(scheme)] = counts.get(str(scheme), 0) + 1
+    click.echo(f"  quantized      {', '.join(f'{n} GEMM weights {s}' for s, n in counts.items()) or 'none'}")
+    if verbose:
+        for name, scheme in weights.items():
+            click.echo(f"    {name}: {scheme}")
 
 
 def _fused(kernel: dict) -> str:

@@ -1,4 +1,8 @@
-"""The pass pipeline, in order. Each entry is one IRModule -> IRModule function (see its docstring)."""
+"""The pass pipeline, in order. Each entry is one IRModule -> IRModule function (see its docstring).
+
+A quantized build adds quantize_linear (made for its checkpoint's schemes) after them all: it reads the GEMMs
+as the fusions left them (merged qkv and gate/up), which is how lowering launches them.
+"""
 
 from __future__ import annotations
 
@@ -26,8 +30,13 @@ PASSES: list[Callable[[tvm.IRModule], tvm.IRModule]] = [
 ]
 
 
-def run_passes(mod: tvm.IRModule, after_each: Callable[[str, tvm.IRModule], None] | None = None) -> tvm.IRModule:
-    for p in PASSES:
+def run_passes(
+    mod: tvm.IRModule,
+    after_each: Callable[[str, tvm.IRModule], None] | None = None,
+    quantize: Callable[[tvm.IRModule], tvm.IRModule] | None = None,
+) -> tvm.IRModule:
+    """quantize: the quantize_linear pass of a quantized build, else None."""
+    for p in PASSES if quantize is None else [*PASSES, quantize]:
         mod = p(mod)
         if after_each is not None:
             after_each(p.__name__, mod)

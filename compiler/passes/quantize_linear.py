@@ -1,0 +1,70 @@
+"""quantize_linear: each GEMM whose weight has a quantization scheme becomes `llmc.quantized_matmul`.
+
+`quantize_linear(schemes, weight_names)` makes the pass. `schemes` maps checkpoint tensor names to their
+QuantScheme (compile builds it from `--quant`, or from a GGUF file's own tensor types); `weight_names` names
+main's weight parameters in order (Traced.weight_names), which is how a parameter is traced back to its
+checkpoint tensor. A matched GEMM is `matmul(x, permute_dims(W))` with W a weight parameter or, after
+merge_qkv / fuse_swiglu, a concat of weight parameters: it is rewritten to
+
+    llmc.quantized_matmul(x, W, bits, group_size, asymmetric)
+
+with W as it was (the float [N, K] weight; lowering packs it quantized) and a bias add left where it is (it
+joins the quantized GEMM in lowering, as it joins the float one). A fused weight stays fused: its sources'
+schemes, when they differ, become one scheme that holds each exactly (quant.common_scheme). A GEMM with any
+source lacking a scheme stays float, and so does every matmul whose weight is computed (attention's).
+
+Runs last: the GEMMs it reads are the fused ones lowering will launch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import tvm
+from tvm import relax
+
+from ..lower import weight_params
+from ..quant import QuantScheme, common_scheme
+from .common import bindings, calls, llmc_call, main_function, prim, rewrite
+
+
+def _sources(weight: relax.Expr, var2val, names: dict) -> tuple[str, ...] | None:
+    """The checkpoint names a GEMM's weight concatenates (one for a plain Linear), None if it is computed."""
+    if weight in names:
+        return (names[weight],)
+    value = var2val.get(weight)
+    if calls(value, "relax.concat") and int(value.attrs.axis) == 0:
+        fields = value.args[0].fields if isinstance(value.args[0], relax.Tuple) else []
+        if fields and all(f in names for f in fields):
+            return tuple(names[f] for f in fields)
+    return None
+
+
+def quantize_linear(
+    schemes: Mapping[str, QuantScheme], weight_names: list[str]
+) -> Callable[[tvm.IRModule], tvm.IRModule]:
+    def quantize_linear(mod: tvm.IRModule) -> tvm.IRModule:
+        func = main_function(mod)
+        var2val = relax.analysis.get_var2val(func)
+        names = dict(zip(weight_params(func), weight_names, strict=True))
+        edits, count = {}, 0
+        for b in bindings(func):
+            if not calls(b.value, "relax.matmul"):
+                continue
+            x, wt = b.value.args
+            wt_value = var2val.get(wt)
+            if not calls(wt_value, "relax.permute_dims"):
+                continue
+            weight = wt_value.args[0]
+            sources = _sources(weight, var2val, names)
+            found = [schemes.get(s) for s in sources or ()]
+            if not found or None in found:
+                continue
+            k = int(weight.ty.shape.values[1])
+            scheme = common_scheme(found, k)
+            attrs = [prim(scheme.bits), prim(scheme.group_size), prim(int(scheme.asymmetric))]
+            edits[b.var] = llmc_call("quantized_matmul", [x, weight, *attrs], b.var.ty)
+            count += 1
+        return rewrite(mod, edits, pass_name="quantize_linear", count=count)
+
+    return quantize_linear
