@@ -111,6 +111,8 @@ def _check_params(op: str, params: Mapping[str, Any]) -> None:
             raise ValueError(f"head_dim must be an even int, got {hd!r}")
         if not isinstance(freqs, (list, tuple)) or len(freqs) != hd // 2:
             raise ValueError(f"inv_freq must be a list of head_dim/2 = {hd // 2} floats")
+    if op == "qgemm":
+        _check_qgemm(params)
     if op == "paged_attention":
         nh, nkv = params["num_heads"], params["num_kv_heads"]
         if isinstance(nh, int) and isinstance(nkv, int) and nkv > 0 and nh % nkv:
@@ -118,6 +120,20 @@ def _check_params(op: str, params: Mapping[str, Any]) -> None:
         w = params["sliding_window"]
         if isinstance(w, bool) or not isinstance(w, int) or w < 0:
             raise ValueError(f"sliding_window must be an int >= 0 (0: no window), got {w!r}")
+
+
+def _check_qgemm(params: Mapping[str, Any]) -> None:
+    """The schemes of compiler/quant.py that the CPU packed layout (compiler/quant_pack.py) holds."""
+    bits, k, g, asym = params["bits"], params["k"], params["group_size"], params["asymmetric"]
+    if bits not in (4, 8):
+        raise ValueError(f"bits must be 8 or 4, got {bits!r}")
+    if not isinstance(k, int) or k % 32:
+        raise ValueError(f"k must be a multiple of 32 for a quantized weight, got {k!r}")
+    groups = (16, 32, 64, 128, k) if bits == 8 else (32, 64, 128)
+    if g not in groups:
+        raise ValueError(f"group_size must be one of {sorted(set(groups))} for int{bits}, got {g!r}")
+    if asym is True and bits != 4:
+        raise ValueError("asymmetric (mins) is int4 only")
 
 
 def template_path(target: str, op: str) -> str:
@@ -209,6 +225,9 @@ _ID_PREFIX = {
     "add_residual": "res",
     "inv_freq": "if",
     "sliding_window": "sw",
+    "bits": "int",
+    "group_size": "g",
+    "asymmetric": "asym",
 }
 # Canonical order per op (docs/contracts.md); parameters not listed follow, sorted.
 _ID_ORDER = {
@@ -219,6 +238,7 @@ _ID_ORDER = {
     "paged_attention": ["num_heads", "num_kv_heads", "head_dim", "block_size", "scale", "sliding_window"],
     "silu_mul": ["inter"],
     "gather_rows": ["cols"],
+    "qgemm": ["n", "k", "bits", "group_size", "asymmetric", "has_bias"],
 }
 _LIST_INLINE_MAX = 4  # longer lists are spelled as length + content hash
 

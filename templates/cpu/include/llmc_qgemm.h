@@ -1,0 +1,413 @@
+// llmc CPU target: the quantized GEMM / GEMV of a linear layer with int8 or int4 weights.
+#pragma once
+
+#include <vector>
+
+#include "llmc_pool.h"
+
+namespace llmc {
+
+// qgemm: y[T, N] = x[T, K] @ dequant(w)[N, K]^T (+ bias[N]), w[n, k] = q[n, k] * scale[n, g] - min[n, g],
+// g = k / GS (compiler/quant.py; packed layout in compiler/quant_pack.py):
+//   BITS 8: qweight row n = K int8 q;  BITS 4: K/2 bytes, per 32-element chunk byte j = u[j] | u[j + 16] << 4,
+//   u = q + 8 (symmetric) or q (ASYM, with mins); scales / mins float32 [N, ceil(K / GS)].
+//
+// Activations are quantized to int8 first, llama.cpp Q8_0-style: per block of 32 of a row, d = amax / 127,
+// q = round-to-nearest-even(x * (127 / amax)) in [-127, 127] (so the AVX2 sign trick below never meets
+// -128). The manifest records this as "activations": "int8 per 32". The dot products are then exact
+// integer sums, turned into float once per block:
+//
+// Numerics. A row is walked in steps: int8, one block of 32; int4, a pair of blocks (2i, 2i + 1), whose 16
+// packed bytes each load as one 32-byte vector (the second block absent at an odd tail). Each step gives
+// 8 int32 lanes P[l], exact: int8, lane l sums elements 4l..4l+3 of the block; int4, lanes 0-3 hold block
+// 2i and lanes 4-7 block 2i + 1, lane l sums elements {4l', 16 + 4l'} + 0..3 (l' = l % 4). With D[l] the
+// lane's (activation scale * weight scale), one float multiply, acc[l] += float(P[l]) * D[l] (an FMA where
+// the ISA has one); then y = hsum(acc) (one fixed tree) - sum over blocks b of min[g(b)] * xs[b]
+// (ASYM; xs[b] = d_b * sum of the block's q, in block order) + bias. Every (row, output) is computed by
+// that one sequence whatever T, the tile it lands in, or the thread: results never depend on them.
+// The AVX2, AVX-VNNI and AVX-512 VNNI paths differ only in how they form the exact integer P, so they
+// agree bit for bit; the portable path may differ from them in FMA contraction only.
+//
+// Work split: T <= kQgemmRows (decode) is a GEMV in tasks of ~kQgemvTaskBytes of packed
+// weights, each streamed once by its thread, kQgemmCols rows in flight, prefetched kQgemvPrefetchBytes
+// ahead; larger T (prefill) runs register tiles of kQgemmRows rows x kQgemmCols outputs over blocks of
+// kQgemmTChunk rows x ~kQgemmBlockBytes of weights (kept in L2).
+
+constexpr int kQgemmRows = 4;
+constexpr int kQgemmCols = 2;  // 4 x 2 float accumulators + 2 weight vectors + temporaries in 16 ymm registers
+constexpr long kQgemvTaskBytes = 32 * 1024;  // packed weights + scales per parallel task in decode
+constexpr int kQgemvPrefetchBytes = 16 * 1024;
+constexpr int kQgemmTChunk = 64;
+constexpr long kQgemmBlockBytes = 128 * 1024;
+
+// ---------------------------------------------------------------------------------------------
+// The integer dot products of one step, per ISA. Bytes: 32 int8/uint8; Ints: 8 int32; Floats: 8 float.
+#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define LLMC_QDOT "avx512vnni"
+#elif defined(__AVXVNNI__)
+#define LLMC_QDOT "avxvnni"
+#else
+#define LLMC_QDOT "avx2"
+#endif
+namespace qsimd {
+using Bytes = __m256i;
+using Ints = __m256i;
+using Floats = __m256;
+LLMC_INLINE Bytes load32(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
+// 32 packed bytes (two chunks) -> (low nibbles of both, high nibbles of both).
+LLMC_INLINE void nibbles32(const uint8_t* p, Bytes& lo, Bytes& hi) {
+  const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  const __m256i m = _mm256_set1_epi8(0x0F);
+  lo = _mm256_and_si256(b, m);
+  hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), m);
+}
+// The last chunk of a row with an odd count: 16 bytes (reading 32 could pass the end of the matrix), zeros
+// where the second chunk would be.
+LLMC_INLINE void nibbles16(const uint8_t* p, Bytes& lo, Bytes& hi) {
+  const __m256i b = _mm256_set_m128i(_mm_setzero_si128(), _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i m = _mm256_set1_epi8(0x0F);
+  lo = _mm256_and_si256(b, m);
+  hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), m);
+}
+// acc + sum of 4 products u[4l + i] * s[4l + i] per lane l: u unsigned, s signed (u * s pairs fit int16:
+// u <= 255 with |s| <= 127 would not, callers pass u <= 128, or u <= 15 two at a time).
+LLMC_INLINE Ints dot_us(Ints acc, Bytes u, Bytes s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(acc, u, s);
+#elif defined(__AVXVNNI__)
+  return _mm256_dpbusd_avx_epi32(acc, u, s);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+#endif
+}
+// int8 w times int8 x with x in [-127, 127]: |w| * (x with w's sign), llama.cpp's sign trick.
+LLMC_INLINE Ints dot_ss(Bytes w, Bytes x) {
+  return dot_us(_mm256_setzero_si256(), _mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+}
+// nibbles (lo, hi) times x (xlo, xhi), plus acc.
+LLMC_INLINE Ints dot_nib(Ints acc, Bytes lo, Bytes xlo, Bytes hi, Bytes xhi) {
+#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+  return dot_us(dot_us(acc, lo, xlo), hi, xhi);
+#else
+  // 15 * 127 * 4 < 2^15: the two int16 pair sums add without saturating
+  const __m256i s16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xlo), _mm256_maddubs_epi16(hi, xhi));
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(s16, _mm256_set1_epi16(1)));
+#endif
+}
+LLMC_INLINE Ints load_ints(const int32_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+LLMC_INLINE Ints zero_ints() { return _mm256_setzero_si256(); }
+LLMC_INLINE Floats load_floats(const float* p) { return _mm256_loadu_ps(p); }
+LLMC_INLINE Floats zero_floats() { return _mm256_setzero_ps(); }
+LLMC_INLINE Floats splat(float a) { return _mm256_set1_ps(a); }
+LLMC_INLINE Floats splat2(float lo, float hi) { return _mm256_setr_m128(_mm_set1_ps(lo), _mm_set1_ps(hi)); }
+LLMC_INLINE Floats mul(Floats a, Floats b) { return _mm256_mul_ps(a, b); }
+LLMC_INLINE Floats fma_ints(Ints p, Floats d, Floats acc) { return _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), d, acc); }
+LLMC_INLINE float hsum(Floats v) {  // the tree of the portable hsum below
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+  return _mm_cvtss_f32(s);
+}
+}  // namespace qsimd
+#else
+#define LLMC_QDOT "scalar"
+namespace qsimd {  // portable: the same lanes as plain arrays
+struct Bytes {
+  int8_t v[32];
+};
+struct Ints {
+  int32_t v[8];
+};
+struct Floats {
+  float v[8];
+};
+LLMC_INLINE Bytes load32(const void* p) {
+  Bytes r;
+  std::memcpy(r.v, p, 32);
+  return r;
+}
+LLMC_INLINE void nibbles32(const uint8_t* p, Bytes& lo, Bytes& hi) {
+  for (int j = 0; j < 32; ++j) {
+    lo.v[j] = int8_t(p[j] & 0x0F);
+    hi.v[j] = int8_t(p[j] >> 4);
+  }
+}
+LLMC_INLINE void nibbles16(const uint8_t* p, Bytes& lo, Bytes& hi) {
+  for (int j = 0; j < 32; ++j) {
+    lo.v[j] = j < 16 ? int8_t(p[j] & 0x0F) : 0;
+    hi.v[j] = j < 16 ? int8_t(p[j] >> 4) : 0;
+  }
+}
+LLMC_INLINE Ints dot_ss(Bytes w, Bytes x) {
+  Ints r;
+  for (int l = 0; l < 8; ++l) {
+    int32_t s = 0;
+    for (int i = 0; i < 4; ++i) s += int32_t(w.v[4 * l + i]) * int32_t(x.v[4 * l + i]);
+    r.v[l] = s;
+  }
+  return r;
+}
+LLMC_INLINE Ints dot_nib(Ints acc, Bytes lo, Bytes xlo, Bytes hi, Bytes xhi) {
+  for (int l = 0; l < 8; ++l) {
+    int32_t s = acc.v[l];
+    for (int i = 0; i < 4; ++i)
+      s += int32_t(lo.v[4 * l + i]) * xlo.v[4 * l + i] + int32_t(hi.v[4 * l + i]) * xhi.v[4 * l + i];
+    acc.v[l] = s;
+  }
+  return acc;
+}
+LLMC_INLINE Ints load_ints(const int32_t* p) {
+  Ints r;
+  std::memcpy(r.v, p, sizeof r.v);
+  return r;
+}
+LLMC_INLINE Ints zero_ints() { return Ints{}; }
+LLMC_INLINE Floats load_floats(const float* p) {
+  Floats r;
+  std::memcpy(r.v, p, sizeof r.v);
+  return r;
+}
+LLMC_INLINE Floats zero_floats() { return Floats{}; }
+LLMC_INLINE Floats splat(float a) {
+  Floats r;
+  for (float& f : r.v) f = a;
+  return r;
+}
+LLMC_INLINE Floats splat2(float lo, float hi) {
+  Floats r;
+  for (int l = 0; l < 8; ++l) r.v[l] = l < 4 ? lo : hi;
+  return r;
+}
+LLMC_INLINE Floats mul(Floats a, Floats b) {
+  for (int l = 0; l < 8; ++l) a.v[l] *= b.v[l];
+  return a;
+}
+LLMC_INLINE Floats fma_ints(Ints p, Floats d, Floats acc) {
+  for (int l = 0; l < 8; ++l) acc.v[l] += float(p.v[l]) * d.v[l];
+  return acc;
+}
+LLMC_INLINE float hsum(Floats a) {
+  const float* v = a.v;
+  return ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7]));
+}
+}  // namespace qsimd
+#endif
+
+// ---------------------------------------------------------------------------------------------
+// The quantized activations of one row, step by step (see Numerics): x bytes in the order the step's
+// weight vectors hold their elements, the 8 lanes' activation scales, and for int4 symmetric -8 x the lane
+// sums of x (u = q + 8, so sum x * q = sum x * u - 8 * sum x).
+template <int BITS>
+struct QStep;
+template <>
+struct QStep<8> {
+  int8_t x[32];
+  float dx[8];
+};
+template <>
+struct QStep<4> {
+  int8_t x[64];  // xlo = [block 2i elements 0..15, block 2i + 1 elements 0..15], xhi = the elements 16..31
+  float dx[8];
+  int32_t neg8[8];
+};
+
+template <int K, int BITS, int GS>
+struct QShape {
+  static_assert(K % 32 == 0, "qgemm: K must be a multiple of 32");
+  static_assert(BITS == 8 || BITS == 4, "qgemm: 8 or 4 bits");
+  static_assert(GS == 16 || GS % 32 == 0, "qgemm: group size 16 or a multiple of 32");
+  static constexpr int NB = K / 32;                     // blocks of 32 per row
+  static constexpr int NS = BITS == 8 ? NB : (NB + 1) / 2;  // steps per row
+  static constexpr int G = (K + GS - 1) / GS;           // groups per row
+  static constexpr long RB = BITS == 8 ? K : K / 2;     // packed bytes per row
+  static constexpr int SE = BITS == 8 ? 32 : 64;        // row elements per step
+  // The two weight-scale groups of a step's lanes 0-3 and 4-7 differ for int8 g16 and int4 g32.
+  static constexpr bool SPLIT = GS < SE;
+  static LLMC_INLINE int group_lo(int s) { return s * SE / GS; }
+  static LLMC_INLINE int group_hi(int s) { return SPLIT ? std::min(group_lo(s) + 1, G - 1) : group_lo(s); }
+};
+
+// Quantize row x[K] into steps[NS] and xs[NB] (dx * sum of q, per block; ASYM only).
+template <int K, int BITS, bool ASYM>
+inline void quantize_row_q8(const float* LLMC_RESTRICT x, QStep<BITS>* LLMC_RESTRICT steps, float* LLMC_RESTRICT xs) {
+  constexpr int NB = K / 32;
+  int8_t q[32];
+  for (int b = 0; b < NB; ++b) {
+    const float* xb = x + 32 * b;
+    float amax = 0.0f;
+    for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(xb[i]));
+    const float d = amax / 127.0f;
+    const float id = amax != 0.0f ? 127.0f / amax : 0.0f;
+    int sum = 0;
+    for (int i = 0; i < 32; ++i) {
+      q[i] = int8_t(std::nearbyint(xb[i] * id));  // default rounding mode: to nearest, ties to even
+      sum += q[i];
+    }
+    if constexpr (ASYM) xs[b] = d * float(sum);
+    if constexpr (BITS == 8) {
+      std::memcpy(steps[b].x, q, 32);
+      for (float& f : steps[b].dx) f = d;
+    } else {
+      QStep<4>& s = steps[b / 2];
+      const int h = b % 2;  // which half of the step's lanes
+      if (h == 0) std::memset(&s, 0, sizeof s);  // an odd tail keeps zeros in its second half
+      std::memcpy(s.x + 16 * h, q, 16);
+      std::memcpy(s.x + 32 + 16 * h, q + 16, 16);
+      for (int l = 0; l < 4; ++l) {
+        int lane = 0;
+        for (int i = 0; i < 4; ++i) lane += q[4 * l + i] + q[16 + 4 * l + i];
+        s.dx[4 * h + l] = d;
+        s.neg8[4 * h + l] = -8 * lane;
+      }
+    }
+  }
+}
+
+// out[r * C + c] = the (row t0 + r, output j + c) result before bias, r < R, c < C (see Numerics).
+template <int R, int C, int K, int BITS, int GS, bool ASYM, int PF>
+LLMC_INLINE void qdot_tile(const QStep<BITS>* LLMC_RESTRICT steps, const float* LLMC_RESTRICT xs,
+                           const uint8_t* LLMC_RESTRICT w, const float* LLMC_RESTRICT scales,
+                           const float* LLMC_RESTRICT mins, int j, float* LLMC_RESTRICT out) {
+  using S = QShape<K, BITS, GS>;
+  using namespace qsimd;
+  Floats acc[R][C];
+  LLMC_UNROLL for (int r = 0; r < R; ++r) {
+    LLMC_UNROLL for (int c = 0; c < C; ++c) acc[r][c] = zero_floats();
+  }
+  const uint8_t* wr = w + (long)j * S::RB;
+  const float* sr = scales + (long)j * S::G;
+  constexpr int SB = 32;  // packed bytes per step: one int8 block, or two int4 chunks
+  constexpr bool ODD_TAIL = BITS == 4 && S::NB % 2 == 1;
+  constexpr int FULL = ODD_TAIL ? S::NS - 1 : S::NS;
+  auto step = [&](int s, auto tail) {
+    Bytes wlo[C], whi[C];
+    Floats sc[C];
+    LLMC_UNROLL for (int c = 0; c < C; ++c) {
+      const uint8_t* p = wr + c * S::RB + (long)s * SB;
+      if constexpr (PF > 0) {
+        if (s % 2 == 0) __builtin_prefetch(p + PF, 0, 3);  // one per 64-byte line
+      }
+      if constexpr (BITS == 8) {
+        wlo[c] = load32(p);
+      } else if constexpr (decltype(tail)::value) {
+        nibbles16(p, wlo[c], whi[c]);
+      } else {
+        nibbles32(p, wlo[c], whi[c]);
+      }
+      const float* sg = sr + c * S::G;
+      sc[c] = S::SPLIT ? splat2(sg[S::group_lo(s)], sg[S::group_hi(s)]) : splat(sg[S::group_lo(s)]);
+    }
+    LLMC_UNROLL for (int r = 0; r < R; ++r) {
+      const QStep<BITS>& a = steps[(long)r * S::NS + s];
+      const Floats dx = load_floats(a.dx);
+      if constexpr (BITS == 8) {
+        const Bytes xv = load32(a.x);
+        LLMC_UNROLL for (int c = 0; c < C; ++c) acc[r][c] = fma_ints(dot_ss(wlo[c], xv), mul(dx, sc[c]), acc[r][c]);
+      } else {
+        const Ints base = ASYM ? zero_ints() : load_ints(a.neg8);
+        const Bytes xlo = load32(a.x), xhi = load32(a.x + 32);
+        LLMC_UNROLL for (int c = 0; c < C; ++c)
+          acc[r][c] = fma_ints(dot_nib(base, wlo[c], xlo, whi[c], xhi), mul(dx, sc[c]), acc[r][c]);
+      }
+    }
+  };
+  for (int s = 0; s < FULL; ++s) step(s, std::false_type{});
+  if constexpr (ODD_TAIL) step(S::NS - 1, std::true_type{});
+  LLMC_UNROLL for (int r = 0; r < R; ++r) {
+    LLMC_UNROLL for (int c = 0; c < C; ++c) {
+      float y = hsum(acc[r][c]);
+      if constexpr (ASYM) {
+        const float* m = mins + (long)(j + c) * S::G;
+        const float* x = xs + (long)r * S::NB;
+        float sm = 0.0f;
+        for (int b = 0; b < S::NB; ++b) sm += m[b * 32 / GS] * x[b];
+        y -= sm;
+      }
+      out[r * C + c] = y;
+    }
+  }
+}
+
+
+namespace {  // internal linkage: each model.so has its own buffers (see the pool in llmc_pool.h)
+// The quantized activations of a call, reused by the next call on the same thread.
+LLMC_INLINE unsigned char* qgemm_scratch(size_t bytes) {
+  thread_local std::vector<unsigned char> buf;
+  if (buf.size() < bytes) buf.resize(bytes);
+  return buf.data();
+}
+}  // namespace
+
+template <int R, int N, int K, int BITS, int GS, bool ASYM, bool HAS_BIAS, int PF>
+LLMC_INLINE void qgemm_tile_rows(const QStep<BITS>* steps, const float* xs, const uint8_t* w, const float* scales,
+                                 const float* mins, const float* bias, float* y, int j0, int j1) {
+  constexpr int C = kQgemmCols;
+  int j = j0;
+  for (; j + C <= j1; j += C) {
+    float s[R * C];
+    qdot_tile<R, C, K, BITS, GS, ASYM, PF>(steps, xs, w, scales, mins, j, s);
+    LLMC_UNROLL for (int c = 0; c < C; ++c) {
+      const float b = HAS_BIAS ? bias[j + c] : 0.0f;
+      LLMC_UNROLL for (int r = 0; r < R; ++r) y[(long)r * N + j + c] = HAS_BIAS ? s[r * C + c] + b : s[r * C + c];
+    }
+  }
+  for (; j < j1; ++j) {
+    float s[R];
+    qdot_tile<R, 1, K, BITS, GS, ASYM, PF>(steps, xs, w, scales, mins, j, s);
+    LLMC_UNROLL for (int r = 0; r < R; ++r) y[(long)r * N + j] = HAS_BIAS ? s[r] + bias[j] : s[r];
+  }
+}
+
+template <int N, int K, int BITS, int GS, bool ASYM, bool HAS_BIAS, int PF = 0>
+LLMC_INLINE void qgemm_rows(int rows, const QStep<BITS>* steps, const float* xs, const uint8_t* w,
+                            const float* scales, const float* mins, const float* bias, float* y, int j0, int j1) {
+  static_assert(kQgemmRows == 4, "qgemm_rows: extend the switch");
+  switch (rows) {
+    case 1: qgemm_tile_rows<1, N, K, BITS, GS, ASYM, HAS_BIAS, PF>(steps, xs, w, scales, mins, bias, y, j0, j1); break;
+    case 2: qgemm_tile_rows<2, N, K, BITS, GS, ASYM, HAS_BIAS, PF>(steps, xs, w, scales, mins, bias, y, j0, j1); break;
+    case 3: qgemm_tile_rows<3, N, K, BITS, GS, ASYM, HAS_BIAS, PF>(steps, xs, w, scales, mins, bias, y, j0, j1); break;
+    case 4: qgemm_tile_rows<4, N, K, BITS, GS, ASYM, HAS_BIAS, PF>(steps, xs, w, scales, mins, bias, y, j0, j1); break;
+  }
+}
+
+template <int N, int K, int BITS, int GS, bool ASYM, bool HAS_BIAS>
+inline void qgemm(const float* LLMC_RESTRICT x, const uint8_t* LLMC_RESTRICT qweight, const float* LLMC_RESTRICT scales,
+                  const float* LLMC_RESTRICT mins, const float* LLMC_RESTRICT bias, float* LLMC_RESTRICT y, int T) {
+  using S = QShape<K, BITS, GS>;
+  static_assert(!ASYM || BITS == 4, "qgemm: mins with int4 only");
+  constexpr int R = kQgemmRows;
+  const bool par = (long)T * N * K >= kParallelWork;
+  // [T, NS] steps, then [T, NB] xs
+  unsigned char* buf = qgemm_scratch((size_t)T * (S::NS * sizeof(QStep<BITS>) + S::NB * sizeof(float)));
+  QStep<BITS>* steps = reinterpret_cast<QStep<BITS>*>(buf);
+  float* xs = reinterpret_cast<float*>(buf + (size_t)T * S::NS * sizeof(QStep<BITS>));
+  parallel_for(T, par && T > 1, [&](int t) {
+    quantize_row_q8<K, BITS, ASYM>(x + (long)t * K, steps + (long)t * S::NS, xs + (long)t * S::NB);
+  });
+  // per output: packed weights, its scales (and mins)
+  constexpr long RB = S::RB + (long)S::G * sizeof(float) * (ASYM ? 2 : 1);
+  if (T <= R) {
+    constexpr int CH = (int)std::max<long>(8, kQgemvTaskBytes / RB / 8 * 8);
+    constexpr int NCH = (N + CH - 1) / CH;
+    parallel_for(NCH, par, [&](int ch) {
+      qgemm_rows<N, K, BITS, GS, ASYM, HAS_BIAS, kQgemvPrefetchBytes>(T, steps, xs, qweight, scales, mins, bias, y,
+                                                                     ch * CH, std::min(N, (ch + 1) * CH));
+    });
+    return;
+  }
+  constexpr int NB0 = (int)std::max<long>(16, kQgemmBlockBytes / RB) / 8 * 8;
+  constexpr int NBLK_N = NB0 < N ? NB0 : N;
+  constexpr int NBLK = (N + NBLK_N - 1) / NBLK_N;
+  const int ntc = (T + kQgemmTChunk - 1) / kQgemmTChunk;
+  parallel_for(ntc * NBLK, par, [&](int task) {
+    const int tc = task / NBLK, nb = task % NBLK;
+    const int t1 = std::min(T, (tc + 1) * kQgemmTChunk);
+    const int j0 = nb * NBLK_N, j1 = std::min(N, j0 + NBLK_N);
+    for (int t = tc * kQgemmTChunk; t < t1; t += R)
+      qgemm_rows<N, K, BITS, GS, ASYM, HAS_BIAS>(std::min(R, t1 - t), steps + (long)t * S::NS, xs + (long)t * S::NB,
+                                                 qweight, scales, mins, bias, y + (long)t * N, j0, j1);
+  });
+}
+
+}  // namespace llmc

@@ -1,0 +1,165 @@
+"""qgemm (templates/cpu/qgemm.cc.j2, llmc_qgemm.h) against dequantize-then-matmul in numpy float64.
+
+The kernel quantizes the activations to int8 per block of 32 of a row (d = amax / 127, q = rint(x * 127 / amax)),
+so it is compared twice:
+- tightly with `qgemm_reference`, which quantizes x the same way (bit for bit, float32 numpy) and computes
+  x_hat @ dequant(w)^T in float64: what is left is float32 rounding of the kernel's per-block scales and sums,
+  bounded by 1e-5 x the sum of the magnitudes of the terms it adds;
+- with the unquantized x: |x - x_hat| <= d / 2 per element, so |y - x @ w^T| <= sum over k of |w| d / 2
+  (plus the rounding above).
+
+CPU only: there is no CUDA qgemm yet. Shapes have n not a multiple of the 2-output tiles or the 8-row decode
+tasks, k = 32 / 96 / 160 / 576 (odd numbers of 32-blocks for the int4 pair steps, short last groups), every
+scheme of compiler/quant.py; T crosses the decode / prefill switch (4) and the 64-row prefill chunks.
+LLMC_TEST_MARCH=haswell / x86-64 run the AVX2 / portable paths; a host with AVX-512 VNNI or AVX-VNNI runs those
+under the default -march=native.
+"""
+
+import numpy as np
+import pytest
+from kernel_harness import spec_id
+
+from llmc.compiler.codegen.render import render_kernel
+from llmc.compiler.quant import QuantizedTensor, QuantScheme, dequantize, quantize
+from llmc.compiler.quant_pack import pack_cpu, unpack_cpu
+from llmc.errors import CompileError
+
+pytestmark = pytest.mark.targets("cpu")
+
+# (n, k, bits, group_size, asymmetric); group_size == k: one scale per output channel
+SCHEMES = [
+    (37, 32, 8, 16, False),
+    (53, 96, 8, 32, False),
+    (37, 160, 8, 64, False),  # groups 64, 64, 32
+    (53, 576, 8, 128, False),  # 4.5 groups
+    (37, 576, 8, 576, False),
+    (53, 96, 4, 32, False),  # 3 blocks: one pair step and an odd tail
+    (37, 160, 4, 64, False),
+    (53, 576, 4, 128, False),
+    (37, 32, 4, 64, False),  # one short group
+    (53, 160, 4, 32, True),
+    (37, 96, 4, 64, True),
+    (53, 576, 4, 128, True),
+    (37, 160, 4, 128, True),
+]
+
+
+def _params(n, k, bits, g, asym, bias):
+    return dict(n=n, k=k, bits=bits, group_size=g, asymmetric=asym, has_bias=bias)
+
+
+SPECS = [("qgemm", _params(*s, bias)) for s in SCHEMES for bias in (False, True)]
+CASES = [pytest.param(*spec, id=spec_id(spec)) for spec in SPECS]
+
+
+def qgemm_inputs(params, T, seed):
+    """x [T, k] (with a few large values, so blocks have different scales), the QuantizedTensor of a random
+    w [n, k], the packed (qweight, scales, mins) and the bias (or None)."""
+    n, k = params["n"], params["k"]
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((T, k), dtype=np.float32)
+    x[rng.random((T, k)) < 0.02] *= 20
+    w = rng.standard_normal((n, k), dtype=np.float32) * 0.1 + (0.05 if params["asymmetric"] else 0.0)
+    t = quantize(w, QuantScheme(params["bits"], params["group_size"], params["asymmetric"]))
+    bias = rng.standard_normal(n, dtype=np.float32) if params["has_bias"] else None
+    return x, t, pack_cpu(t), bias
+
+
+def quantize_activations(x):
+    """(x_hat float64 [T, k] = the values the kernel's int8 activations hold, d float32 [T, k/32] per block)."""
+    T, k = x.shape
+    blocks = x.reshape(T, k // 32, 32)
+    amax = np.abs(blocks).max(axis=2)
+    d = amax / np.float32(127)
+    inv = np.divide(np.float32(127), amax, out=np.zeros_like(amax), where=amax != 0)
+    q = np.rint(blocks * inv[..., None])  # float32 product, ties to even: as the kernel rounds
+    assert np.abs(q).max() <= 127
+    return (q.astype(np.float64) * d[..., None].astype(np.float64)).reshape(T, k), d
+
+
+def qgemm_reference(x, t: QuantizedTensor, bias):
+    """(y float64 [T, n] for the quantized activations, a bound on the kernel's float32 rounding, and the bound on
+    the activation quantization's error against the unquantized x)."""
+    k, g = t.shape[1], t.scheme.group_size
+    x_hat, d = quantize_activations(x)
+    qs = t.q.astype(np.float64) * np.repeat(t.scales, g, axis=1)[:, :k]
+    m = np.zeros_like(qs) if t.mins is None else np.repeat(t.mins, g, axis=1)[:, :k].astype(np.float64)
+    y = x_hat @ (qs - m).T + (0.0 if bias is None else bias.astype(np.float64))
+    magnitude = np.abs(x_hat) @ (np.abs(qs) + np.abs(m)).T + (0.0 if bias is None else np.abs(bias))
+    half_step = np.repeat(d.astype(np.float64), 32, axis=1) / 2
+    quant_err = half_step @ np.abs(dequantize(t).astype(np.float64)).T
+    return y, 1e-5 * magnitude, quant_err
+
+
+@pytest.mark.parametrize("T", [1, 2, 3, 4, 5, 17, 64, 129])
+@pytest.mark.parametrize("op,params", CASES)
+def test_qgemm_matches_dequantized_matmul(kernels, op, params, T):
+    x, t, (qweight, scales, mins), bias = qgemm_inputs(params, T, seed=T)
+    y = np.full((T, params["n"]), np.nan, dtype=np.float32)
+    kernels(op, params)(x, qweight, scales, mins, bias, y, T)
+    ref, rounding, quant_err = qgemm_reference(x, t, bias)
+    assert np.all(np.abs(y - ref) <= rounding), f"max excess {np.max(np.abs(y - ref) - rounding)}"
+    exact = x.astype(np.float64) @ dequantize(t).astype(np.float64).T + (0 if bias is None else bias)
+    assert np.all(np.abs(y - exact) <= quant_err * 1.001 + rounding)
+
+
+@pytest.mark.parametrize("op,params", CASES[1::2])
+def test_qgemm_row_independent_of_batch(kernels, op, params):
+    """Each row of any batch is bit-identical to the same row computed alone (T = 1)."""
+    fn = kernels(op, params)
+    x, _, (qweight, scales, mins), bias = qgemm_inputs(params, 129, seed=7)
+    alone = np.empty((129, params["n"]), dtype=np.float32)
+    for t in range(129):
+        fn(np.ascontiguousarray(x[t : t + 1]), qweight, scales, mins, bias, alone[t : t + 1], 1)
+    for T in (2, 3, 4, 5, 17, 64, 129):
+        batch = np.empty((T, params["n"]), dtype=np.float32)
+        fn(np.ascontiguousarray(x[:T]), qweight, scales, mins, bias, batch, T)
+        assert np.array_equal(batch, alone[:T]), T
+
+
+@pytest.mark.parametrize("T", [1, 4, 17, 129])
+@pytest.mark.parametrize("op,params", [CASES[5], CASES[-3]])
+def test_qgemm_independent_of_schedule(kernels, schedules, op, params, T):
+    """Thread counts 1, 2 and 3 give bit-identical results."""
+    fn = kernels(op, params)
+    x, _, (qweight, scales, mins), bias = qgemm_inputs(params, T, seed=3)
+    outs = []
+    for schedule in schedules:
+        schedule()
+        y = np.full((T, params["n"]), np.nan, dtype=np.float32)
+        fn(x, qweight, scales, mins, bias, y, T)
+        outs.append(y)
+    assert all(np.array_equal(o, outs[0]) for o in outs)
+
+
+@pytest.mark.parametrize("bits,g,asym", [(8, 16, False), (8, 96, False), (4, 32, False), (4, 64, True)])
+def test_pack_cpu_layout(bits, g, asym):
+    """pack_cpu writes the contract's layout: int8 bytes, or byte j of chunk c = u[32c + j] | u[32c + j + 16] << 4."""
+    rng = np.random.default_rng(0)
+    t = quantize(rng.standard_normal((5, 96), dtype=np.float32), QuantScheme(bits, g, asym))
+    qweight, scales, mins = pack_cpu(t)
+    assert qweight.dtype == np.uint8 and np.array_equal(scales, t.scales)
+    assert (mins is None) == (not asym)
+    assert np.array_equal(unpack_cpu(qweight, t.shape, bits, asym), t.q)
+    if bits == 8:
+        assert np.array_equal(qweight.view(np.int8), t.q)
+        return
+    u = t.q.astype(np.int64) + (0 if asym else 8)
+    for n, c, j in [(0, 0, 0), (4, 2, 15), (2, 1, 7)]:
+        assert qweight[n, 16 * c + j] == u[n, 32 * c + j] | (u[n, 32 * c + j + 16] << 4)
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (dict(k=100), "multiple of 32"),
+        (dict(bits=4, group_size=16), "group_size must be one of"),
+        (dict(group_size=48), "group_size must be one of"),
+        (dict(asymmetric=True), "int4 only"),
+        (dict(bits=3), "bits must be 8 or 4"),
+    ],
+)
+def test_qgemm_render_refuses_other_schemes(change, message):
+    params = {**_params(37, 96, 8, 32, False, False), **change}
+    with pytest.raises(CompileError, match=message):
+        render_kernel("cpu", "qgemm", name="k", **params)
