@@ -57,6 +57,9 @@ from llmc.targets import KINDS, SOURCE_FILE, load_target
 MAGIC = "llmc-artifact"
 FORMAT_VERSION = 2  # 2: the target's kind, block_size and manifest_sha256 are required
 ABI_VERSION = 2  # docs/contracts.md LLMC_ABI_VERSION
+# manifest kv_cache_dtype -> bytes per cached k/v value (llmc_info's kv_dtype_bytes). A manifest without the
+# field was written before it existed, by modules whose cache was float32.
+KV_CACHE_DTYPES = {"float32": 4, "bfloat16": 2}
 
 MANIFEST = "manifest.json"
 MANIFEST_DIGESTS = "manifest_sha256"
@@ -143,6 +146,7 @@ def _complete_manifest(fields: dict, files: dict[str, str]) -> dict:
         "weight_dtype": fields.pop("weight_dtype", None),
         "quantization": fields.pop("quantization", "none"),
         "block_size": block_size,
+        "kv_cache_dtype": fields.pop("kv_cache_dtype", "float32"),
         "kernels": fields.pop("kernels", []),
         "passes": fields.pop("passes", {}),
         "buffer_plan": fields.pop("buffer_plan", {}),
@@ -391,6 +395,11 @@ class Artifact:
         return self.manifest.get("weight_dtype")
 
     @property
+    def kv_cache_dtype(self) -> str:
+        """What the module's KV cache stores, a key of KV_CACHE_DTYPES."""
+        return self.manifest.get("kv_cache_dtype", "float32")
+
+    @property
     def weight_bytes(self) -> int:
         """Bytes of tensor data in weights.safetensors (the file less its header)."""
         return safetensors_data_bytes(self.weights_path)
@@ -431,7 +440,8 @@ def _is_int(value, low: int = 1, high: int = 2**31 - 1) -> bool:
 
 def _check_manifest(m: dict, path: Path) -> None:
     """Structure and types (no hashing) of every field the runtime reads: target, block_size, files (plain
-    names inside the artifact, the required ones listed), tokenizer, weight_dtype and generation_defaults."""
+    names inside the artifact, the required ones listed), tokenizer, weight_dtype, kv_cache_dtype and
+    generation_defaults."""
     damaged = "the manifest is damaged; recompile the artifact"
     target = m.get("target")
     name = target.get("name") if isinstance(target, dict) else None
@@ -467,6 +477,10 @@ def _check_manifest(m: dict, path: Path) -> None:
         raise ArtifactError(f"{path}: manifest tokenizer {_show(tokenizer)} is not an object of strings", hint)
     if not isinstance(m.get("weight_dtype"), str | None):
         raise ArtifactError(f"{path}: manifest weight_dtype {_show(m['weight_dtype'])} is not a name", hint)
+    kv_dtype = m.get("kv_cache_dtype", "float32")
+    if not isinstance(kv_dtype, str) or kv_dtype not in KV_CACHE_DTYPES:
+        raise ArtifactError(f"{path}: manifest kv_cache_dtype {_show(kv_dtype)} is not one of "
+                            f"{', '.join(KV_CACHE_DTYPES)}", hint)  # fmt: skip
     defaults = m.get("generation_defaults")
     if not (defaults is None or isinstance(defaults, dict) and all(
         k in GENERATION_DEFAULT_KEYS and type(v) in (int, float) for k, v in defaults.items()

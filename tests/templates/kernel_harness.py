@@ -28,7 +28,7 @@ from llmc.compiler.codegen.build import CPU_FLAGS, build_shared_library
 from llmc.compiler.codegen.render import kernel_id, render_kernel, target_headers
 
 # docs/contracts.md, "Kernel templates": (argument, kind) per op; the CUDA launcher takes a cudaStream_t after
-# them. W* is float32 or bf16 (uint16 bits).
+# them. W* (weights, by wdtype) and KV* (KV cache, by kv_dtype) are float32 or bf16 (uint16 bits).
 SIGNATURES = {
     "embedding": [("ids", "i32*"), ("T", "int"), ("table", "W*"), ("out", "f32*")],
     "rmsnorm": [
@@ -46,8 +46,8 @@ SIGNATURES = {
         ("k", "f32*"),
         ("v", "f32*"),
         ("row_stride", "int"),
-        ("k_cache", "f32*"),
-        ("v_cache", "f32*"),
+        ("k_cache", "KV*"),
+        ("v_cache", "KV*"),
         ("slot_mapping", "i64*"),
         ("query_start_loc", "i32*"),
         ("seq_lens", "i32*"),
@@ -62,6 +62,7 @@ SIGNATURES = {
 _C_TYPE = {"f32*": "float*", "i32*": "int32_t*", "i64*": "int64_t*", "int": "int"}
 _NP_TYPE = {"f32*": np.float32, "i32*": np.int32, "i64*": np.int64}
 W_TYPES = {"f32": ("float*", np.float32), "bf16": ("uint16_t*", np.uint16)}
+_DTYPE_PARAM = {"W*": "wdtype", "KV*": "kv_dtype"}  # the kernel parameter that picks the element type
 _ROW_STRIDED = {"q", "k", "v"}  # may be column slices of a fused [T, row_stride] qkv buffer
 HEADERS = {"cpu": "common.h", "cuda": "llmc_kernels.cuh"}
 
@@ -92,7 +93,7 @@ class Kernel:
             if a is None:
                 c_args.append(None)
                 continue
-            want = W_TYPES[self.params["wdtype"]][1] if kind == "W*" else _NP_TYPE[kind]
+            want = W_TYPES[self.params[_DTYPE_PARAM[kind]]][1] if kind in _DTYPE_PARAM else _NP_TYPE[kind]
             assert isinstance(a, np.ndarray) and a.dtype == want, f"{self.op}.{name}: want {np.dtype(want)}"
             if name in _ROW_STRIDED:
                 assert a.ndim == 2 and a.strides[1] == a.itemsize, f"{self.op}.{name}: rows must be dense"
@@ -116,7 +117,7 @@ def trampoline(target: str, op: str, params: dict, kid: str) -> str:
     """`extern "C"` test_<kid> with the contract signature, calling kernel (CPU) or launcher (CUDA) kid."""
     args = []
     for name, kind in SIGNATURES[op]:
-        ctype = W_TYPES[params["wdtype"]][0] if kind == "W*" else _C_TYPE[kind]
+        ctype = W_TYPES[params[_DTYPE_PARAM[kind]]][0] if kind in _DTYPE_PARAM else _C_TYPE[kind]
         args.append(f"{ctype} {name}")
     names = ", ".join(name for name, _ in SIGNATURES[op])
     if target == "cpu":

@@ -3,7 +3,8 @@
 A ragged batch mixes prefill, chunked prefill and decode sequences whose cache blocks are shuffled
 and non-contiguous; the cache holds earlier tokens' k/v and garbage elsewhere. q/k/v are column
 slices of one fused qkv buffer, as the qkv gemm produces them. Context lengths cross CUDA's 32-position
-chunks (33, 70 + new tokens).
+chunks (33, 70 + new tokens). A bf16 cache (kv_dtype bf16) is checked against the same reference over k/v
+rounded to bf16 (nearest even) as the kernel must store them.
 """
 
 import math
@@ -11,46 +12,86 @@ import math
 import numpy as np
 import pytest
 from kernel_harness import spec_id
-from kernel_reference import MIXED, Batch
+from kernel_reference import MIXED, Batch, to_bf16
 
 from llmc.compiler.codegen.render import render_kernel
 from llmc.errors import CompileError
 
-# (num_heads, num_kv_heads, head_dim, block_size, sliding_window): GQA ratios 1, 4, 3 (9 heads / 3 kv heads)
-# and 4 (one kv head); head_dim 16 / 64 / 8 / 128; windows that start mid-block (5), span blocks (13), cross
-# a 32-lane chunk (37) and cover a single position (1)
+# (num_heads, num_kv_heads, head_dim, block_size, sliding_window, kv_dtype): GQA ratios 1, 4, 3 (9 heads / 3 kv
+# heads) and 4 (one kv head); head_dim 16 / 64 / 8 / 128, and 20 and 36 (no multiple of a SIMD vector of 8 or 16
+# values); windows that start mid-block (5), span blocks (13), cross a 32-lane chunk (37) and cover a single
+# position (1); a bf16 cache with GQA, windows and tail head_dims.
 CONFIGS = [
-    (4, 4, 16, 4, 0),
-    (8, 2, 64, 16, 0),
-    (9, 3, 8, 8, 0),
-    (4, 1, 16, 1, 0),
-    (4, 1, 128, 1, 0),
-    (4, 2, 16, 4, 5),
-    (9, 3, 8, 8, 13),
-    (9, 3, 8, 8, 37),
-    (8, 2, 64, 16, 1),
+    (4, 4, 16, 4, 0, "f32"),
+    (8, 2, 64, 16, 0, "f32"),
+    (9, 3, 8, 8, 0, "f32"),
+    (4, 1, 16, 1, 0, "f32"),
+    (4, 1, 128, 1, 0, "f32"),
+    (4, 2, 16, 4, 5, "f32"),
+    (9, 3, 8, 8, 13, "f32"),
+    (9, 3, 8, 8, 37, "f32"),
+    (8, 2, 64, 16, 1, "f32"),
+    (8, 2, 64, 16, 0, "bf16"),
+    (9, 3, 20, 8, 0, "bf16"),
+    (4, 1, 36, 5, 0, "bf16"),
+    (4, 2, 16, 4, 5, "bf16"),
+    (9, 3, 8, 8, 13, "bf16"),
+    (9, 3, 20, 8, 37, "bf16"),
 ]
 SPECS = [
     (
         "paged_attention",
-        dict(num_heads=nh, num_kv_heads=nkv, head_dim=hd, block_size=bs, scale=1.0 / math.sqrt(hd), sliding_window=w),
+        dict(
+            num_heads=nh,
+            num_kv_heads=nkv,
+            head_dim=hd,
+            block_size=bs,
+            scale=1.0 / math.sqrt(hd),
+            sliding_window=w,
+            kv_dtype=kv,
+        ),
     )
-    for nh, nkv, hd, bs, w in CONFIGS
+    for nh, nkv, hd, bs, w, kv in CONFIGS
 ]
 IDS = [spec_id(s) for s in SPECS]
+WINDOWED = [pytest.param(*s, id=IDS[i]) for i, s in enumerate(SPECS) if s[1]["sliding_window"] > 0]
 # Under the CUDA simulator, where a mixed batch takes ~60 ms, the batch and schedule test runs GQA 4 and 3 and
-# the window across a chunk only.
-ON_CUDA_TOO = {1, 2, 7}
+# the window across a chunk only, with either cache dtype.
+ON_CUDA_TOO = {1, 2, 7, 9, 14}
 INDEPENDENCE_CASES = [
     pytest.param(*s, id=IDS[i], marks=[] if i in ON_CUDA_TOO else [pytest.mark.targets("cpu")])
     for i, s in enumerate(SPECS)
 ]
 
 
+class Bf16Batch(Batch):
+    """A step on a bf16 cache: the history is stored rounded to bf16, and so are the reference's K/V (history and
+    this step's rows), which the kernel must round the same way as it writes them."""
+
+    def __init__(self, p, seqs, seed):
+        super().__init__(p, seqs, seed)
+        self.k_cache, self.v_cache = to_bf16(self.k_cache)[0], to_bf16(self.v_cache)[0]
+        self.K, self.V = [to_bf16(k)[1] for k in self.K], [to_bf16(v)[1] for v in self.V]
+
+    def cache_after(self, k_before, v_before):
+        nh, nkv, hd = self.p["num_heads"], self.p["num_kv_heads"], self.p["head_dim"]
+        keep = self.slots >= 0
+        k, v = k_before.copy(), v_before.copy()
+        k.reshape(-1, nkv, hd)[self.slots[keep]] = to_bf16(self.qkv[keep, nh * hd : (nh + nkv) * hd])[0].reshape(
+            -1, nkv, hd
+        )
+        v.reshape(-1, nkv, hd)[self.slots[keep]] = to_bf16(self.qkv[keep, (nh + nkv) * hd :])[0].reshape(-1, nkv, hd)
+        return k, v
+
+
+def make_batch(params, seqs, seed):
+    return (Bf16Batch if params["kv_dtype"] == "bf16" else Batch)(params, seqs, seed)
+
+
 @pytest.mark.parametrize("seqs", [MIXED, [(0, 17)], [(40, 1), (3, 1), (0, 1)]], ids=["mixed", "prefill", "decode"])
 @pytest.mark.parametrize("op,params", SPECS, ids=IDS)
 def test_paged_attention_matches_numpy(kernels, op, params, seqs):
-    batch = Batch(params, seqs, seed=len(seqs))
+    batch = make_batch(params, seqs, seed=len(seqs))
     k_before, v_before = batch.k_cache.copy(), batch.v_cache.copy()
     out = batch.run(kernels(op, params))
     np.testing.assert_allclose(out, batch.reference(), rtol=1e-5, atol=2e-6)
@@ -63,7 +104,7 @@ def test_paged_attention_matches_numpy(kernels, op, params, seqs):
 def test_paged_attention_skips_padding_slots(kernels):
     """A negative slot (padding token) writes nothing to the cache."""
     op, params = SPECS[2]
-    batch = Batch(params, [(5, 3), (2, 1)], seed=9)
+    batch = make_batch(params, [(5, 3), (2, 1)], seed=9)
     batch.slots[1] = -1
     k_before, v_before = batch.k_cache.copy(), batch.v_cache.copy()
     batch.run(kernels(op, params))
@@ -79,7 +120,7 @@ def test_paged_attention_independent_of_batch_and_schedule(kernels, schedules, o
     results = []
     for schedule in schedules:
         schedule()
-        mixed = Batch(params, MIXED, seed=11)
+        mixed = make_batch(params, MIXED, seed=11)
         cache = mixed.k_cache.copy(), mixed.v_cache.copy()
         results.append((mixed.run(fn), mixed.k_cache, mixed.v_cache))
     for result in results[1:]:
@@ -87,6 +128,22 @@ def test_paged_attention_independent_of_batch_and_schedule(kernels, schedules, o
     out = results[0][0]
     for b in range(mixed.B):
         assert np.array_equal(mixed.alone(b, cache).run(fn), out[mixed.qsl[b] : mixed.qsl[b + 1]])
+
+
+@pytest.mark.parametrize("op,params", WINDOWED)
+def test_paged_attention_reads_no_block_behind_the_window(kernels, op, params):
+    """Blocks wholly behind every query's window go back to the pool, and their block-table entries read 0
+    (docs/contracts.md, "KV cache"): the kernel must not read them. Block 0 holds other data (garbage or
+    another sequence's), so a read of a hole would show in the output."""
+    batch = make_batch(params, MIXED, seed=5)
+    bs, window = params["block_size"], params["sliding_window"]
+    holes = 0
+    for b, (cached, _) in enumerate(batch.seqs):
+        behind = max(0, cached - window + 1) // bs  # blocks before the first query's window
+        batch.block_tables[b, :behind] = 0
+        holes += behind
+    assert holes > 0
+    np.testing.assert_allclose(batch.run(kernels(op, params)), batch.reference(), rtol=1e-5, atol=2e-6)
 
 
 def test_paged_attention_rejects_bad_parameters(target):
@@ -101,6 +158,7 @@ def test_paged_attention_rejects_bad_parameters(target):
             block_size=4,
             scale=0.35,
             sliding_window=0,
+            kv_dtype="f32",
         )
     with pytest.raises(CompileError, match="sliding_window must be an int >= 0"):
         render_kernel(
@@ -113,4 +171,18 @@ def test_paged_attention_rejects_bad_parameters(target):
             block_size=4,
             scale=0.35,
             sliding_window=-1,
+            kv_dtype="f32",
+        )
+    with pytest.raises(CompileError, match="must be one of"):
+        render_kernel(
+            target,
+            "paged_attention",
+            name="a",
+            num_heads=9,
+            num_kv_heads=3,
+            head_dim=8,
+            block_size=4,
+            scale=0.35,
+            sliding_window=0,
+            kv_dtype="f16",
         )

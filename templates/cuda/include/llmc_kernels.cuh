@@ -5,8 +5,8 @@
 // `static void name(<the CPU signature>, cudaStream_t stream)` that takes its grid and block from the same
 // struct and launches through LLMC_LAUNCH. A generated model.cu includes this header once, before the kernels.
 //
-// Numerics: activations, KV cache and every accumulation are float32; weights are float or uint16_t (bf16
-// bits), widened to float on load. No atomics and no split reductions: every result is computed by one
+// Numerics: activations and every accumulation are float32; weights and the KV cache are float or uint16_t
+// (bf16 bits), widened to float on load. No atomics and no split reductions: every result is computed by one
 // thread, one warp or one block in a fixed order, so a run is bit-reproducible (and seed-independent under
 // the simulator). expf/sincosf/sqrtf/division are the accurate (non-fast-math) versions.
 //
@@ -305,8 +305,9 @@ struct Rope {
 
 // ---------------------------------------------------------------------------------------------------
 // paged attention over a ragged batch (docs/contracts.md, "The step"). KV cache [num_blocks, BS, NKV, D]
-// float32 each. T = query_start_loc[B] lives in device memory, so both kernels take a grid bounded from the
-// host-side arguments (T <= B * max_blocks * BS) and capped at kMaxGrid, and loop over their items.
+// each, of KV: float, or uint16_t bf16 bits (rounded to nearest even when written, widened to float when read).
+// T = query_start_loc[B] lives in device memory, so both kernels take a grid bounded from the host-side
+// arguments (T <= B * max_blocks * BS) and capped at kMaxGrid, and loop over their items.
 //  1. write(): token t's k/v rows (kv heads [0, NKV)) go to cache slot slot_mapping[t] (< 0: skipped).
 //     Grid (write_grid()), block kWriteThreads; one block per token.
 //  2. attend(): one warp per (token t, head h); a block holds HPB heads of one token that share a kv head
@@ -315,7 +316,7 @@ struct Rope {
 //     D-long dot with the q row staged in shared memory), warp_max / warp_sum for the online softmax (fp32,
 //     one rescale per 32 positions), then every lane accumulates D/32 output dims over the 32 positions'
 //     V rows (coalesced). Grid (attend_grid()), block kThreads.
-template <int NH, int NKV, int D, int BS, int W>
+template <int NH, int NKV, int D, int BS, int W, typename KV>
 struct PagedAttention {
   static_assert(NH % NKV == 0, "paged_attention: num_heads must be a multiple of num_kv_heads");
   static constexpr int GROUP = NH / NKV;
@@ -323,7 +324,7 @@ struct PagedAttention {
   static constexpr int kThreads = 32 * HPB;
   static constexpr int kHeadBlocks = NH / HPB;
   static constexpr int DPL = ceil_div(D, 32);  // output dims per lane
-  static constexpr int SLOT = NKV * D;         // floats per cache slot
+  static constexpr int SLOT = NKV * D;         // values per cache slot
   static constexpr int kWriteThreads = row_threads(SLOT, 256);
   static constexpr int64_t kMaxGrid = 1024;
 
@@ -334,8 +335,11 @@ struct PagedAttention {
   static int write_grid(int B, int max_blocks) { return grid(B, max_blocks, 1); }
   static int attend_grid(int B, int max_blocks) { return grid(B, max_blocks, kHeadBlocks); }
 
-  static __device__ __forceinline__ void write(const float* k, const float* v, int row_stride, float* k_cache,
-                                               float* v_cache, const int64_t* slot_mapping,
+  static __device__ __forceinline__ float to_kv(float x, float*) { return x; }
+  static __device__ __forceinline__ uint16_t to_kv(float x, uint16_t*) { return pack_bf16x2(x, 0.0f) & 0xffffu; }
+
+  static __device__ __forceinline__ void write(const float* k, const float* v, int row_stride, KV* k_cache,
+                                               KV* v_cache, const int64_t* slot_mapping,
                                                const int32_t* query_start_loc, int B) {
     const int T = query_start_loc[B];
     for (int t = blockIdx.x; t < T; t += gridDim.x) {
@@ -343,34 +347,40 @@ struct PagedAttention {
       if (slot < 0) continue;
       const int64_t src = static_cast<int64_t>(t) * row_stride, dst = slot * SLOT;
       for (int i = threadIdx.x; i < SLOT; i += kWriteThreads) {
-        k_cache[dst + i] = k[src + i];
-        v_cache[dst + i] = v[src + i];
+        k_cache[dst + i] = to_kv(k[src + i], k_cache);
+        v_cache[dst + i] = to_kv(v[src + i], v_cache);
       }
     }
   }
 
-  static __device__ __forceinline__ float dot_q(const float* qs, const float* kr) {
+  static __device__ __forceinline__ float dot_q(const float* qs, const KV* kr) {
     float s = 0.0f;
-    if constexpr (D % 4 == 0) {
+    constexpr int N = Vec16<KV>::N;
+    if constexpr (D % N == 0) {  // cache rows start at multiples of D values: 16-byte aligned
 #pragma unroll 4
-      for (int d = 0; d < D; d += 4) {
-        const float4 a = load4(qs + d), b = load4(kr + d);
-        s += a.x * b.x + a.y * b.y + a.z * b.z + a.w * b.w;
+      for (int d = 0; d < D; d += N) {
+        float b[N];
+        Vec16<KV>::load(kr + d, b);
+#pragma unroll
+        for (int j = 0; j < N; j += 4) {
+          const float4 a = load4(qs + d + j);
+          s += a.x * b[j] + a.y * b[j + 1] + a.z * b[j + 2] + a.w * b[j + 3];
+        }
       }
     } else {
-      for (int d = 0; d < D; ++d) s += qs[d] * kr[d];
+      for (int d = 0; d < D; ++d) s += qs[d] * wload(kr[d]);
     }
     return s;
   }
 
-  static __device__ __forceinline__ void attend(const float* q, int row_stride, const float* k_cache,
-                                                const float* v_cache, const int32_t* query_start_loc,
+  static __device__ __forceinline__ void attend(const float* q, int row_stride, const KV* k_cache,
+                                                const KV* v_cache, const int32_t* query_start_loc,
                                                 const int32_t* seq_lens, const int32_t* block_tables,
                                                 int max_blocks, int B, float* out, float scale) {
     struct alignas(16) Smem {
       float q[HPB][D];     // this warp's query row
       float p[HPB][32];    // softmax weights of the current 32 positions
-      int64_t row[HPB][32];  // their V rows (float offsets into the cache)
+      int64_t row[HPB][32];  // their V rows (element offsets into the cache)
     };
     __shared__ Smem sm;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -413,11 +423,11 @@ struct PagedAttention {
         for (int i = 0; i < DPL; ++i) acc[i] *= corr;
         for (int j = 0; j < n; ++j) {
           const float pj = sm.p[warp][j];
-          const float* vr = v_cache + sm.row[warp][j];
+          const KV* vr = v_cache + sm.row[warp][j];
 #pragma unroll
           for (int i = 0; i < DPL; ++i) {
             const int d = lane + 32 * i;
-            if (D % 32 == 0 || d < D) acc[i] += pj * vr[d];
+            if (D % 32 == 0 || d < D) acc[i] += pj * wload(vr[d]);
           }
         }
         m = m_new;

@@ -1,0 +1,143 @@
+"""`llmc compile --kv-cache-dtype bfloat16`: a KV cache of bf16 values, at half the bytes of float32.
+
+The module stores each k/v value (k after RoPE) rounded to bf16, nearest even, and attends over the widened
+values. The reference is transformers whose attention reads k and v rounded the same way (torch's own bf16
+rounding): greedy tokens equal on the CPU target and on the simulated sm90 one, and logits of every prompt row
+within the fp32 parity tolerance. The manifest and `llmc inspect` name the dtype, llmc_info reports 2 bytes per
+value, and the runtime fits twice the blocks in the same memory.
+"""
+
+import json
+import shutil
+
+import pytest
+import torch
+from checkpoints import hf_model
+from click.testing import CliRunner
+from logits_rows import REL
+from tokenizers import Tokenizer
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from llmc.artifact import seal_manifest
+from llmc.cli import main
+from llmc.compiler.codegen.simulator import build_simulated_library
+from llmc.compiler.compile import compile_checkpoint
+from llmc.errors import ArtifactError, CompileError
+from llmc.runtime.batch import StepBatch
+from llmc.runtime.engine import LLMEngine
+from llmc.runtime.kv_cache import kv_bytes_per_block
+from llmc.runtime.module import CompiledModel
+from llmc.runtime.sampling import SamplingParams
+
+PROMPTS = [
+    "The list type",
+    "Return a new dictionary initialized from an optional positional argument and a possibly empty set of keyword",
+    "def",
+]
+NEW_TOKENS = 32
+BF16_KV_ATTENTION = "llmc_test_bf16_kv"
+
+
+def _bf16_kv_attention(module, query, key, value, attention_mask, **kwargs):
+    return sdpa_attention_forward(
+        module, query, key.bfloat16().float(), value.bfloat16().float(), attention_mask, **kwargs
+    )
+
+
+AttentionInterface.register(BF16_KV_ATTENTION, _bf16_kv_attention)
+
+
+def bf16_kv_reference(path):
+    model = hf_model(path)
+    model.set_attn_implementation(BF16_KV_ATTENTION)
+    return model
+
+
+_built = {}
+
+
+def artifact(checkpoint_dir, tmp_path_factory, target: str):
+    if target not in _built:
+        out = tmp_path_factory.mktemp(f"kv_bf16_{target}") / "model"
+        _built[target] = compile_checkpoint(checkpoint_dir("llama"), target=target, output=out,
+                                            kv_cache_dtype="bfloat16")  # fmt: skip
+    return _built[target]
+
+
+def _load(path, target: str, **kw) -> CompiledModel:
+    library = build_simulated_library(path) if target == "sm90" else None
+    return CompiledModel.load(path, library=library, **kw)
+
+
+@pytest.mark.parametrize("target", ["cpu", pytest.param("sm90", marks=pytest.mark.slow)])
+def test_greedy_tokens_match_transformers_reading_bf16_kv(target, checkpoint_dir, tmp_path_factory):
+    """The three prompts run as one batch; each continuation equals transformers' with bf16-rounded k/v."""
+    path = checkpoint_dir("llama")
+    tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+    prompts = [tok.encode(p).ids for p in PROMPTS]
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    with _load(artifact(checkpoint_dir, tmp_path_factory, target), target, max_num_seqs=4) as model:
+        results = LLMEngine(model).generate(prompts, params)
+    reference = bf16_kv_reference(path)
+    for ids, result in zip(prompts, results, strict=True):
+        with torch.no_grad():
+            expected = reference.generate(
+                torch.tensor([ids]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False
+            )[0, len(ids) :].tolist()
+        assert result.outputs[0].token_ids == expected
+
+
+def test_prompt_logits_match_transformers_reading_bf16_kv(checkpoint_dir, tmp_path_factory):
+    """Every row of a prefill, then the same prompt again as a decode step over the first's cache."""
+    path = checkpoint_dir("llama")
+    ids = Tokenizer.from_file(str(path / "tokenizer.json")).encode(PROMPTS[1]).ids
+    with torch.no_grad():
+        want = bf16_kv_reference(path)(torch.tensor([ids])).logits[0].numpy()
+    with CompiledModel.load(artifact(checkpoint_dir, tmp_path_factory, "cpu"), max_num_seqs=1,
+                            max_num_logits=len(ids)) as model:  # fmt: skip
+        table = list(range(model.num_blocks))[::-1][: -(-len(ids) // model.block_size)]  # non-trivial blocks
+        got = model.step(StepBatch.build([ids], [0], [table], model.block_size, num_logits=[len(ids)]))
+        last = model.step(StepBatch.build([ids[-1:]], [len(ids) - 1], [table], model.block_size))
+    for i, (row, ref) in enumerate(zip([*got, *last], [*want, want[-1]], strict=True)):
+        rel = abs(row - ref).max() / abs(ref).max()
+        assert rel <= REL, f"row {i}: relative logit error {rel:.2e}"
+
+
+def test_manifest_inspect_and_cache_memory(checkpoint_dir, tmp_path_factory):
+    out = artifact(checkpoint_dir, tmp_path_factory, "cpu")
+    assert json.loads((out / "manifest.json").read_text())["kv_cache_dtype"] == "bfloat16"
+    shown = CliRunner().invoke(main, ["inspect", str(out)])
+    assert shown.exit_code == 0, shown.output
+    assert "KV cache       bfloat16, blocks of 16 tokens" in shown.output
+
+    budget = 1 << 20
+    with CompiledModel.load(out, kv_cache_memory=budget) as model:
+        c = model.config
+        assert model.info["kv_dtype_bytes"] == 2
+        per_block = kv_bytes_per_block(c.num_layers, c.num_kv_heads, c.head_dim, model.block_size, 2)
+        assert 2 * per_block == kv_bytes_per_block(c.num_layers, c.num_kv_heads, c.head_dim, model.block_size, 4)
+        assert model.num_blocks == budget // per_block  # twice a float32 cache's blocks in the same bytes
+        assert model.kv_cache_bytes == model.num_blocks * per_block
+
+
+def test_manifest_that_disagrees_with_the_module_is_refused(checkpoint_dir, tmp_path_factory, tmp_path):
+    """kv_cache_dtype is checked against llmc_info's kv_dtype_bytes at load, and must be a known dtype."""
+    for value, error in (("float32", "does not match the manifest"), ("float16", "kv_cache_dtype 'float16'")):
+        copy = tmp_path / value
+        shutil.copytree(artifact(checkpoint_dir, tmp_path_factory, "cpu"), copy)
+        manifest = json.loads((copy / "manifest.json").read_text())
+        manifest["kv_cache_dtype"] = value
+        (copy / "manifest.json").write_text(json.dumps(seal_manifest(manifest)))
+        with pytest.raises(ArtifactError, match=error):
+            CompiledModel.load(copy)
+
+
+def test_unknown_kv_cache_dtype_is_refused_before_compiling(checkpoint_dir, tmp_path):
+    with pytest.raises(CompileError, match="--kv-cache-dtype takes one of float32, bfloat16"):
+        compile_checkpoint(checkpoint_dir("llama"), target="cpu", output=tmp_path / "m", kv_cache_dtype="float16")
+    result = CliRunner().invoke(
+        main, ["compile", str(checkpoint_dir("llama")), "-o", str(tmp_path / "m"), "--kv-cache-dtype", "int8"]
+    )
+    assert result.exit_code == 2 and "'int8' is not one of 'float32', 'bfloat16'" in result.output
+    assert not (tmp_path / "m").exists()
