@@ -1,4 +1,5 @@
-"""The CPU packed layout of a quantized linear: what templates/cpu/qgemm.cc.j2 reads.
+"""The packed layouts of a quantized linear: what templates/cpu/qgemm.cc.j2 (pack_cpu) and
+templates/cuda/qgemm.cu.j2 (pack_cuda) read.
 
 For a QuantizedTensor of w[N, K] (K a multiple of 32, see compiler/quant.py):
 
@@ -10,6 +11,24 @@ For a QuantizedTensor of w[N, K] (K a multiple of 32, see compiler/quant.py):
     `>> 4` give elements 0..15 and 16..31 of the chunk in order.
 - scales: float32 [N, G], mins: float32 [N, G] (asymmetric) or None; G = ceil(K / group_size), the last
   group may be short. Copied as they are (C-contiguous).
+
+The CUDA layout (pack_cuda) is in the same shapes and keeps rows independent, so the packed rows of fused
+sources (q/k/v, gate/up) concatenate like the CPU's; only the byte order inside a row differs.
+
+- qweight: uint8 [N, K * bits / 8]; every element stored biased, u = q - lo (lo = -128 for int8, -8 for
+  symmetric int4, 0 for asymmetric int4), so u is unsigned (0..255 / 0..15).
+- A "word" is 32 bits holding the 8 (int4) or 4 (int8) elements one lane of an mma.m16n8k16 B fragment needs
+  (PTX: b[r] = B(k = 2t + h + 8r, n)) for two k16 steps (int4: 32 k, a "chunk") or one (int8: 16 k), with
+  t = 0..3 the lane's threadID_in_group. Its elements e_i, i = 4s + 2r + h, are k = 16s + 8r + 2t + h of the
+  word's k range; e_2j and e_2j+1 (one 32-bit B register) sit at bits [bits*j, +bits) and [16 + bits*j, +bits),
+  so `(word >> bits*j) & 0x000f000f` (int4) or `& 0x00ff00ff` (int8) is register j as two u16 halves, which a
+  magic-number OR turns into a bf16x2 pair (int4: `| 0x43004300` = 128 + u) or two floats
+  (`0x4b000000 | u` = 2^23 + u).
+- A row is blocks of 64 bytes (int4: 128 k, int8: 64 k), the last one shorter where K is no multiple of it.
+  A block of nw words per lane (4, or K's tail / word) holds lane t's words at byte 4 * (t * nw + w): a full
+  block is four 16-byte pieces, one per lane t, each that lane's B registers for the block's k range, so
+  a warp reads whole 64-byte row blocks with one 16-byte load per lane.
+- scales, mins: as pack_cpu (float32 [N, G]; exact, so GGUF's values pass through unchanged).
 """
 
 from __future__ import annotations
@@ -44,3 +63,63 @@ def unpack_cpu(qweight: np.ndarray, t_shape: tuple[int, int], bits: int, asymmet
     b = np.asarray(qweight, np.uint8).reshape(n, k // 32, 16)
     u = np.stack([b & 0xF, b >> 4], axis=2).reshape(n, k)
     return (u.astype(np.int16) - (0 if asymmetric else 8)).astype(np.int8)
+
+
+_CUDA_BLOCK_WORDS = 4  # words per lane in a full 64-byte block
+
+
+def _cuda_word_order(k: int, bits: int) -> np.ndarray:
+    """perm[d] = the k of the element stored d-th in a row: element i of each word in turn, the words in row
+    order (before the bytes / nibbles inside a word are arranged)."""
+    per_word = 32 // bits  # elements per word
+    units = k // (32 if bits == 4 else 16)  # words per lane in the row
+    # Lane t's word for unit u holds e_i, i = 4s + 2r + h, at k = 32u (int4) / 16u (int8) + 16s + 8r + 2t + h.
+    i = np.arange(per_word)
+    s, r, h = i // 4, (i // 2) % 2, i % 2
+    t = np.arange(4)
+    ks = (np.arange(units)[:, None, None] * (4 * per_word) + (16 * s + 8 * r + h)[None, None, :]
+          + 2 * t[None, :, None])  # fmt: skip
+    # unit u of lane t goes to word 16 * block + t * nw + w of the row (block = u // 4, w = u % 4).
+    block, w = np.arange(units) // _CUDA_BLOCK_WORDS, np.arange(units) % _CUDA_BLOCK_WORDS
+    nw = np.minimum(_CUDA_BLOCK_WORDS, units - _CUDA_BLOCK_WORDS * block)
+    dest = 4 * _CUDA_BLOCK_WORDS * block[:, None] + t[None, :] * nw[:, None] + w[:, None]  # [units, 4]
+    perm = np.empty((units * 4, per_word), np.int64)
+    perm[dest.reshape(-1)] = ks.reshape(units * 4, per_word)
+    return perm.reshape(-1)
+
+
+def pack_cuda(t: QuantizedTensor) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """(qweight uint8 [N, K * bits / 8], scales float32 [N, G], mins float32 [N, G] | None): the CUDA layout."""
+    n, k = t.shape
+    if k % 32:
+        raise CompileError(f"a quantized weight needs K a multiple of 32, got K={k}")
+    scales = np.ascontiguousarray(t.scales, dtype=np.float32)
+    mins = None if t.mins is None else np.ascontiguousarray(t.mins, dtype=np.float32)
+    bits = t.scheme.bits
+    lo, _ = t.scheme.qrange
+    perm = _cuda_word_order(k, bits)
+    u = (t.q.astype(np.int16) - lo).astype(np.uint8)[:, perm]  # [N, K] in storage order, element i of each word
+    if bits == 8:  # bytes of a word: e0, e2, e1, e3 (register j = bytes j and j + 2)
+        words = u.reshape(n, k // 4, 4)[:, :, [0, 2, 1, 3]]
+        return np.ascontiguousarray(words.reshape(n, k)), scales, mins
+    # int4: nibble p of a word holds e_[0, 2, 4, 6, 1, 3, 5, 7][p]; byte j = nibbles 2j (low) and 2j + 1
+    e = u.reshape(n, k // 8, 8)
+    nib = e[:, :, [0, 2, 4, 6, 1, 3, 5, 7]]
+    packed = nib[:, :, 0::2] | (nib[:, :, 1::2] << 4)
+    return np.ascontiguousarray(packed.reshape(n, k // 2)), scales, mins
+
+
+def unpack_cuda(qweight: np.ndarray, t_shape: tuple[int, int], bits: int, asymmetric: bool) -> np.ndarray:
+    """The inverse of pack_cuda's qweight: int8 q [N, K] (for tests and inspection)."""
+    n, k = t_shape
+    lo = -128 if bits == 8 else (0 if asymmetric else -8)
+    b = np.asarray(qweight, np.uint8).reshape(n, -1)
+    if bits == 8:
+        u = b.reshape(n, k // 4, 4)[:, :, [0, 2, 1, 3]].reshape(n, k)
+    else:
+        nib = np.stack([b & 0xF, b >> 4], axis=2).reshape(n, k // 8, 8)
+        u = nib[:, :, [0, 4, 1, 5, 2, 6, 3, 7]].reshape(n, k)
+    perm = _cuda_word_order(k, bits)
+    q = np.empty((n, k), np.int16)
+    q[:, perm] = u.astype(np.int16) + lo
+    return q.astype(np.int8)

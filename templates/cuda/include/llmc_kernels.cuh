@@ -483,3 +483,5 @@ struct GatherRows {
 };
 
 }  // namespace llmc
+
+#include "llmc_qgemm.cuh"  // quantized GEMMs (w8a16 / w4a16), after the helpers above

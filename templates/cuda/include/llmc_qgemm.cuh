@@ -1,0 +1,283 @@
+// llmc_qgemm.cuh: quantized GEMMs (w8a16 / w4a16): y[T, N] = x[T, K] @ dequant(qweight)[N, K]^T (+ bias[N]),
+// with dequant(w)[n, k] = q[n, k] * scales[n, g] - mins[n, g] (mins: asymmetric int4 only), g = k / G.
+//
+// qweight is compiler/quant_pack.py's CUDA layout (pack_cuda): rows of K * BITS / 8 bytes, biased u = q - LO,
+// 64-byte blocks in which lane t (of 4) of an mma B fragment finds its 32-bit words at 4 * (t * nw + w); a
+// word holds the lane's B registers of one k16 step (int8) or two (int4), register j as the u16 halves of
+// `(word >> BITS * j) & MASK`. scales / mins float32 [N, NG], x and y float32, bias float32.
+//
+//  - decode (T <= kGemvMaxT): gemv(). A warp per (output row, k slice): every lane loads kUnroll 16-byte
+//    pieces of the row (consecutive lanes, consecutive pieces: 512 bytes of a row per warp load) before it
+//    uses them, turns each u into a float with one OR and one subtract (0x4b000000 | u = 2^23 + u), and sums
+//    q * x per word in fp32 for all T rows at once, then applies the word's group scale (and min, times the
+//    word's sum of x). kSplit warps of a block share a row when rows are few and long (every SM gets
+//    blocks); their sums meet in shared memory in a fixed order. Grid (kGemvBlocks), block kGemvThreads.
+//  - prefill: tiled(). A BM x BN block tile, 4 warps side by side along N (BN / 4 columns each), every warp
+//    over all BM rows. Per 64-byte row block of the weights: x[BM, k block] goes to shared memory as bf16
+//    (round to nearest even; zero past T), A fragments come from ldmatrix.x4, and each warp loads its
+//    weight words straight from global memory into B fragments: int4 with `| 0x43004300` (bf16 128 + u) and
+//    one bf16x2 subtract, int8 through the fp32 magic number (bf16 = the float's high half, exact). The
+//    mma runs on the integer q itself (exact in bf16), fp32 accumulate, and each group's partial sum is
+//    scaled in fp32 when the group ends; asymmetric mins use the group's row sums of the same bf16 x, taken
+//    by one more mma against a B of ones. So weights stay exact and x's bf16 rounding is the only
+//    approximation. Grid (kTilesN, ceil(T / BM)), block kTileThreads.
+// Both paths: every output is summed by one thread, warp or block in a fixed order, so results do not depend
+// on scheduling (and are seed-independent under the simulator).
+#pragma once
+
+#include "llmc_kernels.cuh"
+
+namespace llmc {
+
+template <int N, int K, int BITS, int G, bool ASYM, bool BIAS>
+struct QGemm {
+  static_assert(BITS == 4 || BITS == 8, "qgemm: int4 or int8");
+  static_assert(K % 32 == 0 && G % 16 == 0 && (BITS == 8 || G % 32 == 0), "qgemm: groups align to words");
+  static_assert(!ASYM || BITS == 4, "qgemm: mins are int4 only");
+  static constexpr int LO = BITS == 8 ? -128 : (ASYM ? 0 : -8);  // q = u + LO
+  static constexpr uint32_t MASK = BITS == 8 ? 0x00ff00ffu : 0x000f000fu;
+  static constexpr int KW = BITS == 4 ? 32 : 16;  // k per word
+  static constexpr int PAIRS = KW / 8;           // bf16x2 registers per word
+  static constexpr int BW = 4;                   // words per lane in a full block
+  static constexpr int KB = BW * KW;             // k per full block (64 bytes of a row)
+  static constexpr int ROW_BYTES = K * BITS / 8;
+  static constexpr int NB = K / KB;                  // full blocks per row
+  static constexpr int TAIL_WORDS = (K % KB) / KW;  // words per lane in the short last block, 0 if none
+  static constexpr int NG = (K + G - 1) / G;         // groups per row
+
+  // decode
+  static constexpr int kGemvMaxT = 8, kGemvWarps = 4, kGemvThreads = 32 * kGemvWarps, kUnroll = 2;
+  static constexpr int kSplit = NB >= 64 ? 4 : (NB >= 16 ? 2 : 1);  // warps per row: >= 8 blocks of it each
+  static constexpr int kRowsPerBlock = kGemvWarps / kSplit;
+  static constexpr int kGemvBlocks = ceil_div(N, kRowsPerBlock);
+  // prefill
+  static constexpr int BM = 64, BN = 64, kTileThreads = 128, WN = BN / 4, NT = WN / 8;  // NT n8 tiles per warp
+  static constexpr int kTilesN = ceil_div(N, BN);
+  static constexpr int XS = KB + 8;  // bf16 per shared x row: +16 bytes moves each ldmatrix row to other banks
+
+  // u of a u16 half -> q as float: (2^23 + u) - (2^23 - LO), both exact.
+  static __device__ __forceinline__ float q_float(uint32_t u16) {
+    return __uint_as_float(0x4b000000u | u16) - static_cast<float>(8388608 - LO);
+  }
+
+  // ----------------------------------------------------------------------------------------------------
+  // gemv: acc[r] += this word's contribution to row r (r < rows). x0 points at x[0, k0 + 2t]: pair j's two
+  // elements are x[r, k0 + 16 (j >> 1) + 8 (j & 1) + 2t + {0, 1}].
+  static __device__ __forceinline__ void gemv_word(uint32_t wd, const float* x0, int rows, float s, float m,
+                                                   float (&acc)[kGemvMaxT]) {
+    float qf[2 * PAIRS];
+#pragma unroll
+    for (int j = 0; j < PAIRS; ++j) {
+      const uint32_t pr = (wd >> (BITS * j)) & MASK;
+      qf[2 * j] = q_float(pr & 0xffffu);
+      qf[2 * j + 1] = q_float(pr >> 16);
+    }
+#pragma unroll
+    for (int r = 0; r < kGemvMaxT; ++r) {
+      if (r < rows) {  // warp-uniform
+        float p = 0.0f, xs = 0.0f;
+#pragma unroll
+        for (int j = 0; j < PAIRS; ++j) {
+          const float2 xv = *reinterpret_cast<const float2*>(x0 + static_cast<int64_t>(r) * K + 16 * (j >> 1) + 8 * (j & 1));
+          p = fmaf(xv.x, qf[2 * j], p);
+          p = fmaf(xv.y, qf[2 * j + 1], p);
+          if constexpr (ASYM) xs += xv.x + xv.y;
+        }
+        acc[r] = fmaf(p, s, acc[r]);
+        if constexpr (ASYM) acc[r] = fmaf(-m, xs, acc[r]);
+      }
+    }
+  }
+
+  // The words of lane t of row block b (nw of them), starting at word unit u0 = b * BW.
+  static __device__ __forceinline__ void gemv_words(const uint32_t* wd, int nw, int b, int t, int n, const float* x,
+                                                    int rows, const float* scales, const float* mins,
+                                                    float (&acc)[kGemvMaxT]) {
+#pragma unroll
+    for (int w = 0; w < BW; ++w) {
+      if (w < nw) {
+        const int k0 = (b * BW + w) * KW;
+        const int gi = n * NG + k0 / G;
+        gemv_word(wd[w], x + k0 + 2 * t, rows, scales[gi], ASYM ? mins[gi] : 0.0f, acc);
+      }
+    }
+  }
+
+  static __device__ __forceinline__ void gemv(const float* x, const uint8_t* qweight, const float* scales,
+                                              const float* mins, const float* bias, float* y, int T) {
+    __shared__ float part[kGemvWarps][kGemvMaxT];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int slice = warp % kSplit, n = blockIdx.x * kRowsPerBlock + warp / kSplit;
+    float acc[kGemvMaxT];
+#pragma unroll
+    for (int r = 0; r < kGemvMaxT; ++r) acc[r] = 0.0f;
+    if (n < N) {  // warp-uniform; the barrier below is reached by every thread
+      const uint8_t* row = qweight + static_cast<int64_t>(n) * ROW_BYTES;
+      // pieces (block b, lane slot t) = index 4b + t: 16 bytes each, consecutive in the row
+      const int p_lo = 4 * (slice * NB / kSplit), p_hi = 4 * ((slice + 1) * NB / kSplit);
+      for (int p0 = p_lo + lane; p0 < p_hi; p0 += 32 * kUnroll) {
+        uint4 v[kUnroll];
+#pragma unroll
+        for (int i = 0; i < kUnroll; ++i) {
+          const int p = p0 + 32 * i;
+          if (p < p_hi) {
+            LLMC_CHECK_ALIGNED16(row + 16 * p);
+            v[i] = *reinterpret_cast<const uint4*>(row + 16 * p);
+          }
+        }
+#pragma unroll
+        for (int i = 0; i < kUnroll; ++i) {
+          const int p = p0 + 32 * i;
+          if (p < p_hi) {
+            const uint32_t wd[BW] = {v[i].x, v[i].y, v[i].z, v[i].w};
+            gemv_words(wd, BW, p >> 2, p & 3, n, x, T, scales, mins, acc);
+          }
+        }
+      }
+      if constexpr (TAIL_WORDS > 0) {
+        if (slice == kSplit - 1 && lane < 4) {
+          const uint32_t* tw = reinterpret_cast<const uint32_t*>(row + 64 * NB) + lane * TAIL_WORDS;
+          uint32_t wd[BW];
+#pragma unroll
+          for (int w = 0; w < BW; ++w) wd[w] = w < TAIL_WORDS ? tw[w] : 0u;
+          gemv_words(wd, TAIL_WORDS, NB, lane, n, x, T, scales, mins, acc);
+        }
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < kGemvMaxT; ++r) {
+      if (r < T) {
+        const float s = warp_sum(acc[r]);
+        if (lane == 0) part[warp][r] = s;
+      }
+    }
+    __syncthreads();
+    const int tid = threadIdx.x, i = tid / kGemvMaxT, r = tid % kGemvMaxT;
+    const int ni = blockIdx.x * kRowsPerBlock + i;
+    if (i < kRowsPerBlock && r < T && ni < N) {
+      float s = 0.0f;
+#pragma unroll
+      for (int sl = 0; sl < kSplit; ++sl) s += part[i * kSplit + sl][r];
+      y[static_cast<int64_t>(r) * N + ni] = BIAS ? s + bias[ni] : s;
+    }
+  }
+
+  // ----------------------------------------------------------------------------------------------------
+  // tiled: the B registers (bf16x2 of q) of pair j of a word.
+  static __device__ __forceinline__ uint32_t b_reg(uint32_t wd, int j) {
+    const uint32_t pr = (wd >> (BITS * j)) & MASK;
+    if constexpr (BITS == 4) {
+      constexpr uint32_t kBias = 0x43004300u | (static_cast<uint32_t>(-LO) * 0x00010001u);  // bf16 128 - LO, twice
+      const uint32_t v = pr | 0x43004300u, bias = kBias;                                       // bf16 128 + u, twice
+      const __nv_bfloat162 d = __hsub2(*reinterpret_cast<const __nv_bfloat162*>(&v),
+                                       *reinterpret_cast<const __nv_bfloat162*>(&bias));  // q, exact
+      return *reinterpret_cast<const uint32_t*>(&d);
+    } else {
+      const float lo = q_float(pr & 0xffffu), hi = q_float(pr >> 16);  // integers |q| <= 128: bf16 exact
+      return (__float_as_uint(lo) >> 16) | (__float_as_uint(hi) & 0xffff0000u);
+    }
+  }
+
+  static __device__ __forceinline__ void tiled(const float* x, const uint8_t* qweight, const float* scales,
+                                               const float* mins, const float* bias, float* y, int T) {
+    __shared__ __align__(16) uint16_t xs[BM][XS];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
+    const int m0 = blockIdx.y * BM, nw0 = blockIdx.x * BN + warp * WN;
+    constexpr int MT = BM / 16;
+    float acc[MT][NT][4], part[MT][NT][4], xsum[MT][4];
+#pragma unroll
+    for (int mi = 0; mi < MT; ++mi) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) xsum[mi][e] = 0.0f;
+#pragma unroll
+      for (int j = 0; j < NT; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[mi][j][e] = part[mi][j][e] = 0.0f;
+    }
+    const uint8_t* wrow[NT];  // this lane's weight row (B column n = g) per n8 tile; past N: row N - 1, unused
+#pragma unroll
+    for (int j = 0; j < NT; ++j) wrow[j] = qweight + static_cast<int64_t>(min(nw0 + 8 * j + g, N - 1)) * ROW_BYTES;
+    const uint32_t ones[2] = {0x3f803f80u, 0x3f803f80u};  // bf16 1.0 pairs
+
+    for (int b = 0; b < NB + (TAIL_WORDS > 0); ++b) {
+      const int nw = b < NB ? BW : TAIL_WORDS, kb0 = b * KB, kb = nw * KW;
+      uint32_t wd[NT][BW];
+#pragma unroll
+      for (int j = 0; j < NT; ++j) {
+        if (nw == BW) {
+          LLMC_CHECK_ALIGNED16(wrow[j] + 64 * b + 16 * t);
+          const uint4 v = *reinterpret_cast<const uint4*>(wrow[j] + 64 * b + 16 * t);
+          wd[j][0] = v.x, wd[j][1] = v.y, wd[j][2] = v.z, wd[j][3] = v.w;
+        } else {
+          const uint32_t* tw = reinterpret_cast<const uint32_t*>(wrow[j] + 64 * b) + t * nw;
+#pragma unroll
+          for (int w = 0; w < BW; ++w) wd[j][w] = w < nw ? tw[w] : 0u;
+        }
+      }
+      __syncthreads();  // the previous block's ldmatrix reads are done
+      for (int idx = tid; idx < BM * (kb / 4); idx += kTileThreads) {
+        const int r = idx / (kb / 4), c = 4 * (idx % (kb / 4));
+        float4 v = float4{0.0f, 0.0f, 0.0f, 0.0f};
+        if (m0 + r < T) v = load4(x + static_cast<int64_t>(m0 + r) * K + kb0 + c);
+        *reinterpret_cast<uint2*>(&xs[r][c]) = uint2{pack_bf16x2(v.x, v.y), pack_bf16x2(v.z, v.w)};
+      }
+      __syncthreads();
+#pragma unroll
+      for (int s = 0; s < KB / 16; ++s) {
+        if (s < kb / 16) {  // block-uniform
+          const int w = s / (KW / 16), j0 = 2 * (s % (KW / 16));  // the word and its first pair for step s
+          uint32_t bf[NT][2];
+#pragma unroll
+          for (int j = 0; j < NT; ++j) bf[j][0] = b_reg(wd[j][w], j0), bf[j][1] = b_reg(wd[j][w], j0 + 1);
+#pragma unroll
+          for (int mi = 0; mi < MT; ++mi) {
+            uint32_t a[4];
+            ldmatrix_x4(a, &xs[16 * mi + (lane & 7) + 8 * ((lane >> 3) & 1)][16 * s + 8 * (lane >> 4)]);
+#pragma unroll
+            for (int j = 0; j < NT; ++j) mma_m16n8k16_bf16(part[mi][j], a, bf[j], part[mi][j]);
+            if constexpr (ASYM) mma_m16n8k16_bf16(xsum[mi], a, ones, xsum[mi]);
+          }
+          const int kend = kb0 + 16 * (s + 1);
+          if (kend % G == 0 || kend == K) {  // the group of k step s ends here: scale its partial sums
+            const int grp = (kend - 1) / G;
+#pragma unroll
+            for (int j = 0; j < NT; ++j) {
+              const int c0 = min(nw0 + 8 * j + 2 * t, N - 1), c1 = min(nw0 + 8 * j + 2 * t + 1, N - 1);
+              const float s0 = scales[c0 * NG + grp], s1 = scales[c1 * NG + grp];
+              const float n0 = ASYM ? -mins[c0 * NG + grp] : 0.0f, n1 = ASYM ? -mins[c1 * NG + grp] : 0.0f;
+#pragma unroll
+              for (int mi = 0; mi < MT; ++mi) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                  float v = fmaf(part[mi][j][e], e & 1 ? s1 : s0, acc[mi][j][e]);
+                  if constexpr (ASYM) v = fmaf(e & 1 ? n1 : n0, xsum[mi][e], v);  // xsum: c0 == c1, c2 == c3
+                  acc[mi][j][e] = v;
+                  part[mi][j][e] = 0.0f;
+                }
+              }
+            }
+            if constexpr (ASYM) {
+#pragma unroll
+              for (int mi = 0; mi < MT; ++mi)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) xsum[mi][e] = 0.0f;
+            }
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int mi = 0; mi < MT; ++mi) {
+#pragma unroll
+      for (int j = 0; j < NT; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int row = m0 + 16 * mi + g + 8 * (e >> 1), col = nw0 + 8 * j + 2 * t + (e & 1);
+          if (row < T && col < N) y[static_cast<int64_t>(row) * N + col] = BIAS ? acc[mi][j][e] + bias[col] : acc[mi][j][e];
+        }
+      }
+    }
+  }
+};
+
+}  // namespace llmc
