@@ -106,7 +106,10 @@ def test_prompt_logits_match_transformers_reading_bf16_kv(checkpoint_dir, tmp_pa
 
 def test_manifest_inspect_and_cache_memory(checkpoint_dir, tmp_path_factory):
     out = artifact(checkpoint_dir, tmp_path_factory, "cpu")
-    assert json.loads((out / "manifest.json").read_text())["kv_cache_dtype"] == "bfloat16"
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["kv_cache_dtype"] == "bfloat16"
+    attention = [k for k in manifest["kernels"] if k["template"] == "cpu/paged_attention"]
+    assert attention and all(k["params"]["kv_dtype"] == "bf16" for k in attention)
     shown = CliRunner().invoke(main, ["inspect", str(out)])
     assert shown.exit_code == 0, shown.output
     assert "KV cache       bfloat16, blocks of 16 tokens" in shown.output

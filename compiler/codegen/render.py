@@ -120,6 +120,8 @@ def _check_params(op: str, params: Mapping[str, Any]) -> None:
         w = params["sliding_window"]
         if isinstance(w, bool) or not isinstance(w, int) or w < 0:
             raise ValueError(f"sliding_window must be an int >= 0 (0: no window), got {w!r}")
+        if params["kv_dtype"] not in WDTYPES:
+            raise ValueError(f"kv_dtype must be one of {sorted(WDTYPES)}, got {params['kv_dtype']!r}")
 
 
 def _check_qgemm(params: Mapping[str, Any]) -> None:
@@ -225,6 +227,7 @@ _ID_PREFIX = {
     "add_residual": "res",
     "inv_freq": "if",
     "sliding_window": "sw",
+    "kv_dtype": "kv",
     "bits": "int",
     "group_size": "g",
     "asymmetric": "asym",
@@ -235,7 +238,7 @@ _ID_ORDER = {
     "rmsnorm": ["hidden", "eps", "wdtype", "add_residual"],
     "gemm": ["n", "k", "wdtype", "has_bias"],
     "rope": ["num_heads", "head_dim", "inv_freq"],
-    "paged_attention": ["num_heads", "num_kv_heads", "head_dim", "block_size", "scale", "sliding_window"],
+    "paged_attention": ["num_heads", "num_kv_heads", "head_dim", "block_size", "scale", "sliding_window", "kv_dtype"],
     "silu_mul": ["inter"],
     "gather_rows": ["cols"],
     "qgemm": ["n", "k", "bits", "group_size", "asymmetric", "has_bias"],

@@ -173,7 +173,7 @@ def test_paged_attention_rejects_bad_parameters(target):
             sliding_window=-1,
             kv_dtype="f32",
         )
-    with pytest.raises(CompileError, match="must be one of"):
+    with pytest.raises(CompileError, match="kv_dtype must be one of"):
         render_kernel(
             target,
             "paged_attention",

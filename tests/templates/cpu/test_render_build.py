@@ -18,8 +18,8 @@ def test_kernel_id_is_readable_and_canonical():
     assert kernel_id("cpu", "gemm", dict(reversed(list(GEMM.items())), name="f")) == "cpu_gemm_n1536_k576_bf16_bias0"
     rms = dict(hidden=576, eps=1e-5, wdtype="f32", add_residual=True)
     assert kernel_id("cpu", "rmsnorm", rms) == "cpu_rmsnorm_h576_eps1em05_f32_res1"
-    pa = dict(num_heads=9, num_kv_heads=3, head_dim=64, block_size=16, scale=0.125, sliding_window=4096)
-    assert kernel_id("cpu", "paged_attention", pa) == "cpu_paged_attention_qh9_kvh3_d64_bs16_sc0p125_sw4096"
+    pa = dict(num_heads=9, num_kv_heads=3, head_dim=64, block_size=16, scale=0.125, sliding_window=4096, kv_dtype="f32")
+    assert kernel_id("cpu", "paged_attention", pa) == "cpu_paged_attention_qh9_kvh3_d64_bs16_sc0p125_sw4096_kvf32"
     assert kernel_id("cpu", "gemm", GEMM).isidentifier()
 
 

@@ -18,7 +18,15 @@ HERE = Path(__file__).parent
 SPECS_ASAN = [
     (
         "paged_attention",
-        dict(num_heads=9, num_kv_heads=3, head_dim=8, block_size=8, scale=1 / math.sqrt(8), sliding_window=0),
+        dict(
+            num_heads=9,
+            num_kv_heads=3,
+            head_dim=8,
+            block_size=8,
+            scale=1 / math.sqrt(8),
+            sliding_window=0,
+            kv_dtype="f32",
+        ),
     ),
     ("gemm", dict(n=53, k=37, wdtype="bf16", has_bias=True)),
     ("rmsnorm", dict(hidden=37, eps=1e-6, wdtype="f32", add_residual=True)),

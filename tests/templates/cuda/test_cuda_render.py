@@ -17,7 +17,9 @@ COMMON = {
     "rmsnorm": dict(hidden=64, eps=1e-5, wdtype="f32", add_residual=True),
     "gemm": dict(n=8, k=16, wdtype="bf16", has_bias=True),
     "rope": dict(num_heads=2, head_dim=8, inv_freq=[1.0, 0.1, 0.01, 0.001]),
-    "paged_attention": dict(num_heads=4, num_kv_heads=2, head_dim=16, block_size=4, scale=0.25, sliding_window=0),
+    "paged_attention": dict(
+        num_heads=4, num_kv_heads=2, head_dim=16, block_size=4, scale=0.25, sliding_window=0, kv_dtype="bf16"
+    ),
     "silu_mul": dict(inter=32),
     "gather_rows": dict(cols=32),
 }
@@ -49,14 +51,14 @@ def test_weight_types():
 
 
 def test_render_errors_name_the_cuda_template():
-    with pytest.raises(CompileError, match=r"template cuda/paged_attention.cu.j2.*missing scale"):
+    with pytest.raises(CompileError, match=r"template cuda/paged_attention.cu.j2.*missing kv_dtype, scale"):
         render_kernel("cuda", "paged_attention", name="a", num_heads=4, num_kv_heads=2, head_dim=16, block_size=4)
     with pytest.raises(CompileError, match="head_dim/2"):
         render_kernel("cuda", "rope", name="r", num_heads=2, head_dim=8, inv_freq=[1.0])
     assert "1e-06f" in render_kernel("cuda", "rmsnorm", name="n", hidden=8, eps=1e-6, wdtype="f32", add_residual=False)
     assert (
         kernel_id("cuda", "paged_attention", COMMON["paged_attention"])
-        == "cuda_paged_attention_qh4_kvh2_d16_bs4_sc0p25_sw0"
+        == "cuda_paged_attention_qh4_kvh2_d16_bs4_sc0p25_sw0_kvbf16"
     )
     assert math.isfinite(0.25)
 

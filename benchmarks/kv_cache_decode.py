@@ -1,0 +1,140 @@
+#!/usr/bin/env python
+"""Decode tokens/s at long context with a float32 vs a bf16 KV cache (`llmc compile --kv-cache-dtype`).
+
+    python benchmarks/kv_cache_decode.py [--context 1920] [--tokens 64] [--weight-dtypes bfloat16,float32]
+
+The model is benchmarks/cpu_decode.py's random SmolLM-135M-shaped checkpoint (30 layers, 3 KV heads of 64), compiled
+for the CPU target once per (weight dtype, KV cache dtype, llmc source state) into the benchmark cache dir. Each
+round, for each build in turn (interleaved, so machine noise hits every build): a prompt of --context tokens is
+prefilled (untimed, in chunks of --chunk tokens), then --tokens greedy decode steps are timed through
+CompiledModel.step at batch 1. A row's figure is the median over --rounds rounds.
+
+A decode step reads every weight once and the whole KV cache of its context once: the table shows both byte
+counts per step, so the gain of a bf16 cache is read against its share of the step's bytes. The builds must agree
+on the first greedy tokens (a bf16 cache changes k/v by a rounding, not the argmax of a clear margin); the table
+says how many of the decoded tokens agree with the float32-cache build of the same weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import shutil
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from cpu_decode import SMOLLM_135M, cache_dir, make_checkpoint, set_threads, source_hash
+
+from llmc.runtime.bench import align_columns
+
+_BYTES = {"float32": 4, "bfloat16": 2}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--context", type=int, default=1920, help="prompt tokens before the timed decode steps")
+    p.add_argument("--tokens", type=int, default=64, help="timed decode steps per round")
+    p.add_argument("--chunk", type=int, default=512, help="prefill chunk (tokens per step)")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS (default: all cores)")
+    p.add_argument("--weight-dtypes", default="bfloat16", help="comma-separated: float32, bfloat16")
+    p.add_argument("--cache-dir", type=Path, default=None)
+    args = p.parse_args(argv)
+    if args.context + args.tokens > SMOLLM_135M["max_position_embeddings"]:
+        p.error(f"--context + --tokens exceeds the model's {SMOLLM_135M['max_position_embeddings']} positions")
+    return args
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def build(ckpt: Path, cache: Path, weight_dtype: str, kv_dtype: str) -> Path:
+    from llmc.compiler.compile import compile_checkpoint
+
+    stem = f"smollm135m-{weight_dtype}-kv{kv_dtype}"
+    out = cache / f"{stem}-{source_hash()}.cpu"
+    if (out / "manifest.json").is_file():
+        return out
+    for old in cache.glob(f"{stem}-*.cpu"):  # builds of older sources
+        shutil.rmtree(old, ignore_errors=True)
+    log(f"compiling (weights {weight_dtype}, KV cache {kv_dtype}) -> {out}")
+    compile_checkpoint(ckpt, target="cpu", output=out, weight_dtype=weight_dtype, kv_cache_dtype=kv_dtype,
+                       progress=True)  # fmt: skip
+    return out
+
+
+class Decoder:
+    """One build at batch 1: the prompt prefilled in chunks, then timed greedy decode steps."""
+
+    def __init__(self, path: Path, max_len: int, chunk: int):
+        from llmc.runtime.module import CompiledModel
+
+        self.model = CompiledModel.load(path, kv_cache_memory=256 << 20, max_num_tokens=chunk, max_num_seqs=1)
+        bs = self.model.block_size
+        assert self.model.num_blocks * bs >= max_len, "the cache holds one sequence of max_len"
+        self.blocks = list(range(-(-max_len // bs)))
+        self.chunk = chunk
+
+    def run(self, prompt: list[int], n: int) -> tuple[float, list[int]]:
+        import numpy as np
+
+        from llmc.runtime.batch import StepBatch
+
+        bs = self.model.block_size
+        for start in range(0, len(prompt), self.chunk):
+            logits = self.model.step(StepBatch.build([prompt[start : start + self.chunk]], [start], [self.blocks], bs))
+        tok, pos, out = int(np.argmax(logits[0])), len(prompt), []
+        t = time.perf_counter()
+        for _ in range(n):
+            out.append(tok)
+            logits = self.model.step(StepBatch.build([[tok]], [pos], [self.blocks], bs))
+            tok, pos = int(np.argmax(logits[0])), pos + 1
+        return time.perf_counter() - t, out
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args.threads:
+        set_threads(args.threads)
+    cache = cache_dir(args.cache_dir)
+    cache.mkdir(parents=True, exist_ok=True)
+    ckpt = make_checkpoint(cache / "smollm135m-ckpt", log)
+    weight_dtypes = args.weight_dtypes.split(",")
+    builds = {(w, kv): build(ckpt, cache, w, kv) for w in weight_dtypes for kv in ("float32", "bfloat16")}
+    decoders = {key: Decoder(path, args.context + args.tokens, args.chunk) for key, path in builds.items()}
+    rng = random.Random(0)
+    prompt = [rng.randrange(3, 384) for _ in range(args.context)]  # ids of the checkpoint's 384-token tokenizer
+
+    times: dict = {key: [] for key in decoders}
+    tokens: dict = {}
+    for r in range(args.rounds):
+        for key, dec in decoders.items():
+            seconds, out = dec.run(prompt, args.tokens)
+            times[key].append(seconds)
+            tokens[key] = out
+        log(f"round {r + 1}/{args.rounds}: " + ", ".join(f"{w}/{kv} {args.tokens / t[-1]:.1f}" for (w, kv), t in
+                                                           times.items()))  # fmt: skip
+
+    c = SMOLLM_135M
+    head_dim = c["hidden_size"] // c["num_attention_heads"]
+    values_per_token = c["num_hidden_layers"] * 2 * c["num_key_value_heads"] * head_dim
+    ctx = args.context + args.tokens // 2  # the mean context of the timed steps
+    rows = [["weights", "KV cache", "decode tok/s", "vs float32 KV", "KV MB/step", "weights MB", "tokens equal"]]
+    for (w, kv), ts in times.items():
+        tps = args.tokens / statistics.median(ts)
+        base = args.tokens / statistics.median(times[(w, "float32")])
+        same = sum(a == b for a, b in zip(tokens[(w, kv)], tokens[(w, "float32")], strict=True))
+        weights = decoders[(w, kv)].model.weight_bytes
+        kv_mb = values_per_token * ctx * _BYTES[kv] / 1e6
+        rows.append([w, kv, f"{tps:.1f}", f"{tps / base:.2f}x", f"{kv_mb:.1f}", f"{weights / 1e6:.0f}",
+                     f"{same}/{args.tokens}"])  # fmt: skip
+    print(f"SmolLM-135M shape, context {args.context} + {args.tokens} decode steps, batch 1, median of "
+          f"{args.rounds} interleaved rounds")  # fmt: skip
+    print("\n".join(align_columns(rows, left=2)))
+
+
+if __name__ == "__main__":
+    main()
