@@ -1,17 +1,23 @@
 """gemm (templates/{cpu,cuda}/gemm.*.j2) against numpy: y = x @ w.T + bias, w in HF Linear layout [n, k].
 
 On CUDA, T <= 8 runs the warp-per-output GEMV and larger T the shared-memory tiled kernel; the shapes have
-tails for every path.
+tails for every path. On the CPU, T <= 4 runs the GEMV and larger T the register-tiled GEMM (bf16 through a
+widened panel, or vdpbf16ps); the ISA is the host's, or LLMC_TEST_MARCH's (haswell: AVX2, x86-64: portable).
 """
+
+import functools
+import os
+import subprocess
 
 import numpy as np
 import pytest
 from kernel_harness import spec_id
-from kernel_reference import assert_gemm_close, gemm_inputs
+from kernel_reference import assert_gemm_close, gemm_inputs, to_bf16
 
 # (n, k): 53 / 37 / 23 are no multiple of any vector, warp or tile width (k = 37: scalar weight loads on CUDA);
-# k = 64 / 136 take 16-byte loads (136 = 4 full + 1 partial lane sweep for f32).
-SHAPES = [(53, 37), (23, 64), (70, 136)]
+# k = 64 / 136 take 16-byte loads (136 = 4 full + 1 partial lane sweep for f32); k = 61: a K tail of more than
+# one vector after the CPU's bf16 main loop (steps of 2 vectors: 16 or 32).
+SHAPES = [(53, 37), (23, 64), (70, 136), (19, 61)]
 # The tiny model's projection, CPU only: there its outputs split into several chunks over the OpenMP threads;
 # under the CUDA simulator a GEMV of 1536 outputs takes about a second, and the shapes above cover its paths.
 MODEL_SHAPE = (1536, 576)
@@ -32,30 +38,40 @@ CASES = [pytest.param(*s, id=spec_id(s)) for s in _grid(SHAPES)] + [
     pytest.param(*s, id=spec_id(s), marks=CPU_ONLY) for s in _grid([MODEL_SHAPE])
 ]
 ALL_SHAPES = [*SHAPES, pytest.param(*MODEL_SHAPE, marks=CPU_ONLY)]
-# The T up to which each row is bit-identical whatever else is in the batch: any T on the CPU; on CUDA the
-# GEMV range, since the tiled kernel above it sums in another order.
-BATCH_INVARIANT_T = {"cpu": (7, 70), "cuda": (8,)}
+# The T up to which each row is bit-identical whatever else is in the batch: any T on the CPU (GEMV, GEMM, one
+# or several row chunks); on CUDA the GEMV range, since the tiled kernel above it sums in another order.
+BATCH_INVARIANT_T = {"cpu": (3, 5, 16, 17, 64, 129), "cuda": (8,)}
 
 
-# T: 1-5 the CPU's row blocks, 8 / 9 either side of CUDA's GEMV limit, 17 and 70 partial row tiles
-@pytest.mark.parametrize("T", [1, 2, 3, 4, 5, 8, 9, 17, 70])
+@functools.cache
+def cpu_bf16_dot() -> bool:
+    """Whether the CPU kernels are built with avx512_bf16: bf16 weights then meet x rounded to bf16 (vdpbf16ps)
+    over k < k // 32 * 32, the main loop; the tail stays float32."""
+    march = os.environ.get("LLMC_TEST_MARCH") or "native"
+    cmd = ["g++", f"-march={march}", "-dM", "-E", "-x", "c++", os.devnull]
+    return "__AVX512BF16__" in subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+
+
+def expected_x(x, k, wdtype, target):
+    """x as the kernel multiplies it by the weights."""
+    if target != "cpu" or wdtype != "bf16" or not cpu_bf16_dot():
+        return x
+    main = k // 32 * 32
+    xr = x.copy()
+    xr[:, :main] = to_bf16(x[:, :main])[1]
+    return xr
+
+
+# T: 1-5 the CPU's GEMV row counts and its first GEMM, 8 / 9 either side of CUDA's GEMV limit, 17, 64 and 129
+# partial row tiles (129 on the CPU: several row chunks at k = 576)
+@pytest.mark.parametrize("T", [1, 2, 3, 4, 5, 8, 9, 16, 17, 64, 129])
 @pytest.mark.parametrize("op,params", CASES)
-def test_gemm_matches_numpy(kernels, weights, op, params, T):
+def test_gemm_matches_numpy(kernels, weights, target, op, params, T):
     n, k = params["n"], params["k"]
     x, w, wf, b, bf = gemm_inputs(n, k, T, params["wdtype"], params["has_bias"], weights, seed=T)
     y = np.full((T, n), np.nan, dtype=np.float32)
     kernels(op, params)(x, w, b, y, T)
-    assert_gemm_close(y, x, wf, bf)
-
-
-@pytest.mark.parametrize("wdtype", ["f32", "bf16"])
-def test_gemm_three_row_tiles(kernels, weights, wdtype):
-    """T = 130: two full 64-row tiles and a 2-row tail."""
-    params = dict(n=70, k=136, wdtype=wdtype, has_bias=True)
-    x, w, wf, b, bf = gemm_inputs(70, 136, 130, wdtype, True, weights, seed=5)
-    y = np.full((130, 70), np.nan, dtype=np.float32)
-    kernels("gemm", params)(x, w, b, y, 130)
-    assert_gemm_close(y, x, wf, bf)
+    assert_gemm_close(y, expected_x(x, k, params["wdtype"], target), wf, bf)
 
 
 @pytest.mark.parametrize("wdtype", ["f32", "bf16"])

@@ -35,6 +35,15 @@ struct Vec {
     __m256i h = _mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << n) - 1), p);
     return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))};
   }
+  // 2W bf16 at p, widened: even = p[0], p[2], ..., odd = p[1], p[3], ... One shift or one and per W
+  // weights (a 32-bit lane holds the pair), against a zero-extend (a shuffle) and a shift in load().
+  static LLMC_INLINE void load_pairs(const uint16_t* p, Vec& even, Vec& odd) {
+    const __m512i raw = _mm512_loadu_si512(p);
+    even.v = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
+    odd.v = _mm512_castsi512_ps(_mm512_and_si512(raw, _mm512_set1_epi32(int(0xffff0000u))));
+  }
+  LLMC_INLINE void store(float* p) const { _mm512_storeu_ps(p, v); }
+  LLMC_INLINE void pin() {}  // 32 registers: g++ keeps a tile's operands in registers unasked
   LLMC_INLINE void fma(Vec a, Vec b) { v = _mm512_fmadd_ps(a.v, b.v, v); }  // this += a * b
   LLMC_INLINE Vec operator+(Vec o) const { return {_mm512_add_ps(v, o.v)}; }
   LLMC_INLINE float sum() const { return _mm512_reduce_add_ps(v); }  // fixed shuffle tree
@@ -56,6 +65,15 @@ struct Vec {
     for (int i = 0; i < n; ++i) tmp[i] = load_w(p[i]);
     return {_mm256_load_ps(tmp)};
   }
+  static LLMC_INLINE void load_pairs(const uint16_t* p, Vec& even, Vec& odd) {  // as the AVX-512 one
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    even.v = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
+    odd.v = _mm256_castsi256_ps(_mm256_and_si256(raw, _mm256_set1_epi32(int(0xffff0000u))));
+  }
+  LLMC_INLINE void store(float* p) const { _mm256_storeu_ps(p, v); }
+  // Keep this value in a register: g++ otherwise folds a register tile's loads into its FMAs, R * C loads
+  // per R * C FMAs instead of R + C (Zen 3 and Haswell-Skylake load 2 vectors per cycle, FMA 2).
+  LLMC_INLINE void pin() { asm("" : "+x"(v)); }
   LLMC_INLINE void fma(Vec a, Vec b) { v = _mm256_fmadd_ps(a.v, b.v, v); }
   LLMC_INLINE Vec operator+(Vec o) const { return {_mm256_add_ps(v, o.v)}; }
   LLMC_INLINE float sum() const {
@@ -83,6 +101,14 @@ struct Vec {  // portable fallback: 8 independent lanes the compiler may map ont
     for (int i = 0; i < n; ++i) r.v[i] = load_w(p[i]);
     return r;
   }
+  static LLMC_INLINE void load_pairs(const uint16_t* p, Vec& even, Vec& odd) {  // as the AVX-512 one
+    for (int i = 0; i < W; ++i) {
+      even.v[i] = bf16_to_f32(p[2 * i]);
+      odd.v[i] = bf16_to_f32(p[2 * i + 1]);
+    }
+  }
+  LLMC_INLINE void store(float* p) const { std::memcpy(p, v, sizeof v); }
+  LLMC_INLINE void pin() {}
   LLMC_INLINE void fma(Vec a, Vec b) {
     for (int i = 0; i < W; ++i) v[i] += a.v[i] * b.v[i];
   }
