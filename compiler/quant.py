@@ -140,7 +140,7 @@ def restate(t: QuantizedTensor, scheme: QuantScheme) -> QuantizedTensor:
     if (
         scheme.bits < old.bits
         or (old.asymmetric and not scheme.asymmetric)
-        or (scheme.bits == old.bits and scheme.asymmetric != old.asymmetric)
+        or (scheme.bits == old.bits == 4 and scheme.asymmetric != old.asymmetric)  # int4 q: -8..7 or 0..15
         or (old.group_size % scheme.group_size and -(-k // old.group_size) > 1)
     ):
         raise CompileError(f"a {old.describe()} weight cannot be stored exactly as {scheme.describe()}")
