@@ -1,0 +1,113 @@
+"""quantize_linear: the GEMMs whose weights have a scheme become llmc.quantized_matmul, and only those."""
+
+import pytest
+from checkpoints import ARCHS
+from pass_helpers import apply, count_ops, imported, plain_module
+from tvm import relax
+
+from llmc.compiler.compile import quant_schemes
+from llmc.compiler.frontend.checkpoint import load_checkpoint
+from llmc.compiler.frontend.trace import trace
+from llmc.compiler.passes.common import bindings, llmc_args, llmc_op_name, prim_value
+from llmc.compiler.passes.pipeline import PASSES, run_passes
+from llmc.compiler.passes.quantize_linear import quantize_linear
+from llmc.compiler.quant import QuantConfig, QuantScheme
+
+_fused_modules = {}
+
+
+def _fused(checkpoint_dir, arch):
+    """(module as the pipeline leaves it, config, weight names), once per arch."""
+    if arch not in _fused_modules:
+        mod, config = imported(checkpoint_dir, arch)
+        _fused_modules[arch] = run_passes(mod), config, trace(config).weight_names
+    return _fused_modules[arch]
+
+
+def _quantized_calls(mod):
+    return [b.value for b in bindings(mod["main"]) if llmc_op_name(b.value) == "quantized_matmul"]
+
+
+def _expected_count(config, lm_head: bool) -> int:
+    """GEMMs per layer with K a multiple of 32: qkv and gate/up read hidden, o_proj heads x head_dim, down inter."""
+    per_layer = 2 * (config.hidden_size % 32 == 0) + (config.q_size % 32 == 0) + (config.intermediate_size % 32 == 0)
+    return config.num_layers * per_layer + (lm_head and config.hidden_size % 32 == 0)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("quant", [QuantConfig("int8"), QuantConfig("int4", group_size=64, lm_head=True)])
+def test_rewrites_exactly_the_linears_with_a_scheme(arch, quant, checkpoint_dir):
+    mod, config, names = _fused(checkpoint_dir, arch)
+    schemes = quant_schemes(load_checkpoint(checkpoint_dir(arch)), quant)
+    matmuls = count_ops(mod, "matmul")
+    out, count = apply(quantize_linear(schemes, names), mod)
+    expected = _expected_count(config, quant.lm_head)
+    assert count == expected == len(_quantized_calls(out))
+    assert count_ops(out, "matmul") == matmuls - expected  # the rest (and attention's) stay float
+    for call in _quantized_calls(out):
+        args = llmc_args(call)
+        k = int(args["weight"].ty.shape.values[1])
+        want = quant.scheme(k)
+        assert (prim_value(args["bits"]), prim_value(args["group_size"]), prim_value(args["asymmetric"])) == (
+            want.bits,
+            want.group_size,
+            0,
+        )
+
+
+def test_fused_weights_stay_fused(checkpoint_dir):
+    mod, config, names = _fused(checkpoint_dir, "llama")
+    schemes = quant_schemes(load_checkpoint(checkpoint_dir("llama")), QuantConfig("int4"))
+    out, _ = apply(quantize_linear(schemes, names), mod)
+    var2val = relax.analysis.get_var2val(out["main"])
+    widths = sorted(
+        len(var2val[llmc_args(c)["weight"]].args[0].fields)
+        for c in _quantized_calls(out)
+        if llmc_args(c)["weight"] in var2val
+    )
+    assert widths == [2] * config.num_layers + [3] * config.num_layers  # gate/up and q/k/v, one GEMM each
+
+
+def test_different_schemes_of_one_fused_weight_become_one_that_holds_both(checkpoint_dir):
+    """GGUF Q4_K_M: q and k as Q4_K (int4 g32 asym), v as Q6_K (int8 g16) -> int8 g16 asym for the qkv GEMM."""
+    mod, config, names = _fused(checkpoint_dir, "llama")
+    p = "model.layers.0.self_attn."
+    schemes = {
+        p + "q_proj.weight": QuantScheme(4, 32, asymmetric=True),
+        p + "k_proj.weight": QuantScheme(4, 32, asymmetric=True),
+        p + "v_proj.weight": QuantScheme(8, 16),
+        p + "o_proj.weight": QuantScheme(4, 32, asymmetric=True),
+    }
+    out, count = apply(quantize_linear(schemes, names), mod)
+    assert count == 2
+    got = sorted(
+        tuple(int(prim_value(llmc_args(c)[n])) for n in ("bits", "group_size", "asymmetric"))
+        for c in _quantized_calls(out)
+    )
+    assert got == [(4, 32, 1), (8, 16, 1)]
+
+
+def test_a_fused_weight_with_a_float_source_stays_float(checkpoint_dir):
+    mod, _, names = _fused(checkpoint_dir, "llama")
+    p = "model.layers.0.self_attn."
+    schemes = {p + "q_proj.weight": QuantScheme(8, 64), p + "k_proj.weight": QuantScheme(8, 64)}  # v: float
+    _, count = apply(quantize_linear(schemes, names), mod)
+    assert count == 0
+
+
+def test_no_scheme_leaves_the_module_unchanged(checkpoint_dir):
+    mod, _, names = _fused(checkpoint_dir, "qwen2")
+    out, count = apply(quantize_linear({}, names), mod)
+    assert count == 0 and out["main"].script() == mod["main"].script()
+    plain = plain_module()
+    out, count = apply(quantize_linear({"x": QuantScheme(8, 8)}, ["x", "p"]), plain)
+    assert count == 0
+
+
+def test_pipeline_runs_it_last_and_reports_it(checkpoint_dir):
+    mod, config = imported(checkpoint_dir, "llama")
+    names = trace(config).weight_names
+    seen = []
+    schemes = quant_schemes(load_checkpoint(checkpoint_dir("llama")), QuantConfig("int8"))
+    run_passes(mod, after_each=lambda name, m: seen.append(name), quantize=quantize_linear(schemes, names))
+    assert seen == [p.__name__ for p in PASSES] + ["quantize_linear"]
