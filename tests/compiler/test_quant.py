@@ -3,7 +3,15 @@
 import numpy as np
 import pytest
 
-from llmc.compiler.quant import QuantizedTensor, QuantScheme, dequantize, quantize
+from llmc.compiler.quant import (
+    QuantConfig,
+    QuantizedTensor,
+    QuantScheme,
+    common_scheme,
+    dequantize,
+    quantize,
+    restate,
+)
 from llmc.errors import CompileError
 
 
@@ -34,3 +42,60 @@ def test_shapes_that_do_not_fit_the_scheme_are_refused():
         QuantizedTensor(np.zeros((2, 64), np.int8), np.zeros((2, 2), np.float32), None, QuantScheme(4, 32, True))
     with pytest.raises(CompileError, match="bits"):
         QuantScheme(3, 32)
+
+
+@pytest.mark.parametrize(
+    "old,new",
+    [
+        (QuantScheme(4, 32, asymmetric=True), QuantScheme(8, 16, asymmetric=True)),  # Q4_K beside Q6_K
+        (QuantScheme(8, 16), QuantScheme(8, 16, asymmetric=True)),  # Q6_K beside Q4_K
+        (QuantScheme(4, 32), QuantScheme(8, 32)),  # Q4_0 beside Q8_0
+        (QuantScheme(8, 96), QuantScheme(8, 64)),  # per channel (K = 96) into groups, a short last one
+        (QuantScheme(4, 64), QuantScheme(8, 32, asymmetric=True)),
+    ],
+    ids=lambda s: s.describe().replace(" ", "-"),
+)
+def test_restate_keeps_every_dequantized_value_bit_for_bit(old, new):
+    rng = np.random.default_rng(2)
+    t = quantize(rng.standard_normal((5, 96)).astype(np.float32), old)
+    r = restate(t, new)
+    assert r.scheme == new and np.array_equal(r.q, t.q)
+    assert np.array_equal(dequantize(r).view(np.int32), dequantize(t).view(np.int32))
+
+
+@pytest.mark.parametrize(
+    "old,new",
+    [
+        (QuantScheme(8, 32), QuantScheme(4, 32)),  # fewer bits
+        (QuantScheme(4, 32, asymmetric=True), QuantScheme(8, 32)),  # mins dropped
+        (QuantScheme(4, 32), QuantScheme(4, 32, asymmetric=True)),  # q + 8 and a min: not exact in float
+        (QuantScheme(8, 32), QuantScheme(8, 64)),  # a wider group
+    ],
+    ids=lambda s: s.describe().replace(" ", "-"),
+)
+def test_restate_refuses_what_it_cannot_hold_exactly(old, new):
+    t = quantize(np.ones((2, 128), np.float32), old)
+    with pytest.raises(CompileError, match="exactly"):
+        restate(t, new)
+
+
+def test_common_scheme_of_fused_sources():
+    q4k, q6k = QuantScheme(4, 32, asymmetric=True), QuantScheme(8, 16)
+    assert common_scheme([q4k, q4k, q6k], 256) == QuantScheme(8, 16, asymmetric=True)
+    assert common_scheme([QuantScheme(4, 32)] * 3, 256) == QuantScheme(4, 32)
+    assert common_scheme([QuantScheme(4, 32), QuantScheme(8, 32)], 256) == QuantScheme(8, 32)
+
+
+def test_quant_config_defaults_and_refusals():
+    assert QuantConfig("int8").scheme(96) == QuantScheme(8, 96)  # one scale per output channel
+    assert QuantConfig("int8", group_size=64).scheme(128) == QuantScheme(8, 64)
+    assert QuantConfig("int4").scheme(64) == QuantScheme(4, 32)
+    assert QuantConfig("int4").scheme(72) is None  # K not a multiple of 32: stays float
+    assert QuantConfig().scheme(64) is None and not QuantConfig().enabled
+    assert QuantConfig("int4", 128, lm_head=True).describe() == "int4 g128, lm_head"
+    with pytest.raises(CompileError, match="mode 'int3'"):
+        QuantConfig("int3")
+    with pytest.raises(CompileError, match="group size 48"):
+        QuantConfig("int4", group_size=48)
+    with pytest.raises(CompileError, match="apply to a quantized build"):
+        QuantConfig("none", lm_head=True)
