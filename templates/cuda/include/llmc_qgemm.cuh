@@ -51,7 +51,8 @@ struct QGemm {
   static constexpr int kRowsPerBlock = kGemvWarps / kSplit;
   static constexpr int kGemvBlocks = ceil_div(N, kRowsPerBlock);
   // prefill
-  static constexpr int BM = 64, BN = 64, kTileThreads = 128, WN = BN / 4, NT = WN / 8;  // NT n8 tiles per warp
+  // BM: asymmetric keeps 16 more accumulators (the row sums of x) per m16 tile; 32 rows keep it within 128 registers
+  static constexpr int BM = ASYM ? 32 : 64, BN = 64, kTileThreads = 128, WN = BN / 4, NT = WN / 8;  // NT: n8 tiles per warp
   static constexpr int kTilesN = ceil_div(N, BN);
   static constexpr int XS = KB + 8;  // bf16 per shared x row: +16 bytes moves each ldmatrix row to other banks
 

@@ -1,0 +1,135 @@
+"""CUDA qgemm (templates/cuda/qgemm.cu.j2, llmc_qgemm.cuh) under the simulator, against dequantize-then-matmul
+in numpy float64, and pack_cuda's layout (compiler/quant_pack.py) against the formulas it documents.
+
+- T <= 8 runs the GEMV: fp32 dequantization and accumulation, so y is within 1e-5 x the magnitude of its terms
+  (sum over k of |x| (|q s| + |m|), + |bias|) of x @ dequant(w)^T.
+- Larger T runs the tensor-core GEMM: x is rounded to bf16 (nearest even) in shared memory, q is exact in bf16
+  and the scales and mins apply in fp32, so y is within the same 1e-5 bound of x_bf16 @ dequant(w)^T, and
+  within 2^-9 |x| @ |dequant(w)|^T more of the unrounded product (bf16's relative rounding error).
+
+Shapes: n not a multiple of the 8-row n tiles or 64-column blocks, k with a short last 64-byte row block (int4:
+96, 160; int8: 96, 160) and without (576), long rows that split the GEMV across warps (int8 k = 1056, int4
+k = 2080: 16 full blocks), short last groups (int8 g128 at k = 160, int4 g128 at k = 160 / 2080); T crosses the
+GEMV / GEMM switch (8) and the 64-row (32 asymmetric) tiles.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from kernel_harness import spec_id
+from kernel_reference import to_bf16
+
+from llmc.compiler.quant import QuantScheme, dequantize, quantize
+from llmc.compiler.quant_pack import pack_cuda, unpack_cuda
+
+# (n, k, bits, group_size, asymmetric); group_size == k: one scale per output channel
+SCHEMES = [
+    (37, 96, 8, 96, False),
+    (53, 160, 8, 32, False),
+    (37, 160, 8, 16, False),
+    (70, 160, 8, 128, False),  # groups 128, 32
+    (19, 1056, 8, 1056, False),  # GEMV split over 2 warps, a 32-k tail block
+    (53, 96, 4, 32, False),  # no full 128-k block: the tail alone
+    (37, 160, 4, 128, False),
+    (70, 576, 4, 32, False),
+    (19, 2080, 4, 128, False),
+    (53, 160, 4, 32, True),
+    (37, 576, 4, 128, True),
+    (70, 160, 4, 128, True),
+]
+TS = [1, 3, 8, 9, 17, 70]
+
+
+def _params(n, k, bits, g, asym, bias):
+    return dict(n=n, k=k, bits=bits, group_size=g, asymmetric=asym, has_bias=bias)
+
+
+SPECS = [("qgemm", _params(*s, bias)) for s in SCHEMES for bias in (False, True)]
+CASES = [pytest.param(*spec, id=spec_id(spec)) for spec in SPECS]
+
+
+@pytest.fixture(scope="module")
+def cuda(harnesses):
+    harness = harnesses["cuda"]
+    harness.build(SPECS)
+    return harness
+
+
+def qgemm_inputs(params, T, seed):
+    """x [T, k] (a few large values), the QuantizedTensor of a random w [n, k], pack_cuda's parts, bias or None."""
+    n, k = params["n"], params["k"]
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((T, k), dtype=np.float32)
+    x[rng.random((T, k)) < 0.02] *= 20
+    w = rng.standard_normal((n, k), dtype=np.float32) * 0.1 + (0.05 if params["asymmetric"] else 0.0)
+    t = quantize(w, QuantScheme(params["bits"], params["group_size"], params["asymmetric"]))
+    bias = rng.standard_normal(n, dtype=np.float32) if params["has_bias"] else None
+    return x, t, pack_cuda(t), bias
+
+
+def _run(kernel, params, x, packed, bias):
+    T = x.shape[0]
+    y = np.full((T, params["n"]), np.nan, dtype=np.float32)
+    kernel(x, *packed, bias, y, T)
+    return y
+
+
+@pytest.mark.parametrize("T", TS)
+@pytest.mark.parametrize("op,params", CASES)
+def test_qgemm_cuda_matches_dequantized_matmul(cuda, op, params, T):
+    x, t, packed, bias = qgemm_inputs(params, T, seed=T)
+    y = _run(cuda(op, params), params, x, packed, bias)
+    k, g = t.shape[1], t.scheme.group_size
+    qs = t.q.astype(np.float64) * np.repeat(t.scales, g, axis=1)[:, :k]
+    m = np.zeros_like(qs) if t.mins is None else np.repeat(t.mins, g, axis=1)[:, :k].astype(np.float64)
+    b = 0.0 if bias is None else bias.astype(np.float64)
+    xr = x if T <= 8 else to_bf16(x)[1]  # what the kernel multiplies: x, or x rounded to bf16 for the GEMM
+    magnitude = np.abs(xr).astype(np.float64) @ (np.abs(qs) + np.abs(m)).T + np.abs(b)
+    ref = xr.astype(np.float64) @ (qs - m).T + b
+    assert np.all(np.abs(y - ref) <= 1e-5 * magnitude), f"max excess {np.max(np.abs(y - ref) - 1e-5 * magnitude)}"
+    exact = x.astype(np.float64) @ dequantize(t).astype(np.float64).T + b
+    bound = 1e-5 * magnitude + (0.0 if T <= 8 else 2.0**-9 * np.abs(x) @ np.abs(dequantize(t)).T)
+    assert np.all(np.abs(y - exact) <= bound)
+
+
+@pytest.mark.parametrize("T", [3, 17])
+@pytest.mark.parametrize("op,params", [CASES[9], CASES[19]])
+def test_qgemm_cuda_independent_of_schedule(cuda, op, params, T):
+    """Scheduling seeds (thread order between barriers, block order) give bit-identical results."""
+    x, _, packed, bias = qgemm_inputs(params, T, seed=5)
+    outs = []
+    try:
+        for schedule in cuda.schedules():
+            schedule()
+            outs.append(_run(cuda(op, params), params, x, packed, bias))
+    finally:
+        cuda.reset_schedule()
+    assert all(np.array_equal(o, outs[0]) for o in outs[1:])
+
+
+@pytest.mark.parametrize("bits,asym,k", [(8, False, 96), (8, False, 160), (4, False, 96), (4, True, 416)])
+def test_pack_cuda_layout(bits, asym, k):
+    """Lane t of row block b finds its word w at byte 64 b + 4 (t nw + w); register j of its step s (the pair
+    j = 2 s' + r) is `(word >> bits j) & mask`, halves u at k = KW (4 b + w) + 16 s' + 8 r + 2 t + {0, 1}."""
+    n = 5
+    rng = np.random.default_rng(1)
+    t = quantize(rng.standard_normal((n, k), dtype=np.float32), QuantScheme(bits, 32, asym))
+    qweight, scales, mins = pack_cuda(t)
+    assert qweight.dtype == np.uint8 and qweight.shape == (n, k * bits // 8)
+    assert np.array_equal(scales, t.scales) and (mins is None) == (not asym)
+    assert np.array_equal(unpack_cuda(qweight, t.shape, bits, asym), t.q)
+    stored = t.q.astype(np.int64) - t.scheme.qrange[0]  # the biased values u
+    kw, mask = (32, 0x000F000F) if bits == 4 else (16, 0x00FF00FF)
+    units = k // kw
+    words = qweight.view("<u4")  # [n, row words]
+    for row in range(n):
+        for u in range(units):
+            b, w = divmod(u, 4)
+            nw = min(4, units - 4 * b)
+            for lane in range(4):
+                word = int(words[row, 16 * b + lane * nw + w])
+                for j in range(kw // 8):
+                    pair = (word >> (bits * j)) & mask
+                    kk = kw * u + 16 * (j >> 1) + 8 * (j & 1) + 2 * lane
+                    assert pair & 0xFFFF == stored[row, kk] and pair >> 16 == stored[row, kk + 1]
