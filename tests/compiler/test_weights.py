@@ -1,5 +1,6 @@
 """compiler/weights.py: the streamed packed-weights file is a valid, aligned safetensors file."""
 
+import dataclasses
 import hashlib
 import json
 
@@ -10,7 +11,9 @@ from safetensors import safe_open
 
 from llmc import digests
 from llmc.compiler.frontend.checkpoint import load_checkpoint
-from llmc.compiler.weights import ALIGN, PAD_PREFIX, WeightSpec, write_packed_weights
+from llmc.compiler.quant import QuantizedTensor, QuantScheme, dequantize, quantize
+from llmc.compiler.quant_pack import unpack_cpu
+from llmc.compiler.weights import ALIGN, PAD_PREFIX, QUANT_PARTS, WeightSpec, write_packed_weights
 from llmc.errors import CompileError
 
 
@@ -105,3 +108,61 @@ def test_shape_mismatch_is_a_compile_error_and_writes_nothing(ckpt, tmp_path):
         write_packed_weights(ckpt, [WeightSpec("x", ("nope",), "float32", (1,))], out)
     with pytest.raises(CompileError, match="dtype"):
         write_packed_weights(ckpt, [WeightSpec("x", ("model.norm.weight",), "float16", (c.hidden_size,))], out)
+
+
+def _quant_specs(ckpt, sources, scheme):
+    n = sum(ckpt.config.weight_shapes()[s][0] for s in sources)
+    shape = (n, ckpt.config.hidden_size)
+    parts = ["qweight", "scales"] + (["mins"] if scheme.asymmetric else [])
+    return [WeightSpec(f"w.{p}", sources, QUANT_PARTS[p], shape, scheme, p) for p in parts]
+
+
+def _unpacked(path, specs):
+    """The QuantizedTensor the file holds for specs (qweight, scales[, mins])."""
+    scheme = specs[0].quant
+    with safe_open(path, framework="np") as f:
+        parts = {s.part: f.get_tensor(s.name) for s in specs}
+    q = unpack_cpu(parts["qweight"], specs[0].shape, scheme.bits, scheme.asymmetric)
+    return QuantizedTensor(q, parts["scales"], parts.get("mins"), scheme)
+
+
+@pytest.mark.parametrize("scheme", [QuantScheme(8, 64), QuantScheme(4, 32), QuantScheme(4, 64, asymmetric=True)],
+                         ids=lambda s: s.describe().replace(" ", "-"))  # fmt: skip
+def test_quantized_parts_are_each_source_quantized_once(ckpt, tmp_path, scheme, monkeypatch):
+    qkv = tuple(f"model.layers.1.self_attn.{n}_proj.weight" for n in "qkv")
+    specs = _quant_specs(ckpt, qkv, scheme)
+    reads = []
+    tensor = ckpt.tensor
+    monkeypatch.setattr(ckpt, "tensor", lambda name: reads.append(name) or tensor(name))
+    out = tmp_path / "w.safetensors"
+    offsets = write_packed_weights(ckpt, specs, out)
+    assert reads == list(qkv), "each source is read and quantized once for its two or three parts"
+    want = quantize(torch.cat([tensor(s) for s in qkv]).numpy(), scheme)
+    got = _unpacked(out, specs)
+    assert np.array_equal(got.q, want.q) and np.array_equal(got.scales, want.scales)
+    assert (got.mins is None) == (want.mins is None) and (want.mins is None or np.array_equal(got.mins, want.mins))
+    assert all(offsets[s.name][1] == s.nbytes for s in specs)
+    assert specs[0].stored_shape == (specs[0].shape[0], ckpt.config.hidden_size * scheme.bits // 8)
+
+
+def test_weights_held_quantized_are_packed_as_held(ckpt, tmp_path, monkeypatch):
+    """A GGUF Q4_K_M layer: q and k held as int4 g32 asym, v as int8 g16; packed in their common scheme with
+    no requantization: the file dequantizes to exactly what each held tensor does."""
+    qkv = tuple(f"model.layers.0.self_attn.{n}_proj.weight" for n in "qkv")
+    rng = np.random.default_rng(4)
+    held = {}
+    schemes = [QuantScheme(4, 32, True), QuantScheme(4, 32, True), QuantScheme(8, 16)]
+    for name, scheme in zip(qkv, schemes, strict=True):
+        held[name] = quantize(rng.standard_normal(ckpt.config.weight_shapes()[name]).astype(np.float32), scheme)
+    monkeypatch.setattr(ckpt, "quantized_tensor", held.get)
+    specs = _quant_specs(ckpt, qkv, QuantScheme(8, 16, asymmetric=True))
+    write_packed_weights(ckpt, specs, tmp_path / "w.safetensors")
+    got = dequantize(_unpacked(tmp_path / "w.safetensors", specs))
+    want = np.concatenate([dequantize(held[n]) for n in qkv])
+    assert np.array_equal(got.view(np.int32), want.view(np.int32))
+
+
+def test_a_quantized_part_must_fit_its_dtype(ckpt, tmp_path):
+    (spec, _) = _quant_specs(ckpt, ("model.layers.0.self_attn.o_proj.weight",), QuantScheme(8, 64))
+    with pytest.raises(CompileError, match="not a part of a quantized"):
+        write_packed_weights(ckpt, [dataclasses.replace(spec, dtype="float32")], tmp_path / "w.safetensors")
