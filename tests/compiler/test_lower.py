@@ -105,3 +105,38 @@ def test_lowering_imports_no_torch():
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip() == "[]"
+
+
+def test_quantized_matmul_lowers_to_qgemm_over_packed_parts(checkpoint_dir):
+    """qwen2 (qkv bias): q/k/v int4 g32 asym, o_proj int8 per channel; the bias joins the qgemm as float32."""
+    from llmc.compiler.passes.quantize_linear import quantize_linear
+    from llmc.compiler.quant import QuantScheme
+
+    mod, config = imported(checkpoint_dir, "qwen2")
+    names = trace(config).weight_names
+    p = "model.layers.1.self_attn."
+    asym = QuantScheme(4, 32, asymmetric=True)
+    schemes = {p + "q_proj.weight": asym, p + "k_proj.weight": asym, p + "v_proj.weight": asym,
+               p + "o_proj.weight": QuantScheme(8, config.q_size)}  # fmt: skip
+    program = lower(run_passes(mod, quantize=quantize_linear(schemes, names)), names, weight_dtype="bfloat16",
+                    block_size=16)  # fmt: skip
+    print(program)
+    qgemms = [launch for launch in program.launches if launch.op == "qgemm"]
+    assert [launch.fused for launch in qgemms] == [["q+k+v_proj + bias"], ["o_proj"]]
+    qkv, o = qgemms
+    rows = config.q_size + 2 * config.kv_size
+    assert qkv.params == {"n": rows, "k": config.hidden_size, "bits": 4, "group_size": 32, "asymmetric": True,
+                          "has_bias": True}  # fmt: skip
+    assert o.params["bits"] == 8 and o.params["group_size"] == config.q_size and o.args[3] == o.args[4] == "nullptr"
+
+    def spec(arg):
+        return program.weights[int(arg[2:-1])]
+
+    q, scales, mins, bias = (spec(a) for a in qkv.args[1:5])
+    assert [(s.part, s.dtype) for s in (q, scales, mins)] == [("qweight", "uint8"), ("scales", "float32"),
+                                                              ("mins", "float32")]  # fmt: skip
+    assert q.stored_shape == (rows, config.hidden_size // 2) and scales.stored_shape == (rows, config.hidden_size // 32)
+    assert q.sources == tuple(p + f"{n}_proj.weight" for n in "qkv") and q.quant == asym
+    assert bias.quant is None and bias.dtype == "float32" and len(bias.sources) == 3
+    # layer 0 stays float: its GEMMs are bf16 gemm launches
+    assert sum(launch.op == "gemm" for launch in program.launches) == 4 * config.num_layers - 2 + 1
