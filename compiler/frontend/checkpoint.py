@@ -21,6 +21,7 @@ from safetensors import safe_open
 from llmc.artifact import GENERATION_DEFAULT_KEYS
 from llmc.errors import CheckpointError, LlmcError
 
+from ..quant import QuantizedTensor
 from .config import ModelConfig, parse_config, token_ids
 
 _DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
@@ -44,8 +45,14 @@ class Checkpoint:
         return max(set(values), key=values.count)
 
     def tensor(self, name: str) -> torch.Tensor:
+        """The tensor as float; a quantized one (GGUF) comes dequantized, exactly."""
         with safe_open(self.tensor_files[name], framework="pt") as f:
             return f.get_tensor(name)
+
+    def quantized_tensor(self, name: str) -> QuantizedTensor | None:
+        """The tensor as the checkpoint quantizes it, to be packed with no requantization; None when it is
+        stored as float (always, for safetensors)."""
+        return None
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Every tensor in config order, one file open at a time."""
@@ -163,11 +170,16 @@ def _check_header(header, data_bytes: int) -> dict[str, tuple[str, tuple[int, ..
 
 
 def load_checkpoint(path: str | Path) -> Checkpoint:
+    """A Hugging Face checkpoint directory, or a GGUF file (compiler/frontend/gguf.py)."""
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"{path}: no such directory", "pass a Hugging Face checkpoint directory")
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        from .gguf import load_gguf
+
+        return load_gguf(path)
     if not path.is_dir():
-        raise CheckpointError(f"{path}: not a directory", "pass the checkpoint's directory, not a file in it")
+        raise CheckpointError(f"{path}: not a directory", "pass the checkpoint's directory or a .gguf file")
     config = parse_config(_read_json(path / "config.json", "config.json"))
     gen_path = path / "generation_config.json"
     gen = _read_json(gen_path, "generation_config.json") if gen_path.is_file() else {}

@@ -1,0 +1,468 @@
+"""Open a GGUF file (llama.cpp's format) as a Checkpoint, so `llmc compile model.gguf` works as for a directory.
+
+A GGUF holds in one file what a Hugging Face checkpoint spreads over config.json, tokenizer.json and
+safetensors, under llama.cpp's names (gguf_names):
+- Architecture metadata (`llama.*`, `qwen2.*`) becomes the config.json transformers would have, checked by
+  parse_config like any other. llama3 rope scaling is stored by llama.cpp as the per-frequency divisors of
+  the `rope_freqs` tensor; the scaling fields are recovered from them (`_llama3_scaling`).
+- The tokenizer is stored as token lists. It is rebuilt as a `tokenizers` tokenizer the way transformers'
+  GGUF conversion does (`gpt2`: byte-level BPE from tokens and merges; `llama`: SentencePiece BPE from tokens
+  and scores, with byte fallback), and written as tokenizer.json under llmc's cache, named by its content.
+- Tensors are renamed to Hugging Face's, and q/k rows of the `llama` arch are put back in rotate-half order.
+
+Quantized tensors keep their exact values: Q8_0, Q4_0, Q4_K and Q6_K each map onto a QuantizedTensor
+(compiler/quant.py) with no rounding, and `Checkpoint.tensor` returns its dequantization, equal bit for bit
+to gguf.quants.dequantize. Any other tensor type is refused with one line naming the type and the tensor.
+
+The file is mmapped (gguf.GGUFReader); tensors are read one at a time, as from safetensors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+import os
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+
+from llmc.errors import CheckpointError, CompileError, LlmcError, UnsupportedModelError
+from llmc.host import cache_root
+
+from ..quant import QuantizedTensor, QuantScheme, dequantize
+from . import gguf_names as names
+from .checkpoint import Checkpoint
+from .config import parse_config
+
+T = gguf.GGMLQuantizationType
+_FLOAT_TYPES = {T.F32: "float32", T.F16: "float16", T.BF16: "bfloat16"}
+SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_K", "Q6_K")
+
+
+class _Reader(gguf.GGUFReader):
+    """GGUFReader, except that a read past the end of the file raises instead of returning fewer items, so a
+    truncated file fails at the field or tensor that runs off the end (and a corrupt count cannot loop long)."""
+
+    def _get(self, offset, dtype, count=1, override_order=None):
+        arr = super()._get(offset, dtype, count, override_order)
+        if len(arr) < int(count):
+            raise ValueError(f"{int(count)} x {np.dtype(dtype).name} at byte {offset} run past the end of the file "
+                             f"({len(self.data)} bytes): truncated")  # fmt: skip
+        return arr
+
+
+@dataclasses.dataclass
+class GGUFCheckpoint(Checkpoint):
+    gguf_arch: str  # general.architecture: "llama" | "qwen2"
+    gguf_names: dict[str, str]  # HF name -> GGUF tensor name
+    gguf_types: dict[str, str]  # HF name -> "Q4_K", "F32", ...
+    gguf_tensors: dict[str, gguf.ReaderTensor]  # GGUF name -> the reader's entry (its data mmapped)
+
+    def quantized_tensor(self, name: str) -> QuantizedTensor | None:
+        """The tensor as the file quantizes it (rows in Hugging Face order); None for a float tensor."""
+        info = self._info(name)
+        unpack = _UNPACK.get(info.tensor_type)
+        if unpack is None:
+            return None
+        shape = self._shape(name)
+        n, k = shape if len(shape) == 2 else (1, math.prod(shape))
+        block, size = gguf.GGML_QUANT_SIZES[info.tensor_type]
+        qt = unpack(np.asarray(info.data).reshape(n, k // block, size))
+        heads = self._qk_heads(name)
+        if heads is not None:
+            rows = names.unpermute_qk(np.arange(n), heads)
+            mins = None if qt.mins is None else qt.mins[rows]
+            qt = QuantizedTensor(qt.q[rows], qt.scales[rows], mins, qt.scheme)
+        return qt
+
+    def tensor(self, name: str) -> torch.Tensor:
+        shape = self._shape(name)
+        qt = self.quantized_tensor(name)
+        if qt is not None:
+            return torch.from_numpy(dequantize(qt).reshape(shape))
+        info = self._info(name)
+        data = np.asarray(info.data)
+        if info.tensor_type == T.BF16:
+            data = data.view(np.uint16)
+        w = data.reshape(shape)
+        heads = self._qk_heads(name)
+        w = np.array(w) if heads is None else names.unpermute_qk(w, heads)  # a copy: the mmap is read-only
+        if info.tensor_type == T.BF16:
+            return torch.from_numpy(w.view(np.int16)).view(torch.bfloat16)
+        return torch.from_numpy(w)
+
+    def _info(self, name: str) -> gguf.ReaderTensor:
+        return self.gguf_tensors[self.gguf_names[name]]
+
+    def _shape(self, name: str) -> tuple[int, ...]:
+        return tuple(int(d) for d in reversed(self._info(name).shape.tolist()))
+
+    def _qk_heads(self, name: str) -> int | None:
+        return names.qk_heads(self.gguf_arch, self.gguf_names[name], self.config.num_heads, self.config.num_kv_heads)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Block formats -> QuantizedTensor. Each takes the bytes of one tensor as [rows, blocks per row, block bytes]
+# (layouts: /work/shared/notes/gguf-formats.md, llama.cpp's ggml-common.h). fp16 fields are exact in float32,
+# and scale = d * sub-scale is the same float32 product gguf.quants.dequantize forms, so values match exactly.
+
+
+def _f16(b: np.ndarray) -> np.ndarray:
+    """[..., 2] little-endian half bytes -> float32 [...]."""
+    return np.ascontiguousarray(b).view("<f2")[..., 0].astype(np.float32)
+
+
+def _rows(a: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(a.reshape(a.shape[0], -1))
+
+
+def _q8_0(b: np.ndarray) -> QuantizedTensor:  # d: f16 | qs: int8[32]
+    q = np.ascontiguousarray(b[..., 2:]).view(np.int8)
+    return QuantizedTensor(_rows(q), _rows(_f16(b[..., :2])), None, QuantScheme(8, 32))
+
+
+def _q4_0(b: np.ndarray) -> QuantizedTensor:  # d: f16 | qs: uint8[16], low nibbles first then high ones
+    qs = b[..., 2:18]
+    q = np.stack([qs & 0xF, qs >> 4], axis=2).astype(np.int8) - 8
+    return QuantizedTensor(_rows(q), _rows(_f16(b[..., :2])), None, QuantScheme(4, 32))
+
+
+def _q4_k(b: np.ndarray) -> QuantizedTensor:
+    """d: f16 | dmin: f16 | scales: uint8[12] (eight 6-bit scales and mins) | qs: uint8[128]; 8 groups of 32."""
+    d, dmin = _f16(b[..., 0:2]), _f16(b[..., 2:4])
+    lo, mid, hi = b[..., 4:8], b[..., 8:12], b[..., 12:16]
+    sc = np.concatenate([lo & 63, (hi & 0xF) | ((lo >> 6) << 4)], axis=-1).astype(np.float32)
+    m = np.concatenate([mid & 63, (hi >> 4) | ((mid >> 6) << 4)], axis=-1).astype(np.float32)
+    qs = b[..., 16:144].reshape(*b.shape[:2], 4, 32)  # chunk c: groups 2c (low nibbles) and 2c + 1 (high)
+    q = np.stack([qs & 0xF, qs >> 4], axis=3).astype(np.int8)
+    scales, mins = _rows(d[..., None] * sc), _rows(dmin[..., None] * m)
+    return QuantizedTensor(_rows(q), scales, mins, QuantScheme(4, 32, asymmetric=True))
+
+
+def _q6_k(b: np.ndarray) -> QuantizedTensor:
+    """ql: uint8[128] | qh: uint8[64] | scales: int8[16] | d: f16; 16 groups of 16 signed 6-bit values."""
+    ql = b[..., 0:128].reshape(*b.shape[:2], 2, 2, 32)  # [half, first or second 32 bytes, l]
+    qh = b[..., 128:192].reshape(*b.shape[:2], 2, 1, 32)
+    low = np.stack([ql & 0xF, ql >> 4], axis=3).reshape(*b.shape[:2], 2, 4, 32)
+    high = (qh >> np.array([0, 2, 4, 6], np.uint8)[:, None]) & 3
+    q = (low | (high << 4)).astype(np.int8) - 32
+    sc = np.ascontiguousarray(b[..., 192:208]).view(np.int8).astype(np.float32)
+    return QuantizedTensor(_rows(q), _rows(_f16(b[..., 208:210])[..., None] * sc), None, QuantScheme(8, 16))
+
+
+_UNPACK = {T.Q8_0: _q8_0, T.Q4_0: _q4_0, T.Q4_K: _q4_k, T.Q6_K: _q6_k}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Metadata
+
+
+class _Meta:
+    """Typed reads of the file's key/value metadata; a missing or mistyped key is a CheckpointError."""
+
+    def __init__(self, reader: gguf.GGUFReader, path: Path, arch: str = ""):
+        self.reader, self.path, self.arch = reader, path, arch
+
+    def get(self, key: str, kind: type, default=...):
+        key = key.format(arch=self.arch)
+        field = self.reader.fields.get(key)
+        if field is None:
+            if default is ...:
+                raise CheckpointError(f"{self.path}: GGUF metadata {key!r} is missing", "re-convert the model")
+            return default
+        try:
+            value = field.contents()
+        except (UnicodeDecodeError, IndexError, ValueError) as e:
+            raise CheckpointError(f"{self.path}: GGUF metadata {key!r} is unreadable ({e})", "re-convert it") from None
+        ok = {
+            int: lambda v: isinstance(v, int) and not isinstance(v, bool),
+            float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+            str: lambda v: isinstance(v, str),
+            bool: lambda v: isinstance(v, bool),
+            list: lambda v: isinstance(v, list),
+        }[kind]
+        if not ok(value):
+            raise CheckpointError(f"{self.path}: GGUF metadata {key!r} is {str(value)[:80]!r}, not a {kind.__name__}",
+                                  "re-convert the model")  # fmt: skip
+        # GGUF stores float32: the shortest decimal that rounds to it is the config.json value it came from
+        return float(str(np.float32(value))) if kind is float else value
+
+
+def load_gguf(path: str | Path) -> GGUFCheckpoint:
+    path = Path(path)
+    try:
+        reader = _Reader(path)
+    except (ValueError, KeyError, IndexError, TypeError, OverflowError, UnicodeDecodeError, OSError) as e:
+        raise CheckpointError(f"{path}: not a readable GGUF file ({e})", "re-download or re-convert it") from None
+    if reader.byte_order != "I":
+        raise CheckpointError(f"{path}: a big-endian GGUF file", "convert the model for a little-endian host")
+    meta = _Meta(reader, path)
+    arch = meta.get(names.ARCHITECTURE, str)
+    if arch not in names.HF_ARCH:
+        raise UnsupportedModelError(
+            f"{path}: GGUF architecture {arch!r} is not supported", f"llmc imports {', '.join(sorted(names.HF_ARCH))}"
+        )
+    meta.arch = arch
+    tensors = {t.name: t for t in reader.tensors}
+    tokens = meta.get(names.TOKENS, list)
+    config = _config(meta, tensors, tokens, path)
+
+    gguf_names, dtypes, gguf_types = {}, {}, {}
+    for hf_name, shape in config.weight_shapes().items():
+        gguf_name = names.hf_to_gguf(hf_name)
+        info = tensors.get(gguf_name)
+        if info is None:
+            raise CheckpointError(f"{path}: tensor {gguf_name!r} ({hf_name}) is missing",
+                                  "the metadata does not match the tensors; re-convert the model")  # fmt: skip
+        got = tuple(int(d) for d in reversed(info.shape.tolist()))
+        if got != shape:
+            raise CheckpointError(f"{path}: tensor {gguf_name!r} has shape {list(got)} but the metadata implies "
+                                  f"{list(shape)}", "re-convert the model")  # fmt: skip
+        kind = info.tensor_type
+        if kind.name not in SUPPORTED_TYPES:
+            raise CompileError(f"{path}: tensor {gguf_name!r} is {kind.name}, which llmc does not import",
+                               f"llmc reads {', '.join(SUPPORTED_TYPES)}; re-quantize to one of them")  # fmt: skip
+        gguf_names[hf_name], gguf_types[hf_name] = gguf_name, kind.name
+        dtypes[hf_name] = _FLOAT_TYPES.get(kind, "float32")  # what tensor() returns
+    special, chat_template, tokenizer_path = _tokenizer(meta, tokens, path)
+    return GGUFCheckpoint(
+        path=path,
+        config=config,
+        tensor_files=dict.fromkeys(gguf_names, path),
+        dtypes=dtypes,
+        tokenizer_path=tokenizer_path,
+        chat_template=chat_template,
+        special_tokens=special,
+        generation_defaults={},
+        gguf_arch=arch,
+        gguf_names=gguf_names,
+        gguf_types=gguf_types,
+        gguf_tensors=tensors,
+    )
+
+
+def _config(meta: _Meta, tensors: dict, tokens: list, path: Path):
+    """The config.json llama.cpp's converter read, rebuilt from the metadata and checked by parse_config."""
+    hidden, heads = meta.get(names.EMBEDDING_LENGTH, int), meta.get(names.HEAD_COUNT, int)
+    head_dim = meta.get(names.KEY_LENGTH, int, None) or (hidden // heads if heads else None)
+    rope_dims = meta.get(names.ROPE_DIMENSION_COUNT, int, head_dim)
+    if rope_dims != head_dim:
+        raise UnsupportedModelError(f"{path}: RoPE over {rope_dims} of {head_dim} head dimensions",
+                                    "llmc rotates the whole head_dim")  # fmt: skip
+    context = meta.get(names.CONTEXT_LENGTH, int)
+    theta = meta.get(names.ROPE_FREQ_BASE, float, 10000.0)
+    kv = meta.get(names.HEAD_COUNT_KV, int, heads)
+    eos = [meta.get(k, int, None) for k in (names.EOS_ID, "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")]
+    raw = {
+        "architectures": [names.HF_ARCH[meta.arch]],
+        "hidden_size": hidden,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv,
+        "head_dim": head_dim,
+        "num_hidden_layers": meta.get(names.BLOCK_COUNT, int),
+        "intermediate_size": meta.get(names.FEED_FORWARD_LENGTH, int),
+        "vocab_size": meta.get(names.VOCAB_SIZE, int, len(tokens)),
+        "rms_norm_eps": meta.get(names.RMS_EPS, float),
+        "rope_theta": theta,
+        "max_position_embeddings": context,
+        "tie_word_embeddings": names.hf_to_gguf("lm_head.weight") not in tensors,
+        "attention_bias": "blk.0.attn_q.bias" in tensors,
+        "mlp_bias": "blk.0.ffn_up.bias" in tensors,
+        "bos_token_id": meta.get(names.BOS_ID, int, None),
+        "eos_token_id": list(dict.fromkeys(e for e in eos if e is not None)),
+    }
+    kind = meta.get(names.ROPE_SCALING_TYPE, str, "none")
+    freqs = tensors.get(names.ROPE_FREQS)
+    if kind == "linear" and freqs is None:
+        raw["rope_scaling"] = {"rope_type": "linear", "factor": meta.get(names.ROPE_SCALING_FACTOR, float)}
+    elif kind == "none" and freqs is not None:
+        orig = meta.get(names.ROPE_SCALING_ORIG_CTX, int, context)
+        raw["rope_scaling"] = _llama3_scaling(_rope_freqs(freqs, head_dim, path), theta, head_dim, orig, path)
+    elif kind != "none":
+        raise UnsupportedModelError(f"{path}: rope scaling {kind!r}{' with rope_freqs' if freqs else ''} is not "
+                                    "supported", "llmc imports none, linear and llama3 (rope_freqs)")  # fmt: skip
+    try:
+        config = parse_config(raw)
+    except LlmcError as e:  # its messages name config.json; here the metadata is at fault
+        raise type(e)(
+            f"{path}: GGUF metadata: {e.what.removeprefix('config.json: ')}", "re-convert the model"
+        ) from None
+    problem = config.inconsistency()
+    if problem:
+        raise CheckpointError(f"{path}: {problem}", "re-convert the model")
+    if config.rope_scaling and config.rope_scaling["rope_type"] == "llama3":
+        _check_rope(config, freqs, path)
+    return config
+
+
+def _rope_freqs(info, head_dim: int, path: Path) -> np.ndarray:
+    if info.tensor_type != T.F32 or int(info.n_elements) != head_dim // 2:
+        raise CheckpointError(f"{path}: rope_freqs is {info.tensor_type.name}[{info.n_elements}], not "
+                              f"F32[{head_dim // 2}]", "re-convert the model")  # fmt: skip
+    f = np.asarray(info.data, dtype=np.float64).reshape(-1)
+    if not np.all(np.isfinite(f)) or np.any(f < 1.0):
+        raise CheckpointError(f"{path}: rope_freqs holds divisors below 1 or not finite", "re-convert the model")
+    return f
+
+
+def _llama3_scaling(f: np.ndarray, theta: float, head_dim: int, orig: int, path: Path) -> dict | None:
+    """llama3 rope_scaling fields that give the rope_freqs divisors f (as convert_hf_to_gguf computes them).
+
+    With u = 1 / wavelength of each frequency, llama3's divisor is 1 where u >= u_h, `factor` where
+    u <= u_l, and 1 / ((1 - s) / factor + s) with s = (u - u_l) / (u_h - u_l) between. Only factor, u_l and
+    u_h matter (any original context length gives the same divisors for the same u_l, u_h), so u_l and u_h
+    are fitted to the divisors: exactly through two or more interpolated ones, else placed strictly inside
+    the gap the samples leave, which every pair of thresholds there reproduces exactly.
+    """
+    factor = float(f.max())
+    if factor == 1.0:
+        return None
+    u = (1.0 / theta ** (np.arange(0, head_dim, 2) / head_dim)) / (2 * math.pi)
+    s = (1.0 / f - 1.0 / factor) / (1.0 - 1.0 / factor)
+    ones, full = s >= 1.0 - 1e-6, s <= 1e-6
+    mid = ~(ones | full)
+    if mid.sum() >= 2:
+        slope, intercept = np.polyfit(u[mid], s[mid], 1)
+        u_l, u_h = -intercept / slope, (1.0 - intercept) / slope
+    else:
+        above = u[ones].min() if ones.any() else None  # the smallest u kept at divisor 1
+        below = u[full].max() if full.any() else 0.0  # the largest u divided by the full factor
+        if mid.any():
+            um, sm = float(u[mid][0]), float(s[mid][0])
+            slope = 2 * max((1.0 - sm) / (above - um) if above is not None else 0.0, sm / (um - below))
+            u_l = um - sm / slope
+            u_h = u_l + 1.0 / slope
+        else:
+            top = above if above is not None else 3.0 * below
+            u_l, u_h = below + (top - below) / 3, below + 2 * (top - below) / 3
+    if not 0 < u_l < u_h:
+        raise UnsupportedModelError(f"{path}: rope_freqs does not follow llama3 rope scaling",
+                                    "llmc imports llama3 scaling as llama.cpp's converter writes it")  # fmt: skip
+    return {"rope_type": "llama3", "factor": factor, "low_freq_factor": orig * u_l, "high_freq_factor": orig * u_h,
+            "original_max_position_embeddings": orig}  # fmt: skip
+
+
+def _check_rope(config, freqs, path: Path) -> None:
+    """The rebuilt llama3 fields must give the file's own frequencies (llama.cpp divides by rope_freqs)."""
+    from .model import rope_inv_freq
+
+    plain = rope_inv_freq(dataclasses.replace(config, rope_scaling=None)).double().numpy()
+    want = plain / np.asarray(freqs.data, dtype=np.float64).reshape(-1)
+    got = rope_inv_freq(config).double().numpy()
+    if not np.allclose(got, want, rtol=1e-5, atol=0):
+        raise UnsupportedModelError(f"{path}: rope_freqs does not follow llama3 rope scaling",
+                                    "llmc imports llama3 scaling as llama.cpp's converter writes it")  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Tokenizer
+
+# tokenizer.ggml.pre -> the split regex its merges were learned with (llama.cpp's llama-vocab.cpp; the same
+# table as transformers' GGUF conversion). GPT-2's own is ByteLevel's built-in regex.
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_SPLITS = {"gpt-2": None, "default": None, "llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT,
+           "llama-v3": _LLAMA3_SPLIT, "smaug-bpe": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT,
+           "deepseek-r1-qwen": _QWEN2_SPLIT}  # fmt: skip
+
+
+def _tokenizer(meta: _Meta, tokens: list, path: Path) -> tuple[dict, str | None, Path]:
+    """(special token texts, chat template, tokenizer.json path) from the tokenizer.* metadata."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+
+    model = meta.get(names.TOKENIZER_MODEL, str)
+    types = meta.get(names.TOKEN_TYPE, list, [names.TOKEN_NORMAL] * len(tokens))
+    if not all(isinstance(t, str) for t in tokens) or len(types) != len(tokens):
+        raise CheckpointError(f"{path}: tokenizer.ggml.tokens / token_type are malformed", "re-convert the model")
+    ids = {t: i for i, t in enumerate(tokens)}  # a repeated text maps to its last id, as in llama.cpp
+    bos, eos = meta.get(names.BOS_ID, int, None), meta.get(names.EOS_ID, int, None)
+    if model == "gpt2":
+        pairs = _merges(meta, path)
+        pre = meta.get(names.TOKENIZER_PRE, str, "default")
+        if pre not in _SPLITS:
+            raise UnsupportedModelError(f"{path}: GGUF pre-tokenizer {pre!r} is not supported",
+                                        f"llmc imports {', '.join(sorted(_SPLITS))}")  # fmt: skip
+        tok = Tokenizer(models.BPE(vocab=ids, merges=pairs, ignore_merges=False))
+        split = _SPLITS[pre]
+        if split is None:
+            tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        else:
+            regex = pre_tokenizers.Split(Regex(split), behavior="isolated")
+            tok.pre_tokenizer = pre_tokenizers.Sequence([regex, pre_tokenizers.ByteLevel(add_prefix_space=False,
+                                                                                         use_regex=False)])  # fmt: skip
+        tok.decoder = decoders.ByteLevel()
+        add_bos = meta.get(names.ADD_BOS, bool, False)
+    elif model == "llama":
+        scores = meta.get("tokenizer.ggml.scores", list)
+        if len(scores) != len(tokens):
+            raise CheckpointError(f"{path}: {len(scores)} tokenizer scores for {len(tokens)} tokens", "re-convert it")
+        unk = meta.get("tokenizer.ggml.unknown_token_id", int, None)
+        scored = dict(zip(tokens, scores, strict=True))
+        merges = _merges(meta, path) if names.MERGES in meta.reader.fields else _sentencepiece_merges(ids, scored)
+        bpe = models.BPE(vocab=ids, merges=merges, unk_token=tokens[unk] if unk is not None and unk < len(tokens)
+                         else None, fuse_unk=True, byte_fallback=True)  # fmt: skip
+        tok = Tokenizer(bpe)
+        prefix = meta.get("tokenizer.ggml.add_space_prefix", bool, True)
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first" if prefix else "never",
+                                                     split=False)  # fmt: skip
+        steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+        tok.decoder = decoders.Sequence(steps + ([decoders.Strip(content=" ", left=1)] if prefix else []))
+        add_bos = meta.get(names.ADD_BOS, bool, True)  # llama.cpp adds BOS to SentencePiece unless told not to
+    else:
+        raise UnsupportedModelError(f"{path}: GGUF tokenizer model {model!r} is not supported",
+                                    "llmc imports 'gpt2' (byte-level BPE) and 'llama' (SentencePiece) tokenizers")  # fmt: skip
+    # Control tokens stay whole and are skipped when decoding; user-defined ones stay whole only.
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types, strict=True)
+                            if k == names.TOKEN_CONTROL])  # fmt: skip
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types, strict=True)
+                    if k == names.TOKEN_USER_DEFINED])  # fmt: skip
+    for which, i in (("bos", bos), ("eos", eos)):
+        if i is not None and not 0 <= i < len(tokens):
+            raise CheckpointError(f"{path}: {which} token id {i} is past the {len(tokens)} tokens", "re-convert it")
+    if add_bos and bos is not None:
+        b = tokens[bos]
+        tok.post_processor = processors.TemplateProcessing(single=f"{b}:0 $A:0", pair=f"{b}:0 $A:0 {b}:1 $B:1",
+                                                           special_tokens=[(b, bos)])  # fmt: skip
+    special = {k: tokens[i] for k, i in (("bos_token", bos), ("eos_token", eos)) if i is not None}
+    return special, meta.get(names.CHAT_TEMPLATE, str, None), _save_tokenizer(tok.to_str())
+
+
+def _merges(meta: _Meta, path: Path) -> list[tuple[str, str]]:
+    merges = meta.get(names.MERGES, list)
+    pairs = [tuple(m.split(" ", 1)) for m in merges if isinstance(m, str) and " " in m]
+    if len(pairs) != len(merges):
+        raise CheckpointError(f"{path}: tokenizer.ggml.merges holds an entry that is not 'a b'", "re-convert it")
+    return pairs
+
+
+def _sentencepiece_merges(vocab: dict[str, int], scores: dict[str, float]) -> list[tuple[str, str]]:
+    """The BPE merges a SentencePiece vocabulary implies, for a file that lists none: every split of a piece
+    into two pieces, best score first (transformers' generate_merges, which its GGUF conversion uses)."""
+    merges = []
+    for piece, score in scores.items():
+        local = [
+            (piece[:i], piece[i:], score) for i in range(1, len(piece)) if piece[:i] in vocab and piece[i:] in vocab
+        ]
+        merges += sorted(local, key=lambda m: (vocab[m[0]], vocab[m[1]]))
+    merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
+    return [(a, b) for a, b, _ in merges]
+
+
+def _save_tokenizer(text: str) -> Path:
+    """tokenizer.json under llmc's cache, named by its content: the same file imports to the same path."""
+    folder = cache_root() / "gguf-tokenizers" / hashlib.sha256(text.encode()).hexdigest()[:32]
+    out = folder / "tokenizer.json"
+    if not out.is_file():
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = folder / f".tokenizer.json.{os.getpid()}"
+        tmp.write_text(text)
+        os.replace(tmp, out)
+    return out
