@@ -14,21 +14,23 @@ from pathlib import Path
 
 from llmc import __version__
 from llmc.artifact import ABI_VERSION, FORMAT_VERSION
-from llmc.digests import checkpoint_hash
+from llmc.digests import checkpoint_hash, file_sha256
 from llmc.host import cache_root, host_cpu_target
 
 
 def cached_artifact(ckpt: Path, *, progress: bool = True, quant=None) -> Path:
     """A CPU artifact of checkpoint `ckpt`, from the cache, compiled into it first if it is not there.
 
-    Key: the checkpoint's content hash (digests.py remembers the hashes of big files), the compiler version,
-    the artifact format and ABI versions (they change between releases during development), this host's
+    Key: the checkpoint's content hash (a .gguf file's own sha256; digests.py remembers the hashes of big
+    files), the compiler version, the artifact format and ABI versions (they change between releases during
+    development), this host's
     CPU, so a cache shared across hosts or llmc builds never hands out an artifact another one cannot load,
     and the quantization asked for (quant, a QuantConfig; None is none).
     Processes that ask for the same key at once compile it once: the others wait on its lock, then reuse it.
     """
     isa = hashlib.sha256(json.dumps(host_cpu_target(), sort_keys=True).encode()).hexdigest()[:8]
-    key = f"{checkpoint_hash(ckpt)[:24]}-llmc{__version__}-f{FORMAT_VERSION}-abi{ABI_VERSION}-cpu-{isa}"
+    content = file_sha256(ckpt) if ckpt.is_file() else checkpoint_hash(ckpt)  # a GGUF file holds all of it
+    key = f"{content[:24]}-llmc{__version__}-f{FORMAT_VERSION}-abi{ABI_VERSION}-cpu-{isa}"
     if quant is not None and quant.enabled:
         key += "-" + re.sub(r"[^a-z0-9]+", "-", quant.describe()).strip("-")  # int8-per-channel, int4-g32-lm-head
     root = cache_root() / "artifacts"
