@@ -18,14 +18,16 @@ from llmc.digests import checkpoint_hash, file_sha256
 from llmc.host import cache_root, host_cpu_target
 
 
-def cached_artifact(ckpt: Path, *, progress: bool = True, quant=None) -> Path:
+def cached_artifact(
+    ckpt: Path, *, progress: bool = True, quant=None, weight_dtype: str = "auto", kv_cache_dtype: str = "float32"
+) -> Path:
     """A CPU artifact of checkpoint `ckpt`, from the cache, compiled into it first if it is not there.
 
     Key: the checkpoint's content hash (a .gguf file's own sha256; digests.py remembers the hashes of big
     files), the compiler version, the artifact format and ABI versions (they change between releases during
     development), this host's
     CPU, so a cache shared across hosts or llmc builds never hands out an artifact another one cannot load,
-    and the quantization asked for (quant, a QuantConfig; None is none).
+    and the quantization asked for (quant, a QuantConfig; None is none), weight dtype and KV cache dtype.
     Processes that ask for the same key at once compile it once: the others wait on its lock, then reuse it.
     """
     isa = hashlib.sha256(json.dumps(host_cpu_target(), sort_keys=True).encode()).hexdigest()[:8]
@@ -33,6 +35,9 @@ def cached_artifact(ckpt: Path, *, progress: bool = True, quant=None) -> Path:
     key = f"{content[:24]}-llmc{__version__}-f{FORMAT_VERSION}-abi{ABI_VERSION}-cpu-{isa}"
     if quant is not None and quant.enabled:
         key += "-" + re.sub(r"[^a-z0-9]+", "-", quant.describe()).strip("-")  # int8-per-channel, int4-g32-lm-head
+    key += (f"-{weight_dtype}" if weight_dtype != "auto" else "") + (
+        f"-kv-{kv_cache_dtype}" if kv_cache_dtype != "float32" else ""
+    )
     root = cache_root() / "artifacts"
     out = root / key
     if (out / "manifest.json").is_file():
@@ -45,5 +50,6 @@ def cached_artifact(ckpt: Path, *, progress: bool = True, quant=None) -> Path:
 
             if progress:
                 print(f"compiling {ckpt} for this CPU (once; cached in {out})", file=sys.stderr)
-            compile_checkpoint(ckpt, target="cpu", output=out, weight_dtype="auto", progress=progress, quant=quant)
+            compile_checkpoint(ckpt, target="cpu", output=out, weight_dtype=weight_dtype, progress=progress,
+                               quant=quant, kv_cache_dtype=kv_cache_dtype)  # fmt: skip
     return out

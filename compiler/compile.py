@@ -9,12 +9,13 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import tempfile
 from pathlib import Path
 
 import tvm
 from tqdm import tqdm
 
-from llmc.artifact import write_artifact
+from llmc.artifact import read_manifest, write_artifact, write_manifest
 from llmc.errors import CompileError
 from llmc.targets import Target, load_target
 
@@ -30,16 +31,20 @@ from .lower import KV_DTYPES, KernelProgram, lower
 from .passes.common import rewrite_counts
 from .passes.pipeline import run_passes
 from .passes.quantize_linear import quantize_linear
+from .quality import Quality, calibration_tokens, check_max_kl, measure_artifacts, reference_artifact
 from .quant import QuantConfig, QuantScheme
 from .weights import WeightSpec, write_packed_weights
 
 WEIGHT_DTYPES = ("auto", "float32", "bfloat16")
 STAGES = ("trace", "import to Relax", "fuse", "lower", "pack weights", "render", "build")
+QUALITY_STAGE = "quality"  # a quantized build's last stage, after STAGES (compiler/quality.py)
 # Test hook, off unless set: LLMC_TEST_SIGNAL_AT="STAGE[:SIGNAL]" makes compile send itself SIGNAL (default
 # SIGKILL) as it enters STAGE, so tests/test_artifact_durability.py can kill -9 or stop a real compile there.
 SIGNAL_AT_ENV = "LLMC_TEST_SIGNAL_AT"
-# How templates/cpu/qgemm.cc.j2 treats the activations of a quantized GEMM, as the manifest records it.
+# How templates/cpu/qgemm.cc.j2 and templates/cuda/qgemm.cu.j2 treat the activations of a quantized GEMM, as the
+# manifest records it.
 CPU_QGEMM_ACTIVATIONS = "int8 per 32"
+CUDA_QGEMM_ACTIVATIONS = "float32 (GEMV, T <= 8), bf16 (tensor-core GEMM)"
 
 
 def resolve_weight_dtype(ckpt: Checkpoint, requested: str) -> str:
@@ -85,7 +90,9 @@ def quant_schemes(ckpt: Checkpoint, quant: QuantConfig) -> dict[str, QuantScheme
     return schemes
 
 
-def quant_manifest(quant: QuantConfig, weights: list[WeightSpec]) -> dict | None:
+def quant_manifest(
+    quant: QuantConfig, weights: list[WeightSpec], activations: str = CPU_QGEMM_ACTIVATIONS
+) -> dict | None:
     """The manifest's `quant` entry: the flags, how activations are treated, each quantized GEMM's scheme and
     the packed bytes; None for a build with no quantized weight."""
     quantized = [w for w in weights if w.quant is not None]
@@ -95,7 +102,7 @@ def quant_manifest(quant: QuantConfig, weights: list[WeightSpec]) -> dict | None
         "mode": quant.mode,
         "default": quant.describe(),
         "lm_head": quant.lm_head,
-        "activations": CPU_QGEMM_ACTIVATIONS,
+        "activations": activations,
         "weights": {w.name.removesuffix(".qweight"): w.quant.describe() for w in quantized if w.part == "qweight"},
         "packed_bytes": {
             "quantized": sum(w.nbytes for w in quantized),
@@ -155,22 +162,29 @@ def compile_checkpoint(
     progress: bool = False,
     quant: QuantConfig | None = None,
     kv_cache_dtype: str = "float32",
+    calibration: str | Path | None = None,
+    max_kl: float | None = None,
 ) -> Path:
     """quant: llmc's own quantization (`--quant`); None or QuantConfig() for none.
-    kv_cache_dtype: what the KV cache stores (`--kv-cache-dtype`): float32, or bfloat16 at half the bytes."""
+    kv_cache_dtype: what the KV cache stores (`--kv-cache-dtype`): float32, or bfloat16 at half the bytes.
+    calibration, max_kl: a quantized build runs the quality gate (compiler/quality.py) on the calibration text
+    (None: the bundled model's held-out text) and fails, writing nothing, when its mean KL is over max_kl."""
     tgt = load_target(target)
     block_size = block_size or tgt.block_size
     quant = quant or QuantConfig()
     if kv_cache_dtype not in KV_DTYPES:
         raise CompileError(f"KV cache dtype {kv_cache_dtype!r} is not supported",
                            f"--kv-cache-dtype takes one of {', '.join(KV_DTYPES)}")  # fmt: skip
+    if not quant.enabled and (calibration is not None or max_kl is not None):
+        raise CompileError("--calibration and --max-kl apply to a quantized build", "add --quant int8 or int4")
+    if max_kl is not None and not max_kl >= 0:
+        raise CompileError(f"--max-kl {max_kl} is not a KL divergence", "pass a number >= 0")
     ckpt = load_checkpoint(checkpoint)
     dtype = resolve_weight_dtype(ckpt, weight_dtype)
+    if quant.enabled:  # read and tokenized before anything is built: a bad file fails at once
+        calibration_ids, calibration_label = calibration_tokens(ckpt.tokenizer_path, calibration)
     schemes = quant_schemes(ckpt, quant)
-    if schemes and tgt.is_cuda:
-        raise CompileError(f"quantized GEMMs are CPU-only so far; target {tgt.name} is a CUDA target",
-                           "compile for --target cpu, or without --quant")  # fmt: skip
-    bar = tqdm(total=len(STAGES), desc="compile", unit="stage", disable=not progress, leave=False)
+    bar = tqdm(total=len(STAGES) + quant.enabled, desc="compile", unit="stage", disable=not progress, leave=False)
     started: list[str] = []
 
     def step(name: str) -> None:
@@ -186,7 +200,7 @@ def compile_checkpoint(
         program = build_program(ckpt, dtype, block_size, step, schemes=schemes, kv_cache_dtype=kv_cache_dtype)
         step("pack weights")
         weights = tmp / "weights.safetensors"
-        offsets = write_packed_weights(ckpt, program.weights, weights)
+        offsets = write_packed_weights(ckpt, program.weights, weights, layout="cuda" if tgt.is_cuda else "cpu")
         step("render")
         rendered = render_module(program, tgt, offsets, weights.stat().st_size)
         (tmp / tgt.source_file).write_text(rendered.source)
@@ -198,9 +212,9 @@ def compile_checkpoint(
         tok_config = ckpt.path / "tokenizer_config.json"
         if tok_config.is_file():
             shutil.copyfile(tok_config, tmp / "tokenizer_config.json")
-        bar.update(1)
-        quant_entry = quant_manifest(quant, program.weights)
-        return {
+        activations = CUDA_QGEMM_ACTIVATIONS if tgt.is_cuda else CPU_QGEMM_ACTIVATIONS
+        quant_entry = quant_manifest(quant, program.weights, activations)
+        fields = {
             **({"quant": quant_entry} if quant_entry else {}),
             "target": {**tgt.raw, "name": tgt.name},
             "model_config": ckpt.config,
@@ -219,6 +233,25 @@ def compile_checkpoint(
             "tokenizer": {"chat_template": ckpt.chat_template, **ckpt.special_tokens},
             "generation_defaults": ckpt.generation_defaults,
         }
+        if quant.enabled:
+            step(QUALITY_STAGE)
+            fields["quality"] = measure_quality(tmp, fields).to_manifest()
+        bar.update(1)
+        return fields
+
+    def measure_quality(tmp: Path, fields: dict) -> Quality:
+        """This build against the unquantized one on the CPU: itself for a CPU target, else a CPU twin."""
+        if tgt.kind == "cpu":
+            write_manifest(tmp, fields)  # provisional, so that the runtime loads the module being built
+            reference = reference_artifact(ckpt, dtype, kv_cache_dtype)
+            result = measure_artifacts(reference, tmp, calibration_ids, calibration_label)
+        else:
+            with tempfile.TemporaryDirectory() as d:
+                twin = compile_checkpoint(checkpoint, target="cpu", output=Path(d) / "cpu", weight_dtype=dtype,
+                                          quant=quant, kv_cache_dtype=kv_cache_dtype, calibration=calibration)  # fmt: skip
+                result = Quality(**read_manifest(twin)["quality"])
+        check_max_kl(result, max_kl)
+        return result
 
     try:
         return write_artifact(output, populate)

@@ -93,10 +93,7 @@ def _log_softmax(logits: np.ndarray) -> np.ndarray:
 
 def measure(reference, candidate, token_ids: Sequence[int], calibration: str | dict) -> Quality:
     """The figures of `candidate` against `reference` (CompiledModel interfaces, loaded alike: same config and
-    cache geometry, so both cut the tokens into the same windows and steps) over `token_ids`."""
-    if len(token_ids) < 2:
-        raise CompileError(f"the calibration text has {len(token_ids)} token(s); the quality gate needs at least 2",
-                           "pass a longer --calibration file")  # fmt: skip
+    cache geometry, so both cut the tokens into the same windows and steps) over `token_ids` (at least 2)."""
     sums = dict.fromkeys(("kl", "top1", "nll_reference", "nll_candidate"), 0.0)
     tokens = 0
     steps = zip(next_token_logits(reference, token_ids), next_token_logits(candidate, token_ids), strict=True)
@@ -135,7 +132,11 @@ def calibration_tokens(
     except (OSError, UnicodeDecodeError) as e:
         raise CompileError(f"calibration text {path}: cannot be read as UTF-8 ({e})",
                            "pass a UTF-8 text file to --calibration") from None  # fmt: skip
-    return load_tokenizer(tokenizer_path).encode(text).ids[:max_tokens], label
+    ids = load_tokenizer(tokenizer_path).encode(text).ids[:max_tokens]
+    if len(ids) < 2:
+        raise CompileError(f"calibration text {path.name} has {len(ids)} token(s); the quality gate needs at least 2",
+                           "pass a longer --calibration file")  # fmt: skip
+    return ids, label
 
 
 def _load_for_scoring(path: Path, num_tokens: int) -> CompiledModel:
@@ -162,6 +163,17 @@ def measure_artifacts(reference: Path, candidate: Path, token_ids: Sequence[int]
 def check_max_kl(quality: Quality, max_kl: float | None) -> None:
     """CompileError when the build is over its --max-kl bound."""
     if max_kl is not None and not quality.kl_mean <= max_kl:
-        raise CompileError(f"quality gate: mean KL {quality.kl_mean:.4g} is over --max-kl {max_kl:g} "
-                           f"({quality.describe()}); no artifact was written",
+        raise CompileError(f"quality gate: the mean KL is over --max-kl {max_kl:g}: {quality.describe()}; "
+                           "no artifact was written",
                            "quantize less (int8, a smaller --group-size) or raise --max-kl")  # fmt: skip
+
+
+def reference_artifact(ckpt, weight_dtype: str, kv_cache_dtype: str) -> Path:
+    """The unquantized CPU build of checkpoint `ckpt` with the same weight and KV cache dtypes, from llmc's
+    compile cache (compiled into it the first time: every quantized build of the checkpoint reuses it)."""
+    from .cache import cached_artifact
+    from .compile import resolve_weight_dtype
+
+    # the checkpoint's own dtype is the entry `llmc run CHECKPOINT` compiles ("auto"): one build serves both
+    requested = "auto" if weight_dtype == resolve_weight_dtype(ckpt, "auto") else weight_dtype
+    return cached_artifact(ckpt.path, progress=False, weight_dtype=requested, kv_cache_dtype=kv_cache_dtype)

@@ -121,12 +121,30 @@ def _quant_options(command):
     "attention reads) for k/v rounded to bf16.",
 )
 @_quant_options
+@click.option(
+    "--calibration",
+    type=click.Path(path_type=Path, exists=True, dir_okay=False),
+    default=None,
+    help="With --quant: the UTF-8 text (its first 256 tokens) on which the quantized build is compared with the "
+    "unquantized one [default: the bundled model's held-out text].",
+)
+@click.option(
+    "--max-kl",
+    type=click.FloatRange(min=0),
+    default=None,
+    help="With --quant: fail, writing nothing, when the mean KL divergence (nats) of the quantized model's "
+    "next-token distributions from the unquantized model's exceeds this.",
+)
 def compile_cmd(model: Path, target: str, output: Path, weight_dtype: str, block_size: int | None,
-                kv_cache_dtype: str, quant) -> None:  # fmt: skip
-    """Compile MODEL (a Hugging Face checkpoint dir) into an artifact for TARGET."""
+                kv_cache_dtype: str, quant, calibration: Path | None, max_kl: float | None) -> None:  # fmt: skip
+    """Compile MODEL (a Hugging Face checkpoint dir) into an artifact for TARGET.
+
+    A quantized build (--quant) is compared with the unquantized one on the CPU: the mean KL divergence, the
+    top-1 agreement and both perplexities on a calibration text go into the manifest (llmc inspect shows them).
+    """
     out = _compile_checkpoint()(
         model, target=target, output=output, weight_dtype=weight_dtype, progress=True, block_size=block_size,
-        quant=quant, kv_cache_dtype=kv_cache_dtype,
+        quant=quant, kv_cache_dtype=kv_cache_dtype, calibration=calibration, max_kl=max_kl,
     )  # fmt: skip
     click.echo(f"wrote {out}")
 
@@ -660,6 +678,11 @@ def _inspect_artifact(path: Path, verbose: bool) -> None:
     quant = m.get("quant")
     if isinstance(quant, dict):
         _inspect_quant(quant, verbose)
+    quality = m.get("quality")
+    if isinstance(quality, dict):
+        from .compiler.quality import describe  # numpy only
+
+        click.echo(f"  quality        {describe(quality)}")
     plan = m.get("buffer_plan") or {}
     parts = []
     for key, value in plan.items():

@@ -3,6 +3,8 @@ reference over windows."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import sys
 from pathlib import Path
@@ -10,12 +12,19 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from click.testing import CliRunner
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
 from runtime_fakes import FakeConfig, FakeModel, context_logits  # noqa: E402
 
+from llmc import cli  # noqa: E402
+from llmc.artifact import load_artifact  # noqa: E402
 from llmc.compiler import quality  # noqa: E402
+from llmc.compiler.compile import compile_checkpoint  # noqa: E402
+from llmc.compiler.quant import QuantConfig  # noqa: E402
 from llmc.errors import CompileError  # noqa: E402
+from llmc.runtime.module import CompiledModel  # noqa: E402
+from llmc.runtime.scoring import perplexity  # noqa: E402
 
 
 def test_compare_logits_matches_torch():
@@ -95,11 +104,6 @@ def test_models_loaded_unalike_are_refused():
                         "x")  # fmt: skip
 
 
-def test_too_short_a_calibration_text_is_a_compile_error():
-    with pytest.raises(CompileError, match="calibration text has 1 token"):
-        quality.measure(FakeModel(), FakeModel(), [5], "x")
-
-
 def test_max_kl_and_the_one_line_description():
     q = quality.Quality(0.0123, 0.95, 255, 10.0, 10.3, {"file": "notes.txt", "sha256": "ab" * 32})
     quality.check_max_kl(q, None)
@@ -107,7 +111,82 @@ def test_max_kl_and_the_one_line_description():
     with pytest.raises(CompileError) as e:
         quality.check_max_kl(q, 0.01)
     line = str(e.value)
-    assert "\n" not in line and "0.0123" in line and "--max-kl 0.01" in line and "no artifact was written" in line
+    assert "\n" not in line and "mean KL 0.0123 nats" in line and "--max-kl 0.01:" in line
+    assert "no artifact was written" in line
     assert "+3.00%" in line and "top-1 agreement 95.00%" in line and "notes.txt, sha256 abababababab" in line
     # the manifest is untrusted: fields of the wrong type show as '?'
     assert quality.describe({"kl_mean": "x", "tokens": 3.5, "calibration": 7}).count("?") >= 4
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The gate inside compile, on a tiny checkpoint: the reference is compiled into llmc's cache once per module.
+
+
+@pytest.fixture(scope="module")
+def llmc_cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("llmc_cache")
+
+
+def cached_artifacts(cache: Path) -> dict[str, str]:
+    """The compile cache's artifacts: name -> their manifest's quantization."""
+    root = cache / "artifacts"
+    return {
+        d.name: json.loads((d / "manifest.json").read_text())["quantization"]
+        for d in (root.iterdir() if root.is_dir() else [])
+        if d.is_dir()
+    }
+
+
+def test_max_kl_refuses_an_int4_build_and_writes_nothing(checkpoint_dir, llmc_cache, tmp_path, monkeypatch):
+    monkeypatch.setenv("LLMC_CACHE_DIR", str(llmc_cache))
+    out = tmp_path / "m.cpu"
+    args = ["compile", checkpoint_dir("llama"), "--quant", "int4", "-o", out, "--max-kl", "1e-9"]
+    result = CliRunner().invoke(cli.main, [str(a) for a in args])
+    assert result.exit_code == 1, result.output
+    error = result.output.strip().splitlines()[-1]
+    assert error.startswith("error: quality gate: the mean KL is over --max-kl 1e-09: mean KL ")
+    assert "top-1 agreement" in error and "bundled heldout" in error and "no artifact was written" in error
+    assert not out.exists() and list(tmp_path.iterdir()) == [], "no artifact, temporary dir or lock is left"
+    # the cache holds the unquantized reference the gate compiled, and no quantized build
+    assert list(cached_artifacts(llmc_cache).values()) == ["none"]
+
+
+def test_a_quantized_build_records_its_quality(checkpoint_dir, llmc_cache, tmp_path, monkeypatch):
+    monkeypatch.setenv("LLMC_CACHE_DIR", str(llmc_cache))
+    ckpt = checkpoint_dir("llama")
+    text = tmp_path / "calib.txt"
+    text.write_text(Path(quality.__file__).read_text()[:3000])  # not the bundled text
+    out = compile_checkpoint(ckpt, target="cpu", output=tmp_path / "m.cpu", quant=QuantConfig("int8"),
+                             calibration=text, max_kl=1.0)  # fmt: skip
+    got = load_artifact(out).manifest["quality"]
+    assert got["calibration"] == {"file": "calib.txt", "sha256": hashlib.sha256(text.read_bytes()).hexdigest()}
+    assert got["tokens"] == quality.DEFAULT_CALIBRATION_TOKENS - 1  # one window: the context is 256 tokens
+    assert 0 < got["kl_mean"] < 0.01 and 0.9 < got["top1_agreement"] <= 1
+    # both perplexities are those llmc eval ppl gives each build over the same tokens
+    (reference,) = [llmc_cache / "artifacts" / n for n, q in cached_artifacts(llmc_cache).items() if q == "none"]
+    ids, _ = quality.calibration_tokens(ckpt / "tokenizer.json", text)
+    for key, path in (("ppl_reference", reference), ("ppl_quantized", out)):
+        with CompiledModel.load(path, kv_cache_memory="64MiB", max_num_seqs=1, max_num_logits=512) as model:
+            assert got[key] == pytest.approx(perplexity(model, ids).perplexity, rel=1e-6), key
+    assert len(cached_artifacts(llmc_cache)) == 1, "the reference is compiled once and reused"
+
+    shown = CliRunner().invoke(cli.main, ["inspect", str(out)])
+    assert shown.exit_code == 0, shown.output
+    line = next(x for x in shown.output.splitlines() if x.lstrip().startswith("quality"))
+    assert (
+        f"{got['kl_mean']:.4g} nats" in line and "calib.txt, sha256 " in line and f"over {got['tokens']} tokens" in line
+    )
+
+
+def test_gate_flags_need_a_quantized_build_and_a_usable_text(checkpoint_dir, tmp_path):
+    ckpt = checkpoint_dir("llama")
+    with pytest.raises(CompileError, match="apply to a quantized build"):
+        compile_checkpoint(ckpt, target="cpu", output=tmp_path / "a", max_kl=0.1)
+    short = tmp_path / "short.txt"
+    short.write_text("a")
+    with pytest.raises(CompileError, match="short.txt has 1 token"):
+        compile_checkpoint(ckpt, target="cpu", output=tmp_path / "b", quant=QuantConfig("int8"), calibration=short)
+    with pytest.raises(CompileError, match="no such file"):
+        compile_checkpoint(ckpt, target="cpu", output=tmp_path / "c", quant=QuantConfig("int8"),
+                           calibration=tmp_path / "missing.txt")  # fmt: skip
+    assert list(tmp_path.iterdir()) == [short], "refused before anything was built"
