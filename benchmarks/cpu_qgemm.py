@@ -1,0 +1,218 @@
+#!/usr/bin/env python
+"""CPU quantized gemm / gemv kernels (templates/cpu/qgemm.cc.j2) alone: GB/s against the read roofline.
+
+    python benchmarks/cpu_qgemm.py [--threads 2] [--rounds 5] [--only gemv,gemm]
+
+Each case renders the qgemm template with llmc's own build flags and times it in a C++ loop (no Python between
+calls). Decode cases (T = 1) cycle through copies of the packed weights spanning 4x the last-level cache, so
+every call streams its bytes from DRAM as a decode step does; prefill cases (T = 128) reuse one copy. The gemm
+template's fp32 and bf16 kernels run the same shapes in the same rounds, for comparison.
+
+The roofline is the read bandwidth measured in this process (a C++ loop reading 1 GiB on --threads threads, best
+of 3); a case's floor is its packed bytes (qweight + scales + mins) / bandwidth. Every figure is the median over
+--rounds interleaved rounds; on a shared machine compare rows of one run only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import statistics
+import sys
+import time
+
+# decode GEMVs of SmolLM-135M (fused qkv, o, fused gate_up, down, lm_head) and one far above the LLC
+SHAPES = [("qkv", 960, 576), ("o", 576, 576), ("gate_up", 3072, 576), ("down", 576, 1536), ("lm_head", 49152, 576)]
+BIG = ("big", 2048, 8192)
+# (label, bits, group_size or 0 for one per output channel, asymmetric); None: the dense gemm of that wdtype
+SCHEMES = [
+    ("int8", 8, 0, False),
+    ("int8 g32", 8, 32, False),
+    ("int4 g32", 4, 32, False),
+    ("int4 g32 asym", 4, 32, True),
+    ("int4 g128", 4, 128, False),
+    ("bf16", None, "bf16", False),
+    ("f32", None, "f32", False),
+]
+
+_PROBE = r"""
+#include <cstdint>
+#include <omp.h>
+extern "C" uint64_t read_probe(const uint64_t* p, long n, int threads) {
+  uint64_t acc = 0;
+#pragma omp parallel for schedule(static) reduction(^ : acc) num_threads(threads)
+  for (long i = 0; i < n; ++i) acc ^= p[i];
+  return acc;
+}
+"""
+
+_QLOOP = r"""
+extern "C" double bench_{kid}(const float* x, void* const* parts, int copies, float* y, int T, int iters) {{
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int i = 0; i < iters; ++i) {{
+    void* const* p = parts + 3 * (i % copies);
+    {kid}(x, (const uint8_t*)p[0], (const float*)p[1], (const float*)p[2], nullptr, y, T);
+  }}
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / iters;
+}}
+"""
+
+_LOOP = r"""
+extern "C" double bench_{kid}(const float* x, void* const* parts, int copies, float* y, int T, int iters) {{
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int i = 0; i < iters; ++i) {kid}(x, ({wt}*)parts[3 * (i % copies)], nullptr, y, T);
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / iters;
+}}
+"""
+
+
+def case_params(n: int, k: int, scheme: tuple) -> tuple[str, dict]:
+    _, bits, g, asym = scheme
+    if bits is None:
+        return "gemm", dict(n=n, k=k, wdtype=g, has_bias=False)
+    return "qgemm", dict(n=n, k=k, bits=bits, group_size=g or k, asymmetric=asym, has_bias=False)
+
+
+def cases(only: set[str]) -> list[tuple]:
+    out = []
+    for scheme in SCHEMES:
+        if "gemv" in only:
+            out += [(f"{lab} T=1", n, k, 1, scheme, True) for lab, n, k in [*SHAPES, BIG]]
+        if "gemm" in only:
+            out += [(f"{lab} T=128", n, k, 128, scheme, False) for lab, n, k in SHAPES[:4]]
+    return out
+
+
+def build(specs: list[tuple]) -> ctypes.CDLL:
+    from llmc.compiler.codegen.build import CPU_FLAGS, build_shared_library
+    from llmc.compiler.codegen.render import kernel_id, render_kernel, target_headers
+
+    parts, seen = ['#include "common.h"\n#include <chrono>\n'], set()
+    for _, n, k, _, scheme, _ in specs:
+        op, params = case_params(n, k, scheme)
+        kid = kernel_id("cpu", op, params)
+        if kid in seen:
+            continue
+        seen.add(kid)
+        parts.append(render_kernel("cpu", op, name=kid, **params))
+        if op == "qgemm":
+            parts.append(_QLOOP.format(kid=kid))
+        else:
+            parts.append(_LOOP.format(kid=kid, wt="float" if params["wdtype"] == "f32" else "uint16_t"))
+    return ctypes.CDLL(
+        str(build_shared_library({**target_headers("cpu"), "bench.cc": "".join(parts)}, flags=CPU_FLAGS))
+    )
+
+
+def weight_parts(n: int, k: int, scheme: tuple, rng) -> list:
+    """The arrays the kernel reads for a random w [n, k]: (qweight, scales, mins | None) or (w,)."""
+    import numpy as np
+
+    from llmc.compiler.quant import QuantScheme, quantize
+    from llmc.compiler.quant_pack import pack_cpu
+
+    w = rng.standard_normal((n, k), dtype=np.float32) / np.float32(np.sqrt(k))
+    _, bits, g, asym = scheme
+    if bits is None:
+        return [w if g == "f32" else (w.view(np.uint32) >> 16).astype(np.uint16)]
+    return [a for a in pack_cpu(quantize(w, QuantScheme(bits, g or k, asym))) if a is not None]
+
+
+def llc_bytes() -> int:
+    try:
+        return int(os.sysconf("SC_LEVEL3_CACHE_SIZE")) or 32 << 20
+    except (ValueError, OSError):
+        return 32 << 20
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--threads", type=int, default=os.cpu_count())
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--only", default="gemv,gemm", help="comma-separated of gemv, gemm")
+    p.add_argument("--min-time", type=float, default=0.05, help="seconds per timed sample")
+    args = p.parse_args(argv)
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)  # before libgomp loads: the kernels' pool size
+
+    import numpy as np
+
+    from llmc.compiler.codegen.build import build_shared_library
+    from llmc.compiler.codegen.render import kernel_id
+    from llmc.runtime.bench import align_columns
+
+    probe = ctypes.CDLL(str(build_shared_library({"probe.cc": _PROBE})))
+    probe.read_probe.restype = ctypes.c_uint64
+    probe.read_probe.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_int]
+    buf = np.ones(1 << 27, dtype=np.uint64)
+
+    def bandwidth() -> float:
+        best = 0.0
+        for _ in range(3):
+            t = time.perf_counter()
+            probe.read_probe(buf.ctypes.data, buf.size, args.threads)
+            best = max(best, buf.nbytes / (time.perf_counter() - t))
+        return best
+
+    specs = cases(set(args.only.split(",")))
+    lib = build(specs)
+    rng = np.random.default_rng(0)
+    data = []
+    for label, n, k, T, scheme, cold in specs:
+        first = weight_parts(n, k, scheme, rng)
+        nbytes = sum(a.nbytes for a in first)
+        copies = max(1, -(-4 * llc_bytes() // nbytes)) if cold else 1
+        sets = [first] + [[a.copy() for a in first] for _ in range(copies - 1)]
+        ptrs = (ctypes.c_void_p * (3 * copies))(
+            *[ptr for s in sets for ptr in ([a.ctypes.data for a in s] + [None] * 3)[:3]]
+        )
+        x = rng.standard_normal((T, k), dtype=np.float32)
+        y = np.empty((T, n), dtype=np.float32)
+        fn = getattr(lib, f"bench_{kernel_id('cpu', *case_params(n, k, scheme))}")
+        fn.restype = ctypes.c_double
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+        data.append(
+            dict(
+                label=label,
+                scheme=scheme[0],
+                n=n,
+                k=k,
+                T=T,
+                nbytes=nbytes,
+                keep=sets,
+                fn=fn,
+                times=[],
+                call=(x.ctypes.data, ptrs, copies, y.ctypes.data, T),
+                xy=(x, y),
+            )
+        )
+
+    bws = []
+    for _ in range(args.rounds):
+        bws.append(bandwidth())
+        for d in data:
+            once = d["fn"](*d["call"], 2)
+            d["times"].append(d["fn"](*d["call"], max(4, int(args.min_time / max(once, 1e-7)))))
+    bw = statistics.median(bws)
+    print(
+        f"threads {args.threads}; read bandwidth {bw / 1e9:.1f} GB/s; LLC {llc_bytes() >> 20} MiB; "
+        f"medians of {args.rounds} interleaved rounds"
+    )
+    rows = [["case", "weights", "n x k", "MiB", "floor us", "us", "GB/s", "GMAC/s", "% roof"]]
+    for d in data:
+        t = statistics.median(d["times"])
+        floor = d["nbytes"] / bw
+        rows.append([
+            d["label"], d["scheme"], f"{d['n']}x{d['k']}", f"{d['nbytes'] / 2**20:.2f}", f"{floor * 1e6:.1f}",
+            f"{t * 1e6:.1f}", f"{d['nbytes'] / t / 1e9:.1f}", f"{d['T'] * d['n'] * d['k'] / t / 1e9:.1f}",
+            f"{100 * floor / t:.0f}%",
+        ])  # fmt: skip
+    print("\n".join(align_columns(rows)))
+    print(
+        "floor = packed bytes (qweight + scales + mins, or the dense weights) / read bandwidth; % roof = floor / time"
+    )
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
