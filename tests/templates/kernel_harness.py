@@ -58,9 +58,18 @@ SIGNATURES = {
     ],
     "silu_mul": [("gate_up", "f32*"), ("out", "f32*"), ("T", "int")],
     "gather_rows": [("x", "f32*"), ("rows", "i32*"), ("n", "int"), ("out", "f32*")],
+    "qgemm": [
+        ("x", "f32*"),
+        ("qweight", "u8*"),
+        ("scales", "f32*"),
+        ("mins", "f32*"),
+        ("bias", "f32*"),
+        ("y", "f32*"),
+        ("T", "int"),
+    ],
 }
-_C_TYPE = {"f32*": "float*", "i32*": "int32_t*", "i64*": "int64_t*", "int": "int"}
-_NP_TYPE = {"f32*": np.float32, "i32*": np.int32, "i64*": np.int64}
+_C_TYPE = {"f32*": "float*", "u8*": "uint8_t*", "i32*": "int32_t*", "i64*": "int64_t*", "int": "int"}
+_NP_TYPE = {"f32*": np.float32, "u8*": np.uint8, "i32*": np.int32, "i64*": np.int64}
 W_TYPES = {"f32": ("float*", np.float32), "bf16": ("uint16_t*", np.uint16)}
 _DTYPE_PARAM = {"W*": "wdtype", "KV*": "kv_dtype"}  # the kernel parameter that picks the element type
 _ROW_STRIDED = {"q", "k", "v"}  # may be column slices of a fused [T, row_stride] qkv buffer
