@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """CPU gemm / gemv kernels alone: GB/s and GFLOP/s against the machine's measured roofline.
 
-    python benchmarks/cpu_kernels.py [--threads 2] [--rounds 5] [--baseline REV] [--only gemv,gemm]
+    python benchmarks/cpu_kernels.py [--threads 2] [--rounds 5] [--baseline REV] [--only gemv,batch,gemm]
+    python benchmarks/cpu_kernels.py --step [--threads 2] [--baseline REV: that revision's headers instead]
 
 Each case renders the gemm template (templates/cpu/gemm.cc.j2) with llmc's own build flags and times it in a
 C++ loop (no Python between calls). Weights are cycled through enough copies to span 4x the last-level cache,
@@ -12,6 +13,12 @@ Floors, measured in this process: read bandwidth (a C++ loop reading 1 GiB with 
 and FMA peak (independent 8-wide FMAs on --threads threads, i.e. 2 FMA pipes x lanes x 2 flops x clock).
 A gemv's floor is weight bytes / bandwidth; a gemm's is max(bytes / bandwidth, flops / peak).
 
+--step times a whole SmolLM-135M decode step's kernels (30 layers of rmsnorm, qkv GEMV, RoPE, o GEMV, rmsnorm,
+gate_up GEMV, silu_mul, down GEMV; final rmsnorm and lm_head; attention left out: its header is another
+engine's) in one C++ loop, with each GEMV also timed inside the step: overhead = step - sum of its GEMVs is what
+the small ops and the pool's launches cost. It runs back to back and with a sleep between steps (as the Python
+runtime leaves the pool idle), which shows what waking the pool's sleeping workers costs.
+
 --baseline REV builds the same kernels from the CPU headers at git revision REV too, and times the two
 builds interleaved round by round (machine noise hits both alike): the rows show both and their ratio.
 Every figure is the median over --rounds rounds; on a shared machine compare rows of one run only.
@@ -21,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
 import os
 import statistics
 import subprocess
@@ -84,6 +92,119 @@ extern "C" double bench_{kid}(const float* x, {wt}* const* ws, int nw, float* y,
 """
 
 
+_STEP = r"""
+#include "common.h"
+#include <thread>
+namespace {
+constexpr int H = 576, QKV = 960, I = 1536, V = 49152, L = 30;
+template <typename W>
+struct Model {
+  const W* qkv[L]; const W* o[L]; const W* gu[L]; const W* down[L]; const W* norm; const W* lm_head;
+};
+struct Clock {
+  double gemv = 0;
+  template <typename F>
+  void time(F&& f) {
+    const auto t0 = std::chrono::steady_clock::now();
+    f();
+    gemv += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  }
+};
+// One decode step of T rows; small = false leaves the non-GEMV kernels out.
+template <typename W>
+void step(const Model<W>& m, float* bufs, const int32_t* pos, const float* inv_freq, int T, bool small, Clock& c) {
+  float *h = bufs, *res = h + T * H, *xn = res + T * H, *qkv = xn + T * H, *gu = qkv + T * QKV,
+        *act = gu + T * 2 * I, *logits = act + T * I;
+  for (int l = 0; l < L; ++l) {
+    if (small) llmc::rmsnorm<H, true>(h, res, res, m.norm, xn, T, 1e-5f);
+    c.time([&] { llmc::gemm<QKV, H, false>(xn, m.qkv[l], (const W*)nullptr, qkv, T); });
+    if (small) llmc::rope<12, 64>(qkv, QKV, pos, T, inv_freq);
+    c.time([&] { llmc::gemm<H, H, false>(qkv, m.o[l], (const W*)nullptr, h, T); });
+    if (small) llmc::rmsnorm<H, true>(h, res, res, m.norm, xn, T, 1e-5f);
+    c.time([&] { llmc::gemm<2 * I, H, false>(xn, m.gu[l], (const W*)nullptr, gu, T); });
+    if (small) llmc::silu_mul<I>(gu, act, T);
+    c.time([&] { llmc::gemm<H, I, false>(act, m.down[l], (const W*)nullptr, h, T); });
+  }
+  if (small) llmc::rmsnorm<H, true>(h, res, res, m.norm, xn, T, 1e-5f);
+  c.time([&] { llmc::gemm<V, H, false>(xn, m.lm_head, (const W*)nullptr, logits, T); });
+}
+template <typename W>
+double run(const W* const* ws, float* bufs, int T, int steps, int small, int gap_us, double* gemv) {
+  Model<W> m;
+  for (int l = 0; l < L; ++l) {
+    m.qkv[l] = ws[4 * l]; m.o[l] = ws[4 * l + 1]; m.gu[l] = ws[4 * l + 2]; m.down[l] = ws[4 * l + 3];
+  }
+  m.norm = ws[4 * L];
+  m.lm_head = ws[4 * L + 1];
+  int32_t pos[256];
+  for (int t = 0; t < 256; ++t) pos[t] = 100 + t;
+  float inv_freq[32];
+  for (int i = 0; i < 32; ++i) inv_freq[i] = std::pow(10000.0f, -i / 32.0f);
+  Clock c;
+  double total = 0;
+  for (int s = 0; s < steps; ++s) {
+    if (gap_us) std::this_thread::sleep_for(std::chrono::microseconds(gap_us));
+    const auto t0 = std::chrono::steady_clock::now();
+    step(m, bufs, pos, inv_freq, T, small, c);
+    total += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  }
+  *gemv = c.gemv / steps;
+  return total / steps;
+}
+}  // namespace
+extern "C" double step_f32(const float* const* ws, float* b, int T, int n, int small, int gap, double* g) {
+  return run(ws, b, T, n, small, gap, g);
+}
+extern "C" double step_bf16(const uint16_t* const* ws, float* b, int T, int n, int small, int gap, double* g) {
+  return run(ws, b, T, n, small, gap, g);
+}
+"""
+
+
+def step_bench(args, headers: dict[str, str]) -> None:
+    """--step: a decode step's kernels, their GEMVs and the rest (see the top)."""
+    import numpy as np
+
+    from llmc.compiler.codegen.build import CPU_FLAGS, build_shared_library
+
+    lib = ctypes.CDLL(str(build_shared_library({**headers, "step.cc": _STEP}, flags=CPU_FLAGS)))
+    rng = np.random.default_rng(0)
+    shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(1, 576), (49152, 576)]
+    head = ["weights", "T", "gap us", "step ms", "its GEMVs ms", "overhead us", "GEMVs-only step ms", "GEMV GB/s"]
+    rows = [[*head, "floor ms"]]
+    bw = _bandwidth_probe(args.threads)
+    for wd in args.step_dtypes.split(","):
+        ws = []
+        for n, k in shapes:
+            a = (rng.standard_normal((n, k), dtype=np.float32) / np.sqrt(k)).astype(np.float32)
+            ws.append(a if wd == "f32" else (a.view(np.uint32) >> 16).astype(np.uint16))
+        nbytes = sum(a.nbytes for a in ws)
+        ptrs = (ctypes.c_void_p * len(ws))(*[a.ctypes.data for a in ws])
+        fn = getattr(lib, f"step_{wd}")
+        fn.restype = ctypes.c_double
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, *[ctypes.c_int] * 4, ctypes.c_void_p]
+        for T in (1, 4, 16):
+            bufs = np.zeros(T * (4 * 576 + 960 + 3 * 1536 + 49152) + 64, dtype=np.float32)
+            for gap in (0, 2000):
+                res = {}
+                for _ in range(args.rounds):  # interleaved: with and without the small kernels
+                    for small in (1, 0):
+                        g = ctypes.c_double()
+                        t = fn(ptrs, bufs.ctypes.data, T, 8, small, gap, ctypes.byref(g))
+                        res.setdefault(small, []).append((t, g.value))
+                t, g = (statistics.median(v) for v in zip(*res[1], strict=True))
+                bare = statistics.median(v[0] for v in res[0])
+                rows.append(
+                    [wd, str(T), str(gap), f"{t * 1e3:.2f}", f"{g * 1e3:.2f}", f"{(t - g) * 1e6:.0f}",
+                     f"{bare * 1e3:.2f}", f"{nbytes / g / 1e9:.1f}", f"{nbytes / bw * 1e3:.2f}"]
+                )  # fmt: skip
+    from llmc.runtime.bench import align_columns
+
+    print(f"decode step kernels (SmolLM-135M, attention left out), threads {args.threads}, read {bw / 1e9:.1f} GB/s")
+    print("\n".join(align_columns(rows)))
+    print("overhead = step - its GEMVs (the small kernels and their launches); floor = weight bytes / read bandwidth")
+
+
 def headers_at(rev: str | None) -> dict[str, str]:
     from llmc.compiler.codegen.render import target_headers
 
@@ -130,30 +251,20 @@ def main(argv=None) -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--baseline", help="git revision whose templates/cpu/include is timed too, interleaved")
     p.add_argument("--only", default="gemv,batch,gemm", help="comma-separated of gemv, batch, gemm")
+    p.add_argument("--step", action="store_true", help="time a decode step's kernels instead (see the top)")
+    p.add_argument("--step-dtypes", default="f32,bf16", help="weight dtypes of --step")
     p.add_argument("--min-time", type=float, default=0.05, help="seconds per timed sample")
     args = p.parse_args(argv)
     os.environ["OMP_NUM_THREADS"] = str(args.threads)  # before libgomp loads: the kernels' pool size
 
     import numpy as np
 
-    from llmc.compiler.codegen.build import build_shared_library
     from llmc.compiler.codegen.render import kernel_id
 
-    probes = ctypes.CDLL(str(build_shared_library({"probes.cc": _PROBES})))
-    probes.read_probe.restype = ctypes.c_uint64
-    probes.read_probe.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_int]
-    probes.fma_probe.restype = ctypes.c_double
-    probes.fma_probe.argtypes = [ctypes.c_int, ctypes.c_long]
-    buf = np.ones(1 << 27, dtype=np.uint64)
-
-    def bandwidth() -> float:
-        best = 0.0
-        for _ in range(3):
-            t = _now()
-            probes.read_probe(buf.ctypes.data, buf.size, args.threads)
-            best = max(best, buf.nbytes / (_now() - t))
-        return best
-
+    if args.step:
+        step_bench(args, headers_at(args.baseline))
+        return
+    probes = _probes()
     specs = cases(set(args.only.split(",")))
     builds = {"llmc": build(headers_at(None), specs)}
     if args.baseline:
@@ -181,7 +292,7 @@ def main(argv=None) -> None:
 
     bws, peaks = [], []
     for _ in range(args.rounds):
-        bws.append(bandwidth())
+        bws.append(_bandwidth_probe(args.threads))
         peaks.append(probes.fma_probe(args.threads, 20_000_000))
         for d in data:
             for name, fn in d["fns"].items():
@@ -218,6 +329,35 @@ def main(argv=None) -> None:
     print("\n".join(align_columns(rows)))
     print("floor = max(weight bytes / read bandwidth, flops / FMA peak); % roof = floor / time")
     sys.stdout.flush()
+
+
+@functools.cache
+def _probes() -> ctypes.CDLL:
+    from llmc.compiler.codegen.build import build_shared_library
+
+    probes = ctypes.CDLL(str(build_shared_library({"probes.cc": _PROBES})))
+    probes.read_probe.restype = ctypes.c_uint64
+    probes.read_probe.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_int]
+    probes.fma_probe.restype = ctypes.c_double
+    probes.fma_probe.argtypes = [ctypes.c_int, ctypes.c_long]
+    return probes
+
+
+@functools.cache
+def _read_buffer():
+    import numpy as np
+
+    return np.ones(1 << 27, dtype=np.uint64)  # 1 GiB
+
+
+def _bandwidth_probe(threads: int) -> float:
+    """Read bytes/s of 1 GiB with `threads` threads, best of 3."""
+    buf, best = _read_buffer(), 0.0
+    for _ in range(3):
+        t = _now()
+        _probes().read_probe(buf.ctypes.data, buf.size, threads)
+        best = max(best, buf.nbytes / (_now() - t))
+    return best
 
 
 def _now() -> float:

@@ -163,9 +163,13 @@ LLMC_INLINE void gemm_tile(const XT* LLMC_RESTRICT xp, long ldxp, const float* L
   LLMC_UNROLL for (int i = KMAIN; i < K; i += VW) {
     const int n = K - i < VW ? K - i : VW;
     Vec wv[C];
-    LLMC_UNROLL for (int c = 0; c < C; ++c) wv[c] = n == VW ? Vec::load(w + (long)c * K + i) : Vec::load_part(w + (long)c * K + i, n);
+    LLMC_UNROLL for (int c = 0; c < C; ++c) {
+      const WT* p = w + (long)c * K + i;
+      wv[c] = n == VW ? Vec::load(p) : Vec::load_part(p, n);
+    }
     LLMC_UNROLL for (int r = 0; r < R; ++r) {
-      const Vec xv = n == VW ? Vec::load(x + (long)r * K + i) : Vec::load_part(x + (long)r * K + i, n);
+      const float* p = x + (long)r * K + i;
+      const Vec xv = n == VW ? Vec::load(p) : Vec::load_part(p, n);
       LLMC_UNROLL for (int c = 0; c < C; ++c) acc[r][c].fma(xv, wv[c]);
     }
   }
