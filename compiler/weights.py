@@ -15,8 +15,9 @@ finds each tensor at a byte offset fixed at compile time:
   between tensors, so a gap is filled by a small uint8 tensor named `__pad__.<n>` (ignored by llmc; not in
   the returned offsets). 64 bytes is a cache line and one AVX-512 vector.
 - A quantized linear (WeightSpec.quant) is two or three packed tensors, its `part`s: qweight (uint8), scales
-  and, for asymmetric schemes, mins (float32), in the CPU kernel's layout (compiler/quant_pack.py; quantized
-  GEMMs are CPU-only so far). Each source is quantized once, by rows, or taken as the checkpoint holds it
+  and, for asymmetric schemes, mins (float32), in the layout of the target's kernel (`layout`: cpu or cuda,
+  compiler/quant_pack.py; both keep rows independent, so fused sources concatenate row-wise). Each source
+  is quantized once, by rows, or taken as the checkpoint holds it
   quantized (GGUF); the packed parts of the current fused weight's sources are kept until its last part is
   written, so memory stays near one packed fused weight.
 - The sha256 of the written file is computed while writing and remembered (llmc/digests.py), so
@@ -45,6 +46,7 @@ _CHUNK_BYTES = 64 << 20  # conversion buffer for one slab of rows
 _DTYPES = {"float32": ("F32", 4), "bfloat16": ("BF16", 2), "uint8": ("U8", 1)}  # safetensors code, bytes each
 PAD_PREFIX = "__pad__."
 QUANT_PARTS = {"qweight": "uint8", "scales": "float32", "mins": "float32"}  # part -> its dtype
+LAYOUTS = ("cpu", "cuda")  # the packed layouts of a quantized linear: quant_pack.pack_cpu / pack_cuda
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,17 +143,24 @@ def plan_layout(specs: list[WeightSpec]) -> tuple[bytes, dict[str, tuple[int, in
 
 
 def write_packed_weights(
-    ckpt, specs: list[WeightSpec], path: Path, progress: Callable[[int], None] | None = None
+    ckpt,
+    specs: list[WeightSpec],
+    path: Path,
+    progress: Callable[[int], None] | None = None,
+    layout: str = "cpu",
 ) -> dict[str, tuple[int, int]]:
     """Stream the packed weights to `path`; returns name -> (absolute byte offset of the data, nbytes).
 
-    progress(n_bytes) is called as data is written (the sum over the calls is the data size).
+    progress(n_bytes) is called as data is written (the sum over the calls is the data size). layout: the
+    quantized linears' packed layout, the target's (LAYOUTS).
     """
+    if layout not in LAYOUTS:
+        raise CompileError(f"no packed layout {layout!r} for quantized weights", f"use one of {', '.join(LAYOUTS)}")
     path = Path(path)
     shapes = {spec.name: _source_shapes(ckpt, spec) for spec in specs}
     prefix, offsets, order = plan_layout(specs)
     by_name = {s.name: s for s in specs}
-    quantized = _QuantizedSources(ckpt)
+    quantized = _QuantizedSources(ckpt, layout)
     digest = hashlib.sha256(prefix)
     tmp = path.with_name(path.name + ".partial")
     try:
@@ -228,8 +237,8 @@ def _write_part(packed: list[dict], part: str, f, digest, progress) -> int:
 class _QuantizedSources:
     """The packed parts of one quantized weight's sources, made once for its two or three parts."""
 
-    def __init__(self, ckpt):
-        self.ckpt = ckpt
+    def __init__(self, ckpt, layout: str):
+        self.ckpt, self.layout = ckpt, layout
         self.key = None
         self.value: list[dict] = []
 
@@ -237,25 +246,27 @@ class _QuantizedSources:
         key = (spec.sources, spec.quant)
         if key != self.key:
             self.key, self.value = None, []  # drop the previous weight's before making this one's
-            self.value = [_pack_source(self.ckpt, src, spec.quant) for src in spec.sources]
+            self.value = [_pack_source(self.ckpt, src, spec.quant, self.layout) for src in spec.sources]
             self.key = key
         return self.value
 
 
-def _pack_source(ckpt, src: str, scheme: QuantScheme) -> dict:
-    """{part: array} of one source tensor in `scheme`: restated exactly if the checkpoint holds it quantized,
-    else quantized from float32 a slab of rows at a time."""
-    from .quant_pack import pack_cpu
+def _pack_source(ckpt, src: str, scheme: QuantScheme, layout: str) -> dict:
+    """{part: array} of one source tensor in `scheme` and `layout`: restated exactly if the checkpoint holds it
+    quantized, else quantized from float32 a slab of rows at a time."""
+    from .quant_pack import pack_cpu, pack_cuda
+
+    pack = pack_cuda if layout == "cuda" else pack_cpu
 
     held = ckpt.quantized_tensor(src)
     if held is not None:
-        pieces = [pack_cpu(restate(held, scheme))]
+        pieces = [pack(restate(held, scheme))]
     else:
         t = ckpt.tensor(src)
         if t.dim() != 2:
             raise CompileError(f"quantized weight {src!r} has shape {list(t.shape)}; only 2-D weights are quantized")
         step = max(1, _CHUNK_BYTES // (4 * max(1, t.shape[1])))
-        pieces = [pack_cpu(quantize(t[i : i + step].float().numpy(), scheme)) for i in range(0, t.shape[0], step)]
+        pieces = [pack(quantize(t[i : i + step].float().numpy(), scheme)) for i in range(0, t.shape[0], step)]
         del t
     parts = dict(zip(QUANT_PARTS, zip(*pieces, strict=True), strict=True))
     return {part: np.concatenate(arrays) for part, arrays in parts.items() if arrays[0] is not None}
