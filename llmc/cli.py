@@ -50,7 +50,7 @@ def _human_bytes(n: float) -> str:
 @click.option("--format", "fmt", type=click.Choice(["onnx", "relax"]), default="onnx", show_default=True)
 @click.option("-o", "--output", type=click.Path(path_type=Path), required=True, help="Output file.")
 def export(model: Path, fmt: str, output: Path) -> None:
-    """Export the traced graph of MODEL (a Hugging Face checkpoint dir) as ONNX or Relax TVMScript."""
+    """Export the traced graph of MODEL (a Hugging Face checkpoint dir or a .gguf file) as ONNX or Relax TVMScript."""
     from .compiler.export import export_onnx, relax_for_checkpoint
     from .compiler.frontend.checkpoint import load_checkpoint
 
@@ -137,7 +137,7 @@ def _quant_options(command):
 )
 def compile_cmd(model: Path, target: str, output: Path, weight_dtype: str, block_size: int | None,
                 kv_cache_dtype: str, quant, calibration: Path | None, max_kl: float | None) -> None:  # fmt: skip
-    """Compile MODEL (a Hugging Face checkpoint dir) into an artifact for TARGET.
+    """Compile MODEL (a Hugging Face checkpoint dir or a .gguf file) into an artifact for TARGET.
 
     A quantized build (--quant) is compared with the unquantized one on the CPU: the mean KL divergence, the
     top-1 agreement and both perplexities on a calibration text go into the manifest (llmc inspect shows them).
@@ -185,6 +185,8 @@ def _resolve_artifact(path: Path | None, quant=None) -> Path:
     if path is None:
         return cached_artifact(bundled_checkpoint(), quant=quant)
     if path.is_dir() and not (path / "manifest.json").exists() and (path / "config.json").is_file():
+        return cached_artifact(path, quant=quant)
+    if path.is_file() and path.suffix.lower() == ".gguf":
         return cached_artifact(path, quant=quant)
     if quant is not None and quant.enabled:
         raise LlmcError(f"--quant applies when a checkpoint is compiled, and {path} is not a checkpoint dir",
@@ -309,7 +311,7 @@ def run(artifact: Path | None, prompt: str | None, max_tokens: int, temperature:
         seed: int | None, as_json: bool, simulate: bool, kv_cache_memory: str | None,
         no_prefix_caching: bool, speculative: str | None, num_speculative_tokens: int,
         draft: Path | None, quant) -> None:  # fmt: skip
-    """Generate from ARTIFACT (a compiled artifact or a checkpoint dir; default: the bundled model).
+    """Generate from ARTIFACT (a compiled artifact, a checkpoint dir or a .gguf file; default: the bundled model).
 
     A checkpoint is compiled for this CPU once and cached ($LLMC_CACHE_DIR, else ~/.cache/llmc). With an
     ARTIFACT, no --prompt and a terminal on stdin, it starts an interactive chat.
@@ -600,7 +602,7 @@ def eval_ppl(artifact: Path, text_file: Path, max_tokens: int | None, kv_cache_m
 )
 @_quant_options
 def inspect(model: Path, verbose: bool, show_passes: bool, quant) -> None:
-    """Describe MODEL: a checkpoint dir (architecture, size, memory) or a compiled artifact."""
+    """Describe MODEL: a checkpoint dir or .gguf file (architecture, size, memory) or a compiled artifact."""
     if (model / "manifest.json").is_file():
         return _inspect_artifact(model, verbose)
     from .compiler.frontend.checkpoint import load_checkpoint

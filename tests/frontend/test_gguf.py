@@ -141,7 +141,10 @@ def test_f32_gguf_generates_the_safetensors_tokens(arch, checkpoint_dir, gguf_fi
     assert ckpt.quantized_tensor("model.layers.0.self_attn.q_proj.weight") is None
     for name in ckpt.config.weight_shapes():
         assert torch.equal(ckpt.tensor(name), load_checkpoint(src).tensor(name)), name
-    ours = compile_checkpoint(gguf_file(arch, "F32"), target="cpu", output=tmp_path / "gguf.cpu")
+    result = CliRunner().invoke(main, ["compile", str(gguf_file(arch, "F32")), "--target", "cpu", "-o",
+                                       str(tmp_path / "gguf.cpu")])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    ours = tmp_path / "gguf.cpu"
     theirs = compile_checkpoint(src, target="cpu", output=tmp_path / "st.cpu")
     assert _greedy(ours, TEXTS, src / "tokenizer.json") == _greedy(theirs, TEXTS, src / "tokenizer.json")
 
@@ -405,10 +408,10 @@ def test_llama3_scaling_from_rope_freqs(case):
     np.testing.assert_allclose(rope_inv_freq(rebuilt).numpy(), rope_inv_freq(config).numpy(), rtol=2e-6, atol=0)
 
 
-def test_cache_key_covers_the_gguf_file(gguf_file, tmp_path, monkeypatch):
-    """`llmc run model.gguf` compiles once per file content, like a checkpoint directory."""
+def test_run_compiles_a_gguf_once_per_content(gguf_file, tmp_path, monkeypatch):
+    """`llmc run model.gguf` goes through the compile cache, keyed by the file's content."""
     import llmc.compiler.compile as compile_module
-    from llmc.compiler.cache import cached_artifact
+    from llmc.cli import _resolve_artifact
 
     compiled = []
 
@@ -420,7 +423,7 @@ def test_cache_key_covers_the_gguf_file(gguf_file, tmp_path, monkeypatch):
     monkeypatch.setattr(compile_module, "compile_checkpoint", record)
     a = tmp_path / "a.gguf"
     shutil.copy(gguf_file("llama", "F32"), a)
-    first = cached_artifact(a, progress=False)
-    assert cached_artifact(a, progress=False) == first and compiled == [a]
+    first = _resolve_artifact(a)
+    assert _resolve_artifact(a) == first and compiled == [a]
     shutil.copy(gguf_file("llama", "Q8_0"), a)
-    assert cached_artifact(a, progress=False) != first and len(compiled) == 2
+    assert _resolve_artifact(a) != first and len(compiled) == 2
