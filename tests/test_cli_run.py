@@ -362,7 +362,7 @@ def test_run_compiles_a_checkpoint_once_into_the_cache(tmp_path, checkpoint_dir,
     ckpt = checkpoint_dir("llama")
     calls = []
 
-    def fake_compile(model, *, target, output, weight_dtype, progress):
+    def fake_compile(model, *, target, output, progress, **options):  # options: dtype, quant, ... as compile's
         calls.append((model, target, output))
         return write_artifact(output, _fake_populate(ckpt, fake_lib))
 
@@ -511,3 +511,55 @@ def test_real_run_of_a_checkpoint_uses_the_cache(tmp_path, checkpoint_dir):
     second = _invoke(*args, env=env)
     assert json.loads(second.stdout)["token_ids"] == json.loads(first.stdout)["token_ids"]
     assert "compiling" not in second.stderr
+
+
+# ----------------------------------------------------------------------------------------------------------
+# --quant: the flags, where they apply, and what inspect shows (the quantized builds: tests/compiler/)
+
+
+def test_quant_flag_errors(tmp_path, checkpoint_dir, fake_artifact):
+    ckpt, out = checkpoint_dir("llama"), tmp_path / "out"
+    r = _invoke("compile", ckpt, "-o", out, "--quant", "int3")
+    assert r.exit_code == 2 and "'int3' is not one of 'none', 'int8', 'int4'" in r.stderr
+    r = _invoke("compile", ckpt, "-o", out, "--quant", "int4", "--group-size", "48")
+    assert r.exit_code == 2 and "'48' is not one of '32', '64', '128'" in r.stderr
+    r = _invoke("compile", ckpt, "-o", out, "--quant-lm-head")
+    assert r.exit_code == 1 and "apply to a quantized build" in r.stderr and "add --quant int8 or int4" in r.stderr
+    r = _invoke("run", fake_artifact, "--quant", "int4", "--prompt", "hi")
+    assert r.exit_code == 1 and "--quant applies when a checkpoint is compiled" in r.stderr
+    assert not out.exists()
+
+
+def test_run_compiles_a_checkpoint_with_quant_under_its_own_cache_key(tmp_path, checkpoint_dir, fake_lib, monkeypatch):
+    from llmc.compiler.quant import QuantConfig
+
+    ckpt = checkpoint_dir("llama")
+    calls = []
+
+    def fake_compile(model, *, target, output, progress, quant=None, **options):
+        calls.append((output, quant))
+        return write_artifact(output, _fake_populate(ckpt, fake_lib))
+
+    monkeypatch.setattr(llmc.compiler.compile, "compile_checkpoint", fake_compile)
+    env = {"LLMC_CACHE_DIR": str(tmp_path / "cache")}
+    for flags in ([], ["--quant", "int4"], ["--quant", "int8", "--group-size", "64", "--quant-lm-head"], []):
+        r = _invoke("run", ckpt, *flags, "--prompt", "hi", "--max-tokens", 2, "--kv-cache-memory", "8MiB", env=env)
+        assert r.exit_code == 0, r.output
+    assert [q for _, q in calls] == [QuantConfig(), QuantConfig("int4"), QuantConfig("int8", 64, lm_head=True)]
+    keys = [out.name for out, _ in calls]
+    assert keys[1].endswith("-int4-g32") and keys[2].endswith("-int8-g64-lm-head") and len(set(keys)) == 3
+
+
+def test_inspect_shows_the_quant_entry(tmp_path, checkpoint_dir, fake_lib):
+    populate = _fake_populate(checkpoint_dir("llama"), fake_lib)
+    entry = {"mode": "int4", "default": "int4 g32", "lm_head": False, "activations": "int8 per 32",
+             "weights": {"model.layers.0.self_attn.q+k+v_proj.weight": "int4 g32",
+                         "model.layers.0.self_attn.o_proj.weight": "int4 g32"},
+             "packed_bytes": {"quantized": 3 << 20, "float": 1 << 20}}  # fmt: skip
+    art = write_artifact(tmp_path / "q.cpu", lambda tmp: {**populate(tmp), "quantization": "int4", "quant": entry})
+    r = _invoke("inspect", art)
+    assert r.exit_code == 0, r.output
+    assert "quantization int4" in r.stdout and "activations int8 per 32" in r.stdout
+    assert "quantized 3.0 MiB, float 1.0 MiB" in r.stdout and "2 GEMM weights int4 g32" in r.stdout
+    r = _invoke("inspect", "-v", art)
+    assert "model.layers.0.self_attn.o_proj.weight: int4 g32" in r.stdout
