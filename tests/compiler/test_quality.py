@@ -190,3 +190,33 @@ def test_gate_flags_need_a_quantized_build_and_a_usable_text(checkpoint_dir, tmp
         compile_checkpoint(ckpt, target="cpu", output=tmp_path / "c", quant=QuantConfig("int8"),
                            calibration=tmp_path / "missing.txt")  # fmt: skip
     assert list(tmp_path.iterdir()) == [short], "refused before anything was built"
+
+
+@pytest.mark.slow
+def test_a_cuda_build_is_gated_through_its_cpu_twin(checkpoint_dir, llmc_cache, tmp_path, monkeypatch):
+    """A GPU module cannot run here: its figures are those of the same quantized build for the CPU."""
+    monkeypatch.setenv("LLMC_CACHE_DIR", str(llmc_cache))
+    ckpt, quant = checkpoint_dir("llama"), QuantConfig("int4", 64)
+    cpu = compile_checkpoint(ckpt, target="cpu", output=tmp_path / "m.cpu", quant=quant)
+    gpu = compile_checkpoint(ckpt, target="sm90", output=tmp_path / "m.sm90", quant=quant)
+    assert load_artifact(gpu, check_target=False).manifest["quality"] == load_artifact(cpu).manifest["quality"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.cpu", "m.sm90"], "the CPU twin is not left behind"
+    with pytest.raises(CompileError, match="over --max-kl 0:"):
+        compile_checkpoint(ckpt, target="sm90", output=tmp_path / "refused.sm90", quant=quant, max_kl=0.0)
+    assert not (tmp_path / "refused.sm90").exists()
+
+
+@pytest.mark.slow
+def test_bundled_model_perplexity_bounds(tmp_path, monkeypatch):
+    """The must-hold figures (issue 11): on its held-out text, against its unquantized build, the bundled model's
+    perplexity moves by at most 1% quantized to int8 and at most 5% to int4 g32."""
+    monkeypatch.setenv("LLMC_CACHE_DIR", str(tmp_path / "cache"))
+    figures = {}
+    for quant, bound in ((QuantConfig("int8"), 0.01), (QuantConfig("int4", 32), 0.05)):
+        out = compile_checkpoint(cli.bundled_checkpoint(), target="cpu", output=tmp_path / quant.mode, quant=quant)
+        q = figures[quant.mode] = load_artifact(out).manifest["quality"]
+        assert q["calibration"] == quality.BUNDLED_HELDOUT and q["tokens"] == quality.DEFAULT_CALIBRATION_TOKENS - 1
+        assert abs(q["ppl_quantized"] / q["ppl_reference"] - 1) <= bound, (quant.describe(), q)
+        assert q["top1_agreement"] >= 0.9, (quant.describe(), q)
+    assert figures["int8"]["ppl_reference"] == figures["int4"]["ppl_reference"], "one reference for both"
+    assert 0 < figures["int8"]["kl_mean"] < figures["int4"]["kl_mean"]
