@@ -60,6 +60,7 @@ _PROBES = r"""
 #include <cstdint>
 #include <omp.h>
 #include <immintrin.h>
+%CLOCK%
 extern "C" uint64_t read_probe(const uint64_t* p, long n, int threads) {
   uint64_t acc = 0;
 #pragma omp parallel for schedule(static) reduction(^ : acc) num_threads(threads)
@@ -67,8 +68,8 @@ extern "C" uint64_t read_probe(const uint64_t* p, long n, int threads) {
   return acc;
 }
 // flops/s of independent 8-wide FMA chains (10 per thread: > latency x pipes) on `threads` threads.
-extern "C" double fma_probe(int threads, long iters) {
-  const auto t0 = std::chrono::steady_clock::now();
+extern "C" double fma_probe(int threads, long iters, int cpu) {
+  const double t0 = bench_clock(cpu);
   float sink = 0;
 #pragma omp parallel num_threads(threads) reduction(+ : sink)
   {
@@ -78,16 +79,27 @@ extern "C" double fma_probe(int threads, long iters) {
       for (int j = 0; j < 10; ++j) a[j] = _mm256_fmadd_ps(a[j], m, c);
     for (int j = 0; j < 10; ++j) sink += a[j][0];
   }
-  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const double s = bench_clock(cpu) - t0;
   return sink == 12345.f ? 0 : 2.0 * 8 * 10 * iters * threads / s;
 }
 """
 
+_CLOCK = r"""
+#include <time.h>
+// Seconds: wall clock, or with cpu != 0 the calling thread's CPU time (a 1-thread figure that the other
+// processes of a shared machine do not inflate by taking the core away).
+static double bench_clock(int cpu) {
+  timespec ts;
+  clock_gettime(cpu ? CLOCK_THREAD_CPUTIME_ID : CLOCK_MONOTONIC, &ts);
+  return ts.tv_sec + 1e-9 * ts.tv_nsec;
+}
+"""
+
 _LOOP = r"""
-extern "C" double bench_{kid}(const float* x, {wt}* const* ws, int nw, float* y, int T, int iters) {{
-  const auto t0 = std::chrono::steady_clock::now();
+extern "C" double bench_{kid}(const float* x, {wt}* const* ws, int nw, float* y, int T, int iters, int cpu) {{
+  const double t0 = bench_clock(cpu);
   for (int i = 0; i < iters; ++i) {kid}(x, ws[i % nw], nullptr, y, T);
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / iters;
+  return (bench_clock(cpu) - t0) / iters;
 }}
 """
 
@@ -226,7 +238,7 @@ def build(headers: dict[str, str], specs: list[tuple]) -> ctypes.CDLL:
     from llmc.compiler.codegen.build import CPU_FLAGS, build_shared_library
     from llmc.compiler.codegen.render import kernel_id, render_kernel
 
-    parts = ['#include "common.h"\n#include <chrono>\n']
+    parts = ['#include "common.h"\n' + _CLOCK]
     for _, n, k, _, wd, _ in specs:
         params = dict(n=n, k=k, wdtype=wd, has_bias=False)
         kid = kernel_id("cpu", "gemm", params)
@@ -251,10 +263,15 @@ def main(argv=None) -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--baseline", help="git revision whose templates/cpu/include is timed too, interleaved")
     p.add_argument("--only", default="gemv,batch,gemm", help="comma-separated of gemv, batch, gemm")
+    p.add_argument(
+        "--cpu-time", action="store_true", help="time by the thread's CPU time (needs --threads 1; see bench_clock)"
+    )
     p.add_argument("--step", action="store_true", help="time a decode step's kernels instead (see the top)")
     p.add_argument("--step-dtypes", default="f32,bf16", help="weight dtypes of --step")
     p.add_argument("--min-time", type=float, default=0.05, help="seconds per timed sample")
     args = p.parse_args(argv)
+    if args.cpu_time and args.threads != 1:
+        p.error("--cpu-time measures one thread: add --threads 1")
     os.environ["OMP_NUM_THREADS"] = str(args.threads)  # before libgomp loads: the kernels' pool size
 
     import numpy as np
@@ -286,24 +303,25 @@ def main(argv=None) -> None:
         for name, lib in builds.items():
             fn = getattr(lib, f"bench_{kid}")
             fn.restype = ctypes.c_double
-            fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+            fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, *[ctypes.c_int] * 3]
             fns[name] = fn
         data.append(dict(label=label, n=n, k=k, T=T, wd=wd, ws=ws, ptrs=ptrs, x=x, y=y, fns=fns, times={}))
 
     bws, peaks = [], []
     for _ in range(args.rounds):
         bws.append(_bandwidth_probe(args.threads))
-        peaks.append(probes.fma_probe(args.threads, 20_000_000))
+        peaks.append(probes.fma_probe(args.threads, 20_000_000, args.cpu_time))
         for d in data:
             for name, fn in d["fns"].items():
                 args_ = (d["x"].ctypes.data, d["ptrs"], len(d["ws"]), d["y"].ctypes.data, d["T"])
-                once = fn(*args_, 2)
+                once = fn(*args_, 2, args.cpu_time)
                 iters = max(4, int(args.min_time / max(once, 1e-7)))
-                d["times"].setdefault(name, []).append(fn(*args_, iters))
+                d["times"].setdefault(name, []).append(fn(*args_, iters, args.cpu_time))
     bw, peak = statistics.median(bws), statistics.median(peaks)
     print(
         f"threads {args.threads}; read bandwidth {bw / 1e9:.1f} GB/s; FMA peak {peak / 1e9:.0f} GFLOP/s (fp32); "
         f"LLC {llc_bytes() >> 20} MiB; medians of {args.rounds} interleaved rounds"
+        + ("; times are the thread's CPU time" if args.cpu_time else "")
     )
     names = list(builds)
     head = ["case", "dtype", "n x k", "MiB", "floor us"]
@@ -335,11 +353,11 @@ def main(argv=None) -> None:
 def _probes() -> ctypes.CDLL:
     from llmc.compiler.codegen.build import build_shared_library
 
-    probes = ctypes.CDLL(str(build_shared_library({"probes.cc": _PROBES})))
+    probes = ctypes.CDLL(str(build_shared_library({"probes.cc": _PROBES.replace("%CLOCK%", _CLOCK)})))
     probes.read_probe.restype = ctypes.c_uint64
     probes.read_probe.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_int]
     probes.fma_probe.restype = ctypes.c_double
-    probes.fma_probe.argtypes = [ctypes.c_int, ctypes.c_long]
+    probes.fma_probe.argtypes = [ctypes.c_int, ctypes.c_long, ctypes.c_int]
     return probes
 
 
