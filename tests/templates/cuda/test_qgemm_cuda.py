@@ -15,13 +15,20 @@ GEMV / GEMM switch (8) and the 64-row (32 asymmetric) tiles.
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
-from kernel_harness import spec_id
+from kernel_harness import kernels_source, spec_id
 from kernel_reference import to_bf16
 
+from llmc.compiler.codegen import simulator
 from llmc.compiler.quant import QuantScheme, dequantize, quantize
 from llmc.compiler.quant_pack import pack_cuda, unpack_cuda
+
+HERE = Path(__file__).parent
 
 # (n, k, bits, group_size, asymmetric); group_size == k: one scale per output channel
 SCHEMES = [
@@ -39,6 +46,8 @@ SCHEMES = [
     (70, 160, 4, 128, True),
 ]
 TS = [1, 3, 8, 9, 17, 70]
+# tail blocks and clamped weight rows read exactly-sized numpy buffers: int4 asym, int8 g16, int4 without a full block
+ASAN_SCHEMES = [SCHEMES[11], SCHEMES[2], SCHEMES[5]]
 
 
 def _params(n, k, bits, g, asym, bias):
@@ -133,3 +142,38 @@ def test_pack_cuda_layout(bits, asym, k):
                     pair = (word >> (bits * j)) & mask
                     kk = kw * u + 16 * (j >> 1) + 8 * (j & 1) + 2 * lane
                     assert pair & 0xFFFF == stored[row, kk] and pair >> 16 == stored[row, kk + 1]
+
+
+# Runs in an AddressSanitizer subprocess: each ASAN_SCHEMES kernel on both paths, checked loosely (the tight
+# checks are above); an out-of-bounds access ends the process with ASan's report.
+ASAN_CHILD = r"""
+import ctypes, sys
+import numpy as np
+sys.path[:0] = [{here!r}, {shared!r}]
+from kernel_harness import CudaKernel
+from llmc.compiler.codegen.render import kernel_id
+from llmc.compiler.quant import dequantize
+from test_qgemm_cuda import ASAN_SCHEMES, _params, _run, qgemm_inputs
+lib = ctypes.CDLL({so!r})
+for s in ASAN_SCHEMES:
+    p = _params(*s, True)
+    fn = CudaKernel(getattr(lib, "test_" + kernel_id("cuda", "qgemm", p)), "qgemm", p)
+    for T in (3, 17):
+        x, t, packed, bias = qgemm_inputs(p, T, seed=T)
+        y = _run(fn, p, x, packed, bias)
+        w = dequantize(t).astype(np.float64)
+        ref = x.astype(np.float64) @ w.T + bias
+        assert np.all(np.abs(y - ref) <= 2.0**-8 * (np.abs(x) @ np.abs(w).T + np.abs(bias))), (s, T)
+print("ok")
+"""
+
+
+@pytest.mark.slow
+def test_qgemm_cuda_asan_clean(tmp_path):
+    source, _ = kernels_source("cuda", [("qgemm", _params(*s, True)) for s in ASAN_SCHEMES])
+    so = simulator.build_simulated(source, tmp_path / "qgemm_asan.so", asan=True)
+    code = ASAN_CHILD.format(here=str(HERE), shared=str(HERE.parent), so=str(so))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                       env=simulator.asan_env(), cwd=HERE)  # fmt: skip
+    assert "AddressSanitizer" not in r.stderr, r.stderr[-4000:]
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-4000:]
