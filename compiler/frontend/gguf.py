@@ -62,37 +62,38 @@ class GGUFCheckpoint(Checkpoint):
     gguf_tensors: dict[str, gguf.ReaderTensor]  # GGUF name -> the reader's entry (its data mmapped)
 
     def quantized_tensor(self, name: str) -> QuantizedTensor | None:
-        """The tensor as the file quantizes it (rows in Hugging Face order); None for a float tensor."""
-        info = self._info(name)
-        unpack = _UNPACK.get(info.tensor_type)
-        if unpack is None:
-            return None
+        """The matrix as the file quantizes it (rows in Hugging Face order); None for a float tensor or a
+        quantized vector (no GEMM reads one)."""
         shape = self._shape(name)
-        n, k = shape if len(shape) == 2 else (1, math.prod(shape))
-        block, size = gguf.GGML_QUANT_SIZES[info.tensor_type]
-        qt = unpack(np.asarray(info.data).reshape(n, k // block, size))
+        if self._info(name).tensor_type not in _UNPACK or len(shape) != 2:
+            return None
+        qt = self._unpack(name)
         heads = self._qk_heads(name)
         if heads is not None:
-            rows = names.unpermute_qk(np.arange(n), heads)
+            rows = names.unpermute_qk(np.arange(shape[0]), heads)
             mins = None if qt.mins is None else qt.mins[rows]
             qt = QuantizedTensor(qt.q[rows], qt.scales[rows], mins, qt.scheme)
         return qt
 
     def tensor(self, name: str) -> torch.Tensor:
-        shape = self._shape(name)
-        qt = self.quantized_tensor(name)
-        if qt is not None:
-            return torch.from_numpy(dequantize(qt).reshape(shape))
-        info = self._info(name)
-        data = np.asarray(info.data)
-        if info.tensor_type == T.BF16:
-            data = data.view(np.uint16)
-        w = data.reshape(shape)
+        info, shape = self._info(name), self._shape(name)
+        if info.tensor_type in _UNPACK:
+            w = dequantize(self._unpack(name)).reshape(shape)
+        else:  # a copy below: the mmap is read-only
+            w = np.asarray(info.data)
+            w = (w.view(np.uint16) if info.tensor_type == T.BF16 else w).reshape(shape)
         heads = self._qk_heads(name)
-        w = np.array(w) if heads is None else names.unpermute_qk(w, heads)  # a copy: the mmap is read-only
+        w = np.array(w) if heads is None else names.unpermute_qk(w, heads)
         if info.tensor_type == T.BF16:
             return torch.from_numpy(w.view(np.int16)).view(torch.bfloat16)
         return torch.from_numpy(w)
+
+    def _unpack(self, name: str) -> QuantizedTensor:
+        """The tensor's blocks as a QuantizedTensor of [rows, last dim], rows in the file's order."""
+        info, shape = self._info(name), self._shape(name)
+        block, size = gguf.GGML_QUANT_SIZES[info.tensor_type]
+        k = shape[-1]
+        return _UNPACK[info.tensor_type](np.asarray(info.data).reshape(-1, k // block, size))
 
     def _info(self, name: str) -> gguf.ReaderTensor:
         return self.gguf_tensors[self.gguf_names[name]]

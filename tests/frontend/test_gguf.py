@@ -78,7 +78,9 @@ def _rewrite(src, out, rng, types=None, meta=None):
             writer.add_key_value(key, *value)
     for t in reader.tensors:
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-        if t.name in types:
+        if types.get(t.name) == T.F16:
+            writer.add_tensor(t.name, np.array(t.data).astype(np.float16))
+        elif t.name in types:
             writer.add_tensor(t.name, _random_blocks(shape, types[t.name], rng), raw_dtype=types[t.name])
         else:
             writer.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
@@ -170,6 +172,25 @@ def test_config_and_tokenizer_as_the_source(arch, checkpoint_dir, gguf_file):
         assert ours.decode(ids) == theirs.decode(ids) and ours.decode(ids, skip_special_tokens=False) == theirs.decode(
             ids, skip_special_tokens=False
         )
+
+
+@pytest.mark.parametrize("dtype", ["F16", "BF16"])
+def test_float_types_import_as_they_are(dtype, checkpoint_dir, gguf_file, tmp_path):
+    """llama: the bf16 and fp16 q/k rows are unpermuted too."""
+    src = load_checkpoint(checkpoint_dir("llama"))
+    path = gguf_file("llama", "BF16")
+    if dtype == "F16":
+        f32 = gguf_file("llama", "F32")
+        types = {t.name: T.F16 for t in gguf.GGUFReader(f32).tensors if len(t.shape) == 2}
+        path = _rewrite(f32, tmp_path / "f16.gguf", None, types)
+    ckpt = load_checkpoint(path)
+    torch_dtype = {"F16": torch.float16, "BF16": torch.bfloat16}[dtype]
+    for name, shape in ckpt.config.weight_shapes().items():
+        t = ckpt.tensor(name)
+        assert ckpt.quantized_tensor(name) is None
+        want = src.tensor(name).to(torch_dtype) if len(shape) == 2 else src.tensor(name)
+        assert t.dtype == want.dtype and torch.equal(t, want), name
+    assert ckpt.weight_dtype == {"F16": "float16", "BF16": "bfloat16"}[dtype]
 
 
 def _raw_reference(ckpt, name) -> np.ndarray:
