@@ -29,11 +29,12 @@ from llmc.runtime.sampling import SamplingParams
 REL = 1e-3  # the fp32 parity tolerance (tests/logits_rows.py)
 FLIP_REL = 1e-2  # a row with an activation rounded the other way (see the module docstring)
 # (arch, quant): qwen2 has the qkv bias (joins the quantized GEMM); llama's down_proj (K = 136) stays float
+# Each build compiles twice (the quality gate's unquantized reference too), 25-70 s here: one runs by default.
 BUILDS = [
-    ("llama", QuantConfig("int8", lm_head=True)),
     ("llama", QuantConfig("int4", lm_head=True)),
-    ("qwen2", QuantConfig("int8", group_size=32)),
-    ("qwen2", QuantConfig("int4", group_size=64)),
+    pytest.param("llama", QuantConfig("int8", lm_head=True), marks=pytest.mark.slow),
+    pytest.param("qwen2", QuantConfig("int8", group_size=32), marks=pytest.mark.slow),
+    pytest.param("qwen2", QuantConfig("int4", group_size=64), marks=pytest.mark.slow),
 ]
 _built = {}
 
