@@ -7,7 +7,8 @@ safetensors, under llama.cpp's names (gguf_names):
   the `rope_freqs` tensor; the scaling fields are recovered from them (`_llama3_scaling`).
 - The tokenizer is stored as token lists. It is rebuilt as a `tokenizers` tokenizer the way transformers'
   GGUF conversion does (`gpt2`: byte-level BPE from tokens and merges; `llama`: SentencePiece BPE from tokens
-  and scores, with byte fallback), and written as tokenizer.json under llmc's cache, named by its content.
+  and scores, with byte fallback), but for SentencePiece's dummy prefix, which is added as llama.cpp adds it,
+  and written as tokenizer.json under llmc's cache, named by its content.
 - Tensors are renamed to Hugging Face's, and q/k rows of the `llama` arch are put back in rotate-half order.
 
 Quantized tensors keep their exact values: Q8_0, Q4_0, Q4_K and Q6_K each map onto a QuantizedTensor
@@ -377,7 +378,7 @@ _SPLITS = {"gpt-2": None, "default": None, "llama-bpe": _LLAMA3_SPLIT, "llama3":
 
 def _tokenizer(meta: _Meta, tokens: list, path: Path) -> tuple[dict, str | None, Path]:
     """(special token texts, chat template, tokenizer.json path) from the tokenizer.* metadata."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
     model = meta.get(names.TOKENIZER_MODEL, str)
     types = meta.get(names.TOKEN_TYPE, list, [names.TOKEN_NORMAL] * len(tokens))
@@ -412,8 +413,11 @@ def _tokenizer(meta: _Meta, tokens: list, path: Path) -> tuple[dict, str | None,
                          else None, fuse_unk=True, byte_fallback=True)  # fmt: skip
         tok = Tokenizer(bpe)
         prefix = meta.get("tokenizer.ggml.add_space_prefix", bool, True)
-        tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first" if prefix else "never",
-                                                     split=False)  # fmt: skip
+        # SentencePiece's dummy prefix, as llama.cpp adds it: before every run of text (the start, and after each
+        # special token), even one that starts with spaces. (transformers' Metaspace skips text that starts
+        # with a space, so "  x" would lose one.)
+        spaces = normalizers.Replace(" ", "▁")
+        tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), spaces]) if prefix else spaces
         steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
         tok.decoder = decoders.Sequence(steps + ([decoders.Strip(content=" ", left=1)] if prefix else []))
         add_bos = meta.get(names.ADD_BOS, bool, True)  # llama.cpp adds BOS to SentencePiece unless told not to

@@ -4,7 +4,7 @@ Files are written from the tiny checkpoints by gguf_write (F32, Q8_0, Q4_0 throu
 Q4_K / Q6_K files from random blocks (the gguf package cannot quantize to them; every byte pattern is a valid
 block once its fp16 fields are finite). The references: the safetensors build (greedy tokens), gguf.quants.
 dequantize (quantized tensors, bit for bit), transformers on the dequantized weights (logits), the source
-tokenizer and transformers' own GGUF tokenizer conversion (token ids).
+tokenizer, transformers' own GGUF tokenizer conversion and llama.cpp's tokenizer (token ids).
 """
 
 import dataclasses
@@ -368,9 +368,9 @@ def _sentencepiece_vocab():
     return tokens, types, scores
 
 
-def test_sentencepiece_tokenizer_as_transformers_converts_it(gguf_file, tmp_path):
-    from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer, get_gguf_tokenizer
-
+@pytest.fixture(scope="module")
+def sentencepiece_file(gguf_file, tmp_path_factory):
+    """The tiny llama with a llama-style SentencePiece tokenizer (tokenizer.ggml.model "llama", no merges)."""
     tokens, types, scores = _sentencepiece_vocab()
     v = gguf.GGUFValueType
     meta = {
@@ -384,19 +384,41 @@ def test_sentencepiece_tokenizer_as_transformers_converts_it(gguf_file, tmp_path
         names.EOS_ID: (2, v.UINT32, None),
         "tokenizer.ggml.unknown_token_id": (0, v.UINT32, None),
     }
-    path = _rewrite(gguf_file("llama", "F32"), tmp_path / "sp.gguf", np.random.default_rng(0), meta=meta)
-    ckpt = load_checkpoint(path)
+    out = tmp_path_factory.mktemp("sp") / "sp.gguf"
+    return _rewrite(gguf_file("llama", "F32"), out, np.random.default_rng(0), meta=meta)
+
+
+# Text that starts with spaces or follows a special token, where SentencePiece (and llama.cpp) add the dummy
+# prefix space and transformers' Metaspace does not.
+PREFIX_TEXTS = ["  leading spaces", " ", "<s>hello</s> world</s>", "x</s>  y"]
+
+
+def test_sentencepiece_tokenizer_as_transformers_converts_it(sentencepiece_file):
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer, get_gguf_tokenizer
+
+    ckpt = load_checkpoint(sentencepiece_file)
     assert ckpt.special_tokens == {"bos_token": "<s>", "eos_token": "</s>"}
     ours = Tokenizer.from_file(str(ckpt.tokenizer_path))
-    arch, tokenizer_dict, _ = get_gguf_tokenizer(str(path))
-    theirs, _ = convert_gguf_tokenizer(arch, tokenizer_dict)
-    for text in TEXTS + ["  leading spaces", "tabs\tand\nnewlines", "中文 bytes"]:
+    theirs, _ = convert_gguf_tokenizer(*get_gguf_tokenizer(str(sentencepiece_file))[:2])
+    for text in TEXTS + ["tabs\tand\nnewlines", "中文 bytes"]:
         want = theirs.encode(text, add_special_tokens=False).ids
-        got = ours.encode(text)
-        assert got.ids == [1] + want, text  # llama.cpp adds <s> to a SentencePiece vocabulary by default
-        assert ours.decode(got.ids) == theirs.decode(want), text
-        assert text.startswith(" ") or ours.decode(got.ids) == text
+        got = ours.encode(text).ids
+        assert got == [1] + want, text  # llama.cpp adds <s> to a SentencePiece vocabulary by default
+        assert ours.decode(got) == theirs.decode(want) == text, text
     assert any(ours.id_to_token(i).startswith("<0x") for i in ours.encode("中文").ids)  # byte fallback
+    assert ours.decode(ours.encode(PREFIX_TEXTS[0]).ids) == PREFIX_TEXTS[0]
+
+
+@pytest.mark.parametrize("arch", [*ARCHS, "sentencepiece"])
+def test_tokenizer_as_llama_cpp_tokenizes(arch, gguf_file, sentencepiece_file):
+    """llama.cpp, the file format's own runtime (in the bench extra): the same ids, special tokens included."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    path = sentencepiece_file if arch == "sentencepiece" else gguf_file(arch, "F32")
+    ours = Tokenizer.from_file(str(load_checkpoint(path).tokenizer_path))
+    reference = llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
+    for text in TEXTS + PREFIX_TEXTS + ["tabs\tand\nnewlines", "中文 bytes", "The  fox's 'quoted' THE end.\r\n"]:
+        want = reference.tokenize(text.encode(), add_bos=arch == "sentencepiece", special=True)
+        assert ours.encode(text).ids == want, text
 
 
 def test_gguf_file_without_the_gguf_suffix_is_refused(gguf_file, tmp_path):
