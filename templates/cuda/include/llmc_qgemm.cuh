@@ -6,12 +6,13 @@
 // word holds the lane's B registers of one k16 step (int8) or two (int4), register j as the u16 halves of
 // `(word >> BITS * j) & MASK`. scales / mins float32 [N, NG], x and y float32, bias float32.
 //
-//  - decode (T <= kGemvMaxT): gemv(). A warp per (output row, k slice): every lane loads kUnroll 16-byte
-//    pieces of the row (consecutive lanes, consecutive pieces: 512 bytes of a row per warp load) before it
-//    uses them, turns each u into a float with one OR and one subtract (0x4b000000 | u = 2^23 + u), and sums
-//    q * x per word in fp32 for all T rows at once, then applies the word's group scale (and min, times the
-//    word's sum of x). kSplit warps of a block share a row when rows are few and long (every SM gets
-//    blocks); their sums meet in shared memory in a fixed order. Grid (kGemvBlocks), block kGemvThreads.
+//  - decode (T <= kGemvMaxT): gemv(). A warp per (NR output rows, k slice): every lane loads the same
+//    16-byte piece of its NR rows (NR loads in flight; consecutive lanes, consecutive pieces: 512 bytes of a
+//    row per warp load), turns each u into a float with one OR and one subtract (0x4b000000 | u = 2^23 + u),
+//    loads each x pair once for the NR rows, sums q * x per word in fp32 for all T rows, then applies the
+//    word's group scale (and min, times the word's sum of x). kSplit warps of a block share the rows when
+//    they are few (every SM gets work); their sums meet in shared memory in a fixed order.
+//    Grid (kGemvBlocks), block kGemvThreads.
 //  - prefill: tiled(). A BM x BN block tile, 4 warps side by side along N (BN / 4 columns each), every warp
 //    over all BM rows. Per 64-byte row block of the weights: x[BM, k block] goes to shared memory as bf16
 //    (round to nearest even; zero past T), A fragments come from ldmatrix.x4, and each warp loads its
@@ -46,10 +47,14 @@ struct QGemm {
   static constexpr int NG = (K + G - 1) / G;         // groups per row
 
   // decode
-  static constexpr int kGemvMaxT = 8, kGemvWarps = 4, kGemvThreads = 32 * kGemvWarps, kUnroll = 2;
-  static constexpr int kSplit = NB >= 64 ? 4 : (NB >= 16 ? 2 : 1);  // warps per row: >= 8 blocks of it each
-  static constexpr int kRowsPerBlock = kGemvWarps / kSplit;
-  static constexpr int kGemvBlocks = ceil_div(N, kRowsPerBlock);
+  // decode: NR output rows per warp; kSplit warps share them (each a k slice of >= 8 full blocks, a warp's
+  // width) where fewer row groups than kGemvTargetWarps would leave SMs idle
+  static constexpr int kGemvMaxT = 8, NR = 4, kGemvWarps = 8, kGemvThreads = 32 * kGemvWarps;
+  static constexpr int kRowGroups = ceil_div(N, NR), kGemvTargetWarps = 2048;
+  static constexpr int kSplitWanted = clamp_int(ceil_div(kGemvTargetWarps, kRowGroups), 1, clamp_int(NB / 8, 1, 8));
+  static constexpr int kSplit = kSplitWanted >= 8 ? 8 : (kSplitWanted >= 4 ? 4 : (kSplitWanted >= 2 ? 2 : 1));
+  static constexpr int kGroupsPerBlock = kGemvWarps / kSplit;
+  static constexpr int kGemvBlocks = ceil_div(kRowGroups, kGroupsPerBlock);
   // prefill
   // BM: asymmetric keeps 16 more accumulators (the row sums of x) per m16 tile; 32 rows keep it within 128 registers
   static constexpr int BM = ASYM ? 32 : 64, BN = 64, kTileThreads = 128, WN = BN / 4, NT = WN / 8;  // NT: n8 tiles per warp
@@ -62,104 +67,115 @@ struct QGemm {
   }
 
   // ----------------------------------------------------------------------------------------------------
-  // gemv: acc[r] += this word's contribution to row r (r < rows). x0 points at x[0, k0 + 2t]: pair j's two
-  // elements are x[r, k0 + 16 (j >> 1) + 8 (j & 1) + 2t + {0, 1}].
-  static __device__ __forceinline__ void gemv_word(uint32_t wd, const float* x0, int rows, float s, float m,
-                                                   float (&acc)[kGemvMaxT]) {
-    float qf[2 * PAIRS];
-#pragma unroll
-    for (int j = 0; j < PAIRS; ++j) {
-      const uint32_t pr = (wd >> (BITS * j)) & MASK;
-      qf[2 * j] = q_float(pr & 0xffffu);
-      qf[2 * j + 1] = q_float(pr >> 16);
-    }
-#pragma unroll
-    for (int r = 0; r < kGemvMaxT; ++r) {
-      if (r < rows) {  // warp-uniform
-        float p = 0.0f, xs = 0.0f;
-#pragma unroll
-        for (int j = 0; j < PAIRS; ++j) {
-          const float2 xv = *reinterpret_cast<const float2*>(x0 + static_cast<int64_t>(r) * K + 16 * (j >> 1) + 8 * (j & 1));
-          p = fmaf(xv.x, qf[2 * j], p);
-          p = fmaf(xv.y, qf[2 * j + 1], p);
-          if constexpr (ASYM) xs += xv.x + xv.y;
-        }
-        acc[r] = fmaf(p, s, acc[r]);
-        if constexpr (ASYM) acc[r] = fmaf(-m, xs, acc[r]);
-      }
-    }
-  }
-
-  // The words of lane t of row block b (nw of them), starting at word unit u0 = b * BW.
-  static __device__ __forceinline__ void gemv_words(const uint32_t* wd, int nw, int b, int t, int n, const float* x,
-                                                    int rows, const float* scales, const float* mins,
-                                                    float (&acc)[kGemvMaxT]) {
+  // gemv: the words w < nw of lane slot t in row block b, one per output row i (wd[i][w]), added to
+  // acc[i][r] for the rows r < rows of x. Each word's q become floats once; each x pair is loaded once for all
+  // NR output rows (x[r, k0 + 16 (j >> 1) + 8 (j & 1) + 2t + {0, 1}] for pair j).
+  static __device__ __forceinline__ void gemv_words(const uint32_t (&wd)[NR][BW], int nw, int b, int t,
+                                                    const int (&n)[NR], const float* x, int rows,
+                                                    const float* scales, const float* mins,
+                                                    float (&acc)[NR][kGemvMaxT]) {
 #pragma unroll
     for (int w = 0; w < BW; ++w) {
-      if (w < nw) {
-        const int k0 = (b * BW + w) * KW;
-        const int gi = n * NG + k0 / G;
-        gemv_word(wd[w], x + k0 + 2 * t, rows, scales[gi], ASYM ? mins[gi] : 0.0f, acc);
+      if (w >= nw) break;
+      const int k0 = (b * BW + w) * KW;
+      float qf[NR][2 * PAIRS], s[NR], m[NR];
+#pragma unroll
+      for (int i = 0; i < NR; ++i) {
+#pragma unroll
+        for (int j = 0; j < PAIRS; ++j) {
+          const uint32_t pr = (wd[i][w] >> (BITS * j)) & MASK;
+          qf[i][2 * j] = q_float(pr & 0xffffu);
+          qf[i][2 * j + 1] = q_float(pr >> 16);
+        }
+        const int gi = n[i] * NG + k0 / G;
+        s[i] = scales[gi];
+        m[i] = ASYM ? mins[gi] : 0.0f;
+      }
+      const float* x0 = x + k0 + 2 * t;
+#pragma unroll
+      for (int r = 0; r < kGemvMaxT; ++r) {
+        if (r < rows) {  // warp-uniform
+          float2 xv[PAIRS];
+          float xs = 0.0f;
+#pragma unroll
+          for (int j = 0; j < PAIRS; ++j) {
+            xv[j] = *reinterpret_cast<const float2*>(x0 + static_cast<int64_t>(r) * K + 16 * (j >> 1) + 8 * (j & 1));
+            if constexpr (ASYM) xs += xv[j].x + xv[j].y;
+          }
+#pragma unroll
+          for (int i = 0; i < NR; ++i) {
+            float p = 0.0f;
+#pragma unroll
+            for (int j = 0; j < PAIRS; ++j) p = fmaf(xv[j].y, qf[i][2 * j + 1], fmaf(xv[j].x, qf[i][2 * j], p));
+            acc[i][r] = fmaf(p, s[i], acc[i][r]);
+            if constexpr (ASYM) acc[i][r] = fmaf(-m[i], xs, acc[i][r]);
+          }
+        }
       }
     }
   }
 
   static __device__ __forceinline__ void gemv(const float* x, const uint8_t* qweight, const float* scales,
                                               const float* mins, const float* bias, float* y, int T) {
-    __shared__ float part[kGemvWarps][kGemvMaxT];
+    __shared__ float part[kGemvWarps][NR][kGemvMaxT];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int slice = warp % kSplit, n = blockIdx.x * kRowsPerBlock + warp / kSplit;
-    float acc[kGemvMaxT];
+    const int slice = warp % kSplit, n0 = (blockIdx.x * kGroupsPerBlock + warp / kSplit) * NR;
+    float acc[NR][kGemvMaxT];
 #pragma unroll
-    for (int r = 0; r < kGemvMaxT; ++r) acc[r] = 0.0f;
-    if (n < N) {  // warp-uniform; the barrier below is reached by every thread
-      const uint8_t* row = qweight + static_cast<int64_t>(n) * ROW_BYTES;
+    for (int i = 0; i < NR; ++i)
+#pragma unroll
+      for (int r = 0; r < kGemvMaxT; ++r) acc[i][r] = 0.0f;
+    if (n0 < N) {  // warp-uniform; the barrier below is reached by every thread
+      int n[NR];  // rows past N read row N - 1; their sums are dropped
+      const uint8_t* row[NR];
+#pragma unroll
+      for (int i = 0; i < NR; ++i) {
+        n[i] = min(n0 + i, N - 1);
+        row[i] = qweight + static_cast<int64_t>(n[i]) * ROW_BYTES;
+      }
       // pieces (block b, lane slot t) = index 4b + t: 16 bytes each, consecutive in the row
       const int p_lo = 4 * (slice * NB / kSplit), p_hi = 4 * ((slice + 1) * NB / kSplit);
-      for (int p0 = p_lo + lane; p0 < p_hi; p0 += 32 * kUnroll) {
-        uint4 v[kUnroll];
+      for (int p = p_lo + lane; p < p_hi; p += 32) {
+        uint32_t wd[NR][BW];
 #pragma unroll
-        for (int i = 0; i < kUnroll; ++i) {
-          const int p = p0 + 32 * i;
-          if (p < p_hi) {
-            LLMC_CHECK_ALIGNED16(row + 16 * p);
-            v[i] = *reinterpret_cast<const uint4*>(row + 16 * p);
-          }
+        for (int i = 0; i < NR; ++i) {  // NR 16-byte loads in flight
+          LLMC_CHECK_ALIGNED16(row[i] + 16 * p);
+          const uint4 v = *reinterpret_cast<const uint4*>(row[i] + 16 * p);
+          wd[i][0] = v.x, wd[i][1] = v.y, wd[i][2] = v.z, wd[i][3] = v.w;
         }
-#pragma unroll
-        for (int i = 0; i < kUnroll; ++i) {
-          const int p = p0 + 32 * i;
-          if (p < p_hi) {
-            const uint32_t wd[BW] = {v[i].x, v[i].y, v[i].z, v[i].w};
-            gemv_words(wd, BW, p >> 2, p & 3, n, x, T, scales, mins, acc);
-          }
-        }
+        gemv_words(wd, BW, p >> 2, p & 3, n, x, T, scales, mins, acc);
       }
       if constexpr (TAIL_WORDS > 0) {
         if (slice == kSplit - 1 && lane < 4) {
-          const uint32_t* tw = reinterpret_cast<const uint32_t*>(row + 64 * NB) + lane * TAIL_WORDS;
-          uint32_t wd[BW];
+          uint32_t wd[NR][BW];
 #pragma unroll
-          for (int w = 0; w < BW; ++w) wd[w] = w < TAIL_WORDS ? tw[w] : 0u;
+          for (int i = 0; i < NR; ++i) {
+            const uint32_t* tw = reinterpret_cast<const uint32_t*>(row[i] + 64 * NB) + lane * TAIL_WORDS;
+#pragma unroll
+            for (int w = 0; w < BW; ++w) wd[i][w] = w < TAIL_WORDS ? tw[w] : 0u;
+          }
           gemv_words(wd, TAIL_WORDS, NB, lane, n, x, T, scales, mins, acc);
         }
       }
     }
 #pragma unroll
-    for (int r = 0; r < kGemvMaxT; ++r) {
-      if (r < T) {
-        const float s = warp_sum(acc[r]);
-        if (lane == 0) part[warp][r] = s;
+    for (int i = 0; i < NR; ++i) {
+#pragma unroll
+      for (int r = 0; r < kGemvMaxT; ++r) {
+        if (r < T) {
+          const float v = warp_sum(acc[i][r]);
+          if (lane == 0) part[warp][i][r] = v;
+        }
       }
     }
     __syncthreads();
-    const int tid = threadIdx.x, i = tid / kGemvMaxT, r = tid % kGemvMaxT;
-    const int ni = blockIdx.x * kRowsPerBlock + i;
-    if (i < kRowsPerBlock && r < T && ni < N) {
-      float s = 0.0f;
+    const int tid = threadIdx.x, grp = tid / (NR * kGemvMaxT), i = (tid / kGemvMaxT) % NR, r = tid % kGemvMaxT;
+    const int ni = (blockIdx.x * kGroupsPerBlock + grp) * NR + i;
+    if (grp < kGroupsPerBlock && r < T && ni < N) {
+      float v = 0.0f;
 #pragma unroll
-      for (int sl = 0; sl < kSplit; ++sl) s += part[i * kSplit + sl][r];
-      y[static_cast<int64_t>(r) * N + ni] = BIAS ? s + bias[ni] : s;
+      for (int sl = 0; sl < kSplit; ++sl) v += part[grp * kSplit + sl][i][r];
+      y[static_cast<int64_t>(r) * N + ni] = BIAS ? v + bias[ni] : v;
     }
   }
 

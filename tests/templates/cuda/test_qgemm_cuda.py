@@ -9,7 +9,7 @@ in numpy float64, and pack_cuda's layout (compiler/quant_pack.py) against the fo
 
 Shapes: n not a multiple of the 8-row n tiles or 64-column blocks, k with a short last 64-byte row block (int4:
 96, 160; int8: 96, 160) and without (576), long rows that split the GEMV across warps (int8 k = 1056, int4
-k = 2080: 16 full blocks), short last groups (int8 g128 at k = 160, int4 g128 at k = 160 / 2080); T crosses the
+k = 2080: 16 full blocks, 2 warps; int8 k = 4128: 8 warps), short last groups (int8 g128 at k = 160, int4 g128 at k = 160 / 2080); T crosses the
 GEMV / GEMM switch (8) and the 64-row (32 asymmetric) tiles.
 """
 
@@ -37,6 +37,7 @@ SCHEMES = [
     (37, 160, 8, 16, False),
     (70, 160, 8, 128, False),  # groups 128, 32
     (19, 1056, 8, 1056, False),  # GEMV split over 2 warps, a 32-k tail block
+    (11, 4128, 8, 32, False),  # GEMV split over 8 warps (the most)
     (53, 96, 4, 32, False),  # no full 128-k block: the tail alone
     (37, 160, 4, 128, False),
     (70, 576, 4, 32, False),
@@ -47,7 +48,7 @@ SCHEMES = [
 ]
 TS = [1, 3, 8, 9, 17, 70]
 # tail blocks and clamped weight rows read exactly-sized numpy buffers: int4 asym, int8 g16, int4 without a full block
-ASAN_SCHEMES = [SCHEMES[11], SCHEMES[2], SCHEMES[5]]
+ASAN_SCHEMES = [SCHEMES[12], SCHEMES[2], SCHEMES[6]]
 
 
 def _params(n, k, bits, g, asym, bias):
@@ -103,7 +104,7 @@ def test_qgemm_cuda_matches_dequantized_matmul(cuda, op, params, T):
 
 
 @pytest.mark.parametrize("T", [3, 17])
-@pytest.mark.parametrize("op,params", [CASES[9], CASES[19]])
+@pytest.mark.parametrize("op,params", [CASES[9], CASES[21]])
 def test_qgemm_cuda_independent_of_schedule(cuda, op, params, T):
     """Scheduling seeds (thread order between barriers, block order) give bit-identical results."""
     x, _, packed, bias = qgemm_inputs(params, T, seed=5)
