@@ -21,8 +21,10 @@ from pathlib import Path
 
 import numpy as np
 
+from llmc.artifact import KV_CACHE_DTYPES, read_manifest
 from llmc.digests import file_sha256
 from llmc.errors import CompileError
+from llmc.model_config import ModelConfig
 from llmc.runtime.kv_cache import cdiv, kv_bytes_per_block
 from llmc.runtime.module import CompiledModel, load_tokenizer
 from llmc.runtime.scoring import next_token_logits
@@ -143,14 +145,13 @@ def _load_for_scoring(path: Path, num_tokens: int) -> CompiledModel:
     """A model loaded to score `num_tokens` tokens: one sequence, a cache of (at least) one window, and logits
     at every row of a step. The cache size is fixed, not a share of free memory, so that two models loaded one
     after the other get the same windows."""
-    from llmc.artifact import read_manifest
-    from llmc.model_config import ModelConfig
-
     manifest = read_manifest(path)
     c = ModelConfig.from_dict(manifest["model_config"])
     block_size = manifest["block_size"]
     tokens = min(num_tokens, c.max_context)
-    kv_bytes = cdiv(tokens, block_size) * kv_bytes_per_block(c.num_layers, c.num_kv_heads, c.head_dim, block_size, 4)
+    widest = max(KV_CACHE_DTYPES.values())  # bytes per k/v value: the budget holds the window whatever the dtype
+    kv_bytes = cdiv(tokens, block_size) * kv_bytes_per_block(c.num_layers, c.num_kv_heads, c.head_dim, block_size,
+                                                             widest)  # fmt: skip
     return CompiledModel.load(path, kv_cache_memory=kv_bytes, max_num_seqs=1, max_num_logits=512)
 
 
