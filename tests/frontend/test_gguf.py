@@ -7,6 +7,7 @@ dequantize (quantized tensors, bit for bit), transformers on the dequantized wei
 tokenizer, transformers' own GGUF tokenizer conversion and llama.cpp's tokenizer (token ids).
 """
 
+import ctypes
 import dataclasses
 import json
 import shutil
@@ -229,6 +230,21 @@ def test_quantized_tensors_equal_gguf_dequantize(arch, dtype, gguf_file):
 
 def test_kquant_tensors_equal_gguf_dequantize(kquant_file):
     _assert_exact(load_checkpoint(kquant_file()), ["Q4_K", "Q6_K"])
+
+
+@pytest.mark.parametrize("ftype", ["Q4_K_M", "Q8_0", "Q4_0"])
+def test_llama_cpp_quantized_file_imports_exactly(ftype, checkpoint_dir, tmp_path):
+    """A file quantized by llama.cpp itself (in the bench extra), with its own mix of types: Q6_K for the
+    lm_head of Q4_0 and Q4_K_M, and for attn_v and ffn_down of some layers of Q4_K_M."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    src = write_gguf(checkpoint_dir("llama", **KQUANT), tmp_path / "f32.gguf", "F32")
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype}")
+    out = tmp_path / f"{ftype}.gguf"
+    assert llama_cpp.llama_model_quantize(str(src).encode(), str(out).encode(), ctypes.byref(params)) == 0
+    ckpt = load_checkpoint(out)
+    assert ckpt.config == load_checkpoint(src).config
+    _assert_exact(ckpt, {"Q4_K_M": ["Q4_K", "Q6_K"], "Q8_0": ["Q8_0"], "Q4_0": ["Q4_0", "Q6_K"]}[ftype])
 
 
 def _dequantized_checkpoint(ckpt, source_dir, out):
