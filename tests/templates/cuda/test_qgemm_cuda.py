@@ -25,8 +25,10 @@ from kernel_harness import kernels_source, spec_id
 from kernel_reference import to_bf16
 
 from llmc.compiler.codegen import simulator
+from llmc.compiler.codegen.render import render_kernel
 from llmc.compiler.quant import QuantScheme, dequantize, quantize
 from llmc.compiler.quant_pack import pack_cuda, unpack_cuda
+from llmc.errors import CompileError
 
 HERE = Path(__file__).parent
 
@@ -178,3 +180,13 @@ def test_qgemm_cuda_asan_clean(tmp_path):
                        env=simulator.asan_env(), cwd=HERE)  # fmt: skip
     assert "AddressSanitizer" not in r.stderr, r.stderr[-4000:]
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-4000:]
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [(dict(k=100), "multiple of 32"), (dict(bits=4, group_size=16), "group_size must be one of"),
+     (dict(asymmetric=True), "int4 only")],
+)  # fmt: skip
+def test_qgemm_cuda_render_refuses_what_pack_cuda_cannot_hold(change, message):
+    with pytest.raises(CompileError, match=message):
+        render_kernel("cuda", "qgemm", name="k", **{**_params(37, 96, 8, 32, False, False), **change})
