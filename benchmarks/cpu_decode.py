@@ -4,8 +4,8 @@
     /work/venv/bin/python benchmarks/cpu_decode.py [--threads 2] [--tokens 64] [--json]
 
 The model is SmolLM-135M's shape (LlamaConfig: hidden 576, 30 layers, 9 heads / 3 KV heads, intermediate
-1536, vocab 49152, tied embeddings) with random fp32 weights, written once with save_pretrained (plus a small
-byte-level BPE tokenizer) into the cache dir. It is compiled for the CPU target with compile_checkpoint once
+1536, vocab 49152, tied embeddings) with random fp32 weights, written once by common.random_checkpoint (plus a
+small byte-level BPE tokenizer) into the cache dir. It is compiled for the CPU target with compile_checkpoint once
 per weight dtype and llmc source state (the artifact is cached under a hash of compiler/ and templates/cpu/).
 
 Rows, all measured in this one process, interleaved round by round so that machine noise hits every peer:
@@ -36,35 +36,30 @@ thread cannot leave a busy core. Numbers on a shared machine are noisy: compare 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
-import math
 import os
-import re
-import shutil
 import statistics
 import sys
 import time
 from pathlib import Path
 
-from llmc.runtime.bench import align_columns
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-REPO = Path(__file__).resolve().parent.parent
+import common  # noqa: E402
 
-SMOLLM_135M = {  # LlamaConfig kwargs
-    "hidden_size": 576,
-    "intermediate_size": 1536,
-    "num_hidden_layers": 30,
-    "num_attention_heads": 9,
-    "num_key_value_heads": 3,
-    "vocab_size": 49152,
-    "max_position_embeddings": 2048,
-    "rms_norm_eps": 1e-5,
-    "rope_theta": 10000.0,
-    "tie_word_embeddings": True,
-    "bos_token_id": 0,
-    "eos_token_id": 1,
-}
+# prefix_cache.py, kv_cache_decode.py and speculative.py import these from here
+from common import (  # noqa: E402
+    SMOLLM_135M,
+    Bandwidth,
+    LlmcStep,
+    cache_dir,
+    decode_weight_bytes,
+    llc_bytes,
+    set_threads,
+    source_hash,  # noqa: E402, F401
+)
+
+from llmc.runtime.bench import align_columns  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -91,207 +86,16 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def set_threads(n: int) -> None:
-    """Before any OpenMP runtime loads (llmc's modules, torch, the bandwidth probe): n threads."""
-    os.environ["OMP_NUM_THREADS"] = str(n)
-
-
-# -- checkpoint and artifacts -------------------------------------------------------------------------
-
-
-def cache_dir(arg: Path | None) -> Path:
-    if arg is not None:
-        return arg
-    root = os.environ.get("LLMC_CACHE_DIR")
-    return (Path(root) if root else Path.home() / ".cache" / "llmc") / "bench"
-
-
 def make_checkpoint(out: Path, log) -> Path:
-    if (out / "config.json").is_file() and (out / "tokenizer.json").is_file():
-        return out
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    sys.path.insert(0, str(REPO / "tests"))
-    from checkpoints import train_tokenizer
-
-    log(f"writing a random SmolLM-135M-shaped checkpoint to {out}")
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    train_tokenizer(tmp)  # 384-token byte-level BPE: ids < 384 <= vocab 49152
-    config = LlamaConfig(**SMOLLM_135M)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config).eval()
-    with torch.no_grad():  # as tests/checkpoints.py: wide enough that greedy logits are far from ties
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
-            else:
-                p.copy_(torch.randn_like(p) / p.shape[-1] ** 0.5 * (3.0 if "embed" in name else 1.0))
-    model.save_pretrained(tmp, safe_serialization=True)
-    del model
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
-    return out
-
-
-def source_hash() -> str:
-    """What an artifact depends on besides the checkpoint: the compiler and the CPU templates."""
-    h = hashlib.sha256()
-    for root in (REPO / "compiler", REPO / "templates" / "cpu"):
-        for f in sorted(root.rglob("*")):
-            if f.is_file() and f.suffix in (".py", ".j2", ".h"):
-                h.update(str(f.relative_to(REPO)).encode())
-                h.update(f.read_bytes())
-    return h.hexdigest()[:16]
+    """The random SmolLM-135M-shaped checkpoint (common.random_checkpoint)."""
+    return common.random_checkpoint(out, SMOLLM_135M, log)
 
 
 def compiled(ckpt: Path, cache: Path, dtype: str, log) -> Path:
-    from llmc.compiler.compile import compile_checkpoint
-
-    out = cache / f"smollm135m-{dtype}-{source_hash()}.cpu"
-    if (out / "manifest.json").is_file():
-        return out
-    for old in cache.glob(f"smollm135m-{dtype}-*.cpu"):  # stale builds of older sources: 0.5 GB each
-        shutil.rmtree(old, ignore_errors=True)
-    log(f"compiling ({dtype}) -> {out}")
-    t = time.perf_counter()
-    compile_checkpoint(ckpt, target="cpu", output=out, weight_dtype=dtype, progress=True)
-    log(f"  compiled in {time.perf_counter() - t:.1f} s")
-    return out
+    return common.compiled(ckpt, cache, "smollm135m", dtype, log)
 
 
-_W_DECL = re.compile(r"^\s*W\[(\d+)\] (\S+): (\w+)\[([\d, ]*)\]")
-_LAUNCH = re.compile(r"^\s*(\w+)\((.*?)\)\((.*)\)\s*#")
-_BYTES = {"float32": 4, "bfloat16": 2}
-
-
-def decode_weight_bytes(manifest: dict) -> tuple[int, dict[str, int]]:
-    """Weight bytes one decode token (T = 1) reads, from the artifact's kernel program; and by op."""
-    weights = {}
-    for line in manifest["kernel_program"]:
-        if m := _W_DECL.match(line):
-            shape = [int(s) for s in m.group(4).split(",") if s.strip()]
-            weights[int(m.group(1))] = (_BYTES[m.group(3)], shape)
-    by_op: dict[str, int] = {}
-    for line in manifest["kernel_program"]:
-        m = _LAUNCH.match(line)
-        if not m:
-            continue
-        op = m.group(1)
-        for i in re.findall(r"\bW\[(\d+)\]", m.group(3)):
-            size, shape = weights[int(i)]
-            n = size * (shape[-1] if op == "embedding" else math.prod(shape))  # an embedding reads one row
-            by_op[op] = by_op.get(op, 0) + n
-    return sum(by_op.values()), by_op
-
-
-# -- memory bandwidth ---------------------------------------------------------------------------------
-
-
-_READ_PROBE = r"""
-#include <cstdint>
-#include <omp.h>
-// Read n uint64 words with `threads` threads (static schedule); the xor keeps the loads alive.
-extern "C" uint64_t llmc_read_probe(const uint64_t* p, long n, int threads) {
-  uint64_t acc = 0;
-#pragma omp parallel for schedule(static) reduction(^ : acc) num_threads(threads)
-  for (long i = 0; i < n; ++i) acc ^= p[i];
-  return acc;
-}
-"""
-
-
-class Bandwidth:
-    """Memory bandwidth probes over one 1 GiB buffer, kept for the whole run."""
-
-    def __init__(self, threads: int, nbytes: int = 1 << 30):
-        import ctypes
-
-        import numpy as np
-
-        from llmc.compiler.codegen.build import build_shared_library
-
-        self.threads, self.nbytes = threads, nbytes
-        lib = ctypes.CDLL(str(build_shared_library({"read_probe.cc": _READ_PROBE})))
-        lib.llmc_read_probe.restype = ctypes.c_uint64
-        lib.llmc_read_probe.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_int]
-        self.probe = lib.llmc_read_probe
-        self.src = np.ones(nbytes // 8, dtype=np.uint64)
-        self.dst = np.empty_like(self.src)
-        np.copyto(self.dst, self.src)  # touch every page of both
-
-    def _read(self, threads: int, repeats: int) -> float:
-        best = 0.0
-        for _ in range(repeats):
-            t = time.perf_counter()
-            self.probe(self.src.ctypes.data, self.src.size, threads)
-            best = max(best, self.nbytes / (time.perf_counter() - t))
-        return best / 1e9
-
-    def measure(self, repeats: int = 5) -> dict:
-        import numpy as np
-
-        copy = 0.0
-        for _ in range(3):
-            t = time.perf_counter()
-            np.copyto(self.dst, self.src)
-            copy = max(copy, 2 * self.nbytes / (time.perf_counter() - t))
-        return {
-            "read_GBps": self._read(self.threads, repeats),
-            "read_1thread_GBps": self._read(1, 3),
-            "copy_1thread_GBps": copy / 1e9,
-        }
-
-
-def llc_bytes() -> int | None:
-    try:
-        sizes = []
-        for d in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
-            text = (d / "size").read_text().strip()
-            sizes.append(int(text[:-1]) * {"K": 1 << 10, "M": 1 << 20}[text[-1]] if text[-1] in "KM" else int(text))
-        return max(sizes) if sizes else None
-    except (OSError, ValueError):
-        return None
-
-
-# -- the peers ----------------------------------------------------------------------------------------
-
-
-class LlmcStep:
-    """CompiledModel.step at batch 1: prefill, then greedy decode through the C ABI."""
-
-    def __init__(self, path: Path, max_len: int):
-        from llmc.runtime.kv_cache import KVCacheManager
-        from llmc.runtime.module import CompiledModel
-
-        self.model = CompiledModel.load(path, kv_cache_memory=64 << 20, max_num_tokens=256, max_num_seqs=4)
-        self.kv_cache = KVCacheManager(self.model.num_blocks, self.model.block_size)  # the runtime's blocks
-        self.max_len = max_len
-
-    def generate(self, prompt: list[int], n: int) -> tuple[float, list[int]]:
-        """Prefill the prompt (untimed), then n greedy decode steps: (seconds of the n steps, the n + 1 tokens)."""
-        import numpy as np
-
-        from llmc.runtime.batch import StepBatch
-
-        assert len(prompt) + n <= self.max_len
-        if "bench" in self.kv_cache:
-            self.kv_cache.free("bench")
-        assert self.kv_cache.allocate_slots("bench", len(prompt) + n), "the cache was sized for max_len"
-        blocks, bs = self.kv_cache.block_ids("bench"), self.model.block_size
-        logits = self.model.step(StepBatch.build([prompt], [0], [blocks], bs))
-        tok = int(np.argmax(logits[0]))
-        out = [tok]
-        pos = len(prompt)
-        t = time.perf_counter()
-        for _ in range(n):
-            logits = self.model.step(StepBatch.build([[tok]], [pos], [blocks], bs))
-            tok = int(np.argmax(logits[0]))
-            out.append(tok)
-            pos += 1
-        return time.perf_counter() - t, out
+# -- the other peers ----------------------------------------------------------------------------------
 
 
 class LlmcEngine:

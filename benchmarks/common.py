@@ -1,0 +1,342 @@
+"""Pieces the CPU benchmarks share: model shapes, random checkpoints, cached builds, the weight bytes a decode
+step reads, memory bandwidth, the machine's description, and llmc's batch-1 step loop.
+
+Checkpoints and artifacts live under the benchmark cache dir ($LLMC_CACHE_DIR/bench, or ~/.cache/llmc/bench).
+A checkpoint is written once per shape; an artifact once per (shape, weight dtype, compile options, llmc
+source state), keyed by a hash of compiler/ and templates/cpu/, and older builds of the same key are removed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import re
+import shutil
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+SMOLLM_135M = {  # LlamaConfig kwargs
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "vocab_size": 49152,
+    "max_position_embeddings": 2048,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": True,
+    "bos_token_id": 0,
+    "eos_token_id": 1,
+}
+
+# Llama-3.2-1B's shape. Plain RoPE: the real model's llama3 rope scaling changes no byte a step reads, and
+# only positions past its original 8192-token context.
+LLAMA_32_1B = {
+    "hidden_size": 2048,
+    "intermediate_size": 8192,
+    "num_hidden_layers": 16,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "vocab_size": 128256,
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "tie_word_embeddings": True,
+    "bos_token_id": 0,
+    "eos_token_id": 1,
+}
+
+# The tokenizer every benchmark checkpoint ships (tests/checkpoints.train_tokenizer): prompts use ids below it.
+TOKENIZER_VOCAB = 384
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def set_threads(n: int) -> None:
+    """Before any OpenMP runtime loads (llmc's modules, torch, the bandwidth probe): n threads."""
+    os.environ["OMP_NUM_THREADS"] = str(n)
+
+
+def cache_dir(arg: Path | None) -> Path:
+    if arg is not None:
+        return arg
+    root = os.environ.get("LLMC_CACHE_DIR")
+    return (Path(root) if root else Path.home() / ".cache" / "llmc") / "bench"
+
+
+# -- checkpoints and artifacts ------------------------------------------------------------------------
+
+
+def random_checkpoint(
+    out: Path, config: dict, log=log, gain: float = 2.0, embed_std: float = 0.02, seed: int = 0
+) -> Path:
+    """A LlamaForCausalLM checkpoint of the config's shape with random fp32 weights, written tensor by tensor
+    (a shard of at most 1 GiB in memory at a time), plus the small byte-level BPE tokenizer.
+
+    Norms are 1 and the embedding N(0, embed_std), as transformers initialises them; the other matrices are
+    N(0, (gain / sqrt(fan_in))^2). transformers' std 0.02 for those collapses greedy decode onto one repeated
+    token (on the SmolLM-135M shape: 1 distinct token in 64), a step no real model takes; gain 2 gives 64 distinct
+    tokens in 64. Every matrix is written fp32. out appears once complete."""
+    if (out / "config.json").is_file() and (out / "tokenizer.json").is_file():
+        return out
+    import numpy as np
+    from safetensors.numpy import save_file
+    from transformers import LlamaConfig
+
+    sys.path.insert(0, str(REPO / "tests"))
+    from checkpoints import train_tokenizer
+
+    from llmc.compiler.frontend.config import parse_config
+
+    log(f"writing a random checkpoint ({config['hidden_size']} hidden, {config['num_hidden_layers']} layers) to {out}")
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    train_tokenizer(tmp)
+    hf_config = LlamaConfig(**config)
+    hf_config.architectures = ["LlamaForCausalLM"]
+    hf_config.save_pretrained(tmp)
+    shapes = parse_config(hf_config.to_dict()).weight_shapes()
+    rng = np.random.default_rng(seed)
+    weight_map, shard, size, n = {}, {}, 0, 0
+
+    def flush():
+        nonlocal shard, size, n
+        n += 1
+        fname = f"model-{n:05d}.safetensors"
+        save_file(shard, str(tmp / fname))
+        weight_map.update(dict.fromkeys(shard, fname))
+        shard, size = {}, 0
+
+    for name, shape in shapes.items():
+        nbytes = 4 * math.prod(shape)
+        if shard and size + nbytes > 1 << 30:
+            flush()
+        if len(shape) == 1:
+            shard[name] = np.ones(shape, np.float32)
+        else:
+            std = embed_std if name == "model.embed_tokens.weight" else gain / math.sqrt(shape[-1])
+            shard[name] = rng.standard_normal(shape, dtype=np.float32) * np.float32(std)
+        size += nbytes
+    flush()
+    (tmp / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return out
+
+
+def source_hash() -> str:
+    """What an artifact depends on besides the checkpoint: the compiler and the CPU templates."""
+    h = hashlib.sha256()
+    for root in (REPO / "compiler", REPO / "templates" / "cpu"):
+        for f in sorted(root.rglob("*")):
+            if f.is_file() and f.suffix in (".py", ".j2", ".h"):
+                h.update(str(f.relative_to(REPO)).encode())
+                h.update(f.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def compiled(ckpt: Path, cache: Path, tag: str, dtype: str, log=log, **options) -> Path:
+    """The CPU artifact of ckpt at weight dtype (plus any other compile_checkpoint options), built once per
+    llmc source state under cache/<tag>-<dtype>[+<options digest>]-<source hash>.cpu."""
+    from llmc.compiler.compile import compile_checkpoint
+
+    key = f"{tag}-{dtype}"
+    if options:
+        key += "+" + hashlib.sha256(repr(sorted(options.items())).encode()).hexdigest()[:8]
+    out = cache / f"{key}-{source_hash()}.cpu"
+    if (out / "manifest.json").is_file():
+        return out
+    for old in cache.glob(f"{key}-*.cpu"):  # stale builds of older sources: up to GBs each
+        shutil.rmtree(old, ignore_errors=True)
+    log(f"compiling ({dtype}{', ' + repr(options) if options else ''}) -> {out}")
+    t = time.perf_counter()
+    compile_checkpoint(ckpt, target="cpu", output=out, weight_dtype=dtype, progress=True, **options)
+    log(f"  compiled in {time.perf_counter() - t:.1f} s")
+    return out
+
+
+_W_DECL = re.compile(r"^\s*W\[(\d+)\] (\S+): (\w+)\[([\d, ]*)\]")
+_LAUNCH = re.compile(r"^\s*(\w+)\((.*?)\)\((.*)\)\s*#")
+_BYTES = {"float32": 4, "bfloat16": 2}
+
+
+def decode_weight_bytes(manifest: dict) -> tuple[int, dict[str, int]]:
+    """Weight bytes one decode token (T = 1) reads, from the artifact's kernel program; and by op."""
+    weights = {}
+    for line in manifest["kernel_program"]:
+        if m := _W_DECL.match(line):
+            shape = [int(s) for s in m.group(4).split(",") if s.strip()]
+            weights[int(m.group(1))] = (_BYTES[m.group(3)], shape)
+    by_op: dict[str, int] = {}
+    for line in manifest["kernel_program"]:
+        m = _LAUNCH.match(line)
+        if not m:
+            continue
+        op = m.group(1)
+        for i in re.findall(r"\bW\[(\d+)\]", m.group(3)):
+            size, shape = weights[int(i)]
+            n = size * (shape[-1] if op == "embedding" else math.prod(shape))  # an embedding reads one row
+            by_op[op] = by_op.get(op, 0) + n
+    return sum(by_op.values()), by_op
+
+
+# -- the machine --------------------------------------------------------------------------------------
+
+
+_READ_PROBE = r"""
+#include <cstdint>
+#include <omp.h>
+// Read n uint64 words with `threads` threads (static schedule); the xor keeps the loads alive.
+extern "C" uint64_t llmc_read_probe(const uint64_t* p, long n, int threads) {
+  uint64_t acc = 0;
+#pragma omp parallel for schedule(static) reduction(^ : acc) num_threads(threads)
+  for (long i = 0; i < n; ++i) acc ^= p[i];
+  return acc;
+}
+"""
+
+
+class Bandwidth:
+    """Memory bandwidth probes over one 1 GiB buffer, kept for the whole run."""
+
+    def __init__(self, threads: int, nbytes: int = 1 << 30):
+        import ctypes
+
+        import numpy as np
+
+        from llmc.compiler.codegen.build import build_shared_library
+
+        self.threads, self.nbytes = threads, nbytes
+        lib = ctypes.CDLL(str(build_shared_library({"read_probe.cc": _READ_PROBE})))
+        lib.llmc_read_probe.restype = ctypes.c_uint64
+        lib.llmc_read_probe.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_int]
+        self.probe = lib.llmc_read_probe
+        self.src = np.ones(nbytes // 8, dtype=np.uint64)
+        self.dst = np.empty_like(self.src)
+        np.copyto(self.dst, self.src)  # touch every page of both
+
+    def read(self, threads: int, repeats: int) -> float:
+        """GB/s: the best of `repeats` reads of the whole buffer with `threads` threads."""
+        best = 0.0
+        for _ in range(repeats):
+            t = time.perf_counter()
+            self.probe(self.src.ctypes.data, self.src.size, threads)
+            best = max(best, self.nbytes / (time.perf_counter() - t))
+        return best / 1e9
+
+    def measure(self, repeats: int = 5) -> dict:
+        import numpy as np
+
+        copy = 0.0
+        for _ in range(3):
+            t = time.perf_counter()
+            np.copyto(self.dst, self.src)
+            copy = max(copy, 2 * self.nbytes / (time.perf_counter() - t))
+        return {
+            "read_GBps": self.read(self.threads, repeats),
+            "read_1thread_GBps": self.read(1, 3),
+            "copy_1thread_GBps": copy / 1e9,
+        }
+
+
+def _cache_sizes() -> list[dict]:
+    out = []
+    for d in sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*")):
+        try:
+            text = (d / "size").read_text().strip()
+            size = int(text[:-1]) * {"K": 1 << 10, "M": 1 << 20}[text[-1]] if text[-1] in "KM" else int(text)
+            out.append(
+                {"level": int((d / "level").read_text()), "type": (d / "type").read_text().strip(), "bytes": size}
+            )
+        except (OSError, ValueError, KeyError):
+            continue
+    return out
+
+
+def llc_bytes() -> int | None:
+    sizes = [c["bytes"] for c in _cache_sizes()]
+    return max(sizes) if sizes else None
+
+
+def machine() -> dict:
+    """CPU model, logical cores, caches of cpu0 and the vector ISA extensions the kernels may use."""
+    model, flags = None, set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and model is None:
+                model = value.strip()
+            elif key.strip() == "flags" and not flags:
+                flags = set(value.split())
+    except OSError:
+        pass
+    isa = [f for f in ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx512_bf16", "avx_vnni") if f in flags]
+    return {"cpu": model, "cores": os.cpu_count(), "caches": _cache_sizes(), "isa": isa}
+
+
+def describe_machine(m: dict) -> str:
+    caches = ", ".join(
+        f"L{c['level']}{'d' if c['type'] == 'Data' else 'i' if c['type'] == 'Instruction' else ''} "
+        f"{c['bytes'] >> 10} KiB"
+        if c["bytes"] < 1 << 20
+        else f"L{c['level']} {c['bytes'] >> 20} MiB"
+        for c in m["caches"]
+    )
+    return f"{m['cpu']}, {m['cores']} logical cores; {caches}; {' '.join(m['isa']) or 'no AVX2'}"
+
+
+# -- llmc's batch-1 step ------------------------------------------------------------------------------
+
+
+class LlmcStep:
+    """CompiledModel.step at batch 1: prefill, then greedy decode through the C ABI."""
+
+    def __init__(self, path: Path, max_len: int):
+        from llmc.runtime.kv_cache import KVCacheManager
+        from llmc.runtime.module import CompiledModel
+
+        self.model = CompiledModel.load(
+            path, kv_cache_memory=256 << 20, max_num_tokens=max(256, max_len), max_num_seqs=4
+        )
+        self.kv_cache = KVCacheManager(self.model.num_blocks, self.model.block_size)  # the runtime's blocks
+        self.max_len = max_len
+
+    def run(self, prompt: list[int], n: int) -> tuple[float, float, list[int]]:
+        """Prefill the prompt, then n greedy decode steps: (seconds of the prefill, seconds of the n steps,
+        the n + 1 tokens)."""
+        import numpy as np
+
+        from llmc.runtime.batch import StepBatch
+
+        assert len(prompt) + n <= self.max_len
+        if "bench" in self.kv_cache:
+            self.kv_cache.free("bench")
+        assert self.kv_cache.allocate_slots("bench", len(prompt) + n), "the cache was sized for max_len"
+        blocks, bs = self.kv_cache.block_ids("bench"), self.model.block_size
+        t = time.perf_counter()
+        logits = self.model.step(StepBatch.build([prompt], [0], [blocks], bs))
+        tok = int(np.argmax(logits[0]))
+        prefill = time.perf_counter() - t
+        out = [tok]
+        pos = len(prompt)
+        t = time.perf_counter()
+        for _ in range(n):
+            logits = self.model.step(StepBatch.build([[tok]], [pos], [blocks], bs))
+            tok = int(np.argmax(logits[0]))
+            out.append(tok)
+            pos += 1
+        return prefill, time.perf_counter() - t, out
+
+    def generate(self, prompt: list[int], n: int) -> tuple[float, list[int]]:
+        """Prefill the prompt (untimed), then n greedy decode steps: (seconds of the n steps, the n + 1 tokens)."""
+        _, sec, out = self.run(prompt, n)
+        return sec, out

@@ -1,0 +1,381 @@
+#!/usr/bin/env python
+"""llmc against llama.cpp on the CPU, in the same run, on the same checkpoint: prefill and batch-1 greedy decode.
+
+    python benchmarks/vs_llamacpp.py [--shapes smollm-135m,llama-3.2-1b] [--threads N] [--json]
+
+Needs the `bench` extra (llama-cpp-python, built for the host: CMAKE_ARGS="-DGGML_NATIVE=ON", and gguf).
+
+Models (random weights, written once into the cache dir as an fp32 safetensors checkpoint, benchmarks/common.py):
+  smollm-135m    SmolLM-135M's shape: hidden 576, 30 layers, 9 heads / 3 KV heads, intermediate 1536,
+                 vocab 49152, tied embeddings.
+  llama-3.2-1b   Llama-3.2-1B's shape: hidden 2048, 16 layers, 32 heads / 8 KV heads, intermediate 8192,
+                 vocab 128256, tied embeddings, rope_theta 500000, plain RoPE (the real model's llama3 rope
+                 scaling reads no weight byte and only changes positions past 8192). 1.2 G parameters: its
+                 weights (2.5 GB in bf16) are far above any last-level cache, so decode is DRAM-bound.
+
+Rows: each pairs one llmc build with the llama.cpp GGUF file of the same weights, written from the checkpoint by
+llmc.compiler.frontend.gguf_write (as llama.cpp's convert_hf_to_gguf.py writes them; Q8_0 / Q4_0 through
+gguf.quants, every matrix including the embedding, norms F32):
+  fp32   llmc weight_dtype float32    llama.cpp F32
+  bf16   llmc weight_dtype bfloat16   llama.cpp BF16
+  int8   llmc: no build yet ("—")     llama.cpp Q8_0
+  int4   llmc: no build yet ("—")     llama.cpp Q4_0
+For each row, both peers get the same prompt token ids (--prompt-len random ids of the checkpoint's tokenizer),
+the same --tokens greedy decode tokens and the same --threads:
+  llmc       CompiledModel.step (benchmarks/common.LlmcStep): one prefill step of the whole prompt, timed; then
+             --tokens decode steps with argmax in numpy, timed together.
+  llama.cpp  llama_cpp.Llama (n_threads = n_threads_batch = --threads, the prompt in one batch, logits of the
+             last token only, the library's default KV cache and attention): reset() + eval(prompt), timed; then
+             --tokens times sample(temp=0) (llama.cpp's greedy sampler) + eval([token]), timed together, which is
+             what Llama.generate does per token.
+Prefill tok/s = prompt tokens / prefill seconds; decode tok/s = --tokens / decode seconds. Each row loads its two
+peers, warms both up, then runs --rounds rounds of (llmc, llama.cpp), interleaved so that machine noise hits both;
+figures are medians over rounds. Rows run one after another and unload their peers (the 1B fp32 pair alone maps
+10 GB).
+
+Roofline: batch-1 decode reads every weight once per token, so decode tok/s <= read bandwidth / weight bytes per
+token. llmc's bytes come from its artifact's kernel program (common.decode_weight_bytes); llama.cpp's from its own
+file: every tensor in full, except the token embedding, of which a step reads one row, plus the whole table again
+when it doubles as the tied output matrix. Read bandwidth: a C++ OpenMP loop reading a 1 GiB buffer with --threads
+threads (common.Bandwidth), best of 3, once per round of every row; the median over all is used for every row.
+
+Same process, same threads, no pinning: on a machine shared with other work, figures are noisy; compare the two
+peers of one row. `tokens agree` is how many of the generated tokens equal the other peer's, up to the first
+difference (random weights make near-ties, so bf16 and quantized rows may part early).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import hashlib
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import common  # noqa: E402
+from common import LLAMA_32_1B, REPO, SMOLLM_135M, TOKENIZER_VOCAB, LlmcStep, log  # noqa: E402
+
+from llmc.runtime.bench import align_columns  # noqa: E402
+
+SHAPES = {  # --shapes name -> (LlamaConfig kwargs, description)
+    "smollm-135m": (SMOLLM_135M, "SmolLM-135M shape (576 hidden, 30 layers, 9/3 heads, 1536, vocab 49152, tied)"),
+    "llama-3.2-1b": (
+        LLAMA_32_1B,
+        "Llama-3.2-1B shape (2048 hidden, 16 layers, 32/8 heads, 8192, vocab 128256, tied, rope 5e5, no rope scaling)",
+    ),
+}
+
+# row -> (llmc compile options for common.compiled, None while llmc has no such build; llama.cpp GGUF type).
+# An int8 / int4 llmc row is its options here, e.g. {"dtype": "float32", "quant": ...}, once compile takes them.
+ROWS = {
+    "fp32": ({"dtype": "float32"}, "F32"),
+    "bf16": ({"dtype": "bfloat16"}, "BF16"),
+    "int8": (None, "Q8_0"),
+    "int4": (None, "Q4_0"),
+}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {', '.join(SHAPES)}")
+    p.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated, of {', '.join(ROWS)}")
+    p.add_argument("--threads", type=int, default=os.cpu_count(), help="threads of both peers")
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--tokens", type=int, default=128, help="greedy decode tokens per round")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds per row (medians)")
+    p.add_argument(
+        "--cache-dir",
+        type=Path,
+        default=None,
+        help="checkpoints, GGUF files and artifacts (default: $LLMC_CACHE_DIR/bench or ~/.cache/llmc/bench)",
+    )
+    p.add_argument("--json", action="store_true", help="print the result as JSON instead of a table")
+    args = p.parse_args(argv)
+    for opt, known in (("shapes", SHAPES), ("rows", ROWS)):
+        names = [s for s in getattr(args, opt).split(",") if s]
+        if not names or any(n not in known for n in names):
+            p.error(f"--{opt} takes a comma-separated list of {', '.join(known)}")
+        setattr(args, opt, names)
+    return args
+
+
+# -- llama.cpp --------------------------------------------------------------------------------------------------
+
+
+def _writer_hash() -> str:
+    """What a GGUF file depends on besides the checkpoint: the writer and its names."""
+    h = hashlib.sha256()
+    for f in ("gguf_write.py", "gguf_names.py"):
+        h.update((REPO / "compiler" / "frontend" / f).read_bytes())
+    return h.hexdigest()[:12]
+
+
+def gguf_file(ckpt: Path, cache: Path, tag: str, gguf_type: str, log=log) -> Path:
+    """The checkpoint as a GGUF file of gguf_type, written once per writer source state."""
+    from llmc.compiler.frontend.gguf_write import write_gguf
+
+    out = cache / f"{tag}-{gguf_type}-{_writer_hash()}.gguf"
+    if out.is_file():
+        return out
+    for old in cache.glob(f"{tag}-{gguf_type}-*.gguf"):
+        old.unlink()
+    log(f"writing {out.name}")
+    t = time.perf_counter()
+    write_gguf(ckpt, out, gguf_type)
+    log(f"  written in {time.perf_counter() - t:.1f} s")
+    return out
+
+
+def gguf_decode_bytes(path: Path) -> int:
+    """Weight bytes one llama.cpp decode step reads from this file: every tensor once, but one row of the token
+    embedding, and the whole embedding again when it is the (tied) output matrix."""
+    import gguf
+
+    tensors = {t.name: t for t in gguf.GGUFReader(path).tensors}
+    embd = tensors["token_embd.weight"]
+    total = sum(int(t.n_bytes) for n, t in tensors.items() if n != "token_embd.weight")
+    total += int(embd.n_bytes) // int(embd.shape[-1])  # GGUF lists dims innermost first: shape[-1] is the rows
+    if "output.weight" not in tensors:
+        total += int(embd.n_bytes)
+    return total
+
+
+class LlamaCpp:
+    """llama_cpp.Llama at batch 1 on token ids: one eval of the prompt, then greedy sample + eval per token."""
+
+    def __init__(self, path: Path, threads: int, max_len: int, prompt_len: int):
+        from llama_cpp import Llama
+
+        batch = max(512, prompt_len)
+        self.llm = Llama(
+            model_path=str(path),
+            n_ctx=max_len,
+            n_batch=batch,
+            n_ubatch=batch,
+            n_threads=threads,
+            n_threads_batch=threads,
+            logits_all=False,
+            verbose=False,
+        )
+
+    def run(self, prompt: list[int], n: int) -> tuple[float, float, list[int]]:
+        """(seconds of the prefill, seconds of the n decode steps, the n + 1 tokens), as LlmcStep.run."""
+        llm = self.llm
+        llm.reset()
+        t = time.perf_counter()
+        llm.eval(prompt)
+        tok = llm.sample(temp=0.0)
+        prefill = time.perf_counter() - t
+        out = [tok]
+        t = time.perf_counter()
+        for _ in range(n):
+            llm.eval([tok])
+            tok = llm.sample(temp=0.0)
+            out.append(tok)
+        return prefill, time.perf_counter() - t, out
+
+    def close(self) -> None:
+        self.llm.close()
+
+
+# -- measuring --------------------------------------------------------------------------------------------------
+
+
+def _agree(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def measure_row(
+    llmc_path: Path | None,
+    gguf_path: Path,
+    prompt: list[int],
+    tokens: int,
+    rounds: int,
+    threads: int,
+    probe=None,
+    log=log,
+) -> dict:
+    """One row: load its peers (llmc only when llmc_path), warm both up, then `rounds` interleaved rounds
+    (llmc, llama.cpp, and a bandwidth read when probe is given). Returns the per-round seconds, the last round's
+    tokens of each peer, the weight bytes per decode token, and the bandwidth reads."""
+    max_len = len(prompt) + tokens + 1
+    peers = {}
+    if llmc_path is not None:
+        peers["llmc"] = LlmcStep(llmc_path, max_len)
+    peers["llama.cpp"] = LlamaCpp(gguf_path, threads, max_len, len(prompt))
+    weight_bytes = {"llama.cpp": gguf_decode_bytes(gguf_path)}
+    if "llmc" in peers:
+        weight_bytes["llmc"] = common.decode_weight_bytes(peers["llmc"].model.artifact.manifest)[0]
+    for peer in peers.values():
+        peer.run(prompt, min(4, tokens))
+    prefill = {name: [] for name in peers}
+    decode = {name: [] for name in peers}
+    out, bandwidth = {}, []
+    for r in range(rounds):
+        for name, peer in peers.items():
+            p, d, out[name] = peer.run(prompt, tokens)
+            prefill[name].append(p)
+            decode[name].append(d)
+            log(f"  round {r + 1}/{rounds} {name}: prefill {len(prompt) / p:.1f} tok/s, decode {tokens / d:.1f} tok/s")
+        if probe is not None:
+            bandwidth.append(probe.read(threads, 3))
+    if "llama.cpp" in peers:
+        peers["llama.cpp"].close()
+    del peers
+    gc.collect()
+    return {
+        "prefill_s": prefill,
+        "decode_s": decode,
+        "tokens": out,
+        "weight_bytes_per_token": weight_bytes,
+        "read_GBps": bandwidth,
+    }
+
+
+def summarize(row: str, m: dict, prompt_len: int, tokens: int, read_GBps: float) -> dict:
+    """Medians, ratios and roofline fractions of one measured row."""
+    out = {"row": row}
+    for peer in ("llmc", "llama.cpp"):
+        if peer not in m["decode_s"]:
+            out[peer] = None
+            continue
+        decode = tokens / statistics.median(m["decode_s"][peer])
+        wb = m["weight_bytes_per_token"][peer]
+        roof = read_GBps * 1e9 / wb
+        toks = m["tokens"][peer]
+        out[peer] = {
+            "decode_tokens_per_s": decode,
+            "prefill_tokens_per_s": prompt_len / statistics.median(m["prefill_s"][peer]),
+            "decode_tokens_per_s_rounds": [tokens / s for s in m["decode_s"][peer]],
+            "prefill_tokens_per_s_rounds": [prompt_len / s for s in m["prefill_s"][peer]],
+            "weight_MB_per_token": wb / 1e6,
+            "roofline_tokens_per_s": roof,
+            "of_roofline": decode / roof,
+            "distinct_tokens": len(set(toks)),
+        }
+    both = out["llmc"] is not None and out["llama.cpp"] is not None
+    for k in ("decode", "prefill"):
+        key = f"{k}_tokens_per_s"
+        out[f"{k}_ratio"] = out["llmc"][key] / out["llama.cpp"][key] if both else None
+    out["tokens_agree"] = _agree(m["tokens"]["llmc"], m["tokens"]["llama.cpp"]) if both else None
+    out["tokens"] = tokens + 1
+    return out
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    common.set_threads(args.threads)
+    import numpy as np
+
+    cache = common.cache_dir(args.cache_dir)
+    cache.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(2, TOKENIZER_VOCAB, size=args.prompt_len).tolist()
+    machine = common.machine()
+    log(f"{common.describe_machine(machine)}; {args.threads} threads")
+    probe = common.Bandwidth(args.threads)
+    bandwidth = [probe.read(args.threads, 5)]
+    shapes = []
+    for shape in args.shapes:
+        config, description = SHAPES[shape]
+        ckpt = common.random_checkpoint(cache / f"{shape}-random", config, log)
+        measured = {}
+        for row in args.rows:
+            options, gguf_type = ROWS[row]
+            gguf_path = gguf_file(ckpt, cache, shape, gguf_type, log)
+            llmc_path = None
+            if options is not None:
+                options = dict(options)
+                llmc_path = common.compiled(ckpt, cache, shape, options.pop("dtype"), log, **options)
+            log(f"{shape} {row}: llmc {'-' if llmc_path is None else llmc_path.name} vs llama.cpp {gguf_path.name}")
+            measured[row] = measure_row(
+                llmc_path, gguf_path, prompt, args.tokens, args.rounds, args.threads, probe=probe, log=log
+            )
+            bandwidth += measured[row]["read_GBps"]
+        shapes.append((shape, description, measured))
+    read = statistics.median(bandwidth)
+    result = {
+        "machine": {**machine, "read_GBps": read, "read_GBps_samples": bandwidth, "threads": args.threads},
+        "prompt_len": args.prompt_len,
+        "decode_tokens": args.tokens,
+        "rounds": args.rounds,
+        "shapes": [
+            {
+                "shape": shape,
+                "model": description,
+                "rows": [summarize(row, m, args.prompt_len, args.tokens, read) for row, m in measured.items()],
+            }
+            for shape, description, measured in shapes
+        ],
+    }
+    for s in result["shapes"]:
+        for r in s["rows"]:
+            for peer in ("llmc", "llama.cpp"):
+                if r[peer] and r[peer]["distinct_tokens"] < r["tokens"] // 4:
+                    log(f"warning: {s['shape']} {r['row']} {peer} generated only {r[peer]['distinct_tokens']} "
+                        "distinct tokens: a degenerate model measures a degenerate step")  # fmt: skip
+    print(json.dumps(result, indent=2) if args.json else format_table(result))
+    return result
+
+
+def format_table(result: dict) -> str:
+    m = result["machine"]
+    lines = [
+        f"machine: {common.describe_machine(m)}",
+        f"memory read bandwidth: {m['read_GBps']:.1f} GB/s with {m['threads']} threads (1 GiB buffer; median of "
+        f"{len(m['read_GBps_samples'])} reads, {min(m['read_GBps_samples']):.1f}-{max(m['read_GBps_samples']):.1f})",
+        f"batch 1, prompt {result['prompt_len']} tokens, {result['decode_tokens']} greedy decode tokens, "
+        f"{m['threads']} threads for both peers, median of {result['rounds']} interleaved rounds",
+    ]
+
+    def num(v, fmt):
+        return "—" if v is None else fmt.format(v)
+
+    def peer(r, name, key, fmt):
+        return num(r[name][key] if r[name] else None, fmt)
+
+    head = ["shape", "row", "decode llmc", "llama.cpp", "llmc/l.cpp", "prefill llmc", "llama.cpp", "llmc/l.cpp",
+            "MB/tok llmc", "llama.cpp", "roofline llmc", "llama.cpp", "tokens agree"]  # fmt: skip
+    cells = [head]
+    for s in result["shapes"]:
+        for r in s["rows"]:
+            cells.append(
+                [
+                    s["shape"],
+                    r["row"],
+                    peer(r, "llmc", "decode_tokens_per_s", "{:.1f}"),
+                    peer(r, "llama.cpp", "decode_tokens_per_s", "{:.1f}"),
+                    num(r["decode_ratio"], "{:.2f}x"),
+                    peer(r, "llmc", "prefill_tokens_per_s", "{:.0f}"),
+                    peer(r, "llama.cpp", "prefill_tokens_per_s", "{:.0f}"),
+                    num(r["prefill_ratio"], "{:.2f}x"),
+                    peer(r, "llmc", "weight_MB_per_token", "{:.0f}"),
+                    peer(r, "llama.cpp", "weight_MB_per_token", "{:.0f}"),
+                    peer(r, "llmc", "of_roofline", "{:.0%}"),
+                    peer(r, "llama.cpp", "of_roofline", "{:.0%}"),
+                    "—" if r["tokens_agree"] is None else f"{r['tokens_agree']}/{r['tokens']}",
+                ]
+            )
+    lines += align_columns(cells, left=2)
+    lines += [f"{s['shape']}: {s['model']}, random weights" for s in result["shapes"]]
+    lines.append(
+        "decode / prefill in tokens/s; roofline = decode tok/s / (read bandwidth / that peer's weight bytes per "
+        "decode token); rows: fp32 = llmc float32 vs llama.cpp F32, bf16 = bfloat16 vs BF16, int8 = Q8_0, "
+        "int4 = Q4_0 (— : no llmc build yet); tokens agree = greedy tokens equal up to the first difference"
+    )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
