@@ -166,16 +166,18 @@ def compiled(ckpt: Path, cache: Path, tag: str, dtype: str, log=log, **options) 
 
 _W_DECL = re.compile(r"^\s*W\[(\d+)\] (\S+): (\w+)\[([\d, ]*)\]")
 _LAUNCH = re.compile(r"^\s*(\w+)\((.*?)\)\((.*)\)\s*#")
-_BYTES = {"float32": 4, "bfloat16": 2}
 
 
 def decode_weight_bytes(manifest: dict) -> tuple[int, dict[str, int]]:
     """Weight bytes one decode token (T = 1) reads, from the artifact's kernel program; and by op."""
+    import numpy as np
+
     weights = {}
     for line in manifest["kernel_program"]:
         if m := _W_DECL.match(line):
             shape = [int(s) for s in m.group(4).split(",") if s.strip()]
-            weights[int(m.group(1))] = (_BYTES[m.group(3)], shape)
+            dtype = m.group(3)  # as stored: float32, bfloat16, and the int8 / uint8 of quantized weights
+            weights[int(m.group(1))] = (2 if dtype == "bfloat16" else np.dtype(dtype).itemsize, shape)
     by_op: dict[str, int] = {}
     for line in manifest["kernel_program"]:
         m = _LAUNCH.match(line)
