@@ -48,6 +48,8 @@ def cases(only: set[str]) -> list[tuple]:
     for wd in ("f32", "bf16"):
         if "gemv" in only:
             out += [(f"{lab} T=1", n, k, 1, wd, True) for lab, n, k in [*SMOL, ("lm_head", 49152, 576), BIG]]
+        if "hot" in only:  # the kernel's own speed, weights in cache: the most it could stream
+            out += [(f"{lab} T=1 hot", n, k, 1, wd, False) for lab, n, k in SMOL]
         if "batch" in only:
             out += [(f"gate_up T={t}", 3072, 576, t, wd, True) for t in (4, 8, 16, 32, 64)]
         if "gemm" in only:
@@ -262,7 +264,7 @@ def main(argv=None) -> None:
     p.add_argument("--threads", type=int, default=os.cpu_count())
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--baseline", help="git revision whose templates/cpu/include is timed too, interleaved")
-    p.add_argument("--only", default="gemv,batch,gemm", help="comma-separated of gemv, batch, gemm")
+    p.add_argument("--only", default="gemv,batch,gemm", help="comma-separated of gemv, hot, batch, gemm")
     p.add_argument(
         "--cpu-time", action="store_true", help="time by the thread's CPU time (needs --threads 1; see bench_clock)"
     )

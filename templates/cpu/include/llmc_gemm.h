@@ -53,14 +53,13 @@ struct GemmOrder<float> {
   using XT = float;
   static constexpr int KS = Vec::W;
   static constexpr bool kPrepare = false;
+  static constexpr int kPhases = 1;
   struct X {
     Vec v;
   };
-  struct W {
-    Vec v;
-  };
-  static LLMC_INLINE X load_x(const float* p) { return {Vec::load(p)}; }
-  static LLMC_INLINE W load_w(const float* p) { return {Vec::load(p)}; }
+  using W = X;
+  static LLMC_INLINE X load_x(const float* p, int) { return {Vec::load(p)}; }
+  static LLMC_INLINE W load_w(const float* p, int) { return {Vec::load(p)}; }
   static LLMC_INLINE void step(Vec& acc, const X& x, const W& w) { acc.fma(x.v, w.v); }
   template <class V>
   static LLMC_INLINE void pin(V& a) { a.v.pin(); }
@@ -73,12 +72,13 @@ struct GemmOrder<uint16_t> {
   using XT = uint16_t;
   static constexpr int KS = 2 * Vec::W;
   static constexpr bool kPrepare = true;
+  static constexpr int kPhases = 1;
   struct X {
     __m512i v;
   };
   using W = X;
-  static LLMC_INLINE X load_x(const uint16_t* p) { return {_mm512_loadu_si512(p)}; }
-  static LLMC_INLINE W load_w(const uint16_t* p) { return {_mm512_loadu_si512(p)}; }
+  static LLMC_INLINE X load_x(const uint16_t* p, int) { return {_mm512_loadu_si512(p)}; }
+  static LLMC_INLINE W load_w(const uint16_t* p, int) { return {_mm512_loadu_si512(p)}; }
   static LLMC_INLINE void step(Vec& acc, const X& x, const W& w) {
     acc.v = _mm512_dpbf16_ps(acc.v, (__m512bh)x.v, (__m512bh)w.v);
   }
@@ -98,24 +98,21 @@ struct GemmOrder<uint16_t> {
   using XT = float;
   static constexpr int KS = 2 * Vec::W;
   static constexpr bool kPrepare = true;
+  // Phase 0: the even k of the step, phase 1: the odd ones. A tile runs all its FMAs of one phase before the
+  // next, so it holds C widened vectors at a time, not 2C (no spills at R x C = 4 x 3 on 16 registers).
+  static constexpr int kPhases = 2;
   struct X {
-    Vec even, odd;
+    Vec v;
   };
   using W = X;
-  static LLMC_INLINE X load_x(const float* p) { return {Vec::load(p), Vec::load(p + Vec::W)}; }
-  static LLMC_INLINE W load_w(const uint16_t* p) {
-    W w;
-    Vec::load_pairs(p, w.even, w.odd);
-    return w;
+  static LLMC_INLINE X load_x(const float* p, int phase) { return {Vec::load(p + phase * Vec::W)}; }
+  static LLMC_INLINE W load_w(const uint16_t* p, int phase) {
+    Vec even, odd;
+    Vec::load_pairs(p, even, odd);
+    return {phase == 0 ? even : odd};
   }
-  static LLMC_INLINE void step(Vec& acc, const X& x, const W& w) {
-    acc.fma(x.even, w.even);
-    acc.fma(x.odd, w.odd);
-  }
-  static LLMC_INLINE void pin(X& a) {
-    a.even.pin();
-    a.odd.pin();
-  }
+  static LLMC_INLINE void step(Vec& acc, const X& x, const W& w) { acc.fma(x.v, w.v); }
+  static LLMC_INLINE void pin(X& a) { a.v.pin(); }
   // Each 2W block of x[0, KMAIN) as [x[0], x[2], ..., x[2W-2] | x[1], x[3], ..., x[2W-1]].
   static LLMC_INLINE void prepare(const float* x, float* xp, int kmain) {
     for (int i = 0; i < kmain; i += KS) {
@@ -149,15 +146,17 @@ LLMC_INLINE void gemm_tile(const XT* LLMC_RESTRICT xp, long ldxp, const float* L
           __builtin_prefetch(reinterpret_cast<const char*>(w + (long)c * K + i) + PF, 0, 3);
       }
     }
-    typename O::W wv[C];
-    LLMC_UNROLL for (int c = 0; c < C; ++c) {
-      wv[c] = O::load_w(w + (long)c * K + i);
-      if constexpr (R > 1) O::pin(wv[c]);
-    }
-    LLMC_UNROLL for (int r = 0; r < R; ++r) {
-      typename O::X xv = O::load_x(xp + r * ldxp + i);
-      if constexpr (C > 1) O::pin(xv);
-      LLMC_UNROLL for (int c = 0; c < C; ++c) O::step(acc[r][c], xv, wv[c]);
+    LLMC_UNROLL for (int ph = 0; ph < O::kPhases; ++ph) {
+      typename O::W wv[C];
+      LLMC_UNROLL for (int c = 0; c < C; ++c) {
+        wv[c] = O::load_w(w + (long)c * K + i, ph);
+        if constexpr (R > 1) O::pin(wv[c]);
+      }
+      LLMC_UNROLL for (int r = 0; r < R; ++r) {
+        typename O::X xv = O::load_x(xp + r * ldxp + i, ph);
+        if constexpr (C > 1) O::pin(xv);
+        LLMC_UNROLL for (int c = 0; c < C; ++c) O::step(acc[r][c], xv, wv[c]);
+      }
     }
   }
   LLMC_UNROLL for (int i = KMAIN; i < K; i += VW) {
@@ -190,7 +189,8 @@ LLMC_INLINE void gemm_store(const float* s, const WT* bias, float* y, int j) {
 // Outputs [j0, j1) of R rows: C-output tiles, then 1-output tiles for the tail.
 template <class O, int R, int N, int K, bool HAS_BIAS, int PF, typename XT, typename WT>
 LLMC_INLINE void gemv_rows(const XT* xp, const float* x, const WT* w, const WT* bias, float* y, int j0, int j1) {
-  constexpr int C = gemm_cols(R);
+  // The bf16 pair order holds one more register (the and mask): a full 4-row tile would spill accumulators.
+  constexpr int C = O::kPhases == 2 && R == 4 ? gemm_cols(R) - 1 : gemm_cols(R);
   constexpr int KMAIN = K / O::KS * O::KS;
   constexpr long LDXP = O::kPrepare ? KMAIN : K;
   int j = j0;
