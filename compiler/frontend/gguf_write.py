@@ -68,18 +68,18 @@ def write_gguf(checkpoint_dir: str | Path, out_path: str | Path, dtype: str) -> 
     _add_hparams(writer, cfg)
     _add_tokenizer(writer, ckpt, cfg)
 
-    plan = []  # (gguf name, hf name or None, the array maker's dtype)
+    # (gguf name, hf name (None: rope_freqs), shape, GGML type): the tensor table goes before any data
+    f32 = gguf.GGMLQuantizationType.F32
+    plan = []
     rope_freqs = _llama3_rope_freqs(cfg)
     if rope_freqs is not None:
-        plan.append((names.ROPE_FREQS, None, gguf.GGMLQuantizationType.F32))
+        plan.append((names.ROPE_FREQS, None, rope_freqs.shape, f32))
+    block = gguf.GGML_QUANT_SIZES[qtype][0]
     for hf_name, shape in cfg.weight_shapes().items():
-        block = gguf.GGML_QUANT_SIZES[qtype][0]
-        t = qtype if len(shape) == 2 and shape[-1] % block == 0 else gguf.GGMLQuantizationType.F32
-        plan.append((names.hf_to_gguf(hf_name), hf_name, t))
-    shapes = {**cfg.weight_shapes(), None: (cfg.head_dim // 2,)}
-    for gguf_name, hf_name, t in plan:
-        shape = shapes[hf_name]
-        if t == gguf.GGMLQuantizationType.F32:
+        t = qtype if len(shape) == 2 and shape[-1] % block == 0 else f32
+        plan.append((names.hf_to_gguf(hf_name), hf_name, shape, t))
+    for gguf_name, _, shape, t in plan:
+        if t == f32:
             writer.add_tensor_info(gguf_name, shape, np.dtype(np.float32), 4 * math.prod(shape))
         else:
             byte_shape = gguf.quants.quant_shape_to_byte_shape(shape, t)
@@ -89,12 +89,12 @@ def write_gguf(checkpoint_dir: str | Path, out_path: str | Path, dtype: str) -> 
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
-        for gguf_name, hf_name, t in plan:
+        for gguf_name, hf_name, _, t in plan:
             w = rope_freqs if hf_name is None else to_numpy(ckpt.tensor(hf_name)).astype(np.float32, copy=False)
             heads = names.qk_heads(arch, gguf_name, cfg.num_heads, cfg.num_kv_heads)
             if heads is not None:
                 w = names.permute_qk(w, heads)
-            if t != gguf.GGMLQuantizationType.F32:
+            if t != f32:
                 w = gguf.quants.quantize(w, t)
             writer.write_tensor_data(np.ascontiguousarray(w))
         writer.close()
