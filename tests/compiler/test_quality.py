@@ -6,6 +6,9 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
+import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -20,7 +23,7 @@ from runtime_fakes import FakeConfig, FakeModel, context_logits  # noqa: E402
 from llmc import cli  # noqa: E402
 from llmc.artifact import load_artifact  # noqa: E402
 from llmc.compiler import quality  # noqa: E402
-from llmc.compiler.compile import compile_checkpoint  # noqa: E402
+from llmc.compiler.compile import QUALITY_STAGE, SIGNAL_AT_ENV, compile_checkpoint  # noqa: E402
 from llmc.compiler.quant import QuantConfig  # noqa: E402
 from llmc.errors import CompileError  # noqa: E402
 from llmc.runtime.module import CompiledModel  # noqa: E402
@@ -220,3 +223,23 @@ def test_bundled_model_perplexity_bounds(tmp_path, monkeypatch):
         assert q["top1_agreement"] >= 0.9, (quant.describe(), q)
     assert figures["int8"]["ppl_reference"] == figures["int4"]["ppl_reference"], "one reference for both"
     assert 0 < figures["int8"]["kl_mean"] < figures["int4"]["kl_mean"]
+
+
+@pytest.mark.slow
+def test_kill_in_the_quality_stage_leaves_no_artifact(checkpoint_dir, llmc_cache, tmp_path):
+    """Killed while the gate runs the module it is building (its provisional manifest in the temporary dir):
+    nothing is at the output, and the next compile cleans up and writes the artifact with its figures."""
+    out = tmp_path / "m.cpu"
+    script = ("import sys; from llmc.compiler.compile import compile_checkpoint; from llmc.compiler.quant import "
+              "QuantConfig; compile_checkpoint(sys.argv[1], target='cpu', output=sys.argv[2], quant=QuantConfig('int8'))")  # fmt: skip
+    env = {**os.environ, "LLMC_CACHE_DIR": str(llmc_cache), SIGNAL_AT_ENV: QUALITY_STAGE}
+    run = subprocess.run([sys.executable, "-c", script, str(checkpoint_dir("llama")), str(out)], env=env,
+                         capture_output=True, text=True)  # fmt: skip
+    assert run.returncode == -signal.SIGKILL, run.stderr[-2000:]
+    assert sorted(n[:16] for n in os.listdir(tmp_path)) == [".m.cpu.llmc-lock", ".m.cpu.llmc-tmp-"]
+    env.pop(SIGNAL_AT_ENV)
+    run = subprocess.run([sys.executable, "-c", script, str(checkpoint_dir("llama")), str(out)], env=env,
+                         capture_output=True, text=True)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert os.listdir(tmp_path) == ["m.cpu"]
+    assert load_artifact(out).manifest["quality"]["tokens"] > 0
