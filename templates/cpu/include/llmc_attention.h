@@ -19,10 +19,10 @@ LLMC_INLINE void store_kv(uint16_t* dst, const float* src, long n) {
   for (long i = 0; i < n; ++i) dst[i] = f32_to_bf16(src[i]);
 }
 
-// y[i] += a * x[i] over one cache row, widened from the cache element (element-wise: order-free).
-template <int N, typename KV>
-LLMC_INLINE void axpy_kv(float a, const KV* LLMC_RESTRICT x, float* LLMC_RESTRICT y) {
-  for (int i = 0; i < N; ++i) y[i] += a * load_w(x[i]);
+// llmc_simd.h's axpy over a bf16 cache row: y[i] += a * x[i], x widened (element-wise: order-free).
+template <int N>
+LLMC_INLINE void axpy(float a, const uint16_t* LLMC_RESTRICT x, float* LLMC_RESTRICT y) {
+  for (int i = 0; i < N; ++i) y[i] += a * bf16_to_f32(x[i]);
 }
 
 // paged attention over a ragged batch (docs/contracts.md, "The step").
@@ -87,7 +87,7 @@ inline void paged_attention(const float* q, const float* k, const float* v, int 
       for (int i = lo; i < n; ++i) {
         const float p = std::exp(sc[i] - m);
         l += p;
-        axpy_kv<D>(p, v_cache + base + i * SLOT, acc);
+        axpy<D>(p, v_cache + base + i * SLOT, acc);
       }
     }
     float* o = out + (long)t * NH * D + h * D;
