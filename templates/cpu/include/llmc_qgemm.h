@@ -15,16 +15,19 @@ namespace llmc {
 // Activations are quantized to int8 first, llama.cpp Q8_0-style: per block of 32 of a row, d = amax / 127,
 // q = round-to-nearest-even(x * (127 / amax)) in [-127, 127] (so the AVX2 sign trick below never meets
 // -128). The manifest records this as "activations": "int8 per 32". The dot products are then exact
-// integer sums, turned into float once per block:
+// integer sums, turned into float once per block.
 //
 // Numerics. A row is walked in steps: int8, one block of 32; int4, a pair of blocks (2i, 2i + 1), whose 16
 // packed bytes each load as one 32-byte vector (the second block absent at an odd tail). Each step gives
 // 8 int32 lanes P[l], exact: int8, lane l sums elements 4l..4l+3 of the block; int4, lanes 0-3 hold block
-// 2i and lanes 4-7 block 2i + 1, lane l sums elements {4l', 16 + 4l'} + 0..3 (l' = l % 4). With D[l] the
-// lane's (activation scale * weight scale), one float multiply, acc[l] += float(P[l]) * D[l] (an FMA where
-// the ISA has one); then y = hsum(acc) (one fixed tree) - sum over blocks b of min[g(b)] * xs[b]
-// (ASYM; xs[b] = d_b * sum of the block's q, in block order) + bias. Every (row, output) is computed by
-// that one sequence whatever T, the tile it lands in, or the thread: results never depend on them.
+// 2i and lanes 4-7 block 2i + 1, lane l sums elements {4l', 16 + 4l'} + 0..3 (l' = l % 4). DX[l] is the
+// lane's activation scale, S[l] its weight scale. When a step spans two weight groups (int8 g16, int4 g32):
+// acc[l] += float(P[l]) * (DX[l] * S[l]) per step. Otherwise, per group g in order: gacc[l] = sum over the
+// group's steps of float(P[l]) * DX[l], then acc[l] += gacc[l] * S_g (one multiply-add per group, not per
+// step: per-channel int8 has one group). Each += is an FMA where the ISA has one. Then y = hsum(acc) (one
+// fixed tree) - sum over blocks b of min[g(b)] * xs[b] (ASYM; xs[b] = d_b * sum of the block's q, in block
+// order) + bias. Every (row, output) is computed by that one sequence whatever T, the tile it lands in,
+// or the thread: results never depend on them.
 // The AVX2, AVX-VNNI and AVX-512 VNNI paths differ only in how they form the exact integer P, so they
 // agree bit for bit; the portable path may differ from them in FMA contraction only.
 //
@@ -102,7 +105,8 @@ LLMC_INLINE Floats zero_floats() { return _mm256_setzero_ps(); }
 LLMC_INLINE Floats splat(float a) { return _mm256_set1_ps(a); }
 LLMC_INLINE Floats splat2(float lo, float hi) { return _mm256_setr_m128(_mm_set1_ps(lo), _mm_set1_ps(hi)); }
 LLMC_INLINE Floats mul(Floats a, Floats b) { return _mm256_mul_ps(a, b); }
-LLMC_INLINE Floats fma_ints(Ints p, Floats d, Floats acc) { return _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), d, acc); }
+LLMC_INLINE Floats fma(Floats a, Floats b, Floats acc) { return _mm256_fmadd_ps(a, b, acc); }
+LLMC_INLINE Floats fma_ints(Ints p, Floats d, Floats acc) { return fma(_mm256_cvtepi32_ps(p), d, acc); }
 LLMC_INLINE float hsum(Floats v) {  // the tree of the portable hsum below
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -182,6 +186,10 @@ LLMC_INLINE Floats splat2(float lo, float hi) {
 LLMC_INLINE Floats mul(Floats a, Floats b) {
   for (int l = 0; l < 8; ++l) a.v[l] *= b.v[l];
   return a;
+}
+LLMC_INLINE Floats fma(Floats a, Floats b, Floats acc) {
+  for (int l = 0; l < 8; ++l) acc.v[l] += a.v[l] * b.v[l];
+  return acc;
 }
 LLMC_INLINE Floats fma_ints(Ints p, Floats d, Floats acc) {
   for (int l = 0; l < 8; ++l) acc.v[l] += float(p.v[l]) * d.v[l];
@@ -280,9 +288,10 @@ LLMC_INLINE void qdot_tile(const QStep<BITS>* LLMC_RESTRICT steps, const float* 
   constexpr int SB = 32;  // packed bytes per step: one int8 block, or two int4 chunks
   constexpr bool ODD_TAIL = BITS == 4 && S::NB % 2 == 1;
   constexpr int FULL = ODD_TAIL ? S::NS - 1 : S::NS;
-  auto step = [&](int s, auto tail) {
+  // One step: into(r, c, P, DX) for every (row, output), with P the step's integer lanes and DX the lanes'
+  // activation scales.
+  auto step = [&](int s, auto tail, auto into) {
     Bytes wlo[C], whi[C];
-    Floats sc[C];
     LLMC_UNROLL for (int c = 0; c < C; ++c) {
       const uint8_t* p = wr + c * S::RB + (long)s * SB;
       if constexpr (PF > 0) {
@@ -295,25 +304,59 @@ LLMC_INLINE void qdot_tile(const QStep<BITS>* LLMC_RESTRICT steps, const float* 
       } else {
         nibbles32(p, wlo[c], whi[c]);
       }
-      const float* sg = sr + c * S::G;
-      sc[c] = S::SPLIT ? splat2(sg[S::group_lo(s)], sg[S::group_hi(s)]) : splat(sg[S::group_lo(s)]);
     }
     LLMC_UNROLL for (int r = 0; r < R; ++r) {
       const QStep<BITS>& a = steps[(long)r * S::NS + s];
       const Floats dx = load_floats(a.dx);
       if constexpr (BITS == 8) {
         const Bytes xv = load32(a.x);
-        LLMC_UNROLL for (int c = 0; c < C; ++c) acc[r][c] = fma_ints(dot_ss(wlo[c], xv), mul(dx, sc[c]), acc[r][c]);
+        LLMC_UNROLL for (int c = 0; c < C; ++c) into(r, c, dot_ss(wlo[c], xv), dx);
       } else {
         const Ints base = ASYM ? zero_ints() : load_ints(a.neg8);
         const Bytes xlo = load32(a.x), xhi = load32(a.x + 32);
-        LLMC_UNROLL for (int c = 0; c < C; ++c)
-          acc[r][c] = fma_ints(dot_nib(base, wlo[c], xlo, whi[c], xhi), mul(dx, sc[c]), acc[r][c]);
+        LLMC_UNROLL for (int c = 0; c < C; ++c) into(r, c, dot_nib(base, wlo[c], xlo, whi[c], xhi), dx);
       }
     }
   };
-  for (int s = 0; s < FULL; ++s) step(s, std::false_type{});
-  if constexpr (ODD_TAIL) step(S::NS - 1, std::true_type{});
+  if constexpr (S::SPLIT) {
+    // a step spans two groups: acc += P * (DX * S), S = [scale of lanes 0-3 | of lanes 4-7]
+    for (int s = 0; s < FULL; ++s) {
+      Floats sc[C];
+      LLMC_UNROLL for (int c = 0; c < C; ++c) {
+        const float* sg = sr + c * S::G;
+        sc[c] = splat2(sg[S::group_lo(s)], sg[S::group_hi(s)]);
+      }
+      step(s, std::false_type{}, [&](int r, int c, Ints p, Floats dx) {
+        acc[r][c] = fma_ints(p, mul(dx, sc[c]), acc[r][c]);
+      });
+    }
+    if constexpr (ODD_TAIL) {
+      Floats sc[C];
+      LLMC_UNROLL for (int c = 0; c < C; ++c) sc[c] = splat(sr[c * S::G + S::group_lo(S::NS - 1)]);
+      step(S::NS - 1, std::true_type{}, [&](int r, int c, Ints p, Floats dx) {
+        acc[r][c] = fma_ints(p, mul(dx, sc[c]), acc[r][c]);
+      });
+    }
+  } else {
+    // whole steps per group: gacc = sum of P * DX over the group's steps, then acc += gacc * S
+    constexpr int SPG = GS / S::SE;
+    for (int g = 0; g < S::G; ++g) {
+      Floats gacc[R][C];
+      LLMC_UNROLL for (int r = 0; r < R; ++r) {
+        LLMC_UNROLL for (int c = 0; c < C; ++c) gacc[r][c] = zero_floats();
+      }
+      auto into = [&](int r, int c, Ints p, Floats dx) { gacc[r][c] = fma_ints(p, dx, gacc[r][c]); };
+      const int s1 = std::min(FULL, (g + 1) * SPG);
+      for (int s = g * SPG; s < s1; ++s) step(s, std::false_type{}, into);
+      if constexpr (ODD_TAIL) {
+        if (g == S::G - 1) step(S::NS - 1, std::true_type{}, into);
+      }
+      LLMC_UNROLL for (int c = 0; c < C; ++c) {
+        const Floats sc = splat(sr[c * S::G + g]);
+        LLMC_UNROLL for (int r = 0; r < R; ++r) acc[r][c] = fma(gacc[r][c], sc, acc[r][c]);
+      }
+    }
+  }
   LLMC_UNROLL for (int r = 0; r < R; ++r) {
     LLMC_UNROLL for (int c = 0; c < C; ++c) {
       float y = hsum(acc[r][c]);
