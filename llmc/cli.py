@@ -78,7 +78,7 @@ def _quant_options(command):
         click.option("--quant", type=click.Choice(["none", "int8", "int4"]), default="none", show_default=True,
                      help="Quantize the linears' weights: int8 (one scale per output channel, or per group with "
                           "--group-size) or int4 (groups of 32 by default), symmetric. A linear whose input size "
-                          "is not a multiple of 32 stays float. CPU targets only."),
+                          "is not a multiple of 32 stays float."),
         click.option("--group-size", type=click.Choice(["32", "64", "128"]), default=None,
                      help="Weights per scale, along the input dim [default: int8 per channel, int4 32]."),
         click.option("--quant-lm-head", is_flag=True, help="Quantize the lm_head too (off: it stays float)."),
