@@ -40,7 +40,10 @@ when it doubles as the tied output matrix. Read bandwidth: a C++ OpenMP loop rea
 threads (common.Bandwidth), best of 3, once per round of every row; the median over all is used for every row.
 
 Same process, same threads, no pinning: on a machine shared with other work, figures are noisy; compare the two
-peers of one row. `tokens agree` is how many of the generated tokens equal the other peer's, up to the first
+peers of one row. Run it on an otherwise idle machine: ggml's worker threads busy-wait at every op's barrier, so
+when other processes hold the cores, a preempted llama.cpp thread stalls all of them (on a 2-core machine at load
+8, llama.cpp BF16 decode on SmolLM-135M fell from 10-12 tok/s with 1 thread to 0.5-0.7 tok/s with 2); llmc's pool
+lets a late worker's blocks be taken by the others. On a loaded machine, --threads 1 still compares the kernels. `tokens agree` is how many of the generated tokens equal the other peer's, up to the first
 difference (random weights make near-ties, so bf16 and quantized rows may part early).
 """
 
