@@ -109,7 +109,9 @@ extern "C" double bench_{kid}(const float* x, {wt}* const* ws, int nw, float* y,
 _STEP = r"""
 #include "common.h"
 #include <thread>
+%CLOCK%
 namespace {
+int g_cpu = 0;  // time by the thread's CPU time
 constexpr int H = 576, QKV = 960, I = 1536, V = 49152, L = 30;
 template <typename W>
 struct Model {
@@ -119,9 +121,9 @@ struct Clock {
   double gemv = 0;
   template <typename F>
   void time(F&& f) {
-    const auto t0 = std::chrono::steady_clock::now();
+    const double t0 = bench_clock(g_cpu);
     f();
-    gemv += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    gemv += bench_clock(g_cpu) - t0;
   }
 };
 // One decode step of T rows; small = false leaves the non-GEMV kernels out.
@@ -158,14 +160,27 @@ double run(const W* const* ws, float* bufs, int T, int steps, int small, int gap
   double total = 0;
   for (int s = 0; s < steps; ++s) {
     if (gap_us) std::this_thread::sleep_for(std::chrono::microseconds(gap_us));
-    const auto t0 = std::chrono::steady_clock::now();
+    const double t0 = bench_clock(g_cpu);
     step(m, bufs, pos, inv_freq, T, small, c);
-    total += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    total += bench_clock(g_cpu) - t0;
   }
   *gemv = c.gemv / steps;
   return total / steps;
 }
 }  // namespace
+extern "C" void step_clock(int cpu) { g_cpu = cpu; }
+// Seconds per parallel_for launch of `tasks` empty tasks (the pool's fork/join alone), `gap_us` idle before each.
+extern "C" double pool_launch(int tasks, int gap_us, int n) {
+  double total = 0;
+  std::atomic<int> sink{0};
+  for (int i = 0; i < n; ++i) {
+    if (gap_us) std::this_thread::sleep_for(std::chrono::microseconds(gap_us));
+    const double t0 = bench_clock(0);
+    llmc::parallel_for(tasks, true, [&](int t) { sink.fetch_add(t, std::memory_order_relaxed); });
+    total += bench_clock(0) - t0;
+  }
+  return total / n;
+}
 extern "C" double step_f32(const float* const* ws, float* b, int T, int n, int small, int gap, double* g) {
   return run(ws, b, T, n, small, gap, g);
 }
@@ -181,7 +196,11 @@ def step_bench(args, headers: dict[str, str]) -> None:
 
     from llmc.compiler.codegen.build import CPU_FLAGS, build_shared_library
 
-    lib = ctypes.CDLL(str(build_shared_library({**headers, "step.cc": _STEP}, flags=CPU_FLAGS)))
+    step_src = _STEP.replace("%CLOCK%", _CLOCK)
+    lib = ctypes.CDLL(str(build_shared_library({**headers, "step.cc": step_src}, flags=CPU_FLAGS)))
+    lib.step_clock(int(args.cpu_time))
+    lib.pool_launch.restype = ctypes.c_double
+    lib.pool_launch.argtypes = [ctypes.c_int] * 3
     rng = np.random.default_rng(0)
     shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(1, 576), (49152, 576)]
     head = ["weights", "T", "gap us", "step ms", "its GEMVs ms", "overhead us", "GEMVs-only step ms", "GEMV GB/s"]
@@ -197,7 +216,7 @@ def step_bench(args, headers: dict[str, str]) -> None:
         fn = getattr(lib, f"step_{wd}")
         fn.restype = ctypes.c_double
         fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, *[ctypes.c_int] * 4, ctypes.c_void_p]
-        for T in (1, 4, 16):
+        for T in args.step_rows:
             bufs = np.zeros(T * (4 * 576 + 960 + 3 * 1536 + 49152) + 64, dtype=np.float32)
             for gap in (0, 2000):
                 res = {}
@@ -217,6 +236,10 @@ def step_bench(args, headers: dict[str, str]) -> None:
     print(f"decode step kernels (SmolLM-135M, attention left out), threads {args.threads}, read {bw / 1e9:.1f} GB/s")
     print("\n".join(align_columns(rows)))
     print("overhead = step - its GEMVs (the small kernels and their launches); floor = weight bytes / read bandwidth")
+    if args.threads > 1:
+        for gap in (0, 2000):
+            us = statistics.median(lib.pool_launch(2 * args.threads, gap, 200) for _ in range(args.rounds)) * 1e6
+            print(f"pool launch of {2 * args.threads} empty tasks after {gap} us idle: {us:.1f} us")
 
 
 def headers_at(rev: str | None) -> dict[str, str]:
@@ -270,6 +293,7 @@ def main(argv=None) -> None:
     )
     p.add_argument("--step", action="store_true", help="time a decode step's kernels instead (see the top)")
     p.add_argument("--step-dtypes", default="f32,bf16", help="weight dtypes of --step")
+    p.add_argument("--step-rows", default="1,4,16", type=lambda v: [int(t) for t in v.split(",")], help="T of --step")
     p.add_argument("--min-time", type=float, default=0.05, help="seconds per timed sample")
     args = p.parse_args(argv)
     if args.cpu_time and args.threads != 1:

@@ -65,14 +65,21 @@ inline void rope(float* x, int row_stride, const int32_t* positions, int T, cons
 }
 
 // silu_mul: out[t, i] = silu(gate[t, i]) * up[t, i], gate_up = [gate | up] per row;
-// silu(g) = g / (1 + exp(-g)) as torch computes it.
+// silu(g) = g / (1 + exp(-g)) as torch computes it, exp by Vec::silu_mul's SIMD exp_poly: libm's expf, one call
+// per element, cost a SmolLM-135M decode step ~0.5 ms of CPU (of ~25), a 16-row step ~4 ms. The last partial
+// vector is masked, so every element goes through the same formula.
 template <int I>
 inline void silu_mul(const float* LLMC_RESTRICT gate_up, float* LLMC_RESTRICT out, int T) {
+  constexpr int W = Vec::W, IMAIN = I / W * W;
   parallel_for(T, (long)T * I >= kParallelWork, [&](int t) {
     const float* g = gate_up + (long)t * 2 * I;
     const float* u = g + I;
     float* o = out + (long)t * I;
-    for (int i = 0; i < I; ++i) o[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
+    for (int i = 0; i < IMAIN; i += W) Vec::silu_mul(Vec::load(g + i), Vec::load(u + i)).store(o + i);
+    if constexpr (IMAIN < I) {
+      Vec::silu_mul(Vec::load_part(g + IMAIN, I - IMAIN), Vec::load_part(u + IMAIN, I - IMAIN))
+          .store_part(o + IMAIN, I - IMAIN);
+    }
   });
 }
 

@@ -14,6 +14,14 @@ LLMC_INLINE float bf16_to_f32(uint16_t h) {
 LLMC_INLINE float load_w(float v) { return v; }
 LLMC_INLINE float load_w(uint16_t v) { return bf16_to_f32(v); }
 
+// exp_poly: the SIMD exp of Vec::exp (Cephes' expf: e^x = 2^n e^r, n = floor(x log2 e + 1/2), r = x - n ln 2 in
+// two parts, e^r by a degree-7 polynomial; within 2 ulp of expf), with x clamped to [kExpLo, kExpHi] so that
+// 2^n stays a normal float: for silu, whose 1 + e^-g is then 1 or e^-g within float32 precision either way.
+constexpr float kExpLo = -87.0f, kExpHi = 88.0f;
+constexpr float kLog2e = 1.44269504088896341f, kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;
+constexpr float kExpP[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                            4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+
 // ---------------------------------------------------------------------------------------------
 // Vec: one SIMD register of float32 lanes, with just what the kernels need.
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
@@ -44,6 +52,23 @@ struct Vec {
   }
   LLMC_INLINE void store(float* p) const { _mm512_storeu_ps(p, v); }
   LLMC_INLINE void pin() { asm("" : "+v"(v)); }  // see the AVX2 one
+  LLMC_INLINE void store_part(float* p, int n) const { _mm512_mask_storeu_ps(p, (__mmask16)((1u << n) - 1), v); }
+  static LLMC_INLINE Vec exp(Vec a) {  // see exp_poly below
+    const __m512 x = _mm512_min_ps(_mm512_max_ps(a.v, _mm512_set1_ps(kExpLo)), _mm512_set1_ps(kExpHi));
+    const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(kLog2e), _mm512_set1_ps(0.5f)),
+                                          _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Hi), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Lo), r);
+    __m512 y = _mm512_set1_ps(kExpP[0]);
+    for (int i = 1; i < 6; ++i) y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(kExpP[i]));
+    y = _mm512_add_ps(_mm512_fmadd_ps(y, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
+    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return {_mm512_mul_ps(y, _mm512_castsi512_ps(e))};
+  }
+  static LLMC_INLINE Vec silu_mul(Vec g, Vec u) {  // g / (1 + exp(-g)) * u
+    const Vec e = exp({_mm512_sub_ps(_mm512_setzero_ps(), g.v)});
+    return {_mm512_mul_ps(_mm512_div_ps(g.v, _mm512_add_ps(_mm512_set1_ps(1.0f), e.v)), u.v)};
+  }
   LLMC_INLINE void fma(Vec a, Vec b) { v = _mm512_fmadd_ps(a.v, b.v, v); }  // this += a * b
   LLMC_INLINE Vec operator+(Vec o) const { return {_mm512_add_ps(v, o.v)}; }
   LLMC_INLINE float sum() const { return _mm512_reduce_add_ps(v); }  // fixed shuffle tree
@@ -74,6 +99,26 @@ struct Vec {
   // Keep this value in a register: g++ otherwise folds a register tile's loads into its FMAs, R * C loads
   // per R * C FMAs instead of R + C (Zen 3 and Haswell-Skylake load 2 vectors per cycle, FMA 2).
   LLMC_INLINE void pin() { asm("" : "+x"(v)); }
+  LLMC_INLINE void store_part(float* p, int n) const {
+    alignas(32) float tmp[W];
+    _mm256_store_ps(tmp, v);
+    std::memcpy(p, tmp, sizeof(float) * n);
+  }
+  static LLMC_INLINE Vec exp(Vec a) {  // see exp_poly below
+    const __m256 x = _mm256_min_ps(_mm256_max_ps(a.v, _mm256_set1_ps(kExpLo)), _mm256_set1_ps(kExpHi));
+    const __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(kLog2e), _mm256_set1_ps(0.5f)));
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Hi), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Lo), r);
+    __m256 y = _mm256_set1_ps(kExpP[0]);
+    for (int i = 1; i < 6; ++i) y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(kExpP[i]));
+    y = _mm256_add_ps(_mm256_fmadd_ps(y, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return {_mm256_mul_ps(y, _mm256_castsi256_ps(e))};
+  }
+  static LLMC_INLINE Vec silu_mul(Vec g, Vec u) {  // g / (1 + exp(-g)) * u
+    const Vec e = exp({_mm256_sub_ps(_mm256_setzero_ps(), g.v)});
+    return {_mm256_mul_ps(_mm256_div_ps(g.v, _mm256_add_ps(_mm256_set1_ps(1.0f), e.v)), u.v)};
+  }
   LLMC_INLINE void fma(Vec a, Vec b) { v = _mm256_fmadd_ps(a.v, b.v, v); }
   LLMC_INLINE Vec operator+(Vec o) const { return {_mm256_add_ps(v, o.v)}; }
   LLMC_INLINE float sum() const {
@@ -109,6 +154,12 @@ struct Vec {  // portable fallback: 8 independent lanes the compiler may map ont
   }
   LLMC_INLINE void store(float* p) const { std::memcpy(p, v, sizeof v); }
   LLMC_INLINE void pin() {}
+  LLMC_INLINE void store_part(float* p, int n) const { std::memcpy(p, v, sizeof(float) * n); }
+  static LLMC_INLINE Vec silu_mul(Vec g, Vec u) {  // libm's expf, as torch's scalar formula
+    Vec r;
+    for (int i = 0; i < W; ++i) r.v[i] = g.v[i] / (1.0f + std::exp(-g.v[i])) * u.v[i];
+    return r;
+  }
   LLMC_INLINE void fma(Vec a, Vec b) {
     for (int i = 0; i < W; ++i) v[i] += a.v[i] * b.v[i];
   }
