@@ -46,17 +46,15 @@ struct QGemm {
   static constexpr int TAIL_WORDS = (K % KB) / KW;  // words per lane in the short last block, 0 if none
   static constexpr int NG = (K + G - 1) / G;         // groups per row
 
-  // decode
   // decode: NR output rows per warp; kSplit warps share them (each a k slice of >= 8 full blocks, a warp's
-  // width) where fewer row groups than kGemvTargetWarps would leave SMs idle
+  // width) where fewer row groups than kGemvTargetWarps (about 16 warps on each SM of an H100) leave SMs idle
   static constexpr int kGemvMaxT = 8, NR = 4, kGemvWarps = 8, kGemvThreads = 32 * kGemvWarps;
   static constexpr int kRowGroups = ceil_div(N, NR), kGemvTargetWarps = 2048;
   static constexpr int kSplitWanted = clamp_int(ceil_div(kGemvTargetWarps, kRowGroups), 1, clamp_int(NB / 8, 1, 8));
   static constexpr int kSplit = kSplitWanted >= 8 ? 8 : (kSplitWanted >= 4 ? 4 : (kSplitWanted >= 2 ? 2 : 1));
   static constexpr int kGroupsPerBlock = kGemvWarps / kSplit;
   static constexpr int kGemvBlocks = ceil_div(kRowGroups, kGroupsPerBlock);
-  // prefill
-  // BM: asymmetric keeps 16 more accumulators (the row sums of x) per m16 tile; 32 rows keep it within 128 registers
+  // prefill. BM: asymmetric keeps 16 more accumulators (the row sums of x) per m16 tile; 32 rows keep it within 128 registers
   static constexpr int BM = ASYM ? 32 : 64, BN = 64, kTileThreads = 128, WN = BN / 4, NT = WN / 8;  // NT: n8 tiles per warp
   static constexpr int kTilesN = ceil_div(N, BN);
   static constexpr int XS = KB + 8;  // bf16 per shared x row: +16 bytes moves each ldmatrix row to other banks
