@@ -88,6 +88,16 @@ def _quant_options(command):
     return with_quant
 
 
+_kv_cache_dtype_option = click.option(
+    "--kv-cache-dtype",
+    type=click.Choice(["float32", "bfloat16"]),
+    default="float32",
+    show_default=True,
+    help="What the KV cache stores: bfloat16 halves its bytes (twice the tokens in the same memory, half the "
+    "attention reads) for k/v rounded to bf16. run, serve and bench: when they compile a checkpoint.",
+)
+
+
 @main.command("compile")
 @click.argument("model", type=click.Path(path_type=Path))
 @click.option(
@@ -112,14 +122,7 @@ def _quant_options(command):
     default=None,
     help="KV cache block size (tokens) the module is built for [default: the target's].",
 )
-@click.option(
-    "--kv-cache-dtype",
-    type=click.Choice(["float32", "bfloat16"]),
-    default="float32",
-    show_default=True,
-    help="What the KV cache stores: bfloat16 halves its bytes (twice the tokens in the same memory, half the "
-    "attention reads) for k/v rounded to bf16.",
-)
+@_kv_cache_dtype_option
 @_quant_options
 @click.option(
     "--calibration",
@@ -178,19 +181,23 @@ def bundled_checkpoint() -> Path:
     return found[0]
 
 
-def _resolve_artifact(path: Path | None, quant=None) -> Path:
-    """quant: the QuantConfig a checkpoint is compiled with (--quant); an artifact is compiled already."""
+def _resolve_artifact(path: Path | None, quant=None, kv_cache_dtype: str = "float32") -> Path:
+    """quant: the QuantConfig a checkpoint is compiled with (--quant), kv_cache_dtype its KV cache's
+    (--kv-cache-dtype); an artifact is compiled already."""
     from .compiler.cache import cached_artifact
 
     if path is None:
-        return cached_artifact(bundled_checkpoint(), quant=quant)
+        return cached_artifact(bundled_checkpoint(), quant=quant, kv_cache_dtype=kv_cache_dtype)
     if path.is_dir() and not (path / "manifest.json").exists() and (path / "config.json").is_file():
-        return cached_artifact(path, quant=quant)
+        return cached_artifact(path, quant=quant, kv_cache_dtype=kv_cache_dtype)
     if path.is_file() and path.suffix.lower() == ".gguf":
-        return cached_artifact(path, quant=quant)
+        return cached_artifact(path, quant=quant, kv_cache_dtype=kv_cache_dtype)
     if quant is not None and quant.enabled:
         raise LlmcError(f"--quant applies when a checkpoint is compiled, and {path} is not a checkpoint dir",
                         "pass the checkpoint, or compile it with llmc compile --quant")  # fmt: skip
+    if kv_cache_dtype != "float32":
+        raise LlmcError(f"--kv-cache-dtype applies when a checkpoint is compiled, and {path} is not a checkpoint",
+                        "pass the checkpoint, or compile it with llmc compile --kv-cache-dtype")  # fmt: skip
     return path  # an artifact, or load_artifact says what is wrong with it
 
 
@@ -307,10 +314,11 @@ def _engine_parts(stack: contextlib.ExitStack, path: Path, kv_cache_memory: str 
 @_no_prefix_caching
 @_speculative_options
 @_quant_options
+@_kv_cache_dtype_option
 def run(artifact: Path | None, prompt: str | None, max_tokens: int, temperature: float, top_p: float, top_k: int,
         seed: int | None, as_json: bool, simulate: bool, kv_cache_memory: str | None,
         no_prefix_caching: bool, speculative: str | None, num_speculative_tokens: int,
-        draft: Path | None, quant) -> None:  # fmt: skip
+        draft: Path | None, quant, kv_cache_dtype: str) -> None:  # fmt: skip
     """Generate from ARTIFACT (a compiled artifact, a checkpoint dir or a .gguf file; default: the bundled model).
 
     A checkpoint is compiled for this CPU once and cached ($LLMC_CACHE_DIR, else ~/.cache/llmc). With an
@@ -326,7 +334,7 @@ def run(artifact: Path | None, prompt: str | None, max_tokens: int, temperature:
     if simulate and (artifact is None or not (artifact / "manifest.json").is_file()):
         raise LlmcError("--simulate needs a CUDA-target artifact",
                         "compile one: llmc compile CHECKPOINT --target sm90 -o OUT")  # fmt: skip
-    path = _resolve_artifact(artifact, quant)
+    path = _resolve_artifact(artifact, quant, kv_cache_dtype)
     if chat:
         from .runtime.chat import run_chat
 
@@ -443,11 +451,12 @@ def _stdin_is_tty() -> bool:
 @_no_prefix_caching
 @_speculative_options
 @_quant_options
+@_kv_cache_dtype_option
 def serve(artifact: Path, host: str, port: int, model_name: str | None, max_num_seqs: int,
           max_num_batched_tokens: int, kv_cache_memory: str | None, max_body_size: int | None, max_n: int | None,
           max_waiting_requests: int | None, shutdown_timeout: float | None, api_key: str | None,
           no_prefix_caching: bool, speculative: str | None, num_speculative_tokens: int,
-          draft: Path | None, quant) -> None:  # fmt: skip
+          draft: Path | None, quant, kv_cache_dtype: str) -> None:  # fmt: skip
     """Serve ARTIFACT over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models),
     with /health and Prometheus metrics at /metrics."""
     from .runtime import server
@@ -456,7 +465,7 @@ def serve(artifact: Path, host: str, port: int, model_name: str | None, max_num_
     given = {"max_body_bytes": max_body_size, "max_n": max_n, "max_waiting_requests": max_waiting_requests,
              "shutdown_timeout_s": shutdown_timeout}  # fmt: skip
     limits = server.ServerLimits(**{k: v for k, v in given.items() if v is not None})  # unset: the library's default
-    path = _resolve_artifact(artifact, quant)
+    path = _resolve_artifact(artifact, quant, kv_cache_dtype)
     with contextlib.ExitStack() as stack:
         model, tokenizer, make_engine = _engine_parts(stack, path, kv_cache_memory, max_num_seqs, no_prefix_caching,
                                                       speculative, num_speculative_tokens, draft,
@@ -524,16 +533,18 @@ def _int_list(ctx, param, value: str) -> list[int]:
 @_no_prefix_caching
 @_speculative_options
 @_quant_options
+@_kv_cache_dtype_option
 def bench(artifact: Path, concurrency: list[int], num_requests: int | None, prompt_len: int, output_len: int,
           seed: int, shared_prefix: int, memory_bandwidth: float | None, kv_cache_memory: str | None, as_json: bool,
           no_prefix_caching: bool, speculative: str | None, num_speculative_tokens: int,
-          draft: Path | None, quant) -> None:  # fmt: skip
+          draft: Path | None, quant, kv_cache_dtype: str) -> None:  # fmt: skip
     """TTFT, TPOT and tokens/s of ARTIFACT on a fixed synthetic workload, against the memory roofline."""
     from .runtime.bench import format_bench_table, run_bench
 
     with contextlib.ExitStack() as stack:
-        _, _, make_engine = _engine_parts(stack, _resolve_artifact(artifact, quant), kv_cache_memory, max(concurrency),
-                                          no_prefix_caching, speculative, num_speculative_tokens, draft)  # fmt: skip
+        path = _resolve_artifact(artifact, quant, kv_cache_dtype)
+        _, _, make_engine = _engine_parts(stack, path, kv_cache_memory, max(concurrency), no_prefix_caching,
+                                          speculative, num_speculative_tokens, draft)  # fmt: skip
         result = run_bench(lambda: make_engine(detokenize=False),
                            concurrency=concurrency, num_requests=num_requests, prompt_len=prompt_len,
                            output_len=output_len, seed=seed, shared_prefix=shared_prefix,

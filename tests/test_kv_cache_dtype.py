@@ -144,3 +144,25 @@ def test_unknown_kv_cache_dtype_is_refused_before_compiling(checkpoint_dir, tmp_
     )
     assert result.exit_code == 2 and "'int8' is not one of 'float32', 'bfloat16'" in result.output
     assert not (tmp_path / "m").exists()
+
+
+def test_run_compiles_a_checkpoint_with_the_kv_cache_dtype(checkpoint_dir, tmp_path_factory, monkeypatch):
+    """run (as serve and bench) hands --kv-cache-dtype to the compile of a checkpoint; an artifact keeps its own."""
+    from llmc.compiler import cache
+
+    built = artifact(checkpoint_dir, tmp_path_factory, "cpu")
+    asked = []
+
+    def fake_cached_artifact(ckpt, **options):
+        asked.append(options["kv_cache_dtype"])
+        return built
+
+    monkeypatch.setattr(cache, "cached_artifact", fake_cached_artifact)
+    ckpt = str(checkpoint_dir("llama"))
+    result = CliRunner().invoke(
+        main, ["run", ckpt, "--kv-cache-dtype", "bfloat16", "--prompt", "def", "--max-tokens", "2"]
+    )
+    assert result.exit_code == 0, result.output
+    assert asked == ["bfloat16"]
+    result = CliRunner().invoke(main, ["run", str(built), "--kv-cache-dtype", "bfloat16", "--prompt", "def"])
+    assert result.exit_code == 1 and "--kv-cache-dtype applies when a checkpoint is compiled" in result.output
