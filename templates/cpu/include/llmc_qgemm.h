@@ -99,6 +99,9 @@ LLMC_INLINE Ints dot_nib(Ints acc, Bytes lo, Bytes xlo, Bytes hi, Bytes xhi) {
 #endif
 }
 LLMC_INLINE Ints load_ints(const int32_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+LLMC_INLINE void store_ints(int32_t* p, Ints v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), v); }
+LLMC_INLINE Ints sub(Ints a, Ints b) { return _mm256_sub_epi32(a, b); }
+LLMC_INLINE Bytes splat_bytes(int8_t v) { return _mm256_set1_epi8(v); }
 LLMC_INLINE Ints zero_ints() { return _mm256_setzero_si256(); }
 LLMC_INLINE Floats load_floats(const float* p) { return _mm256_loadu_ps(p); }
 LLMC_INLINE Floats zero_floats() { return _mm256_setzero_ps(); }
@@ -107,6 +110,27 @@ LLMC_INLINE Floats splat2(float lo, float hi) { return _mm256_setr_m128(_mm_set1
 LLMC_INLINE Floats mul(Floats a, Floats b) { return _mm256_mul_ps(a, b); }
 LLMC_INLINE Floats fma(Floats a, Floats b, Floats acc) { return _mm256_fmadd_ps(a, b, acc); }
 LLMC_INLINE Floats fma_ints(Ints p, Floats d, Floats acc) { return fma(_mm256_cvtepi32_ps(p), d, acc); }
+// q[i] = round-to-nearest-even(x[i] * id), i < 32; returns max |x[i]| (exact, as any order of max is).
+LLMC_INLINE float absmax32(const float* x) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 m = _mm256_setzero_ps();
+  for (int i = 0; i < 32; i += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + i)));
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
+  return _mm_cvtss_f32(h);
+}
+LLMC_INLINE void round32(const float* x, float id, int8_t* q) {
+  const __m256 v = _mm256_set1_ps(id);
+  __m256i i32[4];
+  for (int i = 0; i < 4; ++i)
+    i32[i] = _mm256_cvtps_epi32(
+        _mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(x + 8 * i), v), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  // packs interleave the 128-bit halves: [0 1 4 5 | 2 3 6 7] of 4-int groups, put back in order
+  const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(i32[0], i32[1]), _mm256_packs_epi32(i32[2], i32[3]));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q),
+                      _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+}
 LLMC_INLINE float hsum(Floats v) {  // the tree of the portable hsum below
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -166,6 +190,16 @@ LLMC_INLINE Ints load_ints(const int32_t* p) {
   std::memcpy(r.v, p, sizeof r.v);
   return r;
 }
+LLMC_INLINE void store_ints(int32_t* p, Ints v) { std::memcpy(p, v.v, sizeof v.v); }
+LLMC_INLINE Ints sub(Ints a, Ints b) {
+  for (int l = 0; l < 8; ++l) a.v[l] -= b.v[l];
+  return a;
+}
+LLMC_INLINE Bytes splat_bytes(int8_t v) {
+  Bytes r;
+  for (int8_t& b : r.v) b = v;
+  return r;
+}
 LLMC_INLINE Ints zero_ints() { return Ints{}; }
 LLMC_INLINE Floats load_floats(const float* p) {
   Floats r;
@@ -194,6 +228,14 @@ LLMC_INLINE Floats fma(Floats a, Floats b, Floats acc) {
 LLMC_INLINE Floats fma_ints(Ints p, Floats d, Floats acc) {
   for (int l = 0; l < 8; ++l) acc.v[l] += float(p.v[l]) * d.v[l];
   return acc;
+}
+LLMC_INLINE float absmax32(const float* x) {
+  float m = 0.0f;
+  for (int i = 0; i < 32; ++i) m = std::max(m, std::fabs(x[i]));
+  return m;
+}
+LLMC_INLINE void round32(const float* x, float id, int8_t* q) {
+  for (int i = 0; i < 32; ++i) q[i] = int8_t(std::nearbyint(x[i] * id));  // default mode: nearest, ties to even
 }
 LLMC_INLINE float hsum(Floats a) {
   const float* v = a.v;
@@ -243,16 +285,14 @@ inline void quantize_row_q8(const float* LLMC_RESTRICT x, QStep<BITS>* LLMC_REST
   int8_t q[32];
   for (int b = 0; b < NB; ++b) {
     const float* xb = x + 32 * b;
-    float amax = 0.0f;
-    for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(xb[i]));
+    const float amax = qsimd::absmax32(xb);
     const float d = amax / 127.0f;
-    const float id = amax != 0.0f ? 127.0f / amax : 0.0f;
-    int sum = 0;
-    for (int i = 0; i < 32; ++i) {
-      q[i] = int8_t(std::nearbyint(xb[i] * id));  // default rounding mode: to nearest, ties to even
-      sum += q[i];
+    qsimd::round32(xb, amax != 0.0f ? 127.0f / amax : 0.0f, q);
+    if constexpr (ASYM) {
+      int sum = 0;
+      for (int i = 0; i < 32; ++i) sum += q[i];
+      xs[b] = d * float(sum);
     }
-    if constexpr (ASYM) xs[b] = d * float(sum);
     if constexpr (BITS == 8) {
       std::memcpy(steps[b].x, q, 32);
       for (float& f : steps[b].dx) f = d;
@@ -262,11 +302,11 @@ inline void quantize_row_q8(const float* LLMC_RESTRICT x, QStep<BITS>* LLMC_REST
       if (h == 0) std::memset(&s, 0, sizeof s);  // an odd tail keeps zeros in its second half
       std::memcpy(s.x + 16 * h, q, 16);
       std::memcpy(s.x + 32 + 16 * h, q + 16, 16);
-      for (int l = 0; l < 4; ++l) {
-        int lane = 0;
-        for (int i = 0; i < 4; ++i) lane += q[4 * l + i] + q[16 + 4 * l + i];
-        s.dx[4 * h + l] = d;
-        s.neg8[4 * h + l] = -8 * lane;
+      for (int l = 0; l < 4; ++l) s.dx[4 * h + l] = d;
+      if (h == 1 || b == NB - 1) {  // the step is complete: its lanes' sums of x times -8
+        const qsimd::Bytes e8 = qsimd::splat_bytes(8);
+        const qsimd::Ints sum8 = qsimd::dot_nib(qsimd::zero_ints(), e8, qsimd::load32(s.x), e8, qsimd::load32(s.x + 32));
+        qsimd::store_ints(s.neg8, qsimd::sub(qsimd::zero_ints(), sum8));
       }
     }
   }
