@@ -44,15 +44,48 @@ SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_K", "Q6_K")
 
 
 class _Reader(gguf.GGUFReader):
-    """GGUFReader, except that a read past the end of the file raises instead of returning fewer items, so a
-    truncated file fails at the field or tensor that runs off the end (and a corrupt count cannot loop long)."""
+    """GGUFReader, with its one read primitive replaced:
+    - a read past the end of the file raises instead of returning fewer items, so a truncated file fails at
+      the field or tensor that runs off the end (and a corrupt count cannot loop long);
+    - it slices the mapped bytes as a plain ndarray: the metadata is read a field at a time (~5 reads per
+      token string and merge), and np.memmap's per-slice overhead made a 150k-token vocabulary take a minute.
+    """
 
     def _get(self, offset, dtype, count=1, override_order=None):
-        arr = super()._get(offset, dtype, count, override_order)
-        if len(arr) < int(count):
-            raise ValueError(f"{int(count)} x {np.dtype(dtype).name} at byte {offset} run past the end of the file "
-                             f"({len(self.data)} bytes): truncated")  # fmt: skip
-        return arr
+        if "_bytes" not in self.__dict__:
+            self._bytes = self.data.view(np.ndarray)  # the same mapping, without the memmap subclass
+        count, dtype = int(count), np.dtype(dtype)
+        raw = self._bytes[offset : offset + dtype.itemsize * count]
+        if len(raw) < dtype.itemsize * count:
+            raise ValueError(f"{count} x {dtype.name} at byte {offset} run past the end of the file "
+                             f"({len(self._bytes)} bytes): truncated")  # fmt: skip
+        arr = raw.view(dtype)
+        return arr.view(arr.dtype.newbyteorder(self.byte_order if override_order is None else override_order))
+
+    def _get_field_parts(self, orig_offs, raw_type):
+        """The parts of a field, made directly for an array (the vocabulary, its merges and token types: 100k+
+        entries each) where GGUFReader parses each entry as a field of its own: a loop of slices for strings,
+        one part for all the numbers (ReaderField.contents() flattens its parts)."""
+        item = self._get(orig_offs, np.uint32)[0] if raw_type == _ARRAY else None
+        if item is None or self.byte_order != "I" or (item != _STRING and item not in self.gguf_scalar_to_np):
+            return super()._get_field_parts(orig_offs, raw_type)
+        parts = [self._get(orig_offs, np.uint32), self._get(orig_offs + 4, np.uint64)]
+        count, offs = int(parts[1][0]), orig_offs + 12
+        if item != _STRING:
+            parts.append(self._get(offs, self.gguf_scalar_to_np[gguf.GGUFValueType(item)], count))
+            return 12 + parts[-1].nbytes, parts, [2] if count else [], [_ARRAY, gguf.GGUFValueType(item)]
+        data, view, idxs = self._bytes, memoryview(self._bytes), []
+        for _ in range(count):
+            end = offs + 8 + int.from_bytes(view[offs : offs + 8], "little")
+            if end > len(data):
+                raise ValueError(f"a string at byte {offs} runs past the end of the file: truncated")
+            parts += [data[offs : offs + 8].view(np.uint64), data[offs + 8 : end]]
+            idxs.append(len(parts) - 1)
+            offs = end
+        return offs - orig_offs, parts, idxs, [_ARRAY, _STRING]
+
+
+_ARRAY, _STRING = gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.STRING
 
 
 @dataclasses.dataclass
@@ -257,7 +290,7 @@ def _config(meta: _Meta, tensors: dict, tokens: list, path: Path):
     context = meta.get(names.CONTEXT_LENGTH, int)
     theta = meta.get(names.ROPE_FREQ_BASE, float, 10000.0)
     kv = meta.get(names.HEAD_COUNT_KV, int, heads)
-    eos = [meta.get(k, int, None) for k in (names.EOS_ID, "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")]
+    eos = [meta.get(k, int, None) for k in (names.EOS_ID, gguf.Keys.Tokenizer.EOT_ID, gguf.Keys.Tokenizer.EOM_ID)]
     raw = {
         "architectures": [names.HF_ARCH[meta.arch]],
         "hidden_size": hidden,
@@ -284,7 +317,7 @@ def _config(meta: _Meta, tensors: dict, tokens: list, path: Path):
         orig = meta.get(names.ROPE_SCALING_ORIG_CTX, int, context)
         raw["rope_scaling"] = _llama3_scaling(_rope_freqs(freqs, head_dim, path), theta, head_dim, orig, path)
     elif kind != "none":
-        raise UnsupportedModelError(f"{path}: rope scaling {kind!r}{' with rope_freqs' if freqs else ''} is not "
+        raise UnsupportedModelError(f"{path}: rope scaling {kind!r}{' with rope_freqs' if freqs is not None else ''} is not "
                                     "supported", "llmc imports none, linear and llama3 (rope_freqs)")  # fmt: skip
     try:
         config = parse_config(raw)
@@ -403,16 +436,16 @@ def _tokenizer(meta: _Meta, tokens: list, path: Path) -> tuple[dict, str | None,
         tok.decoder = decoders.ByteLevel()
         add_bos = meta.get(names.ADD_BOS, bool, False)
     elif model == "llama":
-        scores = meta.get("tokenizer.ggml.scores", list)
+        scores = meta.get(gguf.Keys.Tokenizer.SCORES, list)
         if len(scores) != len(tokens):
             raise CheckpointError(f"{path}: {len(scores)} tokenizer scores for {len(tokens)} tokens", "re-convert it")
-        unk = meta.get("tokenizer.ggml.unknown_token_id", int, None)
+        unk = meta.get(gguf.Keys.Tokenizer.UNK_ID, int, None)
         scored = dict(zip(tokens, scores, strict=True))
         merges = _merges(meta, path) if names.MERGES in meta.reader.fields else _sentencepiece_merges(ids, scored)
         bpe = models.BPE(vocab=ids, merges=merges, unk_token=tokens[unk] if unk is not None and unk < len(tokens)
                          else None, fuse_unk=True, byte_fallback=True)  # fmt: skip
         tok = Tokenizer(bpe)
-        prefix = meta.get("tokenizer.ggml.add_space_prefix", bool, True)
+        prefix = meta.get(gguf.Keys.Tokenizer.ADD_PREFIX, bool, True)
         # SentencePiece's dummy prefix, as llama.cpp adds it: before every run of text (the start, and after each
         # special token), even one that starts with spaces. (transformers' Metaspace skips text that starts
         # with a space, so "  x" would lose one.)

@@ -326,6 +326,18 @@ def test_unsupported_type_is_one_line(qtype, checkpoint_dir, tmp_path):
     assert len(lines) == 1 and qtype.name in lines[0] and "blk.1.ffn_up.weight" in lines[0], result.output
 
 
+def test_reader_reads_what_gguf_reads(sentencepiece_file):
+    """The importer's reader (fast arrays, refusing short reads) gives every field and tensor GGUFReader gives."""
+    from llmc.compiler.frontend.gguf import _Reader
+
+    ours, theirs = _Reader(sentencepiece_file), gguf.GGUFReader(sentencepiece_file)
+    assert {k: f.contents() for k, f in ours.fields.items()} == {k: f.contents() for k, f in theirs.fields.items()}
+    assert [(t.name, t.tensor_type, t.data_offset) for t in ours.tensors] == [
+        (t.name, t.tensor_type, t.data_offset) for t in theirs.tensors
+    ]
+    assert all(np.array_equal(a.data, b.data) for a, b in zip(ours.tensors, theirs.tensors, strict=True))
+
+
 def _cut_tensor_data(data: bytes) -> bytes:
     return data[:-100]
 
