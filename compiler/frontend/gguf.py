@@ -395,8 +395,9 @@ def _check_rope(config, freqs, path: Path) -> None:
 # ---------------------------------------------------------------------------------------------------------
 # Tokenizer
 
-# tokenizer.ggml.pre -> the split regex its merges were learned with (llama.cpp's llama-vocab.cpp; the same
-# table as transformers' GGUF conversion). GPT-2's own is ByteLevel's built-in regex.
+# tokenizer.ggml.pre -> (the split regex its merges were learned with, whether a pre-token found whole in the
+# vocabulary skips the merges, whether BOS is added when the file does not say), as llama.cpp's llama-vocab.cpp
+# sets them; the regexes are transformers' GGUF conversion's. None: GPT-2's, ByteLevel's built-in one.
 _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
@@ -404,9 +405,10 @@ _LLAMA3_SPLIT = (
 _QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
-_SPLITS = {"gpt-2": None, "default": None, "llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT,
-           "llama-v3": _LLAMA3_SPLIT, "smaug-bpe": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT,
-           "deepseek-r1-qwen": _QWEN2_SPLIT}  # fmt: skip
+_PRE = {"gpt-2": (None, False, False), "default": (None, False, False), "llama-bpe": (_LLAMA3_SPLIT, True, True),
+        "llama3": (_LLAMA3_SPLIT, True, True), "llama-v3": (_LLAMA3_SPLIT, True, True),
+        "smaug-bpe": (_LLAMA3_SPLIT, False, False), "qwen2": (_QWEN2_SPLIT, False, False),
+        "deepseek-r1-qwen": (_QWEN2_SPLIT, False, False)}  # fmt: skip
 
 
 def _tokenizer(meta: _Meta, tokens: list, path: Path) -> tuple[dict, str | None, Path]:
@@ -422,11 +424,11 @@ def _tokenizer(meta: _Meta, tokens: list, path: Path) -> tuple[dict, str | None,
     if model == "gpt2":
         pairs = _merges(meta, path)
         pre = meta.get(names.TOKENIZER_PRE, str, "default")
-        if pre not in _SPLITS:
+        if pre not in _PRE:
             raise UnsupportedModelError(f"{path}: GGUF pre-tokenizer {pre!r} is not supported",
-                                        f"llmc imports {', '.join(sorted(_SPLITS))}")  # fmt: skip
-        tok = Tokenizer(models.BPE(vocab=ids, merges=pairs, ignore_merges=False))
-        split = _SPLITS[pre]
+                                        f"llmc imports {', '.join(sorted(_PRE))}")  # fmt: skip
+        split, ignore_merges, bos_default = _PRE[pre]
+        tok = Tokenizer(models.BPE(vocab=ids, merges=pairs, ignore_merges=ignore_merges))
         if split is None:
             tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         else:
@@ -434,7 +436,7 @@ def _tokenizer(meta: _Meta, tokens: list, path: Path) -> tuple[dict, str | None,
             tok.pre_tokenizer = pre_tokenizers.Sequence([regex, pre_tokenizers.ByteLevel(add_prefix_space=False,
                                                                                          use_regex=False)])  # fmt: skip
         tok.decoder = decoders.ByteLevel()
-        add_bos = meta.get(names.ADD_BOS, bool, False)
+        add_bos = meta.get(names.ADD_BOS, bool, bos_default)
     elif model == "llama":
         scores = meta.get(gguf.Keys.Tokenizer.SCORES, list)
         if len(scores) != len(tokens):
@@ -442,7 +444,7 @@ def _tokenizer(meta: _Meta, tokens: list, path: Path) -> tuple[dict, str | None,
         unk = meta.get(gguf.Keys.Tokenizer.UNK_ID, int, None)
         scored = dict(zip(tokens, scores, strict=True))
         merges = _merges(meta, path) if names.MERGES in meta.reader.fields else _sentencepiece_merges(ids, scored)
-        bpe = models.BPE(vocab=ids, merges=merges, unk_token=tokens[unk] if unk is not None and unk < len(tokens)
+        bpe = models.BPE(vocab=ids, merges=merges, unk_token=tokens[unk] if unk is not None and 0 <= unk < len(tokens)
                          else None, fuse_unk=True, byte_fallback=True)  # fmt: skip
         tok = Tokenizer(bpe)
         prefix = meta.get(gguf.Keys.Tokenizer.ADD_PREFIX, bool, True)

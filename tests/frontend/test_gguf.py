@@ -437,16 +437,19 @@ def test_sentencepiece_tokenizer_as_transformers_converts_it(sentencepiece_file)
     assert ours.decode(ours.encode(PREFIX_TEXTS[0]).ids) == PREFIX_TEXTS[0]
 
 
-@pytest.mark.parametrize("arch", [*ARCHS, "sentencepiece"])
-def test_tokenizer_as_llama_cpp_tokenizes(arch, gguf_file, sentencepiece_file):
-    """llama.cpp, the file format's own runtime (in the bench extra): the same ids, special tokens included."""
+@pytest.mark.parametrize("case", [*ARCHS, "llama-bpe", "qwen2-pre", "sentencepiece"])
+def test_tokenizer_as_llama_cpp_tokenizes(case, gguf_file, sentencepiece_file, tmp_path):
+    """llama.cpp, the file format's own runtime (in the bench extra): the same ids, special tokens and BOS
+    included. llama-bpe / qwen2-pre: the tiny vocabulary under Llama 3's and Qwen2's split regexes."""
     llama_cpp = pytest.importorskip("llama_cpp")
-    path = sentencepiece_file if arch == "sentencepiece" else gguf_file(arch, "F32")
+    path = sentencepiece_file if case == "sentencepiece" else gguf_file(case.split("-")[0], "F32")
+    if case in ("llama-bpe", "qwen2-pre"):
+        meta = {names.TOKENIZER_PRE: (case.removesuffix("-pre"), gguf.GGUFValueType.STRING, None)}
+        path = _rewrite(path, tmp_path / "pre.gguf", None, meta=meta)
     ours = Tokenizer.from_file(str(load_checkpoint(path).tokenizer_path))
     reference = llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
     for text in TEXTS + PREFIX_TEXTS + ["tabs\tand\nnewlines", "中文 bytes", "The  fox's 'quoted' THE end.\r\n"]:
-        want = reference.tokenize(text.encode(), add_bos=arch == "sentencepiece", special=True)
-        assert ours.encode(text).ids == want, text
+        assert ours.encode(text).ids == reference.tokenize(text.encode(), add_bos=True, special=True), text
 
 
 def test_gguf_file_without_the_gguf_suffix_is_refused(gguf_file, tmp_path):
