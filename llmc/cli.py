@@ -6,6 +6,7 @@ import contextlib
 import functools
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -584,6 +585,7 @@ def _serve_on_ray(ray_serve, app_kw: dict, host: str, port: int, address: str | 
     options = ray_serve_options(app_kw["path"], app_kw["limits"], app_kw["max_num_seqs"], replicas,
                                 threads_per_replica, autoscale)  # fmt: skip
     ray_serve.start_ray(address, None if address else max(os.cpu_count() or 1, replicas * options.num_cpus))
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # as Ctrl-C: through `finally`, which stops Serve and Ray
     try:
         ray_serve.deploy(functools.partial(ray_replica_app, **app_kw), options, host=host, port=port)
         count = f"autoscaled {autoscale}" if autoscale else f"{replicas} replica(s)"
@@ -875,6 +877,44 @@ def _fused(kernel: dict) -> str:
 def _params(kernel: dict) -> str:
     params = kernel.get("params") or {}
     return ", ".join(f"{k}={v}" for k, v in params.items() if not (isinstance(v, list) and len(v) > 8))
+
+
+@main.command()
+@click.argument("artifact", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--simulate", is_flag=True, help="Run the step under the CUDA simulator's counters (no GPU needed).")
+@click.option("--phase", type=click.Choice(["decode", "prefill"]), default="decode", show_default=True)
+@click.option("--batch", type=click.IntRange(min=1), default=1, show_default=True, help="Decode: sequences.")
+@click.option("--context", type=click.IntRange(min=0), default=1024, show_default=True,
+              help="Decode: tokens already in each sequence's KV cache.")  # fmt: skip
+@click.option("--prompt-len", type=click.IntRange(min=1), default=256, show_default=True, help="Prefill: tokens.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the step's random token ids.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object: step and kernels.")
+def profile(artifact: Path, simulate: bool, phase: str, batch: int, context: int, prompt_len: int, seed: int,
+            as_json: bool) -> None:  # fmt: skip
+    """One decode or prefill step of a CUDA ARTIFACT, per kernel: bytes, DRAM sectors, sector efficiency, bank
+    conflicts, tensor-core instructions, FLOPs, floor and time (--simulate: predicted from the counters)."""
+    if not simulate:
+        raise LlmcError("llmc profile times kernels on a GPU only with per-kernel CUDA events, which the generated "
+                        "module does not record yet", "pass --simulate to profile under the CUDA simulator")  # fmt: skip
+    from .compiler.codegen.profile import format_table, profile_simulated
+
+    stages = ("build", "load", "run")
+    labels = {"build": "building the profiling library", "load": "loading", "run": f"running one {phase} step"}
+    with click.progressbar(length=len(stages), label="profile", file=sys.stderr,
+                           item_show_func=lambda s: s) as bar:  # fmt: skip
+        done = []
+
+        def progress(stage: str) -> None:
+            if done:
+                bar.update(1)
+            done.append(stage)
+            bar.label = f"profile: {labels[stage]}"
+            bar.render_progress()
+
+        report = profile_simulated(artifact, phase=phase, batch=batch, context=context, prompt_len=prompt_len,
+                                   seed=seed, progress=progress)  # fmt: skip
+        bar.update(1)
+    click.echo(json.dumps(report) if as_json else format_table(report))
 
 
 if __name__ == "__main__":

@@ -3,6 +3,8 @@
 - `build_simulated(sources, out_so)`: g++ -DLLMC_SIMULATOR -> a shared library whose kernels run on the CPU
   (templates/cuda/include/llmc_sim.h). Load it with ctypes; `llmc_sim_set_seed(n)` sets the scheduling seed.
 - `nvcc_compile(source, "sm_90", out)`: nvcc -cubin with `ptxas -v`; returns registers and spills per kernel.
+- `build_profiled(sources, out_so)` / `build_profiled_library(artifact)`: the same with the counters of
+  `llmc profile --simulate` (templates/cuda/include/llmc_sim_profile.h), a build of its own.
 - `asan_env()`: the environment a subprocess needs to load an `asan=True` build.
 - `build_simulated_library(artifact)`: a CUDA artifact's model.cu as a simulated model.so, for
   `CompiledModel.load(artifact, library=...)` (`llmc run --simulate`); the runtime never builds it itself.
@@ -179,6 +181,64 @@ def build_simulated_library(artifact_path: str | Path) -> Path:
     if out.is_file():  # written atomically, under the source's own digest
         return out
     return build_simulated([artifact.source_path], out, extra_flags=("-O2",))
+
+
+# The profiling build: kernel code calls __asan_{load,store}*_noabort on every access; the counter unit,
+# built without the flag, defines them (templates/cuda/include/llmc_sim_profile.h).
+PROFILE_FLAGS = (
+    "-DLLMC_SIM_PROFILE",
+    "-fsanitize=kernel-address",
+    "--param",
+    "asan-instrumentation-with-call-threshold=0",
+    "--param",
+    "asan-stack=0",
+    "--param",
+    "asan-globals=0",
+)
+_COUNTER_UNIT = '#define LLMC_SIM_PROFILE_IMPL\n#include "llmc_sim.h"\n'
+
+
+def build_profiled(sources: list[Path] | str, out_so: Path, *, opt: str = "-O2") -> Path:
+    """Like build_simulated, with the counters of `llmc profile --simulate`: llmc_sim_prof_enable(1) turns
+    counting on, llmc_sim_prof_kernel(i, ...) reads kernel i's counters (llmc_sim_profile.h). Cached apart
+    from the plain build (its flags are part of the key)."""
+    out_so = Path(out_so)
+    flags = sim_flags(False, (opt, "-DLLMC_SIM_PROFILE"))
+    kernel_flags = sim_flags(False, (opt, *PROFILE_FLAGS))
+    with tempfile.TemporaryDirectory(prefix="llmc-simprof-") as tmp:
+        srcs = _sources(sources, Path(tmp))
+        counter = Path(tmp) / "llmc_sim_counters.cc"
+        counter.write_text(_COUNTER_UNIT)
+        parts: list[str | bytes] = ["profile", _tool_version(CXX), " ".join(kernel_flags), " ".join(flags)]
+        for s, f in [*((s, kernel_flags) for s in srcs), (counter, flags)]:
+            pre = _run([CXX, *f, "-E", str(s), "-o", "-"], f"preprocessing {s.name}").stdout
+            parts.append(pre.replace(str(s), s.name))
+        cached = cache_dir() / f"simprof-{_key(parts)}.so"
+        if not cached.exists():
+            objs = []
+            for i, s in enumerate(srcs):
+                objs.append(Path(tmp) / f"k{i}.o")
+                _run([CXX, *kernel_flags, "-c", str(s), "-o", str(objs[-1])], "g++ (profiling build)")
+            objs.append(Path(tmp) / "counters.o")
+            _run([CXX, *flags, "-c", str(counter), "-o", str(objs[-1])], "g++ (profiling counters)")
+            built = Path(tmp) / "out.so"
+            _run([CXX, "-shared", "-fPIC", *map(str, objs), "-ldl", "-o", str(built)], "g++ (profiling link)")
+            _atomic_copy(built, cached)
+    _atomic_copy(cached, out_so)
+    return out_so
+
+
+def build_profiled_library(artifact_path: str | Path) -> Path:
+    """The artifact's model.cu as build_simulated_library builds it, with the profiling counters."""
+    artifact = load_artifact(artifact_path, verify=False)
+    if not artifact.is_cuda:
+        raise ArtifactError(f"{artifact.path}: --simulate needs a CUDA-target artifact; this one is built for "
+                            f"{artifact.target_name} ({artifact.kind})", "profile it without --simulate")  # fmt: skip
+    digest = artifact.manifest["files"][artifact.source_path.name]
+    out = cache_root() / "simulated" / f"{digest[:24]}-profile.so"
+    if out.is_file():
+        return out
+    return build_profiled([artifact.source_path], out)
 
 
 def asan_env(base: dict | None = None) -> dict:

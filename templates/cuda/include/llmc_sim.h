@@ -33,6 +33,7 @@
 //   llmc_sim_memory.h   dynamic shared memory, cp.async, the stack-overflow report, the host runtime API
 //   llmc_sim_launch.h   the block scheduler, kernel launch, built-in variables, __syncthreads
 //   llmc_sim_math.h     device math and bit intrinsics on the host
+//   llmc_sim_profile.h  the counters of `llmc profile --simulate` (only with -DLLMC_SIM_PROFILE)
 // Build: compiler/codegen/simulator.py build_simulated() (g++ -x c++ -std=c++17 -O1 -DLLMC_SIMULATOR
 // -I templates/cuda/include -I <cuda>/include -fPIC -shared).
 // Limits: no preemption between sync points (a thread spinning on a value another thread of the block
@@ -63,11 +64,36 @@
 #include <utility>
 #include <vector>
 
-#if defined(__SANITIZE_ADDRESS__)
-#define LLMC_SIM_ASAN 1
+#if defined(__SANITIZE_ADDRESS__) && !defined(LLMC_SIM_PROFILE)  // the profiling build's kernel-address
+#define LLMC_SIM_ASAN 1                                               // hooks count, they check nothing
 #include <sanitizer/asan_interface.h>
 #include <sanitizer/common_interface_defs.h>
 #endif
+
+// counters of the profiling build (llmc_sim_profile.h): hooks that are empty in every other build
+#if defined(LLMC_SIM_PROFILE)
+#include <cstddef>
+extern "C" {
+void llmc_sim_prof_launch_begin(const void* kernel);
+void llmc_sim_prof_launch_end();
+void llmc_sim_prof_block_begin();
+void llmc_sim_prof_block_end();
+void llmc_sim_prof_alloc(const void* p, size_t n);
+void llmc_sim_prof_free(const void* p);
+void llmc_sim_prof_mma();
+void llmc_sim_prof_ldmatrix(const void* const* rows, int num);
+void llmc_sim_prof_access(const void* addr, size_t n, int store, const void* site);
+}
+#define LLMC_SIM_PROF(call) call
+// the simulator's own data movement (cp.async, ldmatrix, mma) counts itself: not instrumented
+#define LLMC_SIM_UNCOUNTED __attribute__((no_sanitize_address))
+#define LLMC_SIM_SHARED_SECTION __attribute__((section("llmc_sim_smem")))
+#else
+#define LLMC_SIM_PROF(call) ((void)0)
+#define LLMC_SIM_UNCOUNTED
+#define LLMC_SIM_SHARED_SECTION
+#endif
+
 
 // CUDA qualifiers. Defined before CUDA's headers, which keep definitions that already exist.
 #define __host__
@@ -79,7 +105,7 @@
 #define __forceinline__ inline
 #define __noinline__ __attribute__((noinline))
 #define __launch_bounds__(...)
-#define __shared__ static
+#define __shared__ static LLMC_SIM_SHARED_SECTION
 
 // <cuda_runtime.h> / <cuda_runtime_api.h> become no-ops (cuda_fp16.h would pull in the latter): this header
 // defines the runtime functions itself, with C++ linkage, so they never bind to a libcudart in the process.
@@ -100,6 +126,7 @@
 #include "llmc_sim_memory.h"
 #include "llmc_sim_launch.h"
 #include "llmc_sim_math.h"
+#include "llmc_sim_profile.h"
 
 // ---------------------------------------------------------------------------------------------------
 // entry points for a host (e.g. Python through ctypes) that loads the built .so

@@ -110,6 +110,7 @@ inline void run_block() {
     g.runnable.push_back(static_cast<int>(i));
   }
   g.nexited = 0;
+  LLMC_SIM_PROF(llmc_sim_prof_block_begin());
   for (;;) {
     if (g.runnable.empty()) {
       if (g.nexited == g.nthreads) break;
@@ -126,6 +127,7 @@ inline void run_block() {
     else if (st == St::Exited) { ++g.nexited; try_warp(static_cast<unsigned>(i) / 32); }
     else if (st == St::Warp) try_warp(static_cast<unsigned>(i) / 32);
   }
+  LLMC_SIM_PROF(llmc_sim_prof_block_end());
 }
 
 inline void launch_error(cudaError_t e, const char* fmt, ...) {
@@ -173,11 +175,13 @@ inline void launch_impl(const void* kernel, dim3 grid, dim3 block, size_t smem, 
   for (size_t b = 0; b < nblocks; ++b) order[b] = b;
   for (size_t b = nblocks; b > 1; --b) std::swap(order[b - 1], order[next_random() % b]);
   g.in_kernel = true;
+  LLMC_SIM_PROF(llmc_sim_prof_launch_begin(kernel));
   for (size_t b : order) {
     g_bid = uint3{static_cast<unsigned>(b % grid.x), static_cast<unsigned>(b / grid.x % grid.y),
                   static_cast<unsigned>(b / (1ull * grid.x * grid.y))};
     run_block();
   }
+  LLMC_SIM_PROF(llmc_sim_prof_launch_end());
   g.in_kernel = false;
   std::free(buf);
   g.dyn_smem = nullptr;

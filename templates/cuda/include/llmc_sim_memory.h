@@ -19,11 +19,11 @@ inline void* dynamic_smem() {
 }
 
 // cp.async: each thread's copies, in its uncommitted list and its committed groups
-inline void retire_group(std::vector<CpAsync>& ops) {
+LLMC_SIM_UNCOUNTED inline void retire_group(std::vector<CpAsync>& ops) {
   for (CpAsync& op : ops) std::memcpy(op.dst, op.data, static_cast<size_t>(op.size));
   ops.clear();
 }
-inline void cp_async(void* dst, const void* src, int cp_size, int src_size, const char* file, int line) {
+LLMC_SIM_UNCOUNTED inline void cp_async(void* dst, const void* src, int cp_size, int src_size, const char* file, int line) {
   Thread& t = self();
   if (reinterpret_cast<uintptr_t>(dst) % cp_size || (src_size > 0 && reinterpret_cast<uintptr_t>(src) % cp_size))
     fatal("cp.async of %d bytes: dst %p / src %p not aligned to %d bytes (%s:%d)", cp_size, dst, src, cp_size, file, line);
@@ -33,15 +33,18 @@ inline void cp_async(void* dst, const void* src, int cp_size, int src_size, cons
   op.size = cp_size;
   std::memset(op.data, 0, sizeof op.data);
   if (src_size > 0) std::memcpy(op.data, src, static_cast<size_t>(src_size));
+  // the global read; each call site's k-th copy by a warp's lanes is one warp-wide access
+  LLMC_SIM_PROF(llmc_sim_prof_access(src, static_cast<size_t>(src_size), 0,
+                                     reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(file) + line)));
   std::memset(dst, 0xFF, static_cast<size_t>(cp_size));  // the destination is garbage until the copy is waited for
   t.uncommitted.push_back(op);
 }
-inline void cp_async_commit() {
+LLMC_SIM_UNCOUNTED inline void cp_async_commit() {
   Thread& t = self();
   t.groups.push_back(std::move(t.uncommitted));
   t.uncommitted.clear();
 }
-inline void cp_async_wait(int n) {
+LLMC_SIM_UNCOUNTED inline void cp_async_wait(int n) {
   Thread& t = self();
   while (t.groups.size() > static_cast<size_t>(n)) {
     retire_group(t.groups.front());
@@ -123,6 +126,7 @@ inline cudaError_t cudaMalloc(void** p, size_t n) {
   *p = nullptr;
   if (n == 0) return cudaSuccess;
   if (posix_memalign(p, 256, n)) return llmc_sim_ret(cudaErrorMemoryAllocation);
+  LLMC_SIM_PROF(llmc_sim_prof_alloc(*p, n));
   return cudaSuccess;
 }
 template <class T> inline cudaError_t cudaMalloc(T** p, size_t n) { return cudaMalloc(reinterpret_cast<void**>(p), n); }
@@ -130,8 +134,12 @@ inline cudaError_t cudaMallocHost(void** p, size_t n) { return cudaMalloc(p, n);
 template <class T> inline cudaError_t cudaMallocHost(T** p, size_t n) { return cudaMalloc(reinterpret_cast<void**>(p), n); }
 inline cudaError_t cudaMallocManaged(void** p, size_t n, unsigned = 1) { return cudaMalloc(p, n); }
 template <class T> inline cudaError_t cudaMallocManaged(T** p, size_t n, unsigned = 1) { return cudaMalloc(reinterpret_cast<void**>(p), n); }
-inline cudaError_t cudaFree(void* p) { std::free(p); return cudaSuccess; }
-inline cudaError_t cudaFreeHost(void* p) { std::free(p); return cudaSuccess; }
+inline cudaError_t cudaFree(void* p) {
+  LLMC_SIM_PROF(llmc_sim_prof_free(p));
+  std::free(p);
+  return cudaSuccess;
+}
+inline cudaError_t cudaFreeHost(void* p) { return cudaFree(p); }
 inline cudaError_t cudaMemcpy(void* dst, const void* src, size_t n, cudaMemcpyKind) {
   if (n) std::memcpy(dst, src, n);
   return cudaSuccess;

@@ -21,8 +21,9 @@ inline float bits_to_float(uint16_t b, bool f16) {
 // mma.sync.aligned.m16n8k16.row.col.f32.{bf16,f16}.{bf16,f16}.f32 from the PTX fragment layouts:
 // A: lane 4*(m%8) + (k%8)/2, reg m/8 + 2*(k/8), half k%2; B: lane 4*n + (k%8)/2, reg k/8, half k%2;
 // C/D: lane 4*(m%8) + n/2, reg 2*(m/8) + n%2. Products are exact; the sum is done in double.
-inline void do_mma(unsigned w) {
+LLMC_SIM_UNCOUNTED inline void do_mma(unsigned w) {
   Thread* L = &g.th[32 * w];
+  LLMC_SIM_PROF(llmc_sim_prof_mma());
   const bool f16 = L[0].a0 == 1;
   auto half_of = [](uint32_t reg, int h) { return static_cast<uint16_t>(h ? reg >> 16 : reg & 0xffff); };
   float A[16][16], B[16][8], C[16][8];
@@ -48,7 +49,7 @@ inline void do_mma(unsigned w) {
 
 // ldmatrix.sync.aligned.m8n8.{x1,x2,x4}{.trans}.shared.b16: lane 8j+r gives the address of row r of
 // matrix j; lane t's register j = {M_j[t/4][2(t%4)], M_j[t/4][2(t%4)+1]} (.trans: M_j transposed).
-inline void do_ldmatrix(unsigned w) {
+LLMC_SIM_UNCOUNTED inline void do_ldmatrix(unsigned w) {
   Thread* L = &g.th[32 * w];
   const int num = L[0].a0;
   const bool trans = L[0].a1 != 0;
@@ -61,6 +62,11 @@ inline void do_ldmatrix(unsigned w) {
               L[0].file, L[0].line);
       std::memcpy(M[j][r], row, 16);
     }
+#if defined(LLMC_SIM_PROFILE)
+  const void* rows[32];
+  for (int l = 0; l < 8 * num; ++l) rows[l] = L[l].p[0];
+  llmc_sim_prof_ldmatrix(rows, num);
+#endif
   for (int t = 0; t < 32; ++t) {
     uint32_t* regs = static_cast<uint32_t*>(L[t].q);
     for (int j = 0; j < num; ++j) {

@@ -1,0 +1,259 @@
+"""`llmc profile ARTIFACT --simulate`: one decode or prefill step of a CUDA artifact under the simulator's
+counters (templates/cuda/include/llmc_sim_profile.h defines them), with each kernel's floor and predicted time.
+
+Per kernel (a __global__ function, by its demangled name): launches, requested_bytes, dram_bytes (distinct
+32-byte sectors per launch), sector_efficiency, bank_conflicts_per_request, tensor_core_instructions, flops
+(the mma.sync ones, 2*16*8*16 each: SIMT arithmetic is not counted), floor_bytes (distinct bytes loaded plus
+distinct bytes stored per launch: each byte the kernel uses, moved once), floor_us and time_us:
+
+    floor_us = max(floor_bytes / bandwidth, flops / tensor rate)
+    time_us  = max(dram_bytes / bandwidth, flops / tensor rate) + launches * launch_us
+
+with the target's [ceilings] (targets/<name>.toml). The step's floor takes the FLOPs of the kernel program's
+shapes instead (every GEMM 2*M*N*K, attention 4*heads*head_dim per query-key pair, whichever rate the
+artifact's dtype runs at), so SIMT GEMMs have a FLOP floor too: step floor_us = max(sum floor_bytes /
+bandwidth, program FLOPs / rate); step time_us = the sum of the kernels' time_us, or the step's floor_us plus
+its launch costs where that is more (SIMT FLOPs, which the kernels' counts miss, bound the step).
+
+The decode step's KV cache holds what the simulator's cudaMalloc gave it (zero pages): the counters depend on
+the shapes and the block tables, not on the values.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import math
+import tomllib
+from pathlib import Path
+
+import numpy as np
+
+from llmc.artifact import load_artifact
+from llmc.errors import LlmcError
+from llmc.runtime.batch import StepBatch
+from llmc.runtime.module import CompiledModel
+
+from .simulator import build_profiled_library
+
+# the order of llmc_sim_prof_kernel's counters (llmc_sim_profile.h, enum Field)
+FIELDS = (
+    "launches",
+    "requested_bytes",
+    "dram_bytes",
+    "floor_bytes",
+    "useful_bytes",
+    "fetched_bytes",
+    "global_requests",
+    "shared_requests",
+    "bank_conflicts",
+    "tensor_core_instructions",
+    "flops",
+)
+_NAME_LEN = 4096
+
+
+@dataclasses.dataclass(frozen=True)
+class Ceilings:
+    part: str
+    bandwidth_gb_s: float
+    bf16_tensor_tflop_s: float
+    fp32_tflop_s: float
+    launch_us: float
+
+    def byte_us(self, n: float) -> float:
+        return n / (self.bandwidth_gb_s * 1e3)
+
+    def tensor_us(self, flops: float) -> float:
+        return flops / (self.bf16_tensor_tflop_s * 1e6)
+
+
+def ceilings(target: dict) -> Ceilings:
+    """The target's [ceilings]: the artifact's recorded table, else the built-in targets/<name>.toml's."""
+    table = target.get("ceilings")
+    if not isinstance(table, dict):
+        path = Path(__file__).resolve().parents[2] / "targets" / f"{target.get('name')}.toml"
+        table = tomllib.loads(path.read_text()).get("ceilings") if path.is_file() else None
+    if not isinstance(table, dict):
+        raise LlmcError(f"target {target.get('name')!r} states no [ceilings] (bandwidth and tensor rate)",
+                        "add a [ceilings] table to its targets/*.toml")  # fmt: skip
+    return Ceilings(**{f.name: table[f.name] for f in dataclasses.fields(Ceilings)})
+
+
+def program_flops(config, phase: str, batch: int, context: int, prompt_len: int) -> int:
+    """FLOPs of one step from the kernel program's shapes: the GEMMs (2*M*N*K, logits for one row per
+    sequence) and attention's QK and PV products (4 * heads * head_dim per query-key pair)."""
+    c = config
+    per_token = c.hidden_size * (c.q_size + 2 * c.kv_size) + c.q_size * c.hidden_size
+    per_token += 3 * c.hidden_size * c.intermediate_size
+    if phase == "decode":
+        tokens, seqs, pairs = batch, batch, batch * (context + 1)
+    else:
+        tokens, seqs, pairs = prompt_len, 1, prompt_len * (prompt_len + 1) // 2
+    attention = 4 * c.num_heads * c.head_dim * pairs
+    return 2 * tokens * per_token * c.num_layers + attention * c.num_layers + 2 * seqs * c.hidden_size * c.vocab_size
+
+
+def step_batch(phase: str, batch: int, context: int, prompt_len: int, block_size: int, vocab: int, seed: int):
+    """decode: `batch` sequences with `context` tokens cached, one new token each; prefill: one sequence of
+    `prompt_len` tokens. Blocks are handed out in order."""
+    rng = np.random.default_rng(seed)
+    if phase == "decode":
+        seqs = [(context, 1)] * batch
+    else:
+        seqs = [(0, prompt_len)]
+    tables, next_block = [], 0
+    for cached, new in seqs:
+        n = math.ceil((cached + new) / block_size)
+        tables.append(list(range(next_block, next_block + n)))
+        next_block += n
+    ids = [rng.integers(0, vocab, new).tolist() for _, new in seqs]
+    return StepBatch.build(ids, [cached for cached, _ in seqs], tables, block_size), next_block
+
+
+def _kernel_row(name: str, v: dict, ceil: Ceilings) -> dict:
+    flops = v["flops"]
+    floor_us = max(ceil.byte_us(v["floor_bytes"]), ceil.tensor_us(flops))
+    time_us = max(ceil.byte_us(v["dram_bytes"]), ceil.tensor_us(flops)) + v["launches"] * ceil.launch_us
+    return {
+        "name": name,
+        "launches": v["launches"],
+        "requested_bytes": v["requested_bytes"],
+        "dram_bytes": v["dram_bytes"],
+        "floor_bytes": v["floor_bytes"],
+        "sector_efficiency": v["useful_bytes"] / v["fetched_bytes"] if v["fetched_bytes"] else 1.0,
+        "bank_conflicts_per_request": v["bank_conflicts"] / v["shared_requests"] if v["shared_requests"] else 0.0,
+        "shared_requests": v["shared_requests"],
+        "tensor_core_instructions": v["tensor_core_instructions"],
+        "flops": flops,
+        "floor_us": floor_us,
+        "time_us": time_us,
+    }
+
+
+def read_counters(lib: ctypes.CDLL) -> dict[str, dict]:
+    """Every kernel's counters from a build_profiled library, by kernel name (launched ones only)."""
+    nf = lib.llmc_sim_prof_num_fields()
+    if nf != len(FIELDS):
+        raise LlmcError(f"the profiling library has {nf} counters per kernel, this llmc reads {len(FIELDS)}",
+                        "rebuild it (clear the build cache)")  # fmt: skip
+    out: dict[str, dict] = {}
+    name = ctypes.create_string_buffer(_NAME_LEN)
+    values = (ctypes.c_uint64 * nf)()
+    for i in range(lib.llmc_sim_prof_num_kernels()):
+        if lib.llmc_sim_prof_kernel(i, name, _NAME_LEN, values) != 0:
+            continue
+        v = dict(zip(FIELDS, values, strict=True))
+        if v["launches"]:
+            out[name.value.decode(errors="replace")] = v
+    return out
+
+
+def profile_simulated(artifact_path: str | Path, *, phase: str, batch: int = 1, context: int = 0,
+                      prompt_len: int = 1, seed: int = 0, progress=None) -> dict:  # fmt: skip
+    """Run one step of the stated shape under the counters; the `llmc profile --json` object.
+
+    progress(stage) is called as each stage starts ("build", "load", "run")."""
+    if phase not in ("decode", "prefill"):
+        raise LlmcError(f"unknown phase {phase!r}", "use --phase decode or --phase prefill")
+    if min(batch, prompt_len) < 1 or context < 0:
+        raise LlmcError("--batch and --prompt-len must be >= 1 and --context >= 0")
+    artifact = load_artifact(artifact_path, verify=False)
+    ceil = ceilings(artifact.target)
+    c = artifact.config
+    tokens = batch if phase == "decode" else prompt_len
+    longest = context + 1 if phase == "decode" else prompt_len
+    if longest > c.max_context:
+        raise LlmcError(f"a sequence of {longest} tokens exceeds the model's context of {c.max_context}",
+                        "lower --context / --prompt-len")  # fmt: skip
+    step, blocks = step_batch(phase, batch, context, prompt_len, artifact.block_size, c.vocab_size, seed)
+    if progress:
+        progress("build")
+    lib_path = build_profiled_library(artifact.path)
+    if progress:
+        progress("load")
+    per_block = 2 * c.num_layers * c.num_kv_heads * c.head_dim * artifact.block_size * 4
+    with CompiledModel.load(artifact.path, library=lib_path, kv_cache_memory=blocks * per_block,
+                            max_num_tokens=tokens, max_num_seqs=step.num_seqs) as model:  # fmt: skip
+        if model.num_blocks < blocks:
+            raise LlmcError(f"the KV cache got {model.num_blocks} blocks, the step needs {blocks}")
+        lib = ctypes.CDLL(str(Path(lib_path).resolve()))  # the same loaded object: dlopen counts references
+        for fn in ("llmc_sim_prof_num_fields", "llmc_sim_prof_num_kernels", "llmc_sim_prof_kernel"):
+            getattr(lib, fn).restype = ctypes.c_int
+        if progress:
+            progress("run")
+        lib.llmc_sim_prof_clear()
+        lib.llmc_sim_prof_enable(1)
+        try:
+            model.step(step)
+        finally:
+            lib.llmc_sim_prof_enable(0)
+        counters = read_counters(lib)
+    kernels = [_kernel_row(name, v, ceil) for name, v in counters.items()]
+    floor_bytes = sum(k["floor_bytes"] for k in kernels)
+    flops = program_flops(c, phase, batch, context, prompt_len)
+    rate = ceil.bf16_tensor_tflop_s if artifact.weight_dtype in ("bfloat16", "float16") else ceil.fp32_tflop_s
+    floor_us = max(ceil.byte_us(floor_bytes), flops / (rate * 1e6))
+    launches = sum(k["launches"] for k in kernels)
+    # at least the floor plus the launches, even where SIMT FLOPs the kernels' counts miss bound the step
+    time_us = max(sum(k["time_us"] for k in kernels), floor_us + launches * ceil.launch_us)
+    return {
+        "artifact": str(artifact.path),
+        "target": artifact.target_name,
+        "part": ceil.part,
+        "mode": "simulate",
+        "phase": phase,
+        "batch": batch if phase == "decode" else 1,
+        "context": context if phase == "decode" else 0,
+        "prompt_len": prompt_len if phase == "prefill" else 0,
+        "ceilings": dataclasses.asdict(ceil),
+        "step": {
+            "floor_bytes": floor_bytes,
+            "dram_bytes": sum(k["dram_bytes"] for k in kernels),
+            "flops": flops,
+            "launches": launches,
+            "floor_us": floor_us,
+            "time_us": time_us,
+            "floor_fraction": floor_us / time_us if time_us else 0.0,
+        },
+        "kernels": kernels,
+    }
+
+
+def _short(name: str, width: int) -> str:
+    name = name.replace("llmc::", "").replace("(anonymous namespace)::", "")
+    return name if len(name) <= width else name[: width - 1] + "…"
+
+
+def _mb(n: float) -> str:
+    return f"{n / 1e6:.2f}"
+
+
+def format_table(report: dict) -> str:
+    """The report as a table: one row per kernel, then the step."""
+    s = report["step"]
+    shape = (f"decode batch {report['batch']} context {report['context']}" if report["phase"] == "decode"
+             else f"prefill {report['prompt_len']} tokens")  # fmt: skip
+    c = report["ceilings"]
+    lines = [
+        f"{report['artifact']}: {shape}, simulated on {report['target']} ({report['part']}: "
+        f"{c['bandwidth_gb_s']} GB/s, {c['bf16_tensor_tflop_s']} bf16 TFLOP/s, {c['launch_us']} us per launch)",
+        f"{'kernel':<52} {'launch':>6} {'req MB':>9} {'DRAM MB':>9} {'floor MB':>9} {'DRAM/fl':>7} {'sect eff':>8} "
+        f"{'bank/req':>8} {'mma':>9} {'GFLOP':>8} {'floor us':>9} {'time us':>9}",
+    ]
+    for k in sorted(report["kernels"], key=lambda k: -k["time_us"]):
+        ratio = k["dram_bytes"] / k["floor_bytes"] if k["floor_bytes"] else 0.0
+        lines.append(
+            f"{_short(k['name'], 52):<52} {k['launches']:>6} {_mb(k['requested_bytes']):>9} {_mb(k['dram_bytes']):>9} "
+            f"{_mb(k['floor_bytes']):>9} {ratio:>7.3f} {k['sector_efficiency']:>8.3f} "
+            f"{k['bank_conflicts_per_request']:>8.3f} {k['tensor_core_instructions']:>9} {k['flops'] / 1e9:>8.3f} "
+            f"{k['floor_us']:>9.2f} {k['time_us']:>9.2f}"
+        )
+    ratio = s["dram_bytes"] / s["floor_bytes"] if s["floor_bytes"] else 0.0
+    lines.append(
+        f"{'step':<52} {s['launches']:>6} {'':>9} {_mb(s['dram_bytes']):>9} {_mb(s['floor_bytes']):>9} {ratio:>7.3f} "
+        f"{'':>8} {'':>8} {'':>9} {s['flops'] / 1e9:>8.3f} {s['floor_us']:>9.2f} {s['time_us']:>9.2f}"
+    )
+    lines.append(f"floor / predicted time: {100 * s['floor_fraction']:.1f}%; DRAM/fl = DRAM bytes / floor bytes; "
+                 "a kernel's FLOPs are its mma.sync ones, the step's the program's")  # fmt: skip
+    return "\n".join(lines)

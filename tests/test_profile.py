@@ -1,0 +1,176 @@
+"""`llmc profile --simulate`: the simulator's counters (llmc_sim_profile.h) against hand-computed figures on
+small kernels, and the CLI's JSON on a tiny compiled model."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from llmc.cli import main
+from llmc.compiler.codegen.profile import read_counters
+from llmc.compiler.codegen.simulator import build_profiled, build_simulated
+
+N = 1000  # not a multiple of the 128-thread block: the last warp has 8 lanes
+
+KERNELS = r"""
+#include "llmc_device.cuh"
+
+__global__ void copy_k(const float* x, float* y, int n) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) y[i] = x[i];
+}
+// 4 bytes out of each 32-byte sector, loaded and stored
+__global__ void strided_k(const float* x, float* y, int n) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  y[8 * i] = x[8 * i];
+}
+// static shared memory: two conflict-free stores, one load of every other word (2 words per bank)
+__global__ void smem_k(float* y) {
+  __shared__ float buf[64];
+  buf[threadIdx.x] = 1.0f;
+  buf[threadIdx.x + 32] = 2.0f;
+  __syncthreads();
+  y[threadIdx.x] = buf[2 * threadIdx.x];
+}
+// dynamic shared memory: a 32-word stride puts every lane in bank 0; a broadcast read is conflict-free
+__global__ void dyn_smem_k(float* y) {
+  LLMC_DYNAMIC_SMEM(float, buf);
+  buf[32 * threadIdx.x] = static_cast<float>(threadIdx.x);
+  __syncthreads();
+  y[threadIdx.x] = buf[32 * threadIdx.x] + buf[0];
+}
+// per warp: one cp.async of 16 bytes per lane, ldmatrix x4 over 128 contiguous bytes per matrix (no
+// conflict), ldmatrix x1 with 64-byte row pitch (4 rows per bank group: 3 replays), three mma.sync
+__global__ void mma_k(const uint16_t* a, float* d) {
+  LLMC_DYNAMIC_SMEM(unsigned char, smem);
+  const unsigned lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  unsigned char* mine = smem + warp * 1024;
+  llmc::cp_async_16(mine + 16 * lane, a + 8 * (32 * warp + lane));
+  llmc::cp_async_commit();
+  llmc::cp_async_wait_all();
+  __syncwarp();
+  uint32_t ra[4], rb[2], r1[1];
+  llmc::ldmatrix_x4(ra, mine + 16 * lane);
+  llmc::ldmatrix_x1(r1, mine + 64 * (lane % 8));
+  rb[0] = ra[0];
+  rb[1] = r1[0];
+  float acc[4] = {0, 0, 0, 0};
+  for (int k = 0; k < 3; ++k) llmc::mma_m16n8k16_bf16(acc, ra, rb, acc);
+  for (int i = 0; i < 4; ++i) d[64 * i + threadIdx.x] = acc[i];
+}
+
+extern "C" int run(int n) {
+  float *x, *y;
+  uint16_t* a;
+  cudaMalloc(&x, 8 * n * sizeof(float));
+  cudaMalloc(&y, 8 * n * sizeof(float));
+  cudaMalloc(&a, 2 * 32 * 8 * sizeof(uint16_t));
+  cudaMemset(x, 0, 8 * n * sizeof(float));
+  cudaMemset(a, 0, 2 * 32 * 8 * sizeof(uint16_t));
+  LLMC_LAUNCH(copy_k, dim3((n + 127) / 128), dim3(128), 0, nullptr, x, y, n);
+  LLMC_LAUNCH(copy_k, dim3((n + 127) / 128), dim3(128), 0, nullptr, x, y, n);
+  LLMC_LAUNCH(strided_k, dim3((n + 127) / 128), dim3(128), 0, nullptr, x, y, n);
+  LLMC_LAUNCH(smem_k, dim3(1), dim3(32), 0, nullptr, y);
+  LLMC_LAUNCH(dyn_smem_k, dim3(1), dim3(32), 32 * 32 * sizeof(float), nullptr, y);
+  LLMC_LAUNCH(mma_k, dim3(1), dim3(64), 2048, nullptr, a, y);
+  cudaFree(x);
+  cudaFree(y);
+  cudaFree(a);
+  return static_cast<int>(cudaGetLastError());
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def counters(tmp_path_factory):
+    so = build_profiled(KERNELS, tmp_path_factory.mktemp("prof") / "k.so")
+    lib = ctypes.CDLL(str(so))
+    lib.llmc_sim_prof_enable(1)
+    assert lib.run(N) == 0
+    return read_counters(lib)
+
+
+def test_coalesced_copy(counters):
+    c = counters["copy_k"]
+    assert c["launches"] == 2
+    assert c["requested_bytes"] == 2 * 2 * 4 * N
+    # 4000 bytes in and out per launch: 125 sectors each way, every sector fetched is used
+    assert c["dram_bytes"] == c["floor_bytes"] == 2 * 2 * 4 * N
+    assert c["useful_bytes"] == c["fetched_bytes"]
+    assert c["global_requests"] == 2 * 2 * (N + 31) // 32
+
+
+def test_strided_access_is_one_eighth_efficient(counters):
+    c = counters["strided_k"]
+    assert c["requested_bytes"] == c["floor_bytes"] == 2 * 4 * N
+    assert c["useful_bytes"] * 8 == c["fetched_bytes"]
+    assert c["dram_bytes"] == 2 * 32 * N
+
+
+def test_shared_memory_bank_conflicts(counters):
+    s = counters["smem_k"]
+    assert (s["shared_requests"], s["bank_conflicts"]) == (3, 1)  # the stride-2 load: 2 passes, 1 replay
+    d = counters["dyn_smem_k"]
+    assert (d["shared_requests"], d["bank_conflicts"]) == (3, 2 * 31)  # two 32-way accesses, one broadcast
+
+
+def test_mma_ldmatrix_and_cp_async(counters):
+    m = counters["mma_k"]
+    assert m["tensor_core_instructions"] == 2 * 3
+    assert m["flops"] == 2 * 3 * 2 * 16 * 8 * 16
+    # per warp: ldmatrix x4 conflict-free, ldmatrix x1 at a 64-byte pitch (4 words in a bank: 3 replays)
+    assert (m["shared_requests"], m["bank_conflicts"]) == (2 * 2, 2 * 3)
+    # cp.async reads 512 contiguous bytes per warp; d is written 4 coalesced floats per lane
+    assert m["requested_bytes"] == 2 * 512 + 64 * 16
+    assert m["useful_bytes"] == m["fetched_bytes"] == 2 * 512 + 64 * 16
+
+
+def test_plain_simulated_build_has_no_counters(tmp_path):
+    lib = ctypes.CDLL(str(build_simulated(KERNELS, tmp_path / "plain.so", extra_flags=("-O2",))))
+    assert not hasattr(lib, "llmc_sim_prof_enable")
+    assert lib.run(N) == 0
+
+
+@pytest.fixture(scope="module")
+def tiny_sm90(tmp_path_factory):
+    from checkpoints import make_checkpoint
+
+    from llmc.compiler.compile import compile_checkpoint
+
+    ckpt = make_checkpoint(tmp_path_factory.mktemp("ckpt"), "llama", dtype=torch.bfloat16, num_hidden_layers=1)
+    return compile_checkpoint(ckpt, target="sm90", output=tmp_path_factory.mktemp("art") / "model.sm90",
+                              weight_dtype="bfloat16")  # fmt: skip
+
+
+KERNEL_KEYS = {"name", "launches", "requested_bytes", "dram_bytes", "sector_efficiency", "bank_conflicts_per_request",
+               "tensor_core_instructions", "flops", "floor_us", "time_us"}  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("args", [["--phase", "decode", "--batch", "2", "--context", "37"],
+                                  ["--phase", "prefill", "--prompt-len", "19"]])  # fmt: skip
+def test_cli_json(tiny_sm90, args):
+    r = CliRunner().invoke(main, ["profile", str(tiny_sm90), "--simulate", "--json", *args])
+    assert r.exit_code == 0, r.output
+    report = json.loads(r.stdout.strip().splitlines()[-1])
+    step, kernels = report["step"], report["kernels"]
+    assert {"floor_bytes", "dram_bytes", "floor_us", "time_us"} <= step.keys()
+    assert kernels and all(KERNEL_KEYS <= k.keys() for k in kernels)
+    launch_us = report["ceilings"]["launch_us"]
+    for k in kernels:
+        assert k["launches"] >= 1 and k["dram_bytes"] >= k["floor_bytes"] > 0
+        assert 0 < k["sector_efficiency"] <= 1
+        assert k["time_us"] >= k["floor_us"] + k["launches"] * launch_us - 1e-9
+    assert step["dram_bytes"] == sum(k["dram_bytes"] for k in kernels)
+    assert step["time_us"] == pytest.approx(sum(k["time_us"] for k in kernels))
+    assert step["time_us"] >= step["floor_us"]
+
+
+def test_cli_without_simulate_is_a_clear_error(tmp_path):
+    r = CliRunner().invoke(main, ["profile", str(tmp_path)])
+    assert r.exit_code == 1 and "--simulate" in r.output and "Traceback" not in r.output
