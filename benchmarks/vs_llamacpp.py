@@ -16,10 +16,11 @@ Models (random weights, written once into the cache dir as an fp32 safetensors c
 Rows: each pairs one llmc build with the llama.cpp GGUF file of the same weights, written from the checkpoint by
 llmc.compiler.frontend.gguf_write (as llama.cpp's convert_hf_to_gguf.py writes them; Q8_0 / Q4_0 through
 gguf.quants, every matrix including the embedding, norms F32):
-  fp32   llmc weight_dtype float32    llama.cpp F32
-  bf16   llmc weight_dtype bfloat16   llama.cpp BF16
-  int8   llmc: no build yet ("—")     llama.cpp Q8_0
-  int4   llmc: no build yet ("—")     llama.cpp Q4_0
+  fp32   llmc weight_dtype float32                            llama.cpp F32
+  bf16   llmc weight_dtype bfloat16                           llama.cpp BF16
+  int8   llmc --quant int8 --group-size 32 --quant-lm-head    llama.cpp Q8_0
+  int4   llmc --quant int4 --group-size 32 --quant-lm-head    llama.cpp Q4_0
+A row whose llmc options are None measures llama.cpp alone and prints "—" for llmc.
 For each row, both peers get the same prompt token ids (--prompt-len random ids of the checkpoint's tokenizer),
 the same --tokens greedy decode tokens and the same --threads:
   llmc       CompiledModel.step (benchmarks/common.LlmcStep): one prefill step of the whole prompt, timed; then
@@ -64,6 +65,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 from common import LLAMA_32_1B, REPO, SMOLLM_135M, TOKENIZER_VOCAB, LlmcStep, log  # noqa: E402
 
+from llmc.compiler.quant import QuantConfig  # noqa: E402
 from llmc.runtime.bench import align_columns  # noqa: E402
 
 SHAPES = {  # --shapes name -> (LlamaConfig kwargs, description)
@@ -74,13 +76,14 @@ SHAPES = {  # --shapes name -> (LlamaConfig kwargs, description)
     ),
 }
 
-# row -> (llmc compile options for common.compiled, None while llmc has no such build; llama.cpp GGUF type).
-# An int8 / int4 llmc row is its options here, e.g. {"dtype": "float32", "quant": ...}, once compile takes them.
+# row -> (llmc compile options for common.compiled, None for a row llmc has no build for; llama.cpp GGUF type).
+# The quantized rows match llama.cpp's files: symmetric groups of 32 over every matrix, the tied lm_head included
+# (the files hold token_embd in Q8_0 / Q4_0), int8 activations per 32 in the GEMMs.
 ROWS = {
     "fp32": ({"dtype": "float32"}, "F32"),
     "bf16": ({"dtype": "bfloat16"}, "BF16"),
-    "int8": (None, "Q8_0"),
-    "int4": (None, "Q4_0"),
+    "int8": ({"dtype": "float32", "quant": QuantConfig("int8", group_size=32, lm_head=True)}, "Q8_0"),
+    "int4": ({"dtype": "float32", "quant": QuantConfig("int4", group_size=32, lm_head=True)}, "Q4_0"),
 }
 
 
@@ -375,7 +378,7 @@ def format_table(result: dict) -> str:
     lines.append(
         "decode / prefill in tokens/s; roofline = decode tok/s / (read bandwidth / that peer's weight bytes per "
         "decode token); rows: fp32 = llmc float32 vs llama.cpp F32, bf16 = bfloat16 vs BF16, int8 = Q8_0, "
-        "int4 = Q4_0 (— : no llmc build yet); tokens agree = greedy tokens equal up to the first difference"
+        "int4 = Q4_0 (both group 32); tokens agree = greedy tokens equal up to the first difference"
     )
     return "\n".join(lines)
 

@@ -38,7 +38,7 @@ def test_measure_row_peers_agree(checkpoint_dir, tmp_path):
 
 
 def test_llamacpp_only_row(checkpoint_dir, tmp_path):
-    """A row with no llmc build (int8 / int4 until llmc quantizes) measures llama.cpp alone and prints no ratio."""
+    """A row with no llmc build (llmc options None) measures llama.cpp alone and prints no ratio."""
     ckpt = checkpoint_dir("llama", rope_scaling=None, intermediate_size=96)
     gguf_path = vs_llamacpp.gguf_file(ckpt, tmp_path, "tiny", "Q4_0", log=lambda _: None)
     prompt = np.random.default_rng(3).integers(2, 384, 13).tolist()
