@@ -106,7 +106,11 @@ LLMC_INLINE Ints zero_ints() { return _mm256_setzero_si256(); }
 LLMC_INLINE Floats load_floats(const float* p) { return _mm256_loadu_ps(p); }
 LLMC_INLINE Floats zero_floats() { return _mm256_setzero_ps(); }
 LLMC_INLINE Floats splat(float a) { return _mm256_set1_ps(a); }
-LLMC_INLINE Floats splat2(float lo, float hi) { return _mm256_setr_m128(_mm_set1_ps(lo), _mm_set1_ps(hi)); }
+// [p[0] x 4, p[1] x 4]: one 8-byte load and a permute
+LLMC_INLINE Floats splat2(const float* p) {
+  const __m128 two = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(p)));
+  return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(two), _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
+}
 LLMC_INLINE Floats mul(Floats a, Floats b) { return _mm256_mul_ps(a, b); }
 LLMC_INLINE Floats fma(Floats a, Floats b, Floats acc) { return _mm256_fmadd_ps(a, b, acc); }
 LLMC_INLINE Floats fma_ints(Ints p, Floats d, Floats acc) { return fma(_mm256_cvtepi32_ps(p), d, acc); }
@@ -212,9 +216,9 @@ LLMC_INLINE Floats splat(float a) {
   for (float& f : r.v) f = a;
   return r;
 }
-LLMC_INLINE Floats splat2(float lo, float hi) {
+LLMC_INLINE Floats splat2(const float* p) {
   Floats r;
-  for (int l = 0; l < 8; ++l) r.v[l] = l < 4 ? lo : hi;
+  for (int l = 0; l < 8; ++l) r.v[l] = p[l / 4];
   return r;
 }
 LLMC_INLINE Floats mul(Floats a, Floats b) {
@@ -275,7 +279,6 @@ struct QShape {
   // The two weight-scale groups of a step's lanes 0-3 and 4-7 differ for int8 g16 and int4 g32.
   static constexpr bool SPLIT = GS < SE;
   static LLMC_INLINE int group_lo(int s) { return s * SE / GS; }
-  static LLMC_INLINE int group_hi(int s) { return SPLIT ? std::min(group_lo(s) + 1, G - 1) : group_lo(s); }
 };
 
 // Quantize row x[K] into steps[NS] and xs[NB] (dx * sum of q, per block; ASYM only).
@@ -364,7 +367,7 @@ LLMC_INLINE void qdot_tile(const QStep<BITS>* LLMC_RESTRICT steps, const float* 
       Floats sc[C];
       LLMC_UNROLL for (int c = 0; c < C; ++c) {
         const float* sg = sr + c * S::G;
-        sc[c] = splat2(sg[S::group_lo(s)], sg[S::group_hi(s)]);
+        sc[c] = splat2(sg + S::group_lo(s));  // groups 2s and 2s + 1
       }
       step(s, std::false_type{}, [&](int r, int c, Ints p, Floats dx) {
         acc[r][c] = fma_ints(p, mul(dx, sc[c]), acc[r][c]);
