@@ -84,9 +84,9 @@ def quant_schemes(ckpt: Checkpoint, quant: QuantConfig) -> dict[str, QuantScheme
         if scheme is not None:
             schemes[name] = scheme
     for name in [*linears, lm_head]:
-        held = ckpt.quantized_tensor(name)
+        held = ckpt.quant_scheme(name)
         if held is not None:
-            schemes[name] = held.scheme
+            schemes[name] = held
     return schemes
 
 

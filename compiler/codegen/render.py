@@ -126,7 +126,7 @@ def _check_params(op: str, params: Mapping[str, Any]) -> None:
 
 def _check_qgemm(params: Mapping[str, Any]) -> None:
     """The schemes of compiler/quant.py that the CPU packed layout (compiler/quant_pack.py) holds."""
-    bits, k, g, asym = params["bits"], params["k"], params["group_size"], params["asymmetric"]
+    bits, k, g = params["bits"], params["k"], params["group_size"]
     if bits not in (4, 8):
         raise ValueError(f"bits must be 8 or 4, got {bits!r}")
     if not isinstance(k, int) or k % 32:
@@ -134,8 +134,6 @@ def _check_qgemm(params: Mapping[str, Any]) -> None:
     groups = (16, 32, 64, 128, k) if bits == 8 else (32, 64, 128)
     if g not in groups:
         raise ValueError(f"group_size must be one of {sorted(set(groups))} for int{bits}, got {g!r}")
-    if asym is True and bits != 4:
-        raise ValueError("asymmetric (mins) is int4 only")
 
 
 def template_path(target: str, op: str) -> str:

@@ -21,7 +21,7 @@ from safetensors import safe_open
 from llmc.artifact import GENERATION_DEFAULT_KEYS
 from llmc.errors import CheckpointError, LlmcError
 
-from ..quant import QuantizedTensor
+from ..quant import QuantizedTensor, QuantScheme
 from .config import ModelConfig, parse_config, token_ids
 
 _DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
@@ -48,6 +48,10 @@ class Checkpoint:
         """The tensor as float; a quantized one (GGUF) comes dequantized, exactly."""
         with safe_open(self.tensor_files[name], framework="pt") as f:
             return f.get_tensor(name)
+
+    def quant_scheme(self, name: str) -> QuantScheme | None:
+        """The scheme of `quantized_tensor(name)`, without unpacking it; None for a float tensor."""
+        return None
 
     def quantized_tensor(self, name: str) -> QuantizedTensor | None:
         """The tensor as the checkpoint quantizes it, to be packed with no requantization; None when it is

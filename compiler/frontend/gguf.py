@@ -95,12 +95,17 @@ class GGUFCheckpoint(Checkpoint):
     gguf_types: dict[str, str]  # HF name -> "Q4_K", "F32", ...
     gguf_tensors: dict[str, gguf.ReaderTensor]  # GGUF name -> the reader's entry (its data mmapped)
 
+    def quant_scheme(self, name: str) -> QuantScheme | None:
+        if len(self._shape(name)) != 2:  # a quantized vector: no GEMM reads one
+            return None
+        return _SCHEMES.get(self._info(name).tensor_type)
+
     def quantized_tensor(self, name: str) -> QuantizedTensor | None:
         """The matrix as the file quantizes it (rows in Hugging Face order); None for a float tensor or a
         quantized vector (no GEMM reads one)."""
-        shape = self._shape(name)
-        if self._info(name).tensor_type not in _UNPACK or len(shape) != 2:
+        if self.quant_scheme(name) is None:
             return None
+        shape = self._shape(name)
         qt = self._unpack(name)
         heads = self._qk_heads(name)
         if heads is not None:
@@ -154,15 +159,24 @@ def _rows(a: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(a.reshape(a.shape[0], -1))
 
 
+# What each imported type is in compiler/quant.py's terms: exactly its blocks' values
+_SCHEMES = {
+    T.Q8_0: QuantScheme(8, 32),
+    T.Q4_0: QuantScheme(4, 32),
+    T.Q4_K: QuantScheme(4, 32, asymmetric=True),
+    T.Q6_K: QuantScheme(8, 16),
+}
+
+
 def _q8_0(b: np.ndarray) -> QuantizedTensor:  # d: f16 | qs: int8[32]
     q = np.ascontiguousarray(b[..., 2:]).view(np.int8)
-    return QuantizedTensor(_rows(q), _rows(_f16(b[..., :2])), None, QuantScheme(8, 32))
+    return QuantizedTensor(_rows(q), _rows(_f16(b[..., :2])), None, _SCHEMES[T.Q8_0])
 
 
 def _q4_0(b: np.ndarray) -> QuantizedTensor:  # d: f16 | qs: uint8[16], low nibbles first then high ones
     qs = b[..., 2:18]
     q = np.stack([qs & 0xF, qs >> 4], axis=2).astype(np.int8) - 8
-    return QuantizedTensor(_rows(q), _rows(_f16(b[..., :2])), None, QuantScheme(4, 32))
+    return QuantizedTensor(_rows(q), _rows(_f16(b[..., :2])), None, _SCHEMES[T.Q4_0])
 
 
 def _q4_k(b: np.ndarray) -> QuantizedTensor:
@@ -174,7 +188,7 @@ def _q4_k(b: np.ndarray) -> QuantizedTensor:
     qs = b[..., 16:144].reshape(*b.shape[:2], 4, 32)  # chunk c: groups 2c (low nibbles) and 2c + 1 (high)
     q = np.stack([qs & 0xF, qs >> 4], axis=3).astype(np.int8)
     scales, mins = _rows(d[..., None] * sc), _rows(dmin[..., None] * m)
-    return QuantizedTensor(_rows(q), scales, mins, QuantScheme(4, 32, asymmetric=True))
+    return QuantizedTensor(_rows(q), scales, mins, _SCHEMES[T.Q4_K])
 
 
 def _q6_k(b: np.ndarray) -> QuantizedTensor:
@@ -185,7 +199,7 @@ def _q6_k(b: np.ndarray) -> QuantizedTensor:
     high = (qh >> np.array([0, 2, 4, 6], np.uint8)[:, None]) & 3
     q = (low | (high << 4)).astype(np.int8) - 32
     sc = np.ascontiguousarray(b[..., 192:208]).view(np.int8).astype(np.float32)
-    return QuantizedTensor(_rows(q), _rows(_f16(b[..., 208:210])[..., None] * sc), None, QuantScheme(8, 16))
+    return QuantizedTensor(_rows(q), _rows(_f16(b[..., 208:210])[..., None] * sc), None, _SCHEMES[T.Q6_K])
 
 
 _UNPACK = {T.Q8_0: _q8_0, T.Q4_0: _q4_0, T.Q4_K: _q4_k, T.Q6_K: _q6_k}

@@ -210,6 +210,7 @@ def _assert_exact(ckpt, expect_types):
     for name in ckpt.config.weight_shapes():
         kind = ckpt.gguf_types[name]
         qt = ckpt.quantized_tensor(name)
+        assert ckpt.quant_scheme(name) == (None if qt is None else qt.scheme), name
         if kind not in SCHEMES:
             assert qt is None
             continue
@@ -290,14 +291,10 @@ def _assert_logits_match(artifact, reference_dir, quantized: set[str]):
     assert rel.max() <= 3e-2 and np.mean(rel <= 1e-3) >= 0.75, f"relative logit errors per row {np.round(rel, 4)}"
 
 
-# Q4_K_M: in llama.cpp's mix attn_v is Q6_K beside Q4_K q/k, and the fused qkv GEMM then needs int8 with mins
-# (quant.common_scheme), which the CPU qgemm does not have yet.
-_Q4_K_M = pytest.param("Q4_K_M", marks=pytest.mark.xfail(strict=True, raises=CompileError,
-                                                          reason="CPU qgemm: no int8 with mins"))  # fmt: skip
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("dtype", ["Q8_0", "Q4_0", "Q4_K+Q6_K", _Q4_K_M])
+# Q4_K_M: llama.cpp's mix puts attn_v in Q6_K beside Q4_K q / k, so the fused qkv GEMM is int8 g16 with mins
+# (quant.common_scheme)
+@pytest.mark.parametrize("dtype", ["Q8_0", "Q4_0", "Q4_K+Q6_K", "Q4_K_M"])
 def test_quantized_file_compiles_and_matches_fp32_of_its_weights(dtype, checkpoint_dir, gguf_file, kquant_file,
                                                                   tmp_path):  # fmt: skip
     if dtype.startswith("Q4_K"):

@@ -8,7 +8,7 @@ so it is compared twice:
 - with the unquantized x: |x - x_hat| <= d / 2 per element, so |y - x @ w^T| <= sum over k of |w| d / 2
   (plus the rounding above).
 
-CPU only: there is no CUDA qgemm yet. Shapes have n not a multiple of the 2-output tiles or the 8-row decode
+CUDA's qgemm has its own test (cuda/test_qgemm_cuda.py). Shapes have n not a multiple of the 2-output tiles or the 8-row decode
 tasks, k = 32 / 96 / 160 / 576 (odd numbers of 32-blocks for the int4 pair steps, short last groups), every
 scheme of compiler/quant.py; T crosses the decode / prefill switch (4) and the 64-row prefill chunks.
 LLMC_TEST_MARCH=haswell / x86-64 run the AVX2 / portable paths; a host with AVX-512 VNNI or AVX-VNNI runs those
@@ -41,6 +41,9 @@ SCHEMES = [
     (37, 96, 4, 64, True),
     (53, 576, 4, 128, True),
     (37, 160, 4, 128, True),
+    (37, 160, 8, 16, True),  # GGUF Q4_K beside Q6_K in one fused GEMM (quant.common_scheme)
+    (53, 96, 8, 32, True),
+    (37, 576, 8, 576, True),
 ]
 
 
@@ -155,7 +158,6 @@ def test_pack_cpu_layout(bits, g, asym):
         (dict(k=100), "multiple of 32"),
         (dict(bits=4, group_size=16), "group_size must be one of"),
         (dict(group_size=48), "group_size must be one of"),
-        (dict(asymmetric=True), "int4 only"),
         (dict(bits=3), "bits must be 8 or 4"),
     ],
 )

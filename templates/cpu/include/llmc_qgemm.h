@@ -25,8 +25,8 @@ namespace llmc {
 // acc[l] += float(P[l]) * (DX[l] * S[l]) per step. Otherwise, per group g in order: gacc[l] = sum over the
 // group's steps of float(P[l]) * DX[l], then acc[l] += gacc[l] * S_g (one multiply-add per group, not per
 // step: per-channel int8 has one group). Each += is an FMA where the ISA has one. Then y = hsum(acc) (one
-// fixed tree) - sum over blocks b of min[g(b)] * xs[b] (ASYM; xs[b] = d_b * sum of the block's q, in block
-// order) + bias. Every (row, output) is computed by that one sequence whatever T, the tile it lands in,
+// fixed tree) - sum over pieces b of min[g(b)] * xs[b] (ASYM; xs[b] = d * sum of q over piece b: a block of
+// 32, or for 16-element groups each half of one, in row order) + bias. Every (row, output) is computed by that one sequence whatever T, the tile it lands in,
 // or the thread: results never depend on them.
 // The AVX2, AVX-VNNI and AVX-512 VNNI paths differ only in how they form the exact integer P, so they
 // agree bit for bit; the portable path may differ from them in FMA contraction only.
@@ -279,12 +279,14 @@ struct QShape {
   // The two weight-scale groups of a step's lanes 0-3 and 4-7 differ for int8 g16 and int4 g32.
   static constexpr bool SPLIT = GS < SE;
   static LLMC_INLINE int group_lo(int s) { return s * SE / GS; }
+  static constexpr int XU = GS < 32 ? GS : 32;  // elements per xs piece (ASYM): one weight group's min each
+  static constexpr int NX = K / XU;             // xs pieces per row
 };
 
-// Quantize row x[K] into steps[NS] and xs[NB] (dx * sum of q, per block; ASYM only).
-template <int K, int BITS, bool ASYM>
+// Quantize row x[K] into steps[NS] and xs[NX] (d * sum of q, per piece; ASYM only).
+template <int K, int BITS, int GS, bool ASYM>
 inline void quantize_row_q8(const float* LLMC_RESTRICT x, QStep<BITS>* LLMC_RESTRICT steps, float* LLMC_RESTRICT xs) {
-  constexpr int NB = K / 32;
+  constexpr int NB = K / 32, XU = QShape<K, BITS, GS>::XU;
   int8_t q[32];
   for (int b = 0; b < NB; ++b) {
     const float* xb = x + 32 * b;
@@ -292,9 +294,11 @@ inline void quantize_row_q8(const float* LLMC_RESTRICT x, QStep<BITS>* LLMC_REST
     const float d = amax / 127.0f;
     qsimd::round32(xb, amax != 0.0f ? 127.0f / amax : 0.0f, q);
     if constexpr (ASYM) {
-      int sum = 0;
-      for (int i = 0; i < 32; ++i) sum += q[i];
-      xs[b] = d * float(sum);
+      for (int h = 0; h < 32 / XU; ++h) {
+        int sum = 0;
+        for (int i = h * XU; i < (h + 1) * XU; ++i) sum += q[i];
+        xs[b * (32 / XU) + h] = d * float(sum);
+      }
     }
     if constexpr (BITS == 8) {
       std::memcpy(steps[b].x, q, 32);
@@ -405,9 +409,9 @@ LLMC_INLINE void qdot_tile(const QStep<BITS>* LLMC_RESTRICT steps, const float* 
       float y = hsum(acc[r][c]);
       if constexpr (ASYM) {
         const float* m = mins + (long)(j + c) * S::G;
-        const float* x = xs + (long)r * S::NB;
+        const float* x = xs + (long)r * S::NX;
         float sm = 0.0f;
-        for (int b = 0; b < S::NB; ++b) sm += m[b * 32 / GS] * x[b];
+        for (int b = 0; b < S::NX; ++b) sm += m[b * S::XU / GS] * x[b];
         y -= sm;
       }
       out[r * C + c] = y;
@@ -461,15 +465,14 @@ template <int N, int K, int BITS, int GS, bool ASYM, bool HAS_BIAS>
 inline void qgemm(const float* LLMC_RESTRICT x, const uint8_t* LLMC_RESTRICT qweight, const float* LLMC_RESTRICT scales,
                   const float* LLMC_RESTRICT mins, const float* LLMC_RESTRICT bias, float* LLMC_RESTRICT y, int T) {
   using S = QShape<K, BITS, GS>;
-  static_assert(!ASYM || BITS == 4, "qgemm: mins with int4 only");
   constexpr int R = kQgemmRows;
   const bool par = (long)T * N * K >= kParallelWork;
-  // [T, NS] steps, then [T, NB] xs
-  unsigned char* buf = qgemm_scratch((size_t)T * (S::NS * sizeof(QStep<BITS>) + S::NB * sizeof(float)));
+  // [T, NS] steps, then [T, NX] xs
+  unsigned char* buf = qgemm_scratch((size_t)T * (S::NS * sizeof(QStep<BITS>) + S::NX * sizeof(float)));
   QStep<BITS>* steps = reinterpret_cast<QStep<BITS>*>(buf);
   float* xs = reinterpret_cast<float*>(buf + (size_t)T * S::NS * sizeof(QStep<BITS>));
   parallel_for(T, par && T > 1, [&](int t) {
-    quantize_row_q8<K, BITS, ASYM>(x + (long)t * K, steps + (long)t * S::NS, xs + (long)t * S::NB);
+    quantize_row_q8<K, BITS, GS, ASYM>(x + (long)t * K, steps + (long)t * S::NS, xs + (long)t * S::NX);
   });
   // per output: packed weights, its scales (and mins)
   constexpr long RB = S::RB + (long)S::G * sizeof(float) * (ASYM ? 2 : 1);
@@ -491,7 +494,7 @@ inline void qgemm(const float* LLMC_RESTRICT x, const uint8_t* LLMC_RESTRICT qwe
     const int t1 = std::min(T, (tc + 1) * kQgemmTChunk);
     const int j0 = nb * NBLK_N, j1 = std::min(N, j0 + NBLK_N);
     for (int t = tc * kQgemmTChunk; t < t1; t += R)
-      qgemm_rows<N, K, BITS, GS, ASYM, HAS_BIAS>(std::min(R, t1 - t), steps + (long)t * S::NS, xs + (long)t * S::NB,
+      qgemm_rows<N, K, BITS, GS, ASYM, HAS_BIAS>(std::min(R, t1 - t), steps + (long)t * S::NS, xs + (long)t * S::NX,
                                                  qweight, scales, mins, bias, y + (long)t * N, j0, j1);
   });
 }

@@ -1,5 +1,5 @@
 // llmc_qgemm.cuh: quantized GEMMs (w8a16 / w4a16): y[T, N] = x[T, K] @ dequant(qweight)[N, K]^T (+ bias[N]),
-// with dequant(w)[n, k] = q[n, k] * scales[n, g] - mins[n, g] (mins: asymmetric int4 only), g = k / G.
+// with dequant(w)[n, k] = q[n, k] * scales[n, g] - mins[n, g] (mins: asymmetric only), g = k / G.
 //
 // qweight is compiler/quant_pack.py's CUDA layout (pack_cuda): rows of K * BITS / 8 bytes, biased u = q - LO,
 // 64-byte blocks in which lane t (of 4) of an mma B fragment finds its 32-bit words at 4 * (t * nw + w); a
@@ -34,7 +34,6 @@ template <int N, int K, int BITS, int G, bool ASYM, bool BIAS>
 struct QGemm {
   static_assert(BITS == 4 || BITS == 8, "qgemm: int4 or int8");
   static_assert(K % 32 == 0 && G % 16 == 0 && (BITS == 8 || G % 32 == 0), "qgemm: groups align to words");
-  static_assert(!ASYM || BITS == 4, "qgemm: mins are int4 only");
   static constexpr int LO = BITS == 8 ? -128 : (ASYM ? 0 : -8);  // q = u + LO
   static constexpr uint32_t MASK = BITS == 8 ? 0x00ff00ffu : 0x000f000fu;
   static constexpr int KW = BITS == 4 ? 32 : 16;  // k per word

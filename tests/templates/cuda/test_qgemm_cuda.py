@@ -47,6 +47,8 @@ SCHEMES = [
     (53, 160, 4, 32, True),
     (37, 576, 4, 128, True),
     (70, 160, 4, 128, True),
+    (37, 160, 8, 16, True),  # GGUF Q4_K beside Q6_K in one fused GEMM (quant.common_scheme)
+    (19, 1056, 8, 32, True),
 ]
 TS = [1, 3, 8, 9, 17, 70]
 # tail blocks and clamped weight rows read exactly-sized numpy buffers: int4 asym, int8 g16, int4 without a full block
@@ -184,9 +186,8 @@ def test_qgemm_cuda_asan_clean(tmp_path):
 
 @pytest.mark.parametrize(
     "change,message",
-    [(dict(k=100), "multiple of 32"), (dict(bits=4, group_size=16), "group_size must be one of"),
-     (dict(asymmetric=True), "int4 only")],
-)  # fmt: skip
+    [(dict(k=100), "multiple of 32"), (dict(bits=4, group_size=16), "group_size must be one of")],
+)
 def test_qgemm_cuda_render_refuses_what_pack_cuda_cannot_hold(change, message):
     with pytest.raises(CompileError, match=message):
         render_kernel("cuda", "qgemm", name="k", **{**_params(37, 96, 8, 32, False, False), **change})
