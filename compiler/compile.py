@@ -6,6 +6,7 @@ tensor by tensor into the artifact (compiler/weights.py), so peak memory stays n
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import signal
@@ -249,7 +250,7 @@ def compile_checkpoint(
             with tempfile.TemporaryDirectory() as d:
                 twin = compile_checkpoint(checkpoint, target="cpu", output=Path(d) / "cpu", weight_dtype=dtype,
                                           quant=quant, kv_cache_dtype=kv_cache_dtype, calibration=calibration)  # fmt: skip
-                result = Quality(**read_manifest(twin)["quality"])
+                result = dataclasses.replace(Quality(**read_manifest(twin)["quality"]), measured_on="cpu build")
         check_max_kl(result, max_kl)
         return result
 

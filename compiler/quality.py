@@ -42,6 +42,9 @@ class Quality:
     ppl_reference: float
     ppl_quantized: float
     calibration: str | dict  # BUNDLED_HELDOUT, or {"file": name, "sha256": hex}
+    # "this build", or for a CUDA build "cpu build": the CPU build of the same weights and schemes, whose
+    # qgemm quantizes activations to int8 where CUDA's keeps them bf16, so the figures bound its loss
+    measured_on: str = "this build"
 
     def to_manifest(self) -> dict:
         return dataclasses.asdict(self)
@@ -69,7 +72,8 @@ def describe(quality: dict) -> str:
         calib = f"{calib.get('file')}, sha256 {digest[:12] if isinstance(digest, str) else '?'}"
     return (f"mean KL {num('kl_mean', '.4g')} nats, top-1 agreement {num('top1_agreement', '.2%')}, perplexity "
             f"{num('ppl_reference', '.4f')} -> {num('ppl_quantized', '.4f')}{change} over {num('tokens', 'd')} tokens "
-            f"of {calib if isinstance(calib, str) else '?'}")  # fmt: skip
+            f"of {calib if isinstance(calib, str) else '?'}"
+            + (" (measured on the CPU build)" if quality.get("measured_on") == "cpu build" else ""))  # fmt: skip
 
 
 def compare_logits(reference: np.ndarray, candidate: np.ndarray, targets: np.ndarray) -> dict[str, np.ndarray]:

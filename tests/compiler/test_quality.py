@@ -202,7 +202,12 @@ def test_a_cuda_build_is_gated_through_its_cpu_twin(checkpoint_dir, llmc_cache, 
     ckpt, quant = checkpoint_dir("llama"), QuantConfig("int4", 64)
     cpu = compile_checkpoint(ckpt, target="cpu", output=tmp_path / "m.cpu", quant=quant)
     gpu = compile_checkpoint(ckpt, target="sm90", output=tmp_path / "m.sm90", quant=quant)
-    assert load_artifact(gpu, check_target=False).manifest["quality"] == load_artifact(cpu).manifest["quality"]
+    gpu_quality, cpu_quality = (
+        load_artifact(gpu, check_target=False).manifest["quality"],
+        load_artifact(cpu).manifest["quality"],
+    )
+    assert gpu_quality == {**cpu_quality, "measured_on": "cpu build"} and cpu_quality["measured_on"] == "this build"
+    assert quality.describe(gpu_quality).endswith("(measured on the CPU build)")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.cpu", "m.sm90"], "the CPU twin is not left behind"
     with pytest.raises(CompileError, match="over --max-kl 0:"):
         compile_checkpoint(ckpt, target="sm90", output=tmp_path / "refused.sm90", quant=quant, max_kl=0.0)
