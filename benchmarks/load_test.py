@@ -3,6 +3,7 @@
 past the limits, on a KV cache small enough to force preemption.
 
     python benchmarks/load_test.py [--duration 60] [--concurrency 64] [--kv-blocks 40] [--json]
+    python benchmarks/load_test.py --ray-replicas 1,2 --concurrency 16 --kv-blocks 256   # llmc serve --ray
 
 The bundled checkpoint (examples/) is compiled for this CPU through llmc's compile cache, then served by
 `llmc serve` in a subprocess on 127.0.0.1 (a free port), with an API key given through $LLMC_API_KEY, a
@@ -71,6 +72,7 @@ class LoadConfig:
     seed: int = 0
     request_timeout_s: float = 120.0
     max_requests_per_client: int = 100_000  # a bound besides the deadline
+    ray_replicas: int = 0  # > 0: `llmc serve --ray` with this many replicas (local Ray), the cores split among them
 
 
 @dataclasses.dataclass
@@ -119,6 +121,9 @@ class Server:
         cmd = [sys.executable, "-m", "llmc.cli", "serve", str(artifact), "--host", "127.0.0.1", "--port",
                str(self.port), "--kv-cache-memory", str(kv_cache_bytes(artifact, cfg.kv_blocks)), "--max-num-seqs",
                str(cfg.max_num_seqs), "--max-body-size", str(MAX_BODY), "--max-n", str(MAX_N)]  # fmt: skip
+        if cfg.ray_replicas:
+            threads = max(1, (os.cpu_count() or 1) // cfg.ray_replicas)
+            cmd += ["--ray", "--replicas", str(cfg.ray_replicas), "--threads-per-replica", str(threads)]
         env = {**os.environ, "LLMC_API_KEY": self.api_key, "PYTHONUNBUFFERED": "1"}
         with open(log, "wb") as out:
             self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env)
@@ -387,6 +392,29 @@ def run_load(cfg: LoadConfig, log_dir: Path) -> dict:
     }
 
 
+def _compare_replicas(cfg: LoadConfig, counts: list[int], log_dir: Path, as_json: bool) -> int:
+    """run_load per replica count (0: plain `llmc serve`), in the order given, so that repeating counts (1,2,1,2)
+    interleaves them on a noisy machine. RSS there is the Ray driver's and /metrics one replica's, so only
+    throughput, latency and failures are compared."""
+    reports = [(n, run_load(dataclasses.replace(cfg, ray_replicas=n), log_dir)) for n in counts]
+    keys = ("valid_ok", "valid_failed", "limits_enforced", "requests_per_s", "generated_tokens_per_s", "ttft_s",
+            "tpot_s", "exit_code")  # fmt: skip
+    table = [{"replicas": n, **{k: r[k] for k in keys}} for n, r in reports]
+    if as_json:
+        print(json.dumps(table, indent=2))
+    else:
+        print(f"{'replicas':>8} {'req/s':>8} {'tokens/s':>9} {'TTFT p50':>9} {'TPOT p50':>9} {'ok':>6} {'failed':>6}")
+        for r in table:
+            print(f"{r['replicas']:>8} {r['requests_per_s']:>8} {r['generated_tokens_per_s']:>9} "
+                  f"{r['ttft_s']['p50'] or 0:>9.3f} {r['tpot_s']['p50'] or 0:>9.4f} {r['valid_ok']:>6} "
+                  f"{r['valid_failed']:>6}")  # fmt: skip
+        for n, r in reports:
+            for failure in r["failures"][:5] + r["limits_not_enforced"][:5]:
+                print(f"  {n} replica(s): {failure}")
+    ok = all(not r["failures"] and not r["limits_not_enforced"] and r["exit_code"] == 0 for _, r in reports)
+    return 0 if ok else 1
+
+
 def main() -> int:
     d = LoadConfig()
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -396,10 +424,15 @@ def main() -> int:
     p.add_argument("--kv-blocks", type=int, default=d.kv_blocks, help="KV cache blocks of the server")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--log-dir", type=Path, default=Path("."), help="where the server's log goes")
+    p.add_argument("--ray-replicas", default=None,
+                   help="comma-separated replica counts, e.g. 1,2: the same load against `llmc serve --ray` with each "
+                        "(local Ray), one after the other, and their throughput side by side")  # fmt: skip
     p.add_argument("--json", action="store_true")
     a = p.parse_args()
     cfg = LoadConfig(duration_s=a.duration, warmup_s=a.warmup, concurrency=a.concurrency, kv_blocks=a.kv_blocks,
                      seed=a.seed)  # fmt: skip
+    if a.ray_replicas:
+        return _compare_replicas(cfg, [int(n) for n in a.ray_replicas.split(",")], a.log_dir, a.json)
     report = run_load(cfg, a.log_dir)
     if a.json:
         print(json.dumps(report, indent=2))
