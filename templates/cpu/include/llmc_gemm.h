@@ -130,17 +130,18 @@ struct GemmOrder<uint16_t> {
 // gemm_tile<O, R, C, KMAIN, K, PF>: s[r * C + c] = dot(row r, weight row c), r < R, c < C, in O's order.
 // xp: prepared rows (stride KMAIN; fp32 weights: x itself, stride K); x: the fp32 rows (stride K), for the
 // tail; w: C weight rows of stride K (WT: O's weight type, or float for a widened panel).
-// PF > 0: also prefetch PF bytes ahead, C cache lines per line of a row read. A tile whose C rows span at most
-// PF bytes gets its lines in address order, so the prefetches of tile after tile form one stream; a longer
-// tile gets one line per row, PF bytes along each row. (Streamed from DRAM, 2 threads, AVX-512 EPYC: bf16
-// GEMVs at K = 576, 9 KB tiles, +25% in address order; at 24-64 KB tiles, 5-14% slower than per row.)
+// PF > 0: also prefetch PF bytes ahead, C cache lines per line of a row read. A tile whose C rows span less
+// than PF bytes gets its lines in address order, so the prefetches of tile after tile form one stream; a
+// longer tile gets one line per row, PF bytes along each row. (Streamed from DRAM, 2 threads, AVX-512 EPYC:
+// bf16 GEMVs at K = 576, 9 KB tiles, +25% in address order; at 24-64 KB tiles 5-14% slower than per row.
+// llmc_qgemm.h's GEMV prefetches by the same rule.)
 template <class O, int R, int C, int KMAIN, int K, int PF, typename XT, typename WT>
 LLMC_INLINE void gemm_tile(const XT* LLMC_RESTRICT xp, long ldxp, const float* LLMC_RESTRICT x,
                            const WT* LLMC_RESTRICT w, float* LLMC_RESTRICT s) {
   constexpr int VW = Vec::W;
   constexpr int LINE = 64 / (int)sizeof(WT);
   constexpr int PSTEP = O::KS >= LINE ? O::KS : LINE;  // row elements per prefetch of C lines
-  constexpr bool kAddressOrder = (long)C * K * sizeof(WT) <= PF;
+  constexpr bool kAddressOrder = (long)C * K * sizeof(WT) < PF;
   Vec acc[R][C];
   LLMC_UNROLL for (int r = 0; r < R; ++r) {
     LLMC_UNROLL for (int c = 0; c < C; ++c) acc[r][c] = Vec::zero();

@@ -342,7 +342,10 @@ LLMC_INLINE void qdot_tile(const QStep<BITS>* LLMC_RESTRICT steps, const float* 
     LLMC_UNROLL for (int c = 0; c < C; ++c) {
       const uint8_t* p = wr + c * S::RB + (long)s * SB;
       if constexpr (PF > 0) {
-        if (s % 2 == 0) __builtin_prefetch(p + PF, 0, 3);  // one per 64-byte line
+        if (s % 2 == 0) {  // one per 64-byte line: in address order over a tile shorter than PF (llmc_gemm.h)
+          constexpr bool kAddressOrder = (long)C * S::RB < PF;
+          __builtin_prefetch((kAddressOrder ? wr + ((long)(s / 2) * C + c) * 64 : p) + PF, 0, 3);
+        }
       }
       if constexpr (BITS == 8) {
         wlo[c] = load32(p);
