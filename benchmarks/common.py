@@ -134,11 +134,11 @@ def random_checkpoint(
 
 
 def source_hash() -> str:
-    """What an artifact depends on besides the checkpoint: the compiler and the CPU templates."""
+    """What an artifact depends on besides the checkpoint: the compiler, the CPU templates, the tuning database."""
     h = hashlib.sha256()
-    for root in (REPO / "compiler", REPO / "templates" / "cpu"):
+    for root in (REPO / "compiler", REPO / "templates" / "cpu", REPO / "targets"):
         for f in sorted(root.rglob("*")):
-            if f.is_file() and f.suffix in (".py", ".j2", ".h"):
+            if f.is_file() and f.suffix in (".py", ".j2", ".h", ".toml", ".json"):
                 h.update(str(f.relative_to(REPO)).encode())
                 h.update(f.read_bytes())
     return h.hexdigest()[:16]

@@ -18,7 +18,7 @@ from tqdm import tqdm
 
 from llmc.artifact import read_manifest, write_artifact, write_manifest
 from llmc.errors import CompileError
-from llmc.targets import Target, load_target
+from llmc.targets import Target, load_target, tuning_db_path
 
 from .codegen.build import build_shared_library
 from .codegen.module import render_module
@@ -34,6 +34,7 @@ from .passes.pipeline import run_passes
 from .passes.quantize_linear import quantize_linear
 from .quality import Quality, calibration_tokens, check_max_kl, measure_artifacts, reference_artifact
 from .quant import QuantConfig, QuantScheme
+from .tuning.database import TuningDB
 from .weights import WeightSpec, write_packed_weights
 
 WEIGHT_DTYPES = ("auto", "float32", "bfloat16")
@@ -165,12 +166,16 @@ def compile_checkpoint(
     kv_cache_dtype: str = "float32",
     calibration: str | Path | None = None,
     max_kl: float | None = None,
+    tuning_db: str | Path | None | bool = None,
 ) -> Path:
     """quant: llmc's own quantization (`--quant`); None or QuantConfig() for none.
     kv_cache_dtype: what the KV cache stores (`--kv-cache-dtype`): float32, or bfloat16 at half the bytes.
     calibration, max_kl: a quantized build runs the quality gate (compiler/quality.py) on the calibration text
-    (None: the bundled model's held-out text) and fails, writing nothing, when its mean KL is over max_kl."""
+    (None: the bundled model's held-out text) and fails, writing nothing, when its mean KL is over max_kl.
+    tuning_db: the tuning database whose matching entries set kernel tunables (None: the target's own,
+    targets/<target>.tuning.json; False: none, every template's defaults)."""
     tgt = load_target(target)
+    tuning = None if tuning_db is False else TuningDB.load(tuning_db or tuning_db_path(target), target)
     block_size = block_size or tgt.block_size
     quant = quant or QuantConfig()
     if kv_cache_dtype not in KV_DTYPES:
@@ -203,7 +208,7 @@ def compile_checkpoint(
         weights = tmp / "weights.safetensors"
         offsets = write_packed_weights(ckpt, program.weights, weights, layout="cuda" if tgt.is_cuda else "cpu")
         step("render")
-        rendered = render_module(program, tgt, offsets, weights.stat().st_size)
+        rendered = render_module(program, tgt, offsets, weights.stat().st_size, tuning)
         (tmp / tgt.source_file).write_text(rendered.source)
         if rendered.tvm_source is not None:
             (tmp / "tvm_kernels.cc").write_text(rendered.tvm_source)
@@ -224,6 +229,7 @@ def compile_checkpoint(
             "block_size": block_size,
             "kv_cache_dtype": kv_cache_dtype,
             "kernels": rendered.kernels,
+            **({"tuning": rendered.tuning} if rendered.tuning else {}),
             "passes": program.rewrites,
             "buffer_plan": {
                 "buffers": [{"cols": b.cols, "rows": b.rows} for b in program.buffers],

@@ -140,8 +140,15 @@ _kv_cache_dtype_option = click.option(
     help="With --quant: fail, writing nothing, when the mean KL divergence (nats) of the quantized model's "
     "next-token distributions from the unquantized model's exceeds this.",
 )
+@click.option(
+    "--tuning-db",
+    default=None,
+    help="The tuning database whose entries set the kernels' tuned parameters, or 'none' for every template's "
+    "defaults [default: the target's, targets/<target>.tuning.json].",
+)
 def compile_cmd(model: Path, target: str, output: Path, weight_dtype: str, block_size: int | None,
-                kv_cache_dtype: str, quant, calibration: Path | None, max_kl: float | None) -> None:  # fmt: skip
+                kv_cache_dtype: str, quant, calibration: Path | None, max_kl: float | None,
+                tuning_db: str | None) -> None:  # fmt: skip
     """Compile MODEL (a Hugging Face checkpoint dir or a .gguf file) into an artifact for TARGET.
 
     A quantized build (--quant) is compared with the unquantized one on the CPU: the mean KL divergence, the
@@ -150,8 +157,71 @@ def compile_cmd(model: Path, target: str, output: Path, weight_dtype: str, block
     out = _compile_checkpoint()(
         model, target=target, output=output, weight_dtype=weight_dtype, progress=True, block_size=block_size,
         quant=quant, kv_cache_dtype=kv_cache_dtype, calibration=calibration, max_kl=max_kl,
+        tuning_db=False if tuning_db == "none" else tuning_db,
     )  # fmt: skip
     click.echo(f"wrote {out}")
+
+
+@main.command()
+@click.option("--target", default="cpu", show_default=True, help="The target whose kernels to tune.")
+@click.option("--model", "model", type=click.Path(path_type=Path), default=None,
+              help="Tune the kernels compile renders for this checkpoint (with --dtype and --quant) "
+                   "[default: a standard set of Llama-family GEMM shapes].")  # fmt: skip
+@click.option("--shape", "shape_texts", multiple=True,
+              help="Tune this kernel shape only, e.g. gemm:n=576,k=576,wdtype=bf16 (repeatable).")  # fmt: skip
+@click.option("--dtype", "weight_dtype", type=click.Choice(["auto", "float32", "bfloat16"]), default="auto",
+              show_default=True, help="With --model: the weight dtype compile would use.")  # fmt: skip
+@_quant_options
+@click.option("--simulate", is_flag=True,
+              help="GPU target, no GPU: rank candidates by the time llmc profile --simulate predicts "
+                   "(entries marked simulated; measured ones replace them).")  # fmt: skip
+@click.option("--budget", type=click.FloatRange(min=0), default=600, show_default=True,
+              help="Seconds to spend; shapes left when it runs out stay untuned (run again to resume).")  # fmt: skip
+@click.option("--rounds", type=click.IntRange(min=1), default=5, show_default=True,
+              help="Timed rounds per candidate (interleaved); each figure is their median.")  # fmt: skip
+@click.option("--db", type=click.Path(path_type=Path), default=None,
+              help="The tuning database to write [default: targets/<target>.tuning.json].")  # fmt: skip
+@click.option("--retune", is_flag=True, help="Run shapes again that already have entries for this machine.")
+def tune(target: str, model: Path | None, shape_texts: tuple[str, ...], weight_dtype: str, quant, simulate: bool,
+         budget: float, rounds: int, db: Path | None, retune: bool) -> None:  # fmt: skip
+    """Find the fastest configuration of each kernel's tunable parameters on this machine.
+
+    Every candidate is checked against a numpy reference before it is timed; a wrong one is rejected and
+    logged. Winners go into the tuning database, which compile reads.
+    """
+    from .compiler.tuning import tuner
+    from .compiler.tuning.database import TuningDB
+    from .targets import load_target, tuning_db_path
+
+    tgt = load_target(target)
+    if shape_texts:
+        shapes = [tuner.parse_shape(t) for t in shape_texts]
+    elif model:
+        shapes = tuner.model_shapes(model, target, weight_dtype, quant)
+    else:
+        shapes = tuner.standard_shapes(tgt.template_dir)
+    database = TuningDB.load(db or tuning_db_path(target), target)
+    results = tuner.tune(target, shapes, database, simulate=simulate, budget_s=budget, rounds=rounds, retune=retune)
+    unit = "predicted us" if simulate else "us"
+    rows = [["kernel", "tuned", f"default {unit}", f"tuned {unit}", "speed-up", "rejected"]]
+    for r in results:
+        if r.skipped:
+            rows.append([str(r.shape), _config(r.config), "", "", "(already tuned)", ""])
+            continue
+        rejected = sum(c.rejected is not None for c in r.candidates)
+        rows.append([str(r.shape), _config(r.config), f"{r.default_time_s * 1e6:.2f}", f"{r.time_s * 1e6:.2f}",
+                     f"{r.default_time_s / r.time_s:.2f}x", f"{rejected}/{len(r.candidates)}"])  # fmt: skip
+    from .runtime.bench import align_columns
+
+    click.echo("\n".join(align_columns(rows)))
+    left = len(shapes) - len(results)
+    click.echo(
+        f"wrote {database.path}" + (f"; {left} shapes left untuned (budget): run again to resume" if left else "")
+    )
+
+
+def _config(config: dict) -> str:
+    return " ".join(f"{k}={v}" for k, v in config.items())
 
 
 def _compile_checkpoint():
@@ -831,6 +901,7 @@ def _inspect_artifact(path: Path, verbose: bool) -> None:
         click.echo(f"    {pname:<22} {'no pattern found' if not n else f'{n} rewrite' + ('s' if n != 1 else '')}")
     kernels = m.get("kernels") or []
     click.echo(f"  kernels        {len(kernels)}")
+    _inspect_tuning(m.get("tuning"), verbose)
     fallback = sorted(
         {op for k in kernels if str(k.get("template")).endswith("/tvm_call") for op in k.get("fuses", [])}
     )
@@ -868,6 +939,24 @@ def _inspect_quant(quant: dict, verbose: bool) -> None:
     if verbose:
         for name, scheme in weights.items():
             click.echo(f"    {name}: {scheme}")
+
+
+def _inspect_tuning(tuning: dict | None, verbose: bool) -> None:
+    """Which tunable kernels took their parameters from the tuning database, which the template's defaults."""
+    kernels = (tuning or {}).get("kernels") or {}
+    if not kernels:
+        click.echo("  tuning         none (no kernel has tunable parameters)")
+        return
+    by_source: dict[str, int] = {}
+    for k in kernels.values():
+        by_source[str(k.get("source"))] = by_source.get(str(k.get("source")), 0) + 1
+    counts = ", ".join(f"{n} {src}" for src, n in sorted(by_source.items()))
+    click.echo(f"  tuning         {counts} (of {len(kernels)} tunable kernels; default: no entry for this shape"
+               f"{' and ISA' if any('ignored' in k for k in kernels.values()) else ''}); db {tuning.get('database')}")  # fmt: skip
+    if verbose:
+        for kid, k in kernels.items():
+            ignored = "; ignored: " + ", ".join(k["ignored"]) if k.get("ignored") else ""
+            click.echo(f"    {kid}: {k.get('source')} {_config(k.get('params') or {})}{ignored}")
 
 
 def _fused(kernel: dict) -> str:

@@ -79,12 +79,22 @@ def target_names() -> list[str]:
     return sorted({p.stem for d in target_dirs() for p in d.glob("*.toml")})
 
 
-def load_target(name: str) -> Target:
+def target_file(name: str) -> Path:
     path = next((d / f"{name}.toml" for d in target_dirs() if (d / f"{name}.toml").is_file()), None)
     if path is None:
         raise CompileError(f"unknown target {name!r}",
                            f"choose one of {', '.join(target_names())}, or add {name}.toml to a directory "
                            "in $LLMC_TARGET_PATH")  # fmt: skip
+    return path
+
+
+def tuning_db_path(name: str) -> Path:
+    """The target's tuning database (`llmc tune` writes it, compile reads it): beside its TOML."""
+    return target_file(name).with_suffix(".tuning.json")
+
+
+def load_target(name: str) -> Target:
+    path = target_file(name)
     try:
         raw = tomllib.loads(path.read_text())
     except (OSError, tomllib.TOMLDecodeError) as e:

@@ -1,8 +1,10 @@
 """Render a kernel program into one source file for a target: its kernels plus the C ABI host code.
 
-Each distinct (op, params) renders once, named by its kernel id (the same id keys the manifest and the
-tuning database). Launch arguments of the program are mapped onto the host template's names: packed
-weights become typed pointers into the mmapped weights file, buffers and caches members of the model.
+Each distinct (op, params) renders once, named by its kernel id (the same id keys the manifest). A
+template's tunables come from the target's tuning database where an entry matches the kernel (and, on the
+CPU, this host's ISA), else from the template's defaults; the manifest's `tuning` says which, per kernel.
+Launch arguments of the program are mapped onto the host template's names: packed weights become typed
+pointers into the mmapped weights file, buffers and caches members of the model.
 """
 
 from __future__ import annotations
@@ -13,9 +15,12 @@ import re
 from llmc import __version__
 from llmc.artifact import ABI_VERSION
 from llmc.errors import CompileError
+from llmc.host import host_cpu_isa
 from llmc.targets import Target
 
 from ..lower import KernelProgram
+from ..tuning.database import TuningDB, entry_key
+from ..tuning.space import tune_space
 from .render import kernel_id, render_host, render_kernel
 from .tvm_fallback import c_source
 
@@ -39,6 +44,25 @@ class RenderedModule:
     source: str
     kernels: list[dict]  # manifest entries: id, template, params, tuning_source, launches
     tvm_source: str | None = None  # C that TVM generated for the program's tvm_funcs (CPU target only)
+    tuning: dict | None = None  # the manifest's `tuning`: what the tuning database gave each tunable kernel
+
+
+def _tuned_params(family: str, op: str, params: dict, tuning: TuningDB | None, isa, record: dict) -> dict:
+    """The tunables of one kernel from the database (empty: the template's defaults), noted in `record`."""
+    space = tune_space(family, op)
+    if space is None:
+        return {}
+    key = entry_key(f"{family}/{op}", params, space.names)
+    entry = tuning.lookup(key, isa) if tuning is not None else None
+    if entry is None:
+        record.update(source="default", params=space.defaults())
+        if tuning is not None and (other := tuning.ignored(key, isa)):
+            record["ignored"] = [f"tuned on {e['machine'].get('cpu', '?')} with other ISA flags" for e in other]
+        return {}
+    space.check(entry["params"])
+    record.update(source=entry["source"], params=entry["params"], machine=entry.get("machine"),
+                  date=entry.get("date"), figures=entry.get("figures"))  # fmt: skip
+    return {k: v for k, v in entry["params"].items() if v != space.defaults()[k]}
 
 
 def _c_expr(arg: str, program: KernelProgram, device: bool) -> str:
@@ -54,9 +78,16 @@ def _c_expr(arg: str, program: KernelProgram, device: bool) -> str:
 
 
 def render_module(
-    program: KernelProgram, target: Target, offsets: dict[str, tuple[int, int]], weights_file_bytes: int
+    program: KernelProgram,
+    target: Target,
+    offsets: dict[str, tuple[int, int]],
+    weights_file_bytes: int,
+    tuning: TuningDB | None = None,
 ) -> RenderedModule:
+    """tuning: the database whose entries set the tunables of matching kernels (None: every default)."""
     family = target.template_dir
+    isa = None if target.is_cuda else host_cpu_isa()
+    tuned_kernels: dict[str, dict] = {}
     if program.tvm_funcs and target.is_cuda:
         ops = sorted({op for launch in program.launches if launch.op == "tvm_call" for op in launch.fused})
         raise CompileError(f"no CUDA kernel template covers {', '.join(ops)}",
@@ -65,15 +96,18 @@ def render_module(
     entries: dict[str, dict] = {}
     launches = []
     for launch in program.launches:
-        kid = kernel_id(family, launch.op, launch.params)
+        record: dict = {}
+        params = {**launch.params, **_tuned_params(family, launch.op, launch.params, tuning, isa, record)}
+        kid = kernel_id(family, launch.op, params)
         if kid not in sources:
-            sources[kid] = render_kernel(family, launch.op, name=kid, **launch.params)
-            params = {k: v for k, v in launch.params.items() if k != "inv_freq"}
+            sources[kid] = render_kernel(family, launch.op, name=kid, **params)
+            if record:
+                tuned_kernels[kid] = {"template": f"{family}/{launch.op}", **record}
             entries[kid] = {
                 "id": kid,
                 "template": f"{family}/{launch.op}",
-                "params": params,
-                "tuning_source": "default",
+                "params": {k: v for k, v in params.items() if k != "inv_freq"},
+                "tuning_source": record.get("source", "default"),
                 "launches": 0,
                 "fuses": launch.fused,
             }
@@ -98,4 +132,7 @@ def render_module(
         weights_data_start=min((o for o, _ in offsets.values()), default=weights_file_bytes),
     )
     tvm_source = c_source(program.tvm_funcs) if program.tvm_funcs else None
-    return RenderedModule(source, list(entries.values()), tvm_source)
+    summary = None
+    if tuned_kernels:
+        summary = {"database": str(tuning.path) if tuning is not None else None, "kernels": tuned_kernels}
+    return RenderedModule(source, list(entries.values()), tvm_source, summary)

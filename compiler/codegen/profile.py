@@ -7,9 +7,12 @@ Per kernel (a __global__ function, by its demangled name): launches, requested_b
 distinct bytes stored per launch: each byte the kernel uses, moved once), floor_us and time_us:
 
     floor_us = max(floor_bytes / bandwidth, flops / tensor rate)
-    time_us  = max(dram_bytes / bandwidth, flops / tensor rate) + launches * launch_us
+    time_us  = max(dram_bytes / bandwidth, flops / tensor rate) / sm_share + launches * launch_us
 
-with the target's [ceilings] (targets/<name>.toml). The step's floor takes the FLOPs of the kernel program's
+with the target's [ceilings] (targets/<name>.toml), and sm_share = min(1, blocks per launch / the target's
+sm_count): a grid of fewer blocks than SMs leaves the rest idle, so it gets that share of the bandwidth and
+the tensor rate (a first-order model: one SM can draw more than its even share of DRAM bandwidth, so a very
+small grid is predicted slower than it runs; it ranks grids of one kernel, as `llmc tune --simulate` does). The step's floor takes the FLOPs of the kernel program's
 shapes instead (every GEMM 2*M*N*K, attention 4*heads*head_dim per query-key pair, whichever rate the
 artifact's dtype runs at), so SIMT GEMMs have a FLOP floor too: step floor_us = max(sum floor_bytes /
 bandwidth, program FLOPs / rate); step time_us = the sum of the kernels' time_us, or the step's floor_us plus
@@ -49,6 +52,7 @@ FIELDS = (
     "bank_conflicts",
     "tensor_core_instructions",
     "flops",
+    "blocks",
 )
 _NAME_LEN = 4096
 
@@ -60,6 +64,11 @@ class Ceilings:
     bf16_tensor_tflop_s: float
     fp32_tflop_s: float
     launch_us: float
+    sm_count: int = 0  # the target's; 0: unknown, every launch counts as filling the GPU
+
+    def sm_share(self, blocks_per_launch: float) -> float:
+        """The fraction of the SMs a launch of that many blocks keeps busy (1 where the count is unknown)."""
+        return 1.0 if not self.sm_count or not blocks_per_launch else min(1.0, blocks_per_launch / self.sm_count)
 
     def byte_us(self, n: float) -> float:
         return n / (self.bandwidth_gb_s * 1e3)
@@ -77,7 +86,8 @@ def ceilings(target: dict) -> Ceilings:
     if not isinstance(table, dict):
         raise LlmcError(f"target {target.get('name')!r} states no [ceilings] (bandwidth and tensor rate)",
                         "add a [ceilings] table to its targets/*.toml")  # fmt: skip
-    return Ceilings(**{f.name: table[f.name] for f in dataclasses.fields(Ceilings)})
+    return Ceilings(**{f.name: table[f.name] for f in dataclasses.fields(Ceilings) if f.name != "sm_count"},
+                    sm_count=int(target.get("sm_count") or 0))  # fmt: skip
 
 
 def program_flops(config, phase: str, batch: int, context: int, prompt_len: int) -> int:
@@ -114,10 +124,12 @@ def step_batch(phase: str, batch: int, context: int, prompt_len: int, block_size
 def _kernel_row(name: str, v: dict, ceil: Ceilings) -> dict:
     flops = v["flops"]
     floor_us = max(ceil.byte_us(v["floor_bytes"]), ceil.tensor_us(flops))
-    time_us = max(ceil.byte_us(v["dram_bytes"]), ceil.tensor_us(flops)) + v["launches"] * ceil.launch_us
+    share = ceil.sm_share(v["blocks"] / v["launches"] if v["launches"] else 0)
+    time_us = max(ceil.byte_us(v["dram_bytes"]), ceil.tensor_us(flops)) / share + v["launches"] * ceil.launch_us
     return {
         "name": name,
         "launches": v["launches"],
+        "blocks": v["blocks"],
         "requested_bytes": v["requested_bytes"],
         "dram_bytes": v["dram_bytes"],
         "floor_bytes": v["floor_bytes"],

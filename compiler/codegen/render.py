@@ -28,6 +28,8 @@ import jinja2.meta
 
 from llmc.errors import CompileError
 
+from ..tuning.space import tune_space
+
 TEMPLATE_DIR = Path(__file__).resolve().parents[2] / "templates"
 try:  # the installed package maps templates/ to llmc.templates; prefer its location when importable
     import llmc.templates as _templates_pkg
@@ -83,9 +85,9 @@ def _cbool(value: Any) -> str:
     return "true" if value else "false"
 
 
-def _cint(value: Any) -> str:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
-        raise TypeError(f"expected a positive int, got {value!r}")
+def _cint(value: Any, minimum: int = 1) -> str:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+        raise TypeError(f"expected an int >= {minimum}, got {value!r}")
     return str(int(value))
 
 
@@ -182,6 +184,9 @@ def render_host(template_dir: str, filename: str, **context: Any) -> str:
 def render_kernel(target: str, op: str, **params: Any) -> str:
     """Render the kernel `op` for `target` with its compile-time parameters (docs/contracts.md)."""
     rel = template_path(target, op)
+    space = tune_space(target, op)
+    if space is not None:  # tunables not given (not tuned) take the template's defaults
+        params = {**space.defaults(), **params}
     where = f"op {op!r} (template {rel}, params {_short(params)})"
     needed = template_params(target, op)
     missing, unknown = sorted(needed - params.keys()), sorted(params.keys() - needed)
@@ -229,6 +234,12 @@ _ID_PREFIX = {
     "bits": "int",
     "group_size": "g",
     "asymmetric": "asym",
+    "prefetch_bytes": "pf",
+    "task_bytes": "task",
+    "gemv_warps": "gw",
+    "tile_m": "tm",
+    "tile_n": "tn",
+    "tile_k": "tk",
 }
 # Canonical order per op (docs/contracts.md); parameters not listed follow, sorted.
 _ID_ORDER = {

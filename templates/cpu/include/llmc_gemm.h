@@ -26,7 +26,7 @@ constexpr int gemm_cols(int rows) { return rows <= 2 ? 8 : 6; }  // R * C + C + 
 #else
 constexpr int gemm_cols(int rows) { return rows <= 2 ? 4 : 3; }  // R * C + C + 1 <= 16 ymm registers
 #endif
-constexpr long kGemvTaskBytes = 32 * 1024;  // weight bytes per parallel task
+constexpr long kGemvTaskBytes = 32 * 1024;  // weight bytes per parallel task (default of gemm's TASK)
 constexpr long kGemmXBytes = 128 * 1024;    // x rows per GEMM task: they stay in L2 while C-row tiles pass
 constexpr int kGemmPanelRows = 16;          // see kWiden in gemm()
 // Default software prefetch distance of the weight stream in bytes (the gemm template's PF; 0: none).
@@ -306,7 +306,9 @@ XT* gemm_scratch(long n) {
 }
 }  // namespace
 
-template <int N, int K, bool HAS_BIAS, int PF = kGemvPrefetchBytes, typename WT>
+// PF and TASK (weight bytes per parallel task) are tunable (templates/cpu/gemm.tune.toml); they change the
+// speed, never the numbers.
+template <int N, int K, bool HAS_BIAS, int PF = kGemvPrefetchBytes, long TASK = kGemvTaskBytes, typename WT>
 inline void gemm(const float* LLMC_RESTRICT x, const WT* LLMC_RESTRICT w, const WT* LLMC_RESTRICT bias,
                  float* LLMC_RESTRICT y, int T) {
   using O = GemmOrder<WT>;
@@ -322,7 +324,7 @@ inline void gemm(const float* LLMC_RESTRICT x, const WT* LLMC_RESTRICT w, const 
   }
   const bool par = (long)T * N * K >= kParallelWork;
   constexpr long RB = (long)K * sizeof(WT);
-  constexpr int CH0 = (int)std::max<long>(1, kGemvTaskBytes / RB);
+  constexpr int CH0 = (int)std::max<long>(1, TASK / RB);
   if (T <= kGemvRows) {
     constexpr int CH = CH0 < 8 ? 8 : CH0 / 8 * 8;
     constexpr int NCH = (N + CH - 1) / CH;

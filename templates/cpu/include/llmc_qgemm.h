@@ -464,7 +464,10 @@ LLMC_INLINE void qgemm_rows(int rows, const QStep<BITS>* steps, const float* xs,
   }
 }
 
-template <int N, int K, int BITS, int GS, bool ASYM, bool HAS_BIAS>
+// PF and TASK (the decode GEMV's prefetch distance and bytes per task) are tunable
+// (templates/cpu/qgemm.tune.toml); they change the speed, never the numbers.
+template <int N, int K, int BITS, int GS, bool ASYM, bool HAS_BIAS, int PF = kQgemvPrefetchBytes,
+          long TASK = kQgemvTaskBytes>
 inline void qgemm(const float* LLMC_RESTRICT x, const uint8_t* LLMC_RESTRICT qweight, const float* LLMC_RESTRICT scales,
                   const float* LLMC_RESTRICT mins, const float* LLMC_RESTRICT bias, float* LLMC_RESTRICT y, int T) {
   using S = QShape<K, BITS, GS>;
@@ -480,11 +483,11 @@ inline void qgemm(const float* LLMC_RESTRICT x, const uint8_t* LLMC_RESTRICT qwe
   // per output: packed weights, its scales (and mins)
   constexpr long RB = S::RB + (long)S::G * sizeof(float) * (ASYM ? 2 : 1);
   if (T <= R) {
-    constexpr int CH = (int)std::max<long>(8, kQgemvTaskBytes / RB / 8 * 8);
+    constexpr int CH = (int)std::max<long>(8, TASK / RB / 8 * 8);
     constexpr int NCH = (N + CH - 1) / CH;
     parallel_for(NCH, par, [&](int ch) {
-      qgemm_rows<N, K, BITS, GS, ASYM, HAS_BIAS, kQgemvPrefetchBytes>(T, steps, xs, qweight, scales, mins, bias, y,
-                                                                     ch * CH, std::min(N, (ch + 1) * CH));
+      qgemm_rows<N, K, BITS, GS, ASYM, HAS_BIAS, PF>(T, steps, xs, qweight, scales, mins, bias, y, ch * CH,
+                                                     std::min(N, (ch + 1) * CH));
     });
     return;
   }

@@ -162,13 +162,16 @@ struct RmsNorm {
 //  - prefill: tiled(). BM x BN output tile per block through shared memory (x and w both staged k-major,
 //    w widened to float), BK-deep k steps, 4 x 4 outputs per thread, fp32 accumulate; zero-filled tails.
 //    Grid (kTilesN, ceil(T / BM)), block kTileThreads.
-template <int N, int K, bool BIAS, typename W>
+// GEMV_WARPS, BM, BN and BK are tunable (templates/cuda/gemm.tune.toml). Neither changes the numbers: each
+// output is one warp's sum (GEMV) or one thread's k-ordered sum (tiled) whatever the block shape.
+template <int N, int K, bool BIAS, typename W, int GEMV_WARPS = 4, int TILE_M = 64, int TILE_N = 64,
+          int TILE_K = 16>
 struct Gemm {
   static constexpr int V = Vec16<W>::N;
   static constexpr bool kVec = K % V == 0;  // rows of w (and of x) are 16-byte aligned
-  static constexpr int kGemvWarps = 4, kGemvThreads = 32 * kGemvWarps, kGemvRows = 4, kGemvMaxT = 8;
+  static constexpr int kGemvWarps = GEMV_WARPS, kGemvThreads = 32 * kGemvWarps, kGemvRows = 4, kGemvMaxT = 8;
   static constexpr int kGemvBlocks = ceil_div(N, kGemvWarps);
-  static constexpr int BM = 64, BN = 64, BK = 16, kTileThreads = 256;
+  static constexpr int BM = TILE_M, BN = TILE_N, BK = TILE_K, kTileThreads = (BM / 4) * (BN / 4);
   static constexpr int kTilesN = ceil_div(N, BN);
 
   static __device__ __forceinline__ void gemv(const float* x, const W* w, const W* bias, float* y, int T) {

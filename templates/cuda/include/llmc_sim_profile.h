@@ -45,7 +45,7 @@ namespace llmc_sim_prof {
 
 enum Field {
   kLaunches, kRequested, kDramBytes, kFloorBytes, kUsefulBytes, kFetchedBytes, kGlobalRequests,
-  kSharedRequests, kBankConflicts, kMma, kTensorFlops, kNumFields
+  kSharedRequests, kBankConflicts, kMma, kTensorFlops, kBlocks, kNumFields
 };
 
 struct Kernel {
@@ -240,6 +240,7 @@ void llmc_sim_prof_launch_end() {
 }
 void llmc_sim_prof_block_begin() {
   using namespace llmc_sim_prof;
+  if (s.cur && s.enabled) s.cur->v[kBlocks] += 1;
   s.site_count.assign(llmc_sim::g.nthreads, {});
   s.open.clear();
 }

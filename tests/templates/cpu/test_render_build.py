@@ -26,7 +26,9 @@ def test_kernel_id_is_readable_and_canonical():
 def test_render_names_the_function_and_fills_constants():
     src = render_kernel("cpu", "gemm", name="proj", **GEMM)
     assert "static void proj(const float* x, const uint16_t* w, const uint16_t* bias, float* y, int T)" in src
-    assert "llmc::gemm<1536, 576, false>" in src
+    assert "llmc::gemm<1536, 576, false, 16384, 32768>" in src  # the tunables at their defaults (gemm.tune.toml)
+    tuned = render_kernel("cpu", "gemm", name="proj", **GEMM, prefetch_bytes=0, task_bytes=65536)
+    assert "llmc::gemm<1536, 576, false, 0, 65536>" in tuned
 
 
 def test_render_errors_name_op_and_template():

@@ -1,0 +1,1 @@
+"""Kernel autotuning: tunable spaces beside the templates, the per-target tuning database, `llmc tune`."""

@@ -1,0 +1,98 @@
+"""What a tuning candidate is checked against: a kernel shape, its random inputs and the numpy reference.
+
+A candidate must match x @ w.T (+ bias) in float64 within the kernel's rounding (bf16 activations for the CPU
+bf16 dot, int8 activations for the quantized GEMM) before it is timed; one that does not is rejected.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from llmc.errors import CompileError
+
+from ..codegen.render import kernel_id
+from ..quant import QuantScheme, dequantize, quantize
+from ..quant_pack import pack_cpu
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelShape:
+    op: str
+    params: tuple[tuple[str, object], ...]  # the kernel's parameters (no name, no tunables), sorted
+
+    @classmethod
+    def of(cls, op: str, params: dict) -> KernelShape:
+        return cls(op, tuple(sorted((k, v) for k, v in params.items() if k != "name")))
+
+    @property
+    def kwargs(self) -> dict:
+        return dict(self.params)
+
+    def __str__(self) -> str:
+        return kernel_id("", self.op, self.kwargs).lstrip("_")
+
+
+@dataclasses.dataclass
+class Inputs:
+    x: np.ndarray
+    weights: list[np.ndarray]  # the kernel's weight arguments in contract order (gemm: w; qgemm: q, scales, mins)
+    bias: np.ndarray | None
+    reference: np.ndarray  # float64 [T, n]
+    tolerance: np.ndarray  # float64 [T, n]: |y - reference| must stay within it
+
+    def mismatch(self, y: np.ndarray) -> str | None:
+        """Why `y` is not the reference's output, or None."""
+        err = np.abs(y - self.reference)
+        bad = ~(err <= self.tolerance)
+        return (
+            f"{int(bad.sum())} of {y.size} outputs off the reference (worst {np.nanmax(err):.3g})"
+            if bad.any()
+            else None
+        )
+
+
+def _bf16(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Rounded to bf16 (nearest even): the uint16 bits and their float32 values."""
+    bits = ((a.view(np.uint32) + 0x7FFF + ((a.view(np.uint32) >> 16) & 1)) >> 16).astype(np.uint16)
+    return bits, (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def make_inputs(shape: KernelShape, rows: int, seed: int = 0) -> Inputs:
+    p = shape.kwargs
+    n, k = p["n"], p["k"]
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((rows, k), dtype=np.float32)
+    w32 = rng.standard_normal((n, k), dtype=np.float32) / np.float32(np.sqrt(k))
+    b32 = rng.standard_normal(n, dtype=np.float32) if p.get("has_bias") else None
+    if shape.op == "gemm":
+        w, wf, bias, bf = w32, w32, b32, b32
+        if p["wdtype"] == "bf16":
+            w, wf = _bf16(w32)
+            bias, bf = _bf16(b32) if b32 is not None else (None, None)
+        weights, rel = [w], (2.0**-7 if p["wdtype"] == "bf16" else 1e-5)  # bf16: x may be rounded to bf16
+    elif shape.op == "qgemm":
+        t = quantize(w32, QuantScheme(p["bits"], p["group_size"], p["asymmetric"]))
+        q, scales, mins = pack_cpu(t)
+        wf, bias, bf = dequantize(t), b32, b32
+        weights, rel = [q, scales, mins if mins is not None else np.zeros(1, np.float32)], 2.0**-5  # int8 x
+    else:
+        raise CompileError(f"llmc tune has no reference for op {shape.op!r}")
+    ref = x.astype(np.float64) @ wf.astype(np.float64).T
+    mag = np.abs(x).astype(np.float64) @ np.abs(wf).astype(np.float64).T
+    if bf is not None:
+        ref, mag = ref + bf, mag + np.abs(bf)
+    return Inputs(x, weights, bias, ref, rel * mag + 1e-6)
+
+
+@dataclasses.dataclass
+class Candidate:
+    """One configuration of a shape's tunables: built, checked, then timed (seconds per call, by round or, for
+    a simulated one, the single prediction) unless rejected."""
+
+    config: dict
+    kid: str = ""
+    times: list[float] = dataclasses.field(default_factory=list)
+    rejected: str | None = None
+    figures: dict = dataclasses.field(default_factory=dict)

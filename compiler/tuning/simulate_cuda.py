@@ -1,0 +1,152 @@
+"""Tuning candidates for a GPU target with no GPU at hand (`llmc tune --target sm90 --simulate`).
+
+Each admissible candidate is built by nvcc for the target and pruned by what `ptxas -v` reports (the
+template's ptxas_constraints: spills, registers per block), then built for the CUDA simulator with the
+counters of `llmc profile --simulate`, run at each of the template's `rows` on fresh random inputs in
+cudaMalloc'ed memory, checked against the numpy reference, and ranked by the time compiler/codegen/profile.py
+predicts from its counters (DRAM sectors, tensor-core FLOPs, blocks against the target's SMs, launches).
+Entries it writes are marked "simulated"; a measured entry replaces them.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import ctypes
+import logging
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from llmc.errors import CompileError
+from llmc.targets import Target
+
+from ..codegen.profile import _kernel_row, ceilings, read_counters
+from ..codegen.render import kernel_id, render_kernel
+from ..codegen.simulator import build_profiled, nvcc_compile
+from .reference import Candidate, KernelShape, make_inputs
+from .space import TuneSpace
+
+log = logging.getLogger("llmc.tune")
+
+_TRAMPOLINE = r"""
+namespace {{
+void* to_device(const void* host, size_t n) {{
+  void* d = nullptr;
+  if (host == nullptr || n == 0) return nullptr;
+  cudaMalloc(&d, n);
+  cudaMemcpy(d, host, n, cudaMemcpyHostToDevice);
+  return d;
+}}
+}}  // namespace
+// One launch on copies of the inputs in device memory (the counters see only cudaMalloc'ed addresses).
+extern "C" int run_{kid}(const float* x, size_t x_bytes, const void* w, size_t w_bytes, const void* bias,
+                         size_t bias_bytes, float* y, size_t y_bytes, int T) {{
+  void *dx = to_device(x, x_bytes), *dw = to_device(w, w_bytes), *db = to_device(bias, bias_bytes), *dy = nullptr;
+  cudaMalloc(&dy, y_bytes);
+  {kid}(static_cast<const float*>(dx), static_cast<const {wt}*>(dw), static_cast<const {wt}*>(db),
+        static_cast<float*>(dy), T, (cudaStream_t)0);
+  int err = (int)cudaGetLastError();
+  if (err == 0) err = (int)cudaDeviceSynchronize();
+  cudaMemcpy(y, dy, y_bytes, cudaMemcpyDeviceToHost);
+  for (void* p : {{dx, dw, db, dy}}) if (p) cudaFree(p);
+  return err;
+}}
+"""
+
+
+def render_candidate(shape: KernelShape, config: dict) -> tuple[str, str]:
+    """(kernel id, CUDA source) of one configuration with its run_ trampoline."""
+    if shape.op != "gemm":
+        raise CompileError(f"llmc tune --simulate has no runner for op {shape.op!r}")
+    params = {**shape.kwargs, **config}
+    kid = kernel_id("cuda", shape.op, params)
+    wt = "uint16_t" if params["wdtype"] == "bf16" else "float"
+    body = render_kernel("cuda", shape.op, name=kid, **params)
+    return kid, '#include "llmc_kernels.cuh"\n' + body + _TRAMPOLINE.format(kid=kid, wt=wt)
+
+
+def _ptxas(target: Target, source: str) -> dict[str, int]:
+    with tempfile.TemporaryDirectory(prefix="llmc-tune-") as tmp:
+        report = nvcc_compile(source, f"sm_{target.compute_capability}", Path(tmp) / "k.cubin")
+    return {
+        "registers": max((r.registers for r in report.values()), default=0),
+        "spill_bytes": sum(r.spill_stores + r.spill_loads for r in report.values()),
+    }
+
+
+def _simulate(shape: KernelShape, library: Path, kid: str, rows: tuple[int, ...], target: Target):
+    """(predicted seconds summed over `rows`, why the output is wrong or None, counters summary)."""
+    lib = ctypes.CDLL(str(library))
+    run = getattr(lib, f"run_{kid}")
+    run.restype = ctypes.c_int
+    run.argtypes = [ctypes.c_void_p, ctypes.c_size_t] * 4 + [ctypes.c_int]
+    for fn in ("llmc_sim_prof_num_fields", "llmc_sim_prof_num_kernels", "llmc_sim_prof_kernel"):
+        getattr(lib, fn).restype = ctypes.c_int
+    ceil = ceilings(target.raw)
+    total_us, summary = 0.0, {"dram_bytes": 0, "blocks": 0}
+    for t in rows:
+        inp = make_inputs(shape, t, seed=t)
+        y = np.full((t, inp.reference.shape[1]), np.nan, np.float32)
+        (w,) = inp.weights
+        lib.llmc_sim_prof_clear()
+        lib.llmc_sim_prof_enable(1)
+        try:
+            err = run(inp.x.ctypes.data, inp.x.nbytes, w.ctypes.data, w.nbytes,
+                      None if inp.bias is None else inp.bias.ctypes.data, 0 if inp.bias is None else inp.bias.nbytes,
+                      y.ctypes.data, y.nbytes, t)  # fmt: skip
+        finally:
+            lib.llmc_sim_prof_enable(0)
+        if err:
+            return 0.0, f"the launch at T={t} failed with cudaError {err}", summary
+        if (why := inp.mismatch(y)) is not None:
+            return 0.0, f"T={t}: {why}", summary
+        for name, v in read_counters(lib).items():
+            row = _kernel_row(name, v, ceil)
+            total_us += row["time_us"]
+            summary["dram_bytes"] += row["dram_bytes"]
+            summary["blocks"] += row["blocks"]
+    return total_us * 1e-6, None, summary
+
+
+def _build(shape: KernelShape, space: TuneSpace, target: Target, config: dict, render, workdir: Path):
+    """(the candidate with its ptxas figures, its simulator library or None where ptxas rules it out)."""
+    kid, source = render(shape, config)
+    c = Candidate(config, kid)
+    c.figures = _ptxas(target, source)
+    if not space.admits(config, shape.kwargs, target.raw, c.figures):
+        c.rejected = f"ptxas: {c.figures['registers']} registers, {c.figures['spill_bytes']} spill bytes"
+        return c, None
+    return c, build_profiled(source, workdir / f"{kid}.so")
+
+
+def simulate_shape(shape: KernelShape, space: TuneSpace, target: Target, deadline: float, *,
+                   render=render_candidate, progress=None) -> list[Candidate]:  # fmt: skip
+    """Every candidate admissible before building, the defaults first; pruned by ptxas, checked, predicted.
+    Builds run in parallel; the simulations one at a time (the simulator's launch state is per process)."""
+    configs = space.candidates(shape.kwargs, target.raw)
+    out: list[Candidate] = []
+    with (
+        tempfile.TemporaryDirectory(prefix="llmc-tune-") as tmp,
+        concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool,
+    ):
+        futures = [pool.submit(_build, shape, space, target, c, render, Path(tmp)) for c in configs]
+        for f in futures:
+            if time.monotonic() > deadline:
+                for other in futures:
+                    other.cancel()
+                break
+            c, library = f.result()
+            if library is not None:
+                seconds, c.rejected, counters = _simulate(shape, library, c.kid, space.rows, target)
+                c.figures.update(counters)
+                if c.rejected is None:
+                    c.times.append(seconds)
+            if c.rejected:
+                log.warning("rejected %s %s: %s", shape, c.config, c.rejected)
+            out.append(c)
+            if progress:
+                progress(f"simulated {len(out)}/{len(configs)}")
+    return out

@@ -1,0 +1,201 @@
+"""`llmc tune`: for each kernel shape, every admissible configuration of its template's tunables is built,
+checked against a numpy reference, timed (compiler/tuning/measure_cpu.py) or, for a GPU target with no GPU,
+predicted under the CUDA simulator (compiler/tuning/simulate_cuda.py), and the fastest written to the target's
+tuning database.
+
+Shapes come from a model's kernel program (the kernels compile would render for it) or from a standard set of
+Llama-family GEMM shapes. A template whose tunables fall into groups (separate kernels) gets each group's
+winner, the others at their defaults, combined; its time is the defaults' plus each group's gain.
+
+Resumable: a shape whose entry for this machine (and source) is already in the database is skipped (--retune
+runs it again); the database is saved after each shape. The budget stops the run between candidates; a shape
+cut short is left untuned.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import statistics
+import time
+from collections.abc import Iterable
+
+from tqdm import tqdm
+
+from llmc.errors import CompileError
+from llmc.targets import load_target
+
+from .database import SOURCES, TuningDB, cpu_machine, entry_key
+from .measure_cpu import measure_shape
+from .reference import Candidate, KernelShape
+from .simulate_cuda import simulate_shape
+from .space import TuneSpace, tune_space
+
+log = logging.getLogger("llmc.tune")
+
+# Standard Llama-family GEMMs (n, k) when no model is given: SmolLM-135M's fused qkv, o, fused gate_up, down;
+# Llama-3.2-1B's; Llama-3-8B's, per weight dtype.
+STANDARD_GEMMS = [
+    (960, 576), (576, 576), (3072, 576), (576, 1536),
+    (3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192),
+    (6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336),
+]  # fmt: skip
+
+
+def standard_shapes(family: str) -> list[KernelShape]:
+    shapes = [
+        KernelShape.of("gemm", dict(n=n, k=k, wdtype=wd, has_bias=False))
+        for wd in ("f32", "bf16")
+        for n, k in STANDARD_GEMMS
+    ]
+    shapes += [
+        KernelShape.of("qgemm", dict(n=n, k=k, bits=bits, group_size=32, asymmetric=False, has_bias=False))
+        for bits in (8, 4)
+        for n, k in STANDARD_GEMMS
+    ]
+    return [s for s in shapes if tune_space(family, s.op) is not None]
+
+
+def parse_shape(text: str) -> KernelShape:
+    """`gemm:n=576,k=576,wdtype=bf16,has_bias=0` (the `--shape` option) as a KernelShape."""
+    op, _, rest = text.partition(":")
+    params: dict = {}
+    for item in filter(None, rest.split(",")):
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise CompileError(f"--shape {text!r}: {item!r} is not key=value", "e.g. gemm:n=576,k=576,wdtype=bf16")
+        params[key.strip()] = int(value) if value.strip().lstrip("-").isdigit() else value.strip()
+    for key in ("has_bias", "asymmetric") if op.strip() == "qgemm" else ("has_bias",):
+        params[key] = bool(params.get(key, 0))
+    return KernelShape.of(op.strip(), params)
+
+
+def model_shapes(checkpoint, target: str, weight_dtype: str = "auto", quant=None) -> list[KernelShape]:
+    """The tunable kernels compile would render for this checkpoint, target, dtype and quantization."""
+    from ..compile import build_program, quant_schemes, resolve_weight_dtype
+    from ..frontend.checkpoint import load_checkpoint
+    from ..quant import QuantConfig
+
+    tgt = load_target(target)
+    ckpt = load_checkpoint(checkpoint)
+    program = build_program(ckpt, resolve_weight_dtype(ckpt, weight_dtype), tgt.block_size,
+                            schemes=quant_schemes(ckpt, quant or QuantConfig()))  # fmt: skip
+    out: dict[KernelShape, None] = {}
+    for launch in program.launches:
+        if tune_space(tgt.template_dir, launch.op) is not None:
+            out[KernelShape.of(launch.op, launch.params)] = None
+    return list(out)
+
+
+def _median(c: Candidate) -> float:
+    return statistics.median(c.times)
+
+
+def pick(space: TuneSpace, candidates: list[Candidate]) -> tuple[dict, float]:
+    """The winning configuration and its time: per group, the fastest candidate moving only that group (or
+    the defaults; of equal times, the one nearest the defaults), combined; time = the defaults' less each
+    group's gain."""
+    default = candidates[0]
+    config, t = dict(default.config), _median(default)
+    for group in space.groups:
+        inside = [c for c in candidates if c.times and space.group_of(c.config) in (group, None)]
+        best = min(inside, key=lambda c: (_median(c), sum(c.config[k] != v for k, v in default.config.items())))
+        config.update({p.name: best.config[p.name] for p in space.groups[group]})
+        t -= _median(default) - _median(best)
+    return config, t
+
+
+@dataclasses.dataclass
+class ShapeResult:
+    shape: KernelShape
+    config: dict  # the winner
+    time_s: float | None  # its time (None: skipped, already in the database)
+    default_time_s: float | None
+    candidates: list[Candidate]
+    source: str = "measured"
+
+    @property
+    def skipped(self) -> bool:
+        return self.time_s is None
+
+
+def tune(
+    target: str,
+    shapes: Iterable[KernelShape],
+    db: TuningDB,
+    *,
+    simulate: bool = False,
+    budget_s: float = 600.0,
+    rounds: int = 5,
+    retune: bool = False,
+    progress: bool = True,
+    render=None,
+    space: TuneSpace | None = None,
+) -> list[ShapeResult]:
+    """Tunes `shapes` for `target` into `db` (saved after each shape); returns what it found.
+    simulate: rank a GPU target's candidates under the CUDA simulator (the only way without a GPU).
+    render, space: how a candidate is rendered and the space searched, for tests (default: the templates')."""
+    tgt = load_target(target)
+    if tgt.is_cuda and not simulate:
+        raise CompileError(f"target {target}: timing CUDA kernels needs a GPU, and this build of llmc measures "
+                           "CPU kernels only", "add --simulate to rank them under the CUDA simulator")  # fmt: skip
+    if simulate and not tgt.is_cuda:
+        raise CompileError("--simulate ranks CUDA kernels under the CUDA simulator", "tune --target cpu without it")
+    source = "simulated" if simulate else "measured"
+    threads = int(os.environ.get("OMP_NUM_THREADS") or len(os.sched_getaffinity(0)))
+    machine = (
+        {"gpu": f"{tgt.raw.get('ceilings', {}).get('part', target)} (simulated)"} if simulate else cpu_machine(threads)
+    )
+    isa = machine.get("isa")
+    deadline = time.monotonic() + budget_s
+    shapes = list(shapes)
+    results = []
+    bar = tqdm(shapes, desc="tune", unit="shape", disable=not progress)
+    for shape in bar:
+        shape_space = space or tune_space(tgt.template_dir, shape.op)
+        if shape_space is None:
+            continue
+        key = entry_key(f"{tgt.template_dir}/{shape.op}", shape.kwargs, shape_space.names)
+        have = db.lookup(key, isa)
+        if have is not None and SOURCES.index(have["source"]) >= SOURCES.index(source) and not retune:
+            results.append(ShapeResult(shape, have["params"], None, None, [], have["source"]))
+            continue
+        if time.monotonic() > deadline:
+            break
+        bar.set_postfix_str(str(shape))
+
+        def note(text: str, shape=shape) -> None:
+            bar.set_postfix_str(f"{shape}: {text}")
+
+        kw = {"render": render} if render else {}
+        if simulate:
+            candidates = simulate_shape(shape, shape_space, tgt, deadline, progress=note, **kw)
+        else:
+            candidates = measure_shape(shape, shape_space, deadline, rounds, progress=note, **kw)
+        if not candidates or candidates[0].rejected:
+            why = candidates[0].rejected if candidates else "no candidate"
+            raise CompileError(f"{shape}: the template's defaults are not admissible ({why})",
+                               "fix the kernel or its tune.toml before tuning")  # fmt: skip
+        if time.monotonic() > deadline:
+            log.warning("budget of %.0f s spent while tuning %s: left untuned", budget_s, shape)
+            break
+        config, t = pick(shape_space, candidates)
+        t_default = _median(candidates[0])
+        figures = {
+            "time_us": round(t * 1e6, 3),
+            "default_time_us": round(t_default * 1e6, 3),
+            "speedup": round(t_default / t, 3),
+            "rows": list(shape_space.rows),
+            "rounds": len(candidates[0].times),
+            "candidates": len(candidates),
+            "rejected": sum(c.rejected is not None for c in candidates),
+        }
+        db.put(key, config, figures, source, machine)
+        db.save()
+        results.append(ShapeResult(shape, config, t, t_default, candidates, source))
+    bar.close()
+    left = len(shapes) - len(results)
+    if left:
+        log.warning("budget of %.0f s spent: %d shapes left untuned (run again to resume)", budget_s, left)
+    return results

@@ -1,0 +1,205 @@
+"""Kernel autotuning (compiler/tuning/): tunable spaces and their constraints, the reference check that rejects
+a wrong candidate before it is timed, the database round trip, and compile taking the tuned entries that
+match its shapes and this host's ISA (and no others), with numbers identical to the defaults'.
+"""
+
+import json
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from llmc.artifact import read_manifest
+from llmc.cli import main
+from llmc.compiler.compile import compile_checkpoint
+from llmc.compiler.tuning.database import TuningDB, cpu_machine, entry_key
+from llmc.compiler.tuning.measure_cpu import render_candidate
+from llmc.compiler.tuning.reference import KernelShape
+from llmc.compiler.tuning.space import Tunable, TuneSpace, tune_space
+from llmc.compiler.tuning.tuner import model_shapes, parse_shape, tune
+from llmc.errors import CompileError
+from llmc.host import host_cpu_isa
+from llmc.runtime.batch import StepBatch
+from llmc.runtime.module import CompiledModel
+
+# A shape with tails: n and k no multiple of a tile, a task or a vector.
+SHAPE = KernelShape.of("gemm", dict(n=203, k=72, wdtype="bf16", has_bias=True))
+SMALL = TuneSpace(
+    "cpu/gemm",
+    (Tunable("prefetch_bytes", 16384, (0, 16384), ""), Tunable("task_bytes", 32768, (16384, 32768), "")),
+)
+
+
+def test_spaces_declare_defaults_inside_their_domains():
+    for op in ("gemm", "qgemm"):
+        space = tune_space("cpu", op)
+        assert space is not None and space.rows == (1,)
+        for p in space.params:
+            assert p.default in p.domain, p
+        configs = space.candidates({"n": 64, "k": 64}, {})
+        assert configs[0] == space.defaults() and len(configs) == len({tuple(c.items()) for c in configs})
+    assert tune_space("cpu", "rmsnorm") is None
+
+
+def test_constraints_prune_candidates():
+    space = TuneSpace(
+        "cuda/example",
+        (Tunable("bm", 64, (32, 64, 128), ""), Tunable("bk", 16, (8, 16, 32), "")),
+        ("bm * bk * 4 * 2 <= max_shared_memory_per_block", "bm <= n or bm == 32", "registers * bm <= 8192"),
+    )
+    limits = {"max_shared_memory_per_block": 16384, "registers": 64}
+    got = space.candidates({"n": 64}, limits)
+    assert all(c["bm"] * c["bk"] * 8 <= 16384 and c["bm"] <= 64 for c in got)
+    assert {"bm": 128, "bk": 8} not in got and {"bm": 64, "bk": 32} in got
+    assert {"bm": 64, "bk": 32} not in space.candidates({"n": 64}, {**limits, "registers": 255})  # ptxas's count
+    with pytest.raises(CompileError, match="names 'warps'"):
+        TuneSpace("x", space.params, ("warps < 4",)).candidates({"n": 1}, limits)
+    with pytest.raises(CompileError, match="not allowed"):
+        TuneSpace("x", space.params, ("__import__('os')",)).candidates({"n": 1}, limits)
+
+
+def _wrong(config):
+    def render(shape, c):
+        kid, src = render_candidate(shape, c)
+        if c == config:  # the kernel itself adds 1 to its first output
+            src = src.replace("y, T);\n}", "y, T);\n  y[0] += 1.0f;\n}", 1)
+        return kid, src
+
+    return render
+
+
+def test_a_wrong_candidate_is_rejected_and_never_wins(tmp_path, caplog):
+    bad = {"prefetch_bytes": 0, "task_bytes": 16384}
+    db = TuningDB.load(tmp_path / "cpu.tuning.json", "cpu")
+    (r,) = tune("cpu", [SHAPE], db, rounds=1, progress=False, render=_wrong(bad), space=SMALL)
+    rejected = [c for c in r.candidates if c.rejected]
+    assert [c.config for c in rejected] == [bad] and "off the reference" in rejected[0].rejected
+    assert not rejected[0].times and r.config != bad
+    assert "rejected" in caplog.text
+    (entry,) = db.entries
+    assert entry["figures"]["rejected"] == 1 and entry["figures"]["candidates"] == 4
+
+
+def test_database_round_trips_and_ranks_entries(tmp_path):
+    path = tmp_path / "cpu.tuning.json"
+    db = TuningDB.load(path, "cpu")
+    key = entry_key("cpu/gemm", SHAPE.kwargs, {"prefetch_bytes", "task_bytes"})
+    assert key == {"template": "cpu/gemm", "shape": {"has_bias": True, "k": 72, "n": 203}, "dtype": "bf16",
+                   "quant": "none"}  # fmt: skip
+    here, other = cpu_machine(2), {**cpu_machine(2), "isa": ["sse2"]}
+    db.put(key, {"prefetch_bytes": 0, "task_bytes": 16384}, {"time_us": 1.0}, "measured", here)
+    db.put(key, {"prefetch_bytes": 4096, "task_bytes": 16384}, {}, "simulated", here)  # does not replace it
+    db.put(key, {"prefetch_bytes": 8192, "task_bytes": 65536}, {}, "measured", other)
+    db.save()
+    again = TuningDB.load(path, "cpu")
+    assert again.entries == db.entries and len(again.entries) == 2
+    assert again.lookup(key, here["isa"])["params"] == {"prefetch_bytes": 0, "task_bytes": 16384}
+    assert again.lookup(key, ["sse2"])["params"]["task_bytes"] == 65536
+    assert again.lookup(key, ["avx"]) is None and len(again.ignored(key, ["avx"])) == 2
+    path.write_text(json.dumps({"version": 1, "target": "sm90", "entries": []}))
+    with pytest.raises(CompileError, match="for target 'sm90'"):
+        TuningDB.load(path, "cpu")
+    path.write_text("{")
+    with pytest.raises(CompileError, match="cannot be read"):
+        TuningDB.load(path, "cpu")
+
+
+def _logits(artifact, ids):
+    model = CompiledModel.load(artifact, max_num_logits=64)
+    table = list(range(model.num_blocks))[: -(-(len(ids) + 1) // model.block_size)]
+    prefill = model.step(StepBatch.build([ids], [0], [table], model.block_size, num_logits=[len(ids)]))
+    nxt = int(np.argmax(prefill[-1]))
+    decode = model.step(StepBatch.build([[nxt]], [len(ids)], [table], model.block_size))  # T = 1: the GEMV
+    model.close()
+    return np.concatenate([prefill, decode])
+
+
+def test_compile_takes_tuned_entries_for_this_isa_only(checkpoint_dir, tmp_path):
+    ckpt = checkpoint_dir("qwen2")  # qkv bias: a tunable GEMM with bias
+    shapes = model_shapes(ckpt, "cpu", "bfloat16")
+    assert {s.op for s in shapes} == {"gemm"} and len(shapes) >= 4
+    db = TuningDB.load(tmp_path / "cpu.tuning.json", "cpu")
+    space = tune_space("cpu", "gemm")
+    tuned = {"prefetch_bytes": 0, "task_bytes": 131072}  # no prefetch, one task: far from the defaults
+    for s in shapes[:-1]:
+        db.put(entry_key("cpu/gemm", s.kwargs, space.names), tuned, {}, "measured", cpu_machine(2))
+    foreign = {**cpu_machine(2), "cpu": "another CPU", "isa": ["sse2"]}
+    db.put(entry_key("cpu/gemm", shapes[-1].kwargs, space.names), tuned, {}, "measured", foreign)
+    db.save()
+    art = compile_checkpoint(ckpt, output=tmp_path / "tuned", weight_dtype="bfloat16", tuning_db=db.path)
+    plain = compile_checkpoint(ckpt, output=tmp_path / "plain", weight_dtype="bfloat16", tuning_db=False)
+
+    m = read_manifest(art)
+    kernels = m["tuning"]["kernels"]
+    measured = {k for k, v in kernels.items() if v["source"] == "measured"}
+    assert len(measured) == len(shapes) - 1 and all(kernels[k]["params"] == tuned for k in measured)
+    assert all(k.endswith("_pf0_task131072") for k in measured)
+    (default,) = set(kernels) - measured
+    assert kernels[default]["source"] == "default" and kernels[default]["params"] == space.defaults()
+    assert "another CPU" in kernels[default]["ignored"][0]
+    assert "llmc::gemm<" in (art / "model.cc").read_text() and ", 0, 131072>(x, w" in (art / "model.cc").read_text()
+    assert "tuning" not in read_manifest(plain) or all(
+        v["source"] == "default" for v in read_manifest(plain)["tuning"]["kernels"].values()
+    )
+    out = CliRunner().invoke(main, ["inspect", str(art)])
+    assert out.exit_code == 0 and f"{len(measured)} measured" in out.output and "1 default" in out.output
+
+    ids = [int(i) for i in np.random.default_rng(1).integers(2, 384, 37)]
+    assert np.array_equal(_logits(art, ids), _logits(plain, ids))  # tunables change the speed, not the numbers
+
+
+def test_tune_command_writes_the_database_and_resumes(checkpoint_dir, tmp_path):
+    db = tmp_path / "cpu.tuning.json"
+    args = ["tune", "--model", str(checkpoint_dir("llama")), "--budget", "300", "--rounds", "1", "--db", str(db)]
+    first = CliRunner().invoke(main, args)
+    assert first.exit_code == 0, first.output
+    entries = json.loads(db.read_text())["entries"]
+    assert entries and all(e["source"] == "measured" and e["machine"]["isa"] == host_cpu_isa() for e in entries)
+    assert all(e["figures"]["rejected"] == 0 and e["figures"]["time_us"] > 0 for e in entries)
+    second = CliRunner().invoke(main, args)
+    assert second.exit_code == 0 and second.output.count("(already tuned)") == len(entries)
+    assert json.loads(db.read_text())["entries"] == entries
+
+
+def test_timing_a_cuda_target_without_a_gpu_is_a_clear_error(tmp_path):
+    out = CliRunner().invoke(main, ["tune", "--target", "sm90", "--db", str(tmp_path / "x.json")])
+    assert out.exit_code != 0 and "--simulate" in out.output and "Traceback" not in out.output
+    out = CliRunner().invoke(main, ["tune", "--simulate", "--db", str(tmp_path / "x.json")])
+    assert out.exit_code != 0 and "CUDA" in out.output and "Traceback" not in out.output
+
+
+# The CUDA gemm with its GEMV group and its tiled group cut down; the ptxas constraint refuses 8 GEMV warps by
+# the registers ptxas reports (an artificial limit: any kernel uses more than 8).
+CUDA_SPACE = TuneSpace(
+    "cuda/gemm",
+    (
+        Tunable("gemv_warps", 4, (4, 8), "", "gemv"),
+        Tunable("tile_m", 64, (32, 64), "", "tiled"),
+        Tunable("tile_n", 64, (64,), "", "tiled"),
+        Tunable("tile_k", 16, (16,), "", "tiled"),
+    ),
+    ("(tile_m // 4) * (tile_n // 4) <= 1024",),
+    (1, 40),
+    ("spill_bytes == 0", "gemv_warps == 4 or registers < 8"),
+)
+
+
+def test_simulated_tuning_prunes_by_ptxas_checks_and_ranks_by_prediction(tmp_path):
+    shape = parse_shape("gemm:n=72,k=40,wdtype=bf16,has_bias=1")  # tails: n, k no multiple of a tile or vector
+    db = TuningDB.load(tmp_path / "sm90.tuning.json", "sm90")
+    (r,) = tune("sm90", [shape], db, simulate=True, progress=False, space=CUDA_SPACE)
+    by_config = {(c.config["gemv_warps"], c.config["tile_m"]): c for c in r.candidates}
+    assert set(by_config) == {(4, 64), (8, 64), (4, 32)}
+    assert by_config[8, 64].rejected.startswith("ptxas:") and not by_config[8, 64].times
+    for key in ((4, 64), (4, 32)):
+        c = by_config[key]
+        assert c.rejected is None and c.times[0] > 0 and c.figures["registers"] > 0 and c.figures["blocks"] > 0
+    # 40 rows of 72 outputs: 32-row tiles make 4 blocks where 64-row ones make 2, on a 132-SM part
+    assert by_config[4, 32].times[0] < by_config[4, 64].times[0] and r.config["tile_m"] == 32
+    (entry,) = db.entries
+    assert entry["source"] == "simulated" and "gpu" in entry["machine"] and entry["figures"]["rejected"] == 1
+    assert entry["params"] == {"gemv_warps": 4, "tile_m": 32, "tile_n": 64, "tile_k": 16}
+    # a measured entry replaces it; a simulated one does not replace that
+    db.put(entry["key"], CUDA_SPACE.defaults(), {}, "measured", {"gpu": "H200"})
+    db.put(entry["key"], entry["params"], {}, "simulated", {"gpu": "H200 (simulated)"})
+    assert [e["source"] for e in db.entries] == ["measured"]
