@@ -96,7 +96,11 @@ def format_table(result: dict) -> str:
                       f"{pf['default']:.0f}", f"{pf['tuned']:.0f}", f"{pf['tuned'] / pf['default']:.2f}x",
                       "yes" if r["same_tokens"] else "NO"])  # fmt: skip
         for kid, k in r["kernels"].items():
-            figures = [f"{k['default_time_us']:.1f}", f"{k['time_us']:.1f}", f"{k['speedup']:.2f}x"] if "time_us" in k else ["", "", ""]
+            figures = (
+                [f"{k['default_time_us']:.1f}", f"{k['time_us']:.1f}", f"{k['speedup']:.2f}x"]
+                if "time_us" in k
+                else ["", "", ""]
+            )
             kernels.append([kid, k["source"], " ".join(f"{a}={b}" for a, b in k["params"].items()), *figures])
     m = result["machine"]
     return "\n".join(
