@@ -35,6 +35,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from llmc.host import host_llc_bytes
+
 REPO = Path(__file__).resolve().parent.parent
 
 # (label, n, k, T, wdtype, cold): decode GEMVs of SmolLM-135M (fused qkv, o, fused gate_up, down, lm_head),
@@ -275,13 +277,6 @@ def build(headers: dict[str, str], specs: list[tuple]) -> ctypes.CDLL:
     return lib
 
 
-def llc_bytes() -> int:
-    try:
-        return int(os.sysconf("SC_LEVEL3_CACHE_SIZE")) or 32 << 20
-    except (ValueError, OSError):
-        return 32 << 20
-
-
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--threads", type=int, default=os.cpu_count())
@@ -314,7 +309,7 @@ def main(argv=None) -> None:
         builds[args.baseline] = build(headers_at(args.baseline), specs)
 
     rng = np.random.default_rng(0)
-    span = 4 * llc_bytes()
+    span = 4 * host_llc_bytes()
     data = []
     for label, n, k, T, wd, cold in specs:
         w32 = (rng.standard_normal((n, k), dtype=np.float32) / np.sqrt(k)).astype(np.float32)
@@ -346,7 +341,7 @@ def main(argv=None) -> None:
     bw, peak = statistics.median(bws), statistics.median(peaks)
     print(
         f"threads {args.threads}; read bandwidth {bw / 1e9:.1f} GB/s; FMA peak {peak / 1e9:.0f} GFLOP/s (fp32); "
-        f"LLC {llc_bytes() >> 20} MiB; medians of {args.rounds} interleaved rounds"
+        f"LLC {host_llc_bytes() >> 20} MiB; medians of {args.rounds} interleaved rounds"
         + ("; times are the thread's CPU time" if args.cpu_time else "")
     )
     names = list(builds)

@@ -22,6 +22,8 @@ import statistics
 import sys
 import time
 
+from llmc.host import host_llc_bytes
+
 # decode GEMVs of SmolLM-135M (fused qkv, o, fused gate_up, down, lm_head) and one far above the LLC
 SHAPES = [("qkv", 960, 576), ("o", 576, 576), ("gate_up", 3072, 576), ("down", 576, 1536), ("lm_head", 49152, 576)]
 BIG = ("big", 2048, 8192)
@@ -119,13 +121,6 @@ def weight_parts(n: int, k: int, scheme: tuple, rng) -> list:
     return [a for a in pack_cpu(quantize(w, QuantScheme(bits, g or k, asym))) if a is not None]
 
 
-def llc_bytes() -> int:
-    try:
-        return int(os.sysconf("SC_LEVEL3_CACHE_SIZE")) or 32 << 20
-    except (ValueError, OSError):
-        return 32 << 20
-
-
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--threads", type=int, default=os.cpu_count())
@@ -161,7 +156,7 @@ def main(argv=None) -> None:
     for label, n, k, T, scheme, cold in specs:
         first = weight_parts(n, k, scheme, rng)
         nbytes = sum(a.nbytes for a in first)
-        copies = max(1, -(-4 * llc_bytes() // nbytes)) if cold else 1
+        copies = max(1, -(-4 * host_llc_bytes() // nbytes)) if cold else 1
         sets = [first] + [[a.copy() for a in first] for _ in range(copies - 1)]
         ptrs = (ctypes.c_void_p * (3 * copies))(
             *[ptr for s in sets for ptr in ([a.ctypes.data for a in s] + [None] * 3)[:3]]
@@ -195,7 +190,7 @@ def main(argv=None) -> None:
             d["times"].append(d["fn"](*d["call"], max(4, int(args.min_time / max(once, 1e-7)))))
     bw = statistics.median(bws)
     print(
-        f"threads {args.threads}; read bandwidth {bw / 1e9:.1f} GB/s; LLC {llc_bytes() >> 20} MiB; "
+        f"threads {args.threads}; read bandwidth {bw / 1e9:.1f} GB/s; LLC {host_llc_bytes() >> 20} MiB; "
         f"medians of {args.rounds} interleaved rounds"
     )
     rows = [["case", "weights", "n x k", "MiB", "floor us", "us", "GB/s", "GMAC/s", "% roof"]]

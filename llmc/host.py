@@ -53,6 +53,26 @@ def host_cpu_isa(cpuinfo_path: str = "/proc/cpuinfo") -> list[str]:
     return []
 
 
+def host_cpu_model(cpuinfo_path: str = "/proc/cpuinfo") -> str:
+    """This CPU's model name, from /proc/cpuinfo ("model name"); the machine type where it cannot be read."""
+    try:
+        for line in Path(cpuinfo_path).read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                return value.strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def host_llc_bytes() -> int:
+    """The last-level cache's size in bytes (sysconf), 32 MiB where the system does not say."""
+    try:
+        return int(os.sysconf("SC_LEVEL3_CACHE_SIZE")) or 32 << 20
+    except (ValueError, OSError):
+        return 32 << 20
+
+
 def host_cpu_target() -> dict:
     """What a CPU artifact built here records about the machine: architecture and ISA extensions."""
     return {"machine": platform.machine(), "isa": host_cpu_isa()}

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from llmc.errors import CompileError
-from llmc.host import host_cpu_isa
+from llmc.host import host_cpu_isa, host_cpu_model
 
 VERSION = 1
 SOURCES = ("simulated", "measured")  # by rank: a later one replaces an earlier one
@@ -43,18 +43,8 @@ def entry_key(template: str, params: Mapping[str, Any], tunables: set[str]) -> d
     return {"template": template, "shape": shape, "dtype": dtype, "quant": quant}
 
 
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.partition(":")[2].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def cpu_machine(threads: int) -> dict:
-    return {"cpu": cpu_model(), "machine": platform.machine(), "isa": host_cpu_isa(), "threads": threads}
+    return {"cpu": host_cpu_model(), "machine": platform.machine(), "isa": host_cpu_isa(), "threads": threads}
 
 
 @dataclasses.dataclass

@@ -18,6 +18,7 @@ import time
 import numpy as np
 
 from llmc.errors import CompileError
+from llmc.host import host_llc_bytes
 
 from ..codegen.build import CPU_FLAGS, build_shared_library
 from ..codegen.render import kernel_id, render_kernel, target_headers
@@ -72,13 +73,6 @@ class _Built:
         self.timer.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int] + [ctypes.c_void_p] * 2 + [ctypes.c_int] * 2
 
 
-def _llc_bytes() -> int:
-    try:
-        return int(os.sysconf("SC_LEVEL3_CACHE_SIZE")) or 32 << 20
-    except (ValueError, OSError):
-        return 32 << 20
-
-
 def _ptr(a: np.ndarray | None):
     return None if a is None else a.ctypes.data
 
@@ -116,7 +110,7 @@ def measure_shape(shape: KernelShape, space: TuneSpace, deadline: float, rounds:
             c.rejected = "output differs from the defaults' bit for bit (a tunable must not change the numbers)"
         if c.rejected:
             log.warning("rejected %s %s: %s", shape, c.config, c.rejected)
-    copies = max(1, min(_SPAN_MAX, 2 * _llc_bytes()) // sum(w.nbytes for w in inp.weights))
+    copies = max(1, min(_SPAN_MAX, 2 * host_llc_bytes()) // sum(w.nbytes for w in inp.weights))
     sets = [inp.weights] + [[w.copy() for w in inp.weights] for _ in range(copies - 1)]
     ptrs = (ctypes.c_void_p * (len(sets) * len(inp.weights)))(*[_ptr(w) for s in sets for w in s])
     y = np.empty((rows, inp.reference.shape[1]), np.float32)
