@@ -69,8 +69,9 @@ def served(artifact):
     app_kw = dict(path=artifact, name="bundled", limits=ServerLimits(), api_key=None, kv_cache_memory=KV,
                   max_num_seqs=16, max_num_batched_tokens=512, no_prefix_caching=False, speculative=None,
                   num_speculative_tokens=4, draft=None)  # fmt: skip
+    # imbalance=2: the fault test's six clients in flight always spread over both replicas
     options = ray_serve.RayServeOptions(replicas=2, num_cpus=1, env={"OMP_NUM_THREADS": "1"},
-                                        max_ongoing_requests=64)  # fmt: skip
+                                        max_ongoing_requests=64, imbalance=2)  # fmt: skip
     ray_serve.start_ray(None, 4)
     try:
         ray_serve.deploy(functools.partial(ray_replica_app, **app_kw), options, host="127.0.0.1", port=port)
@@ -159,29 +160,34 @@ def test_killing_a_replica_mid_load_loses_no_later_request_and_ray_restarts_it(s
     stop = threading.Event()
 
     def client_loop(i: int) -> None:
+        # Each client's prompt starts with its own letter: no client's prompt shares a prefix with another's,
+        # so each one's first request is placed by load (two choices) and the six spread over both replicas.
+        body = {"prompt": f"{chr(ord('A') + i)}: client {i} asks about the list type", "max_tokens": 24,
+                "ignore_eos": True}  # fmt: skip
         with httpx.Client(base_url=served, timeout=TIMEOUT) as http:
             while not stop.is_set():
                 sent = time.monotonic()
-                body = {"prompt": f"client {i} asks: The list type", "max_tokens": 24, "ignore_eos": True}
                 r = http.post("/v1/completions", json=body)
                 code = r.json().get("error", {}).get("code") if r.status_code != 200 else ""
                 results.append((sent, r.status_code, r.headers.get(REPLICA, ""), code))
 
     with concurrent.futures.ThreadPoolExecutor(6) as pool:
         futures = [pool.submit(client_loop, i) for i in range(6)]
-        deadline = time.monotonic() + TIMEOUT
-        while len({rep for _, status, rep, _ in results if status == 200}) < 2 and time.monotonic() < deadline:
-            time.sleep(0.1)
-        served_by = {rep for _, status, rep, _ in results if status == 200}
-        assert len(served_by) == 2, f"the load never reached both replicas: {results[-10:]}"
-        victim = sorted(served_by)[0]
-        actor = _replica_actor(victim)
-        ray.kill(actor, no_restart=False)
-        with pytest.raises(ray.exceptions.RayActorError):  # the kill has taken effect once a call fails
-            ray.get(actor.__ray_ready__.remote(), timeout=TIMEOUT)
-        killed_at.append(time.monotonic())
-        time.sleep(4.0)
-        stop.set()
+        try:
+            deadline = time.monotonic() + TIMEOUT
+            while len({rep for _, status, rep, _ in results if status == 200}) < 2 and time.monotonic() < deadline:
+                time.sleep(0.1)
+            served_by = {rep for _, status, rep, _ in results if status == 200}
+            assert len(served_by) == 2, f"the load never reached both replicas: {results[-10:]}"
+            victim = sorted(served_by)[0]
+            actor = _replica_actor(victim)
+            ray.kill(actor, no_restart=False)
+            with pytest.raises(ray.exceptions.RayActorError):  # the kill has taken effect once a call fails
+                ray.get(actor.__ray_ready__.remote(), timeout=TIMEOUT)
+            killed_at.append(time.monotonic())
+            time.sleep(4.0)
+        finally:  # a failure above must not leave the clients looping: the pool's exit waits for them
+            stop.set()
         for f in futures:
             f.result()
 
