@@ -18,6 +18,8 @@ import sys
 import time
 from pathlib import Path
 
+from llmc.host import host_caches
+
 REPO = Path(__file__).resolve().parent.parent
 
 SMOLLM_135M = {  # LlamaConfig kwargs
@@ -250,25 +252,6 @@ class Bandwidth:
         }
 
 
-def _cache_sizes() -> list[dict]:
-    out = []
-    for d in sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*")):
-        try:
-            text = (d / "size").read_text().strip()
-            size = int(text[:-1]) * {"K": 1 << 10, "M": 1 << 20}[text[-1]] if text[-1] in "KM" else int(text)
-            out.append(
-                {"level": int((d / "level").read_text()), "type": (d / "type").read_text().strip(), "bytes": size}
-            )
-        except (OSError, ValueError, KeyError):
-            continue
-    return out
-
-
-def llc_bytes() -> int | None:
-    sizes = [c["bytes"] for c in _cache_sizes()]
-    return max(sizes) if sizes else None
-
-
 def machine() -> dict:
     """CPU model, logical cores, caches of cpu0 and the vector ISA extensions the kernels may use."""
     model, flags = None, set()
@@ -282,7 +265,7 @@ def machine() -> dict:
     except OSError:
         pass
     isa = [f for f in ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx512_bf16", "avx_vnni") if f in flags]
-    return {"cpu": model, "cores": os.cpu_count(), "caches": _cache_sizes(), "isa": isa}
+    return {"cpu": model, "cores": os.cpu_count(), "caches": host_caches(), "isa": isa}
 
 
 def describe_machine(m: dict) -> str:

@@ -54,11 +54,11 @@ from common import (  # noqa: E402
     LlmcStep,
     cache_dir,
     decode_weight_bytes,
-    llc_bytes,
     set_threads,
     source_hash,  # noqa: E402, F401
 )
 
+from llmc.host import host_llc_bytes  # noqa: E402
 from llmc.runtime.bench import align_columns  # noqa: E402
 
 
@@ -244,7 +244,7 @@ def main(argv=None) -> dict:
         "rounds": args.rounds,
         "bandwidth": {
             **bw,
-            "llc_bytes": llc_bytes(),
+            "llc_bytes": host_llc_bytes(),
             "method": "read: C++ xor-reduce of a 1 GiB buffer with --threads OpenMP threads (static), "
             "best of 5 per round, median over rounds; copy: 1-thread numpy copy of 1 GiB, "
             "(read+write)/time",
@@ -269,7 +269,7 @@ def format_table(result: dict) -> str:
         ),
         (
             f"memory bandwidth: {bw['read_GBps']:.1f} GB/s read with {result['threads']} threads (1 GiB buffer, LLC "
-            f"{(bw['llc_bytes'] or 0) / 2**20:.0f} MiB); 1 thread: {bw['read_1thread_GBps']:.1f} GB/s read, "
+            f"{bw['llc_bytes'] / 2**20:.0f} MiB); 1 thread: {bw['read_1thread_GBps']:.1f} GB/s read, "
             f"{bw['copy_1thread_GBps']:.1f} GB/s numpy copy (read + write)"
         ),
     ]

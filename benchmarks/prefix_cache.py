@@ -31,6 +31,7 @@ import sys
 import time
 from pathlib import Path
 
+from llmc.host import host_llc_bytes
 from llmc.runtime.bench import align_columns
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -131,7 +132,7 @@ def machine() -> dict:
     return {
         "cpu": cpu,
         "cores": os.cpu_count(),
-        "llc_bytes": cpu_decode.llc_bytes(),
+        "llc_bytes": host_llc_bytes(),
         "python": platform.python_version(),
     }
 

@@ -65,8 +65,27 @@ def host_cpu_model(cpuinfo_path: str = "/proc/cpuinfo") -> str:
     return platform.processor() or platform.machine()
 
 
+def host_caches(sysfs: str = "/sys/devices/system/cpu/cpu0/cache") -> list[dict]:
+    """cpu0's caches from sysfs: [{"level", "type" (Data, Instruction, Unified), "bytes"}]; [] where unreadable."""
+    out = []
+    for d in sorted(Path(sysfs).glob("index*")):
+        try:
+            text = (d / "size").read_text().strip()
+            size = int(text[:-1]) * {"K": 1 << 10, "M": 1 << 20}[text[-1]] if text[-1] in "KM" else int(text)
+            out.append(
+                {"level": int((d / "level").read_text()), "type": (d / "type").read_text().strip(), "bytes": size}
+            )
+        except (OSError, ValueError, KeyError, IndexError):
+            continue
+    return out
+
+
 def host_llc_bytes() -> int:
-    """The last-level cache's size in bytes (sysconf), 32 MiB where the system does not say."""
+    """The last-level cache's size in bytes: sysfs, else sysconf, else 32 MiB. (glibc's sysconf reads CPUID
+    leaves that some VMs leave empty, and answers 0 where sysfs knows the size.)"""
+    sizes = [c["bytes"] for c in host_caches() if c["type"] != "Instruction"]
+    if sizes:
+        return max(sizes)
     try:
         return int(os.sysconf("SC_LEVEL3_CACHE_SIZE")) or 32 << 20
     except (ValueError, OSError):

@@ -9,7 +9,7 @@ from llmc import __version__, digests
 from llmc import artifact as art
 from llmc.compiler.frontend.checkpoint import load_checkpoint
 from llmc.errors import ArtifactError
-from llmc.host import host_cpu_isa
+from llmc.host import host_caches, host_cpu_isa
 
 
 @pytest.fixture(scope="module")
@@ -161,6 +161,18 @@ def test_host_cpu_isa_parses_cpuinfo(tmp_path):
     info.write_text("processor\t: 0\nFeatures\t: fp asimd evtstrm aes sve\n")
     assert host_cpu_isa(str(info)) == ["aes", "asimd", "sve"]
     assert host_cpu_isa(str(tmp_path / "none")) == []
+
+
+def test_host_caches_parse_sysfs(tmp_path):
+    for i, (level, kind, size) in enumerate([(1, "Data", "48K"), (1, "Instruction", "32K"), (3, "Unified", "491520K")]):
+        d = tmp_path / f"index{i}"
+        d.mkdir()
+        (d / "level").write_text(f"{level}\n")
+        (d / "type").write_text(f"{kind}\n")
+        (d / "size").write_text(f"{size}\n")
+    (tmp_path / "index3").mkdir()  # unreadable entries are skipped
+    assert [c["bytes"] for c in host_caches(str(tmp_path))] == [48 << 10, 32 << 10, 480 << 20]
+    assert host_caches(str(tmp_path / "none")) == []
 
 
 def test_cuda_target_manifest(tmp_path, config):
