@@ -3,7 +3,9 @@
 
     python benchmarks/vs_llamacpp.py [--shapes smollm-135m,llama-3.2-1b] [--threads N] [--json]
 
-Needs the `bench` extra (llama-cpp-python, built for the host: CMAKE_ARGS="-DGGML_NATIVE=ON", and gguf).
+Needs the `bench` extra (llama-cpp-python, built for the host: CMAKE_ARGS="-DGGML_NATIVE=ON", and gguf). Each row
+first runs llama.cpp on its file in a child process, so a peer that crashes (ggml's AMX int8 matmul does on some
+hosts) is an error that names the file and the fix, not a dead benchmark.
 
 Models (random weights, written once into the cache dir as an fp32 safetensors checkpoint, benchmarks/common.py):
   smollm-135m    SmolLM-135M's shape: hidden 576, 30 layers, 9 heads / 3 KV heads, intermediate 1536,
@@ -55,7 +57,9 @@ import gc
 import hashlib
 import json
 import os
+import signal
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -190,6 +194,37 @@ class LlamaCpp:
         self.llm.close()
 
 
+class PeerCrashed(RuntimeError):
+    """llama.cpp died on this GGUF file in a child process: measuring it in this one would kill the benchmark."""
+
+
+_SMOKE = """
+import sys
+from llama_cpp import Llama
+llm = Llama(model_path=sys.argv[1], n_ctx=16, n_threads=int(sys.argv[2]), verbose=False)
+llm.eval([2, 3])
+llm.close()
+"""
+
+
+def check_llamacpp_runs(gguf_path: Path, threads: int) -> None:
+    """Evaluate two tokens of `gguf_path` with llama.cpp in a child process; PeerCrashed where it dies. (On some
+    AMX hosts ggml's AMX int8 matmul segfaults on Q8_0/Q4_0, llama.cpp issue 20824: a build without it,
+    CMAKE_ARGS="-DGGML_NATIVE=ON -DGGML_AMX_INT8=OFF", runs there.)"""
+    r = subprocess.run([sys.executable, "-c", _SMOKE, str(gguf_path), str(threads)], capture_output=True, text=True)
+    if r.returncode == 0:
+        return
+    from llama_cpp import llama_print_system_info
+
+    how = f"signal {signal.Signals(-r.returncode).name}" if r.returncode < 0 else f"exit {r.returncode}"
+    hint = ""
+    if b"AMX_INT8 = 1" in llama_print_system_info():
+        hint = (
+            '; this build uses ggml\'s AMX int8 kernels: rebuild with CMAKE_ARGS="-DGGML_NATIVE=ON -DGGML_AMX_INT8=OFF"'
+        )
+    raise PeerCrashed(f"llama.cpp died ({how}) evaluating {gguf_path.name}{hint}\n{r.stderr[-2000:]}")
+
+
 # -- measuring --------------------------------------------------------------------------------------------------
 
 
@@ -215,6 +250,7 @@ def measure_row(
     """One row: load its peers (llmc only when llmc_path), warm both up, then `rounds` interleaved rounds
     (llmc, llama.cpp, and a bandwidth read when probe is given). Returns the per-round seconds, the last round's
     tokens of each peer, the weight bytes per decode token, and the bandwidth reads."""
+    check_llamacpp_runs(gguf_path, threads)
     max_len = len(prompt) + tokens + 1
     peers = {}
     if llmc_path is not None:
@@ -384,4 +420,7 @@ def format_table(result: dict) -> str:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except PeerCrashed as e:
+        raise SystemExit(f"error: {e}") from None

@@ -40,11 +40,11 @@ def test_measure_row_peers_agree(checkpoint_dir, tmp_path):
 def test_llamacpp_only_row(checkpoint_dir, tmp_path):
     """A row with no llmc build (llmc options None) measures llama.cpp alone and prints no ratio."""
     ckpt = checkpoint_dir("llama", rope_scaling=None, intermediate_size=96)
-    gguf_path = vs_llamacpp.gguf_file(ckpt, tmp_path, "tiny", "Q4_0", log=lambda _: None)
+    gguf_path = vs_llamacpp.gguf_file(ckpt, tmp_path, "tiny", "F32", log=lambda _: None)
     prompt = np.random.default_rng(3).integers(2, 384, 13).tolist()
     m = vs_llamacpp.measure_row(None, gguf_path, prompt, tokens=6, rounds=1, threads=1, log=lambda _: None)
     assert set(m["tokens"]) == {"llama.cpp"} and len(m["tokens"]["llama.cpp"]) == 7
-    row = vs_llamacpp.summarize("int4", m, len(prompt), 6, read_GBps=10.0)
+    row = vs_llamacpp.summarize("fp32", m, len(prompt), 6, read_GBps=10.0)
     assert row["llmc"] is None and row["decode_ratio"] is None and row["tokens_agree"] is None
     result = {"machine": {"cpu": "x", "cores": 1, "caches": [], "isa": [], "read_GBps": 10.0,
                           "read_GBps_samples": [10.0], "threads": 1},
@@ -52,4 +52,12 @@ def test_llamacpp_only_row(checkpoint_dir, tmp_path):
               "shapes": [{"shape": "tiny", "model": "tiny", "rows": [row]}]}  # fmt: skip
     line = next(x for x in vs_llamacpp.format_table(result).splitlines() if x.startswith("tiny"))
     cells = line.split()
-    assert cells[:5] == ["tiny", "int4", "—", f"{row['llama.cpp']['decode_tokens_per_s']:.1f}", "—"]
+    assert cells[:5] == ["tiny", "fp32", "—", f"{row['llama.cpp']['decode_tokens_per_s']:.1f}", "—"]
+
+
+def test_a_peer_that_dies_is_reported_not_measured(tmp_path):
+    """llama.cpp runs a file in a child process first, so a crash (or a refusal) is an error naming the file."""
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + bytes(60))
+    with pytest.raises(vs_llamacpp.PeerCrashed, match="bad.gguf"):
+        vs_llamacpp.check_llamacpp_runs(bad, threads=1)
