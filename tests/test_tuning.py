@@ -4,6 +4,7 @@ match its shapes and this host's ISA (and no others), with numbers identical to 
 """
 
 import json
+import time
 
 import numpy as np
 import pytest
@@ -11,7 +12,9 @@ from click.testing import CliRunner
 
 from llmc.artifact import read_manifest
 from llmc.cli import main
+from llmc.compiler.codegen.simulator import build_simulated
 from llmc.compiler.compile import compile_checkpoint
+from llmc.compiler.tuning import measure_cuda
 from llmc.compiler.tuning.database import TuningDB, cpu_machine, entry_key
 from llmc.compiler.tuning.measure_cpu import render_candidate
 from llmc.compiler.tuning.reference import KernelShape
@@ -21,6 +24,7 @@ from llmc.errors import CompileError
 from llmc.host import host_cpu_isa
 from llmc.runtime.batch import StepBatch
 from llmc.runtime.module import CompiledModel
+from llmc.targets import load_target
 
 # A shape with tails: n and k no multiple of a tile, a task or a vector.
 SHAPE = KernelShape.of("gemm", dict(n=203, k=72, wdtype="bf16", has_bias=True))
@@ -203,3 +207,26 @@ def test_simulated_tuning_prunes_by_ptxas_checks_and_ranks_by_prediction(tmp_pat
     db.put(entry["key"], CUDA_SPACE.defaults(), {}, "measured", {"gpu": "H200"})
     db.put(entry["key"], entry["params"], {}, "simulated", {"gpu": "H200 (simulated)"})
     assert [e["source"] for e in db.entries] == ["measured"]
+
+
+def test_gpu_timing_checks_then_times_with_cuda_events_under_the_simulator(tmp_path):
+    """measure_cuda's path (ptxas pruning, the check at every row before timing, CUDA events around the
+    launches) with the simulator's runtime standing in for a GPU's: its times are the simulator's wall time, so
+    only the mechanics are tested here; the figures come from a GPU."""
+    shape = parse_shape("gemm:n=72,k=40,wdtype=bf16,has_bias=1")
+
+    def render(shape, config):
+        kid, source = measure_cuda.render_candidate(shape, config)
+        if config["tile_m"] == 32:  # a wrong candidate: its output is zeroed after the launch
+            source = source.replace("launch(0);", "launch(0);\n    cudaMemset(d.y, 0, y_bytes);")
+        return kid, source
+
+    candidates = measure_cuda.measure_shape(
+        shape, CUDA_SPACE, load_target("sm90"), time.monotonic() + 600, 2, render=render,
+        build=lambda target, source, out: build_simulated(source, out), span_bytes=0, min_time=0.0,
+    )  # fmt: skip
+    by_config = {(c.config["gemv_warps"], c.config["tile_m"]): c for c in candidates}
+    assert by_config[8, 64].rejected.startswith("ptxas:") and not by_config[8, 64].times
+    assert "off the reference" in by_config[4, 32].rejected and not by_config[4, 32].times
+    assert by_config[4, 64].rejected is None and len(by_config[4, 64].times) == 2
+    assert all(t > 0 for t in by_config[4, 64].times)

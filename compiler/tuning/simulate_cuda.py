@@ -57,15 +57,20 @@ extern "C" int run_{kid}(const float* x, size_t x_bytes, const void* w, size_t w
 """
 
 
-def render_candidate(shape: KernelShape, config: dict) -> tuple[str, str]:
-    """(kernel id, CUDA source) of one configuration with its run_ trampoline."""
+def render_kernel_source(shape: KernelShape, config: dict) -> tuple[str, str, str]:
+    """(kernel id, CUDA source, the weights' C type) of one configuration, before its trampoline."""
     if shape.op != "gemm":
-        raise CompileError(f"llmc tune --simulate has no runner for op {shape.op!r}")
+        raise CompileError(f"llmc tune has no CUDA runner for op {shape.op!r}")
     params = {**shape.kwargs, **config}
     kid = kernel_id("cuda", shape.op, params)
     wt = "uint16_t" if params["wdtype"] == "bf16" else "float"
-    body = render_kernel("cuda", shape.op, name=kid, **params)
-    return kid, '#include "llmc_kernels.cuh"\n' + body + _TRAMPOLINE.format(kid=kid, wt=wt)
+    return kid, '#include "llmc_kernels.cuh"\n' + render_kernel("cuda", shape.op, name=kid, **params), wt
+
+
+def render_candidate(shape: KernelShape, config: dict) -> tuple[str, str]:
+    """(kernel id, CUDA source) of one configuration with its run_ trampoline."""
+    kid, source, wt = render_kernel_source(shape, config)
+    return kid, source + _TRAMPOLINE.format(kid=kid, wt=wt)
 
 
 def _ptxas(target: Target, source: str) -> dict[str, int]:
@@ -111,15 +116,21 @@ def _simulate(shape: KernelShape, library: Path, kid: str, rows: tuple[int, ...]
     return total_us * 1e-6, None, summary
 
 
+def admit_by_ptxas(shape: KernelShape, space: TuneSpace, target: Target, config: dict, source: str,
+                   candidate: Candidate) -> str | None:  # fmt: skip
+    """Why ptxas's report (registers, spills: recorded in candidate.figures) rules the configuration out, or None."""
+    candidate.figures = _ptxas(target, source)
+    if space.admits(config, shape.kwargs, target.raw, candidate.figures):
+        return None
+    return f"ptxas: {candidate.figures['registers']} registers, {candidate.figures['spill_bytes']} spill bytes"
+
+
 def _build(shape: KernelShape, space: TuneSpace, target: Target, config: dict, render, workdir: Path):
     """(the candidate with its ptxas figures, its simulator library or None where ptxas rules it out)."""
     kid, source = render(shape, config)
     c = Candidate(config, kid)
-    c.figures = _ptxas(target, source)
-    if not space.admits(config, shape.kwargs, target.raw, c.figures):
-        c.rejected = f"ptxas: {c.figures['registers']} registers, {c.figures['spill_bytes']} spill bytes"
-        return c, None
-    return c, build_profiled(source, workdir / f"{kid}.so")
+    c.rejected = admit_by_ptxas(shape, space, target, config, source, c)
+    return c, None if c.rejected else build_profiled(source, workdir / f"{kid}.so")
 
 
 def simulate_shape(shape: KernelShape, space: TuneSpace, target: Target, deadline: float, *,

@@ -1,7 +1,7 @@
 """`llmc tune`: for each kernel shape, every admissible configuration of its template's tunables is built,
-checked against a numpy reference, timed (compiler/tuning/measure_cpu.py) or, for a GPU target with no GPU,
-predicted under the CUDA simulator (compiler/tuning/simulate_cuda.py), and the fastest written to the target's
-tuning database.
+checked against a numpy reference, timed (on the CPU: compiler/tuning/measure_cpu.py; on a GPU, with CUDA events:
+measure_cuda.py) or, for a GPU target with no GPU, predicted under the CUDA simulator (simulate_cuda.py), and the
+fastest written to the target's tuning database.
 
 Shapes come from a model's kernel program (the kernels compile would render for it) or from a standard set of
 Llama-family GEMM shapes. A template whose tunables fall into groups (separate kernels) gets each group's
@@ -26,6 +26,7 @@ from tqdm import tqdm
 from llmc.errors import CompileError
 from llmc.targets import load_target
 
+from . import measure_cuda
 from .database import SOURCES, TuningDB, cpu_machine, entry_key
 from .measure_cpu import measure_shape
 from .reference import Candidate, KernelShape
@@ -137,16 +138,18 @@ def tune(
     simulate: rank a GPU target's candidates under the CUDA simulator (the only way without a GPU).
     render, space: how a candidate is rendered and the space searched, for tests (default: the templates')."""
     tgt = load_target(target)
-    if tgt.is_cuda and not simulate:
-        raise CompileError(f"target {target}: timing CUDA kernels needs a GPU, and this build of llmc measures "
-                           "CPU kernels only", "add --simulate to rank them under the CUDA simulator")  # fmt: skip
     if simulate and not tgt.is_cuda:
         raise CompileError("--simulate ranks CUDA kernels under the CUDA simulator", "tune --target cpu without it")
+    gpu = measure_cuda.gpu_device() if tgt.is_cuda and not simulate else None
+    if tgt.is_cuda and not simulate and gpu is None:
+        raise CompileError(f"target {target}: timing CUDA kernels needs a GPU, and the CUDA driver sees none here",
+                           "add --simulate to rank them under the CUDA simulator")  # fmt: skip
     source = "simulated" if simulate else "measured"
     threads = int(os.environ.get("OMP_NUM_THREADS") or len(os.sched_getaffinity(0)))
-    machine = (
-        {"gpu": f"{tgt.raw.get('ceilings', {}).get('part', target)} (simulated)"} if simulate else cpu_machine(threads)
-    )
+    if simulate:
+        machine = {"gpu": f"{tgt.raw.get('ceilings', {}).get('part', target)} (simulated)"}
+    else:
+        machine = {"gpu": gpu["name"]} if tgt.is_cuda else cpu_machine(threads)
     isa = machine.get("isa")
     deadline = time.monotonic() + budget_s
     shapes = list(shapes)
@@ -171,6 +174,8 @@ def tune(
         kw = {"render": render} if render else {}
         if simulate:
             candidates = simulate_shape(shape, shape_space, tgt, deadline, progress=note, **kw)
+        elif tgt.is_cuda:
+            candidates = measure_cuda.measure_shape(shape, shape_space, tgt, deadline, rounds, progress=note, **kw)
         else:
             candidates = measure_shape(shape, shape_space, deadline, rounds, progress=note, **kw)
         if not candidates or candidates[0].rejected:

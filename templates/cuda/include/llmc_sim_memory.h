@@ -181,6 +181,29 @@ inline cudaError_t cudaStreamDestroy(cudaStream_t s) {
   delete reinterpret_cast<char*>(s);
   return cudaSuccess;
 }
+// Events: a launch here is done when it returns, so an event holds the host clock when it is recorded and an
+// elapsed time is the simulator's wall time, not a GPU's: host code that times its kernels runs unchanged.
+struct CUevent_st {
+  std::chrono::steady_clock::time_point t;
+};
+inline cudaError_t cudaEventCreate(cudaEvent_t* e) {
+  *e = new CUevent_st{};
+  return cudaSuccess;
+}
+inline cudaError_t cudaEventCreateWithFlags(cudaEvent_t* e, unsigned) { return cudaEventCreate(e); }
+inline cudaError_t cudaEventDestroy(cudaEvent_t e) {
+  delete e;
+  return cudaSuccess;
+}
+inline cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t = nullptr) {
+  e->t = std::chrono::steady_clock::now();
+  return cudaSuccess;
+}
+inline cudaError_t cudaEventSynchronize(cudaEvent_t) { return cudaSuccess; }
+inline cudaError_t cudaEventElapsedTime(float* ms, cudaEvent_t start, cudaEvent_t end) {
+  *ms = std::chrono::duration<float, std::milli>(end->t - start->t).count();
+  return cudaSuccess;
+}
 inline cudaError_t cudaGetLastError() {
   cudaError_t e = llmc_sim::g.last_error;
   llmc_sim::g.last_error = cudaSuccess;
