@@ -4,8 +4,12 @@
     python benchmarks/vs_llamacpp.py [--shapes smollm-135m,llama-3.2-1b] [--threads N] [--json]
 
 Needs the `bench` extra (llama-cpp-python, built for the host: CMAKE_ARGS="-DGGML_NATIVE=ON", and gguf). Each row
-first runs llama.cpp on its file in a child process, so a peer that crashes (ggml's AMX int8 matmul does on some
-hosts) is an error that names the file and the fix, not a dead benchmark.
+first runs llama.cpp on its file in a child process, so a peer that crashes is an error that names the file, not a
+dead benchmark. On some AMX hosts ggml's AMX int8 matmul segfaults in every Q8_0 / Q4_0 eval (llama.cpp issue 20824;
+the 2-core Xeon of the README's tuning figures is one). -DGGML_NATIVE=ON turns AMX on wherever the CPU has it,
+whatever -DGGML_AMX_INT8 says, so there build for the ISA by name (this list: an AVX-512 VNNI/BF16 host):
+  CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF" \
+    pip install --force-reinstall --no-deps --no-binary llama-cpp-python llama-cpp-python==0.3.36
 
 Models (random weights, written once into the cache dir as an fp32 safetensors checkpoint, benchmarks/common.py):
   smollm-135m    SmolLM-135M's shape: hidden 576, 30 layers, 9 heads / 3 KV heads, intermediate 1536,
@@ -209,8 +213,8 @@ llm.close()
 
 def check_llamacpp_runs(gguf_path: Path, threads: int) -> None:
     """Evaluate two tokens of `gguf_path` with llama.cpp in a child process; PeerCrashed where it dies. (On some
-    AMX hosts ggml's AMX int8 matmul segfaults on Q8_0/Q4_0, llama.cpp issue 20824: a build without it,
-    CMAKE_ARGS="-DGGML_NATIVE=ON -DGGML_AMX_INT8=OFF", runs there.)"""
+    AMX hosts ggml's AMX int8 matmul segfaults on Q8_0/Q4_0, llama.cpp issue 20824: the module docstring gives
+    a build without it.)"""
     r = subprocess.run([sys.executable, "-c", _SMOKE, str(gguf_path), str(threads)], capture_output=True, text=True)
     if r.returncode == 0:
         return
@@ -219,9 +223,7 @@ def check_llamacpp_runs(gguf_path: Path, threads: int) -> None:
     how = f"signal {signal.Signals(-r.returncode).name}" if r.returncode < 0 else f"exit {r.returncode}"
     hint = ""
     if b"AMX_INT8 = 1" in llama_print_system_info():
-        hint = (
-            '; this build uses ggml\'s AMX int8 kernels: rebuild with CMAKE_ARGS="-DGGML_NATIVE=ON -DGGML_AMX_INT8=OFF"'
-        )
+        hint = "; this build uses ggml's AMX int8 kernels: rebuild without them (this file's docstring says how)"
     raise PeerCrashed(f"llama.cpp died ({how}) evaluating {gguf_path.name}{hint}\n{r.stderr[-2000:]}")
 
 
