@@ -129,13 +129,12 @@ class _Timer:
 
 
 def measure_shape(shape: KernelShape, space: TuneSpace, target: Target, deadline: float, rounds: int, *,
-                  render=render_candidate, build=build_for_gpu, span_bytes: int | None = None,
-                  min_time: float = 0.02, progress=None) -> list[Candidate]:  # fmt: skip
+                  span_bytes: int, render=render_candidate, build=build_for_gpu, min_time: float = 0.02,
+                  progress=None) -> list[Candidate]:  # fmt: skip
     """Every candidate admissible before building, the defaults first: pruned by ptxas, checked at each of the
     template's rows, then timed at each (the figure: their sum) until `deadline`. span_bytes: device memory the
-    weight copies span (default twice the GPU's L2)."""
+    weight copies span (twice the GPU's L2: gpu_device())."""
     configs = space.candidates(shape.kwargs, target.raw)
-    span = 2 * gpu_device()["l2_bytes"] if span_bytes is None else span_bytes
     with (
         tempfile.TemporaryDirectory(prefix="llmc-tune-") as tmp,
         concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool,
@@ -154,18 +153,21 @@ def measure_shape(shape: KernelShape, space: TuneSpace, target: Target, deadline
                 progress(f"built {len(built)}/{len(configs)}")
         candidates = [c for c, _ in built]
         inputs = {t: make_inputs(shape, t, seed=t) for t in space.rows}
-        nsets = {t: max(1, span // inputs[t].weights[0].nbytes) for t in space.rows}
+        nsets = {t: max(1, span_bytes // inputs[t].weights[0].nbytes) for t in space.rows}
         ys = {t: np.full((t, inputs[t].reference.shape[1]), np.nan, np.float32) for t in space.rows}
-        for c, timer in built:
-            for t in space.rows if timer is not None else ():
+        iters: dict[tuple[int, int], int] = {}  # (candidate, rows) -> launches per timed figure
+        for i, (c, timer) in enumerate(built):
+            if timer is None:
+                continue
+            for t in space.rows:
                 ys[t].fill(np.nan)
-                _, err = timer(inputs[t], 1, ys[t], 0)
+                once, err = timer(inputs[t], 1, ys[t], 1)
                 why = f"the launch failed with cudaError {err}" if err else inputs[t].mismatch(ys[t])
                 if why is not None:
                     c.rejected = f"T={t}: {why}"
+                    log.warning("rejected %s %s: %s", shape, c.config, c.rejected)
                     break
-            if c.rejected:
-                log.warning("rejected %s %s: %s", shape, c.config, c.rejected)
+                iters[i, t] = max(nsets[t], int(min_time / max(once, 1e-7)))
         live = [i for i, (c, timer) in enumerate(built) if timer is not None and c.rejected is None]
         order = np.random.default_rng(0)
         for _ in range(rounds):
@@ -175,9 +177,7 @@ def measure_shape(shape: KernelShape, space: TuneSpace, target: Target, deadline
                 c, timer = built[i]
                 total = 0.0
                 for t in space.rows:
-                    once, _ = timer(inputs[t], nsets[t], ys[t], 1)
-                    iters = max(nsets[t], int(min_time / max(once, 1e-7)))
-                    seconds, err = timer(inputs[t], nsets[t], ys[t], iters)
+                    seconds, err = timer(inputs[t], nsets[t], ys[t], iters[i, t])
                     if err:
                         c.rejected = f"T={t}: a timed launch failed with cudaError {err}"
                         break

@@ -175,7 +175,8 @@ def tune(
         if simulate:
             candidates = simulate_shape(shape, shape_space, tgt, deadline, progress=note, **kw)
         elif tgt.is_cuda:
-            candidates = measure_cuda.measure_shape(shape, shape_space, tgt, deadline, rounds, progress=note, **kw)
+            candidates = measure_cuda.measure_shape(shape, shape_space, tgt, deadline, rounds, progress=note,
+                                                    span_bytes=2 * gpu["l2_bytes"], **kw)  # fmt: skip
         else:
             candidates = measure_shape(shape, shape_space, deadline, rounds, progress=note, **kw)
         if not candidates or candidates[0].rejected:
