@@ -10,7 +10,8 @@ so every call streams its weights from DRAM as a decode step does (one layer's w
 other layers' when they come round again); "hot" cases reuse one copy (the weights stay in cache).
 
 Floors, measured in this process: read bandwidth (a C++ loop reading 1 GiB with --threads threads; best of 3)
-and FMA peak (independent 8-wide FMAs on --threads threads, i.e. 2 FMA pipes x lanes x 2 flops x clock).
+and FMA peak (independent FMAs of the build's widest vector, zmm on an AVX-512 host, on --threads threads, i.e.
+FMA pipes x lanes x 2 flops x clock).
 A gemv's floor is weight bytes / bandwidth; a gemm's is max(bytes / bandwidth, flops / peak).
 
 --step times a whole SmolLM-135M decode step's kernels (30 layers of rmsnorm, qkv GEMV, RoPE, o GEMV, rmsnorm,
@@ -43,6 +44,8 @@ REPO = Path(__file__).resolve().parent.parent
 # one far above the LLC, and the same layers at batched-decode and prefill T.
 SMOL = [("qkv", 960, 576), ("o", 576, 576), ("gate_up", 3072, 576), ("down", 576, 1536)]
 BIG = ("big", 2048, 8192)
+# Llama-3.2-1B's largest layers at prefill: K = 2048 and 8192, far longer rows than SmolLM's.
+LLAMA_1B = [("1b gate_up", 16384, 2048), ("1b down", 2048, 8192)]
 
 
 def cases(only: set[str]) -> list[tuple]:
@@ -56,6 +59,7 @@ def cases(only: set[str]) -> list[tuple]:
             out += [(f"gate_up T={t}", 3072, 576, t, wd, True) for t in (4, 8, 16, 32, 64)]
         if "gemm" in only:
             out += [(f"{lab} T=128", n, k, 128, wd, False) for lab, n, k in SMOL]
+            out += [(f"{lab} T=128", n, k, 128, wd, True) for lab, n, k in LLAMA_1B]
     return out
 
 
@@ -71,20 +75,31 @@ extern "C" uint64_t read_probe(const uint64_t* p, long n, int threads) {
   for (long i = 0; i < n; ++i) acc ^= p[i];
   return acc;
 }
-// flops/s of independent 8-wide FMA chains (10 per thread: > latency x pipes) on `threads` threads.
+// flops/s of independent FMA chains of the widest vector llmc's build uses (16 per thread: > latency x pipes)
+// on `threads` threads.
+#if defined(__AVX512F__)
+using FmaVec = __m512;
+#define FMA_SET1 _mm512_set1_ps
+#define FMA_FMADD _mm512_fmadd_ps
+#else
+using FmaVec = __m256;
+#define FMA_SET1 _mm256_set1_ps
+#define FMA_FMADD _mm256_fmadd_ps
+#endif
 extern "C" double fma_probe(int threads, long iters, int cpu) {
+  constexpr int kChains = 16, kLanes = sizeof(FmaVec) / sizeof(float);
   const double t0 = bench_clock(cpu);
   float sink = 0;
 #pragma omp parallel num_threads(threads) reduction(+ : sink)
   {
-    __m256 a[10], m = _mm256_set1_ps(0.999f), c = _mm256_set1_ps(1e-3f);
-    for (int j = 0; j < 10; ++j) a[j] = _mm256_set1_ps(float(j));
+    FmaVec a[kChains], m = FMA_SET1(0.999f), c = FMA_SET1(1e-3f);
+    for (int j = 0; j < kChains; ++j) a[j] = FMA_SET1(float(j));
     for (long i = 0; i < iters; ++i)
-      for (int j = 0; j < 10; ++j) a[j] = _mm256_fmadd_ps(a[j], m, c);
-    for (int j = 0; j < 10; ++j) sink += a[j][0];
+      for (int j = 0; j < kChains; ++j) a[j] = FMA_FMADD(a[j], m, c);
+    for (int j = 0; j < kChains; ++j) sink += a[j][0];
   }
   const double s = bench_clock(cpu) - t0;
-  return sink == 12345.f ? 0 : 2.0 * 8 * 10 * iters * threads / s;
+  return sink == 12345.f ? 0 : 2.0 * kLanes * kChains * iters * threads / s;
 }
 """
 

@@ -21,6 +21,9 @@ SHAPES = [(53, 37), (23, 64), (70, 136), (19, 61)]
 # The tiny model's projection, CPU only: there its outputs split into several chunks over the OpenMP threads;
 # under the CUDA simulator a GEMV of 1536 outputs takes about a second, and the shapes above cover its paths.
 MODEL_SHAPE = (1536, 576)
+# CPU only: a K long enough to be cut into several blocks of the GEMM path (accumulators carried from block to
+# block), with a tail after the last (2100 = 4 blocks of 528 fp32 steps + 16 + 4; bf16: 32-element steps).
+BLOCKED_SHAPE = (45, 2100)
 CPU_ONLY = pytest.mark.targets("cpu")
 
 
@@ -33,11 +36,11 @@ def _grid(shapes):
     ]
 
 
-SPECS = _grid(SHAPES) + _grid([MODEL_SHAPE])
+SPECS = _grid(SHAPES) + _grid([MODEL_SHAPE, BLOCKED_SHAPE])
 CASES = [pytest.param(*s, id=spec_id(s)) for s in _grid(SHAPES)] + [
-    pytest.param(*s, id=spec_id(s), marks=CPU_ONLY) for s in _grid([MODEL_SHAPE])
+    pytest.param(*s, id=spec_id(s), marks=CPU_ONLY) for s in _grid([MODEL_SHAPE, BLOCKED_SHAPE])
 ]
-ALL_SHAPES = [*SHAPES, pytest.param(*MODEL_SHAPE, marks=CPU_ONLY)]
+ALL_SHAPES = [*SHAPES, pytest.param(*MODEL_SHAPE, marks=CPU_ONLY), pytest.param(*BLOCKED_SHAPE, marks=CPU_ONLY)]
 # The T up to which each row is bit-identical whatever else is in the batch: any T on the CPU (GEMV, GEMM, one
 # or several row chunks); on CUDA the GEMV range, since the tiled kernel above it sums in another order.
 BATCH_INVARIANT_T = {"cpu": (3, 5, 16, 17, 64, 129), "cuda": (8,)}
@@ -103,3 +106,25 @@ def test_gemm_independent_of_schedule(kernels, weights, schedules, n, k, T):
         fn(x, w, None, y, T)
         outs.append(y)
     assert all(np.array_equal(o, outs[0]) for o in outs)
+
+
+@CPU_ONLY
+@pytest.mark.parametrize("mode", ["dot", "fma"])
+@pytest.mark.parametrize("n,k", [MODEL_SHAPE, BLOCKED_SHAPE, (19, 61)])
+def test_cpu_bf16_gemm_paths(kernels, weights, target, monkeypatch, mode, n, k):
+    """On an avx512_bf16 host the GEMM path runs bf16 weights with vdpbf16ps, or as two FMAs per instruction
+    over widened panels where the CPU computes the same numbers (llmc_gemm.h, bf16_gemm_emulates_dot);
+    LLMC_CPU_BF16_GEMM forces each. Both match numpy and give every row bit-identical to the GEMV's."""
+    if not cpu_bf16_dot():
+        pytest.skip("the host's kernels have no bf16 dot: one bf16 GEMM path")
+    monkeypatch.setenv("LLMC_CPU_BF16_GEMM", mode)
+    fn = kernels("gemm", dict(n=n, k=k, wdtype="bf16", has_bias=True))
+    T = 70
+    x, w, wf, b, bf = gemm_inputs(n, k, T, "bf16", True, weights, seed=5)
+    batch = np.full((T, n), np.nan, dtype=np.float32)
+    fn(x, w, b, batch, T)
+    assert_gemm_close(batch, expected_x(x, k, "bf16", target), wf, bf)
+    alone = np.empty_like(batch)
+    for t in range(T):
+        fn(np.ascontiguousarray(x[t : t + 1]), w, b, alone[t : t + 1], 1)
+    assert np.array_equal(batch, alone)
