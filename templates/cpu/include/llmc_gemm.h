@@ -130,8 +130,8 @@ struct GemmOrder<uint16_t> {
 // K is cut into equal blocks of whole steps. (Llama-3.2-1B's K = 2048 in one block, 48 KB of fp32 tile, left
 // every tile pass to L2: 1B prefill GEMMs at 22-27% of the FMA peak, 2 threads, Xeon.)
 constexpr long kGemmKBlockBytes = 16 * 1024;
-constexpr int kGemmBlockTiles = 4;
-constexpr int kGemmXPrefetchBytes = 2048;  // pairs of C-row tiles per task when K takes several blocks
+constexpr int kGemmBlockTiles = 4;          // pairs of C-row tiles per task when K takes several blocks
+constexpr int kGemmXPrefetchBytes = 1024;  // packed x prefetched ahead: +11% on a 4 x 6 tile over 64 rows, K = 576
 template <class O, typename PT>
 constexpr int gemm_kblock(int C, int KMAIN) {
   const int most = std::max<int>(O::KS, kGemmKBlockBytes / (C * (long)sizeof(PT)) / O::KS * O::KS);
