@@ -422,6 +422,113 @@ LLMC_INLINE void qdot_tile(const QStep<BITS>* LLMC_RESTRICT steps, const float* 
   }
 }
 
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
+#define LLMC_QGEMM_PAIRS 1
+// Prefill with int8 weights on AVX-512 VNNI: the same sequence as qdot_tile, two rows per 512-bit vector (row
+// 2p in lanes 0-7, row 2p + 1 in lanes 8-15), so each instruction does the work of two ymm ones. The integer
+// lanes come from x + 128 (unsigned) instead of the sign trick: P = dpbusd(-128 * sum4(w), x + 128, w) =
+// sum4(x * w), the same exact integers with one instruction per (row pair, output) where the trick takes
+// three; -128 * sum4(w) is formed once per output and step for all the row pairs. Whole groups of steps only
+// (not int8 g16, whose steps span two groups).
+struct QPair8 {
+  uint8_t xu[64];  // x + 128 of rows 2p, 2p + 1
+  float dx[16];    // their lanes' activation scales
+};
+constexpr int kQgemmPairRows = 2;  // row pairs per register tile
+constexpr int kQgemmPairCols = 4;  // outputs per register tile: 2 x 4 accumulators (+ 2 x 4 per group) in 32 zmm
+
+// steps of rows [0, T) -> pairs[(t / 2) * NS + s], an absent odd row as x = 0 with scale 0.
+template <int NS>
+inline void qpack_pairs(const QStep<8>* steps, int T, QPair8* pairs) {
+  const __m256i bias = _mm256_set1_epi8(char(0x80));
+  for (int t = 0; t < T; t += 2) {
+    for (int s = 0; s < NS; ++s) {
+      QPair8& q = pairs[(long)(t / 2) * NS + s];
+      for (int h = 0; h < 2; ++h) {
+        if (t + h < T) {
+          const QStep<8>& a = steps[(long)(t + h) * NS + s];
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(q.xu + 32 * h),
+                              _mm256_xor_si256(qsimd::load32(a.x), bias));  // x + 128 (mod 256) = x ^ 0x80
+          std::memcpy(q.dx + 8 * h, a.dx, sizeof a.dx);
+        } else {
+          std::memset(q.xu + 32 * h, 0x80, 32);
+          std::memset(q.dx + 8 * h, 0, 8 * sizeof(float));
+        }
+      }
+    }
+  }
+}
+
+// out[r * C + c], r < 2 RP, c < C: as qdot_tile<2 RP, C, K, 8, GS, false> gives them, pairs: RP row pairs of
+// stride NS.
+template <int RP, int C, int K, int GS>
+LLMC_INLINE void qdot_pairs_tile(const QPair8* LLMC_RESTRICT pairs, const uint8_t* LLMC_RESTRICT w,
+                                 const float* LLMC_RESTRICT scales, int j, float* LLMC_RESTRICT out) {
+  using S = QShape<K, 8, GS>;
+  static_assert(!S::SPLIT, "qdot_pairs_tile: whole groups of steps");
+  constexpr int SPG = GS / S::SE;
+  const __m512i ones = _mm512_set1_epi8(1), zero = _mm512_setzero_si512();
+  __m512 acc[RP][C];
+  LLMC_UNROLL for (int p = 0; p < RP; ++p) {
+    LLMC_UNROLL for (int c = 0; c < C; ++c) acc[p][c] = _mm512_setzero_ps();
+  }
+  const uint8_t* wr = w + (long)j * K;
+  for (int g = 0; g < S::G; ++g) {
+    __m512 gacc[RP][C];
+    LLMC_UNROLL for (int p = 0; p < RP; ++p) {
+      LLMC_UNROLL for (int c = 0; c < C; ++c) gacc[p][c] = _mm512_setzero_ps();
+    }
+    const int s1 = std::min(S::NS, (g + 1) * SPG);
+    for (int s = g * SPG; s < s1; ++s) {
+      __m512i wv[C], wneg[C];
+      LLMC_UNROLL for (int c = 0; c < C; ++c) {
+        wv[c] = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + (long)c * K + 32 * s)));
+        wneg[c] = _mm512_sub_epi32(zero, _mm512_slli_epi32(_mm512_dpbusd_epi32(zero, ones, wv[c]), 7));
+      }
+      LLMC_UNROLL for (int p = 0; p < RP; ++p) {
+        const QPair8& a = pairs[(long)p * S::NS + s];
+        const __m512i xv = _mm512_loadu_si512(a.xu);
+        const __m512 dx = _mm512_loadu_ps(a.dx);
+        LLMC_UNROLL for (int c = 0; c < C; ++c) {
+          const __m512i P = _mm512_dpbusd_epi32(wneg[c], xv, wv[c]);
+          gacc[p][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(P), dx, gacc[p][c]);
+        }
+      }
+    }
+    LLMC_UNROLL for (int c = 0; c < C; ++c) {
+      const __m512 sc = _mm512_set1_ps(scales[(long)(j + c) * S::G + g]);
+      LLMC_UNROLL for (int p = 0; p < RP; ++p) acc[p][c] = _mm512_fmadd_ps(gacc[p][c], sc, acc[p][c]);
+    }
+  }
+  LLMC_UNROLL for (int p = 0; p < RP; ++p) {
+    LLMC_UNROLL for (int c = 0; c < C; ++c) {
+      out[(2 * p) * C + c] = qsimd::hsum(_mm512_castps512_ps256(acc[p][c]));
+      out[(2 * p + 1) * C + c] = qsimd::hsum(_mm512_extractf32x8_ps(acc[p][c], 1));
+    }
+  }
+}
+
+// Rows [0, 2 RP) (pairs from row 0; rows: how many are real) x outputs [j0, j1), stored with bias.
+template <int RP, int N, int K, int GS, bool HAS_BIAS>
+LLMC_INLINE void qgemm_pairs_rows(int rows, const QPair8* pairs, const uint8_t* w, const float* scales,
+                                  const float* bias, float* y, int j0, int j1) {
+  auto tile = [&](auto cols, int j) {
+    constexpr int C = decltype(cols)::value;
+    float s[2 * RP * C];
+    qdot_pairs_tile<RP, C, K, GS>(pairs, w, scales, j, s);
+    LLMC_UNROLL for (int c = 0; c < C; ++c) {
+      const float b = HAS_BIAS ? bias[j + c] : 0.0f;
+      for (int r = 0; r < rows; ++r) y[(long)r * N + j + c] = HAS_BIAS ? s[r * C + c] + b : s[r * C + c];
+    }
+  };
+  int j = j0;
+  for (; j + kQgemmPairCols <= j1; j += kQgemmPairCols) tile(std::integral_constant<int, kQgemmPairCols>{}, j);
+  for (; j < j1; ++j) tile(std::integral_constant<int, 1>{}, j);
+}
+#else
+#define LLMC_QGEMM_PAIRS 0
+#endif
+
 
 namespace {  // internal linkage: each model.so has its own buffers (see the pool in llmc_pool.h)
 // The quantized activations of a call, reused by the next call on the same thread.
@@ -429,6 +536,12 @@ LLMC_INLINE unsigned char* qgemm_scratch(size_t bytes) {
   thread_local std::vector<unsigned char> buf;
   if (buf.size() < bytes) buf.resize(bytes);
   return buf.data();
+}
+// The same activations packed in row pairs (LLMC_QGEMM_PAIRS), 64-byte aligned.
+LLMC_INLINE unsigned char* qgemm_pair_scratch(size_t bytes) {
+  thread_local std::vector<unsigned char> buf;
+  if (buf.size() < bytes + 64) buf.resize(bytes + 64);
+  return buf.data() + (64 - reinterpret_cast<uintptr_t>(buf.data()) % 64) % 64;
 }
 }  // namespace
 
@@ -495,6 +608,29 @@ inline void qgemm(const float* LLMC_RESTRICT x, const uint8_t* LLMC_RESTRICT qwe
   constexpr int NBLK_N = NB0 < N ? NB0 : N;
   constexpr int NBLK = (N + NBLK_N - 1) / NBLK_N;
   const int ntc = (T + kQgemmTChunk - 1) / kQgemmTChunk;
+#if LLMC_QGEMM_PAIRS
+  if constexpr (BITS == 8 && !S::SPLIT && !ASYM) {
+    static_assert(kQgemmTChunk % (2 * kQgemmPairRows) == 0, "qgemm: whole row-pair tiles per chunk");
+    constexpr int RT = 2 * kQgemmPairRows;  // rows per tile
+    QPair8* pairs = reinterpret_cast<QPair8*>(qgemm_pair_scratch((size_t)(T + 1) / 2 * S::NS * sizeof(QPair8)));
+    qpack_pairs<S::NS>(steps, T, pairs);
+    parallel_for(ntc * NBLK, par, [&](int task) {
+      const int tc = task / NBLK, nb = task % NBLK;
+      const int t1 = std::min(T, (tc + 1) * kQgemmTChunk);
+      const int j0 = nb * NBLK_N, j1 = std::min(N, j0 + NBLK_N);
+      for (int t = tc * kQgemmTChunk; t < t1; t += RT) {
+        const QPair8* pt = pairs + (long)(t / 2) * S::NS;
+        float* yt = y + (long)t * N;
+        if (t1 - t > 2)
+          qgemm_pairs_rows<kQgemmPairRows, N, K, GS, HAS_BIAS>(std::min(RT, t1 - t), pt, qweight, scales, bias, yt,
+                                                                j0, j1);
+        else
+          qgemm_pairs_rows<1, N, K, GS, HAS_BIAS>(t1 - t, pt, qweight, scales, bias, yt, j0, j1);
+      }
+    });
+    return;
+  }
+#endif
   parallel_for(ntc * NBLK, par, [&](int task) {
     const int tc = task / NBLK, nb = task % NBLK;
     const int t1 = std::min(T, (tc + 1) * kQgemmTChunk);
