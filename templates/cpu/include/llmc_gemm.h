@@ -28,7 +28,8 @@ constexpr int gemm_cols(int rows) { return rows <= 2 ? 4 : 3; }  // R * C + C + 
 #endif
 constexpr long kGemvTaskBytes = 32 * 1024;  // weight bytes per parallel task (default of gemm's TASK)
 constexpr long kGemmXBytes = 512 * 1024;    // x of a GEMM task's K block: stays in L2 while C-row tiles pass
-constexpr int kGemmPanelRows = 16;          // see kWiden in gemm()
+constexpr int kGemmPanelRows = 16;          // see `panel` in gemm()
+constexpr int kGemmDotPanelRows = 8;        // the same where the panel stands in for vdpbf16ps
 // Default software prefetch distance of the weight stream in bytes (the gemm template's PF; 0: none).
 // Measured with benchmarks/cpu_kernels.py on SmolLM-135M's bf16 GEMVs: the rows are too short for the
 // hardware prefetcher to get ahead of.
@@ -522,11 +523,13 @@ inline void gemm(const float* LLMC_RESTRICT x, const WT* LLMC_RESTRICT w, const 
   constexpr int C = gemm_cols(kGemmR);
   // bf16 weights: a widened panel pays from more than kGemmPanelRows rows on. Without a bf16 dot (SmolLM-135M's
   // gate_up, 1 thread, bf16 by CPU time: at 8 rows tiles on the bf16 weights are 16% faster, even at 16, the
-  // panel 7-12% faster at 64 and 128; both bit-identical); with one, where two FMAs per vdpbf16ps are faster and
-  // give its numbers (bf16_dot_emulation()).
+  // panel 7-12% faster at 64 and 128; both bit-identical). With one, where two FMAs per vdpbf16ps give its
+  // numbers and are faster (bf16_gemm_emulates_dot()), from more than kGemmDotPanelRows rows on (SmolLM-135M's
+  // gate_up and down streamed from DRAM, 2 threads, Xeon: the panel 23-29% slower at 5 rows, even at 8,
+  // 10-27% faster at 16, 14-20% at 32).
   constexpr bool kBf16 = std::is_same<WT, uint16_t>::value;
 #if LLMC_BF16_DOT
-  const bool panel = kBf16 && T > kGemmPanelRows && bf16_gemm_emulates_dot();
+  const bool panel = kBf16 && T > kGemmDotPanelRows && bf16_gemm_emulates_dot();
 #else
   const bool panel = kBf16 && T > kGemmPanelRows;
 #endif

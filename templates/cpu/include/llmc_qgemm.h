@@ -29,12 +29,14 @@ namespace llmc {
 // 32, or for 16-element groups each half of one, in row order) + bias. Every (row, output) is computed by that one sequence whatever T, the tile it lands in,
 // or the thread: results never depend on them.
 // The AVX2, AVX-VNNI and AVX-512 VNNI paths differ only in how they form the exact integer P, so they
-// agree bit for bit; the portable path may differ from them in FMA contraction only.
+// agree bit for bit (so does the AVX-512 VNNI prefill, LLMC_QGEMM_PAIRS: two rows per zmm); the portable path
+// may differ from them in FMA contraction only.
 //
 // Work split: T <= kQgemmRows (decode) is a GEMV in tasks of ~kQgemvTaskBytes of packed
 // weights, each streamed once by its thread, kQgemmCols rows in flight, prefetched kQgemvPrefetchBytes
-// ahead; larger T (prefill) runs register tiles of kQgemmRows rows x kQgemmCols outputs over blocks of
-// kQgemmTChunk rows x ~kQgemmBlockBytes of weights (kept in L2).
+// ahead; larger T (prefill) runs register tiles of kQgemmRows rows x kQgemmCols outputs (on AVX-512 VNNI with
+// symmetric weights, kQgemmPairRows row pairs x kQgemmPairCols) over blocks of kQgemmTChunk rows x
+// ~kQgemmBlockBytes of weights (kept in L2).
 
 constexpr int kQgemmRows = 4;
 constexpr int kQgemmCols = 2;  // 4 x 2 float accumulators + 2 weight vectors + temporaries in 16 ymm registers
@@ -424,80 +426,133 @@ LLMC_INLINE void qdot_tile(const QStep<BITS>* LLMC_RESTRICT steps, const float* 
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
 #define LLMC_QGEMM_PAIRS 1
-// Prefill with int8 weights on AVX-512 VNNI: the same sequence as qdot_tile, two rows per 512-bit vector (row
-// 2p in lanes 0-7, row 2p + 1 in lanes 8-15), so each instruction does the work of two ymm ones. The integer
-// lanes come from x + 128 (unsigned) instead of the sign trick: P = dpbusd(-128 * sum4(w), x + 128, w) =
-// sum4(x * w), the same exact integers with one instruction per (row pair, output) where the trick takes
-// three; -128 * sum4(w) is formed once per output and step for all the row pairs. Whole groups of steps only
-// (not int8 g16, whose steps span two groups).
-struct QPair8 {
+// Prefill on AVX-512 VNNI, symmetric weights: the same sequence as qdot_tile, two rows per 512-bit vector (row
+// 2p in lanes 0-7, row 2p + 1 in lanes 8-15, each output's weights in both halves), so each instruction does
+// the work of two ymm ones. int8: the integer lanes come from x + 128 (unsigned) instead of the sign trick,
+// P = dpbusd(-128 * sum4(w), x + 128, w) = sum4(x * w), the same exact integers with one instruction per (row
+// pair, output) where the trick takes three; -128 * sum4(w) is formed once per output and step for all the
+// row pairs. int4: the nibbles are unsigned already, as in qdot_tile.
+template <int BITS>
+struct QPair;
+template <>
+struct QPair<8> {
   uint8_t xu[64];  // x + 128 of rows 2p, 2p + 1
   float dx[16];    // their lanes' activation scales
+};
+template <>
+struct QPair<4> {
+  int8_t xlo[64], xhi[64];  // QStep<4>'s x halves of rows 2p, 2p + 1
+  float dx[16];
+  int32_t neg8[16];
 };
 constexpr int kQgemmPairRows = 2;  // row pairs per register tile
 constexpr int kQgemmPairCols = 4;  // outputs per register tile: 2 x 4 accumulators (+ 2 x 4 per group) in 32 zmm
 
-// steps of rows [0, T) -> pairs[(t / 2) * NS + s], an absent odd row as x = 0 with scale 0.
-template <int NS>
-inline void qpack_pairs(const QStep<8>* steps, int T, QPair8* pairs) {
-  const __m256i bias = _mm256_set1_epi8(char(0x80));
+// steps of rows [0, T) -> pairs[(t / 2) * NS + s]; an absent odd row is x = 0 with scale 0.
+template <int BITS, int NS>
+inline void qpack_pairs(const QStep<BITS>* steps, int T, QPair<BITS>* pairs) {
   for (int t = 0; t < T; t += 2) {
     for (int s = 0; s < NS; ++s) {
-      QPair8& q = pairs[(long)(t / 2) * NS + s];
+      QPair<BITS>& q = pairs[(long)(t / 2) * NS + s];
       for (int h = 0; h < 2; ++h) {
-        if (t + h < T) {
-          const QStep<8>& a = steps[(long)(t + h) * NS + s];
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(q.xu + 32 * h),
-                              _mm256_xor_si256(qsimd::load32(a.x), bias));  // x + 128 (mod 256) = x ^ 0x80
-          std::memcpy(q.dx + 8 * h, a.dx, sizeof a.dx);
+        const bool real = t + h < T;
+        const QStep<BITS>& a = steps[(long)(real ? t + h : t) * NS + s];
+        if constexpr (BITS == 8) {
+          for (int i = 0; i < 32; ++i) q.xu[32 * h + i] = real ? uint8_t(a.x[i] ^ 0x80) : 0x80;  // x + 128
         } else {
-          std::memset(q.xu + 32 * h, 0x80, 32);
-          std::memset(q.dx + 8 * h, 0, 8 * sizeof(float));
+          for (int i = 0; i < 32; ++i) q.xlo[32 * h + i] = real ? a.x[i] : 0;
+          for (int i = 0; i < 32; ++i) q.xhi[32 * h + i] = real ? a.x[32 + i] : 0;
+          for (int l = 0; l < 8; ++l) q.neg8[8 * h + l] = real ? a.neg8[l] : 0;
         }
+        for (int l = 0; l < 8; ++l) q.dx[8 * h + l] = real ? a.dx[l] : 0.0f;
       }
     }
   }
 }
 
-// out[r * C + c], r < 2 RP, c < C: as qdot_tile<2 RP, C, K, 8, GS, false> gives them, pairs: RP row pairs of
+// out[r * C + c], r < 2 RP, c < C: as qdot_tile<2 RP, C, K, BITS, GS, false> gives them; pairs: RP row pairs of
 // stride NS.
-template <int RP, int C, int K, int GS>
-LLMC_INLINE void qdot_pairs_tile(const QPair8* LLMC_RESTRICT pairs, const uint8_t* LLMC_RESTRICT w,
+template <int RP, int C, int K, int BITS, int GS>
+LLMC_INLINE void qdot_pairs_tile(const QPair<BITS>* LLMC_RESTRICT pairs, const uint8_t* LLMC_RESTRICT w,
                                  const float* LLMC_RESTRICT scales, int j, float* LLMC_RESTRICT out) {
-  using S = QShape<K, 8, GS>;
-  static_assert(!S::SPLIT, "qdot_pairs_tile: whole groups of steps");
-  constexpr int SPG = GS / S::SE;
-  const __m512i ones = _mm512_set1_epi8(1), zero = _mm512_setzero_si512();
+  using S = QShape<K, BITS, GS>;
+  constexpr bool ODD_TAIL = BITS == 4 && S::NB % 2 == 1;
+  constexpr int FULL = ODD_TAIL ? S::NS - 1 : S::NS;
+  const __m512i zero = _mm512_setzero_si512();
   __m512 acc[RP][C];
   LLMC_UNROLL for (int p = 0; p < RP; ++p) {
     LLMC_UNROLL for (int c = 0; c < C; ++c) acc[p][c] = _mm512_setzero_ps();
   }
-  const uint8_t* wr = w + (long)j * K;
-  for (int g = 0; g < S::G; ++g) {
-    __m512 gacc[RP][C];
-    LLMC_UNROLL for (int p = 0; p < RP; ++p) {
-      LLMC_UNROLL for (int c = 0; c < C; ++c) gacc[p][c] = _mm512_setzero_ps();
-    }
-    const int s1 = std::min(S::NS, (g + 1) * SPG);
-    for (int s = g * SPG; s < s1; ++s) {
-      __m512i wv[C], wneg[C];
-      LLMC_UNROLL for (int c = 0; c < C; ++c) {
-        wv[c] = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + (long)c * K + 32 * s)));
-        wneg[c] = _mm512_sub_epi32(zero, _mm512_slli_epi32(_mm512_dpbusd_epi32(zero, ones, wv[c]), 7));
-      }
-      LLMC_UNROLL for (int p = 0; p < RP; ++p) {
-        const QPair8& a = pairs[(long)p * S::NS + s];
-        const __m512i xv = _mm512_loadu_si512(a.xu);
-        const __m512 dx = _mm512_loadu_ps(a.dx);
-        LLMC_UNROLL for (int c = 0; c < C; ++c) {
-          const __m512i P = _mm512_dpbusd_epi32(wneg[c], xv, wv[c]);
-          gacc[p][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(P), dx, gacc[p][c]);
-        }
-      }
-    }
+  const uint8_t* wr = w + (long)j * S::RB;
+  const float* sr = scales + (long)j * S::G;
+  // One step: into(p, c, P, DX) for every (row pair, output).
+  auto step = [&](int s, bool tail, auto into) {
+    __m512i wa[C], wb[C];  // int8: w, -128 * sum4(w); int4: low nibbles, high nibbles
     LLMC_UNROLL for (int c = 0; c < C; ++c) {
-      const __m512 sc = _mm512_set1_ps(scales[(long)(j + c) * S::G + g]);
-      LLMC_UNROLL for (int p = 0; p < RP; ++p) acc[p][c] = _mm512_fmadd_ps(gacc[p][c], sc, acc[p][c]);
+      const uint8_t* q = wr + c * S::RB + 32L * s;
+      if constexpr (BITS == 8) {
+        wa[c] = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)));
+        wb[c] = _mm512_sub_epi32(zero, _mm512_slli_epi32(_mm512_dpbusd_epi32(zero, _mm512_set1_epi8(1), wa[c]), 7));
+      } else {
+        // the last chunk of an odd count: 16 bytes (32 could pass the end of the matrix), zeros after
+        const __m512i b = tail ? _mm512_broadcast_i64x4(_mm256_zextsi128_si256(
+                                     _mm_loadu_si128(reinterpret_cast<const __m128i*>(q))))
+                               : _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)));
+        const __m512i m = _mm512_set1_epi8(0x0F);
+        wa[c] = _mm512_and_si512(b, m);
+        wb[c] = _mm512_and_si512(_mm512_srli_epi16(b, 4), m);
+      }
+    }
+    LLMC_UNROLL for (int p = 0; p < RP; ++p) {
+      const QPair<BITS>& a = pairs[(long)p * S::NS + s];
+      const __m512 dx = _mm512_loadu_ps(a.dx);
+      if constexpr (BITS == 8) {
+        const __m512i xv = _mm512_loadu_si512(a.xu);
+        LLMC_UNROLL for (int c = 0; c < C; ++c) into(p, c, _mm512_dpbusd_epi32(wb[c], xv, wa[c]), dx);
+      } else {
+        const __m512i base = _mm512_loadu_si512(a.neg8);
+        const __m512i xlo = _mm512_loadu_si512(a.xlo), xhi = _mm512_loadu_si512(a.xhi);
+        LLMC_UNROLL for (int c = 0; c < C; ++c)
+          into(p, c, _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(base, wa[c], xlo), wb[c], xhi), dx);
+      }
+    }
+  };
+  if constexpr (S::SPLIT) {
+    // a step spans two groups: acc += P * (DX * S), S = [scale of lanes 0-3 | of lanes 4-7] in both halves
+    auto split = [&](int s, bool tail) {
+      __m512 sc[C];
+      LLMC_UNROLL for (int c = 0; c < C; ++c) {
+        const float* sg = sr + c * S::G + S::group_lo(s);
+        sc[c] = tail ? _mm512_set1_ps(sg[0])
+                     : _mm512_setr_ps(sg[0], sg[0], sg[0], sg[0], sg[1], sg[1], sg[1], sg[1], sg[0], sg[0], sg[0],
+                                      sg[0], sg[1], sg[1], sg[1], sg[1]);
+      }
+      step(s, tail, [&](int p, int c, __m512i P, __m512 dx) {
+        acc[p][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(P), _mm512_mul_ps(dx, sc[c]), acc[p][c]);
+      });
+    };
+    for (int s = 0; s < FULL; ++s) split(s, false);
+    if constexpr (ODD_TAIL) split(S::NS - 1, true);
+  } else {
+    // whole steps per group: gacc = sum of P * DX over the group's steps, then acc += gacc * S
+    constexpr int SPG = GS / S::SE;
+    for (int g = 0; g < S::G; ++g) {
+      __m512 gacc[RP][C];
+      LLMC_UNROLL for (int p = 0; p < RP; ++p) {
+        LLMC_UNROLL for (int c = 0; c < C; ++c) gacc[p][c] = _mm512_setzero_ps();
+      }
+      auto into = [&](int p, int c, __m512i P, __m512 dx) {
+        gacc[p][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(P), dx, gacc[p][c]);
+      };
+      const int s1 = std::min(FULL, (g + 1) * SPG);
+      for (int s = g * SPG; s < s1; ++s) step(s, false, into);
+      if constexpr (ODD_TAIL) {
+        if (g == S::G - 1) step(S::NS - 1, true, into);
+      }
+      LLMC_UNROLL for (int c = 0; c < C; ++c) {
+        const __m512 sc = _mm512_set1_ps(sr[c * S::G + g]);
+        LLMC_UNROLL for (int p = 0; p < RP; ++p) acc[p][c] = _mm512_fmadd_ps(gacc[p][c], sc, acc[p][c]);
+      }
     }
   }
   LLMC_UNROLL for (int p = 0; p < RP; ++p) {
@@ -509,13 +564,13 @@ LLMC_INLINE void qdot_pairs_tile(const QPair8* LLMC_RESTRICT pairs, const uint8_
 }
 
 // Rows [0, 2 RP) (pairs from row 0; rows: how many are real) x outputs [j0, j1), stored with bias.
-template <int RP, int N, int K, int GS, bool HAS_BIAS>
-LLMC_INLINE void qgemm_pairs_rows(int rows, const QPair8* pairs, const uint8_t* w, const float* scales,
+template <int RP, int N, int K, int BITS, int GS, bool HAS_BIAS>
+LLMC_INLINE void qgemm_pairs_rows(int rows, const QPair<BITS>* pairs, const uint8_t* w, const float* scales,
                                   const float* bias, float* y, int j0, int j1) {
   auto tile = [&](auto cols, int j) {
     constexpr int C = decltype(cols)::value;
     float s[2 * RP * C];
-    qdot_pairs_tile<RP, C, K, GS>(pairs, w, scales, j, s);
+    qdot_pairs_tile<RP, C, K, BITS, GS>(pairs, w, scales, j, s);
     LLMC_UNROLL for (int c = 0; c < C; ++c) {
       const float b = HAS_BIAS ? bias[j + c] : 0.0f;
       for (int r = 0; r < rows; ++r) y[(long)r * N + j + c] = HAS_BIAS ? s[r * C + c] + b : s[r * C + c];
@@ -609,23 +664,24 @@ inline void qgemm(const float* LLMC_RESTRICT x, const uint8_t* LLMC_RESTRICT qwe
   constexpr int NBLK = (N + NBLK_N - 1) / NBLK_N;
   const int ntc = (T + kQgemmTChunk - 1) / kQgemmTChunk;
 #if LLMC_QGEMM_PAIRS
-  if constexpr (BITS == 8 && !S::SPLIT && !ASYM) {
+  if constexpr (!ASYM) {
     static_assert(kQgemmTChunk % (2 * kQgemmPairRows) == 0, "qgemm: whole row-pair tiles per chunk");
     constexpr int RT = 2 * kQgemmPairRows;  // rows per tile
-    QPair8* pairs = reinterpret_cast<QPair8*>(qgemm_pair_scratch((size_t)(T + 1) / 2 * S::NS * sizeof(QPair8)));
-    qpack_pairs<S::NS>(steps, T, pairs);
+    QPair<BITS>* pairs =
+        reinterpret_cast<QPair<BITS>*>(qgemm_pair_scratch((size_t)(T + 1) / 2 * S::NS * sizeof(QPair<BITS>)));
+    qpack_pairs<BITS, S::NS>(steps, T, pairs);
     parallel_for(ntc * NBLK, par, [&](int task) {
       const int tc = task / NBLK, nb = task % NBLK;
       const int t1 = std::min(T, (tc + 1) * kQgemmTChunk);
       const int j0 = nb * NBLK_N, j1 = std::min(N, j0 + NBLK_N);
       for (int t = tc * kQgemmTChunk; t < t1; t += RT) {
-        const QPair8* pt = pairs + (long)(t / 2) * S::NS;
+        const QPair<BITS>* pt = pairs + (long)(t / 2) * S::NS;
         float* yt = y + (long)t * N;
         if (t1 - t > 2)
-          qgemm_pairs_rows<kQgemmPairRows, N, K, GS, HAS_BIAS>(std::min(RT, t1 - t), pt, qweight, scales, bias, yt,
-                                                                j0, j1);
+          qgemm_pairs_rows<kQgemmPairRows, N, K, BITS, GS, HAS_BIAS>(std::min(RT, t1 - t), pt, qweight, scales, bias,
+                                                                      yt, j0, j1);
         else
-          qgemm_pairs_rows<1, N, K, GS, HAS_BIAS>(t1 - t, pt, qweight, scales, bias, yt, j0, j1);
+          qgemm_pairs_rows<1, N, K, BITS, GS, HAS_BIAS>(t1 - t, pt, qweight, scales, bias, yt, j0, j1);
       }
     });
     return;
