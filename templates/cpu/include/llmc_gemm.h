@@ -304,9 +304,7 @@ LLMC_INLINE void gemm_tile(const XT* LLMC_RESTRICT xp, long ldxp, const float* L
   }
   gemm_steps<O, R, C, K, PF>(xp, ldxp, w, KMAIN, acc);
   gemm_tail<R, C, K, KMAIN, K>(x + KMAIN, w + KMAIN, acc);
-  LLMC_UNROLL for (int r = 0; r < R; ++r) {
-    LLMC_UNROLL for (int c = 0; c < C; ++c) s[r * C + c] = acc[r][c].sum();
-  }
+  sum_each<R * C>(&acc[0][0], s);
 }
 
 // y[r, j + c] = s[r * C + c] (+ bias[j + c]) for r < R, c < C.
@@ -389,9 +387,7 @@ LLMC_INLINE void gemm_block_tile(const XT* xr, const float* xt, const PT* wt, in
     if (ftz) gemm_ftz_daz(true);
   }
   float s[R * CC];
-  LLMC_UNROLL for (int r = 0; r < R; ++r) {
-    LLMC_UNROLL for (int c = 0; c < CC; ++c) s[r * CC + c] = acc[r][c].sum();
-  }
+  sum_each<R * CC>(&acc[0][0], s);
   gemm_store<R, CC, N, HAS_BIAS>(s, bias, yt, j);
 }
 

@@ -71,8 +71,48 @@ struct Vec {
   }
   LLMC_INLINE void fma(Vec a, Vec b) { v = _mm512_fmadd_ps(a.v, b.v, v); }  // this += a * b
   LLMC_INLINE Vec operator+(Vec o) const { return {_mm512_add_ps(v, o.v)}; }
-  LLMC_INLINE float sum() const { return _mm512_reduce_add_ps(v); }  // fixed shuffle tree
+  // The tree, spelled out (sum_each below repeats it for 16 at once): lanes i + (i + 8), then + 4, then
+  // (0 + 2) + (1 + 3).
+  LLMC_INLINE float sum() const {
+    const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+    const __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+    const __m128 p = _mm_add_ps(q, _mm_movehl_ps(q, q));
+    return _mm_cvtss_f32(_mm_add_ss(p, _mm_shuffle_ps(p, p, 1)));
+  }
 };
+
+// out[i] = a[i].sum() for i < 16, by the same tree for all 16 at once: each level adds two vectors' worth of
+// lanes (shuffles gather the pairs), 15 adds and 31 shuffles where 16 sum() take 64 adds and shuffles.
+LLMC_INLINE void sum16(const Vec* a, float* out) {
+  __m512 l1[8], l2[4], l3[2];
+  for (int k = 0; k < 8; ++k)  // [a(2k) lanes i + (i + 8) | a(2k + 1)'s]
+    l1[k] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * k].v, a[2 * k + 1].v, 0x44),
+                          _mm512_shuffle_f32x4(a[2 * k].v, a[2 * k + 1].v, 0xEE));
+  for (int m = 0; m < 4; ++m)  // 128-bit chunk c: a(4m + c) lanes i + (i + 4), i < 4
+    l2[m] = _mm512_add_ps(_mm512_shuffle_f32x4(l1[2 * m], l1[2 * m + 1], 0x88),
+                          _mm512_shuffle_f32x4(l1[2 * m], l1[2 * m + 1], 0xDD));
+  for (int h = 0; h < 2; ++h)  // chunk c: [a(8h + c): 0 + 2, 1 + 3, a(8h + 4 + c): 0 + 2, 1 + 3]
+    l3[h] = _mm512_add_ps(_mm512_shuffle_ps(l2[2 * h], l2[2 * h + 1], 0x44),
+                          _mm512_shuffle_ps(l2[2 * h], l2[2 * h + 1], 0xEE));
+  // chunk c: the sums of a(c), a(4 + c), a(8 + c), a(12 + c); lane 4c + k holds a(4k + c)'s
+  const __m512 s = _mm512_add_ps(_mm512_shuffle_ps(l3[0], l3[1], 0x88), _mm512_shuffle_ps(l3[0], l3[1], 0xDD));
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  _mm512_storeu_ps(out, _mm512_permutexvar_ps(order, s));
+}
+template <int N>
+LLMC_INLINE void sum_each(const Vec* a, float* out) {
+  int i = 0;
+  for (; i + 16 <= N; i += 16) sum16(a + i, out + i);
+  if constexpr (N % 16 >= 8) {  // the rest with zeros alongside, through a scratch row
+    Vec rest[16];
+    for (int j = 0; j < 16; ++j) rest[j] = i + j < N ? a[i + j] : Vec::zero();
+    float o[16];
+    sum16(rest, o);
+    for (int j = 0; i + j < N; ++j) out[i + j] = o[j];
+  } else {
+    for (; i < N; ++i) out[i] = a[i].sum();
+  }
+}
 #elif defined(__AVX2__) && defined(__FMA__)
 #define LLMC_SIMD "avx2"
 struct Vec {
@@ -128,6 +168,10 @@ struct Vec {
     return _mm_cvtss_f32(s);
   }
 };
+template <int N>
+LLMC_INLINE void sum_each(const Vec* a, float* out) {  // out[i] = a[i].sum()
+  for (int i = 0; i < N; ++i) out[i] = a[i].sum();
+}
 #else
 #define LLMC_SIMD "scalar"
 struct Vec {  // portable fallback: 8 independent lanes the compiler may map onto SSE/NEON
@@ -172,6 +216,10 @@ struct Vec {  // portable fallback: 8 independent lanes the compiler may map ont
     return ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7]));
   }
 };
+template <int N>
+LLMC_INLINE void sum_each(const Vec* a, float* out) {  // out[i] = a[i].sum()
+  for (int i = 0; i < N; ++i) out[i] = a[i].sum();
+}
 #endif
 
 // ---------------------------------------------------------------------------------------------
