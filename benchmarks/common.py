@@ -14,6 +14,7 @@ import math
 import os
 import re
 import shutil
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -325,3 +326,21 @@ class LlmcStep:
         """Prefill the prompt (untimed), then n greedy decode steps: (seconds of the n steps, the n + 1 tokens)."""
         _, sec, out = self.run(prompt, n)
         return sec, out
+
+
+def headers_at(rev: str | None) -> dict[str, str]:
+    """The CPU target's headers (templates/cpu/include) as they are, or at git revision `rev`."""
+    from llmc.compiler.codegen.render import target_headers
+
+    if rev is None:
+        return target_headers("cpu")
+    names = subprocess.run(
+        ["git", "ls-tree", "--name-only", rev, "templates/cpu/include/"], cwd=REPO, check=True, capture_output=True
+    ).stdout.split()
+    show = ["git", "show"]
+    return {
+        Path(n.decode()).name: subprocess.run(
+            [*show, f"{rev}:{n.decode()}"], cwd=REPO, check=True, capture_output=True
+        ).stdout.decode()
+        for n in names
+    }

@@ -32,13 +32,13 @@ import ctypes
 import functools
 import os
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
 from llmc.host import host_llc_bytes
 
-REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import headers_at  # noqa: E402
 
 # (label, n, k, T, wdtype, cold): decode GEMVs of SmolLM-135M (fused qkv, o, fused gate_up, down, lm_head),
 # one far above the LLC, and the same layers at batched-decode and prefill T.
@@ -257,23 +257,6 @@ def step_bench(args, headers: dict[str, str]) -> None:
         for gap in (0, 2000):
             us = statistics.median(lib.pool_launch(2 * args.threads, gap, 200) for _ in range(args.rounds)) * 1e6
             print(f"pool launch of {2 * args.threads} empty tasks after {gap} us idle: {us:.1f} us")
-
-
-def headers_at(rev: str | None) -> dict[str, str]:
-    from llmc.compiler.codegen.render import target_headers
-
-    if rev is None:
-        return target_headers("cpu")
-    names = subprocess.run(
-        ["git", "ls-tree", "--name-only", rev, "templates/cpu/include/"], cwd=REPO, check=True, capture_output=True
-    ).stdout.split()
-    show = ["git", "show"]
-    return {
-        Path(n.decode()).name: subprocess.run(
-            [*show, f"{rev}:{n.decode()}"], cwd=REPO, check=True, capture_output=True
-        ).stdout.decode()
-        for n in names
-    }
 
 
 def build(headers: dict[str, str], specs: list[tuple]) -> ctypes.CDLL:

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """CPU quantized gemm / gemv kernels (templates/cpu/qgemm.cc.j2) alone: GB/s against the read roofline.
 
-    python benchmarks/cpu_qgemm.py [--threads 2] [--rounds 5] [--only gemv,gemm]
+    python benchmarks/cpu_qgemm.py [--threads 2] [--rounds 5] [--only gemv,gemm] [--baseline REV]
 
 Each case renders the qgemm template with llmc's own build flags and times it in a C++ loop (no Python between
 calls). Decode cases (T = 1) cycle through copies of the packed weights spanning 4x the last-level cache, so
@@ -10,7 +10,8 @@ template's fp32 and bf16 kernels run the same shapes in the same rounds, for com
 
 The roofline is the read bandwidth measured in this process (a C++ loop reading 1 GiB on --threads threads, best
 of 3); a case's floor is its packed bytes (qweight + scales + mins) / bandwidth. Every figure is the median over
---rounds interleaved rounds; on a shared machine compare rows of one run only.
+--rounds interleaved rounds; on a shared machine compare rows of one run only. --baseline REV builds the same
+kernels from the CPU headers at git revision REV too and times the two builds interleaved, round by round.
 """
 
 from __future__ import annotations
@@ -21,8 +22,12 @@ import os
 import statistics
 import sys
 import time
+from pathlib import Path
 
 from llmc.host import host_llc_bytes
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import headers_at  # noqa: E402
 
 # decode GEMVs of SmolLM-135M (fused qkv, o, fused gate_up, down, lm_head) and one far above the LLC
 SHAPES = [("qkv", 960, 576), ("o", 576, 576), ("gate_up", 3072, 576), ("down", 576, 1536), ("lm_head", 49152, 576)]
@@ -86,9 +91,9 @@ def cases(only: set[str]) -> list[tuple]:
     return out
 
 
-def build(specs: list[tuple]) -> ctypes.CDLL:
+def build(headers: dict[str, str], specs: list[tuple]) -> ctypes.CDLL:
     from llmc.compiler.codegen.build import CPU_FLAGS, build_shared_library
-    from llmc.compiler.codegen.render import kernel_id, render_kernel, target_headers
+    from llmc.compiler.codegen.render import kernel_id, render_kernel
 
     parts, seen = ['#include "common.h"\n#include <chrono>\n'], set()
     for _, n, k, _, scheme, _ in specs:
@@ -102,9 +107,7 @@ def build(specs: list[tuple]) -> ctypes.CDLL:
             parts.append(_QLOOP.format(kid=kid))
         else:
             parts.append(_LOOP.format(kid=kid, wt="float" if params["wdtype"] == "f32" else "uint16_t"))
-    return ctypes.CDLL(
-        str(build_shared_library({**target_headers("cpu"), "bench.cc": "".join(parts)}, flags=CPU_FLAGS))
-    )
+    return ctypes.CDLL(str(build_shared_library({**headers, "bench.cc": "".join(parts)}, flags=CPU_FLAGS)))
 
 
 def weight_parts(n: int, k: int, scheme: tuple, rng) -> list:
@@ -127,6 +130,7 @@ def main(argv=None) -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--only", default="gemv,gemm", help="comma-separated of gemv, gemm")
     p.add_argument("--min-time", type=float, default=0.05, help="seconds per timed sample")
+    p.add_argument("--baseline", help="git revision whose templates/cpu/include is timed too, interleaved")
     args = p.parse_args(argv)
     os.environ["OMP_NUM_THREADS"] = str(args.threads)  # before libgomp loads: the kernels' pool size
 
@@ -150,7 +154,9 @@ def main(argv=None) -> None:
         return best
 
     specs = cases(set(args.only.split(",")))
-    lib = build(specs)
+    libs = {"llmc": build(headers_at(None), specs)}
+    if args.baseline:
+        libs[args.baseline] = build(headers_at(args.baseline), specs)
     rng = np.random.default_rng(0)
     # The cold cases' copies, one after another in one pool that they share (they run one at a time; a pool per
     # case held 4x the LLC each, over 20 GB on a 480 MiB L3). Every byte 0x3c: any byte is a valid quantized
@@ -172,9 +178,11 @@ def main(argv=None) -> None:
         ptrs = (ctypes.c_void_p * (3 * copies))(*[ptr for s in sets for ptr in (s + [None] * 3)[:3]])
         x = rng.standard_normal((T, k), dtype=np.float32)
         y = np.empty((T, n), dtype=np.float32)
-        fn = getattr(lib, f"bench_{kernel_id('cpu', *case_params(n, k, scheme))}")
-        fn.restype = ctypes.c_double
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+        fns = {}
+        for name, lib in libs.items():
+            fn = fns[name] = getattr(lib, f"bench_{kernel_id('cpu', *case_params(n, k, scheme))}")
+            fn.restype = ctypes.c_double
+            fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
         data.append(
             dict(
                 label=label,
@@ -184,8 +192,8 @@ def main(argv=None) -> None:
                 T=T,
                 nbytes=nbytes,
                 keep=(first, pool),
-                fn=fn,
-                times=[],
+                fns=fns,
+                times={},
                 call=(x.ctypes.data, ptrs, copies, y.ctypes.data, T),
                 xy=(x, y),
             )
@@ -195,22 +203,37 @@ def main(argv=None) -> None:
     for _ in range(args.rounds):
         bws.append(bandwidth())
         for d in data:
-            once = d["fn"](*d["call"], 2)
-            d["times"].append(d["fn"](*d["call"], max(4, int(args.min_time / max(once, 1e-7)))))
+            for name, fn in d["fns"].items():
+                once = fn(*d["call"], 2)
+                d["times"].setdefault(name, []).append(fn(*d["call"], max(4, int(args.min_time / max(once, 1e-7)))))
     bw = statistics.median(bws)
     print(
         f"threads {args.threads}; read bandwidth {bw / 1e9:.1f} GB/s; LLC {host_llc_bytes() >> 20} MiB; "
         f"medians of {args.rounds} interleaved rounds"
     )
-    rows = [["case", "weights", "n x k", "MiB", "floor us", "us", "GB/s", "GMAC/s", "% roof"]]
+    names = list(libs)
+    head = ["case", "weights", "n x k", "MiB", "floor us"]
+    for name in names:
+        head += [f"{name} us", "GB/s", "GMAC/s", "% roof"]
+    if len(names) > 1:
+        head.append(f"speed-up vs {names[1]}")
+    rows = [head]
     for d in data:
-        t = statistics.median(d["times"])
         floor = d["nbytes"] / bw
-        rows.append([
-            d["label"], d["scheme"], f"{d['n']}x{d['k']}", f"{d['nbytes'] / 2**20:.2f}", f"{floor * 1e6:.1f}",
-            f"{t * 1e6:.1f}", f"{d['nbytes'] / t / 1e9:.1f}", f"{d['T'] * d['n'] * d['k'] / t / 1e9:.1f}",
-            f"{100 * floor / t:.0f}%",
-        ])  # fmt: skip
+        row = [d["label"], d["scheme"], f"{d['n']}x{d['k']}", f"{d['nbytes'] / 2**20:.2f}", f"{floor * 1e6:.1f}"]
+        meds = {}
+        for name in names:
+            t = meds[name] = statistics.median(d["times"][name])
+            macs = d["T"] * d["n"] * d["k"]
+            row += [
+                f"{t * 1e6:.1f}",
+                f"{d['nbytes'] / t / 1e9:.1f}",
+                f"{macs / t / 1e9:.1f}",
+                f"{100 * floor / t:.0f}%",
+            ]
+        if len(names) > 1:
+            row.append(f"{meds[names[1]] / meds[names[0]]:.2f}x")
+        rows.append(row)
     print("\n".join(align_columns(rows)))
     print(
         "floor = packed bytes (qweight + scales + mins, or the dense weights) / read bandwidth; % roof = floor / time"
