@@ -14,6 +14,7 @@ import math
 import os
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -344,3 +345,22 @@ def headers_at(rev: str | None) -> dict[str, str]:
         ).stdout.decode()
         for n in names
     }
+
+
+def ab_header(head: list[str], names: list[str], cols: list[str]) -> list[str]:
+    """A kernel table's header: head, then "<build> us" and cols for each build, then the first's speed-up over
+    the second (--baseline)."""
+    for name in names:
+        head = [*head, f"{name} us", *cols]
+    return head + ([f"speed-up vs {names[1]}"] if len(names) > 1 else [])
+
+
+def ab_cells(times: dict[str, list[float]], nbytes: float, work: float, floor: float) -> list[str]:
+    """One case's cells under ab_header: per build, its median time in us, then bytes, work (flops or MACs) and
+    floor seconds over it (GB/s, G/s, % of the roof); then the speed-up."""
+    meds = {name: statistics.median(ts) for name, ts in times.items()}
+    out = []
+    for t in meds.values():
+        out += [f"{t * 1e6:.1f}", f"{nbytes / t / 1e9:.1f}", f"{work / t / 1e9:.1f}", f"{100 * floor / t:.0f}%"]
+    names = list(meds)
+    return out + ([f"{meds[names[1]] / meds[names[0]]:.2f}x"] if len(names) > 1 else [])

@@ -38,7 +38,7 @@ from pathlib import Path
 from llmc.host import host_llc_bytes
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import headers_at  # noqa: E402
+from common import ab_cells, ab_header, headers_at  # noqa: E402
 
 # (label, n, k, T, wdtype, cold): decode GEMVs of SmolLM-135M (fused qkv, o, fused gate_up, down, lm_head),
 # one far above the LLC, and the same layers at batched-decode and prefill T.
@@ -350,25 +350,14 @@ def main(argv=None) -> None:
         f"LLC {host_llc_bytes() >> 20} MiB; medians of {args.rounds} interleaved rounds"
         + ("; times are the thread's CPU time" if args.cpu_time else "")
     )
-    names = list(builds)
-    head = ["case", "dtype", "n x k", "MiB", "floor us"]
-    for name in names:
-        head += [f"{name} us", "GB/s", "GFLOP/s", "% roof"]
-    if len(names) > 1:
-        head.append(f"speed-up vs {names[1]}")
-    rows = [head]
+    rows = [ab_header(["case", "dtype", "n x k", "MiB", "floor us"], list(builds), ["GB/s", "GFLOP/s", "% roof"])]
     for d in data:
-        nbytes = d["w"].nbytes
-        flops = 2.0 * d["T"] * d["n"] * d["k"]
+        nbytes, flops = d["w"].nbytes, 2.0 * d["T"] * d["n"] * d["k"]
         floor = max(nbytes / bw, flops / peak)
-        row = [d["label"], d["wd"], f"{d['n']}x{d['k']}", f"{nbytes / 2**20:.1f}", f"{floor * 1e6:.1f}"]
-        meds = {}
-        for name in names:
-            t = meds[name] = statistics.median(d["times"][name])
-            row += [f"{t * 1e6:.1f}", f"{nbytes / t / 1e9:.1f}", f"{flops / t / 1e9:.1f}", f"{100 * floor / t:.0f}%"]
-        if len(names) > 1:
-            row.append(f"{meds[names[1]] / meds[names[0]]:.2f}x")
-        rows.append(row)
+        rows.append([
+            d["label"], d["wd"], f"{d['n']}x{d['k']}", f"{nbytes / 2**20:.1f}", f"{floor * 1e6:.1f}",
+            *ab_cells(d["times"], nbytes, flops, floor),
+        ])  # fmt: skip
     from llmc.runtime.bench import align_columns
 
     print("\n".join(align_columns(rows)))

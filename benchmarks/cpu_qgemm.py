@@ -27,7 +27,7 @@ from pathlib import Path
 from llmc.host import host_llc_bytes
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import headers_at  # noqa: E402
+from common import ab_cells, ab_header, headers_at  # noqa: E402
 
 # decode GEMVs of SmolLM-135M (fused qkv, o, fused gate_up, down, lm_head) and one far above the LLC
 SHAPES = [("qkv", 960, 576), ("o", 576, 576), ("gate_up", 3072, 576), ("down", 576, 1536), ("lm_head", 49152, 576)]
@@ -211,29 +211,13 @@ def main(argv=None) -> None:
         f"threads {args.threads}; read bandwidth {bw / 1e9:.1f} GB/s; LLC {host_llc_bytes() >> 20} MiB; "
         f"medians of {args.rounds} interleaved rounds"
     )
-    names = list(libs)
-    head = ["case", "weights", "n x k", "MiB", "floor us"]
-    for name in names:
-        head += [f"{name} us", "GB/s", "GMAC/s", "% roof"]
-    if len(names) > 1:
-        head.append(f"speed-up vs {names[1]}")
-    rows = [head]
+    rows = [ab_header(["case", "weights", "n x k", "MiB", "floor us"], list(libs), ["GB/s", "GMAC/s", "% roof"])]
     for d in data:
-        floor = d["nbytes"] / bw
-        row = [d["label"], d["scheme"], f"{d['n']}x{d['k']}", f"{d['nbytes'] / 2**20:.2f}", f"{floor * 1e6:.1f}"]
-        meds = {}
-        for name in names:
-            t = meds[name] = statistics.median(d["times"][name])
-            macs = d["T"] * d["n"] * d["k"]
-            row += [
-                f"{t * 1e6:.1f}",
-                f"{d['nbytes'] / t / 1e9:.1f}",
-                f"{macs / t / 1e9:.1f}",
-                f"{100 * floor / t:.0f}%",
-            ]
-        if len(names) > 1:
-            row.append(f"{meds[names[1]] / meds[names[0]]:.2f}x")
-        rows.append(row)
+        floor, macs = d["nbytes"] / bw, d["T"] * d["n"] * d["k"]
+        rows.append([
+            d["label"], d["scheme"], f"{d['n']}x{d['k']}", f"{d['nbytes'] / 2**20:.2f}", f"{floor * 1e6:.1f}",
+            *ab_cells(d["times"], d["nbytes"], macs, floor),
+        ])  # fmt: skip
     print("\n".join(align_columns(rows)))
     print(
         "floor = packed bytes (qweight + scales + mins, or the dense weights) / read bandwidth; % roof = floor / time"
