@@ -364,7 +364,7 @@ LLMC_INLINE void gemm_widen_panel(const uint16_t* LLMC_RESTRICT w, int i0, int n
 // row 0 of fp32 x; wt: weight row 0 at step i0 (stride LDW); acc: the tile's spilled accumulators
 // (stride LDA) between K blocks. first: start from zero, else from acc; last: add the tail (wtail: weight
 // row 0's tail) and store y, else spill to acc. ftz: the MXCSR of the steps, lifted for the tail (see
-// bf16_dot_emulation()).
+// bf16_gemm_emulates_dot()).
 template <class OT, int R, int CC, int N, int K, int KMAIN, long LDW, int PF, bool HAS_BIAS, typename XT, typename PT,
           typename WT>
 LLMC_INLINE void gemm_block_tile(const XT* xr, const float* xt, const PT* wt, int i0, int n,
@@ -404,8 +404,8 @@ LLMC_INLINE void gemm_block(const XT* xp, const float* x, const WT* w, const WT*
   using PT = std::conditional_t<PANEL, float, WT>;
   constexpr int KB = gemm_kblock<O, PT>(C, KMAIN);
   constexpr long LDP = KB + (K - KMAIN);  // a panel row: one block and the tail
-  // Blocks after the first stream the next block of each row into L2 on their first pass.
-  constexpr int PF_NEXT = KMAIN > KB && !PANEL ? KB * (int)sizeof(WT) : 0;
+  // The first pass over a block prefetches: with several blocks, each row's next block; with one, PF ahead.
+  constexpr int PF_STREAM = KMAIN > KB && !PANEL ? KB * (int)sizeof(WT) : PF;
   const long lda = j1 - j0;
   for (int i0 = 0; i0 < KMAIN || i0 == 0; i0 += KB) {
     const int n = std::min(KB, KMAIN - i0);
@@ -429,27 +429,20 @@ LLMC_INLINE void gemm_block(const XT* xp, const float* x, const WT* w, const WT*
         const float* xt = x + (long)t * K;
         float* yt = y + (long)t * N;
         Vec* sp = acc_spill + (t - t0) * lda + (j - j0);
+        // always_inline: left to the compiler, the call cost bf16 GEMMs 6-11% (cpu_kernels.py, Xeon)
+        auto tile = [&](auto rows, auto pf) __attribute__((always_inline)) {
+          gemm_block_tile<OT, decltype(rows)::value, CC, N, K, KMAIN, LDW, decltype(pf)::value, HAS_BIAS>(
+              xr, xt, wt, i0, n, wtail, sp, lda, first, last, ftz, bias, yt, j);
+        };
         // The first pass streams the weights in (prefetched, unless the panel did); later ones find them in L1.
-        const int rows = std::min(R, t1 - t);
-        const bool stream = t == t0 && !PANEL;
-#define LLMC_GEMM_TILE(RR, PFV)                                                                              \
-  gemm_block_tile<OT, RR, CC, N, K, KMAIN, LDW, PFV, HAS_BIAS>(xr, xt, wt, i0, n, wtail, sp, lda, first, \
-                                                                 last, ftz, bias, yt, j)
-        if (stream && rows == R) {
-          if constexpr (PF_NEXT > 0) {
-            LLMC_GEMM_TILE(R, PF_NEXT);
-          } else {
-            LLMC_GEMM_TILE(R, PF);
-          }
-        } else {
-          switch (rows) {
-            case 1: LLMC_GEMM_TILE(1, 0); break;
-            case 2: LLMC_GEMM_TILE(2, 0); break;
-            case 3: LLMC_GEMM_TILE(3, 0); break;
-            case 4: LLMC_GEMM_TILE(4, 0); break;
-          }
+        using Zero = std::integral_constant<int, 0>;
+        switch (t == t0 && !PANEL && t1 - t >= R ? 0 : std::min(R, t1 - t)) {
+          case 0: tile(std::integral_constant<int, R>{}, std::integral_constant<int, PF_STREAM>{}); break;
+          case 1: tile(std::integral_constant<int, 1>{}, Zero{}); break;
+          case 2: tile(std::integral_constant<int, 2>{}, Zero{}); break;
+          case 3: tile(std::integral_constant<int, 3>{}, Zero{}); break;
+          case 4: tile(std::integral_constant<int, 4>{}, Zero{}); break;
         }
-#undef LLMC_GEMM_TILE
       }
     };
     int j = j0;
@@ -530,6 +523,7 @@ inline void gemm(const float* LLMC_RESTRICT x, const WT* LLMC_RESTRICT w, const 
   const bool panel = kBf16 && T > kGemmPanelRows;
 #endif
   // x rows per task: their K block stays in L2 (with the spilled accumulators) while the weight tiles pass.
+  // KB: the shortest block gemm_block may take (fp32 panel or fp32 weights; bf16 tiles take twice as long).
   constexpr int KB = gemm_kblock<O, float>(C, KMAIN);
   // Outputs per task, whole tiles of C and of C - 1 = 2 (AVX2). With several K blocks a task reads all of its
   // rows' x once: kGemmBlockTiles tiles share that read.

@@ -586,14 +586,11 @@ LLMC_INLINE void qgemm_pairs_rows(int rows, const QPair<BITS>* pairs, const uint
 
 
 namespace {  // internal linkage: each model.so has its own buffers (see the pool in llmc_pool.h)
-// The quantized activations of a call, reused by the next call on the same thread.
+// The quantized activations of a call (USE: as steps, or packed in row pairs for LLMC_QGEMM_PAIRS), 64-byte
+// aligned, reused by the next call on the same thread.
+enum { kQScratchSteps, kQScratchPairs };
+template <int USE>
 LLMC_INLINE unsigned char* qgemm_scratch(size_t bytes) {
-  thread_local std::vector<unsigned char> buf;
-  if (buf.size() < bytes) buf.resize(bytes);
-  return buf.data();
-}
-// The same activations packed in row pairs (LLMC_QGEMM_PAIRS), 64-byte aligned.
-LLMC_INLINE unsigned char* qgemm_pair_scratch(size_t bytes) {
   thread_local std::vector<unsigned char> buf;
   if (buf.size() < bytes + 64) buf.resize(bytes + 64);
   return buf.data() + (64 - reinterpret_cast<uintptr_t>(buf.data()) % 64) % 64;
@@ -642,7 +639,8 @@ inline void qgemm(const float* LLMC_RESTRICT x, const uint8_t* LLMC_RESTRICT qwe
   constexpr int R = kQgemmRows;
   const bool par = (long)T * N * K >= kParallelWork;
   // [T, NS] steps, then [T, NX] xs
-  unsigned char* buf = qgemm_scratch((size_t)T * (S::NS * sizeof(QStep<BITS>) + S::NX * sizeof(float)));
+  unsigned char* buf =
+      qgemm_scratch<kQScratchSteps>((size_t)T * (S::NS * sizeof(QStep<BITS>) + S::NX * sizeof(float)));
   QStep<BITS>* steps = reinterpret_cast<QStep<BITS>*>(buf);
   float* xs = reinterpret_cast<float*>(buf + (size_t)T * S::NS * sizeof(QStep<BITS>));
   parallel_for(T, par && T > 1, [&](int t) {
@@ -667,8 +665,8 @@ inline void qgemm(const float* LLMC_RESTRICT x, const uint8_t* LLMC_RESTRICT qwe
   if constexpr (!ASYM) {
     static_assert(kQgemmTChunk % (2 * kQgemmPairRows) == 0, "qgemm: whole row-pair tiles per chunk");
     constexpr int RT = 2 * kQgemmPairRows;  // rows per tile
-    QPair<BITS>* pairs =
-        reinterpret_cast<QPair<BITS>*>(qgemm_pair_scratch((size_t)(T + 1) / 2 * S::NS * sizeof(QPair<BITS>)));
+    QPair<BITS>* pairs = reinterpret_cast<QPair<BITS>*>(
+        qgemm_scratch<kQScratchPairs>((size_t)(T + 1) / 2 * S::NS * sizeof(QPair<BITS>)));
     qpack_pairs<BITS, S::NS>(steps, T, pairs);
     parallel_for(ntc * NBLK, par, [&](int task) {
       const int tc = task / NBLK, nb = task % NBLK;

@@ -71,7 +71,7 @@ struct Vec {
   }
   LLMC_INLINE void fma(Vec a, Vec b) { v = _mm512_fmadd_ps(a.v, b.v, v); }  // this += a * b
   LLMC_INLINE Vec operator+(Vec o) const { return {_mm512_add_ps(v, o.v)}; }
-  // The tree, spelled out (sum_each below repeats it for 16 at once): lanes i + (i + 8), then + 4, then
+  // The tree, spelled out (sum16 below repeats it for 16 at once): lanes i + (i + 8), then + 4, then
   // (0 + 2) + (1 + 3).
   LLMC_INLINE float sum() const {
     const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
@@ -99,20 +99,7 @@ LLMC_INLINE void sum16(const Vec* a, float* out) {
   const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
   _mm512_storeu_ps(out, _mm512_permutexvar_ps(order, s));
 }
-template <int N>
-LLMC_INLINE void sum_each(const Vec* a, float* out) {
-  int i = 0;
-  for (; i + 16 <= N; i += 16) sum16(a + i, out + i);
-  if constexpr (N % 16 >= 8) {  // the rest with zeros alongside, through a scratch row
-    Vec rest[16];
-    for (int j = 0; j < 16; ++j) rest[j] = i + j < N ? a[i + j] : Vec::zero();
-    float o[16];
-    sum16(rest, o);
-    for (int j = 0; i + j < N; ++j) out[i + j] = o[j];
-  } else {
-    for (; i < N; ++i) out[i] = a[i].sum();
-  }
-}
+#define LLMC_SUM16 1
 #elif defined(__AVX2__) && defined(__FMA__)
 #define LLMC_SIMD "avx2"
 struct Vec {
@@ -168,10 +155,6 @@ struct Vec {
     return _mm_cvtss_f32(s);
   }
 };
-template <int N>
-LLMC_INLINE void sum_each(const Vec* a, float* out) {  // out[i] = a[i].sum()
-  for (int i = 0; i < N; ++i) out[i] = a[i].sum();
-}
 #else
 #define LLMC_SIMD "scalar"
 struct Vec {  // portable fallback: 8 independent lanes the compiler may map onto SSE/NEON
@@ -216,11 +199,26 @@ struct Vec {  // portable fallback: 8 independent lanes the compiler may map ont
     return ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7]));
   }
 };
-template <int N>
-LLMC_INLINE void sum_each(const Vec* a, float* out) {  // out[i] = a[i].sum()
-  for (int i = 0; i < N; ++i) out[i] = a[i].sum();
-}
 #endif
+
+// out[i] = a[i].sum() for i < N: 16 at a time through sum16 where the ISA has it (the rest, from 8 on, with
+// zeros alongside), one by one otherwise.
+template <int N>
+LLMC_INLINE void sum_each(const Vec* a, float* out) {
+  int i = 0;
+#ifdef LLMC_SUM16
+  for (; i + 16 <= N; i += 16) sum16(a + i, out + i);
+  if constexpr (N % 16 >= 8) {
+    Vec rest[16];
+    for (int j = 0; j < 16; ++j) rest[j] = i + j < N ? a[i + j] : Vec::zero();
+    float o[16];
+    sum16(rest, o);
+    for (int j = 0; i + j < N; ++j) out[i + j] = o[j];
+    return;
+  }
+#endif
+  for (; i < N; ++i) out[i] = a[i].sum();
+}
 
 // ---------------------------------------------------------------------------------------------
 // dot_block<R, C, K>: out[r * C + c] = sum_i x[r * ldx + i] * w[c * ldw + i], r < R, c < C.
