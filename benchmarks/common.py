@@ -56,6 +56,16 @@ LLAMA_32_1B = {
     "eos_token_id": 1,
 }
 
+
+def decode_gemv_shapes(cfg: dict) -> list[tuple[str, int, int]]:
+    """(label, n, k) of one decode step's GEMVs for a LlamaConfig shape: fused qkv, o, fused gate_up, down,
+    lm_head."""
+    h, i = cfg["hidden_size"], cfg["intermediate_size"]
+    d = h // cfg["num_attention_heads"]
+    qkv = h + 2 * cfg["num_key_value_heads"] * d
+    return [("qkv", qkv, h), ("o", h, h), ("gate_up", 2 * i, h), ("down", h, i), ("lm_head", cfg["vocab_size"], h)]
+
+
 # The tokenizer every benchmark checkpoint ships (tests/checkpoints.train_tokenizer): prompts use ids below it.
 TOKENIZER_VOCAB = 384
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """CPU gemm / gemv kernels alone: GB/s and GFLOP/s against the machine's measured roofline.
 
-    python benchmarks/cpu_kernels.py [--threads 2] [--rounds 5] [--baseline REV] [--only gemv,batch,gemm]
+    python benchmarks/cpu_kernels.py [--threads 2] [--rounds 5] [--baseline REV] [--only gemv,gemv1b,batch,gemm]
     python benchmarks/cpu_kernels.py --step [--threads 2] [--baseline REV: that revision's headers instead]
 
 Each case renders the gemm template (templates/cpu/gemm.cc.j2) with llmc's own build flags and times it in a
@@ -38,11 +38,12 @@ from pathlib import Path
 from llmc.host import host_llc_bytes
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ab_cells, ab_header, headers_at  # noqa: E402
+from common import LLAMA_32_1B, SMOLLM_135M, ab_cells, ab_header, decode_gemv_shapes, headers_at  # noqa: E402
 
 # (label, n, k, T, wdtype, cold): decode GEMVs of SmolLM-135M (fused qkv, o, fused gate_up, down, lm_head),
 # one far above the LLC, and the same layers at batched-decode and prefill T.
-SMOL = [("qkv", 960, 576), ("o", 576, 576), ("gate_up", 3072, 576), ("down", 576, 1536)]
+SMOL_ALL = decode_gemv_shapes(SMOLLM_135M)
+SMOL = SMOL_ALL[:4]
 BIG = ("big", 2048, 8192)
 # Llama-3.2-1B's largest layers at prefill: K = 2048 and 8192, far longer rows than SmolLM's.
 LLAMA_1B = [("1b gate_up", 16384, 2048), ("1b down", 2048, 8192)]
@@ -52,7 +53,9 @@ def cases(only: set[str]) -> list[tuple]:
     out = []
     for wd in ("f32", "bf16"):
         if "gemv" in only:
-            out += [(f"{lab} T=1", n, k, 1, wd, True) for lab, n, k in [*SMOL, ("lm_head", 49152, 576), BIG]]
+            out += [(f"{lab} T=1", n, k, 1, wd, True) for lab, n, k in [*SMOL_ALL, BIG]]
+        if "gemv1b" in only:  # Llama-3.2-1B's decode step: rows of 2048 and 8192, far above the LLC together
+            out += [(f"1b {lab} T=1", n, k, 1, wd, True) for lab, n, k in decode_gemv_shapes(LLAMA_32_1B)]
         if "hot" in only:  # the kernel's own speed, weights in cache: the most it could stream
             out += [(f"{lab} T=1 hot", n, k, 1, wd, False) for lab, n, k in SMOL]
         if "batch" in only:
@@ -280,7 +283,7 @@ def main(argv=None) -> None:
     p.add_argument("--threads", type=int, default=os.cpu_count())
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--baseline", help="git revision whose templates/cpu/include is timed too, interleaved")
-    p.add_argument("--only", default="gemv,batch,gemm", help="comma-separated of gemv, hot, batch, gemm")
+    p.add_argument("--only", default="gemv,batch,gemm", help="comma-separated of gemv, gemv1b, hot, batch, gemm")
     p.add_argument(
         "--cpu-time", action="store_true", help="time by the thread's CPU time (needs --threads 1; see bench_clock)"
     )

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """CPU quantized gemm / gemv kernels (templates/cpu/qgemm.cc.j2) alone: GB/s against the read roofline.
 
-    python benchmarks/cpu_qgemm.py [--threads 2] [--rounds 5] [--only gemv,gemm] [--baseline REV]
+    python benchmarks/cpu_qgemm.py [--threads 2] [--rounds 5] [--only gemv,gemv1b,hot,gemm] [--baseline REV]
 
 Each case renders the qgemm template with llmc's own build flags and times it in a C++ loop (no Python between
 calls). Decode cases (T = 1) cycle through copies of the packed weights spanning 4x the last-level cache, so
@@ -27,10 +27,10 @@ from pathlib import Path
 from llmc.host import host_llc_bytes
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ab_cells, ab_header, headers_at  # noqa: E402
+from common import LLAMA_32_1B, SMOLLM_135M, ab_cells, ab_header, decode_gemv_shapes, headers_at  # noqa: E402
 
 # decode GEMVs of SmolLM-135M (fused qkv, o, fused gate_up, down, lm_head) and one far above the LLC
-SHAPES = [("qkv", 960, 576), ("o", 576, 576), ("gate_up", 3072, 576), ("down", 576, 1536), ("lm_head", 49152, 576)]
+SHAPES = decode_gemv_shapes(SMOLLM_135M)
 BIG = ("big", 2048, 8192)
 # (label, bits, group_size or 0 for one per output channel, asymmetric); None: the dense gemm of that wdtype
 SCHEMES = [
@@ -86,6 +86,10 @@ def cases(only: set[str]) -> list[tuple]:
     for scheme in SCHEMES:
         if "gemv" in only:
             out += [(f"{lab} T=1", n, k, 1, scheme, True) for lab, n, k in [*SHAPES, BIG]]
+        if "gemv1b" in only:  # Llama-3.2-1B's decode step
+            out += [(f"1b {lab} T=1", n, k, 1, scheme, True) for lab, n, k in decode_gemv_shapes(LLAMA_32_1B)]
+        if "hot" in only:  # the kernel's own speed, weights in cache: the most it could stream
+            out += [(f"{lab} T=1 hot", n, k, 1, scheme, False) for lab, n, k in SHAPES[:4]]
         if "gemm" in only:
             out += [(f"{lab} T=128", n, k, 128, scheme, False) for lab, n, k in SHAPES[:4]]
     return out
@@ -128,7 +132,7 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--threads", type=int, default=os.cpu_count())
     p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--only", default="gemv,gemm", help="comma-separated of gemv, gemm")
+    p.add_argument("--only", default="gemv,gemm", help="comma-separated of gemv, gemv1b, hot, gemm")
     p.add_argument("--min-time", type=float, default=0.05, help="seconds per timed sample")
     p.add_argument("--baseline", help="git revision whose templates/cpu/include is timed too, interleaved")
     args = p.parse_args(argv)

@@ -4,7 +4,8 @@ templates/cuda/qgemm.cu.j2 (pack_cuda) read.
 For a QuantizedTensor of w[N, K] (K a multiple of 32, see compiler/quant.py):
 
 - qweight: uint8, row-major, one row per output n.
-  * bits 8: K bytes per row, q as int8 (two's complement bytes).
+  * bits 8: K bytes per row, u = q + 128 (0..255): unsigned, as VNNI's vpdpbusd multiplies them against
+    the signed int8 activations in one instruction (the kernel subtracts 128 x the activations' sums).
   * bits 4: K/2 bytes per row; chunk c (32 elements of the row) is 16 bytes where
     byte j = u[32c + j] | (u[32c + j + 16] << 4), j < 16, with u = q + 8 (symmetric) or u = q
     (asymmetric), so u is 0..15. This is llama.cpp's Q4_0 nibble order: one 16-byte load, `& 0xF` and
@@ -48,7 +49,7 @@ def pack_cpu(t: QuantizedTensor) -> tuple[np.ndarray, np.ndarray, np.ndarray | N
     scales = np.ascontiguousarray(t.scales, dtype=np.float32)
     mins = None if t.mins is None else np.ascontiguousarray(t.mins, dtype=np.float32)
     if t.scheme.bits == 8:
-        return np.ascontiguousarray(t.q).view(np.uint8), scales, mins
+        return np.ascontiguousarray((t.q.astype(np.int16) + 128).astype(np.uint8)), scales, mins
     lo, _ = t.scheme.qrange  # -8 (symmetric) or 0 (asymmetric)
     u = (t.q.astype(np.int16) - lo).astype(np.uint8).reshape(n, k // 32, 2, 16)
     packed = u[:, :, 0, :] | (u[:, :, 1, :] << 4)
@@ -59,7 +60,7 @@ def unpack_cpu(qweight: np.ndarray, t_shape: tuple[int, int], bits: int, asymmet
     """The inverse of pack_cpu's qweight: int8 q [N, K] (for tests and inspection)."""
     n, k = t_shape
     if bits == 8:
-        return np.ascontiguousarray(qweight).view(np.int8).reshape(n, k)
+        return (np.asarray(qweight, np.uint8).reshape(n, k).astype(np.int16) - 128).astype(np.int8)
     b = np.asarray(qweight, np.uint8).reshape(n, k // 32, 16)
     u = np.stack([b & 0xF, b >> 4], axis=2).reshape(n, k)
     return (u.astype(np.int16) - (0 if asymmetric else 8)).astype(np.int8)

@@ -137,7 +137,7 @@ def test_qgemm_independent_of_schedule(kernels, schedules, op, params, T):
 
 @pytest.mark.parametrize("bits,g,asym", [(8, 16, False), (8, 96, False), (4, 32, False), (4, 64, True)])
 def test_pack_cpu_layout(bits, g, asym):
-    """pack_cpu writes the contract's layout: int8 bytes, or byte j of chunk c = u[32c + j] | u[32c + j + 16] << 4."""
+    """pack_cpu writes the contract's layout: int8 as u = q + 128, or byte j of chunk c = u[32c + j] | u[32c + j + 16] << 4."""
     rng = np.random.default_rng(0)
     t = quantize(rng.standard_normal((5, 96), dtype=np.float32), QuantScheme(bits, g, asym))
     qweight, scales, mins = pack_cpu(t)
@@ -145,7 +145,7 @@ def test_pack_cpu_layout(bits, g, asym):
     assert (mins is None) == (not asym)
     assert np.array_equal(unpack_cpu(qweight, t.shape, bits, asym), t.q)
     if bits == 8:
-        assert np.array_equal(qweight.view(np.int8), t.q)
+        assert np.array_equal(qweight.astype(np.int64), t.q.astype(np.int64) + 128)
         return
     u = t.q.astype(np.int64) + (0 if asym else 8)
     for n, c, j in [(0, 0, 0), (4, 2, 15), (2, 1, 7)]:

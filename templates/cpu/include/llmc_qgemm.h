@@ -9,7 +9,7 @@ namespace llmc {
 
 // qgemm: y[T, N] = x[T, K] @ dequant(w)[N, K]^T (+ bias[N]), w[n, k] = q[n, k] * scale[n, g] - min[n, g],
 // g = k / GS (compiler/quant.py; packed layout in compiler/quant_pack.py):
-//   BITS 8: qweight row n = K int8 q;  BITS 4: K/2 bytes, per 32-element chunk byte j = u[j] | u[j + 16] << 4,
+//   BITS 8: qweight row n = K bytes u = q + 128;  BITS 4: K/2 bytes, per 32-element chunk byte j = u[j] | u[j + 16] << 4,
 //   u = q + 8 (symmetric) or q (ASYM, with mins); scales / mins float32 [N, ceil(K / GS)].
 //
 // Activations are quantized to int8 first, llama.cpp Q8_0-style: per block of 32 of a row, d = amax / 127,
@@ -86,9 +86,16 @@ LLMC_INLINE Ints dot_us(Ints acc, Bytes u, Bytes s) {
   return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
 #endif
 }
-// int8 w times int8 x with x in [-127, 127]: |w| * (x with w's sign), llama.cpp's sign trick.
-LLMC_INLINE Ints dot_ss(Bytes w, Bytes x) {
+// The int8 weights' P: sum4((u - 128) * x) = sum4(u * x) + neg128 (neg128 = -128 * sum4(x), per lane).
+LLMC_INLINE Ints dot_u8(Ints neg128, Bytes u, Bytes x) {
+#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+  return dot_us(neg128, u, x);  // one instruction: u * x pairs would saturate only maddubs' int16
+#else
+  // w = u - 128 as int8, then |w| * (x with w's sign), llama.cpp's sign trick (x in [-127, 127])
+  const __m256i w = _mm256_xor_si256(u, _mm256_set1_epi8(int8_t(0x80)));
+  (void)neg128;
   return dot_us(_mm256_setzero_si256(), _mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+#endif
 }
 // nibbles (lo, hi) times x (xlo, xhi), plus acc.
 LLMC_INLINE Ints dot_nib(Ints acc, Bytes lo, Bytes xlo, Bytes hi, Bytes xhi) {
@@ -173,11 +180,11 @@ LLMC_INLINE void nibbles16(const uint8_t* p, Bytes& lo, Bytes& hi) {
     hi.v[j] = j < 16 ? int8_t(p[j] >> 4) : 0;
   }
 }
-LLMC_INLINE Ints dot_ss(Bytes w, Bytes x) {
+LLMC_INLINE Ints dot_u8(Ints, Bytes u, Bytes x) {
   Ints r;
   for (int l = 0; l < 8; ++l) {
     int32_t s = 0;
-    for (int i = 0; i < 4; ++i) s += int32_t(w.v[4 * l + i]) * int32_t(x.v[4 * l + i]);
+    for (int i = 0; i < 4; ++i) s += (int32_t(uint8_t(u.v[4 * l + i])) - 128) * int32_t(x.v[4 * l + i]);
     r.v[l] = s;
   }
   return r;
@@ -252,14 +259,15 @@ LLMC_INLINE float hsum(Floats a) {
 
 // ---------------------------------------------------------------------------------------------
 // The quantized activations of one row, step by step (see Numerics): x bytes in the order the step's
-// weight vectors hold their elements, the 8 lanes' activation scales, and for int4 symmetric -8 x the lane
-// sums of x (u = q + 8, so sum x * q = sum x * u - 8 * sum x).
+// weight vectors hold their elements, the 8 lanes' activation scales, and the lanes' sums of x times -128
+// (int8: u = q + 128, so sum x * q = sum x * u - 128 * sum x) or -8 (symmetric int4: u = q + 8).
 template <int BITS>
 struct QStep;
 template <>
 struct QStep<8> {
   int8_t x[32];
   float dx[8];
+  int32_t neg128[8];
 };
 template <>
 struct QStep<4> {
@@ -303,8 +311,10 @@ inline void quantize_row_q8(const float* LLMC_RESTRICT x, QStep<BITS>* LLMC_REST
       }
     }
     if constexpr (BITS == 8) {
-      std::memcpy(steps[b].x, q, 32);
-      for (float& f : steps[b].dx) f = d;
+      QStep<8>& s = steps[b];
+      std::memcpy(s.x, q, 32);
+      for (float& f : s.dx) f = d;
+      for (int l = 0; l < 8; ++l) s.neg128[l] = -128 * (q[4 * l] + q[4 * l + 1] + q[4 * l + 2] + q[4 * l + 3]);
     } else {
       QStep<4>& s = steps[b / 2];
       const int h = b % 2;  // which half of the step's lanes
@@ -361,8 +371,9 @@ LLMC_INLINE void qdot_tile(const QStep<BITS>* LLMC_RESTRICT steps, const float* 
       const QStep<BITS>& a = steps[(long)r * S::NS + s];
       const Floats dx = load_floats(a.dx);
       if constexpr (BITS == 8) {
+        const Ints base = load_ints(a.neg128);
         const Bytes xv = load32(a.x);
-        LLMC_UNROLL for (int c = 0; c < C; ++c) into(r, c, dot_ss(wlo[c], xv), dx);
+        LLMC_UNROLL for (int c = 0; c < C; ++c) into(r, c, dot_u8(base, wlo[c], xv), dx);
       } else {
         const Ints base = ASYM ? zero_ints() : load_ints(a.neg8);
         const Bytes xlo = load32(a.x), xhi = load32(a.x + 32);
@@ -428,16 +439,15 @@ LLMC_INLINE void qdot_tile(const QStep<BITS>* LLMC_RESTRICT steps, const float* 
 #define LLMC_QGEMM_PAIRS 1
 // Prefill on AVX-512 VNNI, symmetric weights: the same sequence as qdot_tile, two rows per 512-bit vector (row
 // 2p in lanes 0-7, row 2p + 1 in lanes 8-15, each output's weights in both halves), so each instruction does
-// the work of two ymm ones. int8: the integer lanes come from x + 128 (unsigned) instead of the sign trick,
-// P = dpbusd(-128 * sum4(w), x + 128, w) = sum4(x * w), the same exact integers with one instruction per (row
-// pair, output) where the trick takes three; -128 * sum4(w) is formed once per output and step for all the
-// row pairs. int4: the nibbles are unsigned already, as in qdot_tile.
+// the work of two ymm ones. The integer lanes are formed as in qdot_tile's VNNI path: P = dpbusd(-128 * sum4(x),
+// u, x) for int8, dpbusd twice from -8 * sum4(x) over the nibbles for int4.
 template <int BITS>
 struct QPair;
 template <>
 struct QPair<8> {
-  uint8_t xu[64];  // x + 128 of rows 2p, 2p + 1
-  float dx[16];    // their lanes' activation scales
+  int8_t x[64];         // QStep<8>'s x of rows 2p, 2p + 1
+  float dx[16];         // their lanes' activation scales
+  int32_t neg128[16];
 };
 template <>
 struct QPair<4> {
@@ -458,7 +468,8 @@ inline void qpack_pairs(const QStep<BITS>* steps, int T, QPair<BITS>* pairs) {
         const bool real = t + h < T;
         const QStep<BITS>& a = steps[(long)(real ? t + h : t) * NS + s];
         if constexpr (BITS == 8) {
-          for (int i = 0; i < 32; ++i) q.xu[32 * h + i] = real ? uint8_t(a.x[i] ^ 0x80) : 0x80;  // x + 128
+          for (int i = 0; i < 32; ++i) q.x[32 * h + i] = real ? a.x[i] : 0;
+          for (int l = 0; l < 8; ++l) q.neg128[8 * h + l] = real ? a.neg128[l] : 0;
         } else {
           for (int i = 0; i < 32; ++i) q.xlo[32 * h + i] = real ? a.x[i] : 0;
           for (int i = 0; i < 32; ++i) q.xhi[32 * h + i] = real ? a.x[32 + i] : 0;
@@ -478,7 +489,6 @@ LLMC_INLINE void qdot_pairs_tile(const QPair<BITS>* LLMC_RESTRICT pairs, const u
   using S = QShape<K, BITS, GS>;
   constexpr bool ODD_TAIL = BITS == 4 && S::NB % 2 == 1;
   constexpr int FULL = ODD_TAIL ? S::NS - 1 : S::NS;
-  const __m512i zero = _mm512_setzero_si512();
   __m512 acc[RP][C];
   LLMC_UNROLL for (int p = 0; p < RP; ++p) {
     LLMC_UNROLL for (int c = 0; c < C; ++c) acc[p][c] = _mm512_setzero_ps();
@@ -487,12 +497,11 @@ LLMC_INLINE void qdot_pairs_tile(const QPair<BITS>* LLMC_RESTRICT pairs, const u
   const float* sr = scales + (long)j * S::G;
   // One step: into(p, c, P, DX) for every (row pair, output).
   auto step = [&](int s, bool tail, auto into) {
-    __m512i wa[C], wb[C];  // int8: w, -128 * sum4(w); int4: low nibbles, high nibbles
+    __m512i wa[C], wb[C];  // int8: u (wb unused); int4: low nibbles, high nibbles
     LLMC_UNROLL for (int c = 0; c < C; ++c) {
       const uint8_t* q = wr + c * S::RB + 32L * s;
       if constexpr (BITS == 8) {
         wa[c] = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)));
-        wb[c] = _mm512_sub_epi32(zero, _mm512_slli_epi32(_mm512_dpbusd_epi32(zero, _mm512_set1_epi8(1), wa[c]), 7));
       } else {
         // the last chunk of an odd count: 16 bytes (32 could pass the end of the matrix), zeros after
         const __m512i b = tail ? _mm512_broadcast_i64x4(_mm256_zextsi128_si256(
@@ -507,8 +516,8 @@ LLMC_INLINE void qdot_pairs_tile(const QPair<BITS>* LLMC_RESTRICT pairs, const u
       const QPair<BITS>& a = pairs[(long)p * S::NS + s];
       const __m512 dx = _mm512_loadu_ps(a.dx);
       if constexpr (BITS == 8) {
-        const __m512i xv = _mm512_loadu_si512(a.xu);
-        LLMC_UNROLL for (int c = 0; c < C; ++c) into(p, c, _mm512_dpbusd_epi32(wb[c], xv, wa[c]), dx);
+        const __m512i base = _mm512_loadu_si512(a.neg128), xv = _mm512_loadu_si512(a.x);
+        LLMC_UNROLL for (int c = 0; c < C; ++c) into(p, c, _mm512_dpbusd_epi32(base, wa[c], xv), dx);
       } else {
         const __m512i base = _mm512_loadu_si512(a.neg8);
         const __m512i xlo = _mm512_loadu_si512(a.xlo), xhi = _mm512_loadu_si512(a.xhi);
