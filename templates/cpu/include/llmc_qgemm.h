@@ -86,17 +86,23 @@ LLMC_INLINE Ints dot_us(Ints acc, Bytes u, Bytes s) {
   return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
 #endif
 }
-// The int8 weights' P: sum4((u - 128) * x) = sum4(u * x) + neg128 (neg128 = -128 * sum4(x), per lane).
-LLMC_INLINE Ints dot_u8(Ints neg128, Bytes u, Bytes x) {
+// The int8 weights' P = sum4((u - 128) * x) = sum4(u * x) + neg128, from neg128 = neg128_of(x) = -128 * sum4(x)
+// (per lane; formed once per row and step, for all the outputs).
 #if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+LLMC_INLINE Ints neg128_of(Bytes x) {
+  return _mm256_sub_epi32(_mm256_setzero_si256(), dot_us(_mm256_setzero_si256(), _mm256_set1_epi8(int8_t(0x80)), x));
+}
+LLMC_INLINE Ints dot_u8(Ints neg128, Bytes u, Bytes x) {
   return dot_us(neg128, u, x);  // one instruction: u * x pairs would saturate only maddubs' int16
+}
 #else
+LLMC_INLINE Ints neg128_of(Bytes) { return _mm256_setzero_si256(); }
+LLMC_INLINE Ints dot_u8(Ints, Bytes u, Bytes x) {
   // w = u - 128 as int8, then |w| * (x with w's sign), llama.cpp's sign trick (x in [-127, 127])
   const __m256i w = _mm256_xor_si256(u, _mm256_set1_epi8(int8_t(0x80)));
-  (void)neg128;
   return dot_us(_mm256_setzero_si256(), _mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
-#endif
 }
+#endif
 // nibbles (lo, hi) times x (xlo, xhi), plus acc.
 LLMC_INLINE Ints dot_nib(Ints acc, Bytes lo, Bytes xlo, Bytes hi, Bytes xhi) {
 #if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
@@ -180,6 +186,7 @@ LLMC_INLINE void nibbles16(const uint8_t* p, Bytes& lo, Bytes& hi) {
     hi.v[j] = j < 16 ? int8_t(p[j] >> 4) : 0;
   }
 }
+LLMC_INLINE Ints neg128_of(Bytes) { return Ints{}; }
 LLMC_INLINE Ints dot_u8(Ints, Bytes u, Bytes x) {
   Ints r;
   for (int l = 0; l < 8; ++l) {
@@ -259,15 +266,15 @@ LLMC_INLINE float hsum(Floats a) {
 
 // ---------------------------------------------------------------------------------------------
 // The quantized activations of one row, step by step (see Numerics): x bytes in the order the step's
-// weight vectors hold their elements, the 8 lanes' activation scales, and the lanes' sums of x times -128
-// (int8: u = q + 128, so sum x * q = sum x * u - 128 * sum x) or -8 (symmetric int4: u = q + 8).
+// weight vectors hold their elements, the 8 lanes' activation scales, and for int4 symmetric -8 x the lane
+// sums of x (u = q + 8, so sum x * q = sum x * u - 8 * sum x; int8's -128 x them, the kernels form from x:
+// one 64-byte step stays one cache line).
 template <int BITS>
 struct QStep;
 template <>
 struct QStep<8> {
   int8_t x[32];
   float dx[8];
-  int32_t neg128[8];
 };
 template <>
 struct QStep<4> {
@@ -311,10 +318,8 @@ inline void quantize_row_q8(const float* LLMC_RESTRICT x, QStep<BITS>* LLMC_REST
       }
     }
     if constexpr (BITS == 8) {
-      QStep<8>& s = steps[b];
-      std::memcpy(s.x, q, 32);
-      for (float& f : s.dx) f = d;
-      for (int l = 0; l < 8; ++l) s.neg128[l] = -128 * (q[4 * l] + q[4 * l + 1] + q[4 * l + 2] + q[4 * l + 3]);
+      std::memcpy(steps[b].x, q, 32);
+      for (float& f : steps[b].dx) f = d;
     } else {
       QStep<4>& s = steps[b / 2];
       const int h = b % 2;  // which half of the step's lanes
@@ -371,8 +376,8 @@ LLMC_INLINE void qdot_tile(const QStep<BITS>* LLMC_RESTRICT steps, const float* 
       const QStep<BITS>& a = steps[(long)r * S::NS + s];
       const Floats dx = load_floats(a.dx);
       if constexpr (BITS == 8) {
-        const Ints base = load_ints(a.neg128);
         const Bytes xv = load32(a.x);
+        const Ints base = neg128_of(xv);
         LLMC_UNROLL for (int c = 0; c < C; ++c) into(r, c, dot_u8(base, wlo[c], xv), dx);
       } else {
         const Ints base = ASYM ? zero_ints() : load_ints(a.neg8);
@@ -440,14 +445,14 @@ LLMC_INLINE void qdot_tile(const QStep<BITS>* LLMC_RESTRICT steps, const float* 
 // Prefill on AVX-512 VNNI, symmetric weights: the same sequence as qdot_tile, two rows per 512-bit vector (row
 // 2p in lanes 0-7, row 2p + 1 in lanes 8-15, each output's weights in both halves), so each instruction does
 // the work of two ymm ones. The integer lanes are formed as in qdot_tile's VNNI path: P = dpbusd(-128 * sum4(x),
-// u, x) for int8, dpbusd twice from -8 * sum4(x) over the nibbles for int4.
+// u, x) for int8 (-128 * sum4(x) once per row pair and step), dpbusd twice from -8 * sum4(x) over the nibbles
+// for int4.
 template <int BITS>
 struct QPair;
 template <>
 struct QPair<8> {
-  int8_t x[64];         // QStep<8>'s x of rows 2p, 2p + 1
-  float dx[16];         // their lanes' activation scales
-  int32_t neg128[16];
+  int8_t x[64];  // QStep<8>'s x of rows 2p, 2p + 1
+  float dx[16];  // their lanes' activation scales
 };
 template <>
 struct QPair<4> {
@@ -469,7 +474,6 @@ inline void qpack_pairs(const QStep<BITS>* steps, int T, QPair<BITS>* pairs) {
         const QStep<BITS>& a = steps[(long)(real ? t + h : t) * NS + s];
         if constexpr (BITS == 8) {
           for (int i = 0; i < 32; ++i) q.x[32 * h + i] = real ? a.x[i] : 0;
-          for (int l = 0; l < 8; ++l) q.neg128[8 * h + l] = real ? a.neg128[l] : 0;
         } else {
           for (int i = 0; i < 32; ++i) q.xlo[32 * h + i] = real ? a.x[i] : 0;
           for (int i = 0; i < 32; ++i) q.xhi[32 * h + i] = real ? a.x[32 + i] : 0;
@@ -516,7 +520,8 @@ LLMC_INLINE void qdot_pairs_tile(const QPair<BITS>* LLMC_RESTRICT pairs, const u
       const QPair<BITS>& a = pairs[(long)p * S::NS + s];
       const __m512 dx = _mm512_loadu_ps(a.dx);
       if constexpr (BITS == 8) {
-        const __m512i base = _mm512_loadu_si512(a.neg128), xv = _mm512_loadu_si512(a.x);
+        const __m512i zero = _mm512_setzero_si512(), xv = _mm512_loadu_si512(a.x);
+        const __m512i base = _mm512_sub_epi32(zero, _mm512_dpbusd_epi32(zero, _mm512_set1_epi8(int8_t(0x80)), xv));
         LLMC_UNROLL for (int c = 0; c < C; ++c) into(p, c, _mm512_dpbusd_epi32(base, wa[c], xv), dx);
       } else {
         const __m512i base = _mm512_loadu_si512(a.neg8);
