@@ -48,10 +48,11 @@ def pack_cpu(t: QuantizedTensor) -> tuple[np.ndarray, np.ndarray, np.ndarray | N
         raise CompileError(f"a quantized weight needs K a multiple of 32, got K={k}")
     scales = np.ascontiguousarray(t.scales, dtype=np.float32)
     mins = None if t.mins is None else np.ascontiguousarray(t.mins, dtype=np.float32)
+    lo, _ = t.scheme.qrange  # -128 (int8), -8 (symmetric int4) or 0 (asymmetric int4)
+    u = (t.q.astype(np.int16) - lo).astype(np.uint8)
     if t.scheme.bits == 8:
-        return np.ascontiguousarray((t.q.astype(np.int16) + 128).astype(np.uint8)), scales, mins
-    lo, _ = t.scheme.qrange  # -8 (symmetric) or 0 (asymmetric)
-    u = (t.q.astype(np.int16) - lo).astype(np.uint8).reshape(n, k // 32, 2, 16)
+        return np.ascontiguousarray(u), scales, mins
+    u = u.reshape(n, k // 32, 2, 16)
     packed = u[:, :, 0, :] | (u[:, :, 1, :] << 4)
     return np.ascontiguousarray(packed.reshape(n, k // 2)), scales, mins
 
@@ -59,11 +60,18 @@ def pack_cpu(t: QuantizedTensor) -> tuple[np.ndarray, np.ndarray, np.ndarray | N
 def unpack_cpu(qweight: np.ndarray, t_shape: tuple[int, int], bits: int, asymmetric: bool) -> np.ndarray:
     """The inverse of pack_cpu's qweight: int8 q [N, K] (for tests and inspection)."""
     n, k = t_shape
+    b = np.asarray(qweight, np.uint8)
     if bits == 8:
-        return (np.asarray(qweight, np.uint8).reshape(n, k).astype(np.int16) - 128).astype(np.int8)
-    b = np.asarray(qweight, np.uint8).reshape(n, k // 32, 16)
-    u = np.stack([b & 0xF, b >> 4], axis=2).reshape(n, k)
-    return (u.astype(np.int16) - (0 if asymmetric else 8)).astype(np.int8)
+        u = b.reshape(n, k)
+    else:
+        b = b.reshape(n, k // 32, 16)
+        u = np.stack([b & 0xF, b >> 4], axis=2).reshape(n, k)
+    return (u.astype(np.int16) + _stored_lo(bits, asymmetric)).astype(np.int8)
+
+
+def _stored_lo(bits: int, asymmetric: bool) -> int:
+    """The q that both layouts store as u = 0 (QuantScheme.qrange's low end)."""
+    return -128 if bits == 8 else (0 if asymmetric else -8)
 
 
 _CUDA_BLOCK_WORDS = 4  # words per lane in a full 64-byte block
@@ -113,7 +121,7 @@ def pack_cuda(t: QuantizedTensor) -> tuple[np.ndarray, np.ndarray, np.ndarray | 
 def unpack_cuda(qweight: np.ndarray, t_shape: tuple[int, int], bits: int, asymmetric: bool) -> np.ndarray:
     """The inverse of pack_cuda's qweight: int8 q [N, K] (for tests and inspection)."""
     n, k = t_shape
-    lo = -128 if bits == 8 else (0 if asymmetric else -8)
+    lo = _stored_lo(bits, asymmetric)
     b = np.asarray(qweight, np.uint8).reshape(n, -1)
     if bits == 8:
         u = b.reshape(n, k // 4, 4)[:, :, [0, 2, 1, 3]].reshape(n, k)
