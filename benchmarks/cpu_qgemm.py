@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """CPU quantized gemm / gemv kernels (templates/cpu/qgemm.cc.j2) alone: GB/s against the read roofline.
 
-    python benchmarks/cpu_qgemm.py [--threads 2] [--rounds 5] [--only gemv,gemv1b,hot,gemm] [--baseline REV]
+    python benchmarks/cpu_qgemm.py [--threads 2] [--rounds 5] [--only gemv,gemv1b,hot,gemm] [--schemes "int4 g32,bf16"]
+                                   [--baseline REV]
 
 Each case renders the qgemm template with llmc's own build flags and times it in a C++ loop (no Python between
 calls). Decode cases (T = 1) cycle through copies of the packed weights spanning 4x the last-level cache, so
@@ -81,9 +82,11 @@ def case_params(n: int, k: int, scheme: tuple) -> tuple[str, dict]:
     return "qgemm", dict(n=n, k=k, bits=bits, group_size=g or k, asymmetric=asym, has_bias=False)
 
 
-def cases(only: set[str]) -> list[tuple]:
+def cases(only: set[str], schemes: set[str] | None = None) -> list[tuple]:
     out = []
     for scheme in SCHEMES:
+        if schemes and scheme[0] not in schemes:
+            continue
         if "gemv" in only:
             out += [(f"{lab} T=1", n, k, 1, scheme, True) for lab, n, k in [*SHAPES, BIG]]
         if "gemv1b" in only:  # Llama-3.2-1B's decode step
@@ -133,6 +136,7 @@ def main(argv=None) -> None:
     p.add_argument("--threads", type=int, default=os.cpu_count())
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--only", default="gemv,gemm", help="comma-separated of gemv, gemv1b, hot, gemm")
+    p.add_argument("--schemes", help="comma-separated of " + ", ".join(s[0] for s in SCHEMES) + " (default: all)")
     p.add_argument("--min-time", type=float, default=0.05, help="seconds per timed sample")
     p.add_argument("--baseline", help="git revision whose templates/cpu/include is timed too, interleaved")
     args = p.parse_args(argv)
@@ -157,7 +161,7 @@ def main(argv=None) -> None:
             best = max(best, buf.nbytes / (time.perf_counter() - t))
         return best
 
-    specs = cases(set(args.only.split(",")))
+    specs = cases(set(args.only.split(",")), set(args.schemes.split(",")) if args.schemes else None)
     libs = {"llmc": build(headers_at(None), specs)}
     if args.baseline:
         libs[args.baseline] = build(headers_at(args.baseline), specs)

@@ -19,10 +19,79 @@ LLMC_INLINE void store_kv(uint16_t* dst, const float* src, long n) {
   for (long i = 0; i < n; ++i) dst[i] = f32_to_bf16(src[i]);
 }
 
-// llmc_simd.h's axpy over a bf16 cache row: y[i] += a * x[i], x widened (element-wise: order-free).
-template <int N>
-LLMC_INLINE void axpy(float a, const uint16_t* LLMC_RESTRICT x, float* LLMC_RESTRICT y) {
-  for (int i = 0; i < N; ++i) y[i] += a * bf16_to_f32(x[i]);
+// attend<G, ...>: G query heads of one token that share a kv head (q: G rows of D floats, one after another), over
+// cache positions [first, ctx) of one sequence through its block table: out (G rows of D) = softmax(q k^T * scale) v.
+// Each K and V row is read once for the G heads. Per head, the same sequence whatever G, T or thread: scores by
+// dot_block (a function of D and the data only), an online softmax in float32 with one rescale per cache block
+// (the running max m, the sum l over positions in order), p = exp(score - m) by Vec::exp, and acc[d] += p * v[d]
+// over positions in order.
+template <int G, int D, int BS, long SLOT, typename KV>
+LLMC_INLINE void attend(const float* LLMC_RESTRICT q, const KV* LLMC_RESTRICT k_cache, const KV* LLMC_RESTRICT v_cache,
+                        long kvo, const int32_t* LLMC_RESTRICT table, int first, int ctx, float scale,
+                        float* LLMC_RESTRICT out) {
+  constexpr int VW = Vec::W;
+  constexpr int NP = (BS + VW - 1) / VW * VW;  // a block's scores, padded to whole vectors
+  constexpr int C = G <= 4 ? 4 : 2;            // keys per dot_block: G x C accumulators
+  constexpr int DV = D / VW * VW;
+  alignas(64) float acc[G][D] = {};
+  alignas(64) float p[G][NP];
+  float m[G], l[G];
+  for (int g = 0; g < G; ++g) m[g] = -std::numeric_limits<float>::infinity(), l[g] = 0.0f;
+  for (int j0 = first - first % BS; j0 < ctx; j0 += BS) {
+    const int lo = std::max(0, first - j0), n = std::min(BS, ctx - j0);  // this block's positions [lo, n)
+    const long base = (long)table[j0 / BS] * BS * SLOT + kvo;
+    float s[G * C];
+    int i = lo;
+    for (; i + C <= n; i += C) {
+      dot_block<G, C, D>(q, D, k_cache + base + i * SLOT, SLOT, s);
+      for (int g = 0; g < G; ++g)
+        for (int c = 0; c < C; ++c) p[g][i + c] = s[g * C + c];
+    }
+    for (; i < n; ++i) {
+      dot_block<G, 1, D>(q, D, k_cache + base + i * SLOT, SLOT, s);
+      for (int g = 0; g < G; ++g) p[g][i] = s[g];
+    }
+    for (int g = 0; g < G; ++g) {
+      float mb = m[g];
+      for (i = lo; i < n; ++i) mb = std::max(mb, p[g][i] *= scale);
+      if (mb > m[g]) {  // new running max: rescale what we have (exp(-inf) = 0 on the first block)
+        const float corr = std::exp(m[g] - mb);
+        l[g] *= corr;
+        scale_inplace<D>(corr, acc[g]);
+        m[g] = mb;
+      }
+      // positions outside [lo, n) get exp(0), never read
+      for (i = 0; i < NP; ++i) p[g][i] = i >= lo && i < n ? p[g][i] - m[g] : 0.0f;
+      for (i = 0; i < NP; i += VW) Vec::exp(Vec::load(p[g] + i)).store(p[g] + i);
+      for (i = lo; i < n; ++i) l[g] += p[g][i];
+    }
+    for (int d = 0; d < DV; d += VW) {
+      Vec a[G];
+      LLMC_UNROLL for (int g = 0; g < G; ++g) a[g] = Vec::load(acc[g] + d);
+      for (i = lo; i < n; ++i) {
+        const Vec v = Vec::load(v_cache + base + i * SLOT + d);
+        LLMC_UNROLL for (int g = 0; g < G; ++g) a[g].fma(Vec::splat(p[g][i]), v);
+      }
+      LLMC_UNROLL for (int g = 0; g < G; ++g) a[g].store(acc[g] + d);
+    }
+    for (int d = DV; d < D; ++d) {
+      for (i = lo; i < n; ++i) {
+        const float v = load_w(v_cache[base + i * SLOT + d]);
+        for (int g = 0; g < G; ++g) acc[g][d] = std::fma(p[g][i], v, acc[g][d]);
+      }
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    const float inv = 1.0f / l[g];
+    for (int d = 0; d < D; ++d) out[g * D + d] = acc[g][d] * inv;
+  }
+}
+
+// The query heads attend<> takes at once: the largest divisor of the group that is at most 8.
+constexpr int attend_heads(int group) {
+  for (int g = 8; g > 1; --g)
+    if (group % g == 0) return g;
+  return 1;
 }
 
 // paged attention over a ragged batch (docs/contracts.md, "The step").
@@ -31,8 +100,8 @@ LLMC_INLINE void axpy(float a, const uint16_t* LLMC_RESTRICT x, float* LLMC_REST
 //    each.
 // 2. For each query token t of sequence b at position p and each head h: causal attention over
 //    cache positions 0..p of b (W > 0, a sliding window: p-W+1..p) through its block table, kv head
-//    h / (NH / NKV), online softmax in float32 (one rescale per cache block). One (t, h) is one task:
-//    no reduction is split.
+//    h / (NH / NKV), by attend<>. One (t, kv head, attend_heads heads of its group, or one head) is one task: no
+//    reduction is split.
 template <int NH, int NKV, int D, int BS, int W, typename KV>
 inline void paged_attention(const float* q, const float* k, const float* v, int row_stride, KV* k_cache,
                             KV* v_cache, const int64_t* slot_mapping, const int32_t* query_start_loc,
@@ -53,47 +122,27 @@ inline void paged_attention(const float* q, const float* k, const float* v, int 
 
   long work = 0;  // rough multiply-adds, to decide whether to go parallel
   for (int b = 0; b < B; ++b) work += (long)(query_start_loc[b + 1] - query_start_loc[b]) * seq_lens[b];
-  parallel_for(T * NH, work * NH * D >= kParallelWork, [&](int task) {
-    const int t = task / NH, h = task % NH;
-    // sequence of token t: the last b with query_start_loc[b] <= t
-    const int b = int(std::upper_bound(query_start_loc, query_start_loc + B + 1, t) - query_start_loc) - 1;
-    const int n_new = query_start_loc[b + 1] - query_start_loc[b];
-    const int ctx = seq_lens[b] - n_new + (t - query_start_loc[b]) + 1;  // positions 0..p
-    const int first = W > 0 ? std::max(0, ctx - W) : 0;                   // the window's first position
-    const float* qh = q + (long)t * row_stride + h * D;
-    const long kvo = (long)(h / GROUP) * D;
-    const int32_t* table = block_tables + (long)b * max_blocks;
-
-    float acc[D] = {};
-    float m = -std::numeric_limits<float>::infinity(), l = 0.0f;
-    for (int j0 = first - first % BS; j0 < ctx; j0 += BS) {
-      const int lo = std::max(0, first - j0), n = std::min(BS, ctx - j0);  // this block's positions [lo, n)
-      const long base = (long)table[j0 / BS] * BS * SLOT + kvo;
-      float sc[BS];
-      float mb = m;
-      int i = lo;
-      for (; i + 4 <= n; i += 4) dot_block<1, 4, D>(qh, 0, k_cache + base + i * SLOT, SLOT, sc + i);
-      for (; i < n; ++i) sc[i] = dot<D>(qh, k_cache + base + i * SLOT);
-      for (i = lo; i < n; ++i) {
-        sc[i] *= scale;
-        mb = std::max(mb, sc[i]);
-      }
-      if (mb > m) {  // new running max: rescale what we have (exp(-inf) = 0 on the first block)
-        const float corr = std::exp(m - mb);
-        l *= corr;
-        scale_inplace<D>(corr, acc);
-        m = mb;
-      }
-      for (int i = lo; i < n; ++i) {
-        const float p = std::exp(sc[i] - m);
-        l += p;
-        axpy<D>(p, v_cache + base + i * SLOT, acc);
-      }
-    }
-    float* o = out + (long)t * NH * D + h * D;
-    const float inv = 1.0f / l;
-    for (int d = 0; d < D; ++d) o[d] = acc[d] * inv;
-  });
+  const bool par = work * NH * D >= kParallelWork;
+  auto heads = [&](auto g) {  // tasks of g heads each
+    constexpr int G = decltype(g)::value, TASKS = NH / G;  // tasks per token
+    parallel_for(T * TASKS, par, [&](int task) {
+      const int t = task / TASKS, h = task % TASKS * G;  // heads h..h + G - 1
+      // sequence of token t: the last b with query_start_loc[b] <= t
+      const int b = int(std::upper_bound(query_start_loc, query_start_loc + B + 1, t) - query_start_loc) - 1;
+      const int n_new = query_start_loc[b + 1] - query_start_loc[b];
+      const int ctx = seq_lens[b] - n_new + (t - query_start_loc[b]) + 1;  // positions 0..p
+      const int first = W > 0 ? std::max(0, ctx - W) : 0;                   // the window's first position
+      attend<G, D, BS, SLOT>(q + (long)t * row_stride + h * D, k_cache, v_cache, (long)(h / GROUP) * D,
+                             block_tables + (long)b * max_blocks, first, ctx, scale, out + (long)t * NH * D + h * D);
+    });
+  };
+  // Too few tasks of G heads to keep every thread busy (decode with few kv heads): one head each, so that the
+  // threads share the work evenly at the cost of reading each K/V row once per head.
+  constexpr int G = attend_heads(GROUP);
+  if (G > 1 && par && (long)T * (NH / G) < 2L * pool_threads())
+    heads(std::integral_constant<int, 1>{});
+  else
+    heads(std::integral_constant<int, G>{});
 }
 
 }  // namespace llmc

@@ -52,12 +52,17 @@ class Pool {
     return *pool;
   }
 
-  void run(int n, Fn fn, void* ctx) {
+  // The threads a parallel launch runs on: the caller and the workers.
+  static int threads() {
     int threads = 1;
 #ifdef _OPENMP
     threads = omp_get_max_threads();
 #endif
-    threads = std::min(threads, kMaxThreads);
+    return std::min(threads, kMaxThreads);
+  }
+
+  void run(int n, Fn fn, void* ctx) {
+    const int threads = Pool::threads();
     if (threads <= 1 || n <= 1 || busy_.test_and_set(std::memory_order_acquire)) {
       for (int i = 0; i < n; ++i) fn(ctx, i);
       return;
@@ -182,6 +187,8 @@ class Pool {
   std::mutex mu_;
   std::condition_variable cv_;
 };
+
+LLMC_INLINE int pool_threads() { return Pool::threads(); }
 
 template <typename F>
 LLMC_INLINE void parallel_for(int n, bool parallel, F&& f) {

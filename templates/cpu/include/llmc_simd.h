@@ -30,6 +30,7 @@ struct Vec {
   static constexpr int W = 16;
   __m512 v;
   static LLMC_INLINE Vec zero() { return {_mm512_setzero_ps()}; }
+  static LLMC_INLINE Vec splat(float a) { return {_mm512_set1_ps(a)}; }
   static LLMC_INLINE Vec load(const float* p) { return {_mm512_loadu_ps(p)}; }
   static LLMC_INLINE Vec load(const uint16_t* p) {
     __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
@@ -106,6 +107,7 @@ struct Vec {
   static constexpr int W = 8;
   __m256 v;
   static LLMC_INLINE Vec zero() { return {_mm256_setzero_ps()}; }
+  static LLMC_INLINE Vec splat(float a) { return {_mm256_set1_ps(a)}; }
   static LLMC_INLINE Vec load(const float* p) { return {_mm256_loadu_ps(p)}; }
   static LLMC_INLINE Vec load(const uint16_t* p) {
     __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
@@ -161,6 +163,11 @@ struct Vec {  // portable fallback: 8 independent lanes the compiler may map ont
   static constexpr int W = 8;
   float v[W];
   static LLMC_INLINE Vec zero() { return Vec{}; }
+  static LLMC_INLINE Vec splat(float a) {
+    Vec r;
+    for (float& f : r.v) f = a;
+    return r;
+  }
   template <typename T>
   static LLMC_INLINE Vec load(const T* p) {
     Vec r;
@@ -182,6 +189,10 @@ struct Vec {  // portable fallback: 8 independent lanes the compiler may map ont
   LLMC_INLINE void store(float* p) const { std::memcpy(p, v, sizeof v); }
   LLMC_INLINE void pin() {}
   LLMC_INLINE void store_part(float* p, int n) const { std::memcpy(p, v, sizeof(float) * n); }
+  static LLMC_INLINE Vec exp(Vec a) {  // libm's expf
+    for (float& f : a.v) f = std::exp(f);
+    return a;
+  }
   static LLMC_INLINE Vec silu_mul(Vec g, Vec u) {  // libm's expf, as torch's scalar formula
     Vec r;
     for (int i = 0; i < W; ++i) r.v[i] = g.v[i] / (1.0f + std::exp(-g.v[i])) * u.v[i];
@@ -277,12 +288,6 @@ LLMC_INLINE float dot(const float* LLMC_RESTRICT x, const WT* LLMC_RESTRICT w) {
   float s;
   dot_block<1, 1, K>(x, 0, w, 0, &s);
   return s;
-}
-
-// y[i] += a * x[i] (element-wise, no reduction: auto-vectorised, order-free).
-template <int N>
-LLMC_INLINE void axpy(float a, const float* LLMC_RESTRICT x, float* LLMC_RESTRICT y) {
-  for (int i = 0; i < N; ++i) y[i] += a * x[i];
 }
 
 template <int N>
