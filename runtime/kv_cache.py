@@ -367,7 +367,7 @@ def kv_cache_budget_bytes(
     """Bytes for the KV cache: `kv_cache_memory` if given (e.g. '4GiB'), else `memory_fraction` of free memory.
 
     free_bytes: free device memory (the CUDA module reports it); None = CPU, MemAvailable from /proc/meminfo.
-    Weights are mmapped and already counted against free memory once loaded, so size the cache after loading.
+    A CPU module reads its weights into memory as it is created: CompiledModel.load passes free memory less them.
     """
     if kv_cache_memory is not None:
         return parse_memory_size(kv_cache_memory)

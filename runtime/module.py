@@ -21,7 +21,13 @@ from llmc.artifact import ABI_VERSION, KV_CACHE_DTYPES, Artifact, load_artifact,
 from llmc.errors import ArtifactError, LlmcError, RequestError
 from llmc.model_config import ModelConfig
 from llmc.runtime.batch import StepBatch
-from llmc.runtime.kv_cache import blocks_for_memory, cdiv, kv_bytes_per_block, kv_cache_budget_bytes
+from llmc.runtime.kv_cache import (
+    blocks_for_memory,
+    cdiv,
+    kv_bytes_per_block,
+    kv_cache_budget_bytes,
+    mem_available_bytes,
+)
 
 _ERR_LEN = 4096
 _i32p = ctypes.POINTER(ctypes.c_int32)
@@ -157,7 +163,10 @@ class CompiledModel:
         per_block = kv_bytes_per_block(info.num_layers, info.num_kv_heads, info.head_dim, block_size,
                                        info.kv_dtype_bytes)  # fmt: skip
         try:
-            budget = kv_cache_budget_bytes(kv_cache_memory, memory_fraction)
+            free = None
+            if not artifact.is_cuda and kv_cache_memory is None:  # llmc_create reads the weights into memory next
+                free = max(0, mem_available_bytes() - artifact.weights_path.stat().st_size)
+            budget = kv_cache_budget_bytes(kv_cache_memory, memory_fraction, free)
         except ValueError as e:
             raise LlmcError(f"KV cache size: {e}", "pass e.g. --kv-cache-memory 2GiB") from None
         num_blocks = min(blocks_for_memory(budget, per_block), max_num_seqs * max_blocks_per_seq, 2**31 - 1)
