@@ -92,7 +92,7 @@ def cases(only: set[str], schemes: set[str] | None = None) -> list[tuple]:
         if "gemv1b" in only:  # Llama-3.2-1B's decode step
             out += [(f"1b {lab} T=1", n, k, 1, scheme, True) for lab, n, k in decode_gemv_shapes(LLAMA_32_1B)]
         if "hot" in only:  # the kernel's own speed, weights in cache: the most it could stream
-            out += [(f"{lab} T=1 hot", n, k, 1, scheme, False) for lab, n, k in SHAPES[:4]]
+            out += [(f"{lab} T=1 hot", n, k, 1, scheme, False) for lab, n, k in [*SHAPES[:4], BIG]]
         if "gemm" in only:
             out += [(f"{lab} T=128", n, k, 128, scheme, False) for lab, n, k in SHAPES[:4]]
     return out
