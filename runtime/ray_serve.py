@@ -195,20 +195,27 @@ class LlmcIngress:
                 continue
             try:
                 start = await stream.__anext__()
+                headers = {k: v for k, v in start["headers"] if k.lower() not in _HOP_BY_HOP}
+                headers[REPLICA_HEADER] = accepted["replica"]
+                if headers.get("content-type", "").startswith("text/event-stream"):
+                    return StreamingResponse(_sse_rest(stream, accepted["replica"]), start["status"], headers)
+                # A whole body comes in full before the answer starts: a replica that dies after its response
+                # start still gets the retryable 503, not headers followed by a cut connection.
+                body = b"".join([chunk async for chunk in stream])
             except _REPLICA_GONE:
                 return JSONResponse(_replica_died(f"replica {accepted['replica']} died"), 503,
                                     headers={REPLICA_HEADER: accepted["replica"]})  # fmt: skip
-            headers = {k: v for k, v in start["headers"] if k.lower() not in _HOP_BY_HOP}
-            headers[REPLICA_HEADER] = accepted["replica"]
-            sse = headers.get("content-type", "").startswith("text/event-stream")
-            return StreamingResponse(_rest(stream, accepted["replica"], sse), start["status"], headers)
+            except asyncio.CancelledError:  # the client left: the replica's generator closes, server.py aborts
+                stream.cancel()
+                raise
+            return Response(body, start["status"], headers)
         return _error_response(f"no replica accepted the request in {self.max_attempts} attempts; retry later", 503,
                                code="no_replica")  # fmt: skip
 
 
-async def _rest(stream, replica: str, sse: bool) -> AsyncIterator[bytes]:
-    """The body chunks after the response start; a replica that dies mid-stream ends an SSE stream with an
-    error event and [DONE] (other bodies are one chunk, sent with their start)."""
+async def _sse_rest(stream, replica: str) -> AsyncIterator[bytes]:
+    """An SSE stream's chunks after the response start; a replica that dies mid-stream ends it with an error
+    event and [DONE]."""
     finished = False
     try:
         async for chunk in stream:
@@ -216,8 +223,7 @@ async def _rest(stream, replica: str, sse: bool) -> AsyncIterator[bytes]:
         finished = True
     except _REPLICA_GONE:
         finished = True
-        if sse:
-            yield f"data: {json.dumps(_replica_died(f'replica {replica} died'))}\n\ndata: [DONE]\n\n".encode()
+        yield f"data: {json.dumps(_replica_died(f'replica {replica} died'))}\n\ndata: [DONE]\n\n".encode()
     finally:
         if not finished:
             stream.cancel()  # the client left: the replica's generator closes, and server.py aborts the request
