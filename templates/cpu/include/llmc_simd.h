@@ -240,10 +240,7 @@ LLMC_INLINE void sum_each(const Vec* a, float* out) {
 // it. The R x C independent accumulators are the instruction-level parallelism (R + C loads per
 // R * C FMAs), not a split of one dot product.
 //
-// PF > 0: also prefetch each weight row's stream PF bytes ahead (one prefetch per cache line). A decode GEMV
-// reads C rows at once, each only K * sizeof(WT) bytes long: too short for the hardware prefetcher to get
-// ahead of, while the next rows to read lie right after (w is row-major and tiles are contiguous).
-template <int R, int C, int K, typename WT, int PF = 0>
+template <int R, int C, int K, typename WT>
 LLMC_INLINE void dot_block(const float* LLMC_RESTRICT x, long ldx, const WT* LLMC_RESTRICT w, long ldw,
                            float* LLMC_RESTRICT out) {
   static_assert(R >= 1 && C >= 1 && K >= 1, "dot_block: bad sizes");
@@ -255,15 +252,8 @@ LLMC_INLINE void dot_block(const float* LLMC_RESTRICT x, long ldx, const WT* LLM
   LLMC_UNROLL for (int r = 0; r < R; ++r) {
     LLMC_UNROLL for (int c = 0; c < C; ++c) acc[r][c] = Vec::zero();
   }
-  constexpr int LINE = 64 / (int)sizeof(WT);  // weights per cache line
   for (int i = 0; i < KMAIN; i += VW) {
     Vec wv[C];
-    if constexpr (PF > 0) {
-      if (VW >= LINE || i % LINE == 0) {
-        LLMC_UNROLL for (int c = 0; c < C; ++c)
-          __builtin_prefetch(reinterpret_cast<const char*>(w + c * ldw + i) + PF, 0, 3);
-      }
-    }
     LLMC_UNROLL for (int c = 0; c < C; ++c) wv[c] = Vec::load(w + c * ldw + i);
     LLMC_UNROLL for (int r = 0; r < R; ++r) {
       const Vec xv = Vec::load(x + r * ldx + i);
