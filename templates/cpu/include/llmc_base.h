@@ -33,11 +33,12 @@
 
 namespace llmc {
 
-// Software prefetch of a streamed weight line, into L2 (prefetcht1), not L1. A decode GEMV over short rows
-// (SmolLM-135M's K = 576) leaves the hardware prefetchers behind, so its bandwidth is what the software
-// prefetches keep in flight; into L1 they hold the core's few L1 miss buffers until the line arrives, into L2
-// the L2's many. (2-core Zen 4 EPYC, weights streamed from DRAM: bf16 GEMVs at K = 576 1.3-1.65x faster, at
-// K = 8192 unchanged; benchmarks/cpu_kernels.py --only gemv --baseline.) The load that follows hits L2.
-LLMC_INLINE void prefetch_weights(const void* p) { __builtin_prefetch(p, 0, 2); }
+// Software prefetch of a streamed line (weights, KV cache rows) into L2 (prefetcht1), not L1. A decode GEMV
+// over short rows (SmolLM-135M's K = 576) leaves the hardware prefetchers behind, so its bandwidth is what the
+// software prefetches keep in flight; into L1 they hold the core's few L1 miss buffers until the line arrives,
+// into L2 the L2's many. (2-core Zen 4 EPYC, weights streamed from DRAM: bf16 GEMVs at K = 576 1.3-1.65x
+// faster, at K = 8192 unchanged; benchmarks/cpu_kernels.py --only gemv --baseline.) The load that follows
+// hits L2.
+LLMC_INLINE void prefetch_l2(const void* p) { __builtin_prefetch(p, 0, 2); }
 
 }  // namespace llmc

@@ -249,7 +249,7 @@ LLMC_INLINE void gemm_steps(const XT* LLMC_RESTRICT xp, long ldxp, const WT* LLM
         LLMC_UNROLL for (int c = 0; c < C; ++c) {
           const char* p = kAddressOrder ? reinterpret_cast<const char*>(w) + ((long)(i / PSTEP) * C + c) * 64
                                         : reinterpret_cast<const char*>(w + c * LDW + i);
-          prefetch_weights(p + PF);
+          prefetch_l2(p + PF);
         }
       }
     }
