@@ -360,8 +360,9 @@ LLMC_INLINE void qdot_tile(const QStep<BITS>* LLMC_RESTRICT steps, const float* 
       const uint8_t* p = wr + c * S::RB + (long)s * SB;
       if constexpr (PF > 0) {
         if (s % 2 == 0) {  // one per 64-byte line: in address order over a tile shorter than PF (llmc_gemm.h)
-          // Into L1, unlike the dense GEMV's prefetch_l2: into L2 measured mixed per kernel (int8 at K = 576 0.65-0.75x,
-          // int4 1.05-1.18x, both 1.4-1.6x at K = 8192) and within noise end to end on SmolLM-135M (2-core Zen 4 EPYC).
+          // Into L1, unlike the dense GEMV's prefetch_l2: into L2 measured mixed per kernel (int8 at K = 576
+          // 0.65-0.75x, int4 1.05-1.18x, both 1.4-1.6x at K = 8192) and within noise end to end on SmolLM-135M
+          // (2-core Zen 4 EPYC).
           constexpr bool kAddressOrder = (long)C * S::RB < PF;
           __builtin_prefetch((kAddressOrder ? wr + ((long)(s / 2) * C + c) * 64 : p) + PF, 0, 3);
         }
