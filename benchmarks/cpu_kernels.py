@@ -11,7 +11,8 @@ other layers' when they come round again); "hot" cases reuse one copy (the weigh
 
 Floors, measured in this process: read bandwidth (a C++ loop reading 1 GiB with --threads threads; best of 3)
 and FMA peak (independent FMAs of the build's widest vector, zmm on an AVX-512 host, on --threads threads, i.e.
-FMA pipes x lanes x 2 flops x clock).
+FMA pipes x lanes x 2 flops x clock); where the host has AVX-512 BF16, also vdpbf16ps's peak (4 flops per fp32
+lane), the bf16 rows' peak where it beats the FMAs'.
 A gemv's floor is weight bytes / bandwidth; a gemm's is max(bytes / bandwidth, flops / peak).
 
 --step times a whole SmolLM-135M decode step's kernels (30 layers of rmsnorm, qkv GEMV, RoPE, o GEMV, rmsnorm,
@@ -103,6 +104,28 @@ extern "C" double fma_probe(int threads, long iters, int cpu) {
   }
   const double s = bench_clock(cpu) - t0;
   return sink == 12345.f ? 0 : 2.0 * kLanes * kChains * iters * threads / s;
+}
+// The same for vdpbf16ps (2 multiply-adds per fp32 lane), the bf16 GEMM's instruction where the host has it; 0
+// where it does not (bf16 weights then run as fp32 FMAs, whose peak is fma_probe's).
+extern "C" double bf16_dot_probe(int threads, long iters, int cpu) {
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+  constexpr int kChains = 16;
+  const double t0 = bench_clock(cpu);
+  float sink = 0;
+#pragma omp parallel num_threads(threads) reduction(+ : sink)
+  {
+    __m512 a[kChains];
+    const __m512bh x = (__m512bh)_mm512_set1_epi32(0x3c003c00);  // 2^-7 in both halves: the sums stay finite
+    for (int j = 0; j < kChains; ++j) a[j] = _mm512_set1_ps(float(j));
+    for (long i = 0; i < iters; ++i)
+      for (int j = 0; j < kChains; ++j) a[j] = _mm512_dpbf16_ps(a[j], x, x);
+    for (int j = 0; j < kChains; ++j) sink += a[j][0];
+  }
+  const double s = bench_clock(cpu) - t0;
+  return sink == 12345.f ? 0 : 4.0 * 16 * kChains * iters * threads / s;
+#else
+  return 0;
+#endif
 }
 """
 
@@ -337,26 +360,31 @@ def main(argv=None) -> None:
             fns[name] = fn
         data.append(dict(label=label, n=n, k=k, T=T, wd=wd, w=w, ptrs=ptrs, x=x, y=y, fns=fns, times={}))
 
-    bws, peaks = [], []
+    bws, peaks, dot_peaks = [], [], []
     for _ in range(args.rounds):
         bws.append(_bandwidth_probe(args.threads))
         peaks.append(probes.fma_probe(args.threads, 20_000_000, args.cpu_time))
+        dot_peaks.append(probes.bf16_dot_probe(args.threads, 20_000_000, args.cpu_time))
         for d in data:
             for name, fn in d["fns"].items():
                 args_ = (d["x"].ctypes.data, d["ptrs"], len(d["ptrs"]), d["y"].ctypes.data, d["T"])
                 once = fn(*args_, 2, args.cpu_time)
                 iters = max(4, int(args.min_time / max(once, 1e-7)))
                 d["times"].setdefault(name, []).append(fn(*args_, iters, args.cpu_time))
-    bw, peak = statistics.median(bws), statistics.median(peaks)
+    bw, peak, dot_peak = statistics.median(bws), statistics.median(peaks), statistics.median(dot_peaks)
+    # bf16 weights run as vdpbf16ps or as fp32 FMAs, whichever is faster here (llmc_gemm.h)
+    bf16_peak = max(peak, dot_peak)
     print(
-        f"threads {args.threads}; read bandwidth {bw / 1e9:.1f} GB/s; FMA peak {peak / 1e9:.0f} GFLOP/s (fp32); "
+        f"threads {args.threads}; read bandwidth {bw / 1e9:.1f} GB/s; FMA peak {peak / 1e9:.0f} GFLOP/s (fp32)"
+        + (f", {dot_peak / 1e9:.0f} (vdpbf16ps)" if dot_peak else "")
+        + "; "
         f"LLC {host_llc_bytes() >> 20} MiB; medians of {args.rounds} interleaved rounds"
         + ("; times are the thread's CPU time" if args.cpu_time else "")
     )
     rows = [ab_header(["case", "dtype", "n x k", "MiB", "floor us"], list(builds), ["GB/s", "GFLOP/s", "% roof"])]
     for d in data:
         nbytes, flops = d["w"].nbytes, 2.0 * d["T"] * d["n"] * d["k"]
-        floor = max(nbytes / bw, flops / peak)
+        floor = max(nbytes / bw, flops / (bf16_peak if d["wd"] == "bf16" else peak))
         rows.append([
             d["label"], d["wd"], f"{d['n']}x{d['k']}", f"{nbytes / 2**20:.1f}", f"{floor * 1e6:.1f}",
             *ab_cells(d["times"], nbytes, flops, floor),
@@ -364,7 +392,10 @@ def main(argv=None) -> None:
     from llmc.runtime.bench import align_columns
 
     print("\n".join(align_columns(rows)))
-    print("floor = max(weight bytes / read bandwidth, flops / FMA peak); % roof = floor / time")
+    print(
+        "floor = max(weight bytes / read bandwidth, flops / peak: fp32 FMA, or for bf16 the faster of it and "
+        "vdpbf16ps); % roof = floor / time"
+    )
     sys.stdout.flush()
 
 
@@ -377,6 +408,8 @@ def _probes() -> ctypes.CDLL:
     probes.read_probe.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_int]
     probes.fma_probe.restype = ctypes.c_double
     probes.fma_probe.argtypes = [ctypes.c_int, ctypes.c_long, ctypes.c_int]
+    probes.bf16_dot_probe.restype = ctypes.c_double
+    probes.bf16_dot_probe.argtypes = [ctypes.c_int, ctypes.c_long, ctypes.c_int]
     return probes
 
 

@@ -84,7 +84,7 @@ struct GemmOrder<uint16_t> {
   static LLMC_INLINE void step(Vec& acc, const X& x, const W& w) {
     acc.v = _mm512_dpbf16_ps(acc.v, (__m512bh)x.v, (__m512bh)w.v);
   }
-  static LLMC_INLINE void pin(X&) {}
+  static LLMC_INLINE void pin(X& a) { asm("" : "+v"(a.v)); }  // see Vec::pin
   // x[0, KMAIN) rounded to bf16 (nearest even), in order.
   static LLMC_INLINE void prepare(const float* x, uint16_t* xp, int kmain) {
     for (int i = 0; i < kmain; i += KS) {
