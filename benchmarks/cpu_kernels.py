@@ -107,7 +107,7 @@ extern "C" double fma_probe(int threads, long iters, int cpu) {
 }
 // The same for vdpbf16ps (2 multiply-adds per fp32 lane), the bf16 GEMM's instruction where the host has it; 0
 // where it does not (bf16 weights then run as fp32 FMAs, whose peak is fma_probe's).
-extern "C" double bf16_dot_probe(int threads, long iters, int cpu) {
+extern "C" double dpbf16_probe(int threads, long iters, int cpu) {
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
   constexpr int kChains = 16;
   const double t0 = bench_clock(cpu);
@@ -364,7 +364,7 @@ def main(argv=None) -> None:
     for _ in range(args.rounds):
         bws.append(_bandwidth_probe(args.threads))
         peaks.append(probes.fma_probe(args.threads, 20_000_000, args.cpu_time))
-        dot_peaks.append(probes.bf16_dot_probe(args.threads, 20_000_000, args.cpu_time))
+        dot_peaks.append(probes.dpbf16_probe(args.threads, 20_000_000, args.cpu_time))
         for d in data:
             for name, fn in d["fns"].items():
                 args_ = (d["x"].ctypes.data, d["ptrs"], len(d["ptrs"]), d["y"].ctypes.data, d["T"])
@@ -408,8 +408,8 @@ def _probes() -> ctypes.CDLL:
     probes.read_probe.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_int]
     probes.fma_probe.restype = ctypes.c_double
     probes.fma_probe.argtypes = [ctypes.c_int, ctypes.c_long, ctypes.c_int]
-    probes.bf16_dot_probe.restype = ctypes.c_double
-    probes.bf16_dot_probe.argtypes = [ctypes.c_int, ctypes.c_long, ctypes.c_int]
+    probes.dpbf16_probe.restype = ctypes.c_double
+    probes.dpbf16_probe.argtypes = [ctypes.c_int, ctypes.c_long, ctypes.c_int]
     return probes
 
 
