@@ -39,7 +39,15 @@ from pathlib import Path
 from llmc.host import host_llc_bytes
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import LLAMA_32_1B, SMOLLM_135M, ab_cells, ab_header, decode_gemv_shapes, headers_at  # noqa: E402
+from common import (  # noqa: E402
+    LLAMA_32_1B,
+    SMOLLM_135M,
+    Bandwidth,
+    ab_cells,
+    ab_header,
+    decode_gemv_shapes,
+    headers_at,
+)
 
 # (label, n, k, T, wdtype, cold): decode GEMVs of SmolLM-135M (fused qkv, o, fused gate_up, down, lm_head),
 # one far above the LLC, and the same layers at batched-decode and prefill T.
@@ -73,12 +81,6 @@ _PROBES = r"""
 #include <omp.h>
 #include <immintrin.h>
 %CLOCK%
-extern "C" uint64_t read_probe(const uint64_t* p, long n, int threads) {
-  uint64_t acc = 0;
-#pragma omp parallel for schedule(static) reduction(^ : acc) num_threads(threads)
-  for (long i = 0; i < n; ++i) acc ^= p[i];
-  return acc;
-}
 // flops/s of independent FMA chains of the widest vector llmc's build uses (16 per thread: > latency x pipes)
 // on `threads` threads.
 #if defined(__AVX512F__)
@@ -404,8 +406,6 @@ def _probes() -> ctypes.CDLL:
     from llmc.compiler.codegen.build import build_shared_library
 
     probes = ctypes.CDLL(str(build_shared_library({"probes.cc": _PROBES.replace("%CLOCK%", _CLOCK)})))
-    probes.read_probe.restype = ctypes.c_uint64
-    probes.read_probe.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_int]
     probes.fma_probe.restype = ctypes.c_double
     probes.fma_probe.argtypes = [ctypes.c_int, ctypes.c_long, ctypes.c_int]
     probes.dpbf16_probe.restype = ctypes.c_double
@@ -414,26 +414,13 @@ def _probes() -> ctypes.CDLL:
 
 
 @functools.cache
-def _read_buffer():
-    import numpy as np
-
-    return np.ones(1 << 27, dtype=np.uint64)  # 1 GiB
+def _bandwidth(threads: int) -> Bandwidth:
+    return Bandwidth(threads)
 
 
 def _bandwidth_probe(threads: int) -> float:
     """Read bytes/s of 1 GiB with `threads` threads, best of 3."""
-    buf, best = _read_buffer(), 0.0
-    for _ in range(3):
-        t = _now()
-        _probes().read_probe(buf.ctypes.data, buf.size, threads)
-        best = max(best, buf.nbytes / (_now() - t))
-    return best
-
-
-def _now() -> float:
-    import time
-
-    return time.perf_counter()
+    return _bandwidth(threads).read(threads, 3) * 1e9
 
 
 if __name__ == "__main__":

@@ -22,13 +22,20 @@ import ctypes
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 from llmc.host import host_llc_bytes
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import LLAMA_32_1B, SMOLLM_135M, ab_cells, ab_header, decode_gemv_shapes, headers_at  # noqa: E402
+from common import (  # noqa: E402
+    LLAMA_32_1B,
+    SMOLLM_135M,
+    Bandwidth,
+    ab_cells,
+    ab_header,
+    decode_gemv_shapes,
+    headers_at,
+)
 
 # decode GEMVs of SmolLM-135M (fused qkv, o, fused gate_up, down, lm_head) and one far above the LLC
 SHAPES = decode_gemv_shapes(SMOLLM_135M)
@@ -43,17 +50,6 @@ SCHEMES = [
     ("bf16", None, "bf16", False),
     ("f32", None, "f32", False),
 ]
-
-_PROBE = r"""
-#include <cstdint>
-#include <omp.h>
-extern "C" uint64_t read_probe(const uint64_t* p, long n, int threads) {
-  uint64_t acc = 0;
-#pragma omp parallel for schedule(static) reduction(^ : acc) num_threads(threads)
-  for (long i = 0; i < n; ++i) acc ^= p[i];
-  return acc;
-}
-"""
 
 _QLOOP = r"""
 extern "C" double bench_{kid}(const float* x, void* const* parts, int copies, float* y, int T, int iters) {{
@@ -144,22 +140,13 @@ def main(argv=None) -> None:
 
     import numpy as np
 
-    from llmc.compiler.codegen.build import build_shared_library
     from llmc.compiler.codegen.render import kernel_id
     from llmc.runtime.bench import align_columns
 
-    probe = ctypes.CDLL(str(build_shared_library({"probe.cc": _PROBE})))
-    probe.read_probe.restype = ctypes.c_uint64
-    probe.read_probe.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_int]
-    buf = np.ones(1 << 27, dtype=np.uint64)
+    probe = Bandwidth(args.threads)
 
     def bandwidth() -> float:
-        best = 0.0
-        for _ in range(3):
-            t = time.perf_counter()
-            probe.read_probe(buf.ctypes.data, buf.size, args.threads)
-            best = max(best, buf.nbytes / (time.perf_counter() - t))
-        return best
+        return probe.read(args.threads, 3) * 1e9
 
     specs = cases(set(args.only.split(",")), set(args.schemes.split(",")) if args.schemes else None)
     libs = {"llmc": build(headers_at(None), specs)}
