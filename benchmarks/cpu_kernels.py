@@ -39,15 +39,8 @@ from pathlib import Path
 from llmc.host import host_llc_bytes
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (  # noqa: E402
-    LLAMA_32_1B,
-    SMOLLM_135M,
-    Bandwidth,
-    ab_cells,
-    ab_header,
-    decode_gemv_shapes,
-    headers_at,
-)
+import common  # noqa: E402
+from common import LLAMA_32_1B, SMOLLM_135M, ab_cells, ab_header, decode_gemv_shapes, headers_at  # noqa: E402
 
 # (label, n, k, T, wdtype, cold): decode GEMVs of SmolLM-135M (fused qkv, o, fused gate_up, down, lm_head),
 # one far above the LLC, and the same layers at batched-decode and prefill T.
@@ -414,8 +407,8 @@ def _probes() -> ctypes.CDLL:
 
 
 @functools.cache
-def _bandwidth(threads: int) -> Bandwidth:
-    return Bandwidth(threads)
+def _bandwidth(threads: int) -> common.Bandwidth:
+    return common.Bandwidth(threads)
 
 
 def _bandwidth_probe(threads: int) -> float:

@@ -27,15 +27,8 @@ from pathlib import Path
 from llmc.host import host_llc_bytes
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (  # noqa: E402
-    LLAMA_32_1B,
-    SMOLLM_135M,
-    Bandwidth,
-    ab_cells,
-    ab_header,
-    decode_gemv_shapes,
-    headers_at,
-)
+import common  # noqa: E402
+from common import LLAMA_32_1B, SMOLLM_135M, ab_cells, ab_header, decode_gemv_shapes, headers_at  # noqa: E402
 
 # decode GEMVs of SmolLM-135M (fused qkv, o, fused gate_up, down, lm_head) and one far above the LLC
 SHAPES = decode_gemv_shapes(SMOLLM_135M)
@@ -143,7 +136,7 @@ def main(argv=None) -> None:
     from llmc.compiler.codegen.render import kernel_id
     from llmc.runtime.bench import align_columns
 
-    probe = Bandwidth(args.threads)
+    probe = common.Bandwidth(args.threads)
 
     def bandwidth() -> float:
         return probe.read(args.threads, 3) * 1e9
