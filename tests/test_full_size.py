@@ -6,6 +6,7 @@ size, which proves they are streamed, never held. Its wall time is printed, not 
 never timed assertions); the figure belongs in the notes.
 """
 
+import math
 import shutil
 import subprocess
 import sys
@@ -46,8 +47,15 @@ def llama8b(tmp_path_factory):
     """A 15 GiB checkpoint on disk, removed after the module's tests (disks here are not large)."""
     from transformers import LlamaConfig
 
+    from llmc.compiler.frontend.config import parse_config
+
     ckpt = tmp_path_factory.mktemp("llama3-8b")
     config = LlamaConfig(**LLAMA3_8B, tie_word_embeddings=False, architectures=["LlamaForCausalLM"])
+    # The checkpoint and one artifact of the same size live on disk together, plus room for the build.
+    weight_bytes = sum(math.prod(s) * 2 for s in parse_config(config.to_dict()).weight_shapes().values())
+    need, free = 2 * weight_bytes + (2 << 30), shutil.disk_usage(ckpt).free
+    if free < need:
+        pytest.skip(f"needs {need / 2**30:.0f} GiB free under {ckpt.parent}, has {free / 2**30:.0f} GiB")
     yield write_large_checkpoint(ckpt, config)
     shutil.rmtree(ckpt, ignore_errors=True)
 
