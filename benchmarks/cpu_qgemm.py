@@ -33,15 +33,18 @@ from common import LLAMA_32_1B, SMOLLM_135M, ab_cells, ab_header, decode_gemv_sh
 # decode GEMVs of SmolLM-135M (fused qkv, o, fused gate_up, down, lm_head) and one far above the LLC
 SHAPES = decode_gemv_shapes(SMOLLM_135M)
 BIG = ("big", 2048, 8192)
-# (label, bits, group_size or 0 for one per output channel, asymmetric); None: the dense gemm of that wdtype
+# (label, bits, group_size or 0 for one per output channel, asymmetric, scale_bits); bits None: the dense gemm of
+# that wdtype. Scales are fp16 (llmc's quantizer) but for the fp32-scale rows (GGUF's K-quants)
 SCHEMES = [
-    ("int8", 8, 0, False),
-    ("int8 g32", 8, 32, False),
-    ("int4 g32", 4, 32, False),
-    ("int4 g32 asym", 4, 32, True),
-    ("int4 g128", 4, 128, False),
-    ("bf16", None, "bf16", False),
-    ("f32", None, "f32", False),
+    ("int8", 8, 0, False, 16),
+    ("int8 g32", 8, 32, False, 16),
+    ("int8 g32 fp32s", 8, 32, False, 32),
+    ("int4 g32", 4, 32, False, 16),
+    ("int4 g32 fp32s", 4, 32, False, 32),
+    ("int4 g32 asym", 4, 32, True, 32),
+    ("int4 g128", 4, 128, False, 16),
+    ("bf16", None, "bf16", False, None),
+    ("f32", None, "f32", False, None),
 ]
 
 _QLOOP = r"""
@@ -49,7 +52,7 @@ extern "C" double bench_{kid}(const float* x, void* const* parts, int copies, fl
   const auto t0 = std::chrono::steady_clock::now();
   for (int i = 0; i < iters; ++i) {{
     void* const* p = parts + 3 * (i % copies);
-    {kid}(x, (const uint8_t*)p[0], (const float*)p[1], (const float*)p[2], nullptr, y, T);
+    {kid}(x, (const uint8_t*)p[0], (const {sc}*)p[1], (const {sc}*)p[2], nullptr, y, T);
   }}
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / iters;
 }}
@@ -65,10 +68,11 @@ extern "C" double bench_{kid}(const float* x, void* const* parts, int copies, fl
 
 
 def case_params(n: int, k: int, scheme: tuple) -> tuple[str, dict]:
-    _, bits, g, asym = scheme
+    _, bits, g, asym, scale_bits = scheme
     if bits is None:
         return "gemm", dict(n=n, k=k, wdtype=g, has_bias=False)
-    return "qgemm", dict(n=n, k=k, bits=bits, group_size=g or k, asymmetric=asym, has_bias=False)
+    return "qgemm", dict(n=n, k=k, bits=bits, group_size=g or k, asymmetric=asym, scale_bits=scale_bits,
+                         has_bias=False)  # fmt: skip
 
 
 def cases(only: set[str], schemes: set[str] | None = None) -> list[tuple]:
@@ -100,7 +104,7 @@ def build(headers: dict[str, str], specs: list[tuple]) -> ctypes.CDLL:
         seen.add(kid)
         parts.append(render_kernel("cpu", op, name=kid, **params))
         if op == "qgemm":
-            parts.append(_QLOOP.format(kid=kid))
+            parts.append(_QLOOP.format(kid=kid, sc="uint16_t" if params["scale_bits"] == 16 else "float"))
         else:
             parts.append(_LOOP.format(kid=kid, wt="float" if params["wdtype"] == "f32" else "uint16_t"))
     return ctypes.CDLL(str(build_shared_library({**headers, "bench.cc": "".join(parts)}, flags=CPU_FLAGS)))
@@ -114,10 +118,10 @@ def weight_parts(n: int, k: int, scheme: tuple, rng) -> list:
     from llmc.compiler.quant_pack import pack_cpu
 
     w = rng.standard_normal((n, k), dtype=np.float32) / np.float32(np.sqrt(k))
-    _, bits, g, asym = scheme
+    _, bits, g, asym, scale_bits = scheme
     if bits is None:
         return [w if g == "f32" else (w.view(np.uint32) >> 16).astype(np.uint16)]
-    return [a for a in pack_cpu(quantize(w, QuantScheme(bits, g or k, asym))) if a is not None]
+    return [a for a in pack_cpu(quantize(w, QuantScheme(bits, g or k, asym, f"float{scale_bits}"))) if a is not None]
 
 
 def main(argv=None) -> None:

@@ -38,7 +38,7 @@ from llmc.errors import CompileError
 from .codegen.tvm_fallback import legalize_call
 from .passes.common import bindings, llmc_args, llmc_op_name, main_function, prim_value, rewrite_counts
 from .quant import QuantScheme
-from .weights import QUANT_PARTS, WeightSpec
+from .weights import QUANT_PARTS, WeightSpec, quant_part_dtype
 
 # KV cache dtype -> paged_attention's kv_dtype parameter: what the cache stores per k/v value
 KV_DTYPES = {"float32": "f32", "bfloat16": "bf16"}
@@ -232,7 +232,7 @@ class _Lowering:
         if key not in self.weight_specs:
             self.weight_specs[key] = len(self.weight_list)
             name = f"{_packed_name(w.sources)}.{part}"
-            self.weight_list.append(WeightSpec(name, w.sources, QUANT_PARTS[part], w.shape, scheme, part))
+            self.weight_list.append(WeightSpec(name, w.sources, quant_part_dtype(scheme, part), w.shape, scheme, part))
         spec = self.weight_list[self.weight_specs[key]]
         if spec.quant != scheme:
             raise CompileError(f"{spec.name} is quantized as {spec.quant.describe()} and as {scheme.describe()}")
@@ -453,13 +453,15 @@ class _Lowering:
         x, w = self.env.get(args["x"]), self.env.get(args["weight"])
         if not (isinstance(x, _View) and x.stride == x.cols and isinstance(w, _Weight) and len(w.shape) == 2):
             raise CompileError(f"quantized matmul {var.name}: expected a whole activation and an [N, K] weight")
-        bits, group_size, asymmetric = (int(prim_value(args[n])) for n in ("bits", "group_size", "asymmetric"))
-        scheme = QuantScheme(bits, group_size, bool(asymmetric))
+        bits, group_size, asymmetric, scale_bits = (
+            int(prim_value(args[n])) for n in ("bits", "group_size", "asymmetric", "scale_bits")
+        )
+        scheme = QuantScheme(bits, group_size, bool(asymmetric), f"float{scale_bits}")
         q, scales, *mins = (self.quant_index(w, scheme, p) for p in QUANT_PARTS if p != "mins" or asymmetric)
         n, k = w.shape
         out = self.new_value(n, x.rows)
         params = {"n": n, "k": k, "bits": bits, "group_size": group_size, "asymmetric": bool(asymmetric),
-                  "has_bias": False}  # fmt: skip
+                  "scale_bits": scale_bits, "has_bias": False}  # fmt: skip
         weights = [f"W[{q}]", f"W[{scales}]", f"W[{mins[0]}]" if mins else "nullptr"]
         self.emit("qgemm", params, [x, *weights, "nullptr", out, x.rows], [_linear_name(w.sources)], [out], weight=q)
         self.env[var] = out

@@ -8,15 +8,19 @@ A weight matrix w[N, K] (HF Linear layout, one row per output) is quantized alon
 
 - `q` is int8 [N, K], one value per element whatever the width: bits=8 holds -128..127 (GGUF Q6_K's
   -32..31 fits too), bits=4 holds -8..7 when symmetric and 0..15 when asymmetric.
-- `scales` and `mins` are float32 [N, ceil(K / group_size)]. The last group of a row may be shorter than
-  `group_size` when it does not divide K. GGUF's scales (fp16, or fp16 x 6-bit sub-scales) are exact in
-  float32, so an imported tensor keeps its values bit for bit.
+- `scales` and `mins` are float32 arrays [N, ceil(K / group_size)]. The last group of a row may be shorter
+  than `group_size` when it does not divide K. The scheme's `scale_dtype` says how they are stored: float16
+  (the default: llmc's quantizer picks fp16 values, and GGUF Q8_0 / Q4_0 hold fp16 scales) or float32 (GGUF
+  Q4_K / Q6_K, whose fp16 x 6- or 8-bit sub-scale products need it). Both are exact, so an imported tensor
+  keeps its values bit for bit. At int4 g32, fp16 scales are 0.5625 bytes a weight against 0.625.
 - The dequantized value is computed in float32 as written above, one rounding (`dequantize`), which is how
   gguf.quants.dequantize computes Q8_0, Q4_0, Q4_K and Q6_K.
 
 llmc's own quantizer (`quantize`) is round-to-nearest: symmetric with scale = absmax / qmax (int8 qmax 127,
 int4 qmax 7, q clamped to [-qmax - 1, qmax]); asymmetric int4 with scale = (max - min) / 15 and
-mins = -min, so that q = round((w - min) / scale) lies in 0..15.
+mins = -min, so that q = round((w - min) / scale) lies in 0..15. With fp16 scales, mins and scales are
+rounded up to the next fp16 value first (so every w still lies in the range q covers), and q is computed
+from the rounded values.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from llmc.errors import CompileError
 QUANT_MODES = ("none", "int8", "int4")
 GROUP_SIZES = (32, 64, 128)
 K_MULTIPLE = 32  # a quantized weight's K is a multiple of this (the kernels' activation blocks); else it stays float
+SCALE_DTYPES = ("float16", "float32")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,12 +42,15 @@ class QuantScheme:
     bits: int  # 8 or 4
     group_size: int  # elements of a row per scale; K for one scale per output channel
     asymmetric: bool = False  # per-group mins
+    scale_dtype: str = "float16"  # how scales and mins are stored: SCALE_DTYPES
 
     def __post_init__(self):
         if self.bits not in (4, 8):
             raise CompileError(f"quantization to {self.bits} bits is not supported", "use int8 or int4")
         if self.group_size <= 0:
             raise CompileError(f"quantization group size {self.group_size} must be positive")
+        if self.scale_dtype not in SCALE_DTYPES:
+            raise CompileError(f"quantization scales in {self.scale_dtype} are not supported")
 
     @property
     def qrange(self) -> tuple[int, int]:
@@ -51,9 +59,20 @@ class QuantScheme:
             return -128, 127
         return (0, 15) if self.asymmetric else (-8, 7)
 
+    @classmethod
+    def of_kernel(cls, params) -> QuantScheme:
+        """The scheme of a qgemm kernel's parameters (bits, group_size, asymmetric, scale_bits)."""
+        return cls(params["bits"], params["group_size"], params["asymmetric"], f"float{params['scale_bits']}")
+
+    @property
+    def scale_bits(self) -> int:
+        """16 or 32: how the IR and the kernels' parameters spell scale_dtype."""
+        return 16 if self.scale_dtype == "float16" else 32
+
     def describe(self) -> str:
-        """`int4 g32 asym`, as `llmc inspect` shows it."""
-        return f"int{self.bits} g{self.group_size}" + (" asym" if self.asymmetric else "")
+        """`int4 g32 asym`, as `llmc inspect` shows it (`int8 g16 fp32-scales` where scales are not fp16)."""
+        return (f"int{self.bits} g{self.group_size}" + (" asym" if self.asymmetric else "")
+                + (" fp32-scales" if self.scale_dtype == "float32" else ""))  # fmt: skip
 
 
 @dataclasses.dataclass
@@ -75,6 +94,12 @@ class QuantizedTensor:
             self.mins is not None and (self.mins.dtype != np.float32 or self.mins.shape != (n, groups))
         ):
             raise CompileError(f"quantized tensor: mins do not fit {self.scheme.describe()}")
+        if self.scheme.scale_dtype == "float16" and not all(
+            a is None or np.array_equal(a.astype(np.float16).astype(np.float32), a) for a in (self.scales, self.mins)
+        ):
+            raise CompileError(
+                f"quantized tensor: scales or mins are not fp16 values, as {self.scheme.describe()} needs"
+            )
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -107,24 +132,39 @@ def quantize(w: np.ndarray, scheme: QuantScheme) -> QuantizedTensor:
     padded[:, :k] = w
     blocks = padded.reshape(n, groups, g)
     lo, hi = scheme.qrange
+    stored = _round_up_fp16 if scheme.scale_dtype == "float16" else (lambda a: a.astype(np.float32))
     if scheme.asymmetric:
         # A padded tail's zeros widen the last group's range by at most 0: min <= 0 <= max is not assumed
         # elsewhere, so take the real elements only.
         real = np.arange(groups * g).reshape(groups, g) < k
         wmin = np.where(real, blocks, np.inf).min(axis=2)
         wmax = np.where(real, blocks, -np.inf).max(axis=2)
-        scales = ((wmax - wmin) / hi).astype(np.float32)
+        mins = stored(-wmin)  # >= -min: w + mins >= 0
+        scales = stored((wmax + mins) / hi)
         safe = np.where(scales > 0, scales, 1.0).astype(np.float32)
-        q = np.rint((blocks - wmin[..., None]) / safe[..., None])
-        mins = (-wmin).astype(np.float32)
+        q = np.rint((blocks + mins[..., None]) / safe[..., None])
     else:
         qmax = hi
-        scales = (np.abs(blocks).max(axis=2) / qmax).astype(np.float32)
+        scales = stored(np.abs(blocks).max(axis=2) / qmax)
         safe = np.where(scales > 0, scales, 1.0).astype(np.float32)
         q = np.rint(blocks / safe[..., None])
         mins = None
     q = np.clip(q, lo, hi).astype(np.int8).reshape(n, groups * g)[:, :k]
     return QuantizedTensor(np.ascontiguousarray(q), scales, mins, scheme)
+
+
+def _round_up_fp16(a: np.ndarray) -> np.ndarray:
+    """float32 a, each value replaced by the smallest fp16 value >= it (finite: else a CompileError)."""
+    a = np.asarray(a, np.float32)
+    with np.errstate(over="ignore"):
+        h = a.astype(np.float16)
+    low = h.astype(np.float32) < a
+    h[low] = np.nextafter(h[low], np.float16(np.inf))
+    if not np.isfinite(h).all():
+        big = float(np.abs(a[~np.isfinite(h)]).max())
+        raise CompileError(f"a quantization group needs a scale of {big:g}, past fp16's range (65504)",
+                           "such a weight cannot be quantized with fp16 scales; leave it unquantized")  # fmt: skip
+    return h.astype(np.float32)
 
 
 def restate(t: QuantizedTensor, scheme: QuantScheme) -> QuantizedTensor:
@@ -142,6 +182,7 @@ def restate(t: QuantizedTensor, scheme: QuantScheme) -> QuantizedTensor:
         or (old.asymmetric and not scheme.asymmetric)
         or (scheme.bits == old.bits == 4 and scheme.asymmetric != old.asymmetric)  # int4 q: -8..7 or 0..15
         or (old.group_size % scheme.group_size and -(-k // old.group_size) > 1)
+        or (old.scale_dtype == "float32" and scheme.scale_dtype == "float16")
     ):
         raise CompileError(f"a {old.describe()} weight cannot be stored exactly as {scheme.describe()}")
     groups = -(-k // scheme.group_size)
@@ -157,16 +198,17 @@ def common_scheme(schemes: list[QuantScheme], k: int) -> QuantScheme:
     """One scheme that holds weights of each of `schemes` exactly (`restate`), for sources fused into one GEMM.
 
     Equal schemes stay as they are; different ones (GGUF Q4_K_M: attn_v Q6_K beside q/k Q4_K) become int8 with
-    the smallest group, asymmetric if any is.
+    the smallest group, asymmetric if any is. Scales are fp32 if any source's are.
     """
-    if len(set(schemes)) == 1:
-        return schemes[0]
+    scale_dtype = "float32" if any(s.scale_dtype == "float32" for s in schemes) else "float16"
+    if len({dataclasses.replace(s, scale_dtype=scale_dtype) for s in schemes}) == 1:
+        return dataclasses.replace(schemes[0], scale_dtype=scale_dtype)
     group = min(s.group_size for s in schemes)
     if any(s.group_size % group and -(-k // s.group_size) > 1 for s in schemes):
         raise CompileError(
             f"fused weights quantized as {', '.join(s.describe() for s in schemes)} have no common group size"
         )
-    return QuantScheme(8, group, asymmetric=any(s.asymmetric for s in schemes))
+    return QuantScheme(8, group, asymmetric=any(s.asymmetric for s in schemes), scale_dtype=scale_dtype)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,8 +10,8 @@ For a QuantizedTensor of w[N, K] (K a multiple of 32, see compiler/quant.py):
     byte j = u[32c + j] | (u[32c + j + 16] << 4), j < 16, with u = q + 8 (symmetric) or u = q
     (asymmetric), so u is 0..15. This is llama.cpp's Q4_0 nibble order: one 16-byte load, `& 0xF` and
     `>> 4` give elements 0..15 and 16..31 of the chunk in order.
-- scales: float32 [N, G], mins: float32 [N, G] (asymmetric) or None; G = ceil(K / group_size), the last
-  group may be short. Copied as they are (C-contiguous).
+- scales: [N, G], mins: [N, G] (asymmetric) or None, in the scheme's scale_dtype (float16 or float32,
+  both exact); G = ceil(K / group_size), the last group may be short. Copied as they are (C-contiguous).
 
 The CUDA layout (pack_cuda) is in the same shapes and keeps rows independent, so the packed rows of fused
 sources (q/k/v, gate/up) concatenate like the CPU's; only the byte order inside a row differs.
@@ -29,7 +29,7 @@ sources (q/k/v, gate/up) concatenate like the CPU's; only the byte order inside 
   A block of nw words per lane (4, or K's tail / word) holds lane t's words at byte 4 * (t * nw + w): a full
   block is four 16-byte pieces, one per lane t, each that lane's B registers for the block's k range, so
   a warp reads whole 64-byte row blocks with one 16-byte load per lane.
-- scales, mins: as pack_cpu (float32 [N, G]; exact, so GGUF's values pass through unchanged).
+- scales, mins: as pack_cpu ([N, G] in the scheme's scale_dtype; exact, so GGUF's values pass through unchanged).
 """
 
 from __future__ import annotations
@@ -41,13 +41,18 @@ from llmc.errors import CompileError
 from .quant import QuantizedTensor
 
 
+def _stored_scales(t: QuantizedTensor) -> tuple[np.ndarray, np.ndarray | None]:
+    """(scales, mins | None) in the scheme's scale_dtype: the values are exact in it (QuantizedTensor checks)."""
+    dtype = np.dtype(t.scheme.scale_dtype)
+    return np.ascontiguousarray(t.scales, dtype), None if t.mins is None else np.ascontiguousarray(t.mins, dtype)
+
+
 def pack_cpu(t: QuantizedTensor) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    """(qweight uint8 [N, K] or [N, K/2], scales float32 [N, G], mins float32 [N, G] | None)."""
+    """(qweight uint8 [N, K] or [N, K/2], scales [N, G], mins [N, G] | None)."""
     n, k = t.shape
     if k % 32:
         raise CompileError(f"a quantized weight needs K a multiple of 32, got K={k}")
-    scales = np.ascontiguousarray(t.scales, dtype=np.float32)
-    mins = None if t.mins is None else np.ascontiguousarray(t.mins, dtype=np.float32)
+    scales, mins = _stored_scales(t)
     lo, _ = t.scheme.qrange  # -128 (int8), -8 (symmetric int4) or 0 (asymmetric int4)
     u = (t.q.astype(np.int16) - lo).astype(np.uint8)
     if t.scheme.bits == 8:
@@ -98,12 +103,11 @@ def _cuda_word_order(k: int, bits: int) -> np.ndarray:
 
 
 def pack_cuda(t: QuantizedTensor) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    """(qweight uint8 [N, K * bits / 8], scales float32 [N, G], mins float32 [N, G] | None): the CUDA layout."""
+    """(qweight uint8 [N, K * bits / 8], scales [N, G], mins [N, G] | None): the CUDA layout."""
     n, k = t.shape
     if k % 32:
         raise CompileError(f"a quantized weight needs K a multiple of 32, got K={k}")
-    scales = np.ascontiguousarray(t.scales, dtype=np.float32)
-    mins = None if t.mins is None else np.ascontiguousarray(t.mins, dtype=np.float32)
+    scales, mins = _stored_scales(t)
     bits = t.scheme.bits
     lo, _ = t.scheme.qrange
     perm = _cuda_word_order(k, bits)

@@ -15,7 +15,7 @@ finds each tensor at a byte offset fixed at compile time:
   between tensors, so a gap is filled by a small uint8 tensor named `__pad__.<n>` (ignored by llmc; not in
   the returned offsets). 64 bytes is a cache line and one AVX-512 vector.
 - A quantized linear (WeightSpec.quant) is two or three packed tensors, its `part`s: qweight (uint8), scales
-  and, for asymmetric schemes, mins (float32), in the layout of the target's kernel (`layout`: cpu or cuda,
+  and, for asymmetric schemes, mins (float16 or float32, the scheme's scale_dtype), in the layout of the target's kernel (`layout`: cpu or cuda,
   compiler/quant_pack.py; both keep rows independent, so fused sources concatenate row-wise). Each source
   is quantized once, by rows, or taken as the checkpoint holds it
   quantized (GGUF); the packed parts of the current fused weight's sources are kept until its last part is
@@ -43,9 +43,10 @@ from .quant import QuantScheme, quantize, restate
 
 ALIGN = 64
 _CHUNK_BYTES = 64 << 20  # conversion buffer for one slab of rows
-_DTYPES = {"float32": ("F32", 4), "bfloat16": ("BF16", 2), "uint8": ("U8", 1)}  # safetensors code, bytes each
+# safetensors code, bytes each; float16 holds only quantization scales
+_DTYPES = {"float32": ("F32", 4), "bfloat16": ("BF16", 2), "float16": ("F16", 2), "uint8": ("U8", 1)}
 PAD_PREFIX = "__pad__."
-QUANT_PARTS = {"qweight": "uint8", "scales": "float32", "mins": "float32"}  # part -> its dtype
+QUANT_PARTS = ("qweight", "scales", "mins")
 LAYOUTS = ("cpu", "cuda")  # the packed layouts of a quantized linear: quant_pack.pack_cpu / pack_cuda
 
 
@@ -53,7 +54,7 @@ LAYOUTS = ("cpu", "cuda")  # the packed layouts of a quantized linear: quant_pac
 class WeightSpec:
     name: str
     sources: tuple[str, ...]  # checkpoint tensor names, concatenated along dim 0 in this order
-    dtype: str  # "float32" | "bfloat16"; a quantized part's: QUANT_PARTS
+    dtype: str  # "float32" | "bfloat16"; a quantized part's: quant_part_dtype
     shape: tuple[int, ...]  # what the sources concatenate into (a quantized part: the float [N, K] it holds)
     quant: QuantScheme | None = None  # set for the parts of a quantized linear
     part: str | None = None  # "qweight" | "scales" | "mins", with quant
@@ -71,16 +72,26 @@ class WeightSpec:
         return math.prod(self.stored_shape) * _DTYPES[self.dtype][1]
 
 
+def quant_part_dtype(scheme: QuantScheme, part: str) -> str:
+    """The stored dtype of one part of a quantized linear: uint8 codes, scales and mins in the scheme's dtype."""
+    return "uint8" if part == "qweight" else scheme.scale_dtype
+
+
 def _align(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
 def _source_shapes(ckpt, spec: WeightSpec) -> list[tuple[int, ...]]:
     """Shapes of the spec's sources, from the config (no file is read); checks they pack into spec.shape."""
-    if spec.dtype not in _DTYPES:
+    if spec.dtype not in _DTYPES or (spec.quant is None and spec.dtype not in ("float32", "bfloat16")):
         raise CompileError(f"packed weight {spec.name!r}: dtype {spec.dtype!r}", "use float32 or bfloat16")
     if (spec.quant is None) != (spec.part is None) or (
-        spec.quant is not None and (QUANT_PARTS.get(spec.part) != spec.dtype or len(spec.shape) != 2)
+        spec.quant is not None
+        and (
+            spec.part not in QUANT_PARTS
+            or quant_part_dtype(spec.quant, spec.part) != spec.dtype
+            or len(spec.shape) != 2
+        )
     ):
         raise CompileError(f"packed weight {spec.name!r}: part {spec.part!r} of {spec.dtype}{list(spec.shape)} "
                            "is not a part of a quantized [N, K] weight")  # fmt: skip

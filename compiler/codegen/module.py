@@ -25,7 +25,7 @@ from .render import kernel_id, render_host, render_kernel
 from .tvm_fallback import c_source
 
 HOST_TEMPLATE = {"cpu": "model.cc.j2", "cuda": "model.cu.j2"}
-_CTYPE = {"float32": "float", "bfloat16": "uint16_t", "uint8": "uint8_t"}
+_CTYPE = {"float32": "float", "bfloat16": "uint16_t", "float16": "uint16_t", "uint8": "uint8_t"}
 # Step arrays of the C ABI; the CUDA host copies them to the device first and launches on the copies.
 _STEP_ARRAYS = (
     "token_ids",

@@ -136,6 +136,8 @@ def _check_qgemm(params: Mapping[str, Any]) -> None:
     groups = (16, 32, 64, 128, k) if bits == 8 else (32, 64, 128)
     if g not in groups:
         raise ValueError(f"group_size must be one of {sorted(set(groups))} for int{bits}, got {g!r}")
+    if params["scale_bits"] not in (16, 32):
+        raise ValueError(f"scale_bits must be 16 (fp16 scales) or 32, got {params['scale_bits']!r}")
 
 
 def template_path(target: str, op: str) -> str:
@@ -234,6 +236,7 @@ _ID_PREFIX = {
     "bits": "int",
     "group_size": "g",
     "asymmetric": "asym",
+    "scale_bits": "s",
     "prefetch_bytes": "pf",
     "task_bytes": "task",
     "gemv_warps": "gw",
@@ -250,7 +253,7 @@ _ID_ORDER = {
     "paged_attention": ["num_heads", "num_kv_heads", "head_dim", "block_size", "scale", "sliding_window", "kv_dtype"],
     "silu_mul": ["inter"],
     "gather_rows": ["cols"],
-    "qgemm": ["n", "k", "bits", "group_size", "asymmetric", "has_bias"],
+    "qgemm": ["n", "k", "bits", "group_size", "asymmetric", "scale_bits", "has_bias"],
 }
 _LIST_INLINE_MAX = 4  # longer lists are spelled as length + content hash
 

@@ -159,12 +159,13 @@ def _rows(a: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(a.reshape(a.shape[0], -1))
 
 
-# What each imported type is in compiler/quant.py's terms: exactly its blocks' values
+# What each imported type is in compiler/quant.py's terms: exactly its blocks' values. Q8_0 / Q4_0 scales
+# are the blocks' fp16 d; the K-quants' are fp16 d x a 6- or 8-bit sub-scale, which needs fp32.
 _SCHEMES = {
     T.Q8_0: QuantScheme(8, 32),
     T.Q4_0: QuantScheme(4, 32),
-    T.Q4_K: QuantScheme(4, 32, asymmetric=True),
-    T.Q6_K: QuantScheme(8, 16),
+    T.Q4_K: QuantScheme(4, 32, asymmetric=True, scale_dtype="float32"),
+    T.Q6_K: QuantScheme(8, 16, scale_dtype="float32"),
 }
 
 

@@ -45,7 +45,7 @@ OPS = {
     ),  # sliding_window 0: plain causal; else key j is seen from query i when i - window < j <= i
     "silu_mul": ("gate_up",),  # [rows, 2 * inter] -> [rows, inter]: silu(gate) * up
     # x @ W.T with W (float [N, K], sources as traced) packed quantized: compiler/quant.py's scheme as attrs
-    "quantized_matmul": ("x", "weight", "bits", "group_size", "asymmetric"),
+    "quantized_matmul": ("x", "weight", "bits", "group_size", "asymmetric", "scale_bits"),
 }
 
 

@@ -6,7 +6,7 @@ main's weight parameters in order (Traced.weight_names), which is how a paramete
 checkpoint tensor. A matched GEMM is `matmul(x, permute_dims(W))` with W a weight parameter or, after
 merge_qkv / fuse_swiglu, a concat of weight parameters: it is rewritten to
 
-    llmc.quantized_matmul(x, W, bits, group_size, asymmetric)
+    llmc.quantized_matmul(x, W, bits, group_size, asymmetric, scale_bits)
 
 with W as it was (the float [N, K] weight; lowering packs it quantized) and a bias add left where it is (it
 joins the quantized GEMM in lowering, as it joins the float one). A fused weight stays fused: its sources'
@@ -62,7 +62,7 @@ def quantize_linear(
                 continue
             k = int(weight.ty.shape.values[1])
             scheme = common_scheme(found, k)
-            attrs = [prim(scheme.bits), prim(scheme.group_size), prim(int(scheme.asymmetric))]
+            attrs = [prim(scheme.bits), prim(scheme.group_size), prim(int(scheme.asymmetric)), prim(scheme.scale_bits)]
             edits[b.var] = llmc_call("quantized_matmul", [x, weight, *attrs], b.var.ty)
             count += 1
         return rewrite(mod, edits, pass_name="quantize_linear", count=count)

@@ -73,7 +73,7 @@ def make_inputs(shape: KernelShape, rows: int, seed: int = 0) -> Inputs:
             bias, bf = _bf16(b32) if b32 is not None else (None, None)
         weights, rel = [w], (2.0**-7 if p["wdtype"] == "bf16" else 1e-5)  # bf16: x may be rounded to bf16
     elif shape.op == "qgemm":
-        t = quantize(w32, QuantScheme(p["bits"], p["group_size"], p["asymmetric"]))
+        t = quantize(w32, QuantScheme.of_kernel(p))
         q, scales, mins = pack_cpu(t)
         wf, bias, bf = dequantize(t), b32, b32
         weights, rel = [q, scales, mins if mins is not None else np.zeros(1, np.float32)], 2.0**-5  # int8 x

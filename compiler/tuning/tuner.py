@@ -51,7 +51,9 @@ def standard_shapes(family: str) -> list[KernelShape]:
         for n, k in STANDARD_GEMMS
     ]
     shapes += [
-        KernelShape.of("qgemm", dict(n=n, k=k, bits=bits, group_size=32, asymmetric=False, has_bias=False))
+        KernelShape.of(
+            "qgemm", dict(n=n, k=k, bits=bits, group_size=32, asymmetric=False, scale_bits=16, has_bias=False)
+        )
         for bits in (8, 4)
         for n, k in STANDARD_GEMMS
     ]
@@ -69,6 +71,8 @@ def parse_shape(text: str) -> KernelShape:
         params[key.strip()] = int(value) if value.strip().lstrip("-").isdigit() else value.strip()
     for key in ("has_bias", "asymmetric") if op.strip() == "qgemm" else ("has_bias",):
         params[key] = bool(params.get(key, 0))
+    if op.strip() == "qgemm":
+        params.setdefault("scale_bits", 16)
     return KernelShape.of(op.strip(), params)
 
 

@@ -108,29 +108,32 @@ def test_lowering_imports_no_torch():
 
 
 def test_quantized_matmul_lowers_to_qgemm_over_packed_parts(checkpoint_dir):
-    """qwen2 (qkv bias): q/k/v int4 g32 asym, o_proj int8 per channel; the bias joins the qgemm as float32."""
+    """qwen2 (qkv bias): q/k/v int4 g32 asym with fp32 scales (as GGUF Q4_K), o_proj int8 per channel with fp16
+    scales; the bias joins the qgemm as float32."""
     from llmc.compiler.passes.quantize_linear import quantize_linear
     from llmc.compiler.quant import QuantScheme
 
     mod, config = imported(checkpoint_dir, "qwen2")
     names = trace(config).weight_names
     p = "model.layers.1.self_attn."
-    asym = QuantScheme(4, 32, asymmetric=True)
+    asym = QuantScheme(4, 32, asymmetric=True, scale_dtype="float32")
     schemes = {p + "q_proj.weight": asym, p + "k_proj.weight": asym, p + "v_proj.weight": asym,
                p + "o_proj.weight": QuantScheme(8, config.q_size)}  # fmt: skip
     program = lower(run_passes(mod, quantize=quantize_linear(schemes, names)), names, weight_dtype="bfloat16",
                     block_size=16)  # fmt: skip
     print(program)
     qgemms = [launch for launch in program.launches if launch.op == "qgemm"]
+
+    def spec(arg):
+        return program.weights[int(arg[2:-1])]
+
     assert [launch.fused for launch in qgemms] == [["q+k+v_proj + bias"], ["o_proj"]]
     qkv, o = qgemms
     rows = config.q_size + 2 * config.kv_size
     assert qkv.params == {"n": rows, "k": config.hidden_size, "bits": 4, "group_size": 32, "asymmetric": True,
-                          "has_bias": True}  # fmt: skip
+                          "scale_bits": 32, "has_bias": True}  # fmt: skip
     assert o.params["bits"] == 8 and o.params["group_size"] == config.q_size and o.args[3] == o.args[4] == "nullptr"
-
-    def spec(arg):
-        return program.weights[int(arg[2:-1])]
+    assert o.params["scale_bits"] == 16 and spec(o.args[2]).dtype == "float16"
 
     q, scales, mins, bias = (spec(a) for a in qkv.args[1:5])
     assert [(s.part, s.dtype) for s in (q, scales, mins)] == [("qweight", "uint8"), ("scales", "float32"),

@@ -17,7 +17,14 @@ from llmc.errors import CompileError
 
 @pytest.mark.parametrize(
     "scheme",
-    [QuantScheme(8, 37), QuantScheme(8, 32), QuantScheme(4, 32), QuantScheme(4, 64, asymmetric=True)],
+    [
+        QuantScheme(8, 37),
+        QuantScheme(8, 32),
+        QuantScheme(4, 32),
+        QuantScheme(4, 64, asymmetric=True),
+        QuantScheme(4, 32, scale_dtype="float32"),
+        QuantScheme(4, 64, asymmetric=True, scale_dtype="float32"),
+    ],
     ids=lambda s: s.describe().replace(" ", "-"),
 )
 def test_round_to_nearest_is_within_half_a_step(scheme):
@@ -28,6 +35,29 @@ def test_round_to_nearest_is_within_half_a_step(scheme):
     assert t.q.min() >= lo and t.q.max() <= hi
     step = np.repeat(t.scales, scheme.group_size, axis=1)[:, :100]
     assert np.all(np.abs(dequantize(t) - w) <= 0.5 * step * (1 + 1e-5) + 1e-7)
+
+
+@pytest.mark.parametrize("asymmetric", [False, True])
+def test_fp16_scales_are_fp16_values_rounded_up(asymmetric):
+    """Scales (and mins) are fp16 values no smaller than the fp32 choice, so no element is clipped."""
+    rng = np.random.default_rng(1)
+    w = (rng.standard_normal((9, 96)) * np.logspace(-4, 1, 9)[:, None]).astype(np.float32)
+    t16 = quantize(w, QuantScheme(4, 32, asymmetric))
+    t32 = quantize(w, QuantScheme(4, 32, asymmetric, "float32"))
+    for a in (t16.scales, t16.mins):
+        assert a is None or np.array_equal(a.astype(np.float16).astype(np.float32), a)
+    if asymmetric:
+        assert np.all(t16.mins >= t32.mins)
+    else:
+        assert np.all(t16.scales >= t32.scales) and np.all(t16.scales <= t32.scales * (1 + 2**-10) + 2**-24)
+        assert np.all(np.abs(w) <= 7.5 * np.repeat(t16.scales, 32, axis=1))  # within q's range, unclipped
+
+
+def test_scales_past_fp16_are_refused():
+    with pytest.raises(CompileError, match="past fp16's range"):
+        quantize(np.full((1, 32), 1e6, np.float32), QuantScheme(4, 32))
+    with pytest.raises(CompileError, match="not fp16 values"):
+        QuantizedTensor(np.zeros((1, 32), np.int8), np.full((1, 1), 0.1, np.float32), None, QuantScheme(8, 32))
 
 
 def test_zero_rows_quantize_to_zero():
@@ -52,6 +82,7 @@ def test_shapes_that_do_not_fit_the_scheme_are_refused():
         (QuantScheme(4, 32), QuantScheme(8, 32)),  # Q4_0 beside Q8_0
         (QuantScheme(8, 96), QuantScheme(8, 64)),  # per channel (K = 96) into groups, a short last one
         (QuantScheme(4, 64), QuantScheme(8, 32, asymmetric=True)),
+        (QuantScheme(8, 32), QuantScheme(8, 32, scale_dtype="float32")),  # fp16 scales widen exactly
     ],
     ids=lambda s: s.describe().replace(" ", "-"),
 )
@@ -70,6 +101,7 @@ def test_restate_keeps_every_dequantized_value_bit_for_bit(old, new):
         (QuantScheme(4, 32, asymmetric=True), QuantScheme(8, 32)),  # mins dropped
         (QuantScheme(4, 32), QuantScheme(4, 32, asymmetric=True)),  # q + 8 and a min: not exact in float
         (QuantScheme(8, 32), QuantScheme(8, 64)),  # a wider group
+        (QuantScheme(8, 32, scale_dtype="float32"), QuantScheme(8, 32)),  # fp32 scales into fp16
     ],
     ids=lambda s: s.describe().replace(" ", "-"),
 )
@@ -80,8 +112,11 @@ def test_restate_refuses_what_it_cannot_hold_exactly(old, new):
 
 
 def test_common_scheme_of_fused_sources():
-    q4k, q6k = QuantScheme(4, 32, asymmetric=True), QuantScheme(8, 16)
-    assert common_scheme([q4k, q4k, q6k], 256) == QuantScheme(8, 16, asymmetric=True)
+    q4k, q6k = QuantScheme(4, 32, True, "float32"), QuantScheme(8, 16, scale_dtype="float32")
+    assert common_scheme([q4k, q4k, q6k], 256) == QuantScheme(8, 16, True, "float32")
+    assert common_scheme([QuantScheme(4, 32), QuantScheme(4, 32, scale_dtype="float32")], 256) == QuantScheme(
+        4, 32, scale_dtype="float32"
+    )
     assert common_scheme([QuantScheme(4, 32)] * 3, 256) == QuantScheme(4, 32)
     assert common_scheme([QuantScheme(4, 32), QuantScheme(8, 32)], 256) == QuantScheme(8, 32)
 

@@ -128,6 +128,6 @@ def test_tied_lm_head_is_quantized_apart_from_the_embedding_table(checkpoint_dir
     assert count == _expected_count(ckpt.config, lm_head=True)
     program = lower(out, names, block_size=16)
     table = [w for w in program.weights if w.sources == ("model.embed_tokens.weight",)]
-    assert sorted((w.part, w.dtype) for w in table if w.quant) == [("qweight", "uint8"), ("scales", "float32")]
+    assert sorted((w.part, w.dtype) for w in table if w.quant) == [("qweight", "uint8"), ("scales", "float16")]
     assert [w.dtype for w in table if w.quant is None] == ["float32"]  # the embedding's own
     assert program.launches[0].op == "embedding" and program.launches[-1].op == "qgemm"

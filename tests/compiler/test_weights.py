@@ -13,7 +13,7 @@ from llmc import digests
 from llmc.compiler.frontend.checkpoint import load_checkpoint
 from llmc.compiler.quant import QuantizedTensor, QuantScheme, dequantize, quantize
 from llmc.compiler.quant_pack import unpack_cpu
-from llmc.compiler.weights import ALIGN, PAD_PREFIX, QUANT_PARTS, WeightSpec, write_packed_weights
+from llmc.compiler.weights import ALIGN, PAD_PREFIX, WeightSpec, quant_part_dtype, write_packed_weights
 from llmc.errors import CompileError
 
 
@@ -114,7 +114,7 @@ def _quant_specs(ckpt, sources, scheme):
     n = sum(ckpt.config.weight_shapes()[s][0] for s in sources)
     shape = (n, ckpt.config.hidden_size)
     parts = ["qweight", "scales"] + (["mins"] if scheme.asymmetric else [])
-    return [WeightSpec(f"w.{p}", sources, QUANT_PARTS[p], shape, scheme, p) for p in parts]
+    return [WeightSpec(f"w.{p}", sources, quant_part_dtype(scheme, p), shape, scheme, p) for p in parts]
 
 
 def _unpacked(path, specs):
@@ -123,7 +123,11 @@ def _unpacked(path, specs):
     with safe_open(path, framework="np") as f:
         parts = {s.part: f.get_tensor(s.name) for s in specs}
     q = unpack_cpu(parts["qweight"], specs[0].shape, scheme.bits, scheme.asymmetric)
-    return QuantizedTensor(q, parts["scales"], parts.get("mins"), scheme)
+    assert parts["scales"].dtype == scheme.scale_dtype
+    mins = parts.get("mins")
+    return QuantizedTensor(
+        q, parts["scales"].astype(np.float32), None if mins is None else mins.astype(np.float32), scheme
+    )
 
 
 @pytest.mark.parametrize("scheme", [QuantScheme(8, 64), QuantScheme(4, 32), QuantScheme(4, 64, asymmetric=True)],
@@ -151,11 +155,15 @@ def test_weights_held_quantized_are_packed_as_held(ckpt, tmp_path, monkeypatch):
     qkv = tuple(f"model.layers.0.self_attn.{n}_proj.weight" for n in "qkv")
     rng = np.random.default_rng(4)
     held = {}
-    schemes = [QuantScheme(4, 32, True), QuantScheme(4, 32, True), QuantScheme(8, 16)]
+    schemes = [
+        QuantScheme(4, 32, True, "float32"),
+        QuantScheme(4, 32, True, "float32"),
+        QuantScheme(8, 16, scale_dtype="float32"),
+    ]
     for name, scheme in zip(qkv, schemes, strict=True):
         held[name] = quantize(rng.standard_normal(ckpt.config.weight_shapes()[name]).astype(np.float32), scheme)
     monkeypatch.setattr(ckpt, "quantized_tensor", held.get)
-    specs = _quant_specs(ckpt, qkv, QuantScheme(8, 16, asymmetric=True))
+    specs = _quant_specs(ckpt, qkv, QuantScheme(8, 16, asymmetric=True, scale_dtype="float32"))
     write_packed_weights(ckpt, specs, tmp_path / "w.safetensors")
     got = dequantize(_unpacked(tmp_path / "w.safetensors", specs))
     want = np.concatenate([dequantize(held[n]) for n in qkv])

@@ -202,7 +202,7 @@ def _raw_reference(ckpt, name) -> np.ndarray:
     return w if heads is None else names.unpermute_qk(w, heads)
 
 
-SCHEMES = {"Q8_0": "int8 g32", "Q4_0": "int4 g32", "Q4_K": "int4 g32 asym", "Q6_K": "int8 g16"}
+SCHEMES = {"Q8_0": "int8 g32", "Q4_0": "int4 g32", "Q4_K": "int4 g32 asym fp32-scales", "Q6_K": "int8 g16 fp32-scales"}
 
 
 def _assert_exact(ckpt, expect_types):

@@ -28,7 +28,8 @@ from llmc.compiler.codegen.build import CPU_FLAGS, build_shared_library
 from llmc.compiler.codegen.render import kernel_id, render_kernel, target_headers
 
 # docs/contracts.md, "Kernel templates": (argument, kind) per op; the CUDA launcher takes a cudaStream_t after
-# them. W* (weights, by wdtype) and KV* (KV cache, by kv_dtype) are float32 or bf16 (uint16 bits).
+# them. W* (weights, by wdtype) and KV* (KV cache, by kv_dtype) are float32 or bf16 (uint16 bits); S*
+# (quantization scales and mins, by scale_bits) float32 or fp16 (passed as numpy float16, read as uint16 bits).
 SIGNATURES = {
     "embedding": [("ids", "i32*"), ("T", "int"), ("table", "W*"), ("out", "f32*")],
     "rmsnorm": [
@@ -61,8 +62,8 @@ SIGNATURES = {
     "qgemm": [
         ("x", "f32*"),
         ("qweight", "u8*"),
-        ("scales", "f32*"),
-        ("mins", "f32*"),
+        ("scales", "S*"),
+        ("mins", "S*"),
         ("bias", "f32*"),
         ("y", "f32*"),
         ("T", "int"),
@@ -71,9 +72,16 @@ SIGNATURES = {
 _C_TYPE = {"f32*": "float*", "u8*": "uint8_t*", "i32*": "int32_t*", "i64*": "int64_t*", "int": "int"}
 _NP_TYPE = {"f32*": np.float32, "u8*": np.uint8, "i32*": np.int32, "i64*": np.int64}
 W_TYPES = {"f32": ("float*", np.float32), "bf16": ("uint16_t*", np.uint16)}
-_DTYPE_PARAM = {"W*": "wdtype", "KV*": "kv_dtype"}  # the kernel parameter that picks the element type
+_S_TYPES = {32: ("float*", np.float32), 16: ("uint16_t*", np.float16)}
+# kind -> (the kernel parameter that picks the element type, its (C type, numpy dtype) per value)
+_ELEMENT = {"W*": ("wdtype", W_TYPES), "KV*": ("kv_dtype", W_TYPES), "S*": ("scale_bits", _S_TYPES)}
 _ROW_STRIDED = {"q", "k", "v"}  # may be column slices of a fused [T, row_stride] qkv buffer
 HEADERS = {"cpu": "common.h", "cuda": "llmc_kernels.cuh"}
+
+
+def _element(kind: str, params: dict) -> tuple[str, type]:
+    param, types = _ELEMENT[kind]
+    return types[params[param]]
 
 
 def spec_id(spec) -> str:
@@ -102,7 +110,7 @@ class Kernel:
             if a is None:
                 c_args.append(None)
                 continue
-            want = W_TYPES[self.params[_DTYPE_PARAM[kind]]][1] if kind in _DTYPE_PARAM else _NP_TYPE[kind]
+            want = _element(kind, self.params)[1] if kind in _ELEMENT else _NP_TYPE[kind]
             assert isinstance(a, np.ndarray) and a.dtype == want, f"{self.op}.{name}: want {np.dtype(want)}"
             if name in _ROW_STRIDED:
                 assert a.ndim == 2 and a.strides[1] == a.itemsize, f"{self.op}.{name}: rows must be dense"
@@ -126,7 +134,7 @@ def trampoline(target: str, op: str, params: dict, kid: str) -> str:
     """`extern "C"` test_<kid> with the contract signature, calling kernel (CPU) or launcher (CUDA) kid."""
     args = []
     for name, kind in SIGNATURES[op]:
-        ctype = W_TYPES[params[_DTYPE_PARAM[kind]]][0] if kind in _DTYPE_PARAM else _C_TYPE[kind]
+        ctype = _element(kind, params)[0] if kind in _ELEMENT else _C_TYPE[kind]
         args.append(f"{ctype} {name}")
     names = ", ".join(name for name, _ in SIGNATURES[op])
     if target == "cpu":

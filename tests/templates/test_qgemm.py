@@ -26,29 +26,33 @@ from llmc.errors import CompileError
 
 pytestmark = pytest.mark.targets("cpu")
 
-# (n, k, bits, group_size, asymmetric); group_size == k: one scale per output channel
+# (n, k, bits, group_size, asymmetric, scale_bits); group_size == k: one scale per output channel; scale_bits
+# 16 (llmc's quantizer, GGUF Q8_0 / Q4_0) or 32 (GGUF's K-quants)
 SCHEMES = [
-    (37, 32, 8, 16, False),
-    (53, 96, 8, 32, False),
-    (37, 160, 8, 64, False),  # groups 64, 64, 32
-    (53, 576, 8, 128, False),  # 4.5 groups
-    (37, 576, 8, 576, False),
-    (53, 96, 4, 32, False),  # 3 blocks: one pair step and an odd tail
-    (37, 160, 4, 64, False),
-    (53, 576, 4, 128, False),
-    (37, 32, 4, 64, False),  # one short group
-    (53, 160, 4, 32, True),
-    (37, 96, 4, 64, True),
-    (53, 576, 4, 128, True),
-    (37, 160, 4, 128, True),
-    (37, 160, 8, 16, True),  # GGUF Q4_K beside Q6_K in one fused GEMM (quant.common_scheme)
-    (53, 96, 8, 32, True),
-    (37, 576, 8, 576, True),
+    (37, 32, 8, 16, False, 32),  # GGUF Q6_K
+    (53, 96, 8, 32, False, 16),
+    (53, 96, 8, 32, False, 32),
+    (37, 160, 8, 64, False, 16),  # groups 64, 64, 32
+    (53, 576, 8, 128, False, 16),  # 4.5 groups
+    (37, 576, 8, 576, False, 16),
+    (53, 96, 4, 32, False, 16),  # 3 blocks: one pair step and an odd tail
+    (53, 96, 4, 32, False, 32),
+    (37, 160, 4, 64, False, 16),
+    (53, 576, 4, 128, False, 16),
+    (37, 32, 4, 64, False, 16),  # one short group
+    (53, 160, 4, 32, True, 32),  # GGUF Q4_K
+    (53, 160, 4, 32, True, 16),
+    (37, 96, 4, 64, True, 16),
+    (53, 576, 4, 128, True, 16),
+    (37, 160, 4, 128, True, 32),
+    (37, 160, 8, 16, True, 32),  # GGUF Q4_K beside Q6_K in one fused GEMM (quant.common_scheme)
+    (53, 96, 8, 32, True, 16),
+    (37, 576, 8, 576, True, 16),
 ]
 
 
-def _params(n, k, bits, g, asym, bias):
-    return dict(n=n, k=k, bits=bits, group_size=g, asymmetric=asym, has_bias=bias)
+def _params(n, k, bits, g, asym, scale_bits, bias):
+    return dict(n=n, k=k, bits=bits, group_size=g, asymmetric=asym, scale_bits=scale_bits, has_bias=bias)
 
 
 SPECS = [("qgemm", _params(*s, bias)) for s in SCHEMES for bias in (False, True)]
@@ -63,7 +67,7 @@ def qgemm_inputs(params, T, seed):
     x = rng.standard_normal((T, k), dtype=np.float32)
     x[rng.random((T, k)) < 0.02] *= 20
     w = rng.standard_normal((n, k), dtype=np.float32) * 0.1 + (0.05 if params["asymmetric"] else 0.0)
-    t = quantize(w, QuantScheme(params["bits"], params["group_size"], params["asymmetric"]))
+    t = quantize(w, QuantScheme.of_kernel(params))
     bias = rng.standard_normal(n, dtype=np.float32) if params["has_bias"] else None
     return x, t, pack_cpu(t), bias
 
@@ -141,7 +145,7 @@ def test_pack_cpu_layout(bits, g, asym):
     rng = np.random.default_rng(0)
     t = quantize(rng.standard_normal((5, 96), dtype=np.float32), QuantScheme(bits, g, asym))
     qweight, scales, mins = pack_cpu(t)
-    assert qweight.dtype == np.uint8 and np.array_equal(scales, t.scales)
+    assert qweight.dtype == np.uint8 and scales.dtype == np.float16 and np.array_equal(scales, t.scales)
     assert (mins is None) == (not asym)
     assert np.array_equal(unpack_cpu(qweight, t.shape, bits, asym), t.q)
     if bits == 8:
@@ -159,9 +163,10 @@ def test_pack_cpu_layout(bits, g, asym):
         (dict(bits=4, group_size=16), "group_size must be one of"),
         (dict(group_size=48), "group_size must be one of"),
         (dict(bits=3), "bits must be 8 or 4"),
+        (dict(scale_bits=8), "scale_bits must be 16"),
     ],
 )
 def test_qgemm_render_refuses_other_schemes(change, message):
-    params = {**_params(37, 96, 8, 32, False, False), **change}
+    params = {**_params(37, 96, 8, 32, False, 16, False), **change}
     with pytest.raises(CompileError, match=message):
         render_kernel("cpu", "qgemm", name="k", **params)

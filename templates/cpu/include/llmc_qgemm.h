@@ -10,7 +10,8 @@ namespace llmc {
 // qgemm: y[T, N] = x[T, K] @ dequant(w)[N, K]^T (+ bias[N]), w[n, k] = q[n, k] * scale[n, g] - min[n, g],
 // g = k / GS (compiler/quant.py; packed layout in compiler/quant_pack.py):
 //   BITS 8: qweight row n = K bytes u = q + 128;  BITS 4: K/2 bytes, per 32-element chunk byte j = u[j] | u[j + 16] << 4,
-//   u = q + 8 (symmetric) or q (ASYM, with mins); scales / mins float32 [N, ceil(K / GS)].
+//   u = q + 8 (symmetric) or q (ASYM, with mins); scales / mins SC [N, ceil(K / GS)], SC float, or uint16_t
+//   holding fp16 bits (converted exactly to float where they are read; fp16 cuts int4 g32's bytes by 10%).
 //
 // Activations are quantized to int8 first, llama.cpp Q8_0-style: per block of 32 of a row, d = amax / 127,
 // q = round-to-nearest-even(x * (127 / amax)) in [-127, 127] (so the AVX2 sign trick below never meets
@@ -44,6 +45,21 @@ constexpr long kQgemvTaskBytes = 32 * 1024;  // packed weights + scales per para
 constexpr int kQgemvPrefetchBytes = 16 * 1024;
 constexpr int kQgemmTChunk = 64;
 constexpr long kQgemmBlockBytes = 128 * 1024;
+
+// A scale or min as float: SC float, or uint16_t fp16 bits (exact either way).
+LLMC_INLINE float scale_value(float s) { return s; }
+LLMC_INLINE float scale_value(uint16_t h) {
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#else
+  const uint32_t e = (h >> 10) & 0x1f, m = h & 0x3ff;  // scales are finite: e < 31
+  if (e == 0) return (h & 0x8000 ? -1.0f : 1.0f) * (float(m) * 0x1p-24f);  // subnormal or zero: exact
+  const uint32_t bits = (uint32_t(h & 0x8000) << 16) | ((e + 112) << 23) | (m << 13);  // rebias 15 -> 127
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+#endif
+}
 
 // ---------------------------------------------------------------------------------------------
 // The integer dot products of one step, per ISA. Bytes: 32 int8/uint8; Ints: 8 int32; Floats: 8 float.
@@ -121,9 +137,19 @@ LLMC_INLINE Ints zero_ints() { return _mm256_setzero_si256(); }
 LLMC_INLINE Floats load_floats(const float* p) { return _mm256_loadu_ps(p); }
 LLMC_INLINE Floats zero_floats() { return _mm256_setzero_ps(); }
 LLMC_INLINE Floats splat(float a) { return _mm256_set1_ps(a); }
-// [p[0] x 4, p[1] x 4]: one 8-byte load and a permute
+// [p[0] x 4, p[1] x 4]: one 8-byte load (fp16: a 4-byte load and a conversion) and a permute
 LLMC_INLINE Floats splat2(const float* p) {
   const __m128 two = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(p)));
+  return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(two), _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
+}
+LLMC_INLINE Floats splat2(const uint16_t* p) {
+#if defined(__F16C__)
+  int32_t bits;
+  std::memcpy(&bits, p, 4);
+  const __m128 two = _mm_cvtph_ps(_mm_cvtsi32_si128(bits));
+#else
+  const __m128 two = _mm_setr_ps(scale_value(p[0]), scale_value(p[1]), 0.0f, 0.0f);
+#endif
   return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(two), _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
 }
 LLMC_INLINE Floats mul(Floats a, Floats b) { return _mm256_mul_ps(a, b); }
@@ -150,6 +176,7 @@ LLMC_INLINE void round32(const float* x, float id, int8_t* q) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(q),
                       _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
 }
+LLMC_INLINE float madd(float a, float b, float c) { return std::fma(a, b, c); }
 LLMC_INLINE float hsum(Floats v) {  // the tree of the portable hsum below
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -232,9 +259,11 @@ LLMC_INLINE Floats splat(float a) {
   for (float& f : r.v) f = a;
   return r;
 }
-LLMC_INLINE Floats splat2(const float* p) {
+template <typename SC>
+LLMC_INLINE Floats splat2(const SC* p) {
+  const float s0 = scale_value(p[0]), s1 = scale_value(p[1]);
   Floats r;
-  for (int l = 0; l < 8; ++l) r.v[l] = p[l / 4];
+  for (int l = 0; l < 8; ++l) r.v[l] = l < 4 ? s0 : s1;
   return r;
 }
 LLMC_INLINE Floats mul(Floats a, Floats b) {
@@ -257,6 +286,7 @@ LLMC_INLINE float absmax32(const float* x) {
 LLMC_INLINE void round32(const float* x, float id, int8_t* q) {
   for (int i = 0; i < 32; ++i) q[i] = int8_t(std::nearbyint(x[i] * id));  // default mode: nearest, ties to even
 }
+LLMC_INLINE float madd(float a, float b, float c) { return a * b + c; }
 LLMC_INLINE float hsum(Floats a) {
   const float* v = a.v;
   return ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7]));
@@ -337,10 +367,10 @@ inline void quantize_row_q8(const float* LLMC_RESTRICT x, QStep<BITS>* LLMC_REST
 }
 
 // out[r * C + c] = the (row t0 + r, output j + c) result before bias, r < R, c < C (see Numerics).
-template <int R, int C, int K, int BITS, int GS, bool ASYM, int PF>
+template <int R, int C, int K, int BITS, int GS, bool ASYM, int PF, typename SC>
 LLMC_INLINE void qdot_tile(const QStep<BITS>* LLMC_RESTRICT steps, const float* LLMC_RESTRICT xs,
-                           const uint8_t* LLMC_RESTRICT w, const float* LLMC_RESTRICT scales,
-                           const float* LLMC_RESTRICT mins, int j, float* LLMC_RESTRICT out) {
+                           const uint8_t* LLMC_RESTRICT w, const SC* LLMC_RESTRICT scales,
+                           const SC* LLMC_RESTRICT mins, int j, float* LLMC_RESTRICT out) {
   using S = QShape<K, BITS, GS>;
   using namespace qsimd;
   Floats acc[R][C];
@@ -348,7 +378,7 @@ LLMC_INLINE void qdot_tile(const QStep<BITS>* LLMC_RESTRICT steps, const float* 
     LLMC_UNROLL for (int c = 0; c < C; ++c) acc[r][c] = zero_floats();
   }
   const uint8_t* wr = w + (long)j * S::RB;
-  const float* sr = scales + (long)j * S::G;
+  const SC* sr = scales + (long)j * S::G;
   constexpr int SB = 32;  // packed bytes per step: one int8 block, or two int4 chunks
   constexpr bool ODD_TAIL = BITS == 4 && S::NB % 2 == 1;
   constexpr int FULL = ODD_TAIL ? S::NS - 1 : S::NS;
@@ -394,8 +424,7 @@ LLMC_INLINE void qdot_tile(const QStep<BITS>* LLMC_RESTRICT steps, const float* 
     for (int s = 0; s < FULL; ++s) {
       Floats sc[C];
       LLMC_UNROLL for (int c = 0; c < C; ++c) {
-        const float* sg = sr + c * S::G;
-        sc[c] = splat2(sg + S::group_lo(s));  // groups 2s and 2s + 1
+        sc[c] = splat2(sr + c * S::G + S::group_lo(s));  // groups 2s and 2s + 1
       }
       step(s, std::false_type{}, [&](int r, int c, Ints p, Floats dx) {
         acc[r][c] = fma_ints(p, mul(dx, sc[c]), acc[r][c]);
@@ -403,7 +432,7 @@ LLMC_INLINE void qdot_tile(const QStep<BITS>* LLMC_RESTRICT steps, const float* 
     }
     if constexpr (ODD_TAIL) {
       Floats sc[C];
-      LLMC_UNROLL for (int c = 0; c < C; ++c) sc[c] = splat(sr[c * S::G + S::group_lo(S::NS - 1)]);
+      LLMC_UNROLL for (int c = 0; c < C; ++c) sc[c] = splat(scale_value(sr[c * S::G + S::group_lo(S::NS - 1)]));
       step(S::NS - 1, std::true_type{}, [&](int r, int c, Ints p, Floats dx) {
         acc[r][c] = fma_ints(p, mul(dx, sc[c]), acc[r][c]);
       });
@@ -423,7 +452,7 @@ LLMC_INLINE void qdot_tile(const QStep<BITS>* LLMC_RESTRICT steps, const float* 
         if (g == S::G - 1) step(S::NS - 1, std::true_type{}, into);
       }
       LLMC_UNROLL for (int c = 0; c < C; ++c) {
-        const Floats sc = splat(sr[c * S::G + g]);
+        const Floats sc = splat(scale_value(sr[c * S::G + g]));
         LLMC_UNROLL for (int r = 0; r < R; ++r) acc[r][c] = fma(gacc[r][c], sc, acc[r][c]);
       }
     }
@@ -432,10 +461,11 @@ LLMC_INLINE void qdot_tile(const QStep<BITS>* LLMC_RESTRICT steps, const float* 
     LLMC_UNROLL for (int c = 0; c < C; ++c) {
       float y = hsum(acc[r][c]);
       if constexpr (ASYM) {
-        const float* m = mins + (long)(j + c) * S::G;
+        const SC* m = mins + (long)(j + c) * S::G;
         const float* x = xs + (long)r * S::NX;
         float sm = 0.0f;
-        for (int b = 0; b < S::NX; ++b) sm += m[b * S::XU / GS] * x[b];
+        // an explicit FMA: left to contraction, tiles of different R vectorized this loop differently
+        for (int b = 0; b < S::NX; ++b) sm = qsimd::madd(scale_value(m[b * S::XU / GS]), x[b], sm);
         y -= sm;
       }
       out[r * C + c] = y;
@@ -490,9 +520,9 @@ inline void qpack_pairs(const QStep<BITS>* steps, int T, QPair<BITS>* pairs) {
 
 // out[r * C + c], r < 2 RP, c < C: as qdot_tile<2 RP, C, K, BITS, GS, false> gives them; pairs: RP row pairs of
 // stride NS.
-template <int RP, int C, int K, int BITS, int GS>
+template <int RP, int C, int K, int BITS, int GS, typename SC>
 LLMC_INLINE void qdot_pairs_tile(const QPair<BITS>* LLMC_RESTRICT pairs, const uint8_t* LLMC_RESTRICT w,
-                                 const float* LLMC_RESTRICT scales, int j, float* LLMC_RESTRICT out) {
+                                 const SC* LLMC_RESTRICT scales, int j, float* LLMC_RESTRICT out) {
   using S = QShape<K, BITS, GS>;
   constexpr bool ODD_TAIL = BITS == 4 && S::NB % 2 == 1;
   constexpr int FULL = ODD_TAIL ? S::NS - 1 : S::NS;
@@ -501,7 +531,7 @@ LLMC_INLINE void qdot_pairs_tile(const QPair<BITS>* LLMC_RESTRICT pairs, const u
     LLMC_UNROLL for (int c = 0; c < C; ++c) acc[p][c] = _mm512_setzero_ps();
   }
   const uint8_t* wr = w + (long)j * S::RB;
-  const float* sr = scales + (long)j * S::G;
+  const SC* sr = scales + (long)j * S::G;
   // One step: into(p, c, P, DX) for every (row pair, output).
   auto step = [&](int s, bool tail, auto into) {
     __m512i wa[C], wb[C];  // int8: u (wb unused); int4: low nibbles, high nibbles
@@ -539,10 +569,9 @@ LLMC_INLINE void qdot_pairs_tile(const QPair<BITS>* LLMC_RESTRICT pairs, const u
     auto split = [&](int s, bool tail) {
       __m512 sc[C];
       LLMC_UNROLL for (int c = 0; c < C; ++c) {
-        const float* sg = sr + c * S::G + S::group_lo(s);
-        sc[c] = tail ? _mm512_set1_ps(sg[0])
-                     : _mm512_setr_ps(sg[0], sg[0], sg[0], sg[0], sg[1], sg[1], sg[1], sg[1], sg[0], sg[0], sg[0],
-                                      sg[0], sg[1], sg[1], sg[1], sg[1]);
+        const SC* sg = sr + c * S::G + S::group_lo(s);
+        const float s0 = scale_value(sg[0]), s1 = tail ? s0 : scale_value(sg[1]);
+        sc[c] = _mm512_setr_ps(s0, s0, s0, s0, s1, s1, s1, s1, s0, s0, s0, s0, s1, s1, s1, s1);
       }
       step(s, tail, [&](int p, int c, __m512i P, __m512 dx) {
         acc[p][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(P), _mm512_mul_ps(dx, sc[c]), acc[p][c]);
@@ -567,7 +596,7 @@ LLMC_INLINE void qdot_pairs_tile(const QPair<BITS>* LLMC_RESTRICT pairs, const u
         if (g == S::G - 1) step(S::NS - 1, true, into);
       }
       LLMC_UNROLL for (int c = 0; c < C; ++c) {
-        const __m512 sc = _mm512_set1_ps(sr[c * S::G + g]);
+        const __m512 sc = _mm512_set1_ps(scale_value(sr[c * S::G + g]));
         LLMC_UNROLL for (int p = 0; p < RP; ++p) acc[p][c] = _mm512_fmadd_ps(gacc[p][c], sc, acc[p][c]);
       }
     }
@@ -581,8 +610,8 @@ LLMC_INLINE void qdot_pairs_tile(const QPair<BITS>* LLMC_RESTRICT pairs, const u
 }
 
 // Rows [0, 2 RP) (pairs from row 0; rows: how many are real) x outputs [j0, j1), stored with bias.
-template <int RP, int N, int K, int BITS, int GS, bool HAS_BIAS>
-LLMC_INLINE void qgemm_pairs_rows(int rows, const QPair<BITS>* pairs, const uint8_t* w, const float* scales,
+template <int RP, int N, int K, int BITS, int GS, bool HAS_BIAS, typename SC>
+LLMC_INLINE void qgemm_pairs_rows(int rows, const QPair<BITS>* pairs, const uint8_t* w, const SC* scales,
                                   const float* bias, float* y, int j0, int j1) {
   auto tile = [&](auto cols, int j) {
     constexpr int C = decltype(cols)::value;
@@ -614,9 +643,9 @@ LLMC_INLINE unsigned char* qgemm_scratch(size_t bytes) {
 }
 }  // namespace
 
-template <int R, int N, int K, int BITS, int GS, bool ASYM, bool HAS_BIAS, int PF>
-LLMC_INLINE void qgemm_tile_rows(const QStep<BITS>* steps, const float* xs, const uint8_t* w, const float* scales,
-                                 const float* mins, const float* bias, float* y, int j0, int j1) {
+template <int R, int N, int K, int BITS, int GS, bool ASYM, bool HAS_BIAS, int PF, typename SC>
+LLMC_INLINE void qgemm_tile_rows(const QStep<BITS>* steps, const float* xs, const uint8_t* w, const SC* scales,
+                                 const SC* mins, const float* bias, float* y, int j0, int j1) {
   constexpr int C = kQgemmCols;
   int j = j0;
   for (; j + C <= j1; j += C) {
@@ -634,9 +663,9 @@ LLMC_INLINE void qgemm_tile_rows(const QStep<BITS>* steps, const float* xs, cons
   }
 }
 
-template <int N, int K, int BITS, int GS, bool ASYM, bool HAS_BIAS, int PF = 0>
+template <int N, int K, int BITS, int GS, bool ASYM, bool HAS_BIAS, int PF, typename SC>
 LLMC_INLINE void qgemm_rows(int rows, const QStep<BITS>* steps, const float* xs, const uint8_t* w,
-                            const float* scales, const float* mins, const float* bias, float* y, int j0, int j1) {
+                            const SC* scales, const SC* mins, const float* bias, float* y, int j0, int j1) {
   static_assert(kQgemmRows == 4, "qgemm_rows: extend the switch");
   switch (rows) {
     case 1: qgemm_tile_rows<1, N, K, BITS, GS, ASYM, HAS_BIAS, PF>(steps, xs, w, scales, mins, bias, y, j0, j1); break;
@@ -649,9 +678,9 @@ LLMC_INLINE void qgemm_rows(int rows, const QStep<BITS>* steps, const float* xs,
 // PF and TASK (the decode GEMV's prefetch distance and bytes per task) are tunable
 // (templates/cpu/qgemm.tune.toml); they change the speed, never the numbers.
 template <int N, int K, int BITS, int GS, bool ASYM, bool HAS_BIAS, int PF = kQgemvPrefetchBytes,
-          long TASK = kQgemvTaskBytes>
-inline void qgemm(const float* LLMC_RESTRICT x, const uint8_t* LLMC_RESTRICT qweight, const float* LLMC_RESTRICT scales,
-                  const float* LLMC_RESTRICT mins, const float* LLMC_RESTRICT bias, float* LLMC_RESTRICT y, int T) {
+          long TASK = kQgemvTaskBytes, typename SC>
+inline void qgemm(const float* LLMC_RESTRICT x, const uint8_t* LLMC_RESTRICT qweight, const SC* LLMC_RESTRICT scales,
+                  const SC* LLMC_RESTRICT mins, const float* LLMC_RESTRICT bias, float* LLMC_RESTRICT y, int T) {
   using S = QShape<K, BITS, GS>;
   constexpr int R = kQgemmRows;
   const bool par = (long)T * N * K >= kParallelWork;
@@ -664,7 +693,7 @@ inline void qgemm(const float* LLMC_RESTRICT x, const uint8_t* LLMC_RESTRICT qwe
     quantize_row_q8<K, BITS, GS, ASYM>(x + (long)t * K, steps + (long)t * S::NS, xs + (long)t * S::NX);
   });
   // per output: packed weights, its scales (and mins)
-  constexpr long RB = S::RB + (long)S::G * sizeof(float) * (ASYM ? 2 : 1);
+  constexpr long RB = S::RB + (long)S::G * sizeof(SC) * (ASYM ? 2 : 1);
   if (T <= R) {
     constexpr int CH = (int)std::max<long>(8, TASK / RB / 8 * 8);
     constexpr int NCH = (N + CH - 1) / CH;
@@ -707,7 +736,7 @@ inline void qgemm(const float* LLMC_RESTRICT x, const uint8_t* LLMC_RESTRICT qwe
     const int t1 = std::min(T, (tc + 1) * kQgemmTChunk);
     const int j0 = nb * NBLK_N, j1 = std::min(N, j0 + NBLK_N);
     for (int t = tc * kQgemmTChunk; t < t1; t += R)
-      qgemm_rows<N, K, BITS, GS, ASYM, HAS_BIAS>(std::min(R, t1 - t), steps + (long)t * S::NS, xs + (long)t * S::NX,
+      qgemm_rows<N, K, BITS, GS, ASYM, HAS_BIAS, 0>(std::min(R, t1 - t), steps + (long)t * S::NS, xs + (long)t * S::NX,
                                                  qweight, scales, mins, bias, y + (long)t * N, j0, j1);
   });
 }

@@ -4,7 +4,8 @@
 // qweight is compiler/quant_pack.py's CUDA layout (pack_cuda): rows of K * BITS / 8 bytes, biased u = q - LO,
 // 64-byte blocks in which lane t (of 4) of an mma B fragment finds its 32-bit words at 4 * (t * nw + w); a
 // word holds the lane's B registers of one k16 step (int8) or two (int4), register j as the u16 halves of
-// `(word >> BITS * j) & MASK`. scales / mins float32 [N, NG], x and y float32, bias float32.
+// `(word >> BITS * j) & MASK`. scales / mins SC [N, NG] (float, or uint16_t holding fp16 bits), x and y
+// float32, bias float32.
 //
 //  - decode (T <= kGemvMaxT): gemv(). A warp per (NR output rows, k slice): every lane loads the same
 //    16-byte piece of its NR rows (NR loads in flight; consecutive lanes, consecutive pieces: 512 bytes of a
@@ -30,7 +31,11 @@
 
 namespace llmc {
 
-template <int N, int K, int BITS, int G, bool ASYM, bool BIAS>
+// A scale or min as float: SC float, or uint16_t fp16 bits (exact either way).
+__device__ __forceinline__ float scale_value(float s) { return s; }
+__device__ __forceinline__ float scale_value(uint16_t h) { return __half2float(__ushort_as_half(h)); }
+
+template <int N, int K, int BITS, int G, bool ASYM, bool BIAS, typename SC>
 struct QGemm {
   static_assert(BITS == 4 || BITS == 8, "qgemm: int4 or int8");
   static_assert(K % 32 == 0 && G % 16 == 0 && (BITS == 8 || G % 32 == 0), "qgemm: groups align to words");
@@ -69,7 +74,7 @@ struct QGemm {
   // NR output rows (x[r, k0 + 16 (j >> 1) + 8 (j & 1) + 2t + {0, 1}] for pair j).
   static __device__ __forceinline__ void gemv_words(const uint32_t (&wd)[NR][BW], int nw, int b, int t,
                                                     const int (&n)[NR], const float* x, int rows,
-                                                    const float* scales, const float* mins,
+                                                    const SC* scales, const SC* mins,
                                                     float (&acc)[NR][kGemvMaxT]) {
 #pragma unroll
     for (int w = 0; w < BW; ++w) {
@@ -85,8 +90,8 @@ struct QGemm {
           qf[i][2 * j + 1] = q_float(pr >> 16);
         }
         const int gi = n[i] * NG + k0 / G;
-        s[i] = scales[gi];
-        m[i] = ASYM ? mins[gi] : 0.0f;
+        s[i] = scale_value(scales[gi]);
+        m[i] = ASYM ? scale_value(mins[gi]) : 0.0f;
       }
       const float* x0 = x + k0 + 2 * t;
 #pragma unroll
@@ -112,8 +117,8 @@ struct QGemm {
     }
   }
 
-  static __device__ __forceinline__ void gemv(const float* x, const uint8_t* qweight, const float* scales,
-                                              const float* mins, const float* bias, float* y, int T) {
+  static __device__ __forceinline__ void gemv(const float* x, const uint8_t* qweight, const SC* scales,
+                                              const SC* mins, const float* bias, float* y, int T) {
     __shared__ float part[kGemvWarps][NR][kGemvMaxT];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int slice = warp % kSplit, n0 = (blockIdx.x * kGroupsPerBlock + warp / kSplit) * NR;
@@ -192,8 +197,8 @@ struct QGemm {
     }
   }
 
-  static __device__ __forceinline__ void tiled(const float* x, const uint8_t* qweight, const float* scales,
-                                               const float* mins, const float* bias, float* y, int T) {
+  static __device__ __forceinline__ void tiled(const float* x, const uint8_t* qweight, const SC* scales,
+                                               const SC* mins, const float* bias, float* y, int T) {
     __shared__ __align__(16) uint16_t xs[BM][XS];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
     const int m0 = blockIdx.y * BM, nw0 = blockIdx.x * BN + warp * WN;
@@ -257,8 +262,9 @@ struct QGemm {
 #pragma unroll
             for (int j = 0; j < NT; ++j) {
               const int c0 = min(nw0 + 8 * j + 2 * t, N - 1), c1 = min(nw0 + 8 * j + 2 * t + 1, N - 1);
-              const float s0 = scales[c0 * NG + grp], s1 = scales[c1 * NG + grp];
-              const float n0 = ASYM ? -mins[c0 * NG + grp] : 0.0f, n1 = ASYM ? -mins[c1 * NG + grp] : 0.0f;
+              const float s0 = scale_value(scales[c0 * NG + grp]), s1 = scale_value(scales[c1 * NG + grp]);
+              const float n0 = ASYM ? -scale_value(mins[c0 * NG + grp]) : 0.0f;
+              const float n1 = ASYM ? -scale_value(mins[c1 * NG + grp]) : 0.0f;
 #pragma unroll
               for (int mi = 0; mi < MT; ++mi) {
 #pragma unroll

@@ -32,31 +32,32 @@ from llmc.errors import CompileError
 
 HERE = Path(__file__).parent
 
-# (n, k, bits, group_size, asymmetric); group_size == k: one scale per output channel
+# (n, k, bits, group_size, asymmetric, scale_bits); group_size == k: one scale per output channel; scale_bits
+# 16 (llmc's quantizer, GGUF Q8_0 / Q4_0) or 32 (GGUF's K-quants)
 SCHEMES = [
-    (37, 96, 8, 96, False),
-    (53, 160, 8, 32, False),
-    (37, 160, 8, 16, False),
-    (70, 160, 8, 128, False),  # groups 128, 32
-    (19, 1056, 8, 1056, False),  # GEMV split over 2 warps, a 32-k tail block
-    (11, 4128, 8, 32, False),  # GEMV split over 8 warps (the most)
-    (53, 96, 4, 32, False),  # no full 128-k block: the tail alone
-    (37, 160, 4, 128, False),
-    (70, 576, 4, 32, False),
-    (19, 2080, 4, 128, False),
-    (53, 160, 4, 32, True),
-    (37, 576, 4, 128, True),
-    (70, 160, 4, 128, True),
-    (37, 160, 8, 16, True),  # GGUF Q4_K beside Q6_K in one fused GEMM (quant.common_scheme)
-    (19, 1056, 8, 32, True),
+    (37, 96, 8, 96, False, 16),
+    (53, 160, 8, 32, False, 16),
+    (37, 160, 8, 16, False, 32),  # GGUF Q6_K
+    (70, 160, 8, 128, False, 16),  # groups 128, 32
+    (19, 1056, 8, 1056, False, 32),  # GEMV split over 2 warps, a 32-k tail block
+    (11, 4128, 8, 32, False, 16),  # GEMV split over 8 warps (the most)
+    (53, 96, 4, 32, False, 16),  # no full 128-k block: the tail alone
+    (37, 160, 4, 128, False, 32),
+    (70, 576, 4, 32, False, 16),
+    (19, 2080, 4, 128, False, 16),
+    (53, 160, 4, 32, True, 32),  # GGUF Q4_K
+    (37, 576, 4, 128, True, 16),
+    (70, 160, 4, 128, True, 32),
+    (37, 160, 8, 16, True, 32),  # GGUF Q4_K beside Q6_K in one fused GEMM (quant.common_scheme)
+    (19, 1056, 8, 32, True, 16),
 ]
 TS = [1, 3, 8, 9, 17, 70]
 # tail blocks and clamped weight rows read exactly-sized numpy buffers: int4 asym, int8 g16, int4 without a full block
 ASAN_SCHEMES = [SCHEMES[12], SCHEMES[2], SCHEMES[6]]
 
 
-def _params(n, k, bits, g, asym, bias):
-    return dict(n=n, k=k, bits=bits, group_size=g, asymmetric=asym, has_bias=bias)
+def _params(n, k, bits, g, asym, scale_bits, bias):
+    return dict(n=n, k=k, bits=bits, group_size=g, asymmetric=asym, scale_bits=scale_bits, has_bias=bias)
 
 
 SPECS = [("qgemm", _params(*s, bias)) for s in SCHEMES for bias in (False, True)]
@@ -77,7 +78,7 @@ def qgemm_inputs(params, T, seed):
     x = rng.standard_normal((T, k), dtype=np.float32)
     x[rng.random((T, k)) < 0.02] *= 20
     w = rng.standard_normal((n, k), dtype=np.float32) * 0.1 + (0.05 if params["asymmetric"] else 0.0)
-    t = quantize(w, QuantScheme(params["bits"], params["group_size"], params["asymmetric"]))
+    t = quantize(w, QuantScheme.of_kernel(params))
     bias = rng.standard_normal(n, dtype=np.float32) if params["has_bias"] else None
     return x, t, pack_cuda(t), bias
 
@@ -190,4 +191,4 @@ def test_qgemm_cuda_asan_clean(tmp_path):
 )
 def test_qgemm_cuda_render_refuses_what_pack_cuda_cannot_hold(change, message):
     with pytest.raises(CompileError, match=message):
-        render_kernel("cuda", "qgemm", name="k", **{**_params(37, 96, 8, 32, False, False), **change})
+        render_kernel("cuda", "qgemm", name="k", **{**_params(37, 96, 8, 32, False, 16, False), **change})
