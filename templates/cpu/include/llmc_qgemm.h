@@ -11,7 +11,7 @@ namespace llmc {
 // g = k / GS (compiler/quant.py; packed layout in compiler/quant_pack.py):
 //   BITS 8: qweight row n = K bytes u = q + 128;  BITS 4: K/2 bytes, per 32-element chunk byte j = u[j] | u[j + 16] << 4,
 //   u = q + 8 (symmetric) or q (ASYM, with mins); scales / mins SC [N, ceil(K / GS)], SC float, or uint16_t
-//   holding fp16 bits (converted exactly to float where they are read; fp16 cuts int4 g32's bytes by 10%).
+//   holding fp16 bits (converted exactly to float per register tile; fp16 cuts int4 g32's bytes by 10%).
 //
 // Activations are quantized to int8 first, llama.cpp Q8_0-style: per block of 32 of a row, d = amax / 127,
 // q = round-to-nearest-even(x * (127 / amax)) in [-127, 127] (so the AVX2 sign trick below never meets
@@ -59,6 +59,26 @@ LLMC_INLINE float scale_value(uint16_t h) {
   std::memcpy(&f, &bits, 4);
   return f;
 #endif
+}
+
+// NV consecutive scales (or mins) as floats: float ones are read in place; fp16 ones are converted into buf
+// (NV floats), 8 at a time where the host has F16C. For the mins, read once per output after its tile, and the
+// prefill's scales, read by many rows. The decode tiles convert theirs in registers as they go (splat2, widen8):
+// read back from buf right after these stores, they stall on store-to-load forwarding, which halved int4's and
+// int8's speed at K = 576 with the weights in cache (2-core Zen 4 EPYC).
+template <int NV>
+LLMC_INLINE const float* scales_as_float(const float* p, float*) {
+  return p;
+}
+template <int NV>
+LLMC_INLINE const float* scales_as_float(const uint16_t* p, float* buf) {
+  int i = 0;
+#if defined(__F16C__) && defined(__AVX__)
+  for (; i + 8 <= NV; i += 8)
+    _mm256_storeu_ps(buf + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + i))));
+#endif
+  for (; i < NV; ++i) buf[i] = scale_value(p[i]);
+  return buf;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -152,6 +172,17 @@ LLMC_INLINE Floats splat2(const uint16_t* p) {
 #endif
   return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(two), _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
 }
+// The n <= 8 fp16 scales at p as floats (lanes past n: 0), reading nothing past p[n - 1]; lane(v, i): v[i] x 8.
+LLMC_INLINE Floats widen8(const uint16_t* p, int n) {
+  if (n == 8) return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+  return _mm256_cvtph_ps(_mm_maskz_loadu_epi16(__mmask8((1u << n) - 1), p));  // masked lanes never fault
+#endif
+  alignas(32) float f[8] = {};
+  for (int i = 0; i < n; ++i) f[i] = scale_value(p[i]);
+  return _mm256_load_ps(f);
+}
+LLMC_INLINE Floats lane(Floats v, int i) { return _mm256_permutevar8x32_ps(v, _mm256_set1_epi32(i)); }
 LLMC_INLINE Floats mul(Floats a, Floats b) { return _mm256_mul_ps(a, b); }
 LLMC_INLINE Floats fma(Floats a, Floats b, Floats acc) { return _mm256_fmadd_ps(a, b, acc); }
 LLMC_INLINE Floats fma_ints(Ints p, Floats d, Floats acc) { return fma(_mm256_cvtepi32_ps(p), d, acc); }
@@ -266,6 +297,12 @@ LLMC_INLINE Floats splat2(const SC* p) {
   for (int l = 0; l < 8; ++l) r.v[l] = l < 4 ? s0 : s1;
   return r;
 }
+LLMC_INLINE Floats widen8(const uint16_t* p, int n) {
+  Floats r{};
+  for (int i = 0; i < n; ++i) r.v[i] = scale_value(p[i]);
+  return r;
+}
+LLMC_INLINE Floats lane(Floats v, int i) { return splat(v.v[i]); }
 LLMC_INLINE Floats mul(Floats a, Floats b) {
   for (int l = 0; l < 8; ++l) a.v[l] *= b.v[l];
   return a;
@@ -378,7 +415,11 @@ LLMC_INLINE void qdot_tile(const QStep<BITS>* LLMC_RESTRICT steps, const float* 
     LLMC_UNROLL for (int c = 0; c < C; ++c) acc[r][c] = zero_floats();
   }
   const uint8_t* wr = w + (long)j * S::RB;
-  const SC* sr = scales + (long)j * S::G;
+  constexpr bool HALF = std::is_same_v<SC, uint16_t>;
+  float mbuf[HALF && ASYM ? C * S::G : 1];
+  const SC* sp = scales + (long)j * S::G;
+  const float* mr = nullptr;
+  if constexpr (ASYM) mr = scales_as_float<C * S::G>(mins + (long)j * S::G, mbuf);
   constexpr int SB = 32;  // packed bytes per step: one int8 block, or two int4 chunks
   constexpr bool ODD_TAIL = BITS == 4 && S::NB % 2 == 1;
   constexpr int FULL = ODD_TAIL ? S::NS - 1 : S::NS;
@@ -424,7 +465,7 @@ LLMC_INLINE void qdot_tile(const QStep<BITS>* LLMC_RESTRICT steps, const float* 
     for (int s = 0; s < FULL; ++s) {
       Floats sc[C];
       LLMC_UNROLL for (int c = 0; c < C; ++c) {
-        sc[c] = splat2(sr + c * S::G + S::group_lo(s));  // groups 2s and 2s + 1
+        sc[c] = splat2(sp + c * S::G + S::group_lo(s));  // groups 2s and 2s + 1
       }
       step(s, std::false_type{}, [&](int r, int c, Ints p, Floats dx) {
         acc[r][c] = fma_ints(p, mul(dx, sc[c]), acc[r][c]);
@@ -432,7 +473,7 @@ LLMC_INLINE void qdot_tile(const QStep<BITS>* LLMC_RESTRICT steps, const float* 
     }
     if constexpr (ODD_TAIL) {
       Floats sc[C];
-      LLMC_UNROLL for (int c = 0; c < C; ++c) sc[c] = splat(scale_value(sr[c * S::G + S::group_lo(S::NS - 1)]));
+      LLMC_UNROLL for (int c = 0; c < C; ++c) sc[c] = splat(scale_value(sp[c * S::G + S::group_lo(S::NS - 1)]));
       step(S::NS - 1, std::true_type{}, [&](int r, int c, Ints p, Floats dx) {
         acc[r][c] = fma_ints(p, mul(dx, sc[c]), acc[r][c]);
       });
@@ -440,6 +481,7 @@ LLMC_INLINE void qdot_tile(const QStep<BITS>* LLMC_RESTRICT steps, const float* 
   } else {
     // whole steps per group: gacc = sum of P * DX over the group's steps, then acc += gacc * S
     constexpr int SPG = GS / S::SE;
+    Floats s8[C];  // fp16 scales: groups g - g % 8 .. + 7 of each output, as floats
     for (int g = 0; g < S::G; ++g) {
       Floats gacc[R][C];
       LLMC_UNROLL for (int r = 0; r < R; ++r) {
@@ -452,7 +494,13 @@ LLMC_INLINE void qdot_tile(const QStep<BITS>* LLMC_RESTRICT steps, const float* 
         if (g == S::G - 1) step(S::NS - 1, std::true_type{}, into);
       }
       LLMC_UNROLL for (int c = 0; c < C; ++c) {
-        const Floats sc = splat(scale_value(sr[c * S::G + g]));
+        Floats sc;
+        if constexpr (HALF) {
+          if (g % 8 == 0) s8[c] = widen8(sp + c * S::G + g, std::min(8, S::G - g));
+          sc = lane(s8[c], g % 8);
+        } else {
+          sc = splat(sp[c * S::G + g]);
+        }
         LLMC_UNROLL for (int r = 0; r < R; ++r) acc[r][c] = fma(gacc[r][c], sc, acc[r][c]);
       }
     }
@@ -461,11 +509,11 @@ LLMC_INLINE void qdot_tile(const QStep<BITS>* LLMC_RESTRICT steps, const float* 
     LLMC_UNROLL for (int c = 0; c < C; ++c) {
       float y = hsum(acc[r][c]);
       if constexpr (ASYM) {
-        const SC* m = mins + (long)(j + c) * S::G;
+        const float* m = mr + c * S::G;
         const float* x = xs + (long)r * S::NX;
         float sm = 0.0f;
         // an explicit FMA: left to contraction, tiles of different R vectorized this loop differently
-        for (int b = 0; b < S::NX; ++b) sm = qsimd::madd(scale_value(m[b * S::XU / GS]), x[b], sm);
+        for (int b = 0; b < S::NX; ++b) sm = qsimd::madd(m[b * S::XU / GS], x[b], sm);
         y -= sm;
       }
       out[r * C + c] = y;
@@ -531,7 +579,8 @@ LLMC_INLINE void qdot_pairs_tile(const QPair<BITS>* LLMC_RESTRICT pairs, const u
     LLMC_UNROLL for (int c = 0; c < C; ++c) acc[p][c] = _mm512_setzero_ps();
   }
   const uint8_t* wr = w + (long)j * S::RB;
-  const SC* sr = scales + (long)j * S::G;
+  float sbuf[std::is_same_v<SC, float> ? 1 : C * S::G];
+  const float* sr = scales_as_float<C * S::G>(scales + (long)j * S::G, sbuf);
   // One step: into(p, c, P, DX) for every (row pair, output).
   auto step = [&](int s, bool tail, auto into) {
     __m512i wa[C], wb[C];  // int8: u (wb unused); int4: low nibbles, high nibbles
@@ -569,9 +618,10 @@ LLMC_INLINE void qdot_pairs_tile(const QPair<BITS>* LLMC_RESTRICT pairs, const u
     auto split = [&](int s, bool tail) {
       __m512 sc[C];
       LLMC_UNROLL for (int c = 0; c < C; ++c) {
-        const SC* sg = sr + c * S::G + S::group_lo(s);
-        const float s0 = scale_value(sg[0]), s1 = tail ? s0 : scale_value(sg[1]);
-        sc[c] = _mm512_setr_ps(s0, s0, s0, s0, s1, s1, s1, s1, s0, s0, s0, s0, s1, s1, s1, s1);
+        const float* sg = sr + c * S::G + S::group_lo(s);
+        sc[c] = tail ? _mm512_set1_ps(sg[0])
+                     : _mm512_setr_ps(sg[0], sg[0], sg[0], sg[0], sg[1], sg[1], sg[1], sg[1], sg[0], sg[0], sg[0],
+                                      sg[0], sg[1], sg[1], sg[1], sg[1]);
       }
       step(s, tail, [&](int p, int c, __m512i P, __m512 dx) {
         acc[p][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(P), _mm512_mul_ps(dx, sc[c]), acc[p][c]);
@@ -596,7 +646,7 @@ LLMC_INLINE void qdot_pairs_tile(const QPair<BITS>* LLMC_RESTRICT pairs, const u
         if (g == S::G - 1) step(S::NS - 1, true, into);
       }
       LLMC_UNROLL for (int c = 0; c < C; ++c) {
-        const __m512 sc = _mm512_set1_ps(scale_value(sr[c * S::G + g]));
+        const __m512 sc = _mm512_set1_ps(sr[c * S::G + g]);
         LLMC_UNROLL for (int p = 0; p < RP; ++p) acc[p][c] = _mm512_fmadd_ps(gacc[p][c], sc, acc[p][c]);
       }
     }
