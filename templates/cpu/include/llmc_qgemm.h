@@ -61,23 +61,20 @@ LLMC_INLINE float scale_value(uint16_t h) {
 #endif
 }
 
-// NV consecutive scales (or mins) as floats: float ones are read in place; fp16 ones are converted into buf
-// (NV floats), 8 at a time where the host has F16C. For the mins, read once per output after its tile, and the
-// prefill's scales, read by many rows. The decode tiles convert theirs in registers as they go (splat2, widen8):
-// read back from buf right after these stores, they stall on store-to-load forwarding, which halved int4's and
-// int8's speed at K = 576 with the weights in cache (2-core Zen 4 EPYC).
-template <int NV>
-LLMC_INLINE const float* scales_as_float(const float* p, float*) {
-  return p;
-}
-template <int NV>
-LLMC_INLINE const float* scales_as_float(const uint16_t* p, float* buf) {
-  int i = 0;
+// n consecutive scales or mins as floats: float ones are read in place; fp16 ones are converted into buf (n
+// floats), 8 at a time where the host has F16C. Used where the floats are read long after these stores: the
+// mins, once per output after its tile, and a prefill task's scales, by all its row tiles. The decode tiles
+// convert their scales in registers as they go (splat2, widen8): read back from such a buffer right after its
+// stores, they stalled on store-to-load forwarding, which halved int4's and int8's speed at K = 576 with the
+// weights in cache (2-core Zen 4 EPYC).
+LLMC_INLINE const float* scales_as_float(const float* p, long, float*) { return p; }
+LLMC_INLINE const float* scales_as_float(const uint16_t* p, long n, float* buf) {
+  long i = 0;
 #if defined(__F16C__) && defined(__AVX__)
-  for (; i + 8 <= NV; i += 8)
+  for (; i + 8 <= n; i += 8)
     _mm256_storeu_ps(buf + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + i))));
 #endif
-  for (; i < NV; ++i) buf[i] = scale_value(p[i]);
+  for (; i < n; ++i) buf[i] = scale_value(p[i]);
   return buf;
 }
 
@@ -419,7 +416,7 @@ LLMC_INLINE void qdot_tile(const QStep<BITS>* LLMC_RESTRICT steps, const float* 
   float mbuf[HALF && ASYM ? C * S::G : 1];
   const SC* sp = scales + (long)j * S::G;
   const float* mr = nullptr;
-  if constexpr (ASYM) mr = scales_as_float<C * S::G>(mins + (long)j * S::G, mbuf);
+  if constexpr (ASYM) mr = scales_as_float(mins + (long)j * S::G, C * S::G, mbuf);
   constexpr int SB = 32;  // packed bytes per step: one int8 block, or two int4 chunks
   constexpr bool ODD_TAIL = BITS == 4 && S::NB % 2 == 1;
   constexpr int FULL = ODD_TAIL ? S::NS - 1 : S::NS;
@@ -568,9 +565,9 @@ inline void qpack_pairs(const QStep<BITS>* steps, int T, QPair<BITS>* pairs) {
 
 // out[r * C + c], r < 2 RP, c < C: as qdot_tile<2 RP, C, K, BITS, GS, false> gives them; pairs: RP row pairs of
 // stride NS.
-template <int RP, int C, int K, int BITS, int GS, typename SC>
+template <int RP, int C, int K, int BITS, int GS>
 LLMC_INLINE void qdot_pairs_tile(const QPair<BITS>* LLMC_RESTRICT pairs, const uint8_t* LLMC_RESTRICT w,
-                                 const SC* LLMC_RESTRICT scales, int j, float* LLMC_RESTRICT out) {
+                                 const float* LLMC_RESTRICT scales, int j, float* LLMC_RESTRICT out) {
   using S = QShape<K, BITS, GS>;
   constexpr bool ODD_TAIL = BITS == 4 && S::NB % 2 == 1;
   constexpr int FULL = ODD_TAIL ? S::NS - 1 : S::NS;
@@ -579,8 +576,7 @@ LLMC_INLINE void qdot_pairs_tile(const QPair<BITS>* LLMC_RESTRICT pairs, const u
     LLMC_UNROLL for (int c = 0; c < C; ++c) acc[p][c] = _mm512_setzero_ps();
   }
   const uint8_t* wr = w + (long)j * S::RB;
-  float sbuf[std::is_same_v<SC, float> ? 1 : C * S::G];
-  const float* sr = scales_as_float<C * S::G>(scales + (long)j * S::G, sbuf);
+  const float* sr = scales + (long)j * S::G;
   // One step: into(p, c, P, DX) for every (row pair, output).
   auto step = [&](int s, bool tail, auto into) {
     __m512i wa[C], wb[C];  // int8: u (wb unused); int4: low nibbles, high nibbles
@@ -620,8 +616,7 @@ LLMC_INLINE void qdot_pairs_tile(const QPair<BITS>* LLMC_RESTRICT pairs, const u
       LLMC_UNROLL for (int c = 0; c < C; ++c) {
         const float* sg = sr + c * S::G + S::group_lo(s);
         sc[c] = tail ? _mm512_set1_ps(sg[0])
-                     : _mm512_setr_ps(sg[0], sg[0], sg[0], sg[0], sg[1], sg[1], sg[1], sg[1], sg[0], sg[0], sg[0],
-                                      sg[0], sg[1], sg[1], sg[1], sg[1]);
+                     : _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(qsimd::splat2(sg))));
       }
       step(s, tail, [&](int p, int c, __m512i P, __m512 dx) {
         acc[p][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(P), _mm512_mul_ps(dx, sc[c]), acc[p][c]);
@@ -660,8 +655,8 @@ LLMC_INLINE void qdot_pairs_tile(const QPair<BITS>* LLMC_RESTRICT pairs, const u
 }
 
 // Rows [0, 2 RP) (pairs from row 0; rows: how many are real) x outputs [j0, j1), stored with bias.
-template <int RP, int N, int K, int BITS, int GS, bool HAS_BIAS, typename SC>
-LLMC_INLINE void qgemm_pairs_rows(int rows, const QPair<BITS>* pairs, const uint8_t* w, const SC* scales,
+template <int RP, int N, int K, int BITS, int GS, bool HAS_BIAS>
+LLMC_INLINE void qgemm_pairs_rows(int rows, const QPair<BITS>* pairs, const uint8_t* w, const float* scales,
                                   const float* bias, float* y, int j0, int j1) {
   auto tile = [&](auto cols, int j) {
     constexpr int C = decltype(cols)::value;
@@ -684,7 +679,7 @@ LLMC_INLINE void qgemm_pairs_rows(int rows, const QPair<BITS>* pairs, const uint
 namespace {  // internal linkage: each model.so has its own buffers (see the pool in llmc_pool.h)
 // The quantized activations of a call (USE: as steps, or packed in row pairs for LLMC_QGEMM_PAIRS), 64-byte
 // aligned, reused by the next call on the same thread.
-enum { kQScratchSteps, kQScratchPairs };
+enum { kQScratchSteps, kQScratchPairs, kQScratchScales };
 template <int USE>
 LLMC_INLINE unsigned char* qgemm_scratch(size_t bytes) {
   thread_local std::vector<unsigned char> buf;
@@ -768,14 +763,21 @@ inline void qgemm(const float* LLMC_RESTRICT x, const uint8_t* LLMC_RESTRICT qwe
       const int tc = task / NBLK, nb = task % NBLK;
       const int t1 = std::min(T, (tc + 1) * kQgemmTChunk);
       const int j0 = nb * NBLK_N, j1 = std::min(N, j0 + NBLK_N);
+      // outputs [j0, j1) of the block, as outputs [0, j1 - j0) of these, with the scales as floats
+      const uint8_t* wb = qweight + (long)j0 * S::RB;
+      float* sbuf = std::is_same_v<SC, float>
+                        ? nullptr
+                        : reinterpret_cast<float*>(qgemm_scratch<kQScratchScales>((size_t)NBLK_N * S::G * sizeof(float)));
+      const float* sb = scales_as_float(scales + (long)j0 * S::G, (long)(j1 - j0) * S::G, sbuf);
+      const float* bb = HAS_BIAS ? bias + j0 : nullptr;
       for (int t = tc * kQgemmTChunk; t < t1; t += RT) {
         const QPair<BITS>* pt = pairs + (long)(t / 2) * S::NS;
-        float* yt = y + (long)t * N;
+        float* yt = y + (long)t * N + j0;
         if (t1 - t > 2)
-          qgemm_pairs_rows<kQgemmPairRows, N, K, BITS, GS, HAS_BIAS>(std::min(RT, t1 - t), pt, qweight, scales, bias,
-                                                                      yt, j0, j1);
+          qgemm_pairs_rows<kQgemmPairRows, N, K, BITS, GS, HAS_BIAS>(std::min(RT, t1 - t), pt, wb, sb, bb, yt, 0,
+                                                                      j1 - j0);
         else
-          qgemm_pairs_rows<1, N, K, BITS, GS, HAS_BIAS>(t1 - t, pt, qweight, scales, bias, yt, j0, j1);
+          qgemm_pairs_rows<1, N, K, BITS, GS, HAS_BIAS>(t1 - t, pt, wb, sb, bb, yt, 0, j1 - j0);
       }
     });
     return;
