@@ -11,7 +11,7 @@ namespace llmc {
 // g = k / GS (compiler/quant.py; packed layout in compiler/quant_pack.py):
 //   BITS 8: qweight row n = K bytes u = q + 128;  BITS 4: K/2 bytes, per 32-element chunk byte j = u[j] | u[j + 16] << 4,
 //   u = q + 8 (symmetric) or q (ASYM, with mins); scales / mins SC [N, ceil(K / GS)], SC float, or uint16_t
-//   holding fp16 bits (converted exactly to float per register tile; fp16 cuts int4 g32's bytes by 10%).
+//   holding fp16 bits (converted exactly to float in registers as a tile goes; fp16 cuts int4 g32's bytes by 10%).
 //
 // Activations are quantized to int8 first, llama.cpp Q8_0-style: per block of 32 of a row, d = amax / 127,
 // q = round-to-nearest-even(x * (127 / amax)) in [-127, 127] (so the AVX2 sign trick below never meets
@@ -174,10 +174,11 @@ LLMC_INLINE Floats widen8(const uint16_t* p, int n) {
   if (n == 8) return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 #if defined(__AVX512BW__) && defined(__AVX512VL__)
   return _mm256_cvtph_ps(_mm_maskz_loadu_epi16(__mmask8((1u << n) - 1), p));  // masked lanes never fault
-#endif
+#else
   alignas(32) float f[8] = {};
   for (int i = 0; i < n; ++i) f[i] = scale_value(p[i]);
   return _mm256_load_ps(f);
+#endif
 }
 LLMC_INLINE Floats lane(Floats v, int i) { return _mm256_permutevar8x32_ps(v, _mm256_set1_epi32(i)); }
 LLMC_INLINE Floats mul(Floats a, Floats b) { return _mm256_mul_ps(a, b); }
@@ -765,9 +766,9 @@ inline void qgemm(const float* LLMC_RESTRICT x, const uint8_t* LLMC_RESTRICT qwe
       const int j0 = nb * NBLK_N, j1 = std::min(N, j0 + NBLK_N);
       // outputs [j0, j1) of the block, as outputs [0, j1 - j0) of these, with the scales as floats
       const uint8_t* wb = qweight + (long)j0 * S::RB;
-      float* sbuf = std::is_same_v<SC, float>
-                        ? nullptr
-                        : reinterpret_cast<float*>(qgemm_scratch<kQScratchScales>((size_t)NBLK_N * S::G * sizeof(float)));
+      float* sbuf = nullptr;
+      if constexpr (!std::is_same_v<SC, float>)
+        sbuf = reinterpret_cast<float*>(qgemm_scratch<kQScratchScales>((size_t)NBLK_N * S::G * sizeof(float)));
       const float* sb = scales_as_float(scales + (long)j0 * S::G, (long)(j1 - j0) * S::G, sbuf);
       const float* bb = HAS_BIAS ? bias + j0 : nullptr;
       for (int t = tc * kQgemmTChunk; t < t1; t += RT) {
