@@ -453,15 +453,13 @@ class _Lowering:
         x, w = self.env.get(args["x"]), self.env.get(args["weight"])
         if not (isinstance(x, _View) and x.stride == x.cols and isinstance(w, _Weight) and len(w.shape) == 2):
             raise CompileError(f"quantized matmul {var.name}: expected a whole activation and an [N, K] weight")
-        bits, group_size, asymmetric, scale_bits = (
-            int(prim_value(args[n])) for n in ("bits", "group_size", "asymmetric", "scale_bits")
-        )
-        scheme = QuantScheme(bits, group_size, bool(asymmetric), f"float{scale_bits}")
-        q, scales, *mins = (self.quant_index(w, scheme, p) for p in QUANT_PARTS if p != "mins" or asymmetric)
+        quant = {a: int(prim_value(args[a])) for a in ("bits", "group_size", "asymmetric", "scale_bits")}
+        quant["asymmetric"] = bool(quant["asymmetric"])
+        scheme = QuantScheme.of_kernel(quant)
+        q, scales, *mins = (self.quant_index(w, scheme, p) for p in QUANT_PARTS if p != "mins" or scheme.asymmetric)
         n, k = w.shape
         out = self.new_value(n, x.rows)
-        params = {"n": n, "k": k, "bits": bits, "group_size": group_size, "asymmetric": bool(asymmetric),
-                  "scale_bits": scale_bits, "has_bias": False}  # fmt: skip
+        params = {"n": n, "k": k, **quant, "has_bias": False}
         weights = [f"W[{q}]", f"W[{scales}]", f"W[{mins[0]}]" if mins else "nullptr"]
         self.emit("qgemm", params, [x, *weights, "nullptr", out, x.rows], [_linear_name(w.sources)], [out], weight=q)
         self.env[var] = out
