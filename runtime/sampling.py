@@ -23,6 +23,8 @@ MAX_LOGPROBS = 20  # as vLLM's default max_logprobs and OpenAI's top_logprobs li
 # Far past any useful value (OpenAI stops at 2); beyond it the distribution is uniform to float precision.
 MAX_TEMPERATURE = 100.0
 MAX_REPETITION_PENALTY = 100.0
+# Its mirror below 1: dividing a logit by a penalty near 0 overflows it to inf, and the softmax of an inf is NaN.
+MIN_REPETITION_PENALTY = 1.0 / MAX_REPETITION_PENALTY
 # numpy's SeedSequence takes non-negative integers only; 64 bits is every seed a client sends in practice.
 MAX_SEED = 2**64 - 1
 
@@ -86,9 +88,10 @@ class SamplingParams:
             raise bad("top_p", self.top_p, "top_p must be in (0, 1]")
         if not 0.0 <= real("min_p") <= 1.0:
             raise bad("min_p", self.min_p, "min_p must be in [0, 1]")
-        if not 0.0 < real("repetition_penalty") <= MAX_REPETITION_PENALTY:
+        if not MIN_REPETITION_PENALTY <= real("repetition_penalty") <= MAX_REPETITION_PENALTY:
             raise bad("repetition_penalty", self.repetition_penalty,
-                      f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}] (1 is off)")  # fmt: skip
+                      f"repetition_penalty must be in [{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}] "
+                      "(1 is off)")  # fmt: skip
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= real(name) <= 2.0:
                 raise bad(name, getattr(self, name), f"{name} must be in [-2, 2]")

@@ -51,6 +51,7 @@ def test_defaults_and_normalization():
         ({"top_p": 1.5}, "top_p"),
         ({"min_p": 2.0}, "min_p"),
         ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"repetition_penalty": 5e-324}, "repetition_penalty"),  # logits / it overflowed to inf (the fuzzer's find)
         ({"presence_penalty": 3.0}, "presence_penalty"),
         ({"frequency_penalty": -2.5}, "frequency_penalty"),
         ({"stop": [""]}, "stop"),
