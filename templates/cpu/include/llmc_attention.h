@@ -19,6 +19,15 @@ LLMC_INLINE void store_kv(uint16_t* dst, const float* src, long n) {
   for (long i = 0; i < n; ++i) dst[i] = f32_to_bf16(src[i]);
 }
 
+// The vectors of a V row that attend<> accumulates at once for G heads: the largest divisor of the row's nv vectors
+// with G x it accumulators, at most half the vector registers (32 with AVX-512, 16 with AVX2).
+constexpr int v_chunk(int nv, int g) {
+  const int max_acc = Vec::W >= 16 ? 16 : 8;
+  for (int c = nv; c > 1; --c)
+    if (nv % c == 0 && g * c <= max_acc) return c;
+  return 1;
+}
+
 // attend<G, ...>: G query heads of one token that share a kv head (q: G rows of D floats, one after another), over
 // cache positions [first, ctx) of one sequence through its block table: out (G rows of D) = softmax(q k^T * scale) v.
 // Each K and V row is read once for the G heads. Per head, the same sequence whatever G, T or thread: scores by
@@ -33,6 +42,7 @@ LLMC_INLINE void attend(const float* LLMC_RESTRICT q, const KV* LLMC_RESTRICT k_
   constexpr int NP = (BS + VW - 1) / VW * VW;  // a block's scores, padded to whole vectors
   constexpr int C = G <= 4 ? 4 : 2;            // keys per dot_block: G x C accumulators
   constexpr int DV = D / VW * VW;
+  constexpr int DC = v_chunk(DV / VW, G);
   alignas(64) float acc[G][D] = {};
   alignas(64) float p[G][NP];
   float m[G], l[G];
@@ -52,6 +62,12 @@ LLMC_INLINE void attend(const float* LLMC_RESTRICT q, const KV* LLMC_RESTRICT k_
     }
     float s[G * C];
     int i = lo;
+#ifdef LLMC_SUM16
+    // Whole runs of 16 keys, head by head: 16 accumulators and one sum16 where G x C sums take a shuffle tree
+    // each. The same numbers as dot_block<G, C> (a head's K rows come again from L1).
+    for (; i + 16 <= n; i += 16)
+      for (int g = 0; g < G; ++g) dot_block<1, 16, D>(q + g * D, D, k_cache + base + i * SLOT, SLOT, p[g] + i);
+#endif
     for (; i + C <= n; i += C) {
       dot_block<G, C, D>(q, D, k_cache + base + i * SLOT, SLOT, s);
       for (int g = 0; g < G; ++g)
@@ -75,14 +91,24 @@ LLMC_INLINE void attend(const float* LLMC_RESTRICT q, const KV* LLMC_RESTRICT k_
       for (i = 0; i < NP; i += VW) Vec::exp(Vec::load(p[g] + i)).store(p[g] + i);
       for (i = lo; i < n; ++i) l[g] += p[g][i];
     }
-    for (int d = 0; d < DV; d += VW) {
-      Vec a[G];
-      LLMC_UNROLL for (int g = 0; g < G; ++g) a[g] = Vec::load(acc[g] + d);
-      for (i = lo; i < n; ++i) {
-        const Vec v = Vec::load(v_cache + base + i * SLOT + d);
-        LLMC_UNROLL for (int g = 0; g < G; ++g) a[g].fma(Vec::splat(p[g][i]), v);
+    // DC vectors of each of the G rows stay in registers across the block's positions: G x DC independent FMA
+    // chains. One vector at a time made each a chain of n dependent FMAs, latency-bound (4 cycles each).
+    for (int d = 0; d < DV; d += DC * VW) {
+      Vec a[G][DC];
+      LLMC_UNROLL for (int g = 0; g < G; ++g) {
+        LLMC_UNROLL for (int c = 0; c < DC; ++c) a[g][c] = Vec::load(acc[g] + d + c * VW);
       }
-      LLMC_UNROLL for (int g = 0; g < G; ++g) a[g].store(acc[g] + d);
+      for (i = lo; i < n; ++i) {
+        Vec v[DC];
+        LLMC_UNROLL for (int c = 0; c < DC; ++c) v[c] = Vec::load(v_cache + base + i * SLOT + d + c * VW);
+        LLMC_UNROLL for (int g = 0; g < G; ++g) {
+          const Vec pg = Vec::splat(p[g][i]);
+          LLMC_UNROLL for (int c = 0; c < DC; ++c) a[g][c].fma(pg, v[c]);
+        }
+      }
+      LLMC_UNROLL for (int g = 0; g < G; ++g) {
+        LLMC_UNROLL for (int c = 0; c < DC; ++c) a[g][c].store(acc[g] + d + c * VW);
+      }
     }
     for (int d = DV; d < D; ++d) {
       for (i = lo; i < n; ++i) {

@@ -268,9 +268,7 @@ LLMC_INLINE void dot_block(const float* LLMC_RESTRICT x, long ldx, const WT* LLM
       LLMC_UNROLL for (int c = 0; c < C; ++c) acc[r][c].fma(xv, wv[c]);
     }
   }
-  LLMC_UNROLL for (int r = 0; r < R; ++r) {
-    LLMC_UNROLL for (int c = 0; c < C; ++c) out[r * C + c] = acc[r][c].sum();
-  }
+  LLMC_UNROLL for (int r = 0; r < R; ++r) sum_each<C>(acc[r], out + r * C);
 }
 
 template <int K, typename WT>
