@@ -356,6 +356,14 @@ def headers_at(rev: str | None) -> dict[str, str]:
     }
 
 
+def settle_pools() -> None:
+    """Wait until every loaded build's pool workers have stopped spinning (llmc_pool.h: kPoolSpinUs, 300 us, after
+    a build's last launch). Each build of an A/B (--baseline) has its own pool: timed while the other's workers
+    still spin, a build shares a 2-core machine's cores with them (the same header text, timed against itself
+    that way, read 2.2x slower as the second build)."""
+    time.sleep(0.002)
+
+
 def ab_header(head: list[str], names: list[str], cols: list[str]) -> list[str]:
     """A kernel table's header: head, then "<build> us" and cols for each build, then the first's speed-up over
     the second (--baseline)."""

@@ -24,7 +24,7 @@ from pathlib import Path
 from llmc.host import host_llc_bytes
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import Bandwidth, ab_cells, ab_header, headers_at  # noqa: E402
+from common import Bandwidth, ab_cells, ab_header, headers_at, settle_pools  # noqa: E402
 
 # (label, num_heads, num_kv_heads, head_dim, context, cold)
 CASES = [
@@ -75,6 +75,7 @@ def main(argv=None) -> None:
     p.add_argument("--threads", type=int, default=os.cpu_count())
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--baseline", help="git revision whose templates/cpu/include is timed too, interleaved")
+    p.add_argument("--min-time", type=float, default=0.05, help="seconds per timed sample")
     args = p.parse_args(argv)
     os.environ["OMP_NUM_THREADS"] = str(args.threads)  # before libgomp loads: the kernels' pool size
 
@@ -105,12 +106,12 @@ def main(argv=None) -> None:
         call = [P(q.ctypes.data), k, v, P(slot.ctypes.data), P(qsl.ctypes.data), P(seq_lens.ctypes.data),
                 P(table.ctypes.data), blocks, P(out.ctypes.data), copies]  # fmt: skip
         kid = f"bench_{kernel_id('cpu', 'paged_attention', params(nh, nkv, hd))}"
-        iters = max(3 * copies, 20)
         times = {name: [] for name in libs}
         for _ in range(args.rounds):
             for name, lib in libs.items():
-                getattr(lib, kid)(*call, copies)
-                times[name].append(getattr(lib, kid)(*call, iters))
+                settle_pools()
+                once = getattr(lib, kid)(*call, copies)
+                times[name].append(getattr(lib, kid)(*call, max(3 * copies, int(args.min_time / once))))
         cells = ab_cells(times, kv_bytes, nh * ctx * hd * 2, kv_bytes / bw)
         rows.append([f"{label} {'cold' if cold else 'hot'}", nh, nkv, hd, ctx, f"{kv_bytes / 2**20:.2f}", *cells])
     print(f"decode attention, 1 token, f32 KV cache, block {BLOCK}; threads {args.threads}; read {bw / 1e9:.1f} GB/s")

@@ -40,7 +40,15 @@ from llmc.host import host_llc_bytes
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
-from common import LLAMA_32_1B, SMOLLM_135M, ab_cells, ab_header, decode_gemv_shapes, headers_at  # noqa: E402
+from common import (  # noqa: E402
+    LLAMA_32_1B,
+    SMOLLM_135M,
+    ab_cells,
+    ab_header,
+    decode_gemv_shapes,
+    headers_at,
+    settle_pools,
+)
 
 # (label, n, k, T, wdtype, cold): decode GEMVs of SmolLM-135M (fused qkv, o, fused gate_up, down, lm_head),
 # one far above the LLC, and the same layers at batched-decode and prefill T.
@@ -363,6 +371,7 @@ def main(argv=None) -> None:
         for d in data:
             for name, fn in d["fns"].items():
                 args_ = (d["x"].ctypes.data, d["ptrs"], len(d["ptrs"]), d["y"].ctypes.data, d["T"])
+                settle_pools()
                 once = fn(*args_, 2, args.cpu_time)
                 iters = max(4, int(args.min_time / max(once, 1e-7)))
                 d["times"].setdefault(name, []).append(fn(*args_, iters, args.cpu_time))

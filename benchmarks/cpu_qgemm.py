@@ -28,7 +28,15 @@ from llmc.host import host_llc_bytes
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
-from common import LLAMA_32_1B, SMOLLM_135M, ab_cells, ab_header, decode_gemv_shapes, headers_at  # noqa: E402
+from common import (  # noqa: E402
+    LLAMA_32_1B,
+    SMOLLM_135M,
+    ab_cells,
+    ab_header,
+    decode_gemv_shapes,
+    headers_at,
+    settle_pools,
+)
 
 # decode GEMVs of SmolLM-135M (fused qkv, o, fused gate_up, down, lm_head) and one far above the LLC
 SHAPES = decode_gemv_shapes(SMOLLM_135M)
@@ -196,6 +204,7 @@ def main(argv=None) -> None:
         bws.append(bandwidth())
         for d in data:
             for name, fn in d["fns"].items():
+                settle_pools()
                 once = fn(*d["call"], 2)
                 d["times"].setdefault(name, []).append(fn(*d["call"], max(4, int(args.min_time / max(once, 1e-7)))))
     bw = statistics.median(bws)
