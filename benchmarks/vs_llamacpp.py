@@ -28,7 +28,8 @@ gguf.quants, every matrix including the embedding, norms F32):
   int4   llmc --quant int4 --group-size 32 --quant-lm-head    llama.cpp Q4_0
 A row whose llmc options are None measures llama.cpp alone and prints "—" for llmc.
 For each row, both peers get the same prompt token ids (--prompt-len random ids of the checkpoint's tokenizer),
-the same --tokens greedy decode tokens and the same --threads:
+the same --tokens greedy decode tokens and the same --threads, and a KV cache of the same bytes: 16 bits a value,
+llama.cpp's default f16 and llmc's --kv-cache-dtype bfloat16 (--kv-cache-dtype float32 gives llmc a float32 one):
   llmc       CompiledModel.step (benchmarks/common.LlmcStep): one prefill step of the whole prompt, timed; then
              --tokens decode steps with argmax in numpy, timed together.
   llama.cpp  llama_cpp.Llama (n_threads = n_threads_batch = --threads, the prompt in one batch, logits of the
@@ -103,6 +104,12 @@ def parse_args(argv=None):
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--tokens", type=int, default=128, help="greedy decode tokens per round")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds per row (medians)")
+    p.add_argument(
+        "--kv-cache-dtype",
+        default="bfloat16",
+        choices=["bfloat16", "float32"],
+        help="llmc's KV cache (default bfloat16: 16 bits a value, as llama.cpp's default f16 cache)",
+    )
     p.add_argument(
         "--cache-dir",
         type=Path,
@@ -341,6 +348,7 @@ def main(argv=None) -> dict:
             llmc_path = None
             if options is not None:
                 options = dict(options)
+                options["kv_cache_dtype"] = args.kv_cache_dtype
                 llmc_path = common.compiled(ckpt, cache, shape, options.pop("dtype"), log, **options)
             log(f"{shape} {row}: llmc {'-' if llmc_path is None else llmc_path.name} vs llama.cpp {gguf_path.name}")
             measured[row] = measure_row(
@@ -354,6 +362,7 @@ def main(argv=None) -> dict:
         "prompt_len": args.prompt_len,
         "decode_tokens": args.tokens,
         "rounds": args.rounds,
+        "kv_cache_dtype": args.kv_cache_dtype,
         "shapes": [
             {
                 "shape": shape,
@@ -380,7 +389,8 @@ def format_table(result: dict) -> str:
         f"memory read bandwidth: {m['read_GBps']:.1f} GB/s with {m['threads']} threads (1 GiB buffer; median of "
         f"{len(m['read_GBps_samples'])} reads, {min(m['read_GBps_samples']):.1f}-{max(m['read_GBps_samples']):.1f})",
         f"batch 1, prompt {result['prompt_len']} tokens, {result['decode_tokens']} greedy decode tokens, "
-        f"{m['threads']} threads for both peers, median of {result['rounds']} interleaved rounds",
+        f"{m['threads']} threads for both peers, median of {result['rounds']} interleaved rounds, KV cache llmc "
+        f"{result['kv_cache_dtype']}, llama.cpp f16",
     ]
 
     def num(v, fmt):

@@ -48,7 +48,7 @@ def test_llamacpp_only_row(checkpoint_dir, tmp_path):
     assert row["llmc"] is None and row["decode_ratio"] is None and row["tokens_agree"] is None
     result = {"machine": {"cpu": "x", "cores": 1, "caches": [], "isa": [], "read_GBps": 10.0,
                           "read_GBps_samples": [10.0], "threads": 1},
-              "prompt_len": 13, "decode_tokens": 6, "rounds": 1,
+              "prompt_len": 13, "decode_tokens": 6, "rounds": 1, "kv_cache_dtype": "bfloat16",
               "shapes": [{"shape": "tiny", "model": "tiny", "rows": [row]}]}  # fmt: skip
     line = next(x for x in vs_llamacpp.format_table(result).splitlines() if x.startswith("tiny"))
     cells = line.split()

@@ -32,8 +32,8 @@ constexpr int v_chunk(int nv, int g) {
 // cache positions [first, ctx) of one sequence through its block table: out (G rows of D) = softmax(q k^T * scale) v.
 // Each K and V row is read once for the G heads. Per head, the same sequence whatever G, T or thread: scores by
 // dot_block (a function of D and the data only), an online softmax in float32 with one rescale per cache block
-// (the running max m, the sum l over positions in order), p = exp(score - m) by Vec::exp, and acc[d] += p * v[d]
-// over positions in order.
+// (the running max m; the sum l gains each block's p as one vector sum), p = exp(score - m) by Vec::exp, and
+// acc[d] += p * v[d] over positions in order.
 template <int G, int D, int BS, long SLOT, typename KV>
 LLMC_INLINE void attend(const float* LLMC_RESTRICT q, const KV* LLMC_RESTRICT k_cache, const KV* LLMC_RESTRICT v_cache,
                         long kvo, const int32_t* LLMC_RESTRICT table, int first, int ctx, float scale,
@@ -77,19 +77,32 @@ LLMC_INLINE void attend(const float* LLMC_RESTRICT q, const KV* LLMC_RESTRICT k_
       dot_block<G, 1, D>(q, D, k_cache + base + i * SLOT, SLOT, s);
       for (int g = 0; g < G; ++g) p[g][i] = s[g];
     }
+    // The block's softmax terms, a vector at a time: positions outside [lo, n) score -inf (no part in the max)
+    // and end as 0 (none in the sum; the V loop never reads them).
+    const Vec vscale = Vec::splat(scale), ninf = Vec::splat(-std::numeric_limits<float>::infinity());
     for (int g = 0; g < G; ++g) {
-      float mb = m[g];
-      for (i = lo; i < n; ++i) mb = std::max(mb, p[g][i] *= scale);
+      for (i = 0; i < lo; ++i) p[g][i] = -std::numeric_limits<float>::infinity();
+      for (i = n; i < NP; ++i) p[g][i] = -std::numeric_limits<float>::infinity();
+      Vec mv = ninf;
+      for (i = 0; i < NP; i += VW) {
+        const Vec x = Vec::load(p[g] + i) * vscale;
+        x.store(p[g] + i);
+        mv = Vec::max(mv, x);
+      }
+      const float mb = mv.hmax();
       if (mb > m[g]) {  // new running max: rescale what we have (exp(-inf) = 0 on the first block)
         const float corr = std::exp(m[g] - mb);
         l[g] *= corr;
         scale_inplace<D>(corr, acc[g]);
         m[g] = mb;
       }
-      // positions outside [lo, n) get exp(0), never read
-      for (i = 0; i < NP; ++i) p[g][i] = i >= lo && i < n ? p[g][i] - m[g] : 0.0f;
-      for (i = 0; i < NP; i += VW) Vec::exp(Vec::load(p[g] + i)).store(p[g] + i);
-      for (i = lo; i < n; ++i) l[g] += p[g][i];
+      const Vec mg = Vec::splat(m[g]);
+      for (i = 0; i < NP; i += VW) Vec::exp(Vec::load(p[g] + i) - mg).store(p[g] + i);
+      for (i = 0; i < lo; ++i) p[g][i] = 0.0f;  // Vec::exp clamps: exp(-inf) would be 2^-126
+      for (i = n; i < NP; ++i) p[g][i] = 0.0f;
+      Vec lv = Vec::zero();
+      for (i = 0; i < NP; i += VW) lv = lv + Vec::load(p[g] + i);
+      l[g] += lv.sum();
     }
     // DC vectors of each of the G rows stay in registers across the block's positions: G x DC independent FMA
     // chains. One vector at a time made each a chain of n dependent FMAs, latency-bound (4 cycles each).

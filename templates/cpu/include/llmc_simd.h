@@ -72,6 +72,10 @@ struct Vec {
   }
   LLMC_INLINE void fma(Vec a, Vec b) { v = _mm512_fmadd_ps(a.v, b.v, v); }  // this += a * b
   LLMC_INLINE Vec operator+(Vec o) const { return {_mm512_add_ps(v, o.v)}; }
+  LLMC_INLINE Vec operator-(Vec o) const { return {_mm512_sub_ps(v, o.v)}; }
+  LLMC_INLINE Vec operator*(Vec o) const { return {_mm512_mul_ps(v, o.v)}; }
+  static LLMC_INLINE Vec max(Vec a, Vec b) { return {_mm512_max_ps(a.v, b.v)}; }
+  LLMC_INLINE float hmax() const { return _mm512_reduce_max_ps(v); }
   // The tree, spelled out (sum16 below repeats it for 16 at once): lanes i + (i + 8), then + 4, then
   // (0 + 2) + (1 + 3).
   LLMC_INLINE float sum() const {
@@ -150,6 +154,14 @@ struct Vec {
   }
   LLMC_INLINE void fma(Vec a, Vec b) { v = _mm256_fmadd_ps(a.v, b.v, v); }
   LLMC_INLINE Vec operator+(Vec o) const { return {_mm256_add_ps(v, o.v)}; }
+  LLMC_INLINE Vec operator-(Vec o) const { return {_mm256_sub_ps(v, o.v)}; }
+  LLMC_INLINE Vec operator*(Vec o) const { return {_mm256_mul_ps(v, o.v)}; }
+  static LLMC_INLINE Vec max(Vec a, Vec b) { return {_mm256_max_ps(a.v, b.v)}; }
+  LLMC_INLINE float hmax() const {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps(m, m, 1)));
+  }
   LLMC_INLINE float sum() const {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -205,6 +217,25 @@ struct Vec {  // portable fallback: 8 independent lanes the compiler may map ont
     Vec r;
     for (int i = 0; i < W; ++i) r.v[i] = v[i] + o.v[i];
     return r;
+  }
+  LLMC_INLINE Vec operator-(Vec o) const {
+    Vec r;
+    for (int i = 0; i < W; ++i) r.v[i] = v[i] - o.v[i];
+    return r;
+  }
+  LLMC_INLINE Vec operator*(Vec o) const {
+    Vec r;
+    for (int i = 0; i < W; ++i) r.v[i] = v[i] * o.v[i];
+    return r;
+  }
+  static LLMC_INLINE Vec max(Vec a, Vec b) {
+    for (int i = 0; i < W; ++i) a.v[i] = std::max(a.v[i], b.v[i]);
+    return a;
+  }
+  LLMC_INLINE float hmax() const {
+    float m = v[0];
+    for (int i = 1; i < W; ++i) m = std::max(m, v[i]);
+    return m;
   }
   LLMC_INLINE float sum() const {
     return ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7]));
