@@ -26,11 +26,17 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def slot_id(block_table: Sequence[int], position: int, block_size: int) -> int:
+    """Cache slot of one token: block_table[pos // block_size] * block_size + pos % block_size. With slot_ids
+    (its array form), the one place the slot formula lives."""
+    return int(block_table[position // block_size]) * block_size + position % block_size
+
+
 def slot_ids(block_tables: np.ndarray, seq_index: np.ndarray, positions: np.ndarray, block_size: int) -> np.ndarray:
-    """Cache slot of each token: block_tables[seq, pos // block_size] * block_size + pos % block_size.
+    """Cache slot of each token, as slot_id: block_tables[seq, pos // block_size] * block_size + pos % block_size.
 
     block_tables: int [B, max_blocks]; seq_index, positions: int [T]. Returns int64 [T] (the ABI's
-    slot_mapping). The one place the slot formula lives.
+    slot_mapping).
     """
     blocks = block_tables[seq_index, positions // block_size].astype(np.int64)
     return blocks * block_size + (positions % block_size)

@@ -50,6 +50,26 @@ def test_build_asks_for_each_sequences_last_rows_in_order(lens_and_rows):
 def test_build_rejects_a_block_table_too_short():
     with pytest.raises(AssertionError, match="blocks"):
         StepBatch.build([[1, 2, 3]], [14], [[0, 1, 2, 3]], block_size=4)  # 17 tokens need 5 blocks
+    with pytest.raises(AssertionError, match="blocks"):
+        StepBatch.build([[1], [2]], [3, 8], [[5], [0, 1]], block_size=4)  # decode: position 8 needs 3 blocks
+
+
+@given(st.lists(st.tuples(st.integers(0, 40), st.integers(0, 3), st.integers(0, 999)), min_size=1, max_size=6),
+       st.sampled_from([1, 4, 16]))  # fmt: skip
+def test_decode_steps_build_as_the_general_path_does(seqs, block_size):
+    """A decode step (one token per sequence, default logits) takes build()'s short path; asking for the same
+    rows through num_logits takes the general one: the same arrays, dtypes and contiguity."""
+    rng = np.random.default_rng(len(seqs) * 1000 + block_size)
+    tokens = [[tok] for _, _, tok in seqs]
+    computed = [pos for pos, _, _ in seqs]
+    tables = [rng.permutation(64)[: pos // block_size + 1 + spare].tolist() for pos, spare, _ in seqs]
+    fast = StepBatch.build(tokens, computed, tables, block_size)
+    general = StepBatch.build(tokens, computed, tables, block_size, num_logits=[1] * len(seqs))
+    fast.validate()
+    for field in dataclasses.fields(StepBatch):
+        a, b = getattr(fast, field.name), getattr(general, field.name)
+        assert a.dtype == b.dtype and a.flags.c_contiguous, field.name
+        np.testing.assert_array_equal(a, b, err_msg=field.name)
 
 
 def test_validate_catches_abi_mismatches():
