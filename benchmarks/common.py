@@ -12,7 +12,6 @@ import hashlib
 import json
 import math
 import os
-import re
 import shutil
 import statistics
 import subprocess
@@ -176,33 +175,6 @@ def compiled(ckpt: Path, cache: Path, tag: str, dtype: str, log=log, **options) 
     compile_checkpoint(ckpt, target="cpu", output=out, weight_dtype=dtype, progress=True, **options)
     log(f"  compiled in {time.perf_counter() - t:.1f} s")
     return out
-
-
-_W_DECL = re.compile(r"^\s*W\[(\d+)\] (\S+): (\w+)\[([\d, ]*)\]")
-_LAUNCH = re.compile(r"^\s*(\w+)\((.*?)\)\((.*)\)\s*#")
-
-
-def decode_weight_bytes(manifest: dict) -> tuple[int, dict[str, int]]:
-    """Weight bytes one decode token (T = 1) reads, from the artifact's kernel program; and by op."""
-    import numpy as np
-
-    weights = {}
-    for line in manifest["kernel_program"]:
-        if m := _W_DECL.match(line):
-            shape = [int(s) for s in m.group(4).split(",") if s.strip()]
-            dtype = m.group(3)  # as stored: float32, bfloat16, and the int8 / uint8 of quantized weights
-            weights[int(m.group(1))] = (2 if dtype == "bfloat16" else np.dtype(dtype).itemsize, shape)
-    by_op: dict[str, int] = {}
-    for line in manifest["kernel_program"]:
-        m = _LAUNCH.match(line)
-        if not m:
-            continue
-        op = m.group(1)
-        for i in re.findall(r"\bW\[(\d+)\]", m.group(3)):
-            size, shape = weights[int(i)]
-            n = size * (shape[-1] if op == "embedding" else math.prod(shape))  # an embedding reads one row
-            by_op[op] = by_op.get(op, 0) + n
-    return sum(by_op.values()), by_op
 
 
 # -- the machine --------------------------------------------------------------------------------------

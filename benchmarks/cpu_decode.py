@@ -53,11 +53,11 @@ from common import (  # noqa: E402
     Bandwidth,
     LlmcStep,
     cache_dir,
-    decode_weight_bytes,
     set_threads,
     source_hash,  # noqa: E402, F401
 )
 
+from llmc.artifact import decode_weight_bytes  # noqa: E402
 from llmc.host import host_llc_bytes  # noqa: E402
 from llmc.runtime.bench import align_columns  # noqa: E402
 
@@ -174,7 +174,8 @@ def main(argv=None) -> dict:
     one = args.threads > 1 and not args.no_1thread
     for d, path in artifacts.items():
         step = LlmcStep(path, max_len)
-        total, by_op[d] = decode_weight_bytes(step.model.artifact.manifest)
+        by_op[d] = decode_weight_bytes(step.model.artifact.manifest["kernel_program"])
+        total = sum(by_op[d].values())
         peers[f"llmc {d} step"] = (step, args.threads, total)
         if not args.no_engine:
             peers[f"llmc {d} engine"] = (LlmcEngine(step), args.threads, total)

@@ -42,9 +42,9 @@ figures are medians over rounds. Rows run one after another and unload their pee
 10 GB).
 
 Roofline: batch-1 decode reads every weight once per token, so decode tok/s <= read bandwidth / weight bytes per
-token. llmc's bytes come from its artifact's kernel program (common.decode_weight_bytes); llama.cpp's from its own
-file: every tensor in full, except the token embedding, of which a step reads one row, plus the whole table again
-when it doubles as the tied output matrix. Read bandwidth: a C++ OpenMP loop reading a 1 GiB buffer with --threads
+token. llmc's bytes come from its artifact's kernel program (llmc.artifact.decode_weight_bytes); llama.cpp's from
+its own file: every tensor in full, except the token embedding, of which a step reads one row, plus the whole table
+again when it doubles as the tied output matrix. Read bandwidth: a C++ OpenMP loop reading a 1 GiB buffer with --threads
 threads (common.Bandwidth), best of 3, once per round of every row; the median over all is used for every row.
 
 Same process, same threads, no pinning: on a machine shared with other work, figures are noisy; compare the two
@@ -267,7 +267,7 @@ def measure_row(
     peers["llama.cpp"] = LlamaCpp(gguf_path, threads, max_len, len(prompt))
     weight_bytes = {"llama.cpp": gguf_decode_bytes(gguf_path)}
     if "llmc" in peers:
-        weight_bytes["llmc"] = common.decode_weight_bytes(peers["llmc"].model.artifact.manifest)[0]
+        weight_bytes["llmc"] = peers["llmc"].model.artifact.decode_weight_bytes
     for peer in peers.values():
         peer.run(prompt, min(4, tokens))
     prefill = {name: [] for name in peers}

@@ -404,6 +404,38 @@ class Artifact:
         """Bytes of tensor data in weights.safetensors (the file less its header)."""
         return safetensors_data_bytes(self.weights_path)
 
+    @property
+    def decode_weight_bytes(self) -> int:
+        """Bytes of weights a one-token decode step reads (`decode_weight_bytes` of the kernel program: one row of
+        the embedding table, every other weight in full); all of weight_bytes for a manifest without a program."""
+        program = self.manifest.get("kernel_program")
+        return sum(decode_weight_bytes(program).values()) if program else self.weight_bytes
+
+
+# A printed kernel program's weight declarations and launches (compiler/codegen: KernelProgram's lines).
+_WEIGHT_DECL = re.compile(r"^\s*W\[(\d+)\] (\S+): (\w+)\[([\d, ]*)\]")
+_LAUNCH_LINE = re.compile(r"^\s*(\w+)\((.*?)\)\((.*)\)\s*#")
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int32": 4, "uint16": 2, "int8": 1, "uint8": 1}
+
+
+def decode_weight_bytes(kernel_program: list[str]) -> dict[str, int]:
+    """Bytes of weights one decode step of one token reads, by op, from a printed kernel program (the manifest's
+    `kernel_program`): each weight a launch names, in full, except an embedding's table, of which it reads one
+    row. What a step streams at batch 1, and so the memory roofline's bytes."""
+    weights = {}
+    for line in kernel_program:
+        if m := _WEIGHT_DECL.match(line):
+            shape = [int(d) for d in m.group(4).split(",") if d.strip()]
+            weights[int(m.group(1))] = (_DTYPE_BYTES[m.group(3)], shape)
+    by_op: dict[str, int] = {}
+    for line in kernel_program:
+        if m := _LAUNCH_LINE.match(line):
+            op = m.group(1)
+            for i in re.findall(r"\bW\[(\d+)\]", m.group(3)):
+                size, shape = weights[int(i)]
+                by_op[op] = by_op.get(op, 0) + size * (shape[-1] if op == "embedding" else math.prod(shape))
+    return by_op
+
 
 def safetensors_data_bytes(path: Path) -> int:
     with open(path, "rb") as f:

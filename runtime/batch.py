@@ -63,8 +63,21 @@ class StepBatch:
         """
         num_seqs = len(token_ids)
         assert num_seqs == len(num_computed_tokens) == len(block_tables) and num_seqs > 0, "empty or ragged step"
-        if num_logits is None and all(len(t) == 1 for t in token_ids):
+        if all(len(t) == 1 for t in token_ids) and (num_logits is None or all(r == 1 for r in num_logits)):
             return cls._decode(token_ids, num_computed_tokens, block_tables, block_size)
+        return cls._ragged(token_ids, num_computed_tokens, block_tables, block_size, num_logits)
+
+    @classmethod
+    def _ragged(
+        cls,
+        token_ids: Sequence[Sequence[int]],
+        num_computed_tokens: Sequence[int],
+        block_tables: Sequence[Sequence[int]],
+        block_size: int,
+        num_logits: Sequence[int] | None,
+    ) -> StepBatch:
+        """build() for any step, in numpy."""
+        num_seqs = len(token_ids)
         n = np.fromiter((len(t) for t in token_ids), dtype=np.int32, count=num_seqs)  # [B]
         assert (n > 0).all(), "every sequence in a step carries at least one new token"
         computed = np.asarray(num_computed_tokens, dtype=np.int32)  # [B]
@@ -105,7 +118,7 @@ class StepBatch:
         block_tables: Sequence[Sequence[int]],
         block_size: int,
     ) -> StepBatch:
-        """build() for a decode step (one new token per sequence, its logits row each), from plain Python and six
+        """build() for a decode step (one new token and one logits row per sequence), from plain Python and six
         array constructions. It runs right after a step has streamed the weights through every cache, where each
         numpy call costs microseconds of misses: build()'s twenty-odd took ~280 us a token at batch 1 (SmolLM-135M
         shape, int4, 2-core EPYC), 7% of the step."""

@@ -14,8 +14,9 @@ starts with the same N tokens (a system prompt, say), so with prefix caching on 
 a level find them cached. With speculative decoding on (the engine's), the guesses verified and accepted, and
 the acceptance rate; a step then yields several tokens of a sequence, which arrive together.
 
-Roofline: decoding is memory-bound. Every step reads all the weights once, whatever the batch size, so a
-sequence can never decode faster than memory_bandwidth / weight_bytes tokens/s. The bandwidth is measured
+Roofline: decoding is memory-bound. Every step reads all the weights once (of the embedding table, a row a
+token), whatever the batch size, so a sequence can never decode faster than memory_bandwidth / weight_bytes
+tokens/s; a compiled model's weight_bytes is its artifact's decode_weight_bytes. The bandwidth is measured
 in-process with a large numpy copy (host memory: right for the CPU target; pass `memory_bandwidth` for a
 GPU) and `roofline_fraction` = roofline TPOT / measured TPOT p50.
 """

@@ -97,7 +97,7 @@ class CompiledModel:
         self.chat_template = artifact.chat_template
         self.bos_token = artifact.bos_token
         self.eos_token = artifact.eos_token
-        self.weight_bytes = artifact.weight_bytes
+        self.weight_bytes = artifact.decode_weight_bytes  # what a batch-1 decode step streams: the roofline's bytes
         # transformers generates greedily unless generation_config.json says do_sample
         self.generation_defaults = {"temperature": 0.0, **(artifact.manifest.get("generation_defaults") or {})}
 

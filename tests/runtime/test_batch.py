@@ -57,14 +57,14 @@ def test_build_rejects_a_block_table_too_short():
 @given(st.lists(st.tuples(st.integers(0, 40), st.integers(0, 3), st.integers(0, 999)), min_size=1, max_size=6),
        st.sampled_from([1, 4, 16]))  # fmt: skip
 def test_decode_steps_build_as_the_general_path_does(seqs, block_size):
-    """A decode step (one token per sequence, default logits) takes build()'s short path; asking for the same
-    rows through num_logits takes the general one: the same arrays, dtypes and contiguity."""
+    """A decode step (one token and one logits row per sequence) takes build()'s short path, which gives what the
+    general one does: the same arrays, dtypes and contiguity."""
     rng = np.random.default_rng(len(seqs) * 1000 + block_size)
     tokens = [[tok] for _, _, tok in seqs]
     computed = [pos for pos, _, _ in seqs]
     tables = [rng.permutation(64)[: pos // block_size + 1 + spare].tolist() for pos, spare, _ in seqs]
-    fast = StepBatch.build(tokens, computed, tables, block_size)
-    general = StepBatch.build(tokens, computed, tables, block_size, num_logits=[1] * len(seqs))
+    fast = StepBatch.build(tokens, computed, tables, block_size, num_logits=[1] * len(seqs))
+    general = StepBatch._ragged(tokens, computed, tables, block_size, None)
     fast.validate()
     for field in dataclasses.fields(StepBatch):
         a, b = getattr(fast, field.name), getattr(general, field.name)
