@@ -412,7 +412,7 @@ class Artifact:
         return sum(decode_weight_bytes(program).values()) if program else self.weight_bytes
 
 
-# A printed kernel program's weight declarations and launches (compiler/codegen: KernelProgram's lines).
+# A printed kernel program's weight declarations and launches (str(compiler.lower.KernelProgram), one line each).
 _WEIGHT_DECL = re.compile(r"^\s*W\[(\d+)\] (\S+): (\w+)\[([\d, ]*)\]")
 _LAUNCH_LINE = re.compile(r"^\s*(\w+)\((.*?)\)\((.*)\)\s*#")
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int32": 4, "uint16": 2, "int8": 1, "uint8": 1}
