@@ -39,7 +39,7 @@ def evaluate(expr: str, names: Mapping[str, Any]) -> Any:
     def ev(node: ast.AST) -> Any:
         if isinstance(node, ast.Expression):
             return ev(node.body)
-        if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)):
+        if isinstance(node, ast.Constant) and isinstance(node.value, (int, float, str)):
             return node.value
         if isinstance(node, ast.Name):
             if node.id not in names:
@@ -59,7 +59,7 @@ def evaluate(expr: str, names: Mapping[str, Any]) -> Any:
                 left = r
             return True
         raise CompileError(f"tuning constraint {expr!r}: {ast.dump(node)[:60]} is not allowed",
-                           "use numbers, names, + - * // %, comparisons, and, or")  # fmt: skip
+                           "use numbers, strings, names, + - * // %, comparisons, and, or")  # fmt: skip
 
     return ev(ast.parse(expr, mode="eval"))
 

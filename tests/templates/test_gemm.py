@@ -1,7 +1,7 @@
 """gemm (templates/{cpu,cuda}/gemm.*.j2) against numpy: y = x @ w.T + bias, w in HF Linear layout [n, k].
 
-On CUDA, T <= 8 runs the warp-per-output GEMV and larger T the shared-memory tiled kernel; the shapes have
-tails for every path. On the CPU, T <= 4 runs the GEMV and larger T the register-tiled GEMM (bf16 through a
+On CUDA, T <= 8 runs the warp-per-output GEMV and larger T a tiled kernel: on tensor cores (mma.sync, x rounded
+to bf16) for bf16 weights with k % 8 == 0, in fp32 SIMT otherwise; the shapes have tails for every path. On the CPU, T <= 4 runs the GEMV and larger T the register-tiled GEMM (bf16 through a
 widened panel, or vdpbf16ps); the ISA is the host's, or LLMC_TEST_MARCH's (haswell: AVX2, x86-64: portable).
 """
 
@@ -16,8 +16,9 @@ from kernel_reference import assert_gemm_close, gemm_inputs, to_bf16
 
 # (n, k): 53 / 37 / 23 are no multiple of any vector, warp or tile width (k = 37: scalar weight loads on CUDA);
 # k = 64 / 136 take 16-byte loads (136 = 4 full + 1 partial lane sweep for f32); k = 61: a K tail of more than
-# one vector after the CPU's bf16 main loop (steps of 2 vectors: 16 or 32).
-SHAPES = [(53, 37), (23, 64), (70, 136), (19, 61)]
+# one vector after the CPU's bf16 main loop (steps of 2 vectors: 16 or 32); (131, 200): CUDA's mma tiles, 3
+# along n (the last 3 wide), 7 k steps of 32 and a zero-filled quarter of the last (k % 8 == 0 needed).
+SHAPES = [(53, 37), (23, 64), (70, 136), (19, 61), (131, 200)]
 # The tiny model's projection, CPU only: there its outputs split into several chunks over the OpenMP threads;
 # under the CUDA simulator a GEMV of 1536 outputs takes about a second, and the shapes above cover its paths.
 MODEL_SHAPE = (1536, 576)
@@ -55,8 +56,10 @@ def cpu_bf16_dot() -> bool:
     return "__AVX512BF16__" in subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
 
 
-def expected_x(x, k, wdtype, target):
+def expected_x(x, k, wdtype, target, T=1):
     """x as the kernel multiplies it by the weights."""
+    if target == "cuda" and wdtype == "bf16" and k % 8 == 0 and T > 8:  # the mma tiled kernel
+        return to_bf16(x)[1]
     if target != "cpu" or wdtype != "bf16" or not cpu_bf16_dot():
         return x
     main = k // 32 * 32
@@ -74,7 +77,7 @@ def test_gemm_matches_numpy(kernels, weights, target, op, params, T):
     x, w, wf, b, bf = gemm_inputs(n, k, T, params["wdtype"], params["has_bias"], weights, seed=T)
     y = np.full((T, n), np.nan, dtype=np.float32)
     kernels(op, params)(x, w, b, y, T)
-    assert_gemm_close(y, expected_x(x, k, params["wdtype"], target), wf, bf)
+    assert_gemm_close(y, expected_x(x, k, params["wdtype"], target, T), wf, bf)
 
 
 @pytest.mark.parametrize("wdtype", ["f32", "bf16"])

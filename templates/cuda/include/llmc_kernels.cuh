@@ -159,19 +159,30 @@ struct RmsNorm {
 //  - decode (T <= kGemvMaxT): gemv(). One warp per output row j; lanes stride K with 16-byte weight loads
 //    (scalar loads when K * sizeof(W) is no multiple of 16), kGemvRows rows of x per pass over the weight
 //    row, one warp_sum per (row, output). Grid (kGemvBlocks), block kGemvThreads.
-//  - prefill: tiled(). BM x BN output tile per block through shared memory (x and w both staged k-major,
-//    w widened to float), BK-deep k steps, 4 x 4 outputs per thread, fp32 accumulate; zero-filled tails.
-//    Grid (kTilesN, ceil(T / BM)), block kTileThreads.
-// GEMV_WARPS, BM, BN and BK are tunable (templates/cuda/gemm.tune.toml). Neither changes the numbers: each
-// output is one warp's sum (GEMV) or one thread's k-ordered sum (tiled) whatever the block shape.
+//  - prefill: tiled(), a BM x BN output tile per block, BK-deep k steps. Grid (kTilesN, ceil(T / BM)), block
+//    kTileThreads.
+//    - bf16 weights with 16-byte rows (kMma): on tensor cores, tiled_mma(). Four warps in 2 x 2, each a
+//      (BM / 2) x (BN / 2) tile of mma.sync m16n8k16 (bf16 in, fp32 accumulate). x (fp32) and w (bf16) tiles
+//      go global -> shared by cp.async 16 bytes at a time, STAGES k steps in flight (rows past T or N and
+//      chunks past K zero-filled); B fragments come from ldmatrix.x4 on w's [n][k] rows, A fragments from
+//      fp32 x pairs rounded to bf16 in registers (nearest even, as the CPU's vdpbf16ps path rounds x). Rows
+//      are padded (x: +4 floats, w: +8 bf16) so that ldmatrix, the x pair reads and the cp.async stores
+//      touch every bank equally: no replays. The output is summed in k order by one mma chain per element.
+//    - otherwise tiled_simt(): x and w staged k-major in shared memory (w widened to float), 4 x 4 outputs
+//      per thread, fp32 accumulate; zero-filled tails.
+// GEMV_WARPS, BM, BN, BK and STAGES are tunable (templates/cuda/gemm.tune.toml). None changes the numbers:
+// each output is one warp's sum (GEMV), one thread's k-ordered sum (SIMT) or one k-ordered mma chain
+// whatever the block shape.
 template <int N, int K, bool BIAS, typename W, int GEMV_WARPS = 4, int TILE_M = 64, int TILE_N = 64,
-          int TILE_K = 16>
+          int TILE_K = 32, int STAGES = 3>
 struct Gemm {
   static constexpr int V = Vec16<W>::N;
   static constexpr bool kVec = K % V == 0;  // rows of w (and of x) are 16-byte aligned
   static constexpr int kGemvWarps = GEMV_WARPS, kGemvThreads = 32 * kGemvWarps, kGemvRows = 4, kGemvMaxT = 8;
   static constexpr int kGemvBlocks = ceil_div(N, kGemvWarps);
-  static constexpr int BM = TILE_M, BN = TILE_N, BK = TILE_K, kTileThreads = (BM / 4) * (BN / 4);
+  static constexpr bool kMma = sizeof(W) == 2 && kVec;
+  static constexpr int BM = TILE_M, BN = TILE_N, BK = TILE_K;
+  static constexpr int kTileThreads = kMma ? 128 : (BM / 4) * (BN / 4);
   static constexpr int kTilesN = ceil_div(N, BN);
 
   static __device__ __forceinline__ void gemv(const float* x, const W* w, const W* bias, float* y, int T) {
@@ -221,6 +232,112 @@ struct Gemm {
   }
 
   static __device__ __forceinline__ void tiled(const float* x, const W* w, const W* bias, float* y, int T) {
+    if constexpr (kMma)
+      tiled_mma(x, w, bias, y, T);
+    else
+      tiled_simt(x, w, bias, y, T);
+  }
+
+  static __device__ __forceinline__ void tiled_mma(const float* x, const uint16_t* w, const uint16_t* bias, float* y,
+                                                   int T) {
+    static_assert(BM % 32 == 0 && BN % 32 == 0 && BK % 16 == 0 && STAGES >= 2, "gemm: mma tile shape");
+    constexpr int XS = BK + 4, WS = BK + 8;  // row strides, floats / bf16: 16-byte multiples that shift banks
+    constexpr int MT = BM / 32, NT = BN / 16;  // m16 and n8 tiles per warp
+    constexpr int KT = ceil_div(K, BK);
+    struct alignas(16) Stage {
+      float x[BM][XS];
+      uint16_t w[BN][WS];
+    };
+    __shared__ Stage sm[STAGES];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
+    const int m0 = blockIdx.y * BM, n0 = blockIdx.x * BN;
+    const int wm = (warp >> 1) * (BM / 2), wn = (warp & 1) * (BN / 2);
+
+    auto load_stage = [&](int st, int kt) {
+      const int k0 = kt * BK;
+      constexpr int XC = BK / 4, WC = BK / 8;  // 16-byte chunks per row
+      for (int c = tid; c < BM * XC; c += kTileThreads) {
+        const int r = c / XC, kk = k0 + 4 * (c % XC);
+        const bool in = m0 + r < T && kk < K;  // K % 8 == 0: a chunk is wholly in or out
+        cp_async_16_zfill(&sm[st].x[r][4 * (c % XC)], x + (in ? static_cast<int64_t>(m0 + r) * K + kk : 0), in ? 16 : 0);
+      }
+      for (int c = tid; c < BN * WC; c += kTileThreads) {
+        const int r = c / WC, kk = k0 + 8 * (c % WC);
+        const bool in = n0 + r < N && kk < K;
+        cp_async_16_zfill(&sm[st].w[r][8 * (c % WC)], w + (in ? static_cast<int64_t>(n0 + r) * K + kk : 0), in ? 16 : 0);
+      }
+    };
+
+    float acc[MT][NT][4];
+#pragma unroll
+    for (int mi = 0; mi < MT; ++mi)
+#pragma unroll
+      for (int j = 0; j < NT; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[mi][j][e] = 0.0f;
+
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+      if (s < KT) load_stage(s, s);
+      cp_async_commit();  // one group per stage, empty past KT, so the wait count below holds throughout
+    }
+    for (int kt = 0; kt < KT; ++kt) {
+      cp_async_wait<STAGES - 2>();
+      __syncthreads();  // stage kt is in for every thread, and every warp is done with stage kt - 1
+      if (kt + STAGES - 1 < KT) load_stage((kt + STAGES - 1) % STAGES, kt + STAGES - 1);
+      cp_async_commit();
+      const Stage& st = sm[kt % STAGES];
+#pragma unroll
+      for (int ks = 0; ks < BK; ks += 16) {
+        uint32_t a[MT][4], b[NT][2];
+#pragma unroll
+        for (int mi = 0; mi < MT; ++mi) {
+          const float* r0 = &st.x[wm + 16 * mi + g][ks + 2 * t];
+          const float* r1 = r0 + 8 * XS;
+          const float2 v0 = *reinterpret_cast<const float2*>(r0), v1 = *reinterpret_cast<const float2*>(r1);
+          const float2 v2 = *reinterpret_cast<const float2*>(r0 + 8), v3 = *reinterpret_cast<const float2*>(r1 + 8);
+          a[mi][0] = pack_bf16x2(v0.x, v0.y), a[mi][1] = pack_bf16x2(v1.x, v1.y);
+          a[mi][2] = pack_bf16x2(v2.x, v2.y), a[mi][3] = pack_bf16x2(v3.x, v3.y);
+        }
+#pragma unroll
+        for (int j = 0; j < NT; j += 2) {  // matrices: (tile j, k 0-7), (j, k 8-15), (j + 1, 0-7), (j + 1, 8-15)
+          uint32_t r[4];
+          ldmatrix_x4(r, &st.w[wn + 8 * (j + (lane >> 4)) + (lane & 7)][ks + 8 * ((lane >> 3) & 1)]);
+          b[j][0] = r[0], b[j][1] = r[1], b[j + 1][0] = r[2], b[j + 1][1] = r[3];
+        }
+#pragma unroll
+        for (int mi = 0; mi < MT; ++mi)
+#pragma unroll
+          for (int j = 0; j < NT; ++j) mma_m16n8k16_bf16(acc[mi][j], a[mi], b[j], acc[mi][j]);
+      }
+    }
+    cp_async_wait<0>();  // no copy outlives the block (the groups past KT are empty)
+
+    constexpr bool kPairs = N % 2 == 0;  // each (row, col pair) 8-byte aligned: one float2 store
+#pragma unroll
+    for (int mi = 0; mi < MT; ++mi) {
+#pragma unroll
+      for (int j = 0; j < NT; ++j) {
+        const int col = n0 + wn + 8 * j + 2 * t;
+        const float b0 = BIAS && col < N ? wload(bias[col]) : 0.0f, b1 = BIAS && col + 1 < N ? wload(bias[col + 1]) : 0.0f;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int row = m0 + wm + 16 * mi + g + 8 * h;
+          if (row >= T) continue;
+          float* yr = y + static_cast<int64_t>(row) * N + col;
+          const float v0 = acc[mi][j][2 * h] + b0, v1 = acc[mi][j][2 * h + 1] + b1;
+          if (kPairs && col + 1 < N) {
+            *reinterpret_cast<float2*>(yr) = float2{v0, v1};
+          } else {
+            if (col < N) yr[0] = v0;
+            if (col + 1 < N) yr[1] = v1;
+          }
+        }
+      }
+    }
+  }
+
+  static __device__ __forceinline__ void tiled_simt(const float* x, const W* w, const W* bias, float* y, int T) {
     static_assert(BM * BK % kTileThreads == 0 && BN * BK % kTileThreads == 0, "gemm: tile loads");
     static_assert((BM / 4) * (BN / 4) == kTileThreads, "gemm: 4 x 4 outputs per thread");
     struct alignas(16) Smem {

@@ -112,3 +112,22 @@ def test_host_launchers_compile_with_nvcc(source, tmp_path):
     ]
     r = subprocess.run(cmd, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-4000:]
+
+
+def test_prefill_gemms_run_on_tensor_cores(source, tmp_path):
+    """The tiled (prefill) kernels of the bf16 gemm with 16-byte rows and of qgemm issue mma.sync m16n8k16 and
+    ldmatrix in their PTX; the f32 gemm's and the bf16 one with k % 8 != 0 stay SIMT. The headers have no
+    architecture branches, so one PTX (compute_80, the oldest target) stands for sm_80, sm_89 and sm_90."""
+    ptx = tmp_path / "templates.ptx"
+    cmd = [simulator.nvcc_path(), "-ptx", "-std=c++17", "-arch=compute_80", f"-I{simulator.INCLUDE_DIR}"]
+    subprocess.run([*cmd, str(source), "-o", str(ptx)], check=True, capture_output=True)
+    bodies = {}
+    for chunk in ptx.read_text().split(".entry ")[1:]:
+        bodies[chunk.split("(", 1)[0].strip()] = chunk
+    for op, params in REPRESENTATIVE:
+        if op not in ("gemm", "qgemm"):
+            continue
+        (body,) = [b for name, b in bodies.items() if f"{kernel_id('cuda', op, params)}_tiled" in name]
+        tensor = op == "qgemm" or (params["wdtype"] == "bf16" and params["k"] % 8 == 0)
+        assert ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in body) == tensor, (op, params)
+        assert ("ldmatrix.sync.aligned" in body) == tensor, (op, params)
