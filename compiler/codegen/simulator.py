@@ -176,11 +176,20 @@ def build_simulated_library(artifact_path: str | Path) -> Path:
     if not artifact.is_cuda:
         raise ArtifactError(f"{artifact.path}: --simulate needs a CUDA-target artifact; this one is built for "
                             f"{artifact.target_name} ({artifact.kind})", "run it without --simulate")  # fmt: skip
-    digest = artifact.manifest["files"][artifact.source_path.name]
-    out = cache_root() / "simulated" / f"{digest[:24]}.so"
-    if out.is_file():  # written atomically, under the source's own digest
+    out = cache_root() / "simulated" / f"{_library_key(artifact)}.so"
+    if out.is_file():  # written atomically, under its sources' digests
         return out
     return build_simulated([artifact.source_path], out, extra_flags=("-O2",))
+
+
+def _library_key(artifact) -> str:
+    """The artifact's model.cu digest with the digest of the device headers it is built against (this
+    installation's templates/cuda/include, which the artifact does not carry): a header change rebuilds."""
+    h = hashlib.sha256(artifact.manifest["files"][artifact.source_path.name].encode())
+    for path in sorted(Path(INCLUDE_DIR).iterdir()):
+        if path.is_file():
+            h.update(path.name.encode() + b"\0" + path.read_bytes())
+    return h.hexdigest()[:24]
 
 
 # The profiling build: kernel code calls __asan_{load,store}*_noabort on every access; the counter unit,
@@ -234,8 +243,7 @@ def build_profiled_library(artifact_path: str | Path) -> Path:
     if not artifact.is_cuda:
         raise ArtifactError(f"{artifact.path}: --simulate needs a CUDA-target artifact; this one is built for "
                             f"{artifact.target_name} ({artifact.kind})", "profile it without --simulate")  # fmt: skip
-    digest = artifact.manifest["files"][artifact.source_path.name]
-    out = cache_root() / "simulated" / f"{digest[:24]}-profile.so"
+    out = cache_root() / "simulated" / f"{_library_key(artifact)}-profile.so"
     if out.is_file():
         return out
     return build_profiled([artifact.source_path], out)
@@ -292,6 +300,9 @@ def _arch_number(arch: str) -> str:
     return m.group(1)
 
 
+_LINE_MARKER = re.compile(r"#\s*(line\s+)?\d")
+
+
 def nvcc_compile(source: Path | str, arch: str, out: Path, extra_flags=()) -> dict[str, KernelResources]:
     """nvcc -cubin for one architecture ('sm_80', 'sm89', '90'); returns ptxas's resources per kernel.
 
@@ -312,7 +323,8 @@ def nvcc_compile(source: Path | str, arch: str, out: Path, extra_flags=()) -> di
     with tempfile.TemporaryDirectory(prefix="llmc-nvcc-") as tmp:
         src = _sources(source, Path(tmp))[0]
         pre = _run([nvcc, *flags[1:], "-E", str(src), "-o", "-"], f"preprocessing {src.name} (nvcc)").stdout
-        pre = "\n".join(line for line in pre.splitlines() if not line.startswith("#"))
+        # line markers (`# 12 "file"`) name the temporary directory; a `#pragma` changes the code
+        pre = "\n".join(line for line in pre.splitlines() if not _LINE_MARKER.match(line))
         key = _key([_tool_version(nvcc), " ".join(flags), pre])
         cubin, report = cache_dir() / f"nvcc-{key}.cubin", cache_dir() / f"nvcc-{key}.ptxas.txt"
         if not (cubin.exists() and report.exists()):

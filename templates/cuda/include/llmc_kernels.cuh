@@ -50,11 +50,11 @@ __device__ __forceinline__ float wload(uint16_t v) { return bf16_to_float(v); }
 
 __device__ __forceinline__ float4 load4(const float* p) {
   LLMC_CHECK_ALIGNED16(p);
-  return *reinterpret_cast<const float4*>(p);
+  return vload<float4>(p);
 }
 __device__ __forceinline__ void store4(float* p, float a, float b, float c, float d) {
   LLMC_CHECK_ALIGNED16(p);
-  *reinterpret_cast<float4*>(p) = float4{a, b, c, d};
+  vstore(p, float4{a, b, c, d});
 }
 
 // One 16-byte load of weights, widened: N elements.
@@ -156,9 +156,9 @@ struct RmsNorm {
 
 // ---------------------------------------------------------------------------------------------------
 // gemm: y[T, N] = x[T, K] @ w[N, K]^T (+ bias[N]); w in HF Linear layout, one row per output.
-//  - decode (T <= kGemvMaxT): gemv(). One warp per output row j; lanes stride K with 16-byte weight loads
-//    (scalar loads when K * sizeof(W) is no multiple of 16), kGemvRows rows of x per pass over the weight
-//    row, one warp_sum per (row, output). Grid (kGemvBlocks), block kGemvThreads.
+//  - decode (T <= kGemvMaxT): gemv(). One warp per output row j; lanes stride K 4 values at a time (float4 of
+//    x, 16 or 8 bytes of w; scalar loads when K % 4 != 0), kGemvRows rows of x per pass over the weight row,
+//    one warp_sum per (row, output). Grid (kGemvBlocks), block kGemvThreads.
 //  - prefill: tiled(), a BM x BN output tile per block, BK-deep k steps. Grid (kTilesN, ceil(T / BM)), block
 //    kTileThreads.
 //    - bf16 weights with 16-byte rows (kMma): on tensor cores, tiled_mma(). Four warps in 2 x 2, each a
@@ -176,14 +176,21 @@ struct RmsNorm {
 template <int N, int K, bool BIAS, typename W, int GEMV_WARPS = 4, int TILE_M = 64, int TILE_N = 64,
           int TILE_K = 32, int STAGES = 3>
 struct Gemm {
-  static constexpr int V = Vec16<W>::N;
-  static constexpr bool kVec = K % V == 0;  // rows of w (and of x) are 16-byte aligned
+  // GEMV: each lane access takes 4 values of a row (x: 16 bytes, w: 16 or 8), so that both x's and w's warp
+  // accesses are contiguous (full sectors); rows of 4k values keep them aligned
+  static constexpr bool kVec = K % 4 == 0;
   static constexpr int kGemvWarps = GEMV_WARPS, kGemvThreads = 32 * kGemvWarps, kGemvRows = 4, kGemvMaxT = 8;
   static constexpr int kGemvBlocks = ceil_div(N, kGemvWarps);
-  static constexpr bool kMma = sizeof(W) == 2 && kVec;
+  static constexpr bool kMma = sizeof(W) == 2 && K % 8 == 0;  // bf16 rows of whole 16-byte pieces
   static constexpr int BM = TILE_M, BN = TILE_N, BK = TILE_K;
   static constexpr int kTileThreads = kMma ? 128 : (BM / 4) * (BN / 4);
   static constexpr int kTilesN = ceil_div(N, BN);
+
+  static __device__ __forceinline__ void load_w4(const float* p, float (&o)[4]) {
+    const float4 v = load4(p);
+    o[0] = v.x, o[1] = v.y, o[2] = v.z, o[3] = v.w;
+  }
+  static __device__ __forceinline__ void load_w4(const uint16_t* p, float (&o)[4]) { load_bf16x4(p, o); }
 
   static __device__ __forceinline__ void gemv(const float* x, const W* w, const W* bias, float* y, int T) {
     constexpr int R = kGemvRows;
@@ -199,17 +206,15 @@ struct Gemm {
 #pragma unroll
       for (int r = 0; r < R; ++r) acc[r] = 0.0f;
       if constexpr (kVec) {
-        for (int k = lane * V; k < K; k += 32 * V) {
-          float wv[V];
-          Vec16<W>::load(wr + k, wv);
+#pragma unroll 2
+        for (int k = lane * 4; k < K; k += 32 * 4) {
+          float wv[4];
+          load_w4(wr + k, wv);
 #pragma unroll
           for (int r = 0; r < R; ++r) {
             if (r < rows) {
-#pragma unroll
-              for (int q = 0; q < V; q += 4) {
-                const float4 xv = load4(x0 + static_cast<int64_t>(r) * K + k + q);
-                acc[r] += xv.x * wv[q] + xv.y * wv[q + 1] + xv.z * wv[q + 2] + xv.w * wv[q + 3];
-              }
+              const float4 xv = load4(x0 + static_cast<int64_t>(r) * K + k);
+              acc[r] += xv.x * wv[0] + xv.y * wv[1] + xv.z * wv[2] + xv.w * wv[3];
             }
           }
         }
@@ -294,8 +299,8 @@ struct Gemm {
         for (int mi = 0; mi < MT; ++mi) {
           const float* r0 = &st.x[wm + 16 * mi + g][ks + 2 * t];
           const float* r1 = r0 + 8 * XS;
-          const float2 v0 = *reinterpret_cast<const float2*>(r0), v1 = *reinterpret_cast<const float2*>(r1);
-          const float2 v2 = *reinterpret_cast<const float2*>(r0 + 8), v3 = *reinterpret_cast<const float2*>(r1 + 8);
+          const float2 v0 = vload<float2>(r0), v1 = vload<float2>(r1);
+          const float2 v2 = vload<float2>(r0 + 8), v3 = vload<float2>(r1 + 8);
           a[mi][0] = pack_bf16x2(v0.x, v0.y), a[mi][1] = pack_bf16x2(v1.x, v1.y);
           a[mi][2] = pack_bf16x2(v2.x, v2.y), a[mi][3] = pack_bf16x2(v3.x, v3.y);
         }
@@ -327,7 +332,7 @@ struct Gemm {
           float* yr = y + static_cast<int64_t>(row) * N + col;
           const float v0 = acc[mi][j][2 * h] + b0, v1 = acc[mi][j][2 * h + 1] + b1;
           if (kPairs && col + 1 < N) {
-            *reinterpret_cast<float2*>(yr) = float2{v0, v1};
+            vstore(yr, float2{v0, v1});
           } else {
             if (col < N) yr[0] = v0;
             if (col + 1 < N) yr[1] = v1;
@@ -432,10 +437,13 @@ struct Rope {
 //     Grid (write_grid()), block kWriteThreads; one block per token.
 //  2. attend(): one warp per (token t, head h); a block holds HPB heads of one token that share a kv head
 //     (HPB divides NH / NKV), so their K/V reads meet in L1. Causal over cache positions 0..p of t's
-//     sequence (W > 0, a sliding window: p-W+1..p), through its block table. Per 32 cache positions: lane j scores position c0 + j (a full
-//     D-long dot with the q row staged in shared memory), warp_max / warp_sum for the online softmax (fp32,
-//     one rescale per 32 positions), then every lane accumulates D/32 output dims over the 32 positions'
-//     V rows (coalesced). Grid (attend_grid()), block kThreads.
+//     sequence (W > 0, a sliding window: p-W+1..p), through its block table. Per 32 cache positions: the
+//     scores, then warp_max / warp_sum for the online softmax (fp32, one rescale per 32 positions), then every
+//     lane accumulates D/32 output dims over the 32 positions' V rows (coalesced). Scores, where a K row is
+//     whole 16-byte vectors (kRowVec): LPR lanes share a row, each a 16-byte piece at a time (a warp access
+//     reads 32 / LPR whole rows: full sectors), its part of q in registers, summed over the LPR lanes by a
+//     butterfly; otherwise lane j takes position c0 + j alone (a full D-long dot with the q row staged in
+//     shared memory). Grid (attend_grid()), block kThreads.
 template <int NH, int NKV, int D, int BS, int W, typename KV>
 struct PagedAttention {
   static_assert(NH % NKV == 0, "paged_attention: num_heads must be a multiple of num_kv_heads");
@@ -447,6 +455,11 @@ struct PagedAttention {
   static constexpr int SLOT = NKV * D;         // values per cache slot
   static constexpr int kWriteThreads = row_threads(SLOT, 256);
   static constexpr int64_t kMaxGrid = 1024;
+  static constexpr int VW = Vec16<KV>::N;                  // values per 16-byte piece of a K row
+  static constexpr bool kRowVec = D % VW == 0 && (D / VW <= 32 ? 32 % (D / VW) == 0 : (D / VW) % 32 == 0);
+  static constexpr int LPR = kRowVec ? (D / VW < 32 ? D / VW : 32) : 1;  // lanes per K row
+  static constexpr int RPA = 32 / LPR;                                   // K rows per warp access
+  static constexpr int PPL = kRowVec ? D / (VW * LPR) : 1;               // pieces per lane and row
 
   static int grid(int B, int max_blocks, int per_token) {
     const int64_t bound = static_cast<int64_t>(B) * max_blocks * BS * per_token;
@@ -521,13 +534,42 @@ struct PagedAttention {
       for (int d = lane; d < D; d += 32) sm.q[warp][d] = qh[d];
       __syncwarp();
 
+      float qv[PPL][VW];  // kRowVec: this lane's pieces of q, d = (i * LPR + lane % LPR) * VW + e
+      if constexpr (kRowVec) {
+#pragma unroll
+        for (int i = 0; i < PPL; ++i)
+#pragma unroll
+          for (int e = 0; e < VW; ++e) qv[i][e] = sm.q[warp][(i * LPR + lane % LPR) * VW + e];
+      }
       float m = -INFINITY, l = 0.0f, acc[DPL];
 #pragma unroll
       for (int i = 0; i < DPL; ++i) acc[i] = 0.0f;
       for (int c0 = first; c0 < ctx; c0 += 32) {
         const int pos = c0 + lane;
         float s = -INFINITY;
-        if (pos < ctx) {
+        if constexpr (kRowVec) {
+#pragma unroll 2
+          for (int r0 = 0; r0 < 32; r0 += RPA) {
+            const int j = r0 + lane / LPR, pj = c0 + j;  // this lane's row of the access
+            float part = 0.0f;
+            int64_t row = 0;
+            if (pj < ctx) {
+              row = (static_cast<int64_t>(table[pj / BS]) * BS + pj % BS) * SLOT + kvh * D;
+#pragma unroll
+              for (int i = 0; i < PPL; ++i) {
+                float kv[VW];
+                Vec16<KV>::load(k_cache + row + (i * LPR + lane % LPR) * VW, kv);
+#pragma unroll
+                for (int e = 0; e < VW; ++e) part = fmaf(qv[i][e], kv[e], part);
+              }
+            }
+            part = warp_sum<LPR>(part);  // every lane of the row's group: its dot
+            if (lane % LPR == 0 && pj < ctx) sm.row[warp][j] = row, sm.p[warp][j] = part;
+          }
+          __syncwarp();
+          if (pos < ctx) s = sm.p[warp][lane] * scale;
+          __syncwarp();  // sm.p is rewritten with the weights below
+        } else if (pos < ctx) {
           const int64_t row = (static_cast<int64_t>(table[pos / BS]) * BS + pos % BS) * SLOT + kvh * D;
           sm.row[warp][lane] = row;
           s = dot_q(sm.q[warp], k_cache + row) * scale;

@@ -101,7 +101,7 @@ struct QGemm {
           float xs = 0.0f;
 #pragma unroll
           for (int j = 0; j < PAIRS; ++j) {
-            xv[j] = *reinterpret_cast<const float2*>(x0 + static_cast<int64_t>(r) * K + 16 * (j >> 1) + 8 * (j & 1));
+            xv[j] = vload<float2>(x0 + static_cast<int64_t>(r) * K + 16 * (j >> 1) + 8 * (j & 1));
             if constexpr (ASYM) xs += xv[j].x + xv[j].y;
           }
 #pragma unroll
@@ -142,7 +142,7 @@ struct QGemm {
 #pragma unroll
         for (int i = 0; i < NR; ++i) {  // NR 16-byte loads in flight
           LLMC_CHECK_ALIGNED16(row[i] + 16 * p);
-          const uint4 v = *reinterpret_cast<const uint4*>(row[i] + 16 * p);
+          const uint4 v = vload<uint4>(row[i] + 16 * p);
           wd[i][0] = v.x, wd[i][1] = v.y, wd[i][2] = v.z, wd[i][3] = v.w;
         }
         gemv_words(wd, BW, p >> 2, p & 3, n, x, T, scales, mins, acc);
@@ -225,7 +225,7 @@ struct QGemm {
       for (int j = 0; j < NT; ++j) {
         if (nw == BW) {
           LLMC_CHECK_ALIGNED16(wrow[j] + 64 * b + 16 * t);
-          const uint4 v = *reinterpret_cast<const uint4*>(wrow[j] + 64 * b + 16 * t);
+          const uint4 v = vload<uint4>(wrow[j] + 64 * b + 16 * t);
           wd[j][0] = v.x, wd[j][1] = v.y, wd[j][2] = v.z, wd[j][3] = v.w;
         } else {
           const uint32_t* tw = reinterpret_cast<const uint32_t*>(wrow[j] + 64 * b) + t * nw;
@@ -238,7 +238,7 @@ struct QGemm {
         const int r = idx / (kb / 4), c = 4 * (idx % (kb / 4));
         float4 v = float4{0.0f, 0.0f, 0.0f, 0.0f};
         if (m0 + r < T) v = load4(x + static_cast<int64_t>(m0 + r) * K + kb0 + c);
-        *reinterpret_cast<uint2*>(&xs[r][c]) = uint2{pack_bf16x2(v.x, v.y), pack_bf16x2(v.z, v.w)};
+        vstore(&xs[r][c], uint2{pack_bf16x2(v.x, v.y), pack_bf16x2(v.z, v.w)});
       }
       __syncthreads();
 #pragma unroll
