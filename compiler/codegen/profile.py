@@ -10,7 +10,8 @@ distinct bytes stored per launch: each byte the kernel uses, moved once), floor_
     time_us  = max(dram_bytes / bandwidth, flops / tensor rate) / sm_share + launches * launch_us
 
 with the target's [ceilings] (targets/<name>.toml), and sm_share = min(1, blocks per launch / the target's
-sm_count): a grid of fewer blocks than SMs leaves the rest idle, so it gets that share of the bandwidth and
+sm_count), counting the blocks that stored to global memory (a block that found no work stores nothing): a
+grid of fewer blocks than SMs leaves the rest idle, so it gets that share of the bandwidth and
 the tensor rate (a first-order model: one SM can draw more than its even share of DRAM bandwidth, so a very
 small grid is predicted slower than it runs; it ranks grids of one kernel, as `llmc tune --simulate` does). The step's floor takes the FLOPs of the kernel program's
 shapes instead (every GEMM 2*M*N*K, attention 4*heads*head_dim per query-key pair, whichever rate the

@@ -163,7 +163,7 @@ def silu_mul_reference(gate_up):
 # ---------------------------------------------------------------------------------------------------
 # paged attention
 
-NUM_BLOCKS = 200  # cache blocks in the pool
+NUM_BLOCKS = 600  # cache blocks in the pool (the longest batch at block size 1 takes 503)
 
 # (cached tokens, new tokens) per sequence: prefill, decode, chunked prefill; contexts cross 32 positions
 MIXED = [(0, 7), (10, 1), (5, 3), (33, 1), (0, 1), (16, 17), (70, 1)]

@@ -3,7 +3,7 @@
 A ragged batch mixes prefill, chunked prefill and decode sequences whose cache blocks are shuffled
 and non-contiguous; the cache holds earlier tokens' k/v and garbage elsewhere. q/k/v are column
 slices of one fused qkv buffer, as the qkv gemm produces them. Context lengths cross CUDA's 32-position
-chunks (33, 70 + new tokens). A bf16 cache (kv_dtype bf16) is checked against the same reference over k/v
+chunks (33, 70 + new tokens) and its 64-position KV splits (up to 301). A bf16 cache (kv_dtype bf16) is checked against the same reference over k/v
 rounded to bf16 (nearest even) as the kernel must store them.
 """
 
@@ -88,7 +88,13 @@ def make_batch(params, seqs, seed):
     return (Bf16Batch if params["kv_dtype"] == "bf16" else Batch)(params, seqs, seed)
 
 
-@pytest.mark.parametrize("seqs", [MIXED, [(0, 17)], [(40, 1), (3, 1), (0, 1)]], ids=["mixed", "prefill", "decode"])
+# long: contexts of 301 and 132 (CUDA: 5 and 3 KV splits of 64 positions or fewer, combined) beside a 70-token
+# prefill (2 splits for its last tokens, 1 for its first)
+@pytest.mark.parametrize(
+    "seqs",
+    [MIXED, [(0, 17)], [(40, 1), (3, 1), (0, 1)], [(300, 1), (130, 2), (0, 70)]],
+    ids=["mixed", "prefill", "decode", "long"],
+)
 @pytest.mark.parametrize("op,params", SPECS, ids=IDS)
 def test_paged_attention_matches_numpy(kernels, op, params, seqs):
     batch = make_batch(params, seqs, seed=len(seqs))

@@ -6,6 +6,7 @@
 //                       (wrap a template-id with commas in parentheses: LLMC_LAUNCH((k<64, 4>), ...))
 //   LLMC_DYNAMIC_SMEM(type, name)    inside a kernel: `type* name` points at the dynamic shared memory
 //                       (16-byte aligned; never write `extern __shared__` directly)
+//   LLMC_DEVICE_ARRAY(type, name, count), LLMC_REGISTER_DEVICE_ARRAY(name)   a kernel's global scratch
 //   llmc::warp_sum / warp_max, llmc::block_sum / block_max       reductions (1-D blocks, blockDim.x % 32 == 0)
 //   llmc::bf16_to_float, load_bf16x2/x4/x8, pack_bf16x2 / pack_f16x2 (mma operands)
 //   llmc::mma_m16n8k16_bf16 / _f16  (f32 accumulate), llmc::ldmatrix_x1/x2/x4[_trans],
@@ -22,6 +23,18 @@
 #define LLMC_SITE_DECL
 #endif
 #include <stdint.h>
+
+// LLMC_DEVICE_ARRAY(type, name, count): a global array of device memory, zero at load (a __device__
+// variable; 256-byte aligned), that device code names directly: a kernel's scratch. Under the simulator it is a
+// static array, which the launcher registers with LLMC_REGISTER_DEVICE_ARRAY(name) so that the profiler counts
+// its accesses as global memory.
+#ifdef LLMC_SIMULATOR
+#define LLMC_DEVICE_ARRAY(type, name, count) alignas(256) static type name[count]
+#define LLMC_REGISTER_DEVICE_ARRAY(name) ::llmc_sim::device_array(name, sizeof(name))
+#else
+#define LLMC_DEVICE_ARRAY(type, name, count) __device__ __align__(256) type name[count]
+#define LLMC_REGISTER_DEVICE_ARRAY(name) ((void)0)
+#endif
 
 #ifdef LLMC_SIMULATOR
 #define LLMC_LAUNCH(kernel, grid, block, smem_bytes, stream, ...) \

@@ -6,9 +6,11 @@
 // struct and launches through LLMC_LAUNCH. A generated model.cu includes this header once, before the kernels.
 //
 // Numerics: activations and every accumulation are float32; weights and the KV cache are float or uint16_t
-// (bf16 bits), widened to float on load. No atomics and no split reductions: every result is computed by one
-// thread, one warp or one block in a fixed order, so a run is bit-reproducible (and seed-independent under
-// the simulator). expf/sincosf/sqrtf/division are the accurate (non-fast-math) versions.
+// (bf16 bits), widened to float on load (the bf16 GEMM's tensor-core path rounds x to bf16). Every result is
+// computed by one thread, one warp or one block in a fixed order; the one split reduction (paged attention's
+// KV splits) is combined in split order whichever block finishes last, its only atomic a counter. So a run is
+// bit-reproducible (and seed-independent under the simulator). expf/sincosf/sqrtf/division are the accurate
+// (non-fast-math) versions.
 //
 // Alignment: vector (16-byte) accesses are used only where the row length makes every row 16-byte aligned
 // (decided at compile time), and assume 16-byte aligned base pointers (cudaMalloc'd buffers, offsets that are
@@ -435,7 +437,7 @@ struct Rope {
 // arguments (T <= B * max_blocks * BS) and capped at kMaxGrid, and loop over their items.
 //  1. write(): token t's k/v rows (kv heads [0, NKV)) go to cache slot slot_mapping[t] (< 0: skipped).
 //     Grid (write_grid()), block kWriteThreads; one block per token.
-//  2. attend(): one warp per (token t, head h); a block holds HPB heads of one token that share a kv head
+//  2. attend(): one warp per (token t, head h, KV split); a block holds HPB heads of one token that share a kv head
 //     (HPB divides NH / NKV), so their K/V reads meet in L1. Causal over cache positions 0..p of t's
 //     sequence (W > 0, a sliding window: p-W+1..p), through its block table. Per 32 cache positions: the
 //     scores, then warp_max / warp_sum for the online softmax (fp32, one rescale per 32 positions), then every
@@ -443,7 +445,17 @@ struct Rope {
 //     whole 16-byte vectors (kRowVec): LPR lanes share a row, each a 16-byte piece at a time (a warp access
 //     reads 32 / LPR whole rows: full sectors), its part of q in registers, summed over the LPR lanes by a
 //     butterfly; otherwise lane j takes position c0 + j alone (a full D-long dot with the q row staged in
-//     shared memory). Grid (attend_grid()), block kThreads.
+//     shared memory).
+//     Split-KV (flash-decoding), so that a few decoding tokens still give every SM work: a token's positions
+//     [first, ctx) are cut into St = min(kMaxSplits, ceil(len / kSplitChunk)) splits of ceil(len / St), each
+//     a unit of work of its own (block: token, HPB heads, split). A split writes its (m, l, unnormalized
+//     acc) per head to `partials`; the block whose split completes the token's set (a counter per (token,
+//     head block) in `done`, which it resets) combines them in split order: O = sum_s acc_s e^(m_s - M) /
+//     sum_s l_s e^(m_s - M), M = max_s m_s. St depends on the token's own context alone, and the combination
+//     order is fixed, so results are bit-reproducible whatever the block order. A launch splits when its
+//     partials fit the scratch (T * NH * S <= kScratchHeads, S = max_splits(max_blocks)); otherwise (large
+//     prefill steps) every token takes one split, whose result differs from a split one in the last bits.
+//     Grid (attend_grid()), block kThreads.
 template <int NH, int NKV, int D, int BS, int W, typename KV>
 struct PagedAttention {
   static_assert(NH % NKV == 0, "paged_attention: num_heads must be a multiple of num_kv_heads");
@@ -465,8 +477,15 @@ struct PagedAttention {
     const int64_t bound = static_cast<int64_t>(B) * max_blocks * BS * per_token;
     return static_cast<int>(bound < kMaxGrid ? (bound > 0 ? bound : 1) : kMaxGrid);
   }
+  static constexpr int kSplitChunk = 64, kMaxSplits = 32;
+  static constexpr int64_t kScratchHeads = 16384;          // (token, head, split) partials of one launch
+  static constexpr int kPartial = D + 2;                   // m, l, acc[D]
+  static constexpr int64_t kScratchFloats = kScratchHeads * kPartial, kDoneCounters = kScratchHeads / 2;
+  __host__ __device__ static int max_splits(int max_blocks) {
+    return clamp_int(ceil_div(max_blocks * BS, kSplitChunk), 1, kMaxSplits);
+  }
   static int write_grid(int B, int max_blocks) { return grid(B, max_blocks, 1); }
-  static int attend_grid(int B, int max_blocks) { return grid(B, max_blocks, kHeadBlocks); }
+  static dim3 attend_grid(int B, int max_blocks) { return dim3(grid(B, max_blocks, kHeadBlocks), max_splits(max_blocks)); }
 
   static __device__ __forceinline__ float to_kv(float x, float*) { return x; }
   static __device__ __forceinline__ uint16_t to_kv(float x, uint16_t*) { return pack_bf16x2(x, 0.0f) & 0xffffu; }
@@ -506,28 +525,64 @@ struct PagedAttention {
     return s;
   }
 
+  // The `splits` partials of head h of token t (at a stride of S per head) -> out; one warp, in the block
+  // whose split came last.
+  static __device__ __forceinline__ void combine(const float* partials, int t, int h, int S, int splits, float* out) {
+    const int lane = threadIdx.x & 31;
+    const volatile float* part = partials + (static_cast<int64_t>(t) * NH + h) * S * kPartial;  // past L1
+    const float m_lane = lane < splits ? part[lane * kPartial] : -INFINITY;
+    const float M = warp_max(m_lane);
+    const float L = warp_sum(lane < splits ? part[lane * kPartial + 1] * expf(m_lane - M) : 0.0f);
+    float o[DPL];
+#pragma unroll
+    for (int i = 0; i < DPL; ++i) o[i] = 0.0f;
+    for (int sp = 0; sp < splits; ++sp) {
+      const float e = expf(__shfl_sync(kFullMask, m_lane, sp) - M);
+#pragma unroll
+      for (int i = 0; i < DPL; ++i) {
+        const int d = lane + 32 * i;
+        if (D % 32 == 0 || d < D) o[i] = fmaf(part[sp * kPartial + 2 + d], e, o[i]);
+      }
+    }
+    const float inv = 1.0f / L;
+    float* od = out + static_cast<int64_t>(t) * (NH * D) + h * D;
+#pragma unroll
+    for (int i = 0; i < DPL; ++i) {
+      const int d = lane + 32 * i;
+      if (D % 32 == 0 || d < D) od[d] = o[i] * inv;
+    }
+  }
+
   static __device__ __forceinline__ void attend(const float* q, int row_stride, const KV* k_cache,
                                                 const KV* v_cache, const int32_t* query_start_loc,
                                                 const int32_t* seq_lens, const int32_t* block_tables,
-                                                int max_blocks, int B, float* out, float scale) {
+                                                int max_blocks, int B, float* out, float scale,
+                                                float* partials, unsigned* done) {
     struct alignas(16) Smem {
       float q[HPB][D];     // this warp's query row
       float p[HPB][32];    // softmax weights of the current 32 positions
       int64_t row[HPB][32];  // their V rows (element offsets into the cache)
+      int last;            // this block finished its token's last split
     };
     __shared__ Smem sm;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int T = query_start_loc[B];
+    const int S = static_cast<int64_t>(T) * NH * gridDim.y <= kScratchHeads ? gridDim.y : 1, split = blockIdx.y;
+    if (split >= S) return;  // block-uniform, before any barrier
     for (int item = blockIdx.x; item < T * kHeadBlocks; item += gridDim.x) {
       const int t = item / kHeadBlocks, h = (item % kHeadBlocks) * HPB + warp;
-      int b = 0, hi = B;  // the last b with query_start_loc[b] <= t
-      while (hi - b > 1) {
-        const int mid = (b + hi) >> 1;
-        if (query_start_loc[mid] <= t) b = mid; else hi = mid;
+      int b = 0, b_hi = B;  // the last b with query_start_loc[b] <= t
+      while (b_hi - b > 1) {
+        const int mid = (b + b_hi) >> 1;
+        if (query_start_loc[mid] <= t) b = mid; else b_hi = mid;
       }
       const int n_new = query_start_loc[b + 1] - query_start_loc[b];
       const int ctx = seq_lens[b] - n_new + (t - query_start_loc[b]) + 1;  // positions 0..p
       const int first = W > 0 ? max(0, ctx - W) : 0;                      // the window's first position
+      const int splits = min(S, ceil_div(ctx - first, kSplitChunk));        // this token's: no split is empty
+      if (split >= splits) continue;                                       // block-uniform
+      const int chunk = ceil_div(ctx - first, splits);
+      const int lo = first + split * chunk, hi = min(ctx, lo + chunk);     // this split's positions
       const int kvh = h / GROUP;
       const int32_t* table = block_tables + static_cast<int64_t>(b) * max_blocks;
       const float* qh = q + static_cast<int64_t>(t) * row_stride + h * D;
@@ -544,7 +599,7 @@ struct PagedAttention {
       float m = -INFINITY, l = 0.0f, acc[DPL];
 #pragma unroll
       for (int i = 0; i < DPL; ++i) acc[i] = 0.0f;
-      for (int c0 = first; c0 < ctx; c0 += 32) {
+      for (int c0 = lo; c0 < hi; c0 += 32) {
         const int pos = c0 + lane;
         float s = -INFINITY;
         if constexpr (kRowVec) {
@@ -553,7 +608,7 @@ struct PagedAttention {
             const int j = r0 + lane / LPR, pj = c0 + j;  // this lane's row of the access
             float part = 0.0f;
             int64_t row = 0;
-            if (pj < ctx) {
+            if (pj < hi) {
               row = (static_cast<int64_t>(table[pj / BS]) * BS + pj % BS) * SLOT + kvh * D;
 #pragma unroll
               for (int i = 0; i < PPL; ++i) {
@@ -564,23 +619,23 @@ struct PagedAttention {
               }
             }
             part = warp_sum<LPR>(part);  // every lane of the row's group: its dot
-            if (lane % LPR == 0 && pj < ctx) sm.row[warp][j] = row, sm.p[warp][j] = part;
+            if (lane % LPR == 0 && pj < hi) sm.row[warp][j] = row, sm.p[warp][j] = part;
           }
           __syncwarp();
-          if (pos < ctx) s = sm.p[warp][lane] * scale;
+          if (pos < hi) s = sm.p[warp][lane] * scale;
           __syncwarp();  // sm.p is rewritten with the weights below
-        } else if (pos < ctx) {
+        } else if (pos < hi) {
           const int64_t row = (static_cast<int64_t>(table[pos / BS]) * BS + pos % BS) * SLOT + kvh * D;
           sm.row[warp][lane] = row;
           s = dot_q(sm.q[warp], k_cache + row) * scale;
         }
-        const float m_new = fmaxf(m, warp_max(s));  // finite: position c0 is always < ctx
+        const float m_new = fmaxf(m, warp_max(s));  // finite: position c0 is always < hi
         const float corr = expf(m - m_new);         // 0 on the first chunk (m = -inf)
-        const float p = pos < ctx ? expf(s - m_new) : 0.0f;
+        const float p = pos < hi ? expf(s - m_new) : 0.0f;
         l = l * corr + warp_sum(p);
         sm.p[warp][lane] = p;
         __syncwarp();
-        const int n = min(32, ctx - c0);
+        const int n = min(32, hi - c0);
 #pragma unroll
         for (int i = 0; i < DPL; ++i) acc[i] *= corr;
         for (int j = 0; j < n; ++j) {
@@ -595,13 +650,36 @@ struct PagedAttention {
         m = m_new;
         __syncwarp();  // p/row are rewritten by the next chunk, q by the next item
       }
-      const float inv = 1.0f / l;
-      float* o = out + static_cast<int64_t>(t) * (NH * D) + h * D;
+      if (splits == 1) {
+        const float inv = 1.0f / l;
+        float* o = out + static_cast<int64_t>(t) * (NH * D) + h * D;
+#pragma unroll
+        for (int i = 0; i < DPL; ++i) {
+          const int d = lane + 32 * i;
+          if (D % 32 == 0 || d < D) o[d] = acc[i] * inv;
+        }
+        continue;
+      }
+      float* part = partials + ((static_cast<int64_t>(t) * NH + h) * S + split) * kPartial;
+      if (lane == 0) part[0] = m, part[1] = l;
 #pragma unroll
       for (int i = 0; i < DPL; ++i) {
         const int d = lane + 32 * i;
-        if (D % 32 == 0 || d < D) o[d] = acc[i] * inv;
+        if (D % 32 == 0 || d < D) part[2 + d] = acc[i];
       }
+      __threadfence();  // this block's partials are visible before its count
+      __syncthreads();
+      if (threadIdx.x == 0) {
+        unsigned* counter = done + static_cast<int64_t>(t) * kHeadBlocks + item % kHeadBlocks;
+        sm.last = atomicAdd(counter, 1u) == static_cast<unsigned>(splits - 1);
+        if (sm.last) *counter = 0;  // ready for the next launch: every split of this set has counted
+      }
+      __syncthreads();
+      if (sm.last) {
+        __threadfence();
+        combine(partials, t, h, S, splits, out);
+      }
+      __syncthreads();  // sm.last is rewritten by the next unit
     }
   }
 };

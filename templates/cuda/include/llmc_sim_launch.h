@@ -241,6 +241,12 @@ inline void __nanosleep(unsigned) {  // a scheduling point: lets a spin-wait loo
   t.st = llmc_sim::St::Runnable;
   llmc_sim::to_scheduler();
 }
+// Blocks run one at a time and a thread yields only at sync points: a read-modify-write is atomic as it stands.
+inline unsigned atomicAdd(unsigned* p, unsigned v) {
+  const unsigned old = *p;
+  *p = old + v;
+  return old;
+}
 inline void __threadfence() {}
 inline void __threadfence_block() {}
 inline void __threadfence_system() {}

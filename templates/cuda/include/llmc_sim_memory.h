@@ -122,6 +122,15 @@ inline cudaError_t llmc_sim_ret(cudaError_t e) {
   if (e != cudaSuccess) llmc_sim::g.last_error = e;
   return e;
 }
+namespace llmc_sim {
+// A kernel's static device array (LLMC_DEVICE_ARRAY): global memory to the profiler, as a cudaMalloc'ed block
+// is; registered by its launcher before each launch (idempotent).
+inline void device_array(const void* p, size_t n) {
+  (void)p, (void)n;
+  LLMC_SIM_PROF(llmc_sim_prof_alloc(p, n));
+}
+}  // namespace llmc_sim
+
 inline cudaError_t cudaMalloc(void** p, size_t n) {
   *p = nullptr;
   if (n == 0) return cudaSuccess;

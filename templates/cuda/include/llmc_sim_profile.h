@@ -8,7 +8,7 @@
 // reads the counters through llmc_sim_prof_* functions of that same unit.
 //
 // What is counted, per kernel (the demangled name of the __global__ function), while counting is enabled:
-// - An access is global when its address lies in a cudaMalloc'ed block, shared when it lies in the dynamic
+// - An access is global when its address lies in a cudaMalloc'ed block (or a kernel's LLMC_DEVICE_ARRAY), shared when it lies in the dynamic
 //   shared-memory buffer or in a static __shared__ variable (a section of its own in this build); anything
 //   else (fiber stacks, the simulator's own state, host memory) is not counted. The simulator's internals
 //   that move data for a kernel (cp.async, ldmatrix, mma) are not instrumented and count themselves.
@@ -29,6 +29,9 @@
 //   Banks are taken from the host address mod 128 (the dynamic buffer is 128-byte aligned).
 // - mma: mma.sync m16n8k16 instructions, one per warp; tensor_flops = 2*16*8*16 per instruction. SIMT
 //   arithmetic is not counted.
+// - blocks: the blocks that stored to global memory. A grid is sized from host-side bounds (paged attention's
+//   from B x the block table's width), and a block that found no work stores nothing: it does not count
+//   toward the SMs a launch keeps busy.
 #pragma once
 
 #if defined(LLMC_SIM_PROFILE_IMPL)
@@ -91,6 +94,7 @@ struct State {
   std::vector<std::unordered_map<uintptr_t, uint32_t>> site_count;  // per thread of the block
   std::unordered_map<Key, Group, KeyHash> open;
   std::vector<uintptr_t> scratch;
+  bool block_stored = false;  // the running block has stored to global memory
 };
 inline State s;
 
@@ -203,6 +207,7 @@ inline void access(uintptr_t a, size_t n, bool store, uintptr_t site) {
   const bool shared = is_shared(a);
   uintptr_t base = 0;
   if (!shared && !alloc_of(a, &base)) return;
+  if (store && !shared) s.block_stored = true;
   const unsigned t = static_cast<unsigned>(llmc_sim::g.cur);
   const uint32_t k = s.site_count[t][site]++;
   const Key key{t / 32, site, k, store};
@@ -240,14 +245,16 @@ void llmc_sim_prof_launch_end() {
 }
 void llmc_sim_prof_block_begin() {
   using namespace llmc_sim_prof;
-  if (s.cur && s.enabled) s.cur->v[kBlocks] += 1;
+  s.block_stored = false;
   s.site_count.assign(llmc_sim::g.nthreads, {});
   s.open.clear();
 }
 void llmc_sim_prof_block_end() {
   using namespace llmc_sim_prof;
-  if (s.cur && s.enabled)
+  if (s.cur && s.enabled) {
     for (auto& [key, grp] : s.open) finish(key, grp);  // warps whose lanes did not all make the access
+    if (s.block_stored) s.cur->v[kBlocks] += 1;
+  }
   s.open.clear();
 }
 void llmc_sim_prof_alloc(const void* p, size_t n) {
