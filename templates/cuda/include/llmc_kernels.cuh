@@ -456,6 +456,15 @@ struct Rope {
 //     partials fit the scratch (T * NH * S <= kScratchHeads, S = max_splits(max_blocks)); otherwise (large
 //     prefill steps) every token takes one split, whose result differs from a split one in the last bits.
 //     Grid (attend_grid()), block kThreads.
+//  3. prefill() (kFlash: a bf16 cache, D % 16 == 0, D <= 128): the sequences with kFlashMinRows or more new
+//     tokens, which attend() skips, on tensor cores, flash-attention style. A block takes 64 of a sequence's
+//     new tokens for one head (4 warps of 16 rows; q rounded to bf16 into A fragments), and walks the key
+//     positions its rows can see (causal, the window) in tiles of FN through its block table: K and V rows
+//     go to shared memory by cp.async (double-buffered; positions past the context zero-filled), S = Q K^T by
+//     mma.sync m16n8k16 with K's B fragments from ldmatrix, the mask, an fp32 online softmax per row (each
+//     lane keeps its own part of l; the quad sums it once at the end), then O += P V with P's bf16 A fragments
+//     straight from S's accumulators and V's B fragments from ldmatrix.trans. Rows padded by 16 bytes: no
+//     bank replays. Grid (prefill_grid()), block kFlashThreads.
 template <int NH, int NKV, int D, int BS, int W, typename KV>
 struct PagedAttention {
   static_assert(NH % NKV == 0, "paged_attention: num_heads must be a multiple of num_kv_heads");
@@ -486,6 +495,14 @@ struct PagedAttention {
   }
   static int write_grid(int B, int max_blocks) { return grid(B, max_blocks, 1); }
   static dim3 attend_grid(int B, int max_blocks) { return dim3(grid(B, max_blocks, kHeadBlocks), max_splits(max_blocks)); }
+
+  static constexpr bool kFlash = sizeof(KV) == 2 && D % 16 == 0 && D <= 128;  // D <= 128: O and Q in registers
+  static constexpr int kFlashMinRows = 16, FM = 64, FN = 32, kFlashThreads = 128;
+  static constexpr int FS = D + 8;  // bf16 per shared K/V row
+  static int prefill_grid(int B, int max_blocks) {  // bounds the units: a sequence has <= max_blocks * BS new tokens
+    const int64_t bound = static_cast<int64_t>(B) * ceil_div(max_blocks * BS, FM) * NH;
+    return static_cast<int>(bound < kMaxGrid ? bound : kMaxGrid);
+  }
 
   static __device__ __forceinline__ float to_kv(float x, float*) { return x; }
   static __device__ __forceinline__ uint16_t to_kv(float x, uint16_t*) { return pack_bf16x2(x, 0.0f) & 0xffffu; }
@@ -578,6 +595,7 @@ struct PagedAttention {
       }
       const int n_new = query_start_loc[b + 1] - query_start_loc[b];
       const int ctx = seq_lens[b] - n_new + (t - query_start_loc[b]) + 1;  // positions 0..p
+      if (kFlash && n_new >= kFlashMinRows) continue;                      // prefill()'s; block-uniform
       const int first = W > 0 ? max(0, ctx - W) : 0;                      // the window's first position
       const int splits = min(S, ceil_div(ctx - first, kSplitChunk));        // this token's: no split is empty
       if (split >= splits) continue;                                       // block-uniform
@@ -680,6 +698,164 @@ struct PagedAttention {
         combine(partials, t, h, S, splits, out);
       }
       __syncthreads();  // sm.last is rewritten by the next unit
+    }
+  }
+
+  static __device__ __forceinline__ void prefill(const float* q, int row_stride, const KV* k_cache,
+                                                 const KV* v_cache, const int32_t* query_start_loc,
+                                                 const int32_t* seq_lens, const int32_t* block_tables,
+                                                 int max_blocks, int B, float* out, float scale) {
+    if constexpr (kFlash) {
+      struct alignas(16) Smem {
+        uint16_t k[2][FN][FS];
+        uint16_t v[2][FN][FS];
+      };
+      __shared__ Smem sm;
+      const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t4 = lane & 3;
+      constexpr int KS = D / 16, NT = FN / 8, DT = D / 8;  // k16 steps over D, n8 tiles over FN and over D
+      constexpr int CPR = D / 8;                           // 16-byte chunks per K/V row
+      // units: (sequence b with >= kFlashMinRows new tokens, 64-row tile, head), counted in sequence order
+      int unit = blockIdx.x;
+      for (int b = 0, seen = 0; b < B; ++b) {
+        const int n_new = query_start_loc[b + 1] - query_start_loc[b];
+        if (n_new < kFlashMinRows) continue;
+        const int tiles = ceil_div(n_new, FM) * NH;
+        while (unit < seen + tiles) {
+          const int m0 = (unit - seen) / NH * FM, h = (unit - seen) % NH, kvh = h / GROUP;
+          const int ctx = seq_lens[b], cached = ctx - n_new;
+          const int32_t* table = block_tables + static_cast<int64_t>(b) * max_blocks;
+          const int t0 = query_start_loc[b];
+          const int r0 = m0 + 16 * warp + g;  // this lane's rows r0 and r0 + 8 (of the sequence's new tokens)
+          // Q's A fragments: a[ks][r] = Q(row g + 8 (r & 1), d = 16 ks + 2 t4 + 8 (r >> 1) + {0, 1})
+          uint32_t qa[KS][4];
+#pragma unroll
+          for (int ks = 0; ks < KS; ++ks) {
+#pragma unroll
+            for (int r = 0; r < 4; ++r) {
+              const int row = r0 + 8 * (r & 1), d = 16 * ks + 2 * t4 + 8 * (r >> 1);
+              float2 v = float2{0.0f, 0.0f};
+              if (row < n_new) v = vload<float2>(q + static_cast<int64_t>(t0 + row) * row_stride + h * D + d);
+              qa[ks][r] = pack_bf16x2(v.x, v.y);
+            }
+          }
+          // the key positions the block's rows see
+          const int q_lo = cached + m0, q_hi = min(cached + n_new, cached + m0 + FM) - 1;  // query positions
+          const int k_lo = W > 0 ? max(0, q_lo - W + 1) : 0, k_hi = q_hi;
+          const int ntiles = ceil_div(k_hi + 1 - k_lo, FN);
+          auto load_tile = [&](int buf, int j) {
+            for (int c = tid; c < FN * CPR; c += kFlashThreads) {
+              const int r = c / CPR, d = 8 * (c % CPR), pos = k_lo + j * FN + r;
+              const bool in = pos <= k_hi;
+              const int64_t off = in ? (static_cast<int64_t>(table[pos / BS]) * BS + pos % BS) * SLOT + kvh * D + d : 0;
+              cp_async_16_zfill(&sm.k[buf][r][d], k_cache + off, in ? 16 : 0);
+              cp_async_16_zfill(&sm.v[buf][r][d], v_cache + off, in ? 16 : 0);
+            }
+          };
+          float o[DT][4], m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+#pragma unroll
+          for (int i = 0; i < DT; ++i)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) o[i][e] = 0.0f;
+          load_tile(0, 0);
+          cp_async_commit();
+          for (int j = 0; j < ntiles; ++j) {
+            if (j + 1 < ntiles) load_tile((j + 1) & 1, j + 1);
+            cp_async_commit();
+            cp_async_wait<1>();
+            __syncthreads();  // tile j is in for every thread
+            const int buf = j & 1, p0 = k_lo + j * FN;
+            float sc[NT][4];
+#pragma unroll
+            for (int i = 0; i < NT; ++i)
+#pragma unroll
+              for (int e = 0; e < 4; ++e) sc[i][e] = 0.0f;
+#pragma unroll
+            for (int ks = 0; ks < KS; ++ks) {
+#pragma unroll
+              for (int i = 0; i < NT; i += 2) {  // matrices: (tile i, d 0-7), (i, d 8-15), (i + 1, 0-7), (i + 1, 8-15)
+                uint32_t r[4];
+                ldmatrix_x4(r, &sm.k[buf][8 * (i + (lane >> 4)) + (lane & 7)][16 * ks + 8 * ((lane >> 3) & 1)]);
+                const uint32_t b0[2] = {r[0], r[1]}, b1[2] = {r[2], r[3]};
+                mma_m16n8k16_bf16(sc[i], qa[ks], b0, sc[i]);
+                mma_m16n8k16_bf16(sc[i + 1], qa[ks], b1, sc[i + 1]);
+              }
+            }
+            // mask and the online softmax, per row half hr (rows r0, r0 + 8)
+            float corr[2];
+#pragma unroll
+            for (int hr = 0; hr < 2; ++hr) {
+              const int qp = cached + r0 + 8 * hr;
+              float mx = -INFINITY;
+#pragma unroll
+              for (int i = 0; i < NT; ++i) {
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                  const int kp = p0 + 8 * i + 2 * t4 + e;
+                  const bool see = kp <= qp && kp <= k_hi && (W == 0 || kp > qp - W);
+                  float& v = sc[i][2 * hr + e];
+                  v = see ? v * scale : -INFINITY;
+                  mx = fmaxf(mx, v);
+                }
+              }
+              mx = fmaxf(mx, __shfl_xor_sync(kFullMask, mx, 1));
+              mx = fmaxf(mx, __shfl_xor_sync(kFullMask, mx, 2));
+              const float m_new = fmaxf(m[hr], mx);
+              const float base = m_new == -INFINITY ? 0.0f : m_new;  // a row that sees nothing yet stays 0
+              corr[hr] = expf(m[hr] - base);
+              float ps = 0.0f;
+#pragma unroll
+              for (int i = 0; i < NT; ++i) {
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                  float& v = sc[i][2 * hr + e];
+                  v = expf(v - base);
+                  ps += v;
+                }
+              }
+              l[hr] = l[hr] * corr[hr] + ps;
+              m[hr] = m_new;
+            }
+#pragma unroll
+            for (int i = 0; i < DT; ++i) {
+              o[i][0] *= corr[0], o[i][1] *= corr[0];
+              o[i][2] *= corr[1], o[i][3] *= corr[1];
+            }
+            // O += P V: P's A fragment for key step kk from S's n8 tiles 2 kk and 2 kk + 1
+#pragma unroll
+            for (int kk = 0; kk < FN / 16; ++kk) {
+              const uint32_t pa[4] = {pack_bf16x2(sc[2 * kk][0], sc[2 * kk][1]), pack_bf16x2(sc[2 * kk][2], sc[2 * kk][3]),
+                                      pack_bf16x2(sc[2 * kk + 1][0], sc[2 * kk + 1][1]),
+                                      pack_bf16x2(sc[2 * kk + 1][2], sc[2 * kk + 1][3])};
+#pragma unroll
+              for (int i = 0; i < DT; i += 2) {  // matrices: (keys 0-7, d tile i), (8-15, i), (0-7, i + 1), (8-15, i + 1)
+                uint32_t r[4];
+                ldmatrix_x4_trans(r, &sm.v[buf][16 * kk + 8 * ((lane >> 3) & 1) + (lane & 7)][8 * (i + (lane >> 4))]);
+                const uint32_t b0[2] = {r[0], r[1]}, b1[2] = {r[2], r[3]};
+                mma_m16n8k16_bf16(o[i], pa, b0, o[i]);
+                mma_m16n8k16_bf16(o[i + 1], pa, b1, o[i + 1]);
+              }
+            }
+            __syncthreads();  // every warp is done with buffer j & 1 before tile j + 2 overwrites it
+          }
+          cp_async_wait<0>();
+#pragma unroll
+          for (int hr = 0; hr < 2; ++hr) {
+            float lt = l[hr];
+            lt += __shfl_xor_sync(kFullMask, lt, 1);
+            lt += __shfl_xor_sync(kFullMask, lt, 2);
+            const int row = r0 + 8 * hr;
+            if (row < n_new) {
+              const float inv = 1.0f / lt;
+              float* orow = out + static_cast<int64_t>(t0 + row) * (NH * D) + h * D;
+#pragma unroll
+              for (int i = 0; i < DT; ++i)
+                vstore(orow + 8 * i + 2 * t4, float2{o[i][2 * hr] * inv, o[i][2 * hr + 1] * inv});
+            }
+          }
+          unit += gridDim.x;
+        }
+        seen += tiles;
+      }
     }
   }
 };
