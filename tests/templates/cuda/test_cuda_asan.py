@@ -1,5 +1,6 @@
-"""Representative CUDA kernels (paged attention, both gemm paths, rmsnorm) in an AddressSanitizer build of
-the simulator, run in a subprocess (an ASan report ends the process): a clean run on the ragged test
+"""Representative CUDA kernels (paged attention on an f32 cache and on a bf16 one, whose long contexts take KV
+splits and whose 16+-token prefills the tensor-core path; the gemm's SIMT and mma tiles and its GEMV; rmsnorm)
+in an AddressSanitizer build of the simulator, run in a subprocess (an ASan report ends the process): a clean run on the ragged test
 batches, and a block table entry past the cache that ASan must report."""
 
 from __future__ import annotations
@@ -30,6 +31,19 @@ SPECS_ASAN = [
     ),
     ("gemm", dict(n=53, k=37, wdtype="bf16", has_bias=True)),
     ("rmsnorm", dict(hidden=37, eps=1e-6, wdtype="f32", add_residual=True)),
+    (
+        "paged_attention",
+        dict(
+            num_heads=4,
+            num_kv_heads=2,
+            head_dim=16,
+            block_size=4,
+            scale=1 / math.sqrt(16),
+            sliding_window=0,
+            kv_dtype="bf16",
+        ),
+    ),
+    ("gemm", dict(n=70, k=136, wdtype="bf16", has_bias=True)),
 ]
 
 # Runs in the subprocess: the kernels through the harness's CudaKernel wrapper (tests/templates/kernel_harness.py),
@@ -42,9 +56,10 @@ from kernel_harness import CudaKernel
 from kernel_reference import MIXED, NUM_BLOCKS, Batch, make_weights, rmsnorm_reference
 from llmc.compiler.codegen.render import kernel_id
 from test_cuda_asan import SPECS_ASAN
+from test_paged_attention import assert_matches_reference, make_batch
 lib = ctypes.CDLL({so!r})
 k = {{kernel_id("cuda", op, p): CudaKernel(getattr(lib, "test_" + kernel_id("cuda", op, p)), op, p) for op, p in SPECS_ASAN}}
-(op, attn), (_, gemm), (_, rms) = SPECS_ASAN
+(op, attn), (_, gemm), (_, rms), (_, attn16), (_, gemm_tc) = SPECS_ASAN
 fn = k[kernel_id("cuda", op, attn)]
 if {oob!r}:
     batch = Batch(attn, [(5, 3), (20, 1)], seed=1)
@@ -68,6 +83,16 @@ for T in (3, 17):
     y = np.empty_like(x)
     k[kernel_id("cuda", "rmsnorm", rms)](x, res, res, w, y, T)
     np.testing.assert_allclose(y, rmsnorm_reference(h, wf, 1e-6), rtol=1e-5, atol=1e-6)
+for seqs in (MIXED, [(300, 1), (130, 2), (0, 70)]):
+    batch = make_batch(attn16, seqs, seed=3)
+    assert_matches_reference(batch.run(k[kernel_id("cuda", op, attn16)]), batch, "cuda", attn16)
+x = rng.standard_normal((70, 136), dtype=np.float32)
+w, wf = make_weights(rng.standard_normal((70, 136), dtype=np.float32), "bf16")
+b, bf = make_weights(rng.standard_normal(70, dtype=np.float32), "bf16")
+y = np.empty((70, 70), np.float32)
+k[kernel_id("cuda", "gemm", gemm_tc)](x, w, b, y, 70)
+xr = make_weights(x, "bf16")[1]  # the mma tiles round x to bf16
+np.testing.assert_allclose(y, xr.astype(np.float64) @ wf.T.astype(np.float64) + bf, rtol=1e-4, atol=1e-5)
 print("ok")
 """
 
