@@ -561,12 +561,17 @@ struct PagedAttention {
         if (D % 32 == 0 || d < D) o[i] = fmaf(part[sp * kPartial + 2 + d], e, o[i]);
       }
     }
-    const float inv = 1.0f / L;
-    float* od = out + static_cast<int64_t>(t) * (NH * D) + h * D;
+    store_head(out, t, h, o, 1.0f / L);
+  }
+
+  // out[t, head h] = acc * inv: this lane's dims lane + 32 i
+  static __device__ __forceinline__ void store_head(float* out, int t, int h, const float (&acc)[DPL], float inv) {
+    const int lane = threadIdx.x & 31;
+    float* o = out + static_cast<int64_t>(t) * (NH * D) + h * D;
 #pragma unroll
     for (int i = 0; i < DPL; ++i) {
       const int d = lane + 32 * i;
-      if (D % 32 == 0 || d < D) od[d] = o[i] * inv;
+      if (D % 32 == 0 || d < D) o[d] = acc[i] * inv;
     }
   }
 
@@ -669,13 +674,7 @@ struct PagedAttention {
         __syncwarp();  // p/row are rewritten by the next chunk, q by the next item
       }
       if (splits == 1) {
-        const float inv = 1.0f / l;
-        float* o = out + static_cast<int64_t>(t) * (NH * D) + h * D;
-#pragma unroll
-        for (int i = 0; i < DPL; ++i) {
-          const int d = lane + 32 * i;
-          if (D % 32 == 0 || d < D) o[d] = acc[i] * inv;
-        }
+        store_head(out, t, h, acc, 1.0f / l);
         continue;
       }
       float* part = partials + ((static_cast<int64_t>(t) * NH + h) * S + split) * kPartial;
