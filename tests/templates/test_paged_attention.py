@@ -23,7 +23,8 @@ from llmc.errors import CompileError
 # (num_heads, num_kv_heads, head_dim, block_size, sliding_window, kv_dtype): GQA ratios 1, 4, 3 (9 heads / 3 kv
 # heads) and 4 (one kv head); head_dim 16 / 64 / 8 / 128, and 20 and 36 (no multiple of a SIMD vector of 8 or 16
 # values); windows that start mid-block (5), span blocks (13), cross a 32-lane chunk (37) and cover a single
-# position (1); a bf16 cache with GQA, windows and tail head_dims.
+# position (1); a bf16 cache with GQA, windows and tail head_dims. CUDA's tensor-core prefill (a bf16 cache,
+# head_dim % 16 == 0) takes head_dims 64, 16 and 32, the last with a window across its 32-position key tiles.
 CONFIGS = [
     (4, 4, 16, 4, 0, "f32"),
     (8, 2, 64, 16, 0, "f32"),
@@ -40,6 +41,7 @@ CONFIGS = [
     (4, 2, 16, 4, 5, "bf16"),
     (9, 3, 8, 8, 13, "bf16"),
     (9, 3, 20, 8, 37, "bf16"),
+    (8, 2, 32, 8, 37, "bf16"),
 ]
 SPECS = [
     (
