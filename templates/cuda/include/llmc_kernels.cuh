@@ -188,10 +188,7 @@ struct Gemm {
   static constexpr int kTileThreads = kMma ? 128 : (BM / 4) * (BN / 4);
   static constexpr int kTilesN = ceil_div(N, BN);
 
-  static __device__ __forceinline__ void load_w4(const float* p, float (&o)[4]) {
-    const float4 v = load4(p);
-    o[0] = v.x, o[1] = v.y, o[2] = v.z, o[3] = v.w;
-  }
+  static __device__ __forceinline__ void load_w4(const float* p, float (&o)[4]) { Vec16<float>::load(p, o); }
   static __device__ __forceinline__ void load_w4(const uint16_t* p, float (&o)[4]) { load_bf16x4(p, o); }
 
   static __device__ __forceinline__ void gemv(const float* x, const W* w, const W* bias, float* y, int T) {
@@ -482,9 +479,9 @@ struct PagedAttention {
   static constexpr int RPA = 32 / LPR;                                   // K rows per warp access
   static constexpr int PPL = kRowVec ? D / (VW * LPR) : 1;               // pieces per lane and row
 
+  static int clamp_grid(int64_t bound) { return static_cast<int>(bound < kMaxGrid ? (bound > 0 ? bound : 1) : kMaxGrid); }
   static int grid(int B, int max_blocks, int per_token) {
-    const int64_t bound = static_cast<int64_t>(B) * max_blocks * BS * per_token;
-    return static_cast<int>(bound < kMaxGrid ? (bound > 0 ? bound : 1) : kMaxGrid);
+    return clamp_grid(static_cast<int64_t>(B) * max_blocks * BS * per_token);
   }
   static constexpr int kSplitChunk = 64, kMaxSplits = 32;
   static constexpr int64_t kScratchHeads = 16384;          // (token, head, split) partials of one launch
@@ -500,8 +497,12 @@ struct PagedAttention {
   static constexpr int kFlashMinRows = 16, FM = 64, FN = 32, kFlashThreads = 128;
   static constexpr int FS = D + 8;  // bf16 per shared K/V row
   static int prefill_grid(int B, int max_blocks) {  // bounds the units: a sequence has <= max_blocks * BS new tokens
-    const int64_t bound = static_cast<int64_t>(B) * ceil_div(max_blocks * BS, FM) * NH;
-    return static_cast<int>(bound < kMaxGrid ? bound : kMaxGrid);
+    return clamp_grid(static_cast<int64_t>(B) * ceil_div(max_blocks * BS, FM) * NH);
+  }
+
+  // The cache offset (elements) of kv head kvh's row at position pos of a sequence with block table `table`.
+  static __device__ __forceinline__ int64_t cache_row(const int32_t* table, int pos, int kvh) {
+    return (static_cast<int64_t>(table[pos / BS]) * BS + pos % BS) * SLOT + kvh * D;
   }
 
   static __device__ __forceinline__ float to_kv(float x, float*) { return x; }
@@ -561,17 +562,16 @@ struct PagedAttention {
         if (D % 32 == 0 || d < D) o[i] = fmaf(part[sp * kPartial + 2 + d], e, o[i]);
       }
     }
-    store_head(out, t, h, o, 1.0f / L);
+    store_dims(out + (static_cast<int64_t>(t) * NH + h) * D, o, 1.0f / L);
   }
 
-  // out[t, head h] = acc * inv: this lane's dims lane + 32 i
-  static __device__ __forceinline__ void store_head(float* out, int t, int h, const float (&acc)[DPL], float inv) {
+  // dst[d] = acc * scale for this lane's dims d = lane + 32 i of a head
+  static __device__ __forceinline__ void store_dims(float* dst, const float (&acc)[DPL], float scale) {
     const int lane = threadIdx.x & 31;
-    float* o = out + static_cast<int64_t>(t) * (NH * D) + h * D;
 #pragma unroll
     for (int i = 0; i < DPL; ++i) {
       const int d = lane + 32 * i;
-      if (D % 32 == 0 || d < D) o[d] = acc[i] * inv;
+      if (D % 32 == 0 || d < D) dst[d] = acc[i] * scale;
     }
   }
 
@@ -632,7 +632,7 @@ struct PagedAttention {
             float part = 0.0f;
             int64_t row = 0;
             if (pj < hi) {
-              row = (static_cast<int64_t>(table[pj / BS]) * BS + pj % BS) * SLOT + kvh * D;
+              row = cache_row(table, pj, kvh);
 #pragma unroll
               for (int i = 0; i < PPL; ++i) {
                 float kv[VW];
@@ -648,7 +648,7 @@ struct PagedAttention {
           if (pos < hi) s = sm.p[warp][lane] * scale;
           __syncwarp();  // sm.p is rewritten with the weights below
         } else if (pos < hi) {
-          const int64_t row = (static_cast<int64_t>(table[pos / BS]) * BS + pos % BS) * SLOT + kvh * D;
+          const int64_t row = cache_row(table, pos, kvh);
           sm.row[warp][lane] = row;
           s = dot_q(sm.q[warp], k_cache + row) * scale;
         }
@@ -674,16 +674,12 @@ struct PagedAttention {
         __syncwarp();  // p/row are rewritten by the next chunk, q by the next item
       }
       if (splits == 1) {
-        store_head(out, t, h, acc, 1.0f / l);
+        store_dims(out + (static_cast<int64_t>(t) * NH + h) * D, acc, 1.0f / l);
         continue;
       }
       float* part = partials + ((static_cast<int64_t>(t) * NH + h) * S + split) * kPartial;
       if (lane == 0) part[0] = m, part[1] = l;
-#pragma unroll
-      for (int i = 0; i < DPL; ++i) {
-        const int d = lane + 32 * i;
-        if (D % 32 == 0 || d < D) part[2 + d] = acc[i];
-      }
+      store_dims(part + 2, acc, 1.0f);  // unnormalized: x * 1.0f is x
       __threadfence();  // this block's partials are visible before its count
       __syncthreads();
       if (threadIdx.x == 0) {
@@ -745,7 +741,7 @@ struct PagedAttention {
             for (int c = tid; c < FN * CPR; c += kFlashThreads) {
               const int r = c / CPR, d = 8 * (c % CPR), pos = k_lo + j * FN + r;
               const bool in = pos <= k_hi;
-              const int64_t off = in ? (static_cast<int64_t>(table[pos / BS]) * BS + pos % BS) * SLOT + kvh * D + d : 0;
+              const int64_t off = in ? cache_row(table, pos, kvh) + d : 0;
               cp_async_16_zfill(&sm.k[buf][r][d], k_cache + off, in ? 16 : 0);
               cp_async_16_zfill(&sm.v[buf][r][d], v_cache + off, in ? 16 : 0);
             }
@@ -796,9 +792,7 @@ struct PagedAttention {
                   mx = fmaxf(mx, v);
                 }
               }
-              mx = fmaxf(mx, __shfl_xor_sync(kFullMask, mx, 1));
-              mx = fmaxf(mx, __shfl_xor_sync(kFullMask, mx, 2));
-              const float m_new = fmaxf(m[hr], mx);
+              const float m_new = fmaxf(m[hr], warp_max<4>(mx));  // over the row's quad
               const float base = m_new == -INFINITY ? 0.0f : m_new;  // a row that sees nothing yet stays 0
               corr[hr] = expf(m[hr] - base);
               float ps = 0.0f;
@@ -839,9 +833,7 @@ struct PagedAttention {
           cp_async_wait<0>();
 #pragma unroll
           for (int hr = 0; hr < 2; ++hr) {
-            float lt = l[hr];
-            lt += __shfl_xor_sync(kFullMask, lt, 1);
-            lt += __shfl_xor_sync(kFullMask, lt, 2);
+            const float lt = warp_sum<4>(l[hr]);
             const int row = r0 + 8 * hr;
             if (row < n_new) {
               const float inv = 1.0f / lt;
