@@ -977,18 +977,19 @@ def _params(kernel: dict) -> str:
               help="Decode: tokens already in each sequence's KV cache.")  # fmt: skip
 @click.option("--prompt-len", type=click.IntRange(min=1), default=256, show_default=True, help="Prefill: tokens.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the step's random token ids.")
+@click.option("--repeats", type=click.IntRange(min=1), default=10, show_default=True,
+              help="GPU: timed steps (after two warm-up steps); each kernel's time is the median.")  # fmt: skip
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object: step and kernels.")
 def profile(artifact: Path, simulate: bool, phase: str, batch: int, context: int, prompt_len: int, seed: int,
-            as_json: bool) -> None:  # fmt: skip
-    """One decode or prefill step of a CUDA ARTIFACT, per kernel: bytes, DRAM sectors, sector efficiency, bank
-    conflicts, tensor-core instructions, FLOPs, floor and time (--simulate: predicted from the counters)."""
-    if not simulate:
-        raise LlmcError("llmc profile times kernels on a GPU only with per-kernel CUDA events, which the generated "
-                        "module does not record yet", "pass --simulate to profile under the CUDA simulator")  # fmt: skip
-    from .compiler.codegen.profile import format_table, profile_simulated
+            repeats: int, as_json: bool) -> None:  # fmt: skip
+    """One decode or prefill step of a CUDA ARTIFACT, per kernel against its floor (the bytes it must move and
+    the FLOPs it must do). On the GPU: each kernel timed with CUDA events. --simulate: bytes, DRAM sectors,
+    sector efficiency, bank conflicts and tensor-core instructions counted, the time predicted from them."""
+    from .compiler.codegen.profile import format_table, profile_measured, profile_simulated
 
-    stages = ("build", "load", "run")
-    labels = {"build": "building the profiling library", "load": "loading", "run": f"running one {phase} step"}
+    stages = ("build", "load", "run") if simulate else ("load", "run")
+    labels = {"build": "building the profiling library", "load": "loading",
+              "run": f"running one {phase} step" if simulate else f"timing {repeats} {phase} steps"}  # fmt: skip
     with click.progressbar(length=len(stages), label="profile", file=sys.stderr,
                            item_show_func=lambda s: s) as bar:  # fmt: skip
         done = []
@@ -1000,8 +1001,12 @@ def profile(artifact: Path, simulate: bool, phase: str, batch: int, context: int
             bar.label = f"profile: {labels[stage]}"
             bar.render_progress()
 
-        report = profile_simulated(artifact, phase=phase, batch=batch, context=context, prompt_len=prompt_len,
-                                   seed=seed, progress=progress)  # fmt: skip
+        if simulate:
+            report = profile_simulated(artifact, phase=phase, batch=batch, context=context, prompt_len=prompt_len,
+                                       seed=seed, progress=progress)  # fmt: skip
+        else:
+            report = profile_measured(artifact, phase=phase, batch=batch, context=context, prompt_len=prompt_len,
+                                      seed=seed, repeats=repeats, progress=progress)  # fmt: skip
         bar.update(1)
     click.echo(json.dumps(report) if as_json else format_table(report))
 

@@ -42,7 +42,7 @@ _STEP_ARRAYS = (
 @dataclasses.dataclass
 class RenderedModule:
     source: str
-    kernels: list[dict]  # manifest entries: id, template, params, tuning_source, launches
+    kernels: list[dict]  # manifest entries: id, template, params, tuning_source, launches, rows, fuses
     tvm_source: str | None = None  # C that TVM generated for the program's tvm_funcs (CPU target only)
     tuning: dict | None = None  # the manifest's `tuning`: what the tuning database gave each tunable kernel
 
@@ -109,9 +109,12 @@ def render_module(
                 "params": {k: v for k, v in params.items() if k != "inv_freq"},
                 "tuning_source": record.get("source", "default"),
                 "launches": 0,
+                "rows": [],
                 "fuses": launch.fused,
             }
         entries[kid]["launches"] += 1
+        # a launch runs over the step's tokens (T) or its logits rows (N): what `llmc profile` sizes its floor by
+        entries[kid]["rows"].append("N" if "N" in launch.args else "T")
         args = [_c_expr(a, program, target.is_cuda) for a in launch.args]
         # a TVM fallback returns nonzero when its own argument checks fail: the step returns 5
         launches.append({"name": kid, "args": args, "fused": launch.fused, "checked": launch.op == "tvm_call"})

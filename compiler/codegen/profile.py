@@ -1,5 +1,14 @@
-"""`llmc profile ARTIFACT --simulate`: one decode or prefill step of a CUDA artifact under the simulator's
-counters (templates/cuda/include/llmc_sim_profile.h defines them), with each kernel's floor and predicted time.
+"""`llmc profile ARTIFACT`: one decode or prefill step of a CUDA artifact, per kernel against its floor.
+
+On a GPU (profile_measured), each kernel is timed with CUDA events around its launches (the module's
+llmc_profile_* exports), the median of several steps after a warm-up, and its floor comes from its template
+parameters and the step's shape (floors.py): floor_us = max(floor bytes / bandwidth, FLOPs / rate), at the
+artifact's dtype's rate. The byte and sector counters need the simulator and are null there. The step's
+time_us is the sum of its kernels' (graphs off, as the events need), and wall_us the whole step as
+`llmc run` takes it (host copies, CUDA graph replay, logits back).
+
+With --simulate (profile_simulated), the step runs under the simulator's counters
+(templates/cuda/include/llmc_sim_profile.h defines them), with each kernel's floor and predicted time.
 
 Per kernel (a __global__ function, by its demangled name): launches, requested_bytes, dram_bytes (distinct
 32-byte sectors per launch), sector_efficiency, bank_conflicts_per_request, tensor_core_instructions, flops
@@ -28,6 +37,8 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import math
+import statistics
+import time
 import tomllib
 from pathlib import Path
 
@@ -38,6 +49,7 @@ from llmc.errors import LlmcError
 from llmc.runtime.batch import StepBatch
 from llmc.runtime.module import CompiledModel
 
+from .floors import StepShape, kernel_floor
 from .simulator import build_profiled_library
 
 # the order of llmc_sim_prof_kernel's counters (llmc_sim_profile.h, enum Field)
@@ -105,14 +117,16 @@ def program_flops(config, phase: str, batch: int, context: int, prompt_len: int)
     return 2 * tokens * per_token * c.num_layers + attention * c.num_layers + 2 * seqs * c.hidden_size * c.vocab_size
 
 
+def step_seqs(phase: str, batch: int, context: int, prompt_len: int) -> list[tuple[int, int]]:
+    """(cached, new) tokens of each sequence of the step."""
+    return [(context, 1)] * batch if phase == "decode" else [(0, prompt_len)]
+
+
 def step_batch(phase: str, batch: int, context: int, prompt_len: int, block_size: int, vocab: int, seed: int):
     """decode: `batch` sequences with `context` tokens cached, one new token each; prefill: one sequence of
     `prompt_len` tokens. Blocks are handed out in order."""
     rng = np.random.default_rng(seed)
-    if phase == "decode":
-        seqs = [(context, 1)] * batch
-    else:
-        seqs = [(0, prompt_len)]
+    seqs = step_seqs(phase, batch, context, prompt_len)
     tables, next_block = [], 0
     for cached, new in seqs:
         n = math.ceil((cached + new) / block_size)
@@ -162,34 +176,65 @@ def read_counters(lib: ctypes.CDLL) -> dict[str, dict]:
     return out
 
 
+def _check_shape(artifact, phase: str, batch: int, context: int, prompt_len: int) -> None:
+    if phase not in ("decode", "prefill"):
+        raise LlmcError(f"unknown phase {phase!r}", "use --phase decode or --phase prefill")
+    if min(batch, prompt_len) < 1 or context < 0:
+        raise LlmcError("--batch and --prompt-len must be >= 1 and --context >= 0")
+    longest = context + 1 if phase == "decode" else prompt_len
+    if longest > artifact.config.max_context:
+        raise LlmcError(f"a sequence of {longest} tokens exceeds the model's context of {artifact.config.max_context}",
+                        "lower --context / --prompt-len")  # fmt: skip
+
+
+def _load_for_step(artifact, library, step: StepBatch, blocks: int) -> CompiledModel:
+    """The artifact's module (or `library`) with a KV cache of the step's blocks, sized for that one step."""
+    c = artifact.config
+    per_block = 2 * c.num_layers * c.num_kv_heads * c.head_dim * artifact.block_size * 4
+    model = CompiledModel.load(artifact.path, library=library, kv_cache_memory=blocks * per_block,
+                               max_num_tokens=step.num_tokens, max_num_seqs=step.num_seqs)  # fmt: skip
+    if model.num_blocks < blocks:
+        model.close()
+        raise LlmcError(f"the KV cache got {model.num_blocks} blocks, the step needs {blocks}")
+    return model
+
+
+def _flop_us(ceil: Ceilings, artifact, flops: float) -> float:
+    """FLOPs at the rate of the artifact's weight dtype: the tensor cores' for bf16 / fp16, else fp32 SIMT."""
+    rate = ceil.bf16_tensor_tflop_s if artifact.weight_dtype in ("bfloat16", "float16") else ceil.fp32_tflop_s
+    return flops / (rate * 1e6)
+
+
+def _header(artifact, ceil: Ceilings, mode: str, phase: str, batch: int, context: int, prompt_len: int) -> dict:
+    return {
+        "artifact": str(artifact.path),
+        "target": artifact.target_name,
+        "part": ceil.part,
+        "mode": mode,
+        "phase": phase,
+        "batch": batch if phase == "decode" else 1,
+        "context": context if phase == "decode" else 0,
+        "prompt_len": prompt_len if phase == "prefill" else 0,
+        "ceilings": dataclasses.asdict(ceil),
+    }
+
+
 def profile_simulated(artifact_path: str | Path, *, phase: str, batch: int = 1, context: int = 0,
                       prompt_len: int = 1, seed: int = 0, progress=None) -> dict:  # fmt: skip
     """Run one step of the stated shape under the counters; the `llmc profile --json` object.
 
     progress(stage) is called as each stage starts ("build", "load", "run")."""
-    if phase not in ("decode", "prefill"):
-        raise LlmcError(f"unknown phase {phase!r}", "use --phase decode or --phase prefill")
-    if min(batch, prompt_len) < 1 or context < 0:
-        raise LlmcError("--batch and --prompt-len must be >= 1 and --context >= 0")
     artifact = load_artifact(artifact_path, verify=False)
+    _check_shape(artifact, phase, batch, context, prompt_len)
     ceil = ceilings(artifact.target)
     c = artifact.config
-    tokens = batch if phase == "decode" else prompt_len
-    longest = context + 1 if phase == "decode" else prompt_len
-    if longest > c.max_context:
-        raise LlmcError(f"a sequence of {longest} tokens exceeds the model's context of {c.max_context}",
-                        "lower --context / --prompt-len")  # fmt: skip
     step, blocks = step_batch(phase, batch, context, prompt_len, artifact.block_size, c.vocab_size, seed)
     if progress:
         progress("build")
     lib_path = build_profiled_library(artifact.path)
     if progress:
         progress("load")
-    per_block = 2 * c.num_layers * c.num_kv_heads * c.head_dim * artifact.block_size * 4
-    with CompiledModel.load(artifact.path, library=lib_path, kv_cache_memory=blocks * per_block,
-                            max_num_tokens=tokens, max_num_seqs=step.num_seqs) as model:  # fmt: skip
-        if model.num_blocks < blocks:
-            raise LlmcError(f"the KV cache got {model.num_blocks} blocks, the step needs {blocks}")
+    with _load_for_step(artifact, lib_path, step, blocks) as model:
         lib = ctypes.CDLL(str(Path(lib_path).resolve()))  # the same loaded object: dlopen counts references
         for fn in ("llmc_sim_prof_num_fields", "llmc_sim_prof_num_kernels", "llmc_sim_prof_kernel"):
             getattr(lib, fn).restype = ctypes.c_int
@@ -205,21 +250,12 @@ def profile_simulated(artifact_path: str | Path, *, phase: str, batch: int = 1, 
     kernels = [_kernel_row(name, v, ceil) for name, v in counters.items()]
     floor_bytes = sum(k["floor_bytes"] for k in kernels)
     flops = program_flops(c, phase, batch, context, prompt_len)
-    rate = ceil.bf16_tensor_tflop_s if artifact.weight_dtype in ("bfloat16", "float16") else ceil.fp32_tflop_s
-    floor_us = max(ceil.byte_us(floor_bytes), flops / (rate * 1e6))
+    floor_us = max(ceil.byte_us(floor_bytes), _flop_us(ceil, artifact, flops))
     launches = sum(k["launches"] for k in kernels)
     # at least the floor plus the launches, even where SIMT FLOPs the kernels' counts miss bound the step
     time_us = max(sum(k["time_us"] for k in kernels), floor_us + launches * ceil.launch_us)
     return {
-        "artifact": str(artifact.path),
-        "target": artifact.target_name,
-        "part": ceil.part,
-        "mode": "simulate",
-        "phase": phase,
-        "batch": batch if phase == "decode" else 1,
-        "context": context if phase == "decode" else 0,
-        "prompt_len": prompt_len if phase == "prefill" else 0,
-        "ceilings": dataclasses.asdict(ceil),
+        **_header(artifact, ceil, "simulate", phase, batch, context, prompt_len),
         "step": {
             "floor_bytes": floor_bytes,
             "dram_bytes": sum(k["dram_bytes"] for k in kernels),
@@ -227,6 +263,119 @@ def profile_simulated(artifact_path: str | Path, *, phase: str, batch: int = 1, 
             "launches": launches,
             "floor_us": floor_us,
             "time_us": time_us,
+            "floor_fraction": floor_us / time_us if time_us else 0.0,
+        },
+        "kernels": kernels,
+    }
+
+
+_TIMING = ("llmc_profile_timing", "llmc_profile_num_launches", "llmc_profile_launch")
+
+
+def _timed_launches(lib: ctypes.CDLL, model: CompiledModel, step: StepBatch) -> list[tuple[str, float]]:
+    """(kernel, GPU microseconds) of each launch of one step, in launch order."""
+    lib.llmc_profile_timing(1)
+    try:
+        model.step(step)
+        name, ms, out = ctypes.create_string_buffer(_NAME_LEN), ctypes.c_float(), []
+        for i in range(lib.llmc_profile_num_launches()):
+            if lib.llmc_profile_launch(i, name, _NAME_LEN, ctypes.byref(ms)) != 0:
+                raise LlmcError(f"reading the CUDA events of launch {i} failed")
+            out.append((name.value.decode(errors="replace"), 1e3 * ms.value))
+        return out
+    finally:
+        lib.llmc_profile_timing(0)
+
+
+def _kernel_id(launched: str, ids: list[str]) -> str:
+    """The manifest kernel a launched __global__ belongs to: its name is the kernel id plus a suffix."""
+    owners = [kid for kid in ids if launched == kid or launched.startswith(kid + "_")]
+    if not owners:
+        raise LlmcError(f"the module launched {launched!r}, which no kernel of the manifest names")
+    return max(owners, key=len)
+
+
+def profile_measured(artifact_path: str | Path, *, phase: str, batch: int = 1, context: int = 0,
+                     prompt_len: int = 1, seed: int = 0, repeats: int = 10, library: str | Path | None = None,
+                     progress=None) -> dict:  # fmt: skip
+    """Time one step of the stated shape on the GPU, per kernel with CUDA events: the median of `repeats`
+    steps after two warm-up steps. The `llmc profile --json` object, with the byte counters null.
+
+    library: a module to load instead of the artifact's, e.g. its simulated build, whose events hold the
+    host clock (so the mechanics run in CI). progress(stage) is called as each stage starts ("load", "run")."""
+    if repeats < 1:
+        raise LlmcError("--repeats must be >= 1")
+    artifact = load_artifact(artifact_path, verify=False)
+    _check_shape(artifact, phase, batch, context, prompt_len)
+    ceil = ceilings(artifact.target)
+    step, blocks = step_batch(phase, batch, context, prompt_len, artifact.block_size, artifact.config.vocab_size,
+                              seed)  # fmt: skip
+    shape = StepShape(tuple(step_seqs(phase, batch, context, prompt_len)), step.num_seqs)
+    manifest_kernels = artifact.manifest.get("kernels") or []
+    floors = {k["id"]: kernel_floor(k, shape) for k in manifest_kernels}
+    if progress:
+        progress("load")
+    with _load_for_step(artifact, library, step, blocks) as model:
+        lib = ctypes.CDLL(str(Path(library or artifact.library_path).resolve()))  # the loaded object, again
+        if not all(hasattr(lib, fn) for fn in _TIMING):
+            raise LlmcError(f"{artifact.path}: its module does not time kernels (compiled by an older llmc)",
+                            "recompile the artifact")  # fmt: skip
+        for fn in _TIMING:
+            getattr(lib, fn).restype = ctypes.c_int
+        if progress:
+            progress("run")
+        for _ in range(2):  # warm-up: first-touch costs and the decode step's graph capture
+            model.step(step)
+        wall = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            model.step(step)
+            wall.append(1e6 * (time.perf_counter() - start))
+        per_kernel: dict[str, list[float]] = {}
+        launches: dict[str, int] = {}
+        for _ in range(repeats):
+            step_times: dict[str, float] = {}
+            counts: dict[str, int] = {}
+            for name, us in _timed_launches(lib, model, step):
+                kid = _kernel_id(name, list(floors))
+                step_times[kid] = step_times.get(kid, 0.0) + us
+                counts[kid] = counts.get(kid, 0) + 1
+            for kid, us in step_times.items():
+                per_kernel.setdefault(kid, []).append(us)
+            launches = counts
+    kernels = []
+    for kid, times in per_kernel.items():
+        f = floors[kid]
+        floor_us = max(ceil.byte_us(f.bytes), _flop_us(ceil, artifact, f.flops))
+        time_us = statistics.median(times)
+        kernels.append({
+            "name": kid,
+            "launches": launches[kid],
+            "requested_bytes": None,
+            "dram_bytes": None,
+            "floor_bytes": f.bytes,
+            "sector_efficiency": None,
+            "bank_conflicts_per_request": None,
+            "tensor_core_instructions": None,
+            "flops": f.flops,
+            "floor_us": floor_us,
+            "time_us": time_us,
+        })  # fmt: skip
+    floor_bytes = sum(k["floor_bytes"] for k in kernels)
+    flops = sum(k["flops"] for k in kernels)
+    floor_us = max(ceil.byte_us(floor_bytes), _flop_us(ceil, artifact, flops))
+    time_us = sum(k["time_us"] for k in kernels)
+    return {
+        **_header(artifact, ceil, "gpu", phase, batch, context, prompt_len),
+        "repeats": repeats,
+        "step": {
+            "floor_bytes": floor_bytes,
+            "dram_bytes": None,
+            "flops": flops,
+            "launches": sum(k["launches"] for k in kernels),
+            "floor_us": floor_us,
+            "time_us": time_us,
+            "wall_us": statistics.median(wall),
             "floor_fraction": floor_us / time_us if time_us else 0.0,
         },
         "kernels": kernels,
@@ -242,11 +391,32 @@ def _mb(n: float) -> str:
     return f"{n / 1e6:.2f}"
 
 
+def _format_measured(report: dict, shape: str) -> str:
+    s, c = report["step"], report["ceilings"]
+    lines = [
+        f"{report['artifact']}: {shape}, timed with CUDA events on {report['target']} (median of "
+        f"{report['repeats']} steps; floors at {c['part']}: {c['bandwidth_gb_s']} GB/s, "
+        f"{c['bf16_tensor_tflop_s']} bf16 TFLOP/s)",
+        f"{'kernel':<52} {'launch':>6} {'floor MB':>9} {'GFLOP':>8} {'floor us':>9} {'time us':>9} {'floor/time':>10}",
+    ]
+    for k in sorted(report["kernels"], key=lambda k: -k["time_us"]):
+        fraction = k["floor_us"] / k["time_us"] if k["time_us"] else 0.0
+        lines.append(f"{_short(k['name'], 52):<52} {k['launches']:>6} {_mb(k['floor_bytes']):>9} "
+                     f"{k['flops'] / 1e9:>8.3f} {k['floor_us']:>9.2f} {k['time_us']:>9.2f} {100 * fraction:>9.1f}%")  # fmt: skip
+    lines.append(f"{'step (kernels)':<52} {s['launches']:>6} {_mb(s['floor_bytes']):>9} {s['flops'] / 1e9:>8.3f} "
+                 f"{s['floor_us']:>9.2f} {s['time_us']:>9.2f} {100 * s['floor_fraction']:>9.1f}%")  # fmt: skip
+    lines.append(f"whole step as served (CUDA graph, host copies): {s['wall_us']:.2f} us; floors from the kernels' "
+                 "shapes (every input read once, every output written once)")  # fmt: skip
+    return "\n".join(lines)
+
+
 def format_table(report: dict) -> str:
     """The report as a table: one row per kernel, then the step."""
     s = report["step"]
     shape = (f"decode batch {report['batch']} context {report['context']}" if report["phase"] == "decode"
              else f"prefill {report['prompt_len']} tokens")  # fmt: skip
+    if report["mode"] == "gpu":
+        return _format_measured(report, shape)
     c = report["ceilings"]
     lines = [
         f"{report['artifact']}: {shape}, simulated on {report['target']} ({report['part']}: "

@@ -4,6 +4,7 @@
 //
 //   LLMC_LAUNCH(kernel, grid, block, smem_bytes, stream, args...)   the only way to launch a kernel
 //                       (wrap a template-id with commas in parentheses: LLMC_LAUNCH((k<64, 4>), ...))
+//                       (with llmc::launch_timing().on, CUDA events bracket it: `llmc profile` on a GPU)
 //   LLMC_DYNAMIC_SMEM(type, name)    inside a kernel: `type* name` points at the dynamic shared memory
 //                       (16-byte aligned; never write `extern __shared__` directly)
 //   LLMC_DEVICE_ARRAY(type, name, count), LLMC_REGISTER_DEVICE_ARRAY(name)   a kernel's global scratch
@@ -24,6 +25,8 @@
 #endif
 #include <stdint.h>
 
+#include <vector>
+
 // LLMC_DEVICE_ARRAY(type, name, count): a global array of device memory, zero at load (a __device__
 // variable; 256-byte aligned), that device code names directly: a kernel's scratch. Under the simulator it is a
 // static array, which the launcher registers with LLMC_REGISTER_DEVICE_ARRAY(name) so that the profiler counts
@@ -37,12 +40,18 @@
 #endif
 
 #ifdef LLMC_SIMULATOR
-#define LLMC_LAUNCH(kernel, grid, block, smem_bytes, stream, ...) \
-  ::llmc_sim::launch(kernel, grid, block, smem_bytes, stream, ##__VA_ARGS__)
+#define LLMC_LAUNCH(kernel, grid, block, smem_bytes, stream, ...)        \
+  do {                                                                    \
+    ::llmc::TimedLaunch llmc_timed_launch_(#kernel, (stream));             \
+    ::llmc_sim::launch(kernel, grid, block, smem_bytes, stream, ##__VA_ARGS__); \
+  } while (0)
 #define LLMC_DYNAMIC_SMEM(type, name) type* name = reinterpret_cast<type*>(::llmc_sim::dynamic_smem())
 #else
-#define LLMC_LAUNCH(kernel, grid, block, smem_bytes, stream, ...) \
-  kernel<<<(grid), (block), (smem_bytes), (stream)>>>(__VA_ARGS__)
+#define LLMC_LAUNCH(kernel, grid, block, smem_bytes, stream, ...)          \
+  do {                                                                      \
+    ::llmc::TimedLaunch llmc_timed_launch_(#kernel, (stream));               \
+    kernel<<<(grid), (block), (smem_bytes), (stream)>>>(__VA_ARGS__);        \
+  } while (0)
 #define LLMC_DYNAMIC_SMEM(type, name)                                 \
   extern __shared__ __align__(16) unsigned char llmc_dynamic_smem_[]; \
   type* name = reinterpret_cast<type*>(llmc_dynamic_smem_)
@@ -51,6 +60,62 @@
 namespace llmc {
 
 constexpr unsigned kFullMask = 0xffffffffu;
+
+// ---------------------------------------------------------------------------------------------------
+// Per-launch timing for `llmc profile` on a GPU. While `on`, every LLMC_LAUNCH records a CUDA event on its
+// stream before and after the kernel, so an elapsed time is the kernel's GPU time, not its launch cost.
+// (Under the simulator an event holds the host clock.) Events are reused across steps; a host that turns
+// timing on runs its steps without CUDA graphs, which would capture the events as graph nodes.
+struct LaunchTiming {
+  struct Launch {
+    const char* kernel;
+    cudaEvent_t start, stop;
+  };
+  bool on = false;
+  std::vector<Launch> launches;  // since the last clear(), in launch order
+  std::vector<cudaEvent_t> spare;
+
+  cudaEvent_t event() {
+    cudaEvent_t e = nullptr;
+    if (spare.empty()) {
+      cudaEventCreate(&e);
+    } else {
+      e = spare.back();
+      spare.pop_back();
+    }
+    return e;
+  }
+  void clear() {
+    for (const Launch& l : launches) {
+      spare.push_back(l.start);
+      spare.push_back(l.stop);
+    }
+    launches.clear();
+  }
+};
+inline LaunchTiming& launch_timing() {
+  static LaunchTiming timing;
+  return timing;
+}
+class TimedLaunch {
+ public:
+  TimedLaunch(const char* kernel, cudaStream_t stream) : stream_(stream) {
+    LaunchTiming& t = launch_timing();
+    if (!t.on) return;
+    stop_ = t.event();
+    t.launches.push_back({kernel, t.event(), stop_});
+    cudaEventRecord(t.launches.back().start, stream_);
+  }
+  ~TimedLaunch() {
+    if (stop_) cudaEventRecord(stop_, stream_);
+  }
+  TimedLaunch(const TimedLaunch&) = delete;
+  TimedLaunch& operator=(const TimedLaunch&) = delete;
+
+ private:
+  cudaStream_t stream_;
+  cudaEvent_t stop_ = nullptr;
+};
 
 // ---------------------------------------------------------------------------------------------------
 // reductions

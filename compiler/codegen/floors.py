@@ -1,0 +1,111 @@
+"""The floor of each CUDA kernel of a step, from its template parameters and the step's shape: the fewest
+bytes it must move through DRAM (every input read once, every output written once) and the FLOPs it must do.
+`llmc profile` on a GPU, where no counter sees the bytes, puts each kernel's event time against these.
+
+A kernel here is a manifest kernel (one rendered template), launched once per `rows` entry over the step's
+tokens (T) or its logits rows (N). Activations are fp32 on the CUDA target; weights, biases and the KV cache
+take their recorded dtypes. Paged attention's floor covers its KV write and the attention: the new tokens'
+keys and values are read from the QKV buffer and stored once, and each sequence reads the cached positions
+its queries can see once for all its query heads (GQA), whatever the split of the work.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from llmc.errors import LlmcError
+
+_BYTES = {"f32": 4, "bf16": 2, "f16": 2}
+_F32 = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class StepShape:
+    """seqs: (cached, new) tokens per sequence; logits_rows: the rows the step returns logits for."""
+
+    seqs: tuple[tuple[int, int], ...]
+    logits_rows: int
+
+    @property
+    def tokens(self) -> int:
+        return sum(new for _, new in self.seqs)
+
+    def rows(self, var: str) -> int:
+        return self.logits_rows if var == "N" else self.tokens
+
+    def attention(self, window: int) -> tuple[int, int]:
+        """(cached positions some new query sees, query-key pairs), over the sequences; a query at position p
+        sees p-W+1..p under a window W, else 0..p."""
+        cached_read = pairs = 0
+        for cached, new in self.seqs:
+            first = max(0, cached - window + 1) if window else 0
+            cached_read += cached - min(first, cached)
+            pairs += sum(min(p + 1, window) if window else p + 1 for p in range(cached, cached + new))
+        return cached_read, pairs
+
+
+@dataclasses.dataclass(frozen=True)
+class Floor:
+    bytes: int
+    flops: int
+
+    def __add__(self, other: Floor) -> Floor:
+        return Floor(self.bytes + other.bytes, self.flops + other.flops)
+
+
+def _gemm(p: dict, rows: int, weight_bytes: int, bias_bytes: int) -> Floor:
+    n, k = p["n"], p["k"]
+    bias = n * bias_bytes if p.get("has_bias") else 0
+    return Floor(weight_bytes + bias + rows * (k + n) * _F32, 2 * rows * n * k)
+
+
+def _qweight_bytes(p: dict) -> int:
+    n, k, groups = p["n"], p["k"], p["n"] * p["k"] // p["group_size"]
+    return n * k * p["bits"] // 8 + groups * (p["scale_bits"] // 8) * (2 if p["asymmetric"] else 1)
+
+
+def launch_floor(template: str, params: dict, rows_var: str, shape: StepShape) -> Floor:
+    """One launch of a cuda/<op> kernel with these template parameters."""
+    op = template.split("/", 1)[-1]
+    p, rows = params, shape.rows(rows_var)
+    if op == "gemm":
+        w = _BYTES[p["wdtype"]]
+        return _gemm(p, rows, p["n"] * p["k"] * w, w)
+    if op == "qgemm":
+        return _gemm(p, rows, _qweight_bytes(p), _F32)
+    if op == "embedding":
+        return Floor(rows * (4 + p["hidden"] * (_BYTES[p["wdtype"]] + _F32)), 0)
+    if op == "rmsnorm":
+        vectors = 4 if p["add_residual"] else 2  # x (+ residual) in, (sum +) y out
+        return Floor(p["hidden"] * _BYTES[p["wdtype"]] + rows * vectors * p["hidden"] * _F32, 0)
+    if op == "rope":
+        return Floor(rows * (4 + 2 * p["num_heads"] * p["head_dim"] * _F32), 0)
+    if op == "silu_mul":
+        return Floor(rows * 3 * p["inter"] * _F32, 0)
+    if op == "gather_rows":
+        return Floor(rows * (4 + 2 * p["cols"] * _F32), 0)
+    if op == "paged_attention":
+        kv_row = 2 * p["num_kv_heads"] * p["head_dim"]  # one position's key and value
+        kv = _BYTES[p["kv_dtype"]]
+        cached, pairs = shape.attention(p["sliding_window"])
+        new = rows * (kv_row * (_F32 + kv) + 8)  # read from the QKV buffer, stored at its slot
+        queries = rows * 2 * p["num_heads"] * p["head_dim"] * _F32  # q in, the output out
+        tables = 4 * sum(-(-(c + n) // p["block_size"]) + 2 for c, n in shape.seqs)  # block tables, lens
+        return Floor(new + queries + tables + cached * kv_row * kv, 4 * p["num_heads"] * p["head_dim"] * pairs)
+    raise LlmcError(f"no floor model for the {template} kernel", "profile it under --simulate")
+
+
+def kernel_floor(kernel: dict, shape: StepShape) -> Floor:
+    """A manifest kernel entry's launches in one step, summed."""
+    rows = kernel.get("rows") if isinstance(kernel, dict) else None
+    if not isinstance(rows, list):
+        raise LlmcError("the artifact's kernels state no launch rows (compiled by an older llmc)",
+                        "recompile the artifact")  # fmt: skip
+    total = Floor(0, 0)
+    try:
+        for rows_var in rows:
+            total = total + launch_floor(kernel["template"], kernel["params"], rows_var, shape)
+    except (KeyError, TypeError, ValueError, ZeroDivisionError) as e:
+        raise LlmcError(f"the artifact's kernel {kernel.get('id')} has malformed parameters ({e!r})",
+                        "recompile the artifact") from None  # fmt: skip
+    return total
