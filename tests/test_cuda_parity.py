@@ -12,10 +12,11 @@ import numpy as np
 import pytest
 import torch
 from checkpoints import ARCHS, hf_model
+from cuda_mode import cuda_library
 from logits_rows import assert_logits_rows_match_transformers
 from tokenizers import Tokenizer
 
-from llmc.compiler.codegen.simulator import build_simulated_library, nvcc_compile
+from llmc.compiler.codegen.simulator import nvcc_compile
 from llmc.compiler.compile import compile_checkpoint
 from llmc.runtime.batch import StepBatch
 from llmc.runtime.engine import LLMEngine
@@ -46,7 +47,7 @@ def test_simulated_sm90_matches_cpu_and_transformers(arch, checkpoint_dir, tmp_p
     path = checkpoint_dir(arch)
     ids = Tokenizer.from_file(str(path / "tokenizer.json")).encode(PROMPT).ids
     sm90 = artifact(checkpoint_dir, tmp_path_factory, arch, "sm90")
-    with CompiledModel.load(sm90, library=build_simulated_library(sm90), max_num_seqs=2) as sim:
+    with CompiledModel.load(sm90, library=cuda_library(sm90), max_num_seqs=2) as sim:
         simulated = _greedy(sim, ids)
     with CompiledModel.load(artifact(checkpoint_dir, tmp_path_factory, arch, "cpu")) as cpu:
         assert simulated == _greedy(cpu, ids)
@@ -66,7 +67,7 @@ def test_simulated_sm90_logits_at_every_row_and_at_mixed_rows(checkpoint_dir, tm
     tok = Tokenizer.from_file(str(path / "tokenizer.json"))
     long, short = tok.encode(PROMPT + " holds items in order").ids, tok.encode(PROMPT).ids
     sm90 = artifact(checkpoint_dir, tmp_path_factory, "llama", "sm90")
-    with CompiledModel.load(sm90, library=build_simulated_library(sm90), max_num_seqs=2,
+    with CompiledModel.load(sm90, library=cuda_library(sm90), max_num_seqs=2,
                             max_num_logits=len(long)) as sim:  # fmt: skip
         assert_logits_rows_match_transformers(sim, path, long=long, short=short)
 
@@ -82,7 +83,7 @@ def test_simulated_bf16_within_tolerance(checkpoint_dir, tmp_path_factory):
         ref_logits = reference(torch.tensor([tokens])).logits[0].numpy()
     clear = 0
     sm90 = artifact(checkpoint_dir, tmp_path_factory, "qwen2", "sm90", "bfloat16")
-    with CompiledModel.load(sm90, library=build_simulated_library(sm90), max_num_seqs=2) as sim:
+    with CompiledModel.load(sm90, library=cuda_library(sm90), max_num_seqs=2) as sim:
         blocks = list(range(sim.num_blocks))
         computed, new = 0, ids
         for pos in range(len(ids) - 1, len(tokens) - 1):
@@ -118,7 +119,7 @@ def test_simulated_sliding_window_matches_transformers(checkpoint_dir, tmp_path)
     path = checkpoint_dir("mistral", sliding_window=6)
     ids = Tokenizer.from_file(str(path / "tokenizer.json")).encode(PROMPT).ids
     out = compile_checkpoint(path, target="sm90", output=tmp_path / "model.sm90")
-    with CompiledModel.load(out, library=build_simulated_library(out), max_num_seqs=2) as sim:
+    with CompiledModel.load(out, library=cuda_library(out), max_num_seqs=2) as sim:
         simulated = _greedy(sim, ids)
     with torch.no_grad():
         expected = (

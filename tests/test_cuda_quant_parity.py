@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 import torch
 from checkpoints import hf_model, make_checkpoint
+from cuda_mode import cuda_library
 from safetensors.torch import load_file, save_file
 
 from llmc.artifact import read_manifest
-from llmc.compiler.codegen.simulator import build_simulated_library
 from llmc.compiler.compile import CUDA_QGEMM_ACTIVATIONS, compile_checkpoint
 from llmc.compiler.quant import QuantConfig, dequantize, quantize
 from llmc.runtime.batch import StepBatch
@@ -52,7 +52,7 @@ def test_simulated_quantized_sm90_matches_the_dequantized_weights(arch, quant, t
     manifest = read_manifest(artifact)
     assert manifest["quant"]["activations"] == CUDA_QGEMM_ACTIVATIONS and manifest["quant"]["weights"]
     ids = [int(i) for i in np.random.default_rng(1).integers(2, 384, 37)]
-    with CompiledModel.load(artifact, library=build_simulated_library(artifact), max_num_logits=64) as model:
+    with CompiledModel.load(artifact, library=cuda_library(artifact), max_num_logits=64) as model:
         table = list(range(model.num_blocks))[::-1][: -(-len(ids) // model.block_size)]
         prefill = model.step(StepBatch.build([ids], [0], [table], model.block_size, num_logits=[len(ids)]))
         one_by_one = np.concatenate(

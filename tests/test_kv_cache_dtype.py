@@ -14,6 +14,7 @@ import pytest
 import torch
 from checkpoints import hf_model
 from click.testing import CliRunner
+from cuda_mode import cuda_library
 from logits_rows import REL
 from tokenizers import Tokenizer
 from transformers import AttentionInterface
@@ -21,7 +22,6 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from llmc.artifact import seal_manifest
 from llmc.cli import main
-from llmc.compiler.codegen.simulator import build_simulated_library
 from llmc.compiler.compile import compile_checkpoint
 from llmc.errors import ArtifactError, CompileError
 from llmc.runtime.batch import StepBatch
@@ -66,7 +66,7 @@ def artifact(checkpoint_dir, tmp_path_factory, target: str):
 
 
 def _load(path, target: str, **kw) -> CompiledModel:
-    library = build_simulated_library(path) if target == "sm90" else None
+    library = cuda_library(path) if target == "sm90" else None
     return CompiledModel.load(path, library=library, **kw)
 
 

@@ -6,9 +6,10 @@ the shared modules by name: kernel_reference (numpy / torch references and input
 the repository's own `templates` package shadows tests/templates whenever the repository root is on sys.path.
 
 An op module lists its kernels in SPECS = [(op, params), ...]. `target` parametrizes its tests over TARGETS
-("cuda" runs the kernels under the CUDA simulator); `kernels(op, params)` is the built Kernel on that target.
-Every collected module's SPECS are built together, one library per target. A case marked
-`pytest.mark.targets("cpu")` runs on those targets only (it is deselected on the others).
+("cuda" runs the kernels under the CUDA simulator, or with LLMC_TEST_CUDA=gpu on the machine's GPU);
+`kernels(op, params)` is the built Kernel on that target. Every collected module's SPECS are built together,
+one library per target. A case marked `pytest.mark.targets("cpu")` runs on those targets only (it is
+deselected on the others).
 """
 
 import sys
@@ -18,7 +19,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from kernel_harness import CpuHarness, CudaHarness  # noqa: E402
+from cuda_mode import ON_GPU  # noqa: E402  (tests/, on sys.path through its conftest)
+from kernel_harness import CpuHarness, CudaHarness, GpuHarness  # noqa: E402
 from kernel_reference import make_weights  # noqa: E402
 
 TARGETS = ("cpu", "cuda")
@@ -52,7 +54,7 @@ def pytest_collection_finish(session):
 @pytest.fixture(scope="session")
 def harnesses(tmp_path_factory):
     """{target: Harness}; nothing is built before a test asks for a kernel."""
-    built = {"cpu": CpuHarness(), "cuda": CudaHarness(tmp_path_factory.mktemp("cuda-sim"))}
+    built = {"cpu": CpuHarness(), "cuda": GpuHarness() if ON_GPU else CudaHarness(tmp_path_factory.mktemp("cuda-sim"))}
     for harness in built.values():
         harness.pending = list(_collected)
     return built

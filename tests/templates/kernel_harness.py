@@ -13,6 +13,9 @@ scheduling seeds, which shuffle threads and blocks), for tests that results do n
 
 LLMC_TEST_MARCH=haswell (AVX2) or =x86-64 (portable fallback) builds the CPU kernels for that ISA instead of
 -march=native, to test the CPU headers' other SIMD paths on an AVX-512 host.
+
+LLMC_TEST_CUDA=gpu (benchmarks/gpu_check.py sets it) runs the CUDA cases on a real GPU instead (GpuHarness):
+nvcc builds the same kernels and trampolines, and each call stages its arrays in device memory.
 """
 
 from __future__ import annotations
@@ -101,6 +104,12 @@ class Kernel:
         fn.argtypes = [ctypes.c_int if kind == "int" else ctypes.c_void_p for _, kind in self.sig]
 
     def __call__(self, *args):
+        return self.fn(*self._c_args(args))
+
+    def _address(self, a: np.ndarray) -> int:
+        return a.ctypes.data
+
+    def _c_args(self, args) -> list:
         assert len(args) == len(self.sig), f"{self.op} takes {[a for a, _ in self.sig]}"
         c_args = []
         for (name, kind), a in zip(self.sig, args, strict=True):
@@ -116,8 +125,8 @@ class Kernel:
                 assert a.ndim == 2 and a.strides[1] == a.itemsize, f"{self.op}.{name}: rows must be dense"
             else:
                 assert a.flags.c_contiguous, f"{self.op}.{name} must be C-contiguous"
-            c_args.append(a.ctypes.data)
-        return self.fn(*c_args)
+            c_args.append(self._address(a))
+        return c_args
 
 
 class CudaKernel(Kernel):
@@ -128,6 +137,76 @@ class CudaKernel(Kernel):
     def __call__(self, *args):
         err = super().__call__(*args)
         assert err == 0, f"{self.op}: the launch failed with cudaError {err}"
+
+
+class StagedKernel(CudaKernel):
+    """A CUDA kernel whose arrays live in other memory than numpy's (a GPU's): a call stages each array's whole
+    allocation there (a column slice of a fused qkv buffer keeps its row stride, and views of one buffer stay
+    one buffer), launches on the staged copies, synchronizes, and copies every writeable one back."""
+
+    def __init__(self, fn, op: str, params: dict, memory):
+        super().__init__(fn, op, params)
+        self.memory = memory
+        self._staged: dict[int, tuple[np.ndarray, object]] = {}
+
+    def __call__(self, *args):
+        self._staged = {}
+        super().__call__(*args)
+        self.memory.synchronize()
+        for root, copy in self._staged.values():
+            if root.flags.writeable:
+                self.memory.get(copy, root)
+
+    def _address(self, a: np.ndarray) -> int:
+        root = a
+        while isinstance(root.base, np.ndarray):
+            root = root.base
+        assert root.flags.c_contiguous, f"{self.op}: an argument views a non-contiguous allocation"
+        if id(root) not in self._staged:
+            self._staged[id(root)] = (root, self.memory.put(root))
+        return self.memory.address(self._staged[id(root)][1]) + (a.ctypes.data - root.ctypes.data)
+
+
+class HostStaging:
+    """Staging into other host buffers: under the simulator, a test of StagedKernel's bookkeeping."""
+
+    def put(self, root: np.ndarray) -> np.ndarray:
+        return root.copy(order="C")
+
+    def address(self, copy: np.ndarray) -> int:
+        return copy.ctypes.data
+
+    def get(self, copy: np.ndarray, root: np.ndarray) -> None:
+        root[...] = copy
+
+    def synchronize(self) -> None:
+        pass
+
+
+class TorchCudaMemory:
+    """The GPU's memory, through torch (byte tensors, whatever the numpy dtype)."""
+
+    def __init__(self):
+        import torch
+
+        assert torch.cuda.is_available(), "LLMC_TEST_CUDA=gpu needs torch with CUDA and a GPU"
+        self.torch = torch
+
+    @staticmethod
+    def _bytes(root: np.ndarray) -> np.ndarray:
+        return root.reshape(-1).view(np.uint8)
+
+    def put(self, root: np.ndarray):
+        return self.torch.from_numpy(self._bytes(root).copy()).to("cuda")
+
+    def address(self, tensor) -> int:
+        return tensor.data_ptr()
+
+    def get(self, tensor, root: np.ndarray) -> None:
+        self._bytes(root)[...] = tensor.cpu().numpy()
+
+    def synchronize(self) -> None:
+        self.torch.cuda.synchronize()
 
 
 def trampoline(target: str, op: str, params: dict, kid: str) -> str:
@@ -243,3 +322,32 @@ class CudaHarness(Harness):
 
     def reset_schedule(self) -> None:
         self._set_seed(1)
+
+
+class GpuHarness(Harness):
+    """LLMC_TEST_CUDA=gpu: the CUDA kernels built by nvcc for LLMC_TEST_GPU_TARGET (default sm90), the way
+    `llmc compile` builds model.so, and run on the machine's GPU with every array staged in device memory."""
+
+    target = "cuda"
+
+    def __init__(self):
+        super().__init__()
+        from llmc.targets import load_target
+
+        self.gpu_target = load_target(os.environ.get("LLMC_TEST_GPU_TARGET", "sm90"))
+        self.memory = TorchCudaMemory()
+
+    def kernel_class(self, fn, op: str, params: dict) -> StagedKernel:
+        return StagedKernel(fn, op, params, self.memory)
+
+    def _load(self, source: str) -> ctypes.CDLL:
+        from llmc.compiler.compile import build_module
+
+        return ctypes.CDLL(str(build_module(self.gpu_target, source)))
+
+    def schedules(self) -> list:
+        """The GPU's own: one."""
+        return [lambda: None]
+
+    def reset_schedule(self) -> None:
+        pass
