@@ -13,13 +13,13 @@ import sys
 from pathlib import Path
 
 from llmc import __version__
-from llmc.artifact import ABI_VERSION, FORMAT_VERSION
+from llmc.artifact import ABI_VERSION, FORMAT_VERSION, resolve_kv_cache_dtype
 from llmc.digests import checkpoint_hash, file_sha256
 from llmc.host import cache_root, host_cpu_target
 
 
 def cached_artifact(
-    ckpt: Path, *, progress: bool = True, quant=None, weight_dtype: str = "auto", kv_cache_dtype: str = "float32"
+    ckpt: Path, *, progress: bool = True, quant=None, weight_dtype: str = "auto", kv_cache_dtype: str = "auto"
 ) -> Path:
     """A CPU artifact of checkpoint `ckpt`, from the cache, compiled into it first if it is not there.
 
@@ -30,6 +30,7 @@ def cached_artifact(
     and the quantization asked for (quant, a QuantConfig; None is none), weight dtype and KV cache dtype.
     Processes that ask for the same key at once compile it once: the others wait on its lock, then reuse it.
     """
+    kv_cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, cuda=False, weight_dtype=weight_dtype)
     isa = hashlib.sha256(json.dumps(host_cpu_target(), sort_keys=True).encode()).hexdigest()[:8]
     content = file_sha256(ckpt) if ckpt.is_file() else checkpoint_hash(ckpt)  # a GGUF file holds all of it
     key = f"{content[:24]}-llmc{__version__}-f{FORMAT_VERSION}-abi{ABI_VERSION}-cpu-{isa}"

@@ -16,7 +16,7 @@ from pathlib import Path
 import tvm
 from tqdm import tqdm
 
-from llmc.artifact import read_manifest, write_artifact, write_manifest
+from llmc.artifact import read_manifest, resolve_kv_cache_dtype, write_artifact, write_manifest
 from llmc.errors import CompileError
 from llmc.targets import Target, load_target, tuning_db_path
 
@@ -163,13 +163,14 @@ def compile_checkpoint(
     block_size: int | None = None,
     progress: bool = False,
     quant: QuantConfig | None = None,
-    kv_cache_dtype: str = "float32",
+    kv_cache_dtype: str = "auto",
     calibration: str | Path | None = None,
     max_kl: float | None = None,
     tuning_db: str | Path | None | bool = None,
 ) -> Path:
     """quant: llmc's own quantization (`--quant`); None or QuantConfig() for none.
-    kv_cache_dtype: what the KV cache stores (`--kv-cache-dtype`): float32, or bfloat16 at half the bytes.
+    kv_cache_dtype: what the KV cache stores (`--kv-cache-dtype`): float32, or bfloat16 at half the bytes;
+    "auto" (resolve_kv_cache_dtype): bfloat16 for a bf16 / fp16 CUDA build, else float32.
     calibration, max_kl: a quantized build runs the quality gate (compiler/quality.py) on the calibration text
     (None: the bundled model's held-out text) and fails, writing nothing, when its mean KL is over max_kl.
     tuning_db: the tuning database whose matching entries set kernel tunables (None: the target's own,
@@ -178,15 +179,16 @@ def compile_checkpoint(
     tuning = None if tuning_db is False else TuningDB.load(tuning_db or tuning_db_path(target), target)
     block_size = block_size or tgt.block_size
     quant = quant or QuantConfig()
-    if kv_cache_dtype not in KV_DTYPES:
+    if kv_cache_dtype not in ("auto", *KV_DTYPES):
         raise CompileError(f"KV cache dtype {kv_cache_dtype!r} is not supported",
-                           f"--kv-cache-dtype takes one of {', '.join(KV_DTYPES)}")  # fmt: skip
+                           f"--kv-cache-dtype takes auto or one of {', '.join(KV_DTYPES)}")  # fmt: skip
     if not quant.enabled and (calibration is not None or max_kl is not None):
         raise CompileError("--calibration and --max-kl apply to a quantized build", "add --quant int8 or int4")
     if max_kl is not None and not max_kl >= 0:
         raise CompileError(f"--max-kl {max_kl} is not a KL divergence", "pass a number >= 0")
     ckpt = load_checkpoint(checkpoint)
     dtype = resolve_weight_dtype(ckpt, weight_dtype)
+    kv_cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, cuda=tgt.is_cuda, weight_dtype=dtype)
     if quant.enabled:  # read and tokenized before anything is built: a bad file fails at once
         calibration_ids, calibration_label = calibration_tokens(ckpt.tokenizer_path, calibration)
     schemes = quant_schemes(ckpt, quant)

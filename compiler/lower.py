@@ -42,6 +42,7 @@ from .weights import QUANT_PARTS, WeightSpec, quant_part_dtype
 
 # KV cache dtype -> paged_attention's kv_dtype parameter: what the cache stores per k/v value
 KV_DTYPES = {"float32": "f32", "bfloat16": "bf16"}
+
 ABI_PARAMS = ("input_ids", "positions", "logits_indices", "seq_lens", "query_start_loc", "block_tables", "slot_mapping")
 _BIAS_ARG = {"gemm": 2, "qgemm": 4}  # where a GEMM launch takes its bias (nullptr until an add joins it)
 

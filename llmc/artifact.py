@@ -61,6 +61,16 @@ ABI_VERSION = 2  # docs/contracts.md LLMC_ABI_VERSION
 # field was written before it existed, by modules whose cache was float32.
 KV_CACHE_DTYPES = {"float32": 4, "bfloat16": 2}
 
+
+def resolve_kv_cache_dtype(kv_cache_dtype: str, *, cuda: bool, weight_dtype: str) -> str:
+    """ "auto" is the build's own precision, as vLLM's: bfloat16 for bf16 / fp16 weights on a CUDA target (half
+    the cache bytes, and the tensor-core prefill attention reads bf16 tiles), float32 otherwise (the CPU target
+    and fp32 builds keep an exact cache)."""
+    if kv_cache_dtype != "auto":
+        return kv_cache_dtype
+    return "bfloat16" if cuda and weight_dtype in ("bfloat16", "float16") else "float32"
+
+
 MANIFEST = "manifest.json"
 MANIFEST_DIGESTS = "manifest_sha256"
 LIBRARY = "model.so"

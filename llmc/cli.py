@@ -92,11 +92,12 @@ def _quant_options(command):
 
 _kv_cache_dtype_option = click.option(
     "--kv-cache-dtype",
-    type=click.Choice(["float32", "bfloat16"]),
-    default="float32",
+    type=click.Choice(["auto", "float32", "bfloat16"]),
+    default="auto",
     show_default=True,
     help="What the KV cache stores: bfloat16 halves its bytes (twice the tokens in the same memory, half the "
-    "attention reads) for k/v rounded to bf16. run, serve and bench: when they compile a checkpoint.",
+    "attention reads) for k/v rounded to bf16; auto is bfloat16 for a bf16 / fp16 build on a CUDA target, else "
+    "float32. run, serve and bench: when they compile a checkpoint.",
 )
 
 
@@ -253,7 +254,7 @@ def bundled_checkpoint() -> Path:
     return found[0]
 
 
-def _resolve_artifact(path: Path | None, quant=None, kv_cache_dtype: str = "float32") -> Path:
+def _resolve_artifact(path: Path | None, quant=None, kv_cache_dtype: str = "auto") -> Path:
     """quant: the QuantConfig a checkpoint is compiled with (--quant), kv_cache_dtype its KV cache's
     (--kv-cache-dtype); an artifact is compiled already."""
     from .compiler.cache import cached_artifact
@@ -267,7 +268,7 @@ def _resolve_artifact(path: Path | None, quant=None, kv_cache_dtype: str = "floa
     if quant is not None and quant.enabled:
         raise LlmcError(f"--quant applies when a checkpoint is compiled, and {path} is not a checkpoint dir",
                         "pass the checkpoint, or compile it with llmc compile --quant")  # fmt: skip
-    if kv_cache_dtype != "float32":
+    if kv_cache_dtype != "auto":
         raise LlmcError(f"--kv-cache-dtype applies when a checkpoint is compiled, and {path} is not a checkpoint",
                         "pass the checkpoint, or compile it with llmc compile --kv-cache-dtype")  # fmt: skip
     return path  # an artifact, or load_artifact says what is wrong with it

@@ -137,12 +137,12 @@ def test_manifest_that_disagrees_with_the_module_is_refused(checkpoint_dir, tmp_
 
 
 def test_unknown_kv_cache_dtype_is_refused_before_compiling(checkpoint_dir, tmp_path):
-    with pytest.raises(CompileError, match="--kv-cache-dtype takes one of float32, bfloat16"):
+    with pytest.raises(CompileError, match="--kv-cache-dtype takes auto or one of float32, bfloat16"):
         compile_checkpoint(checkpoint_dir("llama"), target="cpu", output=tmp_path / "m", kv_cache_dtype="float16")
     result = CliRunner().invoke(
         main, ["compile", str(checkpoint_dir("llama")), "-o", str(tmp_path / "m"), "--kv-cache-dtype", "int8"]
     )
-    assert result.exit_code == 2 and "'int8' is not one of 'float32', 'bfloat16'" in result.output
+    assert result.exit_code == 2 and "'int8' is not one of 'auto', 'float32', 'bfloat16'" in result.output
     assert not (tmp_path / "m").exists()
 
 
@@ -166,3 +166,16 @@ def test_run_compiles_a_checkpoint_with_the_kv_cache_dtype(checkpoint_dir, tmp_p
     assert asked == ["bfloat16"]
     result = CliRunner().invoke(main, ["run", str(built), "--kv-cache-dtype", "bfloat16", "--prompt", "def"])
     assert result.exit_code == 1 and "--kv-cache-dtype applies when a checkpoint is compiled" in result.output
+
+
+@pytest.mark.parametrize("target,weight_dtype,want", [
+    ("sm90", "bfloat16", "bfloat16"),  # a bf16 CUDA build caches bf16 (the tensor-core prefill attention reads it)
+    ("sm90", "float32", "float32"),
+    ("cpu", "bfloat16", "float32"),
+])  # fmt: skip
+def test_auto_is_the_cuda_builds_precision(target, weight_dtype, want, checkpoint_dir, tmp_path):
+    out = compile_checkpoint(checkpoint_dir("llama"), target=target, output=tmp_path / "m", weight_dtype=weight_dtype)
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["kv_cache_dtype"] == want
+    attention = [k for k in manifest["kernels"] if k["template"].endswith("/paged_attention")]
+    assert attention and all(k["params"]["kv_dtype"] == {"bfloat16": "bf16", "float32": "f32"}[want] for k in attention)
