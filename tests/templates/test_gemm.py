@@ -37,7 +37,11 @@ def _grid(shapes):
     ]
 
 
-SPECS = _grid(SHAPES) + _grid([MODEL_SHAPE, BLOCKED_SHAPE])
+# CUDA's GEMV splits K between warps where N is small (gemv_split): 2 slices of 512 (k = 1000, the last short),
+# 4 slices of 544 on scalar loads (k = 2050 % 4 != 0), and 4 slices of 384 of which the last is empty
+# (k = 1100). Both targets run them; T up to 8, the GEMV's.
+SPLIT_SHAPES = [(19, 1000), (11, 2050), (7, 1100)]
+SPECS = _grid(SHAPES) + _grid([MODEL_SHAPE, BLOCKED_SHAPE]) + _grid(SPLIT_SHAPES)
 CASES = [pytest.param(*s, id=spec_id(s)) for s in _grid(SHAPES)] + [
     pytest.param(*s, id=spec_id(s), marks=CPU_ONLY) for s in _grid([MODEL_SHAPE, BLOCKED_SHAPE])
 ]
@@ -80,8 +84,14 @@ def test_gemm_matches_numpy(kernels, weights, target, op, params, T):
     assert_gemm_close(y, expected_x(x, k, params["wdtype"], target, T), wf, bf)
 
 
+@pytest.mark.parametrize("T", [1, 5, 8])
+@pytest.mark.parametrize("op,params", [pytest.param(*s, id=spec_id(s)) for s in _grid(SPLIT_SHAPES)])
+def test_gemm_split_k_gemv_matches_numpy(kernels, weights, target, op, params, T):
+    test_gemm_matches_numpy(kernels, weights, target, op, params, T)
+
+
 @pytest.mark.parametrize("wdtype", ["f32", "bf16"])
-@pytest.mark.parametrize("n,k", ALL_SHAPES)
+@pytest.mark.parametrize("n,k", [*ALL_SHAPES, SPLIT_SHAPES[0]])
 def test_gemm_row_independent_of_batch(kernels, weights, target, wdtype, n, k):
     """Each row of a batch is bit-identical to the same row computed alone (T = 1)."""
     fn = kernels("gemm", dict(n=n, k=k, wdtype=wdtype, has_bias=True))

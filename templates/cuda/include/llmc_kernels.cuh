@@ -39,6 +39,15 @@ __host__ __device__ constexpr int round_up(int a, int b) { return ceil_div(a, b)
 __host__ __device__ constexpr int clamp_int(int v, int lo, int hi) { return v < lo ? lo : (v > hi ? hi : v); }
 // Threads for a row of n work items: a multiple of 32, at least 32, at most cap.
 __host__ __device__ constexpr int row_threads(int n, int cap) { return clamp_int(round_up(n, 32), 32, cap); }
+// Warps that share a GEMV's output rows at decode, each a k slice, their sums added in slice order: enough that
+// row_groups times the split reach kGemvTargetWarps (about 16 warps on each SM of an H100) where N alone leaves
+// the SMs short of loads in flight at batch 1; a power of two, at most max_split. A function of the shape
+// alone, so that no tunable changes the numbers.
+constexpr int kGemvTargetWarps = 2048;
+__host__ __device__ constexpr int gemv_split(int row_groups, int max_split) {
+  const int want = clamp_int(ceil_div(kGemvTargetWarps, row_groups), 1, max_split);
+  return want >= 8 ? 8 : (want >= 4 ? 4 : (want >= 2 ? 2 : 1));
+}
 __host__ __device__ constexpr int largest_divisor_le(int n, int cap) {
   for (int d = cap; d > 1; --d)
     if (n % d == 0) return d;
@@ -158,9 +167,10 @@ struct RmsNorm {
 
 // ---------------------------------------------------------------------------------------------------
 // gemm: y[T, N] = x[T, K] @ w[N, K]^T (+ bias[N]); w in HF Linear layout, one row per output.
-//  - decode (T <= kGemvMaxT): gemv(). One warp per output row j; lanes stride K 4 values at a time (float4 of
-//    x, 16 or 8 bytes of w; scalar loads when K % 4 != 0), kGemvRows rows of x per pass over the weight row,
-//    one warp_sum per (row, output). Grid (kGemvBlocks), block kGemvThreads.
+//  - decode (T <= kGemvMaxT): gemv(). kSplit warps per output row j (1 unless N is small), each a k slice;
+//    lanes stride it 4 values at a time (float4 of x, 16 or 8 bytes of w; scalar loads when K % 4 != 0),
+//    kGemvRows rows of x per pass over the weight row, one warp_sum per (row, output, slice), the slices
+//    added in order through shared memory. Grid (kGemvBlocks), block kGemvThreads.
 //  - prefill: tiled(), a BM x BN output tile per block, BK-deep k steps. Grid (kTilesN, ceil(T / BM)), block
 //    kTileThreads.
 //    - bf16 weights with 16-byte rows (kMma): on tensor cores, tiled_mma(). Four warps in 2 x 2, each a
@@ -173,16 +183,21 @@ struct RmsNorm {
 //    - otherwise tiled_simt(): x and w staged k-major in shared memory (w widened to float), 4 x 4 outputs
 //      per thread, fp32 accumulate; zero-filled tails.
 // GEMV_WARPS, BM, BN, BK and STAGES are tunable (templates/cuda/gemm.tune.toml). None changes the numbers:
-// each output is one warp's sum (GEMV), one thread's k-ordered sum (SIMT) or one k-ordered mma chain
-// whatever the block shape.
+// each output is kSplit warps' sums added in slice order (GEMV; kSplit follows N and K alone), one thread's
+// k-ordered sum (SIMT) or one k-ordered mma chain whatever the block shape.
 template <int N, int K, bool BIAS, typename W, int GEMV_WARPS = 4, int TILE_M = 64, int TILE_N = 64,
           int TILE_K = 32, int STAGES = 3>
 struct Gemm {
   // GEMV: each lane access takes 4 values of a row (x: 16 bytes, w: 16 or 8), so that both x's and w's warp
-  // accesses are contiguous (full sectors); rows of 4k values keep them aligned
+  // accesses are contiguous (full sectors); rows of 4k values keep them aligned. A block holds GEMV_WARPS
+  // output rows of kSplit warps each (split-K where N is small: gemv_split, slices of whole warp sweeps of at
+  // least 256 values; at most 4, so a block stays within 1024 threads).
   static constexpr bool kVec = K % 4 == 0;
-  static constexpr int kGemvWarps = GEMV_WARPS, kGemvThreads = 32 * kGemvWarps, kGemvRows = 4, kGemvMaxT = 8;
-  static constexpr int kGemvBlocks = ceil_div(N, kGemvWarps);
+  static constexpr int kSweep = kVec ? 128 : 32;  // the values one warp access covers
+  static constexpr int kSplit = gemv_split(N, clamp_int(K / 256, 1, 4));
+  static constexpr int kSlice = round_up(ceil_div(K, kSplit), kSweep);
+  static constexpr int kGemvWarps = GEMV_WARPS, kGemvThreads = 32 * kGemvWarps * kSplit, kGemvRows = 4;
+  static constexpr int kGemvMaxT = 8, kGemvBlocks = ceil_div(N, kGemvWarps);
   static constexpr bool kMma = sizeof(W) == 2 && K % 8 == 0;  // bf16 rows of whole 16-byte pieces
   static constexpr int BM = TILE_M, BN = TILE_N, BK = TILE_K;
   static constexpr int kTileThreads = kMma ? 128 : (BM / 4) * (BN / 4);
@@ -193,11 +208,14 @@ struct Gemm {
 
   static __device__ __forceinline__ void gemv(const float* x, const W* w, const W* bias, float* y, int T) {
     constexpr int R = kGemvRows;
-    const int lane = threadIdx.x & 31;
-    const int j = blockIdx.x * kGemvWarps + (threadIdx.x >> 5);
-    if (j >= N) return;  // whole warps only: no block barrier below
-    const W* wr = w + static_cast<int64_t>(j) * K;
-    const float b = BIAS ? wload(bias[j]) : 0.0f;
+    __shared__ float part[kSplit > 1 ? kGemvWarps * kSplit : 1][R];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, slice = warp % kSplit;
+    const int j = blockIdx.x * kGemvWarps + warp / kSplit;
+    if (kSplit == 1 && j >= N) return;  // whole warps only; a split block keeps every warp for its barriers
+    const bool live = j < N;  // a warp past N adds no terms but still reaches the barriers
+    const W* wr = w + static_cast<int64_t>(live ? j : 0) * K;
+    const int k_lo = slice * kSlice, k_hi = live ? min(K, k_lo + kSlice) : k_lo;
+    const float b = BIAS && live ? wload(bias[j]) : 0.0f;
     for (int t0 = 0; t0 < T; t0 += R) {
       const int rows = min(R, T - t0);
       const float* x0 = x + static_cast<int64_t>(t0) * K;
@@ -206,7 +224,7 @@ struct Gemm {
       for (int r = 0; r < R; ++r) acc[r] = 0.0f;
       if constexpr (kVec) {
 #pragma unroll 2
-        for (int k = lane * 4; k < K; k += 32 * 4) {
+        for (int k = k_lo + lane * 4; k < k_hi; k += 32 * 4) {
           float wv[4];
           load_w4(wr + k, wv);
 #pragma unroll
@@ -218,7 +236,7 @@ struct Gemm {
           }
         }
       } else {
-        for (int k = lane; k < K; k += 32) {
+        for (int k = k_lo + lane; k < k_hi; k += 32) {
           const float wv = wload(wr[k]);
 #pragma unroll
           for (int r = 0; r < R; ++r)
@@ -229,8 +247,22 @@ struct Gemm {
       for (int r = 0; r < R; ++r) {
         if (r < rows) {  // warp-uniform
           const float s = warp_sum(acc[r]);
-          if (lane == 0) y[static_cast<int64_t>(t0 + r) * N + j] = s + b;
+          if constexpr (kSplit == 1) {
+            if (lane == 0) y[static_cast<int64_t>(t0 + r) * N + j] = s + b;
+          } else if (lane == 0) {
+            part[warp][r] = s;
+          }
         }
+      }
+      if constexpr (kSplit > 1) {
+        __syncthreads();
+        if (slice == 0 && live && lane < rows) {  // lane r of the row's first warp adds its slices in order
+          float v = 0.0f;
+#pragma unroll
+          for (int sl = 0; sl < kSplit; ++sl) v += part[warp + sl][lane];
+          y[static_cast<int64_t>(t0 + lane) * N + j] = v + b;
+        }
+        __syncthreads();  // part is rewritten by the next rows
       }
     }
   }

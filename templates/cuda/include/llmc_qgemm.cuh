@@ -53,9 +53,8 @@ struct QGemm {
   // decode: NR output rows per warp; kSplit warps share them (each a k slice of >= 8 full blocks, a warp's
   // width) where fewer row groups than kGemvTargetWarps (about 16 warps on each SM of an H100) leave SMs idle
   static constexpr int kGemvMaxT = 8, NR = 4, kGemvWarps = 8, kGemvThreads = 32 * kGemvWarps;
-  static constexpr int kRowGroups = ceil_div(N, NR), kGemvTargetWarps = 2048;
-  static constexpr int kSplitWanted = clamp_int(ceil_div(kGemvTargetWarps, kRowGroups), 1, clamp_int(NB / 8, 1, 8));
-  static constexpr int kSplit = kSplitWanted >= 8 ? 8 : (kSplitWanted >= 4 ? 4 : (kSplitWanted >= 2 ? 2 : 1));
+  static constexpr int kRowGroups = ceil_div(N, NR);
+  static constexpr int kSplit = gemv_split(kRowGroups, clamp_int(NB / 8, 1, 8));
   static constexpr int kGroupsPerBlock = kGemvWarps / kSplit;
   static constexpr int kGemvBlocks = ceil_div(kRowGroups, kGroupsPerBlock);
   // prefill. BM: asymmetric keeps 16 more accumulators (the row sums of x) per m16 tile; 32 rows keep it within 128 registers
