@@ -189,6 +189,17 @@ __device__ __forceinline__ void vstore(void* p, const T& x) {
 #endif
 }
 
+// An in-place update's store pointer. Under the simulator, GCC's AddressSanitizer pass drops the check of a
+// store to an address the same basic block has just loaded (redundant for ASan), so the profiler would count
+// a read-modify-write as a load only; an opaque copy of the pointer keeps that check. A no-op under nvcc.
+template <typename T>
+__device__ __forceinline__ T* store_ptr(T* p) {
+#ifdef LLMC_SIMULATOR
+  asm("" : "+r"(p));
+#endif
+  return p;
+}
+
 // ---------------------------------------------------------------------------------------------------
 // bf16 loads (pointers aligned to the load width) and bf16 / fp16 packing. Element 2j of a packed pair is
 // the low half of the 32-bit word (PTX register packing).

@@ -453,8 +453,9 @@ struct Rope {
       const float c = cos_s[i], s = sin_s[i];
       float* x1 = row + h * D + i;
       const float a = x1[0], b = x1[HALF];
-      x1[0] = a * c - b * s;
-      x1[HALF] = b * c + a * s;
+      float* y1 = store_ptr(x1);
+      y1[0] = a * c - b * s;
+      y1[HALF] = b * c + a * s;
     }
   }
 };
