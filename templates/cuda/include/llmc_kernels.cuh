@@ -518,7 +518,7 @@ struct PagedAttention {
   }
   static constexpr int kSplitChunk = 64, kMaxSplits = 32;
   static constexpr int64_t kScratchHeads = 16384;          // (token, head, split) partials of one launch
-  static constexpr int kPartial = D + 2;                   // m, l, acc[D]
+  static constexpr int kPartial = round_up(D + 2, 8);      // acc[D], m, l: records of whole 32-byte sectors
   static constexpr int64_t kScratchFloats = kScratchHeads * kPartial, kDoneCounters = kScratchHeads / 2;
   __host__ __device__ static int max_splits(int max_blocks) {
     return clamp_int(ceil_div(max_blocks * BS, kSplitChunk), 1, kMaxSplits);
@@ -581,9 +581,9 @@ struct PagedAttention {
   static __device__ __forceinline__ void combine(const float* partials, int t, int h, int S, int splits, float* out) {
     const int lane = threadIdx.x & 31;
     const volatile float* part = partials + (static_cast<int64_t>(t) * NH + h) * S * kPartial;  // past L1
-    const float m_lane = lane < splits ? part[lane * kPartial] : -INFINITY;
+    const float m_lane = lane < splits ? part[lane * kPartial + D] : -INFINITY;
     const float M = warp_max(m_lane);
-    const float L = warp_sum(lane < splits ? part[lane * kPartial + 1] * expf(m_lane - M) : 0.0f);
+    const float L = warp_sum(lane < splits ? part[lane * kPartial + D + 1] * expf(m_lane - M) : 0.0f);
     float o[DPL];
 #pragma unroll
     for (int i = 0; i < DPL; ++i) o[i] = 0.0f;
@@ -592,7 +592,7 @@ struct PagedAttention {
 #pragma unroll
       for (int i = 0; i < DPL; ++i) {
         const int d = lane + 32 * i;
-        if (D % 32 == 0 || d < D) o[i] = fmaf(part[sp * kPartial + 2 + d], e, o[i]);
+        if (D % 32 == 0 || d < D) o[i] = fmaf(part[sp * kPartial + d], e, o[i]);
       }
     }
     store_dims(out + (static_cast<int64_t>(t) * NH + h) * D, o, 1.0f / L);
@@ -659,13 +659,15 @@ struct PagedAttention {
         const int pos = c0 + lane;
         float s = -INFINITY;
         if constexpr (kRowVec) {
+          // the chunk's cache rows, one block-table read per lane (not one per K access: 32 / RPA of them)
+          if (pos < hi) sm.row[warp][lane] = cache_row(table, pos, kvh);
+          __syncwarp();
 #pragma unroll 2
           for (int r0 = 0; r0 < 32; r0 += RPA) {
             const int j = r0 + lane / LPR, pj = c0 + j;  // this lane's row of the access
             float part = 0.0f;
-            int64_t row = 0;
             if (pj < hi) {
-              row = cache_row(table, pj, kvh);
+              const int64_t row = sm.row[warp][j];
 #pragma unroll
               for (int i = 0; i < PPL; ++i) {
                 float kv[VW];
@@ -675,7 +677,7 @@ struct PagedAttention {
               }
             }
             part = warp_sum<LPR>(part);  // every lane of the row's group: its dot
-            if (lane % LPR == 0 && pj < hi) sm.row[warp][j] = row, sm.p[warp][j] = part;
+            if (lane % LPR == 0 && pj < hi) sm.p[warp][j] = part;
           }
           __syncwarp();
           if (pos < hi) s = sm.p[warp][lane] * scale;
@@ -711,8 +713,8 @@ struct PagedAttention {
         continue;
       }
       float* part = partials + ((static_cast<int64_t>(t) * NH + h) * S + split) * kPartial;
-      if (lane == 0) part[0] = m, part[1] = l;
-      store_dims(part + 2, acc, 1.0f);  // unnormalized: x * 1.0f is x
+      if (lane == 0) part[D] = m, part[D + 1] = l;
+      store_dims(part, acc, 1.0f);  // unnormalized: x * 1.0f is x
       __threadfence();  // this block's partials are visible before its count
       __syncthreads();
       if (threadIdx.x == 0) {
