@@ -515,6 +515,7 @@ class _Lowering:
                 "block_tables",
                 "max_blocks",
                 "B",
+                "T",
                 out,
             ],
             ["kv write", "attention"],

@@ -58,6 +58,7 @@ SIGNATURES = {
         ("block_tables", "i32*"),
         ("max_blocks", "int"),
         ("B", "int"),
+        ("T", "int"),
         ("out", "f32*"),
     ],
     "silu_mul": [("gate_up", "f32*"), ("out", "f32*"), ("T", "int")],

@@ -243,6 +243,7 @@ class Batch:
             self.block_tables,
             self.max_blocks,
             self.B,
+            self.T,
             out,
         )
         return out

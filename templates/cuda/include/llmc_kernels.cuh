@@ -463,8 +463,8 @@ struct Rope {
 // ---------------------------------------------------------------------------------------------------
 // paged attention over a ragged batch (docs/contracts.md, "The step"). KV cache [num_blocks, BS, NKV, D]
 // each, of KV: float, or uint16_t bf16 bits (rounded to nearest even when written, widened to float when read).
-// T = query_start_loc[B] lives in device memory, so both kernels take a grid bounded from the host-side
-// arguments (T <= B * max_blocks * BS) and capped at kMaxGrid, and loop over their items.
+// The launcher takes the step's T from the host (the kernels read their own copy, query_start_loc[B]) and
+// sizes the grids by it, capped at kMaxGrid; the kernels loop over their items.
 //  1. write(): token t's k/v rows (kv heads [0, NKV)) go to cache slot slot_mapping[t] (< 0: skipped).
 //     Grid (write_grid()), block kWriteThreads; one block per token.
 //  2. attend(): one warp per (token t, head h, KV split); a block holds HPB heads of one token that share a kv head
@@ -513,9 +513,6 @@ struct PagedAttention {
   static constexpr int PPL = kRowVec ? D / (VW * LPR) : 1;               // pieces per lane and row
 
   static int clamp_grid(int64_t bound) { return static_cast<int>(bound < kMaxGrid ? (bound > 0 ? bound : 1) : kMaxGrid); }
-  static int grid(int B, int max_blocks, int per_token) {
-    return clamp_grid(static_cast<int64_t>(B) * max_blocks * BS * per_token);
-  }
   static constexpr int kSplitChunk = 64, kMaxSplits = 32;
   static constexpr int64_t kScratchHeads = 16384;          // (token, head, split) partials of one launch
   static constexpr int kPartial = round_up(D + 2, 8);      // acc[D], m, l: records of whole 32-byte sectors
@@ -523,14 +520,19 @@ struct PagedAttention {
   __host__ __device__ static int max_splits(int max_blocks) {
     return clamp_int(ceil_div(max_blocks * BS, kSplitChunk), 1, kMaxSplits);
   }
-  static int write_grid(int B, int max_blocks) { return grid(B, max_blocks, 1); }
-  static dim3 attend_grid(int B, int max_blocks) { return dim3(grid(B, max_blocks, kHeadBlocks), max_splits(max_blocks)); }
+  static int write_grid(int T) { return clamp_grid(T); }
+  static dim3 attend_grid(int T, int max_blocks) {
+    return dim3(clamp_grid(static_cast<int64_t>(T) * kHeadBlocks), max_splits(max_blocks));
+  }
 
   static constexpr bool kFlash = sizeof(KV) == 2 && D % 16 == 0 && D <= 128;  // D <= 128: O and Q in registers
   static constexpr int kFlashMinRows = 16, FM = 64, FN = 32, kFlashThreads = 128;
   static constexpr int FS = D + 8;  // bf16 per shared K/V row
-  static int prefill_grid(int B, int max_blocks) {  // bounds the units: a sequence has <= max_blocks * BS new tokens
-    return clamp_grid(static_cast<int64_t>(B) * ceil_div(max_blocks * BS, FM) * NH);
+  // bounds the units (sequence, 64-row tile, head): each sequence has <= max_blocks * BS new tokens, all of
+  // them T, so at most ceil(T / FM) + B tiles
+  static int prefill_grid(int B, int max_blocks, int T) {
+    const int64_t by_tables = static_cast<int64_t>(B) * ceil_div(max_blocks * BS, FM), by_tokens = ceil_div(T, FM) + B;
+    return clamp_grid((by_tables < by_tokens ? by_tables : by_tokens) * NH);
   }
 
   // The cache offset (elements) of kv head kvh's row at position pos of a sequence with block table `table`.

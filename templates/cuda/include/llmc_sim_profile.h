@@ -9,8 +9,11 @@
 //
 // What is counted, per kernel (the demangled name of the __global__ function), while counting is enabled:
 // - An access is global when its address lies in a cudaMalloc'ed block (or a kernel's LLMC_DEVICE_ARRAY), shared when it lies in the dynamic
-//   shared-memory buffer or in a static __shared__ variable (a section of its own in this build); anything
-//   else (fiber stacks, the simulator's own state, host memory) is not counted. The simulator's internals
+//   shared-memory buffer or in a static __shared__ variable: a section of its own in this build, or, for
+//   the statics of inline and template functions (every templated kernel's), whose COMDAT sections GCC
+//   keeps in spite of the section attribute, a function-local static of this library by its symbol
+//   (mangled "_ZZ...", found once by dladdr1). Anything else (fiber stacks, the simulator's own state, host
+//   memory) is not counted. The simulator's internals
 //   that move data for a kernel (cp.async, ldmatrix, mma) are not instrumented and count themselves.
 // - A warp-wide access is the k-th execution of one access site (call site of the hook) by the lanes of one
 //   warp of a block; it is complete when every lane of the warp has made it, or when the block ends.
@@ -37,6 +40,9 @@
 #if defined(LLMC_SIM_PROFILE_IMPL)
 #include <cxxabi.h>
 #include <dlfcn.h>
+#include <link.h>
+
+#include <cstring>
 
 #include <map>
 #include <string>
@@ -95,6 +101,8 @@ struct State {
   std::unordered_map<Key, Group, KeyHash> open;
   std::vector<uintptr_t> scratch;
   bool block_stored = false;  // the running block has stored to global memory
+  // symbols of this library's data looked up so far: start -> (size, a function-local static)
+  std::map<uintptr_t, std::pair<size_t, bool>> symbols;
 };
 inline State s;
 
@@ -122,12 +130,31 @@ inline Alloc* alloc_of(uintptr_t a, uintptr_t* base) {
   return &it->second;
 }
 
+// A function-local static of this library's data (a templated kernel's __shared__), by its symbol.
+inline bool is_local_static(uintptr_t a) {
+  auto it = s.symbols.upper_bound(a);
+  if (it != s.symbols.begin() && a < std::prev(it)->first + std::prev(it)->second.first)
+    return std::prev(it)->second.second;
+  Dl_info info{};
+  ElfW(Sym)* sym = nullptr;
+  if (!dladdr1(reinterpret_cast<void*>(a), &info, reinterpret_cast<void**>(&sym), RTLD_DL_SYMENT) || !sym ||
+      !info.dli_sname || !info.dli_saddr)
+    return false;
+  const uintptr_t start = reinterpret_cast<uintptr_t>(info.dli_saddr);
+  if (sym->st_size == 0 || a >= start + sym->st_size) return false;  // past the symbol: a stack or the heap
+  const bool local = std::strncmp(info.dli_sname, "_ZZ", 3) == 0;
+  s.symbols[start] = {sym->st_size, local};
+  return local;
+}
+
 inline bool is_shared(uintptr_t a) {
   const auto& g = llmc_sim::g;
   const uintptr_t d = reinterpret_cast<uintptr_t>(g.dyn_smem);
   if (d && a >= d && a < d + g.dyn_smem_bytes) return true;
-  return __start_llmc_sim_smem && a >= reinterpret_cast<uintptr_t>(__start_llmc_sim_smem) &&
-         a < reinterpret_cast<uintptr_t>(__stop_llmc_sim_smem);
+  if (__start_llmc_sim_smem && a >= reinterpret_cast<uintptr_t>(__start_llmc_sim_smem) &&
+      a < reinterpret_cast<uintptr_t>(__stop_llmc_sim_smem))
+    return true;
+  return is_local_static(a);
 }
 
 // sets bit i; true if it was clear
