@@ -5,7 +5,7 @@ llmc_profile_* exports), the median of several steps after a warm-up, and its fl
 parameters and the step's shape (floors.py): floor_us = max(floor bytes / bandwidth, FLOPs / rate), at the
 artifact's dtype's rate. The byte and sector counters need the simulator and are null there. The step's
 time_us is the sum of its kernels' (graphs off, as the events need), and wall_us the whole step as
-`llmc run` takes it (host copies, CUDA graph replay, logits back).
+`llmc run` takes it (host copies, a CUDA graph replay at decode, logits back).
 
 With --simulate (profile_simulated), the step runs under the simulator's counters
 (templates/cuda/include/llmc_sim_profile.h defines them), with each kernel's floor and predicted time.
@@ -405,8 +405,8 @@ def _format_measured(report: dict, shape: str) -> str:
                      f"{k['flops'] / 1e9:>8.3f} {k['floor_us']:>9.2f} {k['time_us']:>9.2f} {100 * fraction:>9.1f}%")  # fmt: skip
     lines.append(f"{'step (kernels)':<52} {s['launches']:>6} {_mb(s['floor_bytes']):>9} {s['flops'] / 1e9:>8.3f} "
                  f"{s['floor_us']:>9.2f} {s['time_us']:>9.2f} {100 * s['floor_fraction']:>9.1f}%")  # fmt: skip
-    lines.append(f"whole step as served (CUDA graph, host copies): {s['wall_us']:.2f} us; floors from the kernels' "
-                 "shapes (every input read once, every output written once)")  # fmt: skip
+    lines.append(f"whole step as served (host copies; a CUDA graph at decode): {s['wall_us']:.2f} us; floors from "
+                 "the kernels' shapes (every input read once, every output written once)")  # fmt: skip
     return "\n".join(lines)
 
 
