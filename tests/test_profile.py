@@ -13,7 +13,7 @@ from click.testing import CliRunner
 
 from llmc.artifact import load_artifact
 from llmc.cli import main
-from llmc.compiler.codegen.profile import profile_measured, profile_simulated, program_flops, read_counters
+from llmc.compiler.codegen.profile import _kernel_id, profile_measured, profile_simulated, program_flops, read_counters
 from llmc.compiler.codegen.simulator import build_profiled, build_simulated, build_simulated_library
 
 N = 1000  # not a multiple of the 128-thread block: the last warp has 8 lanes
@@ -205,7 +205,7 @@ def test_floors_match_the_simulators_distinct_bytes(tiny_sm90, shape):
     simulated = profile_simulated(tiny_sm90, **shape)
     touched: dict[str, int] = {}
     for k in simulated["kernels"]:
-        kid = max((m["name"] for m in measured["kernels"] if k["name"].startswith(m["name"] + "_")), key=len)
+        kid = _kernel_id(k["name"], [m["name"] for m in measured["kernels"]])
         touched[kid] = touched.get(kid, 0) + k["floor_bytes"]
     for k in measured["kernels"]:
         if "paged_attention" in k["name"]:

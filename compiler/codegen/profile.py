@@ -331,13 +331,14 @@ def profile_measured(artifact_path: str | Path, *, phase: str, batch: int = 1, c
             start = time.perf_counter()
             model.step(step)
             wall.append(1e6 * (time.perf_counter() - start))
+        ids = list(floors)
         per_kernel: dict[str, list[float]] = {}
         launches: dict[str, int] = {}
         for _ in range(repeats):
             step_times: dict[str, float] = {}
             counts: dict[str, int] = {}
             for name, us in _timed_launches(lib, model, step):
-                kid = _kernel_id(name, list(floors))
+                kid = _kernel_id(name, ids)
                 step_times[kid] = step_times.get(kid, 0.0) + us
                 counts[kid] = counts.get(kid, 0) + 1
             for kid, us in step_times.items():
