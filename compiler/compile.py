@@ -214,6 +214,9 @@ def compile_checkpoint(
         (tmp / tgt.source_file).write_text(rendered.source)
         if rendered.tvm_source is not None:
             (tmp / "tvm_kernels.cc").write_text(rendered.tvm_source)
+        if tgt.is_cuda:  # `--simulate` rebuilds model.cu later: against these headers, not a newer llmc's
+            for name, text in target_headers(tgt.template_dir).items():
+                (tmp / name).write_text(text)
         step("build")
         shutil.copyfile(build_module(tgt, rendered.source, rendered.tvm_source), tmp / "model.so")
         shutil.copyfile(ckpt.tokenizer_path, tmp / "tokenizer.json")

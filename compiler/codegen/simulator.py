@@ -26,7 +26,7 @@ import tempfile
 from functools import cache
 from pathlib import Path
 
-from llmc.artifact import load_artifact
+from llmc.artifact import Artifact, load_artifact, recompile_hint
 from llmc.errors import ArtifactError, CompileError
 from llmc.host import cache_root
 
@@ -126,14 +126,20 @@ def _key(parts: list[str | bytes]) -> str:
     return h.hexdigest()[:32]
 
 
-def sim_flags(asan: bool = False, extra_flags=()) -> list[str]:
+def _relative_markers(preprocessed: str, source: Path) -> str:
+    """Line markers name the source's folder (an artifact's, holding the headers it carries): without it, the
+    same files in another folder hit the cache."""
+    return preprocessed.replace(str(source.parent) + os.sep, "")
+
+
+def sim_flags(asan: bool = False, extra_flags=(), include_dir: Path = INCLUDE_DIR) -> list[str]:
     flags = [
         "-x",
         "c++",
         "-std=c++17",
         "-O1",
         "-DLLMC_SIMULATOR",
-        f"-I{INCLUDE_DIR}",
+        f"-I{include_dir}",
         f"-I{cuda_include_dir()}",
         "-fPIC",
         "-fno-strict-aliasing",
@@ -143,19 +149,22 @@ def sim_flags(asan: bool = False, extra_flags=()) -> list[str]:
     return flags + list(extra_flags)
 
 
-def build_simulated(sources: list[Path] | str, out_so: Path, *, asan: bool = False, extra_flags=()) -> Path:
+def build_simulated(
+    sources: list[Path] | str, out_so: Path, *, asan: bool = False, extra_flags=(), include_dir: Path = INCLUDE_DIR
+) -> Path:
     """Compile .cu source(s) with g++ against the simulator into the shared library `out_so`.
 
-    `sources` is a list of files, or one string of source text. Raises CompileError with g++'s messages.
+    `sources` is a list of files, or one string of source text; `include_dir` holds the device and simulator
+    headers (a header next to a source file is found first). Raises CompileError with g++'s messages.
     """
     out_so = Path(out_so)
-    flags = sim_flags(asan, extra_flags)
+    flags = sim_flags(asan, extra_flags, include_dir)
     with tempfile.TemporaryDirectory(prefix="llmc-sim-") as tmp:
         srcs = _sources(sources, Path(tmp))
         parts: list[str | bytes] = [_tool_version(CXX), " ".join(flags)]
         for s in srcs:  # the preprocessed text covers every included header; its line markers, the lines
             pre = _run([CXX, *flags, "-E", str(s), "-o", "-"], f"preprocessing {s.name}").stdout
-            parts.append(pre.replace(str(s), s.name))  # the same file in another directory hits the cache
+            parts.append(_relative_markers(pre, s))
         cached = cache_dir() / f"sim-{_key(parts)}.so"
         if not cached.exists():
             built = Path(tmp) / "out.so"
@@ -171,24 +180,56 @@ def build_simulated_library(artifact_path: str | Path) -> Path:
     Pass the result to `CompiledModel.load(artifact_path, library=...)`. ArtifactError unless the artifact
     is built for a CUDA target.
     """
+    artifact = _cuda_artifact(artifact_path, "run it without --simulate")
+    out = cache_root() / "simulated" / f"{_library_key(artifact)}.so"
+    if out.is_file():  # written atomically, under its sources' digests
+        return out
+    return _build_artifact(artifact, lambda inc: build_simulated([artifact.source_path], out, extra_flags=("-O2",),
+                                                                   include_dir=inc))  # fmt: skip
+
+
+def _cuda_artifact(artifact_path: str | Path, hint: str) -> Artifact:
     # verify=False: CompiledModel.load verifies every file (model.cu among them) right after this
     artifact = load_artifact(artifact_path, verify=False)
     if not artifact.is_cuda:
         raise ArtifactError(f"{artifact.path}: --simulate needs a CUDA-target artifact; this one is built for "
-                            f"{artifact.target_name} ({artifact.kind})", "run it without --simulate")  # fmt: skip
-    out = cache_root() / "simulated" / f"{_library_key(artifact)}.so"
-    if out.is_file():  # written atomically, under its sources' digests
-        return out
-    return build_simulated([artifact.source_path], out, extra_flags=("-O2",))
+                            f"{artifact.target_name} ({artifact.kind})", hint)  # fmt: skip
+    return artifact
 
 
-def _library_key(artifact) -> str:
-    """The artifact's model.cu digest with the digest of the device headers it is built against (this
-    installation's templates/cuda/include, which the artifact does not carry): a header change rebuilds."""
-    h = hashlib.sha256(artifact.manifest["files"][artifact.source_path.name].encode())
-    for path in sorted(Path(INCLUDE_DIR).iterdir()):
-        if path.is_file():
-            h.update(path.name.encode() + b"\0" + path.read_bytes())
+def _headers_dir(artifact: Artifact) -> Path:
+    """Where the artifact's model.cu finds the headers it was rendered against: in the artifact (compile
+    copies them there), or, in an artifact from before that, only this installation's, which may have moved on."""
+    return artifact.path if _HEADER_MARK in artifact.manifest["files"] else INCLUDE_DIR
+
+
+_HEADER_MARK = "llmc_device.cuh"
+
+
+def _build_artifact(artifact: Artifact, build) -> Path:
+    """build(include_dir) for the artifact's headers; an old artifact that no longer builds against this
+    llmc's headers is an ArtifactError that says to recompile, not g++'s errors."""
+    include_dir = _headers_dir(artifact)
+    try:
+        return build(include_dir)
+    except CompileError:
+        if include_dir != INCLUDE_DIR:
+            raise
+        raise ArtifactError(
+            f"{artifact.path}: its model.cu (llmc {artifact.manifest['compiler_version']}) does not build against "
+            "this llmc's CUDA headers, and the artifact carries none of its own",
+            recompile_hint(artifact.path, artifact.target_name),
+        ) from None
+
+
+def _library_key(artifact: Artifact) -> str:
+    """The digests of the artifact's files (model.cu and, since artifacts carry them, its headers); for an older
+    artifact, with those of this installation's headers: a header change rebuilds."""
+    h = hashlib.sha256("".join(sorted(artifact.manifest["files"].values())).encode())
+    if _headers_dir(artifact) == INCLUDE_DIR:
+        for path in sorted(INCLUDE_DIR.iterdir()):
+            if path.is_file():
+                h.update(path.name.encode() + b"\0" + path.read_bytes())
     return h.hexdigest()[:24]
 
 
@@ -207,13 +248,15 @@ PROFILE_FLAGS = (
 _COUNTER_UNIT = '#define LLMC_SIM_PROFILE_IMPL\n#include "llmc_sim.h"\n'
 
 
-def build_profiled(sources: list[Path] | str, out_so: Path, *, opt: str = "-O2") -> Path:
+def build_profiled(
+    sources: list[Path] | str, out_so: Path, *, opt: str = "-O2", include_dir: Path = INCLUDE_DIR
+) -> Path:
     """Like build_simulated, with the counters of `llmc profile --simulate`: llmc_sim_prof_enable(1) turns
     counting on, llmc_sim_prof_kernel(i, ...) reads kernel i's counters (llmc_sim_profile.h). Cached apart
     from the plain build (its flags are part of the key)."""
     out_so = Path(out_so)
-    flags = sim_flags(False, (opt, "-DLLMC_SIM_PROFILE"))
-    kernel_flags = sim_flags(False, (opt, *PROFILE_FLAGS))
+    flags = sim_flags(False, (opt, "-DLLMC_SIM_PROFILE"), include_dir)
+    kernel_flags = sim_flags(False, (opt, *PROFILE_FLAGS), include_dir)
     with tempfile.TemporaryDirectory(prefix="llmc-simprof-") as tmp:
         srcs = _sources(sources, Path(tmp))
         counter = Path(tmp) / "llmc_sim_counters.cc"
@@ -221,7 +264,7 @@ def build_profiled(sources: list[Path] | str, out_so: Path, *, opt: str = "-O2")
         parts: list[str | bytes] = ["profile", _tool_version(CXX), " ".join(kernel_flags), " ".join(flags)]
         for s, f in [*((s, kernel_flags) for s in srcs), (counter, flags)]:
             pre = _run([CXX, *f, "-E", str(s), "-o", "-"], f"preprocessing {s.name}").stdout
-            parts.append(pre.replace(str(s), s.name))
+            parts.append(_relative_markers(pre, s))
         cached = cache_dir() / f"simprof-{_key(parts)}.so"
         if not cached.exists():
             objs = []
@@ -239,14 +282,11 @@ def build_profiled(sources: list[Path] | str, out_so: Path, *, opt: str = "-O2")
 
 def build_profiled_library(artifact_path: str | Path) -> Path:
     """The artifact's model.cu as build_simulated_library builds it, with the profiling counters."""
-    artifact = load_artifact(artifact_path, verify=False)
-    if not artifact.is_cuda:
-        raise ArtifactError(f"{artifact.path}: --simulate needs a CUDA-target artifact; this one is built for "
-                            f"{artifact.target_name} ({artifact.kind})", "profile it without --simulate")  # fmt: skip
+    artifact = _cuda_artifact(artifact_path, "profile it without --simulate")
     out = cache_root() / "simulated" / f"{_library_key(artifact)}-profile.so"
     if out.is_file():
         return out
-    return build_profiled([artifact.source_path], out)
+    return _build_artifact(artifact, lambda inc: build_profiled([artifact.source_path], out, include_dir=inc))
 
 
 def asan_env(base: dict | None = None) -> dict:
