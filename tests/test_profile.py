@@ -221,3 +221,20 @@ def test_cli_on_the_gpu_or_a_clear_error_without_one(tiny_sm90):
         assert "timed with CUDA events" in r.stdout
     else:
         assert r.exit_code == 1 and "--simulate" in r.output and "Traceback" not in r.output
+
+
+@pytest.mark.parametrize("kv_dtype", ["bfloat16", "float32"])
+def test_decode_attention_reads_shared_memory_without_bank_conflicts(tmp_path, kv_dtype):
+    """head_dim 128: over a bf16 cache each lane reads two float4s of q from shared memory (q_slot's swizzle;
+    in order they conflicted 2-way), over a float32 one one float4."""
+    from checkpoints import make_checkpoint
+
+    from llmc.compiler.compile import compile_checkpoint
+
+    ckpt = make_checkpoint(tmp_path / "ckpt", "llama", dtype=torch.bfloat16, num_hidden_layers=1, hidden_size=256,
+                           num_attention_heads=2, num_key_value_heads=1, intermediate_size=256)  # fmt: skip
+    art = compile_checkpoint(ckpt, target="sm90", output=tmp_path / "m.sm90", weight_dtype="bfloat16",
+                             kv_cache_dtype=kv_dtype)  # fmt: skip
+    report = profile_simulated(art, phase="decode", batch=2, context=100)
+    (attend,) = [k for k in report["kernels"] if k["name"].endswith("_attend")]
+    assert attend["shared_requests"] > 0 and attend["bank_conflicts_per_request"] == 0.0

@@ -558,6 +558,14 @@ struct PagedAttention {
     }
   }
 
+  // Where q's value d sits in shared memory. A bf16 cache gives each lane two float4s of q per piece (8 values),
+  // and 8 lanes' float4s at a 32-byte stride cover only half the banks (2-way); so pieces 4-7 mod 8 keep their
+  // two halves swapped, and the in-order reads of each 8-lane phase hit 8 distinct 4-bank groups.
+  static __device__ __forceinline__ int q_slot(int d) {
+    if constexpr (kRowVec && VW == 8) return d ^ (((d >> 5) & 1) << 2);
+    return d;
+  }
+
   static __device__ __forceinline__ float dot_q(const float* qs, const KV* kr) {
     float s = 0.0f;
     constexpr int N = Vec16<KV>::N;
@@ -644,15 +652,19 @@ struct PagedAttention {
       const int kvh = h / GROUP;
       const int32_t* table = block_tables + static_cast<int64_t>(b) * max_blocks;
       const float* qh = q + static_cast<int64_t>(t) * row_stride + h * D;
-      for (int d = lane; d < D; d += 32) sm.q[warp][d] = qh[d];
+      for (int d = lane; d < D; d += 32) sm.q[warp][q_slot(d)] = qh[d];
       __syncwarp();
 
       float qv[PPL][VW];  // kRowVec: this lane's pieces of q, d = (i * LPR + lane % LPR) * VW + e
       if constexpr (kRowVec) {
+        const int piece = lane % LPR;
 #pragma unroll
         for (int i = 0; i < PPL; ++i)
 #pragma unroll
-          for (int e = 0; e < VW; ++e) qv[i][e] = sm.q[warp][(i * LPR + lane % LPR) * VW + e];
+          for (int c = 0; c < VW; c += 4) {
+            const float4 v = load4(&sm.q[warp][q_slot((i * LPR + piece) * VW + c)]);
+            qv[i][c] = v.x, qv[i][c + 1] = v.y, qv[i][c + 2] = v.z, qv[i][c + 3] = v.w;
+          }
       }
       float m = -INFINITY, l = 0.0f, acc[DPL];
 #pragma unroll
