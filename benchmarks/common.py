@@ -19,6 +19,7 @@ import sys
 import time
 from pathlib import Path
 
+from llmc.compiler.codegen.host_probes import Bandwidth  # noqa: F401 (the benchmarks' probe)
 from llmc.host import host_caches
 
 REPO = Path(__file__).resolve().parent.parent
@@ -178,61 +179,6 @@ def compiled(ckpt: Path, cache: Path, tag: str, dtype: str, log=log, **options) 
 
 
 # -- the machine --------------------------------------------------------------------------------------
-
-
-_READ_PROBE = r"""
-#include <cstdint>
-#include <omp.h>
-// Read n uint64 words with `threads` threads (static schedule); the xor keeps the loads alive.
-extern "C" uint64_t llmc_read_probe(const uint64_t* p, long n, int threads) {
-  uint64_t acc = 0;
-#pragma omp parallel for schedule(static) reduction(^ : acc) num_threads(threads)
-  for (long i = 0; i < n; ++i) acc ^= p[i];
-  return acc;
-}
-"""
-
-
-class Bandwidth:
-    """Memory bandwidth probes over one 1 GiB buffer, kept for the whole run."""
-
-    def __init__(self, threads: int, nbytes: int = 1 << 30):
-        import ctypes
-
-        import numpy as np
-
-        from llmc.compiler.codegen.build import build_shared_library
-
-        self.threads, self.nbytes = threads, nbytes
-        lib = ctypes.CDLL(str(build_shared_library({"read_probe.cc": _READ_PROBE})))
-        lib.llmc_read_probe.restype = ctypes.c_uint64
-        lib.llmc_read_probe.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_int]
-        self.probe = lib.llmc_read_probe
-        self.src = np.ones(nbytes // 8, dtype=np.uint64)  # every page touched
-
-    def read(self, threads: int, repeats: int) -> float:
-        """GB/s: the best of `repeats` reads of the whole buffer with `threads` threads."""
-        best = 0.0
-        for _ in range(repeats):
-            t = time.perf_counter()
-            self.probe(self.src.ctypes.data, self.src.size, threads)
-            best = max(best, self.nbytes / (time.perf_counter() - t))
-        return best / 1e9
-
-    def measure(self, repeats: int = 5) -> dict:
-        import numpy as np
-
-        dst = self.src.copy()  # every page touched
-        copy = 0.0
-        for _ in range(3):
-            t = time.perf_counter()
-            np.copyto(dst, self.src)
-            copy = max(copy, 2 * self.nbytes / (time.perf_counter() - t))
-        return {
-            "read_GBps": self.read(self.threads, repeats),
-            "read_1thread_GBps": self.read(1, 3),
-            "copy_1thread_GBps": copy / 1e9,
-        }
 
 
 def machine() -> dict:

@@ -36,6 +36,8 @@ import statistics
 import sys
 from pathlib import Path
 
+from llmc.compiler.codegen import host_probes
+from llmc.compiler.codegen.host_probes import CLOCK_SOURCE
 from llmc.host import host_llc_bytes
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -75,73 +77,6 @@ def cases(only: set[str]) -> list[tuple]:
             out += [(f"{lab} T=128", n, k, 128, wd, True) for lab, n, k in LLAMA_1B]
     return out
 
-
-_PROBES = r"""
-#include <chrono>
-#include <cstdint>
-#include <omp.h>
-#include <immintrin.h>
-%CLOCK%
-// flops/s of independent FMA chains of the widest vector llmc's build uses (16 per thread: > latency x pipes)
-// on `threads` threads.
-#if defined(__AVX512F__)
-using FmaVec = __m512;
-#define FMA_SET1 _mm512_set1_ps
-#define FMA_FMADD _mm512_fmadd_ps
-#else
-using FmaVec = __m256;
-#define FMA_SET1 _mm256_set1_ps
-#define FMA_FMADD _mm256_fmadd_ps
-#endif
-extern "C" double fma_probe(int threads, long iters, int cpu) {
-  constexpr int kChains = 16, kLanes = sizeof(FmaVec) / sizeof(float);
-  const double t0 = bench_clock(cpu);
-  float sink = 0;
-#pragma omp parallel num_threads(threads) reduction(+ : sink)
-  {
-    FmaVec a[kChains], m = FMA_SET1(0.999f), c = FMA_SET1(1e-3f);
-    for (int j = 0; j < kChains; ++j) a[j] = FMA_SET1(float(j));
-    for (long i = 0; i < iters; ++i)
-      for (int j = 0; j < kChains; ++j) a[j] = FMA_FMADD(a[j], m, c);
-    for (int j = 0; j < kChains; ++j) sink += a[j][0];
-  }
-  const double s = bench_clock(cpu) - t0;
-  return sink == 12345.f ? 0 : 2.0 * kLanes * kChains * iters * threads / s;
-}
-// The same for vdpbf16ps (2 multiply-adds per fp32 lane), the bf16 GEMM's instruction where the host has it; 0
-// where it does not (bf16 weights then run as fp32 FMAs, whose peak is fma_probe's).
-extern "C" double dpbf16_probe(int threads, long iters, int cpu) {
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
-  constexpr int kChains = 16;
-  const double t0 = bench_clock(cpu);
-  float sink = 0;
-#pragma omp parallel num_threads(threads) reduction(+ : sink)
-  {
-    __m512 a[kChains];
-    const __m512bh x = (__m512bh)_mm512_set1_epi32(0x3c003c00);  // 2^-7 in both halves: the sums stay finite
-    for (int j = 0; j < kChains; ++j) a[j] = _mm512_set1_ps(float(j));
-    for (long i = 0; i < iters; ++i)
-      for (int j = 0; j < kChains; ++j) a[j] = _mm512_dpbf16_ps(a[j], x, x);
-    for (int j = 0; j < kChains; ++j) sink += a[j][0];
-  }
-  const double s = bench_clock(cpu) - t0;
-  return sink == 12345.f ? 0 : 4.0 * 16 * kChains * iters * threads / s;
-#else
-  return 0;
-#endif
-}
-"""
-
-_CLOCK = r"""
-#include <time.h>
-// Seconds: wall clock, or with cpu != 0 the calling thread's CPU time (a 1-thread figure that the other
-// processes of a shared machine do not inflate by taking the core away).
-static double bench_clock(int cpu) {
-  timespec ts;
-  clock_gettime(cpu ? CLOCK_THREAD_CPUTIME_ID : CLOCK_MONOTONIC, &ts);
-  return ts.tv_sec + 1e-9 * ts.tv_nsec;
-}
-"""
 
 _LOOP = r"""
 extern "C" double bench_{kid}(const float* x, {wt}* const* ws, int nw, float* y, int T, int iters, int cpu) {{
@@ -242,7 +177,7 @@ def step_bench(args, headers: dict[str, str]) -> None:
 
     from llmc.compiler.codegen.build import CPU_FLAGS, build_shared_library
 
-    step_src = _STEP.replace("%CLOCK%", _CLOCK)
+    step_src = _STEP.replace("%CLOCK%", CLOCK_SOURCE)
     lib = ctypes.CDLL(str(build_shared_library({**headers, "step.cc": step_src}, flags=CPU_FLAGS)))
     lib.step_clock(int(args.cpu_time))
     lib.pool_launch.restype = ctypes.c_double
@@ -292,7 +227,7 @@ def build(headers: dict[str, str], specs: list[tuple]) -> ctypes.CDLL:
     from llmc.compiler.codegen.build import CPU_FLAGS, build_shared_library
     from llmc.compiler.codegen.render import kernel_id, render_kernel
 
-    parts = ['#include "common.h"\n' + _CLOCK]
+    parts = ['#include "common.h"\n' + CLOCK_SOURCE]
     for _, n, k, _, wd, _ in specs:
         params = dict(n=n, k=k, wdtype=wd, has_bias=False)
         kid = kernel_id("cpu", "gemm", params)
@@ -329,7 +264,7 @@ def main(argv=None) -> None:
     if args.step:
         step_bench(args, headers_at(args.baseline))
         return
-    probes = _probes()
+    probes = host_probes.probes()
     specs = cases(set(args.only.split(",")))
     builds = {"llmc": build(headers_at(None), specs)}
     if args.baseline:
@@ -401,18 +336,6 @@ def main(argv=None) -> None:
         "vdpbf16ps); % roof = floor / time"
     )
     sys.stdout.flush()
-
-
-@functools.cache
-def _probes() -> ctypes.CDLL:
-    from llmc.compiler.codegen.build import build_shared_library
-
-    probes = ctypes.CDLL(str(build_shared_library({"probes.cc": _PROBES.replace("%CLOCK%", _CLOCK)})))
-    probes.fma_probe.restype = ctypes.c_double
-    probes.fma_probe.argtypes = [ctypes.c_int, ctypes.c_long, ctypes.c_int]
-    probes.dpbf16_probe.restype = ctypes.c_double
-    probes.dpbf16_probe.argtypes = [ctypes.c_int, ctypes.c_long, ctypes.c_int]
-    return probes
 
 
 @functools.cache

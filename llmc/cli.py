@@ -979,17 +979,20 @@ def _params(kernel: dict) -> str:
 @click.option("--prompt-len", type=click.IntRange(min=1), default=256, show_default=True, help="Prefill: tokens.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the step's random token ids.")
 @click.option("--repeats", type=click.IntRange(min=1), default=10, show_default=True,
-              help="GPU: timed steps (after two warm-up steps); each kernel's time is the median.")  # fmt: skip
+              help="Without --simulate: timed steps (after two warm-up steps); each kernel's time is the median.")  # fmt: skip
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object: step and kernels.")
 def profile(artifact: Path, simulate: bool, phase: str, batch: int, context: int, prompt_len: int, seed: int,
             repeats: int, as_json: bool) -> None:  # fmt: skip
-    """One decode or prefill step of a CUDA ARTIFACT, per kernel against its floor (the bytes it must move and
-    the FLOPs it must do). On the GPU: each kernel timed with CUDA events. --simulate: bytes, DRAM sectors,
-    sector efficiency, bank conflicts and tensor-core instructions counted, the time predicted from them."""
+    """One decode or prefill step of ARTIFACT, per kernel against its floor (the bytes it must move and the
+    FLOPs it must do). A CUDA artifact on its GPU: each kernel timed with CUDA events, floors at the target's
+    ceilings. A CPU artifact: each kernel timed on the host, floors at this host's bandwidth and peak rates,
+    measured first. --simulate (CUDA): bytes, DRAM sectors, sector efficiency, bank conflicts and tensor-core
+    instructions counted, the time predicted from them."""
     from .compiler.codegen.profile import format_table, profile_measured, profile_simulated
 
-    stages = ("build", "load", "run") if simulate else ("load", "run")
-    labels = {"build": "building the profiling library", "load": "loading",
+    stages = ("build", "load", "run") if simulate else ("ceilings", "load", "run")
+    labels = {"build": "building the profiling library", "ceilings": "the ceilings (a CPU: measured)",
+              "load": "loading",
               "run": f"running one {phase} step" if simulate else f"timing {repeats} {phase} steps"}  # fmt: skip
     with click.progressbar(length=len(stages), label="profile", file=sys.stderr,
                            item_show_func=lambda s: s) as bar:  # fmt: skip

@@ -13,7 +13,15 @@ from click.testing import CliRunner
 
 from llmc.artifact import load_artifact
 from llmc.cli import main
-from llmc.compiler.codegen.profile import _kernel_id, profile_measured, profile_simulated, program_flops, read_counters
+from llmc.compiler.codegen.profile import (
+    Ceilings,
+    _kernel_id,
+    format_table,
+    profile_measured,
+    profile_simulated,
+    program_flops,
+    read_counters,
+)
 from llmc.compiler.codegen.simulator import build_profiled, build_simulated, build_simulated_library
 
 N = 1000  # not a multiple of the 128-thread block: the last warp has 8 lanes
@@ -213,6 +221,66 @@ def test_floors_match_the_simulators_distinct_bytes(tiny_sm90, shape):
             assert 0.8 * touched[k["name"]] <= k["floor_bytes"] < touched[k["name"]]
         else:
             assert k["floor_bytes"] == touched[k["name"]], k["name"]
+
+
+@pytest.fixture(scope="module")
+def tiny_cpu(tmp_path_factory):
+    from checkpoints import make_checkpoint
+
+    from llmc.compiler.compile import compile_checkpoint
+
+    ckpt = make_checkpoint(tmp_path_factory.mktemp("ckpt"), "llama", dtype=torch.bfloat16, num_hidden_layers=1)
+    return compile_checkpoint(ckpt, target="cpu", output=tmp_path_factory.mktemp("art") / "model.cpu",
+                              weight_dtype="bfloat16")  # fmt: skip
+
+
+# fixed ceilings: the CPU's are measured (cpu_ceilings), which the CLI test below does once
+HOST = Ceilings(part="test host", bandwidth_gb_s=20.0, bf16_tensor_tflop_s=0.4, fp32_tflop_s=0.2, launch_us=0.0,
+                int8_tops=0.8)  # fmt: skip
+
+
+@pytest.mark.parametrize("shape", STEPS)
+def test_cpu_profile_times_every_kernel_on_the_host(tiny_cpu, shape):
+    report = profile_measured(tiny_cpu, repeats=3, ceil=HOST, **shape)
+    artifact = load_artifact(tiny_cpu, verify=False)
+    manifest = {k["id"]: k for k in artifact.manifest["kernels"]}
+    step, kernels = report["step"], report["kernels"]
+    assert report["mode"] == "cpu" and {k["name"] for k in kernels} == set(manifest)
+    assert report["host_llc_bytes"] > 0
+    for k in kernels:  # one timed call per launch of the kernel program; bf16 weights: floors at the bf16 rate
+        assert k["launches"] == manifest[k["name"]]["launches"] and k["time_us"] > 0
+        assert k["floor_us"] == pytest.approx(max(k["floor_bytes"] / 20e3, k["flops"] / 0.4e6))
+    assert step["time_us"] == pytest.approx(sum(k["time_us"] for k in kernels)) and step["wall_us"] > 0
+    c = artifact.config
+    assert step["flops"] == program_flops(c, shape["phase"], shape.get("batch", 1), shape.get("context", 0),
+                                          shape.get("prompt_len", 1))  # fmt: skip
+    assert "timed on the CPU" in format_table(report) and "outside the kernels" in format_table(report)
+
+
+def test_quantized_gemms_take_the_int8_rate(tmp_path, checkpoint_dir):
+    from llmc.compiler.compile import compile_checkpoint
+    from llmc.compiler.quant import QuantConfig
+
+    art = compile_checkpoint(checkpoint_dir("llama"), target="cpu", output=tmp_path / "q.cpu",
+                             quant=QuantConfig(mode="int8", group_size=32), max_kl=None)  # fmt: skip
+    report = profile_measured(art, phase="prefill", prompt_len=40, repeats=1, ceil=HOST)
+    templates = {k["id"]: k["template"] for k in load_artifact(art, verify=False).manifest["kernels"]}
+    rate = {"cpu/qgemm": 0.8, "cpu/gemm": 0.2}  # int8 activations; the float32 lm_head
+    gemms = [k for k in report["kernels"] if templates[k["name"]] in rate]
+    assert {templates[k["name"]] for k in gemms} == set(rate)
+    for k in gemms:
+        assert k["floor_us"] == pytest.approx(
+            max(k["floor_bytes"] / 20e3, k["flops"] / (rate[templates[k["name"]]] * 1e6))
+        )
+
+
+def test_cli_profiles_a_cpu_artifact_against_this_hosts_ceilings(tiny_cpu):
+    r = CliRunner().invoke(main, ["profile", str(tiny_cpu), "--context", "20", "--repeats", "2", "--json"])
+    assert r.exit_code == 0, r.output
+    report = json.loads(r.stdout.strip().splitlines()[-1])
+    c = report["ceilings"]
+    assert report["mode"] == "cpu" and c["bandwidth_gb_s"] > 0 and c["launch_us"] == 0
+    assert c["bf16_tensor_tflop_s"] >= c["fp32_tflop_s"] > 0 and c["int8_tops"] > 0
 
 
 def test_cli_on_the_gpu_or_a_clear_error_without_one(tiny_sm90):

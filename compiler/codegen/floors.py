@@ -1,9 +1,11 @@
-"""The floor of each CUDA kernel of a step, from its template parameters and the step's shape: the fewest
-bytes it must move through DRAM (every input read once, every output written once) and the FLOPs it must do.
-`llmc profile` on a GPU, where no counter sees the bytes, puts each kernel's event time against these.
+"""The floor of each kernel of a step, from its template parameters and the step's shape: the fewest bytes
+it must move through DRAM (every input read once, every output written once) and the FLOPs it must do.
+`llmc profile` without the simulator (on a GPU, or a CPU artifact on its host), where no counter sees the
+bytes, puts each kernel's measured time against these. The CPU and CUDA templates of an op take the same
+parameters, so one model serves both.
 
 A kernel here is a manifest kernel (one rendered template), launched once per `rows` entry over the step's
-tokens (T) or its logits rows (N). Activations are fp32 on the CUDA target; weights, biases and the KV cache
+tokens (T) or its logits rows (N). Activations are fp32 on both targets; weights, biases and the KV cache
 take their recorded dtypes. Paged attention's floor covers its KV write and the attention: the new tokens'
 keys and values are read from the QKV buffer and stored once, and each sequence reads the cached positions
 its queries can see once for all its query heads (GQA), whatever the split of the work.
@@ -65,7 +67,7 @@ def _qweight_bytes(p: dict) -> int:
 
 
 def launch_floor(template: str, params: dict, rows_var: str, shape: StepShape) -> Floor:
-    """One launch of a cuda/<op> kernel with these template parameters."""
+    """One launch of a <target>/<op> kernel with these template parameters."""
     op = template.split("/", 1)[-1]
     p, rows = params, shape.rows(rows_var)
     if op == "gemm":

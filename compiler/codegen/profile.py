@@ -1,11 +1,15 @@
-"""`llmc profile ARTIFACT`: one decode or prefill step of a CUDA artifact, per kernel against its floor.
+"""`llmc profile ARTIFACT`: one decode or prefill step of an artifact, per kernel against its floor.
 
-On a GPU (profile_measured), each kernel is timed with CUDA events around its launches (the module's
-llmc_profile_* exports), the median of several steps after a warm-up, and its floor comes from its template
-parameters and the step's shape (floors.py): floor_us = max(floor bytes / bandwidth, FLOPs / rate), at the
-artifact's dtype's rate. The byte and sector counters need the simulator and are null there. The step's
-time_us is the sum of its kernels' (graphs off, as the events need), and wall_us the whole step as
-`llmc run` takes it (host copies, a CUDA graph replay at decode, logits back).
+Measured (profile_measured), each kernel is timed around its launches (the module's llmc_profile_* exports):
+on a GPU with CUDA events, on the CPU with the host's clock (a launch's time includes its thread pool's
+dispatch). Each kernel's time is the median of several steps after a warm-up, and its floor comes from its
+template parameters and the step's shape (floors.py): floor_us = max(floor bytes / bandwidth, FLOPs / rate),
+at the rate its operands run at. A GPU's ceilings are its target's [ceilings]; a CPU's are measured on this host
+(host_probes.cpu_ceilings: read bandwidth, and the fp32 FMA, vdpbf16ps and int8 dot-product rates). The byte
+and sector counters need the simulator and are null there. The step's time_us is the sum of its kernels'
+(on a GPU with graphs off, as the events need), and wall_us the whole step as `llmc run` takes it (host
+copies, a CUDA graph replay at decode, logits back): wall_us - time_us is what a step costs outside its
+kernels.
 
 With --simulate (profile_simulated), the step runs under the simulator's counters
 (templates/cuda/include/llmc_sim_profile.h defines them), with each kernel's floor and predicted time.
@@ -46,10 +50,12 @@ import numpy as np
 
 from llmc.artifact import load_artifact
 from llmc.errors import LlmcError
+from llmc.host import host_llc_bytes
 from llmc.runtime.batch import StepBatch
 from llmc.runtime.module import CompiledModel
 
 from .floors import StepShape, kernel_floor
+from .host_probes import cpu_ceilings
 from .simulator import build_profiled_library
 
 # the order of llmc_sim_prof_kernel's counters (llmc_sim_profile.h, enum Field)
@@ -78,6 +84,7 @@ class Ceilings:
     fp32_tflop_s: float
     launch_us: float
     sm_count: int = 0  # the target's; 0: unknown, every launch counts as filling the GPU
+    int8_tops: float = 0.0  # quantized GEMMs on int8 activations (the CPU's); 0: they run at the weight dtype's rate
 
     def sm_share(self, blocks_per_launch: float) -> float:
         """The fraction of the SMs a launch of that many blocks keeps busy (1 where the count is unknown)."""
@@ -99,8 +106,8 @@ def ceilings(target: dict) -> Ceilings:
     if not isinstance(table, dict):
         raise LlmcError(f"target {target.get('name')!r} states no [ceilings] (bandwidth and tensor rate)",
                         "add a [ceilings] table to its targets/*.toml")  # fmt: skip
-    return Ceilings(**{f.name: table[f.name] for f in dataclasses.fields(Ceilings) if f.name != "sm_count"},
-                    sm_count=int(target.get("sm_count") or 0))  # fmt: skip
+    required = [f.name for f in dataclasses.fields(Ceilings) if f.default is dataclasses.MISSING]
+    return Ceilings(**{name: table[name] for name in required}, sm_count=int(target.get("sm_count") or 0))
 
 
 def program_flops(config, phase: str, batch: int, context: int, prompt_len: int) -> int:
@@ -199,9 +206,16 @@ def _load_for_step(artifact, library, step: StepBatch, blocks: int) -> CompiledM
     return model
 
 
-def _flop_us(ceil: Ceilings, artifact, flops: float) -> float:
-    """FLOPs at the rate of the artifact's weight dtype: the tensor cores' for bf16 / fp16, else fp32 SIMT."""
-    rate = ceil.bf16_tensor_tflop_s if artifact.weight_dtype in ("bfloat16", "float16") else ceil.fp32_tflop_s
+def _flop_us(ceil: Ceilings, artifact, flops: float, template: str = "") -> float:
+    """FLOPs at the rate their operands run at: a quantized GEMM's on int8 activations where the ceilings
+    give that rate, else the artifact's weight dtype's (the tensor cores' or vdpbf16ps for bf16 / fp16, else
+    fp32 FMAs)."""
+    if template.endswith("/qgemm") and ceil.int8_tops:
+        rate = ceil.int8_tops
+    elif artifact.weight_dtype in ("bfloat16", "float16"):
+        rate = ceil.bf16_tensor_tflop_s
+    else:
+        rate = ceil.fp32_tflop_s
     return flops / (rate * 1e6)
 
 
@@ -273,14 +287,14 @@ _TIMING = ("llmc_profile_timing", "llmc_profile_num_launches", "llmc_profile_lau
 
 
 def _timed_launches(lib: ctypes.CDLL, model: CompiledModel, step: StepBatch) -> list[tuple[str, float]]:
-    """(kernel, GPU microseconds) of each launch of one step, in launch order."""
+    """(kernel, microseconds) of each launch of one step, in launch order."""
     lib.llmc_profile_timing(1)
     try:
         model.step(step)
         name, ms, out = ctypes.create_string_buffer(_NAME_LEN), ctypes.c_float(), []
         for i in range(lib.llmc_profile_num_launches()):
             if lib.llmc_profile_launch(i, name, _NAME_LEN, ctypes.byref(ms)) != 0:
-                raise LlmcError(f"reading the CUDA events of launch {i} failed")
+                raise LlmcError(f"reading the time of launch {i} failed")
             out.append((name.value.decode(errors="replace"), 1e3 * ms.value))
         return out
     finally:
@@ -297,22 +311,29 @@ def _kernel_id(launched: str, ids: list[str]) -> str:
 
 def profile_measured(artifact_path: str | Path, *, phase: str, batch: int = 1, context: int = 0,
                      prompt_len: int = 1, seed: int = 0, repeats: int = 10, library: str | Path | None = None,
-                     progress=None) -> dict:  # fmt: skip
-    """Time one step of the stated shape on the GPU, per kernel with CUDA events: the median of `repeats`
-    steps after two warm-up steps. The `llmc profile --json` object, with the byte counters null.
+                     ceil: Ceilings | None = None, progress=None) -> dict:  # fmt: skip
+    """Time one step of the stated shape, per kernel (CUDA events on a GPU, the host's clock on the CPU): the
+    median of `repeats` steps after two warm-up steps. The `llmc profile --json` object, with the byte
+    counters null.
 
-    library: a module to load instead of the artifact's, e.g. its simulated build, whose events hold the
-    host clock (so the mechanics run in CI). progress(stage) is called as each stage starts ("load", "run")."""
+    library: a module to load instead of the artifact's, e.g. a CUDA artifact's simulated build, whose events
+    hold the host clock (so the mechanics run in CI). ceil: the ceilings of the floors; default the target's
+    for a GPU, this host's measured for the CPU. progress(stage) is called as each stage starts ("ceilings",
+    "load", "run")."""
     if repeats < 1:
         raise LlmcError("--repeats must be >= 1")
     artifact = load_artifact(artifact_path, verify=False)
     _check_shape(artifact, phase, batch, context, prompt_len)
-    ceil = ceilings(artifact.target)
+    if progress:
+        progress("ceilings")
+    if ceil is None:
+        ceil = ceilings(artifact.target) if artifact.is_cuda else Ceilings(**cpu_ceilings())
     step, blocks = step_batch(phase, batch, context, prompt_len, artifact.block_size, artifact.config.vocab_size,
                               seed)  # fmt: skip
     shape = StepShape(tuple(step_seqs(phase, batch, context, prompt_len)), step.num_seqs)
     manifest_kernels = artifact.manifest.get("kernels") or []
     floors = {k["id"]: kernel_floor(k, shape) for k in manifest_kernels}
+    templates = {k["id"]: k.get("template", "") for k in manifest_kernels}
     if progress:
         progress("load")
     with _load_for_step(artifact, library, step, blocks) as model:
@@ -324,7 +345,7 @@ def profile_measured(artifact_path: str | Path, *, phase: str, batch: int = 1, c
             getattr(lib, fn).restype = ctypes.c_int
         if progress:
             progress("run")
-        for _ in range(2):  # warm-up: first-touch costs and the decode step's graph capture
+        for _ in range(2):  # warm-up: first-touch costs, the decode step's graph capture, the pool's threads
             model.step(step)
         wall = []
         for _ in range(repeats):
@@ -344,10 +365,11 @@ def profile_measured(artifact_path: str | Path, *, phase: str, batch: int = 1, c
             for kid, us in step_times.items():
                 per_kernel.setdefault(kid, []).append(us)
             launches = counts
-    kernels = []
+    kernels, step_flop_us = [], 0.0
     for kid, times in per_kernel.items():
         f = floors[kid]
-        floor_us = max(ceil.byte_us(f.bytes), _flop_us(ceil, artifact, f.flops))
+        flop_us = _flop_us(ceil, artifact, f.flops, templates[kid])
+        floor_us = max(ceil.byte_us(f.bytes), flop_us)
         time_us = statistics.median(times)
         kernels.append({
             "name": kid,
@@ -362,12 +384,14 @@ def profile_measured(artifact_path: str | Path, *, phase: str, batch: int = 1, c
             "floor_us": floor_us,
             "time_us": time_us,
         })  # fmt: skip
+        step_flop_us += flop_us
     floor_bytes = sum(k["floor_bytes"] for k in kernels)
     flops = sum(k["flops"] for k in kernels)
-    floor_us = max(ceil.byte_us(floor_bytes), _flop_us(ceil, artifact, flops))
+    floor_us = max(ceil.byte_us(floor_bytes), step_flop_us)
     time_us = sum(k["time_us"] for k in kernels)
     return {
-        **_header(artifact, ceil, "gpu", phase, batch, context, prompt_len),
+        **_header(artifact, ceil, "gpu" if artifact.is_cuda else "cpu", phase, batch, context, prompt_len),
+        **({} if artifact.is_cuda else {"host_llc_bytes": host_llc_bytes()}),
         "repeats": repeats,
         "step": {
             "floor_bytes": floor_bytes,
@@ -394,10 +418,13 @@ def _mb(n: float) -> str:
 
 def _format_measured(report: dict, shape: str) -> str:
     s, c = report["step"], report["ceilings"]
+    on_gpu = report["mode"] == "gpu"
+    clock = f"with CUDA events on {report['target']}" if on_gpu else "on the CPU"
+    rates = f"{c['bf16_tensor_tflop_s']} bf16 TFLOP/s" + ("" if on_gpu else
+                                                           f", {c['fp32_tflop_s']} fp32, {c['int8_tops']} int8 TOP/s")  # fmt: skip
     lines = [
-        f"{report['artifact']}: {shape}, timed with CUDA events on {report['target']} (median of "
-        f"{report['repeats']} steps; floors at {c['part']}: {c['bandwidth_gb_s']} GB/s, "
-        f"{c['bf16_tensor_tflop_s']} bf16 TFLOP/s)",
+        f"{report['artifact']}: {shape}, timed {clock} (median of {report['repeats']} steps; floors at {c['part']}: "
+        f"{c['bandwidth_gb_s']} GB/s, {rates})",
         f"{'kernel':<52} {'launch':>6} {'floor MB':>9} {'GFLOP':>8} {'floor us':>9} {'time us':>9} {'floor/time':>10}",
     ]
     for k in sorted(report["kernels"], key=lambda k: -k["time_us"]):
@@ -406,8 +433,14 @@ def _format_measured(report: dict, shape: str) -> str:
                      f"{k['flops'] / 1e9:>8.3f} {k['floor_us']:>9.2f} {k['time_us']:>9.2f} {100 * fraction:>9.1f}%")  # fmt: skip
     lines.append(f"{'step (kernels)':<52} {s['launches']:>6} {_mb(s['floor_bytes']):>9} {s['flops'] / 1e9:>8.3f} "
                  f"{s['floor_us']:>9.2f} {s['time_us']:>9.2f} {100 * s['floor_fraction']:>9.1f}%")  # fmt: skip
-    lines.append(f"whole step as served (host copies; a CUDA graph at decode): {s['wall_us']:.2f} us; floors from "
-                 "the kernels' shapes (every input read once, every output written once)")  # fmt: skip
+    llc = report.get("host_llc_bytes") or 0
+    if s["floor_bytes"] < llc:
+        lines.append(f"the step's {_mb(s['floor_bytes'])} MB fit in this host's {llc >> 20} MiB last-level cache: its "
+                     "kernels read from the cache, which the DRAM floor does not bound")  # fmt: skip
+    served = "host copies; a CUDA graph at decode" if on_gpu else "the C ABI call from Python, logits out"
+    lines.append(f"whole step as served ({served}): {s['wall_us']:.2f} us, {s['wall_us'] - s['time_us']:.2f} us of it "
+                 "outside the kernels; floors from the kernels' shapes (every input read once, every output written "
+                 "once)")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -416,7 +449,7 @@ def format_table(report: dict) -> str:
     s = report["step"]
     shape = (f"decode batch {report['batch']} context {report['context']}" if report["phase"] == "decode"
              else f"prefill {report['prompt_len']} tokens")  # fmt: skip
-    if report["mode"] == "gpu":
+    if report["mode"] in ("gpu", "cpu"):
         return _format_measured(report, shape)
     c = report["ceilings"]
     lines = [

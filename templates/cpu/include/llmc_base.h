@@ -13,6 +13,7 @@
 #include <mutex>
 #include <thread>
 #include <type_traits>
+#include <vector>
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -40,5 +41,43 @@ namespace llmc {
 // faster, at K = 8192 unchanged; benchmarks/cpu_kernels.py --only gemv --baseline.) The load that follows
 // hits L2.
 LLMC_INLINE void prefetch_l2(const void* p) { __builtin_prefetch(p, 0, 2); }
+
+namespace {  // one per model.so, as the pool (llmc_pool.h)
+
+// Each launch's wall time while `on`, for `llmc profile` (llmc_profile_timing in model.cc): it includes the
+// launch's pool dispatch and its wait for the workers. Off, a launch pays one branch.
+struct LaunchTiming {
+  struct Launch {
+    const char* kernel;
+    double ms;
+  };
+  bool on = false;
+  std::vector<Launch> launches;
+};
+LaunchTiming& launch_timing() {
+  static LaunchTiming timing;
+  return timing;
+}
+class TimedLaunch {
+ public:
+  explicit TimedLaunch(const char* kernel) {
+    if (!launch_timing().on) return;
+    kernel_ = kernel;
+    start_ = std::chrono::steady_clock::now();
+  }
+  ~TimedLaunch() {
+    if (!kernel_) return;
+    const std::chrono::duration<double, std::milli> ms = std::chrono::steady_clock::now() - start_;
+    launch_timing().launches.push_back({kernel_, ms.count()});
+  }
+  TimedLaunch(const TimedLaunch&) = delete;
+  TimedLaunch& operator=(const TimedLaunch&) = delete;
+
+ private:
+  const char* kernel_ = nullptr;
+  std::chrono::steady_clock::time_point start_;
+};
+
+}  // namespace
 
 }  // namespace llmc
