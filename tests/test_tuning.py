@@ -165,6 +165,18 @@ def test_tune_command_writes_the_database_and_resumes(checkpoint_dir, tmp_path):
     assert json.loads(db.read_text())["entries"] == entries
 
 
+@pytest.mark.slow
+def test_tune_quantized_gemms(checkpoint_dir, tmp_path):
+    """int4 linears with fp16 scales (the default): every candidate checked and timed, none rejected."""
+    db = tmp_path / "cpu.tuning.json"
+    args = ["tune", "--model", str(checkpoint_dir("llama")), "--quant", "int4", "--budget", "600", "--rounds", "1",
+            "--db", str(db)]  # fmt: skip
+    r = CliRunner().invoke(main, args)
+    assert r.exit_code == 0, r.output
+    entries = [e for e in json.loads(db.read_text())["entries"] if e["key"]["template"] == "cpu/qgemm"]
+    assert entries and all(e["figures"]["rejected"] == 0 and e["figures"]["candidates"] == 40 for e in entries)
+
+
 def test_timing_a_cuda_target_without_a_gpu_is_a_clear_error(tmp_path):
     out = CliRunner().invoke(main, ["tune", "--target", "sm90", "--db", str(tmp_path / "x.json")])
     assert out.exit_code != 0 and "--simulate" in out.output and "Traceback" not in out.output

@@ -48,8 +48,8 @@ extern "C" double time_{kid}(const float* x, const void* const* ws, int nsets, c
 """
 _CALLS = {
     "gemm": (1, "{kid}(x, static_cast<const {wt}*>(w[0]), static_cast<const {wt}*>(bias), y, T)"),
-    "qgemm": (3, "{kid}(x, static_cast<const uint8_t*>(w[0]), static_cast<const float*>(w[1]), "
-                 "static_cast<const float*>(w[2]), static_cast<const float*>(bias), y, T)"),
+    "qgemm": (3, "{kid}(x, static_cast<const uint8_t*>(w[0]), static_cast<const {st}*>(w[1]), "
+                 "static_cast<const {st}*>(w[2]), static_cast<const float*>(bias), y, T)"),
 }  # fmt: skip
 
 
@@ -58,7 +58,11 @@ def render_candidate(shape: KernelShape, config: dict) -> tuple[str, str]:
     params = {**shape.kwargs, **config}
     kid = kernel_id("cpu", shape.op, params)
     nw, call = _CALLS[shape.op]
-    call = call.format(kid=kid, wt="uint16_t" if params.get("wdtype") == "bf16" else "float")
+    call = call.format(
+        kid=kid,
+        wt="uint16_t" if params.get("wdtype") == "bf16" else "float",
+        st="uint16_t" if params.get("scale_bits") == 16 else "float",
+    )  # fp16 scales: their bits
     return kid, render_kernel("cpu", shape.op, name=kid, **params) + _TRAMPOLINES.format(kid=kid, call=call, nw=nw)
 
 

@@ -57,6 +57,10 @@ def _params(n, k, bits, g, asym, scale_bits, bias):
 
 SPECS = [("qgemm", _params(*s, bias)) for s in SCHEMES for bias in (False, True)]
 CASES = [pytest.param(*spec, id=spec_id(spec)) for spec in SPECS]
+# the decode GEMV with 4 outputs in flight (qgemm.tune.toml gemv_cols; the default is 2): int8, int4 with an odd
+# tail, asymmetric int4
+COLS4 = [_params(*SCHEMES[i], True) for i in (1, 6, 13)]
+SPECS += [("qgemm", {**p, "gemv_cols": 4}) for p in COLS4]
 
 
 def qgemm_inputs(params, T, seed):
@@ -170,3 +174,16 @@ def test_qgemm_render_refuses_other_schemes(change, message):
     params = {**_params(37, 96, 8, 32, False, 16, False), **change}
     with pytest.raises(CompileError, match=message):
         render_kernel("cpu", "qgemm", name="k", **params)
+
+
+@pytest.mark.parametrize("params", COLS4, ids=[spec_id(("qgemm", p)) for p in COLS4])
+def test_gemv_cols_change_no_number(kernels, params):
+    """A tunable: the decode GEMV's outputs in flight change its speed, never its numbers."""
+    by_cols = {2: kernels("qgemm", params), 4: kernels("qgemm", {**params, "gemv_cols": 4})}
+    for T in (1, 2, 5):
+        x, _, (qweight, scales, mins), bias = qgemm_inputs(params, T, seed=4)
+        ys = []
+        for fn in by_cols.values():
+            ys.append(np.full((T, params["n"]), np.nan, dtype=np.float32))
+            fn(x, qweight, scales, mins, bias, ys[-1], T)
+        assert np.array_equal(ys[0], ys[1]) and not np.isnan(ys[0]).any(), T

@@ -41,6 +41,10 @@ namespace llmc {
 
 constexpr int kQgemmRows = 4;
 constexpr int kQgemmCols = 2;  // 4 x 2 float accumulators + 2 weight vectors + temporaries in 16 ymm registers
+// Outputs in flight at T = 1 (decode at batch 1), each one's weight row its own stream: tunable (qgemm.tune.toml
+// gemv_cols). 4 keeps more misses in flight: int4 from DRAM at K = 2048-8192 1.04-1.18x, at K = 576 0.95-0.98x;
+// int8 at K = 8192 0.93x (2-core Xeon, benchmarks/cpu_qgemm.py --only gemv,gemv1b).
+constexpr int kQgemvCols = 2;
 constexpr long kQgemvTaskBytes = 32 * 1024;  // packed weights + scales per parallel task in decode
 constexpr int kQgemvPrefetchBytes = 16 * 1024;
 constexpr int kQgemmTChunk = 64;
@@ -689,10 +693,10 @@ LLMC_INLINE unsigned char* qgemm_scratch(size_t bytes) {
 }
 }  // namespace
 
-template <int R, int N, int K, int BITS, int GS, bool ASYM, bool HAS_BIAS, int PF, typename SC>
+template <int R, int N, int K, int BITS, int GS, bool ASYM, bool HAS_BIAS, int PF, int GEMV_COLS, typename SC>
 LLMC_INLINE void qgemm_tile_rows(const QStep<BITS>* steps, const float* xs, const uint8_t* w, const SC* scales,
                                  const SC* mins, const float* bias, float* y, int j0, int j1) {
-  constexpr int C = kQgemmCols;
+  constexpr int C = R == 1 ? GEMV_COLS : kQgemmCols;
   int j = j0;
   for (; j + C <= j1; j += C) {
     float s[R * C];
@@ -709,22 +713,23 @@ LLMC_INLINE void qgemm_tile_rows(const QStep<BITS>* steps, const float* xs, cons
   }
 }
 
-template <int N, int K, int BITS, int GS, bool ASYM, bool HAS_BIAS, int PF, typename SC>
+template <int N, int K, int BITS, int GS, bool ASYM, bool HAS_BIAS, int PF, int GEMV_COLS, typename SC>
 LLMC_INLINE void qgemm_rows(int rows, const QStep<BITS>* steps, const float* xs, const uint8_t* w,
                             const SC* scales, const SC* mins, const float* bias, float* y, int j0, int j1) {
   static_assert(kQgemmRows == 4, "qgemm_rows: extend the switch");
+  constexpr int GC = GEMV_COLS;
   switch (rows) {
-    case 1: qgemm_tile_rows<1, N, K, BITS, GS, ASYM, HAS_BIAS, PF>(steps, xs, w, scales, mins, bias, y, j0, j1); break;
-    case 2: qgemm_tile_rows<2, N, K, BITS, GS, ASYM, HAS_BIAS, PF>(steps, xs, w, scales, mins, bias, y, j0, j1); break;
-    case 3: qgemm_tile_rows<3, N, K, BITS, GS, ASYM, HAS_BIAS, PF>(steps, xs, w, scales, mins, bias, y, j0, j1); break;
-    case 4: qgemm_tile_rows<4, N, K, BITS, GS, ASYM, HAS_BIAS, PF>(steps, xs, w, scales, mins, bias, y, j0, j1); break;
+    case 1: qgemm_tile_rows<1, N, K, BITS, GS, ASYM, HAS_BIAS, PF, GC>(steps, xs, w, scales, mins, bias, y, j0, j1); break;
+    case 2: qgemm_tile_rows<2, N, K, BITS, GS, ASYM, HAS_BIAS, PF, GC>(steps, xs, w, scales, mins, bias, y, j0, j1); break;
+    case 3: qgemm_tile_rows<3, N, K, BITS, GS, ASYM, HAS_BIAS, PF, GC>(steps, xs, w, scales, mins, bias, y, j0, j1); break;
+    case 4: qgemm_tile_rows<4, N, K, BITS, GS, ASYM, HAS_BIAS, PF, GC>(steps, xs, w, scales, mins, bias, y, j0, j1); break;
   }
 }
 
-// PF and TASK (the decode GEMV's prefetch distance and bytes per task) are tunable
-// (templates/cpu/qgemm.tune.toml); they change the speed, never the numbers.
+// PF, TASK and GEMV_COLS (the decode GEMV's prefetch distance, bytes per task and outputs in flight at T = 1) are
+// tunable (templates/cpu/qgemm.tune.toml); they change the speed, never the numbers.
 template <int N, int K, int BITS, int GS, bool ASYM, bool HAS_BIAS, int PF = kQgemvPrefetchBytes,
-          long TASK = kQgemvTaskBytes, typename SC>
+          long TASK = kQgemvTaskBytes, int GEMV_COLS = kQgemvCols, typename SC>
 inline void qgemm(const float* LLMC_RESTRICT x, const uint8_t* LLMC_RESTRICT qweight, const SC* LLMC_RESTRICT scales,
                   const SC* LLMC_RESTRICT mins, const float* LLMC_RESTRICT bias, float* LLMC_RESTRICT y, int T) {
   using S = QShape<K, BITS, GS>;
@@ -744,8 +749,8 @@ inline void qgemm(const float* LLMC_RESTRICT x, const uint8_t* LLMC_RESTRICT qwe
     constexpr int CH = (int)std::max<long>(8, TASK / RB / 8 * 8);
     constexpr int NCH = (N + CH - 1) / CH;
     parallel_for(NCH, par, [&](int ch) {
-      qgemm_rows<N, K, BITS, GS, ASYM, HAS_BIAS, PF>(T, steps, xs, qweight, scales, mins, bias, y, ch * CH,
-                                                     std::min(N, (ch + 1) * CH));
+      qgemm_rows<N, K, BITS, GS, ASYM, HAS_BIAS, PF, GEMV_COLS>(T, steps, xs, qweight, scales, mins, bias, y,
+                                                                ch * CH, std::min(N, (ch + 1) * CH));
     });
     return;
   }
@@ -789,8 +794,9 @@ inline void qgemm(const float* LLMC_RESTRICT x, const uint8_t* LLMC_RESTRICT qwe
     const int t1 = std::min(T, (tc + 1) * kQgemmTChunk);
     const int j0 = nb * NBLK_N, j1 = std::min(N, j0 + NBLK_N);
     for (int t = tc * kQgemmTChunk; t < t1; t += R)
-      qgemm_rows<N, K, BITS, GS, ASYM, HAS_BIAS, 0>(std::min(R, t1 - t), steps + (long)t * S::NS, xs + (long)t * S::NX,
-                                                 qweight, scales, mins, bias, y + (long)t * N, j0, j1);
+      qgemm_rows<N, K, BITS, GS, ASYM, HAS_BIAS, 0, kQgemvCols>(std::min(R, t1 - t), steps + (long)t * S::NS,
+                                                             xs + (long)t * S::NX, qweight, scales, mins, bias,
+                                                             y + (long)t * N, j0, j1);
   });
 }
 
