@@ -197,13 +197,13 @@ def _cuda_artifact(artifact_path: str | Path, hint: str) -> Artifact:
     return artifact
 
 
+_HEADER_MARK = "llmc_device.cuh"  # one of the headers compile copies into a CUDA artifact
+
+
 def _headers_dir(artifact: Artifact) -> Path:
     """Where the artifact's model.cu finds the headers it was rendered against: in the artifact (compile
     copies them there), or, in an artifact from before that, only this installation's, which may have moved on."""
     return artifact.path if _HEADER_MARK in artifact.manifest["files"] else INCLUDE_DIR
-
-
-_HEADER_MARK = "llmc_device.cuh"
 
 
 def _build_artifact(artifact: Artifact, build) -> Path:
