@@ -232,23 +232,25 @@ LLMC_INLINE void gemm_ftz_daz(bool) {}
 // rows packed step by step ([step][r][KS], gemm_pack_rows: one sequential stream for the prefetchers, where R
 // rows far apart leave a GEMM's x stream from L2 at 44% of the FMA peak). WT: O's weight type, or float for a
 // widened panel.
-// PF > 0: also prefetch PF bytes ahead, C cache lines per line of a row read. A tile whose C rows span less
-// than PF bytes gets its lines in address order, so the prefetches of tile after tile form one stream; a
-// longer tile gets one line per row, PF bytes along each row. (Streamed from DRAM, 2 threads, AVX-512 EPYC:
+// PF > 0: also prefetch PF bytes ahead of ws, the tile's weights as they lie in memory (w itself, or the bf16
+// rows a panel w was widened from; LDS, ST: their stride and type), C cache lines per line of a row read. A
+// tile whose C rows span less than PF bytes gets its lines in address order, so the prefetches of tile after
+// tile form one stream; a longer tile gets one line per row, PF bytes along each row. (Streamed from DRAM, 2 threads, AVX-512 EPYC:
 // bf16 GEMVs at K = 576, 9 KB tiles, +25% in address order; at 24-64 KB tiles 5-14% slower than per row.
 // llmc_qgemm.h's GEMV prefetches by the same rule.)
-template <class O, int R, int C, long LDW, int PF, bool XPACK = false, typename XT, typename WT>
+template <class O, int R, int C, long LDW, int PF, bool XPACK = false, long LDS = LDW, typename XT, typename WT,
+          typename ST>
 LLMC_INLINE void gemm_steps(const XT* LLMC_RESTRICT xp, long ldxp, const WT* LLMC_RESTRICT w, int n,
-                            Vec (&acc)[R][C]) {
-  constexpr int LINE = 64 / (int)sizeof(WT);
+                            Vec (&acc)[R][C], const ST* ws) {
+  constexpr int LINE = 64 / (int)sizeof(ST);
   constexpr int PSTEP = O::KS >= LINE ? O::KS : LINE;  // row elements per prefetch of C lines
-  constexpr bool kAddressOrder = C * LDW * (long)sizeof(WT) < PF;
+  constexpr bool kAddressOrder = C * LDS * (long)sizeof(ST) < PF;
   for (int i = 0; i < n; i += O::KS) {
     if constexpr (PF > 0) {
       if (O::KS >= LINE || i % LINE == 0) {
         LLMC_UNROLL for (int c = 0; c < C; ++c) {
-          const char* p = kAddressOrder ? reinterpret_cast<const char*>(w) + ((long)(i / PSTEP) * C + c) * 64
-                                        : reinterpret_cast<const char*>(w + c * LDW + i);
+          const char* p = kAddressOrder ? reinterpret_cast<const char*>(ws) + ((long)(i / PSTEP) * C + c) * 64
+                                        : reinterpret_cast<const char*>(ws + c * LDS + i);
           prefetch_l2(p + PF);
         }
       }
@@ -302,7 +304,7 @@ LLMC_INLINE void gemm_tile(const XT* LLMC_RESTRICT xp, long ldxp, const float* L
   LLMC_UNROLL for (int r = 0; r < R; ++r) {
     LLMC_UNROLL for (int c = 0; c < C; ++c) acc[r][c] = Vec::zero();
   }
-  gemm_steps<O, R, C, K, PF>(xp, ldxp, w, KMAIN, acc);
+  gemm_steps<O, R, C, K, PF>(xp, ldxp, w, KMAIN, acc, w);
   gemm_tail<R, C, K, KMAIN, K>(x + KMAIN, w + KMAIN, acc);
   sum_each<R * C>(&acc[0][0], s);
 }
@@ -364,17 +366,17 @@ LLMC_INLINE void gemm_widen_panel(const uint16_t* LLMC_RESTRICT w, int i0, int n
 // row 0 of fp32 x; wt: weight row 0 at step i0 (stride LDW); acc: the tile's spilled accumulators
 // (stride LDA) between K blocks. first: start from zero, else from acc; last: add the tail (wtail: weight
 // row 0's tail) and store y, else spill to acc. ftz: the MXCSR of the steps, lifted for the tail (see
-// bf16_gemm_emulates_dot()).
+// bf16_gemm_emulates_dot()). ws: weight row 0 at step i0 as it lies in memory, the base of PF's prefetches.
 template <class OT, int R, int CC, int N, int K, int KMAIN, long LDW, int PF, bool HAS_BIAS, typename XT, typename PT,
           typename WT>
-LLMC_INLINE void gemm_block_tile(const XT* xr, const float* xt, const PT* wt, int i0, int n,
+LLMC_INLINE void gemm_block_tile(const XT* xr, const float* xt, const PT* wt, const WT* ws, int i0, int n,
                                  const PT* wtail, Vec* acc_spill, long lda, bool first, bool last, bool ftz,
                                  const WT* bias, float* yt, int j) {
   Vec acc[R][CC];
   LLMC_UNROLL for (int r = 0; r < R; ++r) {
     LLMC_UNROLL for (int c = 0; c < CC; ++c) acc[r][c] = first ? Vec::zero() : acc_spill[r * lda + c];
   }
-  gemm_steps<OT, R, CC, LDW, PF, true>(xr + (long)i0 * R, 0, wt, n, acc);
+  gemm_steps<OT, R, CC, LDW, PF, true, K>(xr + (long)i0 * R, 0, wt, n, acc, ws);
   if (!last) {
     LLMC_UNROLL for (int r = 0; r < R; ++r) {
       LLMC_UNROLL for (int c = 0; c < CC; ++c) acc_spill[r * lda + c] = acc[r][c];
@@ -405,7 +407,7 @@ LLMC_INLINE void gemm_block(const XT* xp, const float* x, const WT* w, const WT*
   constexpr int KB = gemm_kblock<O, PT>(C, KMAIN);
   constexpr long LDP = KB + (K - KMAIN);  // a panel row: one block and the tail
   // The first pass over a block prefetches: with several blocks, each row's next block; with one, PF ahead.
-  constexpr int PF_STREAM = KMAIN > KB && !PANEL ? KB * (int)sizeof(WT) : PF;
+  constexpr int PF_STREAM = KMAIN > KB ? KB * (int)sizeof(WT) : PF;
   const long lda = j1 - j0;
   for (int i0 = 0; i0 < KMAIN || i0 == 0; i0 += KB) {
     const int n = std::min(KB, KMAIN - i0);
@@ -432,11 +434,13 @@ LLMC_INLINE void gemm_block(const XT* xp, const float* x, const WT* w, const WT*
         // always_inline: left to the compiler, the call cost bf16 GEMMs 6-11% (cpu_kernels.py, Xeon)
         auto tile = [&](auto rows, auto pf) __attribute__((always_inline)) {
           gemm_block_tile<OT, decltype(rows)::value, CC, N, K, KMAIN, LDW, decltype(pf)::value, HAS_BIAS>(
-              xr, xt, wt, i0, n, wtail, sp, lda, first, last, ftz, bias, yt, j);
+              xr, xt, wt, w + (long)j * K + i0, i0, n, wtail, sp, lda, first, last, ftz, bias, yt, j);
         };
-        // The first pass streams the weights in (prefetched, unless the panel did); later ones find them in L1.
+        // The first pass prefetches the weight stream ahead (the panel's widening read this tile's: without
+        // that, SmolLM-135M's bf16 GEMMs at batch 16 waited on the L3, 15-20% slower: llmc profile, Xeon);
+        // later passes find the tile in L1.
         using Zero = std::integral_constant<int, 0>;
-        switch (t == t0 && !PANEL && t1 - t >= R ? 0 : std::min(R, t1 - t)) {
+        switch (t == t0 && t1 - t >= R ? 0 : std::min(R, t1 - t)) {
           case 0: tile(std::integral_constant<int, R>{}, std::integral_constant<int, PF_STREAM>{}); break;
           case 1: tile(std::integral_constant<int, 1>{}, Zero{}); break;
           case 2: tile(std::integral_constant<int, 2>{}, Zero{}); break;
