@@ -274,6 +274,25 @@ def test_quantized_gemms_take_the_int8_rate(tmp_path, checkpoint_dir):
         )
 
 
+def test_tvm_fallback_kernels_are_floored_by_their_tensors_bytes(tmp_path, checkpoint_dir, monkeypatch):
+    """silu(gate) * up left unfused runs as two TVM fallback kernels: timed like the rest, each floored by the
+    float32 tensors it reads and writes (T rows of the intermediate size), with no FLOPs."""
+    from llmc.compiler.compile import compile_checkpoint
+    from llmc.compiler.passes import pipeline
+
+    monkeypatch.setattr(pipeline, "PASSES", [p for p in pipeline.PASSES if p.__name__ != "fuse_swiglu"])
+    art = compile_checkpoint(checkpoint_dir("llama"), target="cpu", output=tmp_path / "m.cpu", max_kl=None)
+    report = profile_measured(art, phase="prefill", prompt_len=23, repeats=1, ceil=HOST)
+    manifest = {k["id"]: k for k in load_artifact(art, verify=False).manifest["kernels"]}
+    fallbacks = [k for k in report["kernels"] if manifest[k["name"]]["template"] == "cpu/tvm_call"]
+    inter = load_artifact(art, verify=False).config.intermediate_size
+    tensors = {"relax.nn.silu": 2, "relax.multiply": 3}  # in and out; both inputs and the out
+    assert sorted(manifest[k["name"]]["fuses"][0] for k in fallbacks) == sorted(tensors)
+    for k in fallbacks:
+        per_launch = tensors[manifest[k["name"]]["fuses"][0]] * 23 * inter * 4
+        assert k["floor_bytes"] == k["launches"] * per_launch and k["flops"] == 0 and k["time_us"] > 0
+
+
 def test_cli_profiles_a_cpu_artifact_against_this_hosts_ceilings(tiny_cpu):
     r = CliRunner().invoke(main, ["profile", str(tiny_cpu), "--context", "20", "--repeats", "2", "--json"])
     assert r.exit_code == 0, r.output

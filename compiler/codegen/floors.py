@@ -8,12 +8,15 @@ A kernel here is a manifest kernel (one rendered template), launched once per `r
 tokens (T) or its logits rows (N). Activations are fp32 on both targets; weights, biases and the KV cache
 take their recorded dtypes. Paged attention's floor covers its KV write and the attention: the new tokens'
 keys and values are read from the QKV buffer and stored once, and each sequence reads the cached positions
-its queries can see once for all its query heads (GQA), whatever the split of the work.
+its queries can see once for all its query heads (GQA), whatever the split of the work. TVM's fallback
+(tvm_call, float32 tensors only) states its tensors' shapes but not its arithmetic: its floor is their bytes,
+with no FLOPs.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from llmc.errors import LlmcError
 
@@ -94,7 +97,10 @@ def launch_floor(template: str, params: dict, rows_var: str, shape: StepShape) -
         queries = rows * 2 * p["num_heads"] * p["head_dim"] * _F32  # q in, the output out
         tables = 4 * sum(-(-(c + n) // p["block_size"]) + 2 for c, n in shape.seqs)  # block tables, lens
         return Floor(new + queries + tables + cached * kv_row * kv, 4 * p["num_heads"] * p["head_dim"] * pairs)
-    raise LlmcError(f"no floor model for the {template} kernel", "profile it under --simulate")
+    if op == "tvm_call":
+        return Floor(sum(math.prod(shape.rows(d) if isinstance(d, str) else d for d in t) for t in p["shapes"]) * _F32,
+                     0)  # fmt: skip
+    raise LlmcError(f"no floor model for the {template} kernel (compiled by another llmc)", "recompile the artifact")
 
 
 def kernel_floor(kernel: dict, shape: StepShape) -> Floor:
