@@ -121,9 +121,10 @@ def build_program(
     after_each_pass=None,
     schemes: dict[str, QuantScheme] | None = None,
     kv_cache_dtype: str = "float32",
+    swiglu_epilogue: bool = False,
 ) -> KernelProgram:
     """step(stage) marks each stage's start (a progress bar); after_each_pass(name, mod) sees every pass;
-    schemes (quant_schemes) adds quantize_linear to the passes."""
+    schemes (quant_schemes) adds quantize_linear to the passes; swiglu_epilogue: see lower()."""
     step("trace")
     traced = trace(ckpt.config)
     step("import to Relax")
@@ -133,7 +134,8 @@ def build_program(
     mod = run_passes(mod, after_each=after_each_pass, quantize=quantize)
     check_fusion(mod, ckpt.config.num_layers)
     step("lower")
-    return lower(mod, traced.weight_names, weight_dtype=weight_dtype, block_size=block_size, kv_dtype=kv_cache_dtype)
+    return lower(mod, traced.weight_names, weight_dtype=weight_dtype, block_size=block_size, kv_dtype=kv_cache_dtype,
+                 swiglu_epilogue=swiglu_epilogue)  # fmt: skip
 
 
 def module_sources(target: Target, source: str, tvm_source: str | None = None) -> dict[str, str]:
@@ -205,7 +207,8 @@ def compile_checkpoint(
         bar.set_description(name)
 
     def populate(tmp: Path) -> dict:  # all of it under the output's lock: a second compile fails before it traces
-        program = build_program(ckpt, dtype, block_size, step, schemes=schemes, kv_cache_dtype=kv_cache_dtype)
+        program = build_program(ckpt, dtype, block_size, step, schemes=schemes, kv_cache_dtype=kv_cache_dtype,
+                                swiglu_epilogue=tgt.is_cuda)  # fmt: skip
         step("pack weights")
         weights = tmp / "weights.safetensors"
         offsets = write_packed_weights(ckpt, program.weights, weights, layout="cuda" if tgt.is_cuda else "cpu")

@@ -16,6 +16,10 @@ Lowering reads the IR and nothing else: each fused `llmc.*` op carries its facts
 softmax scale, sliding window, head counts), and the KV cache geometry and vocabulary come from main's
 signature. It needs no model config and imports no torch.
 
+With swiglu_epilogue (the CUDA targets), a bf16 gate_up GEMM and the silu_mul that alone reads its product
+lower to one `gemm_swiglu` launch, whose weight the packer interleaves (WeightSpec.interleave): the
+[T, 2 * inter] product is never stored.
+
 A `llmc.quantized_matmul` lowers to a `qgemm` launch whose weight is two or three packed tensors (qweight,
 scales, mins: WeightSpec parts), which the packer quantizes from the float sources named here.
 
@@ -38,7 +42,7 @@ from llmc.errors import CompileError
 from .codegen.tvm_fallback import legalize_call
 from .passes.common import bindings, llmc_args, llmc_op_name, main_function, prim_value, rewrite_counts
 from .quant import QuantScheme
-from .weights import QUANT_PARTS, WeightSpec, quant_part_dtype
+from .weights import QUANT_PARTS, SWIGLU_INTERLEAVE, WeightSpec, quant_part_dtype
 
 # KV cache dtype -> paged_attention's kv_dtype parameter: what the cache stores per k/v value
 KV_DTYPES = {"float32": "f32", "bfloat16": "bf16"}
@@ -99,7 +103,8 @@ class KernelProgram:
             lines.append(f"  buf{i}: float[{b.rows}, {b.cols}]")
         for i, w in enumerate(self.weights):
             quant = f" ({w.quant.describe()})" if w.quant is not None else ""
-            lines.append(f"  W[{i}] {w.name}: {w.dtype}{list(w.stored_shape)}{quant} <- {', '.join(w.sources)}")
+            rows = f" (rows interleaved {w.interleave} at a time)" if w.interleave else ""
+            lines.append(f"  W[{i}] {w.name}: {w.dtype}{list(w.stored_shape)}{quant}{rows} <- {', '.join(w.sources)}")
         for launch in self.launches:
             params = ", ".join(f"{k}={v}" for k, v in launch.params.items() if k != "inv_freq")
             lines.append(f"  {launch.op}({params})({', '.join(launch.args)})  # {' + '.join(launch.fused)}")
@@ -562,6 +567,44 @@ class _Lowering:
         )
 
 
+def _fuse_gemm_swiglu(launches: list[_Pending], weights: list[WeightSpec]) -> list[_Pending]:
+    """Each gemm of bf16 gate and up weights (two sources, no bias, 16-byte rows) whose product only the next
+    launch, a silu_mul, reads -> one gemm_swiglu launch writing silu_mul's output; its weight is marked for
+    interleaving (in place in `weights`). Other GEMMs stay as they are."""
+    reads: dict[int, int] = {}  # launches that read each value (its own launch passes it too, to write it)
+    for p in launches:
+        for a in p.args:
+            if isinstance(a, _View) and a.value not in p.defs:
+                reads[a.value] = reads.get(a.value, 0) + 1
+    out: list[_Pending] = []
+    for p in launches:
+        g = out[-1] if out else None
+        src = p.args[0] if p.op == "silu_mul" else None
+        if (
+            g is not None
+            and g.op == "gemm"
+            and isinstance(src, _View)
+            and g.defs == [src.value]
+            and reads[src.value] == 1
+            and src.col_offset == 0
+            and src.stride == src.cols
+            and g.params["wdtype"] == "bf16"
+            and not g.params["has_bias"]
+            and g.params["k"] % 8 == 0
+            and g.params["n"] == 2 * p.params["inter"]
+            and p.params["inter"] % SWIGLU_INTERLEAVE == 0
+            and len(weights[g.weight].sources) == 2
+        ):
+            x, w, _, _, rows = g.args
+            params = {"inter": p.params["inter"], "k": g.params["k"], "wdtype": "bf16"}
+            out[-1] = _Pending("gemm_swiglu", params, [x, w, "nullptr", p.args[1], rows], g.fused + p.fused, p.defs,
+                               g.weight)  # fmt: skip
+            weights[g.weight] = dataclasses.replace(weights[g.weight], interleave=SWIGLU_INTERLEAVE)
+        else:
+            out.append(p)
+    return out
+
+
 def _tensor_args(call: relax.Call):
     for a in call.args:
         if isinstance(a, relax.Var):
@@ -599,10 +642,14 @@ def lower(
     block_size: int,
     weight_dtype: str = "float32",
     kv_dtype: str = "float32",
+    swiglu_epilogue: bool = False,
 ) -> KernelProgram:
     """weight_names: the HF names of main's weight parameters, in order (Traced.weight_names); kv_dtype: the
-    KV cache element, a key of KV_DTYPES."""
+    KV cache element, a key of KV_DTYPES; swiglu_epilogue: lower gate_up + silu_mul to gemm_swiglu where it
+    applies (the target has that template: CUDA)."""
     func = main_function(mod)
     lowering = _Lowering(func, weight_names, weight_dtype, block_size, kv_dtype)
     lowering.lower(func)
+    if swiglu_epilogue:
+        lowering.launches = _fuse_gemm_swiglu(lowering.launches, lowering.weight_list)
     return lowering.finish(rewrite_counts(mod))

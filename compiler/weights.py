@@ -20,6 +20,9 @@ finds each tensor at a byte offset fixed at compile time:
   is quantized once, by rows, or taken as the checkpoint holds it
   quantized (GGUF); the packed parts of the current fused weight's sources are kept until its last part is
   written, so memory stays near one packed fused weight.
+- A spec with `interleave` g holds two sources of as many rows, their rows interleaved g at a time (g of the
+  first, g of the second, ...): the CUDA SwiGLU GEMM's gate and up projections (llmc::Gemm's SWIGLU), so
+  that the rows of one output's gate and up meet in one tile.
 - The sha256 of the written file is computed while writing and remembered (llmc/digests.py), so
   neither the artifact writer nor a later load reads the weights back to hash them.
 """
@@ -47,6 +50,7 @@ _CHUNK_BYTES = 64 << 20  # conversion buffer for one slab of rows
 _DTYPES = {"float32": ("F32", 4), "bfloat16": ("BF16", 2), "float16": ("F16", 2), "uint8": ("U8", 1)}
 PAD_PREFIX = "__pad__."
 QUANT_PARTS = ("qweight", "scales", "mins")
+SWIGLU_INTERLEAVE = 8  # the CUDA SwiGLU GEMM's gate / up row groups (llmc::Gemm's SWIGLU, an mma n8 tile)
 LAYOUTS = ("cpu", "cuda")  # the packed layouts of a quantized linear: quant_pack.pack_cpu / pack_cuda
 
 
@@ -58,6 +62,7 @@ class WeightSpec:
     shape: tuple[int, ...]  # what the sources concatenate into (a quantized part: the float [N, K] it holds)
     quant: QuantScheme | None = None  # set for the parts of a quantized linear
     part: str | None = None  # "qweight" | "scales" | "mins", with quant
+    interleave: int = 0  # two sources' rows interleaved this many at a time (0: concatenated)
 
     @property
     def stored_shape(self) -> tuple[int, ...]:
@@ -70,6 +75,14 @@ class WeightSpec:
     @property
     def nbytes(self) -> int:
         return math.prod(self.stored_shape) * _DTYPES[self.dtype][1]
+
+
+def interleave_rows(a: np.ndarray, b: np.ndarray, group: int) -> np.ndarray:
+    """Rows of a and b (as many, a multiple of group) interleaved group at a time: a[:g], b[:g], a[g:2g], ..."""
+    if a.shape != b.shape or a.shape[0] % group:
+        raise CompileError(f"cannot interleave rows of {list(a.shape)} and {list(b.shape)} {group} at a time")
+    tail = a.shape[1:]
+    return np.stack([a.reshape(-1, group, *tail), b.reshape(-1, group, *tail)], axis=1).reshape(-1, *tail)
 
 
 def quant_part_dtype(scheme: QuantScheme, part: str) -> str:
@@ -205,6 +218,8 @@ def _write_spec(ckpt, spec: WeightSpec, shapes, f, digest, progress) -> int:
     import torch  # here, not at the top: lowering imports WeightSpec and must not pull in torch
 
     torch_dtype, width = getattr(torch, spec.dtype), _DTYPES[spec.dtype][1]
+    if spec.interleave:
+        return _write_interleaved(ckpt, spec, torch_dtype, f, digest, progress)
     total = 0
     for src, shape in zip(spec.sources, shapes, strict=True):
         t = ckpt.tensor(src)
@@ -229,6 +244,32 @@ def _write_spec(ckpt, spec: WeightSpec, shapes, f, digest, progress) -> int:
                 progress(len(buf))
             del chunk, buf
         del t
+    return total
+
+
+def _write_interleaved(ckpt, spec: WeightSpec, torch_dtype, f, digest, progress) -> int:
+    """A spec of two sources interleaved `spec.interleave` rows at a time, converted and written in slabs."""
+    import torch
+
+    a, b = (ckpt.tensor(src) for src in spec.sources)
+    if tuple(a.shape) != tuple(b.shape) or tuple(a.shape[1:]) != tuple(spec.shape[1:]):
+        raise CompileError(f"packed weight {spec.name!r}: sources {list(spec.sources)} of shapes {list(a.shape)} "
+                           f"and {list(b.shape)} do not interleave into {list(spec.shape)}")  # fmt: skip
+    g = spec.interleave
+    step = max(g, _CHUNK_BYTES // max(1, 2 * math.prod(a.shape[1:]) * _DTYPES[spec.dtype][1]) // g * g)
+
+    def rows(t, start):
+        chunk = t[start : start + step].to(torch_dtype).contiguous()
+        return (chunk.view(torch.int16) if torch_dtype == torch.bfloat16 else chunk).numpy()
+
+    total = 0
+    for start in range(0, a.shape[0], step):
+        buf = memoryview(np.ascontiguousarray(interleave_rows(rows(a, start), rows(b, start), g))).cast("B")
+        f.write(buf)
+        digest.update(buf)
+        total += len(buf)
+        if progress is not None:
+            progress(len(buf))
     return total
 
 

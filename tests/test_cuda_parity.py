@@ -101,9 +101,10 @@ def test_simulated_bf16_within_tolerance(checkpoint_dir, tmp_path_factory):
     assert clear > 0, "no step had a clear margin: the test checked no token"
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])  # bf16: the mma GEMMs and the SwiGLU GEMM
 @pytest.mark.parametrize("target", ["sm80", "sm89", "sm90"])
-def test_nvcc_builds_every_target_without_spills(target, checkpoint_dir, tmp_path_factory, tmp_path):
-    built = artifact(checkpoint_dir, tmp_path_factory, "llama", target)
+def test_nvcc_builds_every_target_without_spills(target, dtype, checkpoint_dir, tmp_path_factory, tmp_path):
+    built = artifact(checkpoint_dir, tmp_path_factory, "llama", target, dtype)
     from llmc.compiler.compile import module_sources
     from llmc.targets import load_target
 

@@ -221,6 +221,29 @@ def test_simulated_tuning_prunes_by_ptxas_checks_and_ranks_by_prediction(tmp_pat
     assert [e["source"] for e in db.entries] == ["measured"]
 
 
+def test_simulated_tuning_checks_the_swiglu_gemm_against_its_reference(tmp_path):
+    """The SwiGLU GEMM's candidates run on interleaved gate / up weights and meet silu(gate) * up: every one
+    passes the check (a wrong layout or epilogue would be rejected), and one wins."""
+    shape = parse_shape("gemm_swiglu:inter=40,k=48,wdtype=bf16")  # 5 groups of 8: a zero-filled tile tail
+    space = TuneSpace(
+        "cuda/gemm_swiglu",
+        (
+            Tunable("gemv_warps", 4, (4,), "", "gemv"),
+            Tunable("tile_m", 64, (32, 64), "", "tiled"),
+            Tunable("tile_n", 64, (64,), "", "tiled"),
+            Tunable("tile_k", 16, (16,), "", "tiled"),
+            Tunable("stages", 3, (3,), "", "pipeline"),
+        ),
+        (),
+        (1, 40),
+        ("spill_bytes == 0",),
+    )
+    db = TuningDB.load(tmp_path / "sm90.tuning.json", "sm90")
+    (r,) = tune("sm90", [shape], db, simulate=True, progress=False, space=space)
+    assert len(r.candidates) == 2 and all(c.rejected is None and c.times[0] > 0 for c in r.candidates)
+    assert db.entries[0]["key"]["template"] == "cuda/gemm_swiglu"
+
+
 def test_gpu_timing_checks_then_times_with_cuda_events_under_the_simulator(tmp_path):
     """measure_cuda's path (ptxas pruning, the check at every row before timing, CUDA events around the
     launches) with the simulator's runtime standing in for a GPU's: its times are the simulator's wall time, so

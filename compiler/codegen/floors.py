@@ -76,6 +76,9 @@ def launch_floor(template: str, params: dict, rows_var: str, shape: StepShape) -
     if op == "gemm":
         w = _BYTES[p["wdtype"]]
         return _gemm(p, rows, p["n"] * p["k"] * w, w)
+    if op == "gemm_swiglu":  # gate and up read, silu(gate) * up written: the [T, 2 * inter] product never is
+        n, k = 2 * p["inter"], p["k"]
+        return Floor(n * k * _BYTES[p["wdtype"]] + rows * (k + p["inter"]) * _F32, 2 * rows * n * k)
     if op == "qgemm":
         return _gemm(p, rows, _qweight_bytes(p), _F32)
     if op == "embedding":

@@ -249,6 +249,7 @@ _ID_ORDER = {
     "embedding": ["hidden", "wdtype"],
     "rmsnorm": ["hidden", "eps", "wdtype", "add_residual"],
     "gemm": ["n", "k", "wdtype", "has_bias"],
+    "gemm_swiglu": ["inter", "k", "wdtype"],
     "rope": ["num_heads", "head_dim", "inv_freq"],
     "paged_attention": ["num_heads", "num_kv_heads", "head_dim", "block_size", "scale", "sliding_window", "kv_dtype"],
     "silu_mul": ["inter"],

@@ -1,7 +1,8 @@
 """What a tuning candidate is checked against: a kernel shape, its random inputs and the numpy reference.
 
-A candidate must match x @ w.T (+ bias) in float64 within the kernel's rounding (bf16 activations for the CPU
-bf16 dot, int8 activations for the quantized GEMM) before it is timed; one that does not is rejected.
+A candidate must match x @ w.T (+ bias), or the SwiGLU GEMM's silu(x @ gate.T) * (x @ up.T), in float64 within
+the kernel's rounding (bf16 activations for the CPU bf16 dot and CUDA's tensor cores, int8 activations for the
+quantized GEMM) before it is timed; one that does not is rejected.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from llmc.errors import CompileError
 from ..codegen.render import kernel_id
 from ..quant import QuantScheme, dequantize, quantize
 from ..quant_pack import pack_cpu
+from ..weights import SWIGLU_INTERLEAVE, interleave_rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +63,8 @@ def _bf16(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def make_inputs(shape: KernelShape, rows: int, seed: int = 0) -> Inputs:
     p = shape.kwargs
+    if shape.op == "gemm_swiglu":
+        return _swiglu_inputs(p, rows, seed)
     n, k = p["n"], p["k"]
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((rows, k), dtype=np.float32)
@@ -84,6 +88,21 @@ def make_inputs(shape: KernelShape, rows: int, seed: int = 0) -> Inputs:
     if bf is not None:
         ref, mag = ref + bf, mag + np.abs(bf)
     return Inputs(x, weights, bias, ref, rel * mag + 1e-6)
+
+
+def _swiglu_inputs(p: dict, rows: int, seed: int) -> Inputs:
+    """gemm_swiglu: bf16 gate and up rows, passed interleaved as the packer lays them out."""
+    inter, k = p["inter"], p["k"]
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((rows, k), dtype=np.float32)
+    w, wf = _bf16(rng.standard_normal((2 * inter, k), dtype=np.float32) / np.float32(np.sqrt(k)))
+    x64, wg, wu = x.astype(np.float64), wf[:inter].astype(np.float64), wf[inter:].astype(np.float64)
+    g, u = x64 @ wg.T, x64 @ wu.T
+    mg, mu = np.abs(x64) @ np.abs(wg).T, np.abs(x64) @ np.abs(wu).T
+    # d(silu(g) u) = silu'(g) u dg + silu(g) du with |silu'| < 1.1 and |silu(g)| <= |g|; x may be rounded to bf16
+    tolerance = 2.0**-7 * (1.1 * np.abs(u) * mg + np.abs(g) * mu) + 1e-6
+    w = interleave_rows(w[:inter], w[inter:], SWIGLU_INTERLEAVE)
+    return Inputs(x, [w], None, g / (1 + np.exp(-g)) * u, tolerance)
 
 
 @dataclasses.dataclass

@@ -59,7 +59,7 @@ extern "C" int run_{kid}(const float* x, size_t x_bytes, const void* w, size_t w
 
 def render_kernel_source(shape: KernelShape, config: dict) -> tuple[str, str, str]:
     """(kernel id, CUDA source, the weights' C type) of one configuration, before its trampoline."""
-    if shape.op != "gemm":
+    if shape.op not in ("gemm", "gemm_swiglu"):
         raise CompileError(f"llmc tune has no CUDA runner for op {shape.op!r}")
     params = {**shape.kwargs, **config}
     kid = kernel_id("cuda", shape.op, params)

@@ -61,7 +61,8 @@ def standard_shapes(family: str) -> list[KernelShape]:
 
 
 def parse_shape(text: str) -> KernelShape:
-    """`gemm:n=576,k=576,wdtype=bf16,has_bias=0` (the `--shape` option) as a KernelShape."""
+    """`gemm:n=576,k=576,wdtype=bf16,has_bias=0` or `gemm_swiglu:inter=1536,k=576,wdtype=bf16` (the `--shape`
+    option) as a KernelShape."""
     op, _, rest = text.partition(":")
     params: dict = {}
     for item in filter(None, rest.split(",")):
@@ -69,7 +70,8 @@ def parse_shape(text: str) -> KernelShape:
         if not eq:
             raise CompileError(f"--shape {text!r}: {item!r} is not key=value", "e.g. gemm:n=576,k=576,wdtype=bf16")
         params[key.strip()] = int(value) if value.strip().lstrip("-").isdigit() else value.strip()
-    for key in ("has_bias", "asymmetric") if op.strip() == "qgemm" else ("has_bias",):
+    flags = {"qgemm": ("has_bias", "asymmetric"), "gemm": ("has_bias",)}.get(op.strip(), ())
+    for key in flags:
         params[key] = bool(params.get(key, 0))
     if op.strip() == "qgemm":
         params.setdefault("scale_bits", 16)
@@ -85,7 +87,7 @@ def model_shapes(checkpoint, target: str, weight_dtype: str = "auto", quant=None
     tgt = load_target(target)
     ckpt = load_checkpoint(checkpoint)
     program = build_program(ckpt, resolve_weight_dtype(ckpt, weight_dtype), tgt.block_size,
-                            schemes=quant_schemes(ckpt, quant or QuantConfig()))  # fmt: skip
+                            schemes=quant_schemes(ckpt, quant or QuantConfig()), swiglu_epilogue=tgt.is_cuda)  # fmt: skip
     out: dict[KernelShape, None] = {}
     for launch in program.launches:
         if tune_space(tgt.template_dir, launch.op) is not None:

@@ -92,6 +92,35 @@ def test_ops_no_template_covers_fall_back_to_tvm(checkpoint_dir, monkeypatch):
     assert "TVM fallback tvm_nn_silu_0" in str(program)
 
 
+@pytest.mark.parametrize("arch,dtype,fused", [("llama", "bfloat16", True), ("llama", "float32", False),
+                                               ("mistral", "bfloat16", False)])  # fmt: skip
+def test_swiglu_epilogue(checkpoint_dir, arch, dtype, fused):
+    """CUDA's lowering: a bf16 gate_up GEMM and its silu_mul become one gemm_swiglu, whose weight the packer
+    interleaves, and the [T, 2 * inter] product needs no buffer. fp32 weights, or an intermediate size of no
+    whole groups of 8 (mistral's 100), keep the two launches."""
+    mod, config = imported(checkpoint_dir, arch)
+    fused_mod = run_passes(mod)
+    plain = lower(fused_mod, trace(config).weight_names, weight_dtype=dtype, block_size=16)
+    program = lower(fused_mod, trace(config).weight_names, weight_dtype=dtype, block_size=16, swiglu_epilogue=True)
+    print(program)
+    ops = [launch.op for launch in program.launches]
+    inter = config.intermediate_size
+    if not fused:
+        assert str(program) == str(plain)
+        return
+    swiglu = [launch for launch in program.launches if launch.op == "gemm_swiglu"]
+    assert "silu_mul" not in ops and len(swiglu) == config.num_layers
+    assert all(launch.params == {"inter": inter, "k": config.hidden_size, "wdtype": "bf16"} for launch in swiglu)
+    gate_up = [w for w in program.weights if w.name.endswith("gate+up_proj.weight")]
+    assert len(gate_up) == config.num_layers and all(w.interleave == 8 for w in gate_up)
+    assert "(rows interleaved 8 at a time)" in str(program)
+    # it writes what silu_mul wrote, and the down projection reads it; no buffer holds 2 * inter columns
+    for launch in swiglu:
+        down = program.launches[program.launches.index(launch) + 1]
+        assert down.op == "gemm" and down.args[0] == launch.args[3]
+    assert max(b.cols for b in program.buffers) < max(b.cols for b in plain.buffers) == 2 * inter
+
+
 def test_lowering_imports_no_torch():
     """Lowering reads the IR only. tvm_ffi imports torch whenever it can, so torch is blocked, not just looked for."""
     code = ("import importlib.abc, sys\n"

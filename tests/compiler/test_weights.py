@@ -13,7 +13,14 @@ from llmc import digests
 from llmc.compiler.frontend.checkpoint import load_checkpoint
 from llmc.compiler.quant import QuantizedTensor, QuantScheme, dequantize, quantize
 from llmc.compiler.quant_pack import unpack_cpu
-from llmc.compiler.weights import ALIGN, PAD_PREFIX, WeightSpec, quant_part_dtype, write_packed_weights
+from llmc.compiler.weights import (
+    ALIGN,
+    PAD_PREFIX,
+    WeightSpec,
+    interleave_rows,
+    quant_part_dtype,
+    write_packed_weights,
+)
 from llmc.errors import CompileError
 
 
@@ -90,6 +97,28 @@ def test_bf16_conversion_rounds_like_torch(ckpt, tmp_path):
         got = f.get_tensor("w")
     assert torch.equal(got, src.to(torch.bfloat16))
     assert (got.float() - src).abs().max() <= src.abs().max() * 2**-8
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_interleaved_gate_up(ckpt, tmp_path, monkeypatch, dtype):
+    """The CUDA SwiGLU GEMM's weight: gate and up rows 8 at a time, written in slabs (here of 16 rows, so the
+    last of 120 rows' slab is short) with the digest and progress of any other tensor."""
+    monkeypatch.setattr("llmc.compiler.weights._CHUNK_BYTES", 16 * 2 * ckpt.config.hidden_size * 4)
+    spec = dataclasses.replace(_specs(ckpt, dtype)[-1], interleave=8)
+    out, seen = tmp_path / "w.safetensors", []
+    write_packed_weights(ckpt, [spec], out, progress=seen.append)
+    gate, up = (ckpt.tensor(src).to(getattr(torch, dtype)) for src in spec.sources)
+    with safe_open(out, framework="pt") as f:
+        got = f.get_tensor(spec.name)
+    assert torch.equal(
+        got, torch.from_numpy(interleave_rows(gate.float().numpy(), up.float().numpy(), 8)).to(got.dtype)
+    )
+    assert torch.equal(got[8:16], up[:8]) and torch.equal(got[16:24], gate[8:16])
+    assert sum(seen) == spec.nbytes and len(seen) > 1
+    sources = (spec.sources[0], "model.layers.0.self_attn.q_proj.weight")  # 120 and 64 rows
+    bad = WeightSpec("w", sources, dtype, (184, ckpt.config.hidden_size), interleave=8)
+    with pytest.raises(CompileError, match="do not interleave"):
+        write_packed_weights(ckpt, [bad], tmp_path / "bad.safetensors")
 
 
 def test_shape_mismatch_is_a_compile_error_and_writes_nothing(ckpt, tmp_path):

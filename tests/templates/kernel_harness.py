@@ -44,6 +44,7 @@ SIGNATURES = {
         ("T", "int"),
     ],
     "gemm": [("x", "f32*"), ("w", "W*"), ("bias", "W*"), ("y", "f32*"), ("T", "int")],
+    "gemm_swiglu": [("x", "f32*"), ("w", "W*"), ("bias", "W*"), ("y", "f32*"), ("T", "int")],
     "rope": [("x", "f32*"), ("row_stride", "int"), ("positions", "i32*"), ("T", "int")],
     "paged_attention": [
         ("q", "f32*"),

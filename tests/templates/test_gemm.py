@@ -141,3 +141,42 @@ def test_cpu_bf16_gemm_paths(kernels, weights, target, monkeypatch, mode, n, k):
     for t in range(T):
         fn(np.ascontiguousarray(x[t : t + 1]), w, b, alone[t : t + 1], 1)
     assert np.array_equal(batch, alone)
+
+
+# The SwiGLU GEMM (CUDA: gemm_swiglu.cu.j2), its weight's gate and up rows interleaved as the packer lays them
+# out: (inter, k) = (40, 200): 5 groups of 8 outputs, so the 64-row mma tiles' last holds one group and zero-fills
+# the rest, 7 k steps of 32 and a zero-filled quarter; (24, 1000): a GEMV split over K (gemv_split) with the
+# last slice short; (136, 64): 17 groups, 16-byte rows of whole k16 steps. Built by the CUDA harness alone.
+SWIGLU_SHAPES = [(40, 200), (24, 1000), (136, 64)]
+SWIGLU_SPECS = [("gemm_swiglu", dict(inter=i, k=k, wdtype="bf16")) for i, k in SWIGLU_SHAPES] + [
+    spec
+    for i, k in SWIGLU_SHAPES
+    for spec in (("gemm", dict(n=2 * i, k=k, wdtype="bf16", has_bias=False)), ("silu_mul", dict(inter=i)))
+]
+
+
+@pytest.mark.targets("cuda")
+@pytest.mark.parametrize("T", [1, 5, 8, 9, 17, 70])
+@pytest.mark.parametrize("inter,k", SWIGLU_SHAPES)
+def test_swiglu_gemm_is_gemm_then_silu_mul(harnesses, weights, target, inter, k, T):
+    """silu(x @ gate^T) * (x @ up^T) equals the unfused gemm and silu_mul bit for bit (the same sums in the same
+    order, the same epilogue), and numpy's within the sums' float32 error."""
+    from llmc.compiler.weights import SWIGLU_INTERLEAVE, interleave_rows
+
+    cuda = harnesses["cuda"]
+    cuda.build(SWIGLU_SPECS)
+    x, w, wf, _, _ = gemm_inputs(2 * inter, k, T, "bf16", False, weights, seed=T)
+    fused = np.full((T, inter), np.nan, dtype=np.float32)
+    w_interleaved = interleave_rows(w[:inter], w[inter:], SWIGLU_INTERLEAVE)
+    cuda("gemm_swiglu", dict(inter=inter, k=k, wdtype="bf16"))(x, w_interleaved, None, fused, T)
+    gate_up = np.full((T, 2 * inter), np.nan, dtype=np.float32)
+    cuda("gemm", dict(n=2 * inter, k=k, wdtype="bf16", has_bias=False))(x, w, None, gate_up, T)
+    unfused = np.full((T, inter), np.nan, dtype=np.float32)
+    cuda("silu_mul", dict(inter=inter))(gate_up, unfused, T)
+    assert np.array_equal(fused, unfused)
+    xr = expected_x(x, k, "bf16", target, T).astype(np.float64)
+    g, u = xr @ wf[:inter].astype(np.float64).T, xr @ wf[inter:].astype(np.float64).T
+    mg, mu = (np.abs(xr) @ np.abs(wf[h].astype(np.float64)).T for h in (slice(0, inter), slice(inter, None)))
+    ref = g / (1 + np.exp(-g)) * u
+    # d(silu(g) u) = silu'(g) u dg + silu(g) du, |silu'| < 1.1, |silu(g)| <= |g|; dg, du within 1e-5 of mg, mu
+    assert np.all(np.abs(fused - ref) <= 1e-5 * (1.1 * np.abs(u) * mg + np.abs(g) * mu) + 1e-6)

@@ -165,6 +165,9 @@ struct RmsNorm {
   }
 };
 
+// silu(g) * u, silu(g) = g / (1 + exp(-g)) as torch computes it: silu_mul's, and the SwiGLU GEMM's epilogue.
+__device__ __forceinline__ float silu_mul(float g, float u) { return g / (1.0f + expf(-g)) * u; }
+
 // ---------------------------------------------------------------------------------------------------
 // gemm: y[T, N] = x[T, K] @ w[N, K]^T (+ bias[N]); w in HF Linear layout, one row per output.
 //  - decode (T <= kGemvMaxT): gemv(). kSplit warps per output row j (1 unless N is small), each a k slice;
@@ -185,20 +188,33 @@ struct RmsNorm {
 // GEMV_WARPS, BM, BN, BK and STAGES are tunable (templates/cuda/gemm.tune.toml). None changes the numbers:
 // each output is kSplit warps' sums added in slice order (GEMV; kSplit follows N and K alone), one thread's
 // k-ordered sum (SIMT) or one k-ordered mma chain whatever the block shape.
+// SWIGLU (gemm_swiglu.cu.j2): the MLP's gate and up projections with silu(gate) * up as the epilogue, so the
+// [T, N] product never goes to memory. w's N rows are the gate and up rows interleaved 8 at a time (rows
+// 16q..16q+7: gate rows 8q..8q+7; rows 16q+8..16q+15: their up rows; the compiler packs them so), so that an
+// mma warp's n8 tiles 2j and 2j + 1 hold gate and up of the same 8 outputs, and y is [T, N / 2]: y[t, o] =
+// silu(gate_o . x_t) * (up_o . x_t). The GEMV's warp takes both rows of its output. Each sum is the unfused
+// GEMM's, in its order, so the result equals gemm + silu_mul bit for bit. bf16 weights with 16-byte rows only.
 template <int N, int K, bool BIAS, typename W, int GEMV_WARPS = 4, int TILE_M = 64, int TILE_N = 64,
-          int TILE_K = 32, int STAGES = 3>
+          int TILE_K = 32, int STAGES = 3, bool SWIGLU = false>
 struct Gemm {
+  static constexpr int kOut = SWIGLU ? N / 2 : N;  // y's columns
+  static constexpr int kRowsPerOut = SWIGLU ? 2 : 1;
+  // The weight row of output o's gate (r = 0) or up (r = 1) under SWIGLU; else o.
+  static __host__ __device__ constexpr int weight_row(int o, int r) {
+    return SWIGLU ? 16 * (o / 8) + o % 8 + 8 * r : o;
+  }
   // GEMV: each lane access takes 4 values of a row (x: 16 bytes, w: 16 or 8), so that both x's and w's warp
   // accesses are contiguous (full sectors); rows of 4k values keep them aligned. A block holds GEMV_WARPS
   // output rows of kSplit warps each (split-K where N is small: gemv_split, slices of whole warp sweeps of at
   // least 256 values; at most 4, so a block stays within 1024 threads).
   static constexpr bool kVec = K % 4 == 0;
   static constexpr int kSweep = kVec ? 128 : 32;  // the values one warp access covers
-  static constexpr int kSplit = gemv_split(N, clamp_int(K / 256, 1, 4));
+  static constexpr int kSplit = gemv_split(kOut, clamp_int(K / 256, 1, 4));
   static constexpr int kSlice = round_up(ceil_div(K, kSplit), kSweep);
   static constexpr int kGemvWarps = GEMV_WARPS, kGemvThreads = 32 * kGemvWarps * kSplit, kGemvRows = 4;
-  static constexpr int kGemvMaxT = 8, kGemvBlocks = ceil_div(N, kGemvWarps);
+  static constexpr int kGemvMaxT = 8, kGemvBlocks = ceil_div(kOut, kGemvWarps);
   static constexpr bool kMma = sizeof(W) == 2 && K % 8 == 0;  // bf16 rows of whole 16-byte pieces
+  static_assert(!SWIGLU || (kMma && !BIAS && N % 16 == 0), "gemm: SWIGLU takes bf16 16-byte rows, whole groups");
   static constexpr int BM = TILE_M, BN = TILE_N, BK = TILE_K;
   static constexpr int kTileThreads = kMma ? 128 : (BM / 4) * (BN / 4);
   static constexpr int kTilesN = ceil_div(N, BN);
@@ -206,61 +222,89 @@ struct Gemm {
   static __device__ __forceinline__ void load_w4(const float* p, float (&o)[4]) { Vec16<float>::load(p, o); }
   static __device__ __forceinline__ void load_w4(const uint16_t* p, float (&o)[4]) { load_bf16x4(p, o); }
 
+  // One output's value from its row sums (slice sums added): SWIGLU: silu(gate) * up; else the sum + bias.
+  static __device__ __forceinline__ float gemv_out(const float (&s)[kRowsPerOut], float b) {
+    if constexpr (SWIGLU)
+      return silu_mul(s[0], s[1]);
+    else
+      return s[0] + b;
+  }
+
   static __device__ __forceinline__ void gemv(const float* x, const W* w, const W* bias, float* y, int T) {
-    constexpr int R = kGemvRows;
-    __shared__ float part[kSplit > 1 ? kGemvWarps * kSplit : 1][R];
+    constexpr int R = kGemvRows, NR = kRowsPerOut;
+    __shared__ float part[kSplit > 1 ? kGemvWarps * kSplit : 1][NR][R];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, slice = warp % kSplit;
     const int j = blockIdx.x * kGemvWarps + warp / kSplit;
-    if (kSplit == 1 && j >= N) return;  // whole warps only; a split block keeps every warp for its barriers
-    const bool live = j < N;  // a warp past N adds no terms but still reaches the barriers
-    const W* wr = w + static_cast<int64_t>(live ? j : 0) * K;
+    if (kSplit == 1 && j >= kOut) return;  // whole warps only; a split block keeps every warp for its barriers
+    const bool live = j < kOut;  // a warp past the outputs adds no terms but still reaches the barriers
+    const W* wr[NR];
+#pragma unroll
+    for (int q = 0; q < NR; ++q) wr[q] = w + static_cast<int64_t>(live ? weight_row(j, q) : 0) * K;
     const int k_lo = slice * kSlice, k_hi = live ? min(K, k_lo + kSlice) : k_lo;
     const float b = BIAS && live ? wload(bias[j]) : 0.0f;
     for (int t0 = 0; t0 < T; t0 += R) {
       const int rows = min(R, T - t0);
       const float* x0 = x + static_cast<int64_t>(t0) * K;
-      float acc[R];
+      float acc[NR][R];
 #pragma unroll
-      for (int r = 0; r < R; ++r) acc[r] = 0.0f;
+      for (int q = 0; q < NR; ++q)
+#pragma unroll
+        for (int r = 0; r < R; ++r) acc[q][r] = 0.0f;
       if constexpr (kVec) {
-#pragma unroll 2
+        // Two sweeps in flight; a slice of at most two fully unrolled left ptxas spilling (bf16 at K = 136).
+#pragma unroll(kSlice > 2 * kSweep ? 2 : 1)
         for (int k = k_lo + lane * 4; k < k_hi; k += 32 * 4) {
-          float wv[4];
-          load_w4(wr + k, wv);
+          float wv[NR][4];
+#pragma unroll
+          for (int q = 0; q < NR; ++q) load_w4(wr[q] + k, wv[q]);
 #pragma unroll
           for (int r = 0; r < R; ++r) {
             if (r < rows) {
               const float4 xv = load4(x0 + static_cast<int64_t>(r) * K + k);
-              acc[r] += xv.x * wv[0] + xv.y * wv[1] + xv.z * wv[2] + xv.w * wv[3];
+#pragma unroll
+              for (int q = 0; q < NR; ++q)
+                acc[q][r] += xv.x * wv[q][0] + xv.y * wv[q][1] + xv.z * wv[q][2] + xv.w * wv[q][3];
             }
           }
         }
       } else {
         for (int k = k_lo + lane; k < k_hi; k += 32) {
-          const float wv = wload(wr[k]);
+          float wv[NR];
+#pragma unroll
+          for (int q = 0; q < NR; ++q) wv[q] = wload(wr[q][k]);
 #pragma unroll
           for (int r = 0; r < R; ++r)
-            if (r < rows) acc[r] += x0[static_cast<int64_t>(r) * K + k] * wv;
+            if (r < rows) {
+#pragma unroll
+              for (int q = 0; q < NR; ++q) acc[q][r] += x0[static_cast<int64_t>(r) * K + k] * wv[q];
+            }
         }
       }
 #pragma unroll
       for (int r = 0; r < R; ++r) {
         if (r < rows) {  // warp-uniform
-          const float s = warp_sum(acc[r]);
+          float s[NR];
+#pragma unroll
+          for (int q = 0; q < NR; ++q) s[q] = warp_sum(acc[q][r]);
           if constexpr (kSplit == 1) {
-            if (lane == 0) y[static_cast<int64_t>(t0 + r) * N + j] = s + b;
+            if (lane == 0) y[static_cast<int64_t>(t0 + r) * kOut + j] = gemv_out(s, b);
           } else if (lane == 0) {
-            part[warp][r] = s;
+#pragma unroll
+            for (int q = 0; q < NR; ++q) part[warp][q][r] = s[q];
           }
         }
       }
       if constexpr (kSplit > 1) {
         __syncthreads();
         if (slice == 0 && live && lane < rows) {  // lane r of the row's first warp adds its slices in order
-          float v = 0.0f;
+          float v[NR];
 #pragma unroll
-          for (int sl = 0; sl < kSplit; ++sl) v += part[warp + sl][lane];
-          y[static_cast<int64_t>(t0 + lane) * N + j] = v + b;
+          for (int q = 0; q < NR; ++q) {
+            v[q] = 0.0f;
+#pragma unroll
+            for (int sl = 0; sl < kSplit; ++sl) v[q] += part[warp + sl][q][lane];
+          }
+          y[static_cast<int64_t>(t0 + lane) * kOut + j] = gemv_out(v, b);
         }
         __syncthreads();  // part is rewritten by the next rows
       }
@@ -349,6 +393,25 @@ struct Gemm {
     }
     cp_async_wait<0>();  // no copy outlives the block (the groups past KT are empty)
 
+    if constexpr (SWIGLU) {  // tiles j, j + 1: gate and up of outputs 8q..8q+7, q = (n0 + wn + 8j) / 16
+#pragma unroll
+      for (int mi = 0; mi < MT; ++mi) {
+#pragma unroll
+        for (int j = 0; j < NT; j += 2) {
+          const int col = (n0 + wn + 8 * j) / 2 + 2 * t;  // kOut % 8 == 0: the pair is wholly in or out
+          if (col >= kOut) continue;
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int row = m0 + wm + 16 * mi + g + 8 * h;
+            if (row >= T) continue;
+            vstore(y + static_cast<int64_t>(row) * kOut + col,
+                   float2{silu_mul(acc[mi][j][2 * h], acc[mi][j + 1][2 * h]),
+                          silu_mul(acc[mi][j][2 * h + 1], acc[mi][j + 1][2 * h + 1])});
+          }
+        }
+      }
+      return;
+    }
     constexpr bool kPairs = N % 2 == 0;  // each (row, col pair) 8-byte aligned: one float2 store
 #pragma unroll
     for (int mi = 0; mi < MT; ++mi) {
@@ -901,15 +964,13 @@ struct PagedAttention {
 };
 
 // ---------------------------------------------------------------------------------------------------
-// silu_mul: out[t, i] = silu(gate[t, i]) * up[t, i], gate_up = [gate | up] per row; silu(g) = g / (1 +
-// exp(-g)) as torch computes it. Grid (T, kChunks), block kThreads, V elements per thread.
+// silu_mul: out[t, i] = silu(gate[t, i]) * up[t, i], gate_up = [gate | up] per row. Grid (T, kChunks), block
+// kThreads, V elements per thread.
 template <int I>
 struct SiluMul {
   static constexpr int V = I % 4 == 0 ? 4 : 1;
   static constexpr int kThreads = row_threads(ceil_div(I, V), 256);
   static constexpr int kChunks = ceil_div(I, kThreads * V);
-
-  static __device__ __forceinline__ float silu_mul1(float g, float u) { return g / (1.0f + expf(-g)) * u; }
 
   static __device__ __forceinline__ void run(const float* gate_up, float* out) {
     const int64_t t = blockIdx.x;
@@ -919,9 +980,9 @@ struct SiluMul {
     float* o = out + t * I + i;
     if constexpr (V == 4) {
       const float4 gv = load4(g), uv = load4(g + I);
-      store4(o, silu_mul1(gv.x, uv.x), silu_mul1(gv.y, uv.y), silu_mul1(gv.z, uv.z), silu_mul1(gv.w, uv.w));
+      store4(o, silu_mul(gv.x, uv.x), silu_mul(gv.y, uv.y), silu_mul(gv.z, uv.z), silu_mul(gv.w, uv.w));
     } else {
-      o[0] = silu_mul1(g[0], g[I]);
+      o[0] = silu_mul(g[0], g[I]);
     }
   }
 };

@@ -30,6 +30,8 @@ REPRESENTATIVE = [
     ("gemm", dict(n=6144, k=4096, wdtype="bf16", has_bias=True)),
     ("gemm", dict(n=4096, k=14336, wdtype="f32", has_bias=False)),
     ("gemm", dict(n=53, k=37, wdtype="bf16", has_bias=True)),
+    ("gemm_swiglu", dict(inter=14336, k=4096, wdtype="bf16")),
+    ("gemm_swiglu", dict(inter=40, k=200, wdtype="bf16")),
     ("rope", dict(num_heads=32, head_dim=128, inv_freq=_inv_freq(128))),
     (
         "paged_attention",
@@ -62,7 +64,7 @@ REPRESENTATIVE = [
     ("qgemm", dict(n=53, k=160, bits=4, group_size=128, asymmetric=False, scale_bits=16, has_bias=True)),
 ]
 # the __global__ functions each template renders, after the kernel name
-KERNELS = {"gemm": ["gemv", "tiled"], "qgemm": ["gemv", "tiled"], "paged_attention": ["write", "attend", "prefill"]}
+KERNELS = {"gemm": ["gemv", "tiled"], "gemm_swiglu": ["gemv", "tiled"], "qgemm": ["gemv", "tiled"], "paged_attention": ["write", "attend", "prefill"]}
 
 
 @pytest.fixture(scope="module")
@@ -119,8 +121,8 @@ def test_host_launchers_compile_with_nvcc(source, tmp_path):
 
 
 def test_prefill_kernels_run_on_tensor_cores(source, tmp_path):
-    """The prefill kernels issue mma.sync m16n8k16 and ldmatrix in their PTX: the tiled kernels of qgemm and of
-    the bf16 gemm with 16-byte rows, and paged attention's flash prefill on a bf16 cache with head_dim % 16 ==
+    """The prefill kernels issue mma.sync m16n8k16 and ldmatrix in their PTX: the tiled kernels of qgemm, of
+    gemm_swiglu and of the bf16 gemm with 16-byte rows, and paged attention's flash prefill on a bf16 cache with head_dim % 16 ==
     0; the f32 gemm's and the bf16 one with k % 8 != 0 stay SIMT, and so does attention on an f32 cache. The
     headers have no architecture branches, so one PTX (compute_80, the oldest target) stands for sm_80, sm_89
     and sm_90."""
@@ -132,6 +134,7 @@ def test_prefill_kernels_run_on_tensor_cores(source, tmp_path):
         bodies[chunk.split("(", 1)[0].strip()] = chunk
     expected = {
         "gemm": lambda p: ("tiled", p["wdtype"] == "bf16" and p["k"] % 8 == 0),
+        "gemm_swiglu": lambda p: ("tiled", True),
         "qgemm": lambda p: ("tiled", True),
         "paged_attention": lambda p: ("prefill", p["kv_dtype"] == "bf16" and p["head_dim"] % 16 == 0),
     }
