@@ -64,7 +64,12 @@ REPRESENTATIVE = [
     ("qgemm", dict(n=53, k=160, bits=4, group_size=128, asymmetric=False, scale_bits=16, has_bias=True)),
 ]
 # the __global__ functions each template renders, after the kernel name
-KERNELS = {"gemm": ["gemv", "tiled"], "gemm_swiglu": ["gemv", "tiled"], "qgemm": ["gemv", "tiled"], "paged_attention": ["write", "attend", "prefill"]}
+KERNELS = {
+    "gemm": ["gemv", "tiled"],
+    "gemm_swiglu": ["gemv", "tiled"],
+    "qgemm": ["gemv", "tiled"],
+    "paged_attention": ["write", "attend", "prefill"],
+}
 
 
 @pytest.fixture(scope="module")
