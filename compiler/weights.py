@@ -236,13 +236,8 @@ def _write_spec(ckpt, spec: WeightSpec, shapes, f, digest, progress) -> int:
             chunk = t[start : start + step].to(torch_dtype).contiguous()
             if torch_dtype == torch.bfloat16:
                 chunk = chunk.view(torch.int16)
-            buf = memoryview(chunk.numpy()).cast("B")
-            f.write(buf)
-            digest.update(buf)
-            total += len(buf)
-            if progress is not None:
-                progress(len(buf))
-            del chunk, buf
+            total += _emit(chunk.numpy(), f, digest, progress)
+            del chunk
         del t
     return total
 
@@ -264,12 +259,7 @@ def _write_interleaved(ckpt, spec: WeightSpec, torch_dtype, f, digest, progress)
 
     total = 0
     for start in range(0, a.shape[0], step):
-        buf = memoryview(np.ascontiguousarray(interleave_rows(rows(a, start), rows(b, start), g))).cast("B")
-        f.write(buf)
-        digest.update(buf)
-        total += len(buf)
-        if progress is not None:
-            progress(len(buf))
+        total += _emit(interleave_rows(rows(a, start), rows(b, start), g), f, digest, progress)
     return total
 
 
@@ -277,13 +267,18 @@ def _write_part(packed: list[dict], part: str, f, digest, progress) -> int:
     """One part of a quantized linear: each source's rows of it, in order (row-major, so they concatenate)."""
     total = 0
     for arrays in packed:
-        buf = memoryview(np.ascontiguousarray(arrays[part])).cast("B")
-        f.write(buf)
-        digest.update(buf)
-        total += len(buf)
-        if progress is not None:
-            progress(len(buf))
+        total += _emit(arrays[part], f, digest, progress)
     return total
+
+
+def _emit(array: np.ndarray, f, digest, progress) -> int:
+    """Write an array's bytes to the file and the digest; returns how many."""
+    buf = memoryview(np.ascontiguousarray(array)).cast("B")
+    f.write(buf)
+    digest.update(buf)
+    if progress is not None:
+        progress(len(buf))
+    return len(buf)
 
 
 class _QuantizedSources:
