@@ -233,19 +233,13 @@ def _write_spec(ckpt, spec: WeightSpec, shapes, f, digest, progress) -> int:
         row_bytes = max(1, math.prod(t.shape[1:]) * width)
         step = max(1, _CHUNK_BYTES // row_bytes)
         for start in range(0, t.shape[0], step):
-            chunk = t[start : start + step].to(torch_dtype).contiguous()
-            if torch_dtype == torch.bfloat16:
-                chunk = chunk.view(torch.int16)
-            total += _emit(chunk.numpy(), f, digest, progress)
-            del chunk
+            total += _emit(_converted(t[start : start + step], torch_dtype), f, digest, progress)
         del t
     return total
 
 
 def _write_interleaved(ckpt, spec: WeightSpec, torch_dtype, f, digest, progress) -> int:
     """A spec of two sources interleaved `spec.interleave` rows at a time, converted and written in slabs."""
-    import torch
-
     a, b = (ckpt.tensor(src) for src in spec.sources)
     if tuple(a.shape) != tuple(b.shape) or tuple(a.shape[1:]) != tuple(spec.shape[1:]):
         raise CompileError(f"packed weight {spec.name!r}: sources {list(spec.sources)} of shapes {list(a.shape)} "
@@ -253,14 +247,19 @@ def _write_interleaved(ckpt, spec: WeightSpec, torch_dtype, f, digest, progress)
     g = spec.interleave
     step = max(g, _CHUNK_BYTES // max(1, 2 * math.prod(a.shape[1:]) * _DTYPES[spec.dtype][1]) // g * g)
 
-    def rows(t, start):
-        chunk = t[start : start + step].to(torch_dtype).contiguous()
-        return (chunk.view(torch.int16) if torch_dtype == torch.bfloat16 else chunk).numpy()
-
     total = 0
     for start in range(0, a.shape[0], step):
-        total += _emit(interleave_rows(rows(a, start), rows(b, start), g), f, digest, progress)
+        rows = (_converted(t[start : start + step], torch_dtype) for t in (a, b))
+        total += _emit(interleave_rows(*rows, g), f, digest, progress)
     return total
+
+
+def _converted(rows, torch_dtype) -> np.ndarray:
+    """A slab of a source tensor in the packed dtype, as numpy (bf16 as its 16-bit patterns)."""
+    import torch
+
+    chunk = rows.to(torch_dtype).contiguous()
+    return (chunk.view(torch.int16) if torch_dtype == torch.bfloat16 else chunk).numpy()
 
 
 def _write_part(packed: list[dict], part: str, f, digest, progress) -> int:

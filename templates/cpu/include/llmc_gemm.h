@@ -235,9 +235,9 @@ LLMC_INLINE void gemm_ftz_daz(bool) {}
 // PF > 0: also prefetch PF bytes ahead of ws, the tile's weights as they lie in memory (w itself, or the bf16
 // rows a panel w was widened from; LDS, ST: their stride and type), C cache lines per line of a row read. A
 // tile whose C rows span less than PF bytes gets its lines in address order, so the prefetches of tile after
-// tile form one stream; a longer tile gets one line per row, PF bytes along each row. (Streamed from DRAM, 2 threads, AVX-512 EPYC:
-// bf16 GEMVs at K = 576, 9 KB tiles, +25% in address order; at 24-64 KB tiles 5-14% slower than per row.
-// llmc_qgemm.h's GEMV prefetches by the same rule.)
+// tile form one stream; a longer tile gets one line per row, PF bytes along each row. (Streamed from DRAM, 2
+// threads, AVX-512 EPYC: bf16 GEMVs at K = 576, 9 KB tiles, +25% in address order; at 24-64 KB tiles 5-14%
+// slower than per row. llmc_qgemm.h's GEMV prefetches by the same rule.)
 template <class O, int R, int C, long LDW, int PF, bool XPACK = false, long LDS = LDW, typename XT, typename WT,
           typename ST>
 LLMC_INLINE void gemm_steps(const XT* LLMC_RESTRICT xp, long ldxp, const WT* LLMC_RESTRICT w, int n,
