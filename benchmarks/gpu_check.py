@@ -10,7 +10,7 @@ target sm90), in one command of about 5 minutes:
 2. ceilings, measured through torch: device-to-device copy bandwidth (bytes read + written) and an 8192^3
    bf16 matmul.
 3. a one-layer checkpoint of Llama-3-8B's layer shape with random weights, compiled for the target (bf16
-   weights and KV cache): its logits against the torch peer's (benchmarks/torch_llama.py) within the bf16
+   weights, activations and KV cache): its logits against the torch peer's (benchmarks/torch_llama.py) within the bf16
    rule, then `llmc profile` (CUDA events per kernel) of a decode step at batch 1, context 1024, and of a
    256-token prefill.
 4. the same two steps through the torch peer, eager and torch.compile(mode="max-autotune").
@@ -212,7 +212,7 @@ def main(argv=None) -> int:
     cache = cache_dir(args.cache)
     ckpt = random_checkpoint(cache / f"gpu-check-{shape_name}", SHAPES[shape_name])
     artifact = cache / f"gpu-check-{shape_name}.{args.target}"
-    log(f"compiling {ckpt.name} for {args.target} (bf16 weights and KV cache)")
+    log(f"compiling {ckpt.name} for {args.target} (bf16 weights, activations and KV cache)")
     shutil.rmtree(artifact, ignore_errors=True)
     compile_checkpoint(ckpt, target=args.target, output=artifact, weight_dtype="bfloat16", kv_cache_dtype="bfloat16")
     library = build_simulated_library(artifact) if args.simulate else None

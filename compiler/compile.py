@@ -44,9 +44,9 @@ QUALITY_STAGE = "quality"  # a quantized build's last stage, after STAGES (compi
 # SIGKILL) as it enters STAGE, so tests/test_artifact_durability.py can kill -9 or stop a real compile there.
 SIGNAL_AT_ENV = "LLMC_TEST_SIGNAL_AT"
 # How templates/cpu/qgemm.cc.j2 and templates/cuda/qgemm.cu.j2 treat the activations of a quantized GEMM, as the
-# manifest records it.
+# manifest records it; CUDA's by the build's activation dtype.
 CPU_QGEMM_ACTIVATIONS = "int8 per 32"
-CUDA_QGEMM_ACTIVATIONS = "float32 (GEMV, T <= 8), bf16 (tensor-core GEMM)"
+CUDA_QGEMM_ACTIVATIONS = {"float32": "float32 (GEMV, T <= 8), bf16 (tensor-core GEMM)", "bfloat16": "bf16"}
 
 
 def resolve_weight_dtype(ckpt: Checkpoint, requested: str) -> str:
@@ -121,10 +121,11 @@ def build_program(
     after_each_pass=None,
     schemes: dict[str, QuantScheme] | None = None,
     kv_cache_dtype: str = "float32",
-    swiglu_epilogue: bool = False,
+    cuda: bool = False,
 ) -> KernelProgram:
     """step(stage) marks each stage's start (a progress bar); after_each_pass(name, mod) sees every pass;
-    schemes (quant_schemes) adds quantize_linear to the passes; swiglu_epilogue: see lower()."""
+    schemes (quant_schemes) adds quantize_linear to the passes; cuda: lower for the CUDA templates
+    (activations in the weight dtype, the SwiGLU epilogue: see lower())."""
     step("trace")
     traced = trace(ckpt.config)
     step("import to Relax")
@@ -135,7 +136,7 @@ def build_program(
     check_fusion(mod, ckpt.config.num_layers)
     step("lower")
     return lower(mod, traced.weight_names, weight_dtype=weight_dtype, block_size=block_size, kv_dtype=kv_cache_dtype,
-                 swiglu_epilogue=swiglu_epilogue)  # fmt: skip
+                 act_dtype=weight_dtype if cuda else None, swiglu_epilogue=cuda)  # fmt: skip
 
 
 def module_sources(target: Target, source: str, tvm_source: str | None = None) -> dict[str, str]:
@@ -208,7 +209,7 @@ def compile_checkpoint(
 
     def populate(tmp: Path) -> dict:  # all of it under the output's lock: a second compile fails before it traces
         program = build_program(ckpt, dtype, block_size, step, schemes=schemes, kv_cache_dtype=kv_cache_dtype,
-                                swiglu_epilogue=tgt.is_cuda)  # fmt: skip
+                                cuda=tgt.is_cuda)  # fmt: skip
         step("pack weights")
         weights = tmp / "weights.safetensors"
         offsets = write_packed_weights(ckpt, program.weights, weights, layout="cuda" if tgt.is_cuda else "cpu")
@@ -226,7 +227,7 @@ def compile_checkpoint(
         tok_config = ckpt.path / "tokenizer_config.json"
         if tok_config.is_file():
             shutil.copyfile(tok_config, tmp / "tokenizer_config.json")
-        activations = CUDA_QGEMM_ACTIVATIONS if tgt.is_cuda else CPU_QGEMM_ACTIVATIONS
+        activations = CUDA_QGEMM_ACTIVATIONS[program.act_dtype] if tgt.is_cuda else CPU_QGEMM_ACTIVATIONS
         quant_entry = quant_manifest(quant, program.weights, activations)
         fields = {
             **({"quant": quant_entry} if quant_entry else {}),
@@ -236,13 +237,14 @@ def compile_checkpoint(
             "quantization": quant.mode if quant.enabled else ("checkpoint" if schemes else "none"),
             "block_size": block_size,
             "kv_cache_dtype": kv_cache_dtype,
+            "activation_dtype": program.act_dtype,
             "kernels": rendered.kernels,
             **({"tuning": rendered.tuning} if rendered.tuning else {}),
             "passes": program.rewrites,
             "buffer_plan": {
                 "buffers": [{"cols": b.cols, "rows": b.rows} for b in program.buffers],
-                "floats_per_token_row": sum(b.cols for b in program.buffers if b.rows == "T"),
-                "floats_per_logits_row": sum(b.cols for b in program.buffers if b.rows == "N"),
+                "values_per_token_row": sum(b.cols for b in program.buffers if b.rows == "T"),
+                "values_per_logits_row": sum(b.cols for b in program.buffers if b.rows == "N"),
             },
             "kernel_program": str(program).splitlines(),
             "tokenizer": {"chat_template": ckpt.chat_template, **ckpt.special_tokens},

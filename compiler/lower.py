@@ -5,8 +5,9 @@ template and its compile-time parameters, and lists its call arguments as C expr
   - the step arguments of the C ABI (token_ids, positions, slot_mapping, query_start_loc, seq_lens,
     block_tables, max_blocks, B, T, logits_indices, N, logits),
   - packed weights `W[i]` (WeightSpec i of the program),
-  - activation buffers `buf<i>` (float, rows x cols; rows is max_num_tokens, or max_num_logits for
-    buffers that hold one row per logits row asked for), and column views of them (`buf3 + 64`),
+  - activation buffers `buf<i>` (rows x cols of the program's act_dtype; rows is max_num_tokens, or
+    max_num_logits for buffers that hold one row per logits row asked for), and column views of them
+    (`buf3 + 64`),
   - the per-layer KV cache halves `k_cache[l]` / `v_cache[l]`.
 So a target's codegen only has to render each template once per distinct parameter set and emit the
 launches in order. Buffers are reused by liveness, so the plan is a handful of buffers however deep
@@ -15,6 +16,9 @@ the model is.
 Lowering reads the IR and nothing else: each fused `llmc.*` op carries its facts (RoPE inverse frequencies,
 softmax scale, sliding window, head counts), and the KV cache geometry and vocabulary come from main's
 signature. It needs no model config and imports no torch.
+
+Activations are float32 unless act_dtype says otherwise (the CUDA targets: bf16 for a bf16 build); then
+every launch carries it as its `adtype` parameter, and the templates round what they store to it.
 
 With swiglu_epilogue (the CUDA targets), a bf16 gate_up GEMM and the silu_mul that alone reads its product
 lower to one `gemm_swiglu` launch, whose weight the packer interleaves (WeightSpec.interleave): the
@@ -44,7 +48,7 @@ from .passes.common import bindings, llmc_args, llmc_op_name, main_function, pri
 from .quant import QuantScheme
 from .weights import QUANT_PARTS, SWIGLU_INTERLEAVE, WeightSpec, quant_part_dtype
 
-# KV cache dtype -> paged_attention's kv_dtype parameter: what the cache stores per k/v value
+# KV cache / activation dtype -> the templates' element parameters (kv_dtype, adtype)
 KV_DTYPES = {"float32": "f32", "bfloat16": "bf16"}
 
 ABI_PARAMS = ("input_ids", "positions", "logits_indices", "seq_lens", "query_start_loc", "block_tables", "slot_mapping")
@@ -90,17 +94,15 @@ class KernelProgram:
     block_size: int
     tvm_funcs: dict[str, tvm.tirx.PrimFunc] = dataclasses.field(default_factory=dict)  # TVM-lowered fallbacks
     kv_dtype: str = "float32"  # the KV cache element: "float32" or "bfloat16"
-
-    def buffer_floats(self, max_num_tokens: int, max_num_logits: int) -> int:
-        return sum(b.cols * (max_num_tokens if b.rows == "T" else max_num_logits) for b in self.buffers)
+    act_dtype: str = "float32"  # the element of the buffers and the logits: "float32" or "bfloat16"
 
     def __str__(self) -> str:
         lines = [
             f"kernel program: {len(self.launches)} launches, {len(self.buffers)} buffers, "
-            f"{len(self.weights)} packed weights, {self.kv_dtype} KV cache"
+            f"{len(self.weights)} packed weights, {self.kv_dtype} KV cache, {self.act_dtype} activations"
         ]
         for i, b in enumerate(self.buffers):
-            lines.append(f"  buf{i}: float[{b.rows}, {b.cols}]")
+            lines.append(f"  buf{i}: {self.act_dtype}[{b.rows}, {b.cols}]")
         for i, w in enumerate(self.weights):
             quant = f" ({w.quant.describe()})" if w.quant is not None else ""
             rows = f" (rows interleaved {w.interleave} at a time)" if w.interleave else ""
@@ -642,14 +644,22 @@ def lower(
     block_size: int,
     weight_dtype: str = "float32",
     kv_dtype: str = "float32",
+    act_dtype: str | None = None,
     swiglu_epilogue: bool = False,
 ) -> KernelProgram:
     """weight_names: the HF names of main's weight parameters, in order (Traced.weight_names); kv_dtype: the
-    KV cache element, a key of KV_DTYPES; swiglu_epilogue: lower gate_up + silu_mul to gemm_swiglu where it
-    applies (the target has that template: CUDA)."""
+    KV cache element, a key of KV_DTYPES; act_dtype: the activation element (a key of KV_DTYPES), given to
+    every launch as `adtype`, for targets whose templates take it (CUDA); None: float32, and no parameter;
+    swiglu_epilogue: lower gate_up + silu_mul to gemm_swiglu where it applies (the target has that template:
+    CUDA)."""
     func = main_function(mod)
     lowering = _Lowering(func, weight_names, weight_dtype, block_size, kv_dtype)
     lowering.lower(func)
     if swiglu_epilogue:
         lowering.launches = _fuse_gemm_swiglu(lowering.launches, lowering.weight_list)
-    return lowering.finish(rewrite_counts(mod))
+    program = lowering.finish(rewrite_counts(mod))
+    if act_dtype is None:
+        return program
+    for launch in program.launches:
+        launch.params["adtype"] = KV_DTYPES[act_dtype]
+    return dataclasses.replace(program, act_dtype=act_dtype)

@@ -117,7 +117,8 @@ _kv_cache_dtype_option = click.option(
     type=click.Choice(["auto", "float32", "bfloat16"]),
     default="auto",
     show_default=True,
-    help="Weight dtype in the artifact (auto: the checkpoint's).",
+    help="Weight dtype in the artifact (auto: the checkpoint's); on a CUDA target the activations' too "
+    "(float32 keeps the fp32 path).",
 )
 @click.option(
     "--block-size",
@@ -196,7 +197,7 @@ def tune(target: str, model: Path | None, shape_texts: tuple[str, ...], weight_d
 
     tgt = load_target(target)
     if shape_texts:
-        shapes = [tuner.parse_shape(t) for t in shape_texts]
+        shapes = [tuner.parse_shape(t, target) for t in shape_texts]
     elif model:
         shapes = tuner.model_shapes(model, target, weight_dtype, quant)
     else:
@@ -878,6 +879,7 @@ def _inspect_artifact(path: Path, verbose: bool) -> None:
     size = _human_bytes(safetensors_data_bytes(weights)) if weights.is_file() else "missing"
     click.echo(f"  weights        {m.get('weight_dtype')}, {size}; quantization {m.get('quantization', 'none')}")
     click.echo(f"  KV cache       {a.kv_cache_dtype}, blocks of {a.block_size} tokens")
+    click.echo(f"  activations    {m.get('activation_dtype', 'float32')}")  # absent: an artifact from before the field
     quant = m.get("quant")
     if isinstance(quant, dict):
         _inspect_quant(quant, verbose)

@@ -8,6 +8,8 @@ reference tokens): max|l_sim - l_ref| <= BF16_REL * max|l_ref|, and argmax agree
 top-1 minus top-2 gap exceeds 2 * BF16_REL * max|l_ref| (twice the error bound, so no rounding can flip it).
 """
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -72,8 +74,11 @@ def test_simulated_sm90_logits_at_every_row_and_at_mixed_rows(checkpoint_dir, tm
         assert_logits_rows_match_transformers(sim, path, long=long, short=short)
 
 
-def test_simulated_bf16_within_tolerance(checkpoint_dir, tmp_path_factory):
-    path = checkpoint_dir("qwen2")
+@pytest.mark.parametrize("arch,window", [*((a, None) for a in ARCHS), ("mistral", 6)])
+def test_simulated_bf16_within_tolerance(checkpoint_dir, tmp_path_factory, arch, window):
+    """A bf16 build runs bf16 end to end (weights, activations, KV cache; fp32 accumulation): every architecture,
+    and Mistral's sliding window (6 positions, crossed by the 24 decoded tokens)."""
+    path = checkpoint_dir(arch, **({"sliding_window": window} if window else {}))
     reference = hf_model(path)
     ids = Tokenizer.from_file(str(path / "tokenizer.json")).encode(PROMPT).ids
     with torch.no_grad():
@@ -82,7 +87,14 @@ def test_simulated_bf16_within_tolerance(checkpoint_dir, tmp_path_factory):
         )[0].tolist()
         ref_logits = reference(torch.tensor([tokens])).logits[0].numpy()
     clear = 0
-    sm90 = artifact(checkpoint_dir, tmp_path_factory, "qwen2", "sm90", "bfloat16")
+    if window:
+        sm90 = compile_checkpoint(
+            path, target="sm90", output=tmp_path_factory.mktemp("sw") / "m", weight_dtype="bfloat16"
+        )
+    else:
+        sm90 = artifact(checkpoint_dir, tmp_path_factory, arch, "sm90", "bfloat16")
+    manifest = json.loads((sm90 / "manifest.json").read_text())
+    assert manifest["activation_dtype"] == manifest["kv_cache_dtype"] == "bfloat16"
     with CompiledModel.load(sm90, library=cuda_library(sm90), max_num_seqs=2) as sim:
         blocks = list(range(sim.num_blocks))
         computed, new = 0, ids

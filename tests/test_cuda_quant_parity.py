@@ -50,7 +50,7 @@ def test_simulated_quantized_sm90_matches_the_dequantized_weights(arch, quant, t
     ckpt = _dequantized_checkpoint(tmp_path, arch, quant)
     artifact = compile_checkpoint(ckpt, target="sm90", output=tmp_path / "model.sm90", quant=quant)
     manifest = read_manifest(artifact)
-    assert manifest["quant"]["activations"] == CUDA_QGEMM_ACTIVATIONS and manifest["quant"]["weights"]
+    assert manifest["quant"]["activations"] == CUDA_QGEMM_ACTIVATIONS["float32"] and manifest["quant"]["weights"]
     ids = [int(i) for i in np.random.default_rng(1).integers(2, 384, 37)]
     with CompiledModel.load(artifact, library=cuda_library(artifact), max_num_logits=64) as model:
         table = list(range(model.num_blocks))[::-1][: -(-len(ids) // model.block_size)]

@@ -113,6 +113,7 @@ def test_manifest_inspect_and_cache_memory(checkpoint_dir, tmp_path_factory):
     shown = CliRunner().invoke(main, ["inspect", str(out)])
     assert shown.exit_code == 0, shown.output
     assert "KV cache       bfloat16, blocks of 16 tokens" in shown.output
+    assert manifest["activation_dtype"] == "float32" and "activations    float32" in shown.output  # the CPU's
 
     budget = 1 << 20
     with CompiledModel.load(out, kv_cache_memory=budget) as model:

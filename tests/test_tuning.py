@@ -201,7 +201,7 @@ CUDA_SPACE = TuneSpace(
 
 
 def test_simulated_tuning_prunes_by_ptxas_checks_and_ranks_by_prediction(tmp_path):
-    shape = parse_shape("gemm:n=72,k=40,wdtype=bf16,has_bias=1")  # tails: n, k no multiple of a tile or vector
+    shape = parse_shape("gemm:n=72,k=40,wdtype=bf16,has_bias=1", "sm90")  # tails: n, k no multiple of a tile or vector
     db = TuningDB.load(tmp_path / "sm90.tuning.json", "sm90")
     (r,) = tune("sm90", [shape], db, simulate=True, progress=False, space=CUDA_SPACE)
     by_config = {(c.config["gemv_warps"], c.config["tile_m"]): c for c in r.candidates}
@@ -224,7 +224,7 @@ def test_simulated_tuning_prunes_by_ptxas_checks_and_ranks_by_prediction(tmp_pat
 def test_simulated_tuning_checks_the_swiglu_gemm_against_its_reference(tmp_path):
     """The SwiGLU GEMM's candidates run on interleaved gate / up weights and meet silu(gate) * up: every one
     passes the check (a wrong layout or epilogue would be rejected), and one wins."""
-    shape = parse_shape("gemm_swiglu:inter=40,k=48,wdtype=bf16")  # 5 groups of 8: a zero-filled tile tail
+    shape = parse_shape("gemm_swiglu:inter=40,k=48,wdtype=bf16", "sm90")  # 5 groups of 8: a zero-filled tile tail
     space = TuneSpace(
         "cuda/gemm_swiglu",
         (
@@ -248,7 +248,7 @@ def test_gpu_timing_checks_then_times_with_cuda_events_under_the_simulator(tmp_p
     """measure_cuda's path (ptxas pruning, the check at every row before timing, CUDA events around the
     launches) with the simulator's runtime standing in for a GPU's: its times are the simulator's wall time, so
     only the mechanics are tested here; the figures come from a GPU."""
-    shape = parse_shape("gemm:n=72,k=40,wdtype=bf16,has_bias=1")
+    shape = parse_shape("gemm:n=72,k=40,wdtype=bf16,has_bias=1", "sm90")
 
     def render(shape, config):
         kid, source = measure_cuda.render_candidate(shape, config)

@@ -5,8 +5,8 @@ bytes, puts each kernel's measured time against these. The CPU and CUDA template
 parameters, so one model serves both.
 
 A kernel here is a manifest kernel (one rendered template), launched once per `rows` entry over the step's
-tokens (T) or its logits rows (N). Activations are fp32 on both targets; weights, biases and the KV cache
-take their recorded dtypes. Paged attention's floor covers its KV write and the attention: the new tokens'
+tokens (T) or its logits rows (N). Activations take the kernel's adtype (CUDA; fp32 where a template has
+none, as on the CPU); weights, biases and the KV cache take their recorded dtypes. Paged attention's floor covers its KV write and the attention: the new tokens'
 keys and values are read from the QKV buffer and stored once, and each sequence reads the cached positions
 its queries can see once for all its query heads (GQA), whatever the split of the work. TVM's fallback
 (tvm_call, float32 tensors only) states its tensors' shapes but not its arithmetic: its floor is their bytes,
@@ -58,10 +58,15 @@ class Floor:
         return Floor(self.bytes + other.bytes, self.flops + other.flops)
 
 
+def _act(p: dict) -> int:
+    """Bytes per activation element."""
+    return _BYTES[p.get("adtype", "f32")]
+
+
 def _gemm(p: dict, rows: int, weight_bytes: int, bias_bytes: int) -> Floor:
     n, k = p["n"], p["k"]
     bias = n * bias_bytes if p.get("has_bias") else 0
-    return Floor(weight_bytes + bias + rows * (k + n) * _F32, 2 * rows * n * k)
+    return Floor(weight_bytes + bias + rows * (k + n) * _act(p), 2 * rows * n * k)
 
 
 def _qweight_bytes(p: dict) -> int:
@@ -78,26 +83,26 @@ def launch_floor(template: str, params: dict, rows_var: str, shape: StepShape) -
         return _gemm(p, rows, p["n"] * p["k"] * w, w)
     if op == "gemm_swiglu":  # gate and up read, silu(gate) * up written: the [T, 2 * inter] product never is
         n, k = 2 * p["inter"], p["k"]
-        return Floor(n * k * _BYTES[p["wdtype"]] + rows * (k + p["inter"]) * _F32, 2 * rows * n * k)
+        return Floor(n * k * _BYTES[p["wdtype"]] + rows * (k + p["inter"]) * _act(p), 2 * rows * n * k)
     if op == "qgemm":
         return _gemm(p, rows, _qweight_bytes(p), _F32)
     if op == "embedding":
-        return Floor(rows * (4 + p["hidden"] * (_BYTES[p["wdtype"]] + _F32)), 0)
+        return Floor(rows * (4 + p["hidden"] * (_BYTES[p["wdtype"]] + _act(p))), 0)
     if op == "rmsnorm":
         vectors = 4 if p["add_residual"] else 2  # x (+ residual) in, (sum +) y out
-        return Floor(p["hidden"] * _BYTES[p["wdtype"]] + rows * vectors * p["hidden"] * _F32, 0)
+        return Floor(p["hidden"] * _BYTES[p["wdtype"]] + rows * vectors * p["hidden"] * _act(p), 0)
     if op == "rope":
-        return Floor(rows * (4 + 2 * p["num_heads"] * p["head_dim"] * _F32), 0)
+        return Floor(rows * (4 + 2 * p["num_heads"] * p["head_dim"] * _act(p)), 0)
     if op == "silu_mul":
-        return Floor(rows * 3 * p["inter"] * _F32, 0)
+        return Floor(rows * 3 * p["inter"] * _act(p), 0)
     if op == "gather_rows":
-        return Floor(rows * (4 + 2 * p["cols"] * _F32), 0)
+        return Floor(rows * (4 + 2 * p["cols"] * _act(p)), 0)
     if op == "paged_attention":
         kv_row = 2 * p["num_kv_heads"] * p["head_dim"]  # one position's key and value
         kv = _BYTES[p["kv_dtype"]]
         cached, pairs = shape.attention(p["sliding_window"])
-        new = rows * (kv_row * (_F32 + kv) + 8)  # read from the QKV buffer, stored at its slot
-        queries = rows * 2 * p["num_heads"] * p["head_dim"] * _F32  # q in, the output out
+        new = rows * (kv_row * (_act(p) + kv) + 8)  # read from the QKV buffer, stored at its slot
+        queries = rows * 2 * p["num_heads"] * p["head_dim"] * _act(p)  # q in, the output out
         tables = 4 * sum(-(-(c + n) // p["block_size"]) + 2 for c, n in shape.seqs)  # block tables, lens
         return Floor(new + queries + tables + cached * kv_row * kv, 4 * p["num_heads"] * p["head_dim"] * pairs)
     if op == "tvm_call":

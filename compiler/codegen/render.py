@@ -107,6 +107,8 @@ def _environment() -> jinja2.Environment:
 
 
 def _check_params(op: str, params: Mapping[str, Any]) -> None:
+    if "adtype" in params and params["adtype"] not in WDTYPES:
+        raise ValueError(f"adtype must be one of {sorted(WDTYPES)}, got {params['adtype']!r}")
     if op == "rope":
         hd, freqs = params["head_dim"], params["inv_freq"]
         if not isinstance(hd, int) or hd % 2:
@@ -233,6 +235,7 @@ _ID_PREFIX = {
     "inv_freq": "if",
     "sliding_window": "sw",
     "kv_dtype": "kv",
+    "adtype": "act",
     "bits": "int",
     "group_size": "g",
     "asymmetric": "asym",
@@ -246,15 +249,24 @@ _ID_PREFIX = {
 }
 # Canonical order per op (docs/contracts.md); parameters not listed follow, sorted.
 _ID_ORDER = {
-    "embedding": ["hidden", "wdtype"],
-    "rmsnorm": ["hidden", "eps", "wdtype", "add_residual"],
-    "gemm": ["n", "k", "wdtype", "has_bias"],
-    "gemm_swiglu": ["inter", "k", "wdtype"],
-    "rope": ["num_heads", "head_dim", "inv_freq"],
-    "paged_attention": ["num_heads", "num_kv_heads", "head_dim", "block_size", "scale", "sliding_window", "kv_dtype"],
-    "silu_mul": ["inter"],
-    "gather_rows": ["cols"],
-    "qgemm": ["n", "k", "bits", "group_size", "asymmetric", "scale_bits", "has_bias"],
+    "embedding": ["hidden", "wdtype", "adtype"],
+    "rmsnorm": ["hidden", "eps", "wdtype", "add_residual", "adtype"],
+    "gemm": ["n", "k", "wdtype", "has_bias", "adtype"],
+    "gemm_swiglu": ["inter", "k", "wdtype", "adtype"],
+    "rope": ["num_heads", "head_dim", "inv_freq", "adtype"],
+    "paged_attention": [
+        "num_heads",
+        "num_kv_heads",
+        "head_dim",
+        "block_size",
+        "scale",
+        "sliding_window",
+        "kv_dtype",
+        "adtype",
+    ],
+    "silu_mul": ["inter", "adtype"],
+    "gather_rows": ["cols", "adtype"],
+    "qgemm": ["n", "k", "bits", "group_size", "asymmetric", "scale_bits", "has_bias", "adtype"],
 }
 _LIST_INLINE_MAX = 4  # longer lists are spelled as length + content hash
 

@@ -42,8 +42,8 @@ struct DeviceInputs {{
 }}  // namespace
 // Seconds per launch over `iters` launches at T rows (after one launch whose output lands in y), the weights
 // cycled through `nsets` device copies; *err: the first CUDA error, 0 for none.
-extern "C" double time_{kid}(const float* x, size_t x_bytes, const void* w, size_t w_bytes, int nsets,
-                             const void* bias, size_t bias_bytes, float* y, size_t y_bytes, int T, int iters,
+extern "C" double time_{kid}(const void* x, size_t x_bytes, const void* w, size_t w_bytes, int nsets,
+                             const void* bias, size_t bias_bytes, void* y, size_t y_bytes, int T, int iters,
                              int* err) {{
   DeviceInputs d;
   int e = (int)cudaMalloc(&d.x, x_bytes);
@@ -55,8 +55,8 @@ extern "C" double time_{kid}(const float* x, size_t x_bytes, const void* w, size
     e = (int)cudaMemcpy(static_cast<char*>(d.w) + w_bytes * s, w, w_bytes, cudaMemcpyHostToDevice);
   if (!e && bias) e = (int)cudaMemcpy(d.bias, bias, bias_bytes, cudaMemcpyHostToDevice);
   auto launch = [&](int s) {{
-    {kid}(static_cast<const float*>(d.x), reinterpret_cast<const {wt}*>(static_cast<char*>(d.w) + w_bytes * s),
-          static_cast<const {wt}*>(d.bias), static_cast<float*>(d.y), T, (cudaStream_t)0);
+    {kid}(static_cast<const {at}*>(d.x), reinterpret_cast<const {wt}*>(static_cast<char*>(d.w) + w_bytes * s),
+          static_cast<const {wt}*>(d.bias), static_cast<{at}*>(d.y), T, (cudaStream_t)0);
   }};
   if (!e) {{
     launch(0);
@@ -85,8 +85,8 @@ extern "C" double time_{kid}(const float* x, size_t x_bytes, const void* w, size
 
 def render_candidate(shape: KernelShape, config: dict) -> tuple[str, str]:
     """(kernel id, CUDA source) of one configuration with its time_ trampoline."""
-    kid, source, wt = render_kernel_source(shape, config)
-    return kid, source + _TIMER.format(kid=kid, wt=wt)
+    kid, source, types = render_kernel_source(shape, config)
+    return kid, source + _TIMER.format(kid=kid, **types)
 
 
 def gpu_device() -> dict | None:
@@ -154,13 +154,13 @@ def measure_shape(shape: KernelShape, space: TuneSpace, target: Target, deadline
         candidates = [c for c, _ in built]
         inputs = {t: make_inputs(shape, t, seed=t) for t in space.rows}
         nsets = {t: max(1, span_bytes // inputs[t].weights[0].nbytes) for t in space.rows}
-        ys = {t: np.full((t, inputs[t].reference.shape[1]), np.nan, np.float32) for t in space.rows}
+        ys = {t: inputs[t].poisoned_output() for t in space.rows}
         iters: dict[tuple[int, int], int] = {}  # (candidate, rows) -> launches per timed figure
         for i, (c, timer) in enumerate(built):
             if timer is None:
                 continue
             for t in space.rows:
-                ys[t].fill(np.nan)
+                ys[t][...] = inputs[t].poisoned_output()
                 once, err = timer(inputs[t], 1, ys[t], 1)
                 why = f"the launch failed with cudaError {err}" if err else inputs[t].mismatch(ys[t])
                 if why is not None:

@@ -2,7 +2,8 @@
 
 A candidate must match x @ w.T (+ bias), or the SwiGLU GEMM's silu(x @ gate.T) * (x @ up.T), in float64 within
 the kernel's rounding (bf16 activations for the CPU bf16 dot and CUDA's tensor cores, int8 activations for the
-quantized GEMM) before it is timed; one that does not is rejected.
+quantized GEMM, and the output's own rounding where the kernel's activations are bf16: adtype) before it is
+timed; one that does not is rejected.
 """
 
 from __future__ import annotations
@@ -38,14 +39,22 @@ class KernelShape:
 
 @dataclasses.dataclass
 class Inputs:
-    x: np.ndarray
+    x: np.ndarray  # as the kernel takes it: float32, or bf16 bits (uint16) where its activations are bf16
     weights: list[np.ndarray]  # the kernel's weight arguments in contract order (gemm: w; qgemm: q, scales, mins)
     bias: np.ndarray | None
     reference: np.ndarray  # float64 [T, n]
     tolerance: np.ndarray  # float64 [T, n]: |y - reference| must stay within it
 
+    def poisoned_output(self) -> np.ndarray:
+        """y as the kernel writes it (x's type), all NaN: what it leaves unwritten shows."""
+        if self.x.dtype == np.uint16:
+            return np.full(self.reference.shape, 0x7FC0, np.uint16)
+        return np.full(self.reference.shape, np.nan, np.float32)
+
     def mismatch(self, y: np.ndarray) -> str | None:
         """Why `y` is not the reference's output, or None."""
+        if y.dtype == np.uint16:
+            y = (y.astype(np.uint32) << 16).view(np.float32)
         err = np.abs(y - self.reference)
         bad = ~(err <= self.tolerance)
         return (
@@ -62,12 +71,24 @@ def _bf16(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def make_inputs(shape: KernelShape, rows: int, seed: int = 0) -> Inputs:
+    inputs = (_swiglu_inputs if shape.op == "gemm_swiglu" else _gemm_inputs)(shape, rows, seed)
+    if shape.kwargs.get("adtype") == "bf16":  # x was drawn bf16-exact; y is rounded once more
+        inputs.x = _bf16(inputs.x)[0]
+        inputs.tolerance += 2.0**-8 * np.abs(inputs.reference)
+    return inputs
+
+
+def _activations(shape: KernelShape, rows: int, k: int, rng) -> np.ndarray:
+    """x [rows, k] float32; values bf16 holds exactly where the kernel's activations are bf16."""
+    x = rng.standard_normal((rows, k), dtype=np.float32)
+    return _bf16(x)[1] if shape.kwargs.get("adtype") == "bf16" else x
+
+
+def _gemm_inputs(shape: KernelShape, rows: int, seed: int) -> Inputs:
     p = shape.kwargs
-    if shape.op == "gemm_swiglu":
-        return _swiglu_inputs(p, rows, seed)
     n, k = p["n"], p["k"]
     rng = np.random.default_rng(seed)
-    x = rng.standard_normal((rows, k), dtype=np.float32)
+    x = _activations(shape, rows, k, rng)
     w32 = rng.standard_normal((n, k), dtype=np.float32) / np.float32(np.sqrt(k))
     b32 = rng.standard_normal(n, dtype=np.float32) if p.get("has_bias") else None
     if shape.op == "gemm":
@@ -90,11 +111,11 @@ def make_inputs(shape: KernelShape, rows: int, seed: int = 0) -> Inputs:
     return Inputs(x, weights, bias, ref, rel * mag + 1e-6)
 
 
-def _swiglu_inputs(p: dict, rows: int, seed: int) -> Inputs:
+def _swiglu_inputs(shape: KernelShape, rows: int, seed: int) -> Inputs:
     """gemm_swiglu: bf16 gate and up rows, passed interleaved as the packer lays them out."""
-    inter, k = p["inter"], p["k"]
+    inter, k = shape.kwargs["inter"], shape.kwargs["k"]
     rng = np.random.default_rng(seed)
-    x = rng.standard_normal((rows, k), dtype=np.float32)
+    x = _activations(shape, rows, k, rng)
     w, wf = _bf16(rng.standard_normal((2 * inter, k), dtype=np.float32) / np.float32(np.sqrt(k)))
     x64, wg, wu = x.astype(np.float64), wf[:inter].astype(np.float64), wf[inter:].astype(np.float64)
     g, u = x64 @ wg.T, x64 @ wu.T

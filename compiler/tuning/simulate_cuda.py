@@ -18,8 +18,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
-
 from llmc.errors import CompileError
 from llmc.targets import Target
 
@@ -42,12 +40,12 @@ void* to_device(const void* host, size_t n) {{
 }}
 }}  // namespace
 // One launch on copies of the inputs in device memory (the counters see only cudaMalloc'ed addresses).
-extern "C" int run_{kid}(const float* x, size_t x_bytes, const void* w, size_t w_bytes, const void* bias,
-                         size_t bias_bytes, float* y, size_t y_bytes, int T) {{
+extern "C" int run_{kid}(const void* x, size_t x_bytes, const void* w, size_t w_bytes, const void* bias,
+                         size_t bias_bytes, void* y, size_t y_bytes, int T) {{
   void *dx = to_device(x, x_bytes), *dw = to_device(w, w_bytes), *db = to_device(bias, bias_bytes), *dy = nullptr;
   cudaMalloc(&dy, y_bytes);
-  {kid}(static_cast<const float*>(dx), static_cast<const {wt}*>(dw), static_cast<const {wt}*>(db),
-        static_cast<float*>(dy), T, (cudaStream_t)0);
+  {kid}(static_cast<const {at}*>(dx), static_cast<const {wt}*>(dw), static_cast<const {wt}*>(db),
+        static_cast<{at}*>(dy), T, (cudaStream_t)0);
   int err = (int)cudaGetLastError();
   if (err == 0) err = (int)cudaDeviceSynchronize();
   cudaMemcpy(y, dy, y_bytes, cudaMemcpyDeviceToHost);
@@ -57,20 +55,22 @@ extern "C" int run_{kid}(const float* x, size_t x_bytes, const void* w, size_t w
 """
 
 
-def render_kernel_source(shape: KernelShape, config: dict) -> tuple[str, str, str]:
-    """(kernel id, CUDA source, the weights' C type) of one configuration, before its trampoline."""
+def render_kernel_source(shape: KernelShape, config: dict) -> tuple[str, str, dict[str, str]]:
+    """(kernel id, CUDA source, the C types of its weights `wt` and activations `at`) of one configuration, before
+    its trampoline."""
     if shape.op not in ("gemm", "gemm_swiglu"):
         raise CompileError(f"llmc tune has no CUDA runner for op {shape.op!r}")
     params = {**shape.kwargs, **config}
     kid = kernel_id("cuda", shape.op, params)
-    wt = "uint16_t" if params["wdtype"] == "bf16" else "float"
-    return kid, '#include "llmc_kernels.cuh"\n' + render_kernel("cuda", shape.op, name=kid, **params), wt
+    types = {"wt": params["wdtype"], "at": params.get("adtype", "f32")}
+    types = {k: "uint16_t" if v == "bf16" else "float" for k, v in types.items()}
+    return kid, '#include "llmc_kernels.cuh"\n' + render_kernel("cuda", shape.op, name=kid, **params), types
 
 
 def render_candidate(shape: KernelShape, config: dict) -> tuple[str, str]:
     """(kernel id, CUDA source) of one configuration with its run_ trampoline."""
-    kid, source, wt = render_kernel_source(shape, config)
-    return kid, source + _TRAMPOLINE.format(kid=kid, wt=wt)
+    kid, source, types = render_kernel_source(shape, config)
+    return kid, source + _TRAMPOLINE.format(kid=kid, **types)
 
 
 def _ptxas(target: Target, source: str) -> dict[str, int]:
@@ -94,7 +94,7 @@ def _simulate(shape: KernelShape, library: Path, kid: str, rows: tuple[int, ...]
     total_us, summary = 0.0, {"dram_bytes": 0, "blocks": 0}
     for t in rows:
         inp = make_inputs(shape, t, seed=t)
-        y = np.full((t, inp.reference.shape[1]), np.nan, np.float32)
+        y = inp.poisoned_output()
         (w,) = inp.weights
         lib.llmc_sim_prof_clear()
         lib.llmc_sim_prof_enable(1)

@@ -26,6 +26,7 @@ from tqdm import tqdm
 from llmc.errors import CompileError
 from llmc.targets import load_target
 
+from ..codegen.render import template_params
 from . import measure_cuda
 from .database import SOURCES, TuningDB, cpu_machine, entry_key
 from .measure_cpu import measure_shape
@@ -44,6 +45,14 @@ STANDARD_GEMMS = [
 ]  # fmt: skip
 
 
+def _with_activations(family: str, op: str, params: dict) -> dict:
+    """params with the activation element that a build of their weights gives, where `family`'s template takes
+    one (CUDA's adtype) and params have none: bf16 for bf16 weights, else f32."""
+    if "adtype" in params or "adtype" not in template_params(family, op):
+        return params
+    return {**params, "adtype": "bf16" if params.get("wdtype") == "bf16" else "f32"}
+
+
 def standard_shapes(family: str) -> list[KernelShape]:
     shapes = [
         KernelShape.of("gemm", dict(n=n, k=k, wdtype=wd, has_bias=False))
@@ -57,12 +66,16 @@ def standard_shapes(family: str) -> list[KernelShape]:
         for bits in (8, 4)
         for n, k in STANDARD_GEMMS
     ]
-    return [s for s in shapes if tune_space(family, s.op) is not None]
+    return [
+        KernelShape.of(s.op, _with_activations(family, s.op, s.kwargs))
+        for s in shapes
+        if tune_space(family, s.op) is not None
+    ]
 
 
-def parse_shape(text: str) -> KernelShape:
+def parse_shape(text: str, target: str = "cpu") -> KernelShape:
     """`gemm:n=576,k=576,wdtype=bf16,has_bias=0` or `gemm_swiglu:inter=1536,k=576,wdtype=bf16` (the `--shape`
-    option) as a KernelShape."""
+    option) as a KernelShape of `target`'s template (an adtype left out: _with_activations)."""
     op, _, rest = text.partition(":")
     params: dict = {}
     for item in filter(None, rest.split(",")):
@@ -75,7 +88,7 @@ def parse_shape(text: str) -> KernelShape:
         params[key] = bool(params.get(key, 0))
     if op.strip() == "qgemm":
         params.setdefault("scale_bits", 16)
-    return KernelShape.of(op.strip(), params)
+    return KernelShape.of(op.strip(), _with_activations(load_target(target).template_dir, op.strip(), params))
 
 
 def model_shapes(checkpoint, target: str, weight_dtype: str = "auto", quant=None) -> list[KernelShape]:
@@ -87,7 +100,7 @@ def model_shapes(checkpoint, target: str, weight_dtype: str = "auto", quant=None
     tgt = load_target(target)
     ckpt = load_checkpoint(checkpoint)
     program = build_program(ckpt, resolve_weight_dtype(ckpt, weight_dtype), tgt.block_size,
-                            schemes=quant_schemes(ckpt, quant or QuantConfig()), swiglu_epilogue=tgt.is_cuda)  # fmt: skip
+                            schemes=quant_schemes(ckpt, quant or QuantConfig()), cuda=tgt.is_cuda)  # fmt: skip
     out: dict[KernelShape, None] = {}
     for launch in program.launches:
         if tune_space(tgt.template_dir, launch.op) is not None:

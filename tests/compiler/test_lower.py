@@ -28,7 +28,7 @@ def test_kernel_program_of_a_fused_model(checkpoint_dir):
     # the row kind is the only place N shows in the printed program; B stays attention's sequence count
     for line in str(program).splitlines():
         if " N" in line or "[N" in line:
-            assert "float[N," in line or line.lstrip().startswith(("gather_rows(", "rmsnorm(", "gemm(")), line
+            assert "float32[N," in line or line.lstrip().startswith(("gather_rows(", "rmsnorm(", "gemm(")), line
         if ", B," in line:
             assert line.lstrip().startswith("paged_attention("), line
     # liveness reuse: a handful of buffers whatever the depth
@@ -119,6 +119,21 @@ def test_swiglu_epilogue(checkpoint_dir, arch, dtype, fused):
         down = program.launches[program.launches.index(launch) + 1]
         assert down.op == "gemm" and down.args[0] == launch.args[3]
     assert max(b.cols for b in program.buffers) < max(b.cols for b in plain.buffers) == 2 * inter
+
+
+def test_activation_dtype_is_every_launchs_adtype(checkpoint_dir):
+    """CUDA's lowering (act_dtype): every launch takes the activation element as `adtype`, and the buffers hold
+    it; the CPU's (None) keeps float32 activations and gives its templates no such parameter."""
+    mod, config = imported(checkpoint_dir, "llama")
+    fused_mod, names = run_passes(mod), trace(config).weight_names
+    cpu = lower(fused_mod, names, weight_dtype="bfloat16", block_size=16)
+    cuda = lower(fused_mod, names, weight_dtype="bfloat16", block_size=16, act_dtype="bfloat16")
+    assert cpu.act_dtype == "float32" and not any("adtype" in launch.params for launch in cpu.launches)
+    assert cuda.act_dtype == "bfloat16" and all(launch.params["adtype"] == "bf16" for launch in cuda.launches)
+    assert [(launch.op, launch.args) for launch in cuda.launches] == [
+        (launch.op, launch.args) for launch in cpu.launches
+    ]
+    assert "bfloat16 activations" in str(cuda) and "  buf0: bfloat16[T, " in str(cuda)
 
 
 def test_lowering_imports_no_torch():

@@ -31,25 +31,26 @@ from llmc.compiler.codegen.build import CPU_FLAGS, build_shared_library
 from llmc.compiler.codegen.render import kernel_id, render_kernel, target_headers
 
 # docs/contracts.md, "Kernel templates": (argument, kind) per op; the CUDA launcher takes a cudaStream_t after
-# them. W* (weights, by wdtype) and KV* (KV cache, by kv_dtype) are float32 or bf16 (uint16 bits); S*
-# (quantization scales and mins, by scale_bits) float32 or fp16 (passed as numpy float16, read as uint16 bits).
+# them. W* (weights, by wdtype), KV* (KV cache, by kv_dtype) and A* (activations, by adtype: CUDA's templates
+# take it, the CPU's are float32) are float32 or bf16 (uint16 bits); S* (quantization scales and mins, by
+# scale_bits) float32 or fp16 (passed as numpy float16, read as uint16 bits).
 SIGNATURES = {
-    "embedding": [("ids", "i32*"), ("T", "int"), ("table", "W*"), ("out", "f32*")],
+    "embedding": [("ids", "i32*"), ("T", "int"), ("table", "W*"), ("out", "A*")],
     "rmsnorm": [
-        ("x", "f32*"),
-        ("residual_in", "f32*"),
-        ("residual_out", "f32*"),
+        ("x", "A*"),
+        ("residual_in", "A*"),
+        ("residual_out", "A*"),
         ("w", "W*"),
-        ("y", "f32*"),
+        ("y", "A*"),
         ("T", "int"),
     ],
-    "gemm": [("x", "f32*"), ("w", "W*"), ("bias", "W*"), ("y", "f32*"), ("T", "int")],
-    "gemm_swiglu": [("x", "f32*"), ("w", "W*"), ("bias", "W*"), ("y", "f32*"), ("T", "int")],
-    "rope": [("x", "f32*"), ("row_stride", "int"), ("positions", "i32*"), ("T", "int")],
+    "gemm": [("x", "A*"), ("w", "W*"), ("bias", "W*"), ("y", "A*"), ("T", "int")],
+    "gemm_swiglu": [("x", "A*"), ("w", "W*"), ("bias", "W*"), ("y", "A*"), ("T", "int")],
+    "rope": [("x", "A*"), ("row_stride", "int"), ("positions", "i32*"), ("T", "int")],
     "paged_attention": [
-        ("q", "f32*"),
-        ("k", "f32*"),
-        ("v", "f32*"),
+        ("q", "A*"),
+        ("k", "A*"),
+        ("v", "A*"),
         ("row_stride", "int"),
         ("k_cache", "KV*"),
         ("v_cache", "KV*"),
@@ -60,17 +61,17 @@ SIGNATURES = {
         ("max_blocks", "int"),
         ("B", "int"),
         ("T", "int"),
-        ("out", "f32*"),
+        ("out", "A*"),
     ],
-    "silu_mul": [("gate_up", "f32*"), ("out", "f32*"), ("T", "int")],
-    "gather_rows": [("x", "f32*"), ("rows", "i32*"), ("n", "int"), ("out", "f32*")],
+    "silu_mul": [("gate_up", "A*"), ("out", "A*"), ("T", "int")],
+    "gather_rows": [("x", "A*"), ("rows", "i32*"), ("n", "int"), ("out", "A*")],
     "qgemm": [
-        ("x", "f32*"),
+        ("x", "A*"),
         ("qweight", "u8*"),
         ("scales", "S*"),
         ("mins", "S*"),
         ("bias", "f32*"),
-        ("y", "f32*"),
+        ("y", "A*"),
         ("T", "int"),
     ],
 }
@@ -79,14 +80,19 @@ _NP_TYPE = {"f32*": np.float32, "u8*": np.uint8, "i32*": np.int32, "i64*": np.in
 W_TYPES = {"f32": ("float*", np.float32), "bf16": ("uint16_t*", np.uint16)}
 _S_TYPES = {32: ("float*", np.float32), 16: ("uint16_t*", np.float16)}
 # kind -> (the kernel parameter that picks the element type, its (C type, numpy dtype) per value)
-_ELEMENT = {"W*": ("wdtype", W_TYPES), "KV*": ("kv_dtype", W_TYPES), "S*": ("scale_bits", _S_TYPES)}
+_ELEMENT = {
+    "W*": ("wdtype", W_TYPES),
+    "KV*": ("kv_dtype", W_TYPES),
+    "A*": ("adtype", W_TYPES),
+    "S*": ("scale_bits", _S_TYPES),
+}
 _ROW_STRIDED = {"q", "k", "v"}  # may be column slices of a fused [T, row_stride] qkv buffer
 HEADERS = {"cpu": "common.h", "cuda": "llmc_kernels.cuh"}
 
 
 def _element(kind: str, params: dict) -> tuple[str, type]:
     param, types = _ELEMENT[kind]
-    return types[params[param]]
+    return types[params.get(param, "f32") if kind == "A*" else params[param]]
 
 
 def spec_id(spec) -> str:
@@ -256,10 +262,16 @@ class Harness:
         self._kernels: dict[str, Kernel] = {}
         self.pending: list[tuple[str, dict]] = []
 
+    def spec(self, op: str, params: dict) -> tuple[str, dict] | None:
+        """(op, params) as this target's templates take them; None where the target has no such kernel."""
+        return op, params
+
     def build(self, specs) -> None:
+        specs = [t for s in specs if (t := self.spec(*s)) is not None]
         if all(kernel_id(self.target, *s) in self._kernels for s in specs):
             return
-        missing = [s for s in [*specs, *self.pending] if kernel_id(self.target, *s) not in self._kernels]
+        pending = [t for s in self.pending if (t := self.spec(*s)) is not None]
+        missing = [s for s in [*specs, *pending] if kernel_id(self.target, *s) not in self._kernels]
         source, seen = kernels_source(self.target, missing)
         lib = self._load(source)
         self._kernels.update(
@@ -267,11 +279,17 @@ class Harness:
         )
 
     def __call__(self, op: str, params: dict) -> Kernel:
-        return self._kernels[kernel_id(self.target, op, params)]
+        return self._kernels[kernel_id(self.target, *self.spec(op, params))]
 
 
 class CpuHarness(Harness):
     target = "cpu"
+
+    def spec(self, op: str, params: dict) -> tuple[str, dict] | None:
+        """The CPU templates take no adtype: their activations are float32, and bf16 ones are CUDA's alone."""
+        if params.get("adtype", "f32") != "f32":
+            return None
+        return op, {k: v for k, v in params.items() if k != "adtype"}
 
     def __init__(self):
         super().__init__()
@@ -298,8 +316,20 @@ class CpuHarness(Harness):
         self._omp().omp_set_num_threads(ctypes.c_int(self._default_threads))
 
 
-class CudaHarness(Harness):
+def target_params(target: str, params: dict) -> dict:
+    """A kernel's params as `target`'s templates take them: CUDA's take the activation element (adtype), which a
+    spec without one leaves float32, as the CPU's are."""
+    return {"adtype": "f32", **params} if target == "cuda" else params
+
+
+class CudaTemplates:
     target = "cuda"
+
+    def spec(self, op: str, params: dict) -> tuple[str, dict]:
+        return op, target_params("cuda", params)
+
+
+class CudaHarness(CudaTemplates, Harness):
     kernel_class = CudaKernel
 
     def __init__(self, out_dir: Path):
@@ -326,11 +356,9 @@ class CudaHarness(Harness):
         self._set_seed(1)
 
 
-class GpuHarness(Harness):
+class GpuHarness(CudaTemplates, Harness):
     """LLMC_TEST_CUDA=gpu: the CUDA kernels built by nvcc for LLMC_TEST_GPU_TARGET (default sm90), the way
     `llmc compile` builds model.so, and run on the machine's GPU with every array staged in device memory."""
-
-    target = "cuda"
 
     def __init__(self):
         super().__init__()

@@ -25,12 +25,22 @@ def to_bf16(a):
 
 
 def make_weights(a, wdtype):
-    """(array to pass the kernel, float32 values it holds) for wdtype f32 | bf16."""
+    """(array to pass the kernel, float32 values it holds) for wdtype f32 | bf16; activations (adtype) too."""
     a = np.ascontiguousarray(a, dtype=np.float32)
     if wdtype == "f32":
         return a, a
     assert wdtype == "bf16", wdtype
     return to_bf16(a)
+
+
+def act_empty(shape, adtype):
+    """An output of activations (adtype f32 | bf16) filled with NaN, to show what the kernel leaves unwritten."""
+    return np.full(shape, np.nan, np.float32) if adtype == "f32" else np.full(shape, 0x7FC0, np.uint16)
+
+
+def bf16_bits_of(a):
+    """bf16 activations from a kernel: the uint16 bits as the float32 values they hold."""
+    return (np.asarray(a, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -224,12 +234,13 @@ class Batch:
             self.V.append(np.concatenate([hist_v, new_v]))
 
     def run(self, fn):
-        """Call the kernel on this step; returns out [T, nh * hd] float32 (the caches are written in place)."""
+        """Call the kernel on this step; returns out [T, nh * hd] of qkv's dtype (float32, or uint16: bf16
+        activations); the caches are written in place."""
         nh, nkv, hd = self.p["num_heads"], self.p["num_kv_heads"], self.p["head_dim"]
         q = self.qkv[:, : nh * hd]
         k = self.qkv[:, nh * hd : (nh + nkv) * hd]
         v = self.qkv[:, (nh + nkv) * hd :]
-        out = np.full((self.T, nh * hd), np.nan, dtype=np.float32)
+        out = act_empty((self.T, nh * hd), "bf16" if self.qkv.dtype == np.uint16 else "f32")
         fn(
             q,
             k,

@@ -12,7 +12,7 @@ import subprocess
 import numpy as np
 import pytest
 from kernel_harness import spec_id
-from kernel_reference import assert_gemm_close, gemm_inputs, to_bf16
+from kernel_reference import act_empty, assert_gemm_close, gemm_inputs, to_bf16
 
 # (n, k): 53 / 37 / 23 are no multiple of any vector, warp or tile width (k = 37: scalar weight loads on CUDA);
 # k = 64 / 136 take 16-byte loads (136 = 4 full + 1 partial lane sweep for f32); k = 61: a K tail of more than
@@ -41,7 +41,9 @@ def _grid(shapes):
 # 4 slices of 544 on scalar loads (k = 2050 % 4 != 0), and 4 slices of 384 of which the last is empty
 # (k = 1100). Both targets run them; T up to 8, the GEMV's.
 SPLIT_SHAPES = [(19, 1000), (11, 2050), (7, 1100)]
-SPECS = _grid(SHAPES) + _grid([MODEL_SHAPE, BLOCKED_SHAPE]) + _grid(SPLIT_SHAPES)
+# CUDA's bf16 activations (x and y bf16): the shapes of every path, and a split GEMV
+BF16_SPECS = [(op, dict(p, adtype="bf16")) for op, p in _grid([*SHAPES, SPLIT_SHAPES[0]])]
+SPECS = _grid(SHAPES) + _grid([MODEL_SHAPE, BLOCKED_SHAPE]) + _grid(SPLIT_SHAPES) + BF16_SPECS
 CASES = [pytest.param(*s, id=spec_id(s)) for s in _grid(SHAPES)] + [
     pytest.param(*s, id=spec_id(s), marks=CPU_ONLY) for s in _grid([MODEL_SHAPE, BLOCKED_SHAPE])
 ]
@@ -82,6 +84,21 @@ def test_gemm_matches_numpy(kernels, weights, target, op, params, T):
     y = np.full((T, n), np.nan, dtype=np.float32)
     kernels(op, params)(x, w, b, y, T)
     assert_gemm_close(y, expected_x(x, k, params["wdtype"], target, T), wf, bf)
+
+
+@pytest.mark.targets("cuda")
+@pytest.mark.parametrize("T", [1, 5, 9, 17, 70])
+@pytest.mark.parametrize("op,params", BF16_SPECS, ids=map(spec_id, BF16_SPECS))
+def test_gemm_bf16_activations(kernels, weights, op, params, T):
+    """bf16 x and y: the float32-activation kernel's y over the same bf16 x, rounded once (the same sums: the
+    mma path rounds a float32 x to bf16 anyway)."""
+    x, w, _, b, _ = gemm_inputs(params["n"], params["k"], T, params["wdtype"], params["has_bias"], weights, seed=T)
+    bits, values = to_bf16(x)
+    want = np.empty((T, params["n"]), np.float32)
+    kernels(op, dict(params, adtype="f32"))(values, w, b, want, T)
+    y = act_empty((T, params["n"]), "bf16")
+    kernels(op, params)(bits, w, b, y, T)
+    assert np.array_equal(y, to_bf16(want)[0])
 
 
 @pytest.mark.parametrize("T", [1, 5, 8])
@@ -148,32 +165,42 @@ def test_cpu_bf16_gemm_paths(kernels, weights, target, monkeypatch, mode, n, k):
 # the rest, 7 k steps of 32 and a zero-filled quarter; (24, 1000): a GEMV split over K (gemv_split) with the
 # last slice short; (136, 64): 17 groups, 16-byte rows of whole k16 steps. Built by the CUDA harness alone.
 SWIGLU_SHAPES = [(40, 200), (24, 1000), (136, 64)]
-SWIGLU_SPECS = [("gemm_swiglu", dict(inter=i, k=k, wdtype="bf16")) for i, k in SWIGLU_SHAPES] + [
+SWIGLU_SPECS = [
     spec
     for i, k in SWIGLU_SHAPES
-    for spec in (("gemm", dict(n=2 * i, k=k, wdtype="bf16", has_bias=False)), ("silu_mul", dict(inter=i)))
+    for a in ("f32", "bf16")
+    for spec in (
+        ("gemm_swiglu", dict(inter=i, k=k, wdtype="bf16", adtype=a)),
+        ("gemm", dict(n=2 * i, k=k, wdtype="bf16", has_bias=False, adtype=a)),
+        ("silu_mul", dict(inter=i, adtype=a)),
+    )
 ]
 
 
 @pytest.mark.targets("cuda")
+@pytest.mark.parametrize("adtype", ["f32", "bf16"])
 @pytest.mark.parametrize("T", [1, 5, 8, 9, 17, 70])
 @pytest.mark.parametrize("inter,k", SWIGLU_SHAPES)
-def test_swiglu_gemm_is_gemm_then_silu_mul(harnesses, weights, target, inter, k, T):
+def test_swiglu_gemm_is_gemm_then_silu_mul(harnesses, weights, target, inter, k, T, adtype):
     """silu(x @ gate^T) * (x @ up^T) equals the unfused gemm and silu_mul bit for bit (the same sums in the same
-    order, the same epilogue), and numpy's within the sums' float32 error."""
+    order, rounded as the unfused GEMM stores them, the same epilogue), and, with float32 activations, numpy's
+    within the sums' float32 error."""
     from llmc.compiler.weights import SWIGLU_INTERLEAVE, interleave_rows
 
     cuda = harnesses["cuda"]
     cuda.build(SWIGLU_SPECS)
     x, w, wf, _, _ = gemm_inputs(2 * inter, k, T, "bf16", False, weights, seed=T)
-    fused = np.full((T, inter), np.nan, dtype=np.float32)
+    xa = x if adtype == "f32" else to_bf16(x)[0]
+    fused = act_empty((T, inter), adtype)
     w_interleaved = interleave_rows(w[:inter], w[inter:], SWIGLU_INTERLEAVE)
-    cuda("gemm_swiglu", dict(inter=inter, k=k, wdtype="bf16"))(x, w_interleaved, None, fused, T)
-    gate_up = np.full((T, 2 * inter), np.nan, dtype=np.float32)
-    cuda("gemm", dict(n=2 * inter, k=k, wdtype="bf16", has_bias=False))(x, w, None, gate_up, T)
-    unfused = np.full((T, inter), np.nan, dtype=np.float32)
-    cuda("silu_mul", dict(inter=inter))(gate_up, unfused, T)
+    cuda("gemm_swiglu", dict(inter=inter, k=k, wdtype="bf16", adtype=adtype))(xa, w_interleaved, None, fused, T)
+    gate_up = act_empty((T, 2 * inter), adtype)
+    cuda("gemm", dict(n=2 * inter, k=k, wdtype="bf16", has_bias=False, adtype=adtype))(xa, w, None, gate_up, T)
+    unfused = act_empty((T, inter), adtype)
+    cuda("silu_mul", dict(inter=inter, adtype=adtype))(gate_up, unfused, T)
     assert np.array_equal(fused, unfused)
+    if adtype == "bf16":
+        return
     xr = expected_x(x, k, "bf16", target, T).astype(np.float64)
     g, u = xr @ wf[:inter].astype(np.float64).T, xr @ wf[inter:].astype(np.float64).T
     mg, mu = (np.abs(xr) @ np.abs(wf[h].astype(np.float64)).T for h in (slice(0, inter), slice(inter, None)))

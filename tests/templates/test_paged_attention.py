@@ -14,7 +14,7 @@ import math
 
 import numpy as np
 import pytest
-from kernel_harness import spec_id
+from kernel_harness import spec_id, target_params
 from kernel_reference import MIXED, Batch, to_bf16
 
 from llmc.compiler.codegen.render import render_kernel
@@ -43,7 +43,7 @@ CONFIGS = [
     (9, 3, 20, 8, 37, "bf16"),
     (8, 2, 32, 8, 37, "bf16"),
 ]
-SPECS = [
+F32_SPECS = [
     (
         "paged_attention",
         dict(
@@ -58,14 +58,18 @@ SPECS = [
     )
     for nh, nkv, hd, bs, w, kv in CONFIGS
 ]
-IDS = [spec_id(s) for s in SPECS]
-WINDOWED = [pytest.param(*s, id=IDS[i]) for i, s in enumerate(SPECS) if s[1]["sliding_window"] > 0]
+# bf16 activations (q, k, v and out bf16): an f32 cache with GQA 4, bf16 caches with head_dim 64 and 8 (a window
+# of 13), and one of head_dim 32 with a window across the tensor-core prefill's key tiles
+BF16_SPECS = [(op, dict(p, adtype="bf16")) for op, p in (F32_SPECS[i] for i in (1, 9, 13, 15))]
+SPECS = F32_SPECS + BF16_SPECS
+IDS = [spec_id(s) for s in F32_SPECS]
+WINDOWED = [pytest.param(*s, id=IDS[i]) for i, s in enumerate(F32_SPECS) if s[1]["sliding_window"] > 0]
 # Under the CUDA simulator, where a mixed batch takes ~60 ms, the batch and schedule test runs GQA 4 and 3 and
 # the window across a chunk only, with either cache dtype.
 ON_CUDA_TOO = {1, 2, 7, 9, 14}
 INDEPENDENCE_CASES = [
     pytest.param(*s, id=IDS[i], marks=[] if i in ON_CUDA_TOO else [pytest.mark.targets("cpu")])
-    for i, s in enumerate(SPECS)
+    for i, s in enumerate(F32_SPECS)
 ]
 
 
@@ -127,7 +131,7 @@ def make_batch(params, seqs, seed):
     [MIXED, [(0, 17)], [(40, 1), (3, 1), (0, 1)], [(300, 1), (130, 2), (0, 70)]],
     ids=["mixed", "prefill", "decode", "long"],
 )
-@pytest.mark.parametrize("op,params", SPECS, ids=IDS)
+@pytest.mark.parametrize("op,params", F32_SPECS, ids=IDS)
 def test_paged_attention_matches_numpy(kernels, target, op, params, seqs):
     batch = make_batch(params, seqs, seed=len(seqs))
     k_before, v_before = batch.k_cache.copy(), batch.v_cache.copy()
@@ -140,7 +144,7 @@ def test_paged_attention_matches_numpy(kernels, target, op, params, seqs):
 
 def test_paged_attention_skips_padding_slots(kernels):
     """A negative slot (padding token) writes nothing to the cache."""
-    op, params = SPECS[2]
+    op, params = F32_SPECS[2]
     batch = make_batch(params, [(5, 3), (2, 1)], seed=9)
     batch.slots[1] = -1
     k_before, v_before = batch.k_cache.copy(), batch.v_cache.copy()
@@ -183,12 +187,26 @@ def test_paged_attention_reads_no_block_behind_the_window(kernels, target, op, p
     assert_matches_reference(batch.run(kernels(op, params)), batch, target, params)
 
 
+@pytest.mark.targets("cuda")
+@pytest.mark.parametrize("seqs", [MIXED, [(300, 1), (130, 2), (0, 70)]], ids=["mixed", "long"])
+@pytest.mark.parametrize("op,params", BF16_SPECS, ids=map(spec_id, BF16_SPECS))
+def test_paged_attention_bf16_activations(kernels, op, params, seqs):
+    """bf16 q, k, v and out: the float32-activation kernel's output over the same bf16 values, rounded once, and
+    the same cache."""
+    f32, bf16 = make_batch(params, seqs, seed=4), make_batch(params, seqs, seed=4)
+    f32.qkv, bf16.qkv = to_bf16(f32.qkv)[1], to_bf16(bf16.qkv)[0]
+    want = f32.run(kernels(op, dict(params, adtype="f32")))
+    assert np.array_equal(bf16.run(kernels(op, params)), to_bf16(want)[0])
+    assert np.array_equal(bf16.k_cache, f32.k_cache) and np.array_equal(bf16.v_cache, f32.v_cache)
+
+
 def test_paged_attention_rejects_bad_parameters(target):
     with pytest.raises(CompileError, match="multiple of num_kv_heads"):
         render_kernel(
             target,
             "paged_attention",
             name="a",
+            **target_params(target, {}),
             num_heads=9,
             num_kv_heads=2,
             head_dim=8,
@@ -202,6 +220,7 @@ def test_paged_attention_rejects_bad_parameters(target):
             target,
             "paged_attention",
             name="a",
+            **target_params(target, {}),
             num_heads=9,
             num_kv_heads=3,
             head_dim=8,
@@ -215,6 +234,7 @@ def test_paged_attention_rejects_bad_parameters(target):
             target,
             "paged_attention",
             name="a",
+            **target_params(target, {}),
             num_heads=9,
             num_kv_heads=3,
             head_dim=8,

@@ -1,10 +1,11 @@
 """rmsnorm (templates/{cpu,cuda}/rmsnorm.*.j2): y = w * (h / sqrt(mean(h^2) + eps)),
-h = x (+ residual_in -> residual_out)."""
+h = x (+ residual_in -> residual_out). On CUDA with bf16 activations, as transformers' bf16 LlamaRMSNorm
+rounds: the residual sum to bf16, and the normalized row before its weight multiplies it."""
 
 import numpy as np
 import pytest
 from kernel_harness import spec_id
-from kernel_reference import rmsnorm_inputs, rmsnorm_reference
+from kernel_reference import act_empty, bf16_bits_of, rmsnorm_inputs, rmsnorm_reference, to_bf16
 
 # hidden 37 (on CUDA one partial warp), 64, 576 (576 / 96 threads), 4100 (512 threads x 9 elements, a
 # partial tail)
@@ -15,10 +16,17 @@ SPECS = [
     for res in (False, True)
 ]
 SPECS.append(("rmsnorm", dict(hidden=4100, eps=1e-5, wdtype="bf16", add_residual=True)))
+F32_SPECS = list(SPECS)
+BF16_SPECS = [
+    ("rmsnorm", dict(hidden=h, eps=1e-5, wdtype="bf16", add_residual=res, adtype="bf16"))
+    for h in (37, 576, 4100)
+    for res in (False, True)
+]
+SPECS += BF16_SPECS
 
 
 @pytest.mark.parametrize("T", [1, 3, 17])
-@pytest.mark.parametrize("op,params", SPECS, ids=map(spec_id, SPECS))
+@pytest.mark.parametrize("op,params", F32_SPECS, ids=map(spec_id, F32_SPECS))
 def test_rmsnorm_matches_numpy(kernels, op, params, T):
     add = params["add_residual"]
     x, w, wf, res_in, res_out, y = rmsnorm_inputs(T, params["hidden"], params["wdtype"], add, seed=T)
@@ -68,3 +76,25 @@ def test_rmsnorm_row_independent_of_batch_and_schedule(kernels, weights, schedul
         r_t = np.ascontiguousarray(r[t : t + 1]) if add else None
         fn(np.ascontiguousarray(x[t : t + 1]), r_t, np.empty_like(alone) if add else None, w, alone, 1)
         assert np.array_equal(alone[0], outs[0][t])
+
+
+@pytest.mark.targets("cuda")
+@pytest.mark.parametrize("T", [1, 17])
+@pytest.mark.parametrize("op,params", BF16_SPECS, ids=map(spec_id, BF16_SPECS))
+def test_rmsnorm_bf16_activations(kernels, op, params, T):
+    hidden, add = params["hidden"], params["add_residual"]
+    x, w, wf, res_in, _, _ = rmsnorm_inputs(T, hidden, "bf16", add, seed=T)
+    xb, h = to_bf16(x)
+    rb, res_out = None, None
+    if add:
+        rb, rv = to_bf16(res_in)
+        res_out = act_empty((T, hidden), "bf16")
+        h = to_bf16(h + rv)[1]  # the float32 sum, rounded
+    y = act_empty((T, hidden), "bf16")
+    kernels(op, params)(xb, rb, res_out, w, y, T)
+    if add:
+        assert np.array_equal(bf16_bits_of(res_out), h)
+    normed = to_bf16(rmsnorm_reference(h, np.ones(hidden, np.float32), params["eps"]).astype(np.float32))[1]
+    # the normalized row may round to the other neighbour (its float32 value differs from float64's), then the
+    # product with the weight rounds once more: 1.5 bf16 ulps at most
+    np.testing.assert_allclose(bf16_bits_of(y), wf * normed.astype(np.float64), rtol=2.0**-6, atol=0)

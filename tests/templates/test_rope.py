@@ -1,22 +1,24 @@
 """rope (templates/{cpu,cuda}/rope.*.j2) against transformers' Llama rotary embedding (rotate-half), in torch
-float32."""
+float32; on CUDA with bf16 activations, the float32 rotation of the bf16 values, rounded once."""
 
 import numpy as np
 import pytest
-from kernel_harness import spec_id
-from kernel_reference import emitted_floats, rope_inputs, rope_inv_freq, rope_reference
+from kernel_harness import spec_id, target_params
+from kernel_reference import emitted_floats, rope_inputs, rope_inv_freq, rope_reference, to_bf16
 
 from llmc.compiler.codegen.render import kernel_id, render_kernel
 
 # (num_heads, head_dim, theta): 9 heads is the odd GQA case (on CUDA 9 x 32 pairs > 256 threads: a second
 # sweep), head_dim 8 / 16 / 64
 CASES = [(9, 64, 10000.0), (3, 16, 500000.0), (2, 8, 10000.0)]
-SPECS = [("rope", dict(num_heads=nh, head_dim=hd, inv_freq=rope_inv_freq(hd, th).tolist())) for nh, hd, th in CASES]
+F32_SPECS = [("rope", dict(num_heads=nh, head_dim=hd, inv_freq=rope_inv_freq(hd, th).tolist())) for nh, hd, th in CASES]
+BF16_SPECS = [(op, dict(p, adtype="bf16")) for op, p in F32_SPECS]
+SPECS = F32_SPECS + BF16_SPECS
 
 
 @pytest.mark.parametrize("T", [1, 3, 17])
 @pytest.mark.parametrize("extra_cols", [0, 40])
-@pytest.mark.parametrize("op,params", SPECS, ids=map(spec_id, SPECS))
+@pytest.mark.parametrize("op,params", F32_SPECS, ids=map(spec_id, F32_SPECS))
 def test_rope_matches_transformers(kernels, op, params, T, extra_cols):
     """Rotates heads [0, num_heads) of each row in place; the rest of the row (k, v) is untouched."""
     nh, hd = params["num_heads"], params["head_dim"]
@@ -29,10 +31,26 @@ def test_rope_matches_transformers(kernels, op, params, T, extra_cols):
     assert np.array_equal(x[:, nh * hd :], orig[:, nh * hd :])
 
 
+@pytest.mark.targets("cuda")
+@pytest.mark.parametrize("T", [3, 17])  # positions[0] = 0: T = 1 would rotate nothing
+@pytest.mark.parametrize("op,params", BF16_SPECS, ids=map(spec_id, BF16_SPECS))
+def test_rope_bf16_activations(kernels, op, params, T):
+    stride = params["num_heads"] * params["head_dim"] + 40
+    x, positions = rope_inputs(T, stride, seed=T)
+    bits, values = to_bf16(x)
+    kernels(op, dict(params, adtype="f32"))(values, stride, positions, T)
+    orig = bits.copy()
+    kernels(op, params)(bits, stride, positions, T)
+    assert np.array_equal(bits, to_bf16(values)[0])  # k and v columns: untouched, as the float32 kernel leaves them
+    assert not np.array_equal(bits, orig)
+
+
 def test_rope_inv_freq_round_trips_float32(target):
     """The emitted table holds exactly the float32 values transformers uses."""
     freqs = rope_inv_freq(64, 10000.0)
-    src = render_kernel(target, "rope", name="k", num_heads=1, head_dim=64, inv_freq=freqs.tolist())
+    src = render_kernel(
+        target, "rope", name="k", **target_params(target, dict(num_heads=1, head_dim=64, inv_freq=freqs.tolist()))
+    )
     assert np.array_equal(emitted_floats(src, "inv_freq["), freqs.numpy())
 
 

@@ -5,8 +5,11 @@
 // `static void name(<the CPU signature>, cudaStream_t stream)` that takes its grid and block from the same
 // struct and launches through LLMC_LAUNCH. A generated model.cu includes this header once, before the kernels.
 //
-// Numerics: activations and every accumulation are float32; weights and the KV cache are float or uint16_t
-// (bf16 bits), widened to float on load (the bf16 GEMM's tensor-core path rounds x to bf16). Every result is
+// Numerics: every accumulation is float32. Activations (the A of each config: the step's buffers), weights and
+// the KV cache are float or uint16_t (bf16 bits), widened to float on load; a bf16 activation is rounded to
+// nearest even where it is stored, at the points where transformers' bf16 modules round (a GEMM's output, the
+// residual sum, the normalized row before its weight), and the tensor-core paths take it as it is (a float x
+// is rounded to bf16 there). With float activations nothing rounds. Every result is
 // computed by one thread, one warp or one block in a fixed order; the one split reduction (paged attention's
 // KV splits) is combined in split order whichever block finishes last, its only atomic a counter. So a run is
 // bit-reproducible (and seed-independent under the simulator). expf/sincosf/sqrtf/division are the accurate
@@ -55,7 +58,7 @@ __host__ __device__ constexpr int largest_divisor_le(int n, int cap) {
 }
 
 // ---------------------------------------------------------------------------------------------------
-// weights: float or uint16_t (bf16 bits) -> float
+// a weight, KV or activation element: float or uint16_t (bf16 bits) -> float
 __device__ __forceinline__ float wload(float v) { return v; }
 __device__ __forceinline__ float wload(uint16_t v) { return bf16_to_float(v); }
 
@@ -88,13 +91,63 @@ struct Vec16<uint16_t> {
   }
 };
 
-// Copies C floats from src to dst (one row), threads [0, NT) of the block; float4 when C % 4 == 0.
-template <int C, int NT>
-__device__ __forceinline__ void copy_row(const float* src, float* dst) {
-  if constexpr (C % 4 == 0) {
-    for (int i = threadIdx.x * 4; i < C; i += NT * 4) {
-      const float4 v = load4(src + i);
-      store4(dst + i, v.x, v.y, v.z, v.w);
+// ---------------------------------------------------------------------------------------------------
+// activations: float, or uint16_t (bf16 bits)
+__device__ __forceinline__ uint16_t bf16_bits(float v) { return pack_bf16x2(v, 0.0f) & 0xffffu; }
+__device__ __forceinline__ void astore(float* p, float v) { *p = v; }
+__device__ __forceinline__ void astore(uint16_t* p, float v) { *p = bf16_bits(v); }
+// v as an activation of type A holds it: what a fused epilogue reads where the unfused kernel reads memory
+template <typename A>
+__device__ __forceinline__ float act_round(float v) {
+  if constexpr (sizeof(A) == 2)
+    return bf16_to_float(bf16_bits(v));
+  else
+    return v;
+}
+// Four consecutive activations (16 or 8 bytes, aligned to that), and two (8 or 4 bytes).
+__device__ __forceinline__ void load_act4(const float* p, float (&o)[4]) { Vec16<float>::load(p, o); }
+__device__ __forceinline__ void load_act4(const uint16_t* p, float (&o)[4]) { load_bf16x4(p, o); }
+__device__ __forceinline__ void store_act4(float* p, float a, float b, float c, float d) { store4(p, a, b, c, d); }
+__device__ __forceinline__ void store_act4(uint16_t* p, float a, float b, float c, float d) {
+  vstore(p, uint2{pack_bf16x2(a, b), pack_bf16x2(c, d)});
+}
+__device__ __forceinline__ void store_act2(float* p, float a, float b) { vstore(p, float2{a, b}); }
+__device__ __forceinline__ void store_act2(uint16_t* p, float a, float b) {
+  *reinterpret_cast<uint32_t*>(p) = pack_bf16x2(a, b);
+}
+// V (a multiple of 4) consecutive activations from f: 16-byte stores where they hold 16 bytes.
+template <int V>
+__device__ __forceinline__ void store_acts(float* p, const float (&f)[V]) {
+#pragma unroll
+  for (int j = 0; j < V; j += 4) store4(p + j, f[j], f[j + 1], f[j + 2], f[j + 3]);
+}
+template <int V>
+__device__ __forceinline__ void store_acts(uint16_t* p, const float (&f)[V]) {
+  if constexpr (V % 8 == 0) {
+#pragma unroll
+    for (int j = 0; j < V; j += 8) {
+      LLMC_CHECK_ALIGNED16(p + j);
+      vstore(p + j, uint4{pack_bf16x2(f[j], f[j + 1]), pack_bf16x2(f[j + 2], f[j + 3]), pack_bf16x2(f[j + 4], f[j + 5]),
+                          pack_bf16x2(f[j + 6], f[j + 7])});
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < V; j += 4) store_act4(p + j, f[j], f[j + 1], f[j + 2], f[j + 3]);
+  }
+}
+
+// Copies a row of C elements from src to dst, threads [0, NT) of the block; 16 bytes at a time when the row
+// is whole 16-byte pieces (row_pieces: how many, else 0).
+template <typename T, int C>
+__host__ __device__ constexpr int row_pieces() { return (C * sizeof(T)) % 16 == 0 ? C * sizeof(T) / 16 : 0; }
+template <typename T, int C, int NT>
+__device__ __forceinline__ void copy_row(const T* src, T* dst) {
+  constexpr int P = row_pieces<T, C>();
+  if constexpr (P > 0) {
+    for (int i = threadIdx.x; i < P; i += NT) {
+      LLMC_CHECK_ALIGNED16(src + i * (16 / sizeof(T)));
+      LLMC_CHECK_ALIGNED16(dst + i * (16 / sizeof(T)));
+      vstore(dst + i * (16 / sizeof(T)), vload<uint4>(src + i * (16 / sizeof(T))));
     }
   } else {
     for (int i = threadIdx.x; i < C; i += NT) dst[i] = src[i];
@@ -103,41 +156,41 @@ __device__ __forceinline__ void copy_row(const float* src, float* dst) {
 
 // ---------------------------------------------------------------------------------------------------
 // embedding: out[t, :] = table[ids[t], :]. Grid (T), block kThreads; 16-byte loads when rows are aligned.
-template <int H, typename W>
+template <int H, typename W, typename A = float>
 struct Embedding {
   static constexpr int V = Vec16<W>::N;
   static constexpr bool kVec = H % V == 0;
   static constexpr int kThreads = row_threads(ceil_div(H, kVec ? V : 1), 256);
 
-  static __device__ __forceinline__ void run(const int32_t* ids, const W* table, float* out) {
+  static __device__ __forceinline__ void run(const int32_t* ids, const W* table, A* out) {
     const int t = blockIdx.x;
     const W* src = table + static_cast<int64_t>(ids[t]) * H;
-    float* dst = out + static_cast<int64_t>(t) * H;
+    A* dst = out + static_cast<int64_t>(t) * H;
     if constexpr (kVec) {
       for (int i = threadIdx.x * V; i < H; i += kThreads * V) {
         float f[V];
         Vec16<W>::load(src + i, f);
-#pragma unroll
-        for (int j = 0; j < V; j += 4) store4(dst + i + j, f[j], f[j + 1], f[j + 2], f[j + 3]);
+        store_acts<V>(dst + i, f);
       }
     } else {
-      for (int i = threadIdx.x; i < H; i += kThreads) dst[i] = wload(src[i]);
+      for (int i = threadIdx.x; i < H; i += kThreads) astore(dst + i, wload(src[i]));
     }
   }
 };
 
 // ---------------------------------------------------------------------------------------------------
-// rmsnorm, as transformers' LlamaRMSNorm in float32: y = w * (h * (1 / sqrt(mean(h^2) + eps))).
-// ADD: h = residual_out = x + residual_in first (residual_out may alias x or residual_in: each element is
+// rmsnorm, as transformers' LlamaRMSNorm: y = w * A(h * (1 / sqrt(mean(h^2) + eps))), in float32, A() the
+// rounding to the activation type (bf16: as LlamaRMSNorm casts back to the input dtype before the weight).
+// ADD: h = residual_out = A(x + residual_in) first (residual_out may alias x or residual_in: each element is
 // read and written by the same thread). Grid (T), block kThreads; a thread keeps its PER elements in
 // registers (element i = j * kThreads + tid: coalesced), one block_sum.
-template <int H, bool ADD, typename W>
+template <int H, bool ADD, typename W, typename A = float>
 struct RmsNorm {
   static constexpr int kThreads = row_threads(ceil_div(H, 8), 512);
   static constexpr int PER = ceil_div(H, kThreads);
 
-  static __device__ __forceinline__ void run(const float* x, const float* residual_in, float* residual_out,
-                                             const W* w, float* y, float eps) {
+  static __device__ __forceinline__ void run(const A* x, const A* residual_in, A* residual_out, const W* w, A* y,
+                                             float eps) {
     const int64_t base = static_cast<int64_t>(blockIdx.x) * H;
     float h[PER];
     float ss = 0.0f;
@@ -146,10 +199,10 @@ struct RmsNorm {
       const int i = j * kThreads + threadIdx.x;
       float v = 0.0f;
       if (i < H) {
-        v = x[base + i];
+        v = wload(x[base + i]);
         if constexpr (ADD) {
-          v += residual_in[base + i];
-          residual_out[base + i] = v;
+          v = act_round<A>(v + wload(residual_in[base + i]));
+          astore(residual_out + base + i, v);
         }
       }
       h[j] = v;
@@ -160,7 +213,7 @@ struct RmsNorm {
 #pragma unroll
     for (int j = 0; j < PER; ++j) {
       const int i = j * kThreads + threadIdx.x;
-      if (i < H) y[base + i] = wload(w[i]) * (h[j] * r);
+      if (i < H) astore(y + base + i, wload(w[i]) * act_round<A>(h[j] * r));
     }
   }
 };
@@ -177,12 +230,13 @@ __device__ __forceinline__ float silu_mul(float g, float u) { return g / (1.0f +
 //  - prefill: tiled(), a BM x BN output tile per block, BK-deep k steps. Grid (kTilesN, ceil(T / BM)), block
 //    kTileThreads.
 //    - bf16 weights with 16-byte rows (kMma): on tensor cores, tiled_mma(). Four warps in 2 x 2, each a
-//      (BM / 2) x (BN / 2) tile of mma.sync m16n8k16 (bf16 in, fp32 accumulate). x (fp32) and w (bf16) tiles
-//      go global -> shared by cp.async 16 bytes at a time, STAGES k steps in flight (rows past T or N and
-//      chunks past K zero-filled); B fragments come from ldmatrix.x4 on w's [n][k] rows, A fragments from
-//      fp32 x pairs rounded to bf16 in registers (nearest even, as the CPU's vdpbf16ps path rounds x). Rows
-//      are padded (x: +4 floats, w: +8 bf16) so that ldmatrix, the x pair reads and the cp.async stores
-//      touch every bank equally: no replays. The output is summed in k order by one mma chain per element.
+//      (BM / 2) x (BN / 2) tile of mma.sync m16n8k16 (bf16 in, fp32 accumulate). x and w (bf16) tiles go
+//      global -> shared by cp.async 16 bytes at a time, STAGES k steps in flight (rows past T or N and
+//      chunks past K zero-filled); B fragments come from ldmatrix.x4 on w's [n][k] rows; A fragments from
+//      ldmatrix.x4 on x's [m][k] rows (bf16 x), or from fp32 x pairs rounded to bf16 in registers (nearest
+//      even, as the CPU's vdpbf16ps path rounds x). Rows are padded (+16 bytes; fp32 x: +4 floats) so that
+//      ldmatrix, the x pair reads and the cp.async stores touch every bank equally: no replays. The output is
+//      summed in k order by one mma chain per element.
 //    - otherwise tiled_simt(): x and w staged k-major in shared memory (w widened to float), 4 x 4 outputs
 //      per thread, fp32 accumulate; zero-filled tails.
 // GEMV_WARPS, BM, BN, BK and STAGES are tunable (templates/cuda/gemm.tune.toml). None changes the numbers:
@@ -193,9 +247,11 @@ __device__ __forceinline__ float silu_mul(float g, float u) { return g / (1.0f +
 // 16q..16q+7: gate rows 8q..8q+7; rows 16q+8..16q+15: their up rows; the compiler packs them so), so that an
 // mma warp's n8 tiles 2j and 2j + 1 hold gate and up of the same 8 outputs, and y is [T, N / 2]: y[t, o] =
 // silu(gate_o . x_t) * (up_o . x_t). The GEMV's warp takes both rows of its output. Each sum is the unfused
-// GEMM's, in its order, so the result equals gemm + silu_mul bit for bit. bf16 weights with 16-byte rows only.
+// GEMM's, in its order, and is rounded to A as the unfused GEMM stores it, so the result equals gemm +
+// silu_mul bit for bit. bf16 weights with 16-byte rows only.
+// A: the activation element of x and y.
 template <int N, int K, bool BIAS, typename W, int GEMV_WARPS = 4, int TILE_M = 64, int TILE_N = 64,
-          int TILE_K = 32, int STAGES = 3, bool SWIGLU = false>
+          int TILE_K = 32, int STAGES = 3, bool SWIGLU = false, typename A = float>
 struct Gemm {
   static constexpr int kOut = SWIGLU ? N / 2 : N;  // y's columns
   static constexpr int kRowsPerOut = SWIGLU ? 2 : 1;
@@ -203,7 +259,7 @@ struct Gemm {
   static __host__ __device__ constexpr int weight_row(int o, int r) {
     return SWIGLU ? 16 * (o / 8) + o % 8 + 8 * r : o;
   }
-  // GEMV: each lane access takes 4 values of a row (x: 16 bytes, w: 16 or 8), so that both x's and w's warp
+  // GEMV: each lane access takes 4 values of a row (x and w: 16 or 8 bytes), so that both x's and w's warp
   // accesses are contiguous (full sectors); rows of 4k values keep them aligned. A block holds GEMV_WARPS
   // output rows of kSplit warps each (split-K where N is small: gemv_split, slices of whole warp sweeps of at
   // least 256 values; at most 4, so a block stays within 1024 threads).
@@ -225,12 +281,12 @@ struct Gemm {
   // One output's value from its row sums (slice sums added): SWIGLU: silu(gate) * up; else the sum + bias.
   static __device__ __forceinline__ float gemv_out(const float (&s)[kRowsPerOut], float b) {
     if constexpr (SWIGLU)
-      return silu_mul(s[0], s[1]);
+      return silu_mul(act_round<A>(s[0]), act_round<A>(s[1]));
     else
       return s[0] + b;
   }
 
-  static __device__ __forceinline__ void gemv(const float* x, const W* w, const W* bias, float* y, int T) {
+  static __device__ __forceinline__ void gemv(const A* x, const W* w, const W* bias, A* y, int T) {
     constexpr int R = kGemvRows, NR = kRowsPerOut;
     __shared__ float part[kSplit > 1 ? kGemvWarps * kSplit : 1][NR][R];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, slice = warp % kSplit;
@@ -244,7 +300,7 @@ struct Gemm {
     const float b = BIAS && live ? wload(bias[j]) : 0.0f;
     for (int t0 = 0; t0 < T; t0 += R) {
       const int rows = min(R, T - t0);
-      const float* x0 = x + static_cast<int64_t>(t0) * K;
+      const A* x0 = x + static_cast<int64_t>(t0) * K;
       float acc[NR][R];
 #pragma unroll
       for (int q = 0; q < NR; ++q)
@@ -260,10 +316,11 @@ struct Gemm {
 #pragma unroll
           for (int r = 0; r < R; ++r) {
             if (r < rows) {
-              const float4 xv = load4(x0 + static_cast<int64_t>(r) * K + k);
+              float xv[4];
+              load_act4(x0 + static_cast<int64_t>(r) * K + k, xv);
 #pragma unroll
               for (int q = 0; q < NR; ++q)
-                acc[q][r] += xv.x * wv[q][0] + xv.y * wv[q][1] + xv.z * wv[q][2] + xv.w * wv[q][3];
+                acc[q][r] += xv[0] * wv[q][0] + xv[1] * wv[q][1] + xv[2] * wv[q][2] + xv[3] * wv[q][3];
             }
           }
         }
@@ -276,7 +333,7 @@ struct Gemm {
           for (int r = 0; r < R; ++r)
             if (r < rows) {
 #pragma unroll
-              for (int q = 0; q < NR; ++q) acc[q][r] += x0[static_cast<int64_t>(r) * K + k] * wv[q];
+              for (int q = 0; q < NR; ++q) acc[q][r] += wload(x0[static_cast<int64_t>(r) * K + k]) * wv[q];
             }
         }
       }
@@ -287,7 +344,7 @@ struct Gemm {
 #pragma unroll
           for (int q = 0; q < NR; ++q) s[q] = warp_sum(acc[q][r]);
           if constexpr (kSplit == 1) {
-            if (lane == 0) y[static_cast<int64_t>(t0 + r) * kOut + j] = gemv_out(s, b);
+            if (lane == 0) astore(y + static_cast<int64_t>(t0 + r) * kOut + j, gemv_out(s, b));
           } else if (lane == 0) {
 #pragma unroll
             for (int q = 0; q < NR; ++q) part[warp][q][r] = s[q];
@@ -304,28 +361,29 @@ struct Gemm {
 #pragma unroll
             for (int sl = 0; sl < kSplit; ++sl) v[q] += part[warp + sl][q][lane];
           }
-          y[static_cast<int64_t>(t0 + lane) * kOut + j] = gemv_out(v, b);
+          astore(y + static_cast<int64_t>(t0 + lane) * kOut + j, gemv_out(v, b));
         }
         __syncthreads();  // part is rewritten by the next rows
       }
     }
   }
 
-  static __device__ __forceinline__ void tiled(const float* x, const W* w, const W* bias, float* y, int T) {
+  static __device__ __forceinline__ void tiled(const A* x, const W* w, const W* bias, A* y, int T) {
     if constexpr (kMma)
       tiled_mma(x, w, bias, y, T);
     else
       tiled_simt(x, w, bias, y, T);
   }
 
-  static __device__ __forceinline__ void tiled_mma(const float* x, const uint16_t* w, const uint16_t* bias, float* y,
-                                                   int T) {
+  static __device__ __forceinline__ void tiled_mma(const A* x, const uint16_t* w, const uint16_t* bias, A* y, int T) {
     static_assert(BM % 32 == 0 && BN % 32 == 0 && BK % 16 == 0 && STAGES >= 2, "gemm: mma tile shape");
-    constexpr int XS = BK + 4, WS = BK + 8;  // row strides, floats / bf16: 16-byte multiples that shift banks
+    constexpr bool kBf16X = sizeof(A) == 2;
+    // row strides in elements: 16-byte multiples that shift banks
+    constexpr int XS = kBf16X ? BK + 8 : BK + 4, WS = BK + 8;
     constexpr int MT = BM / 32, NT = BN / 16;  // m16 and n8 tiles per warp
     constexpr int KT = ceil_div(K, BK);
     struct alignas(16) Stage {
-      float x[BM][XS];
+      A x[BM][XS];
       uint16_t w[BN][WS];
     };
     __shared__ Stage sm[STAGES];
@@ -335,11 +393,11 @@ struct Gemm {
 
     auto load_stage = [&](int st, int kt) {
       const int k0 = kt * BK;
-      constexpr int XC = BK / 4, WC = BK / 8;  // 16-byte chunks per row
+      constexpr int XE = 16 / sizeof(A), XC = BK / XE, WC = BK / 8;  // elements per 16-byte chunk, chunks per row
       for (int c = tid; c < BM * XC; c += kTileThreads) {
-        const int r = c / XC, kk = k0 + 4 * (c % XC);
+        const int r = c / XC, kk = k0 + XE * (c % XC);
         const bool in = m0 + r < T && kk < K;  // K % 8 == 0: a chunk is wholly in or out
-        cp_async_16_zfill(&sm[st].x[r][4 * (c % XC)], x + (in ? static_cast<int64_t>(m0 + r) * K + kk : 0), in ? 16 : 0);
+        cp_async_16_zfill(&sm[st].x[r][XE * (c % XC)], x + (in ? static_cast<int64_t>(m0 + r) * K + kk : 0), in ? 16 : 0);
       }
       for (int c = tid; c < BN * WC; c += kTileThreads) {
         const int r = c / WC, kk = k0 + 8 * (c % WC);
@@ -372,12 +430,16 @@ struct Gemm {
         uint32_t a[MT][4], b[NT][2];
 #pragma unroll
         for (int mi = 0; mi < MT; ++mi) {
-          const float* r0 = &st.x[wm + 16 * mi + g][ks + 2 * t];
-          const float* r1 = r0 + 8 * XS;
-          const float2 v0 = vload<float2>(r0), v1 = vload<float2>(r1);
-          const float2 v2 = vload<float2>(r0 + 8), v3 = vload<float2>(r1 + 8);
-          a[mi][0] = pack_bf16x2(v0.x, v0.y), a[mi][1] = pack_bf16x2(v1.x, v1.y);
-          a[mi][2] = pack_bf16x2(v2.x, v2.y), a[mi][3] = pack_bf16x2(v3.x, v3.y);
+          if constexpr (kBf16X) {  // matrices: (rows 0-7, k 0-7), (8-15, 0-7), (0-7, 8-15), (8-15, 8-15)
+            ldmatrix_x4(a[mi], &st.x[wm + 16 * mi + (lane & 7) + 8 * ((lane >> 3) & 1)][ks + 8 * (lane >> 4)]);
+          } else {
+            const float* r0 = &st.x[wm + 16 * mi + g][ks + 2 * t];
+            const float* r1 = r0 + 8 * XS;
+            const float2 v0 = vload<float2>(r0), v1 = vload<float2>(r1);
+            const float2 v2 = vload<float2>(r0 + 8), v3 = vload<float2>(r1 + 8);
+            a[mi][0] = pack_bf16x2(v0.x, v0.y), a[mi][1] = pack_bf16x2(v1.x, v1.y);
+            a[mi][2] = pack_bf16x2(v2.x, v2.y), a[mi][3] = pack_bf16x2(v3.x, v3.y);
+          }
         }
 #pragma unroll
         for (int j = 0; j < NT; j += 2) {  // matrices: (tile j, k 0-7), (j, k 8-15), (j + 1, 0-7), (j + 1, 8-15)
@@ -404,15 +466,17 @@ struct Gemm {
           for (int h = 0; h < 2; ++h) {
             const int row = m0 + wm + 16 * mi + g + 8 * h;
             if (row >= T) continue;
-            vstore(y + static_cast<int64_t>(row) * kOut + col,
-                   float2{silu_mul(acc[mi][j][2 * h], acc[mi][j + 1][2 * h]),
-                          silu_mul(acc[mi][j][2 * h + 1], acc[mi][j + 1][2 * h + 1])});
+            const float* gate = acc[mi][j];
+            const float* up = acc[mi][j + 1];
+            store_act2(y + static_cast<int64_t>(row) * kOut + col,
+                       silu_mul(act_round<A>(gate[2 * h]), act_round<A>(up[2 * h])),
+                       silu_mul(act_round<A>(gate[2 * h + 1]), act_round<A>(up[2 * h + 1])));
           }
         }
       }
       return;
     }
-    constexpr bool kPairs = N % 2 == 0;  // each (row, col pair) 8-byte aligned: one float2 store
+    constexpr bool kPairs = N % 2 == 0;  // each (row, col pair) aligned to its size: one store
 #pragma unroll
     for (int mi = 0; mi < MT; ++mi) {
 #pragma unroll
@@ -423,20 +487,20 @@ struct Gemm {
         for (int h = 0; h < 2; ++h) {
           const int row = m0 + wm + 16 * mi + g + 8 * h;
           if (row >= T) continue;
-          float* yr = y + static_cast<int64_t>(row) * N + col;
+          A* yr = y + static_cast<int64_t>(row) * N + col;
           const float v0 = acc[mi][j][2 * h] + b0, v1 = acc[mi][j][2 * h + 1] + b1;
           if (kPairs && col + 1 < N) {
-            vstore(yr, float2{v0, v1});
+            store_act2(yr, v0, v1);
           } else {
-            if (col < N) yr[0] = v0;
-            if (col + 1 < N) yr[1] = v1;
+            if (col < N) astore(yr, v0);
+            if (col + 1 < N) astore(yr + 1, v1);
           }
         }
       }
     }
   }
 
-  static __device__ __forceinline__ void tiled_simt(const float* x, const W* w, const W* bias, float* y, int T) {
+  static __device__ __forceinline__ void tiled_simt(const A* x, const W* w, const W* bias, A* y, int T) {
     static_assert(BM * BK % kTileThreads == 0 && BN * BK % kTileThreads == 0, "gemm: tile loads");
     static_assert((BM / 4) * (BN / 4) == kTileThreads, "gemm: 4 x 4 outputs per thread");
     struct alignas(16) Smem {
@@ -458,7 +522,7 @@ struct Gemm {
       for (int e = 0; e < BM * BK / kTileThreads; ++e) {  // consecutive threads read consecutive k
         const int idx = tid + e * kTileThreads, r = idx / BK, c = idx % BK;
         const int gm = m0 + r, gk = k0 + c;
-        sm.x[c][r] = (gm < T && gk < K) ? x[static_cast<int64_t>(gm) * K + gk] : 0.0f;
+        sm.x[c][r] = (gm < T && gk < K) ? wload(x[static_cast<int64_t>(gm) * K + gk]) : 0.0f;
       }
 #pragma unroll
       for (int e = 0; e < BN * BK / kTileThreads; ++e) {
@@ -486,7 +550,7 @@ struct Gemm {
 #pragma unroll
       for (int jj = 0; jj < 4; ++jj) {
         const int gn = n0 + tx * 4 + jj;
-        if (gn < N) y[static_cast<int64_t>(gm) * N + gn] = BIAS ? acc[i][jj] + wload(bias[gn]) : acc[i][jj];
+        if (gn < N) astore(y + static_cast<int64_t>(gm) * N + gn, BIAS ? acc[i][jj] + wload(bias[gn]) : acc[i][jj]);
       }
     }
   }
@@ -497,35 +561,35 @@ struct Gemm {
 // float(pos) * inv_freq[i],  x[i] = x[i] c - x[i + D/2] s,  x[i + D/2] = x[i + D/2] c + x[i] s.
 // Grid (T), block kThreads: the token's D/2 (cos, sin) pairs once into shared memory (accurate sincosf),
 // then one thread per (head, i) pair.
-template <int NH, int D>
+template <int NH, int D, typename A = float>
 struct Rope {
   static_assert(D % 2 == 0, "rope: odd head_dim");
   static constexpr int HALF = D / 2;
   static constexpr int kThreads = row_threads(NH * HALF, 256);
 
-  static __device__ __forceinline__ void run(float* x, int row_stride, const int32_t* positions,
-                                             const float* inv_freq) {
+  static __device__ __forceinline__ void run(A* x, int row_stride, const int32_t* positions, const float* inv_freq) {
     __shared__ float cos_s[HALF], sin_s[HALF];
     const int t = blockIdx.x;
     const float p = static_cast<float>(positions[t]);
     for (int i = threadIdx.x; i < HALF; i += kThreads) sincosf(p * inv_freq[i], &sin_s[i], &cos_s[i]);
     __syncthreads();
-    float* row = x + static_cast<int64_t>(t) * row_stride;
+    A* row = x + static_cast<int64_t>(t) * row_stride;
     for (int idx = threadIdx.x; idx < NH * HALF; idx += kThreads) {
       const int h = idx / HALF, i = idx % HALF;
       const float c = cos_s[i], s = sin_s[i];
-      float* x1 = row + h * D + i;
-      const float a = x1[0], b = x1[HALF];
-      float* y1 = store_ptr(x1);
-      y1[0] = a * c - b * s;
-      y1[HALF] = b * c + a * s;
+      A* x1 = row + h * D + i;
+      const float a = wload(x1[0]), b = wload(x1[HALF]);
+      A* y1 = store_ptr(x1);
+      astore(y1, a * c - b * s);
+      astore(y1 + HALF, b * c + a * s);
     }
   }
 };
 
 // ---------------------------------------------------------------------------------------------------
 // paged attention over a ragged batch (docs/contracts.md, "The step"). KV cache [num_blocks, BS, NKV, D]
-// each, of KV: float, or uint16_t bf16 bits (rounded to nearest even when written, widened to float when read).
+// each, of KV: float, or uint16_t bf16 bits (rounded to nearest even when written, widened to float when read);
+// q, k, v and out of A, the activation element.
 // The launcher takes the step's T from the host (the kernels read their own copy, query_start_loc[B]) and
 // sizes the grids by it, capped at kMaxGrid; the kernels loop over their items.
 //  1. write(): token t's k/v rows (kv heads [0, NKV)) go to cache slot slot_mapping[t] (< 0: skipped).
@@ -558,7 +622,7 @@ struct Rope {
 //     lane keeps its own part of l; the quad sums it once at the end), then O += P V with P's bf16 A fragments
 //     straight from S's accumulators and V's B fragments from ldmatrix.trans. Rows padded by 16 bytes: no
 //     bank replays. Grid (prefill_grid()), block kFlashThreads.
-template <int NH, int NKV, int D, int BS, int W, typename KV>
+template <int NH, int NKV, int D, int BS, int W, typename KV, typename A = float>
 struct PagedAttention {
   static_assert(NH % NKV == 0, "paged_attention: num_heads must be a multiple of num_kv_heads");
   static constexpr int GROUP = NH / NKV;
@@ -604,9 +668,9 @@ struct PagedAttention {
   }
 
   static __device__ __forceinline__ float to_kv(float x, float*) { return x; }
-  static __device__ __forceinline__ uint16_t to_kv(float x, uint16_t*) { return pack_bf16x2(x, 0.0f) & 0xffffu; }
+  static __device__ __forceinline__ uint16_t to_kv(float x, uint16_t*) { return bf16_bits(x); }
 
-  static __device__ __forceinline__ void write(const float* k, const float* v, int row_stride, KV* k_cache,
+  static __device__ __forceinline__ void write(const A* k, const A* v, int row_stride, KV* k_cache,
                                                KV* v_cache, const int64_t* slot_mapping,
                                                const int32_t* query_start_loc, int B) {
     const int T = query_start_loc[B];
@@ -615,8 +679,8 @@ struct PagedAttention {
       if (slot < 0) continue;
       const int64_t src = static_cast<int64_t>(t) * row_stride, dst = slot * SLOT;
       for (int i = threadIdx.x; i < SLOT; i += kWriteThreads) {
-        k_cache[dst + i] = to_kv(k[src + i], k_cache);
-        v_cache[dst + i] = to_kv(v[src + i], v_cache);
+        k_cache[dst + i] = to_kv(wload(k[src + i]), k_cache);
+        v_cache[dst + i] = to_kv(wload(v[src + i]), v_cache);
       }
     }
   }
@@ -651,7 +715,7 @@ struct PagedAttention {
 
   // The `splits` partials of head h of token t (at a stride of S per head) -> out; one warp, in the block
   // whose split came last.
-  static __device__ __forceinline__ void combine(const float* partials, int t, int h, int S, int splits, float* out) {
+  static __device__ __forceinline__ void combine(const float* partials, int t, int h, int S, int splits, A* out) {
     const int lane = threadIdx.x & 31;
     const volatile float* part = partials + (static_cast<int64_t>(t) * NH + h) * S * kPartial;  // past L1
     const float m_lane = lane < splits ? part[lane * kPartial + D] : -INFINITY;
@@ -671,20 +735,21 @@ struct PagedAttention {
     store_dims(out + (static_cast<int64_t>(t) * NH + h) * D, o, 1.0f / L);
   }
 
-  // dst[d] = acc * scale for this lane's dims d = lane + 32 i of a head
-  static __device__ __forceinline__ void store_dims(float* dst, const float (&acc)[DPL], float scale) {
+  // dst[d] = acc * scale for this lane's dims d = lane + 32 i of a head (an output row, or a float partial)
+  template <typename T>
+  static __device__ __forceinline__ void store_dims(T* dst, const float (&acc)[DPL], float scale) {
     const int lane = threadIdx.x & 31;
 #pragma unroll
     for (int i = 0; i < DPL; ++i) {
       const int d = lane + 32 * i;
-      if (D % 32 == 0 || d < D) dst[d] = acc[i] * scale;
+      if (D % 32 == 0 || d < D) astore(dst + d, acc[i] * scale);
     }
   }
 
-  static __device__ __forceinline__ void attend(const float* q, int row_stride, const KV* k_cache,
+  static __device__ __forceinline__ void attend(const A* q, int row_stride, const KV* k_cache,
                                                 const KV* v_cache, const int32_t* query_start_loc,
                                                 const int32_t* seq_lens, const int32_t* block_tables,
-                                                int max_blocks, int B, float* out, float scale,
+                                                int max_blocks, int B, A* out, float scale,
                                                 float* partials, unsigned* done) {
     struct alignas(16) Smem {
       float q[HPB][D];     // this warp's query row
@@ -714,8 +779,8 @@ struct PagedAttention {
       const int lo = first + split * chunk, hi = min(ctx, lo + chunk);     // this split's positions
       const int kvh = h / GROUP;
       const int32_t* table = block_tables + static_cast<int64_t>(b) * max_blocks;
-      const float* qh = q + static_cast<int64_t>(t) * row_stride + h * D;
-      for (int d = lane; d < D; d += 32) sm.q[warp][q_slot(d)] = qh[d];
+      const A* qh = q + static_cast<int64_t>(t) * row_stride + h * D;
+      for (int d = lane; d < D; d += 32) sm.q[warp][q_slot(d)] = wload(qh[d]);
       __syncwarp();
 
       float qv[PPL][VW];  // kRowVec: this lane's pieces of q, d = (i * LPR + lane % LPR) * VW + e
@@ -808,10 +873,10 @@ struct PagedAttention {
     }
   }
 
-  static __device__ __forceinline__ void prefill(const float* q, int row_stride, const KV* k_cache,
+  static __device__ __forceinline__ void prefill(const A* q, int row_stride, const KV* k_cache,
                                                  const KV* v_cache, const int32_t* query_start_loc,
                                                  const int32_t* seq_lens, const int32_t* block_tables,
-                                                 int max_blocks, int B, float* out, float scale) {
+                                                 int max_blocks, int B, A* out, float scale) {
     if constexpr (kFlash) {
       struct alignas(16) Smem {
         uint16_t k[2][FN][FS];
@@ -840,9 +905,14 @@ struct PagedAttention {
 #pragma unroll
             for (int r = 0; r < 4; ++r) {
               const int row = r0 + 8 * (r & 1), d = 16 * ks + 2 * t4 + 8 * (r >> 1);
-              float2 v = float2{0.0f, 0.0f};
-              if (row < n_new) v = vload<float2>(q + static_cast<int64_t>(t0 + row) * row_stride + h * D + d);
-              qa[ks][r] = pack_bf16x2(v.x, v.y);
+              const A* qp = q + static_cast<int64_t>(t0 + row) * row_stride + h * D + d;
+              if constexpr (sizeof(A) == 2) {  // bf16 q: the pair's bits as they are
+                qa[ks][r] = row < n_new ? *reinterpret_cast<const uint32_t*>(qp) : 0u;
+              } else {
+                float2 v = float2{0.0f, 0.0f};
+                if (row < n_new) v = vload<float2>(qp);
+                qa[ks][r] = pack_bf16x2(v.x, v.y);
+              }
             }
           }
           // the key positions the block's rows see
@@ -949,10 +1019,9 @@ struct PagedAttention {
             const int row = r0 + 8 * hr;
             if (row < n_new) {
               const float inv = 1.0f / lt;
-              float* orow = out + static_cast<int64_t>(t0 + row) * (NH * D) + h * D;
+              A* orow = out + static_cast<int64_t>(t0 + row) * (NH * D) + h * D;
 #pragma unroll
-              for (int i = 0; i < DT; ++i)
-                vstore(orow + 8 * i + 2 * t4, float2{o[i][2 * hr] * inv, o[i][2 * hr + 1] * inv});
+              for (int i = 0; i < DT; ++i) store_act2(orow + 8 * i + 2 * t4, o[i][2 * hr] * inv, o[i][2 * hr + 1] * inv);
             }
           }
           unit += gridDim.x;
@@ -966,36 +1035,38 @@ struct PagedAttention {
 // ---------------------------------------------------------------------------------------------------
 // silu_mul: out[t, i] = silu(gate[t, i]) * up[t, i], gate_up = [gate | up] per row. Grid (T, kChunks), block
 // kThreads, V elements per thread.
-template <int I>
+template <int I, typename A = float>
 struct SiluMul {
   static constexpr int V = I % 4 == 0 ? 4 : 1;
   static constexpr int kThreads = row_threads(ceil_div(I, V), 256);
   static constexpr int kChunks = ceil_div(I, kThreads * V);
 
-  static __device__ __forceinline__ void run(const float* gate_up, float* out) {
+  static __device__ __forceinline__ void run(const A* gate_up, A* out) {
     const int64_t t = blockIdx.x;
     const int i = (blockIdx.y * kThreads + threadIdx.x) * V;
     if (i >= I) return;
-    const float* g = gate_up + t * 2 * I + i;
-    float* o = out + t * I + i;
+    const A* g = gate_up + t * 2 * I + i;
+    A* o = out + t * I + i;
     if constexpr (V == 4) {
-      const float4 gv = load4(g), uv = load4(g + I);
-      store4(o, silu_mul(gv.x, uv.x), silu_mul(gv.y, uv.y), silu_mul(gv.z, uv.z), silu_mul(gv.w, uv.w));
+      float gv[4], uv[4];
+      load_act4(g, gv);
+      load_act4(g + I, uv);
+      store_act4(o, silu_mul(gv[0], uv[0]), silu_mul(gv[1], uv[1]), silu_mul(gv[2], uv[2]), silu_mul(gv[3], uv[3]));
     } else {
-      o[0] = silu_mul(g[0], g[I]);
+      astore(o, silu_mul(wload(g[0]), wload(g[I])));
     }
   }
 };
 
 // ---------------------------------------------------------------------------------------------------
 // gather_rows: out[i, :] = x[rows[i], :]. Grid (n), block kThreads.
-template <int C>
+template <int C, typename A = float>
 struct GatherRows {
-  static constexpr int kThreads = row_threads(ceil_div(C, C % 4 == 0 ? 4 : 1), 256);
+  static constexpr int kThreads = row_threads(row_pieces<A, C>() > 0 ? row_pieces<A, C>() : C, 256);
 
-  static __device__ __forceinline__ void run(const float* x, const int32_t* rows, float* out) {
+  static __device__ __forceinline__ void run(const A* x, const int32_t* rows, A* out) {
     const int i = blockIdx.x;
-    copy_row<C, kThreads>(x + static_cast<int64_t>(rows[i]) * C, out + static_cast<int64_t>(i) * C);
+    copy_row<A, C, kThreads>(x + static_cast<int64_t>(rows[i]) * C, out + static_cast<int64_t>(i) * C);
   }
 };
 

@@ -4,8 +4,8 @@
 // qweight is compiler/quant_pack.py's CUDA layout (pack_cuda): rows of K * BITS / 8 bytes, biased u = q - LO,
 // 64-byte blocks in which lane t (of 4) of an mma B fragment finds its 32-bit words at 4 * (t * nw + w); a
 // word holds the lane's B registers of one k16 step (int8) or two (int4), register j as the u16 halves of
-// `(word >> BITS * j) & MASK`. scales / mins SC [N, NG] (float, or uint16_t holding fp16 bits), x and y
-// float32, bias float32.
+// `(word >> BITS * j) & MASK`. scales / mins SC [N, NG] (float, or uint16_t holding fp16 bits), x and y A
+// (the activation element: float, or bf16 bits, y rounded to it), bias float32.
 //
 //  - decode (T <= kGemvMaxT): gemv(). A warp per (NR output rows, k slice): every lane loads the same
 //    16-byte piece of its NR rows (NR loads in flight; consecutive lanes, consecutive pieces: 512 bytes of a
@@ -16,7 +16,7 @@
 //    Grid (kGemvBlocks), block kGemvThreads.
 //  - prefill: tiled(). A BM x BN block tile, 4 warps side by side along N (BN / 4 columns each), every warp
 //    over all BM rows. Per 64-byte row block of the weights: x[BM, k block] goes to shared memory as bf16
-//    (round to nearest even; zero past T), A fragments come from ldmatrix.x4, and each warp loads its
+//    (a float x rounded to nearest even; zero past T), A fragments come from ldmatrix.x4, and each warp loads its
 //    weight words straight from global memory into B fragments: int4 with `| 0x43004300` (bf16 128 + u) and
 //    one bf16x2 subtract, int8 through the fp32 magic number (bf16 = the float's high half, exact). The
 //    mma runs on the integer q itself (exact in bf16), fp32 accumulate, and each group's partial sum is
@@ -35,7 +35,7 @@ namespace llmc {
 __device__ __forceinline__ float scale_value(float s) { return s; }
 __device__ __forceinline__ float scale_value(uint16_t h) { return __half2float(__ushort_as_half(h)); }
 
-template <int N, int K, int BITS, int G, bool ASYM, bool BIAS, typename SC>
+template <int N, int K, int BITS, int G, bool ASYM, bool BIAS, typename SC, typename A = float>
 struct QGemm {
   static_assert(BITS == 4 || BITS == 8, "qgemm: int4 or int8");
   static_assert(K % 32 == 0 && G % 16 == 0 && (BITS == 8 || G % 32 == 0), "qgemm: groups align to words");
@@ -72,7 +72,7 @@ struct QGemm {
   // acc[i][r] for the rows r < rows of x. Each word's q become floats once; each x pair is loaded once for all
   // NR output rows (x[r, k0 + 16 (j >> 1) + 8 (j & 1) + 2t + {0, 1}] for pair j).
   static __device__ __forceinline__ void gemv_words(const uint32_t (&wd)[NR][BW], int nw, int b, int t,
-                                                    const int (&n)[NR], const float* x, int rows,
+                                                    const int (&n)[NR], const A* x, int rows,
                                                     const SC* scales, const SC* mins,
                                                     float (&acc)[NR][kGemvMaxT]) {
 #pragma unroll
@@ -92,7 +92,7 @@ struct QGemm {
         s[i] = scale_value(scales[gi]);
         m[i] = ASYM ? scale_value(mins[gi]) : 0.0f;
       }
-      const float* x0 = x + k0 + 2 * t;
+      const A* x0 = x + k0 + 2 * t;
 #pragma unroll
       for (int r = 0; r < kGemvMaxT; ++r) {
         if (r < rows) {  // warp-uniform
@@ -100,7 +100,11 @@ struct QGemm {
           float xs = 0.0f;
 #pragma unroll
           for (int j = 0; j < PAIRS; ++j) {
-            xv[j] = vload<float2>(x0 + static_cast<int64_t>(r) * K + 16 * (j >> 1) + 8 * (j & 1));
+            const A* xp = x0 + static_cast<int64_t>(r) * K + 16 * (j >> 1) + 8 * (j & 1);
+            if constexpr (sizeof(A) == 2)
+              xv[j] = load_bf16x2(xp);
+            else
+              xv[j] = vload<float2>(xp);
             if constexpr (ASYM) xs += xv[j].x + xv[j].y;
           }
 #pragma unroll
@@ -116,8 +120,8 @@ struct QGemm {
     }
   }
 
-  static __device__ __forceinline__ void gemv(const float* x, const uint8_t* qweight, const SC* scales,
-                                              const SC* mins, const float* bias, float* y, int T) {
+  static __device__ __forceinline__ void gemv(const A* x, const uint8_t* qweight, const SC* scales,
+                                              const SC* mins, const float* bias, A* y, int T) {
     __shared__ float part[kGemvWarps][NR][kGemvMaxT];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int slice = warp % kSplit, n0 = (blockIdx.x * kGroupsPerBlock + warp / kSplit) * NR;
@@ -176,7 +180,7 @@ struct QGemm {
       float v = 0.0f;
 #pragma unroll
       for (int sl = 0; sl < kSplit; ++sl) v += part[grp * kSplit + sl][i][r];
-      y[static_cast<int64_t>(r) * N + ni] = BIAS ? v + bias[ni] : v;
+      astore(y + static_cast<int64_t>(r) * N + ni, BIAS ? v + bias[ni] : v);
     }
   }
 
@@ -196,8 +200,8 @@ struct QGemm {
     }
   }
 
-  static __device__ __forceinline__ void tiled(const float* x, const uint8_t* qweight, const SC* scales,
-                                               const SC* mins, const float* bias, float* y, int T) {
+  static __device__ __forceinline__ void tiled(const A* x, const uint8_t* qweight, const SC* scales,
+                                               const SC* mins, const float* bias, A* y, int T) {
     __shared__ __align__(16) uint16_t xs[BM][XS];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
     const int m0 = blockIdx.y * BM, nw0 = blockIdx.x * BN + warp * WN;
@@ -233,11 +237,17 @@ struct QGemm {
         }
       }
       __syncthreads();  // the previous block's ldmatrix reads are done
+#pragma unroll 1  // unrolled, ptxas spilled around the bf16 copies (sm_80, n = 53, k = 160)
       for (int idx = tid; idx < BM * (kb / 4); idx += kTileThreads) {
         const int r = idx / (kb / 4), c = 4 * (idx % (kb / 4));
-        float4 v = float4{0.0f, 0.0f, 0.0f, 0.0f};
-        if (m0 + r < T) v = load4(x + static_cast<int64_t>(m0 + r) * K + kb0 + c);
-        vstore(&xs[r][c], uint2{pack_bf16x2(v.x, v.y), pack_bf16x2(v.z, v.w)});
+        const A* xp = x + static_cast<int64_t>(m0 + r) * K + kb0 + c;
+        if constexpr (sizeof(A) == 2) {
+          vstore(&xs[r][c], m0 + r < T ? vload<uint2>(xp) : uint2{0u, 0u});
+        } else {
+          float4 v = float4{0.0f, 0.0f, 0.0f, 0.0f};
+          if (m0 + r < T) v = load4(xp);
+          vstore(&xs[r][c], uint2{pack_bf16x2(v.x, v.y), pack_bf16x2(v.z, v.w)});
+        }
       }
       __syncthreads();
 #pragma unroll
@@ -292,7 +302,7 @@ struct QGemm {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int row = m0 + 16 * mi + g + 8 * (e >> 1), col = nw0 + 8 * j + 2 * t + (e & 1);
-          if (row < T && col < N) y[static_cast<int64_t>(row) * N + col] = BIAS ? acc[mi][j][e] + bias[col] : acc[mi][j][e];
+          if (row < T && col < N) astore(y + static_cast<int64_t>(row) * N + col, BIAS ? acc[mi][j][e] + bias[col] : acc[mi][j][e]);
         }
       }
     }

@@ -21,7 +21,7 @@ def _inv_freq(head_dim, theta=500000.0):
     return [1.0 / theta ** (i / head_dim) for i in range(0, head_dim, 2)]
 
 
-REPRESENTATIVE = [
+_REPRESENTATIVE = [
     ("embedding", dict(hidden=4096, wdtype="bf16")),
     ("embedding", dict(hidden=37, wdtype="f32")),
     ("rmsnorm", dict(hidden=4096, eps=1e-5, wdtype="bf16", add_residual=True)),
@@ -63,6 +63,13 @@ REPRESENTATIVE = [
     ("qgemm", dict(n=4096, k=14336, bits=8, group_size=14336, asymmetric=False, scale_bits=16, has_bias=False)),
     ("qgemm", dict(n=53, k=160, bits=4, group_size=128, asymmetric=False, scale_bits=16, has_bias=True)),
 ]
+# Activations as llmc compile gives them: float32 beside float32 weights, a float32 cache or float32 scales (a
+# float32 build), else bf16; rope, silu_mul and gather_rows both ways.
+_F32_BUILD = {"wdtype": "f32", "kv_dtype": "f32", "scale_bits": 32}
+REPRESENTATIVE = [
+    (op, dict(p, adtype="f32" if any(p.get(k) == v for k, v in _F32_BUILD.items()) else "bf16"))
+    for op, p in _REPRESENTATIVE
+] + [(op, dict(p, adtype="f32")) for op, p in _REPRESENTATIVE if op in ("rope", "silu_mul", "gather_rows")]
 # the __global__ functions each template renders, after the kernel name
 KERNELS = {
     "gemm": ["gemv", "tiled"],

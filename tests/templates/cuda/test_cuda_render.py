@@ -1,12 +1,13 @@
-"""The CUDA templates keep the CPU contract: the same parameters and the same launcher signature plus a
-stream, so model.cu calls the same functions with the same arguments as model.cc."""
+"""The CUDA templates keep the CPU contract: the same parameters plus the activation element (adtype; the CPU's
+activations are float32), and with float32 activations the same launcher signature plus a stream, so model.cu
+calls the same functions with the same arguments as model.cc."""
 
 import math
 import re
 import subprocess
 
 import pytest
-from kernel_harness import kernels_source
+from kernel_harness import SIGNATURES, kernels_source
 
 from llmc.compiler.codegen import simulator
 from llmc.compiler.codegen.render import kernel_id, render_kernel, target_headers, template_params
@@ -38,32 +39,40 @@ def test_same_params_and_signature_as_cpu(op):
         space = tune_space(target, op)
         return template_params(target, op) - (space.names if space else set())
 
-    assert contract("cuda") == contract("cpu")
+    assert contract("cuda") == contract("cpu") | {"adtype"}
     cpu = _signature(render_kernel("cpu", op, name="f", **COMMON[op]), "f")
-    cuda = _signature(render_kernel("cuda", op, name="f", **COMMON[op]), "f")
+    cuda = _signature(render_kernel("cuda", op, name="f", adtype="f32", **COMMON[op]), "f")
     assert cuda == cpu + ", cudaStream_t stream"
+    bf16 = _signature(render_kernel("cuda", op, name="f", adtype="bf16", **COMMON[op]), "f")
+    types = {a.rsplit(" ", 1)[1]: a.rsplit(" ", 1)[0] for a in cuda.split(", ")}
+    want = {
+        n: t.replace("float*", "uint16_t*") if kind == "A*" else t for n, kind in SIGNATURES[op] for t in [types[n]]
+    }
+    assert bf16 == ", ".join(f"{t} {n}" for n, t in want.items()) + ", cudaStream_t stream"  # activations: bf16 bits
 
 
 def test_weight_types():
     sig = {
-        wd: _signature(render_kernel("cuda", "gemm", name="g", n=8, k=8, wdtype=wd, has_bias=False), "g")
+        wd: _signature(render_kernel("cuda", "gemm", name="g", n=8, k=8, wdtype=wd, has_bias=False, adtype="f32"), "g")
         for wd in ("f32", "bf16")
     }
     assert "const float* w" in sig["f32"] and "const uint16_t* w" in sig["bf16"]
     for wdtype in ("f16", "fp8"):  # the compiler emits f32 and bf16 weights only
         with pytest.raises(CompileError, match="wdtype must be one of"):
-            render_kernel("cuda", "gemm", name="g", n=8, k=8, wdtype=wdtype, has_bias=False)
+            render_kernel("cuda", "gemm", name="g", n=8, k=8, wdtype=wdtype, has_bias=False, adtype="f32")
 
 
 def test_render_errors_name_the_cuda_template():
-    with pytest.raises(CompileError, match=r"template cuda/paged_attention.cu.j2.*missing kv_dtype, scale"):
+    with pytest.raises(CompileError, match=r"template cuda/paged_attention.cu.j2.*missing adtype, kv_dtype, scale"):
         render_kernel("cuda", "paged_attention", name="a", num_heads=4, num_kv_heads=2, head_dim=16, block_size=4)
     with pytest.raises(CompileError, match="head_dim/2"):
-        render_kernel("cuda", "rope", name="r", num_heads=2, head_dim=8, inv_freq=[1.0])
-    assert "1e-06f" in render_kernel("cuda", "rmsnorm", name="n", hidden=8, eps=1e-6, wdtype="f32", add_residual=False)
+        render_kernel("cuda", "rope", name="r", num_heads=2, head_dim=8, inv_freq=[1.0], adtype="f32")
+    assert "1e-06f" in render_kernel(
+        "cuda", "rmsnorm", name="n", hidden=8, eps=1e-6, wdtype="f32", add_residual=False, adtype="f32"
+    )
     assert (
-        kernel_id("cuda", "paged_attention", COMMON["paged_attention"])
-        == "cuda_paged_attention_qh4_kvh2_d16_bs4_sc0p25_sw0_kvbf16"
+        kernel_id("cuda", "paged_attention", dict(COMMON["paged_attention"], adtype="bf16"))
+        == "cuda_paged_attention_qh4_kvh2_d16_bs4_sc0p25_sw0_kvbf16_actbf16"
     )
     assert math.isfinite(0.25)
 
@@ -75,7 +84,7 @@ def test_the_build_ships_every_header(tmp_path):
     assert set(headers) == {p.name for p in simulator.INCLUDE_DIR.iterdir()}
     for name, text in headers.items():
         (tmp_path / name).write_text(text)
-    source, _ = kernels_source("cuda", [("rmsnorm", COMMON["rmsnorm"])])
+    source, _ = kernels_source("cuda", [("rmsnorm", dict(COMMON["rmsnorm"], adtype="bf16"))])
     (tmp_path / "model.cu").write_text(source)
     cmd = [
         simulator.CXX,

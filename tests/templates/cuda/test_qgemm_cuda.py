@@ -56,12 +56,16 @@ TS = [1, 3, 8, 9, 17, 70]
 ASAN_SCHEMES = [SCHEMES[12], SCHEMES[2], SCHEMES[6]]
 
 
-def _params(n, k, bits, g, asym, scale_bits, bias):
-    return dict(n=n, k=k, bits=bits, group_size=g, asymmetric=asym, scale_bits=scale_bits, has_bias=bias)
+def _params(n, k, bits, g, asym, scale_bits, bias, adtype="f32"):
+    return dict(n=n, k=k, bits=bits, group_size=g, asymmetric=asym, scale_bits=scale_bits, has_bias=bias,
+                adtype=adtype)  # fmt: skip
 
 
-SPECS = [("qgemm", _params(*s, bias)) for s in SCHEMES for bias in (False, True)]
-CASES = [pytest.param(*spec, id=spec_id(spec)) for spec in SPECS]
+F32_SPECS = [("qgemm", _params(*s, bias)) for s in SCHEMES for bias in (False, True)]
+CASES = [pytest.param(*spec, id=spec_id(spec)) for spec in F32_SPECS]
+# bf16 activations: int8 and int4, asymmetric, a split GEMV, short groups
+BF16_SPECS = [("qgemm", _params(*SCHEMES[i], True, "bf16")) for i in (3, 4, 9, 11)]
+SPECS = F32_SPECS + BF16_SPECS
 
 
 @pytest.fixture(scope="module")
@@ -121,6 +125,18 @@ def test_qgemm_cuda_independent_of_schedule(cuda, op, params, T):
     finally:
         cuda.reset_schedule()
     assert all(np.array_equal(o, outs[0]) for o in outs[1:])
+
+
+@pytest.mark.parametrize("T", [3, 17])
+@pytest.mark.parametrize("op,params", BF16_SPECS, ids=map(spec_id, BF16_SPECS))
+def test_qgemm_cuda_bf16_activations(cuda, op, params, T):
+    """bf16 x and y: the float32-activation kernel's y over the same bf16 x, rounded once."""
+    x, _, packed, bias = qgemm_inputs(params, T, seed=T)
+    bits, values = to_bf16(x)
+    want = _run(cuda(op, dict(params, adtype="f32")), params, values, packed, bias)
+    y = np.full((T, params["n"]), 0x7FC0, np.uint16)
+    cuda(op, params)(bits, *packed, bias, y, T)
+    assert np.array_equal(y, to_bf16(want)[0])
 
 
 @pytest.mark.parametrize("bits,asym,k", [(8, False, 96), (8, False, 160), (4, False, 96), (4, True, 416)])
