@@ -14,7 +14,7 @@ from llmc.artifact import read_manifest
 from llmc.cli import main
 from llmc.compiler.codegen.simulator import build_simulated
 from llmc.compiler.compile import compile_checkpoint
-from llmc.compiler.tuning import measure_cuda
+from llmc.compiler.tuning import measure_cuda, simulate_cuda
 from llmc.compiler.tuning.database import TuningDB, cpu_machine, entry_key
 from llmc.compiler.tuning.measure_cpu import render_candidate
 from llmc.compiler.tuning.reference import KernelShape
@@ -219,6 +219,16 @@ def test_simulated_tuning_prunes_by_ptxas_checks_and_ranks_by_prediction(tmp_pat
     db.put(entry["key"], CUDA_SPACE.defaults(), {}, "measured", {"gpu": "H200"})
     db.put(entry["key"], entry["params"], {}, "simulated", {"gpu": "H200 (simulated)"})
     assert [e["source"] for e in db.entries] == ["measured"]
+
+
+def test_ptxas_figures_give_each_kernel_its_own_registers():
+    """A block rule of the GEMV reads the GEMV's registers, not the tiled kernel's (the candidate's most)."""
+    shape = parse_shape("gemm:n=72,k=40,wdtype=bf16", "sm90")
+    _, source = simulate_cuda.render_candidate(shape, CUDA_SPACE.defaults())
+    figures = simulate_cuda.ptxas_figures(load_target("sm90"), source)
+    assert 0 < figures["gemv_registers"] and 0 < figures["tiled_registers"]
+    assert figures["registers"] == max(figures["gemv_registers"], figures["tiled_registers"])
+    assert figures["gemv_registers"] != figures["tiled_registers"]  # so that reading the wrong one would show
 
 
 def test_simulated_tuning_checks_the_swiglu_gemm_against_its_reference(tmp_path):

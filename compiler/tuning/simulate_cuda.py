@@ -73,13 +73,18 @@ def render_candidate(shape: KernelShape, config: dict) -> tuple[str, str]:
     return kid, source + _TRAMPOLINE.format(kid=kid, **types)
 
 
-def _ptxas(target: Target, source: str) -> dict[str, int]:
+def ptxas_figures(target: Target, source: str) -> dict[str, int]:
+    """registers: the most of any kernel; gemv_registers / tiled_registers: the GEMV's and the tiled kernel's own
+    (a block rule of one kernel must not read the other's); spill_bytes: all kernels' spill stores and loads."""
     with tempfile.TemporaryDirectory(prefix="llmc-tune-") as tmp:
         report = nvcc_compile(source, f"sm_{target.compute_capability}", Path(tmp) / "k.cubin")
-    return {
+    figures = {
         "registers": max((r.registers for r in report.values()), default=0),
         "spill_bytes": sum(r.spill_stores + r.spill_loads for r in report.values()),
     }
+    for kernel in ("gemv", "tiled"):  # the __global__ functions `<kernel id>_gemv` / `_tiled` (mangled)
+        figures[f"{kernel}_registers"] = max((r.registers for n, r in report.items() if f"_{kernel}" in n), default=0)
+    return figures
 
 
 def _simulate(shape: KernelShape, library: Path, kid: str, rows: tuple[int, ...], target: Target):
@@ -119,7 +124,7 @@ def _simulate(shape: KernelShape, library: Path, kid: str, rows: tuple[int, ...]
 def admit_by_ptxas(shape: KernelShape, space: TuneSpace, target: Target, config: dict, source: str,
                    candidate: Candidate) -> str | None:  # fmt: skip
     """Why ptxas's report (registers, spills: recorded in candidate.figures) rules the configuration out, or None."""
-    candidate.figures = _ptxas(target, source)
+    candidate.figures = ptxas_figures(target, source)
     if space.admits(config, shape.kwargs, target.raw, candidate.figures):
         return None
     return f"ptxas: {candidate.figures['registers']} registers, {candidate.figures['spill_bytes']} spill bytes"
