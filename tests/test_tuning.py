@@ -14,6 +14,7 @@ from llmc.artifact import read_manifest
 from llmc.cli import main
 from llmc.compiler.codegen.simulator import build_simulated
 from llmc.compiler.compile import compile_checkpoint
+from llmc.compiler.quant import QuantConfig
 from llmc.compiler.tuning import measure_cuda, simulate_cuda
 from llmc.compiler.tuning.database import TuningDB, cpu_machine, entry_key
 from llmc.compiler.tuning.measure_cpu import render_candidate
@@ -150,6 +151,27 @@ def test_compile_takes_tuned_entries_for_this_isa_only(checkpoint_dir, tmp_path)
 
     ids = [int(i) for i in np.random.default_rng(1).integers(2, 384, 37)]
     assert np.array_equal(_logits(art, ids), _logits(plain, ids))  # tunables change the speed, not the numbers
+
+
+def test_an_entry_older_than_a_tunable_takes_its_default(checkpoint_dir, tmp_path):
+    """An entry tuned before a tunable existed (qgemm's entries from before gemv_cols) compiles with that
+    tunable at its default, the template's code when it was tuned; an entry naming no such tunable is refused."""
+    ckpt = checkpoint_dir("llama")
+    quant = QuantConfig("int8", group_size=32)
+    (shape, *_) = [s for s in model_shapes(ckpt, "cpu", quant=quant) if s.op == "qgemm"]
+    space = tune_space("cpu", "qgemm")
+    db = TuningDB.load(tmp_path / "cpu.tuning.json", "cpu")
+    older = {"prefetch_bytes": 0, "task_bytes": 131072}
+    assert "gemv_cols" in space.names and not space.names <= older.keys()
+    db.put(entry_key("cpu/qgemm", shape.kwargs, space.names), older, {}, "measured", cpu_machine(2))
+    db.save()
+    art = compile_checkpoint(ckpt, output=tmp_path / "m", quant=quant, tuning_db=db.path)
+    taken = [k for k in read_manifest(art)["tuning"]["kernels"].values() if k["source"] == "measured"]
+    assert taken and all(k["params"] == {**space.defaults(), **older} for k in taken)
+    db.put(entry_key("cpu/qgemm", shape.kwargs, space.names), {**older, "unroll": 2}, {}, "measured", cpu_machine(2))
+    db.save()
+    with pytest.raises(CompileError, match="retune this shape"):
+        compile_checkpoint(ckpt, output=tmp_path / "m2", quant=quant, tuning_db=db.path)
 
 
 def test_tune_command_writes_the_database_and_resumes(checkpoint_dir, tmp_path):

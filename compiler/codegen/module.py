@@ -59,10 +59,12 @@ def _tuned_params(family: str, op: str, params: dict, tuning: TuningDB | None, i
         if tuning is not None and (other := tuning.ignored(key, isa)):
             record["ignored"] = [f"tuned on {e['machine'].get('cpu', '?')} with other ISA flags" for e in other]
         return {}
-    space.check(entry["params"])
-    record.update(source=entry["source"], params=entry["params"], machine=entry.get("machine"),
+    # A tunable newer than the entry takes its default: the entry was tuned when that was the template's code.
+    tuned = {**space.defaults(), **entry["params"]}
+    space.check(tuned)
+    record.update(source=entry["source"], params=tuned, machine=entry.get("machine"),
                   date=entry.get("date"), figures=entry.get("figures"))  # fmt: skip
-    return {k: v for k, v in entry["params"].items() if v != space.defaults()[k]}
+    return {k: v for k, v in tuned.items() if v != space.defaults()[k]}
 
 
 def _c_expr(arg: str, program: KernelProgram, device: bool) -> str:
