@@ -6,11 +6,11 @@ parameters, so one model serves both.
 
 A kernel here is a manifest kernel (one rendered template), launched once per `rows` entry over the step's
 tokens (T) or its logits rows (N). Activations take the kernel's adtype (CUDA; fp32 where a template has
-none, as on the CPU); weights, biases and the KV cache take their recorded dtypes. Paged attention's floor covers its KV write and the attention: the new tokens'
-keys and values are read from the QKV buffer and stored once, and each sequence reads the cached positions
-its queries can see once for all its query heads (GQA), whatever the split of the work. TVM's fallback
-(tvm_call, float32 tensors only) states its tensors' shapes but not its arithmetic: its floor is their bytes,
-with no FLOPs.
+none, as on the CPU); weights, biases and the KV cache take their recorded dtypes. Paged attention's floor
+covers its KV write and the attention: the new tokens' keys and values are read from the QKV buffer and
+stored once, and each sequence reads the cached positions its queries can see once for all its query heads
+(GQA), whatever the split of the work. TVM's fallback (tvm_call, float32 tensors only) states its tensors'
+shapes but not its arithmetic: its floor is their bytes, with no FLOPs.
 """
 
 from __future__ import annotations

@@ -160,7 +160,7 @@ def measure_shape(shape: KernelShape, space: TuneSpace, target: Target, deadline
             if timer is None:
                 continue
             for t in space.rows:
-                ys[t][...] = inputs[t].poisoned_output()
+                ys[t] = inputs[t].poisoned_output()
                 once, err = timer(inputs[t], 1, ys[t], 1)
                 why = f"the launch failed with cudaError {err}" if err else inputs[t].mismatch(ys[t])
                 if why is not None:

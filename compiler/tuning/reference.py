@@ -54,7 +54,7 @@ class Inputs:
     def mismatch(self, y: np.ndarray) -> str | None:
         """Why `y` is not the reference's output, or None."""
         if y.dtype == np.uint16:
-            y = (y.astype(np.uint32) << 16).view(np.float32)
+            y = _widen(y)
         err = np.abs(y - self.reference)
         bad = ~(err <= self.tolerance)
         return (
@@ -67,7 +67,12 @@ class Inputs:
 def _bf16(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Rounded to bf16 (nearest even): the uint16 bits and their float32 values."""
     bits = ((a.view(np.uint32) + 0x7FFF + ((a.view(np.uint32) >> 16) & 1)) >> 16).astype(np.uint16)
-    return bits, (bits.astype(np.uint32) << 16).view(np.float32)
+    return bits, _widen(bits)
+
+
+def _widen(bits: np.ndarray) -> np.ndarray:
+    """bf16 bits (uint16) as the float32 values they hold."""
+    return (bits.astype(np.uint32) << 16).view(np.float32)
 
 
 def make_inputs(shape: KernelShape, rows: int, seed: int = 0) -> Inputs:

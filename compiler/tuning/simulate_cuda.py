@@ -22,7 +22,7 @@ from llmc.errors import CompileError
 from llmc.targets import Target
 
 from ..codegen.profile import _kernel_row, ceilings, read_counters
-from ..codegen.render import kernel_id, render_kernel
+from ..codegen.render import WDTYPES, kernel_id, render_kernel
 from ..codegen.simulator import build_profiled, nvcc_compile
 from .reference import Candidate, KernelShape, make_inputs
 from .space import TuneSpace
@@ -62,8 +62,7 @@ def render_kernel_source(shape: KernelShape, config: dict) -> tuple[str, str, di
         raise CompileError(f"llmc tune has no CUDA runner for op {shape.op!r}")
     params = {**shape.kwargs, **config}
     kid = kernel_id("cuda", shape.op, params)
-    types = {"wt": params["wdtype"], "at": params.get("adtype", "f32")}
-    types = {k: "uint16_t" if v == "bf16" else "float" for k, v in types.items()}
+    types = {"wt": WDTYPES[params["wdtype"]], "at": WDTYPES[params.get("adtype", "f32")]}
     return kid, '#include "llmc_kernels.cuh"\n' + render_kernel("cuda", shape.op, name=kid, **params), types
 
 

@@ -21,7 +21,7 @@ def to_bf16(a):
     """Round float32 to bf16 (nearest even). Returns (uint16 bits, the float32 values they hold)."""
     u = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
     bits = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
-    return bits, (bits.astype(np.uint32) << 16).view(np.float32)
+    return bits, bf16_bits_of(bits)
 
 
 def make_weights(a, wdtype):
