@@ -106,7 +106,7 @@ class LlmcEngine:
 
     def generate(self, prompt: list[int], n: int) -> tuple[float, list[int]]:
         from llmc.runtime.engine import LLMEngine
-        from llmc.runtime.sampling import SamplingParams
+        from llmc.sampling_params import SamplingParams
 
         engine = LLMEngine(self.model)
         engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=n + 1, ignore_eos=True))

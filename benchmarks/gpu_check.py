@@ -42,7 +42,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 from common import cache_dir, log, random_checkpoint  # noqa: E402
 from torch_llama import TorchLlama  # noqa: E402
 
-from llmc.compiler.codegen.profile import format_table, profile_measured  # noqa: E402
+from llmc.tools.profile import format_table, profile_measured  # noqa: E402
 
 _BASE = {"max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "bos_token_id": 0,
          "eos_token_id": 1}  # fmt: skip

@@ -91,8 +91,8 @@ class Tally:
 
 
 def bundled_artifact() -> Path:
-    from llmc.cli import bundled_checkpoint
-    from llmc.compiler.cache import cached_artifact
+    from llmc.examples import bundled_checkpoint
+    from llmc.tools.build import cached_artifact
 
     return cached_artifact(bundled_checkpoint())
 
@@ -118,7 +118,7 @@ class Server:
     def __init__(self, artifact: Path, cfg: LoadConfig, log: Path):
         self.port, self.log, self.api_key = free_port(), log, secrets.token_hex(16)
         self.base = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "llmc.cli", "serve", str(artifact), "--host", "127.0.0.1", "--port",
+        cmd = [sys.executable, "-m", "llmc.tools.cli", "serve", str(artifact), "--host", "127.0.0.1", "--port",
                str(self.port), "--kv-cache-memory", str(kv_cache_bytes(artifact, cfg.kv_blocks)), "--max-num-seqs",
                str(cfg.max_num_seqs), "--max-body-size", str(MAX_BODY), "--max-n", str(MAX_N)]  # fmt: skip
         if cfg.ray_replicas:

@@ -5,7 +5,7 @@ uncached, side by side in one process.
     python benchmarks/prefix_cache.py [--threads 2] [--rounds 7] [--models bundled,smollm] [--json]
 
 Models:
-  bundled  the checkpoint in examples/, compiled for this CPU by llmc.compiler.cache.cached_artifact (as
+  bundled  the checkpoint in examples/, compiled for this CPU by llmc.tools.build.cached_artifact (as
            `llmc run` does). Its context is 512 tokens, so its prompt is 512 tokens, of which the 496 of the
            31 full blocks can be cached (a request always computes its last token, to get logits).
   smollm   SmolLM-135M's shape with random weights, written and compiled by benchmarks/cpu_decode.py's
@@ -57,7 +57,7 @@ def parse_args(argv=None):
 
 def first_token_time(engine, prompt: list[int]) -> tuple[float, int]:
     """Seconds from add_request to the step that returns the request's first token, and that token."""
-    from llmc.runtime.sampling import SamplingParams
+    from llmc.sampling_params import SamplingParams
 
     start = time.perf_counter()
     req_id = engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
@@ -147,8 +147,8 @@ def main(argv=None) -> dict:
     rows = []
     for name in [m for m in args.models.split(",") if m]:
         if name == "bundled":
-            from llmc.cli import bundled_checkpoint
-            from llmc.compiler.cache import cached_artifact
+            from llmc.examples import bundled_checkpoint
+            from llmc.tools.build import cached_artifact
 
             path = cached_artifact(bundled_checkpoint())
             rows.append(bench_model(name, path, 496, 16, args.rounds, log))

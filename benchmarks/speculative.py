@@ -4,7 +4,7 @@ process, and the acceptance rate.
 
     python benchmarks/speculative.py [--threads 2] [--rounds 3] [--ks 2,4,8] [--max-tokens 160] [--json]
 
-Model: the bundled checkpoint (examples/pystdlib-5m), compiled for this CPU by llmc.compiler.cache.cached_artifact
+Model: the bundled checkpoint (examples/pystdlib-5m), compiled for this CPU by llmc.tools.build.cached_artifact
 (as `llmc run` does). Draft: --draft (default: examples/pystdlib-5m-draft, the small model train_tiny.py made with
 the bundled model's tokenizer; skipped if absent).
 Prompts:
@@ -68,7 +68,7 @@ def parse_args(argv=None):
 
 def decode(engine, prompt: list[int], max_tokens: int) -> tuple[list[int], float]:
     """One greedy request alone: its tokens and its decode tokens/s (first token to last)."""
-    from llmc.runtime.sampling import SamplingParams
+    from llmc.sampling_params import SamplingParams
 
     engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
     tokens, first, last = [], None, None
@@ -134,8 +134,8 @@ def bench(target: Path, draft: Path | None, ks: list[int], max_tokens: int, roun
 def main(argv=None) -> dict:
     args = parse_args(argv)
     cpu_decode.set_threads(args.threads)
-    from llmc.cli import bundled_checkpoint
-    from llmc.compiler.cache import cached_artifact
+    from llmc.examples import bundled_checkpoint
+    from llmc.tools.build import cached_artifact
 
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)

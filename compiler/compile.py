@@ -6,17 +6,16 @@ tensor by tensor into the artifact (compiler/weights.py), so peak memory stays n
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import shutil
 import signal
-import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import tvm
 from tqdm import tqdm
 
-from llmc.artifact import read_manifest, resolve_kv_cache_dtype, write_artifact, write_manifest
+from llmc.artifact import resolve_kv_cache_dtype, write_artifact
 from llmc.errors import CompileError
 from llmc.targets import Target, load_target, tuning_db_path
 
@@ -26,20 +25,22 @@ from .codegen.render import target_headers, template_file
 from .codegen.simulator import nvcc_path
 from .codegen.tvm_fallback import include_dirs
 from .export import to_relax
-from .frontend.checkpoint import Checkpoint, load_checkpoint
+from .frontend.checkpoint import Checkpoint
+from .frontend.load import load_checkpoint
 from .frontend.trace import trace
 from .lower import KV_DTYPES, KernelProgram, lower
 from .passes.common import rewrite_counts
 from .passes.pipeline import run_passes
 from .passes.quantize_linear import quantize_linear
-from .quality import Quality, calibration_tokens, check_max_kl, measure_artifacts, reference_artifact
 from .quant import QuantConfig, QuantScheme
 from .tuning.database import TuningDB
 from .weights import WeightSpec, write_packed_weights
 
 WEIGHT_DTYPES = ("auto", "float32", "bfloat16")
 STAGES = ("trace", "import to Relax", "fuse", "lower", "pack weights", "render", "build")
-QUALITY_STAGE = "quality"  # a quantized build's last stage, after STAGES (compiler/quality.py)
+# A gate: (stage name, check(directory, fields) -> fields to add). It runs after STAGES on the populated
+# directory, under the output's lock; raising writes nothing (tools/build.py's quality gate).
+Gate = tuple[str, Callable[[Path, dict], dict]]
 # Test hook, off unless set: LLMC_TEST_SIGNAL_AT="STAGE[:SIGNAL]" makes compile send itself SIGNAL (default
 # SIGKILL) as it enters STAGE, so tests/test_artifact_durability.py can kill -9 or stop a real compile there.
 SIGNAL_AT_ENV = "LLMC_TEST_SIGNAL_AT"
@@ -167,15 +168,14 @@ def compile_checkpoint(
     progress: bool = False,
     quant: QuantConfig | None = None,
     kv_cache_dtype: str = "auto",
-    calibration: str | Path | None = None,
-    max_kl: float | None = None,
     tuning_db: str | Path | None | bool = None,
+    gate: Gate | None = None,
 ) -> Path:
     """quant: llmc's own quantization (`--quant`); None or QuantConfig() for none.
     kv_cache_dtype: what the KV cache stores (`--kv-cache-dtype`): float32, or bfloat16 at half the bytes;
     "auto" (resolve_kv_cache_dtype): bfloat16 for a bf16 / fp16 CUDA build, else float32.
-    calibration, max_kl: a quantized build runs the quality gate (compiler/quality.py) on the calibration text
-    (None: the bundled model's held-out text) and fails, writing nothing, when its mean KL is over max_kl.
+    gate: a last check of the built directory before it is written (Gate); the quality gate of a quantized
+    build is one (tools/build.py).
     tuning_db: the tuning database whose matching entries set kernel tunables (None: the target's own,
     targets/<target>.tuning.json; False: none, every template's defaults)."""
     tgt = load_target(target)
@@ -185,17 +185,11 @@ def compile_checkpoint(
     if kv_cache_dtype not in ("auto", *KV_DTYPES):
         raise CompileError(f"KV cache dtype {kv_cache_dtype!r} is not supported",
                            f"--kv-cache-dtype takes auto or one of {', '.join(KV_DTYPES)}")  # fmt: skip
-    if not quant.enabled and (calibration is not None or max_kl is not None):
-        raise CompileError("--calibration and --max-kl apply to a quantized build", "add --quant int8 or int4")
-    if max_kl is not None and not max_kl >= 0:
-        raise CompileError(f"--max-kl {max_kl} is not a KL divergence", "pass a number >= 0")
     ckpt = load_checkpoint(checkpoint)
     dtype = resolve_weight_dtype(ckpt, weight_dtype)
     kv_cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, cuda=tgt.is_cuda, weight_dtype=dtype)
-    if quant.enabled:  # read and tokenized before anything is built: a bad file fails at once
-        calibration_ids, calibration_label = calibration_tokens(ckpt.tokenizer_path, calibration)
     schemes = quant_schemes(ckpt, quant)
-    bar = tqdm(total=len(STAGES) + quant.enabled, desc="compile", unit="stage", disable=not progress, leave=False)
+    bar = tqdm(total=len(STAGES) + (gate is not None), desc="compile", unit="stage", disable=not progress, leave=False)
     started: list[str] = []
 
     def step(name: str) -> None:
@@ -250,25 +244,12 @@ def compile_checkpoint(
             "tokenizer": {"chat_template": ckpt.chat_template, **ckpt.special_tokens},
             "generation_defaults": ckpt.generation_defaults,
         }
-        if quant.enabled:
-            step(QUALITY_STAGE)
-            fields["quality"] = measure_quality(tmp, fields).to_manifest()
+        if gate is not None:
+            stage, check = gate
+            step(stage)
+            fields |= check(tmp, fields)
         bar.update(1)
         return fields
-
-    def measure_quality(tmp: Path, fields: dict) -> Quality:
-        """This build against the unquantized one on the CPU: itself for a CPU target, else a CPU twin."""
-        if tgt.kind == "cpu":
-            write_manifest(tmp, fields)  # provisional, so that the runtime loads the module being built
-            reference = reference_artifact(ckpt, dtype, kv_cache_dtype)
-            result = measure_artifacts(reference, tmp, calibration_ids, calibration_label)
-        else:
-            with tempfile.TemporaryDirectory() as d:
-                twin = compile_checkpoint(checkpoint, target="cpu", output=Path(d) / "cpu", weight_dtype=dtype,
-                                          quant=quant, kv_cache_dtype=kv_cache_dtype, calibration=calibration)  # fmt: skip
-                result = dataclasses.replace(Quality(**read_manifest(twin)["quality"]), measured_on="cpu build")
-        check_max_kl(result, max_kl)
-        return result
 
     try:
         return write_artifact(output, populate)

@@ -43,21 +43,24 @@ from tvm import relax
 
 from llmc.errors import CompileError
 
-from .codegen.tvm_fallback import legalize_call
-from .passes.common import bindings, llmc_args, llmc_op_name, main_function, prim_value, rewrite_counts
+from .legalize import legalize_call
+from .passes.common import (
+    ABI_PARAMS,
+    bindings,
+    llmc_args,
+    llmc_op_name,
+    main_function,
+    prim_value,
+    rewrite_counts,
+    weight_params,
+)
 from .quant import QuantScheme
 from .weights import QUANT_PARTS, SWIGLU_INTERLEAVE, WeightSpec, quant_part_dtype
 
 # KV cache / activation dtype -> the templates' element parameters (kv_dtype, adtype)
 KV_DTYPES = {"float32": "f32", "bfloat16": "bf16"}
 
-ABI_PARAMS = ("input_ids", "positions", "logits_indices", "seq_lens", "query_start_loc", "block_tables", "slot_mapping")
 _BIAS_ARG = {"gemm": 2, "qgemm": 4}  # where a GEMM launch takes its bias (nullptr until an add joins it)
-
-
-def weight_params(func: relax.Function) -> list[relax.Var]:
-    """main's weight parameters, in order: every parameter but the step arguments and the KV caches."""
-    return [p for p in func.params if p.name not in ABI_PARAMS and not p.name.startswith("kv_cache_")]
 
 
 @dataclasses.dataclass

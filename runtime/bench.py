@@ -33,7 +33,7 @@ from tqdm import tqdm
 
 from llmc.errors import LlmcError
 from llmc.runtime.engine import LLMEngine
-from llmc.runtime.sampling import SamplingParams
+from llmc.sampling_params import SamplingParams
 
 
 def make_workload(num_requests: int, prompt_len: int, vocab_size: int, seed: int,

@@ -13,7 +13,7 @@ from typing import TextIO
 from llmc.errors import LlmcError, RequestError
 from llmc.runtime.chat_template import NO_TEMPLATE_NOTICE, chat_prompt_ids, pick_template, special_tokens
 from llmc.runtime.engine import LLMEngine
-from llmc.runtime.sampling import SamplingParams
+from llmc.sampling_params import SamplingParams
 
 HELP = "Type a message. /reset starts a new conversation, /exit (or Ctrl-D) quits, Ctrl-C stops a reply."
 

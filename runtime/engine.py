@@ -40,7 +40,7 @@ from llmc.errors import LlmcError, RequestError
 from llmc.runtime.batch import StepBatch
 from llmc.runtime.detokenizer import IncrementalDetokenizer
 from llmc.runtime.kv_cache import KVCacheManager
-from llmc.runtime.sampling import SamplingParams, make_rng, process_logits, sample_next_token, softmax, top_logprobs
+from llmc.runtime.sampling import make_rng, process_logits, sample_next_token, softmax, top_logprobs
 from llmc.runtime.scheduler import Request, Scheduler
 from llmc.runtime.spec_decode import (
     DraftProposer,
@@ -51,6 +51,7 @@ from llmc.runtime.spec_decode import (
     accept_greedy,
     rejection_sample,
 )
+from llmc.sampling_params import SamplingParams
 
 _NO_TOKENS = np.zeros(0, dtype=np.int64)
 

@@ -77,7 +77,7 @@ from llmc.runtime.chat_template import (
 )
 from llmc.runtime.engine import AsyncLLMEngine, RequestOutput
 from llmc.runtime.metrics import CONTENT_TYPE, ServerMetrics
-from llmc.runtime.sampling import SamplingParams
+from llmc.sampling_params import SamplingParams
 
 logger = logging.getLogger("llmc.server")
 

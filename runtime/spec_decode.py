@@ -26,7 +26,8 @@ import numpy as np
 from llmc.errors import LlmcError
 from llmc.runtime.batch import StepBatch
 from llmc.runtime.kv_cache import KVCacheManager
-from llmc.runtime.sampling import SamplingParams, process_logits, sample_from_probs, softmax
+from llmc.runtime.sampling import process_logits, sample_from_probs, softmax
+from llmc.sampling_params import SamplingParams
 
 _NO_TOKENS = np.zeros(0, dtype=np.int64)
 

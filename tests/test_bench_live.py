@@ -8,7 +8,7 @@ import math
 import pytest
 from click.testing import CliRunner
 
-from llmc import cli
+from llmc.tools import cli
 
 ARGS = ("--concurrency", "1,4", "--prompt-len", "16", "--output-len", "8", "--kv-cache-memory", "16MiB")
 COLUMNS = ["concurrency", "requests", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms", "TPOT p99 ms", "req/s",

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer
 
-from llmc.compiler.frontend.checkpoint import load_checkpoint
+from llmc.compiler.frontend.load import load_checkpoint
 
 BUNDLED = Path(__file__).resolve().parents[1] / "examples" / "pystdlib-5m"
 
@@ -26,7 +26,7 @@ def test_checkpoint_is_the_one_the_readme_describes():
 
 def test_default_run_compiles_once_and_writes_english_about_python(tmp_path):
     env = {"LLMC_CACHE_DIR": str(tmp_path), "PATH": "/usr/bin:/bin"}
-    cmd = [sys.executable, "-m", "llmc.cli", "run", "--json", "--seed", "0"]
+    cmd = [sys.executable, "-m", "llmc.tools.cli", "run", "--json", "--seed", "0"]
     first = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert first.returncode == 0, first.stderr[-2000:]
     out = json.loads(first.stdout)
@@ -43,7 +43,7 @@ def test_heldout_perplexity_is_far_below_unigram(tmp_path):
     """Perplexity of the compiled model on held-out text, against a unigram model of the same tokens."""
     from click.testing import CliRunner
 
-    from llmc.cli import main
+    from llmc.tools.cli import main
 
     text = (BUNDLED / "heldout.txt").read_text()[:6000]
     (tmp_path / "heldout.txt").write_text(text)

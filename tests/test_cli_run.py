@@ -19,13 +19,14 @@ import pytest
 from click.testing import CliRunner
 
 import llmc.compiler.compile
-from llmc import cli
+import llmc.examples
 from llmc.artifact import ABI_VERSION, load_artifact, write_artifact
-from llmc.compiler.frontend.checkpoint import load_checkpoint
+from llmc.compiler.frontend.load import load_checkpoint
 from llmc.errors import ArtifactError, LlmcError, RequestError
 from llmc.runtime.batch import StepBatch
 from llmc.runtime.kv_cache import cdiv, kv_bytes_per_block
 from llmc.runtime.module import CompiledModel
+from llmc.tools import cli
 
 POISON = 2  # ("!") the fake module fails a step that returns logits for this token
 REFUSED_SEQS = 13  # the fake module refuses to start with max_num_seqs == 13
@@ -353,7 +354,7 @@ def test_bench(fake_artifact):
 
 
 def test_run_without_a_bundled_model(tmp_path, monkeypatch):
-    monkeypatch.setattr(cli, "_examples_dir", lambda: tmp_path)
+    monkeypatch.setattr(llmc.examples, "EXAMPLES_DIR", tmp_path)
     r = _invoke("run")
     assert r.exit_code == 1 and "no bundled model found" in r.stderr
 
@@ -377,7 +378,7 @@ def test_run_compiles_a_checkpoint_once_into_the_cache(tmp_path, checkpoint_dir,
     examples = tmp_path / "examples"
     examples.mkdir()
     (examples / "tiny-model").symlink_to(ckpt, target_is_directory=True)
-    monkeypatch.setattr(cli, "_examples_dir", lambda: examples)
+    monkeypatch.setattr(llmc.examples, "EXAMPLES_DIR", examples)
     r = _invoke("run", "--max-tokens", 2, "--kv-cache-memory", "8MiB", env=env)
     assert r.exit_code == 0, r.output
     assert "The list type" in r.stderr and len(calls) == 1

@@ -23,7 +23,7 @@ from llmc.compiler.compile import compile_checkpoint
 from llmc.runtime.batch import StepBatch
 from llmc.runtime.engine import LLMEngine
 from llmc.runtime.module import CompiledModel
-from llmc.runtime.sampling import SamplingParams
+from llmc.sampling_params import SamplingParams
 
 PROMPT = "The list type"
 NEW_TOKENS = 24

@@ -16,10 +16,11 @@ from cuda_mode import cuda_library
 from safetensors.torch import load_file, save_file
 
 from llmc.artifact import read_manifest
-from llmc.compiler.compile import CUDA_QGEMM_ACTIVATIONS, compile_checkpoint
+from llmc.compiler.compile import CUDA_QGEMM_ACTIVATIONS
 from llmc.compiler.quant import QuantConfig, dequantize, quantize
 from llmc.runtime.batch import StepBatch
 from llmc.runtime.module import CompiledModel
+from llmc.tools.build import compile_checkpoint
 
 REL = 1e-3
 BF16_REL = 3e-2

@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from llmc import artifact as art
-from llmc.compiler.frontend.checkpoint import load_checkpoint
+from llmc.compiler.frontend.load import load_checkpoint
 from llmc.errors import ArtifactError, LlmcError
 from llmc.model_config import ModelConfig
 

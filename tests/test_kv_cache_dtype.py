@@ -21,14 +21,14 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from llmc.artifact import seal_manifest
-from llmc.cli import main
 from llmc.compiler.compile import compile_checkpoint
 from llmc.errors import ArtifactError, CompileError
 from llmc.runtime.batch import StepBatch
 from llmc.runtime.engine import LLMEngine
 from llmc.runtime.kv_cache import kv_bytes_per_block
 from llmc.runtime.module import CompiledModel
-from llmc.runtime.sampling import SamplingParams
+from llmc.sampling_params import SamplingParams
+from llmc.tools.cli import main
 
 PROMPTS = [
     "The list type",
@@ -149,7 +149,7 @@ def test_unknown_kv_cache_dtype_is_refused_before_compiling(checkpoint_dir, tmp_
 
 def test_run_compiles_a_checkpoint_with_the_kv_cache_dtype(checkpoint_dir, tmp_path_factory, monkeypatch):
     """run (as serve and bench) hands --kv-cache-dtype to the compile of a checkpoint; an artifact keeps its own."""
-    from llmc.compiler import cache
+    from llmc.tools import build as cache
 
     built = artifact(checkpoint_dir, tmp_path_factory, "cpu")
     asked = []

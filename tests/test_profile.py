@@ -12,8 +12,9 @@ import torch
 from click.testing import CliRunner
 
 from llmc.artifact import load_artifact
-from llmc.cli import main
-from llmc.compiler.codegen.profile import (
+from llmc.compiler.codegen.simulator import build_profiled, build_simulated, build_simulated_library
+from llmc.tools.cli import main
+from llmc.tools.profile import (
     Ceilings,
     _kernel_id,
     format_table,
@@ -22,7 +23,6 @@ from llmc.compiler.codegen.profile import (
     program_flops,
     read_counters,
 )
-from llmc.compiler.codegen.simulator import build_profiled, build_simulated, build_simulated_library
 
 N = 1000  # not a multiple of the 128-thread block: the last warp has 8 lanes
 
@@ -150,7 +150,7 @@ def test_plain_simulated_build_has_no_counters(tmp_path):
 def tiny_sm90(tmp_path_factory):
     from checkpoints import make_checkpoint
 
-    from llmc.compiler.compile import compile_checkpoint
+    from llmc.tools.build import compile_checkpoint
 
     ckpt = make_checkpoint(tmp_path_factory.mktemp("ckpt"), "llama", dtype=torch.bfloat16, num_hidden_layers=1)
     return compile_checkpoint(ckpt, target="sm90", output=tmp_path_factory.mktemp("art") / "model.sm90",
@@ -227,7 +227,7 @@ def test_floors_match_the_simulators_distinct_bytes(tiny_sm90, shape):
 def tiny_cpu(tmp_path_factory):
     from checkpoints import make_checkpoint
 
-    from llmc.compiler.compile import compile_checkpoint
+    from llmc.tools.build import compile_checkpoint
 
     ckpt = make_checkpoint(tmp_path_factory.mktemp("ckpt"), "llama", dtype=torch.bfloat16, num_hidden_layers=1)
     return compile_checkpoint(ckpt, target="cpu", output=tmp_path_factory.mktemp("art") / "model.cpu",
@@ -258,8 +258,8 @@ def test_cpu_profile_times_every_kernel_on_the_host(tiny_cpu, shape):
 
 
 def test_quantized_gemms_take_the_int8_rate(tmp_path, checkpoint_dir):
-    from llmc.compiler.compile import compile_checkpoint
     from llmc.compiler.quant import QuantConfig
+    from llmc.tools.build import compile_checkpoint
 
     art = compile_checkpoint(checkpoint_dir("llama"), target="cpu", output=tmp_path / "q.cpu",
                              quant=QuantConfig(mode="int8", group_size=32), max_kl=None)  # fmt: skip
@@ -277,8 +277,8 @@ def test_quantized_gemms_take_the_int8_rate(tmp_path, checkpoint_dir):
 def test_tvm_fallback_kernels_are_floored_by_their_tensors_bytes(tmp_path, checkpoint_dir, monkeypatch):
     """silu(gate) * up left unfused runs as two TVM fallback kernels: timed like the rest, each floored by the
     float32 tensors it reads and writes (T rows of the intermediate size), with no FLOPs."""
-    from llmc.compiler.compile import compile_checkpoint
     from llmc.compiler.passes import pipeline
+    from llmc.tools.build import compile_checkpoint
 
     monkeypatch.setattr(pipeline, "PASSES", [p for p in pipeline.PASSES if p.__name__ != "fuse_swiglu"])
     art = compile_checkpoint(checkpoint_dir("llama"), target="cpu", output=tmp_path / "m.cpu", max_kl=None)
@@ -316,7 +316,7 @@ def test_decode_attention_reads_shared_memory_without_bank_conflicts(tmp_path, k
     in order they conflicted 2-way), over a float32 one one float4."""
     from checkpoints import make_checkpoint
 
-    from llmc.compiler.compile import compile_checkpoint
+    from llmc.tools.build import compile_checkpoint
 
     ckpt = make_checkpoint(tmp_path / "ckpt", "llama", dtype=torch.bfloat16, num_hidden_layers=1, hidden_size=256,
                            num_attention_heads=2, num_key_value_heads=1, intermediate_size=256)  # fmt: skip

@@ -21,12 +21,13 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from llmc.cli import bundled_checkpoint, ray_replica_app  # noqa: E402
+from llmc.examples import bundled_checkpoint  # noqa: E402
 from llmc.runtime import ray_serve  # noqa: E402
 from llmc.runtime.engine import LLMEngine  # noqa: E402
 from llmc.runtime.module import CompiledModel, load_tokenizer  # noqa: E402
-from llmc.runtime.sampling import SamplingParams  # noqa: E402
 from llmc.runtime.server import ServerLimits  # noqa: E402
+from llmc.sampling_params import SamplingParams  # noqa: E402
+from llmc.tools.cli import ray_replica_app  # noqa: E402
 
 KV = "8MiB"
 TIMEOUT = 60.0
@@ -35,7 +36,7 @@ REPLICA = ray_serve.REPLICA_HEADER
 
 @pytest.fixture(scope="module")
 def artifact(tmp_path_factory) -> Path:
-    from llmc.compiler.cache import cached_artifact
+    from llmc.tools.build import cached_artifact
 
     with pytest.MonkeyPatch.context() as mp:  # the bundled model, compiled by this tree
         mp.setenv("LLMC_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))

@@ -34,7 +34,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from llmc.runtime.chat_template import chat_prompt_ids, pick_template
 from llmc.runtime.engine import LLMEngine
 from llmc.runtime.module import CompiledModel, load_tokenizer
-from llmc.runtime.sampling import SamplingParams
+from llmc.sampling_params import SamplingParams
 
 KV = "16MiB"
 CONTEXT = 256  # the checkpoint's max_position_embeddings
@@ -107,7 +107,7 @@ class LiveServer:
 def _launch(artifact: Path, log_dir: Path, extra: tuple[str, ...]) -> LiveServer:
     port = _free_port()
     log = log_dir / f"serve-{port}.log"
-    cmd = [sys.executable, "-m", "llmc.cli", "serve", str(artifact), "--host", "127.0.0.1", "--port", str(port),
+    cmd = [sys.executable, "-m", "llmc.tools.cli", "serve", str(artifact), "--host", "127.0.0.1", "--port", str(port),
            *extra]  # fmt: skip
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,

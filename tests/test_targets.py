@@ -74,7 +74,7 @@ def test_a_new_gpu_target_is_a_toml(tmp_path, monkeypatch, checkpoint_dir):
 def test_cli_names_an_unknown_target(tmp_path, checkpoint_dir):
     from click.testing import CliRunner
 
-    from llmc import cli
+    from llmc.tools import cli
 
     r = CliRunner().invoke(cli.main, ["compile", str(checkpoint_dir("llama")), "--target", "sm999", "-o",
                                       str(tmp_path / "out")])  # fmt: skip

@@ -11,21 +11,21 @@ import pytest
 from click.testing import CliRunner
 
 from llmc.artifact import read_manifest
-from llmc.cli import main
 from llmc.compiler.codegen.simulator import build_simulated
-from llmc.compiler.compile import compile_checkpoint
 from llmc.compiler.quant import QuantConfig
 from llmc.compiler.tuning import measure_cuda, simulate_cuda
 from llmc.compiler.tuning.database import TuningDB, cpu_machine, entry_key
-from llmc.compiler.tuning.measure_cpu import render_candidate
-from llmc.compiler.tuning.reference import KernelShape
 from llmc.compiler.tuning.space import Tunable, TuneSpace, tune_space
-from llmc.compiler.tuning.tuner import model_shapes, parse_shape, tune
 from llmc.errors import CompileError
 from llmc.host import host_cpu_isa
 from llmc.runtime.batch import StepBatch
 from llmc.runtime.module import CompiledModel
 from llmc.targets import load_target
+from llmc.tools.build import compile_checkpoint
+from llmc.tools.cli import main
+from llmc.tools.tuning.measure_cpu import render_candidate
+from llmc.tools.tuning.reference import KernelShape
+from llmc.tools.tuning.tuner import model_shapes, parse_shape, tune
 
 # A shape with tails: n and k no multiple of a tile, a task or a vector.
 SHAPE = KernelShape.of("gemm", dict(n=203, k=72, wdtype="bf16", has_bias=True))

@@ -14,14 +14,14 @@ from checkpoints import hf_model
 from click.testing import CliRunner
 from tokenizers import Tokenizer
 
-from llmc import cli
 from llmc.compiler.compile import compile_checkpoint
 from llmc.compiler.passes import pipeline
 from llmc.errors import CompileError
 from llmc.runtime.batch import StepBatch
 from llmc.runtime.engine import LLMEngine
 from llmc.runtime.module import CompiledModel
-from llmc.runtime.sampling import SamplingParams
+from llmc.sampling_params import SamplingParams
+from llmc.tools import cli
 
 PROMPT = "Return a new dictionary initialized from an optional positional argument"
 

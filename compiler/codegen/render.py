@@ -20,23 +20,15 @@ import numbers
 import re
 import struct
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import jinja2
 import jinja2.meta
 
 from llmc.errors import CompileError
+from llmc.templates import TEMPLATE_DIR
 
 from ..tuning.space import tune_space
-
-TEMPLATE_DIR = Path(__file__).resolve().parents[2] / "templates"
-try:  # the installed package maps templates/ to llmc.templates; prefer its location when importable
-    import llmc.templates as _templates_pkg
-
-    TEMPLATE_DIR = Path(_templates_pkg.__file__).resolve().parent
-except ImportError:  # pragma: no cover - running from a bare checkout
-    pass
 
 # weight dtype -> the C type of a weight pointer on every target; bf16 stays raw uint16_t bits
 WDTYPES = {"f32": "float", "bf16": "uint16_t"}

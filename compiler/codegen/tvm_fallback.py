@@ -1,7 +1,6 @@
 """The fallback for ops that no kernel template covers: TVM's own TIR codegen, emitted as C.
 
-`legalize_call` turns one Relax call of the fused graph into a TIR PrimFunc (relax.transform.LegalizeOps,
-TVM's default lowering of every Relax op). `c_source` compiles those PrimFuncs with TVM's C backend
+Lowering turns each such Relax call into a TIR PrimFunc (compiler/legalize.py). `c_source` compiles those PrimFuncs with TVM's C backend
 (target "c"). The generated functions use the TVM FFI calling convention: one array of TVMFFIAny holding
 DLTensor pointers. The `tvm_call` template wraps each one behind a plain pointer signature, and
 templates/cpu/tvm_backend.cc defines the three TVM runtime functions the C code calls. So the built
@@ -15,48 +14,7 @@ the ops that took it.
 from __future__ import annotations
 
 import tvm
-from tvm import relax, tirx
-
-from llmc.errors import CompileError
-
-
-def legalize_call(call: relax.Call, params: list[relax.Var]) -> tirx.PrimFunc:
-    """The PrimFunc computing `call` (whose tensor arguments are `params`), with params then the output."""
-    bb = relax.BlockBuilder()
-    fresh = [relax.Var(p.name, p.ty) for p in params]
-    remap = dict(zip(params, fresh, strict=True))
-
-    def substitute(arg):
-        if isinstance(arg, relax.Var):
-            return remap[arg]
-        if isinstance(arg, relax.Tuple):
-            return relax.Tuple([substitute(f) for f in arg.fields])
-        return arg
-
-    with bb.function("main", fresh):
-        out = bb.emit(relax.Call(call.op, [substitute(a) for a in call.args], call.attrs, call.ty_args))
-        bb.emit_func_output(out)
-    mod = relax.transform.LegalizeOps()(bb.get())
-    op = call.op.name if hasattr(call.op, "name") else str(call.op)
-    tir_calls = [
-        b.value
-        for blk in mod["main"].body.blocks
-        for b in blk.bindings
-        if isinstance(b.value, relax.Call) and getattr(b.value.op, "name", "") == "relax.call_tir"
-    ]
-    if len(tir_calls) != 1:
-        raise CompileError(f"TVM cannot lower `{op}` to one TIR function ({len(tir_calls)} found)",
-                           "this op needs a kernel template")  # fmt: skip
-    callee, args = tir_calls[0].args[0], tir_calls[0].args[1]
-    takes = list(args.fields)
-    if (
-        len(tir_calls[0].args) > 2
-        or len(takes) != len(fresh)
-        or not all(a.same_as(f) for a, f in zip(takes, fresh, strict=True))
-    ):
-        raise CompileError(f"TVM's lowering of `{op}` takes arguments other than its input tensors",
-                           "this op needs a kernel template")  # fmt: skip
-    return mod[callee]
+from tvm import tirx
 
 
 def c_source(funcs: dict[str, tirx.PrimFunc]) -> str:

@@ -173,17 +173,8 @@ def _check_header(header, data_bytes: int) -> dict[str, tuple[str, tuple[int, ..
     return out
 
 
-def load_checkpoint(path: str | Path) -> Checkpoint:
-    """A Hugging Face checkpoint directory, or a GGUF file (compiler/frontend/gguf.py)."""
-    path = Path(path)
-    if not path.exists():
-        raise CheckpointError(f"{path}: no such directory", "pass a Hugging Face checkpoint directory")
-    if path.is_file() and path.suffix.lower() == ".gguf":
-        from .gguf import load_gguf
-
-        return load_gguf(path)
-    if not path.is_dir():
-        raise CheckpointError(f"{path}: not a directory", "pass the checkpoint's directory or a .gguf file")
+def load_hf_checkpoint(path: Path) -> Checkpoint:
+    """A Hugging Face checkpoint directory: config.json, *.safetensors and tokenizer.json."""
     config = parse_config(_read_json(path / "config.json", "config.json"))
     gen_path = path / "generation_config.json"
     gen = _read_json(gen_path, "generation_config.json") if gen_path.is_file() else {}
@@ -249,7 +240,7 @@ def generation_defaults(gen: dict, path: Path | str = "generation_config.json") 
     They become every request's defaults, so they are checked here by the runtime's own rules: a bad
     value fails the compile, not every later request.
     """
-    from llmc.runtime.sampling import SamplingParams
+    from llmc.sampling_params import SamplingParams
 
     if not gen.get("do_sample", False):
         return {"temperature": 0.0} if gen else {}

@@ -32,7 +32,8 @@ import numpy as np
 from llmc.errors import CheckpointError, UnsupportedModelError
 
 from . import gguf_names as names
-from .checkpoint import load_checkpoint, to_numpy
+from .checkpoint import to_numpy
+from .load import load_checkpoint
 
 DTYPES = ("F32", "BF16", "Q8_0", "Q4_0")
 

@@ -20,6 +20,16 @@ import tvm
 from tvm import relax
 from tvm.relax.dpl import DFPattern
 
+# main's step arguments, as the C ABI passes them (docs/contracts.md); its other parameters are the KV caches
+# (kv_cache_<layer>) and the weights.
+ABI_PARAMS = ("input_ids", "positions", "logits_indices", "seq_lens", "query_start_loc", "block_tables", "slot_mapping")
+
+
+def weight_params(func: relax.Function) -> list[relax.Var]:
+    """main's weight parameters, in order: every parameter but the step arguments and the KV caches."""
+    return [p for p in func.params if p.name not in ABI_PARAMS and not p.name.startswith("kv_cache_")]
+
+
 OPS = {
     "rms_norm": ("x", "weight", "eps"),
     "add_rms_norm": ("x", "residual", "weight", "eps"),  # -> (x + residual, rms_norm(x + residual))

@@ -23,9 +23,8 @@ from collections.abc import Callable, Mapping
 import tvm
 from tvm import relax
 
-from ..lower import weight_params
 from ..quant import QuantScheme, common_scheme
-from .common import bindings, calls, llmc_call, main_function, prim, rewrite
+from .common import bindings, calls, llmc_call, main_function, prim, rewrite, weight_params
 
 
 def _sources(weight: relax.Expr, var2val, names: dict) -> tuple[str, ...] | None:

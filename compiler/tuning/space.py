@@ -25,6 +25,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from llmc.errors import CompileError
+from llmc.templates import TEMPLATE_DIR
 
 _OPS = {
     ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.FloorDiv: operator.floordiv,
@@ -132,8 +133,6 @@ class TuneSpace:
 @functools.cache
 def tune_space(family: str, op: str) -> TuneSpace | None:
     """The tunables of `templates/<family>/<op>.*.j2`, or None where the op declares none."""
-    from ..codegen.render import TEMPLATE_DIR
-
     path = TEMPLATE_DIR / family / f"{op}.tune.toml"
     if not path.is_file():
         return None

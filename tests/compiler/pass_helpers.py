@@ -4,7 +4,7 @@ prints the module before and after, checks it is well formed, and returns the re
 from tvm import relax
 
 from llmc.compiler.export import to_relax
-from llmc.compiler.frontend.checkpoint import load_checkpoint
+from llmc.compiler.frontend.load import load_checkpoint
 from llmc.compiler.frontend.trace import trace
 from llmc.compiler.passes.common import bindings, llmc_op_name, rewrite_counts
 

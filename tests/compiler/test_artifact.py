@@ -7,7 +7,7 @@ import pytest
 
 from llmc import __version__, digests
 from llmc import artifact as art
-from llmc.compiler.frontend.checkpoint import load_checkpoint
+from llmc.compiler.frontend.load import load_checkpoint
 from llmc.errors import ArtifactError
 from llmc.host import host_caches, host_cpu_isa
 

@@ -1,7 +1,7 @@
 """The compile cache behind `llmc run CHECKPOINT`: compiled once per key, recompiled when a key part changes."""
 
-from llmc.compiler import cache
 from llmc.compiler import compile as compile_module
+from llmc.tools import build as cache
 
 
 def test_cache_key_changes_with_the_abi(checkpoint_dir, tmp_path, monkeypatch):

@@ -5,7 +5,7 @@ import pytest
 from pass_helpers import imported, plain_module
 
 from llmc.compiler.export import to_relax
-from llmc.compiler.frontend.checkpoint import load_checkpoint
+from llmc.compiler.frontend.load import load_checkpoint
 from llmc.compiler.frontend.model import attention_scale, rope_inv_freq
 from llmc.compiler.frontend.trace import trace
 from llmc.compiler.lower import ModelGeometry, lower

@@ -1,7 +1,7 @@
 from click.testing import CliRunner
 
-from llmc.cli import main
 from llmc.compiler.passes.pipeline import PASSES
+from llmc.tools.cli import main
 
 
 def test_inspect_passes_reports_every_pass_and_the_kernel_program(checkpoint_dir):

@@ -20,14 +20,16 @@ from click.testing import CliRunner
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
 from runtime_fakes import FakeConfig, FakeModel, context_logits  # noqa: E402
 
-from llmc import cli  # noqa: E402
+from llmc import examples  # noqa: E402
 from llmc.artifact import load_artifact  # noqa: E402
-from llmc.compiler import quality  # noqa: E402
-from llmc.compiler.compile import QUALITY_STAGE, SIGNAL_AT_ENV, compile_checkpoint  # noqa: E402
+from llmc.compiler.compile import SIGNAL_AT_ENV  # noqa: E402
 from llmc.compiler.quant import QuantConfig  # noqa: E402
 from llmc.errors import CompileError  # noqa: E402
 from llmc.runtime.module import CompiledModel  # noqa: E402
 from llmc.runtime.scoring import perplexity  # noqa: E402
+from llmc.tools import cli, quality  # noqa: E402
+from llmc.tools.build import compile_checkpoint  # noqa: E402
+from llmc.tools.quality import QUALITY_STAGE  # noqa: E402
 
 
 def test_compare_logits_matches_torch():
@@ -221,7 +223,7 @@ def test_bundled_model_perplexity_bounds(tmp_path, monkeypatch):
     monkeypatch.setenv("LLMC_CACHE_DIR", str(tmp_path / "cache"))
     figures = {}
     for quant, bound in ((QuantConfig("int8"), 0.01), (QuantConfig("int4", 32), 0.05)):
-        out = compile_checkpoint(cli.bundled_checkpoint(), target="cpu", output=tmp_path / quant.mode, quant=quant)
+        out = compile_checkpoint(examples.bundled_checkpoint(), target="cpu", output=tmp_path / quant.mode, quant=quant)
         q = figures[quant.mode] = load_artifact(out).manifest["quality"]
         assert q["calibration"] == quality.BUNDLED_HELDOUT and q["tokens"] == quality.DEFAULT_CALIBRATION_TOKENS - 1
         assert abs(q["ppl_quantized"] / q["ppl_reference"] - 1) <= bound, (quant.describe(), q)

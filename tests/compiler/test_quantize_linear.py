@@ -7,7 +7,7 @@ from tvm import relax
 
 from llmc.compiler.compile import quant_schemes
 from llmc.compiler.export import to_relax
-from llmc.compiler.frontend.checkpoint import load_checkpoint
+from llmc.compiler.frontend.load import load_checkpoint
 from llmc.compiler.frontend.trace import trace
 from llmc.compiler.passes.common import bindings, llmc_args, llmc_op_name, prim_value
 from llmc.compiler.passes.pipeline import PASSES, run_passes

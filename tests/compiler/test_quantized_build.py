@@ -19,12 +19,12 @@ from checkpoints import hf_model, make_checkpoint
 from safetensors.torch import load_file, save_file
 
 from llmc.artifact import read_manifest
-from llmc.compiler.compile import compile_checkpoint
 from llmc.compiler.quant import QuantConfig, dequantize, quantize
 from llmc.runtime.batch import StepBatch
 from llmc.runtime.engine import LLMEngine
 from llmc.runtime.module import CompiledModel
-from llmc.runtime.sampling import SamplingParams
+from llmc.sampling_params import SamplingParams
+from llmc.tools.build import compile_checkpoint
 
 REL = 1e-3  # the fp32 parity tolerance (tests/logits_rows.py)
 FLIP_REL = 1e-2  # a row with an activation rounded the other way (see the module docstring)

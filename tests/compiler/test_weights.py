@@ -10,7 +10,7 @@ import torch
 from safetensors import safe_open
 
 from llmc import digests
-from llmc.compiler.frontend.checkpoint import load_checkpoint
+from llmc.compiler.frontend.load import load_checkpoint
 from llmc.compiler.quant import QuantizedTensor, QuantScheme, dequantize, quantize
 from llmc.compiler.quant_pack import unpack_cpu
 from llmc.compiler.weights import (

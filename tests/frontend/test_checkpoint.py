@@ -3,7 +3,8 @@
 import json
 import shutil
 
-from llmc.compiler.frontend.checkpoint import generation_defaults, load_checkpoint
+from llmc.compiler.frontend.checkpoint import generation_defaults
+from llmc.compiler.frontend.load import load_checkpoint
 
 
 def _copy(checkpoint_dir, tmp_path):

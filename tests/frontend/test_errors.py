@@ -6,7 +6,7 @@ import shutil
 import pytest
 from click.testing import CliRunner
 
-from llmc.cli import main
+from llmc.tools.cli import main
 
 
 def _edit_config(path, **changes):

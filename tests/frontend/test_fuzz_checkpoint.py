@@ -16,7 +16,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors import safe_open
 
-from llmc.compiler.frontend.checkpoint import _scan_safetensors, load_checkpoint
+from llmc.compiler.frontend.checkpoint import _scan_safetensors
+from llmc.compiler.frontend.load import load_checkpoint
 from llmc.errors import LlmcError
 
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -21,12 +21,11 @@ from click.testing import CliRunner
 from safetensors.torch import save_file
 from tokenizers import Tokenizer
 
-from llmc.cli import main
 from llmc.compiler.compile import compile_checkpoint
 from llmc.compiler.frontend import gguf_names as names
-from llmc.compiler.frontend.checkpoint import load_checkpoint
 from llmc.compiler.frontend.gguf import _llama3_scaling
 from llmc.compiler.frontend.gguf_write import _llama3_rope_freqs, write_gguf
+from llmc.compiler.frontend.load import load_checkpoint
 from llmc.compiler.frontend.model import rope_inv_freq
 from llmc.compiler.quant import dequantize
 from llmc.errors import CheckpointError, CompileError, LlmcError
@@ -34,7 +33,8 @@ from llmc.model_config import ModelConfig
 from llmc.runtime.batch import StepBatch
 from llmc.runtime.engine import LLMEngine
 from llmc.runtime.module import CompiledModel
-from llmc.runtime.sampling import SamplingParams
+from llmc.sampling_params import SamplingParams
+from llmc.tools.cli import main
 
 T = gguf.GGMLQuantizationType
 TEXTS = [
@@ -482,7 +482,7 @@ def test_llama3_scaling_from_rope_freqs(case):
 def test_run_compiles_a_gguf_once_per_content(gguf_file, tmp_path, monkeypatch):
     """`llmc run model.gguf` goes through the compile cache, keyed by the file's content."""
     import llmc.compiler.compile as compile_module
-    from llmc.cli import _resolve_artifact
+    from llmc.tools.cli import _resolve_artifact
 
     compiled = []
 

@@ -68,8 +68,9 @@ def test_permute_qk_rejects_odd_heads():
 
 gguf = pytest.importorskip("gguf")
 
-from llmc.compiler.frontend.checkpoint import load_checkpoint, to_numpy  # noqa: E402
+from llmc.compiler.frontend.checkpoint import to_numpy  # noqa: E402
 from llmc.compiler.frontend.gguf_write import write_gguf  # noqa: E402
+from llmc.compiler.frontend.load import load_checkpoint  # noqa: E402
 from llmc.errors import UnsupportedModelError  # noqa: E402
 
 # Sizes that are whole Q8_0 / Q4_0 blocks (32), so every matrix is quantized; GQA 4 (8 heads, 2 KV heads).

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from llmc.compiler.export import to_relax
-from llmc.compiler.frontend.checkpoint import load_checkpoint
+from llmc.compiler.frontend.load import load_checkpoint
 from llmc.compiler.frontend.model import attention_scale
 from llmc.compiler.frontend.trace import Traced, trace
 from llmc.compiler.passes.common import bindings, calls

@@ -6,7 +6,7 @@ import torch
 from checkpoints import ARCHS, VOCAB, hf_model
 
 from llmc.compiler.export import export_onnx, to_relax
-from llmc.compiler.frontend.checkpoint import load_checkpoint
+from llmc.compiler.frontend.load import load_checkpoint
 from llmc.compiler.frontend.trace import trace
 
 LENGTHS = (1, 5, 37)

@@ -9,7 +9,7 @@ from runtime_fakes import run_with_arrivals
 from llmc.compiler.compile import compile_checkpoint
 from llmc.runtime.engine import LLMEngine
 from llmc.runtime.module import CompiledModel
-from llmc.runtime.sampling import SamplingParams
+from llmc.sampling_params import SamplingParams
 
 
 @pytest.fixture(scope="module")

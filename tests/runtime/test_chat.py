@@ -17,7 +17,7 @@ from llmc.runtime.chat_template import (
     render_chat,
 )
 from llmc.runtime.engine import LLMEngine
-from llmc.runtime.sampling import SamplingParams
+from llmc.sampling_params import SamplingParams
 
 TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}{% endfor %}"

@@ -7,7 +7,7 @@ from runtime_fakes import FakeConfig, FakeModel, byte_level_bpe, context_logits,
 
 from llmc.errors import RequestError
 from llmc.runtime.engine import AsyncLLMEngine, LLMEngine
-from llmc.runtime.sampling import SamplingParams
+from llmc.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=20)
 

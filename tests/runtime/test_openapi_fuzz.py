@@ -22,8 +22,8 @@ from schemathesis.specs.openapi.checks import (
 )
 
 from llmc.runtime.engine import AsyncLLMEngine, LLMEngine
-from llmc.runtime.sampling import SamplingParams
 from llmc.runtime.server import create_app
+from llmc.sampling_params import SamplingParams
 
 NUM_BLOCKS = 64
 MAX_MODEL_LEN = 96  # bounds a fuzzed request that asks for every token the context holds

@@ -12,7 +12,7 @@ from test_metrics import new_app, scrape
 from llmc.compiler.compile import compile_checkpoint
 from llmc.runtime.engine import LLMEngine
 from llmc.runtime.module import CompiledModel
-from llmc.runtime.sampling import SamplingParams
+from llmc.sampling_params import SamplingParams
 
 
 def shared_prefix_workload(seed: int, num_requests: int, vocab: int, base_len: int, max_suffix: int, max_tokens: int,

@@ -3,7 +3,6 @@ import pytest
 
 from llmc.errors import RequestError
 from llmc.runtime.sampling import (
-    SamplingParams,
     apply_frequency_presence_penalties,
     apply_min_p,
     apply_repetition_penalty,
@@ -16,6 +15,7 @@ from llmc.runtime.sampling import (
     suppress_tokens,
     top_logprobs,
 )
+from llmc.sampling_params import SamplingParams
 
 EMPTY = np.zeros(0, dtype=np.int64)
 

@@ -21,8 +21,8 @@ from runtime_fakes import FakeConfig, FakeModel, byte_level_bpe
 from llmc.errors import ArtifactError
 from llmc.runtime.chat_template import TemplateLimits, chat_prompt_ids
 from llmc.runtime.engine import AsyncLLMEngine, LLMEngine
-from llmc.runtime.sampling import SamplingParams
 from llmc.runtime.server import ServerLimits, create_app
+from llmc.sampling_params import SamplingParams
 
 MODEL = "tiny-fake"
 NUM_BLOCKS = 128

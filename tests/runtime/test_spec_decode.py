@@ -15,8 +15,8 @@ from llmc.compiler.compile import compile_checkpoint
 from llmc.errors import LlmcError
 from llmc.runtime.engine import LLMEngine
 from llmc.runtime.module import CompiledModel
-from llmc.runtime.sampling import SamplingParams
 from llmc.runtime.spec_decode import Proposal, SpeculativeConfig, accept_greedy, ngram_lookup, rejection_sample
+from llmc.sampling_params import SamplingParams
 
 NGRAM = SpeculativeConfig("ngram", 4)
 
@@ -304,7 +304,7 @@ def test_compiled_ngram_greedy_equals_no_speculation_batched_with_prefix_caching
 def _cli(*args):
     from click.testing import CliRunner
 
-    from llmc import cli
+    from llmc.tools import cli
 
     result = CliRunner().invoke(cli.main, [str(a) for a in args])
     assert result.exit_code == 0, result.output
@@ -326,7 +326,7 @@ def test_cli_run_json_reports_guesses_and_bench_prints_the_acceptance_rate(llama
     assert spec["speculative"]["proposed"] == spec["speculative"]["accepted"] > 0
     from click.testing import CliRunner
 
-    from llmc import cli
+    from llmc.tools import cli
 
     for flags in (("--draft", llama_artifact), ("--speculative", "draft")):
         r = CliRunner().invoke(cli.main, [str(a) for a in (*prompt, *flags)])
@@ -506,17 +506,15 @@ def test_stop_strings_cut_an_accepted_run_as_without_speculation():
 
 def test_the_shipped_draft_shares_the_bundled_models_tokenizer_and_is_not_taken_for_it():
     import json
-    from pathlib import Path
 
-    from llmc import cli
+    from llmc.examples import EXAMPLES_DIR, bundled_checkpoint
 
-    examples = Path(__file__).resolve().parents[2] / "examples"
-    draft, bundled = examples / "pystdlib-5m-draft", examples / "pystdlib-5m"
+    draft, bundled = EXAMPLES_DIR / "pystdlib-5m-draft", EXAMPLES_DIR / "pystdlib-5m"
     assert (draft / "tokenizer.json").read_bytes() == (bundled / "tokenizer.json").read_bytes()
     configs = [json.loads((d / "config.json").read_text()) for d in (draft, bundled)]
     assert configs[0]["vocab_size"] == configs[1]["vocab_size"]
     assert configs[0]["eos_token_id"] == configs[1]["eos_token_id"]
-    assert cli.bundled_checkpoint().name == "pystdlib-5m"
+    assert bundled_checkpoint().name == "pystdlib-5m"
 
 
 def test_compiled_sliding_window_with_ngram_guesses_equals_no_speculation(checkpoint_dir, tmp_path):

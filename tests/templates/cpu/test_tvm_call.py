@@ -11,7 +11,8 @@ from tvm import relax
 
 from llmc.compiler.codegen.build import CPU_FLAGS, build_shared_library
 from llmc.compiler.codegen.render import kernel_id, render_kernel, target_headers, template_file
-from llmc.compiler.codegen.tvm_fallback import c_source, include_dirs, legalize_call
+from llmc.compiler.codegen.tvm_fallback import c_source, include_dirs
+from llmc.compiler.legalize import legalize_call
 
 ROWS = tvm.tirx.Var("T", "int64")
 

@@ -14,7 +14,8 @@ import pytest
 from kernel_harness import kernels_source
 
 from llmc.compiler.codegen import simulator
-from llmc.compiler.codegen.render import TEMPLATE_DIR, kernel_id
+from llmc.compiler.codegen.render import kernel_id
+from llmc.templates import TEMPLATE_DIR
 
 
 def _inv_freq(head_dim, theta=500000.0):

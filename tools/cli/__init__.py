@@ -13,8 +13,8 @@ from pathlib import Path
 
 import click
 
-from . import __version__
-from .errors import LlmcError
+from llmc import __version__, examples
+from llmc.errors import LlmcError
 
 
 class _Group(click.Group):
@@ -53,8 +53,8 @@ def _human_bytes(n: float) -> str:
 @click.option("-o", "--output", type=click.Path(path_type=Path), required=True, help="Output file.")
 def export(model: Path, fmt: str, output: Path) -> None:
     """Export the traced graph of MODEL (a Hugging Face checkpoint dir or a .gguf file) as ONNX or Relax TVMScript."""
-    from .compiler.export import export_onnx, relax_for_checkpoint
-    from .compiler.frontend.checkpoint import load_checkpoint
+    from llmc.compiler.export import export_onnx, relax_for_checkpoint
+    from llmc.compiler.frontend.load import load_checkpoint
 
     ckpt = load_checkpoint(model)
     if fmt == "onnx":
@@ -71,7 +71,7 @@ def _quant_options(command):
 
     @functools.wraps(command)
     def with_quant(*args, quant: str, group_size: str | None, quant_lm_head: bool, **kwargs):
-        from .compiler.quant import QuantConfig  # numpy only: neither torch nor TVM
+        from llmc.compiler.quant import QuantConfig  # numpy only: neither torch nor TVM
 
         config = QuantConfig(quant, None if group_size is None else int(group_size), quant_lm_head)
         return command(*args, quant=config, **kwargs)
@@ -156,7 +156,9 @@ def compile_cmd(model: Path, target: str, output: Path, weight_dtype: str, block
     A quantized build (--quant) is compared with the unquantized one on the CPU: the mean KL divergence, the
     top-1 agreement and both perplexities on a calibration text go into the manifest (llmc inspect shows them).
     """
-    out = _compile_checkpoint()(
+    from llmc.tools.build import compile_checkpoint  # torch and TVM load only when it compiles
+
+    out = compile_checkpoint(
         model, target=target, output=output, weight_dtype=weight_dtype, progress=True, block_size=block_size,
         quant=quant, kv_cache_dtype=kv_cache_dtype, calibration=calibration, max_kl=max_kl,
         tuning_db=False if tuning_db == "none" else tuning_db,
@@ -191,9 +193,9 @@ def tune(target: str, model: Path | None, shape_texts: tuple[str, ...], weight_d
     Every candidate is checked against a numpy reference before it is timed; a wrong one is rejected and
     logged. Winners go into the tuning database, which compile reads.
     """
-    from .compiler.tuning import tuner
-    from .compiler.tuning.database import TuningDB
-    from .targets import load_target, tuning_db_path
+    from llmc.compiler.tuning.database import TuningDB
+    from llmc.targets import load_target, tuning_db_path
+    from llmc.tools.tuning import tuner
 
     tgt = load_target(target)
     if shape_texts:
@@ -213,7 +215,7 @@ def tune(target: str, model: Path | None, shape_texts: tuple[str, ...], weight_d
         rejected = sum(c.rejected is not None for c in r.candidates)
         rows.append([str(r.shape), _config(r.config), f"{r.default_time_s * 1e6:.2f}", f"{r.time_s * 1e6:.2f}",
                      f"{r.default_time_s / r.time_s:.2f}x", f"{rejected}/{len(r.candidates)}"])  # fmt: skip
-    from .runtime.bench import align_columns
+    from llmc.runtime.bench import align_columns
 
     click.echo("\n".join(align_columns(rows)))
     left = len(shapes) - len(results)
@@ -226,13 +228,6 @@ def _config(config: dict) -> str:
     return " ".join(f"{k}={v}" for k, v in config.items())
 
 
-def _compile_checkpoint():
-    """The compiler entry point, imported late: torch and TVM load only for commands that compile."""
-    from .compiler.compile import compile_checkpoint
-
-    return compile_checkpoint
-
-
 # ----------------------------------------------------------------------------------------------------------
 # Artifacts from checkpoints, cached: `llmc run` with no argument or with a checkpoint dir
 
@@ -240,28 +235,13 @@ DEFAULT_PROMPT = "The list type"
 DEFAULT_MAX_TOKENS = 64
 
 
-def _examples_dir() -> Path:
-    from . import examples
-
-    return Path(examples.__file__).resolve().parent
-
-
-def bundled_checkpoint() -> Path:
-    """The checkpoint shipped in llmc/examples (the one dir there with a config.json, its *-draft model aside)."""
-    root = _examples_dir()
-    found = sorted(p.parent for p in root.glob("*/config.json") if not p.parent.name.endswith("-draft"))
-    if not found:
-        raise LlmcError(f"no bundled model found in {root}", "pass an artifact or a checkpoint: llmc run PATH")
-    return found[0]
-
-
 def _resolve_artifact(path: Path | None, quant=None, kv_cache_dtype: str = "auto") -> Path:
     """quant: the QuantConfig a checkpoint is compiled with (--quant), kv_cache_dtype its KV cache's
     (--kv-cache-dtype); an artifact is compiled already."""
-    from .compiler.cache import cached_artifact
+    from llmc.tools.build import cached_artifact
 
     if path is None:
-        return cached_artifact(bundled_checkpoint(), quant=quant, kv_cache_dtype=kv_cache_dtype)
+        return cached_artifact(examples.bundled_checkpoint(), quant=quant, kv_cache_dtype=kv_cache_dtype)
     if path.is_dir() and not (path / "manifest.json").exists() and (path / "config.json").is_file():
         return cached_artifact(path, quant=quant, kv_cache_dtype=kv_cache_dtype)
     if path.is_file() and path.suffix.lower() == ".gguf":
@@ -276,10 +256,10 @@ def _resolve_artifact(path: Path | None, quant=None, kv_cache_dtype: str = "auto
 
 
 def _load_model(path: Path, kv_cache_memory: str | None, simulate: bool = False, **kw):
-    from .runtime.module import CompiledModel, load_tokenizer
+    from llmc.runtime.module import CompiledModel, load_tokenizer
 
     if simulate:  # the compiler builds the simulated module; the runtime only loads a library
-        from .compiler.codegen.simulator import build_simulated_library
+        from llmc.compiler.codegen.simulator import build_simulated_library
 
         kw["library"] = build_simulated_library(path)
     model = CompiledModel.load(path, kv_cache_memory=kv_cache_memory, **kw)
@@ -316,7 +296,7 @@ def _speculative_options(command):
 def _speculative_config(method: str | None, num_tokens: int, draft: Path | None, tokenizer, kv_cache_memory: str | None,
                         max_num_seqs: int, stack: contextlib.ExitStack):  # fmt: skip
     """The engine's SpeculativeConfig for the flags (None: off). A draft model is loaded, and closed by `stack`."""
-    from .runtime.spec_decode import SpeculativeConfig
+    from llmc.runtime.spec_decode import SpeculativeConfig
 
     if (method == "draft") != (draft is not None):
         raise LlmcError("--draft goes with --speculative draft, and --speculative draft needs it",
@@ -345,7 +325,7 @@ def _engine_parts(stack: contextlib.ExitStack, path: Path, kv_cache_memory: str 
                   **load_kw):  # fmt: skip
     """What run, serve and bench share: the model (and a draft) loaded for their flags and closed by `stack`,
     the tokenizer, and a factory of engines over them (detokenize=False: an engine that returns ids only)."""
-    from .runtime.engine import LLMEngine
+    from llmc.runtime.engine import LLMEngine
 
     rows = _logits_rows(speculative, num_speculative_tokens, max_num_seqs)
     model, tokenizer = _load_model(path, kv_cache_memory, max_num_seqs=max_num_seqs, max_num_logits=rows, **load_kw)
@@ -398,7 +378,7 @@ def run(artifact: Path | None, prompt: str | None, max_tokens: int, temperature:
     A checkpoint is compiled for this CPU once and cached ($LLMC_CACHE_DIR, else ~/.cache/llmc). With an
     ARTIFACT, no --prompt and a terminal on stdin, it starts an interactive chat.
     """
-    from .runtime.sampling import SamplingParams
+    from llmc.sampling_params import SamplingParams
 
     chat = prompt is None and artifact is not None and not as_json and _stdin_is_tty()
     if max_tokens is None and not chat:
@@ -410,7 +390,7 @@ def run(artifact: Path | None, prompt: str | None, max_tokens: int, temperature:
                         "compile one: llmc compile CHECKPOINT --target sm90 -o OUT")  # fmt: skip
     path = _resolve_artifact(artifact, quant, kv_cache_dtype)
     if chat:
-        from .runtime.chat import run_chat
+        from llmc.runtime.chat import run_chat
 
         with contextlib.ExitStack() as stack:
             model, tokenizer, make_engine = _engine_parts(stack, path, kv_cache_memory, 1, no_prefix_caching,
@@ -566,7 +546,7 @@ def serve(artifact: Path, host: str, port: int, model_name: str | None, max_num_
           threads_per_replica: int | None, autoscale: str | None) -> None:  # fmt: skip
     """Serve ARTIFACT over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models),
     with /health and Prometheus metrics at /metrics."""
-    from .runtime import server
+    from llmc.runtime import server
 
     ray_serve = _ray_serve_module() if use_ray else None  # before any compile: a missing extra fails at once
     given = {"max_body_bytes": max_body_size, "max_n": max_n, "max_waiting_requests": max_waiting_requests,
@@ -591,8 +571,8 @@ def _server_app(stack: contextlib.ExitStack, *, path: Path, name: str, limits, a
                 kv_cache_memory: str | None, max_num_seqs: int, max_num_batched_tokens: int, no_prefix_caching: bool,
                 speculative: str | None, num_speculative_tokens: int, draft: Path | None):  # fmt: skip
     """The app `llmc serve` runs, over a model that `stack` closes; and the model."""
-    from .runtime import server
-    from .runtime.engine import AsyncLLMEngine
+    from llmc.runtime import server
+    from llmc.runtime.engine import AsyncLLMEngine
 
     model, tokenizer, make_engine = _engine_parts(stack, path, kv_cache_memory, max_num_seqs, no_prefix_caching,
                                                   speculative, num_speculative_tokens, draft,
@@ -613,8 +593,8 @@ def ray_replica_app(**app_kw):
 def ray_serve_options(path: Path, limits, max_num_seqs: int, replicas: int, threads_per_replica: int | None,
                       autoscale: str | None):  # fmt: skip
     """RayServeOptions for an artifact: a CUDA one takes a GPU per replica, a CPU one its threads in CPUs."""
-    from .artifact import load_artifact
-    from .runtime.ray_serve import RayServeOptions
+    from llmc.artifact import load_artifact
+    from llmc.runtime.ray_serve import RayServeOptions
 
     target = load_artifact(path, verify=False, check_target=False).target
     common = dict(replicas=replicas, limits=limits, autoscaling=_autoscaling_config(autoscale),
@@ -645,7 +625,7 @@ def _autoscaling_config(text: str | None) -> dict | None:
 
 def _ray_serve_module():
     try:
-        from .runtime import ray_serve
+        from llmc.runtime import ray_serve
     except ImportError as e:
         raise LlmcError(f"--ray needs Ray Serve, which is not installed ({e})",
                         "pip install 'llmc[ray]'  (or: pip install 'ray[serve]==2.60.0')") from None  # fmt: skip
@@ -671,7 +651,7 @@ def _serve_on_ray(ray_serve, app_kw: dict, host: str, port: int, address: str | 
 
 
 def _byte_size(text: str) -> int:
-    from .runtime.kv_cache import parse_memory_size
+    from llmc.runtime.kv_cache import parse_memory_size
 
     try:
         return parse_memory_size(text)
@@ -730,7 +710,7 @@ def bench(artifact: Path, concurrency: list[int], num_requests: int | None, prom
           no_prefix_caching: bool, speculative: str | None, num_speculative_tokens: int,
           draft: Path | None, quant, kv_cache_dtype: str) -> None:  # fmt: skip
     """TTFT, TPOT and tokens/s of ARTIFACT on a fixed synthetic workload, against the memory roofline."""
-    from .runtime.bench import format_bench_table, run_bench
+    from llmc.runtime.bench import format_bench_table, run_bench
 
     with contextlib.ExitStack() as stack:
         path = _resolve_artifact(artifact, quant, kv_cache_dtype)
@@ -771,7 +751,7 @@ def eval_ppl(artifact: Path, text_file: Path, max_tokens: int | None, kv_cache_m
     The text is split into windows of the model's context; each window runs as prefill steps that return the
     logits of every row, scoring every next token.
     """
-    from .runtime.scoring import perplexity
+    from llmc.runtime.scoring import perplexity
 
     # logits at every row of a step (max_num_logits is capped at the step's max_num_tokens)
     model, tokenizer = _load_model(_resolve_artifact(artifact), kv_cache_memory, max_num_seqs=1, max_num_logits=512)
@@ -807,7 +787,7 @@ def inspect(model: Path, verbose: bool, show_passes: bool, quant) -> None:
     """Describe MODEL: a checkpoint dir or .gguf file (architecture, size, memory) or a compiled artifact."""
     if (model / "manifest.json").is_file():
         return _inspect_artifact(model, verbose)
-    from .compiler.frontend.checkpoint import load_checkpoint
+    from llmc.compiler.frontend.load import load_checkpoint
 
     ckpt = load_checkpoint(model)
     c = ckpt.config
@@ -839,9 +819,9 @@ def inspect(model: Path, verbose: bool, show_passes: bool, quant) -> None:
 
 
 def _inspect_passes(ckpt, quant) -> None:
-    from .compiler.compile import build_program, quant_schemes, resolve_weight_dtype
-    from .compiler.passes.common import rewrite_counts
-    from .targets import load_target
+    from llmc.compiler.compile import build_program, quant_schemes, resolve_weight_dtype
+    from llmc.compiler.passes.common import rewrite_counts
+    from llmc.targets import load_target
 
     def report(name, mod):
         count = rewrite_counts(mod)[name]
@@ -857,7 +837,7 @@ def _inspect_passes(ckpt, quant) -> None:
 
 
 def _inspect_artifact(path: Path, verbose: bool) -> None:
-    from .artifact import load_artifact, safetensors_data_bytes
+    from llmc.artifact import load_artifact, safetensors_data_bytes
 
     a = load_artifact(path, verify=False, check_target=False)
     m, c = a.manifest, a.config
@@ -885,7 +865,7 @@ def _inspect_artifact(path: Path, verbose: bool) -> None:
         _inspect_quant(quant, verbose)
     quality = m.get("quality")
     if isinstance(quality, dict):
-        from .compiler.quality import describe  # numpy only
+        from llmc.tools.quality import describe  # numpy only
 
         click.echo(f"  quality        {describe(quality)}")
     plan = m.get("buffer_plan") or {}
@@ -990,7 +970,7 @@ def profile(artifact: Path, simulate: bool, phase: str, batch: int, context: int
     ceilings. A CPU artifact: each kernel timed on the host, floors at this host's bandwidth and peak rates,
     measured first. --simulate (CUDA): bytes, DRAM sectors, sector efficiency, bank conflicts and tensor-core
     instructions counted, the time predicted from them."""
-    from .compiler.codegen.profile import format_table, profile_measured, profile_simulated
+    from llmc.tools.profile import format_table, profile_measured, profile_simulated
 
     stages = ("build", "load", "run") if simulate else ("ceilings", "load", "run")
     labels = {"build": "building the profiling library", "ceilings": "the ceilings (a CPU: measured)",

@@ -12,12 +12,11 @@ import dataclasses
 
 import numpy as np
 
+from llmc.compiler.codegen.render import kernel_id
+from llmc.compiler.quant import QuantScheme, dequantize, quantize
+from llmc.compiler.quant_pack import pack_cpu
+from llmc.compiler.weights import SWIGLU_INTERLEAVE, interleave_rows
 from llmc.errors import CompileError
-
-from ..codegen.render import kernel_id
-from ..quant import QuantScheme, dequantize, quantize
-from ..quant_pack import pack_cpu
-from ..weights import SWIGLU_INTERLEAVE, interleave_rows
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,13 +17,13 @@ import time
 
 import numpy as np
 
+from llmc.compiler.codegen.build import CPU_FLAGS, build_shared_library
+from llmc.compiler.codegen.render import kernel_id, render_kernel, target_headers
+from llmc.compiler.tuning.space import TuneSpace
 from llmc.errors import CompileError
 from llmc.host import host_llc_bytes
 
-from ..codegen.build import CPU_FLAGS, build_shared_library
-from ..codegen.render import kernel_id, render_kernel, target_headers
 from .reference import Candidate, Inputs, KernelShape, make_inputs
-from .space import TuneSpace
 
 log = logging.getLogger("llmc.tune")
 _SPAN_MAX = 1 << 30

@@ -49,14 +49,13 @@ from pathlib import Path
 import numpy as np
 
 from llmc.artifact import load_artifact
+from llmc.compiler.codegen.floors import StepShape, kernel_floor
+from llmc.compiler.codegen.host_probes import cpu_ceilings
+from llmc.compiler.codegen.simulator import build_profiled_library
 from llmc.errors import LlmcError
 from llmc.host import host_llc_bytes
 from llmc.runtime.batch import StepBatch
 from llmc.runtime.module import CompiledModel
-
-from .floors import StepShape, kernel_floor
-from .host_probes import cpu_ceilings
-from .simulator import build_profiled_library
 
 # the order of llmc_sim_prof_kernel's counters (llmc_sim_profile.h, enum Field)
 FIELDS = (

@@ -18,14 +18,14 @@ import tempfile
 import time
 from pathlib import Path
 
+from llmc.compiler.codegen.render import WDTYPES, kernel_id, render_kernel
+from llmc.compiler.codegen.simulator import build_profiled, nvcc_compile
+from llmc.compiler.tuning.space import TuneSpace
 from llmc.errors import CompileError
 from llmc.targets import Target
 
-from ..codegen.profile import _kernel_row, ceilings, read_counters
-from ..codegen.render import WDTYPES, kernel_id, render_kernel
-from ..codegen.simulator import build_profiled, nvcc_compile
+from ..profile import _kernel_row, ceilings, read_counters
 from .reference import Candidate, KernelShape, make_inputs
-from .space import TuneSpace
 
 log = logging.getLogger("llmc.tune")
 

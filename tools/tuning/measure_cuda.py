@@ -22,14 +22,14 @@ from pathlib import Path
 
 import numpy as np
 
+from llmc.compiler.codegen.build import build_shared_library
+from llmc.compiler.codegen.render import target_headers
+from llmc.compiler.codegen.simulator import nvcc_path
+from llmc.compiler.tuning.space import TuneSpace
 from llmc.targets import Target
 
-from ..codegen.build import build_shared_library
-from ..codegen.render import target_headers
-from ..codegen.simulator import nvcc_path
 from .reference import Candidate, KernelShape, make_inputs
 from .simulate_cuda import admit_by_ptxas, render_kernel_source
-from .space import TuneSpace
 
 log = logging.getLogger("llmc.tune")
 

@@ -29,6 +29,7 @@ from llmc.runtime.kv_cache import cdiv, kv_bytes_per_block
 from llmc.runtime.module import CompiledModel, load_tokenizer
 from llmc.runtime.scoring import next_token_logits
 
+QUALITY_STAGE = "quality"  # a quantized build's last compile stage (tools/build.py)
 DEFAULT_CALIBRATION_TOKENS = 256
 BUNDLED_HELDOUT = "bundled heldout"
 _HELDOUT_FILE = "heldout.txt"
@@ -125,7 +126,7 @@ def calibration_tokens(
     """The first `max_tokens` token ids of the calibration text (the bundled model's held-out text unless a file
     is given), with the checkpoint's tokenizer, and how the manifest names that text."""
     if calibration is None:
-        from llmc.cli import bundled_checkpoint
+        from llmc.examples import bundled_checkpoint
 
         path, label = bundled_checkpoint() / _HELDOUT_FILE, BUNDLED_HELDOUT
     else:
@@ -171,14 +172,3 @@ def check_max_kl(quality: Quality, max_kl: float | None) -> None:
         raise CompileError(f"quality gate: the mean KL is over --max-kl {max_kl:g}: {quality.describe()}; "
                            "no artifact was written",
                            "quantize less (int8, a smaller --group-size) or raise --max-kl")  # fmt: skip
-
-
-def reference_artifact(ckpt, weight_dtype: str, kv_cache_dtype: str) -> Path:
-    """The unquantized CPU build of checkpoint `ckpt` with the same weight and KV cache dtypes, from llmc's
-    compile cache (compiled into it the first time: every quantized build of the checkpoint reuses it)."""
-    from .cache import cached_artifact
-    from .compile import resolve_weight_dtype
-
-    # the checkpoint's own dtype is the entry `llmc run CHECKPOINT` compiles ("auto"): one build serves both
-    requested = "auto" if weight_dtype == resolve_weight_dtype(ckpt, "auto") else weight_dtype
-    return cached_artifact(ckpt.path, progress=False, weight_dtype=requested, kv_cache_dtype=kv_cache_dtype)

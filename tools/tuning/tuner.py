@@ -23,16 +23,16 @@ from collections.abc import Iterable
 
 from tqdm import tqdm
 
+from llmc.compiler.codegen.render import template_params
+from llmc.compiler.tuning.database import SOURCES, TuningDB, cpu_machine, entry_key
+from llmc.compiler.tuning.space import TuneSpace, tune_space
 from llmc.errors import CompileError
 from llmc.targets import load_target
 
-from ..codegen.render import template_params
 from . import measure_cuda
-from .database import SOURCES, TuningDB, cpu_machine, entry_key
 from .measure_cpu import measure_shape
 from .reference import Candidate, KernelShape
 from .simulate_cuda import simulate_shape
-from .space import TuneSpace, tune_space
 
 log = logging.getLogger("llmc.tune")
 
@@ -93,9 +93,9 @@ def parse_shape(text: str, target: str = "cpu") -> KernelShape:
 
 def model_shapes(checkpoint, target: str, weight_dtype: str = "auto", quant=None) -> list[KernelShape]:
     """The tunable kernels compile would render for this checkpoint, target, dtype and quantization."""
-    from ..compile import build_program, quant_schemes, resolve_weight_dtype
-    from ..frontend.checkpoint import load_checkpoint
-    from ..quant import QuantConfig
+    from llmc.compiler.compile import build_program, quant_schemes, resolve_weight_dtype
+    from llmc.compiler.frontend.load import load_checkpoint
+    from llmc.compiler.quant import QuantConfig
 
     tgt = load_target(target)
     ckpt = load_checkpoint(checkpoint)

@@ -1,0 +1,121 @@
+"""Building artifacts with what the compiler alone cannot do: a quantized build's quality gate, which runs the
+build and its unquantized twin through the runtime, and llmc's cache of artifacts compiled from checkpoints on
+demand (`llmc run CHECKPOINT`, the bundled model), compiled once per checkpoint, compiler version and host
+CPU, then reused while the checkpoint is unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fcntl
+import hashlib
+import json
+import re
+import sys
+import tempfile
+from pathlib import Path
+
+from llmc import __version__
+from llmc.artifact import ABI_VERSION, FORMAT_VERSION, read_manifest, resolve_kv_cache_dtype, write_manifest
+from llmc.digests import checkpoint_hash, file_sha256
+from llmc.errors import CompileError
+from llmc.host import cache_root, host_cpu_target
+
+from .quality import QUALITY_STAGE, Quality, calibration_tokens, check_max_kl, measure_artifacts
+
+
+def compile_checkpoint(
+    checkpoint: str | Path,
+    *,
+    quant=None,
+    calibration: str | Path | None = None,
+    max_kl: float | None = None,
+    **options,
+) -> Path:
+    """llmc.compiler.compile.compile_checkpoint, with the quality gate for a quantized build (quant, a
+    QuantConfig): the gate runs the build against the unquantized model on the calibration text (None: the
+    bundled model's held-out text), writes the figures into the manifest's `quality`, and fails the compile,
+    writing nothing, when the mean KL is over max_kl. options: compile_checkpoint's."""
+    from llmc.compiler.compile import compile_checkpoint as compile_only  # torch and TVM load only to compile
+    from llmc.compiler.frontend.load import load_checkpoint
+
+    enabled = quant is not None and quant.enabled
+    if not enabled and (calibration is not None or max_kl is not None):
+        raise CompileError("--calibration and --max-kl apply to a quantized build", "add --quant int8 or int4")
+    if max_kl is not None and not max_kl >= 0:
+        raise CompileError(f"--max-kl {max_kl} is not a KL divergence", "pass a number >= 0")
+    if not enabled:
+        return compile_only(checkpoint, quant=quant, **options)
+    ckpt = load_checkpoint(checkpoint)
+    # read and tokenized before anything is built: a bad file fails at once
+    token_ids, label = calibration_tokens(ckpt.tokenizer_path, calibration)
+
+    def gate(tmp: Path, fields: dict) -> dict:
+        """This build against the unquantized one on the CPU: itself for a CPU target, else a CPU twin."""
+        dtype, kv_cache_dtype = fields["weight_dtype"], fields["kv_cache_dtype"]
+        if fields["target"]["kind"] == "cpu":
+            write_manifest(tmp, fields)  # provisional, so that the runtime loads the module being built
+            reference = _reference_artifact(ckpt, dtype, kv_cache_dtype)
+            result = measure_artifacts(reference, tmp, token_ids, label)
+        else:
+            with tempfile.TemporaryDirectory() as d:
+                twin = compile_checkpoint(
+                    checkpoint,
+                    target="cpu",
+                    output=Path(d) / "cpu",
+                    weight_dtype=dtype,
+                    quant=quant,
+                    kv_cache_dtype=kv_cache_dtype,
+                    calibration=calibration,
+                )
+                result = dataclasses.replace(Quality(**read_manifest(twin)["quality"]), measured_on="cpu build")
+        check_max_kl(result, max_kl)
+        return {"quality": result.to_manifest()}
+
+    return compile_only(checkpoint, quant=quant, gate=(QUALITY_STAGE, gate), **options)
+
+
+def _reference_artifact(ckpt, weight_dtype: str, kv_cache_dtype: str) -> Path:
+    """The unquantized CPU build of checkpoint `ckpt` with the same weight and KV cache dtypes, from llmc's
+    compile cache (compiled into it the first time: every quantized build of the checkpoint reuses it)."""
+    from llmc.compiler.compile import resolve_weight_dtype
+
+    # the checkpoint's own dtype is the entry `llmc run CHECKPOINT` compiles ("auto"): one build serves both
+    requested = "auto" if weight_dtype == resolve_weight_dtype(ckpt, "auto") else weight_dtype
+    return cached_artifact(ckpt.path, progress=False, weight_dtype=requested, kv_cache_dtype=kv_cache_dtype)
+
+
+def cached_artifact(
+    ckpt: Path, *, progress: bool = True, quant=None, weight_dtype: str = "auto", kv_cache_dtype: str = "auto"
+) -> Path:
+    """A CPU artifact of checkpoint `ckpt`, from the cache, compiled into it first if it is not there.
+
+    Key: the checkpoint's content hash (a .gguf file's own sha256; digests.py remembers the hashes of big
+    files), the compiler version, the artifact format and ABI versions (they change between releases during
+    development), this host's
+    CPU, so a cache shared across hosts or llmc builds never hands out an artifact another one cannot load,
+    and the quantization asked for (quant, a QuantConfig; None is none), weight dtype and KV cache dtype.
+    Processes that ask for the same key at once compile it once: the others wait on its lock, then reuse it.
+    """
+    kv_cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, cuda=False, weight_dtype=weight_dtype)
+    isa = hashlib.sha256(json.dumps(host_cpu_target(), sort_keys=True).encode()).hexdigest()[:8]
+    content = file_sha256(ckpt) if ckpt.is_file() else checkpoint_hash(ckpt)  # a GGUF file holds all of it
+    key = f"{content[:24]}-llmc{__version__}-f{FORMAT_VERSION}-abi{ABI_VERSION}-cpu-{isa}"
+    if quant is not None and quant.enabled:
+        key += "-" + re.sub(r"[^a-z0-9]+", "-", quant.describe()).strip("-")  # int8-per-channel, int4-g32-lm-head
+    key += (f"-{weight_dtype}" if weight_dtype != "auto" else "") + (
+        f"-kv-{kv_cache_dtype}" if kv_cache_dtype != "float32" else ""
+    )
+    root = cache_root() / "artifacts"
+    out = root / key
+    if (out / "manifest.json").is_file():
+        return out
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / f"{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (out / "manifest.json").is_file():
+            if progress:
+                print(f"compiling {ckpt} for this CPU (once; cached in {out})", file=sys.stderr)
+            compile_checkpoint(ckpt, target="cpu", output=out, weight_dtype=weight_dtype, progress=progress,
+                               quant=quant, kv_cache_dtype=kv_cache_dtype)  # fmt: skip
+    return out
