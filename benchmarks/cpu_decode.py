@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """CPU decode benchmark at batch 1: llmc (fp32 and bf16 weights) vs transformers eager, against the roofline.
 
-    /work/venv/bin/python benchmarks/cpu_decode.py [--threads 2] [--tokens 64] [--json]
+    python benchmarks/cpu_decode.py [--threads 2] [--tokens 64] [--json]
 
 The model is SmolLM-135M's shape (LlamaConfig: hidden 576, 30 layers, 9 heads / 3 KV heads, intermediate
 1536, vocab 49152, tied embeddings) with random fp32 weights, written once by common.random_checkpoint (plus a

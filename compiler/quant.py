@@ -167,7 +167,7 @@ def _round_up_fp16(a: np.ndarray) -> np.ndarray:
     return h.astype(np.float32)
 
 
-def restate(t: QuantizedTensor, scheme: QuantScheme) -> QuantizedTensor:
+def widen_exactly(t: QuantizedTensor, scheme: QuantScheme) -> QuantizedTensor:
     """t in `scheme`, exactly: the same q, each scale (and min) repeated over the smaller groups.
 
     Only widening is exact: scheme has at least t's bits, a group that divides t's, and mins if t has them
@@ -195,7 +195,7 @@ def restate(t: QuantizedTensor, scheme: QuantScheme) -> QuantizedTensor:
 
 
 def common_scheme(schemes: list[QuantScheme], k: int) -> QuantScheme:
-    """One scheme that holds weights of each of `schemes` exactly (`restate`), for sources fused into one GEMM.
+    """One scheme that holds weights of each of `schemes` exactly (`widen_exactly`), for sources fused into one GEMM.
 
     Equal schemes stay as they are; different ones (GGUF Q4_K_M: attn_v Q6_K beside q/k Q4_K) become int8 with
     the smallest group, asymmetric if any is. Scales are fp32 if any source's are.

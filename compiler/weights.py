@@ -42,7 +42,7 @@ import numpy as np
 from llmc.digests import remember_sha256
 from llmc.errors import CompileError
 
-from .quant import QuantScheme, quantize, restate
+from .quant import QuantScheme, quantize, widen_exactly
 
 ALIGN = 64
 _CHUNK_BYTES = 64 << 20  # conversion buffer for one slab of rows
@@ -298,7 +298,7 @@ class _QuantizedSources:
 
 
 def _pack_source(ckpt, src: str, scheme: QuantScheme, layout: str) -> dict:
-    """{part: array} of one source tensor in `scheme` and `layout`: restated exactly if the checkpoint holds it
+    """{part: array} of one source tensor in `scheme` and `layout`: widened exactly (widen_exactly) if the checkpoint holds it
     quantized, else quantized from float32 a slab of rows at a time."""
     from .quant_pack import pack_cpu, pack_cuda
 
@@ -306,7 +306,7 @@ def _pack_source(ckpt, src: str, scheme: QuantScheme, layout: str) -> dict:
 
     held = ckpt.quantized_tensor(src)
     if held is not None:
-        pieces = [pack(restate(held, scheme))]
+        pieces = [pack(widen_exactly(held, scheme))]
     else:
         t = ckpt.tensor(src)
         if t.dim() != 2:

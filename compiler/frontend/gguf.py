@@ -5,25 +5,20 @@ safetensors, under llama.cpp's names (gguf_names):
 - Architecture metadata (`llama.*`, `qwen2.*`) becomes the config.json transformers would have, checked by
   parse_config like any other. llama3 rope scaling is stored by llama.cpp as the per-frequency divisors of
   the `rope_freqs` tensor; the scaling fields are recovered from them (`_llama3_scaling`).
-- The tokenizer is stored as token lists. It is rebuilt as a `tokenizers` tokenizer the way transformers'
-  GGUF conversion does (`gpt2`: byte-level BPE from tokens and merges; `llama`: SentencePiece BPE from tokens
-  and scores, with byte fallback), but for SentencePiece's dummy prefix, which is added as llama.cpp adds it,
-  and written as tokenizer.json under llmc's cache, named by its content.
+- The tokenizer is stored as token lists, and rebuilt as a `tokenizers` tokenizer (gguf_tokenizer.py).
 - Tensors are renamed to Hugging Face's, and q/k rows of the `llama` arch are put back in rotate-half order.
 
 Quantized tensors keep their exact values: Q8_0, Q4_0, Q4_K and Q6_K each map onto a QuantizedTensor
 (compiler/quant.py) with no rounding, and `Checkpoint.tensor` returns its dequantization, equal bit for bit
 to gguf.quants.dequantize. Any other tensor type is refused with one line naming the type and the tensor.
 
-The file is mmapped (gguf.GGUFReader); tensors are read one at a time, as from safetensors.
+The file is mmapped (gguf_reader.py); tensors are read one at a time, as from safetensors.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import math
-import os
 from pathlib import Path
 
 import gguf
@@ -31,61 +26,17 @@ import numpy as np
 import torch
 
 from llmc.errors import CheckpointError, CompileError, LlmcError, UnsupportedModelError
-from llmc.host import cache_root
 
 from ..quant import QuantizedTensor, QuantScheme, dequantize
 from . import gguf_names as names
 from .checkpoint import Checkpoint
 from .config import parse_config
+from .gguf_reader import GGUFFileReader, GGUFMetadata
+from .gguf_tokenizer import gguf_tokenizer
 
-T = gguf.GGMLQuantizationType
-_FLOAT_TYPES = {T.F32: "float32", T.F16: "float16", T.BF16: "bfloat16"}
+GGMLType = gguf.GGMLQuantizationType
+_FLOAT_TYPES = {GGMLType.F32: "float32", GGMLType.F16: "float16", GGMLType.BF16: "bfloat16"}
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_K", "Q6_K")
-
-
-class _Reader(gguf.GGUFReader):
-    """GGUFReader, with its one read primitive replaced:
-    - a read past the end of the file raises instead of returning fewer items, so a truncated file fails at
-      the field or tensor that runs off the end (and a corrupt count cannot loop long);
-    - it slices the mapped bytes as a plain ndarray: the metadata is read a field at a time (~5 reads per
-      token string and merge), and np.memmap's per-slice overhead made a 150k-token vocabulary take a minute.
-    """
-
-    def _get(self, offset, dtype, count=1, override_order=None):
-        if "_bytes" not in self.__dict__:
-            self._bytes = self.data.view(np.ndarray)  # the same mapping, without the memmap subclass
-        count, dtype = int(count), np.dtype(dtype)
-        raw = self._bytes[offset : offset + dtype.itemsize * count]
-        if len(raw) < dtype.itemsize * count:
-            raise ValueError(f"{count} x {dtype.name} at byte {offset} run past the end of the file "
-                             f"({len(self._bytes)} bytes): truncated")  # fmt: skip
-        arr = raw.view(dtype)
-        return arr.view(arr.dtype.newbyteorder(self.byte_order if override_order is None else override_order))
-
-    def _get_field_parts(self, orig_offs, raw_type):
-        """The parts of a field, made directly for an array (the vocabulary, its merges and token types: 100k+
-        entries each) where GGUFReader parses each entry as a field of its own: a loop of slices for strings,
-        one part for all the numbers (ReaderField.contents() flattens its parts)."""
-        item = self._get(orig_offs, np.uint32)[0] if raw_type == _ARRAY else None
-        if item is None or self.byte_order != "I" or (item != _STRING and item not in self.gguf_scalar_to_np):
-            return super()._get_field_parts(orig_offs, raw_type)
-        parts = [self._get(orig_offs, np.uint32), self._get(orig_offs + 4, np.uint64)]
-        count, offs = int(parts[1][0]), orig_offs + 12
-        if item != _STRING:
-            parts.append(self._get(offs, self.gguf_scalar_to_np[gguf.GGUFValueType(item)], count))
-            return 12 + parts[-1].nbytes, parts, [2] if count else [], [_ARRAY, gguf.GGUFValueType(item)]
-        data, view, idxs = self._bytes, memoryview(self._bytes), []
-        for _ in range(count):
-            end = offs + 8 + int.from_bytes(view[offs : offs + 8], "little")
-            if end > len(data):
-                raise ValueError(f"a string at byte {offs} runs past the end of the file: truncated")
-            parts += [data[offs : offs + 8].view(np.uint64), data[offs + 8 : end]]
-            idxs.append(len(parts) - 1)
-            offs = end
-        return offs - orig_offs, parts, idxs, [_ARRAY, _STRING]
-
-
-_ARRAY, _STRING = gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.STRING
 
 
 @dataclasses.dataclass
@@ -120,10 +71,10 @@ class GGUFCheckpoint(Checkpoint):
             w = dequantize(self._unpack(name)).reshape(shape)
         else:  # a copy below: the mmap is read-only
             w = np.asarray(info.data)
-            w = (w.view(np.uint16) if info.tensor_type == T.BF16 else w).reshape(shape)
+            w = (w.view(np.uint16) if info.tensor_type == GGMLType.BF16 else w).reshape(shape)
         heads = self._qk_heads(name)
         w = np.array(w) if heads is None else names.unpermute_qk(w, heads)
-        if info.tensor_type == T.BF16:
+        if info.tensor_type == GGMLType.BF16:
             return torch.from_numpy(w.view(np.int16)).view(torch.bfloat16)
         return torch.from_numpy(w)
 
@@ -146,7 +97,7 @@ class GGUFCheckpoint(Checkpoint):
 
 # ---------------------------------------------------------------------------------------------------------
 # Block formats -> QuantizedTensor. Each takes the bytes of one tensor as [rows, blocks per row, block bytes]
-# (layouts: /work/shared/notes/gguf-formats.md, llama.cpp's ggml-common.h). fp16 fields are exact in float32,
+# (layouts: ../shared/notes/gguf-formats.md, llama.cpp's ggml-common.h). fp16 fields are exact in float32,
 # and scale = d * sub-scale is the same float32 product gguf.quants.dequantize forms, so values match exactly.
 
 
@@ -162,22 +113,22 @@ def _rows(a: np.ndarray) -> np.ndarray:
 # What each imported type is in compiler/quant.py's terms: exactly its blocks' values. Q8_0 / Q4_0 scales
 # are the blocks' fp16 d; the K-quants' are fp16 d x a 6- or 8-bit sub-scale, which needs fp32.
 _SCHEMES = {
-    T.Q8_0: QuantScheme(8, 32),
-    T.Q4_0: QuantScheme(4, 32),
-    T.Q4_K: QuantScheme(4, 32, asymmetric=True, scale_dtype="float32"),
-    T.Q6_K: QuantScheme(8, 16, scale_dtype="float32"),
+    GGMLType.Q8_0: QuantScheme(8, 32),
+    GGMLType.Q4_0: QuantScheme(4, 32),
+    GGMLType.Q4_K: QuantScheme(4, 32, asymmetric=True, scale_dtype="float32"),
+    GGMLType.Q6_K: QuantScheme(8, 16, scale_dtype="float32"),
 }
 
 
 def _q8_0(b: np.ndarray) -> QuantizedTensor:  # d: f16 | qs: int8[32]
     q = np.ascontiguousarray(b[..., 2:]).view(np.int8)
-    return QuantizedTensor(_rows(q), _rows(_f16(b[..., :2])), None, _SCHEMES[T.Q8_0])
+    return QuantizedTensor(_rows(q), _rows(_f16(b[..., :2])), None, _SCHEMES[GGMLType.Q8_0])
 
 
 def _q4_0(b: np.ndarray) -> QuantizedTensor:  # d: f16 | qs: uint8[16], low nibbles first then high ones
     qs = b[..., 2:18]
     q = np.stack([qs & 0xF, qs >> 4], axis=2).astype(np.int8) - 8
-    return QuantizedTensor(_rows(q), _rows(_f16(b[..., :2])), None, _SCHEMES[T.Q4_0])
+    return QuantizedTensor(_rows(q), _rows(_f16(b[..., :2])), None, _SCHEMES[GGMLType.Q4_0])
 
 
 def _q4_k(b: np.ndarray) -> QuantizedTensor:
@@ -189,7 +140,7 @@ def _q4_k(b: np.ndarray) -> QuantizedTensor:
     qs = b[..., 16:144].reshape(*b.shape[:2], 4, 32)  # chunk c: groups 2c (low nibbles) and 2c + 1 (high)
     q = np.stack([qs & 0xF, qs >> 4], axis=3).astype(np.int8)
     scales, mins = _rows(d[..., None] * sc), _rows(dmin[..., None] * m)
-    return QuantizedTensor(_rows(q), scales, mins, _SCHEMES[T.Q4_K])
+    return QuantizedTensor(_rows(q), scales, mins, _SCHEMES[GGMLType.Q4_K])
 
 
 def _q6_k(b: np.ndarray) -> QuantizedTensor:
@@ -200,56 +151,21 @@ def _q6_k(b: np.ndarray) -> QuantizedTensor:
     high = (qh >> np.array([0, 2, 4, 6], np.uint8)[:, None]) & 3
     q = (low | (high << 4)).astype(np.int8) - 32
     sc = np.ascontiguousarray(b[..., 192:208]).view(np.int8).astype(np.float32)
-    return QuantizedTensor(_rows(q), _rows(_f16(b[..., 208:210])[..., None] * sc), None, _SCHEMES[T.Q6_K])
+    return QuantizedTensor(_rows(q), _rows(_f16(b[..., 208:210])[..., None] * sc), None, _SCHEMES[GGMLType.Q6_K])
 
 
-_UNPACK = {T.Q8_0: _q8_0, T.Q4_0: _q4_0, T.Q4_K: _q4_k, T.Q6_K: _q6_k}
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Metadata
-
-
-class _Meta:
-    """Typed reads of the file's key/value metadata; a missing or mistyped key is a CheckpointError."""
-
-    def __init__(self, reader: gguf.GGUFReader, path: Path, arch: str = ""):
-        self.reader, self.path, self.arch = reader, path, arch
-
-    def get(self, key: str, kind: type, default=...):
-        key = key.format(arch=self.arch)
-        field = self.reader.fields.get(key)
-        if field is None:
-            if default is ...:
-                raise CheckpointError(f"{self.path}: GGUF metadata {key!r} is missing", "re-convert the model")
-            return default
-        try:
-            value = field.contents()
-        except (UnicodeDecodeError, IndexError, ValueError) as e:
-            raise CheckpointError(f"{self.path}: GGUF metadata {key!r} is unreadable ({e})", "re-convert it") from None
-        ok = {
-            int: lambda v: isinstance(v, int) and not isinstance(v, bool),
-            float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
-            str: lambda v: isinstance(v, str),
-            bool: lambda v: isinstance(v, bool),
-            list: lambda v: isinstance(v, list),
-        }[kind]
-        if not ok(value):
-            raise CheckpointError(f"{self.path}: GGUF metadata {key!r} is {str(value)[:80]!r}, not a {kind.__name__}",
-                                  "re-convert the model")  # fmt: skip
-        # GGUF stores float32: the shortest decimal that rounds to it is the config.json value it came from
-        return float(str(np.float32(value))) if kind is float else value
+_UNPACK = {GGMLType.Q8_0: _q8_0, GGMLType.Q4_0: _q4_0, GGMLType.Q4_K: _q4_k, GGMLType.Q6_K: _q6_k}
 
 
 def load_gguf(path: str | Path) -> GGUFCheckpoint:
     path = Path(path)
     try:
-        reader = _Reader(path)
+        reader = GGUFFileReader(path)
     except (ValueError, KeyError, IndexError, TypeError, OverflowError, UnicodeDecodeError, OSError) as e:
         raise CheckpointError(f"{path}: not a readable GGUF file ({e})", "re-download or re-convert it") from None
     if reader.byte_order != "I":
         raise CheckpointError(f"{path}: a big-endian GGUF file", "convert the model for a little-endian host")
-    meta = _Meta(reader, path)
+    meta = GGUFMetadata(reader, path)
     arch = meta.get(names.ARCHITECTURE, str)
     if arch not in names.HF_ARCH:
         raise UnsupportedModelError(
@@ -277,7 +193,7 @@ def load_gguf(path: str | Path) -> GGUFCheckpoint:
                                f"llmc reads {', '.join(SUPPORTED_TYPES)}; re-quantize to one of them")  # fmt: skip
         gguf_names[hf_name], gguf_types[hf_name] = gguf_name, kind.name
         dtypes[hf_name] = _FLOAT_TYPES.get(kind, "float32")  # what tensor() returns
-    special, chat_template, tokenizer_path = _tokenizer(meta, tokens, path)
+    special, chat_template, tokenizer_path = gguf_tokenizer(meta, tokens, path)
     return GGUFCheckpoint(
         path=path,
         config=config,
@@ -294,7 +210,7 @@ def load_gguf(path: str | Path) -> GGUFCheckpoint:
     )
 
 
-def _config(meta: _Meta, tensors: dict, tokens: list, path: Path):
+def _config(meta: GGUFMetadata, tensors: dict, tokens: list, path: Path):
     """The config.json llama.cpp's converter read, rebuilt from the metadata and checked by parse_config."""
     hidden, heads = meta.get(names.EMBEDDING_LENGTH, int), meta.get(names.HEAD_COUNT, int)
     head_dim = meta.get(names.KEY_LENGTH, int, None) or (hidden // heads if heads else None)
@@ -349,7 +265,7 @@ def _config(meta: _Meta, tensors: dict, tokens: list, path: Path):
 
 
 def _rope_freqs(info, head_dim: int, path: Path) -> np.ndarray:
-    if info.tensor_type != T.F32 or int(info.n_elements) != head_dim // 2:
+    if info.tensor_type != GGMLType.F32 or int(info.n_elements) != head_dim // 2:
         raise CheckpointError(f"{path}: rope_freqs is {info.tensor_type.name}[{info.n_elements}], not "
                               f"F32[{head_dim // 2}]", "re-convert the model")  # fmt: skip
     f = np.asarray(info.data, dtype=np.float64).reshape(-1)
@@ -409,115 +325,3 @@ def _check_rope(config, freqs, path: Path) -> None:
 
 # ---------------------------------------------------------------------------------------------------------
 # Tokenizer
-
-# tokenizer.ggml.pre -> (the split regex its merges were learned with, whether a pre-token found whole in the
-# vocabulary skips the merges, whether BOS is added when the file does not say), as llama.cpp's llama-vocab.cpp
-# sets them; the regexes are transformers' GGUF conversion's. None: GPT-2's, ByteLevel's built-in one.
-_LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN2_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_PRE = {"gpt-2": (None, False, False), "default": (None, False, False), "llama-bpe": (_LLAMA3_SPLIT, True, True),
-        "llama3": (_LLAMA3_SPLIT, True, True), "llama-v3": (_LLAMA3_SPLIT, True, True),
-        "smaug-bpe": (_LLAMA3_SPLIT, False, False), "qwen2": (_QWEN2_SPLIT, False, False),
-        "deepseek-r1-qwen": (_QWEN2_SPLIT, False, False)}  # fmt: skip
-
-
-def _tokenizer(meta: _Meta, tokens: list, path: Path) -> tuple[dict, str | None, Path]:
-    """(special token texts, chat template, tokenizer.json path) from the tokenizer.* metadata."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
-
-    model = meta.get(names.TOKENIZER_MODEL, str)
-    types = meta.get(names.TOKEN_TYPE, list, [names.TOKEN_NORMAL] * len(tokens))
-    if not all(isinstance(t, str) for t in tokens) or len(types) != len(tokens):
-        raise CheckpointError(f"{path}: tokenizer.ggml.tokens / token_type are malformed", "re-convert the model")
-    ids = {t: i for i, t in enumerate(tokens)}  # a repeated text maps to its last id, as in llama.cpp
-    bos, eos = meta.get(names.BOS_ID, int, None), meta.get(names.EOS_ID, int, None)
-    if model == "gpt2":
-        pairs = _merges(meta, path)
-        pre = meta.get(names.TOKENIZER_PRE, str, "default")
-        if pre not in _PRE:
-            raise UnsupportedModelError(f"{path}: GGUF pre-tokenizer {pre!r} is not supported",
-                                        f"llmc imports {', '.join(sorted(_PRE))}")  # fmt: skip
-        split, ignore_merges, bos_default = _PRE[pre]
-        tok = Tokenizer(models.BPE(vocab=ids, merges=pairs, ignore_merges=ignore_merges))
-        if split is None:
-            tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-        else:
-            regex = pre_tokenizers.Split(Regex(split), behavior="isolated")
-            tok.pre_tokenizer = pre_tokenizers.Sequence([regex, pre_tokenizers.ByteLevel(add_prefix_space=False,
-                                                                                         use_regex=False)])  # fmt: skip
-        tok.decoder = decoders.ByteLevel()
-        add_bos = meta.get(names.ADD_BOS, bool, bos_default)
-    elif model == "llama":
-        scores = meta.get(gguf.Keys.Tokenizer.SCORES, list)
-        if len(scores) != len(tokens):
-            raise CheckpointError(f"{path}: {len(scores)} tokenizer scores for {len(tokens)} tokens", "re-convert it")
-        unk = meta.get(gguf.Keys.Tokenizer.UNK_ID, int, None)
-        scored = dict(zip(tokens, scores, strict=True))
-        merges = _merges(meta, path) if names.MERGES in meta.reader.fields else _sentencepiece_merges(ids, scored)
-        bpe = models.BPE(vocab=ids, merges=merges, unk_token=tokens[unk] if unk is not None and 0 <= unk < len(tokens)
-                         else None, fuse_unk=True, byte_fallback=True)  # fmt: skip
-        tok = Tokenizer(bpe)
-        prefix = meta.get(gguf.Keys.Tokenizer.ADD_PREFIX, bool, True)
-        # SentencePiece's dummy prefix, as llama.cpp adds it: before every run of text (the start, and after each
-        # special token), even one that starts with spaces. (transformers' Metaspace skips text that starts
-        # with a space, so "  x" would lose one.)
-        spaces = normalizers.Replace(" ", "▁")
-        tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), spaces]) if prefix else spaces
-        steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
-        tok.decoder = decoders.Sequence(steps + ([decoders.Strip(content=" ", left=1)] if prefix else []))
-        add_bos = meta.get(names.ADD_BOS, bool, True)  # llama.cpp adds BOS to SentencePiece unless told not to
-    else:
-        raise UnsupportedModelError(f"{path}: GGUF tokenizer model {model!r} is not supported",
-                                    "llmc imports 'gpt2' (byte-level BPE) and 'llama' (SentencePiece) tokenizers")  # fmt: skip
-    # Control tokens stay whole and are skipped when decoding; user-defined ones stay whole only.
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types, strict=True)
-                            if k == names.TOKEN_CONTROL])  # fmt: skip
-    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types, strict=True)
-                    if k == names.TOKEN_USER_DEFINED])  # fmt: skip
-    for which, i in (("bos", bos), ("eos", eos)):
-        if i is not None and not 0 <= i < len(tokens):
-            raise CheckpointError(f"{path}: {which} token id {i} is past the {len(tokens)} tokens", "re-convert it")
-    if add_bos and bos is not None:
-        b = tokens[bos]
-        tok.post_processor = processors.TemplateProcessing(single=f"{b}:0 $A:0", pair=f"{b}:0 $A:0 {b}:1 $B:1",
-                                                           special_tokens=[(b, bos)])  # fmt: skip
-    special = {k: tokens[i] for k, i in (("bos_token", bos), ("eos_token", eos)) if i is not None}
-    return special, meta.get(names.CHAT_TEMPLATE, str, None), _save_tokenizer(tok.to_str())
-
-
-def _merges(meta: _Meta, path: Path) -> list[tuple[str, str]]:
-    merges = meta.get(names.MERGES, list)
-    pairs = [tuple(m.split(" ", 1)) for m in merges if isinstance(m, str) and " " in m]
-    if len(pairs) != len(merges):
-        raise CheckpointError(f"{path}: tokenizer.ggml.merges holds an entry that is not 'a b'", "re-convert it")
-    return pairs
-
-
-def _sentencepiece_merges(vocab: dict[str, int], scores: dict[str, float]) -> list[tuple[str, str]]:
-    """The BPE merges a SentencePiece vocabulary implies, for a file that lists none: every split of a piece
-    into two pieces, best score first (transformers' generate_merges, which its GGUF conversion uses)."""
-    merges = []
-    for piece, score in scores.items():
-        local = [
-            (piece[:i], piece[i:], score) for i in range(1, len(piece)) if piece[:i] in vocab and piece[i:] in vocab
-        ]
-        merges += sorted(local, key=lambda m: (vocab[m[0]], vocab[m[1]]))
-    merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
-    return [(a, b) for a, b, _ in merges]
-
-
-def _save_tokenizer(text: str) -> Path:
-    """tokenizer.json under llmc's cache, named by its content: the same file imports to the same path."""
-    folder = cache_root() / "gguf-tokenizers" / hashlib.sha256(text.encode()).hexdigest()[:32]
-    out = folder / "tokenizer.json"
-    if not out.is_file():
-        folder.mkdir(parents=True, exist_ok=True)
-        tmp = folder / f".tokenizer.json.{os.getpid()}"
-        tmp.write_text(text)
-        os.replace(tmp, out)
-    return out

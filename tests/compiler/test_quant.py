@@ -10,7 +10,7 @@ from llmc.compiler.quant import (
     common_scheme,
     dequantize,
     quantize,
-    restate,
+    widen_exactly,
 )
 from llmc.errors import CompileError
 
@@ -86,10 +86,10 @@ def test_shapes_that_do_not_fit_the_scheme_are_refused():
     ],
     ids=lambda s: s.describe().replace(" ", "-"),
 )
-def test_restate_keeps_every_dequantized_value_bit_for_bit(old, new):
+def test_widen_exactly_keeps_every_dequantized_value_bit_for_bit(old, new):
     rng = np.random.default_rng(2)
     t = quantize(rng.standard_normal((5, 96)).astype(np.float32), old)
-    r = restate(t, new)
+    r = widen_exactly(t, new)
     assert r.scheme == new and np.array_equal(r.q, t.q)
     assert np.array_equal(dequantize(r).view(np.int32), dequantize(t).view(np.int32))
 
@@ -105,10 +105,10 @@ def test_restate_keeps_every_dequantized_value_bit_for_bit(old, new):
     ],
     ids=lambda s: s.describe().replace(" ", "-"),
 )
-def test_restate_refuses_what_it_cannot_hold_exactly(old, new):
+def test_widen_exactly_refuses_what_it_cannot_hold_exactly(old, new):
     t = quantize(np.ones((2, 128), np.float32), old)
     with pytest.raises(CompileError, match="exactly"):
-        restate(t, new)
+        widen_exactly(t, new)
 
 
 def test_common_scheme_of_fused_sources():

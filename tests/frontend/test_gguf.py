@@ -325,7 +325,7 @@ def test_unsupported_type_is_one_line(qtype, checkpoint_dir, tmp_path):
 
 def test_reader_reads_what_gguf_reads(sentencepiece_file):
     """The importer's reader (fast arrays, refusing short reads) gives every field and tensor GGUFReader gives."""
-    from llmc.compiler.frontend.gguf import _Reader
+    from llmc.compiler.frontend.gguf_reader import GGUFFileReader as _Reader
 
     ours, theirs = _Reader(sentencepiece_file), gguf.GGUFReader(sentencepiece_file)
     assert {k: f.contents() for k, f in ours.fields.items()} == {k: f.contents() for k, f in theirs.fields.items()}
