@@ -42,7 +42,7 @@ STAGES = ("trace", "import to Relax", "fuse", "lower", "pack weights", "render",
 # directory, under the output's lock; raising writes nothing (tools/build.py's quality gate).
 Gate = tuple[str, Callable[[Path, dict], dict]]
 # Test hook, off unless set: LLMC_TEST_SIGNAL_AT="STAGE[:SIGNAL]" makes compile send itself SIGNAL (default
-# SIGKILL) as it enters STAGE, so tests/test_artifact_durability.py can kill -9 or stop a real compile there.
+# SIGKILL) as it enters STAGE, so tests/llmc/test_artifact_durability.py can kill -9 or stop a real compile there.
 SIGNAL_AT_ENV = "LLMC_TEST_SIGNAL_AT"
 # How templates/cpu/qgemm.cc.j2 and templates/cuda/qgemm.cu.j2 treat the activations of a quantized GEMM, as the
 # manifest records it; CUDA's by the build's activation dtype.

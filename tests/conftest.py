@@ -1,11 +1,8 @@
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-from checkpoints import make_checkpoint  # noqa: E402
+from tests.checkpoints import make_checkpoint  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -7,9 +7,9 @@ import dataclasses
 
 import numpy as np
 import torch
-from checkpoints import hf_model
 
 from llmc.runtime.batch import StepBatch
+from tests.checkpoints import hf_model
 
 REL = 1e-3  # the fp32 parity tolerance: max |logits - reference| over max |reference|, per row
 

@@ -7,8 +7,6 @@ one batch, so their prefills and decodes share steps.
 import numpy as np
 import pytest
 import torch
-from checkpoints import ARCHS, hf_model
-from logits_rows import assert_logits_rows_match_transformers
 from tokenizers import Tokenizer
 
 from llmc.compiler.compile import compile_checkpoint
@@ -16,6 +14,8 @@ from llmc.runtime.batch import StepBatch
 from llmc.runtime.engine import LLMEngine
 from llmc.runtime.module import CompiledModel
 from llmc.sampling_params import SamplingParams
+from tests.checkpoints import ARCHS, hf_model
+from tests.logits_rows import assert_logits_rows_match_transformers
 
 PROMPTS = [
     "The list type",

@@ -13,9 +13,6 @@ import json
 import numpy as np
 import pytest
 import torch
-from checkpoints import ARCHS, hf_model
-from cuda_mode import cuda_library
-from logits_rows import assert_logits_rows_match_transformers
 from tokenizers import Tokenizer
 
 from llmc.compiler.codegen.simulator import nvcc_compile
@@ -24,6 +21,9 @@ from llmc.runtime.batch import StepBatch
 from llmc.runtime.engine import LLMEngine
 from llmc.runtime.module import CompiledModel
 from llmc.sampling_params import SamplingParams
+from tests.checkpoints import ARCHS, hf_model
+from tests.cuda_mode import cuda_library
+from tests.logits_rows import assert_logits_rows_match_transformers
 
 PROMPT = "The list type"
 NEW_TOKENS = 24

@@ -11,8 +11,6 @@ exactly the weights the build packs (pack_cuda), so what remains is the kernels'
 import numpy as np
 import pytest
 import torch
-from checkpoints import hf_model, make_checkpoint
-from cuda_mode import cuda_library
 from safetensors.torch import load_file, save_file
 
 from llmc.artifact import read_manifest
@@ -21,6 +19,8 @@ from llmc.compiler.quant import QuantConfig, dequantize, quantize
 from llmc.runtime.batch import StepBatch
 from llmc.runtime.module import CompiledModel
 from llmc.tools.build import compile_checkpoint
+from tests.checkpoints import hf_model, make_checkpoint
+from tests.cuda_mode import cuda_library
 
 REL = 1e-3
 BF16_REL = 3e-2

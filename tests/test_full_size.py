@@ -13,7 +13,8 @@ import sys
 import time
 
 import pytest
-from checkpoints import write_large_checkpoint
+
+from tests.checkpoints import write_large_checkpoint
 
 LLAMA3_8B = dict(
     hidden_size=4096,

@@ -12,10 +12,7 @@ import shutil
 
 import pytest
 import torch
-from checkpoints import hf_model
 from click.testing import CliRunner
-from cuda_mode import cuda_library
-from logits_rows import REL
 from tokenizers import Tokenizer
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -29,6 +26,9 @@ from llmc.runtime.kv_cache import kv_bytes_per_block
 from llmc.runtime.module import CompiledModel
 from llmc.sampling_params import SamplingParams
 from llmc.tools.cli import main
+from tests.checkpoints import hf_model
+from tests.cuda_mode import cuda_library
+from tests.logits_rows import REL
 
 PROMPTS = [
     "The list type",

@@ -28,13 +28,13 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from openai_ask import ask
 from prometheus_client.parser import text_string_to_metric_families
 
 from llmc.runtime.chat_template import chat_prompt_ids, pick_template
 from llmc.runtime.engine import LLMEngine
 from llmc.runtime.module import CompiledModel, load_tokenizer
 from llmc.sampling_params import SamplingParams
+from tests.openai_ask import ask
 
 KV = "16MiB"
 CONTEXT = 256  # the checkpoint's max_position_embeddings

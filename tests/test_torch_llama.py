@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from checkpoints import ARCHS, hf_model
+
+from tests.checkpoints import ARCHS, hf_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from torch_llama import TorchLlama  # noqa: E402

@@ -10,7 +10,6 @@ import sys
 import numpy as np
 import pytest
 import torch
-from checkpoints import hf_model
 from click.testing import CliRunner
 from tokenizers import Tokenizer
 
@@ -22,6 +21,7 @@ from llmc.runtime.engine import LLMEngine
 from llmc.runtime.module import CompiledModel
 from llmc.sampling_params import SamplingParams
 from llmc.tools import cli
+from tests.checkpoints import hf_model
 
 PROMPT = "Return a new dictionary initialized from an optional positional argument"
 

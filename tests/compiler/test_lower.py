@@ -2,7 +2,6 @@ import subprocess
 import sys
 
 import pytest
-from pass_helpers import imported, plain_module
 
 from llmc.compiler.export import to_relax
 from llmc.compiler.frontend.load import load_checkpoint
@@ -11,6 +10,7 @@ from llmc.compiler.frontend.trace import trace
 from llmc.compiler.lower import ModelGeometry, lower
 from llmc.compiler.passes.pipeline import run_passes
 from llmc.errors import CompileError
+from tests.compiler.passes.pass_helpers import imported, plain_module
 
 
 def test_kernel_program_of_a_fused_model(checkpoint_dir):

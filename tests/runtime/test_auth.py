@@ -3,11 +3,11 @@ time; the answer otherwise is a 401 with OpenAI's error body. /health and /metri
 
 import pytest
 from fastapi.testclient import TestClient
-from runtime_fakes import FakeConfig, FakeModel, byte_level_bpe
 
 from llmc.runtime import server
 from llmc.runtime.engine import AsyncLLMEngine, LLMEngine
 from llmc.runtime.server import create_app
+from tests.runtime.runtime_fakes import FakeConfig, FakeModel, byte_level_bpe
 
 KEY = "sk-llmc-test-0123456789"
 COMPLETION = ("/v1/completions", {"prompt": "hello", "max_tokens": 2})

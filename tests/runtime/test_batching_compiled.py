@@ -4,12 +4,12 @@ request exactly the tokens it gets alone."""
 
 import numpy as np
 import pytest
-from runtime_fakes import run_with_arrivals
 
 from llmc.compiler.compile import compile_checkpoint
 from llmc.runtime.engine import LLMEngine
 from llmc.runtime.module import CompiledModel
 from llmc.sampling_params import SamplingParams
+from tests.runtime.runtime_fakes import run_with_arrivals
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +43,8 @@ def test_sliding_window_releases_blocks_and_runs_past_the_cache(checkpoint_dir, 
     """Every Mistral layer attends to the last 6 positions, so blocks behind the window go back to the pool:
     a cache of 4 blocks (64 tokens) serves sequences of 96 tokens, batched, with transformers' tokens."""
     import torch
-    from checkpoints import hf_model
+
+    from tests.checkpoints import hf_model
 
     path = checkpoint_dir("mistral", sliding_window=6)
     out = compile_checkpoint(path, target="cpu", output=tmp_path / "m")

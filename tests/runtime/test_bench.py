@@ -3,11 +3,11 @@
 import json
 
 import pytest
-from runtime_fakes import FakeModel
 
 from llmc.errors import LlmcError
 from llmc.runtime.bench import format_bench_table, make_workload, measure_memory_bandwidth, run_bench
 from llmc.runtime.engine import LLMEngine
+from tests.runtime.runtime_fakes import FakeModel
 
 COLUMNS = ["concurrency", "requests", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms", "TPOT p99 ms", "req/s",
            "output tok/s", "prefix hit", "% of roofline"]  # fmt: skip

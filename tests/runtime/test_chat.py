@@ -5,7 +5,6 @@ import io
 import time
 
 import pytest
-from runtime_fakes import FakeConfig, FakeModel, byte_level_bpe
 
 from llmc.errors import ArtifactError, RequestError
 from llmc.runtime.chat import run_chat
@@ -18,6 +17,7 @@ from llmc.runtime.chat_template import (
 )
 from llmc.runtime.engine import LLMEngine
 from llmc.sampling_params import SamplingParams
+from tests.runtime.runtime_fakes import FakeConfig, FakeModel, byte_level_bpe
 
 TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}{% endfor %}"

@@ -1,7 +1,7 @@
 import pytest
-from runtime_fakes import byte_level_bpe, sentencepiece_bpe
 
 from llmc.runtime.detokenizer import IncrementalDetokenizer
+from tests.runtime.runtime_fakes import byte_level_bpe, sentencepiece_bpe
 
 
 @pytest.fixture(scope="module")

@@ -3,11 +3,18 @@ import dataclasses
 
 import numpy as np
 import pytest
-from runtime_fakes import FakeConfig, FakeModel, byte_level_bpe, context_logits, reference_greedy, run_with_arrivals
 
 from llmc.errors import RequestError
 from llmc.runtime.engine import AsyncLLMEngine, LLMEngine
 from llmc.sampling_params import SamplingParams
+from tests.runtime.runtime_fakes import (
+    FakeConfig,
+    FakeModel,
+    byte_level_bpe,
+    context_logits,
+    reference_greedy,
+    run_with_arrivals,
+)
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=20)
 

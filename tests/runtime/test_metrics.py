@@ -8,10 +8,10 @@ import time
 import pytest
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
-from runtime_fakes import FakeConfig, FakeModel, byte_level_bpe
 
 from llmc.runtime.engine import AsyncLLMEngine, LLMEngine
 from llmc.runtime.server import create_app
+from tests.runtime.runtime_fakes import FakeConfig, FakeModel, byte_level_bpe
 
 MODEL = "tiny-fake"
 NUM_BLOCKS = 64

@@ -10,7 +10,6 @@ import dataclasses
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
-from runtime_fakes import FakeConfig, FakeModel, byte_level_bpe
 from schemathesis.checks import not_a_server_error
 from schemathesis.generation.modes import GenerationMode
 from schemathesis.specs.openapi.checks import (
@@ -24,6 +23,7 @@ from schemathesis.specs.openapi.checks import (
 from llmc.runtime.engine import AsyncLLMEngine, LLMEngine
 from llmc.runtime.server import create_app
 from llmc.sampling_params import SamplingParams
+from tests.runtime.runtime_fakes import FakeConfig, FakeModel, byte_level_bpe
 
 NUM_BLOCKS = 64
 MAX_MODEL_LEN = 96  # bounds a fuzzed request that asks for every token the context holds

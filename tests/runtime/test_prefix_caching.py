@@ -6,13 +6,13 @@ rate is counted (engine stats, /metrics)."""
 import numpy as np
 import pytest
 from fastapi.testclient import TestClient
-from runtime_fakes import FakeConfig, FakeModel, byte_level_bpe, reference_greedy, run_with_arrivals
-from test_metrics import new_app, scrape
 
 from llmc.compiler.compile import compile_checkpoint
 from llmc.runtime.engine import LLMEngine
 from llmc.runtime.module import CompiledModel
 from llmc.sampling_params import SamplingParams
+from tests.runtime.runtime_fakes import FakeConfig, FakeModel, byte_level_bpe, reference_greedy, run_with_arrivals
+from tests.runtime.test_metrics import new_app, scrape
 
 
 def shared_prefix_workload(seed: int, num_requests: int, vocab: int, base_len: int, max_suffix: int, max_tokens: int,

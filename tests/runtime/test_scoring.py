@@ -4,10 +4,10 @@ import math
 
 import numpy as np
 import pytest
-from runtime_fakes import FakeConfig, FakeModel, context_logits
 
 from llmc.errors import RequestError
 from llmc.runtime.scoring import perplexity
+from tests.runtime.runtime_fakes import FakeConfig, FakeModel, context_logits
 
 
 def reference_perplexity(ids: list[int], window: int, config: FakeConfig) -> tuple[float, int]:

@@ -15,14 +15,14 @@ import httpx
 import openai
 import pytest
 import uvicorn
-from openai_ask import ask
-from runtime_fakes import FakeConfig, FakeModel, byte_level_bpe
 
 from llmc.errors import ArtifactError
 from llmc.runtime.chat_template import TemplateLimits, chat_prompt_ids
 from llmc.runtime.engine import AsyncLLMEngine, LLMEngine
 from llmc.runtime.server import ServerLimits, create_app
 from llmc.sampling_params import SamplingParams
+from tests.openai_ask import ask
+from tests.runtime.runtime_fakes import FakeConfig, FakeModel, byte_level_bpe
 
 MODEL = "tiny-fake"
 NUM_BLOCKS = 128

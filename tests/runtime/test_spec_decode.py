@@ -9,7 +9,6 @@ rejection-sampling function keeps the target distribution (chi-square over many 
 import numpy as np
 import pytest
 import torch
-from runtime_fakes import FakeConfig, FakeModel, byte_level_bpe, context_logits, reference_greedy, run_with_arrivals
 
 from llmc.compiler.compile import compile_checkpoint
 from llmc.errors import LlmcError
@@ -17,6 +16,14 @@ from llmc.runtime.engine import LLMEngine
 from llmc.runtime.module import CompiledModel
 from llmc.runtime.spec_decode import Proposal, SpeculativeConfig, accept_greedy, ngram_lookup, rejection_sample
 from llmc.sampling_params import SamplingParams
+from tests.runtime.runtime_fakes import (
+    FakeConfig,
+    FakeModel,
+    byte_level_bpe,
+    context_logits,
+    reference_greedy,
+    run_with_arrivals,
+)
 
 NGRAM = SpeculativeConfig("ngram", 4)
 
@@ -344,10 +351,10 @@ def test_cli_run_json_reports_guesses_and_bench_prints_the_acceptance_rate(llama
 
 def test_metrics_count_guesses_verified_and_accepted():
     from fastapi.testclient import TestClient
-    from test_metrics import scrape
 
     from llmc.runtime.engine import AsyncLLMEngine
     from llmc.runtime.server import create_app
+    from tests.runtime.test_metrics import scrape
 
     tok = byte_level_bpe()
     config = FakeConfig(vocab_size=tok.get_vocab_size())
@@ -539,9 +546,9 @@ def test_compiled_sliding_window_with_ngram_guesses_equals_no_speculation(checkp
 
 def test_cli_serve_with_a_draft_model_counts_guesses_in_metrics(llama_artifact, monkeypatch):
     from fastapi.testclient import TestClient
-    from test_metrics import scrape
 
     from llmc.runtime import server
+    from tests.runtime.test_metrics import scrape
 
     seen = {}
 

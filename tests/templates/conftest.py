@@ -1,9 +1,7 @@
 """Fixtures of the kernel template tests: one test module per op (test_<op>.py), each run on every target.
 
-Puts this folder on sys.path, so the test modules (and the ASan child process of cuda/test_cuda_asan.py) import
-the shared modules by name: kernel_reference (numpy / torch references and input builders) and kernel_harness
-(signatures, trampolines, the per-target builds). A package import (`templates.kernel_reference`) would not do:
-the repository's own `templates` package shadows tests/templates whenever the repository root is on sys.path.
+The shared modules beside it: kernel_reference (numpy / torch references and input builders) and kernel_harness
+(signatures, trampolines, the per-target builds).
 
 An op module lists its kernels in SPECS = [(op, params), ...]. `target` parametrizes its tests over TARGETS
 ("cuda" runs the kernels under the CUDA simulator, or with LLMC_TEST_CUDA=gpu on the machine's GPU);
@@ -12,16 +10,11 @@ one library per target. A case marked `pytest.mark.targets("cpu")` runs on those
 deselected on the others).
 """
 
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-from cuda_mode import ON_GPU  # noqa: E402  (tests/, on sys.path through its conftest)
-from kernel_harness import CpuHarness, CudaHarness, GpuHarness  # noqa: E402
-from kernel_reference import make_weights  # noqa: E402
+from tests.cuda_mode import ON_GPU
+from tests.templates.kernel_harness import CpuHarness, CudaHarness, GpuHarness  # noqa: E402
+from tests.templates.kernel_reference import make_weights  # noqa: E402
 
 TARGETS = ("cpu", "cuda")
 _collected: list[tuple[str, dict]] = []  # the SPECS of the collected op modules

@@ -1,8 +1,7 @@
 """References and input builders of the kernel template tests (tests/templates/test_<op>.py, on every target).
 
 Plain numpy / torch, no kernels: what each op must compute, and the random inputs the tests hand the kernels.
-T is the number of token rows; weights come as (array to pass the kernel, the float32 values it holds).
-tests/templates/conftest.py puts this folder on sys.path, so tests import it as `kernel_reference`. torch is
+T is the number of token rows; weights come as (array to pass the kernel, the float32 values it holds). torch is
 imported only by the rope functions: the ASan child process (cuda/test_cuda_asan.py) imports this module too.
 """
 

@@ -3,8 +3,9 @@ bf16 activations, rounded to bf16 (a bf16 table's bits as they are)."""
 
 import numpy as np
 import pytest
-from kernel_harness import spec_id
-from kernel_reference import act_empty, embedding_inputs, to_bf16
+
+from tests.templates.kernel_harness import spec_id
+from tests.templates.kernel_reference import act_empty, embedding_inputs, to_bf16
 
 # hidden 37 (scalar loads), 64 (16-byte loads: 4 floats / 8 bf16), 1000 (CUDA, f32: 250 threads' worth of
 # float4 on 256 threads; bf16: 125 x 8)

@@ -2,7 +2,8 @@
 
 import numpy as np
 import pytest
-from kernel_harness import spec_id
+
+from tests.templates.kernel_harness import spec_id
 
 # cols 37 (scalar), 64, 1100 (float4; on CUDA several sweeps of the block); bf16 rows: 16-byte pieces where
 # cols % 8 == 0 (64), else one element at a time

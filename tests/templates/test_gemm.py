@@ -11,8 +11,9 @@ import subprocess
 
 import numpy as np
 import pytest
-from kernel_harness import spec_id
-from kernel_reference import act_empty, assert_gemm_close, gemm_inputs, to_bf16
+
+from tests.templates.kernel_harness import spec_id
+from tests.templates.kernel_reference import act_empty, assert_gemm_close, gemm_inputs, to_bf16
 
 # (n, k): 53 / 37 / 23 are no multiple of any vector, warp or tile width (k = 37: scalar weight loads on CUDA);
 # k = 64 / 136 take 16-byte loads (136 = 4 full + 1 partial lane sweep for f32); k = 61: a K tail of more than

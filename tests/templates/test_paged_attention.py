@@ -14,11 +14,11 @@ import math
 
 import numpy as np
 import pytest
-from kernel_harness import spec_id, target_params
-from kernel_reference import MIXED, Batch, to_bf16
 
 from llmc.compiler.codegen.render import render_kernel
 from llmc.errors import CompileError
+from tests.templates.kernel_harness import spec_id, target_params
+from tests.templates.kernel_reference import MIXED, Batch, to_bf16
 
 # (num_heads, num_kv_heads, head_dim, block_size, sliding_window, kv_dtype): GQA ratios 1, 4, 3 (9 heads / 3 kv
 # heads) and 4 (one kv head); head_dim 16 / 64 / 8 / 128, and 20 and 36 (no multiple of a SIMD vector of 8 or 16

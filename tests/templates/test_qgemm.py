@@ -17,12 +17,12 @@ under the default -march=native.
 
 import numpy as np
 import pytest
-from kernel_harness import spec_id
 
 from llmc.compiler.codegen.render import render_kernel
 from llmc.compiler.quant import QuantizedTensor, QuantScheme, dequantize, quantize
 from llmc.compiler.quant_pack import pack_cpu, unpack_cpu
 from llmc.errors import CompileError
+from tests.templates.kernel_harness import spec_id
 
 pytestmark = pytest.mark.targets("cpu")
 

@@ -4,8 +4,9 @@ rounds: the residual sum to bf16, and the normalized row before its weight multi
 
 import numpy as np
 import pytest
-from kernel_harness import spec_id
-from kernel_reference import act_empty, bf16_bits_of, rmsnorm_inputs, rmsnorm_reference, to_bf16
+
+from tests.templates.kernel_harness import spec_id
+from tests.templates.kernel_reference import act_empty, bf16_bits_of, rmsnorm_inputs, rmsnorm_reference, to_bf16
 
 # hidden 37 (on CUDA one partial warp), 64, 576 (576 / 96 threads), 4100 (512 threads x 9 elements, a
 # partial tail)

@@ -3,10 +3,10 @@ float32; on CUDA with bf16 activations, the float32 rotation of the bf16 values,
 
 import numpy as np
 import pytest
-from kernel_harness import spec_id, target_params
-from kernel_reference import emitted_floats, rope_inputs, rope_inv_freq, rope_reference, to_bf16
 
 from llmc.compiler.codegen.render import kernel_id, render_kernel
+from tests.templates.kernel_harness import spec_id, target_params
+from tests.templates.kernel_reference import emitted_floats, rope_inputs, rope_inv_freq, rope_reference, to_bf16
 
 # (num_heads, head_dim, theta): 9 heads is the odd GQA case (on CUDA 9 x 32 pairs > 256 threads: a second
 # sweep), head_dim 8 / 16 / 64

@@ -3,8 +3,9 @@ On CUDA with bf16 activations, the float32 result over the bf16 inputs, rounded 
 
 import numpy as np
 import pytest
-from kernel_harness import spec_id
-from kernel_reference import act_empty, silu_mul_inputs, silu_mul_reference, to_bf16
+
+from tests.templates.kernel_harness import spec_id
+from tests.templates.kernel_reference import act_empty, silu_mul_inputs, silu_mul_reference, to_bf16
 
 # inter 37 (scalar), 64, 1100 (float4; on CUDA two blocks per row)
 F32_SPECS = [("silu_mul", dict(inter=i)) for i in (37, 64, 1100)]

@@ -12,11 +12,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from kernel_harness import kernels_source
 
 from llmc.compiler.codegen import simulator
+from tests.templates.kernel_harness import kernels_source
 
-HERE = Path(__file__).parent
+ROOT = Path(__file__).resolve().parents[3]  # the repository: the child imports tests.templates.*
 SPECS_ASAN = [
     (
         "paged_attention",
@@ -54,12 +54,12 @@ SPECS_ASAN = [
 CHILD = r"""
 import ctypes, sys
 import numpy as np
-sys.path[:0] = [{here!r}, {shared!r}]
-from kernel_harness import CudaKernel
-from kernel_reference import MIXED, NUM_BLOCKS, Batch, bf16_bits_of, make_weights, rmsnorm_reference
+sys.path[:0] = [{root!r}]
+from tests.templates.kernel_harness import CudaKernel
+from tests.templates.kernel_reference import MIXED, NUM_BLOCKS, Batch, bf16_bits_of, make_weights, rmsnorm_reference
 from llmc.compiler.codegen.render import kernel_id
-from test_cuda_asan import SPECS_ASAN
-from test_paged_attention import assert_matches_reference, make_batch
+from tests.templates.cuda.test_cuda_asan import SPECS_ASAN
+from tests.templates.test_paged_attention import assert_matches_reference, make_batch
 lib = ctypes.CDLL({so!r})
 k = {{kernel_id("cuda", op, p): CudaKernel(getattr(lib, "test_" + kernel_id("cuda", op, p)), op, p) for op, p in SPECS_ASAN}}
 (op, attn), (_, gemm), (_, rms), (_, attn16), (_, gemm_tc) = SPECS_ASAN
@@ -111,9 +111,9 @@ def asan_so(tmp_path_factory):
 
 
 def _run(so: Path, oob: bool) -> subprocess.CompletedProcess:
-    code = CHILD.format(here=str(HERE), shared=str(HERE.parent), so=str(so), oob=oob)
+    code = CHILD.format(root=str(ROOT), so=str(so), oob=oob)
     return subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=simulator.asan_env(), cwd=HERE
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=simulator.asan_env(), cwd=ROOT
     )
 
 

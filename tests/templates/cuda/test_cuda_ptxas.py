@@ -11,11 +11,11 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from kernel_harness import kernels_source
 
 from llmc.compiler.codegen import simulator
 from llmc.compiler.codegen.render import kernel_id
 from llmc.templates import TEMPLATE_DIR
+from tests.templates.kernel_harness import kernels_source
 
 
 def _inv_freq(head_dim, theta=500000.0):

@@ -7,12 +7,12 @@ import re
 import subprocess
 
 import pytest
-from kernel_harness import SIGNATURES, kernels_source
 
 from llmc.compiler.codegen import simulator
 from llmc.compiler.codegen.render import kernel_id, render_kernel, target_headers, template_params
 from llmc.compiler.tuning.space import tune_space
 from llmc.errors import CompileError
+from tests.templates.kernel_harness import SIGNATURES, kernels_source
 
 COMMON = {
     "embedding": dict(hidden=64, wdtype="bf16"),

@@ -6,9 +6,10 @@ import math
 
 import numpy as np
 import pytest
-from cuda_mode import ON_GPU
-from kernel_harness import HostStaging, StagedKernel
-from test_paged_attention import make_batch
+
+from tests.cuda_mode import ON_GPU
+from tests.templates.kernel_harness import HostStaging, StagedKernel
+from tests.templates.test_paged_attention import make_batch
 
 PARAMS = dict(num_heads=8, num_kv_heads=2, head_dim=32, block_size=8, scale=1 / math.sqrt(32), sliding_window=0,
               kv_dtype="bf16")  # fmt: skip

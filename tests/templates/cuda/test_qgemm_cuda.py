@@ -21,16 +21,16 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from kernel_harness import kernels_source, spec_id
-from kernel_reference import to_bf16
 
 from llmc.compiler.codegen import simulator
 from llmc.compiler.codegen.render import render_kernel
 from llmc.compiler.quant import QuantScheme, dequantize, quantize
 from llmc.compiler.quant_pack import pack_cuda, unpack_cuda
 from llmc.errors import CompileError
+from tests.templates.kernel_harness import kernels_source, spec_id
+from tests.templates.kernel_reference import to_bf16
 
-HERE = Path(__file__).parent
+ROOT = Path(__file__).resolve().parents[3]  # the repository: the child imports tests.templates.*
 
 # (n, k, bits, group_size, asymmetric, scale_bits); group_size == k: one scale per output channel; scale_bits
 # 16 (llmc's quantizer, GGUF Q8_0 / Q4_0) or 32 (GGUF's K-quants)
@@ -171,11 +171,11 @@ def test_pack_cuda_layout(bits, asym, k):
 ASAN_CHILD = r"""
 import ctypes, sys
 import numpy as np
-sys.path[:0] = [{here!r}, {shared!r}]
-from kernel_harness import CudaKernel
+sys.path[:0] = [{root!r}]
+from tests.templates.kernel_harness import CudaKernel
 from llmc.compiler.codegen.render import kernel_id
 from llmc.compiler.quant import dequantize
-from test_qgemm_cuda import ASAN_SCHEMES, _params, _run, qgemm_inputs
+from tests.templates.cuda.test_qgemm_cuda import ASAN_SCHEMES, _params, _run, qgemm_inputs
 lib = ctypes.CDLL({so!r})
 for s in ASAN_SCHEMES:
     p = _params(*s, True)
@@ -194,9 +194,9 @@ print("ok")
 def test_qgemm_cuda_asan_clean(tmp_path):
     source, _ = kernels_source("cuda", [("qgemm", _params(*s, True)) for s in ASAN_SCHEMES])
     so = simulator.build_simulated(source, tmp_path / "qgemm_asan.so", asan=True)
-    code = ASAN_CHILD.format(here=str(HERE), shared=str(HERE.parent), so=str(so))
+    code = ASAN_CHILD.format(root=str(ROOT), so=str(so))
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                       env=simulator.asan_env(), cwd=HERE)  # fmt: skip
+                       env=simulator.asan_env(), cwd=ROOT)  # fmt: skip
     assert "AddressSanitizer" not in r.stderr, r.stderr[-4000:]
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-4000:]
 

@@ -1,13 +1,13 @@
 import pytest
 import tvm
 import tvm_ffi
-from checkpoints import ARCHS
-from pass_helpers import apply, before, count_ops, imported, plain_module
 from tvm.script import ir as I
 from tvm.script import relax as R
 from tvm.script import tirx as T
 
 from llmc.compiler.passes.fuse_swiglu import fuse_swiglu
+from tests.checkpoints import ARCHS
+from tests.compiler.passes.pass_helpers import apply, before, count_ops, imported, plain_module
 
 
 @I.ir_module

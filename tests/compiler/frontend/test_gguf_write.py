@@ -2,8 +2,6 @@
 and a written file reads back with gguf.GGUFReader as the checkpoint it came from."""
 
 import json
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -157,8 +155,7 @@ def test_llamacpp_greedy_tokens_equal_transformers(checkpoint_dir, tmp_path, var
     """llama.cpp reads the F32 file as transformers runs the checkpoint: names, q/k order, rope, tokenizer ids."""
     llama_cpp = pytest.importorskip("llama_cpp")
     torch = pytest.importorskip("torch")
-    sys.path.insert(0, str(Path(__file__).parent.parent))
-    from checkpoints import hf_model
+    from tests.checkpoints import hf_model
 
     # llama: llama3 rope scaling with 8x8 heads / 2 KV; mistral: 9 heads / 3 KV, tied, sharded; qwen2: biases
     path = checkpoint_dir(variant, **({"rope_scaling": None} if variant == "qwen2" else {}))

@@ -2,13 +2,13 @@ import numpy as np
 import pytest
 import tvm
 import tvm_ffi
-from checkpoints import ARCHS
-from pass_helpers import apply, before, count_ops, imported, plain_module
 from tvm.script import ir as I
 from tvm.script import relax as R
 from tvm.script import tirx as T
 
 from llmc.compiler.passes.fuse_rmsnorm import fuse_rmsnorm
+from tests.checkpoints import ARCHS
+from tests.compiler.passes.pass_helpers import apply, before, count_ops, imported, plain_module
 
 
 def _norm_of_sum(exponent=2.0, axis=-1):

@@ -148,9 +148,8 @@ def test_plain_simulated_build_has_no_counters(tmp_path):
 
 @pytest.fixture(scope="module")
 def tiny_sm90(tmp_path_factory):
-    from checkpoints import make_checkpoint
-
     from llmc.tools.build import compile_checkpoint
+    from tests.checkpoints import make_checkpoint
 
     ckpt = make_checkpoint(tmp_path_factory.mktemp("ckpt"), "llama", dtype=torch.bfloat16, num_hidden_layers=1)
     return compile_checkpoint(ckpt, target="sm90", output=tmp_path_factory.mktemp("art") / "model.sm90",
@@ -225,9 +224,8 @@ def test_floors_match_the_simulators_distinct_bytes(tiny_sm90, shape):
 
 @pytest.fixture(scope="module")
 def tiny_cpu(tmp_path_factory):
-    from checkpoints import make_checkpoint
-
     from llmc.tools.build import compile_checkpoint
+    from tests.checkpoints import make_checkpoint
 
     ckpt = make_checkpoint(tmp_path_factory.mktemp("ckpt"), "llama", dtype=torch.bfloat16, num_hidden_layers=1)
     return compile_checkpoint(ckpt, target="cpu", output=tmp_path_factory.mktemp("art") / "model.cpu",
@@ -314,9 +312,8 @@ def test_cli_on_the_gpu_or_a_clear_error_without_one(tiny_sm90):
 def test_decode_attention_reads_shared_memory_without_bank_conflicts(tmp_path, kv_dtype):
     """head_dim 128: over a bf16 cache each lane reads two float4s of q from shared memory (q_slot's swizzle;
     in order they conflicted 2-way), over a float32 one one float4."""
-    from checkpoints import make_checkpoint
-
     from llmc.tools.build import compile_checkpoint
+    from tests.checkpoints import make_checkpoint
 
     ckpt = make_checkpoint(tmp_path / "ckpt", "llama", dtype=torch.bfloat16, num_hidden_layers=1, hidden_size=256,
                            num_attention_heads=2, num_key_value_heads=1, intermediate_size=256)  # fmt: skip

@@ -1,6 +1,5 @@
 import tvm
 import tvm_ffi
-from pass_helpers import apply, count_ops, imported, plain_module
 from tvm.script import ir as I
 from tvm.script import relax as R
 from tvm.script import tirx as T
@@ -8,6 +7,7 @@ from tvm.script import tirx as T
 from llmc.compiler.passes.common import bindings, calls
 from llmc.compiler.passes.fold import fold
 from llmc.compiler.passes.pipeline import PASSES
+from tests.compiler.passes.pass_helpers import apply, count_ops, imported, plain_module
 
 
 @I.ir_module

@@ -17,9 +17,6 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
-from runtime_fakes import FakeConfig, FakeModel, context_logits  # noqa: E402
-
 from llmc import examples  # noqa: E402
 from llmc.artifact import load_artifact  # noqa: E402
 from llmc.compiler.compile import SIGNAL_AT_ENV  # noqa: E402
@@ -30,6 +27,7 @@ from llmc.runtime.scoring import perplexity  # noqa: E402
 from llmc.tools import cli, quality  # noqa: E402
 from llmc.tools.build import compile_checkpoint  # noqa: E402
 from llmc.tools.quality import QUALITY_STAGE  # noqa: E402
+from tests.runtime.runtime_fakes import FakeConfig, FakeModel, context_logits  # noqa: E402
 
 
 def test_compare_logits_matches_torch():

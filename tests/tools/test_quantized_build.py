@@ -15,7 +15,6 @@ import json
 import numpy as np
 import pytest
 import torch
-from checkpoints import hf_model, make_checkpoint
 from safetensors.torch import load_file, save_file
 
 from llmc.artifact import read_manifest
@@ -25,6 +24,7 @@ from llmc.runtime.engine import LLMEngine
 from llmc.runtime.module import CompiledModel
 from llmc.sampling_params import SamplingParams
 from llmc.tools.build import compile_checkpoint
+from tests.checkpoints import hf_model, make_checkpoint
 
 REL = 1e-3  # the fp32 parity tolerance (tests/logits_rows.py)
 FLIP_REL = 1e-2  # a row with an activation rounded the other way (see the module docstring)

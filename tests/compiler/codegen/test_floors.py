@@ -1,5 +1,5 @@
 """compiler/codegen/floors.py: each kernel's floor from its parameters and the step's shape, by hand. The
-floors against the simulator's distinct bytes of a compiled model: tests/test_profile.py."""
+floors against the simulator's distinct bytes of a compiled model: tests/tools/test_profile.py."""
 
 from __future__ import annotations
 

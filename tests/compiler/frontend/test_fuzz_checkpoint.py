@@ -15,10 +15,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors import safe_open
+from tokenizers import Tokenizer
 
 from llmc.compiler.frontend.checkpoint import _scan_safetensors
 from llmc.compiler.frontend.load import load_checkpoint
 from llmc.errors import LlmcError
+from llmc.sampling_params import SamplingParams
 
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
@@ -146,11 +148,24 @@ def test_fuzz_json_files(checkpoint_dir, tmp_path, name):
     def run(value):
         (ckpt / name).write_text(json.dumps(value))
         try:
-            load_checkpoint(ckpt)
+            loaded = load_checkpoint(ckpt)
         except LlmcError as e:
             assert "\n" not in str(e)
+            return
+        _assert_usable(loaded)
 
     run()
+
+
+def _assert_usable(ckpt) -> None:
+    """What accepting a checkpoint promises compile: a consistent config, every tensor it implies in the files at
+    the shape it implies, a tokenizer that parses, and generation defaults every request can take."""
+    assert ckpt.config.inconsistency() is None
+    for name, shape in ckpt.config.weight_shapes().items():
+        assert _scan_safetensors(ckpt.tensor_files[name])[name][1] == shape, name
+    assert Tokenizer.from_file(str(ckpt.tokenizer_path)).get_vocab_size() > 0
+    SamplingParams(**ckpt.generation_defaults)
+    assert ckpt.chat_template is None or isinstance(ckpt.chat_template, str)
 
 
 def _mutate_fields(original: dict, data) -> dict:

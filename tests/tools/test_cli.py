@@ -433,7 +433,8 @@ def real_artifact(tmp_path_factory, checkpoint_dir):
 
 def test_real_run_matches_transformers_greedy(real_artifact, checkpoint_dir):
     import torch
-    from checkpoints import hf_model
+
+    from tests.checkpoints import hf_model
 
     r = _invoke(
         "run", real_artifact, "--prompt", "The list type", "--max-tokens", 12, "--json", "--kv-cache-memory", "16MiB"
@@ -450,7 +451,8 @@ def test_real_run_matches_transformers_greedy(real_artifact, checkpoint_dir):
 
 def test_real_step_logits_match_transformers(real_artifact, checkpoint_dir):
     import torch
-    from checkpoints import hf_model
+
+    from tests.checkpoints import hf_model
 
     hf = hf_model(checkpoint_dir("llama"))
     ids = [3, 17, 200, 45, 9, 120, 33]
@@ -465,8 +467,9 @@ def test_real_step_logits_match_transformers(real_artifact, checkpoint_dir):
 
 def test_real_eval_ppl_matches_transformers(tmp_path, real_artifact, checkpoint_dir):
     import torch
-    from checkpoints import hf_model
     from tokenizers import Tokenizer
+
+    from tests.checkpoints import hf_model
 
     text = tmp_path / "t.txt"
     text.write_text("Lists may be constructed in several ways: using a pair of square brackets.")

@@ -3,11 +3,11 @@
 import numpy as np
 import pytest
 import torch
-from checkpoints import ARCHS, VOCAB, hf_model
 
 from llmc.compiler.export import export_onnx, to_relax
 from llmc.compiler.frontend.load import load_checkpoint
 from llmc.compiler.frontend.trace import trace
+from tests.checkpoints import ARCHS, VOCAB, hf_model
 
 LENGTHS = (1, 5, 37)
 TOL = 1e-4

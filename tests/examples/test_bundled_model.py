@@ -5,14 +5,14 @@ import json
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 from tokenizers import Tokenizer
 
 from llmc.compiler.frontend.load import load_checkpoint
+from llmc.examples import EXAMPLES_DIR
 
-BUNDLED = Path(__file__).resolve().parents[1] / "examples" / "pystdlib-5m"
+BUNDLED = EXAMPLES_DIR / "pystdlib-5m"
 
 
 def test_checkpoint_is_the_one_the_readme_describes():

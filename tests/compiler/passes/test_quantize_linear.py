@@ -1,8 +1,6 @@
 """quantize_linear: the GEMMs whose weights have a scheme become llmc.quantized_matmul, and only those."""
 
 import pytest
-from checkpoints import ARCHS
-from pass_helpers import apply, count_ops, imported, plain_module
 from tvm import relax
 
 from llmc.compiler.compile import quant_schemes
@@ -13,6 +11,8 @@ from llmc.compiler.passes.common import bindings, llmc_args, llmc_op_name, prim_
 from llmc.compiler.passes.pipeline import PASSES, run_passes
 from llmc.compiler.passes.quantize_linear import quantize_linear
 from llmc.compiler.quant import QuantConfig, QuantScheme
+from tests.checkpoints import ARCHS
+from tests.compiler.passes.pass_helpers import apply, count_ops, imported, plain_module
 
 _fused_modules = {}
 

@@ -5,11 +5,11 @@ reads; a tied table is read in full as the lm_head too."""
 import json
 
 import pytest
-from checkpoints import VOCAB
 
 from llmc.artifact import load_artifact
 from llmc.compiler.compile import compile_checkpoint
 from llmc.compiler.quant import QuantConfig
+from tests.checkpoints import VOCAB
 
 
 @pytest.mark.parametrize(

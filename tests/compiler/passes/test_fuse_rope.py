@@ -2,13 +2,13 @@ import numpy as np
 import pytest
 import tvm
 import tvm_ffi
-from checkpoints import ARCHS
-from pass_helpers import apply, before, count_ops, imported, plain_module
 from tvm.script import ir as I
 from tvm.script import relax as R
 from tvm.script import tirx as T
 
 from llmc.compiler.passes.fuse_rope import fuse_rope
+from tests.checkpoints import ARCHS
+from tests.compiler.passes.pass_helpers import apply, before, count_ops, imported, plain_module
 
 INV_FREQ = np.array([1.0, 0.01], dtype="float32")  # head_dim 4
 

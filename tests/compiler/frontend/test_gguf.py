@@ -16,7 +16,6 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from checkpoints import ARCHS, hf_model
 from click.testing import CliRunner
 from safetensors.torch import save_file
 from tokenizers import Tokenizer
@@ -35,6 +34,7 @@ from llmc.runtime.engine import LLMEngine
 from llmc.runtime.module import CompiledModel
 from llmc.sampling_params import SamplingParams
 from llmc.tools.cli import main
+from tests.checkpoints import ARCHS, hf_model
 
 T = gguf.GGMLQuantizationType
 TEXTS = [
@@ -271,7 +271,7 @@ def _quantize_activations(module, args):
 
 def _assert_logits_match(artifact, reference_dir, quantized: set[str]):
     """Every prefill row and one decode step against transformers on the same weights, its Linears that read a
-    quantized weight given the kernel's activation rounding. As in tests/compiler/test_quantized_build.py, most
+    quantized weight given the kernel's activation rounding. As in tests/tools/test_quantized_build.py, most
     rows agree within 1e-3; a row where an activation at a rounding midpoint rounds the other way (the sums run
     in another order) moves by about 1e-2, a little more through int4 weights (1.1e-2 seen with Q4_0)."""
     model = CompiledModel.load(artifact, max_num_logits=64)
