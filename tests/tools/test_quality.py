@@ -1,4 +1,4 @@
-"""compiler/quality.py: the KL / top-1 / perplexity figures against torch on random logits and against a cacheless
+"""tools/quality.py: the KL / top-1 / perplexity figures against torch on random logits and against a cacheless
 reference over windows."""
 
 from __future__ import annotations

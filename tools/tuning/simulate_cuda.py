@@ -3,7 +3,7 @@
 Each admissible candidate is built by nvcc for the target and pruned by what `ptxas -v` reports (the
 template's ptxas_constraints: spills, registers per block), then built for the CUDA simulator with the
 counters of `llmc profile --simulate`, run at each of the template's `rows` on fresh random inputs in
-cudaMalloc'ed memory, checked against the numpy reference, and ranked by the time compiler/codegen/profile.py
+cudaMalloc'ed memory, checked against the numpy reference, and ranked by the time tools/profile.py
 predicts from its counters (DRAM sectors, tensor-core FLOPs, blocks against the target's SMs, launches).
 Entries it writes are marked "simulated"; a measured entry replaces them.
 """

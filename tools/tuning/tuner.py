@@ -1,5 +1,5 @@
 """`llmc tune`: for each kernel shape, every admissible configuration of its template's tunables is built,
-checked against a numpy reference, timed (on the CPU: compiler/tuning/measure_cpu.py; on a GPU, with CUDA events:
+checked against a numpy reference, timed (on the CPU: tools/tuning/measure_cpu.py; on a GPU, with CUDA events:
 measure_cuda.py) or, for a GPU target with no GPU, predicted under the CUDA simulator (simulate_cuda.py), and the
 fastest written to the target's tuning database.
 
