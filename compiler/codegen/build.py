@@ -143,8 +143,10 @@ def build_shared_library(
     sources = dict(sources)
     for name in sources:
         if not name or "\\" in name or any(not part or part.startswith(".") for part in name.split("/")):
-            raise CompileError(f"bad source file name {name!r}", "use a plain file name such as model.cc, or "
-                               "folder/name for a header in a subfolder")
+            raise CompileError(
+                f"bad source file name {name!r}",
+                "use a plain file name such as model.cc, or folder/name for a header in a subfolder",
+            )
     units = sorted(n for n in sources if n.endswith(_COMPILED_SUFFIXES))
     if not units:
         raise CompileError(f"nothing to compile among {sorted(sources)}", "give at least one .cc file")
