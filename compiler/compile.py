@@ -213,7 +213,8 @@ def compile_checkpoint(
         if rendered.tvm_source is not None:
             (tmp / "tvm_kernels.cc").write_text(rendered.tvm_source)
         if tgt.is_cuda:  # `--simulate` rebuilds model.cu later: against these headers, not a newer llmc's
-            for name, text in target_headers(tgt.template_dir).items():
+            for name, text in target_headers(tgt.template_dir).items():  # sim/: the simulator's, in a subfolder
+                (tmp / name).parent.mkdir(parents=True, exist_ok=True)
                 (tmp / name).write_text(text)
         step("build")
         shutil.copyfile(build_module(tgt, rendered.source, rendered.tvm_source), tmp / "model.so")

@@ -121,6 +121,7 @@ def test_nvcc_builds_every_target_without_spills(target, dtype, checkpoint_dir, 
     from llmc.targets import load_target
 
     for name, text in module_sources(load_target(target), (built / "model.cu").read_text()).items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)  # sim/: the simulator's headers
         (tmp_path / name).write_text(text)
     report = nvcc_compile(tmp_path / "model.cu", f"sm_{target[2:]}", tmp_path / "model.cubin")
     assert report, "ptxas reported no kernels"

@@ -12,7 +12,7 @@ copies, a CUDA graph replay at decode, logits back): wall_us - time_us is what a
 kernels.
 
 With --simulate (profile_simulated), the step runs under the simulator's counters
-(templates/cuda/include/llmc_sim_profile.h defines them), with each kernel's floor and predicted time.
+(templates/cuda/include/sim/llmc_sim_profile.h defines them), with each kernel's floor and predicted time.
 
 Per kernel (a __global__ function, by its demangled name): launches, requested_bytes, dram_bytes (distinct
 32-byte sectors per launch), sector_efficiency, bank_conflicts_per_request, tensor_core_instructions, flops

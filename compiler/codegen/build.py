@@ -101,7 +101,7 @@ def _temp_prefix(name: str) -> str:
 def _remove_stale_temps(cache: Path) -> None:
     """Delete the temporary files of killed builds under `cache` (see the module docstring)."""
     now = time.time()
-    for temp in cache.glob("*/.*.tmp"):
+    for temp in cache.glob("*/**/.*.tmp"):  # a build's folder and its subfolders (headers in sim/)
         owner = _OWNED_TEMP.fullmatch(temp.name)
         try:
             stale = (owner is not None and owner["host"] == _HOST and not pid_alive(int(owner["pid"]))
@@ -135,14 +135,18 @@ def build_shared_library(
     """Compile `sources` ({file name: text}, or one C++ text) into a shared library; return its path.
 
     Files ending in .cc/.cpp/.cxx are compiled; the others (headers) sit next to them, so
-    `#include "common.h"` finds them. Raises CompileError with the compiler's stderr tail on failure.
+    `#include "common.h"` finds them. A name may name a subfolder (`sim/llmc_sim.h`), relative to the others.
+    Raises CompileError with the compiler's stderr tail on failure.
     """
     if isinstance(sources, str):
         sources = {"module.cc": sources}
     sources = dict(sources)
     for name in sources:
-        if not name or "/" in name or "\\" in name or name.startswith("."):
-            raise CompileError(f"bad source file name {name!r}", "use a plain file name such as model.cc")
+        if not name or "\\" in name or any(not part or part.startswith(".") for part in name.split("/")):
+            raise CompileError(
+                f"bad source file name {name!r}",
+                "use a plain file name such as model.cc, or folder/name for a header in a subfolder",
+            )
     units = sorted(n for n in sources if n.endswith(_COMPILED_SUFFIXES))
     if not units:
         raise CompileError(f"nothing to compile among {sorted(sources)}", "give at least one .cc file")
@@ -158,6 +162,7 @@ def build_shared_library(
         _remove_stale_temps(out_dir.parent)
         out_dir.mkdir(parents=True, exist_ok=True)
         for name, text in sources.items():
+            (out_dir / name).parent.mkdir(parents=True, exist_ok=True)
             _write_atomic(out_dir / name, text)
         fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=_temp_prefix("lib"), suffix=".so.tmp")
         os.close(fd)

@@ -156,12 +156,13 @@ def template_file(target: str, filename: str) -> str:
 
 
 def target_headers(target: str) -> dict[str, str]:
-    """Every fixed header of the target (templates/<target>/include), by file name: what goes next to the
-    generated source so that its `#include "..."` lines resolve."""
+    """Every fixed header of the target (templates/<target>/include and its subfolders), by path relative to
+    that folder (`llmc_device.cuh`, `sim/llmc_sim.h`): what goes next to the generated source, in the same
+    layout, so that its `#include "..."` lines resolve."""
     folder = TEMPLATE_DIR / target / "include"
     if not folder.is_dir():
         raise CompileError(f"target {target!r} has no header folder {folder}")
-    return {p.name: p.read_text() for p in sorted(folder.iterdir()) if p.is_file()}
+    return {p.relative_to(folder).as_posix(): p.read_text() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
 def template_params(target: str, op: str) -> set[str]:

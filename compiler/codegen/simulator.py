@@ -1,10 +1,10 @@
 """Build CUDA sources for the simulator (g++) and check them with nvcc/ptxas, without a GPU.
 
 - `build_simulated(sources, out_so)`: g++ -DLLMC_SIMULATOR -> a shared library whose kernels run on the CPU
-  (templates/cuda/include/llmc_sim.h). Load it with ctypes; `llmc_sim_set_seed(n)` sets the scheduling seed.
+  (templates/cuda/include/sim/llmc_sim.h). Load it with ctypes; `llmc_sim_set_seed(n)` sets the scheduling seed.
 - `nvcc_compile(source, "sm_90", out)`: nvcc -cubin with `ptxas -v`; returns registers and spills per kernel.
 - `build_profiled(sources, out_so)` / `build_profiled_library(artifact)`: the same with the counters of
-  `llmc profile --simulate` (templates/cuda/include/llmc_sim_profile.h), a build of its own.
+  `llmc profile --simulate` (templates/cuda/include/sim/llmc_sim_profile.h), a build of its own.
 - `asan_env()`: the environment a subprocess needs to load an `asan=True` build.
 - `build_simulated_library(artifact)`: a CUDA artifact's model.cu as a simulated model.so, for
   `CompiledModel.load(artifact, library=...)` (`llmc run --simulate`); the runtime never builds it itself.
@@ -227,14 +227,14 @@ def _library_key(artifact: Artifact) -> str:
     artifact, with those of this installation's headers: a header change rebuilds."""
     h = hashlib.sha256("".join(sorted(artifact.manifest["files"].values())).encode())
     if _headers_dir(artifact) == INCLUDE_DIR:
-        for path in sorted(INCLUDE_DIR.iterdir()):
+        for path in sorted(INCLUDE_DIR.rglob("*")):
             if path.is_file():
-                h.update(path.name.encode() + b"\0" + path.read_bytes())
+                h.update(path.relative_to(INCLUDE_DIR).as_posix().encode() + b"\0" + path.read_bytes())
     return h.hexdigest()[:24]
 
 
 # The profiling build: kernel code calls __asan_{load,store}*_noabort on every access; the counter unit,
-# built without the flag, defines them (templates/cuda/include/llmc_sim_profile.h).
+# built without the flag, defines them (templates/cuda/include/sim/llmc_sim_profile.h).
 PROFILE_FLAGS = (
     "-DLLMC_SIM_PROFILE",
     "-fsanitize=kernel-address",
@@ -245,7 +245,14 @@ PROFILE_FLAGS = (
     "--param",
     "asan-globals=0",
 )
-_COUNTER_UNIT = '#define LLMC_SIM_PROFILE_IMPL\n#include "llmc_sim.h"\n'
+# The simulator's headers are in include/sim/; an artifact compiled before they moved there carries them flat.
+_COUNTER_UNIT = """#define LLMC_SIM_PROFILE_IMPL
+#if __has_include("sim/llmc_sim.h")
+#include "sim/llmc_sim.h"
+#else
+#include "llmc_sim.h"
+#endif
+"""
 
 
 def build_profiled(

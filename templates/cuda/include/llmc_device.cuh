@@ -1,5 +1,5 @@
 // llmc_device.cuh: the device header every generated .cu includes. It compiles under nvcc (sm_80+) and,
-// with g++ -DLLMC_SIMULATOR, against the simulator (llmc_sim.h), which emulates the inline-PTX wrappers
+// with g++ -DLLMC_SIMULATOR, against the simulator (sim/llmc_sim.h), which emulates the inline-PTX wrappers
 // below from the PTX fragment layouts.
 //
 //   LLMC_LAUNCH(kernel, grid, block, smem_bytes, stream, args...)   the only way to launch a kernel
@@ -15,7 +15,7 @@
 #pragma once
 
 #ifdef LLMC_SIMULATOR
-#include "llmc_sim.h"
+#include "sim/llmc_sim.h"
 #define LLMC_SITE_DECL , const char *llmc_file_ = __builtin_FILE(), int llmc_line_ = __builtin_LINE()
 #else
 #include <cuda_runtime.h>
@@ -161,7 +161,7 @@ __device__ __forceinline__ float block_max(float v) { return block_reduce<MaxOp>
 // One vector access of sizeof(T) = 8 or 16 bytes (float2, uint2, float4, uint4; p aligned to it), as the GPU
 // issues it: one LD/ST.64 or .128 per thread. Every vector load and store of device code goes through these:
 // under the simulator, g++ splits a plain struct copy into its 4-byte fields (scalar replacement), and the
-// profiler's counters (llmc_sim_profile.h) would see four narrow accesses per lane where the GPU makes one,
+// profiler's counters (sim/llmc_sim_profile.h) would see four narrow accesses per lane where the GPU makes one,
 // with a quarter of the sector efficiency. A volatile GCC vector access is never split.
 template <typename T>
 __device__ __forceinline__ T vload(const void* p) {
@@ -240,7 +240,7 @@ __device__ __forceinline__ uint32_t pack_f16x2(float lo, float hi) {
 // Fragments (g = lane / 4, t = lane % 4, register r, half h):
 //   a[r] = A(g + 8*(r&1), 2t + h + 8*(r>>1)),  b[r] = B(k = 2t + h + 8r, n = g),
 //   c[i], d[i] = C(g + 8*(i>>1), 2t + (i&1)).   d may alias c. All 32 lanes must call it together.
-// The simulator gathers the operands of all 32 lanes at once (llmc_sim_mma.h).
+// The simulator gathers the operands of all 32 lanes at once (sim/llmc_sim_mma.h).
 #ifdef LLMC_SIMULATOR
 #define LLMC_MMA_M16N8K16(NAME, AB, IS_F16)                                                            \
   __device__ __forceinline__ void NAME(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2],    \

@@ -27,7 +27,7 @@
 // on scheduling (and are seed-independent under the simulator).
 #pragma once
 
-#include "llmc_kernels.cuh"
+#include "llmc_common.cuh"
 
 namespace llmc {
 

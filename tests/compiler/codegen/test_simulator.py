@@ -1,4 +1,4 @@
-"""The CUDA simulator (templates/cuda/include/llmc_sim.h) and the device header, against numpy.
+"""The CUDA simulator (templates/cuda/include/sim/llmc_sim.h) and the device header, against numpy.
 
 kernels.cu is built once with g++ against the simulator and called through ctypes; faults.cu (an ASan
 build) runs in subprocesses, because its reports end the process. The same kernels.cu goes through nvcc

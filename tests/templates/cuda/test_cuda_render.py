@@ -78,11 +78,15 @@ def test_render_errors_name_the_cuda_template():
 
 
 def test_the_build_ships_every_header(tmp_path):
-    """render.target_headers, the headers that go next to model.cu, are all of templates/cuda/include, and with
-    them alone (no include path into the repository) kernels compile for the simulator."""
+    """render.target_headers, the headers that go next to model.cu, are all of templates/cuda/include (the
+    simulator's in its sim/ subfolder), and with them alone (no include path into the repository) kernels compile
+    for the simulator."""
     headers = target_headers("cuda")
-    assert set(headers) == {p.name for p in simulator.INCLUDE_DIR.iterdir()}
+    inc = simulator.INCLUDE_DIR
+    assert set(headers) == {p.relative_to(inc).as_posix() for p in inc.rglob("*") if p.is_file()}
+    assert "llmc_device.cuh" in headers and "sim/llmc_sim.h" in headers
     for name, text in headers.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(text)
     source, _ = kernels_source("cuda", [("rmsnorm", dict(COMMON["rmsnorm"], adtype="bf16"))])
     (tmp_path / "model.cu").write_text(source)

@@ -1,4 +1,4 @@
-// llmc_sim.h: the llmc CUDA simulator. A .cu file compiled by g++ with -DLLMC_SIMULATOR includes this
+// sim/llmc_sim.h: the llmc CUDA simulator. A .cu file compiled by g++ with -DLLMC_SIMULATOR includes this
 // header (through llmc_device.cuh) instead of the CUDA runtime, and runs its kernels on the host CPU.
 //
 // Model:
@@ -26,7 +26,7 @@
 // - cudaMalloc & co. work on host memory, so host code compiles unchanged. Launches are serialized; a bad
 //   launch configuration sets the error that cudaGetLastError() returns, as on a GPU.
 //
-// Parts, included below in dependency order:
+// Parts, in this folder (templates/cuda/include/sim), included below in dependency order:
 //   llmc_sim_fibers.h   state, threads as fibers, fatal errors, the seeded random choice
 //   llmc_sim_mma.h      tensor-core emulation (mma.sync, ldmatrix) from the PTX fragment layouts
 //   llmc_sim_warp.h     warp collectives: shuffles, votes, reduces, __syncwarp

@@ -1,0 +1,140 @@
+// llmc_elementwise.cuh: the row-wise CUDA kernels: embedding, RMSNorm, RoPE, SiLU-and-multiply, row gather.
+// One block per row (per token); each config struct gives its launch shape (kThreads, and for silu_mul kChunks).
+#pragma once
+
+#include "llmc_common.cuh"
+
+namespace llmc {
+
+// embedding: out[t, :] = table[ids[t], :]. Grid (T), block kThreads; 16-byte loads when rows are aligned.
+template <int H, typename W, typename A = float>
+struct Embedding {
+  static constexpr int V = Vec16<W>::N;
+  static constexpr bool kVec = H % V == 0;
+  static constexpr int kThreads = row_threads(ceil_div(H, kVec ? V : 1), 256);
+
+  static __device__ __forceinline__ void run(const int32_t* ids, const W* table, A* out) {
+    const int t = blockIdx.x;
+    const W* src = table + static_cast<int64_t>(ids[t]) * H;
+    A* dst = out + static_cast<int64_t>(t) * H;
+    if constexpr (kVec) {
+      for (int i = threadIdx.x * V; i < H; i += kThreads * V) {
+        float f[V];
+        Vec16<W>::load(src + i, f);
+        store_acts<V>(dst + i, f);
+      }
+    } else {
+      for (int i = threadIdx.x; i < H; i += kThreads) astore(dst + i, wload(src[i]));
+    }
+  }
+};
+
+// ---------------------------------------------------------------------------------------------------
+// rmsnorm, as transformers' LlamaRMSNorm: y = w * A(h * (1 / sqrt(mean(h^2) + eps))), in float32, A() the
+// rounding to the activation type (bf16: as LlamaRMSNorm casts back to the input dtype before the weight).
+// ADD: h = residual_out = A(x + residual_in) first (residual_out may alias x or residual_in: each element is
+// read and written by the same thread). Grid (T), block kThreads; a thread keeps its PER elements in
+// registers (element i = j * kThreads + tid: coalesced), one block_sum.
+template <int H, bool ADD, typename W, typename A = float>
+struct RmsNorm {
+  static constexpr int kThreads = row_threads(ceil_div(H, 8), 512);
+  static constexpr int PER = ceil_div(H, kThreads);
+
+  static __device__ __forceinline__ void run(const A* x, const A* residual_in, A* residual_out, const W* w, A* y,
+                                             float eps) {
+    const int64_t base = static_cast<int64_t>(blockIdx.x) * H;
+    float h[PER];
+    float ss = 0.0f;
+#pragma unroll
+    for (int j = 0; j < PER; ++j) {
+      const int i = j * kThreads + threadIdx.x;
+      float v = 0.0f;
+      if (i < H) {
+        v = wload(x[base + i]);
+        if constexpr (ADD) {
+          v = act_round<A>(v + wload(residual_in[base + i]));
+          astore(residual_out + base + i, v);
+        }
+      }
+      h[j] = v;
+      ss += v * v;
+    }
+    ss = block_sum(ss);
+    const float r = 1.0f / sqrtf(ss / static_cast<float>(H) + eps);
+#pragma unroll
+    for (int j = 0; j < PER; ++j) {
+      const int i = j * kThreads + threadIdx.x;
+      if (i < H) astore(y + base + i, wload(w[i]) * act_round<A>(h[j] * r));
+    }
+  }
+};
+
+// ---------------------------------------------------------------------------------------------------
+// rope, rotate-half (transformers' Llama), in place on heads [0, NH) of each row: with c, s = cos, sin of
+// float(pos) * inv_freq[i],  x[i] = x[i] c - x[i + D/2] s,  x[i + D/2] = x[i + D/2] c + x[i] s.
+// Grid (T), block kThreads: the token's D/2 (cos, sin) pairs once into shared memory (accurate sincosf),
+// then one thread per (head, i) pair.
+template <int NH, int D, typename A = float>
+struct Rope {
+  static_assert(D % 2 == 0, "rope: odd head_dim");
+  static constexpr int HALF = D / 2;
+  static constexpr int kThreads = row_threads(NH * HALF, 256);
+
+  static __device__ __forceinline__ void run(A* x, int row_stride, const int32_t* positions, const float* inv_freq) {
+    __shared__ float cos_s[HALF], sin_s[HALF];
+    const int t = blockIdx.x;
+    const float p = static_cast<float>(positions[t]);
+    for (int i = threadIdx.x; i < HALF; i += kThreads) sincosf(p * inv_freq[i], &sin_s[i], &cos_s[i]);
+    __syncthreads();
+    A* row = x + static_cast<int64_t>(t) * row_stride;
+    for (int idx = threadIdx.x; idx < NH * HALF; idx += kThreads) {
+      const int h = idx / HALF, i = idx % HALF;
+      const float c = cos_s[i], s = sin_s[i];
+      A* x1 = row + h * D + i;
+      const float a = wload(x1[0]), b = wload(x1[HALF]);
+      A* y1 = store_ptr(x1);
+      astore(y1, a * c - b * s);
+      astore(y1 + HALF, b * c + a * s);
+    }
+  }
+};
+
+// ---------------------------------------------------------------------------------------------------
+// silu_mul: out[t, i] = silu(gate[t, i]) * up[t, i], gate_up = [gate | up] per row. Grid (T, kChunks), block
+// kThreads, V elements per thread.
+template <int I, typename A = float>
+struct SiluMul {
+  static constexpr int V = I % 4 == 0 ? 4 : 1;
+  static constexpr int kThreads = row_threads(ceil_div(I, V), 256);
+  static constexpr int kChunks = ceil_div(I, kThreads * V);
+
+  static __device__ __forceinline__ void run(const A* gate_up, A* out) {
+    const int64_t t = blockIdx.x;
+    const int i = (blockIdx.y * kThreads + threadIdx.x) * V;
+    if (i >= I) return;
+    const A* g = gate_up + t * 2 * I + i;
+    A* o = out + t * I + i;
+    if constexpr (V == 4) {
+      float gv[4], uv[4];
+      load_act4(g, gv);
+      load_act4(g + I, uv);
+      store_act4(o, silu_mul(gv[0], uv[0]), silu_mul(gv[1], uv[1]), silu_mul(gv[2], uv[2]), silu_mul(gv[3], uv[3]));
+    } else {
+      astore(o, silu_mul(wload(g[0]), wload(g[I])));
+    }
+  }
+};
+
+// ---------------------------------------------------------------------------------------------------
+// gather_rows: out[i, :] = x[rows[i], :]. Grid (n), block kThreads.
+template <int C, typename A = float>
+struct GatherRows {
+  static constexpr int kThreads = row_threads(row_pieces<A, C>() > 0 ? row_pieces<A, C>() : C, 256);
+
+  static __device__ __forceinline__ void run(const A* x, const int32_t* rows, A* out) {
+    const int i = blockIdx.x;
+    copy_row<A, C, kThreads>(x + static_cast<int64_t>(rows[i]) * C, out + static_cast<int64_t>(i) * C);
+  }
+};
+
+}  // namespace llmc
