@@ -27,7 +27,7 @@ from llmc.runtime.engine import LLMEngine  # noqa: E402
 from llmc.runtime.module import CompiledModel, load_tokenizer  # noqa: E402
 from llmc.runtime.server import ServerLimits  # noqa: E402
 from llmc.sampling_params import SamplingParams  # noqa: E402
-from llmc.tools.cli import ray_replica_app  # noqa: E402
+from llmc.tools.engine_setup import ray_replica_app  # noqa: E402
 
 KV = "8MiB"
 TIMEOUT = 60.0

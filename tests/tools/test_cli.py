@@ -27,6 +27,7 @@ from llmc.runtime.batch import StepBatch
 from llmc.runtime.kv_cache import cdiv, kv_bytes_per_block
 from llmc.runtime.module import CompiledModel
 from llmc.tools import cli
+from llmc.tools.cli import run as cli_run
 
 POISON = 2  # ("!") the fake module fails a step that returns logits for this token
 REFUSED_SEQS = 13  # the fake module refuses to start with max_num_seqs == 13
@@ -286,7 +287,7 @@ def test_run_errors(tmp_path, fake_artifact):
 
 
 def test_run_interactive_chat(fake_artifact, monkeypatch):
-    monkeypatch.setattr(cli, "_stdin_is_tty", lambda: True)
+    monkeypatch.setattr(cli_run, "_stdin_is_tty", lambda: True)
     r = CliRunner().invoke(
         cli.main,
         ["run", str(fake_artifact), "--max-tokens", "3", "--kv-cache-memory", "8MiB"],

@@ -482,7 +482,7 @@ def test_llama3_scaling_from_rope_freqs(case):
 def test_run_compiles_a_gguf_once_per_content(gguf_file, tmp_path, monkeypatch):
     """`llmc run model.gguf` goes through the compile cache, keyed by the file's content."""
     import llmc.compiler.compile as compile_module
-    from llmc.tools.cli import _resolve_artifact
+    from llmc.tools.engine_setup import resolve_artifact
 
     compiled = []
 
@@ -494,7 +494,7 @@ def test_run_compiles_a_gguf_once_per_content(gguf_file, tmp_path, monkeypatch):
     monkeypatch.setattr(compile_module, "compile_checkpoint", record)
     a = tmp_path / "a.gguf"
     shutil.copy(gguf_file("llama", "F32"), a)
-    first = _resolve_artifact(a)
-    assert _resolve_artifact(a) == first and compiled == [a]
+    first = resolve_artifact(a)
+    assert resolve_artifact(a) == first and compiled == [a]
     shutil.copy(gguf_file("llama", "Q8_0"), a)
-    assert _resolve_artifact(a) != first and len(compiled) == 2
+    assert resolve_artifact(a) != first and len(compiled) == 2

@@ -1,0 +1,33 @@
+"""`llmc inspect`: describe a checkpoint or a compiled artifact (describe.py formats both)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from .describe import inspect_artifact, inspect_checkpoint, inspect_passes
+from .options import quant_options
+
+
+@click.command()
+@click.argument("model", type=click.Path(path_type=Path))
+@click.option("-v", "--verbose", is_flag=True, help="Artifacts: list every kernel.")
+@click.option(
+    "--passes",
+    "show_passes",
+    is_flag=True,
+    help="Checkpoints: trace, run each pass (what it rewrote), and print the kernel program (with --quant: "
+    "the quantized one).",
+)
+@quant_options
+def inspect(model: Path, verbose: bool, show_passes: bool, quant) -> None:
+    """Describe MODEL: a checkpoint dir or .gguf file (architecture, size, memory) or a compiled artifact."""
+    if (model / "manifest.json").is_file():
+        return inspect_artifact(model, verbose)
+    from llmc.compiler.frontend.load import load_checkpoint
+
+    ckpt = load_checkpoint(model)
+    inspect_checkpoint(model, ckpt)
+    if show_passes:
+        inspect_passes(ckpt, quant)
