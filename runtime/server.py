@@ -66,6 +66,7 @@ from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from llmc.errors import LlmcError, RequestError
+from llmc.runtime.async_engine import AsyncLLMEngine
 from llmc.runtime.chat_template import (
     DEFAULT_LIMITS,
     NO_TEMPLATE_NOTICE,
@@ -75,8 +76,8 @@ from llmc.runtime.chat_template import (
     pick_template,
     special_tokens,
 )
-from llmc.runtime.engine import AsyncLLMEngine, RequestOutput
 from llmc.runtime.metrics import CONTENT_TYPE, ServerMetrics
+from llmc.runtime.outputs import RequestOutput
 from llmc.sampling_params import SamplingParams
 
 logger = logging.getLogger("llmc.server")

@@ -6,7 +6,8 @@ from fastapi.testclient import TestClient
 from runtime_fakes import FakeConfig, FakeModel, byte_level_bpe
 
 from llmc.runtime import server
-from llmc.runtime.engine import AsyncLLMEngine, LLMEngine
+from llmc.runtime.async_engine import AsyncLLMEngine
+from llmc.runtime.engine import LLMEngine
 from llmc.runtime.server import create_app
 
 KEY = "sk-llmc-test-0123456789"

@@ -6,7 +6,8 @@ import pytest
 from runtime_fakes import FakeConfig, FakeModel, byte_level_bpe, context_logits, reference_greedy, run_with_arrivals
 
 from llmc.errors import RequestError
-from llmc.runtime.engine import AsyncLLMEngine, LLMEngine
+from llmc.runtime.async_engine import AsyncLLMEngine
+from llmc.runtime.engine import LLMEngine
 from llmc.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=20)

@@ -346,7 +346,7 @@ def test_metrics_count_guesses_verified_and_accepted():
     from fastapi.testclient import TestClient
     from test_metrics import scrape
 
-    from llmc.runtime.engine import AsyncLLMEngine
+    from llmc.runtime.async_engine import AsyncLLMEngine
     from llmc.runtime.server import create_app
 
     tok = byte_level_bpe()
