@@ -1,4 +1,5 @@
-"""LLMEngine: requests in, incremental outputs out, one model step at a time; AsyncLLMEngine for servers.
+"""LLMEngine: requests in, incremental outputs out, one model step at a time. async_engine.py wraps it for
+asyncio servers; outputs.py holds the types it returns.
 
 The step loop (`LLMEngine.step`):
   0. With speculative decoding (spec_decode.py), a proposer first guesses the next K tokens of each decoding
@@ -27,12 +28,9 @@ The model is anything with `config` (ModelConfig: vocab_size, max_context, eos_t
 
 from __future__ import annotations
 
-import asyncio
-import collections
-import concurrent.futures
 import dataclasses
 import itertools
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -40,6 +38,7 @@ from llmc.errors import LlmcError, RequestError
 from llmc.runtime.batch import StepBatch
 from llmc.runtime.detokenizer import IncrementalDetokenizer
 from llmc.runtime.kv_cache import KVCacheManager
+from llmc.runtime.outputs import Completion, EngineStats, GenerationResult, RequestOutput
 from llmc.runtime.sampling import make_rng, process_logits, sample_next_token, softmax, top_logprobs
 from llmc.runtime.scheduler import Request, Scheduler
 from llmc.runtime.spec_decode import (
@@ -54,72 +53,6 @@ from llmc.runtime.spec_decode import (
 from llmc.sampling_params import SamplingParams
 
 _NO_TOKENS = np.zeros(0, dtype=np.int64)
-
-
-@dataclasses.dataclass
-class RequestOutput:
-    """What one step produced for one sequence: the increment, not the whole text."""
-
-    req_id: str  # the caller's request id (the n sequences of a request share it)
-    index: int  # which of the request's n sequences
-    new_token_ids: list[int]
-    new_text: str  # text delta; "" while an incomplete character or a possible stop string is held back
-    finished: bool
-    finish_reason: str | None = None  # "stop" (EOS, stop token, stop string) | "length" | "error"
-    stop_reason: str | int | None = None  # the stop string or stop token id that matched; None for EOS
-    logprobs: list[dict[int, float]] | None = None  # per new token: {token id: logprob}, sampled + top-n
-    num_prompt_tokens: int = 0
-    num_output_tokens: int = 0  # so far, this sequence
-    error: Exception | None = None  # finish_reason "error": why the request was aborted
-
-
-@dataclasses.dataclass
-class Completion:
-    """One finished sequence, as `generate` returns it."""
-
-    index: int
-    token_ids: list[int] = dataclasses.field(default_factory=list)
-    text: str = ""
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
-    logprobs: list[dict[int, float]] | None = None
-
-
-@dataclasses.dataclass
-class GenerationResult:
-    req_id: str
-    prompt_token_ids: list[int]
-    outputs: list[Completion]  # n of them, by index
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineStats:
-    """The engine's load at one instant: what /metrics and /health report."""
-
-    num_running: int  # sequences that hold KV blocks
-    num_waiting: int  # sequences queued for their first (or, once preempted, next) step
-    num_blocks: int
-    num_free_blocks: int
-    num_preemptions: int  # since the engine was created
-    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache, since the engine was created
-    prefix_cache_hits: int = 0  # of those, tokens found cached (not computed)
-    spec_num_draft_tokens: int = 0  # speculative guesses verified by the target model, since the engine was created
-    spec_num_accepted_tokens: int = 0  # of those, guesses the target accepted
-
-    @property
-    def kv_cache_usage(self) -> float:
-        """Fraction of KV blocks in use, 0..1."""
-        return 1.0 - self.num_free_blocks / self.num_blocks
-
-    @property
-    def prefix_cache_hit_rate(self) -> float:
-        """Fraction of looked-up prompt tokens found in the prefix cache, 0..1 (0 before any lookup)."""
-        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
-
-    @property
-    def spec_acceptance_rate(self) -> float:
-        """Fraction of verified speculative guesses the target accepted, 0..1 (0 before any)."""
-        return self.spec_num_accepted_tokens / self.spec_num_draft_tokens if self.spec_num_draft_tokens else 0.0
 
 
 @dataclasses.dataclass(eq=False)
@@ -544,190 +477,5 @@ class LLMEngine:
                         self.abort(req_id)
                     raise out.error
                 if (result := results.get(out.req_id)) is not None:
-                    _accumulate(result.outputs[out.index], out)
+                    result.outputs[out.index].add(out)
         return list(results.values())
-
-
-def _accumulate(completion: Completion, out: RequestOutput) -> None:
-    completion.token_ids.extend(out.new_token_ids)
-    completion.text += out.new_text
-    if out.logprobs is not None:
-        completion.logprobs = (completion.logprobs or []) + out.logprobs
-    if out.finished:
-        completion.finish_reason, completion.stop_reason = out.finish_reason, out.stop_reason
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Async wrapper
-
-
-class _Aborted:
-    pass
-
-
-_ABORTED = _Aborted()
-
-
-class AsyncLLMEngine:
-    """An LLMEngine for asyncio code (the HTTP server is a thin layer over `generate`).
-
-    Threads: the engine runs on one worker thread and is touched by nothing else. The event loop thread
-    only queues adds and aborts (`_pending`, drained by the worker before each step), and a background
-    task awaits steps and routes their outputs to per-request asyncio queues. So a step never blocks the
-    event loop, and no lock guards the engine. Call the methods from the event loop's thread.
-
-        async for out in engine.generate(prompt_ids, SamplingParams(max_tokens=64)):
-            send(out.new_text)          # leaving the loop early (client gone) aborts the request
-    """
-
-    def __init__(self, engine: LLMEngine):
-        self.engine = engine
-        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="llmc-engine")
-        self._pending: collections.deque[tuple[str, tuple]] = collections.deque()
-        self._queues: dict[str, asyncio.Queue] = {}
-        self._wakeup: asyncio.Event | None = None
-        self._task: asyncio.Task | None = None
-        self._busy = False  # the engine had unfinished requests after the last step
-        self._error: BaseException | None = None
-        self._closed = False
-        self._ids = itertools.count()
-        self._stats = engine.stats()
-
-    @property
-    def stats(self) -> EngineStats:
-        """The engine's load after its last step (or its last add or abort, if later), taken on the worker thread."""
-        return self._stats
-
-    @property
-    def healthy(self) -> bool:
-        """False once the engine loop itself has failed (not a request: those fail alone): it serves nothing more."""
-        return self._error is None
-
-    # What a front end may know about the engine; it reaches no further in.
-
-    @property
-    def max_model_len(self) -> int:
-        return self.engine.max_model_len
-
-    @property
-    def max_num_seqs(self) -> int:
-        return self.engine.scheduler.max_num_seqs
-
-    @property
-    def bos_token_id(self) -> int | None:
-        return self.engine.bos_token_id
-
-    @property
-    def eos_token_ids(self) -> tuple[int, ...]:
-        return self.engine.eos_token_ids
-
-    @property
-    def num_requests(self) -> int:
-        """Requests streaming now: running or waiting for a place in a step."""
-        return len(self._queues)
-
-    def check_request(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
-        """LLMEngine.check_request: raise RequestError if the request can never be served."""
-        self.engine.check_request(prompt_token_ids, params)  # immutable engine state: safe from this thread
-
-    async def generate(
-        self, prompt_token_ids: Sequence[int], params: SamplingParams | None = None, req_id: str | None = None
-    ) -> AsyncIterator[RequestOutput]:
-        """Stream one request's outputs until all n sequences finish. Raises RequestError at once if invalid."""
-        params = params or SamplingParams()
-        self.check_request(prompt_token_ids, params)
-        if self._error is not None:
-            raise RuntimeError("the engine loop failed earlier") from self._error
-        if self._closed:
-            raise RuntimeError("the engine is shut down")
-        if req_id is None:
-            req_id = f"async-{next(self._ids)}"
-        if req_id in self._queues:
-            raise RequestError(f"request id {req_id!r} is already in use")
-        queue: asyncio.Queue = asyncio.Queue()
-        self._queues[req_id] = queue
-        self._submit(("add", (list(prompt_token_ids), params, req_id)))
-        remaining = params.n
-        try:
-            while remaining:
-                item = await queue.get()
-                if item is _ABORTED:
-                    remaining = 0
-                    return
-                if isinstance(item, BaseException):
-                    remaining = 0
-                    raise item
-                if item.finished:
-                    remaining -= 1
-                yield item
-        finally:
-            self._queues.pop(req_id, None)
-            if remaining:  # the consumer left early (client disconnected, task cancelled)
-                self._submit(("abort", (req_id,)))
-
-    def abort(self, req_id: str) -> None:
-        """Cancel a request; its stream ends without a final output; blocks are freed before the next step."""
-        queue = self._queues.pop(req_id, None)
-        if queue is not None:
-            queue.put_nowait(_ABORTED)
-        self._submit(("abort", (req_id,)))
-
-    async def shutdown(self) -> None:
-        self._closed = True
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-            self._task = None
-        self._executor.shutdown(wait=True)
-
-    # -- loop thread side -----------------------------------------------------------------------------
-
-    def _submit(self, item: tuple[str, tuple]) -> None:
-        if self._closed:
-            return
-        self._pending.append(item)
-        if self._task is None:
-            self._wakeup = asyncio.Event()
-            self._task = asyncio.get_running_loop().create_task(self._run(), name="llmc-engine-loop")
-        self._wakeup.set()
-
-    async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            if not self._pending and not self._busy:
-                self._wakeup.clear()
-                await self._wakeup.wait()
-            try:
-                outputs, errors, self._busy = await loop.run_in_executor(self._executor, self._work)
-            except Exception as e:  # a bug in the loop itself (requests' failures are theirs): accept no more work
-                self._error = e
-                for queue in self._queues.values():
-                    queue.put_nowait(e)
-                self._queues.clear()
-                return
-            for req_id, error in errors:
-                if (queue := self._queues.get(req_id)) is not None:
-                    queue.put_nowait(error)
-            for out in outputs:
-                if (queue := self._queues.get(out.req_id)) is not None:
-                    queue.put_nowait(out if out.error is None else out.error)
-
-    # -- worker thread side ---------------------------------------------------------------------------
-
-    def _work(self) -> tuple[list[RequestOutput], list[tuple[str, BaseException]], bool]:
-        errors = []
-        while self._pending:
-            kind, args = self._pending.popleft()
-            if kind == "add":
-                try:
-                    self.engine.add_request(*args)
-                except Exception as e:  # this request's fault or bug; never the other requests'
-                    errors.append((args[2], e))
-            else:
-                self.engine.abort(*args)
-        outputs = self.engine.step() if self.engine.has_unfinished() else []
-        self._stats = self.engine.stats()  # one reference swap: the loop thread reads it whole, never half-written
-        return outputs, errors, self.engine.has_unfinished()

@@ -31,7 +31,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 from prometheus_client.registry import Collector
 
-from llmc.runtime.engine import EngineStats, RequestOutput
+from llmc.runtime.outputs import EngineStats, RequestOutput
 
 CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4  # of what `render` returns (generate_latest's format)
 

@@ -1,4 +1,4 @@
-"""`llmc serve --ray`: the OpenAI-compatible server (server.py) as N Ray Serve replicas behind Ray's HTTP proxy.
+"""`llmc serve --ray`: the OpenAI-compatible server (server/) as N Ray Serve replicas behind Ray's HTTP proxy.
 
     handle = deploy(make_app, RayServeOptions(replicas=2, num_cpus=1), host="127.0.0.1", port=8000)
 
@@ -40,7 +40,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from llmc.runtime.prefix_router import PrefixAffinity, routing_prompt
-from llmc.runtime.server import ServerLimits, _ApiError, _error_body, _error_response, _read_body
+from llmc.runtime.server import ApiError, ServerLimits, error_body, error_response, read_body
 
 logger = logging.getLogger("llmc.ray_serve")
 
@@ -105,7 +105,7 @@ def _prompt_of(pending_request: PendingRequest | None) -> str:
 
 async def _call_asgi(app, request: dict) -> AsyncIterator[dict | bytes]:
     """Run one HTTP request through an ASGI app: its response start ({"status", "headers"}), then body chunks.
-    Closing the iterator early tells the app that the client left (so server.py aborts the request)."""
+    Closing the iterator early tells the app that the client left (so the server aborts the request)."""
     scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": request["method"],
              "scheme": "http", "path": request["path"], "raw_path": request["path"].encode(), "root_path": "",
              "query_string": request["query"].encode(), "client": ("127.0.0.1", 0), "server": None,
@@ -167,7 +167,7 @@ class LlmcReplica:
 
 
 def _replica_died(message: str) -> dict:
-    body = _error_body(f"{message}; the request may be sent again", 503)
+    body = error_body(f"{message}; the request may be sent again", 503)
     body["error"]["code"] = "replica_died"
     return body
 
@@ -180,9 +180,9 @@ class LlmcIngress:
 
     async def __call__(self, request: Request) -> Response:
         try:
-            body = await _read_body(request, self.max_body_bytes)
-        except _ApiError as e:
-            return _error_response(e.message, e.status, e.param, e.code, e.headers)
+            body = await read_body(request, self.max_body_bytes)
+        except ApiError as e:
+            return error_response(e.message, e.status, e.param, e.code, e.headers)
         payload = {"method": request.method, "path": request.url.path, "query": request.url.query,
                    "headers": [(k.decode("latin-1"), v.decode("latin-1")) for k, v in request.headers.raw],
                    "body": body, "prompt": routing_prompt(request.url.path, body)}  # fmt: skip
@@ -205,12 +205,12 @@ class LlmcIngress:
             except _REPLICA_GONE:
                 return JSONResponse(_replica_died(f"replica {accepted['replica']} died"), 503,
                                     headers={REPLICA_HEADER: accepted["replica"]})  # fmt: skip
-            except asyncio.CancelledError:  # the client left: the replica's generator closes, server.py aborts
+            except asyncio.CancelledError:  # the client left: the replica's generator closes, the server aborts
                 stream.cancel()
                 raise
             return Response(body, start["status"], headers)
-        return _error_response(f"no replica accepted the request in {self.max_attempts} attempts; retry later", 503,
-                               code="no_replica")  # fmt: skip
+        return error_response(f"no replica accepted the request in {self.max_attempts} attempts; retry later", 503,
+                              code="no_replica")  # fmt: skip
 
 
 async def _sse_rest(stream, replica: str) -> AsyncIterator[bytes]:
@@ -226,7 +226,7 @@ async def _sse_rest(stream, replica: str) -> AsyncIterator[bytes]:
         yield f"data: {json.dumps(_replica_died(f'replica {replica} died'))}\n\ndata: [DONE]\n\n".encode()
     finally:
         if not finished:
-            stream.cancel()  # the client left: the replica's generator closes, and server.py aborts the request
+            stream.cancel()  # the client left: the replica's generator closes, and the server aborts the request
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -119,7 +119,7 @@ def test_chat_streams_and_finishes(client, stream):
 
 
 def test_server_errors_and_limits_come_from_the_shared_app(served):
-    """A 404 for another model, the 400 for a bad body, /v1/models and /metrics: server.py's, through Ray."""
+    """A 404 for another model, the 400 for a bad body, /v1/models and /metrics: the server's, through Ray."""
     r = httpx.post(f"{served}/v1/completions", json={"model": "other", "prompt": "x"}, timeout=TIMEOUT)
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found" and r.headers[REPLICA]
     r = httpx.post(f"{served}/v1/completions", content=b"{not json", timeout=TIMEOUT)

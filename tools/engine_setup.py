@@ -99,7 +99,7 @@ def server_app(stack: contextlib.ExitStack, *, path: Path, name: str, limits, ap
                speculative: str | None, num_speculative_tokens: int, draft: Path | None):  # fmt: skip
     """The app `llmc serve` runs, over a model that `stack` closes; and the model."""
     from llmc.runtime import server
-    from llmc.runtime.engine import AsyncLLMEngine
+    from llmc.runtime.async_engine import AsyncLLMEngine
 
     model, tokenizer, make_engine = engine_parts(stack, path, kv_cache_memory, max_num_seqs, no_prefix_caching,
                                                  speculative, num_speculative_tokens, draft,

@@ -4,9 +4,10 @@ time; the answer otherwise is a 401 with OpenAI's error body. /health and /metri
 import pytest
 from fastapi.testclient import TestClient
 
-from llmc.runtime import server
-from llmc.runtime.engine import AsyncLLMEngine, LLMEngine
-from llmc.runtime.server import create_app
+from llmc.runtime.async_engine import AsyncLLMEngine
+from llmc.runtime.engine import LLMEngine
+from llmc.runtime.server import ServerLimits, create_app
+from llmc.runtime.server import auth as server_auth
 from tests.runtime.runtime_fakes import FakeConfig, FakeModel, byte_level_bpe
 
 KEY = "sk-llmc-test-0123456789"
@@ -50,7 +51,7 @@ def test_no_key_or_a_wrong_one_gets_401_on_every_v1_endpoint(http, headers):
 
 def test_the_key_is_checked_before_the_body_is_read(http):
     check_401(http.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"}))
-    huge = b"x" * (server.ServerLimits().max_body_bytes + 1)
+    huge = b"x" * (ServerLimits().max_body_bytes + 1)
     check_401(http.post("/v1/completions", content=huge, headers={"content-type": "application/json"}))
 
 
@@ -71,7 +72,7 @@ def test_the_key_is_compared_in_constant_time(http, monkeypatch):
         compared.append((a, b))
         return a == b
 
-    monkeypatch.setattr(server.hmac, "compare_digest", compare_digest)
+    monkeypatch.setattr(server_auth.hmac, "compare_digest", compare_digest)
     check_401(http.get("/v1/models", headers={"Authorization": "Bearer guess"}))
     assert compared == [(b"guess", KEY.encode())]
 

@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 from llmc.errors import RequestError
-from llmc.runtime.engine import AsyncLLMEngine, LLMEngine
+from llmc.runtime.async_engine import AsyncLLMEngine
+from llmc.runtime.engine import LLMEngine
 from llmc.sampling_params import SamplingParams
 from tests.runtime.runtime_fakes import (
     FakeConfig,

@@ -9,7 +9,8 @@ import pytest
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
-from llmc.runtime.engine import AsyncLLMEngine, LLMEngine
+from llmc.runtime.async_engine import AsyncLLMEngine
+from llmc.runtime.engine import LLMEngine
 from llmc.runtime.server import create_app
 from tests.runtime.runtime_fakes import FakeConfig, FakeModel, byte_level_bpe
 

@@ -20,7 +20,8 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
-from llmc.runtime.engine import AsyncLLMEngine, LLMEngine
+from llmc.runtime.async_engine import AsyncLLMEngine
+from llmc.runtime.engine import LLMEngine
 from llmc.runtime.server import create_app
 from llmc.sampling_params import SamplingParams
 from tests.runtime.runtime_fakes import FakeConfig, FakeModel, byte_level_bpe

@@ -17,8 +17,9 @@ import pytest
 import uvicorn
 
 from llmc.errors import ArtifactError
+from llmc.runtime.async_engine import AsyncLLMEngine
 from llmc.runtime.chat_template import TemplateLimits, chat_prompt_ids
-from llmc.runtime.engine import AsyncLLMEngine, LLMEngine
+from llmc.runtime.engine import LLMEngine
 from llmc.runtime.server import ServerLimits, create_app
 from llmc.sampling_params import SamplingParams
 from tests.openai_ask import ask

@@ -352,7 +352,7 @@ def test_cli_run_json_reports_guesses_and_bench_prints_the_acceptance_rate(llama
 def test_metrics_count_guesses_verified_and_accepted():
     from fastapi.testclient import TestClient
 
-    from llmc.runtime.engine import AsyncLLMEngine
+    from llmc.runtime.async_engine import AsyncLLMEngine
     from llmc.runtime.server import create_app
     from tests.runtime.test_metrics import scrape
 

@@ -1,0 +1,22 @@
+"""ServerLimits: what one request may ask for, and how long shutdown waits; one frozen dataclass of defaults."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from llmc.runtime.chat_template import DEFAULT_LIMITS, TemplateLimits
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerLimits:
+    """What one request may ask for; past a limit it gets a 4xx naming it. The defaults suit a public endpoint."""
+
+    max_body_bytes: int = 4 << 20  # 413 past it; a context of 128K token ids is about 1 MB of JSON
+    max_n: int = 16  # choices per request: each is a sequence in the engine
+    max_stop: int = 16  # stop strings per request
+    max_stop_chars: int = 256  # characters per stop string
+    max_waiting_requests: int = 256  # in flight beyond max_num_seqs; 429 past it
+    retry_after_s: int = 1  # the Retry-After a 429 sends
+    parse_off_loop_bytes: int = 64 << 10  # bodies larger than this are parsed in a worker thread
+    chat_template: TemplateLimits = DEFAULT_LIMITS  # time and size bounds of the checkpoint's chat template
+    shutdown_timeout_s: float = 30.0  # after SIGTERM, requests in flight get this long to finish (`serve`)

@@ -1,0 +1,130 @@
+"""The request bodies of /v1/completions and /v1/chat/completions (OpenAI's and vLLM's field names), and how a
+body is read: with a size limit, parsed (off the event loop when large) and validated into its model.
+
+A new request field goes on its model here; one that would change the output but is not implemented yet is
+listed in `_unsupported` and refused (400), never ignored. Checks across fields live in serving.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, ClassVar
+
+from fastapi import Request
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from llmc.runtime.server.errors import ApiError, validation_error
+from llmc.runtime.server.limits import ServerLimits
+from llmc.sampling_params import SamplingParams
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)  # no coercion: `"temperature": false` is a wrong type
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+# Request fields that map one to one onto SamplingParams; unset (or null) ones keep SamplingParams' defaults.
+_SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "presence_penalty",
+                    "frequency_penalty", "repetition_penalty", "stop_token_ids", "min_tokens", "ignore_eos",
+                    "skip_special_tokens")  # fmt: skip
+
+
+class _GenerationRequest(_Body):
+    model: str | None = None
+    n: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    stop_token_ids: list[int] | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+    skip_special_tokens: bool | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    # Accepted so that they can be refused when set: silently ignoring them would change the answer.
+    logit_bias: dict[str, float] | None = None
+
+    _unsupported: ClassVar[tuple[str, ...]] = ("logit_bias",)
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def sampling_params(self, *, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        for name in self._unsupported:
+            if getattr(self, name) not in (None, False, [], {}):
+                raise ApiError(f"'{name}' is not supported by this server", param=name)
+        kwargs = {k: getattr(self, k) for k in _SAMPLING_FIELDS if getattr(self, k) is not None}
+        return SamplingParams(**kwargs, max_tokens=max_tokens, logprobs=logprobs)
+
+
+class CompletionRequest(_GenerationRequest):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = 16  # OpenAI's default for completions; null: until the context is full
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    _unsupported: ClassVar[tuple[str, ...]] = ("logit_bias", "echo", "suffix")
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)  # name, tool_calls, ...: passed on to the template
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None  # chat default: until EOS or the context is full
+    max_completion_tokens: int | None = None  # OpenAI's newer name; wins over max_tokens
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    response_format: dict[str, Any] | None = None
+
+    _unsupported: ClassVar[tuple[str, ...]] = ("logit_bias", "tools")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Request bodies: read with a size limit, parsed (off the event loop when large) and validated
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, refused with a 413 as soon as it is known to pass `limit`: by Content-Length, else by count."""
+
+    def too_large() -> ApiError:
+        return ApiError(f"the request body is larger than {limit:,} bytes", status=413, code="request_too_large")
+
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise too_large()
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large()
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def parse_body(request: Request, model: type[BaseModel], limits: ServerLimits) -> BaseModel:
+    body = await read_body(request, limits.max_body_bytes)
+
+    def parse() -> BaseModel:
+        try:
+            return model.model_validate_json(body)
+        except ValidationError as e:
+            raise validation_error(e) from None
+
+    return await asyncio.to_thread(parse) if len(body) > limits.parse_off_loop_bytes else parse()

@@ -1,0 +1,123 @@
+"""What each generation endpoint answers: per-choice state while generating (Choice), and per endpoint a Format
+that builds whole choices, stream deltas and logprobs (/v1/completions: CompletionFormat, /v1/chat/completions:
+ChatFormat). The generation path (serving.py) is shared; a new kind of delta (tool calls, say) is a Format's.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+from llmc.runtime.outputs import RequestOutput
+
+
+@dataclasses.dataclass
+class Choice:
+    index: int
+    text: str = ""
+    num_tokens: int = 0
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    logprobs: Any = None  # the format's accumulated logprobs of the whole choice
+    text_offset: int = 0  # completions logprobs: characters of token text so far
+
+    def update(self, out: RequestOutput) -> None:
+        self.text += out.new_text
+        self.num_tokens = out.num_output_tokens
+        if out.finished:
+            self.finish_reason, self.stop_reason = out.finish_reason, out.stop_reason
+
+
+class Format(abc.ABC):
+    """What differs between /v1/completions and /v1/chat/completions; the generation path is shared."""
+
+    id_prefix: ClassVar[str]
+    object: ClassVar[str]  # of a whole response
+    chunk_object: ClassVar[str]  # of a stream chunk
+
+    def __init__(self, token_text: Callable[[int], str], num_logprobs: int | None):
+        self.token_text, self.num_logprobs = token_text, num_logprobs
+
+    @abc.abstractmethod
+    def logprobs(self, choice: Choice, out: RequestOutput):
+        """The logprobs of out's new tokens (None when not asked for), also added to choice.logprobs."""
+
+    def opening(self, choices: list[Choice]) -> list[dict]:
+        """Choice entries of the stream's first chunks, before any token."""
+        return []
+
+    @abc.abstractmethod
+    def choice(self, choice: Choice) -> dict:
+        """A whole choice of a non-streaming response."""
+
+    @abc.abstractmethod
+    def delta(self, choice: Choice, out: RequestOutput, logprobs) -> dict:
+        """The choice entry of one stream chunk."""
+
+
+class CompletionFormat(Format):
+    id_prefix, object, chunk_object = "cmpl", "text_completion", "text_completion"
+
+    def logprobs(self, choice: Choice, out: RequestOutput):
+        """OpenAI's legacy logprobs object for the new tokens of `out`."""
+        if self.num_logprobs is None:
+            return None
+        lp = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for token, dist in zip(out.new_token_ids, out.logprobs or [], strict=True):
+            text = self.token_text(token)
+            lp["tokens"].append(text)
+            lp["token_logprobs"].append(dist[token])
+            lp["top_logprobs"].append({self.token_text(t): v for t, v in list(dist.items())[: self.num_logprobs]})
+            lp["text_offset"].append(choice.text_offset)
+            choice.text_offset += len(text)
+        choice.logprobs = choice.logprobs or {key: [] for key in lp}
+        for key, values in lp.items():
+            choice.logprobs[key].extend(values)
+        return lp
+
+    def choice(self, choice: Choice) -> dict:
+        return self._entry(choice, choice.text, choice.logprobs)
+
+    def delta(self, choice: Choice, out: RequestOutput, logprobs) -> dict:
+        return self._entry(choice, out.new_text, logprobs)
+
+    @staticmethod
+    def _entry(choice: Choice, text: str, logprobs) -> dict:
+        return {"index": choice.index, "text": text, "logprobs": logprobs, "finish_reason": choice.finish_reason,
+                "stop_reason": choice.stop_reason}  # fmt: skip
+
+
+class ChatFormat(Format):
+    id_prefix, object, chunk_object = "chatcmpl", "chat.completion", "chat.completion.chunk"
+
+    def logprobs(self, choice: Choice, out: RequestOutput):
+        if self.num_logprobs is None:
+            return None
+
+        def entry(token: int, logprob: float) -> dict:
+            text = self.token_text(token)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+        content = []
+        for token, dist in zip(out.new_token_ids, out.logprobs or [], strict=True):
+            top = [entry(t, v) for t, v in list(dist.items())[: self.num_logprobs]]
+            content.append({**entry(token, dist[token]), "top_logprobs": top})
+        choice.logprobs = choice.logprobs or {"content": []}
+        choice.logprobs["content"].extend(content)
+        return {"content": content}
+
+    def opening(self, choices: list[Choice]) -> list[dict]:  # every choice opens with the role
+        return [{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                 "finish_reason": None} for c in choices]  # fmt: skip
+
+    def choice(self, choice: Choice) -> dict:
+        return {"index": choice.index, "message": {"role": "assistant", "content": choice.text},
+                "logprobs": choice.logprobs, "finish_reason": choice.finish_reason,
+                "stop_reason": choice.stop_reason}  # fmt: skip
+
+    def delta(self, choice: Choice, out: RequestOutput, logprobs) -> dict:
+        delta = {"content": out.new_text} if out.new_text or not out.finished else {}
+        return {"index": choice.index, "delta": delta, "logprobs": logprobs, "finish_reason": choice.finish_reason,
+                "stop_reason": choice.stop_reason}  # fmt: skip

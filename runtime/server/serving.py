@@ -1,0 +1,279 @@
+"""OpenAIServing: the request handling behind the routes. It admits a request (model, queue, shutdown), turns
+its body into a prompt and SamplingParams under the server's and the engine's limits, and answers it on the
+one generation path that both endpoints share (`respond`: a whole response, or a stream); it also holds
+graceful shutdown's state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from llmc.errors import LlmcError, RequestError
+from llmc.runtime.async_engine import AsyncLLMEngine
+from llmc.runtime.chat_template import (
+    NO_TEMPLATE_NOTICE,
+    chat_prompt_ids,
+    compile_template,
+    pick_template,
+    special_tokens,
+)
+from llmc.runtime.metrics import ServerMetrics
+from llmc.runtime.outputs import RequestOutput
+from llmc.runtime.server.errors import ApiError, error_body, shutting_down
+from llmc.runtime.server.limits import ServerLimits
+from llmc.runtime.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, parse_body
+from llmc.runtime.server.responses import ChatFormat, Choice, CompletionFormat, Format
+from llmc.runtime.server.streaming import SSE_DONE, SSEResponse, sse, wait_for_disconnect
+from llmc.sampling_params import SamplingParams
+
+logger = logging.getLogger("llmc.server")
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncLLMEngine, tokenizer, model_name: str, chat_template, bos_token, eos_token,
+                 limits: ServerLimits):  # fmt: skip
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.limits = limits
+        self.chat_template = pick_template(chat_template)
+        if self.chat_template is not None:
+            compile_template(self.chat_template, limits.chat_template)  # a broken template fails at start
+        else:
+            logger.warning(NO_TEMPLATE_NOTICE)
+        default_bos, default_eos = special_tokens(tokenizer, engine.bos_token_id, engine.eos_token_ids)
+        self.bos_token = default_bos if bos_token is None else bos_token
+        self.eos_token = default_eos if eos_token is None else eos_token
+        self.created = int(time.time())
+        self.draining = False  # shutdown began: new requests get 503
+        self.cut = False  # shutdown's grace period is over: requests still running were aborted
+        self.in_flight: set[str] = set()
+        self.metrics = ServerMetrics(model_name, lambda: engine.stats)
+
+    # -- shutdown -------------------------------------------------------------------------------------------
+
+    def begin_shutdown(self, timeout_s: float) -> None:
+        """Refuse new requests from now on; in `timeout_s` seconds abort those still running."""
+        if self.draining:
+            return
+        self.draining = True
+        logger.info("shutting down: %d request(s) in flight get %g s to finish", len(self.in_flight), timeout_s)
+        asyncio.get_running_loop().call_later(timeout_s, self.cut_in_flight)
+
+    def cut_in_flight(self) -> None:
+        self.cut = True
+        if self.in_flight:
+            logger.warning("shutdown: aborting %d request(s) still running", len(self.in_flight))
+        for req_id in list(self.in_flight):
+            self.engine.abort(req_id)  # its stream ends; respond() sees self.cut and says why
+
+    # -- checks before a request starts ---------------------------------------------------------------------
+
+    def admit(self, model: str | None) -> None:
+        if self.draining:
+            raise shutting_down()
+        if model not in (None, "", self.model_name):
+            raise ApiError(f"the model '{model}' does not exist; this server serves '{self.model_name}'",
+                           status=404, param="model", code="model_not_found")  # fmt: skip
+        most = self.engine.max_num_seqs + self.limits.max_waiting_requests
+        if self.engine.num_requests >= most:
+            raise ApiError(f"the server is busy: {self.engine.num_requests} requests are in flight (at most {most})",
+                           status=429, code="queue_full",
+                           headers={"Retry-After": str(self.limits.retry_after_s)})  # fmt: skip
+
+    def check_limits(self, params: SamplingParams, prompt_ids: list[int], prompt_param: str) -> None:
+        """The server's own limits, then the engine's (prompt length, vocabulary): all before the request starts."""
+        lim = self.limits
+        if params.n > lim.max_n:
+            raise ApiError(f"n={params.n} is more than this server's limit of {lim.max_n}", param="n")
+        if len(params.stop) > lim.max_stop or any(len(s) > lim.max_stop_chars for s in params.stop):
+            raise ApiError(f"stop: at most {lim.max_stop} strings of at most {lim.max_stop_chars} characters",
+                           param="stop")  # fmt: skip
+        try:
+            self.engine.check_request(prompt_ids, params)
+        except RequestError as e:
+            raise ApiError(str(e), param=prompt_param if e.param == "prompt" else e.param) from None
+        room = self.engine.max_model_len - len(prompt_ids)
+        if params.max_tokens is not None and params.max_tokens > room:
+            raise ApiError(f"max_tokens={params.max_tokens} with a prompt of {len(prompt_ids)} tokens passes the "
+                           f"model's context of {self.engine.max_model_len} tokens; at most {room} can be generated",
+                           param="max_tokens")  # fmt: skip
+
+    # -- the one generation path ----------------------------------------------------------------------------
+
+    async def respond(self, request: Request, arrival: float, fmt: Format, prompt_ids: list[int],
+                      params: SamplingParams, stream: bool, include_usage: bool):  # fmt: skip
+        """arrival: the request's time.perf_counter() when it came in, for the time-to-first-token metric."""
+        req_id, created = f"{fmt.id_prefix}-{uuid.uuid4().hex}", int(time.time())
+        choices = [Choice(i) for i in range(params.n)]
+
+        def envelope(choice_list: list[dict], obj: str, **extra) -> dict:
+            return {"id": req_id, "object": obj, "created": created, "model": self.model_name,
+                    "choices": choice_list, **extra}  # fmt: skip
+
+        def usage() -> dict:
+            completion = sum(c.num_tokens for c in choices)
+            return {"prompt_tokens": len(prompt_ids), "completion_tokens": completion,
+                    "total_tokens": len(prompt_ids) + completion}  # fmt: skip
+
+        def chunks_for(out: RequestOutput) -> list[dict]:
+            tracker.output(out)
+            choice = choices[out.index]
+            lp = fmt.logprobs(choice, out)
+            choice.update(out)
+            if not out.new_text and not out.finished and lp is None:
+                return []  # text held back (an incomplete character, a possible stop string)
+            return [envelope([fmt.delta(choice, out, lp)], fmt.chunk_object)]
+
+        tracker = self.metrics.track_request(len(prompt_ids), params.n, arrival)
+        engine_stream = self.engine.generate(prompt_ids, params, req_id)
+        self.in_flight.add(req_id)
+        first: list[RequestOutput | None] = []
+
+        async def consume() -> None:
+            """Non-streaming: the whole request; streaming: its first output, so that a failure is a status."""
+            out = await anext(engine_stream, None)
+            first.append(out)
+            while not stream and out is not None:
+                chunks_for(out)
+                out = await anext(engine_stream, None)
+
+        handed_to_stream = False
+        try:
+            # a client that leaves while its request waits in the queue or prefills aborts it too
+            if not await self._until_disconnect(request, consume(), req_id):
+                return Response(status_code=499)
+            handed_to_stream = stream
+        finally:
+            if not handed_to_stream:
+                self.in_flight.discard(req_id)
+                tracker.close()
+                await engine_stream.aclose()
+        if not stream:
+            if self.cut and any(c.finish_reason is None for c in choices):
+                raise shutting_down()
+            return envelope([fmt.choice(c) for c in choices], fmt.object, usage=usage())
+
+        async def body() -> AsyncIterator[str]:
+            try:
+                for entry in fmt.opening(choices):
+                    yield sse(envelope([entry], fmt.chunk_object))
+                if first[0] is not None:
+                    for chunk in chunks_for(first[0]):
+                        yield sse(chunk)
+                async for out in engine_stream:
+                    for chunk in chunks_for(out):
+                        yield sse(chunk)
+                if self.cut and any(c.finish_reason is None for c in choices):
+                    raise shutting_down()
+                if include_usage:
+                    yield sse(envelope([], fmt.chunk_object, usage=usage()))
+            except ApiError as e:  # cannot become an HTTP status any more: the stream has started
+                yield sse(error_body(e.message, e.status, e.param, e.code))
+            except LlmcError as e:
+                yield sse(error_body(str(e), 400, getattr(e, "param", None)))
+            except Exception as e:
+                logger.exception("generation failed")
+                yield sse(error_body(f"internal error: {type(e).__name__}: {e}", 500))
+            finally:
+                self.in_flight.discard(req_id)
+                tracker.close()
+                await engine_stream.aclose()
+            yield SSE_DONE
+
+        return SSEResponse(body())
+
+    @staticmethod
+    async def _until_disconnect(request: Request, work, req_id: str) -> bool:
+        """Run `work` to its end; False (and work cancelled, so its request aborted) if the client left first."""
+        work = asyncio.ensure_future(work)
+        gone = asyncio.ensure_future(wait_for_disconnect(request))
+        try:
+            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if work.done():
+                work.result()  # re-raises a request's failure
+                return True
+            logger.info("client disconnected; request %s aborted", req_id)
+            return False
+        finally:
+            gone.cancel()
+            if not work.done():
+                work.cancel()
+                await asyncio.gather(work, return_exceptions=True)
+
+    # -- /v1/completions -----------------------------------------------------------------------------------
+
+    async def completion_prompt(self, prompt) -> list[int]:
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            if len(prompt) <= self.limits.parse_off_loop_bytes:
+                return self.tokenizer.encode(prompt).ids
+            # tokenizers' encode holds the GIL and encode_batch lets go of it: a long text leaves the loop free
+            (encoding,) = await asyncio.to_thread(self.tokenizer.encode_batch, [prompt])
+            return encoding.ids
+        if all(isinstance(t, int) for t in prompt):
+            return list(prompt)
+        raise ApiError("this server takes one prompt per request; send the prompts as separate requests",
+                       param="prompt")  # fmt: skip
+
+    async def completions(self, request: Request):
+        arrival = time.perf_counter()
+        body = await parse_body(request, CompletionRequest, self.limits)
+        self.admit(body.model)
+        if body.best_of is not None and body.best_of != (body.n or 1):
+            raise ApiError("best_of other than n is not supported", param="best_of")
+        params = body.sampling_params(max_tokens=body.max_tokens, logprobs=body.logprobs)
+        prompt_ids = await self.completion_prompt(body.prompt)
+        self.check_limits(params, prompt_ids, "prompt")
+        fmt = CompletionFormat(self.token_text, params.logprobs)
+        return await self.respond(request, arrival, fmt, prompt_ids, params, body.stream, body.include_usage)
+
+    # -- /v1/chat/completions ------------------------------------------------------------------------------
+
+    def chat_messages(self, messages: list[ChatMessage]) -> list[dict]:
+        out = []
+        for i, m in enumerate(messages):
+            content = m.content
+            if isinstance(content, list):  # content parts: only text
+                if any(p.get("type") != "text" or not isinstance(p.get("text"), str) for p in content):
+                    raise ApiError("only text content parts are supported", param=f"messages.{i}.content")
+                content = "\n".join(p["text"] for p in content)
+            out.append({**(m.model_extra or {}), "role": m.role, "content": content or ""})
+        return out
+
+    async def chat_completions(self, request: Request):
+        arrival = time.perf_counter()
+        body = await parse_body(request, ChatCompletionRequest, self.limits)
+        self.admit(body.model)
+        if body.top_logprobs is not None and not body.logprobs:
+            raise ApiError("top_logprobs needs logprobs=true", param="top_logprobs")
+        if body.response_format not in (None, {"type": "text"}):
+            raise ApiError("response_format other than text is not supported", param="response_format")
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        params = body.sampling_params(max_tokens=max_tokens, logprobs=logprobs)
+        messages = self.chat_messages(body.messages)
+        # the template runs in a thread: even bounded (chat_template.py), a render may take its whole budget
+        prompt_ids = await asyncio.to_thread(chat_prompt_ids, self.tokenizer, self.chat_template, messages,
+                                             self.bos_token, self.eos_token, self.limits.chat_template)  # fmt: skip
+        self.check_limits(params, prompt_ids, "messages")
+        fmt = ChatFormat(self.token_text, params.logprobs)
+        return await self.respond(request, arrival, fmt, prompt_ids, params, body.stream, body.include_usage)
+
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    # -- /v1/models ----------------------------------------------------------------------------------------
+
+    def models(self) -> dict:
+        card = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "llmc",
+                "max_model_len": self.engine.max_model_len}  # fmt: skip
+        return {"object": "list", "data": [card]}
