@@ -1,0 +1,252 @@
+"""Chat templates: a conversation rendered with the checkpoint's own chat template, the one place for it.
+
+It stands on the ground (it needs only jinja2): the runtime renders prompts with it (runtime/chat_template.py
+adds the tokenizer's side), and the compiler's frontend renders each checkpoint's template once with it.
+
+Hugging Face checkpoints ship a Jinja2 chat template (tokenizer_config.json "chat_template"). It is rendered
+as transformers' `apply_chat_template` does: a sandboxed environment with trim_blocks / lstrip_blocks and
+loop controls, `raise_exception`, `strftime_now` and a `tojson` filter that keeps non-ASCII text, and the
+variables `messages`, `add_generation_prompt`, `bos_token` and `eos_token`. The rendered text already holds
+the special tokens the template wants, so the runtime encodes it with `add_special_tokens=False`.
+
+A checkpoint without a template gets a plain "role: content" transcript (`NO_TEMPLATE_NOTICE` says so; the
+server logs it once at start, the REPL prints it once).
+
+A template is code from the checkpoint, so it runs under bounds (`TemplateLimits`). The sandbox refuses
+Python internals (`__class__`, `mro`, ...) and caps `range` at 100000 items. On top of it: a template larger
+than `max_template_chars` is refused at load; jinja's compile-time constant folding is off, so no
+expression runs before a render; `*`, `**`, `%`, str.format specs, the padding methods (center, ljust,
+rjust, zfill, expandtabs) and the format, center and indent filters refuse to build a string larger than the
+output budget, checked before it is built (one C call could exhaust memory before any later check); a render
+stops when its output passes `max_output_chars` or when it runs longer than `timeout_s` (the render runs in
+its own thread and is interrupted there). Each refusal is an LlmcError; the caller's process goes on.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import datetime
+import functools
+import json
+import re
+import string
+import threading
+
+import jinja2
+import jinja2.ext
+import jinja2.filters
+import jinja2.sandbox
+
+from llmc.errors import ArtifactError, RequestError
+
+NO_TEMPLATE_NOTICE = (
+    "this model has no chat template; chat prompts are a plain 'role: content' transcript, "
+    "which a model not trained on it may continue poorly"
+)
+
+
+def _raise_exception(message: str):
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.datetime.now().strftime(fmt)
+
+
+@dataclasses.dataclass(frozen=True)
+class TemplateLimits:
+    """Bounds on one chat template: far above what real templates need (they are a few KiB and render in ms)."""
+
+    max_template_chars: int = 1 << 20
+    max_output_chars: int = 8 << 20
+    timeout_s: float = 5.0
+
+
+DEFAULT_LIMITS = TemplateLimits()
+
+
+class _RenderInterrupted(BaseException):
+    """Raised inside a render's thread when it runs out of time (BaseException: templates cannot catch it)."""
+
+
+class _TemplateOutputTooLarge(jinja2.exceptions.SecurityError):
+    pass
+
+
+# A width or precision in a format spec, a printf conversion or a padding method's argument is the size of a
+# string built inside one C call, before any output budget sees it: each is checked against the budget first.
+_PRINTF_SIZES = re.compile(r"%(?:\([^)]*\))?[-#0 +]*(\*|\d+)?(?:\.(\*|\d+))?")
+_PADDING_METHODS = frozenset(["center", "ljust", "rjust", "zfill", "expandtabs"])
+
+
+class _BoundedEnvironment(jinja2.sandbox.ImmutableSandboxedEnvironment):
+    """The sandbox, with every operation that builds a string of a size the template names bounded:
+    `*`, `**` and `%`, str.format specs, the padding methods and the `format`, `center` and `indent` filters."""
+
+    intercepted_binops = frozenset(["*", "**", "%"])
+
+    def __init__(self, max_value_chars: int, **kw):
+        super().__init__(**kw)
+        self.max_value_chars = max_value_chars
+        self.filters["format"] = self._bounded_filter(jinja2.filters.do_format, "format")
+        self.filters["center"] = self._bounded_filter(jinja2.filters.do_center, "center")
+        self.filters["indent"] = self._bounded_filter(jinja2.filters.do_indent, "indent")
+
+    def check_size(self, size, what: str) -> None:
+        if isinstance(size, int) and not isinstance(size, bool) and size > self.max_value_chars:
+            raise _TemplateOutputTooLarge(f"{what} asks for {size:,} characters")
+
+    def check_printf(self, fmt, args) -> None:
+        if not isinstance(fmt, str):
+            return
+        star_args = args if isinstance(args, tuple) else (args,)
+        for width, precision in _PRINTF_SIZES.findall(fmt):
+            for size in (width, precision):
+                if size == "*":
+                    for arg in star_args:
+                        self.check_size(arg, "a '%' conversion")
+                elif size:
+                    self.check_size(int(size), "a '%' conversion")
+
+    def _bounded_filter(self, jinja_filter, name: str):
+        def bounded(value, *args, **kwargs):
+            if name == "format":
+                self.check_printf(value, kwargs or args)
+            else:
+                for size in (*args, *kwargs.values()):
+                    self.check_size(size, f"the {name} filter")
+            return jinja_filter(value, *args, **kwargs)
+
+        return bounded
+
+    def call_binop(self, context, operator: str, left, right):
+        if operator == "*":
+            for seq, count in ((left, right), (right, left)):
+                if isinstance(seq, (str, list, tuple)) and isinstance(count, int):
+                    self.check_size(len(seq) * count, "'*'")
+        if operator == "**" and isinstance(left, int) and isinstance(right, int) and abs(right) > 1024:
+            raise _TemplateOutputTooLarge(f"'**' with exponent {right:,}")
+        if operator == "%":
+            self.check_printf(left, right)
+        result = super().call_binop(context, operator, left, right)
+        if isinstance(result, str) and len(result) > self.max_value_chars:
+            raise _TemplateOutputTooLarge(f"'{operator}' built {len(result):,} characters")
+        return result
+
+    # jinja's own signature: the template's keyword arguments may be named `self` or `context`
+    def call(__self, __context, __obj, *args, **kwargs):
+        if isinstance(getattr(__obj, "__self__", None), str) and getattr(__obj, "__name__", "") in _PADDING_METHODS:
+            for size in (*args, *kwargs.values()):
+                __self.check_size(size, f"str.{__obj.__name__}")
+        return super().call(__context, __obj, *args, **kwargs)
+
+    def wrap_str_format(self, value):
+        wrapped = super().wrap_str_format(value)
+        if wrapped is not None:
+            try:
+                specs = [spec for _, _, spec, _ in string.Formatter().parse(value.__self__) if spec]
+            except ValueError:
+                specs = []  # str.format itself reports the malformed string
+            for spec in specs:
+                if "{" in spec:
+                    raise _TemplateOutputTooLarge("str.format with a nested width or precision")
+                for size in re.findall(r"\d+", spec):
+                    self.check_size(int(size), "a str.format spec")
+        return wrapped
+
+
+def _template_error(what: str) -> ArtifactError:
+    return ArtifactError(f"the model's chat template {what}",
+                         "fix chat_template in the checkpoint's tokenizer_config.json and compile again")  # fmt: skip
+
+
+@functools.lru_cache(maxsize=8)
+def compile_template(template: str, limits: TemplateLimits = DEFAULT_LIMITS) -> jinja2.Template:
+    """The template compiled as transformers compiles it, under `limits`. Its faults are the checkpoint's."""
+    if len(template) > limits.max_template_chars:
+        raise _template_error(f"has {len(template):,} characters, more than the {limits.max_template_chars:,} allowed")
+    # optimized=False: jinja's optimizer evaluates constant expressions and filters at compile time, unbounded
+    env = _BoundedEnvironment(limits.max_output_chars, trim_blocks=True, lstrip_blocks=True, optimized=False,
+                              extensions=[jinja2.ext.loopcontrols])  # fmt: skip
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    try:
+        return env.from_string(template)
+    except jinja2.exceptions.TemplateSyntaxError as e:
+        raise _template_error(f"does not parse: {e.message} (line {e.lineno})") from e
+
+
+def _render_bounded(template: jinja2.Template, limits: TemplateLimits, variables: dict) -> str:
+    """template.render(**variables) in a thread of its own, stopped at limits.timeout_s or max_output_chars.
+
+    Stopping: CPython raises an exception in another thread at its next bytecode
+    (PyThreadState_SetAsyncExc); a render is Python bytecode between bounded builtin calls, so it stops.
+    """
+    result: dict = {}
+
+    def render() -> None:
+        try:
+            parts, size = [], 0
+            for part in template.generate(**variables):
+                size += len(part)
+                if size > limits.max_output_chars:
+                    raise _TemplateOutputTooLarge(f"its output passed {limits.max_output_chars:,} characters")
+                parts.append(part)
+            result["text"] = "".join(parts)
+        except BaseException as e:  # noqa: BLE001  (handed to the caller's thread, interrupt included)
+            result["error"] = e
+
+    thread = threading.Thread(target=render, name="llmc-chat-template", daemon=True)
+    thread.start()
+    thread.join(limits.timeout_s)
+    if thread.is_alive():
+        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(_RenderInterrupted))
+        thread.join(1.0)
+        raise _template_error(f"took more than {limits.timeout_s:g} s to render; it was stopped")
+    error = result.get("error")
+    if isinstance(error, (jinja2.exceptions.SecurityError, RecursionError, MemoryError)):
+        raise _template_error(f"was refused by the sandbox: {error}") from error
+    if error is not None:
+        raise error
+    return result["text"]
+
+
+def pick_template(chat_template) -> str | None:
+    """tokenizer_config.json may hold a string or a list of {"name", "template"}: take "default" (or the first)."""
+    if chat_template is None or isinstance(chat_template, str):
+        return chat_template or None
+    named = {t["name"]: t["template"] for t in chat_template}
+    return named.get("default", next(iter(named.values()), None))
+
+
+def render_chat(
+    template: str | None,
+    messages: list[dict],
+    bos_token: str = "",
+    eos_token: str = "",
+    add_generation_prompt: bool = True,
+    limits: TemplateLimits = DEFAULT_LIMITS,
+) -> str:
+    """The prompt text for `messages` ([{"role", "content"}, ...]). template None: plain transcript.
+
+    A template that rejects the conversation (raise_exception, e.g. "roles must alternate") or fails to
+    render raises RequestError: the request is at fault, not the server. One that breaks its bounds
+    (time, output size, the sandbox) raises ArtifactError: the checkpoint is at fault.
+    """
+    template = pick_template(template)
+    if template is None:
+        text = bos_token + "".join(f"{m['role']}: {m['content']}\n" for m in messages)
+        return text + "assistant:" if add_generation_prompt else text
+    variables = dict(messages=messages, add_generation_prompt=add_generation_prompt, bos_token=bos_token,
+                     eos_token=eos_token, tools=None, documents=None)  # fmt: skip
+    try:
+        return _render_bounded(compile_template(template, limits), limits, variables)
+    except jinja2.exceptions.TemplateError as e:
+        raise RequestError(f"the chat template rejected the conversation: {e}", "check the messages' roles and order",
+                           param="messages") from e  # fmt: skip
