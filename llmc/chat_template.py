@@ -15,10 +15,13 @@ server logs it once at start, the REPL prints it once).
 A template is code from the checkpoint, so it runs under bounds (`TemplateLimits`). The sandbox refuses
 Python internals (`__class__`, `mro`, ...) and caps `range` at 100000 items. On top of it: a template larger
 than `max_template_chars` is refused at load; jinja's compile-time constant folding is off, so no
-expression runs before a render; `*`, `**`, `%`, str.format specs, the padding methods (center, ljust,
-rjust, zfill, expandtabs) and the format, center and indent filters refuse to build a string larger than the
-output budget, checked before it is built (one C call could exhaust memory before any later check); a render
-stops when its output passes `max_output_chars` or when it runs longer than `timeout_s` (the render runs in
+expression runs before a render. Every operation that builds a value of a size the template chooses has that
+size checked before it runs, since it is one C call that holds the GIL (no timeout interrupts it) and can
+exhaust memory before any later check: `*`, `**` and `+` on integers build at most `max_int_bits` bits
+(`**`'s result has about exponent x log2(base) bits); `*`, `+`, `~` (jinja compiles it to a join of its own,
+so the code generator sends it to `bounded_concat`), the join filter and str.join build at most
+`max_output_chars` items; so do `%`, str.format specs, the padding methods (center, ljust, rjust, zfill,
+expandtabs) and the format, center and indent filters. A render stops when its output passes `max_output_chars` or when it runs longer than `timeout_s` (the render runs in
 its own thread and is interrupted there). Each refusal is an LlmcError; the caller's process goes on.
 """
 
@@ -29,13 +32,17 @@ import dataclasses
 import datetime
 import functools
 import json
+import math
 import re
 import string
 import threading
 
 import jinja2
+import jinja2.compiler
 import jinja2.ext
 import jinja2.filters
+import jinja2.nodes
+import jinja2.runtime
 import jinja2.sandbox
 
 from llmc.errors import ArtifactError, RequestError
@@ -63,7 +70,8 @@ class TemplateLimits:
     """Bounds on one chat template: far above what real templates need (they are a few KiB and render in ms)."""
 
     max_template_chars: int = 1 << 20
-    max_output_chars: int = 8 << 20
+    max_output_chars: int = 8 << 20  # the output, and every string or list one operation builds
+    max_int_bits: int = 1 << 16  # every integer one operation builds: one such operation takes well under 1 ms
     timeout_s: float = 5.0
 
 
@@ -84,22 +92,47 @@ _PRINTF_SIZES = re.compile(r"%(?:\([^)]*\))?[-#0 +]*(\*|\d+)?(?:\.(\*|\d+))?")
 _PADDING_METHODS = frozenset(["center", "ljust", "rjust", "zfill", "expandtabs"])
 
 
+class _CodeGenerator(jinja2.compiler.CodeGenerator):
+    """jinja's code generator, with `~` sent through the environment's bounded_concat (jinja compiles it to a
+    call of jinja2.runtime.str_join, which no sandbox hook sees)."""
+
+    def visit_Concat(self, node: jinja2.nodes.Concat, frame) -> None:
+        self.write("environment.bounded_concat((")
+        for arg in node.nodes:
+            self.visit(arg, frame)
+            self.write(", ")
+        self.write("))")
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
 class _BoundedEnvironment(jinja2.sandbox.ImmutableSandboxedEnvironment):
-    """The sandbox, with every operation that builds a string of a size the template names bounded:
-    `*`, `**` and `%`, str.format specs, the padding methods and the `format`, `center` and `indent` filters."""
+    """The sandbox, with every operation that builds a value of a size the template chooses bounded before it
+    runs: `*`, `**`, `+`, `~` and `%`, join, str.format specs, the padding methods and the `format`, `center`
+    and `indent` filters."""
 
-    intercepted_binops = frozenset(["*", "**", "%"])
+    code_generator_class = _CodeGenerator
+    intercepted_binops = frozenset(["*", "**", "+", "%"])
 
-    def __init__(self, max_value_chars: int, **kw):
+    def __init__(self, max_value_chars: int, max_int_bits: int, **kw):
         super().__init__(**kw)
         self.max_value_chars = max_value_chars
+        self.max_int_bits = max_int_bits
         self.filters["format"] = self._bounded_filter(jinja2.filters.do_format, "format")
         self.filters["center"] = self._bounded_filter(jinja2.filters.do_center, "center")
         self.filters["indent"] = self._bounded_filter(jinja2.filters.do_indent, "indent")
+        self.filters["join"] = self._bounded_join
 
     def check_size(self, size, what: str) -> None:
         if isinstance(size, int) and not isinstance(size, bool) and size > self.max_value_chars:
             raise _TemplateOutputTooLarge(f"{what} asks for {size:,} characters")
+
+    def check_result(self, size: int, what: str, unit: str = "characters") -> None:
+        limit = self.max_int_bits if unit == "bits" else self.max_value_chars
+        if size > limit:
+            raise _TemplateOutputTooLarge(f"{what} would build {size:,.0f} {unit}, more than the {limit:,} allowed")
 
     def check_printf(self, fmt, args) -> None:
         if not isinstance(fmt, str):
@@ -124,13 +157,41 @@ class _BoundedEnvironment(jinja2.sandbox.ImmutableSandboxedEnvironment):
 
         return bounded
 
-    def call_binop(self, context, operator: str, left, right):
-        if operator == "*":
+    @jinja2.pass_eval_context
+    def _bounded_join(self, eval_ctx, value, d="", attribute=None):
+        items = list(value)
+        if attribute is not None:
+            getter = jinja2.filters.make_attrgetter(self, attribute)
+            items = [getter(x) for x in items]
+        self.check_result(sum(len(str(x)) for x in items) + len(str(d)) * max(len(items) - 1, 0), "the join filter")
+        return jinja2.filters.do_join(eval_ctx, items, d)
+
+    def bounded_concat(self, args: tuple) -> str:
+        """The `~` operator: its operands as strings, joined once their total length is known to fit."""
+        parts = [str(x) for x in args]
+        self.check_result(sum(map(len, parts)), "'~'")
+        if any(hasattr(x, "__html__") for x in args):  # inside {% autoescape %}: jinja's own, which escapes
+            return jinja2.runtime.markup_join(args)
+        return "".join(parts)
+
+    def check_binop(self, operator: str, left, right) -> None:
+        """The size of the result of `left operator right`, checked before it is built: bits for integers (one
+        big-integer operation is one C call that holds the GIL), items for strings, lists and tuples."""
+        if operator == "**" and _is_int(left) and _is_int(right) and right > 0 and abs(left) > 1:
+            self.check_result(right * math.log2(abs(left)), "'**'", "bits")
+        elif operator == "*" and _is_int(left) and _is_int(right):
+            self.check_result(left.bit_length() + right.bit_length(), "'*'", "bits")
+        elif operator == "*":
             for seq, count in ((left, right), (right, left)):
-                if isinstance(seq, (str, list, tuple)) and isinstance(count, int):
+                if isinstance(seq, (str, list, tuple)) and _is_int(count):
                     self.check_size(len(seq) * count, "'*'")
-        if operator == "**" and isinstance(left, int) and isinstance(right, int) and abs(right) > 1024:
-            raise _TemplateOutputTooLarge(f"'**' with exponent {right:,}")
+        elif operator == "+" and _is_int(left) and _is_int(right):
+            self.check_result(max(left.bit_length(), right.bit_length()) + 1, "'+'", "bits")
+        elif operator == "+" and isinstance(left, (str, list, tuple)) and isinstance(right, (str, list, tuple)):
+            self.check_result(len(left) + len(right), "'+'")
+
+    def call_binop(self, context, operator: str, left, right):
+        self.check_binop(operator, left, right)
         if operator == "%":
             self.check_printf(left, right)
         result = super().call_binop(context, operator, left, right)
@@ -140,9 +201,15 @@ class _BoundedEnvironment(jinja2.sandbox.ImmutableSandboxedEnvironment):
 
     # jinja's own signature: the template's keyword arguments may be named `self` or `context`
     def call(__self, __context, __obj, *args, **kwargs):
-        if isinstance(getattr(__obj, "__self__", None), str) and getattr(__obj, "__name__", "") in _PADDING_METHODS:
+        owner, name = getattr(__obj, "__self__", None), getattr(__obj, "__name__", "")
+        if isinstance(owner, str) and name in _PADDING_METHODS:
             for size in (*args, *kwargs.values()):
-                __self.check_size(size, f"str.{__obj.__name__}")
+                __self.check_size(size, f"str.{name}")
+        if isinstance(owner, str) and name == "join" and len(args) == 1 and not kwargs:
+            items = list(args[0])  # an iterator is read once: str.join gets the list
+            sizes = sum(len(x) if isinstance(x, str) else 0 for x in items) + len(owner) * max(len(items) - 1, 0)
+            __self.check_result(sizes, "str.join")
+            args = (items,)
         return super().call(__context, __obj, *args, **kwargs)
 
     def wrap_str_format(self, value):
@@ -171,7 +238,7 @@ def compile_template(template: str, limits: TemplateLimits = DEFAULT_LIMITS) -> 
     if len(template) > limits.max_template_chars:
         raise _template_error(f"has {len(template):,} characters, more than the {limits.max_template_chars:,} allowed")
     # optimized=False: jinja's optimizer evaluates constant expressions and filters at compile time, unbounded
-    env = _BoundedEnvironment(limits.max_output_chars, trim_blocks=True, lstrip_blocks=True, optimized=False,
+    env = _BoundedEnvironment(limits.max_output_chars, limits.max_int_bits, trim_blocks=True, lstrip_blocks=True, optimized=False,
                               extensions=[jinja2.ext.loopcontrols])  # fmt: skip
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception

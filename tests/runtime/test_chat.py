@@ -167,6 +167,9 @@ def test_render_chat_equals_transformers(template):
 
 # -- hostile templates: the checkpoint's code runs under bounds ----------------------------------------------
 
+SQUARING = "{% set ns = namespace(x=3) %}{% for i in range(20) %}{% set ns.x = ns.x * ns.x %}{% endfor %}{{ ns.x > 5 }}"
+DOUBLING = "{{% set ns = namespace(s='x') %}}{{% for i in range(24) %}}{{% set ns.s = {} %}}{{% endfor %}}{{{{ ns.s|length }}}}"
+
 
 @pytest.mark.parametrize(
     "template, match",
@@ -176,7 +179,7 @@ def test_render_chat_equals_transformers(template):
         ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", "took more than"),
         ("{% set l = range(100000)|list %}{% for a in l %}{% for b in l %}{% endfor %}{% endfor %}", "took more than"),
         ("{{ 'a' * 1000000000 }}", "'\\*' asks for"),  # no constant folding at compile time either
-        ("{{ 9 ** 100000000 }}", "exponent"),
+        ("{{ 9 ** 100000000 }}", "'\\*\\*' would build"),
         ("{% for i in range(100000) %}{{ 'x' * 1000 }}{% endfor %}", "output passed"),
         ("{% macro f(n) %}{{ f(n) }}{% endmacro %}{{ f(1) }}", "recursion"),
         # strings of a size the template names, built in one C call: checked before they are built
@@ -189,6 +192,14 @@ def test_render_chat_equals_transformers(template):
         ("{{ 'x'.zfill(1000000000) }}", "str.zfill"),
         ("{{ 'x'|center(1000000000) }}", "center filter"),
         ("{{ 'a\nb'|indent(1000000000) }}", "indent filter"),
+        # values built by one operator, sized before it runs (a big-int operation is one C call holding the GIL)
+        ("{{ (10 ** 1024) ** 1024 > 5 }}", "'\\*\\*' would build"),
+        (SQUARING, "'\\*' would build"),
+        (DOUBLING.format("ns.s ~ ns.s"), "'~' would build"),
+        (DOUBLING.format("ns.s + ns.s"), "'\\+' would build"),
+        (DOUBLING.replace("s='x'", "s=[1]").format("ns.s + ns.s"), "'\\+' would build"),
+        ("{{ (['x' * 1000] * 2000)|join|length }}", "join filter"),
+        ("{{ ''.join(['x' * 1000] * 2000)|length }}", "str.join"),
     ],
 )
 def test_a_hostile_template_is_refused_with_an_artifact_error(template, match):
@@ -207,3 +218,18 @@ def test_a_template_too_large_or_broken_is_refused_at_load():
         compile_template("x" * 1001, TemplateLimits(max_template_chars=1000))
     with pytest.raises(ArtifactError, match="does not parse"):
         compile_template("{% if %}")
+
+
+@pytest.mark.parametrize(
+    "template",
+    [
+        "{{ ((10 ** 1024) ** 1024) ** 32 > 5 }}",  # 44 s in one C call, every thread of the process stalled
+        "{% set ns = namespace(s='x') %}{% for i in range(28) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}",  # 268 M
+    ],
+    ids=["power", "concat"],
+)
+def test_the_issue_33_bombs_are_refused_before_they_run(template):
+    start = time.monotonic()
+    with pytest.raises(ArtifactError, match="would build"):
+        render_chat(template, [{"role": "user", "content": "hi"}])
+    assert time.monotonic() - start < 2
