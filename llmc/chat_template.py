@@ -21,21 +21,35 @@ exhaust memory before any later check: `*`, `**` and `+` on integers build at mo
 (`**`'s result has about exponent x log2(base) bits); `*`, `+`, `~` (jinja compiles it to a join of its own,
 so the code generator sends it to `bounded_concat`), the join filter and str.join build at most
 `max_output_chars` items; so do `%`, str.format specs, the padding methods (center, ljust, rjust, zfill,
-expandtabs) and the format, center and indent filters. A render stops when its output passes `max_output_chars` or when it runs longer than `timeout_s` (the render runs in
-its own thread and is interrupted there). Each refusal is an LlmcError; the caller's process goes on.
+expandtabs) and the format, center and indent filters.
+
+A render runs in a render process, not in the caller's: some C calls no bound above sizes (comparing two
+lists of lists is 10^10 steps within them) and one such call holds its process's GIL until it returns, so a
+thread of the server could neither be stopped nor let the event loop run. A few processes are kept and
+reused (a render costs one round trip over a pipe, a few tenths of a ms); the caller's thread waits for the
+reply without the GIL. A render stops when its output passes `max_output_chars`, when it allocates more than
+`max_memory_bytes` (an address-space limit on its process) or when it runs longer than `timeout_s`: its
+process is then killed and replaced. Each refusal is an LlmcError; the caller's process goes on.
 """
 
 from __future__ import annotations
 
-import ctypes
+import atexit
 import dataclasses
 import datetime
 import functools
 import json
 import math
+import os
 import re
+import select
+import signal
 import string
+import subprocess
+import sys
 import threading
+import time
+from pathlib import Path
 
 import jinja2
 import jinja2.compiler
@@ -45,7 +59,12 @@ import jinja2.nodes
 import jinja2.runtime
 import jinja2.sandbox
 
-from llmc.errors import ArtifactError, RequestError
+from llmc.errors import ArtifactError, LlmcError, RequestError
+
+try:
+    import resource
+except ImportError:  # not a POSIX system: no memory or CPU limit on a render process
+    resource = None
 
 NO_TEMPLATE_NOTICE = (
     "this model has no chat template; chat prompts are a plain 'role: content' transcript, "
@@ -72,14 +91,11 @@ class TemplateLimits:
     max_template_chars: int = 1 << 20
     max_output_chars: int = 8 << 20  # the output, and every string or list one operation builds
     max_int_bits: int = 1 << 16  # every integer one operation builds: one such operation takes well under 1 ms
+    max_memory_bytes: int = 1 << 30  # the memory a render may add to its process
     timeout_s: float = 5.0
 
 
 DEFAULT_LIMITS = TemplateLimits()
-
-
-class _RenderInterrupted(BaseException):
-    """Raised inside a render's thread when it runs out of time (BaseException: templates cannot catch it)."""
 
 
 class _TemplateOutputTooLarge(jinja2.exceptions.SecurityError):
@@ -227,61 +243,236 @@ class _BoundedEnvironment(jinja2.sandbox.ImmutableSandboxedEnvironment):
         return wrapped
 
 
-def _template_error(what: str) -> ArtifactError:
-    return ArtifactError(f"the model's chat template {what}",
-                         "fix chat_template in the checkpoint's tokenizer_config.json and compile again")  # fmt: skip
+class _Refused(ArtifactError):
+    """The template broke its bounds (time, memory, output, the sandbox) or does not parse: whatever the
+    conversation, it is at fault."""
+
+
+def _template_error(what: str, error=ArtifactError) -> ArtifactError:
+    return error(f"the model's chat template {what}",
+                 "fix chat_template in the checkpoint's tokenizer_config.json and compile again")  # fmt: skip
 
 
 @functools.lru_cache(maxsize=8)
 def compile_template(template: str, limits: TemplateLimits = DEFAULT_LIMITS) -> jinja2.Template:
     """The template compiled as transformers compiles it, under `limits`. Its faults are the checkpoint's."""
     if len(template) > limits.max_template_chars:
-        raise _template_error(f"has {len(template):,} characters, more than the {limits.max_template_chars:,} allowed")
+        raise _template_error(f"has {len(template):,} characters, more than the {limits.max_template_chars:,} allowed",
+                              _Refused)  # fmt: skip
     # optimized=False: jinja's optimizer evaluates constant expressions and filters at compile time, unbounded
-    env = _BoundedEnvironment(limits.max_output_chars, limits.max_int_bits, trim_blocks=True, lstrip_blocks=True, optimized=False,
-                              extensions=[jinja2.ext.loopcontrols])  # fmt: skip
+    env = _BoundedEnvironment(limits.max_output_chars, limits.max_int_bits, trim_blocks=True, lstrip_blocks=True,
+                              optimized=False, extensions=[jinja2.ext.loopcontrols])  # fmt: skip
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     try:
         return env.from_string(template)
     except jinja2.exceptions.TemplateSyntaxError as e:
-        raise _template_error(f"does not parse: {e.message} (line {e.lineno})") from e
+        raise _template_error(f"does not parse: {e.message} (line {e.lineno})", _Refused) from e
 
 
-def _render_bounded(template: jinja2.Template, limits: TemplateLimits, variables: dict) -> str:
-    """template.render(**variables) in a thread of its own, stopped at limits.timeout_s or max_output_chars.
+def _render_here(template: jinja2.Template, limits: TemplateLimits, variables: dict) -> str:
+    """template.render(**variables) in this process, stopped when its output passes limits.max_output_chars;
+    what goes wrong is an LlmcError. Only a render process calls it: no timeout could stop it here."""
+    try:
+        parts, size = [], 0
+        for part in template.generate(**variables):
+            size += len(part)
+            if size > limits.max_output_chars:
+                raise _TemplateOutputTooLarge(f"its output passed {limits.max_output_chars:,} characters")
+            parts.append(part)
+        return "".join(parts)
+    except MemoryError:
+        raise _template_error(f"ran out of the {limits.max_memory_bytes:,} bytes of memory a render may take",
+                              _Refused) from None  # fmt: skip
+    except (jinja2.exceptions.SecurityError, RecursionError) as e:
+        raise _template_error(f"was refused by the sandbox: {e}", _Refused) from None
+    except jinja2.exceptions.TemplateError as e:  # raise_exception, an undefined variable: the conversation's
+        raise RequestError(f"the chat template rejected the conversation: {e}", "check the messages' roles and order",
+                           param="messages") from None  # fmt: skip
+    except Exception as e:  # noqa: BLE001  (a TypeError, a ValueError: the template's code failed on this input)
+        raise _template_error(f"failed on this conversation: {type(e).__name__}: {e}") from None
 
-    Stopping: CPython raises an exception in another thread at its next bytecode
-    (PyThreadState_SetAsyncExc); a render is Python bytecode between bounded builtin calls, so it stops.
-    """
-    result: dict = {}
 
-    def render() -> None:
+# -- render processes ---------------------------------------------------------------------------------------
+# A render runs in a process of its own, so that nothing it does (one C call that holds its GIL for a minute,
+# an allocation of gigabytes) can stall or starve the caller's. A few idle ones are kept and reused; one that
+# runs past its timeout is killed, and a fresh one is started in its place. Requests and replies are one JSON
+# line each over the process's stdin and stdout: the caller never unpickles what a template produced.
+
+_WORKER_COMMAND = "from llmc.chat_template import _render_process_main; _render_process_main()"
+_START_TIMEOUT_S = 60.0  # a cold start on a loaded machine (python and jinja2 imports); not the render's budget
+_IDLE_PROCESSES = 4
+_ERRORS = {"RequestError": RequestError, "ArtifactError": ArtifactError, "_Refused": _Refused}
+
+
+class _ProcessFailed(Exception):
+    pass
+
+
+class _RenderProcess:
+    """One render process and its pipes. Used by one thread at a time (the pool hands it out)."""
+
+    def __init__(self):
+        self.proc = subprocess.Popen([sys.executable, "-c", _WORKER_COMMAND], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE)  # fmt: skip
+        self.started = False
+
+    def _read_line(self, deadline: float) -> bytes | None:
+        """The next line the process writes (it writes one per request, nothing else); None past the deadline."""
+        fd, chunks = self.proc.stdout.fileno(), []
+        while not chunks or not chunks[-1].endswith(b"\n"):
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                return None
+            chunk = os.read(fd, 1 << 20)
+            if not chunk:
+                raise _ProcessFailed(f"exited with status {self.proc.wait()}")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def ask(self, request: bytes, timeout_s: float) -> dict | None:
+        """The reply to `request` (one JSON line); None when it did not come within timeout_s."""
+        if not self.started:
+            if self._read_line(time.monotonic() + _START_TIMEOUT_S) != b"ready\n":
+                raise _ProcessFailed(f"did not start within {_START_TIMEOUT_S:g} s")
+            self.started = True
         try:
-            parts, size = [], 0
-            for part in template.generate(**variables):
-                size += len(part)
-                if size > limits.max_output_chars:
-                    raise _TemplateOutputTooLarge(f"its output passed {limits.max_output_chars:,} characters")
-                parts.append(part)
-            result["text"] = "".join(parts)
-        except BaseException as e:  # noqa: BLE001  (handed to the caller's thread, interrupt included)
-            result["error"] = e
+            self.proc.stdin.write(request)
+            self.proc.stdin.flush()
+        except OSError as e:
+            raise _ProcessFailed(f"took no request ({e})") from None
+        reply = self._read_line(time.monotonic() + timeout_s)
+        return None if reply is None else json.loads(reply)
 
-    thread = threading.Thread(target=render, name="llmc-chat-template", daemon=True)
-    thread.start()
-    thread.join(limits.timeout_s)
-    if thread.is_alive():
-        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(_RenderInterrupted))
-        thread.join(1.0)
-        raise _template_error(f"took more than {limits.timeout_s:g} s to render; it was stopped")
-    error = result.get("error")
-    if isinstance(error, (jinja2.exceptions.SecurityError, RecursionError, MemoryError)):
-        raise _template_error(f"was refused by the sandbox: {error}") from error
-    if error is not None:
-        raise error
-    return result["text"]
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+        self.proc.stdin.close()
+        self.proc.stdout.close()
+
+    def close(self) -> None:
+        """Ends an idle process: it exits when its stdin closes; killed if it has not within a second."""
+        try:
+            self.proc.stdin.close()
+            self.proc.wait(1.0)
+        except (OSError, subprocess.TimeoutExpired):
+            self.proc.kill()
+            self.proc.wait()
+        self.proc.stdout.close()
+
+
+class _Pool:
+    """Idle render processes, at most `keep`; a caller that finds none starts one."""
+
+    def __init__(self, keep: int):
+        self.keep = keep
+        self.idle: list[_RenderProcess] = []
+        self.lock = threading.Lock()
+        atexit.register(self.close)
+
+    def take(self) -> _RenderProcess:
+        with self.lock:
+            if self.idle:
+                return self.idle.pop()
+        return _RenderProcess()
+
+    def give(self, process: _RenderProcess) -> None:
+        with self.lock:
+            if len(self.idle) < self.keep:
+                self.idle.append(process)
+                return
+        process.close()
+
+    def warm(self) -> None:
+        """At least one process started (not waited for), so that the next render does not start one."""
+        with self.lock:
+            if self.idle:
+                return
+        self.give(_RenderProcess())
+
+    def close(self) -> None:
+        with self.lock:
+            idle, self.idle = self.idle, []
+        for process in idle:
+            process.close()
+
+
+_POOL = _Pool(_IDLE_PROCESSES)
+
+
+def _forget_pool_in_child() -> None:
+    """A forked child must not share its parent's render processes (their pipes are the parent's)."""
+    for process in _POOL.idle:
+        process.proc.stdin.close()
+        process.proc.stdout.close()
+    _POOL.idle, _POOL.lock = [], threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_pool_in_child)
+
+
+def warm_render_processes() -> None:
+    """Start a render process now, so that the first render does not wait for one (a server calls it at start)."""
+    _POOL.warm()
+
+
+def _render_in_process(template: str, limits: TemplateLimits, variables: dict) -> str:
+    """The template rendered by a render process within limits.timeout_s; the process is killed past it."""
+    request = json.dumps({"template": template, "limits": dataclasses.asdict(limits), "variables": variables})
+    process = _POOL.take()
+    try:
+        reply = process.ask(request.encode() + b"\n", limits.timeout_s)
+    except _ProcessFailed as e:
+        process.kill()
+        raise ArtifactError(f"the chat template's render process {e}",
+                            "check that this Python can run `python -c 'import llmc.chat_template'`") from None  # fmt: skip
+    if reply is None:
+        process.kill()
+        _POOL.warm()  # its replacement starts now, not at the next request
+        raise _template_error(f"took more than {limits.timeout_s:g} s to render; it was stopped", _Refused)
+    _POOL.give(process)
+    if "text" in reply:
+        return reply["text"]
+    error = _ERRORS[reply["error"]]
+    raise error(reply["what"], reply["hint"], **({"param": reply["param"]} if error is RequestError else {}))
+
+
+def _limit_resources(limits: TemplateLimits) -> None:
+    """In a render process, before a render: the memory it may add, and a CPU time past which the kernel ends
+    the process (should its caller be gone: the caller itself kills it at limits.timeout_s of wall time)."""
+    if resource is None:
+        return
+    try:
+        used_bytes = int(Path("/proc/self/statm").read_text().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:  # no /proc: the address space python starts with is well under 1 GiB
+        used_bytes = 1 << 30
+    used_s = sum(resource.getrusage(resource.RUSAGE_SELF)[:2])
+    for which, soft in ((resource.RLIMIT_AS, used_bytes + limits.max_memory_bytes),
+                        (resource.RLIMIT_CPU, math.ceil(used_s + limits.timeout_s) + 2)):  # fmt: skip
+        hard = resource.getrlimit(which)[1]
+        resource.setrlimit(which, (soft if hard == resource.RLIM_INFINITY else min(soft, hard), hard))
+
+
+def _render_process_main() -> None:
+    """A render process (_RenderProcess starts it): one request line in, one reply line out, until stdin ends."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C at a terminal is its caller's to handle
+    replies = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)  # nothing else printed can reach the replies
+    if resource is not None:
+        resource.setrlimit(resource.RLIMIT_CORE, (0, resource.getrlimit(resource.RLIMIT_CORE)[1]))
+    replies.write(b"ready\n")
+    replies.flush()
+    for line in sys.stdin.buffer:
+        request = json.loads(line)
+        limits = TemplateLimits(**request["limits"])
+        try:
+            _limit_resources(limits)
+            reply = {"text": _render_here(compile_template(request["template"], limits), limits, request["variables"])}
+        except LlmcError as e:
+            reply = {"error": type(e).__name__, "what": e.what, "hint": e.hint, "param": getattr(e, "param", None)}
+        replies.write(json.dumps(reply).encode() + b"\n")
+        replies.flush()
 
 
 def pick_template(chat_template) -> str | None:
@@ -302,9 +493,10 @@ def render_chat(
 ) -> str:
     """The prompt text for `messages` ([{"role", "content"}, ...]). template None: plain transcript.
 
-    A template that rejects the conversation (raise_exception, e.g. "roles must alternate") or fails to
-    render raises RequestError: the request is at fault, not the server. One that breaks its bounds
-    (time, output size, the sandbox) raises ArtifactError: the checkpoint is at fault.
+    A template that rejects the conversation (raise_exception, e.g. "roles must alternate") raises
+    RequestError: the request is at fault, not the server. One that fails on it (a TypeError in its code) or
+    breaks its bounds (time, memory, output size, the sandbox) raises ArtifactError: the checkpoint is at fault.
+    The render runs in a render process (above); the caller's thread waits for it without holding the GIL.
     """
     template = pick_template(template)
     if template is None:
@@ -312,8 +504,5 @@ def render_chat(
         return text + "assistant:" if add_generation_prompt else text
     variables = dict(messages=messages, add_generation_prompt=add_generation_prompt, bos_token=bos_token,
                      eos_token=eos_token, tools=None, documents=None)  # fmt: skip
-    try:
-        return _render_bounded(compile_template(template, limits), limits, variables)
-    except jinja2.exceptions.TemplateError as e:
-        raise RequestError(f"the chat template rejected the conversation: {e}", "check the messages' roles and order",
-                           param="messages") from e  # fmt: skip
+    compile_template(template, limits)  # one that does not parse or is too large fails here, not in a process
+    return _render_in_process(template, limits, variables)

@@ -14,10 +14,11 @@ from llmc.chat_template import (
     compile_template,
     pick_template,
     render_chat,
+    warm_render_processes,
 )
 
 __all__ = ["DEFAULT_LIMITS", "NO_TEMPLATE_NOTICE", "TemplateLimits", "chat_prompt_ids", "compile_template",
-           "pick_template", "render_chat", "special_tokens"]  # fmt: skip
+           "pick_template", "render_chat", "special_tokens", "warm_render_processes"]  # fmt: skip
 
 
 def special_tokens(tokenizer, bos_token_id: int | None, eos_token_ids) -> tuple[str, str]:

@@ -2,6 +2,7 @@
 
 import dataclasses
 import io
+import threading
 import time
 
 import pytest
@@ -169,6 +170,7 @@ def test_render_chat_equals_transformers(template):
 
 SQUARING = "{% set ns = namespace(x=3) %}{% for i in range(20) %}{% set ns.x = ns.x * ns.x %}{% endfor %}{{ ns.x > 5 }}"
 DOUBLING = "{{% set ns = namespace(s='x') %}}{{% for i in range(24) %}}{{% set ns.s = {} %}}{{% endfor %}}{{{{ ns.s|length }}}}"
+C_CALL_STALL = "{% set a = ['x'] * 100000 %}{% set b = ['x'] * 100000 %}{{ [a] * 50000 == [b] * 50000 }}"
 
 
 @pytest.mark.parametrize(
@@ -200,6 +202,8 @@ DOUBLING = "{{% set ns = namespace(s='x') %}}{{% for i in range(24) %}}{{% set n
         (DOUBLING.replace("s='x'", "s=[1]").format("ns.s + ns.s"), "'\\+' would build"),
         ("{{ (['x' * 1000] * 2000)|join|length }}", "join filter"),
         ("{{ ''.join(['x' * 1000] * 2000)|length }}", "str.join"),
+        # one C call the bounds above do not size (10^10 comparisons): the render's process is killed
+        (C_CALL_STALL, "took more than"),
     ],
 )
 def test_a_hostile_template_is_refused_with_an_artifact_error(template, match):
@@ -233,3 +237,33 @@ def test_the_issue_33_bombs_are_refused_before_they_run(template):
     with pytest.raises(ArtifactError, match="would build"):
         render_chat(template, [{"role": "user", "content": "hi"}])
     assert time.monotonic() - start < 2
+
+
+def test_a_render_stuck_in_one_c_call_stalls_no_other_thread():
+    gaps, done = [], threading.Event()
+
+    def heartbeat():
+        last = time.monotonic()
+        while not done.is_set():
+            time.sleep(0.01)
+            gaps.append(time.monotonic() - last)
+            last = time.monotonic()
+
+    beat = threading.Thread(target=heartbeat)
+    beat.start()
+    try:
+        start = time.monotonic()
+        with pytest.raises(ArtifactError, match="took more than 0.5 s"):
+            render_chat(C_CALL_STALL, [{"role": "user", "content": "hi"}], limits=TemplateLimits(timeout_s=0.5))
+        assert time.monotonic() - start < 2
+    finally:
+        done.set()
+        beat.join()
+    assert max(gaps) < 0.3  # the GIL was free all along: the render ran elsewhere
+    assert render_chat(TEMPLATE, [{"role": "user", "content": "hi"}]) == "<|user|>hi<|assistant|>"
+
+
+def test_a_render_is_bounded_in_memory():
+    limits = TemplateLimits(max_memory_bytes=256 << 20)
+    with pytest.raises(ArtifactError, match="memory"):  # one str() of a list: 400 MB in one C call
+        render_chat("{{ (['x' * 1000000] * 400)|string|length }}", [{"role": "user", "content": "hi"}], limits=limits)
