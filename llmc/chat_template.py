@@ -1,7 +1,8 @@
 """Chat templates: a conversation rendered with the checkpoint's own chat template, the one place for it.
 
 It stands on the ground (it needs only jinja2): the runtime renders prompts with it (runtime/chat_template.py
-adds the tokenizer's side), and the compiler's frontend renders each checkpoint's template once with it.
+adds the tokenizer's side), and the compiler's frontend renders each checkpoint's template once with it
+(`check_template`, on SAMPLE_CONVERSATIONS), so that one that could not serve is refused at compile.
 
 Hugging Face checkpoints ship a Jinja2 chat template (tokenizer_config.json "chat_template"). It is rendered
 as transformers' `apply_chat_template` does: a sandboxed environment with trim_blocks / lstrip_blocks and
@@ -506,3 +507,33 @@ def render_chat(
                      eos_token=eos_token, tools=None, documents=None)  # fmt: skip
     compile_template(template, limits)  # one that does not parse or is too large fails here, not in a process
     return _render_in_process(template, limits, variables)
+
+
+# What compile renders each checkpoint's template on, before it ships it: a template has to render one of them.
+# Several, since real templates refuse some: Gemma's raises on a system turn, Mistral's wants user first.
+SAMPLE_CONVERSATIONS = (
+    [{"role": "system", "content": "You are a helpful assistant."}, {"role": "user", "content": "Hello!"},
+     {"role": "assistant", "content": "Hi! How can I help?"}, {"role": "user", "content": "Tell me a joke."}],
+    [{"role": "user", "content": "Hello!"}, {"role": "assistant", "content": "Hi! How can I help?"},
+     {"role": "user", "content": "Tell me a joke."}],
+    [{"role": "user", "content": "Hello!"}],
+)  # fmt: skip
+
+
+def check_template(template, bos_token: str = "", eos_token: str = "", limits: TemplateLimits = DEFAULT_LIMITS):
+    """Render `template` on the SAMPLE_CONVERSATIONS (add_generation_prompt=True), as compile does before it ships
+    one. Raises ArtifactError when it does not parse or breaks its bounds on any of them (time, memory, size,
+    the sandbox), or when it renders none of them; a template that rejects some conversations is kept."""
+    template = pick_template(template)
+    if template is None:
+        return
+    problems = []
+    for messages in SAMPLE_CONVERSATIONS:
+        try:
+            render_chat(template, messages, bos_token, eos_token, add_generation_prompt=True, limits=limits)
+            return
+        except _Refused:
+            raise
+        except LlmcError as e:
+            problems.append(e.what.removeprefix("the model's chat template ").removeprefix("the chat template "))
+    raise _template_error(f"rendered none of {len(problems)} sample conversations; the first {problems[0]}")
