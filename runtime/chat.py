@@ -11,7 +11,13 @@ import sys
 from typing import TextIO
 
 from llmc.errors import LlmcError, RequestError
-from llmc.runtime.chat_template import NO_TEMPLATE_NOTICE, chat_prompt_ids, pick_template, special_tokens
+from llmc.runtime.chat_template import (
+    NO_TEMPLATE_NOTICE,
+    chat_prompt_ids,
+    pick_template,
+    special_tokens,
+    warm_render_processes,
+)
 from llmc.runtime.engine import LLMEngine
 from llmc.sampling_params import SamplingParams
 
@@ -43,6 +49,8 @@ def run_chat(
     if params.n != 1:
         raise LlmcError(f"chat streams one reply, but n={params.n}", "use n=1")
     template = pick_template(chat_template)
+    if template is not None:
+        warm_render_processes()  # the first turn does not wait for one to start
     default_bos, default_eos = special_tokens(tokenizer, engine.bos_token_id, engine.eos_token_ids)
     bos = default_bos if bos_token is None else bos_token
     eos = default_eos if eos_token is None else eos_token

@@ -2,6 +2,7 @@
 
 import dataclasses
 import io
+import threading
 import time
 
 import pytest
@@ -167,6 +168,10 @@ def test_render_chat_equals_transformers(template):
 
 # -- hostile templates: the checkpoint's code runs under bounds ----------------------------------------------
 
+SQUARING = "{% set ns = namespace(x=3) %}{% for i in range(20) %}{% set ns.x = ns.x * ns.x %}{% endfor %}{{ ns.x > 5 }}"
+DOUBLING = "{{% set ns = namespace(s='x') %}}{{% for i in range(24) %}}{{% set ns.s = {} %}}{{% endfor %}}{{{{ ns.s|length }}}}"
+C_CALL_STALL = "{% set a = ['x'] * 100000 %}{% set b = ['x'] * 100000 %}{{ [a] * 50000 == [b] * 50000 }}"
+
 
 @pytest.mark.parametrize(
     "template, match",
@@ -176,7 +181,7 @@ def test_render_chat_equals_transformers(template):
         ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", "took more than"),
         ("{% set l = range(100000)|list %}{% for a in l %}{% for b in l %}{% endfor %}{% endfor %}", "took more than"),
         ("{{ 'a' * 1000000000 }}", "'\\*' asks for"),  # no constant folding at compile time either
-        ("{{ 9 ** 100000000 }}", "exponent"),
+        ("{{ 9 ** 100000000 }}", "'\\*\\*' would build"),
         ("{% for i in range(100000) %}{{ 'x' * 1000 }}{% endfor %}", "output passed"),
         ("{% macro f(n) %}{{ f(n) }}{% endmacro %}{{ f(1) }}", "recursion"),
         # strings of a size the template names, built in one C call: checked before they are built
@@ -189,6 +194,16 @@ def test_render_chat_equals_transformers(template):
         ("{{ 'x'.zfill(1000000000) }}", "str.zfill"),
         ("{{ 'x'|center(1000000000) }}", "center filter"),
         ("{{ 'a\nb'|indent(1000000000) }}", "indent filter"),
+        # values built by one operator, sized before it runs (a big-int operation is one C call holding the GIL)
+        ("{{ (10 ** 1024) ** 1024 > 5 }}", "'\\*\\*' would build"),
+        (SQUARING, "'\\*' would build"),
+        (DOUBLING.format("ns.s ~ ns.s"), "'~' would build"),
+        (DOUBLING.format("ns.s + ns.s"), "'\\+' would build"),
+        (DOUBLING.replace("s='x'", "s=[1]").format("ns.s + ns.s"), "'\\+' would build"),
+        ("{{ (['x' * 1000] * 2000)|join|length }}", "join filter"),
+        ("{{ ''.join(['x' * 1000] * 2000)|length }}", "str.join"),
+        # one C call the bounds above do not size (10^10 comparisons): the render's process is killed
+        (C_CALL_STALL, "took more than"),
     ],
 )
 def test_a_hostile_template_is_refused_with_an_artifact_error(template, match):
@@ -207,3 +222,48 @@ def test_a_template_too_large_or_broken_is_refused_at_load():
         compile_template("x" * 1001, TemplateLimits(max_template_chars=1000))
     with pytest.raises(ArtifactError, match="does not parse"):
         compile_template("{% if %}")
+
+
+@pytest.mark.parametrize(
+    "template",
+    [
+        "{{ ((10 ** 1024) ** 1024) ** 32 > 5 }}",  # 44 s in one C call, every thread of the process stalled
+        "{% set ns = namespace(s='x') %}{% for i in range(28) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}",  # 268 M
+    ],
+    ids=["power", "concat"],
+)
+def test_the_issue_33_bombs_are_refused_before_they_run(template):
+    start = time.monotonic()
+    with pytest.raises(ArtifactError, match="would build"):
+        render_chat(template, [{"role": "user", "content": "hi"}])
+    assert time.monotonic() - start < 2
+
+
+def test_a_render_stuck_in_one_c_call_stalls_no_other_thread():
+    gaps, done = [], threading.Event()
+
+    def heartbeat():
+        last = time.monotonic()
+        while not done.is_set():
+            time.sleep(0.01)
+            gaps.append(time.monotonic() - last)
+            last = time.monotonic()
+
+    beat = threading.Thread(target=heartbeat)
+    beat.start()
+    try:
+        start = time.monotonic()
+        with pytest.raises(ArtifactError, match="took more than 0.5 s"):
+            render_chat(C_CALL_STALL, [{"role": "user", "content": "hi"}], limits=TemplateLimits(timeout_s=0.5))
+        assert time.monotonic() - start < 2
+    finally:
+        done.set()
+        beat.join()
+    assert max(gaps) < 0.3  # the GIL was free all along: the render ran elsewhere
+    assert render_chat(TEMPLATE, [{"role": "user", "content": "hi"}]) == "<|user|>hi<|assistant|>"
+
+
+def test_a_render_is_bounded_in_memory():
+    limits = TemplateLimits(max_memory_bytes=256 << 20)
+    with pytest.raises(ArtifactError, match="memory"):  # one str() of a list: 400 MB in one C call
+        render_chat("{{ (['x' * 1000000] * 400)|string|length }}", [{"role": "user", "content": "hi"}], limits=limits)

@@ -502,6 +502,8 @@ HOSTILE_TEMPLATES = {
     "a huge loop": "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
     "a huge literal": "{{ 'a' * 1000000000 }}",
     "a huge output": "{% for i in range(100000) %}{{ messages }}{{ 'x' * 100000 }}{% endfor %}",
+    # 10^10 comparisons in one C call: a render in the server's process would hold the GIL for seconds
+    "one long C call": "{% set a = ['x'] * 100000 %}{% set b = ['x'] * 100000 %}{{ [a] * 100000 == [b] * 100000 }}",
 }
 
 

@@ -375,6 +375,14 @@ def test_unsupported_arch_and_tokenizer_are_named(gguf_file, tmp_path):
             load_checkpoint(_rewrite(src, tmp_path / "x.gguf", rng, meta=meta))
 
 
+def test_a_hostile_chat_template_in_a_gguf_is_refused_at_load(gguf_file, tmp_path):
+    src, S = gguf_file("llama", "F32"), gguf.GGUFValueType.STRING
+    bomb = "{{ ((10 ** 1024) ** 1024) ** 32 > 5 }}"  # 44 s in one C call, were it run
+    bad = _rewrite(src, tmp_path / "x.gguf", np.random.default_rng(0), meta={names.CHAT_TEMPLATE: (bomb, S, None)})
+    with pytest.raises(CheckpointError, match="tokenizer.chat_template.*'\\*\\*' would build"):
+        load_checkpoint(bad)
+
+
 def _sentencepiece_vocab():
     """A llama-style SentencePiece vocabulary of 384 pieces: <unk> <s> </s>, the 256 byte pieces, then pieces
     learned by BPE over the same text as the tiny tokenizer, scored best first."""
