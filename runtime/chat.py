@@ -10,14 +10,9 @@ from __future__ import annotations
 import sys
 from typing import TextIO
 
+from llmc.chat_template import NO_TEMPLATE_NOTICE, pick_template, warm_render_processes
 from llmc.errors import LlmcError, RequestError
-from llmc.runtime.chat_template import (
-    NO_TEMPLATE_NOTICE,
-    chat_prompt_ids,
-    pick_template,
-    special_tokens,
-    warm_render_processes,
-)
+from llmc.runtime.chat_template import chat_prompt_ids, special_tokens
 from llmc.runtime.engine import LLMEngine
 from llmc.sampling_params import SamplingParams
 

@@ -7,18 +7,7 @@ text with `add_special_tokens=False` (the template placed them itself).
 
 from __future__ import annotations
 
-from llmc.chat_template import (
-    DEFAULT_LIMITS,
-    NO_TEMPLATE_NOTICE,
-    TemplateLimits,
-    compile_template,
-    pick_template,
-    render_chat,
-    warm_render_processes,
-)
-
-__all__ = ["DEFAULT_LIMITS", "NO_TEMPLATE_NOTICE", "TemplateLimits", "chat_prompt_ids", "compile_template",
-           "pick_template", "render_chat", "special_tokens", "warm_render_processes"]  # fmt: skip
+from llmc.chat_template import DEFAULT_LIMITS, TemplateLimits, render_chat
 
 
 def special_tokens(tokenizer, bos_token_id: int | None, eos_token_ids) -> tuple[str, str]:

@@ -30,7 +30,8 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from llmc.runtime.chat_template import chat_prompt_ids, pick_template
+from llmc.chat_template import pick_template
+from llmc.runtime.chat_template import chat_prompt_ids
 from llmc.runtime.engine import LLMEngine
 from llmc.runtime.module import CompiledModel, load_tokenizer
 from llmc.sampling_params import SamplingParams

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from llmc.runtime.chat_template import DEFAULT_LIMITS, TemplateLimits
+from llmc.chat_template import DEFAULT_LIMITS, TemplateLimits
 
 
 @dataclasses.dataclass(frozen=True)

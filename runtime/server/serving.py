@@ -15,15 +15,10 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import Response
 
+from llmc.chat_template import NO_TEMPLATE_NOTICE, compile_template, pick_template, warm_render_processes
 from llmc.errors import LlmcError, RequestError
 from llmc.runtime.async_engine import AsyncLLMEngine
-from llmc.runtime.chat_template import (
-    NO_TEMPLATE_NOTICE,
-    chat_prompt_ids,
-    compile_template,
-    pick_template,
-    special_tokens,
-)
+from llmc.runtime.chat_template import chat_prompt_ids, special_tokens
 from llmc.runtime.metrics import ServerMetrics
 from llmc.runtime.outputs import RequestOutput
 from llmc.runtime.server.errors import ApiError, error_body, shutting_down
@@ -46,6 +41,7 @@ class OpenAIServing:
         self.chat_template = pick_template(chat_template)
         if self.chat_template is not None:
             compile_template(self.chat_template, limits.chat_template)  # a broken template fails at start
+            warm_render_processes()  # the first chat request does not wait for a render process to start
         else:
             logger.warning(NO_TEMPLATE_NOTICE)
         default_bos, default_eos = special_tokens(tokenizer, engine.bos_token_id, engine.eos_token_ids)

@@ -7,15 +7,10 @@ import time
 
 import pytest
 
+from llmc.chat_template import NO_TEMPLATE_NOTICE, TemplateLimits, compile_template, render_chat
 from llmc.errors import ArtifactError, RequestError
 from llmc.runtime.chat import run_chat
-from llmc.runtime.chat_template import (
-    NO_TEMPLATE_NOTICE,
-    TemplateLimits,
-    chat_prompt_ids,
-    compile_template,
-    render_chat,
-)
+from llmc.runtime.chat_template import chat_prompt_ids
 from llmc.runtime.engine import LLMEngine
 from llmc.sampling_params import SamplingParams
 from tests.runtime.runtime_fakes import FakeConfig, FakeModel, byte_level_bpe

@@ -16,9 +16,10 @@ import openai
 import pytest
 import uvicorn
 
+from llmc.chat_template import TemplateLimits
 from llmc.errors import ArtifactError
 from llmc.runtime.async_engine import AsyncLLMEngine
-from llmc.runtime.chat_template import TemplateLimits, chat_prompt_ids
+from llmc.runtime.chat_template import chat_prompt_ids
 from llmc.runtime.engine import LLMEngine
 from llmc.runtime.server import ServerLimits, create_app
 from llmc.sampling_params import SamplingParams
