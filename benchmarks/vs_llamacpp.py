@@ -348,7 +348,7 @@ def main(argv=None) -> dict:
             llmc_path = None
             if options is not None:
                 options = dict(options)
-                options["kv_cache_dtype"] = args.kv_cache_dtype
+                options["kv_dtype"] = args.kv_cache_dtype
                 llmc_path = common.compiled(ckpt, cache, shape, options.pop("dtype"), log, **options)
             log(f"{shape} {row}: llmc {'-' if llmc_path is None else llmc_path.name} vs llama.cpp {gguf_path.name}")
             measured[row] = measure_row(

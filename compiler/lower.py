@@ -41,6 +41,7 @@ import tvm
 import tvm_ffi
 from tvm import relax
 
+from llmc.dtypes import DTYPES
 from llmc.errors import CompileError
 
 from .legalize import legalize_call
@@ -56,9 +57,6 @@ from .passes.common import (
 )
 from .quant import QuantScheme
 from .weights import QUANT_PARTS, SWIGLU_INTERLEAVE, WeightSpec, quant_part_dtype
-
-# KV cache / activation dtype -> the templates' element parameters (kv_dtype, adtype)
-KV_DTYPES = {"float32": "f32", "bfloat16": "bf16"}
 
 _BIAS_ARG = {"gemm": 2, "qgemm": 4}  # where a GEMM launch takes its bias (nullptr until an add joins it)
 
@@ -250,7 +248,7 @@ class _Lowering:
         return self.weight_specs[key]
 
     def wdtype(self, index: int) -> str:
-        return {"float32": "f32", "bfloat16": "bf16"}[self.weight_list[index].dtype]
+        return DTYPES[self.weight_list[index].dtype].short
 
     def emit(self, op: str, params: dict, args: list, fused: list[str], defs: list[_View], weight=None) -> None:
         self.launches.append(_Pending(op, params, args, fused, [d.value for d in defs], weight))
@@ -507,7 +505,7 @@ class _Lowering:
             "block_size": self.block_size,
             "scale": float(prim_value(args["scale"])),
             "sliding_window": window,
-            "kv_dtype": KV_DTYPES[self.kv_dtype],
+            "kv_dtype": DTYPES[self.kv_dtype].short,
         }
         self.emit(
             "paged_attention",
@@ -651,7 +649,7 @@ def lower(
     swiglu_epilogue: bool = False,
 ) -> KernelProgram:
     """weight_names: the HF names of main's weight parameters, in order (Traced.weight_names); kv_dtype: the
-    KV cache element, a key of KV_DTYPES; act_dtype: the activation element (a key of KV_DTYPES), given to
+    KV cache element, one of ELEMENT_DTYPES (llmc/dtypes.py); act_dtype: the activation element (one too), given to
     every launch as `adtype`, for targets whose templates take it (CUDA); None: float32, and no parameter;
     swiglu_epilogue: lower gate_up + silu_mul to gemm_swiglu where it applies (the target has that template:
     CUDA)."""
@@ -664,5 +662,5 @@ def lower(
     if act_dtype is None:
         return program
     for launch in program.launches:
-        launch.params["adtype"] = KV_DTYPES[act_dtype]
+        launch.params["adtype"] = DTYPES[act_dtype].short
     return dataclasses.replace(program, act_dtype=act_dtype)

@@ -49,6 +49,7 @@ from pathlib import Path
 
 from llmc import __version__
 from llmc.digests import file_sha256
+from llmc.dtypes import DTYPES, ELEMENT_DTYPES
 from llmc.errors import ArtifactError, CompileError
 from llmc.host import host_cpu_isa, host_cpu_target
 from llmc.model_config import ModelConfig
@@ -57,20 +58,6 @@ from llmc.targets import KINDS, SOURCE_FILE, load_target
 MAGIC = "llmc-artifact"
 FORMAT_VERSION = 2  # 2: the target's kind, block_size and manifest_sha256 are required
 ABI_VERSION = 2  # docs/contracts.md LLMC_ABI_VERSION
-# manifest kv_cache_dtype -> bytes per cached k/v value (llmc_info's kv_dtype_bytes). A manifest without the
-# field was written before it existed, by modules whose cache was float32.
-KV_CACHE_DTYPES = {"float32": 4, "bfloat16": 2}
-
-
-def resolve_kv_cache_dtype(kv_cache_dtype: str, *, cuda: bool, weight_dtype: str) -> str:
-    """ "auto" is the build's own precision, as vLLM's: bfloat16 for bf16 / fp16 weights on a CUDA target (half
-    the cache bytes, and the tensor-core prefill attention reads bf16 tiles), float32 otherwise (the CPU target
-    and fp32 builds keep an exact cache)."""
-    if kv_cache_dtype != "auto":
-        return kv_cache_dtype
-    return "bfloat16" if cuda and weight_dtype in ("bfloat16", "float16") else "float32"
-
-
 MANIFEST = "manifest.json"
 MANIFEST_DIGESTS = "manifest_sha256"
 LIBRARY = "model.so"
@@ -405,8 +392,9 @@ class Artifact:
         return self.manifest.get("weight_dtype")
 
     @property
-    def kv_cache_dtype(self) -> str:
-        """What the module's KV cache stores, a key of KV_CACHE_DTYPES."""
+    def kv_dtype(self) -> str:
+        """What the module's KV cache stores (the manifest's kv_cache_dtype), one of ELEMENT_DTYPES. A manifest
+        without the field was written before it existed, by modules whose cache was float32."""
         return self.manifest.get("kv_cache_dtype", "float32")
 
     @property
@@ -425,7 +413,6 @@ class Artifact:
 # A printed kernel program's weight declarations and launches (str(compiler.lower.KernelProgram), one line each).
 _WEIGHT_DECL = re.compile(r"^\s*W\[(\d+)\] (\S+): (\w+)\[([\d, ]*)\]")
 _LAUNCH_LINE = re.compile(r"^\s*(\w+)\((.*?)\)\((.*)\)\s*#")
-_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int32": 4, "uint16": 2, "int8": 1, "uint8": 1}
 
 
 def decode_weight_bytes(kernel_program: list[str]) -> dict[str, int]:
@@ -436,7 +423,7 @@ def decode_weight_bytes(kernel_program: list[str]) -> dict[str, int]:
     for line in kernel_program:
         if m := _WEIGHT_DECL.match(line):
             shape = [int(d) for d in m.group(4).split(",") if d.strip()]
-            weights[int(m.group(1))] = (_DTYPE_BYTES[m.group(3)], shape)
+            weights[int(m.group(1))] = (DTYPES[m.group(3)].nbytes, shape)
     by_op: dict[str, int] = {}
     for line in kernel_program:
         if m := _LAUNCH_LINE.match(line):
@@ -520,9 +507,9 @@ def _check_manifest(m: dict, path: Path) -> None:
     if not isinstance(m.get("weight_dtype"), str | None):
         raise ArtifactError(f"{path}: manifest weight_dtype {_show(m['weight_dtype'])} is not a name", hint)
     kv_dtype = m.get("kv_cache_dtype", "float32")
-    if not isinstance(kv_dtype, str) or kv_dtype not in KV_CACHE_DTYPES:
+    if not isinstance(kv_dtype, str) or kv_dtype not in ELEMENT_DTYPES:
         raise ArtifactError(f"{path}: manifest kv_cache_dtype {_show(kv_dtype)} is not one of "
-                            f"{', '.join(KV_CACHE_DTYPES)}", hint)  # fmt: skip
+                            f"{', '.join(ELEMENT_DTYPES)}", hint)  # fmt: skip
     defaults = m.get("generation_defaults")
     if not (defaults is None or isinstance(defaults, dict) and all(
         k in GENERATION_DEFAULT_KEYS and type(v) in (int, float) for k, v in defaults.items()

@@ -15,8 +15,6 @@ import sys
 import tomllib
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[1]
 GROUND = ("llmc", "llmc.targets", "llmc.templates", "llmc.examples")
 # A compiler module may import its own stage and those before it: the checkpoint comes in (frontend), becomes

@@ -30,6 +30,7 @@ import gguf
 import numpy as np
 import torch
 
+from llmc.dtypes import BY_SAFETENSORS
 from llmc.errors import CheckpointError, CompileError, LlmcError, UnsupportedModelError
 from llmc.host import cache_root
 
@@ -39,7 +40,7 @@ from .checkpoint import Checkpoint
 from .config import parse_config
 
 T = gguf.GGMLQuantizationType
-_FLOAT_TYPES = {T.F32: "float32", T.F16: "float16", T.BF16: "bfloat16"}
+_FLOAT_TYPES = (T.F32, T.F16, T.BF16)  # tensor() returns these as they are (GGML spells them as safetensors)
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_K", "Q6_K")
 
 
@@ -276,7 +277,7 @@ def load_gguf(path: str | Path) -> GGUFCheckpoint:
             raise CompileError(f"{path}: tensor {gguf_name!r} is {kind.name}, which llmc does not import",
                                f"llmc reads {', '.join(SUPPORTED_TYPES)}; re-quantize to one of them")  # fmt: skip
         gguf_names[hf_name], gguf_types[hf_name] = gguf_name, kind.name
-        dtypes[hf_name] = _FLOAT_TYPES.get(kind, "float32")  # what tensor() returns
+        dtypes[hf_name] = BY_SAFETENSORS[kind.name].name if kind in _FLOAT_TYPES else "float32"  # what tensor() returns
     special, chat_template, tokenizer_path = _tokenizer(meta, tokens, path)
     return GGUFCheckpoint(
         path=path,

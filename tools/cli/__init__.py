@@ -160,7 +160,7 @@ def compile_cmd(model: Path, target: str, output: Path, weight_dtype: str, block
 
     out = compile_checkpoint(
         model, target=target, output=output, weight_dtype=weight_dtype, progress=True, block_size=block_size,
-        quant=quant, kv_cache_dtype=kv_cache_dtype, calibration=calibration, max_kl=max_kl,
+        quant=quant, kv_dtype=kv_cache_dtype, calibration=calibration, max_kl=max_kl,
         tuning_db=False if tuning_db == "none" else tuning_db,
     )  # fmt: skip
     click.echo(f"wrote {out}")
@@ -241,11 +241,11 @@ def _resolve_artifact(path: Path | None, quant=None, kv_cache_dtype: str = "auto
     from llmc.tools.build import cached_artifact
 
     if path is None:
-        return cached_artifact(examples.bundled_checkpoint(), quant=quant, kv_cache_dtype=kv_cache_dtype)
+        return cached_artifact(examples.bundled_checkpoint(), quant=quant, kv_dtype=kv_cache_dtype)
     if path.is_dir() and not (path / "manifest.json").exists() and (path / "config.json").is_file():
-        return cached_artifact(path, quant=quant, kv_cache_dtype=kv_cache_dtype)
+        return cached_artifact(path, quant=quant, kv_dtype=kv_cache_dtype)
     if path.is_file() and path.suffix.lower() == ".gguf":
-        return cached_artifact(path, quant=quant, kv_cache_dtype=kv_cache_dtype)
+        return cached_artifact(path, quant=quant, kv_dtype=kv_cache_dtype)
     if quant is not None and quant.enabled:
         raise LlmcError(f"--quant applies when a checkpoint is compiled, and {path} is not a checkpoint dir",
                         "pass the checkpoint, or compile it with llmc compile --quant")  # fmt: skip
@@ -858,7 +858,7 @@ def _inspect_artifact(path: Path, verbose: bool) -> None:
     weights = path / "weights.safetensors"
     size = _human_bytes(safetensors_data_bytes(weights)) if weights.is_file() else "missing"
     click.echo(f"  weights        {m.get('weight_dtype')}, {size}; quantization {m.get('quantization', 'none')}")
-    click.echo(f"  KV cache       {a.kv_cache_dtype}, blocks of {a.block_size} tokens")
+    click.echo(f"  KV cache       {a.kv_dtype}, blocks of {a.block_size} tokens")
     click.echo(f"  activations    {m.get('activation_dtype', 'float32')}")  # absent: an artifact from before the field
     quant = m.get("quant")
     if isinstance(quant, dict):
