@@ -29,10 +29,11 @@ from .export import to_relax
 from .frontend.checkpoint import Checkpoint
 from .frontend.load import load_checkpoint
 from .frontend.trace import trace
-from .lower import KernelProgram, lower
+from .lower import lower
 from .passes.common import rewrite_counts
 from .passes.pipeline import run_passes
 from .passes.quantize_linear import quantize_linear
+from .program import KernelProgram
 from .quant import QuantConfig, QuantScheme
 from .tuning.database import TuningDB
 from .weights import WeightSpec, write_packed_weights
@@ -241,7 +242,7 @@ def compile_checkpoint(
                 "values_per_token_row": sum(b.cols for b in program.buffers if b.rows == "T"),
                 "values_per_logits_row": sum(b.cols for b in program.buffers if b.rows == "N"),
             },
-            "kernel_program": str(program).splitlines(),
+            "kernel_program": program.to_json(),
             "tokenizer": {"chat_template": ckpt.chat_template, **ckpt.special_tokens},
             "generation_defaults": ckpt.generation_defaults,
         }

@@ -92,6 +92,22 @@ def quant_part_dtype(scheme: QuantScheme, part: str) -> str:
     return "uint8" if part == "qweight" else scheme.scale_dtype
 
 
+def packed_name(sources: tuple[str, ...]) -> str:
+    """q_proj, k_proj, v_proj of one layer -> model.layers.0.self_attn.q+k+v_proj.weight."""
+    if len(sources) == 1:
+        return sources[0]
+    prefix = sources[0][: len(sources[0]) - len(sources[0].split(".")[-2]) - len(sources[0].split(".")[-1]) - 1]
+    suffix = "." + sources[0].split(".")[-1]
+    mids = [s[len(prefix) : -len(suffix)] for s in sources]
+    tail = "_proj" if all(m.endswith("_proj") for m in mids) else ""
+    return prefix + "+".join(m[: len(m) - len(tail)] for m in mids) + tail + suffix
+
+
+def linear_name(sources: tuple[str, ...]) -> str:
+    """The linear a packed weight serves, as a launch's `fused` names it: q+k+v_proj, lm_head."""
+    return packed_name(sources).rsplit(".", 1)[0].split(".")[-1]
+
+
 def _align(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 

@@ -49,14 +49,15 @@ from pathlib import Path
 
 from llmc import __version__
 from llmc.digests import file_sha256
-from llmc.dtypes import DTYPES, ELEMENT_DTYPES
+from llmc.dtypes import ELEMENT_DTYPES
 from llmc.errors import ArtifactError, CompileError
 from llmc.host import host_cpu_isa, host_cpu_target
+from llmc.kernel_program import decode_weight_bytes, schema_problem
 from llmc.model_config import ModelConfig
 from llmc.targets import KINDS, SOURCE_FILE, load_target
 
 MAGIC = "llmc-artifact"
-FORMAT_VERSION = 2  # 2: the target's kind, block_size and manifest_sha256 are required
+FORMAT_VERSION = 3  # 2: the target's kind, block_size and manifest_sha256 are required; 3: kernel_program is JSON
 ABI_VERSION = 2  # docs/contracts.md LLMC_ABI_VERSION
 MANIFEST = "manifest.json"
 MANIFEST_DIGESTS = "manifest_sha256"
@@ -406,32 +407,9 @@ class Artifact:
     def decode_weight_bytes(self) -> int:
         """Bytes of weights a one-token decode step reads (`decode_weight_bytes` of the kernel program: one row of
         the embedding table, every other weight in full); all of weight_bytes for a manifest without a program."""
-        program = self.manifest.get("kernel_program")
-        return sum(decode_weight_bytes(program).values()) if program else self.weight_bytes
-
-
-# A printed kernel program's weight declarations and launches (str(compiler.lower.KernelProgram), one line each).
-_WEIGHT_DECL = re.compile(r"^\s*W\[(\d+)\] (\S+): (\w+)\[([\d, ]*)\]")
-_LAUNCH_LINE = re.compile(r"^\s*(\w+)\((.*?)\)\((.*)\)\s*#")
-
-
-def decode_weight_bytes(kernel_program: list[str]) -> dict[str, int]:
-    """Bytes of weights one decode step of one token reads, by op, from a printed kernel program (the manifest's
-    `kernel_program`): each weight a launch names, in full, except an embedding's table, of which it reads one
-    row. What a step streams at batch 1, and so the memory roofline's bytes."""
-    weights = {}
-    for line in kernel_program:
-        if m := _WEIGHT_DECL.match(line):
-            shape = [int(d) for d in m.group(4).split(",") if d.strip()]
-            weights[int(m.group(1))] = (DTYPES[m.group(3)].nbytes, shape)
-    by_op: dict[str, int] = {}
-    for line in kernel_program:
-        if m := _LAUNCH_LINE.match(line):
-            op = m.group(1)
-            for i in re.findall(r"\bW\[(\d+)\]", m.group(3)):
-                size, shape = weights[int(i)]
-                by_op[op] = by_op.get(op, 0) + size * (shape[-1] if op == "embedding" else math.prod(shape))
-    return by_op
+        if "kernel_program" not in self.manifest:
+            return self.weight_bytes
+        return sum(decode_weight_bytes(self.manifest["kernel_program"]).values())
 
 
 def safetensors_data_bytes(path: Path) -> int:
@@ -469,8 +447,8 @@ def _is_int(value, low: int = 1, high: int = 2**31 - 1) -> bool:
 
 def _check_manifest(m: dict, path: Path) -> None:
     """Structure and types (no hashing) of every field the runtime reads: target, block_size, files (plain
-    names inside the artifact, the required ones listed), tokenizer, weight_dtype, kv_cache_dtype and
-    generation_defaults."""
+    names inside the artifact, the required ones listed), tokenizer, weight_dtype, kv_cache_dtype,
+    kernel_program (llmc/kernel_program.py's schema) and generation_defaults."""
     damaged = "the manifest is damaged; recompile the artifact"
     target = m.get("target")
     name = target.get("name") if isinstance(target, dict) else None
@@ -510,6 +488,8 @@ def _check_manifest(m: dict, path: Path) -> None:
     if not isinstance(kv_dtype, str) or kv_dtype not in ELEMENT_DTYPES:
         raise ArtifactError(f"{path}: manifest kv_cache_dtype {_show(kv_dtype)} is not one of "
                             f"{', '.join(ELEMENT_DTYPES)}", hint)  # fmt: skip
+    if "kernel_program" in m and (problem := schema_problem(m["kernel_program"])):
+        raise ArtifactError(f"{path}: manifest kernel_program {problem}", hint)
     defaults = m.get("generation_defaults")
     if not (defaults is None or isinstance(defaults, dict) and all(
         k in GENERATION_DEFAULT_KEYS and type(v) in (int, float) for k, v in defaults.items()

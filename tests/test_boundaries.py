@@ -23,7 +23,13 @@ COMPILER_STAGES = (
     ("llmc.compiler.quant", "llmc.compiler.quant_pack", "llmc.compiler.weights"),
     ("llmc.compiler.frontend",),
     ("llmc.compiler.export", "llmc.compiler.passes"),
-    ("llmc.compiler.legalize", "llmc.compiler.lower", "llmc.compiler.tuning"),
+    (
+        "llmc.compiler.legalize",
+        "llmc.compiler.lower",
+        "llmc.compiler.launches",
+        "llmc.compiler.program",
+        "llmc.compiler.tuning",
+    ),
     ("llmc.compiler.codegen",),
     ("llmc.compiler.compile",),
 )

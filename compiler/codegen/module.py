@@ -19,7 +19,7 @@ from llmc.errors import CompileError
 from llmc.host import host_cpu_isa
 from llmc.targets import Target
 
-from ..lower import KernelProgram
+from ..program import KernelProgram
 from ..tuning.database import TuningDB, entry_key
 from ..tuning.space import tune_space
 from .render import kernel_id, render_host, render_kernel

@@ -774,7 +774,7 @@ def eval_ppl(artifact: Path, text_file: Path, max_tokens: int | None, kv_cache_m
 
 @main.command()
 @click.argument("model", type=click.Path(path_type=Path))
-@click.option("-v", "--verbose", is_flag=True, help="Artifacts: list every kernel.")
+@click.option("-v", "--verbose", is_flag=True, help="Artifacts: list every kernel, print the kernel program.")
 @click.option(
     "--passes",
     "show_passes",
@@ -894,6 +894,10 @@ def _inspect_artifact(path: Path, verbose: bool) -> None:
             fused = _fused(k)
             click.echo(f"    {k.get('id')}: {k.get('template')} x{k.get('launches', 1)} [{k.get('tuning_source', '')}] "
                        f"{_params(k)}{'; fuses ' + fused if fused else ''}")  # fmt: skip
+        if m.get("kernel_program") is not None:  # load_artifact checked its schema
+            from llmc.kernel_program import format_program
+
+            click.echo("\n".join("  " + line for line in format_program(m["kernel_program"]).splitlines()))
     else:
         groups: dict[tuple[str, str], list[dict]] = {}
         for k in kernels:
