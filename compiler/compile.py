@@ -15,7 +15,7 @@ from pathlib import Path
 import tvm
 from tqdm import tqdm
 
-from llmc.artifact import write_artifact
+from llmc.artifact_writer import write_artifact
 from llmc.dtypes import ELEMENT_DTYPES, resolve_kv_dtype
 from llmc.errors import CompileError
 from llmc.targets import Target, load_target, tuning_db_path

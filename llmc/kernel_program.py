@@ -12,7 +12,7 @@ manifest (`kernel_program`) without the compiler: `llmc inspect`, the memory roo
      "launches": [{"op": "gemm", "params": {...}, "args": ["buf0", "W[3]", ...], "fused": ["q+k+v_proj"]}, ...],
      "tvm_funcs": {"tvm_nn_silu_0": "<TVMScript of the fallback>", ...}}
 
-A launch's args are C expressions (compiler/lower.py's docstring); a weight is named by the whole argument
+A launch's args are C expressions (compiler/program.py's docstring); a weight is named by the whole argument
 `W[i]`. `format_program` prints it, one line per buffer, weight and launch; KernelProgram's str() is that
 print of its to_json(), so the two cannot drift.
 """

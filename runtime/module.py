@@ -17,9 +17,10 @@ from pathlib import Path
 
 import numpy as np
 
-from llmc.artifact import ABI_VERSION, Artifact, load_artifact, recompile_hint
+from llmc.artifact import Artifact, load_artifact
 from llmc.dtypes import DTYPES
 from llmc.errors import ArtifactError, LlmcError, RequestError
+from llmc.manifest import ABI_VERSION, recompile_hint
 from llmc.model_config import ModelConfig
 from llmc.runtime.batch import StepBatch
 from llmc.runtime.kv_cache import (

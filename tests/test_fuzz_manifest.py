@@ -21,6 +21,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from llmc import artifact as art
+from llmc import artifact_writer as writer
+from llmc import manifest as mf
 from llmc.compiler.frontend.load import load_checkpoint
 from llmc.errors import ArtifactError, LlmcError
 from llmc.kernel_program import decode_weight_bytes, format_program
@@ -70,7 +72,7 @@ def valid(checkpoint_dir, tmp_path_factory) -> Path:
                 "tokenizer": {"chat_template": "{{x}}", "bos_token": "<s>", "eos_token": "</s>"},
                 "generation_defaults": {"temperature": 0.7, "top_k": 40}, "kernel_program": PROGRAM}  # fmt: skip
 
-    return art.write_artifact(tmp_path_factory.mktemp("valid") / "a.cpu", populate)
+    return writer.write_artifact(tmp_path_factory.mktemp("valid") / "a.cpu", populate)
 
 
 @pytest.fixture
@@ -94,7 +96,7 @@ def _manifest(path: Path) -> dict:
 
 
 def _write(path: Path, m, seal: bool = True) -> None:
-    m = art.seal_manifest(m) if seal and isinstance(m, dict) else m
+    m = mf.seal_manifest(m) if seal and isinstance(m, dict) else m
     (path / "manifest.json").write_text(json.dumps(m))
 
 
@@ -127,7 +129,7 @@ def test_valid_kernel_program_reads():
 
 
 def test_config_field_types_are_all_checked():
-    assert {f.type for f in dataclasses.fields(ModelConfig)} <= set(art._CONFIG_TYPES)
+    assert {f.type for f in dataclasses.fields(ModelConfig)} <= set(mf._CONFIG_TYPES)
 
 
 def test_valid_manifest_loads(artifact):
@@ -181,7 +183,7 @@ def test_fuzz_flipped_bit_in_manifest_is_refused(artifact):
 def test_fuzz_manifest_fields_resealed(artifact):
     path, hashed = artifact
     valid = _manifest(path)
-    keys = sorted(k for k in valid if k != art.MANIFEST_DIGESTS)
+    keys = sorted(k for k in valid if k != mf.MANIFEST_DIGESTS)
 
     @FUZZ
     @given(st.sampled_from(keys) | st.text(max_size=8), json_values,
@@ -324,5 +326,5 @@ def test_deep_and_huge_manifests_are_refused(artifact, monkeypatch):
     _write(path, {**m, "kernels": json.loads("[" * 40 + "]" * 40)})
     assert "nested more than 32 levels" in str(_loads_or_one_line_error(path, hashed))
     _write(path, m)
-    monkeypatch.setattr(art, "_MAX_MANIFEST_BYTES", 100)
+    monkeypatch.setattr(mf, "_MAX_MANIFEST_BYTES", 100)
     assert "more than" in str(_loads_or_one_line_error(path, hashed))

@@ -20,9 +20,9 @@ from tokenizers import Tokenizer
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from llmc.artifact import seal_manifest
 from llmc.compiler.compile import compile_checkpoint
 from llmc.errors import ArtifactError, CompileError
+from llmc.manifest import seal_manifest
 from llmc.runtime.batch import StepBatch
 from llmc.runtime.engine import LLMEngine
 from llmc.runtime.kv_cache import kv_bytes_per_block

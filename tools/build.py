@@ -16,11 +16,12 @@ import tempfile
 from pathlib import Path
 
 from llmc import __version__
-from llmc.artifact import ABI_VERSION, FORMAT_VERSION, read_manifest, write_manifest
+from llmc.artifact_writer import write_manifest
 from llmc.digests import checkpoint_hash, file_sha256
 from llmc.dtypes import resolve_kv_dtype
 from llmc.errors import CompileError
 from llmc.host import cache_root, host_cpu_target
+from llmc.manifest import ABI_VERSION, FORMAT_VERSION, read_manifest
 
 from .quality import QUALITY_STAGE, Quality, calibration_tokens, check_max_kl, measure_artifacts
 

@@ -21,10 +21,10 @@ from pathlib import Path
 
 import numpy as np
 
-from llmc.artifact import read_manifest
 from llmc.digests import file_sha256
 from llmc.dtypes import DTYPES, ELEMENT_DTYPES
 from llmc.errors import CompileError
+from llmc.manifest import read_manifest
 from llmc.model_config import ModelConfig
 from llmc.runtime.kv_cache import cdiv, kv_bytes_per_block
 from llmc.runtime.module import CompiledModel, load_tokenizer

@@ -13,10 +13,10 @@ import dataclasses
 import re
 
 from llmc import __version__
-from llmc.artifact import ABI_VERSION
 from llmc.dtypes import DTYPES
 from llmc.errors import CompileError
 from llmc.host import host_cpu_isa
+from llmc.manifest import ABI_VERSION
 from llmc.targets import Target
 
 from ..program import KernelProgram

@@ -18,9 +18,9 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
-from llmc.artifact import GENERATION_DEFAULT_KEYS
 from llmc.dtypes import BY_SAFETENSORS
 from llmc.errors import CheckpointError, LlmcError
+from llmc.manifest import GENERATION_DEFAULT_KEYS
 
 from ..quant import QuantizedTensor, QuantScheme
 from .config import ModelConfig, parse_config, token_ids
