@@ -12,7 +12,6 @@ from click.testing import CliRunner
 
 from llmc.compiler.codegen.simulator import build_simulated
 from llmc.compiler.quant import QuantConfig
-from llmc.compiler.tuning import measure_cuda, simulate_cuda
 from llmc.compiler.tuning.database import TuningDB, cpu_machine, entry_key
 from llmc.compiler.tuning.space import Tunable, TuneSpace, tune_space
 from llmc.errors import CompileError
@@ -23,6 +22,7 @@ from llmc.runtime.module import CompiledModel
 from llmc.targets import load_target
 from llmc.tools.build import compile_checkpoint
 from llmc.tools.cli import main
+from llmc.tools.tuning import measure_cuda, simulate_cuda
 from llmc.tools.tuning.measure_cpu import render_candidate
 from llmc.tools.tuning.reference import KernelShape
 from llmc.tools.tuning.tuner import model_shapes, parse_shape, tune
