@@ -57,8 +57,8 @@ from common import (  # noqa: E402
     source_hash,  # noqa: E402, F401
 )
 
-from llmc.artifact import decode_weight_bytes  # noqa: E402
 from llmc.host import host_llc_bytes  # noqa: E402
+from llmc.kernel_program import decode_weight_bytes  # noqa: E402
 from llmc.runtime.bench import align_columns  # noqa: E402
 
 

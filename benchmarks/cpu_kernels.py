@@ -38,6 +38,7 @@ from pathlib import Path
 
 from llmc.compiler.codegen import host_probes
 from llmc.compiler.codegen.host_probes import CLOCK_SOURCE
+from llmc.dtypes import ELEMENTS_BY_SHORT
 from llmc.host import host_llc_bytes
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -234,7 +235,7 @@ def build(headers: dict[str, str], specs: list[tuple]) -> ctypes.CDLL:
         if kid in "".join(parts):
             continue
         parts.append(render_kernel("cpu", "gemm", name=kid, **params))
-        parts.append(_LOOP.format(kid=kid, wt="float" if wd == "f32" else "uint16_t"))
+        parts.append(_LOOP.format(kid=kid, wt=ELEMENTS_BY_SHORT[wd].ctype))
     lib = ctypes.CDLL(str(build_shared_library({**headers, "bench.cc": "".join(parts)}, flags=CPU_FLAGS)))
     return lib
 

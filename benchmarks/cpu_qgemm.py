@@ -24,6 +24,7 @@ import statistics
 import sys
 from pathlib import Path
 
+from llmc.dtypes import ELEMENTS_BY_SHORT
 from llmc.host import host_llc_bytes
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -114,7 +115,7 @@ def build(headers: dict[str, str], specs: list[tuple]) -> ctypes.CDLL:
         if op == "qgemm":
             parts.append(_QLOOP.format(kid=kid, sc="uint16_t" if params["scale_bits"] == 16 else "float"))
         else:
-            parts.append(_LOOP.format(kid=kid, wt="float" if params["wdtype"] == "f32" else "uint16_t"))
+            parts.append(_LOOP.format(kid=kid, wt=ELEMENTS_BY_SHORT[params["wdtype"]].ctype))
     return ctypes.CDLL(str(build_shared_library({**headers, "bench.cc": "".join(parts)}, flags=CPU_FLAGS)))
 
 

@@ -214,7 +214,7 @@ def main(argv=None) -> int:
     artifact = cache / f"gpu-check-{shape_name}.{args.target}"
     log(f"compiling {ckpt.name} for {args.target} (bf16 weights, activations and KV cache)")
     shutil.rmtree(artifact, ignore_errors=True)
-    compile_checkpoint(ckpt, target=args.target, output=artifact, weight_dtype="bfloat16", kv_cache_dtype="bfloat16")
+    compile_checkpoint(ckpt, target=args.target, output=artifact, weight_dtype="bfloat16", kv_dtype="bfloat16")
     library = build_simulated_library(artifact) if args.simulate else None
     reference = TorchLlama(ckpt, dtype=torch.float32, weight_dtype=torch.bfloat16, device=device, max_seq=128)
     report["checks"].append(check_logits(artifact, reference, library, device, 64))

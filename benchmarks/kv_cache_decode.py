@@ -28,9 +28,8 @@ from pathlib import Path
 
 from cpu_decode import SMOLLM_135M, cache_dir, make_checkpoint, set_threads, source_hash
 
+from llmc.dtypes import DTYPES
 from llmc.runtime.bench import align_columns
-
-_BYTES = {"float32": 4, "bfloat16": 2}
 
 
 def parse_args(argv=None):
@@ -62,7 +61,7 @@ def build(ckpt: Path, cache: Path, weight_dtype: str, kv_dtype: str) -> Path:
     for old in cache.glob(f"{stem}-*.cpu"):  # builds of older sources
         shutil.rmtree(old, ignore_errors=True)
     log(f"compiling (weights {weight_dtype}, KV cache {kv_dtype}) -> {out}")
-    compile_checkpoint(ckpt, target="cpu", output=out, weight_dtype=weight_dtype, kv_cache_dtype=kv_dtype,
+    compile_checkpoint(ckpt, target="cpu", output=out, weight_dtype=weight_dtype, kv_dtype=kv_dtype,
                        progress=True)  # fmt: skip
     return out
 
@@ -135,7 +134,7 @@ def main(argv=None) -> None:
         base = args.tokens / statistics.median(times[(w, "float32")])
         same = sum(a == b for a, b in zip(tokens[(w, kv)], tokens[(w, "float32")], strict=True))
         weights = decoders[(w, kv)].model.weight_bytes
-        kv_mb = values_per_token * ctx * _BYTES[kv] / 1e6
+        kv_mb = values_per_token * ctx * DTYPES[kv].nbytes / 1e6
         rows.append([w, kv, f"{tps:.1f}", f"{tps / base:.2f}x", f"{kv_mb:.1f}", f"{weights / 1e6:.0f}",
                      f"{same}/{args.tokens}"])  # fmt: skip
     print(f"SmolLM-135M shape, context {args.context} + {args.tokens} decode steps, batch 1, median of "

@@ -42,7 +42,7 @@ figures are medians over rounds. Rows run one after another and unload their pee
 10 GB).
 
 Roofline: batch-1 decode reads every weight once per token, so decode tok/s <= read bandwidth / weight bytes per
-token. llmc's bytes come from its artifact's kernel program (llmc.artifact.decode_weight_bytes); llama.cpp's from
+token. llmc's bytes come from its artifact's kernel program (llmc.kernel_program.decode_weight_bytes); llama.cpp's from
 its own file: every tensor in full, except the token embedding, of which a step reads one row, plus the whole table
 again when it doubles as the tied output matrix. Read bandwidth: a C++ OpenMP loop reading a 1 GiB buffer with --threads
 threads (common.Bandwidth), best of 3, once per round of every row; the median over all is used for every row.
@@ -348,7 +348,7 @@ def main(argv=None) -> dict:
             llmc_path = None
             if options is not None:
                 options = dict(options)
-                options["kv_cache_dtype"] = args.kv_cache_dtype
+                options["kv_dtype"] = args.kv_cache_dtype
                 llmc_path = common.compiled(ckpt, cache, shape, options.pop("dtype"), log, **options)
             log(f"{shape} {row}: llmc {'-' if llmc_path is None else llmc_path.name} vs llama.cpp {gguf_path.name}")
             measured[row] = measure_row(

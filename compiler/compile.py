@@ -15,7 +15,8 @@ from pathlib import Path
 import tvm
 from tqdm import tqdm
 
-from llmc.artifact import resolve_kv_cache_dtype, write_artifact
+from llmc.artifact_writer import write_artifact
+from llmc.dtypes import ELEMENT_DTYPES, resolve_kv_dtype
 from llmc.errors import CompileError
 from llmc.targets import Target, load_target, tuning_db_path
 
@@ -28,15 +29,16 @@ from .export import to_relax
 from .frontend.checkpoint import Checkpoint
 from .frontend.load import load_checkpoint
 from .frontend.trace import trace
-from .lower import KV_DTYPES, KernelProgram, lower
+from .lower import lower
 from .passes.common import rewrite_counts
 from .passes.pipeline import run_passes
 from .passes.quantize_linear import quantize_linear
+from .program import KernelProgram
 from .quant import QuantConfig, QuantScheme
 from .tuning.database import TuningDB
 from .weights import WeightSpec, write_packed_weights
 
-WEIGHT_DTYPES = ("auto", "float32", "bfloat16")
+WEIGHT_DTYPES = ("auto", *ELEMENT_DTYPES)
 STAGES = ("trace", "import to Relax", "fuse", "lower", "pack weights", "render", "build")
 # A gate: (stage name, check(directory, fields) -> fields to add). It runs after STAGES on the populated
 # directory, under the output's lock; raising writes nothing (tools/build.py's quality gate).
@@ -121,7 +123,7 @@ def build_program(
     step=lambda name: None,
     after_each_pass=None,
     schemes: dict[str, QuantScheme] | None = None,
-    kv_cache_dtype: str = "float32",
+    kv_dtype: str = "float32",
     cuda: bool = False,
 ) -> KernelProgram:
     """step(stage) marks each stage's start (a progress bar); after_each_pass(name, mod) sees every pass;
@@ -136,7 +138,7 @@ def build_program(
     mod = run_passes(mod, after_each=after_each_pass, quantize=quantize)
     check_fusion(mod, ckpt.config.num_layers)
     step("lower")
-    return lower(mod, traced.weight_names, weight_dtype=weight_dtype, block_size=block_size, kv_dtype=kv_cache_dtype,
+    return lower(mod, traced.weight_names, weight_dtype=weight_dtype, block_size=block_size, kv_dtype=kv_dtype,
                  act_dtype=weight_dtype if cuda else None, swiglu_epilogue=cuda)  # fmt: skip
 
 
@@ -167,13 +169,13 @@ def compile_checkpoint(
     block_size: int | None = None,
     progress: bool = False,
     quant: QuantConfig | None = None,
-    kv_cache_dtype: str = "auto",
+    kv_dtype: str = "auto",
     tuning_db: str | Path | None | bool = None,
     gate: Gate | None = None,
 ) -> Path:
     """quant: llmc's own quantization (`--quant`); None or QuantConfig() for none.
-    kv_cache_dtype: what the KV cache stores (`--kv-cache-dtype`): float32, or bfloat16 at half the bytes;
-    "auto" (resolve_kv_cache_dtype): bfloat16 for a bf16 / fp16 CUDA build, else float32.
+    kv_dtype: what the KV cache stores (`--kv-cache-dtype`): float32, or bfloat16 at half the bytes;
+    "auto" (resolve_kv_dtype): bfloat16 for a bf16 / fp16 CUDA build, else float32.
     gate: a last check of the built directory before it is written (Gate); the quality gate of a quantized
     build is one (tools/build.py).
     tuning_db: the tuning database whose matching entries set kernel tunables (None: the target's own,
@@ -182,12 +184,12 @@ def compile_checkpoint(
     tuning = None if tuning_db is False else TuningDB.load(tuning_db or tuning_db_path(target), target)
     block_size = block_size or tgt.block_size
     quant = quant or QuantConfig()
-    if kv_cache_dtype not in ("auto", *KV_DTYPES):
-        raise CompileError(f"KV cache dtype {kv_cache_dtype!r} is not supported",
-                           f"--kv-cache-dtype takes auto or one of {', '.join(KV_DTYPES)}")  # fmt: skip
+    if kv_dtype not in ("auto", *ELEMENT_DTYPES):
+        raise CompileError(f"KV cache dtype {kv_dtype!r} is not supported",
+                           f"--kv-cache-dtype takes auto or one of {', '.join(ELEMENT_DTYPES)}")  # fmt: skip
     ckpt = load_checkpoint(checkpoint)
     dtype = resolve_weight_dtype(ckpt, weight_dtype)
-    kv_cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, cuda=tgt.is_cuda, weight_dtype=dtype)
+    kv_dtype = resolve_kv_dtype(kv_dtype, cuda=tgt.is_cuda, weight_dtype=dtype)
     schemes = quant_schemes(ckpt, quant)
     bar = tqdm(total=len(STAGES) + (gate is not None), desc="compile", unit="stage", disable=not progress, leave=False)
     started: list[str] = []
@@ -202,7 +204,7 @@ def compile_checkpoint(
         bar.set_description(name)
 
     def populate(tmp: Path) -> dict:  # all of it under the output's lock: a second compile fails before it traces
-        program = build_program(ckpt, dtype, block_size, step, schemes=schemes, kv_cache_dtype=kv_cache_dtype,
+        program = build_program(ckpt, dtype, block_size, step, schemes=schemes, kv_dtype=kv_dtype,
                                 cuda=tgt.is_cuda)  # fmt: skip
         step("pack weights")
         weights = tmp / "weights.safetensors"
@@ -231,7 +233,7 @@ def compile_checkpoint(
             "weight_dtype": dtype,
             "quantization": quant.mode if quant.enabled else ("checkpoint" if schemes else "none"),
             "block_size": block_size,
-            "kv_cache_dtype": kv_cache_dtype,
+            "kv_cache_dtype": kv_dtype,
             "activation_dtype": program.act_dtype,
             "kernels": rendered.kernels,
             **({"tuning": rendered.tuning} if rendered.tuning else {}),
@@ -241,7 +243,7 @@ def compile_checkpoint(
                 "values_per_token_row": sum(b.cols for b in program.buffers if b.rows == "T"),
                 "values_per_logits_row": sum(b.cols for b in program.buffers if b.rows == "N"),
             },
-            "kernel_program": str(program).splitlines(),
+            "kernel_program": program.to_json(),
             "tokenizer": {"chat_template": ckpt.chat_template, **ckpt.special_tokens},
             "generation_defaults": ckpt.generation_defaults,
         }

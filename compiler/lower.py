@@ -1,17 +1,4 @@
-"""Lower the fused Relax module to a kernel program: plain data, printable, target-independent.
-
-A kernel program is an ordered list of launches over a static buffer plan. Each launch names a kernel
-template and its compile-time parameters, and lists its call arguments as C expressions over:
-  - the step arguments of the C ABI (token_ids, positions, slot_mapping, query_start_loc, seq_lens,
-    block_tables, max_blocks, B, T, logits_indices, N, logits),
-  - packed weights `W[i]` (WeightSpec i of the program),
-  - activation buffers `buf<i>` (rows x cols of the program's act_dtype; rows is max_num_tokens, or
-    max_num_logits for buffers that hold one row per logits row asked for), and column views of them
-    (`buf3 + 64`),
-  - the per-layer KV cache halves `k_cache[l]` / `v_cache[l]`.
-So a target's codegen only has to render each template once per distinct parameter set and emit the
-launches in order. Buffers are reused by liveness, so the plan is a handful of buffers however deep
-the model is.
+"""Lower the fused Relax module to a kernel program (compiler/program.py): one pass over main's bindings.
 
 Lowering reads the IR and nothing else: each fused `llmc.*` op carries its facts (RoPE inverse frequencies,
 softmax scale, sliding window, head counts), and the KV cache geometry and vocabulary come from main's
@@ -21,8 +8,7 @@ Activations are float32 unless act_dtype says otherwise (the CUDA targets: bf16 
 every launch carries it as its `adtype` parameter, and the templates round what they store to it.
 
 With swiglu_epilogue (the CUDA targets), a bf16 gate_up GEMM and the silu_mul that alone reads its product
-lower to one `gemm_swiglu` launch, whose weight the packer interleaves (WeightSpec.interleave): the
-[T, 2 * inter] product is never stored.
+lower to one `gemm_swiglu` launch (compiler/launches.py). The buffer plan follows there too.
 
 A `llmc.quantized_matmul` lowers to a `qgemm` launch whose weight is two or three packed tensors (qweight,
 scales, mins: WeightSpec parts), which the packer quantizes from the float sources named here.
@@ -41,8 +27,10 @@ import tvm
 import tvm_ffi
 from tvm import relax
 
+from llmc.dtypes import DTYPES
 from llmc.errors import CompileError
 
+from .launches import PendingLaunch, View, fuse_gemm_swiglu, plan_buffers
 from .legalize import legalize_call
 from .passes.common import (
     ABI_PARAMS,
@@ -54,92 +42,11 @@ from .passes.common import (
     rewrite_counts,
     weight_params,
 )
+from .program import KernelProgram, ModelGeometry
 from .quant import QuantScheme
-from .weights import QUANT_PARTS, SWIGLU_INTERLEAVE, WeightSpec, quant_part_dtype
-
-# KV cache / activation dtype -> the templates' element parameters (kv_dtype, adtype)
-KV_DTYPES = {"float32": "f32", "bfloat16": "bf16"}
+from .weights import QUANT_PARTS, WeightSpec, linear_name, packed_name, quant_part_dtype
 
 _BIAS_ARG = {"gemm": 2, "qgemm": 4}  # where a GEMM launch takes its bias (nullptr until an add joins it)
-
-
-@dataclasses.dataclass
-class Launch:
-    op: str  # template name (templates/<target>/<op>.*.j2)
-    params: dict  # compile-time template parameters, without `name`
-    args: list[str]  # C expressions, in the template's signature order
-    fused: list[str]  # the graph ops this launch computes, for `llmc inspect`
-
-
-@dataclasses.dataclass
-class Buffer:
-    cols: int
-    rows: str  # "T" (one row per token) or "N" (one per logits row: logits_indices)
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelGeometry:
-    """What the host code sizes its KV caches and logits by, read off the fused main's signature."""
-
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    vocab_size: int
-
-
-@dataclasses.dataclass
-class KernelProgram:
-    geometry: ModelGeometry
-    weights: list[WeightSpec]
-    buffers: list[Buffer]
-    launches: list[Launch]
-    rewrites: dict[str, int]
-    block_size: int
-    tvm_funcs: dict[str, tvm.tirx.PrimFunc] = dataclasses.field(default_factory=dict)  # TVM-lowered fallbacks
-    kv_dtype: str = "float32"  # the KV cache element: "float32" or "bfloat16"
-    act_dtype: str = "float32"  # the element of the buffers and the logits: "float32" or "bfloat16"
-
-    def __str__(self) -> str:
-        lines = [
-            f"kernel program: {len(self.launches)} launches, {len(self.buffers)} buffers, "
-            f"{len(self.weights)} packed weights, {self.kv_dtype} KV cache, {self.act_dtype} activations"
-        ]
-        for i, b in enumerate(self.buffers):
-            lines.append(f"  buf{i}: {self.act_dtype}[{b.rows}, {b.cols}]")
-        for i, w in enumerate(self.weights):
-            quant = f" ({w.quant.describe()})" if w.quant is not None else ""
-            rows = f" (rows interleaved {w.interleave} at a time)" if w.interleave else ""
-            lines.append(f"  W[{i}] {w.name}: {w.dtype}{list(w.stored_shape)}{quant}{rows} <- {', '.join(w.sources)}")
-        for launch in self.launches:
-            params = ", ".join(f"{k}={v}" for k, v in launch.params.items() if k != "inv_freq")
-            lines.append(f"  {launch.op}({params})({', '.join(launch.args)})  # {' + '.join(launch.fused)}")
-        for name, func in self.tvm_funcs.items():
-            lines.append(f"  TVM fallback {name}:")
-            lines += ["    " + line for line in func.script(show_meta=False).splitlines()]
-        return "\n".join(lines)
-
-
-@dataclasses.dataclass(frozen=True)
-class _View:
-    """A [rows, cols] float tensor inside a buffer, possibly a column slice (row stride > cols)."""
-
-    value: int  # the producing value id (before buffer assignment)
-    col_offset: int
-    cols: int
-    stride: int
-    rows: str
-
-
-@dataclasses.dataclass
-class _Pending:
-    """A launch before buffer assignment: args may hold _Views; defs are the value ids it writes."""
-
-    op: str
-    params: dict
-    args: list
-    fused: list[str]
-    defs: list[int]
-    weight: int | None = None  # the packed weight of a gemm, so its bias can join it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,16 +77,15 @@ class _Lowering:
         self.weight_dtype = weight_dtype
         self.block_size = block_size
         self.kv_dtype = kv_dtype
-        self.env: dict = {}  # relax var -> _View | _Weight | str (an ABI argument) | tuple
+        self.env: dict = {}  # relax var -> View | _Weight | str (an ABI argument) | tuple
         self.value_cols: list[int] = []
         self.value_rows: list[str] = []
-        self.launches: list[_Pending] = []
+        self.launches: list[PendingLaunch] = []
         self.weight_specs: dict[tuple, int] = {}  # sources (+ part, quantized) -> index
         self.weight_list: list[WeightSpec] = []
         self.tvm_funcs: dict[str, tvm.tirx.PrimFunc] = {}
-        self.kv_cache_heads: list[
-            tuple[int, int]
-        ] = []  # per layer, from its cache [2, blocks, size, kv_heads, head_dim]
+        # per layer, (kv_heads, head_dim) of its cache [2, blocks, size, kv_heads, head_dim]
+        self.kv_cache_heads: list[tuple[int, int]] = []
         self.var2val = relax.analysis.get_var2val(func)
         # the symbolic row counts: tokens (input_ids: [T]) and logits rows (logits_indices: [N])
         self.row_vars = {
@@ -214,14 +120,14 @@ class _Lowering:
 
     # --- values ---------------------------------------------------------------------------------
 
-    def new_value(self, cols: int, rows: str) -> _View:
+    def new_value(self, cols: int, rows: str) -> View:
         self.value_cols.append(cols)
         self.value_rows.append(rows)
-        return _View(len(self.value_cols) - 1, 0, cols, cols, rows)
+        return View(len(self.value_cols) - 1, 0, cols, cols, rows)
 
-    def view(self, var) -> _View:
+    def view(self, var) -> View:
         v = self.env.get(var)
-        if not isinstance(v, _View):
+        if not isinstance(v, View):
             raise CompileError(f"expected an activation tensor, got {v!r} for {var}")
         return v
 
@@ -235,14 +141,14 @@ class _Lowering:
         if w.sources not in self.weight_specs:
             dtype = dtype or (self.weight_dtype if len(w.shape) == 2 else "float32")
             self.weight_specs[w.sources] = len(self.weight_list)
-            self.weight_list.append(WeightSpec(_packed_name(w.sources), w.sources, dtype, w.shape))
+            self.weight_list.append(WeightSpec(packed_name(w.sources), w.sources, dtype, w.shape))
         return self.weight_specs[w.sources]
 
     def quant_index(self, w: _Weight, scheme: QuantScheme, part: str) -> int:
         key = (w.sources, part)
         if key not in self.weight_specs:
             self.weight_specs[key] = len(self.weight_list)
-            name = f"{_packed_name(w.sources)}.{part}"
+            name = f"{packed_name(w.sources)}.{part}"
             self.weight_list.append(WeightSpec(name, w.sources, quant_part_dtype(scheme, part), w.shape, scheme, part))
         spec = self.weight_list[self.weight_specs[key]]
         if spec.quant != scheme:
@@ -250,10 +156,10 @@ class _Lowering:
         return self.weight_specs[key]
 
     def wdtype(self, index: int) -> str:
-        return {"float32": "f32", "bfloat16": "bf16"}[self.weight_list[index].dtype]
+        return DTYPES[self.weight_list[index].dtype].short
 
-    def emit(self, op: str, params: dict, args: list, fused: list[str], defs: list[_View], weight=None) -> None:
-        self.launches.append(_Pending(op, params, args, fused, [d.value for d in defs], weight))
+    def emit(self, op: str, params: dict, args: list, fused: list[str], defs: list[View], weight=None) -> None:
+        self.launches.append(PendingLaunch(op, params, args, fused, [d.value for d in defs], weight))
 
     # --- bindings -------------------------------------------------------------------------------
 
@@ -299,7 +205,7 @@ class _Lowering:
                     raise CompileError(f"{where} reads {src.sources[0]}, packed as {self.weight_list[w].dtype}",
                                        "compile with --weight-dtype float32")  # fmt: skip
                 args.append(f"W[{w}]")
-            elif isinstance(src, _View) and src.stride == src.cols:
+            elif isinstance(src, View) and src.stride == src.cols:
                 args.append(src)
             else:
                 raise CompileError(f"no kernel template covers {where}, and its input {v.name} is not a whole "
@@ -332,7 +238,7 @@ class _Lowering:
     def relax_reshape(self, var, value):
         # Reshapes here add or drop the leading batch 1 or split a row into heads: the rows stay put.
         src = self.env[value.args[0]]
-        if isinstance(src, _View) and src.stride != src.cols and _cols(var.ty) != src.cols:
+        if isinstance(src, View) and src.stride != src.cols and _cols(var.ty) != src.cols:
             raise CompileError(f"reshape {var.name} of a column slice is not a view")
         self.env[var] = src
 
@@ -365,7 +271,7 @@ class _Lowering:
                 [out],
             )
             self.env[var] = out
-        elif isinstance(table, _View) and indices == "logits_indices":
+        elif isinstance(table, View) and indices == "logits_indices":
             if table.stride != table.cols:
                 raise CompileError(f"gather of a column slice ({var.name}) is not lowered")
             out = self.new_value(table.cols, "N")
@@ -382,7 +288,7 @@ class _Lowering:
 
     def relax_matmul(self, var, value):
         x, wt = (self.env.get(a) for a in value.args)
-        if not (isinstance(x, _View) and isinstance(wt, _Weight) and wt.transposed) or x.stride != x.cols:
+        if not (isinstance(x, View) and isinstance(wt, _Weight) and wt.transposed) or x.stride != x.cols:
             raise _Unlowered
         w = self.weight_index(_Weight(wt.sources, wt.shape))
         n, k = wt.shape
@@ -391,7 +297,7 @@ class _Lowering:
             "gemm",
             {"n": n, "k": k, "wdtype": self.wdtype(w), "has_bias": False},
             [x, f"W[{w}]", "nullptr", out, x.rows],
-            [_linear_name(wt.sources)],
+            [linear_name(wt.sources)],
             [out],
             weight=w,
         )
@@ -403,7 +309,7 @@ class _Lowering:
             a, b = b, a
         last = self.launches[-1] if self.launches else None
         if (
-            isinstance(a, _View)
+            isinstance(a, View)
             and isinstance(b, _Weight)
             and last is not None
             and last.op in _BIAS_ARG
@@ -426,7 +332,7 @@ class _Lowering:
         src = self.view(value.args[0])
         bounds = [0, *(int(i) for i in value.attrs.indices_or_sections), src.cols]
         self.env[var] = tuple(
-            _View(src.value, src.col_offset + lo, hi - lo, src.stride, src.rows)
+            View(src.value, src.col_offset + lo, hi - lo, src.stride, src.rows)
             for lo, hi in zip(bounds, bounds[1:], strict=False)
         )
 
@@ -462,7 +368,7 @@ class _Lowering:
     def op_quantized_matmul(self, var, value):
         args = llmc_args(value)
         x, w = self.env.get(args["x"]), self.env.get(args["weight"])
-        if not (isinstance(x, _View) and x.stride == x.cols and isinstance(w, _Weight) and len(w.shape) == 2):
+        if not (isinstance(x, View) and x.stride == x.cols and isinstance(w, _Weight) and len(w.shape) == 2):
             raise CompileError(f"quantized matmul {var.name}: expected a whole activation and an [N, K] weight")
         quant = {a: int(prim_value(args[a])) for a in ("bits", "group_size", "asymmetric", "scale_bits")}
         quant["asymmetric"] = bool(quant["asymmetric"])
@@ -472,7 +378,7 @@ class _Lowering:
         out = self.new_value(n, x.rows)
         params = {"n": n, "k": k, **quant, "has_bias": False}
         weights = [f"W[{q}]", f"W[{scales}]", f"W[{mins[0]}]" if mins else "nullptr"]
-        self.emit("qgemm", params, [x, *weights, "nullptr", out, x.rows], [_linear_name(w.sources)], [out], weight=q)
+        self.emit("qgemm", params, [x, *weights, "nullptr", out, x.rows], [linear_name(w.sources)], [out], weight=q)
         self.env[var] = out
 
     def op_silu_mul(self, var, value):
@@ -507,7 +413,7 @@ class _Lowering:
             "block_size": self.block_size,
             "scale": float(prim_value(args["scale"])),
             "sliding_window": window,
-            "kv_dtype": KV_DTYPES[self.kv_dtype],
+            "kv_dtype": DTYPES[self.kv_dtype].short,
         }
         self.emit(
             "paged_attention",
@@ -537,77 +443,16 @@ class _Lowering:
 
     def finish(self, rewrites: dict) -> KernelProgram:
         final = self.env[self.output]
-        if not isinstance(final, _View) or final.rows != "N":
+        if not isinstance(final, View) or final.rows != "N":
             raise CompileError("main must return logits [N, vocab]; select_logits_rows did not apply")
         if len(set(self.kv_cache_heads)) != 1:
             raise CompileError("main must take one KV cache per layer, all with the same heads and head_dim; "
                                "fuse_attention did not apply")  # fmt: skip
         geometry = ModelGeometry(len(self.kv_cache_heads), *self.kv_cache_heads[0], vocab_size=final.cols)
-        last_use: dict[int, int] = {}
-        for i, launch in enumerate(self.launches):
-            for a in launch.args:
-                if isinstance(a, _View):
-                    last_use[a.value] = i
-        # Greedy reuse by liveness: a value takes a free buffer of its row kind (widening it if needed);
-        # a buffer frees after the last launch that reads its value. Logits go straight to the ABI output.
-        assignment: dict[int, int] = {final.value: -1}
-        buffers: list[Buffer] = []
-        free: list[int] = []
-        for i, launch in enumerate(self.launches):
-            for d in launch.defs:
-                if d in assignment:
-                    continue
-                pick = next((b for b in free if buffers[b].rows == self.value_rows[d]), None)
-                if pick is None:
-                    buffers.append(Buffer(self.value_cols[d], self.value_rows[d]))
-                    pick = len(buffers) - 1
-                else:
-                    free.remove(pick)
-                    buffers[pick].cols = max(buffers[pick].cols, self.value_cols[d])
-                assignment[d] = pick
-            free += [assignment[v] for v, last in last_use.items() if last == i and assignment.get(v, -1) >= 0]
-        launches = [Launch(p.op, p.params, [_c_arg(a, assignment) for a in p.args], p.fused) for p in self.launches]
+        buffers, launches = plan_buffers(self.launches, self.value_cols, self.value_rows, final)
         return KernelProgram(
             geometry, self.weight_list, buffers, launches, rewrites, self.block_size, self.tvm_funcs, self.kv_dtype
         )
-
-
-def _fuse_gemm_swiglu(launches: list[_Pending], weights: list[WeightSpec]) -> list[_Pending]:
-    """Each gemm of bf16 gate and up weights (two sources, no bias, 16-byte rows) whose product only the next
-    launch, a silu_mul, reads -> one gemm_swiglu launch writing silu_mul's output; its weight is marked for
-    interleaving (in place in `weights`). Other GEMMs stay as they are."""
-    reads: dict[int, int] = {}  # launches that read each value (its own launch passes it too, to write it)
-    for p in launches:
-        for a in p.args:
-            if isinstance(a, _View) and a.value not in p.defs:
-                reads[a.value] = reads.get(a.value, 0) + 1
-    out: list[_Pending] = []
-    for p in launches:
-        g = out[-1] if out else None
-        src = p.args[0] if p.op == "silu_mul" else None
-        if (
-            g is not None
-            and g.op == "gemm"
-            and isinstance(src, _View)
-            and g.defs == [src.value]
-            and reads[src.value] == 1
-            and src.col_offset == 0
-            and src.stride == src.cols
-            and g.params["wdtype"] == "bf16"
-            and not g.params["has_bias"]
-            and g.params["k"] % 8 == 0
-            and g.params["n"] == 2 * p.params["inter"]
-            and p.params["inter"] % SWIGLU_INTERLEAVE == 0
-            and len(weights[g.weight].sources) == 2
-        ):
-            x, w, _, _, rows = g.args
-            params = {"inter": p.params["inter"], "k": g.params["k"], "wdtype": "bf16"}
-            out[-1] = _Pending("gemm_swiglu", params, [x, w, "nullptr", p.args[1], rows], g.fused + p.fused, p.defs,
-                               g.weight)  # fmt: skip
-            weights[g.weight] = dataclasses.replace(weights[g.weight], interleave=SWIGLU_INTERLEAVE)
-        else:
-            out.append(p)
-    return out
 
 
 def _tensor_args(call: relax.Call):
@@ -616,28 +461,6 @@ def _tensor_args(call: relax.Call):
             yield a
         elif isinstance(a, relax.Tuple):
             yield from (f for f in a.fields if isinstance(f, relax.Var))
-
-
-def _c_arg(arg, assignment: dict[int, int]) -> str:
-    if isinstance(arg, _View):
-        base = "logits" if assignment[arg.value] == -1 else f"buf{assignment[arg.value]}"
-        return base if arg.col_offset == 0 else f"{base} + {arg.col_offset}"
-    return str(arg)
-
-
-def _packed_name(sources: tuple[str, ...]) -> str:
-    """q_proj, k_proj, v_proj of one layer -> model.layers.0.self_attn.q+k+v_proj.weight."""
-    if len(sources) == 1:
-        return sources[0]
-    prefix = sources[0][: len(sources[0]) - len(sources[0].split(".")[-2]) - len(sources[0].split(".")[-1]) - 1]
-    suffix = "." + sources[0].split(".")[-1]
-    mids = [s[len(prefix) : -len(suffix)] for s in sources]
-    tail = "_proj" if all(m.endswith("_proj") for m in mids) else ""
-    return prefix + "+".join(m[: len(m) - len(tail)] for m in mids) + tail + suffix
-
-
-def _linear_name(sources: tuple[str, ...]) -> str:
-    return _packed_name(sources).rsplit(".", 1)[0].split(".")[-1]
 
 
 def lower(
@@ -651,18 +474,19 @@ def lower(
     swiglu_epilogue: bool = False,
 ) -> KernelProgram:
     """weight_names: the HF names of main's weight parameters, in order (Traced.weight_names); kv_dtype: the
-    KV cache element, a key of KV_DTYPES; act_dtype: the activation element (a key of KV_DTYPES), given to
-    every launch as `adtype`, for targets whose templates take it (CUDA); None: float32, and no parameter;
+    KV cache element, one of llmc.dtypes.ELEMENT_DTYPES; act_dtype: the activation element (one of them too),
+    given to every launch as `adtype`, for targets whose templates take it (CUDA); None: float32, and no
+    parameter;
     swiglu_epilogue: lower gate_up + silu_mul to gemm_swiglu where it applies (the target has that template:
     CUDA)."""
     func = main_function(mod)
     lowering = _Lowering(func, weight_names, weight_dtype, block_size, kv_dtype)
     lowering.lower(func)
     if swiglu_epilogue:
-        lowering.launches = _fuse_gemm_swiglu(lowering.launches, lowering.weight_list)
+        lowering.launches = fuse_gemm_swiglu(lowering.launches, lowering.weight_list)
     program = lowering.finish(rewrite_counts(mod))
     if act_dtype is None:
         return program
     for launch in program.launches:
-        launch.params["adtype"] = KV_DTYPES[act_dtype]
+        launch.params["adtype"] = DTYPES[act_dtype].short
     return dataclasses.replace(program, act_dtype=act_dtype)

@@ -40,14 +40,16 @@ from pathlib import Path
 import numpy as np
 
 from llmc.digests import remember_sha256
+from llmc.dtypes import DTYPES, ELEMENT_DTYPES
 from llmc.errors import CompileError
 
 from .quant import QuantScheme, quantize, widen_exactly
 
 ALIGN = 64
 _CHUNK_BYTES = 64 << 20  # conversion buffer for one slab of rows
-# safetensors code, bytes each; float16 holds only quantization scales
-_DTYPES = {"float32": ("F32", 4), "bfloat16": ("BF16", 2), "float16": ("F16", 2), "uint8": ("U8", 1)}
+# what a packed tensor may be: float weights (ELEMENT_DTYPES) and the quantized parts (uint8 codes; float16
+# holds only quantization scales)
+_PACKED_DTYPES = (*ELEMENT_DTYPES, "float16", "uint8")
 PAD_PREFIX = "__pad__."
 QUANT_PARTS = ("qweight", "scales", "mins")
 SWIGLU_INTERLEAVE = 8  # the CUDA SwiGLU GEMM's gate / up row groups (llmc::Gemm's SWIGLU, an mma n8 tile)
@@ -74,7 +76,7 @@ class WeightSpec:
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.stored_shape) * _DTYPES[self.dtype][1]
+        return math.prod(self.stored_shape) * DTYPES[self.dtype].nbytes
 
 
 def interleave_rows(a: np.ndarray, b: np.ndarray, group: int) -> np.ndarray:
@@ -90,13 +92,29 @@ def quant_part_dtype(scheme: QuantScheme, part: str) -> str:
     return "uint8" if part == "qweight" else scheme.scale_dtype
 
 
+def packed_name(sources: tuple[str, ...]) -> str:
+    """q_proj, k_proj, v_proj of one layer -> model.layers.0.self_attn.q+k+v_proj.weight."""
+    if len(sources) == 1:
+        return sources[0]
+    prefix = sources[0][: len(sources[0]) - len(sources[0].split(".")[-2]) - len(sources[0].split(".")[-1]) - 1]
+    suffix = "." + sources[0].split(".")[-1]
+    mids = [s[len(prefix) : -len(suffix)] for s in sources]
+    tail = "_proj" if all(m.endswith("_proj") for m in mids) else ""
+    return prefix + "+".join(m[: len(m) - len(tail)] for m in mids) + tail + suffix
+
+
+def linear_name(sources: tuple[str, ...]) -> str:
+    """The linear a packed weight serves, as a launch's `fused` names it: q+k+v_proj, lm_head."""
+    return packed_name(sources).rsplit(".", 1)[0].split(".")[-1]
+
+
 def _align(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
 def _source_shapes(ckpt, spec: WeightSpec) -> list[tuple[int, ...]]:
     """Shapes of the spec's sources, from the config (no file is read); checks they pack into spec.shape."""
-    if spec.dtype not in _DTYPES or (spec.quant is None and spec.dtype not in ("float32", "bfloat16")):
+    if spec.dtype not in _PACKED_DTYPES or (spec.quant is None and spec.dtype not in ELEMENT_DTYPES):
         raise CompileError(f"packed weight {spec.name!r}: dtype {spec.dtype!r}", "use float32 or bfloat16")
     if (spec.quant is None) != (spec.part is None) or (
         spec.quant is not None
@@ -150,7 +168,7 @@ def plan_layout(specs: list[WeightSpec]) -> tuple[bytes, dict[str, tuple[int, in
             pos += gap
         n = spec.nbytes
         entries[spec.name] = {
-            "dtype": _DTYPES[spec.dtype][0],
+            "dtype": DTYPES[spec.dtype].safetensors,
             "shape": list(spec.stored_shape),
             "data_offsets": [pos, pos + n],
         }
@@ -217,7 +235,7 @@ def write_packed_weights(
 def _write_spec(ckpt, spec: WeightSpec, shapes, f, digest, progress) -> int:
     import torch  # here, not at the top: lowering imports WeightSpec and must not pull in torch
 
-    torch_dtype, width = getattr(torch, spec.dtype), _DTYPES[spec.dtype][1]
+    torch_dtype, width = getattr(torch, spec.dtype), DTYPES[spec.dtype].nbytes
     if spec.interleave:
         return _write_interleaved(ckpt, spec, torch_dtype, f, digest, progress)
     total = 0
@@ -245,7 +263,7 @@ def _write_interleaved(ckpt, spec: WeightSpec, torch_dtype, f, digest, progress)
         raise CompileError(f"packed weight {spec.name!r}: sources {list(spec.sources)} of shapes {list(a.shape)} "
                            f"and {list(b.shape)} do not interleave into {list(spec.shape)}")  # fmt: skip
     g = spec.interleave
-    step = max(g, _CHUNK_BYTES // max(1, 2 * math.prod(a.shape[1:]) * _DTYPES[spec.dtype][1]) // g * g)
+    step = max(g, _CHUNK_BYTES // max(1, 2 * math.prod(a.shape[1:]) * DTYPES[spec.dtype].nbytes) // g * g)
 
     total = 0
     for start in range(0, a.shape[0], step):

@@ -17,8 +17,10 @@ from pathlib import Path
 
 import numpy as np
 
-from llmc.artifact import ABI_VERSION, KV_CACHE_DTYPES, Artifact, load_artifact, recompile_hint
+from llmc.artifact import Artifact, load_artifact
+from llmc.dtypes import DTYPES
 from llmc.errors import ArtifactError, LlmcError, RequestError
+from llmc.manifest import ABI_VERSION, recompile_hint
 from llmc.model_config import ModelConfig
 from llmc.runtime.batch import StepBatch
 from llmc.runtime.kv_cache import (
@@ -253,7 +255,7 @@ def _check_info(info: ModelInfo, artifact: Artifact) -> None:
     c = artifact.config
     want = {"num_layers": c.num_layers, "num_kv_heads": c.num_kv_heads, "head_dim": c.head_dim,
             "vocab_size": c.vocab_size}  # fmt: skip
-    want["kv_dtype_bytes"] = KV_CACHE_DTYPES[artifact.kv_cache_dtype]
+    want["kv_dtype_bytes"] = DTYPES[artifact.kv_dtype].nbytes
     got = {k: int(getattr(info, k)) for k in want}
     if got != want:
         raise ArtifactError(f"{artifact.library_path}: llmc_info {info.as_dict()} does not match the manifest's model",

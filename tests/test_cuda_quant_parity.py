@@ -13,9 +13,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from llmc.artifact import read_manifest
 from llmc.compiler.compile import CUDA_QGEMM_ACTIVATIONS
 from llmc.compiler.quant import QuantConfig, dequantize, quantize
+from llmc.manifest import read_manifest
 from llmc.runtime.batch import StepBatch
 from llmc.runtime.module import CompiledModel
 from llmc.tools.build import compile_checkpoint

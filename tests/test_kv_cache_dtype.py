@@ -17,9 +17,9 @@ from tokenizers import Tokenizer
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from llmc.artifact import seal_manifest
 from llmc.compiler.compile import compile_checkpoint
 from llmc.errors import ArtifactError, CompileError
+from llmc.manifest import seal_manifest
 from llmc.runtime.batch import StepBatch
 from llmc.runtime.engine import LLMEngine
 from llmc.runtime.kv_cache import kv_bytes_per_block
@@ -61,7 +61,7 @@ def artifact(checkpoint_dir, tmp_path_factory, target: str):
     if target not in _built:
         out = tmp_path_factory.mktemp(f"kv_bf16_{target}") / "model"
         _built[target] = compile_checkpoint(checkpoint_dir("llama"), target=target, output=out,
-                                            kv_cache_dtype="bfloat16")  # fmt: skip
+                                            kv_dtype="bfloat16")  # fmt: skip
     return _built[target]
 
 
@@ -139,7 +139,7 @@ def test_manifest_that_disagrees_with_the_module_is_refused(checkpoint_dir, tmp_
 
 def test_unknown_kv_cache_dtype_is_refused_before_compiling(checkpoint_dir, tmp_path):
     with pytest.raises(CompileError, match="--kv-cache-dtype takes auto or one of float32, bfloat16"):
-        compile_checkpoint(checkpoint_dir("llama"), target="cpu", output=tmp_path / "m", kv_cache_dtype="float16")
+        compile_checkpoint(checkpoint_dir("llama"), target="cpu", output=tmp_path / "m", kv_dtype="float16")
     result = CliRunner().invoke(
         main, ["compile", str(checkpoint_dir("llama")), "-o", str(tmp_path / "m"), "--kv-cache-dtype", "int8"]
     )
@@ -155,7 +155,7 @@ def test_run_compiles_a_checkpoint_with_the_kv_cache_dtype(checkpoint_dir, tmp_p
     asked = []
 
     def fake_cached_artifact(ckpt, **options):
-        asked.append(options["kv_cache_dtype"])
+        asked.append(options["kv_dtype"])
         return built
 
     monkeypatch.setattr(cache, "cached_artifact", fake_cached_artifact)

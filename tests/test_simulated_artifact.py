@@ -8,12 +8,12 @@ import shutil
 
 import pytest
 
-from llmc.artifact import read_manifest, seal_manifest
 from llmc.compiler.codegen import simulator
 from llmc.compiler.codegen.render import target_headers
 from llmc.compiler.compile import compile_checkpoint
 from llmc.digests import file_sha256
 from llmc.errors import ArtifactError
+from llmc.manifest import read_manifest, seal_manifest
 from llmc.runtime.module import CompiledModel
 
 

@@ -16,10 +16,12 @@ import tempfile
 from pathlib import Path
 
 from llmc import __version__
-from llmc.artifact import ABI_VERSION, FORMAT_VERSION, read_manifest, resolve_kv_cache_dtype, write_manifest
+from llmc.artifact_writer import write_manifest
 from llmc.digests import checkpoint_hash, file_sha256
+from llmc.dtypes import resolve_kv_dtype
 from llmc.errors import CompileError
 from llmc.host import cache_root, host_cpu_target
+from llmc.manifest import ABI_VERSION, FORMAT_VERSION, read_manifest
 
 from .quality import QUALITY_STAGE, Quality, calibration_tokens, check_max_kl, measure_artifacts
 
@@ -52,10 +54,10 @@ def compile_checkpoint(
 
     def gate(tmp: Path, fields: dict) -> dict:
         """This build against the unquantized one on the CPU: itself for a CPU target, else a CPU twin."""
-        dtype, kv_cache_dtype = fields["weight_dtype"], fields["kv_cache_dtype"]
+        dtype, kv_dtype = fields["weight_dtype"], fields["kv_cache_dtype"]
         if fields["target"]["kind"] == "cpu":
             write_manifest(tmp, fields)  # provisional, so that the runtime loads the module being built
-            reference = _reference_artifact(ckpt, dtype, kv_cache_dtype)
+            reference = _reference_artifact(ckpt, dtype, kv_dtype)
             result = measure_artifacts(reference, tmp, token_ids, label)
         else:
             with tempfile.TemporaryDirectory() as d:
@@ -65,7 +67,7 @@ def compile_checkpoint(
                     output=Path(d) / "cpu",
                     weight_dtype=dtype,
                     quant=quant,
-                    kv_cache_dtype=kv_cache_dtype,
+                    kv_dtype=kv_dtype,
                     calibration=calibration,
                 )
                 result = dataclasses.replace(Quality(**read_manifest(twin)["quality"]), measured_on="cpu build")
@@ -75,18 +77,18 @@ def compile_checkpoint(
     return compile_only(checkpoint, quant=quant, gate=(QUALITY_STAGE, gate), **options)
 
 
-def _reference_artifact(ckpt, weight_dtype: str, kv_cache_dtype: str) -> Path:
+def _reference_artifact(ckpt, weight_dtype: str, kv_dtype: str) -> Path:
     """The unquantized CPU build of checkpoint `ckpt` with the same weight and KV cache dtypes, from llmc's
     compile cache (compiled into it the first time: every quantized build of the checkpoint reuses it)."""
     from llmc.compiler.compile import resolve_weight_dtype
 
     # the checkpoint's own dtype is the entry `llmc run CHECKPOINT` compiles ("auto"): one build serves both
     requested = "auto" if weight_dtype == resolve_weight_dtype(ckpt, "auto") else weight_dtype
-    return cached_artifact(ckpt.path, progress=False, weight_dtype=requested, kv_cache_dtype=kv_cache_dtype)
+    return cached_artifact(ckpt.path, progress=False, weight_dtype=requested, kv_dtype=kv_dtype)
 
 
 def cached_artifact(
-    ckpt: Path, *, progress: bool = True, quant=None, weight_dtype: str = "auto", kv_cache_dtype: str = "auto"
+    ckpt: Path, *, progress: bool = True, quant=None, weight_dtype: str = "auto", kv_dtype: str = "auto"
 ) -> Path:
     """A CPU artifact of checkpoint `ckpt`, from the cache, compiled into it first if it is not there.
 
@@ -97,15 +99,13 @@ def cached_artifact(
     and the quantization asked for (quant, a QuantConfig; None is none), weight dtype and KV cache dtype.
     Processes that ask for the same key at once compile it once: the others wait on its lock, then reuse it.
     """
-    kv_cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, cuda=False, weight_dtype=weight_dtype)
+    kv_dtype = resolve_kv_dtype(kv_dtype, cuda=False, weight_dtype=weight_dtype)
     isa = hashlib.sha256(json.dumps(host_cpu_target(), sort_keys=True).encode()).hexdigest()[:8]
     content = file_sha256(ckpt) if ckpt.is_file() else checkpoint_hash(ckpt)  # a GGUF file holds all of it
     key = f"{content[:24]}-llmc{__version__}-f{FORMAT_VERSION}-abi{ABI_VERSION}-cpu-{isa}"
     if quant is not None and quant.enabled:
         key += "-" + re.sub(r"[^a-z0-9]+", "-", quant.describe()).strip("-")  # int8-per-channel, int4-g32-lm-head
-    key += (f"-{weight_dtype}" if weight_dtype != "auto" else "") + (
-        f"-kv-{kv_cache_dtype}" if kv_cache_dtype != "float32" else ""
-    )
+    key += (f"-{weight_dtype}" if weight_dtype != "auto" else "") + (f"-kv-{kv_dtype}" if kv_dtype != "float32" else "")
     root = cache_root() / "artifacts"
     out = root / key
     if (out / "manifest.json").is_file():
@@ -117,5 +117,5 @@ def cached_artifact(
             if progress:
                 print(f"compiling {ckpt} for this CPU (once; cached in {out})", file=sys.stderr)
             compile_checkpoint(ckpt, target="cpu", output=out, weight_dtype=weight_dtype, progress=progress,
-                               quant=quant, kv_cache_dtype=kv_cache_dtype)  # fmt: skip
+                               quant=quant, kv_dtype=kv_dtype)  # fmt: skip
     return out

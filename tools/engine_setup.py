@@ -21,11 +21,11 @@ def resolve_artifact(path: Path | None, quant=None, kv_cache_dtype: str = "auto"
     from llmc.tools.build import cached_artifact
 
     if path is None:
-        return cached_artifact(examples.bundled_checkpoint(), quant=quant, kv_cache_dtype=kv_cache_dtype)
+        return cached_artifact(examples.bundled_checkpoint(), quant=quant, kv_dtype=kv_cache_dtype)
     if path.is_dir() and not (path / "manifest.json").exists() and (path / "config.json").is_file():
-        return cached_artifact(path, quant=quant, kv_cache_dtype=kv_cache_dtype)
+        return cached_artifact(path, quant=quant, kv_dtype=kv_cache_dtype)
     if path.is_file() and path.suffix.lower() == ".gguf":
-        return cached_artifact(path, quant=quant, kv_cache_dtype=kv_cache_dtype)
+        return cached_artifact(path, quant=quant, kv_dtype=kv_cache_dtype)
     if quant is not None and quant.enabled:
         raise LlmcError(f"--quant applies when a checkpoint is compiled, and {path} is not a checkpoint dir",
                         "pass the checkpoint, or compile it with llmc compile --quant")  # fmt: skip

@@ -21,9 +21,10 @@ from pathlib import Path
 
 import numpy as np
 
-from llmc.artifact import KV_CACHE_DTYPES, read_manifest
 from llmc.digests import file_sha256
+from llmc.dtypes import DTYPES, ELEMENT_DTYPES
 from llmc.errors import CompileError
+from llmc.manifest import read_manifest
 from llmc.model_config import ModelConfig
 from llmc.runtime.kv_cache import cdiv, kv_bytes_per_block
 from llmc.runtime.module import CompiledModel, load_tokenizer
@@ -154,7 +155,8 @@ def _load_for_scoring(path: Path, num_tokens: int) -> CompiledModel:
     c = ModelConfig.from_dict(manifest["model_config"])
     block_size = manifest["block_size"]
     tokens = min(num_tokens, c.max_context)
-    widest = max(KV_CACHE_DTYPES.values())  # bytes per k/v value: the budget holds the window whatever the dtype
+    # bytes per k/v value: the budget holds the window whatever the dtype
+    widest = max(DTYPES[d].nbytes for d in ELEMENT_DTYPES)
     kv_bytes = cdiv(tokens, block_size) * kv_bytes_per_block(c.num_layers, c.num_kv_heads, c.head_dim, block_size,
                                                              widest)  # fmt: skip
     return CompiledModel.load(path, kv_cache_memory=kv_bytes, max_num_seqs=1, max_num_logits=512)

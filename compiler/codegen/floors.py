@@ -18,10 +18,15 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from llmc.dtypes import DTYPES, ELEMENTS_BY_SHORT
 from llmc.errors import LlmcError
 
-_BYTES = {"f32": 4, "bf16": 2, "f16": 2}
-_F32 = 4
+_F32 = DTYPES["float32"].nbytes
+
+
+def _bytes(short: str) -> int:
+    """Bytes of a template's element (wdtype, adtype, kv_dtype: "f32", "bf16")."""
+    return ELEMENTS_BY_SHORT[short].nbytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,7 +65,7 @@ class Floor:
 
 def _act(p: dict) -> int:
     """Bytes per activation element."""
-    return _BYTES[p.get("adtype", "f32")]
+    return _bytes(p.get("adtype", "f32"))
 
 
 def _gemm(p: dict, rows: int, weight_bytes: int, bias_bytes: int) -> Floor:
@@ -79,18 +84,18 @@ def launch_floor(template: str, params: dict, rows_var: str, shape: StepShape) -
     op = template.split("/", 1)[-1]
     p, rows = params, shape.rows(rows_var)
     if op == "gemm":
-        w = _BYTES[p["wdtype"]]
+        w = _bytes(p["wdtype"])
         return _gemm(p, rows, p["n"] * p["k"] * w, w)
     if op == "gemm_swiglu":  # gate and up read, silu(gate) * up written: the [T, 2 * inter] product never is
         n, k = 2 * p["inter"], p["k"]
-        return Floor(n * k * _BYTES[p["wdtype"]] + rows * (k + p["inter"]) * _act(p), 2 * rows * n * k)
+        return Floor(n * k * _bytes(p["wdtype"]) + rows * (k + p["inter"]) * _act(p), 2 * rows * n * k)
     if op == "qgemm":
         return _gemm(p, rows, _qweight_bytes(p), _F32)
     if op == "embedding":
-        return Floor(rows * (4 + p["hidden"] * (_BYTES[p["wdtype"]] + _act(p))), 0)
+        return Floor(rows * (4 + p["hidden"] * (_bytes(p["wdtype"]) + _act(p))), 0)
     if op == "rmsnorm":
         vectors = 4 if p["add_residual"] else 2  # x (+ residual) in, (sum +) y out
-        return Floor(p["hidden"] * _BYTES[p["wdtype"]] + rows * vectors * p["hidden"] * _act(p), 0)
+        return Floor(p["hidden"] * _bytes(p["wdtype"]) + rows * vectors * p["hidden"] * _act(p), 0)
     if op == "rope":
         return Floor(rows * (4 + 2 * p["num_heads"] * p["head_dim"] * _act(p)), 0)
     if op == "silu_mul":
@@ -99,7 +104,7 @@ def launch_floor(template: str, params: dict, rows_var: str, shape: StepShape) -
         return Floor(rows * (4 + 2 * p["cols"] * _act(p)), 0)
     if op == "paged_attention":
         kv_row = 2 * p["num_kv_heads"] * p["head_dim"]  # one position's key and value
-        kv = _BYTES[p["kv_dtype"]]
+        kv = _bytes(p["kv_dtype"])
         cached, pairs = shape.attention(p["sliding_window"])
         new = rows * (kv_row * (_act(p) + kv) + 8)  # read from the QKV buffer, stored at its slot
         queries = rows * 2 * p["num_heads"] * p["head_dim"] * _act(p)  # q in, the output out

@@ -13,19 +13,19 @@ import dataclasses
 import re
 
 from llmc import __version__
-from llmc.artifact import ABI_VERSION
+from llmc.dtypes import DTYPES
 from llmc.errors import CompileError
 from llmc.host import host_cpu_isa
+from llmc.manifest import ABI_VERSION
 from llmc.targets import Target
 
-from ..lower import KernelProgram
+from ..program import KernelProgram
 from ..tuning.database import TuningDB, entry_key
 from ..tuning.space import tune_space
 from .render import kernel_id, render_host, render_kernel
 from .tvm_fallback import c_source
 
 HOST_TEMPLATE = {"cpu": "model.cc.j2", "cuda": "model.cu.j2"}
-_CTYPE = {"float32": "float", "bfloat16": "uint16_t", "float16": "uint16_t", "uint8": "uint8_t"}
 # Step arrays of the C ABI; the CUDA host copies them to the device first and launches on the copies.
 _STEP_ARRAYS = (
     "token_ids",
@@ -70,7 +70,7 @@ def _tuned_params(family: str, op: str, params: dict, tuning: TuningDB | None, i
 def _c_expr(arg: str, program: KernelProgram, device: bool) -> str:
     def weight(m):
         spec = program.weights[int(m.group(1))]
-        return f"static_cast<const {_CTYPE[spec.dtype]}*>(m->w[{m.group(1)}])"
+        return f"static_cast<const {DTYPES[spec.dtype].ctype}*>(m->w[{m.group(1)}])"
 
     arg = re.sub(r"\bW\[(\d+)\]", weight, arg)
     arg = re.sub(r"\bbuf(\d+)\b", r"m->buf[\1]", arg)

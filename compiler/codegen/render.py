@@ -25,13 +25,12 @@ from typing import Any
 import jinja2
 import jinja2.meta
 
+from llmc.dtypes import ELEMENTS_BY_SHORT
 from llmc.errors import CompileError
 from llmc.templates import TEMPLATE_DIR
 
 from ..tuning.space import tune_space
 
-# weight dtype -> the C type of a weight pointer on every target; bf16 stays raw uint16_t bits
-WDTYPES = {"f32": "float", "bf16": "uint16_t"}
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
@@ -66,9 +65,10 @@ def _f32(value: Any) -> str:
 
 
 def _ctype(wdtype: Any) -> str:
-    if wdtype not in WDTYPES:
-        raise ValueError(f"wdtype must be one of {sorted(WDTYPES)}, got {wdtype!r}")
-    return WDTYPES[wdtype]
+    """The C type of a pointer to a template's element (bf16 stays raw uint16_t bits)."""
+    if wdtype not in ELEMENTS_BY_SHORT:
+        raise ValueError(f"wdtype must be one of {sorted(ELEMENTS_BY_SHORT)}, got {wdtype!r}")
+    return ELEMENTS_BY_SHORT[wdtype].ctype
 
 
 def _cbool(value: Any) -> str:
@@ -99,8 +99,8 @@ def _environment() -> jinja2.Environment:
 
 
 def _check_params(op: str, params: Mapping[str, Any]) -> None:
-    if "adtype" in params and params["adtype"] not in WDTYPES:
-        raise ValueError(f"adtype must be one of {sorted(WDTYPES)}, got {params['adtype']!r}")
+    if "adtype" in params and params["adtype"] not in ELEMENTS_BY_SHORT:
+        raise ValueError(f"adtype must be one of {sorted(ELEMENTS_BY_SHORT)}, got {params['adtype']!r}")
     if op == "rope":
         hd, freqs = params["head_dim"], params["inv_freq"]
         if not isinstance(hd, int) or hd % 2:
@@ -116,8 +116,8 @@ def _check_params(op: str, params: Mapping[str, Any]) -> None:
         w = params["sliding_window"]
         if isinstance(w, bool) or not isinstance(w, int) or w < 0:
             raise ValueError(f"sliding_window must be an int >= 0 (0: no window), got {w!r}")
-        if params["kv_dtype"] not in WDTYPES:
-            raise ValueError(f"kv_dtype must be one of {sorted(WDTYPES)}, got {params['kv_dtype']!r}")
+        if params["kv_dtype"] not in ELEMENTS_BY_SHORT:
+            raise ValueError(f"kv_dtype must be one of {sorted(ELEMENTS_BY_SHORT)}, got {params['kv_dtype']!r}")
 
 
 def _check_qgemm(params: Mapping[str, Any]) -> None:

@@ -26,9 +26,10 @@ import tempfile
 from functools import cache
 from pathlib import Path
 
-from llmc.artifact import Artifact, load_artifact, recompile_hint
+from llmc.artifact import Artifact, load_artifact
 from llmc.errors import ArtifactError, CompileError
 from llmc.host import cache_root
+from llmc.manifest import recompile_hint
 
 from .build import default_cache_dir
 

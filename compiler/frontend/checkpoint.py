@@ -18,13 +18,14 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
-from llmc.artifact import GENERATION_DEFAULT_KEYS
+from llmc.dtypes import BY_SAFETENSORS
 from llmc.errors import CheckpointError, LlmcError
+from llmc.manifest import GENERATION_DEFAULT_KEYS
 
 from ..quant import QuantizedTensor, QuantScheme
 from .config import ModelConfig, parse_config, token_ids
 
-_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+_READS = ("float32", "float16", "bfloat16")  # the weight dtypes llmc reads from a checkpoint
 
 
 @dataclasses.dataclass
@@ -105,9 +106,6 @@ def _weight_files(path: Path) -> list[Path]:
     raise CheckpointError(f"{path}: no model.safetensors or model.safetensors.index.json", "is this a checkpoint dir?")
 
 
-# Bytes per element of every safetensors dtype; llmc reads only _DTYPES, but any valid file must scan.
-_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8, "U32": 4,
-             "U16": 2, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}  # fmt: skip
 _MAX_HEADER = 100 << 20  # the safetensors format's own limit on the JSON header
 
 
@@ -147,7 +145,7 @@ def _check_header(header, data_bytes: int) -> dict[str, tuple[str, tuple[int, ..
         if not isinstance(info, dict):
             raise ValueError(f"tensor {name!r}: entry is not an object")
         dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
-        if not isinstance(dtype, str) or dtype not in _ITEMSIZE:
+        if not isinstance(dtype, str) or dtype not in BY_SAFETENSORS:  # llmc reads a few; any valid file scans
             raise ValueError(f"tensor {name!r}: unknown dtype {dtype!r}")
         if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
             raise ValueError(f"tensor {name!r}: shape {shape!r} is not a list of non-negative integers")
@@ -157,7 +155,7 @@ def _check_header(header, data_bytes: int) -> dict[str, tuple[str, tuple[int, ..
         if offsets[1] > data_bytes:
             raise ValueError(f"tensor {name!r} ends at data byte {offsets[1]} but the file holds {data_bytes} "
                              "bytes of data (truncated)")  # fmt: skip
-        if offsets[1] - offsets[0] != math.prod(shape) * _ITEMSIZE[dtype]:
+        if offsets[1] - offsets[0] != math.prod(shape) * BY_SAFETENSORS[dtype].nbytes:
             raise ValueError(f"tensor {name!r}: {offsets[1] - offsets[0]} bytes of data for {dtype}{shape}")
         ranges.append((offsets[0], offsets[1], name))
         out[name] = (dtype, tuple(shape))
@@ -202,11 +200,11 @@ def load_hf_checkpoint(path: Path) -> Checkpoint:
                 f"{f.name}: tensor {name!r} has shape {list(got)} but config.json implies {list(shape)}",
                 "config.json and the weights disagree; fix the config or use matching weights",
             )
-        if dtype not in _DTYPES:
+        if BY_SAFETENSORS[dtype].name not in _READS:
             raise CheckpointError(
                 f"{f.name}: tensor {name!r} has dtype {dtype}", "llmc reads F32, F16 and BF16 weights"
             )
-        tensor_files[name], dtypes[name] = f, _DTYPES[dtype]
+        tensor_files[name], dtypes[name] = f, BY_SAFETENSORS[dtype].name
 
     tokenizer_path = path / "tokenizer.json"
     _check_tokenizer(tokenizer_path)

@@ -25,6 +25,7 @@ import gguf
 import numpy as np
 import torch
 
+from llmc.dtypes import BY_SAFETENSORS
 from llmc.errors import CheckpointError, CompileError, LlmcError, UnsupportedModelError
 
 from ..quant import QuantizedTensor, QuantScheme, dequantize
@@ -35,7 +36,11 @@ from .gguf_reader import GGUFFileReader, GGUFMetadata
 from .gguf_tokenizer import gguf_tokenizer
 
 GGMLType = gguf.GGMLQuantizationType
-_FLOAT_TYPES = {GGMLType.F32: "float32", GGMLType.F16: "float16", GGMLType.BF16: "bfloat16"}
+_FLOAT_TYPES = (
+    GGMLType.F32,
+    GGMLType.F16,
+    GGMLType.BF16,
+)  # tensor() returns these as they are (GGML spells them as safetensors)
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_K", "Q6_K")
 
 
@@ -192,7 +197,7 @@ def load_gguf(path: str | Path) -> GGUFCheckpoint:
             raise CompileError(f"{path}: tensor {gguf_name!r} is {kind.name}, which llmc does not import",
                                f"llmc reads {', '.join(SUPPORTED_TYPES)}; re-quantize to one of them")  # fmt: skip
         gguf_names[hf_name], gguf_types[hf_name] = gguf_name, kind.name
-        dtypes[hf_name] = _FLOAT_TYPES.get(kind, "float32")  # what tensor() returns
+        dtypes[hf_name] = BY_SAFETENSORS[kind.name].name if kind in _FLOAT_TYPES else "float32"  # what tensor() returns
     special, chat_template, tokenizer_path = gguf_tokenizer(meta, tokens, path)
     return GGUFCheckpoint(
         path=path,

@@ -7,8 +7,9 @@ from llmc.compiler.export import to_relax
 from llmc.compiler.frontend.load import load_checkpoint
 from llmc.compiler.frontend.model import attention_scale, rope_inv_freq
 from llmc.compiler.frontend.trace import trace
-from llmc.compiler.lower import ModelGeometry, lower
+from llmc.compiler.lower import lower
 from llmc.compiler.passes.pipeline import run_passes
+from llmc.compiler.program import ModelGeometry
 from llmc.errors import CompileError
 from tests.compiler.passes.pass_helpers import imported, plain_module
 

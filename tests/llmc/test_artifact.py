@@ -1,4 +1,5 @@
-"""llmc/artifact.py: atomic writes, hash checks (files and the manifest's own fields), version and target checks."""
+"""llmc/artifact.py, artifact_writer.py and manifest.py: atomic writes, hash checks (files and the manifest's own
+fields), version and target checks."""
 
 import json
 import os
@@ -7,6 +8,8 @@ import pytest
 
 from llmc import __version__, digests
 from llmc import artifact as art
+from llmc import artifact_writer as writer
+from llmc import manifest as mf
 from llmc.compiler.frontend.load import load_checkpoint
 from llmc.errors import ArtifactError
 from llmc.host import host_caches, host_cpu_isa
@@ -42,17 +45,17 @@ def _rewrite_manifest(path, *, seal=True, **changes):
     """Change top-level fields; sealed, as a compiler elsewhere would have written them (not an edit)."""
     m = json.loads((path / "manifest.json").read_text())
     m.update(changes)
-    (path / "manifest.json").write_text(json.dumps(art.seal_manifest(m) if seal else m))
+    (path / "manifest.json").write_text(json.dumps(mf.seal_manifest(m) if seal else m))
 
 
 def test_write_and_load(tmp_path, config):
-    out = art.write_artifact(tmp_path / "a.cpu", _populate(config))
+    out = writer.write_artifact(tmp_path / "a.cpu", _populate(config))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.cpu"], "no temporary dir may stay behind"
     m = json.loads((out / "manifest.json").read_text())
     assert (
         m["magic"] == "llmc-artifact"
-        and m["format_version"] == art.FORMAT_VERSION
-        and m["abi_version"] == art.ABI_VERSION
+        and m["format_version"] == mf.FORMAT_VERSION
+        and m["abi_version"] == mf.ABI_VERSION
     )
     assert m["compiler_version"] == __version__ and m["quantization"] == "none"
     assert m["target"]["name"] == "cpu" and m["target"]["cflags"] == ["-O3"] and m["target"]["kind"] == "cpu"
@@ -66,23 +69,23 @@ def test_write_and_load(tmp_path, config):
 
 def test_failed_populate_leaves_nothing(tmp_path, config):
     with pytest.raises(RuntimeError, match="half-way"):
-        art.write_artifact(tmp_path / "a.cpu", _populate(config, fail=True))
+        writer.write_artifact(tmp_path / "a.cpu", _populate(config, fail=True))
     assert list(tmp_path.iterdir()) == []
 
 
 def test_failed_rewrite_keeps_the_old_artifact(tmp_path, config):
-    out = art.write_artifact(tmp_path / "a.cpu", _populate(config))
+    out = writer.write_artifact(tmp_path / "a.cpu", _populate(config))
     before = (out / "manifest.json").read_text()
     with pytest.raises(RuntimeError):
-        art.write_artifact(out, _populate(config, fail=True))
+        writer.write_artifact(out, _populate(config, fail=True))
     assert (out / "manifest.json").read_text() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.cpu"]
 
 
 def test_replace_existing_artifact(tmp_path, config):
-    out = art.write_artifact(tmp_path / "a.cpu", _populate(config))
+    out = writer.write_artifact(tmp_path / "a.cpu", _populate(config))
     (out / "stale.txt").write_text("old")
-    art.write_artifact(out, _populate(config))
+    writer.write_artifact(out, _populate(config))
     assert not (out / "stale.txt").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.cpu"]
     art.load_artifact(out)
@@ -92,13 +95,13 @@ def test_refuses_to_replace_a_non_artifact(tmp_path, config):
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "notes.txt").write_text("keep me")
     with pytest.raises(ArtifactError, match="not an llmc artifact"):
-        art.write_artifact(tmp_path / "mine", _populate(config))
+        writer.write_artifact(tmp_path / "mine", _populate(config))
     assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
 
 
 @pytest.mark.parametrize("name", ["weights.safetensors", "model.so", "model.cc", "tokenizer.json"])
 def test_corrupt_file_is_named(tmp_path, config, name):
-    out = art.write_artifact(tmp_path / "a.cpu", _populate(config))
+    out = writer.write_artifact(tmp_path / "a.cpu", _populate(config))
     with open(out / name, "r+b") as f:
         f.write(b"X")
     with pytest.raises(ArtifactError, match=rf"{name} is corrupt.*recompile"):
@@ -107,7 +110,7 @@ def test_corrupt_file_is_named(tmp_path, config, name):
 
 
 def test_missing_file_is_named(tmp_path, config):
-    out = art.write_artifact(tmp_path / "a.cpu", _populate(config))
+    out = writer.write_artifact(tmp_path / "a.cpu", _populate(config))
     os.remove(out / "weights.safetensors")
     with pytest.raises(ArtifactError, match="weights.safetensors is missing"):
         art.load_artifact(out)
@@ -115,9 +118,9 @@ def test_missing_file_is_named(tmp_path, config):
 
 @pytest.mark.parametrize("key", ["format_version", "abi_version"])
 def test_version_mismatch(tmp_path, config, key):
-    out = art.write_artifact(tmp_path / "a.cpu", _populate(config))
+    out = writer.write_artifact(tmp_path / "a.cpu", _populate(config))
     _rewrite_manifest(out, **{key: 99})
-    want = {"format_version": art.FORMAT_VERSION, "abi_version": art.ABI_VERSION}[key]
+    want = {"format_version": mf.FORMAT_VERSION, "abi_version": mf.ABI_VERSION}[key]
     with pytest.raises(
         ArtifactError,
         match=rf"{key.replace('_', ' ')} 99.*reads version {want}.*llmc compile CHECKPOINT --target cpu -o",
@@ -143,7 +146,7 @@ def test_not_an_artifact(tmp_path, checkpoint_dir):
 
 
 def test_cpu_isa_mismatch(tmp_path, config):
-    out = art.write_artifact(tmp_path / "a.cpu", _populate(config))
+    out = writer.write_artifact(tmp_path / "a.cpu", _populate(config))
     m = json.loads((out / "manifest.json").read_text())
     _rewrite_manifest(out, target={**m["target"], "isa": m["target"]["isa"] + ["avx9000_quantum"]})
     with pytest.raises(ArtifactError, match="built for another CPU.*avx9000_quantum.*recompile"):
@@ -176,7 +179,7 @@ def test_host_caches_parse_sysfs(tmp_path):
 
 
 def test_cuda_target_manifest(tmp_path, config):
-    out = art.write_artifact(tmp_path / "a.sm90", _populate(config, target="sm90"))
+    out = writer.write_artifact(tmp_path / "a.sm90", _populate(config, target="sm90"))
     a = art.load_artifact(out)
     assert a.is_cuda and a.source_path.name == "model.cu" and "isa" not in a.target
 
@@ -188,7 +191,7 @@ def test_unknown_target(tmp_path, config):
         return {**pop(tmp), "target": {"name": "tpu"}}
 
     with pytest.raises(ArtifactError, match="tpu"):
-        art.write_artifact(tmp_path / "a", bad)
+        writer.write_artifact(tmp_path / "a", bad)
     assert list(tmp_path.iterdir()) == []
 
 
@@ -234,7 +237,7 @@ def test_big_file_digests_are_remembered_across_renames(tmp_path, monkeypatch):
     ("files", lambda m: m["files"].update({"model.so": "0" * 64})),
 ])  # fmt: skip
 def test_edited_manifest_is_refused_naming_the_field(tmp_path, config, field, edit):
-    out = art.write_artifact(tmp_path / "a.cpu", _populate(config))
+    out = writer.write_artifact(tmp_path / "a.cpu", _populate(config))
     m = json.loads((out / "manifest.json").read_text())
     edit(m)
     (out / "manifest.json").write_text(json.dumps(m, indent=1))
@@ -243,7 +246,7 @@ def test_edited_manifest_is_refused_naming_the_field(tmp_path, config, field, ed
 
 
 def test_manifest_without_its_digests_is_refused(tmp_path, config):
-    out = art.write_artifact(tmp_path / "a.cpu", _populate(config))
+    out = writer.write_artifact(tmp_path / "a.cpu", _populate(config))
     m = json.loads((out / "manifest.json").read_text())
     del m["manifest_sha256"]
     (out / "manifest.json").write_text(json.dumps(m))
@@ -252,7 +255,7 @@ def test_manifest_without_its_digests_is_refused(tmp_path, config):
 
 
 def test_manifest_reformatted_is_accepted(tmp_path, config):
-    out = art.write_artifact(tmp_path / "a.cpu", _populate(config))
+    out = writer.write_artifact(tmp_path / "a.cpu", _populate(config))
     m = json.loads((out / "manifest.json").read_text())
     (out / "manifest.json").write_text(json.dumps(dict(reversed(m.items())), indent=None))  # same content
     assert art.load_artifact(out).config == config
@@ -266,7 +269,7 @@ def test_target_kind_comes_from_the_manifest_not_the_name(tmp_path, config):
         return {**pop(tmp), "target": {"name": "sm120x", "kind": "cuda", "gencode": "arch=compute_120,code=sm_120"},
                 "block_size": 8}  # fmt: skip
 
-    a = art.load_artifact(art.write_artifact(tmp_path / "a.sm120x", custom))
+    a = art.load_artifact(writer.write_artifact(tmp_path / "a.sm120x", custom))
     assert a.is_cuda and a.kind == "cuda" and a.source_path.name == "model.cu" and a.block_size == 8
     _rewrite_manifest(a.path, target={"name": "sm120x"})
     with pytest.raises(ArtifactError, match="manifest target.*no kind"):
@@ -274,7 +277,7 @@ def test_target_kind_comes_from_the_manifest_not_the_name(tmp_path, config):
 
 
 def test_block_size_is_required(tmp_path, config):
-    out = art.write_artifact(tmp_path / "a.cpu", _populate(config))
+    out = writer.write_artifact(tmp_path / "a.cpu", _populate(config))
     _rewrite_manifest(out, block_size=None)
     with pytest.raises(ArtifactError, match="block_size None is not a positive integer"):
         art.load_artifact(out)

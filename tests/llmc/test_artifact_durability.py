@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from llmc import artifact as art
+from llmc import artifact_writer as writer
 from llmc import digests
 from llmc.compiler.codegen import build
 from llmc.compiler.compile import SIGNAL_AT_ENV, STAGES, compile_checkpoint
@@ -50,7 +51,7 @@ print(json.dumps(report))
 KILL_IN_WRITE = r"""
 import json, os, shutil, signal, sys
 from pathlib import Path
-from llmc import artifact
+from llmc import artifact_writer as artifact
 
 point, src, out = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
 
@@ -121,7 +122,7 @@ def test_kill_at_every_step_of_the_write(compiled, tmp_path, point):
     assert run.returncode == -signal.SIGKILL, run.stderr[-2000:]
     if point == "rename1":
         assert not out.exists()
-        art._remove_stale_leftovers(tmp_path, held="")
+        writer._remove_stale_leftovers(tmp_path, held="")
         assert (out / "manifest.json").read_text() == before, "the renamed-away artifact is put back"
     art.load_artifact(out)
     _python(KILL_IN_WRITE, "none", compiled, out).check_returncode()
@@ -156,31 +157,31 @@ def test_two_compiles_into_one_output(checkpoint_dir, tmp_path):
 
 def test_second_writer_fails_before_populating(compiled, tmp_path):
     out = tmp_path / "m.cpu"
-    lock = art._lock_path(tmp_path, "m.cpu")
-    fd = art._try_lock(lock)  # a live writer: it holds the lock and has written its pid
+    lock = writer._lock_path(tmp_path, "m.cpu")
+    fd = writer._try_lock(lock)  # a live writer: it holds the lock and has written its pid
     os.write(fd, b"4242")
     try:
         with pytest.raises(ArtifactError, match=r"another llmc compile \(pid 4242\) is writing it"):
-            art.write_artifact(out, lambda tmp: pytest.fail("populate ran without the lock"))
+            writer.write_artifact(out, lambda tmp: pytest.fail("populate ran without the lock"))
     finally:
-        art._unlock(lock, fd)
+        writer._unlock(lock, fd)
     assert os.listdir(tmp_path) == []
 
 
 def test_a_sweep_holding_the_lock_only_delays_a_writer(compiled, tmp_path):
     """Another write's sweep of leftovers holds a name's lock for a moment, with no pid in it: a writer of that
     name waits for it rather than failing."""
-    lock = art._lock_path(tmp_path, "m.cpu")
-    fd = art._try_lock(lock)
-    threading.Timer(0.3, art._unlock, (lock, fd)).start()
-    art.write_artifact(tmp_path / "m.cpu", _copy_populate(compiled))
+    lock = writer._lock_path(tmp_path, "m.cpu")
+    fd = writer._try_lock(lock)
+    threading.Timer(0.3, writer._unlock, (lock, fd)).start()
+    writer.write_artifact(tmp_path / "m.cpu", _copy_populate(compiled))
     assert os.listdir(tmp_path) == ["m.cpu"]
 
 
 def test_unwritable_output_directory_is_one_error(tmp_path):
     (tmp_path / "file").write_text("not a directory")
     with pytest.raises(ArtifactError, match="cannot create its directory"):
-        art.write_artifact(tmp_path / "file" / "m.cpu", lambda tmp: pytest.fail("populate ran"))
+        writer.write_artifact(tmp_path / "file" / "m.cpu", lambda tmp: pytest.fail("populate ran"))
     ro = tmp_path / "ro"
     ro.mkdir()
     subprocess.run(["mount", "--bind", "-o", "ro", str(ro), str(ro)], check=False, capture_output=True)
@@ -188,7 +189,7 @@ def test_unwritable_output_directory_is_one_error(tmp_path):
         return  # neither a read-only mount nor a permission denied here (root)
     try:
         with pytest.raises(ArtifactError, match=rf"cannot write in {ro}"):
-            art.write_artifact(ro / "m.cpu", lambda tmp: pytest.fail("populate ran"))
+            writer.write_artifact(ro / "m.cpu", lambda tmp: pytest.fail("populate ran"))
     finally:
         subprocess.run(["umount", str(ro)], check=False, capture_output=True)
 
@@ -197,13 +198,13 @@ def test_leftovers_of_a_live_writer_are_kept(compiled, tmp_path):
     (tmp_path / ".a.cpu.llmc-tmp-abcd1234").mkdir()  # a's writer is alive: it holds a's lock
     (tmp_path / ".b.cpu.llmc-tmp-abcd1234").mkdir()  # b's was killed: nobody holds b's lock
     (tmp_path / ".c.tmp-abcd1234").mkdir()  # not llmc's
-    fd = art._try_lock(art._lock_path(tmp_path, "a.cpu"))
+    fd = writer._try_lock(writer._lock_path(tmp_path, "a.cpu"))
     try:
         _python(KILL_IN_WRITE, "none", compiled, tmp_path / "c.cpu").check_returncode()
         assert sorted(os.listdir(tmp_path)) == [".a.cpu.llmc-lock", ".a.cpu.llmc-tmp-abcd1234", ".c.tmp-abcd1234",
                                                 "c.cpu"]  # fmt: skip
     finally:
-        art._unlock(art._lock_path(tmp_path, "a.cpu"), fd)
+        writer._unlock(writer._lock_path(tmp_path, "a.cpu"), fd)
 
 
 def _copy_populate(src: Path, fail_after: str | None = None):
@@ -221,14 +222,14 @@ def _copy_populate(src: Path, fail_after: str | None = None):
 def test_full_disk_names_the_output(compiled, tmp_path):
     out = tmp_path / "m.cpu"
     with pytest.raises(ArtifactError, match=rf"{out}: the disk is full.*nothing was written"):
-        art.write_artifact(out, _copy_populate(compiled, fail_after="model.so"))
+        writer.write_artifact(out, _copy_populate(compiled, fail_after="model.so"))
     assert os.listdir(tmp_path) == []
 
 
 def test_full_disk_keeps_the_old_artifact(compiled, tmp_path):
-    out = art.write_artifact(tmp_path / "m.cpu", _copy_populate(compiled))
+    out = writer.write_artifact(tmp_path / "m.cpu", _copy_populate(compiled))
     with pytest.raises(ArtifactError, match="the disk is full"):
-        art.write_artifact(out, _copy_populate(compiled, fail_after="weights.safetensors"))
+        writer.write_artifact(out, _copy_populate(compiled, fail_after="weights.safetensors"))
     assert os.listdir(tmp_path) == ["m.cpu"]
     art.load_artifact(out)
 
@@ -242,7 +243,7 @@ def test_full_tmpfs(compiled, tmp_path):
         pytest.skip("cannot mount a tmpfs here")
     try:
         with pytest.raises(ArtifactError, match=rf"{mnt / 'm.cpu'}: the disk is full"):
-            art.write_artifact(mnt / "m.cpu", _copy_populate(compiled))
+            writer.write_artifact(mnt / "m.cpu", _copy_populate(compiled))
         assert os.listdir(mnt) == []
     finally:
         subprocess.run(["umount", str(mnt)], check=True)

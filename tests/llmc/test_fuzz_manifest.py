@@ -21,8 +21,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from llmc import artifact as art
+from llmc import artifact_writer as writer
+from llmc import manifest as mf
 from llmc.compiler.frontend.load import load_checkpoint
 from llmc.errors import ArtifactError, LlmcError
+from llmc.kernel_program import decode_weight_bytes, format_program
 from llmc.model_config import ModelConfig
 
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -35,6 +38,26 @@ json_values = st.recursive(
 path_parts = st.sampled_from(["..", ".", "", "etc", "passwd", "model.so", "a b", "\\", "~", "\n", "manifest.json"])
 file_names = st.lists(path_parts, min_size=1, max_size=5).map("/".join) | st.text(max_size=12)
 OUTSIDE = Path("/etc/passwd")
+# A kernel program of llmc/kernel_program.py's schema: an embedding, a bf16 GEMM and a quantized one
+PROGRAM = {
+    "schema": 1, "kv_dtype": "float32", "act_dtype": "float32",
+    "buffers": [{"rows": "T", "cols": 64}, {"rows": "N", "cols": 64}],
+    "weights": [
+        {"name": "model.embed_tokens.weight", "dtype": "float32", "shape": [384, 64], "quant": None, "interleave": 0,
+         "sources": ["model.embed_tokens.weight"]},
+        {"name": "lm_head.weight.qweight", "dtype": "uint8", "shape": [384, 32], "quant": "int4 g32", "interleave": 0,
+         "sources": ["lm_head.weight"]},
+        {"name": "lm_head.weight.scales", "dtype": "float16", "shape": [384, 2], "quant": "int4 g32", "interleave": 0,
+         "sources": ["lm_head.weight"]},
+    ],
+    "launches": [
+        {"op": "embedding", "params": {"hidden": 64, "wdtype": "f32"}, "args": ["token_ids", "T", "W[0]", "buf0"],
+         "fused": ["take(embed_tokens)"]},
+        {"op": "qgemm", "params": {"n": 384, "k": 64, "bits": 4, "has_bias": False},
+         "args": ["buf1", "W[1]", "W[2]", "nullptr", "nullptr", "logits", "N"], "fused": ["lm_head"]},
+    ],
+    "tvm_funcs": {},
+}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -47,9 +70,9 @@ def valid(checkpoint_dir, tmp_path_factory) -> Path:
         return {"target": "cpu", "model_config": config, "weight_dtype": "float32",
                 "kernels": [{"id": "k0", "template": "rmsnorm", "params": {"hidden": 64}}],
                 "tokenizer": {"chat_template": "{{x}}", "bos_token": "<s>", "eos_token": "</s>"},
-                "generation_defaults": {"temperature": 0.7, "top_k": 40}}  # fmt: skip
+                "generation_defaults": {"temperature": 0.7, "top_k": 40}, "kernel_program": PROGRAM}  # fmt: skip
 
-    return art.write_artifact(tmp_path_factory.mktemp("valid") / "a.cpu", populate)
+    return writer.write_artifact(tmp_path_factory.mktemp("valid") / "a.cpu", populate)
 
 
 @pytest.fixture
@@ -73,7 +96,7 @@ def _manifest(path: Path) -> dict:
 
 
 def _write(path: Path, m, seal: bool = True) -> None:
-    m = art.seal_manifest(m) if seal and isinstance(m, dict) else m
+    m = mf.seal_manifest(m) if seal and isinstance(m, dict) else m
     (path / "manifest.json").write_text(json.dumps(m))
 
 
@@ -90,15 +113,23 @@ def _loads_or_one_line_error(path: Path, hashed: list[str]) -> ArtifactError | N
     else:  # what the runtime reads of a loaded artifact
         _ = (a.config.max_context, a.config.num_parameters(), a.block_size, a.kind, a.target_name, a.source_path,
              a.chat_template, a.bos_token, a.eos_token, a.weight_dtype, a.weight_bytes,
-             {"temperature": 0.0, **(a.manifest.get("generation_defaults") or {})})  # fmt: skip
+             {"temperature": 0.0, **(a.manifest.get("generation_defaults") or {})}, a.decode_weight_bytes,
+             format_program(a.manifest["kernel_program"]) if "kernel_program" in a.manifest else None)  # fmt: skip
     root = os.path.realpath(path)
     outside = [p for p in hashed if os.path.commonpath([root, os.path.realpath(p)]) != root]
     assert not outside, f"read outside the artifact: {outside}"
     return error
 
 
+def test_valid_kernel_program_reads():
+    assert decode_weight_bytes(PROGRAM) == {"embedding": 64 * 4, "qgemm": 384 * 32 + 384 * 2 * 2}
+    assert format_program(PROGRAM).splitlines()[-1] == (
+        "  qgemm(n=384, k=64, bits=4, has_bias=False)(buf1, W[1], W[2], nullptr, nullptr, logits, N)  # lm_head"
+    )
+
+
 def test_config_field_types_are_all_checked():
-    assert {f.type for f in dataclasses.fields(ModelConfig)} <= set(art._CONFIG_TYPES)
+    assert {f.type for f in dataclasses.fields(ModelConfig)} <= set(mf._CONFIG_TYPES)
 
 
 def test_valid_manifest_loads(artifact):
@@ -152,7 +183,7 @@ def test_fuzz_flipped_bit_in_manifest_is_refused(artifact):
 def test_fuzz_manifest_fields_resealed(artifact):
     path, hashed = artifact
     valid = _manifest(path)
-    keys = sorted(k for k in valid if k != art.MANIFEST_DIGESTS)
+    keys = sorted(k for k in valid if k != mf.MANIFEST_DIGESTS)
 
     @FUZZ
     @given(st.sampled_from(keys) | st.text(max_size=8), json_values,
@@ -175,6 +206,36 @@ def test_fuzz_manifest_fields_resealed(artifact):
     run()
 
 
+def test_fuzz_kernel_program_resealed(artifact):
+    """An edit anywhere inside kernel_program (resealed): it loads and reads, or is one ArtifactError."""
+    path, hashed = artifact
+    valid = _manifest(path)
+
+    @FUZZ
+    @given(st.lists(st.integers(0, 9) | st.text(max_size=8), max_size=4), json_values, st.booleans())
+    def run(steps, value, delete):
+        m = json.loads(json.dumps(valid))
+        parent, key = m, "kernel_program"
+        for step in steps:  # down the path that `steps` picks among what is there
+            node = parent[key]
+            if isinstance(node, dict) and node:
+                parent, key = node, sorted(node)[step % len(node)] if isinstance(step, int) else step
+            elif isinstance(node, list) and node:
+                parent, key = node, (step if isinstance(step, int) else len(step)) % len(node)
+            else:
+                break
+            if isinstance(node, dict) and key not in node:  # a new key: it is set, not gone down into
+                break
+        if delete and isinstance(parent, dict):
+            parent.pop(key, None)
+        else:
+            parent[key] = value
+        _write(path, m)
+        _loads_or_one_line_error(path, hashed)
+
+    run()
+
+
 @pytest.mark.parametrize("field, value", [
     ("model_config", {"num_layers": 0}),
     ("model_config", {"num_heads": 7}),
@@ -188,6 +249,15 @@ def test_fuzz_manifest_fields_resealed(artifact):
     ("generation_defaults", {"seed": 1}),
     ("generation_defaults", {"temperature": "hot"}),
     ("block_size", 1 << 40),
+    ("kernel_program", ["kernel program: 2 launches"]),  # the printed form of format 2
+    ("kernel_program", {"schema": 2}),
+    ("kernel_program", {"schema": True}),
+    ("kernel_program", {"launches": [{"op": "gemm", "params": {}, "args": ["W[3]"], "fused": []}]}),
+    ("kernel_program", {"weights": [{**PROGRAM["weights"][0], "shape": [-1]}]}),
+    ("kernel_program", {"weights": [{**PROGRAM["weights"][0], "dtype": "float128"}]}),
+    ("kernel_program", {"buffers": [{"rows": "B", "cols": 8}]}),
+    ("kernel_program", {"tvm_funcs": {"f": 1}}),
+    ("kernel_program", {"act_dtype": "float16"}),
 ])  # fmt: skip
 def test_resealed_bad_field_is_refused(artifact, field, value):
     path, hashed = artifact
@@ -256,5 +326,5 @@ def test_deep_and_huge_manifests_are_refused(artifact, monkeypatch):
     _write(path, {**m, "kernels": json.loads("[" * 40 + "]" * 40)})
     assert "nested more than 32 levels" in str(_loads_or_one_line_error(path, hashed))
     _write(path, m)
-    monkeypatch.setattr(art, "_MAX_MANIFEST_BYTES", 100)
+    monkeypatch.setattr(mf, "_MAX_MANIFEST_BYTES", 100)
     assert "more than" in str(_loads_or_one_line_error(path, hashed))

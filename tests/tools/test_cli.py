@@ -20,9 +20,11 @@ from click.testing import CliRunner
 
 import llmc.compiler.compile
 import llmc.examples
-from llmc.artifact import ABI_VERSION, load_artifact, write_artifact
+from llmc.artifact import load_artifact
+from llmc.artifact_writer import write_artifact
 from llmc.compiler.frontend.load import load_checkpoint
 from llmc.errors import ArtifactError, LlmcError, RequestError
+from llmc.manifest import ABI_VERSION
 from llmc.runtime.batch import StepBatch
 from llmc.runtime.kv_cache import cdiv, kv_bytes_per_block
 from llmc.runtime.module import CompiledModel

@@ -318,7 +318,7 @@ def test_decode_attention_reads_shared_memory_without_bank_conflicts(tmp_path, k
     ckpt = make_checkpoint(tmp_path / "ckpt", "llama", dtype=torch.bfloat16, num_hidden_layers=1, hidden_size=256,
                            num_attention_heads=2, num_key_value_heads=1, intermediate_size=256)  # fmt: skip
     art = compile_checkpoint(ckpt, target="sm90", output=tmp_path / "m.sm90", weight_dtype="bfloat16",
-                             kv_cache_dtype=kv_dtype)  # fmt: skip
+                             kv_dtype=kv_dtype)  # fmt: skip
     report = profile_simulated(art, phase="decode", batch=2, context=100)
     (attend,) = [k for k in report["kernels"] if k["name"].endswith("_attend")]
     assert attend["shared_requests"] > 0 and attend["bank_conflicts_per_request"] == 0.0

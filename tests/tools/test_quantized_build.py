@@ -17,8 +17,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from llmc.artifact import read_manifest
 from llmc.compiler.quant import QuantConfig, dequantize, quantize
+from llmc.manifest import read_manifest
 from llmc.runtime.batch import StepBatch
 from llmc.runtime.engine import LLMEngine
 from llmc.runtime.module import CompiledModel

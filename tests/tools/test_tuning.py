@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from llmc.artifact import read_manifest
 from llmc.compiler.codegen.simulator import build_simulated
 from llmc.compiler.quant import QuantConfig
 from llmc.compiler.tuning.database import TuningDB, cpu_machine, entry_key
 from llmc.compiler.tuning.space import Tunable, TuneSpace, tune_space
 from llmc.errors import CompileError
 from llmc.host import host_cpu_isa
+from llmc.manifest import read_manifest
 from llmc.runtime.batch import StepBatch
 from llmc.runtime.module import CompiledModel
 from llmc.targets import load_target

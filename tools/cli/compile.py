@@ -68,7 +68,7 @@ def compile_cmd(model: Path, target: str, output: Path, weight_dtype: str, block
 
     out = compile_checkpoint(
         model, target=target, output=output, weight_dtype=weight_dtype, progress=True, block_size=block_size,
-        quant=quant, kv_cache_dtype=kv_cache_dtype, calibration=calibration, max_kl=max_kl,
+        quant=quant, kv_dtype=kv_cache_dtype, calibration=calibration, max_kl=max_kl,
         tuning_db=False if tuning_db == "none" else tuning_db,
     )  # fmt: skip
     click.echo(f"wrote {out}")

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import click
 
+from llmc.kernel_program import format_program
+
 from .options import config_text
 
 
@@ -67,7 +69,8 @@ def inspect_passes(ckpt, quant) -> None:
 
 
 def print_kernel_program(program) -> None:
-    """The kernel program (llmc.compiler.lower's), indented under the passes."""
+    """A kernel program (the compiler's KernelProgram, or the text llmc.kernel_program prints from a manifest's),
+    indented."""
     click.echo("\n".join("  " + line for line in str(program).splitlines()))
 
 
@@ -94,7 +97,7 @@ def inspect_artifact(path: Path, verbose: bool) -> None:
     weights = path / "weights.safetensors"
     size = human_bytes(safetensors_data_bytes(weights)) if weights.is_file() else "missing"
     click.echo(f"  weights        {m.get('weight_dtype')}, {size}; quantization {m.get('quantization', 'none')}")
-    click.echo(f"  KV cache       {a.kv_cache_dtype}, blocks of {a.block_size} tokens")
+    click.echo(f"  KV cache       {a.kv_dtype}, blocks of {a.block_size} tokens")
     click.echo(f"  activations    {m.get('activation_dtype', 'float32')}")  # absent: an artifact from before the field
     quant = m.get("quant")
     if isinstance(quant, dict):
@@ -126,6 +129,8 @@ def inspect_artifact(path: Path, verbose: bool) -> None:
     )
     click.echo(f"  TVM fallback   {', '.join(fallback) if fallback else 'none (every op has a kernel template)'}")
     _inspect_kernels(kernels, verbose)
+    if verbose and m.get("kernel_program") is not None:  # load_artifact checked its schema
+        print_kernel_program(format_program(m["kernel_program"]))
 
 
 def _inspect_kernels(kernels: list[dict], verbose: bool) -> None:

@@ -12,7 +12,7 @@ from .options import quant_options
 
 @click.command()
 @click.argument("model", type=click.Path(path_type=Path))
-@click.option("-v", "--verbose", is_flag=True, help="Artifacts: list every kernel.")
+@click.option("-v", "--verbose", is_flag=True, help="Artifacts: list every kernel, print the kernel program.")
 @click.option(
     "--passes",
     "show_passes",

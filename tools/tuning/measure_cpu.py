@@ -20,6 +20,7 @@ import numpy as np
 from llmc.compiler.codegen.build import CPU_FLAGS, build_shared_library
 from llmc.compiler.codegen.render import kernel_id, render_kernel, target_headers
 from llmc.compiler.tuning.space import TuneSpace
+from llmc.dtypes import DTYPES, ELEMENTS_BY_SHORT
 from llmc.errors import CompileError
 from llmc.host import host_llc_bytes
 
@@ -60,9 +61,9 @@ def render_candidate(shape: KernelShape, config: dict) -> tuple[str, str]:
     nw, call = _CALLS[shape.op]
     call = call.format(
         kid=kid,
-        wt="uint16_t" if params.get("wdtype") == "bf16" else "float",
-        st="uint16_t" if params.get("scale_bits") == 16 else "float",
-    )  # fp16 scales: their bits
+        wt=ELEMENTS_BY_SHORT[params.get("wdtype", "f32")].ctype,
+        st=DTYPES["float16" if params.get("scale_bits") == 16 else "float32"].ctype,
+    )  # bf16 weights, fp16 scales: their bits
     return kid, render_kernel("cpu", shape.op, name=kid, **params) + _TRAMPOLINES.format(kid=kid, call=call, nw=nw)
 
 

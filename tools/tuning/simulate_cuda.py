@@ -18,9 +18,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from llmc.compiler.codegen.render import WDTYPES, kernel_id, render_kernel
+from llmc.compiler.codegen.render import kernel_id, render_kernel
 from llmc.compiler.codegen.simulator import build_profiled, nvcc_compile
 from llmc.compiler.tuning.space import TuneSpace
+from llmc.dtypes import ELEMENTS_BY_SHORT
 from llmc.errors import CompileError
 from llmc.targets import Target
 
@@ -62,7 +63,10 @@ def render_kernel_source(shape: KernelShape, config: dict) -> tuple[str, str, di
         raise CompileError(f"llmc tune has no CUDA runner for op {shape.op!r}")
     params = {**shape.kwargs, **config}
     kid = kernel_id("cuda", shape.op, params)
-    types = {"wt": WDTYPES[params["wdtype"]], "at": WDTYPES[params.get("adtype", "f32")]}
+    types = {
+        "wt": ELEMENTS_BY_SHORT[params["wdtype"]].ctype,
+        "at": ELEMENTS_BY_SHORT[params.get("adtype", "f32")].ctype,
+    }
     return kid, '#include "llmc_kernels.cuh"\n' + render_kernel("cuda", shape.op, name=kid, **params), types
 
 

@@ -26,6 +26,7 @@ from tqdm import tqdm
 from llmc.compiler.codegen.render import template_params
 from llmc.compiler.tuning.database import SOURCES, TuningDB, cpu_machine, entry_key
 from llmc.compiler.tuning.space import TuneSpace, tune_space
+from llmc.dtypes import ELEMENTS_BY_SHORT
 from llmc.errors import CompileError
 from llmc.targets import load_target
 
@@ -56,7 +57,7 @@ def _with_activations(family: str, op: str, params: dict) -> dict:
 def standard_shapes(family: str) -> list[KernelShape]:
     shapes = [
         KernelShape.of("gemm", dict(n=n, k=k, wdtype=wd, has_bias=False))
-        for wd in ("f32", "bf16")
+        for wd in ELEMENTS_BY_SHORT
         for n, k in STANDARD_GEMMS
     ]
     shapes += [
