@@ -50,8 +50,9 @@ extern "C" double bench_{kid}(const float* q, void* const* k, void* const* v, co
 
 
 def params(nh: int, nkv: int, hd: int) -> dict:
-    return dict(num_heads=nh, num_kv_heads=nkv, head_dim=hd, block_size=BLOCK, scale=hd**-0.5, sliding_window=0,
-                kv_dtype="f32")  # fmt: skip
+    return dict(
+        num_heads=nh, num_kv_heads=nkv, head_dim=hd, block_size=BLOCK, scale=hd**-0.5, sliding_window=0, kv_dtype="f32"
+    )
 
 
 def build(headers: dict[str, str]) -> ctypes.CDLL:
@@ -103,8 +104,18 @@ def main(argv=None) -> None:
         table = rng.permutation(blocks).astype(np.int32)
         slot, qsl, seq_lens = np.array([-1], np.int64), np.array([0, 1], np.int32), np.array([ctx], np.int32)
         out = np.zeros(nh * hd, np.float32)
-        call = [P(q.ctypes.data), k, v, P(slot.ctypes.data), P(qsl.ctypes.data), P(seq_lens.ctypes.data),
-                P(table.ctypes.data), blocks, P(out.ctypes.data), copies]  # fmt: skip
+        call = [
+            P(q.ctypes.data),
+            k,
+            v,
+            P(slot.ctypes.data),
+            P(qsl.ctypes.data),
+            P(seq_lens.ctypes.data),
+            P(table.ctypes.data),
+            blocks,
+            P(out.ctypes.data),
+            copies,
+        ]
         kid = f"bench_{kernel_id('cpu', 'paged_attention', params(nh, nkv, hd))}"
         times = {name: [] for name in libs}
         for _ in range(args.rounds):

@@ -210,9 +210,18 @@ def step_bench(args, headers: dict[str, str]) -> None:
                 t, g = (statistics.median(v) for v in zip(*res[1], strict=True))
                 bare = statistics.median(v[0] for v in res[0])
                 rows.append(
-                    [wd, str(T), str(gap), f"{t * 1e3:.2f}", f"{g * 1e3:.2f}", f"{(t - g) * 1e6:.0f}",
-                     f"{bare * 1e3:.2f}", f"{nbytes / g / 1e9:.1f}", f"{nbytes / bw * 1e3:.2f}"]
-                )  # fmt: skip
+                    [
+                        wd,
+                        str(T),
+                        str(gap),
+                        f"{t * 1e3:.2f}",
+                        f"{g * 1e3:.2f}",
+                        f"{(t - g) * 1e6:.0f}",
+                        f"{bare * 1e3:.2f}",
+                        f"{nbytes / g / 1e9:.1f}",
+                        f"{nbytes / bw * 1e3:.2f}",
+                    ]
+                )
     from llmc.runtime.bench import align_columns
 
     print(f"decode step kernels (SmolLM-135M, attention left out), threads {args.threads}, read {bw / 1e9:.1f} GB/s")
@@ -325,10 +334,16 @@ def main(argv=None) -> None:
     for d in data:
         nbytes, flops = d["w"].nbytes, 2.0 * d["T"] * d["n"] * d["k"]
         floor = max(nbytes / bw, flops / (bf16_peak if d["wd"] == "bf16" else peak))
-        rows.append([
-            d["label"], d["wd"], f"{d['n']}x{d['k']}", f"{nbytes / 2**20:.1f}", f"{floor * 1e6:.1f}",
-            *ab_cells(d["times"], nbytes, flops, floor),
-        ])  # fmt: skip
+        rows.append(
+            [
+                d["label"],
+                d["wd"],
+                f"{d['n']}x{d['k']}",
+                f"{nbytes / 2**20:.1f}",
+                f"{floor * 1e6:.1f}",
+                *ab_cells(d["times"], nbytes, flops, floor),
+            ]
+        )
     from llmc.runtime.bench import align_columns
 
     print("\n".join(align_columns(rows)))

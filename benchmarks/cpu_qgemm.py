@@ -80,8 +80,7 @@ def case_params(n: int, k: int, scheme: tuple) -> tuple[str, dict]:
     _, bits, g, asym, scale_bits = scheme
     if bits is None:
         return "gemm", dict(n=n, k=k, wdtype=g, has_bias=False)
-    return "qgemm", dict(n=n, k=k, bits=bits, group_size=g or k, asymmetric=asym, scale_bits=scale_bits,
-                         has_bias=False)  # fmt: skip
+    return "qgemm", dict(n=n, k=k, bits=bits, group_size=g or k, asymmetric=asym, scale_bits=scale_bits, has_bias=False)
 
 
 def cases(only: set[str], schemes: set[str] | None = None) -> list[tuple]:
@@ -216,10 +215,16 @@ def main(argv=None) -> None:
     rows = [ab_header(["case", "weights", "n x k", "MiB", "floor us"], list(libs), ["GB/s", "GMAC/s", "% roof"])]
     for d in data:
         floor, macs = d["nbytes"] / bw, d["T"] * d["n"] * d["k"]
-        rows.append([
-            d["label"], d["scheme"], f"{d['n']}x{d['k']}", f"{d['nbytes'] / 2**20:.2f}", f"{floor * 1e6:.1f}",
-            *ab_cells(d["times"], d["nbytes"], macs, floor),
-        ])  # fmt: skip
+        rows.append(
+            [
+                d["label"],
+                d["scheme"],
+                f"{d['n']}x{d['k']}",
+                f"{d['nbytes'] / 2**20:.2f}",
+                f"{floor * 1e6:.1f}",
+                *ab_cells(d["times"], d["nbytes"], macs, floor),
+            ]
+        )
     print("\n".join(align_columns(rows)))
     print(
         "floor = packed bytes (qweight + scales + mins, or the dense weights) / read bandwidth; % roof = floor / time"

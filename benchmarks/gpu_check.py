@@ -44,8 +44,13 @@ from torch_llama import TorchLlama  # noqa: E402
 
 from llmc.tools.profile import format_table, profile_measured  # noqa: E402
 
-_BASE = {"max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "bos_token_id": 0,
-         "eos_token_id": 1}  # fmt: skip
+_BASE = {
+    "max_position_embeddings": 2048,
+    "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": False,
+    "bos_token_id": 0,
+    "eos_token_id": 1,
+}
 SHAPES = {  # LlamaConfig kwargs of one layer
     "llama3-8b-layer": {
         **_BASE,
@@ -56,7 +61,7 @@ SHAPES = {  # LlamaConfig kwargs of one layer
         "num_key_value_heads": 8,
         "vocab_size": 32000,
         "rope_theta": 500000.0,
-    },  # fmt: skip
+    },
     "tiny": {
         **_BASE,
         "hidden_size": 256,
@@ -66,7 +71,7 @@ SHAPES = {  # LlamaConfig kwargs of one layer
         "num_key_value_heads": 2,
         "vocab_size": 1000,
         "rope_theta": 10000.0,
-    },  # fmt: skip
+    },
 }
 BF16_REL = 3e-2  # the bf16 parity rule of tests/test_cuda_parity.py
 KERNEL_TESTS = sorted(str(p.relative_to(REPO)) for p in (REPO / "tests" / "templates").glob("test_*.py"))
@@ -84,9 +89,20 @@ def run_tests(target: str, timeout: float) -> list[dict]:
     groups = [("kernel tests (CUDA cases)", [*KERNEL_TESTS, "-k", "cuda"])]
     groups += [(f"parity {args[0].split('/')[-1]}", args) for args in PARITY_TESTS]
     start = time.perf_counter()
-    running = [(name, subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args],
-                                       cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-               for name, args in groups]  # fmt: skip
+    running = [
+        (
+            name,
+            subprocess.Popen(
+                [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args],
+                cwd=REPO,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            ),
+        )
+        for name, args in groups
+    ]
     rows = []
     for name, proc in running:
         try:
@@ -159,8 +175,11 @@ def check_logits(artifact: Path, peer: TorchLlama, library, device: str, prompt_
             pos = torch.arange(start, start + len(new), device=device)
             want = peer(torch.tensor([new], device=device), pos)[0].cpu().numpy()
             worst = max(worst, float(np.abs(got - want).max() / np.abs(want).max()))
-    return {"row": "logits, llmc vs torch fp32 over the bf16 weights", "ok": worst <= BF16_REL,
-            "outcome": f"max |llmc - torch| = {worst:.4f} x max|logit| (rule: <= {BF16_REL})"}  # fmt: skip
+    return {
+        "row": "logits, llmc vs torch fp32 over the bf16 weights",
+        "ok": worst <= BF16_REL,
+        "outcome": f"max |llmc - torch| = {worst:.4f} x max|logit| (rule: <= {BF16_REL})",
+    }
 
 
 def time_peer(peer, phase: str, context: int, prompt_len: int, device: str, repeats: int) -> float:
@@ -257,9 +276,11 @@ def main(argv=None) -> int:
 def print_table(report: dict) -> None:
     c = report["ceilings"]
     where = "stated" if report["simulate"] else "measured"
-    print(f"\nGPU check, {report.get('device', 'simulated ' + report['target'])}, {report['shape']}; ceilings "
-          f"({where}): {c['bandwidth_gb_s']:.0f} GB/s, {c['bf16_tensor_tflop_s']:.0f} bf16 TFLOP/s; "
-          f"{report['seconds']:.0f} s")  # fmt: skip
+    print(
+        f"\nGPU check, {report.get('device', 'simulated ' + report['target'])}, {report['shape']}; ceilings "
+        f"({where}): {c['bandwidth_gb_s']:.0f} GB/s, {c['bf16_tensor_tflop_s']:.0f} bf16 TFLOP/s; "
+        f"{report['seconds']:.0f} s"
+    )
     print(f"{'row':<52} {'time us':>10} {'floor us':>10} {'floor/time':>10}")
     for t in report["timings"]:
         fraction = t["floor_us"] / t["us"] if t["us"] == t["us"] and t["us"] > 0 else float("nan")

@@ -61,8 +61,7 @@ def build(ckpt: Path, cache: Path, weight_dtype: str, kv_dtype: str) -> Path:
     for old in cache.glob(f"{stem}-*.cpu"):  # builds of older sources
         shutil.rmtree(old, ignore_errors=True)
     log(f"compiling (weights {weight_dtype}, KV cache {kv_dtype}) -> {out}")
-    compile_checkpoint(ckpt, target="cpu", output=out, weight_dtype=weight_dtype, kv_dtype=kv_dtype,
-                       progress=True)  # fmt: skip
+    compile_checkpoint(ckpt, target="cpu", output=out, weight_dtype=weight_dtype, kv_dtype=kv_dtype, progress=True)
     return out
 
 
@@ -121,8 +120,10 @@ def main(argv=None) -> None:
             seconds, out = dec.run(args.tokens)
             times[key].append(seconds)
             tokens[key] = out
-        log(f"round {r + 1}/{args.rounds}: " + ", ".join(f"{w}/{kv} {args.tokens / t[-1]:.1f}" for (w, kv), t in
-                                                           times.items()))  # fmt: skip
+        log(
+            f"round {r + 1}/{args.rounds}: "
+            + ", ".join(f"{w}/{kv} {args.tokens / t[-1]:.1f}" for (w, kv), t in times.items())
+        )
 
     c = SMOLLM_135M
     head_dim = c["hidden_size"] // c["num_attention_heads"]
@@ -135,10 +136,13 @@ def main(argv=None) -> None:
         same = sum(a == b for a, b in zip(tokens[(w, kv)], tokens[(w, "float32")], strict=True))
         weights = decoders[(w, kv)].model.weight_bytes
         kv_mb = values_per_token * ctx * DTYPES[kv].nbytes / 1e6
-        rows.append([w, kv, f"{tps:.1f}", f"{tps / base:.2f}x", f"{kv_mb:.1f}", f"{weights / 1e6:.0f}",
-                     f"{same}/{args.tokens}"])  # fmt: skip
-    print(f"SmolLM-135M shape, context {args.context} + {args.tokens} decode steps, batch 1, median of "
-          f"{args.rounds} interleaved rounds")  # fmt: skip
+        rows.append(
+            [w, kv, f"{tps:.1f}", f"{tps / base:.2f}x", f"{kv_mb:.1f}", f"{weights / 1e6:.0f}", f"{same}/{args.tokens}"]
+        )
+    print(
+        f"SmolLM-135M shape, context {args.context} + {args.tokens} decode steps, batch 1, median of "
+        f"{args.rounds} interleaved rounds"
+    )
     print("\n".join(align_columns(rows, left=2)))
 
 

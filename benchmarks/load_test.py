@@ -48,18 +48,34 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-PROMPTS = ["The list type", "Lists may be constructed", "A dictionary maps", "for x in range(3):",
-           "Strings are immutable", "The with statement", "import sys", "def main():", "class Node:",
-           "Exceptions are raised"]  # fmt: skip
+PROMPTS = [
+    "The list type",
+    "Lists may be constructed",
+    "A dictionary maps",
+    "for x in range(3):",
+    "Strings are immutable",
+    "The with statement",
+    "import sys",
+    "def main():",
+    "class Node:",
+    "Exceptions are raised",
+]
 MAX_BODY = 64 << 10
 MAX_N = 4
 STARTUP_TIMEOUT_S = 180.0  # includes compiling nothing (the artifact is compiled first) and loading the model
 DRAIN_TIMEOUT_S = 30.0
 KINDS = {  # kind -> weight
-    "completion": 20, "completion_stream": 20, "chat": 12, "chat_stream": 12,
-    "cancel_stream": 6, "cancel_wait": 4,
-    "too_long": 3, "too_many_n": 3, "too_large": 2, "bad_key": 3,
-}  # fmt: skip
+    "completion": 20,
+    "completion_stream": 20,
+    "chat": 12,
+    "chat_stream": 12,
+    "cancel_stream": 6,
+    "cancel_wait": 4,
+    "too_long": 3,
+    "too_many_n": 3,
+    "too_large": 2,
+    "bad_key": 3,
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,9 +134,25 @@ class Server:
     def __init__(self, artifact: Path, cfg: LoadConfig, log: Path):
         self.port, self.log, self.api_key = free_port(), log, secrets.token_hex(16)
         self.base = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "llmc.tools.cli", "serve", str(artifact), "--host", "127.0.0.1", "--port",
-               str(self.port), "--kv-cache-memory", str(kv_cache_bytes(artifact, cfg.kv_blocks)), "--max-num-seqs",
-               str(cfg.max_num_seqs), "--max-body-size", str(MAX_BODY), "--max-n", str(MAX_N)]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "llmc.tools.cli",
+            "serve",
+            str(artifact),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--kv-cache-memory",
+            str(kv_cache_bytes(artifact, cfg.kv_blocks)),
+            "--max-num-seqs",
+            str(cfg.max_num_seqs),
+            "--max-body-size",
+            str(MAX_BODY),
+            "--max-n",
+            str(MAX_N),
+        ]
         if cfg.ray_replicas:
             threads = max(1, (os.cpu_count() or 1) // cfg.ray_replicas)
             cmd += ["--ray", "--replicas", str(cfg.ray_replicas), "--threads-per-replica", str(threads)]
@@ -176,8 +208,14 @@ class Server:
 def _generation_body(rng: random.Random, chat: bool, stream: bool) -> tuple[dict, int, int]:
     """(body, n, max_tokens) of a valid request that must end with exactly max_tokens tokens per choice."""
     n, max_tokens = rng.choice((1, 1, 1, 2)), rng.randint(4, 48)
-    body = {"max_tokens": max_tokens, "n": n, "ignore_eos": True, "temperature": 0.8, "seed": rng.randrange(1 << 30),
-            "stream": stream}  # fmt: skip
+    body = {
+        "max_tokens": max_tokens,
+        "n": n,
+        "ignore_eos": True,
+        "temperature": 0.8,
+        "seed": rng.randrange(1 << 30),
+        "stream": stream,
+    }
     prompt = rng.choice(PROMPTS)
     body.update({"messages": [{"role": "user", "content": prompt}]} if chat else {"prompt": prompt})
     if stream:
@@ -313,11 +351,13 @@ async def _drive(server: Server, cfg: LoadConfig, duration_s: float, seed: int) 
     tally = Tally()
     headers = {"Authorization": f"Bearer {server.api_key}"}
     limits = httpx.Limits(max_connections=2 * cfg.concurrency, max_keepalive_connections=cfg.concurrency)
-    async with httpx.AsyncClient(base_url=server.base, headers=headers, timeout=cfg.request_timeout_s,
-                                 limits=limits) as http:  # fmt: skip
+    async with httpx.AsyncClient(
+        base_url=server.base, headers=headers, timeout=cfg.request_timeout_s, limits=limits
+    ) as http:
         deadline = time.monotonic() + duration_s
-        await asyncio.gather(*(_client(http, random.Random(seed * 1000 + i), deadline, cfg, tally)
-                               for i in range(cfg.concurrency)))  # fmt: skip
+        await asyncio.gather(
+            *(_client(http, random.Random(seed * 1000 + i), deadline, cfg, tally) for i in range(cfg.concurrency))
+        )
     return tally
 
 
@@ -385,7 +425,7 @@ def run_load(cfg: LoadConfig, log_dir: Path) -> dict:
             "loaded": round(rss_loaded / 2**20, 1),
             "start": round(rss_start / 2**20, 1),
             "end": round(rss_end / 2**20, 1),
-        },  # fmt: skip
+        },
         "rss_growth_pct": round(100 * (rss_end - rss_start) / rss_start, 2),
         "health_end": health.status_code,
         "exit_code": exit_code,
@@ -397,17 +437,27 @@ def _compare_replicas(cfg: LoadConfig, counts: list[int], log_dir: Path, as_json
     interleaves them on a noisy machine. RSS there is the Ray driver's and /metrics one replica's, so only
     throughput, latency and failures are compared."""
     reports = [(n, run_load(dataclasses.replace(cfg, ray_replicas=n), log_dir)) for n in counts]
-    keys = ("valid_ok", "valid_failed", "limits_enforced", "requests_per_s", "generated_tokens_per_s", "ttft_s",
-            "tpot_s", "exit_code")  # fmt: skip
+    keys = (
+        "valid_ok",
+        "valid_failed",
+        "limits_enforced",
+        "requests_per_s",
+        "generated_tokens_per_s",
+        "ttft_s",
+        "tpot_s",
+        "exit_code",
+    )
     table = [{"replicas": n, **{k: r[k] for k in keys}} for n, r in reports]
     if as_json:
         print(json.dumps(table, indent=2))
     else:
         print(f"{'replicas':>8} {'req/s':>8} {'tokens/s':>9} {'TTFT p50':>9} {'TPOT p50':>9} {'ok':>6} {'failed':>6}")
         for r in table:
-            print(f"{r['replicas']:>8} {r['requests_per_s']:>8} {r['generated_tokens_per_s']:>9} "
-                  f"{r['ttft_s']['p50'] or 0:>9.3f} {r['tpot_s']['p50'] or 0:>9.4f} {r['valid_ok']:>6} "
-                  f"{r['valid_failed']:>6}")  # fmt: skip
+            print(
+                f"{r['replicas']:>8} {r['requests_per_s']:>8} {r['generated_tokens_per_s']:>9} "
+                f"{r['ttft_s']['p50'] or 0:>9.3f} {r['tpot_s']['p50'] or 0:>9.4f} {r['valid_ok']:>6} "
+                f"{r['valid_failed']:>6}"
+            )
         for n, r in reports:
             for failure in r["failures"][:5] + r["limits_not_enforced"][:5]:
                 print(f"  {n} replica(s): {failure}")
@@ -424,13 +474,17 @@ def main() -> int:
     p.add_argument("--kv-blocks", type=int, default=d.kv_blocks, help="KV cache blocks of the server")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--log-dir", type=Path, default=Path("."), help="where the server's log goes")
-    p.add_argument("--ray-replicas", default=None,
-                   help="comma-separated replica counts, e.g. 1,2: the same load against `llmc serve --ray` with each "
-                        "(local Ray), one after the other, and their throughput side by side")  # fmt: skip
+    p.add_argument(
+        "--ray-replicas",
+        default=None,
+        help="comma-separated replica counts, e.g. 1,2: the same load against `llmc serve --ray` with each "
+        "(local Ray), one after the other, and their throughput side by side",
+    )
     p.add_argument("--json", action="store_true")
     a = p.parse_args()
-    cfg = LoadConfig(duration_s=a.duration, warmup_s=a.warmup, concurrency=a.concurrency, kv_blocks=a.kv_blocks,
-                     seed=a.seed)  # fmt: skip
+    cfg = LoadConfig(
+        duration_s=a.duration, warmup_s=a.warmup, concurrency=a.concurrency, kv_blocks=a.kv_blocks, seed=a.seed
+    )
     if a.ray_replicas:
         return _compare_replicas(cfg, [int(n) for n in a.ray_replicas.split(",")], a.log_dir, a.json)
     report = run_load(cfg, a.log_dir)

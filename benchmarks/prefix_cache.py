@@ -76,11 +76,13 @@ def bench_model(name: str, path: Path, prefix_len: int, suffix_len: int, rounds:
     from llmc.runtime.module import CompiledModel
 
     prompt_len = prefix_len + suffix_len
-    with CompiledModel.load(path, kv_cache_memory=256 << 20, max_num_tokens=max(prompt_len, 512),
-                            max_num_seqs=4) as model:  # fmt: skip
+    with CompiledModel.load(
+        path, kv_cache_memory=256 << 20, max_num_tokens=max(prompt_len, 512), max_num_seqs=4
+    ) as model:
         if prompt_len > model.config.max_context:
-            raise SystemExit(f"{name}: a {prompt_len}-token prompt exceeds the model's context "
-                             f"({model.config.max_context})")  # fmt: skip
+            raise SystemExit(
+                f"{name}: a {prompt_len}-token prompt exceeds the model's context ({model.config.max_context})"
+            )
         vocab = min(int(model.config.vocab_size), 384)  # ids that both models embed (cpu_decode trains 384 tokens)
         rng = np.random.default_rng(0)
         times: dict[str, list[float]] = {"cached": [], "uncached": []}
@@ -95,8 +97,10 @@ def bench_model(name: str, path: Path, prefix_len: int, suffix_len: int, rounds:
             after = cached.stats()
             t_uncached, tok_uncached = first_token_time(LLMEngine(model, enable_prefix_caching=False), prompt)
             if tok_cached != tok_uncached:
-                raise SystemExit(f"{name}: the first token differs with the prefix cached ({tok_cached}) and "
-                                 f"uncached ({tok_uncached}): prefix caching changed the output")  # fmt: skip
+                raise SystemExit(
+                    f"{name}: the first token differs with the prefix cached ({tok_cached}) and "
+                    f"uncached ({tok_uncached}): prefix caching changed the output"
+                )
             if r == 0:
                 continue  # untimed: first-call costs (page faults on mmapped weights, lazy inits)
             log(f"{name} round {r}/{rounds}: cached {t_cached * 1e3:.1f} ms, uncached {t_uncached * 1e3:.1f} ms")
@@ -157,8 +161,9 @@ def main(argv=None) -> dict:
             cache.mkdir(parents=True, exist_ok=True)
             ckpt = cpu_decode.make_checkpoint(cache / "smollm135m-random", log)
             path = cpu_decode.compiled(ckpt, cache, "float32", log)
-            rows.append(bench_model("SmolLM-135M shape (fp32, random)", path, args.prefix, args.suffix, args.rounds,
-                                    log))  # fmt: skip
+            rows.append(
+                bench_model("SmolLM-135M shape (fp32, random)", path, args.prefix, args.suffix, args.rounds, log)
+            )
         else:
             raise SystemExit(f"unknown model {name!r}: choose from bundled, smollm")
     result = {"threads": args.threads, "rounds": args.rounds, "machine": machine(), "rows": rows}
@@ -168,12 +173,22 @@ def main(argv=None) -> dict:
 
 def format_table(result: dict) -> str:
     m = result["machine"]
-    lines = [f"TTFT of one request, prefix cached vs not; median of {result['rounds']} rounds; "
-             f"{m['cpu']}, {m['cores']} cores, OMP_NUM_THREADS={result['threads']}"]  # fmt: skip
+    lines = [
+        f"TTFT of one request, prefix cached vs not; median of {result['rounds']} rounds; "
+        f"{m['cpu']}, {m['cores']} cores, OMP_NUM_THREADS={result['threads']}"
+    ]
     cells = [["model", "prompt", "cached", "TTFT cached ms", "TTFT uncached ms", "speedup"]]
     for r in result["rows"]:
-        cells.append([r["model"], str(r["prompt_tokens"]), f"{r['cached_tokens']:.0f}", f"{r['ttft_cached_ms']:.1f}",
-                      f"{r['ttft_uncached_ms']:.1f}", f"{r['speedup']:.1f}x"])  # fmt: skip
+        cells.append(
+            [
+                r["model"],
+                str(r["prompt_tokens"]),
+                f"{r['cached_tokens']:.0f}",
+                f"{r['ttft_cached_ms']:.1f}",
+                f"{r['ttft_uncached_ms']:.1f}",
+                f"{r['speedup']:.1f}x",
+            ]
+        )
     lines += align_columns(cells, left=1)
     return "\n".join(lines)
 

@@ -60,8 +60,12 @@ def parse_args(argv=None):
     p.add_argument("--rounds", type=int, default=3, help="timed rounds (median)")
     p.add_argument("--ks", default="2,4,8", help="comma-separated numbers of speculative tokens")
     p.add_argument("--max-tokens", type=int, default=160, help="tokens generated per request")
-    p.add_argument("--draft", type=Path, default=ROOT / "examples" / "pystdlib-5m-draft",
-                   help="draft checkpoint or artifact (skipped if absent)")  # fmt: skip
+    p.add_argument(
+        "--draft",
+        type=Path,
+        default=ROOT / "examples" / "pystdlib-5m-draft",
+        help="draft checkpoint or artifact (skipped if absent)",
+    )
     p.add_argument("--json", action="store_true", help="print the result as JSON instead of a table")
     return p.parse_args(argv)
 
@@ -108,19 +112,29 @@ def bench(target: Path, draft: Path | None, ks: list[int], max_tokens: int, roun
                         tokens, rate = decode(engine, prompt, max_tokens)
                         reference = reference or tokens
                         if tokens != reference:
-                            raise SystemExit(f"{prompt_name}, {method} K={k}: the greedy tokens differ from those "
-                                             "without speculation")  # fmt: skip
+                            raise SystemExit(
+                                f"{prompt_name}, {method} K={k}: the greedy tokens differ from those "
+                                "without speculation"
+                            )
                         if r:  # round 0 is untimed: first-call costs (page faults on mmapped weights, lazy inits)
                             rates.append(rate)
                         stats = engine.stats()
-                    row = {"prompt": prompt_name, "prompt_tokens": len(prompt), "method": method, "k": k,
-                           "decode_tokens_per_s": statistics.median(rates), "rounds": rates,
-                           "draft_tokens": stats.spec_num_draft_tokens,
-                           "accepted_tokens": stats.spec_num_accepted_tokens,
-                           "acceptance_rate": stats.spec_acceptance_rate}  # fmt: skip
+                    row = {
+                        "prompt": prompt_name,
+                        "prompt_tokens": len(prompt),
+                        "method": method,
+                        "k": k,
+                        "decode_tokens_per_s": statistics.median(rates),
+                        "rounds": rates,
+                        "draft_tokens": stats.spec_num_draft_tokens,
+                        "accepted_tokens": stats.spec_num_accepted_tokens,
+                        "acceptance_rate": stats.spec_acceptance_rate,
+                    }
                     rows.append(row)
-                    log(f"{prompt_name} {method} K={k}: {row['decode_tokens_per_s']:.0f} tok/s, "
-                        f"accepted {row['accepted_tokens']}/{row['draft_tokens']}")  # fmt: skip
+                    log(
+                        f"{prompt_name} {method} K={k}: {row['decode_tokens_per_s']:.0f} tok/s, "
+                        f"accepted {row['accepted_tokens']}/{row['draft_tokens']}"
+                    )
                 base = next(r for r in rows if r["prompt"] == prompt_name and r["method"] == "none")
                 for row in rows:
                     if row["prompt"] == prompt_name:
@@ -163,14 +177,24 @@ def main(argv=None) -> dict:
 
 def format_table(result: dict) -> str:
     m = result["machine"]
-    lines = [f"one greedy request, {result['max_tokens']} tokens; decode tok/s median of {result['rounds']} rounds; "
-             f"{m['cpu']}, {m['cores']} cores, OMP_NUM_THREADS={result['threads']}"]  # fmt: skip
+    lines = [
+        f"one greedy request, {result['max_tokens']} tokens; decode tok/s median of {result['rounds']} rounds; "
+        f"{m['cpu']}, {m['cores']} cores, OMP_NUM_THREADS={result['threads']}"
+    ]
     cells = [["prompt", "method", "K", "decode tok/s", "speedup", "accepted", "acceptance"]]
     for r in result["rows"]:
         spec = r["method"] != "none"
-        cells.append([r["prompt"], r["method"], str(r["k"]) if spec else "-", f"{r['decode_tokens_per_s']:.0f}",
-                      f"{r['speedup']:.2f}x", f"{r['accepted_tokens']}/{r['draft_tokens']}" if spec else "-",
-                      f"{r['acceptance_rate']:.1%}" if spec else "-"])  # fmt: skip
+        cells.append(
+            [
+                r["prompt"],
+                r["method"],
+                str(r["k"]) if spec else "-",
+                f"{r['decode_tokens_per_s']:.0f}",
+                f"{r['speedup']:.2f}x",
+                f"{r['accepted_tokens']}/{r['draft_tokens']}" if spec else "-",
+                f"{r['acceptance_rate']:.1%}" if spec else "-",
+            ]
+        )
     lines += align_columns(cells, left=2)
     return "\n".join(lines)
 

@@ -25,8 +25,9 @@ from llmc.compiler.frontend.config import parse_config
 
 def _load(checkpoint: Path) -> dict[str, torch.Tensor]:
     index = checkpoint / "model.safetensors.index.json"
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else [
-        "model.safetensors"]  # fmt: skip
+    files = (
+        sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else ["model.safetensors"]
+    )
     tensors: dict[str, torch.Tensor] = {}
     for name in files:
         tensors.update(load_file(str(checkpoint / name)))
@@ -37,8 +38,16 @@ class TorchLlama(torch.nn.Module):
     """forward(ids [B, T], pos [T]) -> logits [B, vocab] at each sequence's last position; the B sequences of
     a step sit at the same positions pos (a prefill chunk, or one decode token each)."""
 
-    def __init__(self, checkpoint: str | Path, *, dtype=torch.float32, weight_dtype=None, device="cpu",
-                 max_seq: int = 256, batch: int = 1):  # fmt: skip
+    def __init__(
+        self,
+        checkpoint: str | Path,
+        *,
+        dtype=torch.float32,
+        weight_dtype=None,
+        device="cpu",
+        max_seq: int = 256,
+        batch: int = 1,
+    ):
         """weight_dtype: round the weights through it first (fp32 arithmetic over bf16 weights: a reference
         for a bf16 build); dtype: what the model computes and caches in."""
         super().__init__()
@@ -87,8 +96,9 @@ class TorchLlama(torch.nn.Module):
             visible = self.key_pos[None, :] <= pos[:, None]  # [T, max_seq]
             if window := c.attention_window(layer):
                 visible = visible & (self.key_pos[None, :] > pos[:, None] - window)
-            attn = F.scaled_dot_product_attention(q, self.k_cache[layer], self.v_cache[layer], attn_mask=visible,
-                                                  enable_gqa=True)  # fmt: skip
+            attn = F.scaled_dot_product_attention(
+                q, self.k_cache[layer], self.v_cache[layer], attn_mask=visible, enable_gqa=True
+            )
             x = x + self._linear(attn.transpose(1, 2).reshape(b, t, c.q_size), f"{p}.self_attn.o_proj")
             h = self._norm(x, self.w[f"{p}.post_attention_layernorm.weight"])
             gate, up = self._linear(h, f"{p}.mlp.gate_proj"), self._linear(h, f"{p}.mlp.up_proj")

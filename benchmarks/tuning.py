@@ -74,14 +74,18 @@ def main(argv=None) -> dict:
                 prefill[name].append(len(prompt) / pre)
                 decode[name].append(args.tokens / dec)
         del peers
-        result["rows"].append({
-            "row": row,
-            "decode_tok_s": {n: statistics.median(v) for n, v in decode.items()},
-            "prefill_tok_s": {n: statistics.median(v) for n, v in prefill.items()},
-            "same_tokens": out["default"] == out["tuned"],
-            "kernels": {kid: {"source": k["source"], "params": k["params"], **(k.get("figures") or {})}
-                        for kid, k in tuning.items()},
-        })  # fmt: skip
+        result["rows"].append(
+            {
+                "row": row,
+                "decode_tok_s": {n: statistics.median(v) for n, v in decode.items()},
+                "prefill_tok_s": {n: statistics.median(v) for n, v in prefill.items()},
+                "same_tokens": out["default"] == out["tuned"],
+                "kernels": {
+                    kid: {"source": k["source"], "params": k["params"], **(k.get("figures") or {})}
+                    for kid, k in tuning.items()
+                },
+            }
+        )
     print(json.dumps(result, indent=2) if args.json else format_table(result))
     return result
 
@@ -92,9 +96,18 @@ def format_table(result: dict) -> str:
     kernels = [["kernel", "source", "params", "default us", "tuned us", "speed-up"]]
     for r in result["rows"]:
         d, pf = r["decode_tok_s"], r["prefill_tok_s"]
-        table.append([r["row"], f"{d['default']:.1f}", f"{d['tuned']:.1f}", f"{d['tuned'] / d['default']:.2f}x",
-                      f"{pf['default']:.0f}", f"{pf['tuned']:.0f}", f"{pf['tuned'] / pf['default']:.2f}x",
-                      "yes" if r["same_tokens"] else "NO"])  # fmt: skip
+        table.append(
+            [
+                r["row"],
+                f"{d['default']:.1f}",
+                f"{d['tuned']:.1f}",
+                f"{d['tuned'] / d['default']:.2f}x",
+                f"{pf['default']:.0f}",
+                f"{pf['tuned']:.0f}",
+                f"{pf['tuned'] / pf['default']:.2f}x",
+                "yes" if r["same_tokens"] else "NO",
+            ]
+        )
         for kid, k in r["kernels"].items():
             figures = (
                 [f"{k['default_time_us']:.1f}", f"{k['time_us']:.1f}", f"{k['speedup']:.2f}x"]

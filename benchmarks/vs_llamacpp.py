@@ -376,8 +376,10 @@ def main(argv=None) -> dict:
         for r in s["rows"]:
             for peer in ("llmc", "llama.cpp"):
                 if r[peer] and r[peer]["distinct_tokens"] < r["tokens"] // 4:
-                    log(f"warning: {s['shape']} {r['row']} {peer} generated only {r[peer]['distinct_tokens']} "
-                        "distinct tokens: a degenerate model measures a degenerate step")  # fmt: skip
+                    log(
+                        f"warning: {s['shape']} {r['row']} {peer} generated only {r[peer]['distinct_tokens']} "
+                        "distinct tokens: a degenerate model measures a degenerate step"
+                    )
     print(json.dumps(result, indent=2) if args.json else format_table(result))
     return result
 
@@ -399,8 +401,21 @@ def format_table(result: dict) -> str:
     def peer(r, name, key, fmt):
         return num(r[name][key] if r[name] else None, fmt)
 
-    head = ["shape", "row", "decode llmc", "llama.cpp", "llmc/l.cpp", "prefill llmc", "llama.cpp", "llmc/l.cpp",
-            "MB/tok llmc", "llama.cpp", "roofline llmc", "llama.cpp", "tokens agree"]  # fmt: skip
+    head = [
+        "shape",
+        "row",
+        "decode llmc",
+        "llama.cpp",
+        "llmc/l.cpp",
+        "prefill llmc",
+        "llama.cpp",
+        "llmc/l.cpp",
+        "MB/tok llmc",
+        "llama.cpp",
+        "roofline llmc",
+        "llama.cpp",
+        "tokens agree",
+    ]
     cells = [head]
     for s in result["shapes"]:
         for r in s["rows"]:

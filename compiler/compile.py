@@ -138,8 +138,15 @@ def build_program(
     mod = run_passes(mod, after_each=after_each_pass, quantize=quantize)
     check_fusion(mod, ckpt.config.num_layers)
     step("lower")
-    return lower(mod, traced.weight_names, weight_dtype=weight_dtype, block_size=block_size, kv_dtype=kv_dtype,
-                 act_dtype=weight_dtype if cuda else None, swiglu_epilogue=cuda)  # fmt: skip
+    return lower(
+        mod,
+        traced.weight_names,
+        weight_dtype=weight_dtype,
+        block_size=block_size,
+        kv_dtype=kv_dtype,
+        act_dtype=weight_dtype if cuda else None,
+        swiglu_epilogue=cuda,
+    )
 
 
 def module_sources(target: Target, source: str, tvm_source: str | None = None) -> dict[str, str]:
@@ -185,8 +192,10 @@ def compile_checkpoint(
     block_size = block_size or tgt.block_size
     quant = quant or QuantConfig()
     if kv_dtype not in ("auto", *ELEMENT_DTYPES):
-        raise CompileError(f"KV cache dtype {kv_dtype!r} is not supported",
-                           f"--kv-cache-dtype takes auto or one of {', '.join(ELEMENT_DTYPES)}")  # fmt: skip
+        raise CompileError(
+            f"KV cache dtype {kv_dtype!r} is not supported",
+            f"--kv-cache-dtype takes auto or one of {', '.join(ELEMENT_DTYPES)}",
+        )
     ckpt = load_checkpoint(checkpoint)
     dtype = resolve_weight_dtype(ckpt, weight_dtype)
     kv_dtype = resolve_kv_dtype(kv_dtype, cuda=tgt.is_cuda, weight_dtype=dtype)
@@ -204,8 +213,7 @@ def compile_checkpoint(
         bar.set_description(name)
 
     def populate(tmp: Path) -> dict:  # all of it under the output's lock: a second compile fails before it traces
-        program = build_program(ckpt, dtype, block_size, step, schemes=schemes, kv_dtype=kv_dtype,
-                                cuda=tgt.is_cuda)  # fmt: skip
+        program = build_program(ckpt, dtype, block_size, step, schemes=schemes, kv_dtype=kv_dtype, cuda=tgt.is_cuda)
         step("pack weights")
         weights = tmp / "weights.safetensors"
         offsets = write_packed_weights(ckpt, program.weights, weights, layout="cuda" if tgt.is_cuda else "cpu")

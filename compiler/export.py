@@ -66,8 +66,10 @@ def _attention(node, importer):
     mask = args.get("attn_mask")
     window = None if mask is None else _sliding_window(mask)
     if (mask is not None and window is None) or args.get("dropout_p", 0.0) or args.get("enable_gqa", False):
-        raise CompileError(f"attention {node.name} has a mask, dropout or GQA flag llmc does not compile",
-                           "llmc compiles causal attention, with or without a sliding window")  # fmt: skip
+        raise CompileError(
+            f"attention {node.name} has a mask, dropout or GQA flag llmc does not compile",
+            "llmc compiles causal attention, with or without a sliding window",
+        )
     bb = importer.block_builder
 
     def swap_heads_and_tokens(t):

@@ -69,8 +69,9 @@ def fuse_gemm_swiglu(launches: list[PendingLaunch], weights: list[WeightSpec]) -
         ):
             x, w, _, _, rows = g.args
             params = {"inter": p.params["inter"], "k": g.params["k"], "wdtype": "bf16"}
-            out[-1] = PendingLaunch("gemm_swiglu", params, [x, w, "nullptr", p.args[1], rows], g.fused + p.fused,
-                                    p.defs, g.weight)  # fmt: skip
+            out[-1] = PendingLaunch(
+                "gemm_swiglu", params, [x, w, "nullptr", p.args[1], rows], g.fused + p.fused, p.defs, g.weight
+            )
             weights[g.weight] = dataclasses.replace(weights[g.weight], interleave=SWIGLU_INTERLEAVE)
         else:
             out.append(p)

@@ -35,8 +35,9 @@ def legalize_call(call: relax.Call, params: list[relax.Var]) -> tirx.PrimFunc:
         if isinstance(b.value, relax.Call) and getattr(b.value.op, "name", "") == "relax.call_tir"
     ]
     if len(tir_calls) != 1:
-        raise CompileError(f"TVM cannot lower `{op}` to one TIR function ({len(tir_calls)} found)",
-                           "this op needs a kernel template")  # fmt: skip
+        raise CompileError(
+            f"TVM cannot lower `{op}` to one TIR function ({len(tir_calls)} found)", "this op needs a kernel template"
+        )
     callee, args = tir_calls[0].args[0], tir_calls[0].args[1]
     takes = list(args.fields)
     if (
@@ -44,6 +45,7 @@ def legalize_call(call: relax.Call, params: list[relax.Var]) -> tirx.PrimFunc:
         or len(takes) != len(fresh)
         or not all(a.same_as(f) for a, f in zip(takes, fresh, strict=True))
     ):
-        raise CompileError(f"TVM's lowering of `{op}` takes arguments other than its input tensors",
-                           "this op needs a kernel template")  # fmt: skip
+        raise CompileError(
+            f"TVM's lowering of `{op}` takes arguments other than its input tensors", "this op needs a kernel template"
+        )
     return mod[callee]

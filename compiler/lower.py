@@ -202,14 +202,18 @@ class _Lowering:
             if isinstance(src, _Weight) and not src.transposed:
                 w = self.weight_index(src, dtype="float32")
                 if self.weight_list[w].dtype != "float32":
-                    raise CompileError(f"{where} reads {src.sources[0]}, packed as {self.weight_list[w].dtype}",
-                                       "compile with --weight-dtype float32")  # fmt: skip
+                    raise CompileError(
+                        f"{where} reads {src.sources[0]}, packed as {self.weight_list[w].dtype}",
+                        "compile with --weight-dtype float32",
+                    )
                 args.append(f"W[{w}]")
             elif isinstance(src, View) and src.stride == src.cols:
                 args.append(src)
             else:
-                raise CompileError(f"no kernel template covers {where}, and its input {v.name} is not a whole "
-                                   "tensor that TVM's fallback can read")  # fmt: skip
+                raise CompileError(
+                    f"no kernel template covers {where}, and its input {v.name} is not a whole "
+                    "tensor that TVM's fallback can read"
+                )
         shapes.append(self.dims(var, where, rows=True))
         func = legalize_call(value, inputs)
         name = next((n for n, f in self.tvm_funcs.items() if tvm_ffi.structural_equal(f, func)), None)
@@ -218,16 +222,19 @@ class _Lowering:
             self.tvm_funcs[name] = func
         rows = next(d for d in shapes[-1] if isinstance(d, str))
         out = self.new_value(math.prod(d for d in shapes[-1] if isinstance(d, int)), rows)
-        self.emit("tvm_call", {"func": name, "shapes": shapes, "num_inputs": len(inputs)},
-                  [*args, out, "T", "N"], [op], [out])  # fmt: skip
+        self.emit(
+            "tvm_call", {"func": name, "shapes": shapes, "num_inputs": len(inputs)}, [*args, out, "T", "N"], [op], [out]
+        )
         self.env[var] = out
 
     def dims(self, v, where: str, rows: bool) -> list:
         """v's shape: static dims as ints, the token / logits row count as "T" / "N" (once in an activation)."""
         dims = [int(d) if isinstance(d, tvm.tirx.IntImm) else self.row_vars.get(str(d), d) for d in v.ty.shape.values]
         if sum(isinstance(d, str) for d in dims) != int(rows) or not all(isinstance(d, (int, str)) for d in dims):
-            raise CompileError(f"no kernel template covers {where}, and {v.name}: {v.ty} has a shape that "
-                               "TVM's fallback does not take (static but for one dimension of T or N rows)")  # fmt: skip
+            raise CompileError(
+                f"no kernel template covers {where}, and {v.name}: {v.ty} has a shape that "
+                "TVM's fallback does not take (static but for one dimension of T or N rows)"
+            )
         return dims
 
     def relax_astype(self, var, value):
@@ -446,8 +453,10 @@ class _Lowering:
         if not isinstance(final, View) or final.rows != "N":
             raise CompileError("main must return logits [N, vocab]; select_logits_rows did not apply")
         if len(set(self.kv_cache_heads)) != 1:
-            raise CompileError("main must take one KV cache per layer, all with the same heads and head_dim; "
-                               "fuse_attention did not apply")  # fmt: skip
+            raise CompileError(
+                "main must take one KV cache per layer, all with the same heads and head_dim; "
+                "fuse_attention did not apply"
+            )
         geometry = ModelGeometry(len(self.kv_cache_heads), *self.kv_cache_heads[0], vocab_size=final.cols)
         buffers, launches = plan_buffers(self.launches, self.value_cols, self.value_rows, final)
         return KernelProgram(

@@ -71,8 +71,11 @@ class QuantScheme:
 
     def describe(self) -> str:
         """`int4 g32 asym`, as `llmc inspect` shows it (`int8 g16 fp32-scales` where scales are not fp16)."""
-        return (f"int{self.bits} g{self.group_size}" + (" asym" if self.asymmetric else "")
-                + (" fp32-scales" if self.scale_dtype == "float32" else ""))  # fmt: skip
+        return (
+            f"int{self.bits} g{self.group_size}"
+            + (" asym" if self.asymmetric else "")
+            + (" fp32-scales" if self.scale_dtype == "float32" else "")
+        )
 
 
 @dataclasses.dataclass
@@ -162,8 +165,10 @@ def _round_up_fp16(a: np.ndarray) -> np.ndarray:
     h[low] = np.nextafter(h[low], np.float16(np.inf))
     if not np.isfinite(h).all():
         big = float(np.abs(a[~np.isfinite(h)]).max())
-        raise CompileError(f"a quantization group needs a scale of {big:g}, past fp16's range (65504)",
-                           "such a weight cannot be quantized with fp16 scales; leave it unquantized")  # fmt: skip
+        raise CompileError(
+            f"a quantization group needs a scale of {big:g}, past fp16's range (65504)",
+            "such a weight cannot be quantized with fp16 scales; leave it unquantized",
+        )
     return h.astype(np.float32)
 
 
@@ -230,8 +235,9 @@ class QuantConfig:
                 f"quantization mode {self.mode!r} is not supported", f"choose one of {', '.join(QUANT_MODES)}"
             )
         if self.group_size is not None and self.group_size not in GROUP_SIZES:
-            raise CompileError(f"group size {self.group_size} is not supported",
-                               f"choose one of {', '.join(map(str, GROUP_SIZES))}")  # fmt: skip
+            raise CompileError(
+                f"group size {self.group_size} is not supported", f"choose one of {', '.join(map(str, GROUP_SIZES))}"
+            )
         if self.mode == "none" and (self.group_size is not None or self.lm_head):
             raise CompileError(
                 "--group-size and --quant-lm-head apply to a quantized build", "add --quant int8 or int4"

@@ -91,8 +91,7 @@ def _cuda_word_order(k: int, bits: int) -> np.ndarray:
     i = np.arange(per_word)
     s, r, h = i // 4, (i // 2) % 2, i % 2
     t = np.arange(4)
-    ks = (np.arange(units)[:, None, None] * (4 * per_word) + (16 * s + 8 * r + h)[None, None, :]
-          + 2 * t[None, :, None])  # fmt: skip
+    ks = np.arange(units)[:, None, None] * (4 * per_word) + (16 * s + 8 * r + h)[None, None, :] + 2 * t[None, :, None]
     # unit u of lane t goes to word 16 * block + t * nw + w of the row (block = u // 4, w = u % 4).
     block, w = np.arange(units) // _CUDA_BLOCK_WORDS, np.arange(units) % _CUDA_BLOCK_WORDS
     nw = np.minimum(_CUDA_BLOCK_WORDS, units - _CUDA_BLOCK_WORDS * block)

@@ -124,8 +124,10 @@ def _source_shapes(ckpt, spec: WeightSpec) -> list[tuple[int, ...]]:
             or len(spec.shape) != 2
         )
     ):
-        raise CompileError(f"packed weight {spec.name!r}: part {spec.part!r} of {spec.dtype}{list(spec.shape)} "
-                           "is not a part of a quantized [N, K] weight")  # fmt: skip
+        raise CompileError(
+            f"packed weight {spec.name!r}: part {spec.part!r} of {spec.dtype}{list(spec.shape)} "
+            "is not a part of a quantized [N, K] weight"
+        )
     if not spec.sources:
         raise CompileError(f"packed weight {spec.name!r} has no sources")
     expected = ckpt.config.weight_shapes()
@@ -260,8 +262,10 @@ def _write_interleaved(ckpt, spec: WeightSpec, torch_dtype, f, digest, progress)
     """A spec of two sources interleaved `spec.interleave` rows at a time, converted and written in slabs."""
     a, b = (ckpt.tensor(src) for src in spec.sources)
     if tuple(a.shape) != tuple(b.shape) or tuple(a.shape[1:]) != tuple(spec.shape[1:]):
-        raise CompileError(f"packed weight {spec.name!r}: sources {list(spec.sources)} of shapes {list(a.shape)} "
-                           f"and {list(b.shape)} do not interleave into {list(spec.shape)}")  # fmt: skip
+        raise CompileError(
+            f"packed weight {spec.name!r}: sources {list(spec.sources)} of shapes {list(a.shape)} "
+            f"and {list(b.shape)} do not interleave into {list(spec.shape)}"
+        )
     g = spec.interleave
     step = max(g, _CHUNK_BYTES // max(1, 2 * math.prod(a.shape[1:]) * DTYPES[spec.dtype].nbytes) // g * g)
 

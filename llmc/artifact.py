@@ -173,11 +173,13 @@ def check_cpu_target(target: dict, path: Path) -> None:
     """A CPU artifact (built with -march=native) runs only where the CPU has every ISA extension it recorded."""
     machine = platform.machine()
     if target.get("machine") and target["machine"] != machine:
-        raise ArtifactError(f"{path}: built for another CPU ({target['machine']}; this machine is {machine})",
-                            recompile_hint(path))  # fmt: skip
+        raise ArtifactError(
+            f"{path}: built for another CPU ({target['machine']}; this machine is {machine})", recompile_hint(path)
+        )
     host = set(host_cpu_isa())
     missing = sorted(set(target.get("isa") or ()) - host) if host else []
     if missing:
         shown = ", ".join(missing[:6]) + (f" and {len(missing) - 6} more" if len(missing) > 6 else "")
-        raise ArtifactError(f"{path}: built for another CPU (it uses {shown}, which this CPU lacks)",
-                            recompile_hint(path))  # fmt: skip
+        raise ArtifactError(
+            f"{path}: built for another CPU (it uses {shown}, which this CPU lacks)", recompile_hint(path)
+        )

@@ -68,9 +68,10 @@ def write_artifact(output: str | Path, populate: Callable[[Path], dict]) -> Path
         except OSError as e:
             if e.errno not in (errno.ENOSPC, errno.EDQUOT):
                 raise
-            raise ArtifactError(f"{output}: the disk is full (no space left on the device of {output.parent}); "
-                                "nothing was written", "free space there, or choose another output path"
-                                ) from None  # fmt: skip
+            raise ArtifactError(
+                f"{output}: the disk is full (no space left on the device of {output.parent}); nothing was written",
+                "free space there, or choose another output path",
+            ) from None
     return output
 
 
@@ -125,12 +126,16 @@ def _output_lock(output: Path) -> Iterator[None]:
         while (fd := _try_lock(lock)) is None:
             writer = _lock_holder(lock)
             if writer is not None or time.monotonic() > deadline:
-                raise ArtifactError(f"{output}: another llmc compile{f' (pid {writer})' if writer else ''} is "
-                                    "writing it right now", "wait for it to finish, or choose another output path")  # fmt: skip
+                raise ArtifactError(
+                    f"{output}: another llmc compile{f' (pid {writer})' if writer else ''} is writing it right now",
+                    "wait for it to finish, or choose another output path",
+                )
             time.sleep(0.05)
     except OSError as e:
-        raise ArtifactError(f"{output}: cannot write in {output.parent} ({e.strerror})",
-                            "choose another output path, or make that directory writable") from None  # fmt: skip
+        raise ArtifactError(
+            f"{output}: cannot write in {output.parent} ({e.strerror})",
+            "choose another output path, or make that directory writable",
+        ) from None
     try:
         os.write(fd, str(os.getpid()).encode())
         yield

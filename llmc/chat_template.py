@@ -81,8 +81,9 @@ class _RenderProcess:
     """One render process and its pipes. Used by one thread at a time (the pool hands it out)."""
 
     def __init__(self):
-        self.proc = subprocess.Popen([sys.executable, "-c", _WORKER_COMMAND], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE)  # fmt: skip
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", _WORKER_COMMAND], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+        )
         self.started = False
 
     def _read_line(self, deadline: float) -> bytes | None:
@@ -192,8 +193,10 @@ def _render_in_process(template: str, limits: TemplateLimits, variables: dict) -
         reply = process.ask(request.encode() + b"\n", limits.timeout_s)
     except _ProcessFailed as e:
         process.kill()
-        raise ArtifactError(f"the chat template's render process {e}",
-                            "check that this Python can run `python -c 'import llmc.chat_template'`") from None  # fmt: skip
+        raise ArtifactError(
+            f"the chat template's render process {e}",
+            "check that this Python can run `python -c 'import llmc.chat_template'`",
+        ) from None
     if reply is None:
         process.kill()
         _POOL.warm()  # its replacement starts now, not at the next request
@@ -215,8 +218,10 @@ def _limit_resources(limits: TemplateLimits) -> None:
     except OSError:  # no /proc: the address space python starts with is well under 1 GiB
         used_bytes = 1 << 30
     used_s = sum(resource.getrusage(resource.RUSAGE_SELF)[:2])
-    for which, soft in ((resource.RLIMIT_AS, used_bytes + limits.max_memory_bytes),
-                        (resource.RLIMIT_CPU, math.ceil(used_s + limits.timeout_s) + 2)):  # fmt: skip
+    for which, soft in (
+        (resource.RLIMIT_AS, used_bytes + limits.max_memory_bytes),
+        (resource.RLIMIT_CPU, math.ceil(used_s + limits.timeout_s) + 2),
+    ):
         hard = resource.getrlimit(which)[1]
         resource.setrlimit(which, (soft if hard == resource.RLIM_INFINITY else min(soft, hard), hard))
 
@@ -273,8 +278,14 @@ def render_chat(
     if template is None:
         text = bos_token + "".join(f"{m['role']}: {m['content']}\n" for m in messages)
         return text + "assistant:" if add_generation_prompt else text
-    variables = dict(messages=messages, add_generation_prompt=add_generation_prompt, bos_token=bos_token,
-                     eos_token=eos_token, tools=None, documents=None)  # fmt: skip
+    variables = dict(
+        messages=messages,
+        add_generation_prompt=add_generation_prompt,
+        bos_token=bos_token,
+        eos_token=eos_token,
+        tools=None,
+        documents=None,
+    )
     compile_template(template, limits)  # one that does not parse or is too large fails here, not in a process
     return _render_in_process(template, limits, variables)
 
@@ -282,12 +293,19 @@ def render_chat(
 # What compile renders each checkpoint's template on, before it ships it: a template has to render one of them.
 # Several, since real templates refuse some: Gemma's raises on a system turn, Mistral's wants user first.
 SAMPLE_CONVERSATIONS = (
-    [{"role": "system", "content": "You are a helpful assistant."}, {"role": "user", "content": "Hello!"},
-     {"role": "assistant", "content": "Hi! How can I help?"}, {"role": "user", "content": "Tell me a joke."}],
-    [{"role": "user", "content": "Hello!"}, {"role": "assistant", "content": "Hi! How can I help?"},
-     {"role": "user", "content": "Tell me a joke."}],
+    [
+        {"role": "system", "content": "You are a helpful assistant."},
+        {"role": "user", "content": "Hello!"},
+        {"role": "assistant", "content": "Hi! How can I help?"},
+        {"role": "user", "content": "Tell me a joke."},
+    ],
+    [
+        {"role": "user", "content": "Hello!"},
+        {"role": "assistant", "content": "Hi! How can I help?"},
+        {"role": "user", "content": "Tell me a joke."},
+    ],
     [{"role": "user", "content": "Hello!"}],
-)  # fmt: skip
+)
 
 
 def check_template(template, bos_token: str = "", eos_token: str = "", limits: TemplateLimits = DEFAULT_LIMITS):

@@ -101,8 +101,14 @@ def checkpoint_hash(ckpt_dir: str | Path) -> str:
     Each file contributes its name, size and sha256 (remembered for big files, above).
     """
     ckpt_dir = Path(ckpt_dir)
-    names = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-             "chat_template.jinja", "model.safetensors.index.json"]  # fmt: skip
+    names = [
+        "config.json",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "chat_template.jinja",
+        "model.safetensors.index.json",
+    ]
     files = [ckpt_dir / n for n in names if (ckpt_dir / n).is_file()]
     files += sorted(p for p in ckpt_dir.glob("*.safetensors") if p.is_file())
     if not (ckpt_dir / "config.json").is_file():

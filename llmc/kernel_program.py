@@ -99,14 +99,27 @@ def schema_problem(program) -> str | None:
     for i, w in enumerate(program["weights"]):
         if not (isinstance(w, dict) and set(w) == _WEIGHT_KEYS):
             return f"weight {i} does not have the fields {', '.join(sorted(_WEIGHT_KEYS))}"
-        if not (isinstance(w["name"], str) and isinstance(w["dtype"], str) and w["dtype"] in DTYPES
-                and isinstance(w["quant"], str | None) and isinstance(w["shape"], list) and len(w["shape"]) <= 8
-                and all(_count(d) for d in w["shape"])
-                and _count(w["interleave"]) and _strings(w["sources"])):  # fmt: skip
+        if not (
+            isinstance(w["name"], str)
+            and isinstance(w["dtype"], str)
+            and w["dtype"] in DTYPES
+            and isinstance(w["quant"], str | None)
+            and isinstance(w["shape"], list)
+            and len(w["shape"]) <= 8
+            and all(_count(d) for d in w["shape"])
+            and _count(w["interleave"])
+            and _strings(w["sources"])
+        ):
             return f"weight {i} ({_short(w['name'])}) has a field of the wrong type"
     for i, launch in enumerate(program["launches"]):
-        if not (isinstance(launch, dict) and set(launch) == _LAUNCH_KEYS and isinstance(launch["op"], str)
-                and isinstance(launch["params"], dict) and _strings(launch["args"]) and _strings(launch["fused"])):  # fmt: skip
+        if not (
+            isinstance(launch, dict)
+            and set(launch) == _LAUNCH_KEYS
+            and isinstance(launch["op"], str)
+            and isinstance(launch["params"], dict)
+            and _strings(launch["args"])
+            and _strings(launch["fused"])
+        ):
             return f"launch {i} is not {{op, params, args, fused}} of their types"
         refs = [r for r in map(weight_ref, launch["args"]) if r is not None]
         if any(r >= len(program["weights"]) for r in refs):

@@ -134,8 +134,12 @@ def recorded_target_name(m: dict) -> str:
 
 def _is_file_name(rel) -> bool:
     """A name llmc writes into `files`: relative, inside the artifact, of plain parts (no "", ".", "..")."""
-    return (isinstance(rel, str) and rel != MANIFEST and len(rel) <= 255
-            and all(_FILE_PART.fullmatch(part) for part in rel.split("/")))  # fmt: skip
+    return (
+        isinstance(rel, str)
+        and rel != MANIFEST
+        and len(rel) <= 255
+        and all(_FILE_PART.fullmatch(part) for part in rel.split("/"))
+    )
 
 
 def _is_int(value, low: int = 1, high: int = 2**31 - 1) -> bool:
@@ -150,15 +154,18 @@ def check_manifest(m: dict, path: Path) -> None:
     target = m.get("target")
     name = target.get("name") if isinstance(target, dict) else None
     if not isinstance(name, str) or not _TARGET_NAME.fullmatch(name) or target.get("kind") not in KINDS:
-        raise ArtifactError(f"{path}: manifest target {_show(target)} has no name or no kind of {', '.join(KINDS)}",
-                            damaged)  # fmt: skip
+        raise ArtifactError(
+            f"{path}: manifest target {_show(target)} has no name or no kind of {', '.join(KINDS)}", damaged
+        )
     hint = recompile_hint(path, name)
     machine, isa = target.get("machine"), target.get("isa")
     if not (machine is None or isinstance(machine, str) and _ISA_NAME.fullmatch(machine)) or not (
         isa is None or isinstance(isa, list) and all(isinstance(f, str) and _ISA_NAME.fullmatch(f) for f in isa)
     ):
-        raise ArtifactError(f"{path}: manifest target machine {_show(machine)} or isa {_show(isa)} is not a name "
-                            "or a list of names", damaged)  # fmt: skip
+        raise ArtifactError(
+            f"{path}: manifest target machine {_show(machine)} or isa {_show(isa)} is not a name or a list of names",
+            damaged,
+        )
     block_size = m.get("block_size")
     if not _is_int(block_size):
         raise ArtifactError(f"{path}: manifest block_size {_show(block_size)} is not a positive integer", hint)
@@ -167,8 +174,11 @@ def check_manifest(m: dict, path: Path) -> None:
         raise ArtifactError(f"{path}: manifest lists no files", damaged)
     for rel, digest in files.items():
         if not _is_file_name(rel):
-            raise ArtifactError(f"{path}: the manifest lists a file {_show(rel)}, which is not a plain name inside "
-                                "the artifact; nothing was read", damaged)  # fmt: skip
+            raise ArtifactError(
+                f"{path}: the manifest lists a file {_show(rel)}, which is not a plain name inside "
+                "the artifact; nothing was read",
+                damaged,
+            )
         if not isinstance(digest, str) or not _SHA256.fullmatch(digest):
             raise ArtifactError(f"{path}: the manifest's sha256 of {rel} is {_show(digest)}, not 64 hex digits", hint)
     for required in (LIBRARY, WEIGHTS, TOKENIZER, SOURCE_FILE[target["kind"]]):
@@ -183,16 +193,22 @@ def check_manifest(m: dict, path: Path) -> None:
         raise ArtifactError(f"{path}: manifest weight_dtype {_show(m['weight_dtype'])} is not a name", hint)
     kv_dtype = m.get("kv_cache_dtype", "float32")
     if not isinstance(kv_dtype, str) or kv_dtype not in ELEMENT_DTYPES:
-        raise ArtifactError(f"{path}: manifest kv_cache_dtype {_show(kv_dtype)} is not one of "
-                            f"{', '.join(ELEMENT_DTYPES)}", hint)  # fmt: skip
+        raise ArtifactError(
+            f"{path}: manifest kv_cache_dtype {_show(kv_dtype)} is not one of {', '.join(ELEMENT_DTYPES)}", hint
+        )
     if "kernel_program" in m and (problem := schema_problem(m["kernel_program"])):
         raise ArtifactError(f"{path}: manifest kernel_program {problem}", hint)
     defaults = m.get("generation_defaults")
-    if not (defaults is None or isinstance(defaults, dict) and all(
-        k in GENERATION_DEFAULT_KEYS and type(v) in (int, float) for k, v in defaults.items()
-    )):  # fmt: skip
-        raise ArtifactError(f"{path}: manifest generation_defaults {_show(defaults)} are not sampling parameters "
-                            f"(numbers for {', '.join(GENERATION_DEFAULT_KEYS)})", hint)  # fmt: skip
+    if not (
+        defaults is None
+        or isinstance(defaults, dict)
+        and all(k in GENERATION_DEFAULT_KEYS and type(v) in (int, float) for k, v in defaults.items())
+    ):
+        raise ArtifactError(
+            f"{path}: manifest generation_defaults {_show(defaults)} are not sampling parameters "
+            f"(numbers for {', '.join(GENERATION_DEFAULT_KEYS)})",
+            hint,
+        )
 
 
 def check_seal(m: dict, path: Path) -> None:
@@ -202,12 +218,18 @@ def check_seal(m: dict, path: Path) -> None:
     if not isinstance(recorded, dict):
         raise ArtifactError(f"{path / MANIFEST}: no {MANIFEST_DIGESTS} (the manifest's own digests)", hint)
     fields = {k: v for k, v in m.items() if k != MANIFEST_DIGESTS}
-    changed = sorted(k for k in fields.keys() | recorded.keys()
-                     if k not in recorded or k not in fields or _canonical_sha256(fields[k]) != recorded[k])  # fmt: skip
+    changed = sorted(
+        k
+        for k in fields.keys() | recorded.keys()
+        if k not in recorded or k not in fields or _canonical_sha256(fields[k]) != recorded[k]
+    )
     if changed:
         named = ", ".join(k if k.isidentifier() else _show(k) for k in changed[:8])
-        raise ArtifactError(f"{path / MANIFEST}: field {named} was edited or damaged after compile "
-                            f"(its sha256 does not match {MANIFEST_DIGESTS})", hint)  # fmt: skip
+        raise ArtifactError(
+            f"{path / MANIFEST}: field {named} was edited or damaged after compile "
+            f"(its sha256 does not match {MANIFEST_DIGESTS})",
+            hint,
+        )
 
 
 def check_config(d, path: Path, hint: str) -> None:
@@ -219,12 +241,16 @@ def check_config(d, path: Path, hint: str) -> None:
     missing = sorted(k for k, f in fields.items() if k not in d and f.default is dataclasses.MISSING)
     if unknown or missing:
         odd = ", ".join(_show(k) for k in unknown[:4])
-        raise ArtifactError(f"{path}: manifest model_config " + (f"has unknown fields {odd}" if unknown else
-                            f"lacks {', '.join(missing)}"), hint)  # fmt: skip
+        raise ArtifactError(
+            f"{path}: manifest model_config "
+            + (f"has unknown fields {odd}" if unknown else f"lacks {', '.join(missing)}"),
+            hint,
+        )
     for key, value in d.items():
         if not _CONFIG_TYPES[fields[key].type](value):
-            raise ArtifactError(f"{path}: manifest model_config {key} {_show(value)} is not a {fields[key].type} "
-                                "in range", hint)  # fmt: skip
+            raise ArtifactError(
+                f"{path}: manifest model_config {key} {_show(value)} is not a {fields[key].type} in range", hint
+            )
     problem = ModelConfig.from_dict(d).inconsistency()
     if problem:
         raise ArtifactError(f"{path}: manifest model_config is inconsistent: {problem}", hint)
@@ -257,8 +283,10 @@ def parse_manifest(path: Path) -> dict:
     mpath = path / MANIFEST
     if not mpath.is_file():
         if (path / "config.json").is_file():
-            raise ArtifactError(f"{path}: is a checkpoint, not a compiled artifact",
-                                f"compile it first: llmc compile {path} --target cpu -o OUT")  # fmt: skip
+            raise ArtifactError(
+                f"{path}: is a checkpoint, not a compiled artifact",
+                f"compile it first: llmc compile {path} --target cpu -o OUT",
+            )
         raise ArtifactError(f"{path}: not an llmc artifact (no {MANIFEST})", "compile one with llmc compile")
     try:
         with open(mpath, "rb") as f:

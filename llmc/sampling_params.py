@@ -82,9 +82,11 @@ class SamplingParams:
         if not 0.0 <= real("min_p") <= 1.0:
             raise bad("min_p", self.min_p, "min_p must be in [0, 1]")
         if not MIN_REPETITION_PENALTY <= real("repetition_penalty") <= MAX_REPETITION_PENALTY:
-            raise bad("repetition_penalty", self.repetition_penalty,
-                      f"repetition_penalty must be in [{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}] "
-                      "(1 is off)")  # fmt: skip
+            raise bad(
+                "repetition_penalty",
+                self.repetition_penalty,
+                f"repetition_penalty must be in [{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}] (1 is off)",
+            )
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= real(name) <= 2.0:
                 raise bad(name, getattr(self, name), f"{name} must be in [-2, 2]")
@@ -98,8 +100,11 @@ class SamplingParams:
             integer("max_tokens", 1, hint="max_tokens must be an integer >= 1, or None")
         integer("min_tokens", 0, hint="min_tokens must be an integer >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise RequestError(f"invalid sampling parameter: min_tokens={self.min_tokens} > max_tokens={self.max_tokens}",
-                               "need min_tokens <= max_tokens", param="min_tokens")  # fmt: skip
+            raise RequestError(
+                f"invalid sampling parameter: min_tokens={self.min_tokens} > max_tokens={self.max_tokens}",
+                "need min_tokens <= max_tokens",
+                param="min_tokens",
+            )
         if self.logprobs is not None:
             integer("logprobs", 0, MAX_LOGPROBS)
 

@@ -211,19 +211,28 @@ class TemplateRefused(ArtifactError):
 
 
 def template_error(what: str, error=ArtifactError) -> ArtifactError:
-    return error(f"the model's chat template {what}",
-                 "fix chat_template in the checkpoint's tokenizer_config.json and compile again")  # fmt: skip
+    return error(
+        f"the model's chat template {what}",
+        "fix chat_template in the checkpoint's tokenizer_config.json and compile again",
+    )
 
 
 @functools.lru_cache(maxsize=8)
 def compile_template(template: str, limits: TemplateLimits = DEFAULT_LIMITS) -> jinja2.Template:
     """The template compiled as transformers compiles it, under `limits`. Its faults are the checkpoint's."""
     if len(template) > limits.max_template_chars:
-        raise template_error(f"has {len(template):,} characters, more than the {limits.max_template_chars:,} allowed",
-                              TemplateRefused)  # fmt: skip
+        raise template_error(
+            f"has {len(template):,} characters, more than the {limits.max_template_chars:,} allowed", TemplateRefused
+        )
     # optimized=False: jinja's optimizer evaluates constant expressions and filters at compile time, unbounded
-    env = _BoundedEnvironment(limits.max_output_chars, limits.max_int_bits, trim_blocks=True, lstrip_blocks=True,
-                              optimized=False, extensions=[jinja2.ext.loopcontrols])  # fmt: skip
+    env = _BoundedEnvironment(
+        limits.max_output_chars,
+        limits.max_int_bits,
+        trim_blocks=True,
+        lstrip_blocks=True,
+        optimized=False,
+        extensions=[jinja2.ext.loopcontrols],
+    )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
@@ -245,12 +254,14 @@ def render_in_this_process(template: jinja2.Template, limits: TemplateLimits, va
             parts.append(part)
         return "".join(parts)
     except MemoryError:
-        raise template_error(f"ran out of the {limits.max_memory_bytes:,} bytes of memory a render may take",
-                              TemplateRefused) from None  # fmt: skip
+        raise template_error(
+            f"ran out of the {limits.max_memory_bytes:,} bytes of memory a render may take", TemplateRefused
+        ) from None
     except (jinja2.exceptions.SecurityError, RecursionError) as e:
         raise template_error(f"was refused by the sandbox: {e}", TemplateRefused) from None
     except jinja2.exceptions.TemplateError as e:  # raise_exception, an undefined variable: the conversation's
-        raise RequestError(f"the chat template rejected the conversation: {e}", "check the messages' roles and order",
-                           param="messages") from None  # fmt: skip
+        raise RequestError(
+            f"the chat template rejected the conversation: {e}", "check the messages' roles and order", param="messages"
+        ) from None
     except Exception as e:  # noqa: BLE001  (a TypeError, a ValueError: the template's code failed on this input)
         raise template_error(f"failed on this conversation: {type(e).__name__}: {e}") from None

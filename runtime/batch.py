@@ -141,9 +141,14 @@ class StepBatch:
     def validate(self) -> None:
         """Check dtypes, shapes and contiguity against the C ABI; a mismatch would be silent memory corruption."""
         expected = {
-            "token_ids": np.int32, "positions": np.int32, "slot_mapping": np.int64, "query_start_loc": np.int32,
-            "seq_lens": np.int32, "block_tables": np.int32, "logits_indices": np.int32,
-        }  # fmt: skip
+            "token_ids": np.int32,
+            "positions": np.int32,
+            "slot_mapping": np.int64,
+            "query_start_loc": np.int32,
+            "seq_lens": np.int32,
+            "block_tables": np.int32,
+            "logits_indices": np.int32,
+        }
         for name, dtype in expected.items():
             a = getattr(self, name)
             if a.dtype != dtype or not a.flags.c_contiguous:

@@ -36,8 +36,9 @@ from llmc.runtime.engine import LLMEngine
 from llmc.sampling_params import SamplingParams
 
 
-def make_workload(num_requests: int, prompt_len: int, vocab_size: int, seed: int,
-                  shared_prefix: int = 0) -> list[list[int]]:  # fmt: skip
+def make_workload(
+    num_requests: int, prompt_len: int, vocab_size: int, seed: int, shared_prefix: int = 0
+) -> list[list[int]]:
     """The synthetic prompts: `num_requests` lists of `prompt_len` token ids, a pure function of its arguments.
 
     The first `shared_prefix` tokens of every prompt are the same.
@@ -94,8 +95,10 @@ def _run_level(engine: LLMEngine, prompts: list[list[int]], output_len: int, con
 
     lengths = {len(t) for t in token_times}
     if lengths != {output_len}:
-        raise LlmcError(f"bench requests generated {sorted(lengths)} tokens, expected exactly {output_len}",
-                        "this is an engine bug: ignore_eos and max_tokens should fix the length")  # fmt: skip
+        raise LlmcError(
+            f"bench requests generated {sorted(lengths)} tokens, expected exactly {output_len}",
+            "this is an engine bug: ignore_eos and max_tokens should fix the length",
+        )
     ttft = [(t[0] - a) * 1e3 for t, a in zip(token_times, added, strict=True)]
     tpot = [(t[-1] - t[0]) * 1e3 / (len(t) - 1) for t in token_times if len(t) > 1]
     (ttft50, ttft99), (tpot50, tpot99) = _percentiles(ttft), _percentiles(tpot)
@@ -143,19 +146,25 @@ def run_bench(
     if prompt_len < 1 or output_len < 1 or any(c < 1 for c in concurrency):
         raise LlmcError("bench needs prompt_len, output_len and every concurrency level >= 1")
     if not 0 <= shared_prefix <= prompt_len:
-        raise LlmcError(f"the shared prefix ({shared_prefix} tokens) must be within the prompt ({prompt_len} tokens)",
-                        "choose a shared prefix between 0 and the prompt length")  # fmt: skip
+        raise LlmcError(
+            f"the shared prefix ({shared_prefix} tokens) must be within the prompt ({prompt_len} tokens)",
+            "choose a shared prefix between 0 and the prompt length",
+        )
     engine = engine_factory()
     if prompt_len + output_len > engine.max_model_len:
         raise LlmcError(
             f"prompt_len + output_len = {prompt_len + output_len} exceeds the model's max_model_len "
-            f"({engine.max_model_len})", "choose a shorter workload")  # fmt: skip
+            f"({engine.max_model_len})",
+            "choose a shorter workload",
+        )
     if weight_bytes is None:
         weight_bytes = getattr(engine.model, "weight_bytes", None)
     counts = {c: num_requests or max(4, 2 * c) for c in concurrency}
     # warm-up (not timed): first-call costs (page faults on mmapped weights, lazy inits) stay out of the numbers
-    engine.generate([make_workload(1, prompt_len, engine.vocab_size, seed)[0]],
-                    SamplingParams(temperature=0.0, max_tokens=min(2, output_len), ignore_eos=True))  # fmt: skip
+    engine.generate(
+        [make_workload(1, prompt_len, engine.vocab_size, seed)[0]],
+        SamplingParams(temperature=0.0, max_tokens=min(2, output_len), ignore_eos=True),
+    )
 
     levels = []
     with tqdm(total=sum(counts.values()), desc="bench", unit="req", file=sys.stderr, disable=not progress) as bar:
@@ -199,7 +208,7 @@ def run_bench(
             "seed": seed,
             "shared_prefix": shared_prefix,
             "sampling": "greedy, ignore_eos",
-        },  # fmt: skip
+        },
         "levels": levels,
         "roofline": roofline,
         "prefix_cache_hit_rate": sum(level["prefix_cache_hits"] for level in levels) / queries if queries else 0.0,
@@ -225,16 +234,20 @@ _SPEC_COLUMN = ("spec accept", "spec_acceptance_rate", "{:.1%}")  # shown when s
 def align_columns(cells: list[list[str]], left: int = 0) -> list[str]:
     """Rows of text cells as aligned lines: the first `left` columns flush left, the rest flush right."""
     widths = [max(len(row[i]) for row in cells) for i in range(len(cells[0]))]
-    return ["  ".join(c.ljust(w) if i < left else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True)))
-            for row in cells]  # fmt: skip
+    return [
+        "  ".join(c.ljust(w) if i < left else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True)))
+        for row in cells
+    ]
 
 
 def format_bench_table(result: dict) -> str:
     """The result as a plain-text table, with the workload above it and the roofline below."""
     w = result["workload"]
     shared = f" (the first {w['shared_prefix']} shared)" if w.get("shared_prefix") else ""
-    lines = [f"workload: prompt {w['prompt_len']} tokens{shared}, output {w['output_len']} tokens "
-             f"({w['sampling']}), seed {w['seed']}"]  # fmt: skip
+    lines = [
+        f"workload: prompt {w['prompt_len']} tokens{shared}, output {w['output_len']} tokens "
+        f"({w['sampling']}), seed {w['seed']}"
+    ]
     spec = result.get("speculative")
     columns = _COLUMNS + [_SPEC_COLUMN] if spec else _COLUMNS
     cells = [[h for h, _, _ in columns]]
@@ -251,12 +264,15 @@ def format_bench_table(result: dict) -> str:
             f"roofline: {roof['weight_bytes_per_decode_step'] / 1e9:.3f} GB of weights per decode step, memory "
             f"bandwidth {roof['memory_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s ({roof['memory_bandwidth_source']}) "
             f"-> at most {roof['decode_tokens_per_s_per_seq']:.1f} tokens/s per sequence (TPOT >= "
-            f"{roof['tpot_ms']:.2f} ms); % of roofline = roofline TPOT / TPOT p50")  # fmt: skip
+            f"{roof['tpot_ms']:.2f} ms); % of roofline = roofline TPOT / TPOT p50"
+        )
     else:
         lines.append("roofline: not computed (the weight bytes per decode step are unknown)")
     if "prefix_cache_hit_rate" in result:
         lines.append(f"prefix cache hit rate: {result['prefix_cache_hit_rate']:.1%} of prompt tokens, all levels")
     if spec:
-        lines.append(f"speculative decoding: {spec['method']}, {spec['num_speculative_tokens']} tokens per step; "
-                     f"{spec['acceptance_rate']:.1%} of guesses accepted, all levels")  # fmt: skip
+        lines.append(
+            f"speculative decoding: {spec['method']}, {spec['num_speculative_tokens']} tokens per step; "
+            f"{spec['acceptance_rate']:.1%} of guesses accepted, all levels"
+        )
     return "\n".join(lines)

@@ -20,8 +20,14 @@ def special_tokens(tokenizer, bos_token_id: int | None, eos_token_ids) -> tuple[
     return name(bos_token_id), name(eos_ids[0] if eos_ids else None)
 
 
-def chat_prompt_ids(tokenizer, template: str | None, messages: list[dict], bos_token: str, eos_token: str,
-                    limits: TemplateLimits = DEFAULT_LIMITS) -> list[int]:  # fmt: skip
+def chat_prompt_ids(
+    tokenizer,
+    template: str | None,
+    messages: list[dict],
+    bos_token: str,
+    eos_token: str,
+    limits: TemplateLimits = DEFAULT_LIMITS,
+) -> list[int]:
     """Render and encode; the template placed the special tokens itself, so none are added.
 
     encode_batch, not encode: it lets go of the GIL, so a server that calls this in a worker thread goes on

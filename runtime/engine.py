@@ -100,8 +100,12 @@ class LLMEngine:
         bos = getattr(config, "bos_token_id", None)
         self.bos_token_id = None if bos is None else int(bos)
         self.context_len = int(config.max_context)
-        self.kv_cache = KVCacheManager(model.num_blocks, model.block_size, sliding_window=int(config.kv_window),
-                                       enable_prefix_caching=enable_prefix_caching)  # fmt: skip
+        self.kv_cache = KVCacheManager(
+            model.num_blocks,
+            model.block_size,
+            sliding_window=int(config.kv_window),
+            enable_prefix_caching=enable_prefix_caching,
+        )
         self.scheduler = Scheduler(
             self.kv_cache,
             max_num_batched_tokens=min(max_num_batched_tokens or model.max_num_tokens, model.max_num_tokens),
@@ -143,33 +147,52 @@ class LLMEngine:
         """
         n = len(prompt_token_ids)
         if n == 0:
-            raise RequestError("the prompt is empty", "give at least one token (most models want BOS first)",
-                               param="prompt")  # fmt: skip
+            raise RequestError(
+                "the prompt is empty", "give at least one token (most models want BOS first)", param="prompt"
+            )
         if n > self.context_len:
             raise RequestError(
                 f"the prompt has {n} tokens, more than the model's context of {self.context_len} tokens "
-                "(max_position_embeddings)", "shorten the prompt", param="prompt")  # fmt: skip
+                "(max_position_embeddings)",
+                "shorten the prompt",
+                param="prompt",
+            )
         if n > self.kv_cache.max_num_tokens:
             raise RequestError(
                 f"the prompt has {n} tokens, but the KV cache can hold at most {self.kv_cache.max_num_tokens} "
                 f"({self.kv_cache.num_blocks} blocks of {self.kv_cache.block_size})",
-                "give the cache more memory (--kv-cache-memory) or shorten the prompt", param="prompt")  # fmt: skip
+                "give the cache more memory (--kv-cache-memory) or shorten the prompt",
+                param="prompt",
+            )
         if n > self.max_model_len:
-            raise RequestError(f"the prompt has {n} tokens, more than max_model_len={self.max_model_len}",
-                               "shorten the prompt", param="prompt")  # fmt: skip
+            raise RequestError(
+                f"the prompt has {n} tokens, more than max_model_len={self.max_model_len}",
+                "shorten the prompt",
+                param="prompt",
+            )
         bad = [t for t in prompt_token_ids if not (isinstance(t, (int, np.integer)) and 0 <= t < self.vocab_size)]
         if bad:
-            raise RequestError(f"prompt token ids {bad[:5]} are outside the vocabulary",
-                               f"ids must be in [0, {self.vocab_size})", param="prompt")  # fmt: skip
+            raise RequestError(
+                f"prompt token ids {bad[:5]} are outside the vocabulary",
+                f"ids must be in [0, {self.vocab_size})",
+                param="prompt",
+            )
         if params.stop and self.tokenizer is None:
-            raise RequestError("stop strings need a tokenizer",
-                               "load the engine with the model's tokenizer, or use stop_token_ids", param="stop")  # fmt: skip
+            raise RequestError(
+                "stop strings need a tokenizer",
+                "load the engine with the model's tokenizer, or use stop_token_ids",
+                param="stop",
+            )
         if any(t >= self.vocab_size for t in params.stop_token_ids):
-            raise RequestError(f"stop_token_ids {params.stop_token_ids[:5]} reach outside the vocabulary",
-                               f"ids must be in [0, {self.vocab_size})", param="stop_token_ids")  # fmt: skip
+            raise RequestError(
+                f"stop_token_ids {params.stop_token_ids[:5]} reach outside the vocabulary",
+                f"ids must be in [0, {self.vocab_size})",
+                param="stop_token_ids",
+            )
         if params.logprobs is not None and params.logprobs > self.vocab_size:
-            raise RequestError(f"logprobs={params.logprobs} exceeds the vocabulary ({self.vocab_size})",
-                               param="logprobs")  # fmt: skip
+            raise RequestError(
+                f"logprobs={params.logprobs} exceeds the vocabulary ({self.vocab_size})", param="logprobs"
+            )
 
     def add_request(
         self,
@@ -196,8 +219,11 @@ class LLMEngine:
         try:
             for index, seq_id in enumerate(seq_ids):
                 # n > 1: n independent sequences; seeded ones get seed + index (as vLLM), or they would be equal
-                seq_params = params if params.n == 1 else dataclasses.replace(
-                    params, n=1, seed=None if params.seed is None else params.seed + index)  # fmt: skip
+                seq_params = (
+                    params
+                    if params.n == 1
+                    else dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + index)
+                )
                 self._add_sequence(req_id, index, seq_id, prompt, seq_params, speculate)
         except Exception:
             self.abort(req_id)  # all or nothing: no sequence of a failed add stays behind
@@ -210,7 +236,8 @@ class LLMEngine:
         detokenizer = None
         if self.tokenizer is not None:
             detokenizer = IncrementalDetokenizer(
-                self.tokenizer, prompt, stop=params.stop, skip_special_tokens=params.skip_special_tokens)  # fmt: skip
+                self.tokenizer, prompt, stop=params.stop, skip_special_tokens=params.skip_special_tokens
+            )
         request = Request(seq_id, prompt)
         self._seqs[seq_id] = _Sequence(
             req_id=req_id,
@@ -242,11 +269,17 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         sched, cache = self.scheduler, self.kv_cache
-        return EngineStats(num_running=sched.num_running, num_waiting=sched.num_waiting, num_blocks=cache.num_blocks,
-                           num_free_blocks=cache.num_free_blocks, num_preemptions=sched.num_preemptions,
-                           prefix_cache_queries=sched.prefix_cache_queries,
-                           prefix_cache_hits=sched.prefix_cache_hits, spec_num_draft_tokens=self.spec_num_draft_tokens,
-                           spec_num_accepted_tokens=self.spec_num_accepted_tokens)  # fmt: skip
+        return EngineStats(
+            num_running=sched.num_running,
+            num_waiting=sched.num_waiting,
+            num_blocks=cache.num_blocks,
+            num_free_blocks=cache.num_free_blocks,
+            num_preemptions=sched.num_preemptions,
+            prefix_cache_queries=sched.prefix_cache_queries,
+            prefix_cache_hits=sched.prefix_cache_hits,
+            spec_num_draft_tokens=self.spec_num_draft_tokens,
+            spec_num_accepted_tokens=self.spec_num_accepted_tokens,
+        )
 
     def _new_id(self) -> str:
         while (req_id := f"req-{next(self._ids)}") in self._seq_ids:
@@ -277,8 +310,9 @@ class LLMEngine:
         try:
             logits = self.model.step(batch)  # float32 [N, vocab]: each sequence's last num_rows[b] token rows
             if logits.shape != (batch.num_logits, self.vocab_size):
-                raise RuntimeError(f"the model returned logits of shape {logits.shape}, "
-                                   f"not {(batch.num_logits, self.vocab_size)}")  # fmt: skip
+                raise RuntimeError(
+                    f"the model returned logits of shape {logits.shape}, not {(batch.num_logits, self.vocab_size)}"
+                )
         except Exception as e:  # the step's requests cannot go on; the others (waiting) can
             return self._fail_requests([self._seqs[s.req_id] for s in sched.scheduled], e)
         self.scheduler.cache_computed_blocks(sched)  # before sampling finishes (and frees) any of them
@@ -336,9 +370,17 @@ class LLMEngine:
     def _fail(self, seq: _Sequence, error: Exception) -> RequestOutput:
         """Abort the whole request of `seq` (all n sequences) because of `error`, and say so in one output."""
         self.abort(seq.req_id)
-        return RequestOutput(req_id=seq.req_id, index=seq.index, new_token_ids=[], new_text="", finished=True,
-                             finish_reason="error", error=error, num_prompt_tokens=seq.request.num_prompt_tokens,
-                             num_output_tokens=seq.request.num_output_tokens)  # fmt: skip
+        return RequestOutput(
+            req_id=seq.req_id,
+            index=seq.index,
+            new_token_ids=[],
+            new_text="",
+            finished=True,
+            finish_reason="error",
+            error=error,
+            num_prompt_tokens=seq.request.num_prompt_tokens,
+            num_output_tokens=seq.request.num_output_tokens,
+        )
 
     def _sample_and_finish(self, seq: _Sequence, logits: np.ndarray) -> RequestOutput:
         """Sample one token for the sequence, apply every stop rule, and build its output."""

@@ -36,12 +36,81 @@ from llmc.runtime.outputs import EngineStats, RequestOutput
 CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4  # of what `render` returns (generate_latest's format)
 
 # vLLM's buckets, with finer ones below 10 ms for inter-token latency: a small model on a CPU decodes that fast
-_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
-                 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
-_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
-                2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
-_E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
-                120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+_TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+_ITL_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.0075,
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+_E2E_BUCKETS = (
+    0.01,
+    0.05,
+    0.1,
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
 
 
 class _EngineCollector(Collector):
@@ -52,17 +121,20 @@ class _EngineCollector(Collector):
 
     def collect(self) -> Iterator:
         s = self.stats()
-        gauges = [("llmc:num_requests_running", "Sequences running (holding KV blocks).", s.num_running),
-                  ("llmc:num_requests_waiting", "Sequences waiting for a step.", s.num_waiting),
-                  ("llmc:kv_cache_usage_perc", "KV cache usage: 1 means 100 percent.", s.kv_cache_usage),
-                  ("llmc:kv_cache_free_blocks", "KV cache blocks free.", s.num_free_blocks),
-                  ("llmc:kv_cache_blocks", "KV cache blocks in all.", s.num_blocks)]  # fmt: skip
+        gauges = [
+            ("llmc:num_requests_running", "Sequences running (holding KV blocks).", s.num_running),
+            ("llmc:num_requests_waiting", "Sequences waiting for a step.", s.num_waiting),
+            ("llmc:kv_cache_usage_perc", "KV cache usage: 1 means 100 percent.", s.kv_cache_usage),
+            ("llmc:kv_cache_free_blocks", "KV cache blocks free.", s.num_free_blocks),
+            ("llmc:kv_cache_blocks", "KV cache blocks in all.", s.num_blocks),
+        ]
         for name, doc, value in gauges:
             family = GaugeMetricFamily(name, doc, labels=["model_name"])
             family.add_metric([self.model_name], value)
             yield family
-        preemptions = CounterMetricFamily("llmc:num_preemptions", "Sequences preempted (recomputed later).",
-                                          labels=["model_name"])  # fmt: skip
+        preemptions = CounterMetricFamily(
+            "llmc:num_preemptions", "Sequences preempted (recomputed later).", labels=["model_name"]
+        )
         preemptions.add_metric([self.model_name], s.num_preemptions)
         yield preemptions
         for name, doc, value in [
@@ -80,21 +152,39 @@ class ServerMetrics:
     def __init__(self, model_name: str, stats: Callable[[], EngineStats]):
         self.registry = CollectorRegistry(auto_describe=True)
         labels, reg = ["model_name"], self.registry
-        self.prompt_tokens = Counter("llmc:prompt_tokens", "Prompt tokens of requests that started.", labels,
-                                     registry=reg).labels(model_name)  # fmt: skip
-        self.generation_tokens = Counter("llmc:generation_tokens", "Tokens generated.", labels,
-                                         registry=reg).labels(model_name)  # fmt: skip
-        self._success = Counter("llmc:request_success", "Sequences finished, by why.", [*labels, "finished_reason"],
-                                registry=reg)  # fmt: skip
+        self.prompt_tokens = Counter(
+            "llmc:prompt_tokens", "Prompt tokens of requests that started.", labels, registry=reg
+        ).labels(model_name)
+        self.generation_tokens = Counter("llmc:generation_tokens", "Tokens generated.", labels, registry=reg).labels(
+            model_name
+        )
+        self._success = Counter(
+            "llmc:request_success", "Sequences finished, by why.", [*labels, "finished_reason"], registry=reg
+        )
         self.model_name = model_name
         for reason in ("stop", "length", "abort"):  # every series from the start, so rate() sees its first increase
             self._success.labels(model_name, reason)
-        self.ttft = Histogram("llmc:time_to_first_token_seconds", "From arrival to the first token.", labels,
-                              buckets=_TTFT_BUCKETS, registry=reg).labels(model_name)  # fmt: skip
-        self.inter_token = Histogram("llmc:inter_token_latency_seconds", "Between two tokens of a sequence.", labels,
-                                     buckets=_ITL_BUCKETS, registry=reg).labels(model_name)  # fmt: skip
-        self.e2e = Histogram("llmc:e2e_request_latency_seconds", "From arrival to the last token.", labels,
-                             buckets=_E2E_BUCKETS, registry=reg).labels(model_name)  # fmt: skip
+        self.ttft = Histogram(
+            "llmc:time_to_first_token_seconds",
+            "From arrival to the first token.",
+            labels,
+            buckets=_TTFT_BUCKETS,
+            registry=reg,
+        ).labels(model_name)
+        self.inter_token = Histogram(
+            "llmc:inter_token_latency_seconds",
+            "Between two tokens of a sequence.",
+            labels,
+            buckets=_ITL_BUCKETS,
+            registry=reg,
+        ).labels(model_name)
+        self.e2e = Histogram(
+            "llmc:e2e_request_latency_seconds",
+            "From arrival to the last token.",
+            labels,
+            buckets=_E2E_BUCKETS,
+            registry=reg,
+        ).labels(model_name)
         reg.register(_EngineCollector(model_name, stats))
 
     def finished(self, reason: str) -> None:

@@ -38,9 +38,18 @@ _f32p = ctypes.POINTER(ctypes.c_float)
 
 
 class ModelInfo(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_int32) for name in (
-        "abi_version", "num_layers", "num_kv_heads", "head_dim", "vocab_size", "kv_dtype_bytes", "max_num_tokens",
-    )]  # fmt: skip
+    _fields_ = [
+        (name, ctypes.c_int32)
+        for name in (
+            "abi_version",
+            "num_layers",
+            "num_kv_heads",
+            "head_dim",
+            "vocab_size",
+            "kv_dtype_bytes",
+            "max_num_tokens",
+        )
+    ]
 
     def as_dict(self) -> dict[str, int]:
         return {name: int(getattr(self, name)) for name, _ in self._fields_}
@@ -53,9 +62,20 @@ def _bind(lib: ctypes.CDLL, path: Path) -> None:
         lib.llmc_create.argtypes = [ctypes.c_char_p] + [ctypes.c_int32] * 6 + [ctypes.c_char_p, ctypes.c_int32]
         lib.llmc_create.restype = ctypes.c_void_p
         lib.llmc_step.argtypes = [
-            ctypes.c_void_p, ctypes.c_int32, _i32p, _i32p, _i64p, ctypes.c_int32, _i32p, _i32p, _i32p,
-            ctypes.c_int32, ctypes.c_int32, _i32p, _f32p,
-        ]  # fmt: skip
+            ctypes.c_void_p,
+            ctypes.c_int32,
+            _i32p,
+            _i32p,
+            _i64p,
+            ctypes.c_int32,
+            _i32p,
+            _i32p,
+            _i32p,
+            ctypes.c_int32,
+            ctypes.c_int32,
+            _i32p,
+            _f32p,
+        ]
         lib.llmc_step.restype = ctypes.c_int
         lib.llmc_destroy.argtypes = [ctypes.c_void_p]
         lib.llmc_destroy.restype = None
@@ -79,9 +99,20 @@ class CompiledModel:
     max_num_logits: int
     max_blocks_per_seq: int
 
-    def __init__(self, artifact: Artifact, lib: ctypes.CDLL, handle: int, info: ModelInfo, *, block_size: int,
-                 num_blocks: int, max_num_tokens: int, max_num_seqs: int, max_num_logits: int,
-                 max_blocks_per_seq: int):  # fmt: skip
+    def __init__(
+        self,
+        artifact: Artifact,
+        lib: ctypes.CDLL,
+        handle: int,
+        info: ModelInfo,
+        *,
+        block_size: int,
+        num_blocks: int,
+        max_num_tokens: int,
+        max_num_seqs: int,
+        max_num_logits: int,
+        max_blocks_per_seq: int,
+    ):
         self.artifact = artifact
         self.config = artifact.config
         self._lib = lib
@@ -94,7 +125,8 @@ class CompiledModel:
         self.max_num_logits = max_num_logits
         self.max_blocks_per_seq = max_blocks_per_seq
         self.kv_cache_bytes = num_blocks * kv_bytes_per_block(
-            info.num_layers, info.num_kv_heads, info.head_dim, block_size, info.kv_dtype_bytes)  # fmt: skip
+            info.num_layers, info.num_kv_heads, info.head_dim, block_size, info.kv_dtype_bytes
+        )
         self.tokenizer_path = artifact.tokenizer_path
         self.chat_template = artifact.chat_template
         self.bos_token = artifact.bos_token
@@ -133,13 +165,18 @@ class CompiledModel:
         if block_size is None:
             block_size = artifact.block_size
         elif block_size != artifact.block_size:
-            raise LlmcError(f"{artifact.path}: the module is built for KV blocks of {artifact.block_size} tokens, not "
-                            f"{block_size}", f"load it with block_size={artifact.block_size}, or recompile with "
-                            "--block-size")  # fmt: skip
+            raise LlmcError(
+                f"{artifact.path}: the module is built for KV blocks of {artifact.block_size} tokens, not {block_size}",
+                f"load it with block_size={artifact.block_size}, or recompile with --block-size",
+            )
         if max_num_logits is None:
             max_num_logits = max_num_seqs
-        for name, value in (("block_size", block_size), ("max_num_tokens", max_num_tokens),
-                            ("max_num_seqs", max_num_seqs), ("max_num_logits", max_num_logits)):  # fmt: skip
+        for name, value in (
+            ("block_size", block_size),
+            ("max_num_tokens", max_num_tokens),
+            ("max_num_seqs", max_num_seqs),
+            ("max_num_logits", max_num_logits),
+        ):
             if not isinstance(value, int) or value < 1:
                 raise LlmcError(f"{name}={value!r} is invalid", f"{name} must be an integer >= 1")
         lib_path = Path(library) if library is not None else artifact.library_path
@@ -158,12 +195,15 @@ class CompiledModel:
             max_num_tokens = min(max_num_tokens, int(info.max_num_tokens))
         max_num_logits = min(max_num_logits, max_num_tokens)
         if max_num_logits < min(max_num_seqs, max_num_tokens):
-            raise LlmcError(f"max_num_logits={max_num_logits} is below the {min(max_num_seqs, max_num_tokens)} "
-                            "sequences a step may hold, and sampling takes one logits row per sequence",
-                            "pass max_num_logits >= max_num_seqs, or leave it unset")  # fmt: skip
+            raise LlmcError(
+                f"max_num_logits={max_num_logits} is below the {min(max_num_seqs, max_num_tokens)} "
+                "sequences a step may hold, and sampling takes one logits row per sequence",
+                "pass max_num_logits >= max_num_seqs, or leave it unset",
+            )
         max_blocks_per_seq = cdiv(c.max_context, block_size)
-        per_block = kv_bytes_per_block(info.num_layers, info.num_kv_heads, info.head_dim, block_size,
-                                       info.kv_dtype_bytes)  # fmt: skip
+        per_block = kv_bytes_per_block(
+            info.num_layers, info.num_kv_heads, info.head_dim, block_size, info.kv_dtype_bytes
+        )
         try:
             free = None
             if not artifact.is_cuda and kv_cache_memory is None:  # llmc_create reads the weights into memory next
@@ -175,12 +215,22 @@ class CompiledModel:
         if num_blocks < 1:
             raise LlmcError(
                 f"the KV cache budget of {budget} bytes holds no block (one block of {block_size} tokens takes "
-                f"{per_block} bytes)", "give the cache more memory (--kv-cache-memory) or use a smaller block size")  # fmt: skip
+                f"{per_block} bytes)",
+                "give the cache more memory (--kv-cache-memory) or use a smaller block size",
+            )
 
         err = ctypes.create_string_buffer(_ERR_LEN)
-        handle = lib.llmc_create(str(artifact.weights_path.resolve()).encode(), num_blocks, block_size,
-                                 max_num_tokens, max_num_seqs, max_num_logits, max_blocks_per_seq, err,
-                                 _ERR_LEN)  # fmt: skip
+        handle = lib.llmc_create(
+            str(artifact.weights_path.resolve()).encode(),
+            num_blocks,
+            block_size,
+            max_num_tokens,
+            max_num_seqs,
+            max_num_logits,
+            max_blocks_per_seq,
+            err,
+            _ERR_LEN,
+        )
         if not handle:
             msg = err.value.decode(errors="replace").strip() or "no message"
             hint = (
@@ -190,9 +240,18 @@ class CompiledModel:
                 else None
             )
             raise ArtifactError(f"{artifact.path}: the module failed to start: {msg}", hint)
-        return cls(artifact, lib, handle, info, block_size=block_size, num_blocks=num_blocks,
-                   max_num_tokens=max_num_tokens, max_num_seqs=max_num_seqs, max_num_logits=max_num_logits,
-                   max_blocks_per_seq=max_blocks_per_seq)  # fmt: skip
+        return cls(
+            artifact,
+            lib,
+            handle,
+            info,
+            block_size=block_size,
+            num_blocks=num_blocks,
+            max_num_tokens=max_num_tokens,
+            max_num_seqs=max_num_seqs,
+            max_num_logits=max_num_logits,
+            max_blocks_per_seq=max_blocks_per_seq,
+        )
 
     # -- the step -------------------------------------------------------------------------------------
 
@@ -210,16 +269,27 @@ class CompiledModel:
                 f"block tables of {batch.max_blocks} blocks; the model takes at most {self.max_blocks_per_seq}"
             )
         if not 1 <= n <= self.max_num_logits:
-            raise RequestError(f"a step asking for {n} logits rows; the model was loaded for 1..{self.max_num_logits}"
-                               " per step (CompiledModel.load(max_num_logits=))")  # fmt: skip
+            raise RequestError(
+                f"a step asking for {n} logits rows; the model was loaded for 1..{self.max_num_logits}"
+                " per step (CompiledModel.load(max_num_logits=))"
+            )
         batch.validate()
         logits = np.empty((n, self.config.vocab_size), dtype=np.float32)
         rc = self._lib.llmc_step(
-            self._handle, t, _ptr(batch.token_ids, _i32p), _ptr(batch.positions, _i32p),
-            _ptr(batch.slot_mapping, _i64p), b, _ptr(batch.query_start_loc, _i32p), _ptr(batch.seq_lens, _i32p),
-            _ptr(batch.block_tables, _i32p), batch.max_blocks, n, _ptr(batch.logits_indices, _i32p),
+            self._handle,
+            t,
+            _ptr(batch.token_ids, _i32p),
+            _ptr(batch.positions, _i32p),
+            _ptr(batch.slot_mapping, _i64p),
+            b,
+            _ptr(batch.query_start_loc, _i32p),
+            _ptr(batch.seq_lens, _i32p),
+            _ptr(batch.block_tables, _i32p),
+            batch.max_blocks,
+            n,
+            _ptr(batch.logits_indices, _i32p),
             _ptr(logits, _f32p),
-        )  # fmt: skip
+        )
         if rc != 0:
             raise LlmcError(f"the model step failed: {_STEP_ERRORS.get(rc, f'code {rc}')}")
         return logits
@@ -244,22 +314,32 @@ class CompiledModel:
             pass
 
     def __repr__(self) -> str:
-        return (f"CompiledModel({str(self.artifact.path)!r}, {self.config.architecture}, "
-                f"{self.num_blocks} blocks of {self.block_size})")  # fmt: skip
+        return (
+            f"CompiledModel({str(self.artifact.path)!r}, {self.config.architecture}, "
+            f"{self.num_blocks} blocks of {self.block_size})"
+        )
 
 
 def _check_info(info: ModelInfo, artifact: Artifact) -> None:
     if info.abi_version != ABI_VERSION:
-        raise ArtifactError(f"{artifact.library_path}: C ABI version {info.abi_version}, this llmc speaks {ABI_VERSION}",
-                            recompile_hint(artifact.path))  # fmt: skip
+        raise ArtifactError(
+            f"{artifact.library_path}: C ABI version {info.abi_version}, this llmc speaks {ABI_VERSION}",
+            recompile_hint(artifact.path),
+        )
     c = artifact.config
-    want = {"num_layers": c.num_layers, "num_kv_heads": c.num_kv_heads, "head_dim": c.head_dim,
-            "vocab_size": c.vocab_size}  # fmt: skip
+    want = {
+        "num_layers": c.num_layers,
+        "num_kv_heads": c.num_kv_heads,
+        "head_dim": c.head_dim,
+        "vocab_size": c.vocab_size,
+    }
     want["kv_dtype_bytes"] = DTYPES[artifact.kv_dtype].nbytes
     got = {k: int(getattr(info, k)) for k in want}
     if got != want:
-        raise ArtifactError(f"{artifact.library_path}: llmc_info {info.as_dict()} does not match the manifest's model",
-                            recompile_hint(artifact.path))  # fmt: skip
+        raise ArtifactError(
+            f"{artifact.library_path}: llmc_info {info.as_dict()} does not match the manifest's model",
+            recompile_hint(artifact.path),
+        )
 
 
 # llmc_step's return codes (docs/contracts.md)

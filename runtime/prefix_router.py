@@ -30,8 +30,15 @@ class _Node:
 class PrefixAffinity:
     """Ranks replicas (by id) for a prompt text; `record` tells it where each prompt went."""
 
-    def __init__(self, *, imbalance: int = 8, min_match_fraction: float = 0.1, max_chars: int = 4096,
-                 max_records: int = 4096, rng: random.Random | None = None):  # fmt: skip
+    def __init__(
+        self,
+        *,
+        imbalance: int = 8,
+        min_match_fraction: float = 0.1,
+        max_chars: int = 4096,
+        max_records: int = 4096,
+        rng: random.Random | None = None,
+    ):
         """max_chars: characters of a prompt remembered (a prefix longer than a context says nothing more);
         max_records: prompts remembered, the oldest forgotten first."""
         self.imbalance, self.min_match_fraction, self.max_chars = imbalance, min_match_fraction, max_chars
@@ -79,8 +86,9 @@ class PrefixAffinity:
 
     def forget(self, replica: str) -> None:
         """A replica that died: its cache died with it."""
-        self._records = collections.deque(((p, r) for p, r in self._records if r != replica),
-                                          maxlen=self._records.maxlen)  # fmt: skip
+        self._records = collections.deque(
+            ((p, r) for p, r in self._records if r != replica), maxlen=self._records.maxlen
+        )
         self._rebuild()
 
     def _mark(self, prompt: str, replica: str) -> None:

@@ -78,8 +78,9 @@ class PrefixAffinityRequestRouter(FIFOMixin, RequestRouter):
     def initialize_state(self, imbalance: int = 8, **kwargs) -> None:
         self.affinity = PrefixAffinity(imbalance=imbalance)
 
-    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
-                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:  # fmt: skip
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
+    ) -> list[list[RunningReplica]]:
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         loads = {rid: self.replica_queue_len_cache.get(r.replica_id) or 0 for rid, r in by_id.items()}
         ranks = self.affinity.choose(_prompt_of(pending_request), loads)
@@ -106,10 +107,20 @@ def _prompt_of(pending_request: PendingRequest | None) -> str:
 async def _call_asgi(app, request: dict) -> AsyncIterator[dict | bytes]:
     """Run one HTTP request through an ASGI app: its response start ({"status", "headers"}), then body chunks.
     Closing the iterator early tells the app that the client left (so the server aborts the request)."""
-    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": request["method"],
-             "scheme": "http", "path": request["path"], "raw_path": request["path"].encode(), "root_path": "",
-             "query_string": request["query"].encode(), "client": ("127.0.0.1", 0), "server": None,
-             "headers": [(k.encode("latin-1"), v.encode("latin-1")) for k, v in request["headers"]]}  # fmt: skip
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": request["method"],
+        "scheme": "http",
+        "path": request["path"],
+        "raw_path": request["path"].encode(),
+        "root_path": "",
+        "query_string": request["query"].encode(),
+        "client": ("127.0.0.1", 0),
+        "server": None,
+        "headers": [(k.encode("latin-1"), v.encode("latin-1")) for k, v in request["headers"]],
+    }
     messages: asyncio.Queue = asyncio.Queue()
     client_gone = asyncio.Event()
     body_sent = False
@@ -183,9 +194,14 @@ class LlmcIngress:
             body = await read_body(request, self.max_body_bytes)
         except ApiError as e:
             return error_response(e.message, e.status, e.param, e.code, e.headers)
-        payload = {"method": request.method, "path": request.url.path, "query": request.url.query,
-                   "headers": [(k.decode("latin-1"), v.decode("latin-1")) for k, v in request.headers.raw],
-                   "body": body, "prompt": routing_prompt(request.url.path, body)}  # fmt: skip
+        payload = {
+            "method": request.method,
+            "path": request.url.path,
+            "query": request.url.query,
+            "headers": [(k.decode("latin-1"), v.decode("latin-1")) for k, v in request.headers.raw],
+            "body": body,
+            "prompt": routing_prompt(request.url.path, body),
+        }
         for attempt in range(1, self.max_attempts + 1):
             stream = self.replicas.remote(payload)
             try:
@@ -203,14 +219,18 @@ class LlmcIngress:
                 # start still gets the retryable 503, not headers followed by a cut connection.
                 body = b"".join([chunk async for chunk in stream])
             except _REPLICA_GONE:
-                return JSONResponse(_replica_died(f"replica {accepted['replica']} died"), 503,
-                                    headers={REPLICA_HEADER: accepted["replica"]})  # fmt: skip
+                return JSONResponse(
+                    _replica_died(f"replica {accepted['replica']} died"),
+                    503,
+                    headers={REPLICA_HEADER: accepted["replica"]},
+                )
             except asyncio.CancelledError:  # the client left: the replica's generator closes, the server aborts
                 stream.cancel()
                 raise
             return Response(body, start["status"], headers)
-        return error_response(f"no replica accepted the request in {self.max_attempts} attempts; retry later", 503,
-                              code="no_replica")  # fmt: skip
+        return error_response(
+            f"no replica accepted the request in {self.max_attempts} attempts; retry later", 503, code="no_replica"
+        )
 
 
 async def _sse_rest(stream, replica: str) -> AsyncIterator[bytes]:
@@ -235,8 +255,11 @@ async def _sse_rest(stream, replica: str) -> AsyncIterator[bytes]:
 
 def build_app(make_app: Callable, options: RayServeOptions):
     """The Ray Serve application: the ingress over the replicas."""
-    scaling = ({"autoscaling_config": options.autoscaling} if options.autoscaling is not None
-               else {"num_replicas": options.replicas})  # fmt: skip
+    scaling = (
+        {"autoscaling_config": options.autoscaling}
+        if options.autoscaling is not None
+        else {"num_replicas": options.replicas}
+    )
     actor_options = {"num_cpus": options.num_cpus, "num_gpus": options.num_gpus}
     if options.env:
         actor_options["runtime_env"] = {"env_vars": dict(options.env)}
@@ -245,11 +268,11 @@ def build_app(make_app: Callable, options: RayServeOptions):
         ray_actor_options=actor_options,
         max_ongoing_requests=options.max_ongoing_requests,
         graceful_shutdown_timeout_s=options.limits.shutdown_timeout_s,
-        request_router_config=RequestRouterConfig(request_router_class=PrefixAffinityRequestRouter,
-                                                  request_router_kwargs={"imbalance": options.imbalance}),
-    ).bind(make_app)  # fmt: skip
-    ingress = LlmcIngress.options(num_replicas=1, ray_actor_options={"num_cpus": 0},
-                                  max_ongoing_requests=100_000)  # fmt: skip
+        request_router_config=RequestRouterConfig(
+            request_router_class=PrefixAffinityRequestRouter, request_router_kwargs={"imbalance": options.imbalance}
+        ),
+    ).bind(make_app)
+    ingress = LlmcIngress.options(num_replicas=1, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=100_000)
     return ingress.bind(replicas, options.limits.max_body_bytes, options.max_attempts)
 
 
@@ -258,8 +281,14 @@ def start_ray(address: str | None, num_cpus: float | None) -> None:
     if address is not None:
         ray.init(address=address, include_dashboard=False, log_to_driver=False)
     else:
-        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, object_store_memory=200 << 20,
-                 log_to_driver=False, _node_ip_address="127.0.0.1")  # fmt: skip
+        ray.init(
+            address="local",
+            num_cpus=num_cpus,
+            include_dashboard=False,
+            object_store_memory=200 << 20,
+            log_to_driver=False,
+            _node_ip_address="127.0.0.1",
+        )
 
 
 def deploy(make_app: Callable, options: RayServeOptions, *, host: str, port: int):

@@ -50,8 +50,15 @@ class RequestStatus(enum.Enum):
 class Request:
     """The scheduler's view of one sequence: its tokens and how many of them are in the cache."""
 
-    __slots__ = ("req_id", "all_token_ids", "num_prompt_tokens", "num_computed_tokens", "status", "num_preemptions",
-                 "spec_token_ids")  # fmt: skip
+    __slots__ = (
+        "req_id",
+        "all_token_ids",
+        "num_prompt_tokens",
+        "num_computed_tokens",
+        "status",
+        "num_preemptions",
+        "spec_token_ids",
+    )
 
     def __init__(self, req_id: str, prompt_token_ids: Sequence[int]):
         assert len(prompt_token_ids) > 0, "a request needs at least one prompt token"
@@ -81,8 +88,7 @@ class Request:
         return self.all_token_ids[self.num_prompt_tokens :]
 
     def __repr__(self) -> str:
-        return (f"Request({self.req_id!r}, {self.status.value}, computed={self.num_computed_tokens}/"
-                f"{self.num_tokens})")  # fmt: skip
+        return f"Request({self.req_id!r}, {self.status.value}, computed={self.num_computed_tokens}/{self.num_tokens})"
 
 
 @dataclasses.dataclass(frozen=True)

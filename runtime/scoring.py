@@ -52,8 +52,9 @@ def next_token_logits(model, token_ids: Sequence[int]) -> Iterator[tuple[np.ndar
                 new = chunk[i : min(i + step_tokens, len(chunk) - 1)]
                 if not kv_cache.allocate_slots(req_id, len(new)):
                     raise AssertionError(f"{window} tokens do not fit the cache they were sized for")
-                batch = StepBatch.build([new], [i], [kv_cache.block_ids(req_id)], model.block_size,
-                                        num_logits=[len(new)])  # fmt: skip
+                batch = StepBatch.build(
+                    [new], [i], [kv_cache.block_ids(req_id)], model.block_size, num_logits=[len(new)]
+                )
                 yield model.step(batch), np.asarray(chunk[i + 1 : i + 1 + len(new)])
         finally:
             if req_id in kv_cache:

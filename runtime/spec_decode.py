@@ -46,11 +46,14 @@ class SpeculativeConfig:
         if self.method not in ("ngram", "draft"):
             raise LlmcError(f"unknown speculative method {self.method!r}", "use 'ngram' or 'draft'")
         if not 1 <= self.num_speculative_tokens <= 64:
-            raise LlmcError(f"num_speculative_tokens={self.num_speculative_tokens} is out of range",
-                            "use 1..64 (2 to 8 is typical)")  # fmt: skip
+            raise LlmcError(
+                f"num_speculative_tokens={self.num_speculative_tokens} is out of range", "use 1..64 (2 to 8 is typical)"
+            )
         if (self.method == "draft") != (self.draft_model is not None):
-            raise LlmcError("a draft model goes with --speculative draft, and only with it",
-                            "pass --speculative draft --draft ARTIFACT, or --speculative ngram alone")  # fmt: skip
+            raise LlmcError(
+                "a draft model goes with --speculative draft, and only with it",
+                "pass --speculative draft --draft ARTIFACT, or --speculative ngram alone",
+            )
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise LlmcError(f"ngram_min={self.ngram_min}, ngram_max={self.ngram_max}", "need 1 <= min <= max")
 
@@ -186,10 +189,13 @@ class DraftProposer:
         if int(draft_config.vocab_size) != int(target_config.vocab_size):
             raise LlmcError(
                 f"the draft model's vocabulary ({draft_config.vocab_size} tokens) is not the target's "
-                f"({target_config.vocab_size})", "use a draft model trained with the target's tokenizer")  # fmt: skip
+                f"({target_config.vocab_size})",
+                "use a draft model trained with the target's tokenizer",
+            )
         self.model = draft_model
-        self.kv_cache = KVCacheManager(draft_model.num_blocks, draft_model.block_size,
-                                       sliding_window=int(draft_config.kv_window))  # fmt: skip
+        self.kv_cache = KVCacheManager(
+            draft_model.num_blocks, draft_model.block_size, sliding_window=int(draft_config.kv_window)
+        )
         self.max_context = int(draft_config.max_context)
         self.max_num_tokens = int(draft_model.max_num_tokens)
         self.max_num_seqs = int(draft_model.max_num_seqs)

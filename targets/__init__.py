@@ -82,9 +82,10 @@ def target_names() -> list[str]:
 def target_file(name: str) -> Path:
     path = next((d / f"{name}.toml" for d in target_dirs() if (d / f"{name}.toml").is_file()), None)
     if path is None:
-        raise CompileError(f"unknown target {name!r}",
-                           f"choose one of {', '.join(target_names())}, or add {name}.toml to a directory "
-                           "in $LLMC_TARGET_PATH")  # fmt: skip
+        raise CompileError(
+            f"unknown target {name!r}",
+            f"choose one of {', '.join(target_names())}, or add {name}.toml to a directory in $LLMC_TARGET_PATH",
+        )
     return path
 
 

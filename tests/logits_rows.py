@@ -36,8 +36,9 @@ def assert_logits_rows_match_transformers(model, path, long: list[int], short: l
 
     # a mixed step: the long sequence re-runs its last 3 tokens over its cache and asks for all 3 rows (as
     # speculative verification will), the short one is a whole prefill asking for its last row only
-    mixed = StepBatch.build([long[-3:], short], [len(long) - 3, 0], [long_table, short_table], model.block_size,
-                            num_logits=[3, 1])  # fmt: skip
+    mixed = StepBatch.build(
+        [long[-3:], short], [len(long) - 3, 0], [long_table, short_table], model.block_size, num_logits=[3, 1]
+    )
     expected = np.concatenate([want[len(long)][-3:], want[len(short)][-1:]])
     _assert_rows_close(model.step(mixed), expected, "3 rows of one sequence, 1 of another")
 

@@ -41,8 +41,9 @@ def _prompt_ids(path):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_greedy_tokens_match_transformers_in_one_batch(arch, checkpoint_dir, tmp_path_factory):
     path = checkpoint_dir(arch)
-    _assert_batched_greedy_matches(CompiledModel.load(compiled(checkpoint_dir, tmp_path_factory, arch)), path,
-                                   _prompt_ids(path))  # fmt: skip
+    _assert_batched_greedy_matches(
+        CompiledModel.load(compiled(checkpoint_dir, tmp_path_factory, arch)), path, _prompt_ids(path)
+    )
 
 
 def _assert_batched_greedy_matches(model, path, prompts):
@@ -81,8 +82,9 @@ def test_every_step_logits_within_1e3(arch, checkpoint_dir, tmp_path_factory):
 def test_logits_at_every_row_and_at_mixed_rows(arch, checkpoint_dir, tmp_path_factory):
     path = checkpoint_dir(arch)
     prompts = _prompt_ids(path)
-    model = CompiledModel.load(compiled(checkpoint_dir, tmp_path_factory, arch), max_num_seqs=2,
-                               max_num_logits=len(prompts[1]))  # fmt: skip
+    model = CompiledModel.load(
+        compiled(checkpoint_dir, tmp_path_factory, arch), max_num_seqs=2, max_num_logits=len(prompts[1])
+    )
     assert_logits_rows_match_transformers(model, path, long=prompts[1], short=prompts[0])
 
 

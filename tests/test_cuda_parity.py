@@ -69,8 +69,7 @@ def test_simulated_sm90_logits_at_every_row_and_at_mixed_rows(checkpoint_dir, tm
     tok = Tokenizer.from_file(str(path / "tokenizer.json"))
     long, short = tok.encode(PROMPT + " holds items in order").ids, tok.encode(PROMPT).ids
     sm90 = artifact(checkpoint_dir, tmp_path_factory, "llama", "sm90")
-    with CompiledModel.load(sm90, library=cuda_library(sm90), max_num_seqs=2,
-                            max_num_logits=len(long)) as sim:  # fmt: skip
+    with CompiledModel.load(sm90, library=cuda_library(sm90), max_num_seqs=2, max_num_logits=len(long)) as sim:
         assert_logits_rows_match_transformers(sim, path, long=long, short=short)
 
 

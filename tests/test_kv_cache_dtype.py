@@ -60,8 +60,7 @@ _built = {}
 def artifact(checkpoint_dir, tmp_path_factory, target: str):
     if target not in _built:
         out = tmp_path_factory.mktemp(f"kv_bf16_{target}") / "model"
-        _built[target] = compile_checkpoint(checkpoint_dir("llama"), target=target, output=out,
-                                            kv_dtype="bfloat16")  # fmt: skip
+        _built[target] = compile_checkpoint(checkpoint_dir("llama"), target=target, output=out, kv_dtype="bfloat16")
     return _built[target]
 
 
@@ -94,8 +93,9 @@ def test_prompt_logits_match_transformers_reading_bf16_kv(checkpoint_dir, tmp_pa
     ids = Tokenizer.from_file(str(path / "tokenizer.json")).encode(PROMPTS[1]).ids
     with torch.no_grad():
         want = bf16_kv_reference(path)(torch.tensor([ids])).logits[0].numpy()
-    with CompiledModel.load(artifact(checkpoint_dir, tmp_path_factory, "cpu"), max_num_seqs=1,
-                            max_num_logits=len(ids)) as model:  # fmt: skip
+    with CompiledModel.load(
+        artifact(checkpoint_dir, tmp_path_factory, "cpu"), max_num_seqs=1, max_num_logits=len(ids)
+    ) as model:
         table = list(range(model.num_blocks))[::-1][: -(-len(ids) // model.block_size)]  # non-trivial blocks
         got = model.step(StepBatch.build([ids], [0], [table], model.block_size, num_logits=[len(ids)]))
         last = model.step(StepBatch.build([ids[-1:]], [len(ids) - 1], [table], model.block_size))
@@ -169,11 +169,14 @@ def test_run_compiles_a_checkpoint_with_the_kv_cache_dtype(checkpoint_dir, tmp_p
     assert result.exit_code == 1 and "--kv-cache-dtype applies when a checkpoint is compiled" in result.output
 
 
-@pytest.mark.parametrize("target,weight_dtype,want", [
-    ("sm90", "bfloat16", "bfloat16"),  # a bf16 CUDA build caches bf16 (the tensor-core prefill attention reads it)
-    ("sm90", "float32", "float32"),
-    ("cpu", "bfloat16", "float32"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "target,weight_dtype,want",
+    [
+        ("sm90", "bfloat16", "bfloat16"),  # a bf16 CUDA build caches bf16 (the tensor-core prefill attention reads it)
+        ("sm90", "float32", "float32"),
+        ("cpu", "bfloat16", "float32"),
+    ],
+)
 def test_auto_is_the_cuda_builds_precision(target, weight_dtype, want, checkpoint_dir, tmp_path):
     out = compile_checkpoint(checkpoint_dir("llama"), target=target, output=tmp_path / "m", weight_dtype=weight_dtype)
     manifest = json.loads((out / "manifest.json").read_text())

@@ -67,12 +67,23 @@ def _free_port() -> int:
 def served(artifact):
     """The base URL of 2 replicas of the bundled model on a local Ray instance, shut down after the module."""
     port = _free_port()
-    app_kw = dict(path=artifact, name="bundled", limits=ServerLimits(), api_key=None, kv_cache_memory=KV,
-                  max_num_seqs=16, max_num_batched_tokens=512, no_prefix_caching=False, speculative=None,
-                  num_speculative_tokens=4, draft=None)  # fmt: skip
+    app_kw = dict(
+        path=artifact,
+        name="bundled",
+        limits=ServerLimits(),
+        api_key=None,
+        kv_cache_memory=KV,
+        max_num_seqs=16,
+        max_num_batched_tokens=512,
+        no_prefix_caching=False,
+        speculative=None,
+        num_speculative_tokens=4,
+        draft=None,
+    )
     # imbalance=2: the fault test's six clients in flight always spread over both replicas
-    options = ray_serve.RayServeOptions(replicas=2, num_cpus=1, env={"OMP_NUM_THREADS": "1"},
-                                        max_ongoing_requests=64, imbalance=2)  # fmt: skip
+    options = ray_serve.RayServeOptions(
+        replicas=2, num_cpus=1, env={"OMP_NUM_THREADS": "1"}, max_ongoing_requests=64, imbalance=2
+    )
     ray_serve.start_ray(None, 4)
     try:
         ray_serve.deploy(functools.partial(ray_replica_app, **app_kw), options, host="127.0.0.1", port=port)
@@ -108,8 +119,14 @@ def test_completion_matches_the_engine_alone(client, reference, stream):
 @pytest.mark.parametrize("stream", [False, True])
 def test_chat_streams_and_finishes(client, stream):
     messages = [{"role": "user", "content": "Lists may be constructed"}]
-    r = client.chat.completions.create(model="bundled", messages=messages, max_tokens=7, temperature=0.0,
-                                       stream=stream, extra_body={"ignore_eos": True})  # fmt: skip
+    r = client.chat.completions.create(
+        model="bundled",
+        messages=messages,
+        max_tokens=7,
+        temperature=0.0,
+        stream=stream,
+        extra_body={"ignore_eos": True},
+    )
     if stream:
         chunks = list(r)
         assert chunks[-1].choices[0].finish_reason == "length"
@@ -163,8 +180,11 @@ def test_killing_a_replica_mid_load_loses_no_later_request_and_ray_restarts_it(s
     def client_loop(i: int) -> None:
         # Each client's prompt starts with its own letter: no client's prompt shares a prefix with another's,
         # so each one's first request is placed by load (two choices) and the six spread over both replicas.
-        body = {"prompt": f"{chr(ord('A') + i)}: client {i} asks about the list type", "max_tokens": 24,
-                "ignore_eos": True}  # fmt: skip
+        body = {
+            "prompt": f"{chr(ord('A') + i)}: client {i} asks about the list type",
+            "max_tokens": 24,
+            "ignore_eos": True,
+        }
         with httpx.Client(base_url=served, timeout=TIMEOUT) as http:
             while not stop.is_set():
                 sent = time.monotonic()

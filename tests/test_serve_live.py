@@ -43,8 +43,16 @@ SMALL_KV = str(16 * 2 * 2 * 16 * 2 * 16 * 4)  # 16 blocks x (k+v, 2 layers, 16 t
 STARTUP_TIMEOUT = 60.0
 REQUEST_TIMEOUT = 30.0
 GREEDY = dict(temperature=0.0)
-PROMPTS = ["The list type", "Lists may be constructed", "A dictionary maps", "for x in range(3):",
-           "Strings are immutable", "The with statement", "import sys", "naïve café 🙂"]  # fmt: skip
+PROMPTS = [
+    "The list type",
+    "Lists may be constructed",
+    "A dictionary maps",
+    "for x in range(3):",
+    "Strings are immutable",
+    "The with statement",
+    "import sys",
+    "naïve café 🙂",
+]
 
 
 # -- the artifact, the reference engine, the servers -------------------------------------------------------
@@ -108,11 +116,26 @@ class LiveServer:
 def _launch(artifact: Path, log_dir: Path, extra: tuple[str, ...]) -> LiveServer:
     port = _free_port()
     log = log_dir / f"serve-{port}.log"
-    cmd = [sys.executable, "-m", "llmc.tools.cli", "serve", str(artifact), "--host", "127.0.0.1", "--port", str(port),
-           *extra]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "llmc.tools.cli",
+        "serve",
+        str(artifact),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        *extra,
+    ]
     with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip
+        proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
     return LiveServer(proc, port, log)
 
 
@@ -124,8 +147,9 @@ def _wait_up(server: LiveServer) -> bool:
             if httpx.get(f"{server.base}/health", timeout=2).status_code == 200:
                 return True
         if time.monotonic() > deadline:
-            pytest.fail(f"llmc serve did not answer /health within {STARTUP_TIMEOUT:.0f} s; its output:\n"
-                        f"{server.log_text()}")  # fmt: skip
+            pytest.fail(
+                f"llmc serve did not answer /health within {STARTUP_TIMEOUT:.0f} s; its output:\n{server.log_text()}"
+            )
         time.sleep(0.1)
     return False
 
@@ -157,8 +181,10 @@ def _serving(artifact: Path, log_dir: Path, *configs: tuple[str, ...]):
                 if "address already in use" in servers[i].log_text().lower() and attempt < 2:
                     servers[i] = _launch(artifact, log_dir, extra)  # another process took the free port first
                     continue
-                pytest.fail(f"llmc serve exited with {servers[i].proc.returncode} before it came up; its output:\n"
-                            f"{servers[i].log_text()}")  # fmt: skip
+                pytest.fail(
+                    f"llmc serve exited with {servers[i].proc.returncode} before it came up; its output:\n"
+                    f"{servers[i].log_text()}"
+                )
         yield servers
     finally:
         exited = [_stop(s) for s in servers]
@@ -172,8 +198,12 @@ def _serving(artifact: Path, log_dir: Path, *configs: tuple[str, ...]):
 
 @pytest.fixture(scope="module")
 def servers(artifact, tmp_path_factory):
-    with _serving(artifact, tmp_path_factory.mktemp("serve"), ("--kv-cache-memory", KV),
-                  ("--kv-cache-memory", SMALL_KV, "--max-num-seqs", "4")) as both:  # fmt: skip
+    with _serving(
+        artifact,
+        tmp_path_factory.mktemp("serve"),
+        ("--kv-cache-memory", KV),
+        ("--kv-cache-memory", SMALL_KV, "--max-num-seqs", "4"),
+    ) as both:
         yield both
 
 
@@ -238,7 +268,8 @@ def test_completions_match_the_in_process_engine(client, artifact, tok, referenc
         # the tokens themselves (logprobs name them) and their log-probabilities
         assert choice.logprobs.tokens == [tok.decode([t], skip_special_tokens=False) for t in want.token_ids]
         assert choice.logprobs.token_logprobs == pytest.approx(
-            [d[t] for t, d in zip(want.token_ids, want.logprobs, strict=True)], abs=1e-4)  # fmt: skip
+            [d[t] for t, d in zip(want.token_ids, want.logprobs, strict=True)], abs=1e-4
+        )
 
     # the same prompt as token ids
     ids = tok.encode(PROMPTS[0]).ids
@@ -260,8 +291,9 @@ def test_chat_streaming_equals_non_streaming(client, artifact, reference, chat_i
         assert choice.finish_reason == want.finish_reason
         assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(ids), len(want.token_ids))
 
-        chunks = list(client.chat.completions.create(model=name, messages=messages, max_tokens=24, stream=True,
-                                                     **sampling))  # fmt: skip
+        chunks = list(
+            client.chat.completions.create(model=name, messages=messages, max_tokens=24, stream=True, **sampling)
+        )
         assert chunks[0].choices[0].delta.role == "assistant"
         assert "".join(c.choices[0].delta.content or "" for c in chunks) == choice.message.content
         assert [c.choices[0].finish_reason for c in chunks] == [None] * (len(chunks) - 1) + [choice.finish_reason]
@@ -284,8 +316,15 @@ def test_stop_strings_and_max_tokens(client, artifact, tok, reference):
     stop = _clean_stop_string(long.text)
     cut = long.text.index(stop)
     for stream in (False, True):
-        r = client.completions.create(model=name, prompt=PROMPTS[4], max_tokens=48, stop=[stop], stream=stream,
-                                      extra_body={"ignore_eos": True}, **GREEDY)  # fmt: skip
+        r = client.completions.create(
+            model=name,
+            prompt=PROMPTS[4],
+            max_tokens=48,
+            stop=[stop],
+            stream=stream,
+            extra_body={"ignore_eos": True},
+            **GREEDY,
+        )
         if stream:
             chunks = list(r)
             text, last = "".join(c.choices[0].text for c in chunks), chunks[-1].choices[0]
@@ -297,8 +336,9 @@ def test_stop_strings_and_max_tokens(client, artifact, tok, reference):
 
     for max_tokens in (1, 5):
         want = reference(ids, SamplingParams(max_tokens=max_tokens, ignore_eos=True, **GREEDY))
-        r = client.completions.create(model=name, prompt=PROMPTS[4], max_tokens=max_tokens,
-                                      extra_body={"ignore_eos": True}, **GREEDY)  # fmt: skip
+        r = client.completions.create(
+            model=name, prompt=PROMPTS[4], max_tokens=max_tokens, extra_body={"ignore_eos": True}, **GREEDY
+        )
         assert (r.choices[0].finish_reason, r.usage.completion_tokens) == ("length", max_tokens)
         assert r.choices[0].text == want.text
 
@@ -330,18 +370,28 @@ def test_bad_requests_get_400_and_the_server_goes_on(client, artifact, tok, refe
         assert r.choices[0].text == want.text
 
     for stream in (False, True):
-        _bad(lambda s=stream: client.completions.create(model=name, prompt="hi", max_tokens=4, temperature=-1,
-                                                        stream=s), "temperature")  # fmt: skip
+        _bad(
+            lambda s=stream: client.completions.create(model=name, prompt="hi", max_tokens=4, temperature=-1, stream=s),
+            "temperature",
+        )
         ok()
-        _bad(lambda s=stream: client.completions.create(model=name, prompt=list(range(CONTEXT + 44)), max_tokens=4,
-                                                        stream=s), "prompt")  # fmt: skip
+        _bad(
+            lambda s=stream: client.completions.create(
+                model=name, prompt=list(range(CONTEXT + 44)), max_tokens=4, stream=s
+            ),
+            "prompt",
+        )
         ok()
     _bad(lambda: client.completions.create(model=name, prompt="hi", extra_body={"max_tokens": "many"}), "max_tokens")
     _bad(lambda: client.completions.create(model=name, prompt=[5, 10_000], max_tokens=2), "prompt")  # not in the vocab
-    _bad(lambda: client.chat.completions.create(model=name, messages=[{"role": "user", "content": "list " * 400}]),
-         "messages")  # fmt: skip
-    _bad(lambda: client.chat.completions.create(model=name, messages=[{"role": "user", "content": "x"}], top_p=0),
-         "top_p")  # fmt: skip
+    _bad(
+        lambda: client.chat.completions.create(model=name, messages=[{"role": "user", "content": "list " * 400}]),
+        "messages",
+    )
+    _bad(
+        lambda: client.chat.completions.create(model=name, messages=[{"role": "user", "content": "x"}], top_p=0),
+        "top_p",
+    )
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="not-this-one", prompt="hi", max_tokens=2)
     ok()
@@ -368,19 +418,25 @@ def test_clients_that_hang_up_leave_the_whole_cache_free(small_server, artifact,
             assert first.choices[0].finish_reason is None
             stream.close()
         with contextlib.suppress(httpx.ReadTimeout):  # a non-streaming client that gives up waiting
-            httpx.post(f"{small_server.base}/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": CONTEXT - 10,
-                       "ignore_eos": True, "temperature": 0}, timeout=httpx.Timeout(10, read=0.02))  # fmt: skip
+            httpx.post(
+                f"{small_server.base}/v1/completions",
+                json={"prompt": PROMPTS[0], "max_tokens": CONTEXT - 10, "ignore_eos": True, "temperature": 0},
+                timeout=httpx.Timeout(10, read=0.02),
+            )
         _wait_all_blocks_free(small_server)
 
         def run(i):
-            return c.completions.create(model=name, prompt=full[i], max_tokens=56, extra_body={"ignore_eos": True},
-                                        **GREEDY)  # fmt: skip
+            return c.completions.create(
+                model=name, prompt=full[i], max_tokens=56, extra_body={"ignore_eos": True}, **GREEDY
+            )
 
         try:
             r = run(0)
         except (openai.APITimeoutError, openai.InternalServerError) as e:
-            pytest.fail(f"a request needing the whole KV cache failed ({type(e).__name__}): a client that hung up left "
-                        f"blocks allocated? Server output:\n{small_server.log_text()}")  # fmt: skip
+            pytest.fail(
+                f"a request needing the whole KV cache failed ({type(e).__name__}): a client that hung up left "
+                f"blocks allocated? Server output:\n{small_server.log_text()}"
+            )
         assert (r.choices[0].text, r.usage.completion_tokens) == (want[0].text, 56)
 
         # a burst: 4 at once, each needing the whole cache (they queue or preempt each other)
@@ -396,8 +452,9 @@ def test_clients_that_hang_up_leave_the_whole_cache_free(small_server, artifact,
 def test_streaming_hang_up_on_the_main_server(client, artifact, tok, reference):
     name = _model_name(artifact)
     messages = [{"role": "user", "content": PROMPTS[6]}]
-    stream = client.chat.completions.create(model=name, messages=messages, max_tokens=200, stream=True,
-                                            extra_body={"ignore_eos": True}, **GREEDY)  # fmt: skip
+    stream = client.chat.completions.create(
+        model=name, messages=messages, max_tokens=200, stream=True, extra_body={"ignore_eos": True}, **GREEDY
+    )
     next(iter(stream))
     stream.close()
     want = reference(tok.encode(PROMPTS[6]).ids, SamplingParams(max_tokens=12, **GREEDY))

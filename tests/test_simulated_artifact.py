@@ -53,8 +53,12 @@ def test_it_simulates_against_its_own_headers_not_the_installed_ones(sm90, tmp_p
 
 
 def test_an_old_artifact_that_no_longer_builds_says_to_recompile(sm90, tmp_path):
-    old = _edit(sm90, tmp_path / "old.sm90", drop_headers=True,
-                append_to_source="\nstatic_assert(llmc::kContractOfAnotherRelease, \"\");\n")  # fmt: skip
+    old = _edit(
+        sm90,
+        tmp_path / "old.sm90",
+        drop_headers=True,
+        append_to_source='\nstatic_assert(llmc::kContractOfAnotherRelease, "");\n',
+    )
     with pytest.raises(ArtifactError, match=r"does not build against this llmc's CUDA headers.*recompile it"):
         simulator.build_simulated_library(old)
     with pytest.raises(ArtifactError, match=r"recompile it"):

@@ -13,8 +13,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from torch_llama import TorchLlama  # noqa: E402
 
 
-@pytest.mark.parametrize("arch,overrides", [*((a, {}) for a in ARCHS), ("mistral", {"sliding_window": 6})],
-                         ids=[*ARCHS, "mistral-window6"])  # fmt: skip
+@pytest.mark.parametrize(
+    "arch,overrides", [*((a, {}) for a in ARCHS), ("mistral", {"sliding_window": 6})], ids=[*ARCHS, "mistral-window6"]
+)
 def test_matches_transformers(arch, overrides, checkpoint_dir):
     path = checkpoint_dir(arch, **overrides)
     reference = hf_model(path)

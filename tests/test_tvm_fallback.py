@@ -49,8 +49,9 @@ def test_fallback_model_matches_transformers(fallback_artifact, checkpoint_dir):
         tokens = LLMEngine(model).generate([ids], params)[0].outputs[0].token_ids
     with torch.no_grad():
         expected_logits = reference(torch.tensor([ids])).logits[0, -1].numpy()
-        expected = reference.generate(torch.tensor([ids]), max_new_tokens=24, min_new_tokens=24,
-                                      do_sample=False)[0, len(ids):].tolist()  # fmt: skip
+        expected = reference.generate(torch.tensor([ids]), max_new_tokens=24, min_new_tokens=24, do_sample=False)[
+            0, len(ids) :
+        ].tolist()
     assert np.abs(logits - expected_logits).max() <= 1e-3 * np.abs(expected_logits).max()
     assert tokens == expected
 
@@ -66,8 +67,12 @@ def test_fallback_module_runs_without_tvm(fallback_artifact):
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=False)
     assert out.returncode == 0, out.stderr[-2000:]
     assert len(json.loads(out.stdout)) == 4
-    undefined = subprocess.run(["nm", "-D", "--undefined-only", str(fallback_artifact / "model.so")],
-                               capture_output=True, text=True, check=True).stdout  # fmt: skip
+    undefined = subprocess.run(
+        ["nm", "-D", "--undefined-only", str(fallback_artifact / "model.so")],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     assert "TVM" not in undefined
 
 

@@ -46,10 +46,22 @@ def test_llamacpp_only_row(checkpoint_dir, tmp_path):
     assert set(m["tokens"]) == {"llama.cpp"} and len(m["tokens"]["llama.cpp"]) == 7
     row = vs_llamacpp.summarize("fp32", m, len(prompt), 6, read_GBps=10.0)
     assert row["llmc"] is None and row["decode_ratio"] is None and row["tokens_agree"] is None
-    result = {"machine": {"cpu": "x", "cores": 1, "caches": [], "isa": [], "read_GBps": 10.0,
-                          "read_GBps_samples": [10.0], "threads": 1},
-              "prompt_len": 13, "decode_tokens": 6, "rounds": 1, "kv_cache_dtype": "bfloat16",
-              "shapes": [{"shape": "tiny", "model": "tiny", "rows": [row]}]}  # fmt: skip
+    result = {
+        "machine": {
+            "cpu": "x",
+            "cores": 1,
+            "caches": [],
+            "isa": [],
+            "read_GBps": 10.0,
+            "read_GBps_samples": [10.0],
+            "threads": 1,
+        },
+        "prompt_len": 13,
+        "decode_tokens": 6,
+        "rounds": 1,
+        "kv_cache_dtype": "bfloat16",
+        "shapes": [{"shape": "tiny", "model": "tiny", "rows": [row]}],
+    }
     line = next(x for x in vs_llamacpp.format_table(result).splitlines() if x.startswith("tiny"))
     cells = line.split()
     assert cells[:5] == ["tiny", "fp32", "—", f"{row['llama.cpp']['decode_tokens_per_s']:.1f}", "—"]

@@ -116,6 +116,13 @@ def cached_artifact(
         if not (out / "manifest.json").is_file():
             if progress:
                 print(f"compiling {ckpt} for this CPU (once; cached in {out})", file=sys.stderr)
-            compile_checkpoint(ckpt, target="cpu", output=out, weight_dtype=weight_dtype, progress=progress,
-                               quant=quant, kv_dtype=kv_dtype)  # fmt: skip
+            compile_checkpoint(
+                ckpt,
+                target="cpu",
+                output=out,
+                weight_dtype=weight_dtype,
+                progress=progress,
+                quant=quant,
+                kv_dtype=kv_dtype,
+            )
     return out

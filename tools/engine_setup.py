@@ -27,11 +27,15 @@ def resolve_artifact(path: Path | None, quant=None, kv_cache_dtype: str = "auto"
     if path.is_file() and path.suffix.lower() == ".gguf":
         return cached_artifact(path, quant=quant, kv_dtype=kv_cache_dtype)
     if quant is not None and quant.enabled:
-        raise LlmcError(f"--quant applies when a checkpoint is compiled, and {path} is not a checkpoint dir",
-                        "pass the checkpoint, or compile it with llmc compile --quant")  # fmt: skip
+        raise LlmcError(
+            f"--quant applies when a checkpoint is compiled, and {path} is not a checkpoint dir",
+            "pass the checkpoint, or compile it with llmc compile --quant",
+        )
     if kv_cache_dtype != "auto":
-        raise LlmcError(f"--kv-cache-dtype applies when a checkpoint is compiled, and {path} is not a checkpoint",
-                        "pass the checkpoint, or compile it with llmc compile --kv-cache-dtype")  # fmt: skip
+        raise LlmcError(
+            f"--kv-cache-dtype applies when a checkpoint is compiled, and {path} is not a checkpoint",
+            "pass the checkpoint, or compile it with llmc compile --kv-cache-dtype",
+        )
     return path  # an artifact, or load_artifact says what is wrong with it
 
 
@@ -47,14 +51,23 @@ def load_model(path: Path, kv_cache_memory: str | None, simulate: bool = False, 
     return model, load_tokenizer(model.tokenizer_path)
 
 
-def speculative_config(method: str | None, num_tokens: int, draft: Path | None, tokenizer, kv_cache_memory: str | None,
-                       max_num_seqs: int, stack: contextlib.ExitStack):  # fmt: skip
+def speculative_config(
+    method: str | None,
+    num_tokens: int,
+    draft: Path | None,
+    tokenizer,
+    kv_cache_memory: str | None,
+    max_num_seqs: int,
+    stack: contextlib.ExitStack,
+):
     """The engine's SpeculativeConfig for the flags (None: off). A draft model is loaded, and closed by `stack`."""
     from llmc.runtime.spec_decode import SpeculativeConfig
 
     if (method == "draft") != (draft is not None):
-        raise LlmcError("--draft goes with --speculative draft, and --speculative draft needs it",
-                        "pass both: --speculative draft --draft ARTIFACT")  # fmt: skip
+        raise LlmcError(
+            "--draft goes with --speculative draft, and --speculative draft needs it",
+            "pass both: --speculative draft --draft ARTIFACT",
+        )
     if method is None:
         return None
     draft_model = None
@@ -74,9 +87,17 @@ def logits_rows(method: str | None, num_tokens: int, max_num_seqs: int) -> int |
     return None if method is None else max_num_seqs * (num_tokens + 1)
 
 
-def engine_parts(stack: contextlib.ExitStack, path: Path, kv_cache_memory: str | None, max_num_seqs: int,
-                 no_prefix_caching: bool, speculative: str | None, num_speculative_tokens: int, draft: Path | None,
-                 **load_kw):  # fmt: skip
+def engine_parts(
+    stack: contextlib.ExitStack,
+    path: Path,
+    kv_cache_memory: str | None,
+    max_num_seqs: int,
+    no_prefix_caching: bool,
+    speculative: str | None,
+    num_speculative_tokens: int,
+    draft: Path | None,
+    **load_kw,
+):
     """What run, serve and bench share: the model (and a draft) loaded for their flags and closed by `stack`,
     the tokenizer, and a factory of engines over them (detokenize=False: an engine that returns ids only)."""
     from llmc.runtime.engine import LLMEngine
@@ -84,29 +105,58 @@ def engine_parts(stack: contextlib.ExitStack, path: Path, kv_cache_memory: str |
     rows = logits_rows(speculative, num_speculative_tokens, max_num_seqs)
     model, tokenizer = load_model(path, kv_cache_memory, max_num_seqs=max_num_seqs, max_num_logits=rows, **load_kw)
     stack.callback(model.close)
-    spec = speculative_config(speculative, num_speculative_tokens, draft, tokenizer, kv_cache_memory, max_num_seqs,
-                              stack)  # fmt: skip
+    spec = speculative_config(
+        speculative, num_speculative_tokens, draft, tokenizer, kv_cache_memory, max_num_seqs, stack
+    )
 
     def make_engine(detokenize: bool = True) -> LLMEngine:
-        return LLMEngine(model, tokenizer if detokenize else None, enable_prefix_caching=not no_prefix_caching,
-                         speculative=spec)  # fmt: skip
+        return LLMEngine(
+            model, tokenizer if detokenize else None, enable_prefix_caching=not no_prefix_caching, speculative=spec
+        )
 
     return model, tokenizer, make_engine
 
 
-def server_app(stack: contextlib.ExitStack, *, path: Path, name: str, limits, api_key: str | None,
-               kv_cache_memory: str | None, max_num_seqs: int, max_num_batched_tokens: int, no_prefix_caching: bool,
-               speculative: str | None, num_speculative_tokens: int, draft: Path | None):  # fmt: skip
+def server_app(
+    stack: contextlib.ExitStack,
+    *,
+    path: Path,
+    name: str,
+    limits,
+    api_key: str | None,
+    kv_cache_memory: str | None,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    no_prefix_caching: bool,
+    speculative: str | None,
+    num_speculative_tokens: int,
+    draft: Path | None,
+):
     """The app `llmc serve` runs, over a model that `stack` closes; and the model."""
     from llmc.runtime import server
     from llmc.runtime.async_engine import AsyncLLMEngine
 
-    model, tokenizer, make_engine = engine_parts(stack, path, kv_cache_memory, max_num_seqs, no_prefix_caching,
-                                                 speculative, num_speculative_tokens, draft,
-                                                 max_num_tokens=max_num_batched_tokens)  # fmt: skip
-    app = server.create_app(AsyncLLMEngine(make_engine()), tokenizer, name, model.chat_template,
-                            bos_token=model.bos_token, eos_token=model.eos_token, limits=limits,
-                            api_key=api_key)  # fmt: skip
+    model, tokenizer, make_engine = engine_parts(
+        stack,
+        path,
+        kv_cache_memory,
+        max_num_seqs,
+        no_prefix_caching,
+        speculative,
+        num_speculative_tokens,
+        draft,
+        max_num_tokens=max_num_batched_tokens,
+    )
+    app = server.create_app(
+        AsyncLLMEngine(make_engine()),
+        tokenizer,
+        name,
+        model.chat_template,
+        bos_token=model.bos_token,
+        eos_token=model.eos_token,
+        limits=limits,
+        api_key=api_key,
+    )
     return app, model
 
 

@@ -103,8 +103,10 @@ def ceilings(target: dict) -> Ceilings:
         path = Path(__file__).resolve().parents[2] / "targets" / f"{target.get('name')}.toml"
         table = tomllib.loads(path.read_text()).get("ceilings") if path.is_file() else None
     if not isinstance(table, dict):
-        raise LlmcError(f"target {target.get('name')!r} states no [ceilings] (bandwidth and tensor rate)",
-                        "add a [ceilings] table to its targets/*.toml")  # fmt: skip
+        raise LlmcError(
+            f"target {target.get('name')!r} states no [ceilings] (bandwidth and tensor rate)",
+            "add a [ceilings] table to its targets/*.toml",
+        )
     required = [f.name for f in dataclasses.fields(Ceilings) if f.default is dataclasses.MISSING]
     return Ceilings(**{name: table[name] for name in required}, sm_count=int(target.get("sm_count") or 0))
 
@@ -168,8 +170,10 @@ def read_counters(lib: ctypes.CDLL) -> dict[str, dict]:
     """Every kernel's counters from a build_profiled library, by kernel name (launched ones only)."""
     nf = lib.llmc_sim_prof_num_fields()
     if nf != len(FIELDS):
-        raise LlmcError(f"the profiling library has {nf} counters per kernel, this llmc reads {len(FIELDS)}",
-                        "rebuild it (clear the build cache)")  # fmt: skip
+        raise LlmcError(
+            f"the profiling library has {nf} counters per kernel, this llmc reads {len(FIELDS)}",
+            "rebuild it (clear the build cache)",
+        )
     out: dict[str, dict] = {}
     name = ctypes.create_string_buffer(_NAME_LEN)
     values = (ctypes.c_uint64 * nf)()
@@ -189,16 +193,23 @@ def _check_shape(artifact, phase: str, batch: int, context: int, prompt_len: int
         raise LlmcError("--batch and --prompt-len must be >= 1 and --context >= 0")
     longest = context + 1 if phase == "decode" else prompt_len
     if longest > artifact.config.max_context:
-        raise LlmcError(f"a sequence of {longest} tokens exceeds the model's context of {artifact.config.max_context}",
-                        "lower --context / --prompt-len")  # fmt: skip
+        raise LlmcError(
+            f"a sequence of {longest} tokens exceeds the model's context of {artifact.config.max_context}",
+            "lower --context / --prompt-len",
+        )
 
 
 def _load_for_step(artifact, library, step: StepBatch, blocks: int) -> CompiledModel:
     """The artifact's module (or `library`) with a KV cache of the step's blocks, sized for that one step."""
     c = artifact.config
     per_block = 2 * c.num_layers * c.num_kv_heads * c.head_dim * artifact.block_size * 4
-    model = CompiledModel.load(artifact.path, library=library, kv_cache_memory=blocks * per_block,
-                               max_num_tokens=step.num_tokens, max_num_seqs=step.num_seqs)  # fmt: skip
+    model = CompiledModel.load(
+        artifact.path,
+        library=library,
+        kv_cache_memory=blocks * per_block,
+        max_num_tokens=step.num_tokens,
+        max_num_seqs=step.num_seqs,
+    )
     if model.num_blocks < blocks:
         model.close()
         raise LlmcError(f"the KV cache got {model.num_blocks} blocks, the step needs {blocks}")
@@ -232,8 +243,16 @@ def _header(artifact, ceil: Ceilings, mode: str, phase: str, batch: int, context
     }
 
 
-def profile_simulated(artifact_path: str | Path, *, phase: str, batch: int = 1, context: int = 0,
-                      prompt_len: int = 1, seed: int = 0, progress=None) -> dict:  # fmt: skip
+def profile_simulated(
+    artifact_path: str | Path,
+    *,
+    phase: str,
+    batch: int = 1,
+    context: int = 0,
+    prompt_len: int = 1,
+    seed: int = 0,
+    progress=None,
+) -> dict:
     """Run one step of the stated shape under the counters; the `llmc profile --json` object.
 
     progress(stage) is called as each stage starts ("build", "load", "run")."""
@@ -308,9 +327,19 @@ def _kernel_id(launched: str, ids: list[str]) -> str:
     return max(owners, key=len)
 
 
-def profile_measured(artifact_path: str | Path, *, phase: str, batch: int = 1, context: int = 0,
-                     prompt_len: int = 1, seed: int = 0, repeats: int = 10, library: str | Path | None = None,
-                     ceil: Ceilings | None = None, progress=None) -> dict:  # fmt: skip
+def profile_measured(
+    artifact_path: str | Path,
+    *,
+    phase: str,
+    batch: int = 1,
+    context: int = 0,
+    prompt_len: int = 1,
+    seed: int = 0,
+    repeats: int = 10,
+    library: str | Path | None = None,
+    ceil: Ceilings | None = None,
+    progress=None,
+) -> dict:
     """Time one step of the stated shape, per kernel (CUDA events on a GPU, the host's clock on the CPU): the
     median of `repeats` steps after two warm-up steps. The `llmc profile --json` object, with the byte
     counters null.
@@ -327,8 +356,7 @@ def profile_measured(artifact_path: str | Path, *, phase: str, batch: int = 1, c
         progress("ceilings")
     if ceil is None:
         ceil = ceilings(artifact.target) if artifact.is_cuda else Ceilings(**cpu_ceilings())
-    step, blocks = step_batch(phase, batch, context, prompt_len, artifact.block_size, artifact.config.vocab_size,
-                              seed)  # fmt: skip
+    step, blocks = step_batch(phase, batch, context, prompt_len, artifact.block_size, artifact.config.vocab_size, seed)
     shape = StepShape(tuple(step_seqs(phase, batch, context, prompt_len)), step.num_seqs)
     manifest_kernels = artifact.manifest.get("kernels") or []
     floors = {k["id"]: kernel_floor(k, shape) for k in manifest_kernels}
@@ -338,8 +366,10 @@ def profile_measured(artifact_path: str | Path, *, phase: str, batch: int = 1, c
     with _load_for_step(artifact, library, step, blocks) as model:
         lib = ctypes.CDLL(str(Path(library or artifact.library_path).resolve()))  # the loaded object, again
         if not all(hasattr(lib, fn) for fn in _TIMING):
-            raise LlmcError(f"{artifact.path}: its module does not time kernels (compiled by an older llmc)",
-                            "recompile the artifact")  # fmt: skip
+            raise LlmcError(
+                f"{artifact.path}: its module does not time kernels (compiled by an older llmc)",
+                "recompile the artifact",
+            )
         for fn in _TIMING:
             getattr(lib, fn).restype = ctypes.c_int
         if progress:
@@ -370,19 +400,21 @@ def profile_measured(artifact_path: str | Path, *, phase: str, batch: int = 1, c
         flop_us = _flop_us(ceil, artifact, f.flops, templates[kid])
         floor_us = max(ceil.byte_us(f.bytes), flop_us)
         time_us = statistics.median(times)
-        kernels.append({
-            "name": kid,
-            "launches": launches[kid],
-            "requested_bytes": None,
-            "dram_bytes": None,
-            "floor_bytes": f.bytes,
-            "sector_efficiency": None,
-            "bank_conflicts_per_request": None,
-            "tensor_core_instructions": None,
-            "flops": f.flops,
-            "floor_us": floor_us,
-            "time_us": time_us,
-        })  # fmt: skip
+        kernels.append(
+            {
+                "name": kid,
+                "launches": launches[kid],
+                "requested_bytes": None,
+                "dram_bytes": None,
+                "floor_bytes": f.bytes,
+                "sector_efficiency": None,
+                "bank_conflicts_per_request": None,
+                "tensor_core_instructions": None,
+                "flops": f.flops,
+                "floor_us": floor_us,
+                "time_us": time_us,
+            }
+        )
         step_flop_us += flop_us
     floor_bytes = sum(k["floor_bytes"] for k in kernels)
     flops = sum(k["flops"] for k in kernels)
@@ -419,8 +451,9 @@ def _format_measured(report: dict, shape: str) -> str:
     s, c = report["step"], report["ceilings"]
     on_gpu = report["mode"] == "gpu"
     clock = f"with CUDA events on {report['target']}" if on_gpu else "on the CPU"
-    rates = f"{c['bf16_tensor_tflop_s']} bf16 TFLOP/s" + ("" if on_gpu else
-                                                           f", {c['fp32_tflop_s']} fp32, {c['int8_tops']} int8 TOP/s")  # fmt: skip
+    rates = f"{c['bf16_tensor_tflop_s']} bf16 TFLOP/s" + (
+        "" if on_gpu else f", {c['fp32_tflop_s']} fp32, {c['int8_tops']} int8 TOP/s"
+    )
     lines = [
         f"{report['artifact']}: {shape}, timed {clock} (median of {report['repeats']} steps; floors at {c['part']}: "
         f"{c['bandwidth_gb_s']} GB/s, {rates})",
@@ -428,26 +461,37 @@ def _format_measured(report: dict, shape: str) -> str:
     ]
     for k in sorted(report["kernels"], key=lambda k: -k["time_us"]):
         fraction = k["floor_us"] / k["time_us"] if k["time_us"] else 0.0
-        lines.append(f"{_short(k['name'], 52):<52} {k['launches']:>6} {_mb(k['floor_bytes']):>9} "
-                     f"{k['flops'] / 1e9:>8.3f} {k['floor_us']:>9.2f} {k['time_us']:>9.2f} {100 * fraction:>9.1f}%")  # fmt: skip
-    lines.append(f"{'step (kernels)':<52} {s['launches']:>6} {_mb(s['floor_bytes']):>9} {s['flops'] / 1e9:>8.3f} "
-                 f"{s['floor_us']:>9.2f} {s['time_us']:>9.2f} {100 * s['floor_fraction']:>9.1f}%")  # fmt: skip
+        lines.append(
+            f"{_short(k['name'], 52):<52} {k['launches']:>6} {_mb(k['floor_bytes']):>9} "
+            f"{k['flops'] / 1e9:>8.3f} {k['floor_us']:>9.2f} {k['time_us']:>9.2f} {100 * fraction:>9.1f}%"
+        )
+    lines.append(
+        f"{'step (kernels)':<52} {s['launches']:>6} {_mb(s['floor_bytes']):>9} {s['flops'] / 1e9:>8.3f} "
+        f"{s['floor_us']:>9.2f} {s['time_us']:>9.2f} {100 * s['floor_fraction']:>9.1f}%"
+    )
     llc = report.get("host_llc_bytes") or 0
     if s["floor_bytes"] < llc:
-        lines.append(f"the step's {_mb(s['floor_bytes'])} MB fit in this host's {llc >> 20} MiB last-level cache: its "
-                     "kernels read from the cache, which the DRAM floor does not bound")  # fmt: skip
+        lines.append(
+            f"the step's {_mb(s['floor_bytes'])} MB fit in this host's {llc >> 20} MiB last-level cache: its "
+            "kernels read from the cache, which the DRAM floor does not bound"
+        )
     served = "host copies; a CUDA graph at decode" if on_gpu else "the C ABI call from Python, logits out"
-    lines.append(f"whole step as served ({served}): {s['wall_us']:.2f} us, {s['wall_us'] - s['time_us']:.2f} us of it "
-                 "outside the kernels; floors from the kernels' shapes (every input read once, every output written "
-                 "once)")  # fmt: skip
+    lines.append(
+        f"whole step as served ({served}): {s['wall_us']:.2f} us, {s['wall_us'] - s['time_us']:.2f} us of it "
+        "outside the kernels; floors from the kernels' shapes (every input read once, every output written "
+        "once)"
+    )
     return "\n".join(lines)
 
 
 def format_table(report: dict) -> str:
     """The report as a table: one row per kernel, then the step."""
     s = report["step"]
-    shape = (f"decode batch {report['batch']} context {report['context']}" if report["phase"] == "decode"
-             else f"prefill {report['prompt_len']} tokens")  # fmt: skip
+    shape = (
+        f"decode batch {report['batch']} context {report['context']}"
+        if report["phase"] == "decode"
+        else f"prefill {report['prompt_len']} tokens"
+    )
     if report["mode"] in ("gpu", "cpu"):
         return _format_measured(report, shape)
     c = report["ceilings"]
@@ -470,6 +514,8 @@ def format_table(report: dict) -> str:
         f"{'step':<52} {s['launches']:>6} {'':>9} {_mb(s['dram_bytes']):>9} {_mb(s['floor_bytes']):>9} {ratio:>7.3f} "
         f"{'':>8} {'':>8} {'':>9} {s['flops'] / 1e9:>8.3f} {s['floor_us']:>9.2f} {s['time_us']:>9.2f}"
     )
-    lines.append(f"floor / predicted time: {100 * s['floor_fraction']:.1f}%; DRAM/fl = DRAM bytes / floor bytes; "
-                 "a kernel's FLOPs are its mma.sync ones, the step's the program's")  # fmt: skip
+    lines.append(
+        f"floor / predicted time: {100 * s['floor_fraction']:.1f}%; DRAM/fl = DRAM bytes / floor bytes; "
+        "a kernel's FLOPs are its mma.sync ones, the step's the program's"
+    )
     return "\n".join(lines)

@@ -66,16 +66,21 @@ def describe(quality: dict) -> str:
         return format(value, fmt) if type(value) in kinds and math.isfinite(value) else "?"
 
     ref, quant = quality.get("ppl_reference"), quality.get("ppl_quantized")
-    change = (f" ({quant / ref - 1:+.2%})" if all(type(v) in (int, float) and math.isfinite(v) for v in (ref, quant))
-              and ref > 0 else "")  # fmt: skip
+    change = (
+        f" ({quant / ref - 1:+.2%})"
+        if all(type(v) in (int, float) and math.isfinite(v) for v in (ref, quant)) and ref > 0
+        else ""
+    )
     calib = quality.get("calibration")
     if isinstance(calib, dict):
         digest = calib.get("sha256")
         calib = f"{calib.get('file')}, sha256 {digest[:12] if isinstance(digest, str) else '?'}"
-    return (f"mean KL {num('kl_mean', '.4g')} nats, top-1 agreement {num('top1_agreement', '.2%')}, perplexity "
-            f"{num('ppl_reference', '.4f')} -> {num('ppl_quantized', '.4f')}{change} over {num('tokens', 'd')} tokens "
-            f"of {calib if isinstance(calib, str) else '?'}"
-            + (" (measured on the CPU build)" if quality.get("measured_on") == "cpu build" else ""))  # fmt: skip
+    return (
+        f"mean KL {num('kl_mean', '.4g')} nats, top-1 agreement {num('top1_agreement', '.2%')}, perplexity "
+        f"{num('ppl_reference', '.4f')} -> {num('ppl_quantized', '.4f')}{change} over {num('tokens', 'd')} tokens "
+        f"of {calib if isinstance(calib, str) else '?'}"
+        + (" (measured on the CPU build)" if quality.get("measured_on") == "cpu build" else "")
+    )
 
 
 def compare_logits(reference: np.ndarray, candidate: np.ndarray, targets: np.ndarray) -> dict[str, np.ndarray]:
@@ -138,12 +143,15 @@ def calibration_tokens(
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
-        raise CompileError(f"calibration text {path}: cannot be read as UTF-8 ({e})",
-                           "pass a UTF-8 text file to --calibration") from None  # fmt: skip
+        raise CompileError(
+            f"calibration text {path}: cannot be read as UTF-8 ({e})", "pass a UTF-8 text file to --calibration"
+        ) from None
     ids = load_tokenizer(tokenizer_path).encode(text).ids[:max_tokens]
     if len(ids) < 2:
-        raise CompileError(f"calibration text {path.name} has {len(ids)} token(s); the quality gate needs at least 2",
-                           "pass a longer --calibration file")  # fmt: skip
+        raise CompileError(
+            f"calibration text {path.name} has {len(ids)} token(s); the quality gate needs at least 2",
+            "pass a longer --calibration file",
+        )
     return ids, label
 
 
@@ -157,8 +165,9 @@ def _load_for_scoring(path: Path, num_tokens: int) -> CompiledModel:
     tokens = min(num_tokens, c.max_context)
     # bytes per k/v value: the budget holds the window whatever the dtype
     widest = max(DTYPES[d].nbytes for d in ELEMENT_DTYPES)
-    kv_bytes = cdiv(tokens, block_size) * kv_bytes_per_block(c.num_layers, c.num_kv_heads, c.head_dim, block_size,
-                                                             widest)  # fmt: skip
+    kv_bytes = cdiv(tokens, block_size) * kv_bytes_per_block(
+        c.num_layers, c.num_kv_heads, c.head_dim, block_size, widest
+    )
     return CompiledModel.load(path, kv_cache_memory=kv_bytes, max_num_seqs=1, max_num_logits=512)
 
 
@@ -171,6 +180,7 @@ def measure_artifacts(reference: Path, candidate: Path, token_ids: Sequence[int]
 def check_max_kl(quality: Quality, max_kl: float | None) -> None:
     """CompileError when the build is over its --max-kl bound."""
     if max_kl is not None and not quality.kl_mean <= max_kl:
-        raise CompileError(f"quality gate: the mean KL is over --max-kl {max_kl:g}: {quality.describe()}; "
-                           "no artifact was written",
-                           "quantize less (int8, a smaller --group-size) or raise --max-kl")  # fmt: skip
+        raise CompileError(
+            f"quality gate: the mean KL is over --max-kl {max_kl:g}: {quality.describe()}; no artifact was written",
+            "quantize less (int8, a smaller --group-size) or raise --max-kl",
+        )

@@ -104,8 +104,12 @@ def _remove_stale_temps(cache: Path) -> None:
     for temp in cache.glob("*/**/.*.tmp"):  # a build's folder and its subfolders (headers in sim/)
         owner = _OWNED_TEMP.fullmatch(temp.name)
         try:
-            stale = (owner is not None and owner["host"] == _HOST and not pid_alive(int(owner["pid"]))
-                     or now - temp.lstat().st_mtime > _STALE_SECONDS)  # fmt: skip
+            stale = (
+                owner is not None
+                and owner["host"] == _HOST
+                and not pid_alive(int(owner["pid"]))
+                or now - temp.lstat().st_mtime > _STALE_SECONDS
+            )
             if stale:
                 temp.unlink()
         except OSError:
@@ -168,8 +172,10 @@ def build_shared_library(
         os.close(fd)
     except OSError as e:
         if e.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise CompileError(f"{out_dir.parent}: the disk is full (no space left for the build cache)",
-                               "free space there, or set $LLMC_CACHE_DIR to a disk with room") from None  # fmt: skip
+            raise CompileError(
+                f"{out_dir.parent}: the disk is full (no space left for the build cache)",
+                "free space there, or set $LLMC_CACHE_DIR to a disk with room",
+            ) from None
         raise
     cmd = [compiler, *flags, "-o", tmp, *units]
     try:

@@ -111,8 +111,9 @@ def launch_floor(template: str, params: dict, rows_var: str, shape: StepShape) -
         tables = 4 * sum(-(-(c + n) // p["block_size"]) + 2 for c, n in shape.seqs)  # block tables, lens
         return Floor(new + queries + tables + cached * kv_row * kv, 4 * p["num_heads"] * p["head_dim"] * pairs)
     if op == "tvm_call":
-        return Floor(sum(math.prod(shape.rows(d) if isinstance(d, str) else d for d in t) for t in p["shapes"]) * _F32,
-                     0)  # fmt: skip
+        return Floor(
+            sum(math.prod(shape.rows(d) if isinstance(d, str) else d for d in t) for t in p["shapes"]) * _F32, 0
+        )
     raise LlmcError(f"no floor model for the {template} kernel (compiled by another llmc)", "recompile the artifact")
 
 
@@ -120,13 +121,15 @@ def kernel_floor(kernel: dict, shape: StepShape) -> Floor:
     """A manifest kernel entry's launches in one step, summed."""
     rows = kernel.get("rows") if isinstance(kernel, dict) else None
     if not isinstance(rows, list):
-        raise LlmcError("the artifact's kernels state no launch rows (compiled by an older llmc)",
-                        "recompile the artifact")  # fmt: skip
+        raise LlmcError(
+            "the artifact's kernels state no launch rows (compiled by an older llmc)", "recompile the artifact"
+        )
     total = Floor(0, 0)
     try:
         for rows_var in rows:
             total = total + launch_floor(kernel["template"], kernel["params"], rows_var, shape)
     except (KeyError, TypeError, ValueError, ZeroDivisionError) as e:
-        raise LlmcError(f"the artifact's kernel {kernel.get('id')} has malformed parameters ({e!r})",
-                        "recompile the artifact") from None  # fmt: skip
+        raise LlmcError(
+            f"the artifact's kernel {kernel.get('id')} has malformed parameters ({e!r})", "recompile the artifact"
+        ) from None
     return total

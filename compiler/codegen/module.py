@@ -62,8 +62,13 @@ def _tuned_params(family: str, op: str, params: dict, tuning: TuningDB | None, i
     # A tunable newer than the entry takes its default: the entry was tuned when that was the template's code.
     tuned = {**space.defaults(), **entry["params"]}
     space.check(tuned)
-    record.update(source=entry["source"], params=tuned, machine=entry.get("machine"),
-                  date=entry.get("date"), figures=entry.get("figures"))  # fmt: skip
+    record.update(
+        source=entry["source"],
+        params=tuned,
+        machine=entry.get("machine"),
+        date=entry.get("date"),
+        figures=entry.get("figures"),
+    )
     return {k: v for k, v in tuned.items() if v != space.defaults()[k]}
 
 
@@ -92,8 +97,9 @@ def render_module(
     tuned_kernels: dict[str, dict] = {}
     if program.tvm_funcs and target.is_cuda:
         ops = sorted({op for launch in program.launches if launch.op == "tvm_call" for op in launch.fused})
-        raise CompileError(f"no CUDA kernel template covers {', '.join(ops)}",
-                           "the TVM codegen fallback exists for --target cpu only")  # fmt: skip
+        raise CompileError(
+            f"no CUDA kernel template covers {', '.join(ops)}", "the TVM codegen fallback exists for --target cpu only"
+        )
     sources: dict[str, str] = {}
     entries: dict[str, dict] = {}
     launches = []

@@ -185,16 +185,20 @@ def build_simulated_library(artifact_path: str | Path) -> Path:
     out = cache_root() / "simulated" / f"{_library_key(artifact)}.so"
     if out.is_file():  # written atomically, under its sources' digests
         return out
-    return _build_artifact(artifact, lambda inc: build_simulated([artifact.source_path], out, extra_flags=("-O2",),
-                                                                   include_dir=inc))  # fmt: skip
+    return _build_artifact(
+        artifact, lambda inc: build_simulated([artifact.source_path], out, extra_flags=("-O2",), include_dir=inc)
+    )
 
 
 def _cuda_artifact(artifact_path: str | Path, hint: str) -> Artifact:
     # verify=False: CompiledModel.load verifies every file (model.cu among them) right after this
     artifact = load_artifact(artifact_path, verify=False)
     if not artifact.is_cuda:
-        raise ArtifactError(f"{artifact.path}: --simulate needs a CUDA-target artifact; this one is built for "
-                            f"{artifact.target_name} ({artifact.kind})", hint)  # fmt: skip
+        raise ArtifactError(
+            f"{artifact.path}: --simulate needs a CUDA-target artifact; this one is built for "
+            f"{artifact.target_name} ({artifact.kind})",
+            hint,
+        )
     return artifact
 
 

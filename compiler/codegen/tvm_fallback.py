@@ -27,8 +27,11 @@ def include_dirs() -> list[str]:
     """TVM's and tvm-ffi's C headers (with dlpack), which the generated C includes."""
     import tvm_ffi.libinfo
 
-    dirs = [*_as_list(tvm.libinfo.find_include_path()), *_as_list(tvm_ffi.libinfo.find_include_path()),
-            *_as_list(tvm_ffi.libinfo.find_dlpack_include_path())]  # fmt: skip
+    dirs = [
+        *_as_list(tvm.libinfo.find_include_path()),
+        *_as_list(tvm_ffi.libinfo.find_include_path()),
+        *_as_list(tvm_ffi.libinfo.find_dlpack_include_path()),
+    ]
     return list(dict.fromkeys(dirs))
 
 

@@ -79,8 +79,9 @@ def _read_json(path: Path, what: str) -> dict:
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
         raise CheckpointError(f"{path}: not valid JSON ({e})", f"re-download or rewrite {path.name}") from None
     if not isinstance(value, dict):
-        raise CheckpointError(f"{path}: holds a JSON {type(value).__name__}, not an object",
-                              f"re-download or rewrite {path.name}")  # fmt: skip
+        raise CheckpointError(
+            f"{path}: holds a JSON {type(value).__name__}, not an object", f"re-download or rewrite {path.name}"
+        )
     return value
 
 
@@ -149,12 +150,18 @@ def _check_header(header, data_bytes: int) -> dict[str, tuple[str, tuple[int, ..
             raise ValueError(f"tensor {name!r}: unknown dtype {dtype!r}")
         if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
             raise ValueError(f"tensor {name!r}: shape {shape!r} is not a list of non-negative integers")
-        if (not isinstance(offsets, list) or len(offsets) != 2 or not all(type(o) is int for o in offsets)
-                or not 0 <= offsets[0] <= offsets[1]):  # fmt: skip
+        if (
+            not isinstance(offsets, list)
+            or len(offsets) != 2
+            or not all(type(o) is int for o in offsets)
+            or not 0 <= offsets[0] <= offsets[1]
+        ):
             raise ValueError(f"tensor {name!r}: data_offsets {offsets!r} is not [begin, end] with begin <= end")
         if offsets[1] > data_bytes:
-            raise ValueError(f"tensor {name!r} ends at data byte {offsets[1]} but the file holds {data_bytes} "
-                             "bytes of data (truncated)")  # fmt: skip
+            raise ValueError(
+                f"tensor {name!r} ends at data byte {offsets[1]} but the file holds {data_bytes} "
+                "bytes of data (truncated)"
+            )
         if offsets[1] - offsets[0] != math.prod(shape) * BY_SAFETENSORS[dtype].nbytes:
             raise ValueError(f"tensor {name!r}: {offsets[1] - offsets[0]} bytes of data for {dtype}{shape}")
         ranges.append((offsets[0], offsets[1], name))
@@ -213,8 +220,9 @@ def load_hf_checkpoint(path: Path) -> Checkpoint:
     chat_template = _chat_template(tok_config.get("chat_template"), tok_config_path)
     if (path / "chat_template.jinja").is_file():
         chat_template = (path / "chat_template.jinja").read_text()
-    special = {k: _token_text(tok_config[k], tok_config_path, k) for k in ("bos_token", "eos_token")
-               if tok_config.get(k)}  # fmt: skip
+    special = {
+        k: _token_text(tok_config[k], tok_config_path, k) for k in ("bos_token", "eos_token") if tok_config.get(k)
+    }
     generation = generation_defaults(gen, gen_path) if gen_path.is_file() else {}
     return Checkpoint(path, config, tensor_files, dtypes, tokenizer_path, chat_template, special, generation)
 
@@ -228,8 +236,10 @@ def _check_tokenizer(path: Path) -> None:
     try:
         Tokenizer.from_file(str(path))
     except Exception as e:  # tokenizers raises plain Exception for every parse error
-        raise CheckpointError(f"{path}: not a valid tokenizer ({str(e).splitlines()[0][:200]})",
-                              "re-download tokenizer.json, or re-save it with transformers") from None  # fmt: skip
+        raise CheckpointError(
+            f"{path}: not a valid tokenizer ({str(e).splitlines()[0][:200]})",
+            "re-download tokenizer.json, or re-save it with transformers",
+        ) from None
 
 
 def generation_defaults(gen: dict, path: Path | str = "generation_config.json") -> dict:

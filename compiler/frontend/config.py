@@ -18,11 +18,29 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 # Bounds far beyond any released checkpoint; a config outside them is damaged or hostile, and would make
 # compile or run allocate without limit (10**7 layers, a context of 10**12 tokens).
-_LIMITS = {"hidden_size": 1 << 17, "num_attention_heads": 1024, "num_hidden_layers": 1024, "vocab_size": 1 << 22,
-           "intermediate_size": 1 << 20, "head_dim": 1024, "max_position_embeddings": 1 << 24,
-           "sliding_window": 1 << 24, "max_window_layers": 1024, "original_max_position_embeddings": 1 << 24}  # fmt: skip
-_ROPE_NUMBERS = ("factor", "low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow", "attention_factor",
-                 "mscale", "mscale_all_dim", "partial_rotary_factor")  # fmt: skip
+_LIMITS = {
+    "hidden_size": 1 << 17,
+    "num_attention_heads": 1024,
+    "num_hidden_layers": 1024,
+    "vocab_size": 1 << 22,
+    "intermediate_size": 1 << 20,
+    "head_dim": 1024,
+    "max_position_embeddings": 1 << 24,
+    "sliding_window": 1 << 24,
+    "max_window_layers": 1024,
+    "original_max_position_embeddings": 1 << 24,
+}
+_ROPE_NUMBERS = (
+    "factor",
+    "low_freq_factor",
+    "high_freq_factor",
+    "beta_fast",
+    "beta_slow",
+    "attention_factor",
+    "mscale",
+    "mscale_all_dim",
+    "partial_rotary_factor",
+)
 
 
 def _bad(key: str, value, want: str) -> CheckpointError:
@@ -86,8 +104,9 @@ def _rope(raw: dict) -> tuple[float, dict | None]:
         if params["low_freq_factor"] == params["high_freq_factor"]:
             raise _bad("high_freq_factor", params["high_freq_factor"], "different from low_freq_factor")
     if params.get("partial_rotary_factor", 1.0) != 1.0:
-        raise UnsupportedModelError("config.json: partial rotary embeddings are not supported",
-                                    "llmc rotates the whole head_dim")  # fmt: skip
+        raise UnsupportedModelError(
+            "config.json: partial rotary embeddings are not supported", "llmc rotates the whole head_dim"
+        )
     return theta, {"rope_type": rope_type, **params}
 
 
@@ -157,8 +176,10 @@ def token_ids(value, path: object = "config.json") -> tuple[int, ...]:
         return ()
     ids = value if isinstance(value, list) else [value]
     if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 1 << 31 for t in ids):
-        raise CheckpointError(f"{path}: eos_token_id={value!r} is not a token id or a list of them",
-                              "fix eos_token_id, or re-download the file")  # fmt: skip
+        raise CheckpointError(
+            f"{path}: eos_token_id={value!r} is not a token id or a list of them",
+            "fix eos_token_id, or re-download the file",
+        )
     return tuple(ids)
 
 
@@ -166,10 +187,15 @@ def _sliding_layers(raw: dict, arch: str, layers: int) -> tuple[int, ...]:
     """The layers that use the sliding window, as transformers decides them (config.layer_types first)."""
     types = raw.get("layer_types")
     if types:
-        if (not isinstance(types, list) or len(types) != layers
-                or not all(t in ("full_attention", "sliding_attention") for t in types)):  # fmt: skip
-            raise UnsupportedModelError(f"config.json: layer_types {types!r} is not supported",
-                                        "llmc compiles full_attention and sliding_attention layers")  # fmt: skip
+        if (
+            not isinstance(types, list)
+            or len(types) != layers
+            or not all(t in ("full_attention", "sliding_attention") for t in types)
+        ):
+            raise UnsupportedModelError(
+                f"config.json: layer_types {types!r} is not supported",
+                "llmc compiles full_attention and sliding_attention layers",
+            )
         return tuple(i for i, t in enumerate(types) if t == "sliding_attention")
     if arch == "Qwen2ForCausalLM":
         return tuple(range(_int(raw, "max_window_layers", 0, low=0), layers))

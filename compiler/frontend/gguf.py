@@ -186,16 +186,22 @@ def load_gguf(path: str | Path) -> GGUFCheckpoint:
         gguf_name = names.hf_to_gguf(hf_name)
         info = tensors.get(gguf_name)
         if info is None:
-            raise CheckpointError(f"{path}: tensor {gguf_name!r} ({hf_name}) is missing",
-                                  "the metadata does not match the tensors; re-convert the model")  # fmt: skip
+            raise CheckpointError(
+                f"{path}: tensor {gguf_name!r} ({hf_name}) is missing",
+                "the metadata does not match the tensors; re-convert the model",
+            )
         got = tuple(int(d) for d in reversed(info.shape.tolist()))
         if got != shape:
-            raise CheckpointError(f"{path}: tensor {gguf_name!r} has shape {list(got)} but the metadata implies "
-                                  f"{list(shape)}", "re-convert the model")  # fmt: skip
+            raise CheckpointError(
+                f"{path}: tensor {gguf_name!r} has shape {list(got)} but the metadata implies {list(shape)}",
+                "re-convert the model",
+            )
         kind = info.tensor_type
         if kind.name not in SUPPORTED_TYPES:
-            raise CompileError(f"{path}: tensor {gguf_name!r} is {kind.name}, which llmc does not import",
-                               f"llmc reads {', '.join(SUPPORTED_TYPES)}; re-quantize to one of them")  # fmt: skip
+            raise CompileError(
+                f"{path}: tensor {gguf_name!r} is {kind.name}, which llmc does not import",
+                f"llmc reads {', '.join(SUPPORTED_TYPES)}; re-quantize to one of them",
+            )
         gguf_names[hf_name], gguf_types[hf_name] = gguf_name, kind.name
         dtypes[hf_name] = BY_SAFETENSORS[kind.name].name if kind in _FLOAT_TYPES else "float32"  # what tensor() returns
     special, chat_template, tokenizer_path = gguf_tokenizer(meta, tokens, path)
@@ -221,8 +227,9 @@ def _config(meta: GGUFMetadata, tensors: dict, tokens: list, path: Path):
     head_dim = meta.get(names.KEY_LENGTH, int, None) or (hidden // heads if heads else None)
     rope_dims = meta.get(names.ROPE_DIMENSION_COUNT, int, head_dim)
     if rope_dims != head_dim:
-        raise UnsupportedModelError(f"{path}: RoPE over {rope_dims} of {head_dim} head dimensions",
-                                    "llmc rotates the whole head_dim")  # fmt: skip
+        raise UnsupportedModelError(
+            f"{path}: RoPE over {rope_dims} of {head_dim} head dimensions", "llmc rotates the whole head_dim"
+        )
     context = meta.get(names.CONTEXT_LENGTH, int)
     theta = meta.get(names.ROPE_FREQ_BASE, float, 10000.0)
     kv = meta.get(names.HEAD_COUNT_KV, int, heads)
@@ -253,8 +260,10 @@ def _config(meta: GGUFMetadata, tensors: dict, tokens: list, path: Path):
         orig = meta.get(names.ROPE_SCALING_ORIG_CTX, int, context)
         raw["rope_scaling"] = _llama3_scaling(_rope_freqs(freqs, head_dim, path), theta, head_dim, orig, path)
     elif kind != "none":
-        raise UnsupportedModelError(f"{path}: rope scaling {kind!r}{' with rope_freqs' if freqs is not None else ''} is not "
-                                    "supported", "llmc imports none, linear and llama3 (rope_freqs)")  # fmt: skip
+        raise UnsupportedModelError(
+            f"{path}: rope scaling {kind!r}{' with rope_freqs' if freqs is not None else ''} is not supported",
+            "llmc imports none, linear and llama3 (rope_freqs)",
+        )
     try:
         config = parse_config(raw)
     except LlmcError as e:  # its messages name config.json; here the metadata is at fault
@@ -271,8 +280,10 @@ def _config(meta: GGUFMetadata, tensors: dict, tokens: list, path: Path):
 
 def _rope_freqs(info, head_dim: int, path: Path) -> np.ndarray:
     if info.tensor_type != GGMLType.F32 or int(info.n_elements) != head_dim // 2:
-        raise CheckpointError(f"{path}: rope_freqs is {info.tensor_type.name}[{info.n_elements}], not "
-                              f"F32[{head_dim // 2}]", "re-convert the model")  # fmt: skip
+        raise CheckpointError(
+            f"{path}: rope_freqs is {info.tensor_type.name}[{info.n_elements}], not F32[{head_dim // 2}]",
+            "re-convert the model",
+        )
     f = np.asarray(info.data, dtype=np.float64).reshape(-1)
     if not np.all(np.isfinite(f)) or np.any(f < 1.0):
         raise CheckpointError(f"{path}: rope_freqs holds divisors below 1 or not finite", "re-convert the model")
@@ -310,10 +321,17 @@ def _llama3_scaling(f: np.ndarray, theta: float, head_dim: int, orig: int, path:
             top = above if above is not None else 3.0 * below
             u_l, u_h = below + (top - below) / 3, below + 2 * (top - below) / 3
     if not 0 < u_l < u_h:
-        raise UnsupportedModelError(f"{path}: rope_freqs does not follow llama3 rope scaling",
-                                    "llmc imports llama3 scaling as llama.cpp's converter writes it")  # fmt: skip
-    return {"rope_type": "llama3", "factor": factor, "low_freq_factor": orig * u_l, "high_freq_factor": orig * u_h,
-            "original_max_position_embeddings": orig}  # fmt: skip
+        raise UnsupportedModelError(
+            f"{path}: rope_freqs does not follow llama3 rope scaling",
+            "llmc imports llama3 scaling as llama.cpp's converter writes it",
+        )
+    return {
+        "rope_type": "llama3",
+        "factor": factor,
+        "low_freq_factor": orig * u_l,
+        "high_freq_factor": orig * u_h,
+        "original_max_position_embeddings": orig,
+    }
 
 
 def _check_rope(config, freqs, path: Path) -> None:
@@ -324,8 +342,10 @@ def _check_rope(config, freqs, path: Path) -> None:
     want = plain / np.asarray(freqs.data, dtype=np.float64).reshape(-1)
     got = rope_inv_freq(config).double().numpy()
     if not np.allclose(got, want, rtol=1e-5, atol=0):
-        raise UnsupportedModelError(f"{path}: rope_freqs does not follow llama3 rope scaling",
-                                    "llmc imports llama3 scaling as llama.cpp's converter writes it")  # fmt: skip
+        raise UnsupportedModelError(
+            f"{path}: rope_freqs does not follow llama3 rope scaling",
+            "llmc imports llama3 scaling as llama.cpp's converter writes it",
+        )
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -27,8 +27,10 @@ class GGUFFileReader(gguf.GGUFReader):
         count, dtype = int(count), np.dtype(dtype)
         raw = self._bytes[offset : offset + dtype.itemsize * count]
         if len(raw) < dtype.itemsize * count:
-            raise ValueError(f"{count} x {dtype.name} at byte {offset} run past the end of the file "
-                             f"({len(self._bytes)} bytes): truncated")  # fmt: skip
+            raise ValueError(
+                f"{count} x {dtype.name} at byte {offset} run past the end of the file "
+                f"({len(self._bytes)} bytes): truncated"
+            )
         arr = raw.view(dtype)
         return arr.view(arr.dtype.newbyteorder(self.byte_order if override_order is None else override_order))
 
@@ -83,7 +85,9 @@ class GGUFMetadata:
             list: lambda v: isinstance(v, list),
         }[kind]
         if not ok(value):
-            raise CheckpointError(f"{self.path}: GGUF metadata {key!r} is {str(value)[:80]!r}, not a {kind.__name__}",
-                                  "re-convert the model")  # fmt: skip
+            raise CheckpointError(
+                f"{self.path}: GGUF metadata {key!r} is {str(value)[:80]!r}, not a {kind.__name__}",
+                "re-convert the model",
+            )
         # GGUF stores float32: the shortest decimal that rounds to it is the config.json value it came from
         return float(str(np.float32(value))) if kind is float else value

@@ -29,10 +29,16 @@ _LLAMA3_SPLIT = (
 _QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
-_PRE = {"gpt-2": (None, False, False), "default": (None, False, False), "llama-bpe": (_LLAMA3_SPLIT, True, True),
-        "llama3": (_LLAMA3_SPLIT, True, True), "llama-v3": (_LLAMA3_SPLIT, True, True),
-        "smaug-bpe": (_LLAMA3_SPLIT, False, False), "qwen2": (_QWEN2_SPLIT, False, False),
-        "deepseek-r1-qwen": (_QWEN2_SPLIT, False, False)}  # fmt: skip
+_PRE = {
+    "gpt-2": (None, False, False),
+    "default": (None, False, False),
+    "llama-bpe": (_LLAMA3_SPLIT, True, True),
+    "llama3": (_LLAMA3_SPLIT, True, True),
+    "llama-v3": (_LLAMA3_SPLIT, True, True),
+    "smaug-bpe": (_LLAMA3_SPLIT, False, False),
+    "qwen2": (_QWEN2_SPLIT, False, False),
+    "deepseek-r1-qwen": (_QWEN2_SPLIT, False, False),
+}
 
 
 def gguf_tokenizer(meta: GGUFMetadata, tokens: list, path: Path) -> tuple[dict, str | None, Path]:
@@ -49,16 +55,18 @@ def gguf_tokenizer(meta: GGUFMetadata, tokens: list, path: Path) -> tuple[dict, 
         pairs = _merges(meta, path)
         pre = meta.get(names.TOKENIZER_PRE, str, "default")
         if pre not in _PRE:
-            raise UnsupportedModelError(f"{path}: GGUF pre-tokenizer {pre!r} is not supported",
-                                        f"llmc imports {', '.join(sorted(_PRE))}")  # fmt: skip
+            raise UnsupportedModelError(
+                f"{path}: GGUF pre-tokenizer {pre!r} is not supported", f"llmc imports {', '.join(sorted(_PRE))}"
+            )
         split, ignore_merges, bos_default = _PRE[pre]
         tok = Tokenizer(models.BPE(vocab=ids, merges=pairs, ignore_merges=ignore_merges))
         if split is None:
             tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         else:
             regex = pre_tokenizers.Split(Regex(split), behavior="isolated")
-            tok.pre_tokenizer = pre_tokenizers.Sequence([regex, pre_tokenizers.ByteLevel(add_prefix_space=False,
-                                                                                         use_regex=False)])  # fmt: skip
+            tok.pre_tokenizer = pre_tokenizers.Sequence(
+                [regex, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+            )
         tok.decoder = decoders.ByteLevel()
         add_bos = meta.get(names.ADD_BOS, bool, bos_default)
     elif model == "llama":
@@ -68,8 +76,13 @@ def gguf_tokenizer(meta: GGUFMetadata, tokens: list, path: Path) -> tuple[dict, 
         unk = meta.get(gguf.Keys.Tokenizer.UNK_ID, int, None)
         scored = dict(zip(tokens, scores, strict=True))
         merges = _merges(meta, path) if names.MERGES in meta.reader.fields else _sentencepiece_merges(ids, scored)
-        bpe = models.BPE(vocab=ids, merges=merges, unk_token=tokens[unk] if unk is not None and 0 <= unk < len(tokens)
-                         else None, fuse_unk=True, byte_fallback=True)  # fmt: skip
+        bpe = models.BPE(
+            vocab=ids,
+            merges=merges,
+            unk_token=tokens[unk] if unk is not None and 0 <= unk < len(tokens) else None,
+            fuse_unk=True,
+            byte_fallback=True,
+        )
         tok = Tokenizer(bpe)
         prefix = meta.get(gguf.Keys.Tokenizer.ADD_PREFIX, bool, True)
         # SentencePiece's dummy prefix, as llama.cpp adds it: before every run of text (the start, and after each
@@ -81,20 +94,33 @@ def gguf_tokenizer(meta: GGUFMetadata, tokens: list, path: Path) -> tuple[dict, 
         tok.decoder = decoders.Sequence(steps + ([decoders.Strip(content=" ", left=1)] if prefix else []))
         add_bos = meta.get(names.ADD_BOS, bool, True)  # llama.cpp adds BOS to SentencePiece unless told not to
     else:
-        raise UnsupportedModelError(f"{path}: GGUF tokenizer model {model!r} is not supported",
-                                    "llmc imports 'gpt2' (byte-level BPE) and 'llama' (SentencePiece) tokenizers")  # fmt: skip
+        raise UnsupportedModelError(
+            f"{path}: GGUF tokenizer model {model!r} is not supported",
+            "llmc imports 'gpt2' (byte-level BPE) and 'llama' (SentencePiece) tokenizers",
+        )
     # Control tokens stay whole and are skipped when decoding; user-defined ones stay whole only.
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types, strict=True)
-                            if k == names.TOKEN_CONTROL])  # fmt: skip
-    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types, strict=True)
-                    if k == names.TOKEN_USER_DEFINED])  # fmt: skip
+    tok.add_special_tokens(
+        [
+            AddedToken(t, special=True, normalized=False)
+            for t, k in zip(tokens, types, strict=True)
+            if k == names.TOKEN_CONTROL
+        ]
+    )
+    tok.add_tokens(
+        [
+            AddedToken(t, special=False, normalized=False)
+            for t, k in zip(tokens, types, strict=True)
+            if k == names.TOKEN_USER_DEFINED
+        ]
+    )
     for which, i in (("bos", bos), ("eos", eos)):
         if i is not None and not 0 <= i < len(tokens):
             raise CheckpointError(f"{path}: {which} token id {i} is past the {len(tokens)} tokens", "re-convert it")
     if add_bos and bos is not None:
         b = tokens[bos]
-        tok.post_processor = processors.TemplateProcessing(single=f"{b}:0 $A:0", pair=f"{b}:0 $A:0 {b}:1 $B:1",
-                                                           special_tokens=[(b, bos)])  # fmt: skip
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{b}:0 $A:0", pair=f"{b}:0 $A:0 {b}:1 $B:1", special_tokens=[(b, bos)]
+        )
     special = {k: tokens[i] for k, i in (("bos_token", bos), ("eos_token", eos)) if i is not None}
     return special, meta.get(names.CHAT_TEMPLATE, str, None), _save_tokenizer(tok.to_str())
 

@@ -36,8 +36,9 @@ def _check_chat_template(ckpt: Checkpoint, where: str, hint: str) -> None:
     """The checkpoint's chat template, rendered once on sample conversations (llmc/chat_template.py), so that one
     that could not serve a conversation is refused now, not at every request of a server."""
     try:
-        check_template(ckpt.chat_template, ckpt.special_tokens.get("bos_token", ""),
-                       ckpt.special_tokens.get("eos_token", ""))  # fmt: skip
+        check_template(
+            ckpt.chat_template, ckpt.special_tokens.get("bos_token", ""), ckpt.special_tokens.get("eos_token", "")
+        )
     except ArtifactError as e:
         what = " ".join(e.what.split())  # one line, whatever the template's error message holds
         raise CheckpointError(f"{where}: {what}", hint) from None

@@ -137,10 +137,28 @@ def fuse_attention(mod: tvm.IRModule) -> tvm.IRModule:
     for layer, m in enumerate(matches):
         shape = m.binding.var.ty.shape.values
         out_ty = relax.TensorType([shape[1], shape[2] * shape[3]], "float32")
-        call = llmc_call("paged_attention", [
-            m.q, m.k, m.v, m.positions, m.inv_freq, caches[layer], slot_mapping, qsl, seq_lens, block_tables,
-            prim(layer), prim(m.num_heads), prim(m.num_kv_heads), prim(m.head_dim), prim(m.scale),
-            prim(m.sliding_window)], out_ty)  # fmt: skip
+        call = llmc_call(
+            "paged_attention",
+            [
+                m.q,
+                m.k,
+                m.v,
+                m.positions,
+                m.inv_freq,
+                caches[layer],
+                slot_mapping,
+                qsl,
+                seq_lens,
+                block_tables,
+                prim(layer),
+                prim(m.num_heads),
+                prim(m.num_kv_heads),
+                prim(m.head_dim),
+                prim(m.scale),
+                prim(m.sliding_window),
+            ],
+            out_ty,
+        )
         edits[m.binding.var] = relax.op.reshape(call, m.binding.var.ty.shape)
     params = [*func.params[:2], seq_lens, qsl, block_tables, slot_mapping, *caches, *func.params[2:]]
     return rewrite(mod, edits, pass_name="fuse_attention", count=len(matches), params=params)

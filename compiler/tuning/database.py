@@ -67,8 +67,10 @@ class TuningDB:
                 if e["source"] not in SOURCES or not isinstance(e["params"], dict):
                     raise ValueError(f"entry {e['key']}: bad source or params")
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-            raise CompileError(f"tuning database {path} cannot be read: {e}",
-                               "fix it, or delete it to compile with the templates' defaults") from None  # fmt: skip
+            raise CompileError(
+                f"tuning database {path} cannot be read: {e}",
+                "fix it, or delete it to compile with the templates' defaults",
+            ) from None
         if raw.get("target") != target:
             raise CompileError(f"tuning database {path} is for target {raw.get('target')!r}, not {target!r}")
         return cls(path, target, raw["entries"])
@@ -105,7 +107,13 @@ class TuningDB:
                 if SOURCES.index(old["source"]) > SOURCES.index(source):
                     return old  # a simulated result does not replace a measured one
                 self.entries.remove(old)
-        entry = {"key": key, "params": params, "figures": figures, "source": source, "machine": machine,
-                 "date": datetime.date.today().isoformat()}  # fmt: skip
+        entry = {
+            "key": key,
+            "params": params,
+            "figures": figures,
+            "source": source,
+            "machine": machine,
+            "date": datetime.date.today().isoformat(),
+        }
         self.entries.append(entry)
         return entry

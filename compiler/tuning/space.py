@@ -28,10 +28,18 @@ from llmc.errors import CompileError
 from llmc.templates import TEMPLATE_DIR
 
 _OPS = {
-    ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.FloorDiv: operator.floordiv,
-    ast.Mod: operator.mod, ast.Lt: operator.lt, ast.LtE: operator.le, ast.Gt: operator.gt,
-    ast.GtE: operator.ge, ast.Eq: operator.eq, ast.NotEq: operator.ne,
-}  # fmt: skip
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.FloorDiv: operator.floordiv,
+    ast.Mod: operator.mod,
+    ast.Lt: operator.lt,
+    ast.LtE: operator.le,
+    ast.Gt: operator.gt,
+    ast.GtE: operator.ge,
+    ast.Eq: operator.eq,
+    ast.NotEq: operator.ne,
+}
 
 
 def evaluate(expr: str, names: Mapping[str, Any]) -> Any:
@@ -44,8 +52,10 @@ def evaluate(expr: str, names: Mapping[str, Any]) -> Any:
             return node.value
         if isinstance(node, ast.Name):
             if node.id not in names:
-                raise CompileError(f"tuning constraint {expr!r} names {node.id!r}, which is not defined",
-                                   f"it may use: {', '.join(sorted(names))}")  # fmt: skip
+                raise CompileError(
+                    f"tuning constraint {expr!r} names {node.id!r}, which is not defined",
+                    f"it may use: {', '.join(sorted(names))}",
+                )
             return names[node.id]
         if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
             return _OPS[type(node.op)](ev(node.left), ev(node.right))
@@ -59,8 +69,10 @@ def evaluate(expr: str, names: Mapping[str, Any]) -> Any:
                     return False
                 left = r
             return True
-        raise CompileError(f"tuning constraint {expr!r}: {ast.dump(node)[:60]} is not allowed",
-                           "use numbers, strings, names, + - * // %, comparisons, and, or")  # fmt: skip
+        raise CompileError(
+            f"tuning constraint {expr!r}: {ast.dump(node)[:60]} is not allowed",
+            "use numbers, strings, names, + - * // %, comparisons, and, or",
+        )
 
     return ev(ast.parse(expr, mode="eval"))
 
@@ -89,8 +101,13 @@ class TuneSpace:
     def defaults(self) -> dict[str, int]:
         return {p.name: p.default for p in self.params}
 
-    def admits(self, config: Mapping[str, int], shape: Mapping[str, Any], limits: Mapping[str, Any],
-               ptxas: Mapping[str, int] | None = None) -> bool:  # fmt: skip
+    def admits(
+        self,
+        config: Mapping[str, int],
+        shape: Mapping[str, Any],
+        limits: Mapping[str, Any],
+        ptxas: Mapping[str, int] | None = None,
+    ) -> bool:
         """Whether `config` meets the constraints (with `ptxas`'s report, the ptxas constraints too)."""
         names = {**limits, **shape, **config, **(ptxas or {})}
         checks = self.constraints + (self.ptxas_constraints if ptxas is not None else ())
@@ -123,11 +140,16 @@ class TuneSpace:
         """A tuned configuration names this space's parameters, each with a value of its domain."""
         for p in self.params:
             if config.get(p.name) not in p.domain and config.get(p.name) != p.default:
-                raise CompileError(f"{self.template}: tuned {p.name}={config.get(p.name)!r} is outside its domain "
-                                   f"{list(p.domain)}", "retune, or fix the entry in the tuning database")  # fmt: skip
+                raise CompileError(
+                    f"{self.template}: tuned {p.name}={config.get(p.name)!r} is outside its domain {list(p.domain)}",
+                    "retune, or fix the entry in the tuning database",
+                )
         if set(config) != self.names:
-            raise CompileError(f"{self.template}: a tuned configuration names {sorted(config)}, the template's "
-                               f"tunables are {sorted(self.names)}", "retune this shape")  # fmt: skip
+            raise CompileError(
+                f"{self.template}: a tuned configuration names {sorted(config)}, the template's "
+                f"tunables are {sorted(self.names)}",
+                "retune this shape",
+            )
 
 
 @functools.cache
@@ -143,9 +165,15 @@ def tune_space(family: str, op: str) -> TuneSpace | None:
             for name, p in raw["params"].items()
         )
         rows = raw.get("rows", 1)
-        return TuneSpace(f"{family}/{op}", params, tuple(raw.get("constraints", ())),
-                         tuple(int(r) for r in (rows if isinstance(rows, list) else [rows])),
-                         tuple(raw.get("ptxas_constraints", ())))  # fmt: skip
+        return TuneSpace(
+            f"{family}/{op}",
+            params,
+            tuple(raw.get("constraints", ())),
+            tuple(int(r) for r in (rows if isinstance(rows, list) else [rows])),
+            tuple(raw.get("ptxas_constraints", ())),
+        )
     except (tomllib.TOMLDecodeError, KeyError, TypeError, ValueError) as e:
-        raise CompileError(f"{path}: not a tunable-parameter file ({type(e).__name__}: {e})",
-                           "see compiler/tuning/space.py for its fields") from e  # fmt: skip
+        raise CompileError(
+            f"{path}: not a tunable-parameter file ({type(e).__name__}: {e})",
+            "see compiler/tuning/space.py for its fields",
+        ) from e

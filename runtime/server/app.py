@@ -64,13 +64,21 @@ def create_app(
     auth = [Depends(bearer_check(api_key))] if api_key else []
     errors = {**ERROR_RESPONSES, 401: ERROR_RESPONSES_AUTH} if api_key else ERROR_RESPONSES
 
-    @app.post("/v1/completions", dependencies=auth, responses={200: GENERATION_OK, **errors},
-              openapi_extra=json_body(CompletionRequest))  # fmt: skip
+    @app.post(
+        "/v1/completions",
+        dependencies=auth,
+        responses={200: GENERATION_OK, **errors},
+        openapi_extra=json_body(CompletionRequest),
+    )
     async def completions(request: Request):
         return await server.completions(request)
 
-    @app.post("/v1/chat/completions", dependencies=auth, responses={200: GENERATION_OK, **errors},
-              openapi_extra=json_body(ChatCompletionRequest))  # fmt: skip
+    @app.post(
+        "/v1/chat/completions",
+        dependencies=auth,
+        responses={200: GENERATION_OK, **errors},
+        openapi_extra=json_body(ChatCompletionRequest),
+    )
     async def chat_completions(request: Request):
         return await server.chat_completions(request)
 
@@ -82,8 +90,16 @@ def create_app(
     async def metrics():
         return Response(server.metrics.render(), media_type=CONTENT_TYPE)
 
-    @app.get("/health", responses={200: {"model": HealthStatus}, 503: {"model": HealthStatus, "description":
-             "Shutting down, or the engine loop failed (`detail` says which to do)."}})  # fmt: skip
+    @app.get(
+        "/health",
+        responses={
+            200: {"model": HealthStatus},
+            503: {
+                "model": HealthStatus,
+                "description": "Shutting down, or the engine loop failed (`detail` says which to do).",
+            },
+        },
+    )
     async def health():
         if server.draining:
             return JSONResponse({"status": "shutting down"}, 503)
@@ -128,6 +144,7 @@ def serve(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, *, log_level:
     `ServerLimits.shutdown_timeout_s` to finish."""
     server: OpenAIServing = app.state.llmc
     # uvicorn's own deadline comes after ours: by then every request has answered, so none gets its plain 500
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                            timeout_graceful_shutdown=server.limits.shutdown_timeout_s + 5)  # fmt: skip
+    config = uvicorn.Config(
+        app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=server.limits.shutdown_timeout_s + 5
+    )
     _Uvicorn(config, server).run()

@@ -19,7 +19,11 @@ def bearer_check(api_key: str):
     async def require_api_key(credentials: HTTPAuthorizationCredentials | None = Depends(bearer)) -> None:
         given = credentials.credentials.encode() if credentials is not None else b""
         if not hmac.compare_digest(given, expected):  # constant time: the answer's timing does not leak the key
-            raise ApiError("a missing or wrong API key: send `Authorization: Bearer <key>` with the server's key",
-                           status=401, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})  # fmt: skip
+            raise ApiError(
+                "a missing or wrong API key: send `Authorization: Bearer <key>` with the server's key",
+                status=401,
+                code="invalid_api_key",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
 
     return require_api_key

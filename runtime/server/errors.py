@@ -17,8 +17,15 @@ logger = logging.getLogger("llmc.server")
 
 
 class ApiError(Exception):
-    def __init__(self, message: str, *, status: int = 400, param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None):  # fmt: skip
+    def __init__(
+        self,
+        message: str,
+        *,
+        status: int = 400,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
         super().__init__(message)
         self.message, self.status, self.param, self.code, self.headers = message, status, param, code, headers
 
@@ -28,14 +35,20 @@ def error_body(message: str, status: int = 400, param: str | None = None, code: 
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
-def error_response(message: str, status: int = 400, param: str | None = None, code: str | None = None,
-                   headers: dict[str, str] | None = None) -> JSONResponse:  # fmt: skip
+def error_response(
+    message: str,
+    status: int = 400,
+    param: str | None = None,
+    code: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> JSONResponse:
     return JSONResponse(error_body(message, status, param, code), status_code=status, headers=headers)
 
 
 def shutting_down() -> ApiError:
-    return ApiError("the server is shutting down; send the request again to another instance", status=503,
-                    code="shutting_down")  # fmt: skip
+    return ApiError(
+        "the server is shutting down; send the request again to another instance", status=503, code="shutting_down"
+    )
 
 
 def validation_error(e: ValidationError) -> ApiError:

@@ -34,22 +34,37 @@ ERROR_RESPONSES = {
     400: _error_doc("Bad JSON, a wrong type or value, or a request past a limit; `param` names the field."),
     404: _error_doc("The model named is not served here."),
     413: _error_doc("The body is larger than the server's limit."),
-    429: {**_error_doc("Too many requests in flight; see Retry-After."),
-          "headers": {"Retry-After": {"description": "Seconds to wait", "schema": {"type": "integer"}}}},
+    429: {
+        **_error_doc("Too many requests in flight; see Retry-After."),
+        "headers": {"Retry-After": {"description": "Seconds to wait", "schema": {"type": "integer"}}},
+    },
     500: _error_doc("The model or its chat template failed on this request; the server goes on."),
     503: _error_doc("The server is shutting down."),
-}  # fmt: skip
+}
 ERROR_RESPONSES_AUTH = _error_doc("No API key, or a wrong one.")
-GENERATION_OK = {"description": "The completion (JSON), or with stream=true Server-Sent Events ending in [DONE].",
-                 "content": {"application/json": {}, "text/event-stream": {"schema": {  # one event
-                      "type": "object", "required": ["data"],
-                      "properties": {"data": {"type": "string", "description": "a chunk's JSON, or [DONE]"}}}}}}  # fmt: skip
+GENERATION_OK = {
+    "description": "The completion (JSON), or with stream=true Server-Sent Events ending in [DONE].",
+    "content": {
+        "application/json": {},
+        "text/event-stream": {
+            "schema": {  # one event
+                "type": "object",
+                "required": ["data"],
+                "properties": {"data": {"type": "string", "description": "a chunk's JSON, or [DONE]"}},
+            }
+        },
+    },
+}
 
 
 def json_body(model: type[BaseModel]) -> dict:
     """openapi_extra for an endpoint that reads its body itself (for size limits and 400s instead of 422s)."""
-    return {"requestBody": {"required": True, "content": {
-        "application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}  # fmt: skip
+    return {
+        "requestBody": {
+            "required": True,
+            "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}},
+        }
+    }
 
 
 def document_request_bodies(app: FastAPI, *models: type[BaseModel]) -> None:

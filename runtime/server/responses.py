@@ -85,8 +85,13 @@ class CompletionFormat(Format):
 
     @staticmethod
     def _entry(choice: Choice, text: str, logprobs) -> dict:
-        return {"index": choice.index, "text": text, "logprobs": logprobs, "finish_reason": choice.finish_reason,
-                "stop_reason": choice.stop_reason}  # fmt: skip
+        return {
+            "index": choice.index,
+            "text": text,
+            "logprobs": logprobs,
+            "finish_reason": choice.finish_reason,
+            "stop_reason": choice.stop_reason,
+        }
 
 
 class ChatFormat(Format):
@@ -109,15 +114,26 @@ class ChatFormat(Format):
         return {"content": content}
 
     def opening(self, choices: list[Choice]) -> list[dict]:  # every choice opens with the role
-        return [{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                 "finish_reason": None} for c in choices]  # fmt: skip
+        return [
+            {"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+            for c in choices
+        ]
 
     def choice(self, choice: Choice) -> dict:
-        return {"index": choice.index, "message": {"role": "assistant", "content": choice.text},
-                "logprobs": choice.logprobs, "finish_reason": choice.finish_reason,
-                "stop_reason": choice.stop_reason}  # fmt: skip
+        return {
+            "index": choice.index,
+            "message": {"role": "assistant", "content": choice.text},
+            "logprobs": choice.logprobs,
+            "finish_reason": choice.finish_reason,
+            "stop_reason": choice.stop_reason,
+        }
 
     def delta(self, choice: Choice, out: RequestOutput, logprobs) -> dict:
         delta = {"content": out.new_text} if out.new_text or not out.finished else {}
-        return {"index": choice.index, "delta": delta, "logprobs": logprobs, "finish_reason": choice.finish_reason,
-                "stop_reason": choice.stop_reason}  # fmt: skip
+        return {
+            "index": choice.index,
+            "delta": delta,
+            "logprobs": logprobs,
+            "finish_reason": choice.finish_reason,
+            "stop_reason": choice.stop_reason,
+        }

@@ -32,8 +32,16 @@ logger = logging.getLogger("llmc.server")
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncLLMEngine, tokenizer, model_name: str, chat_template, bos_token, eos_token,
-                 limits: ServerLimits):  # fmt: skip
+    def __init__(
+        self,
+        engine: AsyncLLMEngine,
+        tokenizer,
+        model_name: str,
+        chat_template,
+        bos_token,
+        eos_token,
+        limits: ServerLimits,
+    ):
         self.engine = engine
         self.tokenizer = tokenizer
         self.model_name = model_name
@@ -76,13 +84,20 @@ class OpenAIServing:
         if self.draining:
             raise shutting_down()
         if model not in (None, "", self.model_name):
-            raise ApiError(f"the model '{model}' does not exist; this server serves '{self.model_name}'",
-                           status=404, param="model", code="model_not_found")  # fmt: skip
+            raise ApiError(
+                f"the model '{model}' does not exist; this server serves '{self.model_name}'",
+                status=404,
+                param="model",
+                code="model_not_found",
+            )
         most = self.engine.max_num_seqs + self.limits.max_waiting_requests
         if self.engine.num_requests >= most:
-            raise ApiError(f"the server is busy: {self.engine.num_requests} requests are in flight (at most {most})",
-                           status=429, code="queue_full",
-                           headers={"Retry-After": str(self.limits.retry_after_s)})  # fmt: skip
+            raise ApiError(
+                f"the server is busy: {self.engine.num_requests} requests are in flight (at most {most})",
+                status=429,
+                code="queue_full",
+                headers={"Retry-After": str(self.limits.retry_after_s)},
+            )
 
     def check_limits(self, params: SamplingParams, prompt_ids: list[int], prompt_param: str) -> None:
         """The server's own limits, then the engine's (prompt length, vocabulary): all before the request starts."""
@@ -90,34 +105,54 @@ class OpenAIServing:
         if params.n > lim.max_n:
             raise ApiError(f"n={params.n} is more than this server's limit of {lim.max_n}", param="n")
         if len(params.stop) > lim.max_stop or any(len(s) > lim.max_stop_chars for s in params.stop):
-            raise ApiError(f"stop: at most {lim.max_stop} strings of at most {lim.max_stop_chars} characters",
-                           param="stop")  # fmt: skip
+            raise ApiError(
+                f"stop: at most {lim.max_stop} strings of at most {lim.max_stop_chars} characters", param="stop"
+            )
         try:
             self.engine.check_request(prompt_ids, params)
         except RequestError as e:
             raise ApiError(str(e), param=prompt_param if e.param == "prompt" else e.param) from None
         room = self.engine.max_model_len - len(prompt_ids)
         if params.max_tokens is not None and params.max_tokens > room:
-            raise ApiError(f"max_tokens={params.max_tokens} with a prompt of {len(prompt_ids)} tokens passes the "
-                           f"model's context of {self.engine.max_model_len} tokens; at most {room} can be generated",
-                           param="max_tokens")  # fmt: skip
+            raise ApiError(
+                f"max_tokens={params.max_tokens} with a prompt of {len(prompt_ids)} tokens passes the "
+                f"model's context of {self.engine.max_model_len} tokens; at most {room} can be generated",
+                param="max_tokens",
+            )
 
     # -- the one generation path ----------------------------------------------------------------------------
 
-    async def respond(self, request: Request, arrival: float, fmt: Format, prompt_ids: list[int],
-                      params: SamplingParams, stream: bool, include_usage: bool):  # fmt: skip
+    async def respond(
+        self,
+        request: Request,
+        arrival: float,
+        fmt: Format,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        stream: bool,
+        include_usage: bool,
+    ):
         """arrival: the request's time.perf_counter() when it came in, for the time-to-first-token metric."""
         req_id, created = f"{fmt.id_prefix}-{uuid.uuid4().hex}", int(time.time())
         choices = [Choice(i) for i in range(params.n)]
 
         def envelope(choice_list: list[dict], obj: str, **extra) -> dict:
-            return {"id": req_id, "object": obj, "created": created, "model": self.model_name,
-                    "choices": choice_list, **extra}  # fmt: skip
+            return {
+                "id": req_id,
+                "object": obj,
+                "created": created,
+                "model": self.model_name,
+                "choices": choice_list,
+                **extra,
+            }
 
         def usage() -> dict:
             completion = sum(c.num_tokens for c in choices)
-            return {"prompt_tokens": len(prompt_ids), "completion_tokens": completion,
-                    "total_tokens": len(prompt_ids) + completion}  # fmt: skip
+            return {
+                "prompt_tokens": len(prompt_ids),
+                "completion_tokens": completion,
+                "total_tokens": len(prompt_ids) + completion,
+            }
 
         def chunks_for(out: RequestOutput) -> list[dict]:
             tracker.output(out)
@@ -217,8 +252,9 @@ class OpenAIServing:
             return encoding.ids
         if all(isinstance(t, int) for t in prompt):
             return list(prompt)
-        raise ApiError("this server takes one prompt per request; send the prompts as separate requests",
-                       param="prompt")  # fmt: skip
+        raise ApiError(
+            "this server takes one prompt per request; send the prompts as separate requests", param="prompt"
+        )
 
     async def completions(self, request: Request):
         arrival = time.perf_counter()
@@ -258,8 +294,15 @@ class OpenAIServing:
         params = body.sampling_params(max_tokens=max_tokens, logprobs=logprobs)
         messages = self.chat_messages(body.messages)
         # the template runs in a thread: even bounded (chat_template.py), a render may take its whole budget
-        prompt_ids = await asyncio.to_thread(chat_prompt_ids, self.tokenizer, self.chat_template, messages,
-                                             self.bos_token, self.eos_token, self.limits.chat_template)  # fmt: skip
+        prompt_ids = await asyncio.to_thread(
+            chat_prompt_ids,
+            self.tokenizer,
+            self.chat_template,
+            messages,
+            self.bos_token,
+            self.eos_token,
+            self.limits.chat_template,
+        )
         self.check_limits(params, prompt_ids, "messages")
         fmt = ChatFormat(self.token_text, params.logprobs)
         return await self.respond(request, arrival, fmt, prompt_ids, params, body.stream, body.include_usage)
@@ -270,6 +313,11 @@ class OpenAIServing:
     # -- /v1/models ----------------------------------------------------------------------------------------
 
     def models(self) -> dict:
-        card = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "llmc",
-                "max_model_len": self.engine.max_model_len}  # fmt: skip
+        card = {
+            "id": self.model_name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "llmc",
+            "max_model_len": self.engine.max_model_len,
+        }
         return {"object": "list", "data": [card]}

@@ -93,8 +93,9 @@ def test_ops_no_template_covers_fall_back_to_tvm(checkpoint_dir, monkeypatch):
     assert "TVM fallback tvm_nn_silu_0" in str(program)
 
 
-@pytest.mark.parametrize("arch,dtype,fused", [("llama", "bfloat16", True), ("llama", "float32", False),
-                                               ("mistral", "bfloat16", False)])  # fmt: skip
+@pytest.mark.parametrize(
+    "arch,dtype,fused", [("llama", "bfloat16", True), ("llama", "float32", False), ("mistral", "bfloat16", False)]
+)
 def test_swiglu_epilogue(checkpoint_dir, arch, dtype, fused):
     """CUDA's lowering: a bf16 gate_up GEMM and its silu_mul become one gemm_swiglu, whose weight the packer
     interleaves, and the [T, 2 * inter] product needs no buffer. fp32 weights, or an intermediate size of no
@@ -139,14 +140,16 @@ def test_activation_dtype_is_every_launchs_adtype(checkpoint_dir):
 
 def test_lowering_imports_no_torch():
     """Lowering reads the IR only. tvm_ffi imports torch whenever it can, so torch is blocked, not just looked for."""
-    code = ("import importlib.abc, sys\n"
-            "class NoTorch(importlib.abc.MetaPathFinder):\n"
-            "    def find_spec(self, name, path=None, target=None):\n"
-            "        if name.split('.')[0] == 'torch':\n"
-            "            raise ImportError(name + ' is blocked')\n"
-            "sys.meta_path.insert(0, NoTorch())\n"
-            "import llmc.compiler.lower\n"
-            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))")  # fmt: skip
+    code = (
+        "import importlib.abc, sys\n"
+        "class NoTorch(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] == 'torch':\n"
+        "            raise ImportError(name + ' is blocked')\n"
+        "sys.meta_path.insert(0, NoTorch())\n"
+        "import llmc.compiler.lower\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))"
+    )
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip() == "[]"
@@ -162,10 +165,15 @@ def test_quantized_matmul_lowers_to_qgemm_over_packed_parts(checkpoint_dir):
     names = trace(config).weight_names
     p = "model.layers.1.self_attn."
     asym = QuantScheme(4, 32, asymmetric=True, scale_dtype="float32")
-    schemes = {p + "q_proj.weight": asym, p + "k_proj.weight": asym, p + "v_proj.weight": asym,
-               p + "o_proj.weight": QuantScheme(8, config.q_size)}  # fmt: skip
-    program = lower(run_passes(mod, quantize=quantize_linear(schemes, names)), names, weight_dtype="bfloat16",
-                    block_size=16)  # fmt: skip
+    schemes = {
+        p + "q_proj.weight": asym,
+        p + "k_proj.weight": asym,
+        p + "v_proj.weight": asym,
+        p + "o_proj.weight": QuantScheme(8, config.q_size),
+    }
+    program = lower(
+        run_passes(mod, quantize=quantize_linear(schemes, names)), names, weight_dtype="bfloat16", block_size=16
+    )
     print(program)
     qgemms = [launch for launch in program.launches if launch.op == "qgemm"]
 
@@ -175,14 +183,24 @@ def test_quantized_matmul_lowers_to_qgemm_over_packed_parts(checkpoint_dir):
     assert [launch.fused for launch in qgemms] == [["q+k+v_proj + bias"], ["o_proj"]]
     qkv, o = qgemms
     rows = config.q_size + 2 * config.kv_size
-    assert qkv.params == {"n": rows, "k": config.hidden_size, "bits": 4, "group_size": 32, "asymmetric": True,
-                          "scale_bits": 32, "has_bias": True}  # fmt: skip
+    assert qkv.params == {
+        "n": rows,
+        "k": config.hidden_size,
+        "bits": 4,
+        "group_size": 32,
+        "asymmetric": True,
+        "scale_bits": 32,
+        "has_bias": True,
+    }
     assert o.params["bits"] == 8 and o.params["group_size"] == config.q_size and o.args[3] == o.args[4] == "nullptr"
     assert o.params["scale_bits"] == 16 and spec(o.args[2]).dtype == "float16"
 
     q, scales, mins, bias = (spec(a) for a in qkv.args[1:5])
-    assert [(s.part, s.dtype) for s in (q, scales, mins)] == [("qweight", "uint8"), ("scales", "float32"),
-                                                              ("mins", "float32")]  # fmt: skip
+    assert [(s.part, s.dtype) for s in (q, scales, mins)] == [
+        ("qweight", "uint8"),
+        ("scales", "float32"),
+        ("mins", "float32"),
+    ]
     assert q.stored_shape == (rows, config.hidden_size // 2) and scales.stored_shape == (rows, config.hidden_size // 32)
     assert q.sources == tuple(p + f"{n}_proj.weight" for n in "qkv") and q.quant == asym
     assert bias.quant is None and bias.dtype == "float32" and len(bias.sources) == 3

@@ -60,8 +60,9 @@ def _bytes_from_text(text: str) -> dict[str, int]:
     ],
     ids=["cpu-fp32", "cpu-bf16-int4", "cuda-bf16", "tvm-fallback"],
 )
-def test_the_json_prints_and_reads_as_the_program(checkpoint_dir, monkeypatch, variant, weight_dtype, quant, cuda,
-                                                   swiglu):  # fmt: skip
+def test_the_json_prints_and_reads_as_the_program(
+    checkpoint_dir, monkeypatch, variant, weight_dtype, quant, cuda, swiglu
+):
     if not swiglu:
         monkeypatch.setattr(pipeline, "PASSES", [p for p in pipeline.PASSES if p.__name__ != "fuse_swiglu"])
     ckpt = load_checkpoint(checkpoint_dir(variant))

@@ -159,8 +159,11 @@ def _unpacked(path, specs):
     )
 
 
-@pytest.mark.parametrize("scheme", [QuantScheme(8, 64), QuantScheme(4, 32), QuantScheme(4, 64, asymmetric=True)],
-                         ids=lambda s: s.describe().replace(" ", "-"))  # fmt: skip
+@pytest.mark.parametrize(
+    "scheme",
+    [QuantScheme(8, 64), QuantScheme(4, 32), QuantScheme(4, 64, asymmetric=True)],
+    ids=lambda s: s.describe().replace(" ", "-"),
+)
 def test_quantized_parts_are_each_source_quantized_once(ckpt, tmp_path, scheme, monkeypatch):
     qkv = tuple(f"model.layers.1.self_attn.{n}_proj.weight" for n in "qkv")
     specs = _quant_specs(ckpt, qkv, scheme)

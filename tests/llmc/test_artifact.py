@@ -228,14 +228,17 @@ def test_big_file_digests_are_remembered_across_renames(tmp_path, monkeypatch):
     assert digests.file_sha256(moved / "weights.bin") != digest
 
 
-@pytest.mark.parametrize("field, edit", [
-    ("model_config", lambda m: m["model_config"].update(max_position_embeddings=1 << 20)),
-    ("model_config", lambda m: m["model_config"].update(hidden_size=m["model_config"]["hidden_size"] * 2)),
-    ("block_size", lambda m: m.update(block_size=32)),
-    ("tokenizer", lambda m: m["tokenizer"].update(eos_token="<s>")),
-    ("generation_defaults", lambda m: m.update(generation_defaults={"temperature": 0.7})),
-    ("files", lambda m: m["files"].update({"model.so": "0" * 64})),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "field, edit",
+    [
+        ("model_config", lambda m: m["model_config"].update(max_position_embeddings=1 << 20)),
+        ("model_config", lambda m: m["model_config"].update(hidden_size=m["model_config"]["hidden_size"] * 2)),
+        ("block_size", lambda m: m.update(block_size=32)),
+        ("tokenizer", lambda m: m["tokenizer"].update(eos_token="<s>")),
+        ("generation_defaults", lambda m: m.update(generation_defaults={"temperature": 0.7})),
+        ("files", lambda m: m["files"].update({"model.so": "0" * 64})),
+    ],
+)
 def test_edited_manifest_is_refused_naming_the_field(tmp_path, config, field, edit):
     out = writer.write_artifact(tmp_path / "a.cpu", _populate(config))
     m = json.loads((out / "manifest.json").read_text())
@@ -266,8 +269,11 @@ def test_target_kind_comes_from_the_manifest_not_the_name(tmp_path, config):
     pop = _populate(config, target="sm120x")
 
     def custom(tmp):
-        return {**pop(tmp), "target": {"name": "sm120x", "kind": "cuda", "gencode": "arch=compute_120,code=sm_120"},
-                "block_size": 8}  # fmt: skip
+        return {
+            **pop(tmp),
+            "target": {"name": "sm120x", "kind": "cuda", "gencode": "arch=compute_120,code=sm_120"},
+            "block_size": 8,
+        }
 
     a = art.load_artifact(writer.write_artifact(tmp_path / "a.sm120x", custom))
     assert a.is_cuda and a.kind == "cuda" and a.source_path.name == "model.cu" and a.block_size == 8

@@ -85,8 +85,14 @@ WRITE_POINTS = ("hash", "manifest written", "rename0", "rename1", "old removed")
 
 
 def _python(script: str, *args, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", script, *map(str, args)], check=False, capture_output=True, text=True,
-                          env={**os.environ, **(env or {})}, timeout=timeout)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-c", script, *map(str, args)],
+        check=False,
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+        timeout=timeout,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -137,8 +143,13 @@ def _stopped(pid: int) -> bool:
 def test_two_compiles_into_one_output(checkpoint_dir, tmp_path):
     out = tmp_path / "m.cpu"
     cmd = [Path(sys.executable).with_name("llmc"), "compile", checkpoint_dir("llama"), "--target", "cpu", "-o", out]
-    first = subprocess.Popen(cmd, env={**os.environ, SIGNAL_AT_ENV: "fuse:SIGSTOP"}, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True)  # fmt: skip
+    first = subprocess.Popen(
+        cmd,
+        env={**os.environ, SIGNAL_AT_ENV: "fuse:SIGSTOP"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 120
         while not _stopped(first.pid):  # it holds the output's lock, stopped in the middle of its compile
@@ -201,8 +212,12 @@ def test_leftovers_of_a_live_writer_are_kept(compiled, tmp_path):
     fd = writer._try_lock(writer._lock_path(tmp_path, "a.cpu"))
     try:
         _python(KILL_IN_WRITE, "none", compiled, tmp_path / "c.cpu").check_returncode()
-        assert sorted(os.listdir(tmp_path)) == [".a.cpu.llmc-lock", ".a.cpu.llmc-tmp-abcd1234", ".c.tmp-abcd1234",
-                                                "c.cpu"]  # fmt: skip
+        assert sorted(os.listdir(tmp_path)) == [
+            ".a.cpu.llmc-lock",
+            ".a.cpu.llmc-tmp-abcd1234",
+            ".c.tmp-abcd1234",
+            "c.cpu",
+        ]
     finally:
         writer._unlock(writer._lock_path(tmp_path, "a.cpu"), fd)
 
@@ -258,8 +273,14 @@ def test_full_build_cache_is_a_compile_error(tmp_path, monkeypatch):
         build.build_shared_library("int f() { return 1; }\n", cache_dir=tmp_path)
 
 
-ARTIFACT_FILES = ["manifest.json", "model.cc", "model.so", "tokenizer.json", "tokenizer_config.json",
-                  "weights.safetensors"]  # fmt: skip
+ARTIFACT_FILES = [
+    "manifest.json",
+    "model.cc",
+    "model.so",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "weights.safetensors",
+]
 
 
 def test_artifact_files_are_those_flipped(compiled):

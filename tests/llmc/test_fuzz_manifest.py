@@ -40,24 +40,52 @@ file_names = st.lists(path_parts, min_size=1, max_size=5).map("/".join) | st.tex
 OUTSIDE = Path("/etc/passwd")
 # A kernel program of llmc/kernel_program.py's schema: an embedding, a bf16 GEMM and a quantized one
 PROGRAM = {
-    "schema": 1, "kv_dtype": "float32", "act_dtype": "float32",
+    "schema": 1,
+    "kv_dtype": "float32",
+    "act_dtype": "float32",
     "buffers": [{"rows": "T", "cols": 64}, {"rows": "N", "cols": 64}],
     "weights": [
-        {"name": "model.embed_tokens.weight", "dtype": "float32", "shape": [384, 64], "quant": None, "interleave": 0,
-         "sources": ["model.embed_tokens.weight"]},
-        {"name": "lm_head.weight.qweight", "dtype": "uint8", "shape": [384, 32], "quant": "int4 g32", "interleave": 0,
-         "sources": ["lm_head.weight"]},
-        {"name": "lm_head.weight.scales", "dtype": "float16", "shape": [384, 2], "quant": "int4 g32", "interleave": 0,
-         "sources": ["lm_head.weight"]},
+        {
+            "name": "model.embed_tokens.weight",
+            "dtype": "float32",
+            "shape": [384, 64],
+            "quant": None,
+            "interleave": 0,
+            "sources": ["model.embed_tokens.weight"],
+        },
+        {
+            "name": "lm_head.weight.qweight",
+            "dtype": "uint8",
+            "shape": [384, 32],
+            "quant": "int4 g32",
+            "interleave": 0,
+            "sources": ["lm_head.weight"],
+        },
+        {
+            "name": "lm_head.weight.scales",
+            "dtype": "float16",
+            "shape": [384, 2],
+            "quant": "int4 g32",
+            "interleave": 0,
+            "sources": ["lm_head.weight"],
+        },
     ],
     "launches": [
-        {"op": "embedding", "params": {"hidden": 64, "wdtype": "f32"}, "args": ["token_ids", "T", "W[0]", "buf0"],
-         "fused": ["take(embed_tokens)"]},
-        {"op": "qgemm", "params": {"n": 384, "k": 64, "bits": 4, "has_bias": False},
-         "args": ["buf1", "W[1]", "W[2]", "nullptr", "nullptr", "logits", "N"], "fused": ["lm_head"]},
+        {
+            "op": "embedding",
+            "params": {"hidden": 64, "wdtype": "f32"},
+            "args": ["token_ids", "T", "W[0]", "buf0"],
+            "fused": ["take(embed_tokens)"],
+        },
+        {
+            "op": "qgemm",
+            "params": {"n": 384, "k": 64, "bits": 4, "has_bias": False},
+            "args": ["buf1", "W[1]", "W[2]", "nullptr", "nullptr", "logits", "N"],
+            "fused": ["lm_head"],
+        },
     ],
     "tvm_funcs": {},
-}  # fmt: skip
+}
 
 
 @pytest.fixture(scope="module")
@@ -67,10 +95,15 @@ def valid(checkpoint_dir, tmp_path_factory) -> Path:
     def populate(tmp: Path) -> dict:
         for name in ("model.so", "model.cc", "weights.safetensors", "tokenizer.json", "tokenizer_config.json"):
             (tmp / name).write_bytes(name.encode() * 8)
-        return {"target": "cpu", "model_config": config, "weight_dtype": "float32",
-                "kernels": [{"id": "k0", "template": "rmsnorm", "params": {"hidden": 64}}],
-                "tokenizer": {"chat_template": "{{x}}", "bos_token": "<s>", "eos_token": "</s>"},
-                "generation_defaults": {"temperature": 0.7, "top_k": 40}, "kernel_program": PROGRAM}  # fmt: skip
+        return {
+            "target": "cpu",
+            "model_config": config,
+            "weight_dtype": "float32",
+            "kernels": [{"id": "k0", "template": "rmsnorm", "params": {"hidden": 64}}],
+            "tokenizer": {"chat_template": "{{x}}", "bos_token": "<s>", "eos_token": "</s>"},
+            "generation_defaults": {"temperature": 0.7, "top_k": 40},
+            "kernel_program": PROGRAM,
+        }
 
     return writer.write_artifact(tmp_path_factory.mktemp("valid") / "a.cpu", populate)
 
@@ -111,10 +144,22 @@ def _loads_or_one_line_error(path: Path, hashed: list[str]) -> ArtifactError | N
         assert "\n" not in str(e) and "\r" not in str(e), str(e)
         error = e
     else:  # what the runtime reads of a loaded artifact
-        _ = (a.config.max_context, a.config.num_parameters(), a.block_size, a.kind, a.target_name, a.source_path,
-             a.chat_template, a.bos_token, a.eos_token, a.weight_dtype, a.weight_bytes,
-             {"temperature": 0.0, **(a.manifest.get("generation_defaults") or {})}, a.decode_weight_bytes,
-             format_program(a.manifest["kernel_program"]) if "kernel_program" in a.manifest else None)  # fmt: skip
+        _ = (
+            a.config.max_context,
+            a.config.num_parameters(),
+            a.block_size,
+            a.kind,
+            a.target_name,
+            a.source_path,
+            a.chat_template,
+            a.bos_token,
+            a.eos_token,
+            a.weight_dtype,
+            a.weight_bytes,
+            {"temperature": 0.0, **(a.manifest.get("generation_defaults") or {})},
+            a.decode_weight_bytes,
+            format_program(a.manifest["kernel_program"]) if "kernel_program" in a.manifest else None,
+        )
     root = os.path.realpath(path)
     outside = [p for p in hashed if os.path.commonpath([root, os.path.realpath(p)]) != root]
     assert not outside, f"read outside the artifact: {outside}"
@@ -186,8 +231,13 @@ def test_fuzz_manifest_fields_resealed(artifact):
     keys = sorted(k for k in valid if k != mf.MANIFEST_DIGESTS)
 
     @FUZZ
-    @given(st.sampled_from(keys) | st.text(max_size=8), json_values,
-           st.sampled_from(["replace", "delete", "nested", "nested_delete"]), st.booleans(), st.data())  # fmt: skip
+    @given(
+        st.sampled_from(keys) | st.text(max_size=8),
+        json_values,
+        st.sampled_from(["replace", "delete", "nested", "nested_delete"]),
+        st.booleans(),
+        st.data(),
+    )
     def run(key, value, how, seal, data):
         m = json.loads(json.dumps(valid))
         if how == "replace":
@@ -236,29 +286,32 @@ def test_fuzz_kernel_program_resealed(artifact):
     run()
 
 
-@pytest.mark.parametrize("field, value", [
-    ("model_config", {"num_layers": 0}),
-    ("model_config", {"num_heads": 7}),
-    ("model_config", {"eos_token_ids": [1 << 20]}),
-    ("model_config", {"rms_norm_eps": float("nan")}),
-    ("model_config", {"hidden_size": True}),
-    ("model_config", {"sliding_layers": [99]}),
-    ("target", {"isa": [["avx2"]]}),
-    ("target", {"name": "cpu\nrm -rf /"}),
-    ("tokenizer", {"chat_template": 7}),
-    ("generation_defaults", {"seed": 1}),
-    ("generation_defaults", {"temperature": "hot"}),
-    ("block_size", 1 << 40),
-    ("kernel_program", ["kernel program: 2 launches"]),  # the printed form of format 2
-    ("kernel_program", {"schema": 2}),
-    ("kernel_program", {"schema": True}),
-    ("kernel_program", {"launches": [{"op": "gemm", "params": {}, "args": ["W[3]"], "fused": []}]}),
-    ("kernel_program", {"weights": [{**PROGRAM["weights"][0], "shape": [-1]}]}),
-    ("kernel_program", {"weights": [{**PROGRAM["weights"][0], "dtype": "float128"}]}),
-    ("kernel_program", {"buffers": [{"rows": "B", "cols": 8}]}),
-    ("kernel_program", {"tvm_funcs": {"f": 1}}),
-    ("kernel_program", {"act_dtype": "float16"}),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("model_config", {"num_layers": 0}),
+        ("model_config", {"num_heads": 7}),
+        ("model_config", {"eos_token_ids": [1 << 20]}),
+        ("model_config", {"rms_norm_eps": float("nan")}),
+        ("model_config", {"hidden_size": True}),
+        ("model_config", {"sliding_layers": [99]}),
+        ("target", {"isa": [["avx2"]]}),
+        ("target", {"name": "cpu\nrm -rf /"}),
+        ("tokenizer", {"chat_template": 7}),
+        ("generation_defaults", {"seed": 1}),
+        ("generation_defaults", {"temperature": "hot"}),
+        ("block_size", 1 << 40),
+        ("kernel_program", ["kernel program: 2 launches"]),  # the printed form of format 2
+        ("kernel_program", {"schema": 2}),
+        ("kernel_program", {"schema": True}),
+        ("kernel_program", {"launches": [{"op": "gemm", "params": {}, "args": ["W[3]"], "fused": []}]}),
+        ("kernel_program", {"weights": [{**PROGRAM["weights"][0], "shape": [-1]}]}),
+        ("kernel_program", {"weights": [{**PROGRAM["weights"][0], "dtype": "float128"}]}),
+        ("kernel_program", {"buffers": [{"rows": "B", "cols": 8}]}),
+        ("kernel_program", {"tvm_funcs": {"f": 1}}),
+        ("kernel_program", {"act_dtype": "float16"}),
+    ],
+)
 def test_resealed_bad_field_is_refused(artifact, field, value):
     path, hashed = artifact
     m = _manifest(path)
@@ -272,8 +325,21 @@ def _passwd_sha256() -> str:
     return hashlib.sha256(OUTSIDE.read_bytes()).hexdigest()
 
 
-@pytest.mark.parametrize("name", ["../../../../../../etc/passwd", str(OUTSIDE), "a/../../../../../../etc/passwd",
-                                  "./model.so", "model.so/", "sub//x", "..", ".", "", "manifest.json"])  # fmt: skip
+@pytest.mark.parametrize(
+    "name",
+    [
+        "../../../../../../etc/passwd",
+        str(OUTSIDE),
+        "a/../../../../../../etc/passwd",
+        "./model.so",
+        "model.so/",
+        "sub//x",
+        "..",
+        ".",
+        "",
+        "manifest.json",
+    ],
+)
 def test_files_outside_the_artifact_are_refused_unread(artifact, name):
     path, hashed = artifact
     m = _manifest(path)

@@ -40,9 +40,18 @@ def check_401(r):
     assert KEY not in r.text
 
 
-@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Basic {KEY}"},
-                                     {"Authorization": f"Bearer {KEY}x"}, {"Authorization": f"Bearer {KEY[:-1]}"},
-                                     {"Authorization": "Bearer"}, {"Authorization": KEY}])  # fmt: skip
+@pytest.mark.parametrize(
+    "headers",
+    [
+        {},
+        {"Authorization": "Bearer wrong"},
+        {"Authorization": f"Basic {KEY}"},
+        {"Authorization": f"Bearer {KEY}x"},
+        {"Authorization": f"Bearer {KEY[:-1]}"},
+        {"Authorization": "Bearer"},
+        {"Authorization": KEY},
+    ],
+)
 def test_no_key_or_a_wrong_one_gets_401_on_every_v1_endpoint(http, headers):
     for path, body in (COMPLETION, CHAT):
         check_401(http.post(path, json=body, headers=headers))

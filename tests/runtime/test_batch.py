@@ -26,8 +26,9 @@ def test_build_flattens_prefill_chunk_and_decodes():
 
 def test_build_asks_for_the_last_rows_of_each_sequence():
     # seq 0 verifies 3 rows of its 5-token chunk, seq 1 decodes (1 row), seq 2 scores both of its tokens
-    batch = StepBatch.build([[10, 11, 12, 13, 14], [20], [30, 31]], [3, 9, 0], [[2, 0], [1, 3, 5], [4]], block_size=4,
-                            num_logits=[3, 1, 2])  # fmt: skip
+    batch = StepBatch.build(
+        [[10, 11, 12, 13, 14], [20], [30, 31]], [3, 9, 0], [[2, 0], [1, 3, 5], [4]], block_size=4, num_logits=[3, 1, 2]
+    )
     batch.validate()
     np.testing.assert_array_equal(batch.logits_indices, [2, 3, 4, 5, 6, 7])
     assert batch.logits_indices.dtype == np.int32 and batch.num_logits == 6
@@ -39,8 +40,13 @@ def test_build_asks_for_the_last_rows_of_each_sequence():
 def test_build_asks_for_each_sequences_last_rows_in_order(lens_and_rows):
     """logits_indices is the concatenation, sequence by sequence, of each one's last num_logits token rows."""
     tokens = [list(range(n)) for n, _ in lens_and_rows]
-    batch = StepBatch.build(tokens, [0] * len(tokens), [[i] for i in range(len(tokens))], block_size=8,
-                            num_logits=[r for _, r in lens_and_rows])  # fmt: skip
+    batch = StepBatch.build(
+        tokens,
+        [0] * len(tokens),
+        [[i] for i in range(len(tokens))],
+        block_size=8,
+        num_logits=[r for _, r in lens_and_rows],
+    )
     batch.validate()
     ends = batch.query_start_loc[1:]
     want = [t for end, (_, r) in zip(ends, lens_and_rows, strict=True) for t in range(end - r, end)]
@@ -54,8 +60,10 @@ def test_build_rejects_a_block_table_too_short():
         StepBatch.build([[1], [2]], [3, 8], [[5], [0, 1]], block_size=4)  # decode: position 8 needs 3 blocks
 
 
-@given(st.lists(st.tuples(st.integers(0, 40), st.integers(0, 3), st.integers(0, 999)), min_size=1, max_size=6),
-       st.sampled_from([1, 4, 16]))  # fmt: skip
+@given(
+    st.lists(st.tuples(st.integers(0, 40), st.integers(0, 3), st.integers(0, 999)), min_size=1, max_size=6),
+    st.sampled_from([1, 4, 16]),
+)
 def test_decode_steps_build_as_the_general_path_does(seqs, block_size):
     """A decode step (one token and one logits row per sequence) takes build()'s short path, which gives what the
     general one does: the same arrays, dtypes and contiguity."""

@@ -61,6 +61,7 @@ def test_sliding_window_releases_blocks_and_runs_past_the_cache(checkpoint_dir, 
     reference = hf_model(path)
     for ids, result in zip(prompts, results, strict=True):
         with torch.no_grad():
-            expected = reference.generate(torch.tensor([ids]), max_new_tokens=76, min_new_tokens=76,
-                                          do_sample=False)[0, len(ids):].tolist()  # fmt: skip
+            expected = reference.generate(torch.tensor([ids]), max_new_tokens=76, min_new_tokens=76, do_sample=False)[
+                0, len(ids) :
+            ].tolist()
         assert result.outputs[0].token_ids == expected

@@ -9,8 +9,18 @@ from llmc.runtime.bench import format_bench_table, make_workload, measure_memory
 from llmc.runtime.engine import LLMEngine
 from tests.runtime.runtime_fakes import FakeModel
 
-COLUMNS = ["concurrency", "requests", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms", "TPOT p99 ms", "req/s",
-           "output tok/s", "prefix hit", "% of roofline"]  # fmt: skip
+COLUMNS = [
+    "concurrency",
+    "requests",
+    "TTFT p50 ms",
+    "TTFT p99 ms",
+    "TPOT p50 ms",
+    "TPOT p99 ms",
+    "req/s",
+    "output tok/s",
+    "prefix hit",
+    "% of roofline",
+]
 
 
 class CountingModel(FakeModel):
@@ -32,8 +42,9 @@ def test_bench_levels_numbers_and_table(capsys):
         models.append(CountingModel(num_blocks=64, block_size=8, max_num_tokens=64, max_num_seqs=4))
         return LLMEngine(models[-1])
 
-    result = run_bench(factory, concurrency=(1, 3), num_requests=5, prompt_len=12, output_len=6, seed=3,
-                       weight_bytes=10**6)  # fmt: skip
+    result = run_bench(
+        factory, concurrency=(1, 3), num_requests=5, prompt_len=12, output_len=6, seed=3, weight_bytes=10**6
+    )
     assert "bench" in capsys.readouterr().err  # the tqdm bar goes to stderr
     json.dumps(result)  # JSON-ready (llmc bench --json)
 
@@ -64,8 +75,9 @@ def test_bench_levels_numbers_and_table(capsys):
 
 
 def test_bench_without_roofline_and_workload_is_fixed():
-    result = run_bench(lambda: LLMEngine(FakeModel()), concurrency=(2,), num_requests=2, prompt_len=4, output_len=1,
-                       progress=False)  # fmt: skip
+    result = run_bench(
+        lambda: LLMEngine(FakeModel()), concurrency=(2,), num_requests=2, prompt_len=4, output_len=1, progress=False
+    )
     assert result["roofline"] is None
     level = result["levels"][0]
     assert level["tpot_p50_ms"] is None and level["ttft_p50_ms"] > 0  # one output token: no TPOT
@@ -88,8 +100,9 @@ def test_bench_shared_prefix_is_computed_once_per_level_with_prefix_caching(cach
         models.append(CountingModel(num_blocks=64, block_size=8, max_num_tokens=64, max_num_seqs=4))
         return LLMEngine(models[-1], enable_prefix_caching=caching)
 
-    result = run_bench(factory, concurrency=(1,), num_requests=4, prompt_len=20, output_len=3, shared_prefix=16,
-                       progress=False)  # fmt: skip
+    result = run_bench(
+        factory, concurrency=(1,), num_requests=4, prompt_len=20, output_len=3, shared_prefix=16, progress=False
+    )
     json.dumps(result)
     prompts = make_workload(4, 20, 64, 1, shared_prefix=16)
     assert all(p[:16] == prompts[0][:16] for p in prompts) and len({tuple(p[16:]) for p in prompts}) == 4

@@ -64,8 +64,15 @@ def test_conversation_history_reset_and_exit(tok, config):
     history = run_chat(new_engine(tok, config), tok, TEMPLATE, PARAMS, input=io.StringIO(script), output=out)
 
     first = reply_for(tok, config, [{"role": "user", "content": "hello there"}])
-    second = reply_for(tok, config, [{"role": "user", "content": "hello there"}, {"role": "assistant", "content": first},
-                                     {"role": "user", "content": "and the fox?"}])  # fmt: skip
+    second = reply_for(
+        tok,
+        config,
+        [
+            {"role": "user", "content": "hello there"},
+            {"role": "assistant", "content": first},
+            {"role": "user", "content": "and the fox?"},
+        ],
+    )
     assert first and second and first != second
     text = out.getvalue()
     assert text.count(first + "\n") >= 2  # the same answer after /reset: the history was cleared
@@ -79,8 +86,9 @@ def test_conversation_history_reset_and_exit(tok, config):
 
 def test_end_of_input_quits_and_system_prompt(tok, config):
     out = io.StringIO()
-    history = run_chat(new_engine(tok, config), tok, TEMPLATE, PARAMS, input=io.StringIO("hi"), output=out,
-                       system_prompt="be brief")  # fmt: skip
+    history = run_chat(
+        new_engine(tok, config), tok, TEMPLATE, PARAMS, input=io.StringIO("hi"), output=out, system_prompt="be brief"
+    )
     want = reply_for(tok, config, [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}])
     assert history[-1] == {"role": "assistant", "content": want}
     assert out.getvalue().endswith(want + "\n")
@@ -150,11 +158,15 @@ MISTRAL = """{{ bos_token }}
 @pytest.mark.parametrize("template", [LLAMA3, MISTRAL, TEMPLATE], ids=["llama3", "mistral", "simple"])
 def test_render_chat_equals_transformers(template):
     cu = pytest.importorskip("transformers.utils.chat_template_utils")
-    messages = [{"role": "user", "content": "  hi é 🙂 "}, {"role": "assistant", "content": "yo\n"},
-                {"role": "user", "content": "and then?"}]  # fmt: skip
+    messages = [
+        {"role": "user", "content": "  hi é 🙂 "},
+        {"role": "assistant", "content": "yo\n"},
+        {"role": "user", "content": "and then?"},
+    ]
     for add in (True, False):
-        (want,), _ = cu.render_jinja_template([messages], chat_template=template, add_generation_prompt=add,
-                                               bos_token="<s>", eos_token="</s>")  # fmt: skip
+        (want,), _ = cu.render_jinja_template(
+            [messages], chat_template=template, add_generation_prompt=add, bos_token="<s>", eos_token="</s>"
+        )
         assert render_chat(template, messages, "<s>", "</s>", add_generation_prompt=add) == want
     if template is MISTRAL:
         with pytest.raises(RequestError, match="roles must alternate"):

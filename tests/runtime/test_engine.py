@@ -119,8 +119,11 @@ def test_stop_rules_eos_stop_token_min_tokens_ignore_eos_length():
     out = engine_for(config=config).generate([prompt], GREEDY)[0].outputs[0]
     assert (out.token_ids, out.finish_reason, out.stop_reason) == (free[: first + 1], "stop", None)
 
-    out = engine_for(config=dataclasses.replace(config, eos_token_ids=())).generate(
-        [prompt], dataclasses.replace(GREEDY, stop_token_ids=[target]))[0].outputs[0]  # fmt: skip
+    out = (
+        engine_for(config=dataclasses.replace(config, eos_token_ids=()))
+        .generate([prompt], dataclasses.replace(GREEDY, stop_token_ids=[target]))[0]
+        .outputs[0]
+    )
     assert (out.token_ids, out.finish_reason, out.stop_reason) == (free[: first + 1], "stop", target)
 
     out = engine_for(config=config).generate([prompt], dataclasses.replace(GREEDY, ignore_eos=True))[0].outputs[0]

@@ -63,9 +63,17 @@ def test_counters_and_histograms_move_with_requests(tok):
         assert before[("llmc:kv_cache_free_blocks", ())] == before[("llmc:kv_cache_blocks", ())] == NUM_BLOCKS
         r = http.post("/v1/completions", json={"prompt": "hello world", "max_tokens": 5, "ignore_eos": True})
         usage = r.json()["usage"]
-        with http.stream("POST", "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
-                         "max_tokens": 3, "ignore_eos": True, "stream": True,
-                         "stream_options": {"include_usage": True}}) as s:  # fmt: skip
+        with http.stream(
+            "POST",
+            "/v1/chat/completions",
+            json={
+                "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 3,
+                "ignore_eos": True,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            },
+        ) as s:
             lines = [line for line in s.iter_lines() if line.startswith("data: {")]
         chat_usage = json.loads(lines[-1][len("data: ") :])["usage"]
         wait_until(lambda: scrape(http)[("llmc:kv_cache_free_blocks", ())] == NUM_BLOCKS, what="blocks freed")
@@ -90,8 +98,13 @@ def test_gauges_show_a_running_request_and_its_blocks(tok):
     model.delay = 0.02
     with TestClient(app) as http:
         done = []
-        job = threading.Thread(target=lambda: done.append(http.post("/v1/completions", json={
-            "prompt": "the quick brown fox " * 8, "max_tokens": 40, "ignore_eos": True})))  # fmt: skip
+        job = threading.Thread(
+            target=lambda: done.append(
+                http.post(
+                    "/v1/completions", json={"prompt": "the quick brown fox " * 8, "max_tokens": 40, "ignore_eos": True}
+                )
+            )
+        )
         job.start()
         try:
             wait_until(lambda: scrape(http)[("llmc:num_requests_running", ())] == 1, what="the request to run")

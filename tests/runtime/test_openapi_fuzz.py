@@ -30,10 +30,21 @@ NUM_BLOCKS = 64
 MAX_MODEL_LEN = 96  # bounds a fuzzed request that asks for every token the context holds
 TEMPLATE = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}<|assistant|>"
 MAX_EXAMPLES = 100  # per operation and mode: the module runs in seconds
-OPERATIONS = [("/v1/completions", "POST"), ("/v1/chat/completions", "POST"), ("/v1/models", "GET"), ("/health", "GET"),
-              ("/metrics", "GET")]  # fmt: skip
-CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_headers_conformance,
-          response_schema_conformance, negative_data_rejection]  # fmt: skip
+OPERATIONS = [
+    ("/v1/completions", "POST"),
+    ("/v1/chat/completions", "POST"),
+    ("/v1/models", "GET"),
+    ("/health", "GET"),
+    ("/metrics", "GET"),
+]
+CHECKS = [
+    not_a_server_error,
+    status_code_conformance,
+    content_type_conformance,
+    response_headers_conformance,
+    response_schema_conformance,
+    negative_data_rejection,
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,8 +83,11 @@ def check_still_answers_right(api_schema, engine):
 
 # hypothesis drives each operation's strategy here: schemathesis' lazy pytest loader (from_fixture) breaks on
 # pytest 9, and an eager one would build the app at import
-@pytest.mark.parametrize("path, method, mode", [(*op, GenerationMode.POSITIVE) for op in OPERATIONS] +
-                         [(*op, GenerationMode.NEGATIVE) for op in OPERATIONS if op[1] == "POST"])  # fmt: skip
+@pytest.mark.parametrize(
+    "path, method, mode",
+    [(*op, GenerationMode.POSITIVE) for op in OPERATIONS]
+    + [(*op, GenerationMode.NEGATIVE) for op in OPERATIONS if op[1] == "POST"],
+)
 def test_every_answer_is_documented_and_none_is_a_server_error(served, path, method, mode):
     """Negative cases only where there is something to get wrong: the GETs take no parameters."""
     api_schema, engine = served

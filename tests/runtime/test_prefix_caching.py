@@ -15,8 +15,9 @@ from tests.runtime.runtime_fakes import FakeConfig, FakeModel, byte_level_bpe, r
 from tests.runtime.test_metrics import new_app, scrape
 
 
-def shared_prefix_workload(seed: int, num_requests: int, vocab: int, base_len: int, max_suffix: int, max_tokens: int,
-                           ignore_eos: bool = True):  # fmt: skip
+def shared_prefix_workload(
+    seed: int, num_requests: int, vocab: int, base_len: int, max_suffix: int, max_tokens: int, ignore_eos: bool = True
+):
     """Requests that start with a random-length piece of one base prompt, then go their own way; and arrivals."""
     rng = np.random.default_rng(seed)
     base = [int(t) for t in rng.integers(2, vocab, base_len)]
@@ -35,8 +36,11 @@ def test_fake_model_outputs_equal_with_caching_on_and_off_under_eviction_and_pre
     requests, arrivals = shared_prefix_workload(seed, 24, config.vocab_size, 40, 30, 20, ignore_eos=False)
     got, engines = {}, {}
     for caching in (True, False):
-        engine = LLMEngine(FakeModel(config, num_blocks=24, block_size=4, max_num_tokens=16),
-                           max_num_batched_tokens=16, enable_prefix_caching=caching)  # fmt: skip
+        engine = LLMEngine(
+            FakeModel(config, num_blocks=24, block_size=4, max_num_tokens=16),
+            max_num_batched_tokens=16,
+            enable_prefix_caching=caching,
+        )
         got[caching] = run_with_arrivals(engine, requests, arrivals)
         engines[caching] = engine
         assert engine.kv_cache.num_free_blocks == 24

@@ -87,12 +87,19 @@ def test_no_candidates_no_choice():
         ("/v1/completions", {"prompt": ["hello"]}, "hello"),
         ("/v1/completions", {"prompt": [5, 17, 3]}, "5,17,3,"),
         ("/v1/completions", {"prompt": 3}, ""),
-        ("/v1/chat/completions", {"messages": [{"role": "system", "content": "be brief"},
-                                               {"role": "user", "content": [{"type": "text", "text": "hi"}]}]},
-         "system\x1fbe brief\x1euser\x1fhi\x1e"),
+        (
+            "/v1/chat/completions",
+            {
+                "messages": [
+                    {"role": "system", "content": "be brief"},
+                    {"role": "user", "content": [{"type": "text", "text": "hi"}]},
+                ]
+            },
+            "system\x1fbe brief\x1euser\x1fhi\x1e",
+        ),
         ("/v1/models", None, ""),
     ],
-)  # fmt: skip
+)
 def test_routing_prompt(path, body, expected):
     assert routing_prompt(path, b"" if body is None else json.dumps(body).encode()) == expected
 

@@ -161,9 +161,17 @@ def test_completion_stream(client, tok, config):
     prompt_ids = tok.encode(PROMPTS[0]).ids
     params = SamplingParams(max_tokens=20, ignore_eos=True, **GREEDY)
     (want,) = reference(tok, config, prompt_ids, params)
-    chunks = list(client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=20, stream=True,
-                                            extra_body={"ignore_eos": True}, stream_options={"include_usage": True},
-                                            **GREEDY))  # fmt: skip
+    chunks = list(
+        client.completions.create(
+            model=MODEL,
+            prompt=PROMPTS[0],
+            max_tokens=20,
+            stream=True,
+            extra_body={"ignore_eos": True},
+            stream_options={"include_usage": True},
+            **GREEDY,
+        )
+    )
     text_chunks = [c for c in chunks if c.choices]
     assert len(text_chunks) > 1
     assert "".join(c.choices[0].text for c in text_chunks) == want.text
@@ -188,8 +196,11 @@ def test_chat_stream_role_then_content_then_finish(client, tok, config):
     messages = [{"role": "user", "content": [{"type": "text", "text": PROMPTS[3]}]}]
     prompt_ids = chat_ids(tok, [{"role": "user", "content": PROMPTS[3]}])
     (want,) = reference(tok, config, prompt_ids, SamplingParams(max_tokens=25, ignore_eos=True, **GREEDY))
-    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=25, stream=True,
-                                                 extra_body={"ignore_eos": True}, **GREEDY))  # fmt: skip
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=25, stream=True, extra_body={"ignore_eos": True}, **GREEDY
+        )
+    )
     assert chunks[0].object == "chat.completion.chunk"
     assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].choices[0].delta.content == ""
     assert all(c.choices[0].delta.role is None for c in chunks[1:])
@@ -205,8 +216,15 @@ def test_stop_string_and_max_tokens(client, tok, config):
     assert stop.strip() and "\ufffd" not in stop
     cut = long.text.index(stop)
     for stream in (False, True):
-        r = client.completions.create(model=MODEL, prompt=PROMPTS[4], max_tokens=40, stop=[stop], stream=stream,
-                                      extra_body={"ignore_eos": True}, **GREEDY)  # fmt: skip
+        r = client.completions.create(
+            model=MODEL,
+            prompt=PROMPTS[4],
+            max_tokens=40,
+            stop=[stop],
+            stream=stream,
+            extra_body={"ignore_eos": True},
+            **GREEDY,
+        )
         if stream:
             chunks = list(r)
             text, finish = "".join(c.choices[0].text for c in chunks), chunks[-1].choices[0].finish_reason
@@ -214,8 +232,9 @@ def test_stop_string_and_max_tokens(client, tok, config):
             text, finish = r.choices[0].text, r.choices[0].finish_reason
         assert (text, finish) == (long.text[:cut], "stop")
 
-    r = client.completions.create(model=MODEL, prompt=PROMPTS[4], max_tokens=5, extra_body={"ignore_eos": True},
-                                  **GREEDY)  # fmt: skip
+    r = client.completions.create(
+        model=MODEL, prompt=PROMPTS[4], max_tokens=5, extra_body={"ignore_eos": True}, **GREEDY
+    )
     assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 5
     assert long.text.startswith(r.choices[0].text)
 
@@ -224,8 +243,16 @@ def test_n_and_seed_and_logprobs(client, tok, config):
     prompt_ids = tok.encode(PROMPTS[5]).ids
     params = SamplingParams(n=3, temperature=0.9, top_k=20, seed=7, max_tokens=10, ignore_eos=True, logprobs=2)
     want = reference(tok, config, prompt_ids, params)
-    r = client.completions.create(model=MODEL, prompt=PROMPTS[5], n=3, temperature=0.9, seed=7, max_tokens=10,
-                                  logprobs=2, extra_body={"top_k": 20, "ignore_eos": True})  # fmt: skip
+    r = client.completions.create(
+        model=MODEL,
+        prompt=PROMPTS[5],
+        n=3,
+        temperature=0.9,
+        seed=7,
+        max_tokens=10,
+        logprobs=2,
+        extra_body={"top_k": 20, "ignore_eos": True},
+    )
     assert sorted(c.index for c in r.choices) == [0, 1, 2]
     for c in r.choices:
         assert c.text == want[c.index].text
@@ -238,8 +265,15 @@ def test_n_and_seed_and_logprobs(client, tok, config):
     assert r.usage.completion_tokens == 30
 
     messages = [{"role": "user", "content": "hi"}]
-    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, logprobs=True, top_logprobs=3,
-                                       extra_body={"ignore_eos": True}, **GREEDY)  # fmt: skip
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        max_tokens=4,
+        logprobs=True,
+        top_logprobs=3,
+        extra_body={"ignore_eos": True},
+        **GREEDY,
+    )
     content = r.choices[0].logprobs.content
     assert len(content) == 4
     for entry in content:
@@ -334,8 +368,9 @@ def test_client_disconnect_mid_stream_aborts_and_frees_blocks(server, client):
     base, engine, model = server
     model.delay = 0.01  # 400 tokens would take >= 4 s
     steps_before = model.num_steps
-    stream = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=400, stream=True,
-                                       extra_body={"ignore_eos": True}, **GREEDY)  # fmt: skip
+    stream = client.completions.create(
+        model=MODEL, prompt=PROMPTS[0], max_tokens=400, stream=True, extra_body={"ignore_eos": True}, **GREEDY
+    )
     got = 0
     for chunk in stream:
         got += len(chunk.choices[0].text)
@@ -353,8 +388,11 @@ def test_client_disconnect_while_waiting_aborts(server, client):
     model.delay = 0.01
     steps_before = model.num_steps
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{base}/v1/completions", json={"prompt": "hi", "max_tokens": 400, "ignore_eos": True},
-                   timeout=httpx.Timeout(10, read=0.5))  # fmt: skip
+        httpx.post(
+            f"{base}/v1/completions",
+            json={"prompt": "hi", "max_tokens": 400, "ignore_eos": True},
+            timeout=httpx.Timeout(10, read=0.5),
+        )
     wait_until(lambda: not engine.has_unfinished(), what="the aborted request to leave the engine")
     assert engine.kv_cache.num_free_blocks == NUM_BLOCKS
     assert model.num_steps - steps_before < 300
@@ -420,8 +458,13 @@ def check_still_serving(base):
     assert httpx.get(f"{base}/health", timeout=10).status_code == 200
 
 
-@pytest.mark.parametrize("path, extra", [("/v1/completions", {"prompt": "hi"}),
-                                         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})])  # fmt: skip
+@pytest.mark.parametrize(
+    "path, extra",
+    [
+        ("/v1/completions", {"prompt": "hi"}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+    ],
+)
 @pytest.mark.parametrize(
     "fields, param",
     [
@@ -447,8 +490,12 @@ def test_bad_values_get_400_naming_the_param_and_the_engine_lives_on(server, cli
 
 def test_non_finite_json_numbers_and_lone_surrogates_get_400(server, client):
     base, _, _ = server
-    for raw in (b'{"prompt": "hi", "temperature": Infinity}', b'{"prompt": "hi", "temperature": 1e999}',
-                b'{"prompt": "a\\ud800b"}', b'{"messages": [{"role": "user", "content": "\\udfff"}]}'):  # fmt: skip
+    for raw in (
+        b'{"prompt": "hi", "temperature": Infinity}',
+        b'{"prompt": "hi", "temperature": 1e999}',
+        b'{"prompt": "a\\ud800b"}',
+        b'{"messages": [{"role": "user", "content": "\\udfff"}]}',
+    ):
         path = "/v1/chat/completions" if b"messages" in raw else "/v1/completions"
         check_raw_error(post(base, path, raw), 400)
     check_still_serving(base)
@@ -474,8 +521,11 @@ def test_body_over_the_limit_gets_413_by_length_and_by_count(tok, config):
     with TestClient(app) as http:
         r = http.post("/v1/completions", content=big, headers={"content-type": "application/json"})
         assert check_raw_error(r, 413)["code"] == "request_too_large"
-        r = http.post("/v1/completions", content=iter([big[:600], big[600:]]),  # chunked: no Content-Length
-                      headers={"content-type": "application/json"})  # fmt: skip
+        r = http.post(
+            "/v1/completions",
+            content=iter([big[:600], big[600:]]),  # chunked: no Content-Length
+            headers={"content-type": "application/json"},
+        )
         check_raw_error(r, 413)
         r = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
         assert r.status_code == 200
@@ -566,13 +616,37 @@ def test_fuzzed_request_fields_never_get_a_500(tok, config):
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
 
-    fields = ["n", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "presence_penalty", "frequency_penalty",
-              "repetition_penalty", "stop_token_ids", "min_tokens", "ignore_eos", "max_tokens", "logprobs",
-              "top_logprobs", "stream", "best_of", "echo", "model", "max_completion_tokens"]  # fmt: skip
+    fields = [
+        "n",
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "seed",
+        "stop",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "stop_token_ids",
+        "min_tokens",
+        "ignore_eos",
+        "max_tokens",
+        "logprobs",
+        "top_logprobs",
+        "stream",
+        "best_of",
+        "echo",
+        "model",
+        "max_completion_tokens",
+    ]
     scalars = st.one_of(
-        st.none(), st.booleans(), st.integers(-3, 40), st.sampled_from([2**63, -(2**63), 10**30]),
-        st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=5),
-    )  # fmt: skip
+        st.none(),
+        st.booleans(),
+        st.integers(-3, 40),
+        st.sampled_from([2**63, -(2**63), 10**30]),
+        st.floats(allow_nan=True, allow_infinity=True),
+        st.text(max_size=5),
+    )
     values = st.one_of(scalars, st.lists(scalars, max_size=3))
     prompts = st.one_of(st.text(max_size=20), st.lists(st.integers(-2, 400), max_size=8))
     engine = AsyncLLMEngine(LLMEngine(new_model(config), tok))

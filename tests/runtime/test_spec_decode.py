@@ -140,11 +140,20 @@ def test_oracle_guesses_cut_a_run_at_max_tokens_and_at_eos():
 def test_ngram_greedy_with_penalties_min_tokens_and_logprobs_equals_no_speculation(seed):
     config = FakeConfig(vocab_size=12)  # a small vocabulary repeats itself, so n-gram guesses are often right
     rng = np.random.default_rng(seed)
-    requests = [([int(t) for t in rng.integers(2, 12, rng.integers(2, 30))],
-                 SamplingParams(temperature=0, max_tokens=40, logprobs=2, min_tokens=int(rng.integers(0, 10)),
-                                repetition_penalty=float(rng.choice([1.0, 1.3])),
-                                frequency_penalty=float(rng.choice([0.0, 0.2]))))
-                for _ in range(8)]  # fmt: skip
+    requests = [
+        (
+            [int(t) for t in rng.integers(2, 12, rng.integers(2, 30))],
+            SamplingParams(
+                temperature=0,
+                max_tokens=40,
+                logprobs=2,
+                min_tokens=int(rng.integers(0, 10)),
+                repetition_penalty=float(rng.choice([1.0, 1.3])),
+                frequency_penalty=float(rng.choice([0.0, 0.2])),
+            ),
+        )
+        for _ in range(8)
+    ]
     arrivals = [int(a) for a in rng.integers(0, 6, 8)]
     got = {}
     for speculative in (None, SpeculativeConfig("ngram", 4, ngram_max=3)):
@@ -289,14 +298,19 @@ def llama_artifact(checkpoint_dir, tmp_path_factory):
 def test_compiled_ngram_greedy_equals_no_speculation_batched_with_prefix_caching(llama_artifact, k):
     rng = np.random.default_rng(k)
     base = [int(t) for t in rng.integers(2, 380, 20)]
-    requests = [(base[: rng.integers(0, 21)] + [int(t) for t in rng.integers(2, 380, rng.integers(1, 12))],
-                 SamplingParams(temperature=0, max_tokens=int(rng.integers(8, 40)), ignore_eos=True))
-                for _ in range(8)]  # fmt: skip
+    requests = [
+        (
+            base[: rng.integers(0, 21)] + [int(t) for t in rng.integers(2, 380, rng.integers(1, 12))],
+            SamplingParams(temperature=0, max_tokens=int(rng.integers(8, 40)), ignore_eos=True),
+        )
+        for _ in range(8)
+    ]
     arrivals = [int(a) for a in rng.integers(0, 10, len(requests))]
     got, stats = {}, {}
     # 14 blocks of 16 tokens for up to 6 sequences of up to 70 tokens: preemption is likely
-    with CompiledModel.load(llama_artifact, kv_cache_memory=14 * 4096, max_num_seqs=6,
-                            max_num_logits=6 * (k + 1)) as model:  # fmt: skip
+    with CompiledModel.load(
+        llama_artifact, kv_cache_memory=14 * 4096, max_num_seqs=6, max_num_logits=6 * (k + 1)
+    ) as model:
         for speculative in (None, SpeculativeConfig("ngram", k)):
             engine = LLMEngine(model, max_num_batched_tokens=24, speculative=speculative)
             got[speculative is not None] = run_with_arrivals(engine, requests, arrivals)
@@ -321,8 +335,19 @@ def _cli(*args):
 def test_cli_run_json_reports_guesses_and_bench_prints_the_acceptance_rate(llama_artifact):
     import json
 
-    prompt = ("run", llama_artifact, "--prompt", "a b c d a b c d a b", "--max-tokens", 24, "--temperature", 0,
-              "--json", "--kv-cache-memory", "1MiB")  # fmt: skip
+    prompt = (
+        "run",
+        llama_artifact,
+        "--prompt",
+        "a b c d a b c d a b",
+        "--max-tokens",
+        24,
+        "--temperature",
+        0,
+        "--json",
+        "--kv-cache-memory",
+        "1MiB",
+    )
     plain = json.loads(_cli(*prompt).stdout)
     spec = json.loads(_cli(*prompt, "--speculative", "ngram", "--num-speculative-tokens", 3).stdout)
     assert "speculative" not in plain and spec["token_ids"] == plain["token_ids"]
@@ -339,8 +364,22 @@ def test_cli_run_json_reports_guesses_and_bench_prints_the_acceptance_rate(llama
         r = CliRunner().invoke(cli.main, [str(a) for a in (*prompt, *flags)])
         assert r.exit_code == 1 and "--speculative draft" in r.output
 
-    bench = ("bench", llama_artifact, "--concurrency", "1,2", "--prompt-len", 8, "--output-len", 12,
-             "--memory-bandwidth", 1e10, "--kv-cache-memory", "1MiB", "--speculative", "ngram")  # fmt: skip
+    bench = (
+        "bench",
+        llama_artifact,
+        "--concurrency",
+        "1,2",
+        "--prompt-len",
+        8,
+        "--output-len",
+        12,
+        "--memory-bandwidth",
+        1e10,
+        "--kv-cache-memory",
+        "1MiB",
+        "--speculative",
+        "ngram",
+    )
     out = json.loads(_cli(*bench, "--json").stdout)
     assert out["speculative"]["method"] == "ngram" and out["speculative"]["num_speculative_tokens"] == 4
     assert all(level["spec_draft_tokens"] >= level["spec_accepted_tokens"] >= 0 for level in out["levels"])
@@ -362,8 +401,10 @@ def test_metrics_count_guesses_verified_and_accepted():
     engine.tokenizer = tok
     with TestClient(create_app(AsyncLLMEngine(engine), tok, "spec", None)) as http:
         assert scrape(http)[("llmc:spec_decode_num_draft_tokens_total", ())] == 0
-        r = http.post("/v1/completions", json={"prompt": [2, 3, 4, 2, 3, 4, 2, 3], "max_tokens": 30, "temperature": 0,
-                                               "ignore_eos": True})  # fmt: skip
+        r = http.post(
+            "/v1/completions",
+            json={"prompt": [2, 3, 4, 2, 3, 4, 2, 3], "max_tokens": 30, "temperature": 0, "ignore_eos": True},
+        )
         assert r.status_code == 200, r.text
         samples = scrape(http)
     stats = engine.stats()
@@ -453,16 +494,25 @@ def test_draft_with_another_vocabulary_is_refused():
 def test_compiled_draft_greedy_equals_no_speculation(llama_artifact, checkpoint_dir, tmp_path, draft_kind):
     """The target as its own draft must have every guess accepted (the draft's cache, positions and rollback
     are right); a random one-layer draft agrees with it by chance only, and the output must not change either."""
-    draft_path = llama_artifact if draft_kind == "itself" else compile_checkpoint(
-        checkpoint_dir("llama", num_hidden_layers=1), target="cpu", output=tmp_path / "d")  # fmt: skip
+    draft_path = (
+        llama_artifact
+        if draft_kind == "itself"
+        else compile_checkpoint(checkpoint_dir("llama", num_hidden_layers=1), target="cpu", output=tmp_path / "d")
+    )
     rng = np.random.default_rng(3)
-    requests = [([int(t) for t in rng.integers(2, 380, rng.integers(1, 30))],
-                 SamplingParams(temperature=0, max_tokens=int(rng.integers(8, 30)), ignore_eos=True))
-                for _ in range(6)]  # fmt: skip
+    requests = [
+        (
+            [int(t) for t in rng.integers(2, 380, rng.integers(1, 30))],
+            SamplingParams(temperature=0, max_tokens=int(rng.integers(8, 30)), ignore_eos=True),
+        )
+        for _ in range(6)
+    ]
     arrivals = [int(a) for a in rng.integers(0, 6, len(requests))]
     got, stats = {}, {}
-    with CompiledModel.load(llama_artifact, kv_cache_memory=14 * 4096, max_num_seqs=4, max_num_logits=16) as model, \
-            CompiledModel.load(draft_path, kv_cache_memory=8 * 4096, max_num_seqs=4) as draft:  # fmt: skip
+    with (
+        CompiledModel.load(llama_artifact, kv_cache_memory=14 * 4096, max_num_seqs=4, max_num_logits=16) as model,
+        CompiledModel.load(draft_path, kv_cache_memory=8 * 4096, max_num_seqs=4) as draft,
+    ):
         for speculative in (None, SpeculativeConfig("draft", 3, draft_model=draft)):
             engine = LLMEngine(model, max_num_batched_tokens=24, speculative=speculative)
             got[speculative is not None] = run_with_arrivals(engine, requests, arrivals)
@@ -560,8 +610,20 @@ def test_cli_serve_with_a_draft_model_counts_guesses_in_metrics(llama_artifact, 
             seen["metrics"] = scrape(http)
 
     monkeypatch.setattr(server, "serve", fake_serve)
-    _cli("serve", llama_artifact, "--kv-cache-memory", "1MiB", "--max-num-seqs", 4, "--speculative", "draft",
-         "--draft", llama_artifact, "--num-speculative-tokens", 3)  # fmt: skip
+    _cli(
+        "serve",
+        llama_artifact,
+        "--kv-cache-memory",
+        "1MiB",
+        "--max-num-seqs",
+        4,
+        "--speculative",
+        "draft",
+        "--draft",
+        llama_artifact,
+        "--num-speculative-tokens",
+        3,
+    )
     assert seen["completion"]["usage"]["completion_tokens"] == 12
     drafted = seen["metrics"][("llmc:spec_decode_num_draft_tokens_total", ())]
     assert drafted > 0 and seen["metrics"][("llmc:spec_decode_num_accepted_tokens_total", ())] == drafted

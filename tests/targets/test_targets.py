@@ -19,9 +19,12 @@ def test_builtin_targets():
 def _sm120(directory):
     """sm120 as a user would add it: sm90.toml with its numbers changed, in a directory of its own."""
     text = (BUILTIN_DIR / "sm90.toml").read_text()
-    for old, new in (('"sm90"', '"sm120"'), ("compute_90,code=sm_90", "compute_120,code=sm_120"),
-                     ("compute_capability = 90", "compute_capability = 120"),
-                     ("block_size = 16", "block_size = 32")):  # fmt: skip
+    for old, new in (
+        ('"sm90"', '"sm120"'),
+        ("compute_90,code=sm_90", "compute_120,code=sm_120"),
+        ("compute_capability = 90", "compute_capability = 120"),
+        ("block_size = 16", "block_size = 32"),
+    ):
         assert old in text
         text = text.replace(old, new)
     (directory / "sm120.toml").write_text(text)
@@ -41,13 +44,16 @@ def test_target_path_adds_and_overrides(tmp_path, monkeypatch):
         load_target("sm120")
 
 
-@pytest.mark.parametrize("edit, message", [
-    (lambda t: t.replace('kind = "cuda"', 'kind = "tpu"'), "kind = 'tpu' is not one of cpu, cuda"),
-    (lambda t: t.replace('name = "sm90"', 'name = "sm91"'), "name = 'sm91', but the file is named for 'sm90'"),
-    (lambda t: t.replace('gencode = "arch=compute_90,code=sm_90"', ""), "a cuda target needs gencode"),
-    (lambda t: t.replace("block_size = 16", "block_size = 0"), "block_size = 0"),
-    (lambda t: t + "\n[[", "cannot be read"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda t: t.replace('kind = "cuda"', 'kind = "tpu"'), "kind = 'tpu' is not one of cpu, cuda"),
+        (lambda t: t.replace('name = "sm90"', 'name = "sm91"'), "name = 'sm91', but the file is named for 'sm90'"),
+        (lambda t: t.replace('gencode = "arch=compute_90,code=sm_90"', ""), "a cuda target needs gencode"),
+        (lambda t: t.replace("block_size = 16", "block_size = 0"), "block_size = 0"),
+        (lambda t: t + "\n[[", "cannot be read"),
+    ],
+)
 def test_a_broken_target_file_is_named(tmp_path, monkeypatch, edit, message):
     (tmp_path / "sm90.toml").write_text(edit((BUILTIN_DIR / "sm90.toml").read_text()))
     monkeypatch.setenv("LLMC_TARGET_PATH", str(tmp_path))
@@ -76,7 +82,8 @@ def test_cli_names_an_unknown_target(tmp_path, checkpoint_dir):
 
     from llmc.tools import cli
 
-    r = CliRunner().invoke(cli.main, ["compile", str(checkpoint_dir("llama")), "--target", "sm999", "-o",
-                                      str(tmp_path / "out")])  # fmt: skip
+    r = CliRunner().invoke(
+        cli.main, ["compile", str(checkpoint_dir("llama")), "--target", "sm999", "-o", str(tmp_path / "out")]
+    )
     assert r.exit_code == 1 and "unknown target 'sm999'" in r.output and "LLMC_TARGET_PATH" in r.output
     assert "Traceback" not in r.output and not (tmp_path / "out").exists()

@@ -11,8 +11,18 @@ from click.testing import CliRunner
 from llmc.tools import cli
 
 ARGS = ("--concurrency", "1,4", "--prompt-len", "16", "--output-len", "8", "--kv-cache-memory", "16MiB")
-COLUMNS = ["concurrency", "requests", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms", "TPOT p99 ms", "req/s",
-           "output tok/s", "prefix hit", "% of roofline"]  # fmt: skip
+COLUMNS = [
+    "concurrency",
+    "requests",
+    "TTFT p50 ms",
+    "TTFT p99 ms",
+    "TPOT p50 ms",
+    "TPOT p99 ms",
+    "req/s",
+    "output tok/s",
+    "prefix hit",
+    "% of roofline",
+]
 
 
 @pytest.fixture(scope="module")
@@ -63,8 +73,16 @@ def test_bench_json(artifact):
     levels = result["levels"]
     assert [(lv["concurrency"], lv["num_requests"], lv["max_num_seqs"]) for lv in levels] == [(1, 4, 4), (4, 8, 4)]
     for lv in levels:
-        for key in ("duration_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "request_throughput",
-                    "output_tokens_per_s", "roofline_fraction"):  # fmt: skip
+        for key in (
+            "duration_s",
+            "ttft_p50_ms",
+            "ttft_p99_ms",
+            "tpot_p50_ms",
+            "tpot_p99_ms",
+            "request_throughput",
+            "output_tokens_per_s",
+            "roofline_fraction",
+        ):
             assert isinstance(lv[key], float) and math.isfinite(lv[key]) and lv[key] > 0, (key, lv)
         assert lv["ttft_p50_ms"] <= lv["ttft_p99_ms"] and lv["tpot_p50_ms"] <= lv["tpot_p99_ms"]
         assert lv["request_throughput"] == pytest.approx(lv["num_requests"] / lv["duration_s"])

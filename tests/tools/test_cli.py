@@ -131,8 +131,10 @@ def fake_lib(tmp_path_factory, checkpoint_dir):
         f"-DREFUSED={REFUSED_SEQS}",
     ]
     for name, abi in (("model.so", ABI_VERSION), ("abi1.so", 1)):  # abi1.so: a module compiled before ABI 2
-        subprocess.run(["g++", "-O1", "-shared", "-fPIC", *defines, f"-DABI={abi}", "-o", str(d / name),
-                        str(d / "fake.cc")], check=True)  # fmt: skip
+        subprocess.run(
+            ["g++", "-O1", "-shared", "-fPIC", *defines, f"-DABI={abi}", "-o", str(d / name), str(d / "fake.cc")],
+            check=True,
+        )
     return d
 
 
@@ -208,8 +210,9 @@ def test_step_and_its_checks(fake_artifact):
     with pytest.raises(LlmcError, match="closed"):
         m.step(batch)
     # logits at several rows: each row's next token, in the order asked
-    with CompiledModel.load(fake_artifact, kv_cache_memory="64MiB", max_num_tokens=8, max_num_seqs=2,
-                            max_num_logits=4) as m:  # fmt: skip
+    with CompiledModel.load(
+        fake_artifact, kv_cache_memory="64MiB", max_num_tokens=8, max_num_seqs=2, max_num_logits=4
+    ) as m:
         logits = m.step(StepBatch.build([[5, 6, 7], [9]], [0, 4], [[0], [1]], m.block_size, num_logits=[3, 1]))
         assert logits.shape == (4, m.config.vocab_size) and logits.argmax(-1).tolist() == [6, 7, 8, 10]
         assert m.max_num_logits == 4 and _created_args(m)[4] == 4
@@ -559,10 +562,17 @@ def test_run_compiles_a_checkpoint_with_quant_under_its_own_cache_key(tmp_path, 
 
 def test_inspect_shows_the_quant_entry(tmp_path, checkpoint_dir, fake_lib):
     populate = _fake_populate(checkpoint_dir("llama"), fake_lib)
-    entry = {"mode": "int4", "default": "int4 g32", "lm_head": False, "activations": "int8 per 32",
-             "weights": {"model.layers.0.self_attn.q+k+v_proj.weight": "int4 g32",
-                         "model.layers.0.self_attn.o_proj.weight": "int4 g32"},
-             "packed_bytes": {"quantized": 3 << 20, "float": 1 << 20}}  # fmt: skip
+    entry = {
+        "mode": "int4",
+        "default": "int4 g32",
+        "lm_head": False,
+        "activations": "int8 per 32",
+        "weights": {
+            "model.layers.0.self_attn.q+k+v_proj.weight": "int4 g32",
+            "model.layers.0.self_attn.o_proj.weight": "int4 g32",
+        },
+        "packed_bytes": {"quantized": 3 << 20, "float": 1 << 20},
+    }
     art = write_artifact(tmp_path / "q.cpu", lambda tmp: {**populate(tmp), "quantization": "int4", "quant": entry})
     r = _invoke("inspect", art)
     assert r.exit_code == 0, r.output

@@ -152,17 +152,29 @@ def tiny_sm90(tmp_path_factory):
     from tests.checkpoints import make_checkpoint
 
     ckpt = make_checkpoint(tmp_path_factory.mktemp("ckpt"), "llama", dtype=torch.bfloat16, num_hidden_layers=1)
-    return compile_checkpoint(ckpt, target="sm90", output=tmp_path_factory.mktemp("art") / "model.sm90",
-                              weight_dtype="bfloat16")  # fmt: skip
+    return compile_checkpoint(
+        ckpt, target="sm90", output=tmp_path_factory.mktemp("art") / "model.sm90", weight_dtype="bfloat16"
+    )
 
 
-KERNEL_KEYS = {"name", "launches", "requested_bytes", "dram_bytes", "sector_efficiency", "bank_conflicts_per_request",
-               "tensor_core_instructions", "flops", "floor_us", "time_us"}  # fmt: skip
+KERNEL_KEYS = {
+    "name",
+    "launches",
+    "requested_bytes",
+    "dram_bytes",
+    "sector_efficiency",
+    "bank_conflicts_per_request",
+    "tensor_core_instructions",
+    "flops",
+    "floor_us",
+    "time_us",
+}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("args", [["--phase", "decode", "--batch", "2", "--context", "37"],
-                                  ["--phase", "prefill", "--prompt-len", "19"]])  # fmt: skip
+@pytest.mark.parametrize(
+    "args", [["--phase", "decode", "--batch", "2", "--context", "37"], ["--phase", "prefill", "--prompt-len", "19"]]
+)
 def test_cli_json(tiny_sm90, args):
     r = CliRunner().invoke(main, ["profile", str(tiny_sm90), "--simulate", "--json", *args])
     assert r.exit_code == 0, r.output
@@ -200,8 +212,9 @@ def test_measured_profile_times_every_kernel(tiny_sm90, shape):
     assert step["wall_us"] > 0 and step["floor_fraction"] == pytest.approx(step["floor_us"] / step["time_us"])
     # the kernels' FLOPs add up to the program's
     c = artifact.config
-    assert step["flops"] == program_flops(c, shape["phase"], shape.get("batch", 1), shape.get("context", 0),
-                                          shape.get("prompt_len", 1))  # fmt: skip
+    assert step["flops"] == program_flops(
+        c, shape["phase"], shape.get("batch", 1), shape.get("context", 0), shape.get("prompt_len", 1)
+    )
 
 
 @pytest.mark.slow
@@ -228,13 +241,15 @@ def tiny_cpu(tmp_path_factory):
     from tests.checkpoints import make_checkpoint
 
     ckpt = make_checkpoint(tmp_path_factory.mktemp("ckpt"), "llama", dtype=torch.bfloat16, num_hidden_layers=1)
-    return compile_checkpoint(ckpt, target="cpu", output=tmp_path_factory.mktemp("art") / "model.cpu",
-                              weight_dtype="bfloat16")  # fmt: skip
+    return compile_checkpoint(
+        ckpt, target="cpu", output=tmp_path_factory.mktemp("art") / "model.cpu", weight_dtype="bfloat16"
+    )
 
 
 # fixed ceilings: the CPU's are measured (cpu_ceilings), which the CLI test below does once
-HOST = Ceilings(part="test host", bandwidth_gb_s=20.0, bf16_tensor_tflop_s=0.4, fp32_tflop_s=0.2, launch_us=0.0,
-                int8_tops=0.8)  # fmt: skip
+HOST = Ceilings(
+    part="test host", bandwidth_gb_s=20.0, bf16_tensor_tflop_s=0.4, fp32_tflop_s=0.2, launch_us=0.0, int8_tops=0.8
+)
 
 
 @pytest.mark.parametrize("shape", STEPS)
@@ -250,8 +265,9 @@ def test_cpu_profile_times_every_kernel_on_the_host(tiny_cpu, shape):
         assert k["floor_us"] == pytest.approx(max(k["floor_bytes"] / 20e3, k["flops"] / 0.4e6))
     assert step["time_us"] == pytest.approx(sum(k["time_us"] for k in kernels)) and step["wall_us"] > 0
     c = artifact.config
-    assert step["flops"] == program_flops(c, shape["phase"], shape.get("batch", 1), shape.get("context", 0),
-                                          shape.get("prompt_len", 1))  # fmt: skip
+    assert step["flops"] == program_flops(
+        c, shape["phase"], shape.get("batch", 1), shape.get("context", 0), shape.get("prompt_len", 1)
+    )
     assert "timed on the CPU" in format_table(report) and "outside the kernels" in format_table(report)
 
 
@@ -259,8 +275,13 @@ def test_quantized_gemms_take_the_int8_rate(tmp_path, checkpoint_dir):
     from llmc.compiler.quant import QuantConfig
     from llmc.tools.build import compile_checkpoint
 
-    art = compile_checkpoint(checkpoint_dir("llama"), target="cpu", output=tmp_path / "q.cpu",
-                             quant=QuantConfig(mode="int8", group_size=32), max_kl=None)  # fmt: skip
+    art = compile_checkpoint(
+        checkpoint_dir("llama"),
+        target="cpu",
+        output=tmp_path / "q.cpu",
+        quant=QuantConfig(mode="int8", group_size=32),
+        max_kl=None,
+    )
     report = profile_measured(art, phase="prefill", prompt_len=40, repeats=1, ceil=HOST)
     templates = {k["id"]: k["template"] for k in load_artifact(art, verify=False).manifest["kernels"]}
     rate = {"cpu/qgemm": 0.8, "cpu/gemm": 0.2}  # int8 activations; the float32 lm_head
@@ -315,10 +336,19 @@ def test_decode_attention_reads_shared_memory_without_bank_conflicts(tmp_path, k
     from llmc.tools.build import compile_checkpoint
     from tests.checkpoints import make_checkpoint
 
-    ckpt = make_checkpoint(tmp_path / "ckpt", "llama", dtype=torch.bfloat16, num_hidden_layers=1, hidden_size=256,
-                           num_attention_heads=2, num_key_value_heads=1, intermediate_size=256)  # fmt: skip
-    art = compile_checkpoint(ckpt, target="sm90", output=tmp_path / "m.sm90", weight_dtype="bfloat16",
-                             kv_dtype=kv_dtype)  # fmt: skip
+    ckpt = make_checkpoint(
+        tmp_path / "ckpt",
+        "llama",
+        dtype=torch.bfloat16,
+        num_hidden_layers=1,
+        hidden_size=256,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        intermediate_size=256,
+    )
+    art = compile_checkpoint(
+        ckpt, target="sm90", output=tmp_path / "m.sm90", weight_dtype="bfloat16", kv_dtype=kv_dtype
+    )
     report = profile_simulated(art, phase="decode", batch=2, context=100)
     (attend,) = [k for k in report["kernels"] if k["name"].endswith("_attend")]
     assert attend["shared_requests"] > 0 and attend["bank_conflicts_per_request"] == 0.0

@@ -103,8 +103,9 @@ def test_models_loaded_unalike_are_refused():
     config = FakeConfig(vocab_size=50, max_position_embeddings=64)
     ids = list(range(2, 50)) * 3
     with pytest.raises(AssertionError, match="not loaded alike"):  # windows of 64 and of 32 tokens
-        quality.measure(FakeModel(config, max_num_logits=8), FakeModel(config, num_blocks=2, max_num_logits=8), ids,
-                        "x")  # fmt: skip
+        quality.measure(
+            FakeModel(config, max_num_logits=8), FakeModel(config, num_blocks=2, max_num_logits=8), ids, "x"
+        )
 
 
 def test_max_kl_and_the_one_line_description():
@@ -159,8 +160,9 @@ def test_a_quantized_build_records_its_quality(checkpoint_dir, llmc_cache, tmp_p
     ckpt = checkpoint_dir("llama")
     text = tmp_path / "calib.txt"
     text.write_text(Path(quality.__file__).read_text()[:3000])  # not the bundled text
-    out = compile_checkpoint(ckpt, target="cpu", output=tmp_path / "m.cpu", quant=QuantConfig("int8"),
-                             calibration=text, max_kl=1.0)  # fmt: skip
+    out = compile_checkpoint(
+        ckpt, target="cpu", output=tmp_path / "m.cpu", quant=QuantConfig("int8"), calibration=text, max_kl=1.0
+    )
     got = load_artifact(out).manifest["quality"]
     assert got["calibration"] == {"file": "calib.txt", "sha256": hashlib.sha256(text.read_bytes()).hexdigest()}
     assert got["tokens"] == quality.DEFAULT_CALIBRATION_TOKENS - 1  # one window: the context is 256 tokens
@@ -190,8 +192,9 @@ def test_gate_flags_need_a_quantized_build_and_a_usable_text(checkpoint_dir, tmp
     with pytest.raises(CompileError, match="short.txt has 1 token"):
         compile_checkpoint(ckpt, target="cpu", output=tmp_path / "b", quant=QuantConfig("int8"), calibration=short)
     with pytest.raises(CompileError, match="no such file"):
-        compile_checkpoint(ckpt, target="cpu", output=tmp_path / "c", quant=QuantConfig("int8"),
-                           calibration=tmp_path / "missing.txt")  # fmt: skip
+        compile_checkpoint(
+            ckpt, target="cpu", output=tmp_path / "c", quant=QuantConfig("int8"), calibration=tmp_path / "missing.txt"
+        )
     assert list(tmp_path.iterdir()) == [short], "refused before anything was built"
 
 
@@ -235,16 +238,20 @@ def test_kill_in_the_quality_stage_leaves_no_artifact(checkpoint_dir, llmc_cache
     """Killed while the gate runs the module it is building (its provisional manifest in the temporary dir):
     nothing is at the output, and the next compile cleans up and writes the artifact with its figures."""
     out = tmp_path / "m.cpu"
-    script = ("import sys; from llmc.compiler.compile import compile_checkpoint; from llmc.compiler.quant import "
-              "QuantConfig; compile_checkpoint(sys.argv[1], target='cpu', output=sys.argv[2], quant=QuantConfig('int8'))")  # fmt: skip
+    script = (
+        "import sys; from llmc.compiler.compile import compile_checkpoint; from llmc.compiler.quant import "
+        "QuantConfig; compile_checkpoint(sys.argv[1], target='cpu', output=sys.argv[2], quant=QuantConfig('int8'))"
+    )
     env = {**os.environ, "LLMC_CACHE_DIR": str(llmc_cache), SIGNAL_AT_ENV: QUALITY_STAGE}
-    run = subprocess.run([sys.executable, "-c", script, str(checkpoint_dir("llama")), str(out)], env=env,
-                         capture_output=True, text=True)  # fmt: skip
+    run = subprocess.run(
+        [sys.executable, "-c", script, str(checkpoint_dir("llama")), str(out)], env=env, capture_output=True, text=True
+    )
     assert run.returncode == -signal.SIGKILL, run.stderr[-2000:]
     assert sorted(n[:16] for n in os.listdir(tmp_path)) == [".m.cpu.llmc-lock", ".m.cpu.llmc-tmp-"]
     env.pop(SIGNAL_AT_ENV)
-    run = subprocess.run([sys.executable, "-c", script, str(checkpoint_dir("llama")), str(out)], env=env,
-                         capture_output=True, text=True)  # fmt: skip
+    run = subprocess.run(
+        [sys.executable, "-c", script, str(checkpoint_dir("llama")), str(out)], env=env, capture_output=True, text=True
+    )
     assert run.returncode == 0, run.stderr[-2000:]
     assert os.listdir(tmp_path) == ["m.cpu"]
     assert load_artifact(out).manifest["quality"]["tokens"] > 0

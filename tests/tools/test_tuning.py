@@ -89,8 +89,12 @@ def test_database_round_trips_and_ranks_entries(tmp_path):
     path = tmp_path / "cpu.tuning.json"
     db = TuningDB.load(path, "cpu")
     key = entry_key("cpu/gemm", SHAPE.kwargs, {"prefetch_bytes", "task_bytes"})
-    assert key == {"template": "cpu/gemm", "shape": {"has_bias": True, "k": 72, "n": 203}, "dtype": "bf16",
-                   "quant": "none"}  # fmt: skip
+    assert key == {
+        "template": "cpu/gemm",
+        "shape": {"has_bias": True, "k": 72, "n": 203},
+        "dtype": "bf16",
+        "quant": "none",
+    }
     here, other = cpu_machine(2), {**cpu_machine(2), "isa": ["sse2"]}
     db.put(key, {"prefetch_bytes": 0, "task_bytes": 16384}, {"time_us": 1.0}, "measured", here)
     db.put(key, {"prefetch_bytes": 4096, "task_bytes": 16384}, {}, "simulated", here)  # does not replace it
@@ -191,8 +195,19 @@ def test_tune_command_writes_the_database_and_resumes(checkpoint_dir, tmp_path):
 def test_tune_quantized_gemms(checkpoint_dir, tmp_path):
     """int4 linears with fp16 scales (the default): every candidate checked and timed, none rejected."""
     db = tmp_path / "cpu.tuning.json"
-    args = ["tune", "--model", str(checkpoint_dir("llama")), "--quant", "int4", "--budget", "600", "--rounds", "1",
-            "--db", str(db)]  # fmt: skip
+    args = [
+        "tune",
+        "--model",
+        str(checkpoint_dir("llama")),
+        "--quant",
+        "int4",
+        "--budget",
+        "600",
+        "--rounds",
+        "1",
+        "--db",
+        str(db),
+    ]
     r = CliRunner().invoke(main, args)
     assert r.exit_code == 0, r.output
     entries = [e for e in json.loads(db.read_text())["entries"] if e["key"]["template"] == "cpu/qgemm"]
@@ -289,9 +304,16 @@ def test_gpu_timing_checks_then_times_with_cuda_events_under_the_simulator(tmp_p
         return kid, source
 
     candidates = measure_cuda.measure_shape(
-        shape, CUDA_SPACE, load_target("sm90"), time.monotonic() + 600, 2, render=render,
-        build=lambda target, source, out: build_simulated(source, out), span_bytes=0, min_time=0.0,
-    )  # fmt: skip
+        shape,
+        CUDA_SPACE,
+        load_target("sm90"),
+        time.monotonic() + 600,
+        2,
+        render=render,
+        build=lambda target, source, out: build_simulated(source, out),
+        span_bytes=0,
+        min_time=0.0,
+    )
     by_config = {(c.config["gemv_warps"], c.config["tile_m"]): c for c in candidates}
     assert by_config[8, 64].rejected.startswith("ptxas:") and not by_config[8, 64].times
     assert "off the reference" in by_config[4, 32].rejected and not by_config[4, 32].times

@@ -35,8 +35,17 @@ def main(ctx: click.Context, debug: bool) -> None:
     ctx.ensure_object(dict)["debug"] = debug
 
 
-for _command in (export.export, compile.compile_cmd, tune.tune, run.run, serve.serve, bench.bench, eval.eval_group,
-                 inspect.inspect, profile.profile):  # fmt: skip
+for _command in (
+    export.export,
+    compile.compile_cmd,
+    tune.tune,
+    run.run,
+    serve.serve,
+    bench.bench,
+    eval.eval_group,
+    inspect.inspect,
+    profile.profile,
+):
     main.add_command(_command)
 
 if __name__ == "__main__":

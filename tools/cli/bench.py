@@ -55,19 +55,48 @@ def _int_list(ctx, param, value: str) -> list[int]:
 @speculative_options
 @quant_options
 @kv_cache_dtype_option
-def bench(artifact: Path, concurrency: list[int], num_requests: int | None, prompt_len: int, output_len: int,
-          seed: int, shared_prefix: int, memory_bandwidth: float | None, kv_cache_memory: str | None, as_json: bool,
-          no_prefix_caching: bool, speculative: str | None, num_speculative_tokens: int,
-          draft: Path | None, quant, kv_cache_dtype: str) -> None:  # fmt: skip
+def bench(
+    artifact: Path,
+    concurrency: list[int],
+    num_requests: int | None,
+    prompt_len: int,
+    output_len: int,
+    seed: int,
+    shared_prefix: int,
+    memory_bandwidth: float | None,
+    kv_cache_memory: str | None,
+    as_json: bool,
+    no_prefix_caching: bool,
+    speculative: str | None,
+    num_speculative_tokens: int,
+    draft: Path | None,
+    quant,
+    kv_cache_dtype: str,
+) -> None:
     """TTFT, TPOT and tokens/s of ARTIFACT on a fixed synthetic workload, against the memory roofline."""
     from llmc.runtime.bench import format_bench_table, run_bench
 
     with contextlib.ExitStack() as stack:
         path = resolve_artifact(artifact, quant, kv_cache_dtype)
-        _, _, make_engine = engine_parts(stack, path, kv_cache_memory, max(concurrency), no_prefix_caching,
-                                         speculative, num_speculative_tokens, draft)  # fmt: skip
-        result = run_bench(lambda: make_engine(detokenize=False),
-                           concurrency=concurrency, num_requests=num_requests, prompt_len=prompt_len,
-                           output_len=output_len, seed=seed, shared_prefix=shared_prefix,
-                           memory_bandwidth=memory_bandwidth, progress=not as_json)  # fmt: skip
+        _, _, make_engine = engine_parts(
+            stack,
+            path,
+            kv_cache_memory,
+            max(concurrency),
+            no_prefix_caching,
+            speculative,
+            num_speculative_tokens,
+            draft,
+        )
+        result = run_bench(
+            lambda: make_engine(detokenize=False),
+            concurrency=concurrency,
+            num_requests=num_requests,
+            prompt_len=prompt_len,
+            output_len=output_len,
+            seed=seed,
+            shared_prefix=shared_prefix,
+            memory_bandwidth=memory_bandwidth,
+            progress=not as_json,
+        )
     click.echo(json.dumps(result, indent=2) if as_json else format_bench_table(result))

@@ -56,9 +56,18 @@ from .options import kv_cache_dtype_option, quant_options
     help="The tuning database whose entries set the kernels' tuned parameters, or 'none' for every template's "
     "defaults [default: the target's, targets/<target>.tuning.json].",
 )
-def compile_cmd(model: Path, target: str, output: Path, weight_dtype: str, block_size: int | None,
-                kv_cache_dtype: str, quant, calibration: Path | None, max_kl: float | None,
-                tuning_db: str | None) -> None:  # fmt: skip
+def compile_cmd(
+    model: Path,
+    target: str,
+    output: Path,
+    weight_dtype: str,
+    block_size: int | None,
+    kv_cache_dtype: str,
+    quant,
+    calibration: Path | None,
+    max_kl: float | None,
+    tuning_db: str | None,
+) -> None:
     """Compile MODEL (a Hugging Face checkpoint dir or a .gguf file) into an artifact for TARGET.
 
     A quantized build (--quant) is compared with the unquantized one on the CPU: the mean KL divergence, the
@@ -67,8 +76,16 @@ def compile_cmd(model: Path, target: str, output: Path, weight_dtype: str, block
     from llmc.tools.build import compile_checkpoint  # torch and TVM load only when it compiles
 
     out = compile_checkpoint(
-        model, target=target, output=output, weight_dtype=weight_dtype, progress=True, block_size=block_size,
-        quant=quant, kv_dtype=kv_cache_dtype, calibration=calibration, max_kl=max_kl,
+        model,
+        target=target,
+        output=output,
+        weight_dtype=weight_dtype,
+        progress=True,
+        block_size=block_size,
+        quant=quant,
+        kv_dtype=kv_cache_dtype,
+        calibration=calibration,
+        max_kl=max_kl,
         tuning_db=False if tuning_db == "none" else tuning_db,
-    )  # fmt: skip
+    )
     click.echo(f"wrote {out}")

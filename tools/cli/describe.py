@@ -29,8 +29,11 @@ def inspect_checkpoint(model: Path, ckpt) -> None:
     click.echo(f"{model}: {c.architecture}")
     click.echo(f"  parameters     {n:,} ({n / 1e6:.1f}M)")
     click.echo(f"  layers         {c.num_layers}, hidden {c.hidden_size}, intermediate {c.intermediate_size}")
-    window = (f"; sliding window {c.sliding_window} in {len(c.sliding_layers)} of {c.num_layers} layers"
-              if c.sliding_window else "")  # fmt: skip
+    window = (
+        f"; sliding window {c.sliding_window} in {len(c.sliding_layers)} of {c.num_layers} layers"
+        if c.sliding_window
+        else ""
+    )
     click.echo(f"  heads          {c.num_heads} query, {c.num_kv_heads} kv, head_dim {c.head_dim}{window}")
     click.echo(f"  vocab          {c.vocab_size}{', tied embeddings' if c.tie_word_embeddings else ''}")
     rope = c.rope_scaling["rope_type"] if c.rope_scaling else "default"
@@ -62,9 +65,12 @@ def inspect_passes(ckpt, quant) -> None:
     click.echo("  passes")
     # The kernel program is the same for every target but for the KV block size: show the CPU target's.
     program = build_program(
-        ckpt, resolve_weight_dtype(ckpt, "auto"), load_target("cpu").block_size, after_each_pass=report,
+        ckpt,
+        resolve_weight_dtype(ckpt, "auto"),
+        load_target("cpu").block_size,
+        after_each_pass=report,
         schemes=quant_schemes(ckpt, quant),
-    )  # fmt: skip
+    )
     print_kernel_program(program)
 
 
@@ -83,10 +89,14 @@ def inspect_artifact(path: Path, verbose: bool) -> None:
     target = dict(a.target)
     name = target.pop("name")
     isa = target.pop("isa", None)
-    click.echo(f"{path}: llmc artifact for {name}, compiled by llmc {m.get('compiler_version')} "
-               f"(format {m.get('format_version')}, ABI {m.get('abi_version')})")  # fmt: skip
-    click.echo(f"  model          {c.architecture}, {c.num_parameters() / 1e6:.1f}M parameters, {c.num_layers} layers, "
-               f"context {c.max_context}")  # fmt: skip
+    click.echo(
+        f"{path}: llmc artifact for {name}, compiled by llmc {m.get('compiler_version')} "
+        f"(format {m.get('format_version')}, ABI {m.get('abi_version')})"
+    )
+    click.echo(
+        f"  model          {c.architecture}, {c.num_parameters() / 1e6:.1f}M parameters, {c.num_layers} layers, "
+        f"context {c.max_context}"
+    )
     for key in ("gencode", "flags", "machine"):  # what the module was built with; the rest is in the manifest
         if key in target:
             value = target[key]
@@ -138,8 +148,10 @@ def _inspect_kernels(kernels: list[dict], verbose: bool) -> None:
     if verbose:
         for k in kernels:
             fused = _fused(k)
-            click.echo(f"    {k.get('id')}: {k.get('template')} x{k.get('launches', 1)} [{k.get('tuning_source', '')}] "
-                       f"{_params(k)}{'; fuses ' + fused if fused else ''}")  # fmt: skip
+            click.echo(
+                f"    {k.get('id')}: {k.get('template')} x{k.get('launches', 1)} [{k.get('tuning_source', '')}] "
+                f"{_params(k)}{'; fuses ' + fused if fused else ''}"
+            )
         return
     groups: dict[tuple[str, str], list[dict]] = {}
     for k in kernels:
@@ -147,9 +159,11 @@ def _inspect_kernels(kernels: list[dict], verbose: bool) -> None:
     for (template, fused), ks in groups.items():
         launches = sum(int(k.get("launches", 1)) for k in ks)
         sources = sorted({str(k.get("tuning_source")) for k in ks if k.get("tuning_source")})
-        click.echo(f"    {template:<22} {len(ks)} kernel{'s' if len(ks) != 1 else ' '} {launches:>3} launch"
-                   f"{'es' if launches != 1 else '  '}  {'fuses ' + fused if fused else '':<28}"
-                   f"{' tuning: ' + ', '.join(sources) if sources else ''}".rstrip())  # fmt: skip
+        click.echo(
+            f"    {template:<22} {len(ks)} kernel{'s' if len(ks) != 1 else ' '} {launches:>3} launch"
+            f"{'es' if launches != 1 else '  '}  {'fuses ' + fused if fused else '':<28}"
+            f"{' tuning: ' + ', '.join(sources) if sources else ''}".rstrip()
+        )
     if kernels:
         click.echo("    (-v lists every kernel with its parameters)")
 
@@ -159,8 +173,10 @@ def _inspect_quant(quant: dict, verbose: bool) -> None:
     weights = quant.get("weights") if isinstance(quant.get("weights"), dict) else {}
     packed = quant.get("packed_bytes") if isinstance(quant.get("packed_bytes"), dict) else {}
     sizes = ", ".join(f"{k} {human_bytes(v)}" for k, v in packed.items() if isinstance(v, int))
-    click.echo(f"  quant          {quant.get('default')}; activations {quant.get('activations')}"
-               f"{'; ' + sizes if sizes else ''}")  # fmt: skip
+    click.echo(
+        f"  quant          {quant.get('default')}; activations {quant.get('activations')}"
+        f"{'; ' + sizes if sizes else ''}"
+    )
     counts: dict[str, int] = {}
     for scheme in weights.values():
         counts[str(scheme)] = counts.get(str(scheme), 0) + 1
@@ -180,8 +196,10 @@ def _inspect_tuning(tuning: dict | None, verbose: bool) -> None:
     for k in kernels.values():
         by_source[str(k.get("source"))] = by_source.get(str(k.get("source")), 0) + 1
     counts = ", ".join(f"{n} {src}" for src, n in sorted(by_source.items()))
-    click.echo(f"  tuning         {counts} (of {len(kernels)} tunable kernels; default: no entry for this shape"
-               f"{' and ISA' if any('ignored' in k for k in kernels.values()) else ''}); db {tuning.get('database')}")  # fmt: skip
+    click.echo(
+        f"  tuning         {counts} (of {len(kernels)} tunable kernels; default: no entry for this shape"
+        f"{' and ISA' if any('ignored' in k for k in kernels.values()) else ''}); db {tuning.get('database')}"
+    )
     if verbose:
         for kid, k in kernels.items():
             ignored = "; ignored: " + ", ".join(k["ignored"]) if k.get("ignored") else ""

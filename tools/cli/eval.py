@@ -27,8 +27,9 @@ def eval_group() -> None:
 @click.option("--max-tokens", type=click.IntRange(min=2), default=None, help="Score only the first N tokens.")
 @click.option("--kv-cache-memory", default=None, help="KV cache size, e.g. 1GiB.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def eval_ppl(artifact: Path, text_file: Path, max_tokens: int | None, kv_cache_memory: str | None,
-             as_json: bool) -> None:  # fmt: skip
+def eval_ppl(
+    artifact: Path, text_file: Path, max_tokens: int | None, kv_cache_memory: str | None, as_json: bool
+) -> None:
     """Perplexity of the compiled ARTIFACT over a text file.
 
     The text is split into windows of the model's context; each window runs as prefill steps that return the
@@ -44,8 +45,12 @@ def eval_ppl(artifact: Path, text_file: Path, max_tokens: int | None, kv_cache_m
     with model:
         result = perplexity(model, ids)
     if as_json:
-        click.echo(json.dumps({"perplexity": result.perplexity, "num_tokens": result.num_tokens,
-                               "tokens_per_s": result.tokens_per_s}))  # fmt: skip
+        click.echo(
+            json.dumps(
+                {"perplexity": result.perplexity, "num_tokens": result.num_tokens, "tokens_per_s": result.tokens_per_s}
+            )
+        )
     else:
-        click.echo(f"perplexity {result.perplexity:.4f} over {result.num_tokens} tokens "
-                   f"({result.tokens_per_s:.1f} tokens/s)")  # fmt: skip
+        click.echo(
+            f"perplexity {result.perplexity:.4f} over {result.num_tokens} tokens ({result.tokens_per_s:.1f} tokens/s)"
+        )

@@ -21,14 +21,23 @@ def quant_options(command):
         return command(*args, quant=config, **kwargs)
 
     options = [
-        click.option("--quant", type=click.Choice(["none", "int8", "int4"]), default="none", show_default=True,
-                     help="Quantize the linears' weights: int8 (one scale per output channel, or per group with "
-                          "--group-size) or int4 (groups of 32 by default), symmetric. A linear whose input size "
-                          "is not a multiple of 32 stays float."),
-        click.option("--group-size", type=click.Choice(["32", "64", "128"]), default=None,
-                     help="Weights per scale, along the input dim [default: int8 per channel, int4 32]."),
+        click.option(
+            "--quant",
+            type=click.Choice(["none", "int8", "int4"]),
+            default="none",
+            show_default=True,
+            help="Quantize the linears' weights: int8 (one scale per output channel, or per group with "
+            "--group-size) or int4 (groups of 32 by default), symmetric. A linear whose input size "
+            "is not a multiple of 32 stays float.",
+        ),
+        click.option(
+            "--group-size",
+            type=click.Choice(["32", "64", "128"]),
+            default=None,
+            help="Weights per scale, along the input dim [default: int8 per channel, int4 32].",
+        ),
         click.option("--quant-lm-head", is_flag=True, help="Quantize the lm_head too (off: it stays float)."),
-    ]  # fmt: skip
+    ]
     for option in reversed(options):
         with_quant = option(with_quant)
     return with_quant
@@ -45,8 +54,10 @@ kv_cache_dtype_option = click.option(
 )
 
 no_prefix_caching = click.option(
-    "--no-prefix-caching", is_flag=True,
-    help="Compute every prompt in full, instead of reusing the KV blocks of a prompt prefix seen before.")  # fmt: skip
+    "--no-prefix-caching",
+    is_flag=True,
+    help="Compute every prompt in full, instead of reusing the KV blocks of a prompt prefix seen before.",
+)
 
 
 def speculative_options(command):
@@ -65,10 +76,13 @@ def speculative_options(command):
         help="Tokens guessed (and verified in one step) per sequence and step, with --speculative.",
     )(command)
     return click.option(
-        "--speculative", type=click.Choice(["ngram", "draft"]), default=None,
+        "--speculative",
+        type=click.Choice(["ngram", "draft"]),
+        default=None,
         help="Speculative decoding: ngram guesses the next tokens from the longest earlier match of the last "
-             "tokens in the prompt and output (prompt lookup); draft has a smaller model (--draft) guess them. "
-             "Greedy outputs are unchanged, sampled ones keep their distribution.")(command)  # fmt: skip
+        "tokens in the prompt and output (prompt lookup); draft has a smaller model (--draft) guess them. "
+        "Greedy outputs are unchanged, sampled ones keep their distribution.",
+    )(command)
 
 
 def config_text(config: dict) -> str:

@@ -45,10 +45,24 @@ DEFAULT_MAX_TOKENS = 64
 @speculative_options
 @quant_options
 @kv_cache_dtype_option
-def run(artifact: Path | None, prompt: str | None, max_tokens: int, temperature: float, top_p: float, top_k: int,
-        seed: int | None, as_json: bool, simulate: bool, kv_cache_memory: str | None,
-        no_prefix_caching: bool, speculative: str | None, num_speculative_tokens: int,
-        draft: Path | None, quant, kv_cache_dtype: str) -> None:  # fmt: skip
+def run(
+    artifact: Path | None,
+    prompt: str | None,
+    max_tokens: int,
+    temperature: float,
+    top_p: float,
+    top_k: int,
+    seed: int | None,
+    as_json: bool,
+    simulate: bool,
+    kv_cache_memory: str | None,
+    no_prefix_caching: bool,
+    speculative: str | None,
+    num_speculative_tokens: int,
+    draft: Path | None,
+    quant,
+    kv_cache_dtype: str,
+) -> None:
     """Generate from ARTIFACT (a compiled artifact, a checkpoint dir or a .gguf file; default: the bundled model).
 
     A checkpoint is compiled for this CPU once and cached ($LLMC_CACHE_DIR, else ~/.cache/llmc). With an
@@ -62,19 +76,22 @@ def run(artifact: Path | None, prompt: str | None, max_tokens: int, temperature:
     given = {"temperature": temperature, "top_p": top_p, "top_k": top_k}
     given = {k: v for k, v in given.items() if v is not None}
     if simulate and (artifact is None or not (artifact / "manifest.json").is_file()):
-        raise LlmcError("--simulate needs a CUDA-target artifact",
-                        "compile one: llmc compile CHECKPOINT --target sm90 -o OUT")  # fmt: skip
+        raise LlmcError(
+            "--simulate needs a CUDA-target artifact", "compile one: llmc compile CHECKPOINT --target sm90 -o OUT"
+        )
     path = resolve_artifact(artifact, quant, kv_cache_dtype)
     if chat:
         from llmc.runtime.chat import run_chat
 
         with contextlib.ExitStack() as stack:
-            model, tokenizer, make_engine = engine_parts(stack, path, kv_cache_memory, 1, no_prefix_caching,
-                                                         speculative, num_speculative_tokens, draft)  # fmt: skip
+            model, tokenizer, make_engine = engine_parts(
+                stack, path, kv_cache_memory, 1, no_prefix_caching, speculative, num_speculative_tokens, draft
+            )
             params = SamplingParams(**{**model.generation_defaults, **given}, seed=seed, max_tokens=max_tokens)
             engine = make_engine()
-            run_chat(engine, tokenizer, model.chat_template, params, bos_token=model.bos_token,
-                     eos_token=model.eos_token)  # fmt: skip
+            run_chat(
+                engine, tokenizer, model.chat_template, params, bos_token=model.bos_token, eos_token=model.eos_token
+            )
         return
     if prompt is None:
         prompt = DEFAULT_PROMPT if artifact is None else sys.stdin.read()
@@ -83,8 +100,17 @@ def run(artifact: Path | None, prompt: str | None, max_tokens: int, temperature:
         if artifact is None and not as_json:
             click.echo(f"prompt: {prompt!r}", err=True)
     with contextlib.ExitStack() as stack:
-        model, tokenizer, make_engine = engine_parts(stack, path, kv_cache_memory, 1, no_prefix_caching, speculative,
-                                                     num_speculative_tokens, draft, simulate=simulate)  # fmt: skip
+        model, tokenizer, make_engine = engine_parts(
+            stack,
+            path,
+            kv_cache_memory,
+            1,
+            no_prefix_caching,
+            speculative,
+            num_speculative_tokens,
+            draft,
+            simulate=simulate,
+        )
         params = SamplingParams(**{**model.generation_defaults, **given}, seed=seed, max_tokens=max_tokens)
         engine = make_engine()
         prompt_ids = tokenizer.encode(prompt).ids
@@ -108,24 +134,32 @@ def run(artifact: Path | None, prompt: str | None, max_tokens: int, temperature:
     first = first or end
     timings = {
         "prefill_ms": round((first - start) * 1e3, 3),
-        "decode_tokens_per_s": round((len(token_ids) - 1) / (end - first), 2) if len(token_ids) > 1 and end > first
+        "decode_tokens_per_s": round((len(token_ids) - 1) / (end - first), 2)
+        if len(token_ids) > 1 and end > first
         else 0.0,
         "total_ms": round((end - start) * 1e3, 3),
-    }  # fmt: skip
+    }
     stats = engine.stats()
     spec = {"proposed": stats.spec_num_draft_tokens, "accepted": stats.spec_num_accepted_tokens}
     if as_json:
-        result = {"prompt_token_ids": prompt_ids, "token_ids": token_ids, "text": "".join(text),
-                  "finish_reason": finish, "timings": timings}  # fmt: skip
+        result = {
+            "prompt_token_ids": prompt_ids,
+            "token_ids": token_ids,
+            "text": "".join(text),
+            "finish_reason": finish,
+            "timings": timings,
+        }
         if speculative is not None:
             result["speculative"] = spec
         click.echo(json.dumps(result))
     else:
         click.echo()
         accepted = f"; {spec['accepted']}/{spec['proposed']} guesses accepted" if speculative is not None else ""
-        click.echo(f"[{len(prompt_ids)} prompt tokens, {len(token_ids)} generated ({finish}); prefill "
-                   f"{timings['prefill_ms']:.1f} ms, decode {timings['decode_tokens_per_s']:.1f} tokens/s{accepted}]",
-                   err=True)  # fmt: skip
+        click.echo(
+            f"[{len(prompt_ids)} prompt tokens, {len(token_ids)} generated ({finish}); prefill "
+            f"{timings['prefill_ms']:.1f} ms, decode {timings['decode_tokens_per_s']:.1f} tokens/s{accepted}]",
+            err=True,
+        )
 
 
 def _stdin_is_tty() -> bool:

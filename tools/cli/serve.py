@@ -106,44 +106,83 @@ def _byte_size(text: str) -> int:
     help="With --ray: MIN:MAX replicas, scaled on requests in flight, or a JSON file of Ray Serve's "
     "autoscaling_config; replaces --replicas.",
 )
-def serve(artifact: Path, host: str, port: int, model_name: str | None, max_num_seqs: int,
-          max_num_batched_tokens: int, kv_cache_memory: str | None, max_body_size: int | None, max_n: int | None,
-          max_waiting_requests: int | None, shutdown_timeout: float | None, api_key: str | None,
-          no_prefix_caching: bool, speculative: str | None, num_speculative_tokens: int,
-          draft: Path | None, quant, kv_cache_dtype: str, use_ray: bool, address: str | None, replicas: int,
-          threads_per_replica: int | None, autoscale: str | None) -> None:  # fmt: skip
+def serve(
+    artifact: Path,
+    host: str,
+    port: int,
+    model_name: str | None,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    kv_cache_memory: str | None,
+    max_body_size: int | None,
+    max_n: int | None,
+    max_waiting_requests: int | None,
+    shutdown_timeout: float | None,
+    api_key: str | None,
+    no_prefix_caching: bool,
+    speculative: str | None,
+    num_speculative_tokens: int,
+    draft: Path | None,
+    quant,
+    kv_cache_dtype: str,
+    use_ray: bool,
+    address: str | None,
+    replicas: int,
+    threads_per_replica: int | None,
+    autoscale: str | None,
+) -> None:
     """Serve ARTIFACT over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models),
     with /health and Prometheus metrics at /metrics."""
     from llmc.runtime import server
 
     ray_serve = _ray_serve_module() if use_ray else None  # before any compile: a missing extra fails at once
-    given = {"max_body_bytes": max_body_size, "max_n": max_n, "max_waiting_requests": max_waiting_requests,
-             "shutdown_timeout_s": shutdown_timeout}  # fmt: skip
+    given = {
+        "max_body_bytes": max_body_size,
+        "max_n": max_n,
+        "max_waiting_requests": max_waiting_requests,
+        "shutdown_timeout_s": shutdown_timeout,
+    }
     limits = server.ServerLimits(**{k: v for k, v in given.items() if v is not None})  # unset: the library's default
     path = resolve_artifact(artifact, quant, kv_cache_dtype)
-    app_kw = dict(path=path.resolve(), name=model_name or artifact.resolve().name, limits=limits,
-                  api_key=api_key or None, kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
-                  max_num_batched_tokens=max_num_batched_tokens, no_prefix_caching=no_prefix_caching,
-                  speculative=speculative, num_speculative_tokens=num_speculative_tokens,
-                  draft=None if draft is None else resolve_artifact(draft).resolve())  # fmt: skip
+    app_kw = dict(
+        path=path.resolve(),
+        name=model_name or artifact.resolve().name,
+        limits=limits,
+        api_key=api_key or None,
+        kv_cache_memory=kv_cache_memory,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        no_prefix_caching=no_prefix_caching,
+        speculative=speculative,
+        num_speculative_tokens=num_speculative_tokens,
+        draft=None if draft is None else resolve_artifact(draft).resolve(),
+    )
     if ray_serve is not None:
         return _serve_on_ray(ray_serve, app_kw, host, port, address, replicas, threads_per_replica, autoscale)
     with contextlib.ExitStack() as stack:
         app, model = server_app(stack, **app_kw)
-        click.echo(f"serving {app_kw['name']} ({model.num_blocks} KV blocks of {model.block_size} tokens) on "
-                   f"http://{host}:{port}/v1", err=True)  # fmt: skip
+        click.echo(
+            f"serving {app_kw['name']} ({model.num_blocks} KV blocks of {model.block_size} tokens) on "
+            f"http://{host}:{port}/v1",
+            err=True,
+        )
         server.serve(app, host, port)
 
 
-def ray_serve_options(path: Path, limits, max_num_seqs: int, replicas: int, threads_per_replica: int | None,
-                      autoscale: str | None):  # fmt: skip
+def ray_serve_options(
+    path: Path, limits, max_num_seqs: int, replicas: int, threads_per_replica: int | None, autoscale: str | None
+):
     """RayServeOptions for an artifact: a CUDA one takes a GPU per replica, a CPU one its threads in CPUs."""
     from llmc.artifact import load_artifact
     from llmc.runtime.ray_serve import RayServeOptions
 
     target = load_artifact(path, verify=False, check_target=False).target
-    common = dict(replicas=replicas, limits=limits, autoscaling=_autoscaling_config(autoscale),
-                  max_ongoing_requests=max_num_seqs + limits.max_waiting_requests)  # fmt: skip
+    common = dict(
+        replicas=replicas,
+        limits=limits,
+        autoscaling=_autoscaling_config(autoscale),
+        max_ongoing_requests=max_num_seqs + limits.max_waiting_requests,
+    )
     if target.get("name") != "cpu":
         return RayServeOptions(num_cpus=1, num_gpus=1, **common)
     threads = threads_per_replica or max(1, (os.cpu_count() or 1) // replicas)
@@ -161,8 +200,10 @@ def _autoscaling_config(text: str | None) -> dict | None:
     try:
         config = json.loads(Path(text).read_text())
     except (OSError, ValueError) as e:
-        raise LlmcError(f"--autoscale {text}: neither MIN:MAX nor a readable JSON file ({e})",
-                        "pass e.g. 1:4, or a JSON file of Ray Serve's autoscaling_config") from None  # fmt: skip
+        raise LlmcError(
+            f"--autoscale {text}: neither MIN:MAX nor a readable JSON file ({e})",
+            "pass e.g. 1:4, or a JSON file of Ray Serve's autoscaling_config",
+        ) from None
     if not isinstance(config, dict):
         raise LlmcError(f"--autoscale {text}: the JSON file must hold one object", 'e.g. {"max_replicas": 4}')
     return config
@@ -172,15 +213,26 @@ def _ray_serve_module():
     try:
         from llmc.runtime import ray_serve
     except ImportError as e:
-        raise LlmcError(f"--ray needs Ray Serve, which is not installed ({e})",
-                        "pip install 'llmc[ray]'  (or: pip install 'ray[serve]==2.60.0')") from None  # fmt: skip
+        raise LlmcError(
+            f"--ray needs Ray Serve, which is not installed ({e})",
+            "pip install 'llmc[ray]'  (or: pip install 'ray[serve]==2.60.0')",
+        ) from None
     return ray_serve
 
 
-def _serve_on_ray(ray_serve, app_kw: dict, host: str, port: int, address: str | None, replicas: int,
-                  threads_per_replica: int | None, autoscale: str | None) -> None:  # fmt: skip
-    options = ray_serve_options(app_kw["path"], app_kw["limits"], app_kw["max_num_seqs"], replicas,
-                                threads_per_replica, autoscale)  # fmt: skip
+def _serve_on_ray(
+    ray_serve,
+    app_kw: dict,
+    host: str,
+    port: int,
+    address: str | None,
+    replicas: int,
+    threads_per_replica: int | None,
+    autoscale: str | None,
+) -> None:
+    options = ray_serve_options(
+        app_kw["path"], app_kw["limits"], app_kw["max_num_seqs"], replicas, threads_per_replica, autoscale
+    )
     ray_serve.start_ray(address, None if address else max(os.cpu_count() or 1, replicas * options.num_cpus))
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # as Ctrl-C: through `finally`, which stops Serve and Ray
     try:

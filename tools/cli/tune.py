@@ -12,26 +12,68 @@ from .options import config_text, quant_options
 
 @click.command()
 @click.option("--target", default="cpu", show_default=True, help="The target whose kernels to tune.")
-@click.option("--model", "model", type=click.Path(path_type=Path), default=None,
-              help="Tune the kernels compile renders for this checkpoint (with --dtype and --quant) "
-                   "[default: a standard set of Llama-family GEMM shapes].")  # fmt: skip
-@click.option("--shape", "shape_texts", multiple=True,
-              help="Tune this kernel shape only, e.g. gemm:n=576,k=576,wdtype=bf16 (repeatable).")  # fmt: skip
-@click.option("--dtype", "weight_dtype", type=click.Choice(["auto", "float32", "bfloat16"]), default="auto",
-              show_default=True, help="With --model: the weight dtype compile would use.")  # fmt: skip
+@click.option(
+    "--model",
+    "model",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Tune the kernels compile renders for this checkpoint (with --dtype and --quant) "
+    "[default: a standard set of Llama-family GEMM shapes].",
+)
+@click.option(
+    "--shape",
+    "shape_texts",
+    multiple=True,
+    help="Tune this kernel shape only, e.g. gemm:n=576,k=576,wdtype=bf16 (repeatable).",
+)
+@click.option(
+    "--dtype",
+    "weight_dtype",
+    type=click.Choice(["auto", "float32", "bfloat16"]),
+    default="auto",
+    show_default=True,
+    help="With --model: the weight dtype compile would use.",
+)
 @quant_options
-@click.option("--simulate", is_flag=True,
-              help="GPU target, no GPU: rank candidates by the time llmc profile --simulate predicts "
-                   "(entries marked simulated; measured ones replace them).")  # fmt: skip
-@click.option("--budget", type=click.FloatRange(min=0), default=600, show_default=True,
-              help="Seconds to spend; shapes left when it runs out stay untuned (run again to resume).")  # fmt: skip
-@click.option("--rounds", type=click.IntRange(min=1), default=5, show_default=True,
-              help="Timed rounds per candidate (interleaved); each figure is their median.")  # fmt: skip
-@click.option("--db", type=click.Path(path_type=Path), default=None,
-              help="The tuning database to write [default: targets/<target>.tuning.json].")  # fmt: skip
+@click.option(
+    "--simulate",
+    is_flag=True,
+    help="GPU target, no GPU: rank candidates by the time llmc profile --simulate predicts "
+    "(entries marked simulated; measured ones replace them).",
+)
+@click.option(
+    "--budget",
+    type=click.FloatRange(min=0),
+    default=600,
+    show_default=True,
+    help="Seconds to spend; shapes left when it runs out stay untuned (run again to resume).",
+)
+@click.option(
+    "--rounds",
+    type=click.IntRange(min=1),
+    default=5,
+    show_default=True,
+    help="Timed rounds per candidate (interleaved); each figure is their median.",
+)
+@click.option(
+    "--db",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="The tuning database to write [default: targets/<target>.tuning.json].",
+)
 @click.option("--retune", is_flag=True, help="Run shapes again that already have entries for this machine.")
-def tune(target: str, model: Path | None, shape_texts: tuple[str, ...], weight_dtype: str, quant, simulate: bool,
-         budget: float, rounds: int, db: Path | None, retune: bool) -> None:  # fmt: skip
+def tune(
+    target: str,
+    model: Path | None,
+    shape_texts: tuple[str, ...],
+    weight_dtype: str,
+    quant,
+    simulate: bool,
+    budget: float,
+    rounds: int,
+    db: Path | None,
+    retune: bool,
+) -> None:
     """Find the fastest configuration of each kernel's tunable parameters on this machine.
 
     Every candidate is checked against a numpy reference before it is timed; a wrong one is rejected and
@@ -57,8 +99,16 @@ def tune(target: str, model: Path | None, shape_texts: tuple[str, ...], weight_d
             rows.append([str(r.shape), config_text(r.config), "", "", "(already tuned)", ""])
             continue
         rejected = sum(c.rejected is not None for c in r.candidates)
-        rows.append([str(r.shape), config_text(r.config), f"{r.default_time_s * 1e6:.2f}", f"{r.time_s * 1e6:.2f}",
-                     f"{r.default_time_s / r.time_s:.2f}x", f"{rejected}/{len(r.candidates)}"])  # fmt: skip
+        rows.append(
+            [
+                str(r.shape),
+                config_text(r.config),
+                f"{r.default_time_s * 1e6:.2f}",
+                f"{r.time_s * 1e6:.2f}",
+                f"{r.default_time_s / r.time_s:.2f}x",
+                f"{rejected}/{len(r.candidates)}",
+            ]
+        )
     from llmc.runtime.bench import align_columns
 
     click.echo("\n".join(align_columns(rows)))

@@ -49,9 +49,12 @@ extern "C" double time_{kid}(const float* x, const void* const* ws, int nsets, c
 """
 _CALLS = {
     "gemm": (1, "{kid}(x, static_cast<const {wt}*>(w[0]), static_cast<const {wt}*>(bias), y, T)"),
-    "qgemm": (3, "{kid}(x, static_cast<const uint8_t*>(w[0]), static_cast<const {st}*>(w[1]), "
-                 "static_cast<const {st}*>(w[2]), static_cast<const float*>(bias), y, T)"),
-}  # fmt: skip
+    "qgemm": (
+        3,
+        "{kid}(x, static_cast<const uint8_t*>(w[0]), static_cast<const {st}*>(w[1]), "
+        "static_cast<const {st}*>(w[2]), static_cast<const float*>(bias), y, T)",
+    ),
+}
 
 
 def render_candidate(shape: KernelShape, config: dict) -> tuple[str, str]:
@@ -90,8 +93,16 @@ def _output(built: _Built, inp: Inputs) -> np.ndarray:
     return y
 
 
-def measure_shape(shape: KernelShape, space: TuneSpace, deadline: float, rounds: int, *, render=render_candidate,
-                  min_time: float = 0.02, progress=None) -> list[Candidate]:  # fmt: skip
+def measure_shape(
+    shape: KernelShape,
+    space: TuneSpace,
+    deadline: float,
+    rounds: int,
+    *,
+    render=render_candidate,
+    min_time: float = 0.02,
+    progress=None,
+) -> list[Candidate]:
     """Every admissible candidate of `shape`, the defaults first: checked, then timed until `deadline`."""
     configs = space.candidates(shape.kwargs, {})
     with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
@@ -106,8 +117,10 @@ def measure_shape(shape: KernelShape, space: TuneSpace, deadline: float, rounds:
     inp = make_inputs(shape, rows)
     default_y = _output(built[0], inp)
     if (why := inp.mismatch(default_y)) is not None:
-        raise CompileError(f"{shape}: the template's defaults fail the reference check ({why})",
-                           "the kernel is broken; fix it before tuning")  # fmt: skip
+        raise CompileError(
+            f"{shape}: the template's defaults fail the reference check ({why})",
+            "the kernel is broken; fix it before tuning",
+        )
     for c, b in zip(candidates[1:], built[1:], strict=True):
         y = _output(b, inp)
         c.rejected = inp.mismatch(y)

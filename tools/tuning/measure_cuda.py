@@ -108,8 +108,9 @@ def gpu_device() -> dict | None:
 def build_for_gpu(target: Target, source: str, out: Path) -> Path:
     """The candidate's library, built by nvcc for the target (kept in llmc's build cache, not at `out`)."""
     del out
-    return build_shared_library({**target_headers("cuda"), "tune.cu": source}, flags=target.build_flags,
-                                compiler=nvcc_path())  # fmt: skip
+    return build_shared_library(
+        {**target_headers("cuda"), "tune.cu": source}, flags=target.build_flags, compiler=nvcc_path()
+    )
 
 
 class _Timer:
@@ -122,15 +123,36 @@ class _Timer:
     def __call__(self, inp, nsets: int, y: np.ndarray, iters: int) -> tuple[float, int]:
         (w,) = inp.weights
         err = ctypes.c_int(0)
-        seconds = self.fn(inp.x.ctypes.data, inp.x.nbytes, w.ctypes.data, w.nbytes, nsets,
-                          None if inp.bias is None else inp.bias.ctypes.data, 0 if inp.bias is None else inp.bias.nbytes,
-                          y.ctypes.data, y.nbytes, y.shape[0], iters, ctypes.byref(err))  # fmt: skip
+        seconds = self.fn(
+            inp.x.ctypes.data,
+            inp.x.nbytes,
+            w.ctypes.data,
+            w.nbytes,
+            nsets,
+            None if inp.bias is None else inp.bias.ctypes.data,
+            0 if inp.bias is None else inp.bias.nbytes,
+            y.ctypes.data,
+            y.nbytes,
+            y.shape[0],
+            iters,
+            ctypes.byref(err),
+        )
         return seconds, err.value
 
 
-def measure_shape(shape: KernelShape, space: TuneSpace, target: Target, deadline: float, rounds: int, *,
-                  span_bytes: int, render=render_candidate, build=build_for_gpu, min_time: float = 0.02,
-                  progress=None) -> list[Candidate]:  # fmt: skip
+def measure_shape(
+    shape: KernelShape,
+    space: TuneSpace,
+    target: Target,
+    deadline: float,
+    rounds: int,
+    *,
+    span_bytes: int,
+    render=render_candidate,
+    build=build_for_gpu,
+    min_time: float = 0.02,
+    progress=None,
+) -> list[Candidate]:
     """Every candidate admissible before building, the defaults first: pruned by ptxas, checked at each of the
     template's rows, then timed at each (the figure: their sum) until `deadline`. span_bytes: device memory the
     weight copies span (twice the GPU's L2: gpu_device())."""

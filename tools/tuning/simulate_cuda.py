@@ -107,9 +107,17 @@ def _simulate(shape: KernelShape, library: Path, kid: str, rows: tuple[int, ...]
         lib.llmc_sim_prof_clear()
         lib.llmc_sim_prof_enable(1)
         try:
-            err = run(inp.x.ctypes.data, inp.x.nbytes, w.ctypes.data, w.nbytes,
-                      None if inp.bias is None else inp.bias.ctypes.data, 0 if inp.bias is None else inp.bias.nbytes,
-                      y.ctypes.data, y.nbytes, t)  # fmt: skip
+            err = run(
+                inp.x.ctypes.data,
+                inp.x.nbytes,
+                w.ctypes.data,
+                w.nbytes,
+                None if inp.bias is None else inp.bias.ctypes.data,
+                0 if inp.bias is None else inp.bias.nbytes,
+                y.ctypes.data,
+                y.nbytes,
+                t,
+            )
         finally:
             lib.llmc_sim_prof_enable(0)
         if err:
@@ -124,8 +132,9 @@ def _simulate(shape: KernelShape, library: Path, kid: str, rows: tuple[int, ...]
     return total_us * 1e-6, None, summary
 
 
-def admit_by_ptxas(shape: KernelShape, space: TuneSpace, target: Target, config: dict, source: str,
-                   candidate: Candidate) -> str | None:  # fmt: skip
+def admit_by_ptxas(
+    shape: KernelShape, space: TuneSpace, target: Target, config: dict, source: str, candidate: Candidate
+) -> str | None:
     """Why ptxas's report (registers, spills: recorded in candidate.figures) rules the configuration out, or None."""
     candidate.figures = ptxas_figures(target, source)
     if space.admits(config, shape.kwargs, target.raw, candidate.figures):
@@ -141,8 +150,9 @@ def _build(shape: KernelShape, space: TuneSpace, target: Target, config: dict, r
     return c, None if c.rejected else build_profiled(source, workdir / f"{kid}.so")
 
 
-def simulate_shape(shape: KernelShape, space: TuneSpace, target: Target, deadline: float, *,
-                   render=render_candidate, progress=None) -> list[Candidate]:  # fmt: skip
+def simulate_shape(
+    shape: KernelShape, space: TuneSpace, target: Target, deadline: float, *, render=render_candidate, progress=None
+) -> list[Candidate]:
     """Every candidate admissible before building, the defaults first; pruned by ptxas, checked, predicted.
     Builds run in parallel; the simulations one at a time (the simulator's launch state is per process)."""
     configs = space.candidates(shape.kwargs, target.raw)

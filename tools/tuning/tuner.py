@@ -40,10 +40,19 @@ log = logging.getLogger("llmc.tune")
 # Standard Llama-family GEMMs (n, k) when no model is given: SmolLM-135M's fused qkv, o, fused gate_up, down;
 # Llama-3.2-1B's; Llama-3-8B's, per weight dtype.
 STANDARD_GEMMS = [
-    (960, 576), (576, 576), (3072, 576), (576, 1536),
-    (3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192),
-    (6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336),
-]  # fmt: skip
+    (960, 576),
+    (576, 576),
+    (3072, 576),
+    (576, 1536),
+    (3072, 2048),
+    (2048, 2048),
+    (16384, 2048),
+    (2048, 8192),
+    (6144, 4096),
+    (4096, 4096),
+    (28672, 4096),
+    (4096, 14336),
+]
 
 
 def _with_activations(family: str, op: str, params: dict) -> dict:
@@ -100,8 +109,13 @@ def model_shapes(checkpoint, target: str, weight_dtype: str = "auto", quant=None
 
     tgt = load_target(target)
     ckpt = load_checkpoint(checkpoint)
-    program = build_program(ckpt, resolve_weight_dtype(ckpt, weight_dtype), tgt.block_size,
-                            schemes=quant_schemes(ckpt, quant or QuantConfig()), cuda=tgt.is_cuda)  # fmt: skip
+    program = build_program(
+        ckpt,
+        resolve_weight_dtype(ckpt, weight_dtype),
+        tgt.block_size,
+        schemes=quant_schemes(ckpt, quant or QuantConfig()),
+        cuda=tgt.is_cuda,
+    )
     out: dict[KernelShape, None] = {}
     for launch in program.launches:
         if tune_space(tgt.template_dir, launch.op) is not None:
@@ -162,8 +176,10 @@ def tune(
         raise CompileError("--simulate ranks CUDA kernels under the CUDA simulator", "tune --target cpu without it")
     gpu = measure_cuda.gpu_device() if tgt.is_cuda and not simulate else None
     if tgt.is_cuda and not simulate and gpu is None:
-        raise CompileError(f"target {target}: timing CUDA kernels needs a GPU, and the CUDA driver sees none here",
-                           "add --simulate to rank them under the CUDA simulator")  # fmt: skip
+        raise CompileError(
+            f"target {target}: timing CUDA kernels needs a GPU, and the CUDA driver sees none here",
+            "add --simulate to rank them under the CUDA simulator",
+        )
     source = "simulated" if simulate else "measured"
     threads = int(os.environ.get("OMP_NUM_THREADS") or len(os.sched_getaffinity(0)))
     if simulate:
@@ -195,14 +211,17 @@ def tune(
         if simulate:
             candidates = simulate_shape(shape, shape_space, tgt, deadline, progress=note, **kw)
         elif tgt.is_cuda:
-            candidates = measure_cuda.measure_shape(shape, shape_space, tgt, deadline, rounds, progress=note,
-                                                    span_bytes=2 * gpu["l2_bytes"], **kw)  # fmt: skip
+            candidates = measure_cuda.measure_shape(
+                shape, shape_space, tgt, deadline, rounds, progress=note, span_bytes=2 * gpu["l2_bytes"], **kw
+            )
         else:
             candidates = measure_shape(shape, shape_space, deadline, rounds, progress=note, **kw)
         if not candidates or candidates[0].rejected:
             why = candidates[0].rejected if candidates else "no candidate"
-            raise CompileError(f"{shape}: the template's defaults are not admissible ({why})",
-                               "fix the kernel or its tune.toml before tuning")  # fmt: skip
+            raise CompileError(
+                f"{shape}: the template's defaults are not admissible ({why})",
+                "fix the kernel or its tune.toml before tuning",
+            )
         if time.monotonic() > deadline:
             log.warning("budget of %.0f s spent while tuning %s: left untuned", budget_s, shape)
             break

@@ -25,8 +25,9 @@ def test_attention_counts_cached_positions_and_pairs():
 
 def test_gemm_reads_weights_once_and_rows_of_x_and_y():
     p = {"n": 96, "k": 200, "wdtype": "bf16", "has_bias": True}
-    assert launch_floor("cuda/gemm", p, "T", DECODE) == Floor(96 * 200 * 2 + 96 * 2 + 3 * (200 + 96) * 4,
-                                                              2 * 3 * 96 * 200)  # fmt: skip
+    assert launch_floor("cuda/gemm", p, "T", DECODE) == Floor(
+        96 * 200 * 2 + 96 * 2 + 3 * (200 + 96) * 4, 2 * 3 * 96 * 200
+    )
     assert launch_floor("cuda/gemm", {**p, "wdtype": "f32", "has_bias": False}, "N", PREFILL) == Floor(
         96 * 200 * 4 + 1 * (200 + 96) * 4, 2 * 96 * 200
     )
@@ -51,17 +52,24 @@ def test_paged_attention_reads_each_cached_position_once_per_kv_head():
 
 
 def test_a_kernel_sums_its_launches():
-    k = {"id": "x", "template": "cuda/rmsnorm", "params": {"hidden": 64, "wdtype": "f32", "add_residual": True},
-         "rows": ["T", "N"]}  # fmt: skip
+    k = {
+        "id": "x",
+        "template": "cuda/rmsnorm",
+        "params": {"hidden": 64, "wdtype": "f32", "add_residual": True},
+        "rows": ["T", "N"],
+    }
     assert kernel_floor(k, DECODE) == Floor(2 * 64 * 4 + (3 + 3) * 4 * 64 * 4, 0)
 
 
-@pytest.mark.parametrize("kernel", [
-    {"id": "old", "template": "cuda/gemm", "params": {"n": 1, "k": 1, "wdtype": "bf16"}},  # no rows
-    {"id": "bad", "template": "cuda/gemm", "params": {"n": 1}, "rows": ["T"]},
-    {"id": "new", "template": "cuda/conv2d", "params": {}, "rows": ["T"]},
-    "not a kernel",
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "kernel",
+    [
+        {"id": "old", "template": "cuda/gemm", "params": {"n": 1, "k": 1, "wdtype": "bf16"}},  # no rows
+        {"id": "bad", "template": "cuda/gemm", "params": {"n": 1}, "rows": ["T"]},
+        {"id": "new", "template": "cuda/conv2d", "params": {}, "rows": ["T"]},
+        "not a kernel",
+    ],
+)
 def test_malformed_or_unknown_kernels_are_clear_errors(kernel):
     with pytest.raises(LlmcError):
         kernel_floor(kernel, DECODE)

@@ -39,12 +39,26 @@ def test_yarn_rope_matches_transformers():
 
     from llmc.compiler.frontend.model import attention_scale, rope_inv_freq
 
-    for params in ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
-                   {"rope_type": "yarn", "factor": 8.0, "beta_fast": 16, "mscale": 0.7, "mscale_all_dim": 0.3,
-                    "original_max_position_embeddings": 32, "truncate": False}):  # fmt: skip
-        hf = Qwen2Config(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=256,
-                         rope_parameters={"rope_theta": 10000.0, **params})  # fmt: skip
+    for params in (
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+        {
+            "rope_type": "yarn",
+            "factor": 8.0,
+            "beta_fast": 16,
+            "mscale": 0.7,
+            "mscale_all_dim": 0.3,
+            "original_max_position_embeddings": 32,
+            "truncate": False,
+        },
+    ):
+        hf = Qwen2Config(
+            num_hidden_layers=2,
+            hidden_size=64,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=256,
+            rope_parameters={"rope_theta": 10000.0, **params},
+        )
         inv_freq, factor = ROPE_INIT_FUNCTIONS["yarn"](hf, "cpu")
         ours = parse_config({**hf.to_dict(), "architectures": ["Qwen2ForCausalLM"]})
         assert torch.equal(rope_inv_freq(ours), inv_freq.float())

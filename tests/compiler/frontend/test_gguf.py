@@ -92,8 +92,12 @@ def _rewrite(src, out, rng, types=None, meta=None):
     return out
 
 
-_FP16_FIELDS = {T.Q4_K: ((0, 3e-4), (2, 3e-4)), T.Q6_K: ((208, 1e-4),), T.Q5_K: ((0, 3e-4), (2, 3e-4)),
-                T.IQ2_XXS: ((0, 1e-3),)}  # fmt: skip
+_FP16_FIELDS = {
+    T.Q4_K: ((0, 3e-4), (2, 3e-4)),
+    T.Q6_K: ((208, 1e-4),),
+    T.Q5_K: ((0, 3e-4), (2, 3e-4)),
+    T.IQ2_XXS: ((0, 1e-3),),
+}
 
 
 def _random_blocks(shape, qtype, rng) -> np.ndarray:
@@ -118,8 +122,11 @@ def kquant_file(checkpoint_dir, tmp_path_factory):
             out = tmp_path_factory.mktemp("kq")
             src = write_gguf(checkpoint_dir("llama", **KQUANT), out / "f32.gguf", "F32")
             six = ("token_embd", "output.", "ffn_down") + (("attn_v",) if v_type == T.Q6_K else ())
-            types = {t.name: (T.Q6_K if any(s in t.name for s in six) else T.Q4_K)
-                     for t in gguf.GGUFReader(src).tensors if len(t.shape) == 2}  # fmt: skip
+            types = {
+                t.name: (T.Q6_K if any(s in t.name for s in six) else T.Q4_K)
+                for t in gguf.GGUFReader(src).tensors
+                if len(t.shape) == 2
+            }
             made[v_type] = _rewrite(src, out / f"v_{v_type.name}.gguf", np.random.default_rng(7), types)
         return made[v_type]
 
@@ -129,8 +136,9 @@ def kquant_file(checkpoint_dir, tmp_path_factory):
 def _greedy(artifact, texts, tokenizer_path, n=24):
     tok = Tokenizer.from_file(str(tokenizer_path))
     model = CompiledModel.load(artifact)
-    results = LLMEngine(model).generate([tok.encode(t).ids for t in texts],
-                                        SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))  # fmt: skip
+    results = LLMEngine(model).generate(
+        [tok.encode(t).ids for t in texts], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+    )
     return [r.outputs[0].token_ids for r in results]
 
 
@@ -144,8 +152,9 @@ def test_f32_gguf_generates_the_safetensors_tokens(arch, checkpoint_dir, gguf_fi
     assert ckpt.quantized_tensor("model.layers.0.self_attn.q_proj.weight") is None
     for name in ckpt.config.weight_shapes():
         assert torch.equal(ckpt.tensor(name), load_checkpoint(src).tensor(name)), name
-    result = CliRunner().invoke(main, ["compile", str(gguf_file(arch, "F32")), "--target", "cpu", "-o",
-                                       str(tmp_path / "gguf.cpu")])  # fmt: skip
+    result = CliRunner().invoke(
+        main, ["compile", str(gguf_file(arch, "F32")), "--target", "cpu", "-o", str(tmp_path / "gguf.cpu")]
+    )
     assert result.exit_code == 0, result.output
     ours = tmp_path / "gguf.cpu"
     theirs = compile_checkpoint(src, target="cpu", output=tmp_path / "st.cpu")
@@ -160,9 +169,24 @@ def test_config_and_tokenizer_as_the_source(arch, checkpoint_dir, gguf_file):
     # llama.cpp writes Mistral as llama, and a window wider than the context attends to all of it
     assert b.architecture == {"qwen2": "Qwen2ForCausalLM"}.get(arch, "LlamaForCausalLM")
     assert a.sliding_window is None or a.sliding_window >= a.max_position_embeddings
-    same = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
-            "rms_norm_eps", "rope_theta", "max_position_embeddings", "tie_word_embeddings", "attention_bias",
-            "o_bias", "mlp_bias", "bos_token_id", "eos_token_ids")  # fmt: skip
+    same = (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_layers",
+        "num_heads",
+        "num_kv_heads",
+        "head_dim",
+        "rms_norm_eps",
+        "rope_theta",
+        "max_position_embeddings",
+        "tie_word_embeddings",
+        "attention_bias",
+        "o_bias",
+        "mlp_bias",
+        "bos_token_id",
+        "eos_token_ids",
+    )
     assert {k: getattr(b, k) for k in same} == {k: getattr(a, k) for k in same}
     assert torch.equal(rope_inv_freq(b), rope_inv_freq(a))
     assert ckpt.chat_template == src.chat_template and ckpt.special_tokens == src.special_tokens
@@ -295,8 +319,9 @@ def _assert_logits_match(artifact, reference_dir, quantized: set[str]):
 # Q4_K_M: llama.cpp's mix puts attn_v in Q6_K beside Q4_K q / k, so the fused qkv GEMM is int8 g16 with mins
 # (quant.common_scheme)
 @pytest.mark.parametrize("dtype", ["Q8_0", "Q4_0", "Q4_K+Q6_K", "Q4_K_M"])
-def test_quantized_file_compiles_and_matches_fp32_of_its_weights(dtype, checkpoint_dir, gguf_file, kquant_file,
-                                                                  tmp_path):  # fmt: skip
+def test_quantized_file_compiles_and_matches_fp32_of_its_weights(
+    dtype, checkpoint_dir, gguf_file, kquant_file, tmp_path
+):
     if dtype.startswith("Q4_K"):
         path, source = kquant_file(T.Q6_K if dtype == "Q4_K_M" else T.Q4_K), checkpoint_dir("llama", **KQUANT)
     else:
@@ -366,10 +391,12 @@ def test_corrupt_file_is_a_checkpoint_error(case, gguf_file, tmp_path):
 
 def test_unsupported_arch_and_tokenizer_are_named(gguf_file, tmp_path):
     src, rng, S = gguf_file("llama", "F32"), np.random.default_rng(0), gguf.GGUFValueType.STRING
-    cases = {"gemma2": {names.ARCHITECTURE: ("gemma2", S, None)},
-             "'bert'": {names.TOKENIZER_MODEL: ("bert", S, None)},
-             "'tekken'": {names.TOKENIZER_PRE: ("tekken", S, None)},
-             "'yarn'": {"llama.rope.scaling.type": ("yarn", S, None)}}  # fmt: skip
+    cases = {
+        "gemma2": {names.ARCHITECTURE: ("gemma2", S, None)},
+        "'bert'": {names.TOKENIZER_MODEL: ("bert", S, None)},
+        "'tekken'": {names.TOKENIZER_PRE: ("tekken", S, None)},
+        "'yarn'": {"llama.rope.scaling.type": ("yarn", S, None)},
+    }
     for expected, meta in cases.items():
         with pytest.raises(LlmcError, match=expected):
             load_checkpoint(_rewrite(src, tmp_path / "x.gguf", rng, meta=meta))
@@ -391,8 +418,13 @@ def _sentencepiece_vocab():
     from tokenizers import SentencePieceBPETokenizer
 
     bpe = SentencePieceBPETokenizer()
-    bpe.train_from_iterator([topics[k] for k in sorted(topics)][:40], vocab_size=400, min_frequency=2,
-                            special_tokens=[], show_progress=False)  # fmt: skip
+    bpe.train_from_iterator(
+        [topics[k] for k in sorted(topics)][:40],
+        vocab_size=400,
+        min_frequency=2,
+        special_tokens=[],
+        show_progress=False,
+    )
     learned = [t for t, _ in sorted(bpe.get_vocab().items(), key=lambda kv: kv[1])]
     tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{i:02X}>" for i in range(256)]
     tokens += [t for t in learned if t not in tokens][: 384 - len(tokens)]
@@ -477,10 +509,35 @@ LLAMA3 = {
 @pytest.mark.parametrize("case", LLAMA3)
 def test_llama3_scaling_from_rope_freqs(case):
     c = LLAMA3[case]
-    scaling = {"rope_type": "llama3", "factor": c["factor"], "low_freq_factor": c["low"],
-               "high_freq_factor": c["high"], "original_max_position_embeddings": c["orig"]}  # fmt: skip
-    config = ModelConfig("LlamaForCausalLM", 32, c["head_dim"] * 2, 8, 1, 2, 2, c["head_dim"], 1e-5, c["theta"], scaling,
-                         131072, None, False, False, False, False, "float32", None, ())  # fmt: skip
+    scaling = {
+        "rope_type": "llama3",
+        "factor": c["factor"],
+        "low_freq_factor": c["low"],
+        "high_freq_factor": c["high"],
+        "original_max_position_embeddings": c["orig"],
+    }
+    config = ModelConfig(
+        "LlamaForCausalLM",
+        32,
+        c["head_dim"] * 2,
+        8,
+        1,
+        2,
+        2,
+        c["head_dim"],
+        1e-5,
+        c["theta"],
+        scaling,
+        131072,
+        None,
+        False,
+        False,
+        False,
+        False,
+        "float32",
+        None,
+        (),
+    )
     freqs = _llama3_rope_freqs(config).astype(np.float64)
     fitted = _llama3_scaling(freqs, c["theta"], c["head_dim"], 131072, None)
     rebuilt = dataclasses.replace(config, rope_scaling=fitted)

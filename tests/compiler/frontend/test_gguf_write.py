@@ -10,8 +10,17 @@ from llmc.compiler.frontend import gguf_names as names
 
 
 def _layer_names(n: int) -> list[str]:
-    parts = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
-             "mlp.up_proj", "mlp.down_proj", "input_layernorm", "post_attention_layernorm"]  # fmt: skip
+    parts = [
+        "self_attn.q_proj",
+        "self_attn.k_proj",
+        "self_attn.v_proj",
+        "self_attn.o_proj",
+        "mlp.gate_proj",
+        "mlp.up_proj",
+        "mlp.down_proj",
+        "input_layernorm",
+        "post_attention_layernorm",
+    ]
     return [f"model.layers.{n}.{p}.weight" for p in parts] + [f"model.layers.{n}.self_attn.q_proj.bias"]
 
 

@@ -11,8 +11,9 @@ from tests.cuda_mode import ON_GPU
 from tests.templates.kernel_harness import HostStaging, StagedKernel
 from tests.templates.test_paged_attention import make_batch
 
-PARAMS = dict(num_heads=8, num_kv_heads=2, head_dim=32, block_size=8, scale=1 / math.sqrt(32), sliding_window=0,
-              kv_dtype="bf16")  # fmt: skip
+PARAMS = dict(
+    num_heads=8, num_kv_heads=2, head_dim=32, block_size=8, scale=1 / math.sqrt(32), sliding_window=0, kv_dtype="bf16"
+)
 SEQS = [(30, 1), (0, 19)]  # a decode token beside a prefill that takes the tensor-core path
 
 

@@ -57,8 +57,7 @@ ASAN_SCHEMES = [SCHEMES[12], SCHEMES[2], SCHEMES[6]]
 
 
 def _params(n, k, bits, g, asym, scale_bits, bias, adtype="f32"):
-    return dict(n=n, k=k, bits=bits, group_size=g, asymmetric=asym, scale_bits=scale_bits, has_bias=bias,
-                adtype=adtype)  # fmt: skip
+    return dict(n=n, k=k, bits=bits, group_size=g, asymmetric=asym, scale_bits=scale_bits, has_bias=bias, adtype=adtype)
 
 
 F32_SPECS = [("qgemm", _params(*s, bias)) for s in SCHEMES for bias in (False, True)]
@@ -195,8 +194,9 @@ def test_qgemm_cuda_asan_clean(tmp_path):
     source, _ = kernels_source("cuda", [("qgemm", _params(*s, True)) for s in ASAN_SCHEMES])
     so = simulator.build_simulated(source, tmp_path / "qgemm_asan.so", asan=True)
     code = ASAN_CHILD.format(root=str(ROOT), so=str(so))
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                       env=simulator.asan_env(), cwd=ROOT)  # fmt: skip
+    r = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=simulator.asan_env(), cwd=ROOT
+    )
     assert "AddressSanitizer" not in r.stderr, r.stderr[-4000:]
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-4000:]
 
