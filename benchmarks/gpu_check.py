@@ -42,7 +42,8 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 from common import cache_dir, log, random_checkpoint  # noqa: E402
 from torch_llama import TorchLlama  # noqa: E402
 
-from llmc.tools.profile import format_table, profile_measured  # noqa: E402
+from llmc.tools.profile import profile_measured  # noqa: E402
+from llmc.tools.profile_table import format_table  # noqa: E402
 
 _BASE = {
     "max_position_embeddings": 2048,

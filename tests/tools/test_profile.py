@@ -17,12 +17,12 @@ from llmc.tools.cli import main
 from llmc.tools.profile import (
     Ceilings,
     _kernel_id,
-    format_table,
     profile_measured,
     profile_simulated,
     program_flops,
     read_counters,
 )
+from llmc.tools.profile_table import format_table
 
 N = 1000  # not a multiple of the 128-thread block: the last warp has 8 lanes
 
