@@ -35,11 +35,14 @@ from .legalize import legalize_call
 from .passes.common import (
     ABI_PARAMS,
     bindings,
+    last_dim,
     llmc_args,
     llmc_op_name,
     main_function,
     prim_value,
     rewrite_counts,
+    static_dim,
+    tensor_args,
     weight_params,
 )
 from .program import KernelProgram, ModelGeometry
@@ -54,16 +57,6 @@ class _Weight:
     sources: tuple[str, ...]  # HF tensor names, concatenated along dim 0
     shape: tuple[int, ...]
     transposed: bool = False
-
-
-def _static(expr) -> int:
-    if isinstance(expr, tvm.tirx.IntImm):
-        return int(expr)
-    raise CompileError(f"expected a static dimension, got {expr}")
-
-
-def _cols(ty) -> int:
-    return _static(ty.shape.values[-1])
 
 
 class _Unlowered(Exception):
@@ -108,10 +101,10 @@ class _Lowering:
                 self.env[p] = p.name
             elif p.name.startswith("kv_cache_"):
                 self.env[p] = ("kv_cache", int(p.name[len("kv_cache_") :]))
-                self.kv_cache_heads.append(tuple(_static(d) for d in p.ty.shape.values[3:]))
+                self.kv_cache_heads.append(tuple(static_dim(d) for d in p.ty.shape.values[3:]))
             else:
                 name = next(weights)
-                self.env[p] = _Weight((name,), tuple(_static(d) for d in p.ty.shape.values))
+                self.env[p] = _Weight((name,), tuple(static_dim(d) for d in p.ty.shape.values))
         self.output = func.body.body
 
     def _count_use(self, e):
@@ -192,7 +185,7 @@ class _Lowering:
         where = f"`{op}` (binding {var.name}: {var.ty})"
         if not isinstance(value, relax.Call) or not isinstance(var.ty, relax.TensorType):
             raise CompileError(f"no kernel template covers {where}, and TVM's fallback takes one tensor call")
-        inputs = list(dict.fromkeys(a for a in _tensor_args(value)))
+        inputs = list(dict.fromkeys(a for a in tensor_args(value)))
         if any(v.ty.dtype != "float32" for v in [*inputs, var]):
             raise CompileError(f"no kernel template covers {where}; TVM's fallback here takes float32 only")
         args, shapes = [], []
@@ -245,7 +238,7 @@ class _Lowering:
     def relax_reshape(self, var, value):
         # Reshapes here add or drop the leading batch 1 or split a row into heads: the rows stay put.
         src = self.env[value.args[0]]
-        if isinstance(src, View) and src.stride != src.cols and _cols(var.ty) != src.cols:
+        if isinstance(src, View) and src.stride != src.cols and last_dim(var.ty) != src.cols:
             raise CompileError(f"reshape {var.name} of a column slice is not a view")
         self.env[var] = src
 
@@ -462,14 +455,6 @@ class _Lowering:
         return KernelProgram(
             geometry, self.weight_list, buffers, launches, rewrites, self.block_size, self.tvm_funcs, self.kv_dtype
         )
-
-
-def _tensor_args(call: relax.Call):
-    for a in call.args:
-        if isinstance(a, relax.Var):
-            yield a
-        elif isinstance(a, relax.Tuple):
-            yield from (f for f in a.fields if isinstance(f, relax.Var))
 
 
 def lower(

@@ -20,6 +20,8 @@ import tvm
 from tvm import relax
 from tvm.relax.dpl import DFPattern
 
+from llmc.errors import CompileError
+
 # main's step arguments, as the C ABI passes them (docs/contracts.md); its other parameters are the KV caches
 # (kv_cache_<layer>) and the weights.
 ABI_PARAMS = ("input_ids", "positions", "logits_indices", "seq_lens", "query_start_loc", "block_tables", "slot_mapping")
@@ -244,3 +246,24 @@ def merged_linear(x: relax.Expr, parts: list[Linear]) -> relax.Expr:
     if parts[0].bias is not None:
         y = relax.op.add(y, relax.op.concat([p.bias for p in parts], axis=0))
     return y
+
+
+def static_dim(expr) -> int:
+    """A dimension that must be static (an IntImm), as an int."""
+    if isinstance(expr, tvm.tirx.IntImm):
+        return int(expr)
+    raise CompileError(f"expected a static dimension, got {expr}")
+
+
+def last_dim(ty) -> int:
+    """The static size of a tensor type's last dimension."""
+    return static_dim(ty.shape.values[-1])
+
+
+def tensor_args(call: relax.Call):
+    """The Var arguments of `call`, those inside a Tuple argument included."""
+    for a in call.args:
+        if isinstance(a, relax.Var):
+            yield a
+        elif isinstance(a, relax.Tuple):
+            yield from (f for f in a.fields if isinstance(f, relax.Var))
