@@ -63,11 +63,11 @@ def gguf_tokenizer(meta: GGUFMetadata, tokens: list, path: Path) -> tuple[dict, 
         add_bos = meta.get(names.ADD_BOS, bool, bos_default)
     elif model == "llama":
         scores = meta.get(gguf.Keys.Tokenizer.SCORES, list)
-        if len(scores) != len(tokens):
-            raise CheckpointError(f"{path}: {len(scores)} tokenizer scores for {len(tokens)} tokens", "re-convert it")
+        if len(scores) != len(tokens) or not all(isinstance(s, (int, float)) for s in scores):
+            raise CheckpointError(f"{path}: tokenizer.ggml.scores is not one number per token", "re-convert it")
         unk = meta.get(gguf.Keys.Tokenizer.UNK_ID, int, None)
         scored = dict(zip(tokens, scores, strict=True))
-        merges = _merges(meta, path) if names.MERGES in meta.reader.fields else _sentencepiece_merges(ids, scored)
+        merges = _merges(meta, path) if names.MERGES in meta.reader.fields else _sentencepiece_merges(ids, scored, path)
         bpe = models.BPE(vocab=ids, merges=merges, unk_token=tokens[unk] if unk is not None and 0 <= unk < len(tokens)
                          else None, fuse_unk=True, byte_fallback=True)  # fmt: skip
         tok = Tokenizer(bpe)
@@ -107,14 +107,41 @@ def _merges(meta: GGUFMetadata, path: Path) -> list[tuple[str, str]]:
     return pairs
 
 
-def _sentencepiece_merges(vocab: dict[str, int], scores: dict[str, float]) -> list[tuple[str, str]]:
+# What a SentencePiece vocabulary's merges may cost: characters of merges per character of the vocabulary. A trained
+# vocabulary implies about twice its own text (Mistral's 32000 pieces: 161k characters, 325k of merges); pieces
+# that overlap far more (x, xx, xxx, ...: cubic in the longest) are refused rather than built.
+MERGE_TEXT_PER_CHAR = 16
+
+
+def _sentencepiece_merges(vocab: dict[str, int], scores: dict[str, float], path: Path) -> list[tuple[str, str]]:
     """The BPE merges a SentencePiece vocabulary implies, for a file that lists none: every split of a piece
-    into two pieces, best score first (transformers' generate_merges, which its GGUF conversion uses)."""
+    into two pieces, best score first (transformers' generate_merges, which its GGUF conversion uses).
+
+    A piece splits only where both sides have a length some piece has, and the shorter side is looked up
+    first, so a long piece costs a few lookups, not one per character. CheckpointError past
+    MERGE_TEXT_PER_CHAR characters of merges per character of vocabulary."""
+    lengths = sorted({len(t) for t in vocab})
+    has_length = set(lengths)
+    budget, used = MERGE_TEXT_PER_CHAR * sum(map(len, vocab)) + 4096, 0
     merges = []
     for piece, score in scores.items():
-        local = [
-            (piece[:i], piece[i:], score) for i in range(1, len(piece)) if piece[:i] in vocab and piece[i:] in vocab
-        ]
+        n, local = len(piece), []
+        for i in lengths:
+            if i >= n:
+                break
+            if n - i not in has_length:
+                continue
+            left_first = 2 * i <= n  # the shorter side first: most lookups fail there, cheaply
+            first = piece[:i] if left_first else piece[i:]
+            if first in vocab:
+                second = piece[i:] if left_first else piece[:i]
+                if second in vocab:
+                    local.append((first, second, score) if left_first else (second, first, score))
+        used += n * len(local)
+        if used > budget:
+            raise CheckpointError(f"{path}: the SentencePiece vocabulary implies over {budget} characters of BPE merges "
+                                  f"({MERGE_TEXT_PER_CHAR} per character of its pieces); its pieces overlap far more "
+                                  "than a trained vocabulary's", "re-convert the model")  # fmt: skip
         merges += sorted(local, key=lambda m: (vocab[m[0]], vocab[m[1]]))
     merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
     return [(a, b) for a, b, _ in merges]
