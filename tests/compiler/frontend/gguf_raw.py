@@ -6,7 +6,8 @@ which gguf.GGUFWriter (rightly) refuses to write.
     path.write_bytes(raw.to_bytes())    # write it back
 
 A field's value is a Python value of its type; an ARRAY's is (item type, [items]), an item of an array of arrays
-being (item type, [items]) again. Integers wrap to the type's width, strings may be bytes (invalid UTF-8).
+being (item type, [items]) again. Integers wrap to the type's width, strings may be bytes (invalid UTF-8), and
+a Raw value is written as its bytes, whatever its type says.
 """
 
 from __future__ import annotations
@@ -22,6 +23,10 @@ from llmc.compiler.frontend import gguf_names as names
 V = gguf.GGUFValueType
 _SCALAR = {V.UINT8: "<B", V.INT8: "<B", V.UINT16: "<H", V.INT16: "<H", V.UINT32: "<I", V.INT32: "<I",
            V.UINT64: "<Q", V.INT64: "<Q", V.BOOL: "<B", V.FLOAT32: "<f", V.FLOAT64: "<d"}  # fmt: skip
+
+
+class Raw(bytes):
+    """A field value written as these bytes."""
 
 
 @dataclasses.dataclass
@@ -76,13 +81,17 @@ class RawGGUF:
         a = self.get("general.alignment")
         return a if isinstance(a, int) and a > 0 and a & (a - 1) == 0 else 32
 
-    def to_bytes(self) -> bytes:
-        align = self.alignment()
-        body, laid, size = [], [], 0
-        for t in self.tensors:  # data back to back, each start aligned
+    def layout(self) -> list[int]:
+        """Where to_bytes puts each tensor's data: back to back from the data section's start, each aligned."""
+        align, laid, size = self.alignment(), [], 0
+        for t in self.tensors:
             laid.append(size)
-            body.append(t.data + b"\0" * (-len(t.data) % align))
-            size += len(body[-1])
+            size += len(t.data) + -len(t.data) % align
+        return laid
+
+    def to_bytes(self) -> bytes:
+        align, laid = self.alignment(), self.layout()
+        body = [t.data + b"\0" * (-len(t.data) % align) for t in self.tensors]
         n_tensors, n_kv = self.counts or (len(self.tensors), len(self.fields))
         out = [b"GGUF", struct.pack("<IQQ", self.version, n_tensors, n_kv)]
         for key, vtype, value in self.fields:
@@ -102,6 +111,8 @@ def _string(s: str | bytes) -> bytes:
 
 
 def _value(vtype: int, value) -> bytes:
+    if isinstance(value, Raw):
+        return value
     if vtype == V.STRING:
         return _string(value)
     if vtype == V.ARRAY:
