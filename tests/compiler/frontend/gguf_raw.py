@@ -130,7 +130,8 @@ def tiny_llama(tokens, scores=None, types=None, model: str = "llama") -> RawGGUF
     n, hidden, inter, kv_dim = len(tokens), 8, 16, 4
     arch = "llama"
     k = {key: key.format(arch=arch) for key in (names.CONTEXT_LENGTH, names.EMBEDDING_LENGTH, names.BLOCK_COUNT,
-         names.FEED_FORWARD_LENGTH, names.HEAD_COUNT, names.HEAD_COUNT_KV, names.RMS_EPS, names.VOCAB_SIZE)}  # fmt: skip
+                                                names.FEED_FORWARD_LENGTH, names.HEAD_COUNT, names.HEAD_COUNT_KV,
+                                                names.RMS_EPS, names.VOCAB_SIZE)}  # fmt: skip
     fields = [
         (names.ARCHITECTURE, V.STRING, arch),
         (k[names.CONTEXT_LENGTH], V.UINT32, 64),

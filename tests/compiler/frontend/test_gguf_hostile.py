@@ -75,7 +75,7 @@ def test_sentencepiece_merges_are_every_split(tmp_path):
     from tests.compiler.frontend.test_gguf import _sentencepiece_vocab
 
     tokens, _, scores = _sentencepiece_vocab()
-    tokens = tokens + ["▁" * n for n in range(2, 17)] + ["-" * n for n in range(1, 17)] + ["▁▁▁▁ab", "ab▁▁"]
+    tokens += ["▁" * n for n in range(2, 17)] + ["-" * n for n in range(1, 17)] + ["▁▁▁▁ab", "ab▁▁"]
     scores = scores + [-float(n % 5) for n in range(len(tokens) - len(scores))]
     vocab, scored = {t: i for i, t in enumerate(tokens)}, dict(zip(tokens, scores, strict=True))
     want = _all_splits(vocab, scored)
