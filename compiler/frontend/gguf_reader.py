@@ -76,7 +76,7 @@ class GGUFFileReader(gguf.GGUFReader):
         """What GGUFReader takes on trust, in Python ints (its uint64 sums wrap: an offset of 2^64 - 1 read the
         byte before the data): at most 4 dimensions, a known type, rows of whole blocks, each tensor's data at a
         multiple of the alignment (as llama.cpp requires), inside the file, and no two tensors' data overlapping."""
-        size, align, spans = len(self._bytes) - start_offs, int(self.alignment), []
+        size, align, spans = len(self._bytes) - int(start_offs), int(self.alignment), []
         for field in fields:
             _, name_data, _, dims, raw_type, raw_offset = field.parts
             name = bytes(name_data).decode("utf-8", "replace")[:100]

@@ -163,3 +163,13 @@ def test_tensor_shape_whose_size_wraps_is_one_line(tmp_path):
     raw.tensors[1].dims = [2**32, 2**32]  # 2^64 elements: 0 in uint64
     kind, message = _outcome(raw, tmp_path)
     assert kind == "error" and "output_norm.weight" in message, message
+
+
+def test_vocabulary_longer_than_the_embedding_is_one_line(tmp_path):
+    """A token past llama.vocab_size (the embedding's rows) would encode to an id the model has no row for."""
+    raw = _small()
+    for key, extra in ((names.TOKENS, "<extra>"), (names.TOKEN_TYPE, 3), ("tokenizer.ggml.scores", 0.0)):
+        vtype, items = raw.get(key)
+        raw.set(key, V.ARRAY, (vtype, items + [extra]))
+    kind, message = _outcome(raw, tmp_path, lambda c: _ids(c, "<extra>"))
+    assert kind == "error" and "vocab" in message, message
