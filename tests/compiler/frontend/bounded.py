@@ -49,8 +49,9 @@ def run_bounded(fn, seconds: float = 5.0, memory: int = 2 << 30) -> Outcome:
         try:
             os.close(read_end)
             signal.alarm(math.ceil(seconds))
-            mapped = _status_kib("VmSize") * 1024
-            resource.setrlimit(resource.RLIMIT_AS, (mapped + memory, resource.RLIM_INFINITY))
+            soft = _status_kib("VmSize") * 1024 + memory
+            _, hard = resource.getrlimit(resource.RLIMIT_AS)
+            resource.setrlimit(resource.RLIMIT_AS, (soft if hard == resource.RLIM_INFINITY else min(soft, hard), hard))
             try:
                 with open("/proc/self/clear_refs", "w") as f:
                     f.write("5")

@@ -78,8 +78,9 @@ class RawGGUF:
         return next(t for t in self.tensors if t.name == name)
 
     def alignment(self) -> int:
+        """general.alignment where it is one to lay data out by (a power of 2 up to 4096), else the default 32."""
         a = self.get("general.alignment")
-        return a if isinstance(a, int) and a > 0 and a & (a - 1) == 0 else 32
+        return a if isinstance(a, int) and 0 < a <= 4096 and a & (a - 1) == 0 else 32
 
     def layout(self) -> list[int]:
         """Where to_bytes puts each tensor's data: back to back from the data section's start, each aligned."""
@@ -95,7 +96,7 @@ class RawGGUF:
         n_tensors, n_kv = self.counts or (len(self.tensors), len(self.fields))
         out = [b"GGUF", struct.pack("<IQQ", self.version, n_tensors, n_kv)]
         for key, vtype, value in self.fields:
-            out += [_string(key), struct.pack("<I", vtype), _value(vtype, value)]
+            out += [_string(key), struct.pack("<I", vtype), pack_value(vtype, value)]
         for t, at in zip(self.tensors, laid, strict=True):
             offset = at if t.offset is None else t.offset
             out += [_string(t.name), struct.pack("<I", len(t.dims))]
@@ -110,14 +111,14 @@ def _string(s: str | bytes) -> bytes:
     return struct.pack("<Q", len(b)) + b
 
 
-def _value(vtype: int, value) -> bytes:
+def pack_value(vtype: int, value) -> bytes:
     if isinstance(value, Raw):
         return value
     if vtype == V.STRING:
         return _string(value)
     if vtype == V.ARRAY:
         itype, items = value
-        return struct.pack("<IQ", itype % 2**32, len(items)) + b"".join(_value(itype, x) for x in items)
+        return struct.pack("<IQ", itype % 2**32, len(items)) + b"".join(pack_value(itype, x) for x in items)
     fmt = _SCALAR[vtype]
     if fmt in ("<f", "<d"):
         return struct.pack(fmt, float(value))
