@@ -63,13 +63,13 @@ def run_bounded(fn, seconds: float = 5.0, memory: int = 2 << 30) -> Outcome:
                 kind, value = "ok", fn()
             except LlmcError as e:
                 kind, value = "error", str(e)
-            except BaseException:  # noqa: BLE001 - everything else is what the tests look for
+            except BaseException:  # everything else is what the tests look for
                 kind, value = "crash", traceback.format_exc()
             wall = time.perf_counter() - t0
             peak = None if rss is None else (_status_kib("VmHWM") - rss) * 1024
             try:
                 blob = pickle.dumps(Outcome(kind, value, wall, peak))
-            except Exception:  # noqa: BLE001 - an unpicklable result
+            except Exception:  # an unpicklable result
                 blob = pickle.dumps(Outcome(kind, repr(value), wall, peak))
             with os.fdopen(write_end, "wb") as f:
                 f.write(blob)
