@@ -180,6 +180,11 @@ def load_gguf(path: str | Path) -> GGUFCheckpoint:
     tensors = {t.name: t for t in reader.tensors}
     tokens = meta.get(names.TOKENS, list)
     config = _config(meta, tensors, tokens, path)
+    if len(tokens) > config.vocab_size:  # token ids past the embedding's rows
+        raise CheckpointError(
+            f"{path}: {len(tokens)} tokens for a vocab_size of {config.vocab_size}",
+            "the vocabulary does not match the embedding; re-convert the model",
+        )
 
     gguf_names, dtypes, gguf_types = {}, {}, {}
     for hf_name, shape in config.weight_shapes().items():

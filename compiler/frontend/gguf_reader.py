@@ -5,6 +5,7 @@ CheckpointError.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import gguf
@@ -18,8 +19,13 @@ class GGUFFileReader(gguf.GGUFReader):
     - a read past the end of the file raises instead of returning fewer items, so a truncated file fails at
       the field or tensor that runs off the end (and a corrupt count cannot loop long);
     - it slices the mapped bytes as a plain ndarray: the metadata is read a field at a time (~5 reads per
-      token string and merge), and np.memmap's per-slice overhead made a 150k-token vocabulary take a minute.
+      token string and merge), and np.memmap's per-slice overhead made a 150k-token vocabulary take a minute;
+    and two checks added: arrays nest at most MAX_NESTING deep (GGUFReader recurses, llama.cpp reads no array
+    of arrays), and each tensor's data is checked before it is mapped (_check_tensors).
+    Each failure is a ValueError, which load_gguf reports as one line.
     """
+
+    _depth = 0
 
     def _get(self, offset, dtype, count=1, override_order=None):
         if "_bytes" not in self.__dict__:
@@ -39,6 +45,14 @@ class GGUFFileReader(gguf.GGUFReader):
         entries each) where GGUFReader parses each entry as a field of its own: a loop of slices for strings,
         one part for all the numbers (ReaderField.contents() flattens its parts)."""
         item = self._get(orig_offs, np.uint32)[0] if raw_type == _ARRAY else None
+        if item == _ARRAY:
+            if self._depth >= MAX_NESTING:
+                raise ValueError(f"an array at byte {orig_offs} is nested over {MAX_NESTING} deep")
+            self._depth += 1
+            try:
+                return super()._get_field_parts(orig_offs, raw_type)
+            finally:
+                self._depth -= 1
         if item is None or self.byte_order != "I" or (item != _STRING and item not in self.gguf_scalar_to_np):
             return super()._get_field_parts(orig_offs, raw_type)
         parts = [self._get(orig_offs, np.uint32), self._get(orig_offs + 4, np.uint64)]
@@ -56,8 +70,45 @@ class GGUFFileReader(gguf.GGUFReader):
             offs = end
         return offs - orig_offs, parts, idxs, [_ARRAY, _STRING]
 
+    def _build_tensors(self, start_offs, fields):
+        self._check_tensors(start_offs, fields)
+        super()._build_tensors(start_offs, fields)
+
+    def _check_tensors(self, start_offs: int, fields) -> None:
+        """What GGUFReader takes on trust, in Python ints (its uint64 sums wrap: an offset of 2^64 - 1 read the
+        byte before the data): at most 4 dimensions, a known type, rows of whole blocks, each tensor's data at a
+        multiple of the alignment (as llama.cpp requires), inside the file, and no two tensors' data overlapping."""
+        size, align, spans = len(self._bytes) - int(start_offs), int(self.alignment), []
+        for field in fields:
+            _, name_data, _, dims, raw_type, raw_offset = field.parts
+            name = bytes(name_data).decode("utf-8", "replace")[:100]
+            dims, offset = [int(d) for d in dims], int(raw_offset[0])
+            try:
+                block, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(int(raw_type[0]))]
+            except (ValueError, KeyError):
+                raise ValueError(f"tensor {name!r} has unknown type {int(raw_type[0])}") from None
+            if len(dims) > 4 or any(d >= 2**63 for d in dims) or (dims and dims[0] % block):
+                raise ValueError(
+                    f"tensor {name!r} has shape {dims}: not up to 4 dimensions of rows of whole {block}-value blocks"
+                )
+            nbytes = math.prod(dims) // block * type_size
+            if offset % align:
+                raise ValueError(f"tensor {name!r} is at offset {offset}, not a multiple of {align}")
+            if offset + nbytes > size:
+                raise ValueError(
+                    f"tensor {name!r} ({nbytes} bytes at offset {offset}) runs past the end of the "
+                    f"{size}-byte data section: truncated"
+                )
+            if nbytes:
+                spans.append((offset, offset + nbytes, name))
+        spans.sort()
+        for (_, end, a), (start, _, b) in zip(spans, spans[1:], strict=False):
+            if start < end:
+                raise ValueError(f"the data of tensors {a!r} and {b!r} overlap")
+
 
 _ARRAY, _STRING = gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.STRING
+MAX_NESTING = 8  # arrays of arrays: gguf-py writes lists of lists so; nothing llmc reads nests at all
 
 
 class GGUFMetadata:

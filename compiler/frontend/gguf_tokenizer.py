@@ -52,7 +52,7 @@ def gguf_tokenizer(meta: GGUFMetadata, tokens: list, path: Path) -> tuple[dict, 
     ids = {t: i for i, t in enumerate(tokens)}  # a repeated text maps to its last id, as in llama.cpp
     bos, eos = meta.get(names.BOS_ID, int, None), meta.get(names.EOS_ID, int, None)
     if model == "gpt2":
-        pairs = _merges(meta, path)
+        pairs = _merges(meta, ids, path)
         pre = meta.get(names.TOKENIZER_PRE, str, "default")
         if pre not in _PRE:
             raise UnsupportedModelError(
@@ -71,11 +71,13 @@ def gguf_tokenizer(meta: GGUFMetadata, tokens: list, path: Path) -> tuple[dict, 
         add_bos = meta.get(names.ADD_BOS, bool, bos_default)
     elif model == "llama":
         scores = meta.get(gguf.Keys.Tokenizer.SCORES, list)
-        if len(scores) != len(tokens):
-            raise CheckpointError(f"{path}: {len(scores)} tokenizer scores for {len(tokens)} tokens", "re-convert it")
+        if len(scores) != len(tokens) or not all(isinstance(s, (int, float)) for s in scores):
+            raise CheckpointError(f"{path}: tokenizer.ggml.scores is not one number per token", "re-convert it")
         unk = meta.get(gguf.Keys.Tokenizer.UNK_ID, int, None)
         scored = dict(zip(tokens, scores, strict=True))
-        merges = _merges(meta, path) if names.MERGES in meta.reader.fields else _sentencepiece_merges(ids, scored)
+        merges = (
+            _merges(meta, ids, path) if names.MERGES in meta.reader.fields else _sentencepiece_merges(ids, scored, path)
+        )
         bpe = models.BPE(
             vocab=ids,
             merges=merges,
@@ -117,30 +119,69 @@ def gguf_tokenizer(meta: GGUFMetadata, tokens: list, path: Path) -> tuple[dict, 
         if i is not None and not 0 <= i < len(tokens):
             raise CheckpointError(f"{path}: {which} token id {i} is past the {len(tokens)} tokens", "re-convert it")
     if add_bos and bos is not None:
-        b = tokens[bos]
+        # BOS by id under a placeholder name: its text (any text: "$A", "<s>:1", "a b") stays out of the template
+        bos_token = {"id": "bos", "ids": [bos], "tokens": [tokens[bos]]}
         tok.post_processor = processors.TemplateProcessing(
-            single=f"{b}:0 $A:0", pair=f"{b}:0 $A:0 {b}:1 $B:1", special_tokens=[(b, bos)]
+            single="bos:0 $A:0", pair="bos:0 $A:0 bos:1 $B:1", special_tokens=[bos_token]
         )
     special = {k: tokens[i] for k, i in (("bos_token", bos), ("eos_token", eos)) if i is not None}
     return special, meta.get(names.CHAT_TEMPLATE, str, None), _save_tokenizer(tok.to_str())
 
 
-def _merges(meta: GGUFMetadata, path: Path) -> list[tuple[str, str]]:
+def _merges(meta: GGUFMetadata, vocab: dict[str, int], path: Path) -> list[tuple[str, str]]:
+    """The file's merges as pairs; each of a, b and a + b must be a token (the BPE model refuses others)."""
     merges = meta.get(names.MERGES, list)
     pairs = [tuple(m.split(" ", 1)) for m in merges if isinstance(m, str) and " " in m]
     if len(pairs) != len(merges):
         raise CheckpointError(f"{path}: tokenizer.ggml.merges holds an entry that is not 'a b'", "re-convert it")
+    for i, (a, b) in enumerate(pairs):
+        if a not in vocab or b not in vocab or a + b not in vocab:
+            raise CheckpointError(
+                f"{path}: tokenizer.ggml.merges[{i}] {merges[i][:80]!r} names a token outside the vocabulary",
+                "re-convert the model",
+            )
     return pairs
 
 
-def _sentencepiece_merges(vocab: dict[str, int], scores: dict[str, float]) -> list[tuple[str, str]]:
+# What a SentencePiece vocabulary's merges may cost: characters of merges per character of the vocabulary. A trained
+# vocabulary implies about twice its own text (Mistral's 32000 pieces: 161k characters, 325k of merges); pieces
+# that overlap far more (x, xx, xxx, ...: cubic in the longest) are refused rather than built.
+MERGE_TEXT_PER_CHAR = 16
+
+
+def _sentencepiece_merges(vocab: dict[str, int], scores: dict[str, float], path: Path) -> list[tuple[str, str]]:
     """The BPE merges a SentencePiece vocabulary implies, for a file that lists none: every split of a piece
-    into two pieces, best score first (transformers' generate_merges, which its GGUF conversion uses)."""
+    into two pieces, best score first (transformers' generate_merges, which its GGUF conversion uses).
+
+    A piece is split only where both sides have a length some piece has, the shorter side looked up first:
+    a piece costs a lookup per length the vocabulary has below its own, not a slice per character (one piece
+    of 400k characters took 33 s). CheckpointError past MERGE_TEXT_PER_CHAR characters of merges per character
+    of the vocabulary."""
+    lengths = sorted({len(t) for t in vocab})
+    has_length = set(lengths)
+    budget, used = MERGE_TEXT_PER_CHAR * sum(map(len, vocab)) + 4096, 0
     merges = []
     for piece, score in scores.items():
-        local = [
-            (piece[:i], piece[i:], score) for i in range(1, len(piece)) if piece[:i] in vocab and piece[i:] in vocab
-        ]
+        n, local = len(piece), []
+        for i in lengths:
+            if i >= n:
+                break
+            if n - i not in has_length:
+                continue
+            left_first = 2 * i <= n  # the shorter side first: most lookups fail there, cheaply
+            first = piece[:i] if left_first else piece[i:]
+            if first in vocab:
+                second = piece[i:] if left_first else piece[:i]
+                if second in vocab:
+                    local.append((first, second, score) if left_first else (second, first, score))
+        used += n * len(local)
+        if used > budget:
+            raise CheckpointError(
+                f"{path}: the SentencePiece vocabulary implies over {budget} characters of BPE "
+                f"merges ({MERGE_TEXT_PER_CHAR} per character of its pieces); its pieces overlap far "
+                "more than a trained vocabulary's",
+                "re-convert the model",
+            )
         merges += sorted(local, key=lambda m: (vocab[m[0]], vocab[m[1]]))
     merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
     return [(a, b) for a, b, _ in merges]
