@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from .options import config_text, quant_options
+from .options import PathKind, config_text, quant_options
 
 
 @click.command()
@@ -27,8 +27,9 @@ from .options import config_text, quant_options
               help="Seconds to spend; shapes left when it runs out stay untuned (run again to resume).")  # fmt: skip
 @click.option("--rounds", type=click.IntRange(min=1), default=5, show_default=True,
               help="Timed rounds per candidate (interleaved); each figure is their median.")  # fmt: skip
-@click.option("--db", type=click.Path(path_type=Path), default=None,
-              help="The tuning database to write [default: targets/<target>.tuning.json].")  # fmt: skip
+@click.option("--db", type=PathKind("output file"), default=None,
+              help="The tuning database to update, or to create in a directory that exists; not a symlink "
+                   "[default: targets/<target>.tuning.json].")  # fmt: skip
 @click.option("--retune", is_flag=True, help="Run shapes again that already have entries for this machine.")
 def tune(target: str, model: Path | None, shape_texts: tuple[str, ...], weight_dtype: str, quant, simulate: bool,
          budget: float, rounds: int, db: Path | None, retune: bool) -> None:  # fmt: skip
