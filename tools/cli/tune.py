@@ -24,7 +24,8 @@ from .options import PathKind, config_text, quant_options
               help="GPU target, no GPU: rank candidates by the time llmc profile --simulate predicts "
                    "(entries marked simulated; measured ones replace them).")  # fmt: skip
 @click.option("--budget", type=click.FloatRange(min=0), default=600, show_default=True,
-              help="Seconds to spend; shapes left when it runs out stay untuned (run again to resume).")  # fmt: skip
+              help="Seconds to spend (a number, inf for no limit); shapes left when it runs out stay untuned (run "
+                   "again to resume).")  # fmt: skip
 @click.option("--rounds", type=click.IntRange(min=1), default=5, show_default=True,
               help="Timed rounds per candidate (interleaved); each figure is their median.")  # fmt: skip
 @click.option("--db", type=PathKind("output file"), default=None,
@@ -64,6 +65,8 @@ def tune(target: str, model: Path | None, shape_texts: tuple[str, ...], weight_d
 
     click.echo("\n".join(align_columns(rows)))
     left = len(shapes) - len(results)
+    written = any(not r.skipped for r in results)  # the database is saved after each shape tuned
     click.echo(
-        f"wrote {database.path}" + (f"; {left} shapes left untuned (budget): run again to resume" if left else "")
+        (f"wrote {database.path}" if written else f"nothing tuned: {database.path} not written")
+        + (f"; {left} shapes left untuned (budget): run again to resume" if left else "")
     )
