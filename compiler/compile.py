@@ -186,9 +186,12 @@ def compile_checkpoint(
     gate: a last check of the built directory before it is written (Gate); the quality gate of a quantized
     build is one (tools/build.py).
     tuning_db: the tuning database whose matching entries set kernel tunables (None: the target's own,
-    targets/<target>.tuning.json; False: none, every template's defaults)."""
+    targets/<target>.tuning.json, if there is one; False: none, every template's defaults); a path given
+    must exist."""
     tgt = load_target(target)
-    tuning = None if tuning_db is False else TuningDB.load(tuning_db or tuning_db_path(target), target)
+    tuning = None
+    if tuning_db is not False:  # only the target's own database may be absent
+        tuning = TuningDB.load(tuning_db or tuning_db_path(target), target, required=tuning_db is not None)
     block_size = block_size or tgt.block_size
     quant = quant or QuantConfig()
     if kv_dtype not in ("auto", *ELEMENT_DTYPES):

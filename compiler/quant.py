@@ -98,8 +98,9 @@ class QuantizedTensor:
         ):
             raise CompileError(f"quantized tensor: mins do not fit {self.scheme.describe()}")
         if self.scheme.scale_dtype == "float16" and not all(
-            a is None or np.array_equal(a.astype(np.float16).astype(np.float32), a) for a in (self.scales, self.mins)
-        ):
+            a is None or np.array_equal(a.astype(np.float16).astype(np.float32), a, equal_nan=True)
+            for a in (self.scales, self.mins)
+        ):  # NaN is an fp16 value too: packing the weights refuses it, naming the tensor (weights._check_finite)
             raise CompileError(
                 f"quantized tensor: scales or mins are not fp16 values, as {self.scheme.describe()} needs"
             )

@@ -25,6 +25,9 @@ finds each tensor at a byte offset fixed at compile time:
   that the rows of one output's gate and up meet in one tile.
 - The sha256 of the written file is computed while writing and remembered (llmc/digests.py), so
   neither the artifact writer nor a later load reads the weights back to hash them.
+- A weight that is not finite (NaN or an infinity) is a CompileError naming the checkpoint tensor and its
+  first row at fault. Each slab is checked as it is converted (a min/max reduction: no copy, no second pass
+  over the checkpoint); a tensor held quantized, through its scales and mins (its codes are integers).
 """
 
 from __future__ import annotations
@@ -253,7 +256,7 @@ def _write_spec(ckpt, spec: WeightSpec, shapes, f, digest, progress) -> int:
         row_bytes = max(1, math.prod(t.shape[1:]) * width)
         step = max(1, _CHUNK_BYTES // row_bytes)
         for start in range(0, t.shape[0], step):
-            total += _emit(_converted(t[start : start + step], torch_dtype), f, digest, progress)
+            total += _emit(_converted(t[start : start + step], torch_dtype, (ckpt, src, start)), f, digest, progress)
         del t
     return total
 
@@ -271,17 +274,49 @@ def _write_interleaved(ckpt, spec: WeightSpec, torch_dtype, f, digest, progress)
 
     total = 0
     for start in range(0, a.shape[0], step):
-        rows = (_converted(t[start : start + step], torch_dtype) for t in (a, b))
+        rows = (
+            _converted(t[start : start + step], torch_dtype, (ckpt, src, start))
+            for t, src in zip((a, b), spec.sources, strict=True)
+        )
         total += _emit(interleave_rows(*rows, g), f, digest, progress)
     return total
 
 
-def _converted(rows, torch_dtype) -> np.ndarray:
-    """A slab of a source tensor in the packed dtype, as numpy (bf16 as its 16-bit patterns)."""
+def _converted(rows, torch_dtype, where) -> np.ndarray:
+    """A slab of a source tensor in the packed dtype, as numpy (bf16 as its 16-bit patterns), checked finite.
+    where: (checkpoint, source name, the slab's first row), for the error."""
     import torch
 
     chunk = rows.to(torch_dtype).contiguous()
+    _check_finite(chunk, *where)
     return (chunk.view(torch.int16) if torch_dtype == torch.bfloat16 else chunk).numpy()
+
+
+def _check_finite(values, ckpt, src: str, first_row: int = 0, part: str | None = None) -> None:
+    """CompileError when `values` (a slab of the rows of checkpoint tensor `src` from first_row, or its `part`,
+    scales or mins; a torch tensor or a numpy array) holds a NaN or an infinity. One min/max reduction, which
+    NaN propagates through: no copy of the slab."""
+    import torch
+
+    if values.size == 0 if isinstance(values, np.ndarray) else values.numel() == 0:
+        return
+    if isinstance(values, np.ndarray):
+        low, high = float(values.min()), float(values.max())
+    else:
+        low, high = (float(v) for v in torch.aminmax(values))
+    if math.isfinite(low) and math.isfinite(high):
+        return
+    values = torch.as_tensor(values)  # the error path: find the first value at fault
+    bad = (~torch.isfinite(values)).nonzero()[0]
+    kind = "NaN" if math.isnan(float(values[tuple(bad)])) else "an infinity"
+    gguf = getattr(ckpt, "gguf_names", {}).get(src)
+    name = f"{src!r}" + (f" (GGUF {gguf!r})" if gguf else "")
+    raise CompileError(
+        f"checkpoint tensor {name} holds {kind}"
+        + (f" in its {part}" if part else "")
+        + f" (row {first_row + int(bad[0])}); llmc does not compile weights that are not finite",
+        "the checkpoint is damaged, or overflowed when it was saved: re-export it",
+    )
 
 
 def _write_part(packed: list[dict], part: str, f, digest, progress) -> int:
@@ -328,13 +363,20 @@ def _pack_source(ckpt, src: str, scheme: QuantScheme, layout: str) -> dict:
 
     held = ckpt.quantized_tensor(src)
     if held is not None:
+        _check_finite(held.scales, ckpt, src, part="scales")
+        if held.mins is not None:
+            _check_finite(held.mins, ckpt, src, part="mins")
         pieces = [pack(widen_exactly(held, scheme))]
     else:
         t = ckpt.tensor(src)
         if t.dim() != 2:
             raise CompileError(f"quantized weight {src!r} has shape {list(t.shape)}; only 2-D weights are quantized")
         step = max(1, _CHUNK_BYTES // (4 * max(1, t.shape[1])))
-        pieces = [pack(quantize(t[i : i + step].float().numpy(), scheme)) for i in range(0, t.shape[0], step)]
+        pieces = []
+        for i in range(0, t.shape[0], step):
+            rows = t[i : i + step].float()
+            _check_finite(rows, ckpt, src, i)
+            pieces.append(pack(quantize(rows.numpy(), scheme)))
         del t
     parts = dict(zip(QUANT_PARTS, zip(*pieces, strict=True), strict=True))
     return {part: np.concatenate(arrays) for part, arrays in parts.items() if arrays[0] is not None}

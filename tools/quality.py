@@ -14,8 +14,10 @@ and each model's perplexity on the text, exp(mean -log p(next token)). The figur
 
 from __future__ import annotations
 
+import codecs
 import dataclasses
 import math
+import re
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -34,6 +36,7 @@ QUALITY_STAGE = "quality"  # a quantized build's last compile stage (tools/build
 DEFAULT_CALIBRATION_TOKENS = 256
 BUNDLED_HELDOUT = "bundled heldout"
 _HELDOUT_FILE = "heldout.txt"
+_MAX_BYTES_PER_TOKEN = 1024  # read per token asked, however long the vocabulary's longest token
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,7 +133,8 @@ def calibration_tokens(
     tokenizer_path: Path, calibration: Path | None = None, max_tokens: int = DEFAULT_CALIBRATION_TOKENS
 ) -> tuple[list[int], str | dict]:
     """The first `max_tokens` token ids of the calibration text (the bundled model's held-out text unless a file
-    is given), with the checkpoint's tokenizer, and how the manifest names that text."""
+    is given), with the checkpoint's tokenizer, and how the manifest names that text (a file: its name and the
+    sha256 of all of it). Only the prefix the tokens need is read and tokenized (_text_prefix)."""
     if calibration is None:
         from llmc.examples import bundled_checkpoint
 
@@ -138,21 +142,48 @@ def calibration_tokens(
     else:
         path = Path(calibration)
         if not path.is_file():
-            raise CompileError(f"calibration text {path}: no such file", "pass a UTF-8 text file to --calibration")
+            why = "not a regular file" if path.exists() else "no such file"
+            raise CompileError(f"calibration text {path}: {why}", "pass a UTF-8 text file to --calibration")
         label = {"file": path.name, "sha256": file_sha256(path)}
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise CompileError(
-            f"calibration text {path}: cannot be read as UTF-8 ({e})", "pass a UTF-8 text file to --calibration"
-        ) from None
-    ids = load_tokenizer(tokenizer_path).encode(text).ids[:max_tokens]
+    tokenizer = load_tokenizer(tokenizer_path)
+    text = _text_prefix(path, _prefix_bytes(tokenizer, max_tokens))
+    ids = tokenizer.encode(text).ids[:max_tokens]
     if len(ids) < 2:
         raise CompileError(
             f"calibration text {path.name} has {len(ids)} token(s); the quality gate needs at least 2",
             "pass a longer --calibration file",
         )
     return ids, label
+
+
+def _prefix_bytes(tokenizer, max_tokens: int) -> int:
+    """Bytes of text that hold at least max_tokens + 1 tokens even if each is the vocabulary's longest, twice
+    over (the prefix is cut back to a word boundary). A token covers at most as many bytes of text as its own
+    UTF-8 (byte-level and SentencePiece pieces spell each byte in 1 to 6), an unknown one a character."""
+    longest = max((len(token.encode("utf-8")) for token in tokenizer.get_vocab()), default=1)
+    return 2 * (max_tokens + 1) * min(max(longest, 4), _MAX_BYTES_PER_TOKEN)
+
+
+def _text_prefix(path: Path, max_bytes: int) -> str:
+    """The first max_bytes of a UTF-8 text file, cut at a character and, unless the file ends there, at the
+    last whitespace (no word is tokenized in part); a NUL byte or bytes that are not UTF-8 are a CompileError.
+    Only the prefix is read: a gigabyte of text costs what a page does."""
+    hint = "pass a UTF-8 text file to --calibration"
+    try:
+        with open(path, "rb") as f:
+            data = f.read(max_bytes + 1)
+    except OSError as e:
+        raise CompileError(f"calibration text {path}: cannot be read ({e.strerror})", hint) from None
+    whole, data = len(data) <= max_bytes, data[:max_bytes]
+    if (nul := data.find(b"\0")) >= 0:
+        raise CompileError(f"calibration text {path}: not text (a NUL byte at offset {nul})", hint)
+    try:  # not final: a character cut at the end waits for bytes that never come, and is dropped
+        text = codecs.getincrementaldecoder("utf-8")().decode(data, final=whole)
+    except UnicodeDecodeError as e:
+        raise CompileError(f"calibration text {path}: not UTF-8 (at byte {e.start})", hint) from None
+    if not whole and (cut := re.search(r"\s\S*\Z", text)) is not None and cut.start() > len(text) // 2:
+        text = text[: cut.start()]
+    return text
 
 
 def _load_for_scoring(path: Path, num_tokens: int) -> CompiledModel:

@@ -21,6 +21,7 @@ import datetime
 import json
 import os
 import platform
+import stat
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -55,10 +56,23 @@ class TuningDB:
     entries: list[dict]
 
     @classmethod
-    def load(cls, path: str | os.PathLike, target: str) -> TuningDB:
+    def load(cls, path: str | os.PathLike, target: str, *, required: bool = False) -> TuningDB:
+        """The database at `path` (a symlink to it is followed). An absent file is an empty database, unless
+        `required` (a path the user named: a typo must not compile with the defaults in silence)."""
         path = Path(path)
-        if not path.is_file():
+        try:
+            mode = path.stat().st_mode
+        except FileNotFoundError:
+            if required:
+                raise CompileError(
+                    f"tuning database {path}: no such file",
+                    "check the path, or pass --tuning-db none for the templates' defaults",
+                ) from None
             return cls(path, target, [])
+        except OSError as e:
+            raise CompileError(f"tuning database {path} cannot be read ({e.strerror})") from None
+        if not stat.S_ISREG(mode):
+            raise CompileError(f"tuning database {path} is not a regular file", "pass the database's file")
         try:
             raw = json.loads(path.read_text())
             if raw.get("version") != VERSION or not isinstance(raw.get("entries"), list):
@@ -76,13 +90,47 @@ class TuningDB:
         return cls(path, target, raw["entries"])
 
     def save(self) -> None:
-        """Written whole to a temporary file and renamed over the old one: a crash leaves one or the other."""
+        """Written whole to a temporary file and renamed over the old one: a crash leaves one or the other. Only
+        a regular file is replaced, in a directory that exists: a directory, a device, a FIFO or a symlink at
+        the path (which the rename would replace rather than write through) is a CompileError, as is a failed
+        write, and no temporary file is left behind."""
         entries = sorted(self.entries, key=lambda e: json.dumps([e["key"], e.get("machine", {})], sort_keys=True))
         text = json.dumps({"version": VERSION, "target": self.target, "entries": entries}, indent=1) + "\n"
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._check_replaceable()
         tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
-        tmp.write_text(text)
-        os.replace(tmp, self.path)
+        try:
+            try:
+                tmp.write_text(text)
+                os.replace(tmp, self.path)
+            except BaseException:
+                tmp.unlink(missing_ok=True)
+                raise
+        except OSError as e:
+            raise CompileError(
+                f"tuning database {self.path} cannot be written ({e.strerror}); it is unchanged", "choose another --db"
+            ) from None
+
+    def _check_replaceable(self) -> None:
+        try:
+            mode = self.path.lstat().st_mode
+        except FileNotFoundError:
+            if not self.path.absolute().parent.is_dir():
+                raise CompileError(
+                    f"tuning database {self.path}: no such directory {self.path.absolute().parent}",
+                    "create it first, or choose another --db",
+                ) from None
+            return
+        except OSError as e:
+            raise CompileError(f"tuning database {self.path} cannot be written ({e.strerror})") from None
+        if stat.S_ISLNK(mode):
+            why = "is a symlink (replacing it would not write where it leads)"
+        elif stat.S_ISDIR(mode):
+            why = "is a directory"
+        elif not stat.S_ISREG(mode):
+            why = "is not a regular file (a device, FIFO or socket)"
+        else:
+            return
+        raise CompileError(f"tuning database {self.path} {why}", "choose another --db, or pass the file itself")
 
     @staticmethod
     def _applies(entry: dict, isa: list[str] | None) -> bool:

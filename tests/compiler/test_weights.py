@@ -3,6 +3,8 @@
 import dataclasses
 import hashlib
 import json
+import re
+import shutil
 
 import numpy as np
 import pytest
@@ -206,3 +208,86 @@ def test_a_quantized_part_must_fit_its_dtype(ckpt, tmp_path):
     (spec, _) = _quant_specs(ckpt, ("model.layers.0.self_attn.o_proj.weight",), QuantScheme(8, 64))
     with pytest.raises(CompileError, match="not a part of a quantized"):
         write_packed_weights(ckpt, [dataclasses.replace(spec, dtype="float32")], tmp_path / "w.safetensors")
+
+
+def _poisoned(ckpt, monkeypatch, name: str, value: float, row: int):
+    """ckpt whose tensor `name` holds `value` at [row, 1] (or [row])."""
+    tensor = ckpt.tensor
+
+    def poisoned(src):
+        t = tensor(src)
+        if src == name:
+            t = t.clone()
+            t[(row, 1) if t.dim() == 2 else (row,)] = value
+        return t
+
+    monkeypatch.setattr(ckpt, "tensor", poisoned)
+
+
+L0 = "model.layers.0."
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")], ids=["nan", "inf", "-inf"])
+@pytest.mark.parametrize(
+    "case",
+    ["float32", "bfloat16", "interleaved", "quantized", "norm"],
+)
+def test_a_weight_that_is_not_finite_is_refused_naming_the_tensor(case, value, ckpt, tmp_path, monkeypatch):
+    """Found while the weights stream through (no extra pass): a CompileError naming the checkpoint tensor and the
+    first row at fault, and no file left behind."""
+    c = ckpt.config
+    gate_up = (L0 + "mlp.gate_proj.weight", L0 + "mlp.up_proj.weight")
+    spec = {
+        "float32": WeightSpec("l0.gate_up", gate_up, "float32", (2 * c.intermediate_size, c.hidden_size)),
+        "bfloat16": WeightSpec("l0.gate_up", gate_up, "bfloat16", (2 * c.intermediate_size, c.hidden_size)),
+        "interleaved": WeightSpec(
+            "l0.gate_up", gate_up, "bfloat16", (2 * c.intermediate_size, c.hidden_size), interleave=8
+        ),
+        "norm": WeightSpec("l0.norm", (L0 + "input_layernorm.weight",), "float32", (c.hidden_size,)),
+    }.get(case)
+    specs = [spec] if spec else _quant_specs(ckpt, gate_up, QuantScheme(8, 32))
+    name = specs[0].sources[-1]
+    _poisoned(ckpt, monkeypatch, name, value, row=5)
+    out = tmp_path / "w.safetensors"
+    kind = "NaN" if value != value else "an infinity"
+    with pytest.raises(CompileError, match=rf"checkpoint tensor '{re.escape(name)}' holds {kind} \(row 5\)"):
+        write_packed_weights(
+            ckpt,
+            [WeightSpec("embed", ("model.embed_tokens.weight",), "float32", (c.vocab_size, c.hidden_size)), *specs],
+            out,
+        )
+    assert list(tmp_path.iterdir()) == [], "nothing is left behind"
+
+
+@pytest.mark.parametrize("part", ["scales", "mins"])
+def test_a_weight_held_quantized_with_a_scale_that_is_not_finite_is_refused(part, ckpt, tmp_path, monkeypatch):
+    """A GGUF's quantized tensors are checked through their scales (and mins): the codes are integers."""
+    name = L0 + "self_attn.o_proj.weight"
+    scheme = QuantScheme(4, 32, True, "float32")
+    held = quantize(
+        np.random.default_rng(0).standard_normal(ckpt.config.weight_shapes()[name]).astype(np.float32), scheme
+    )
+    getattr(held, part)[3, 1] = np.nan
+    monkeypatch.setattr(ckpt, "quantized_tensor", {name: held}.get)
+    with pytest.raises(CompileError, match=rf"checkpoint tensor '{re.escape(name)}' holds NaN in its {part} \(row 3\)"):
+        write_packed_weights(ckpt, _quant_specs(ckpt, (name,), scheme), tmp_path / "w.safetensors")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_compile_refuses_a_checkpoint_with_nan_weights_in_one_line(checkpoint_dir, tmp_path):
+    from click.testing import CliRunner
+    from safetensors.torch import load_file, save_file
+
+    from llmc.tools.cli import main
+
+    broken = tmp_path / "ckpt"
+    shutil.copytree(checkpoint_dir("llama"), broken)
+    weights = load_file(broken / "model.safetensors")
+    weights["model.layers.1.mlp.down_proj.weight"][2, 7] = float("nan")
+    save_file(weights, broken / "model.safetensors", metadata={"format": "pt"})
+    out = tmp_path / "out"
+    result = CliRunner().invoke(main, ["compile", str(broken), "-o", str(out)])
+    lines = result.output.strip().splitlines()
+    assert result.exit_code == 1 and lines[-1].startswith("error: "), result.output
+    assert "'model.layers.1.mlp.down_proj.weight' holds NaN (row 2)" in lines[-1]
+    assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]

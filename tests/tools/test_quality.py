@@ -7,6 +7,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -255,3 +256,62 @@ def test_kill_in_the_quality_stage_leaves_no_artifact(checkpoint_dir, llmc_cache
     assert run.returncode == 0, run.stderr[-2000:]
     assert os.listdir(tmp_path) == ["m.cpu"]
     assert load_artifact(out).manifest["quality"]["tokens"] > 0
+
+
+class _EncodeSpy:
+    """A tokenizer that records the UTF-8 length of each text it encodes."""
+
+    def __init__(self, tokenizer, seen: list[int]):
+        self._tokenizer, self._seen = tokenizer, seen
+
+    def encode(self, text, *args, **kwargs):
+        self._seen.append(len(text.encode()))
+        return self._tokenizer.encode(text, *args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._tokenizer, name)
+
+
+@pytest.mark.parametrize(
+    "unit",
+    [Path(quality.__file__).read_text()[:4000], "        ", "日本語のテキスト、"],
+    ids=["prose", "the longest token", "3-byte characters"],
+)
+def test_the_calibration_text_is_read_only_as_far_as_the_tokens_need(unit, checkpoint_dir, tmp_path, monkeypatch):
+    """A 4 MB file: only a bounded prefix (cut at a character and a word boundary) is read and tokenized,
+    enough for the tokens asked even when each is the vocabulary's longest, and they are the file's first."""
+    tokenizer_path = checkpoint_dir("llama") / "tokenizer.json"
+    text = tmp_path / "big.txt"
+    text.write_text(unit * (4_000_000 // len(unit.encode()) + 1))
+    tokenizer = quality.load_tokenizer(tokenizer_path)
+    seen: list[int] = []
+    monkeypatch.setattr(quality, "load_tokenizer", lambda path: _EncodeSpy(tokenizer, seen))
+    ids, label = quality.calibration_tokens(tokenizer_path, text)
+    assert seen and max(seen) <= 64 * 1024, f"tokenized {max(seen)} bytes for {len(ids)} tokens"
+    want = tokenizer.encode(unit * (40_000 // len(unit) + 1)).ids[: quality.DEFAULT_CALIBRATION_TOKENS]
+    assert ids == want and len(ids) == quality.DEFAULT_CALIBRATION_TOKENS
+    assert label == {"file": "big.txt", "sha256": hashlib.sha256(text.read_bytes()).hexdigest()}
+
+
+@pytest.mark.parametrize(
+    "data, words",
+    [
+        (bytes(1 << 20), "not text (a NUL byte at offset 0)"),
+        (b"plain words " * 100 + b"\0" + b"more words " * 100, "not text (a NUL byte at offset 1200)"),
+        (b"plain words " * 10 + b"\xff\xfe" + b"more", "not UTF-8 (at byte 120)"),
+    ],
+    ids=["NUL bytes", "a NUL byte in the text", "not UTF-8"],
+)
+def test_a_binary_calibration_file_is_refused_in_one_line(data, words, checkpoint_dir, tmp_path):
+    binary = tmp_path / "data.bin"
+    binary.write_bytes(data)
+    with pytest.raises(CompileError, match=rf"calibration text .*data.bin: {re.escape(words)}"):
+        quality.calibration_tokens(checkpoint_dir("llama") / "tokenizer.json", binary)
+    out = tmp_path / "out"
+    r = CliRunner().invoke(
+        cli.main,
+        ["compile", str(checkpoint_dir("llama")), "-o", str(out), "--quant", "int8", "--calibration", str(binary)],
+    )
+    lines = r.output.strip().splitlines()
+    assert r.exit_code == 1 and len(lines) == 1 and words in lines[0], r.output
+    assert not out.exists()

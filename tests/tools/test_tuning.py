@@ -4,6 +4,8 @@ match its shapes and this host's ISA (and no others), with numbers identical to 
 """
 
 import json
+import os
+import stat
 import time
 
 import numpy as np
@@ -22,7 +24,7 @@ from llmc.runtime.module import CompiledModel
 from llmc.targets import load_target
 from llmc.tools.build import compile_checkpoint
 from llmc.tools.cli import main
-from llmc.tools.tuning import measure_cuda, simulate_cuda
+from llmc.tools.tuning import measure_cuda, simulate_cuda, tuner
 from llmc.tools.tuning.measure_cpu import render_candidate
 from llmc.tools.tuning.reference import KernelShape
 from llmc.tools.tuning.tuner import model_shapes, parse_shape, tune
@@ -319,3 +321,76 @@ def test_gpu_timing_checks_then_times_with_cuda_events_under_the_simulator(tmp_p
     assert "off the reference" in by_config[4, 32].rejected and not by_config[4, 32].times
     assert by_config[4, 64].rejected is None and len(by_config[4, 64].times) == 2
     assert all(t > 0 for t in by_config[4, 64].times)
+
+
+def _one_line_error(result) -> str:
+    lines = result.output.strip().splitlines()
+    assert result.exit_code == 1 and len(lines) == 1 and lines[0].startswith("error: "), result.output
+    return lines[0]
+
+
+def test_the_database_is_written_only_as_a_regular_file_in_a_directory_that_exists(tmp_path):
+    """save() replaces a regular file whole, and refuses (one line, nothing left behind) a directory, a FIFO or
+    device, a symlink (replacing it would not write where it leads) and a missing directory (not created)."""
+    db = TuningDB(tmp_path / "ok.json", "cpu", [])
+    db.save()
+    db.save()  # replaces the file it wrote
+    assert json.loads((tmp_path / "ok.json").read_text())["entries"] == []
+    (tmp_path / "dir.json").mkdir()
+    os.mkfifo(tmp_path / "fifo.json")
+    (tmp_path / "link.json").symlink_to(tmp_path / "ok.json")
+    cases = {
+        "dir.json": "is a directory",
+        "fifo.json": "not a regular file",
+        "link.json": "is a symlink",
+        "nope/db.json": "no such directory",
+    }
+    for name, words in cases.items():
+        before = sorted(os.listdir(tmp_path))
+        with pytest.raises(CompileError, match=words):
+            TuningDB(tmp_path / name, "cpu", []).save()
+        assert sorted(os.listdir(tmp_path)) == before, f"{name}: no temporary file or directory is left"
+    assert (tmp_path / "link.json").is_symlink() and stat.S_ISFIFO(os.lstat(tmp_path / "fifo.json").st_mode)
+
+
+def test_tune_says_wrote_only_when_it_wrote(tmp_path):
+    db = tmp_path / "x.json"
+    r = CliRunner().invoke(main, ["tune", "--shape", "gemm:n=64,k=64,wdtype=f32", "--budget", "0", "--db", str(db)])
+    assert r.exit_code == 0, r.output
+    assert not any(line.startswith("wrote") for line in r.output.splitlines()), r.output
+    assert f"nothing tuned: {db} not written" in r.output and not db.exists()
+
+
+def test_a_budget_that_is_not_a_number_is_refused(tmp_path):
+    r = CliRunner().invoke(
+        main, ["tune", "--shape", "gemm:n=64,k=64,wdtype=f32", "--budget", "nan", "--db", str(tmp_path / "x.json")]
+    )
+    assert "--budget nan: not a number of seconds" in _one_line_error(r)
+    with pytest.raises(CompileError, match="not a number of seconds"):
+        tune("cpu", [SHAPE], TuningDB(tmp_path / "y.json", "cpu", []), budget_s=float("nan"), progress=False)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_shape_too_big_for_memory_is_refused_before_anything_is_allocated(tmp_path, monkeypatch):
+    db = tmp_path / "x.json"
+    started = time.monotonic()
+    r = CliRunner().invoke(main, ["tune", "--shape", "gemm:n=100000,k=100000,wdtype=f32", "--db", str(db)])
+    error = _one_line_error(r)
+    assert "gemm" in error and "bytes" in error and "available" in error, error
+    assert time.monotonic() - started < 10 and not db.exists()
+    # the bound is this machine's available memory: a shape that fits one machine is refused on a smaller one
+    monkeypatch.setattr(tuner, "mem_available_bytes", lambda: 100 << 20)
+    with pytest.raises(CompileError, match=r"n4096_k4096.*\d+ bytes"):
+        tune("cpu", [parse_shape("gemm:n=4096,k=4096,wdtype=f32")], TuningDB(db, "cpu", []), progress=False)
+    with pytest.raises(CompileError, match="positive integer"):
+        tune("cpu", [parse_shape("gemm:n=x,k=64,wdtype=f32")], TuningDB(db, "cpu", []), progress=False)
+
+
+def test_a_tuning_database_named_explicitly_must_exist(checkpoint_dir, tmp_path):
+    """Only the target's own database may be absent (compile then takes the defaults); a path given is an error."""
+    with pytest.raises(CompileError, match="typo.json: no such file"):
+        compile_checkpoint(
+            checkpoint_dir("llama"), target="cpu", output=tmp_path / "out", tuning_db=tmp_path / "typo.json"
+        )
+    assert list(tmp_path.iterdir()) == []
+    assert TuningDB.load(tmp_path / "absent.json", "cpu").entries == []  # the default's reading: absent is empty

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from .options import kv_cache_dtype_option, quant_options
+from .options import PathKind, kv_cache_dtype_option, quant_options
 
 
 @click.command("compile")
@@ -18,7 +18,14 @@ from .options import kv_cache_dtype_option, quant_options
     help="The machine to build for: cpu (this host) or an NVIDIA GPU generation such as sm90, as "
     "targets/<name>.toml, or a TOML in a directory of $LLMC_TARGET_PATH.",
 )
-@click.option("-o", "--output", type=click.Path(path_type=Path), required=True, help="Artifact directory to write.")
+@click.option(
+    "-o",
+    "--output",
+    type=PathKind("output dir"),
+    required=True,
+    help="Artifact directory to write: new (in a directory that exists), empty, or an artifact, which is replaced "
+    "whole; not a symlink.",
+)
 @click.option(
     "--dtype",
     "weight_dtype",
@@ -38,9 +45,9 @@ from .options import kv_cache_dtype_option, quant_options
 @quant_options
 @click.option(
     "--calibration",
-    type=click.Path(path_type=Path, exists=True, dir_okay=False),
+    type=PathKind("input"),
     default=None,
-    help="With --quant: the UTF-8 text (its first 256 tokens) on which the quantized build is compared with the "
+    help="With --quant: the UTF-8 text file (its first 256 tokens; a symlink to it is followed) on which the quantized build is compared with the "
     "unquantized one [default: the bundled model's held-out text].",
 )
 @click.option(
@@ -52,9 +59,11 @@ from .options import kv_cache_dtype_option, quant_options
 )
 @click.option(
     "--tuning-db",
+    type=PathKind("input", keywords=("none",)),
     default=None,
-    help="The tuning database whose entries set the kernels' tuned parameters, or 'none' for every template's "
-    "defaults [default: the target's, targets/<target>.tuning.json].",
+    help="The tuning database whose entries set the kernels' tuned parameters: a file that exists (a symlink to "
+    "it is followed), or 'none' for every template's defaults [default: the target's, "
+    "targets/<target>.tuning.json, if there is one].",
 )
 def compile_cmd(
     model: Path,
@@ -66,7 +75,7 @@ def compile_cmd(
     quant,
     calibration: Path | None,
     max_kl: float | None,
-    tuning_db: str | None,
+    tuning_db: Path | str | None,
 ) -> None:
     """Compile MODEL (a Hugging Face checkpoint dir or a .gguf file) into an artifact for TARGET.
 

@@ -9,6 +9,8 @@ import click
 
 from llmc.tools.engine_setup import load_model, resolve_artifact
 
+from .options import PathKind
+
 
 @click.group("eval")
 def eval_group() -> None:
@@ -20,9 +22,9 @@ def eval_group() -> None:
 @click.option(
     "--text",
     "text_file",
-    type=click.Path(path_type=Path, exists=True, dir_okay=False),
+    type=PathKind("input"),
     required=True,
-    help="UTF-8 text file to score.",
+    help="UTF-8 text file to score (a symlink to it is followed).",
 )
 @click.option("--max-tokens", type=click.IntRange(min=2), default=None, help="Score only the first N tokens.")
 @click.option("--kv-cache-memory", default=None, help="KV cache size, e.g. 1GiB.")

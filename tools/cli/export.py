@@ -6,11 +6,19 @@ from pathlib import Path
 
 import click
 
+from .options import PathKind
+
 
 @click.command()
 @click.argument("model", type=click.Path(path_type=Path))
 @click.option("--format", "fmt", type=click.Choice(["onnx", "relax"]), default="onnx", show_default=True)
-@click.option("-o", "--output", type=click.Path(path_type=Path), required=True, help="Output file.")
+@click.option(
+    "-o",
+    "--output",
+    type=PathKind("output file"),
+    required=True,
+    help="Output file, in a directory that exists; replaced if it is there; not a symlink.",
+)
 def export(model: Path, fmt: str, output: Path) -> None:
     """Export the traced graph of MODEL (a Hugging Face checkpoint dir or a .gguf file) as ONNX or Relax TVMScript."""
     from llmc.compiler.export import export_onnx, relax_for_checkpoint
@@ -20,6 +28,5 @@ def export(model: Path, fmt: str, output: Path) -> None:
     if fmt == "onnx":
         export_onnx(ckpt, output)
     else:
-        output.parent.mkdir(parents=True, exist_ok=True)
         output.write_text(relax_for_checkpoint(ckpt).script())
     click.echo(f"wrote {output}")

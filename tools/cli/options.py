@@ -1,12 +1,116 @@
 """The click options several commands share (compile's quantization and KV cache dtype, which run, serve and bench
-apply when they compile a checkpoint; prefix caching; speculative decoding), and their small formatters."""
+apply when they compile a checkpoint; prefix caching; speculative decoding), their small formatters, and the
+kinds of path an option takes (PathKind), each checked on the command line."""
 
 from __future__ import annotations
 
 import functools
+import os
+import stat
 from pathlib import Path
 
 import click
+
+from llmc.errors import LlmcError
+
+
+class PathKind(click.ParamType):
+    """The kind of path an option takes, checked while the command line is read, before any work; a path of
+    the wrong kind is an LlmcError (one line) naming the option and the path, and nothing is touched.
+
+    Symlinks: an input may be one (it is followed); an output may not, since llmc writes an output beside it
+    and renames it into place, which would replace the link rather than write where it leads. The kinds:
+    - "input": an existing file (a symlink to one is fine), not a directory, device, FIFO or socket;
+    - "model": an llmc artifact or checkpoint directory, or a .gguf file (a symlink to one is fine);
+    - "output file": a file to write or replace: its directory exists; the path is not a directory, a
+      device, a FIFO, a socket or a symlink;
+    - "output dir": an artifact directory to write or replace: its parent exists; the path is not a file or
+      a symlink, and a directory already there is empty or an llmc artifact.
+    """
+
+    name = "path"
+
+    def __init__(self, kind: str, keywords: tuple[str, ...] = ()):
+        assert kind in ("input", "model", "output file", "output dir"), kind
+        self.kind, self.keywords = kind, keywords  # keywords: words that pass as they are (--tuning-db none)
+
+    def convert(self, value, param, ctx) -> Path | str:
+        if value in self.keywords:
+            return value
+        path = Path(value)
+        why = (_output_problem if self.kind.startswith("output") else _input_problem)(path, self.kind)
+        if why is not None:
+            flag = "/".join(param.opts) if param is not None else "path"
+            raise LlmcError(f"{flag} {path}: {why[0]}", why[1])
+        return path
+
+
+_SPECIAL = "a device, FIFO or socket"
+
+
+def _missing(path: Path) -> tuple[str, str]:
+    """Why a path that does not exist cannot be read: a dangling link, a missing directory, or no such file."""
+    if path.is_symlink():
+        return f"is a symlink to {os.readlink(path)}, which does not exist", "point it at the file, or pass the file"
+    parent = path.absolute().parent
+    if not parent.is_dir():
+        return f"no such directory {parent}", "check the path"
+    return "no such file", "check the path"
+
+
+def _input_problem(path: Path, kind: str) -> tuple[str, str] | None:
+    try:
+        mode = path.stat().st_mode  # follows a symlink
+    except FileNotFoundError:
+        return _missing(path)
+    except OSError as e:  # a symlink loop, a file used as a directory, no permission
+        return f"cannot be read ({e.strerror})", "check the path"
+    if kind == "model":
+        hint = "pass an artifact or checkpoint directory, or a .gguf file"
+        if stat.S_ISDIR(mode):
+            if (path / "manifest.json").is_file() or (path / "config.json").is_file():
+                return None
+            return (
+                "is a directory that is neither an llmc artifact (manifest.json) nor a checkpoint (config.json)",
+                hint,
+            )
+        if not stat.S_ISREG(mode):
+            return f"is {_SPECIAL}, not a regular file or directory", hint
+        return None if path.suffix.lower() == ".gguf" else ("is a file, but not a .gguf file", hint)
+    if stat.S_ISDIR(mode):
+        return "is a directory, not a file", "pass a file"
+    if not stat.S_ISREG(mode):
+        return f"is {_SPECIAL}, not a regular file", "pass a file"
+    return None
+
+
+def _output_problem(path: Path, kind: str) -> tuple[str, str] | None:
+    want = "directory" if kind == "output dir" else "file"
+    try:
+        mode = path.lstat().st_mode  # the path itself, not what a link leads to
+    except FileNotFoundError:
+        parent = path.absolute().parent
+        if not parent.is_dir():
+            return f"no such directory {parent}", "create it first, or choose another output path"
+        return None
+    except OSError as e:  # a file used as a directory, no permission
+        return f"cannot be written ({e.strerror})", "choose another output path"
+    if stat.S_ISLNK(mode):
+        return (
+            f"is a symlink (to {os.readlink(path)}); llmc replaces its output {want} whole rather than "
+            "writing through a link",
+            f"pass the {want} the link leads to, or remove the link",
+        )
+    if kind == "output file":
+        if stat.S_ISDIR(mode):
+            return "is a directory, not a file", "choose a file path"
+        return None if stat.S_ISREG(mode) else (f"is {_SPECIAL}, not a regular file", "choose a file path")
+    if not stat.S_ISDIR(mode):
+        what = "a file" if stat.S_ISREG(mode) else _SPECIAL
+        return f"is {what}, not a directory", "choose a directory path for the artifact"
+    if (path / "manifest.json").is_file() or not any(os.scandir(path)):
+        return None  # an artifact, replaced whole, or an empty directory
+    return "exists and is not an llmc artifact", "choose another output path, or remove it first"
 
 
 def quant_options(command):
@@ -64,9 +168,10 @@ def speculative_options(command):
     """--speculative, --num-speculative-tokens, --draft: guess tokens cheaply and verify them in one model step."""
     command = click.option(
         "--draft",
-        type=click.Path(path_type=Path),
+        type=PathKind("model"),
         default=None,
-        help="The draft model of --speculative draft: an artifact or checkpoint dir with the same tokenizer.",
+        help="The draft model of --speculative draft: an artifact or checkpoint dir, or a .gguf file, with the same "
+        "tokenizer (a symlink to one is followed).",
     )(command)
     command = click.option(
         "--num-speculative-tokens",

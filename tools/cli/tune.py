@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from .options import config_text, quant_options
+from .options import PathKind, config_text, quant_options
 
 
 @click.command()
@@ -46,7 +46,8 @@ from .options import config_text, quant_options
     type=click.FloatRange(min=0),
     default=600,
     show_default=True,
-    help="Seconds to spend; shapes left when it runs out stay untuned (run again to resume).",
+    help="Seconds to spend (a number, inf for no limit); shapes left when it runs out stay untuned (run "
+    "again to resume).",
 )
 @click.option(
     "--rounds",
@@ -57,9 +58,10 @@ from .options import config_text, quant_options
 )
 @click.option(
     "--db",
-    type=click.Path(path_type=Path),
+    type=PathKind("output file"),
     default=None,
-    help="The tuning database to write [default: targets/<target>.tuning.json].",
+    help="The tuning database to update, or to create in a directory that exists; not a symlink "
+    "[default: targets/<target>.tuning.json].",
 )
 @click.option("--retune", is_flag=True, help="Run shapes again that already have entries for this machine.")
 def tune(
@@ -113,6 +115,8 @@ def tune(
 
     click.echo("\n".join(align_columns(rows)))
     left = len(shapes) - len(results)
+    written = any(not r.skipped for r in results)  # the database is saved after each shape tuned
     click.echo(
-        f"wrote {database.path}" + (f"; {left} shapes left untuned (budget): run again to resume" if left else "")
+        (f"wrote {database.path}" if written else f"nothing tuned: {database.path} not written")
+        + (f"; {left} shapes left untuned (budget): run again to resume" if left else "")
     )

@@ -74,6 +74,30 @@ def _widen(bits: np.ndarray) -> np.ndarray:
     return (bits.astype(np.uint32) << 16).view(np.float32)
 
 
+# Bytes per weight element at the peak of make_inputs: the float32 weights, their float64 copy and the float64
+# |w| of the tolerance, and the packed copy (measured: 16 for an f32 gemm, 22.5 for bf16 or a qgemm)
+_PEAK_BYTES_PER_WEIGHT = 24
+_PEAK_BYTES_PER_ROW_ELEMENT = 48  # x, and the float64 reference, magnitude and tolerance of each output row
+
+
+def input_bytes(shape: KernelShape, rows: tuple[int, ...]) -> int:
+    """About the peak memory of checking `shape` at each T in `rows` (make_inputs's inputs for every T are
+    kept together, as measure_cuda keeps them), computed from the parameters alone: a shape too big for the
+    machine is refused before anything is allocated. 0 for an op make_inputs has no reference for."""
+    names = {"gemm": ("n", "k"), "qgemm": ("n", "k"), "gemm_swiglu": ("inter", "k")}.get(shape.op)
+    if names is None:
+        return 0
+    p = shape.kwargs
+    for name in names:
+        if type(p.get(name)) is not int or p[name] <= 0:
+            raise CompileError(
+                f"{shape}: {name} must be a positive integer, not {p.get(name)!r}", "e.g. gemm:n=576,k=576,wdtype=bf16"
+            )
+    n, k = p[names[0]] * (2 if shape.op == "gemm_swiglu" else 1), p["k"]
+    held = 4 * n * k * (len(rows) - 1)  # the weights of each other T's inputs
+    return _PEAK_BYTES_PER_WEIGHT * n * k + held + _PEAK_BYTES_PER_ROW_ELEMENT * sum(rows) * (n + k)
+
+
 def make_inputs(shape: KernelShape, rows: int, seed: int = 0) -> Inputs:
     inputs = (_swiglu_inputs if shape.op == "gemm_swiglu" else _gemm_inputs)(shape, rows, seed)
     if shape.kwargs.get("adtype") == "bf16":  # x was drawn bf16-exact; y is rounded once more

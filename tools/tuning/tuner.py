@@ -28,11 +28,12 @@ from llmc.compiler.tuning.database import SOURCES, TuningDB, cpu_machine, entry_
 from llmc.compiler.tuning.space import TuneSpace, tune_space
 from llmc.dtypes import ELEMENTS_BY_SHORT
 from llmc.errors import CompileError
+from llmc.runtime.kv_cache import mem_available_bytes
 from llmc.targets import load_target
 
 from . import measure_cuda
 from .measure_cpu import measure_shape
-from .reference import Candidate, KernelShape
+from .reference import Candidate, KernelShape, input_bytes
 from .simulate_cuda import simulate_shape
 
 log = logging.getLogger("llmc.tune")
@@ -155,6 +156,26 @@ class ShapeResult:
         return self.time_s is None
 
 
+def _check_memory(shapes: list[KernelShape], family: str, space: TuneSpace | None) -> None:
+    """A CompileError, before anything is allocated, for a shape whose inputs would not fit in the memory this
+    machine has available."""
+    try:
+        available = mem_available_bytes()
+    except (OSError, ValueError):  # no /proc/meminfo: the parameters are still checked
+        available = None
+    for shape in shapes:
+        shape_space = space or tune_space(family, shape.op)
+        if shape_space is None:
+            continue
+        need = input_bytes(shape, shape_space.rows)
+        if available is not None and need > available:
+            raise CompileError(
+                f"{shape}: checking it takes about {need} bytes ({need / 2**30:.1f} GiB) of memory, "
+                f"more than the {available} bytes ({available / 2**30:.1f} GiB) available here",
+                "tune a smaller shape",
+            )
+
+
 def tune(
     target: str,
     shapes: Iterable[KernelShape],
@@ -171,6 +192,8 @@ def tune(
     """Tunes `shapes` for `target` into `db` (saved after each shape); returns what it found.
     simulate: rank a GPU target's candidates under the CUDA simulator (the only way without a GPU).
     render, space: how a candidate is rendered and the space searched, for tests (default: the templates')."""
+    if not budget_s >= 0:  # NaN compares false with every deadline: it would never run out
+        raise CompileError(f"--budget {budget_s}: not a number of seconds", "pass a number >= 0")
     tgt = load_target(target)
     if simulate and not tgt.is_cuda:
         raise CompileError("--simulate ranks CUDA kernels under the CUDA simulator", "tune --target cpu without it")
@@ -187,8 +210,9 @@ def tune(
     else:
         machine = {"gpu": gpu["name"]} if tgt.is_cuda else cpu_machine(threads)
     isa = machine.get("isa")
-    deadline = time.monotonic() + budget_s
     shapes = list(shapes)
+    _check_memory(shapes, tgt.template_dir, space)
+    deadline = time.monotonic() + budget_s
     results = []
     bar = tqdm(shapes, desc="tune", unit="shape", disable=not progress)
     for shape in bar:

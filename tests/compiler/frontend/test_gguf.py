@@ -563,3 +563,25 @@ def test_run_compiles_a_gguf_once_per_content(gguf_file, tmp_path, monkeypatch):
     assert resolve_artifact(a) == first and compiled == [a]
     shutil.copy(gguf_file("llama", "Q8_0"), a)
     assert resolve_artifact(a) != first and len(compiled) == 2
+
+
+@pytest.mark.parametrize("value, kind", [(np.nan, "NaN"), (np.inf, "an infinity")], ids=["nan", "inf"])
+def test_a_quantized_tensor_with_a_scale_that_is_not_finite_is_refused_naming_it(value, kind, checkpoint_dir, tmp_path):
+    """A GGUF's quantized tensor is checked through its scales while it is packed: compile names both names."""
+    path = write_gguf(checkpoint_dir("llama"), tmp_path / "q8.gguf", "Q8_0")
+    info = next(t for t in gguf.GGUFReader(path).tensors if t.name == "blk.0.attn_output.weight")
+    assert info.tensor_type == T.Q8_0
+    block, size = gguf.GGML_QUANT_SIZES[T.Q8_0]
+    at = int(info.data_offset) + 3 * (int(info.shape[0]) // block) * size  # row 3's first block: its fp16 d
+    data = bytearray(path.read_bytes())
+    data[at : at + 2] = np.array([value], np.float16).tobytes()
+    path.write_bytes(bytes(data))
+    out = tmp_path / "out"
+    result = CliRunner().invoke(main, ["compile", str(path), "-o", str(out)])
+    lines = result.output.strip().splitlines()
+    assert result.exit_code == 1 and lines[-1].startswith("error: "), result.output
+    assert (
+        f"'model.layers.0.self_attn.o_proj.weight' (GGUF 'blk.0.attn_output.weight') holds {kind} in its scales "
+        "(row 3)" in lines[-1]
+    )
+    assert not out.exists()
