@@ -35,6 +35,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from llmc.errors import LlmcError, RequestError
+from llmc.runtime.admission import RequestLimits
 from llmc.runtime.batch import StepBatch
 from llmc.runtime.detokenizer import IncrementalDetokenizer
 from llmc.runtime.kv_cache import KVCacheManager
@@ -120,6 +121,14 @@ class LLMEngine:
         )
         cache_cap = self.context_len if bounded else self.kv_cache.max_num_tokens
         self.max_model_len = min(self.context_len, max_model_len or self.context_len, cache_cap)
+        self.limits = RequestLimits(
+            vocab_size=self.vocab_size,
+            context_len=self.context_len,
+            max_model_len=self.max_model_len,
+            cache_tokens=self.kv_cache.max_num_tokens,
+            cache_blocks=self.kv_cache.num_blocks,
+            block_size=self.kv_cache.block_size,
+        )
         self._rng = np.random.default_rng(seed)
         self.speculative = speculative
         self._proposer = None if speculative is None else self._make_proposer(speculative, model)
@@ -141,57 +150,13 @@ class LLMEngine:
     # -- requests -------------------------------------------------------------------------------------
 
     def check_request(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
-        """Raise RequestError if the request can never be served. Reads only immutable engine state.
-
-        Lengths are checked before the tokens, so an oversized prompt costs no scan.
-        """
-        n = len(prompt_token_ids)
-        if n == 0:
-            raise RequestError(
-                "the prompt is empty", "give at least one token (most models want BOS first)", param="prompt"
-            )
-        if n > self.context_len:
-            raise RequestError(
-                f"the prompt has {n} tokens, more than the model's context of {self.context_len} tokens "
-                "(max_position_embeddings)",
-                "shorten the prompt",
-                param="prompt",
-            )
-        if n > self.kv_cache.max_num_tokens:
-            raise RequestError(
-                f"the prompt has {n} tokens, but the KV cache can hold at most {self.kv_cache.max_num_tokens} "
-                f"({self.kv_cache.num_blocks} blocks of {self.kv_cache.block_size})",
-                "give the cache more memory (--kv-cache-memory) or shorten the prompt",
-                param="prompt",
-            )
-        if n > self.max_model_len:
-            raise RequestError(
-                f"the prompt has {n} tokens, more than max_model_len={self.max_model_len}",
-                "shorten the prompt",
-                param="prompt",
-            )
-        bad = [t for t in prompt_token_ids if not (isinstance(t, (int, np.integer)) and 0 <= t < self.vocab_size)]
-        if bad:
-            raise RequestError(
-                f"prompt token ids {bad[:5]} are outside the vocabulary",
-                f"ids must be in [0, {self.vocab_size})",
-                param="prompt",
-            )
+        """Raise RequestError if the request can never be served (admission.py). Reads only immutable state."""
+        self.limits.check(prompt_token_ids, params)
         if params.stop and self.tokenizer is None:
             raise RequestError(
                 "stop strings need a tokenizer",
                 "load the engine with the model's tokenizer, or use stop_token_ids",
                 param="stop",
-            )
-        if any(t >= self.vocab_size for t in params.stop_token_ids):
-            raise RequestError(
-                f"stop_token_ids {params.stop_token_ids[:5]} reach outside the vocabulary",
-                f"ids must be in [0, {self.vocab_size})",
-                param="stop_token_ids",
-            )
-        if params.logprobs is not None and params.logprobs > self.vocab_size:
-            raise RequestError(
-                f"logprobs={params.logprobs} exceeds the vocabulary ({self.vocab_size})", param="logprobs"
             )
 
     def add_request(
