@@ -1,5 +1,5 @@
 """LLMEngine: requests in, incremental outputs out, one model step at a time. async_engine.py wraps it for
-asyncio servers; outputs.py holds the types it returns.
+asyncio servers; outputs.py holds the types it returns, admission.py the checks a request must pass.
 
 The step loop (`LLMEngine.step`):
   0. With speculative decoding (spec_decode.py), a proposer first guesses the next K tokens of each decoding
