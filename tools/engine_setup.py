@@ -94,10 +94,11 @@ def engine_parts(stack: contextlib.ExitStack, path: Path, kv_cache_memory: str |
     return model, tokenizer, make_engine
 
 
-def server_app(stack: contextlib.ExitStack, *, path: Path, name: str, limits, api_key: str | None,
+def server_app(stack: contextlib.ExitStack, *, path: Path, name: str, limits, api_key: str | None, sites=None,
                kv_cache_memory: str | None, max_num_seqs: int, max_num_batched_tokens: int, no_prefix_caching: bool,
                speculative: str | None, num_speculative_tokens: int, draft: Path | None):  # fmt: skip
-    """The app `llmc serve` runs, over a model that `stack` closes; and the model."""
+    """The app `llmc serve` runs, over a model that `stack` closes; and the model. sites: its SitePolicy (the Host
+    names it answers, CORS), None for any Host and no CORS."""
     from llmc.runtime import server
     from llmc.runtime.async_engine import AsyncLLMEngine
 
@@ -106,7 +107,7 @@ def server_app(stack: contextlib.ExitStack, *, path: Path, name: str, limits, ap
                                                  max_num_tokens=max_num_batched_tokens)  # fmt: skip
     app = server.create_app(AsyncLLMEngine(make_engine()), tokenizer, name, model.chat_template,
                             bos_token=model.bos_token, eos_token=model.eos_token, limits=limits,
-                            api_key=api_key)  # fmt: skip
+                            api_key=api_key, sites=sites)  # fmt: skip
     return app, model
 
 
