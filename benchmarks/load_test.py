@@ -1,21 +1,33 @@
 #!/usr/bin/env python
 """Load test of `llmc serve`: concurrent clients against the bundled model, with cancellations and requests
-past the limits, on a KV cache small enough to force preemption.
+past the limits, on a KV cache small enough to force preemption, and hostile clients mixed in (template
+bombs, cross-site requests, slowloris connections) while /health is timed.
 
     python benchmarks/load_test.py [--duration 60] [--concurrency 64] [--kv-blocks 40] [--json]
     python benchmarks/load_test.py --ray-replicas 1,2 --concurrency 16 --kv-blocks 256   # llmc serve --ray
 
-The bundled checkpoint (examples/) is compiled for this CPU through llmc's compile cache, then served by
-`llmc serve` in a subprocess on 127.0.0.1 (a free port), with an API key given through $LLMC_API_KEY, a
-64 KiB body limit, and a KV cache of --kv-blocks blocks. Every client (httpx.AsyncClient, loopback only)
-loops until the deadline, each request picked at random (seeded):
+The bundled checkpoint (examples/) is compiled for this CPU through llmc's compile cache, its chat template
+given branches that only a hostile message takes (`"bomb": "int"`, ...: the compile-time check renders
+sample conversations, which never take them), then served by `llmc serve` in a subprocess on 127.0.0.1 (a
+free port), with an API key given through $LLMC_API_KEY, a 64 KiB body limit, a 2 s header timeout, and a
+KV cache of --kv-blocks blocks. Every client (httpx.AsyncClient, loopback only) loops until the deadline,
+each request picked at random (seeded):
   valid      completions and chat, streaming or not, n = 1 or 2, ignore_eos with max_tokens in [4, 48], so
              each choice must end with finish_reason "length" after exactly max_tokens tokens: a token lost
              or repeated across a preemption shows up as a wrong count. A stream must end with its usage
              chunk and [DONE], and carry no error event.
   cancelled  a stream closed after its first chunk, or a non-streaming request given up after 50 ms.
   limits     prompt + max_tokens past the context (400), n past the server's limit (400), a body past the
-             limit (413), a wrong API key (401): each must get exactly that status.
+             limit (413), a wrong API key (401), stop_token_ids past their cap (400), a prompt text too long
+             for the context (400, untokenized): each must get exactly that status.
+Besides them, hostile clients loop until the deadline too (with --no-hostile, none), each refusal checked:
+  bombs      one client at a time sends a chat message that takes a template bomb: a huge integer power, a
+             doubling string, a loop past the render timeout (5 s): each a 500 naming the chat template.
+  cross-site a wrong Host (400 invalid_host), a text/plain, form or untyped body (415), a CORS preflight
+             (no Access-Control-Allow-Origin).
+  slowloris  --slowloris connections trickle their headers a byte at a time: the server must close each
+             within the header timeout (plus 3 s); a new one replaces it.
+  /health    a separate process opens a connection and GETs /health every 50 ms: p50 / p99 / max.
 The first --warmup seconds run the same load uncounted, then the server's RSS is read (start); after the
 deadline every request is awaited, the engine must drain (no request running or waiting, every KV block
 free: read from /metrics), RSS is read again (end), /health must answer 200, and SIGTERM must end the
@@ -23,8 +35,9 @@ server with exit code 0.
 
 Reported: throughput (valid requests/s, generated tokens/s), p50 / p99 of TTFT (stream start to its first
 chunk) and TPOT ((last chunk - first chunk) / (tokens - 1), per stream), failures (valid requests that did
-not get a right answer, limits not enforced), preemptions and RSS at the start and the end. Goals: no
-failure, every KV block free at the end, RSS growth under 5%. tests/test_load.py runs it for 10 s.
+not get a right answer, limits or hostile requests not refused as they should be), preemptions, RSS at the
+start and the end, and /health's latency. Goals: no failure, every KV block free at the end, RSS growth
+under 5%, /health under 100 ms at p99. tests/test_load.py runs it for a few seconds (60 s: -m slow).
 """
 
 from __future__ import annotations
@@ -33,10 +46,12 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import itertools
 import json
 import os
 import random
 import secrets
+import shutil
 import signal
 import socket
 import statistics
@@ -62,6 +77,14 @@ PROMPTS = [
 ]
 MAX_BODY = 64 << 10
 MAX_N = 4
+HEADER_TIMEOUT_S = 2.0
+HEALTH_INTERVAL_S = 0.05
+BOMBS = {  # a message's "bomb" -> the template branch it takes (every one is refused: a 500 naming the template)
+    "int": "{{ ((10 ** 1024) ** 1024) ** 32 }}",
+    "concat": "{% set ns = namespace(s='x') %}{% for i in range(28) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}"
+    "{{ ns.s }}",
+    "loop": "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+}
 STARTUP_TIMEOUT_S = 180.0  # includes compiling nothing (the artifact is compiled first) and loading the model
 DRAIN_TIMEOUT_S = 30.0
 KINDS = {  # kind -> weight
@@ -75,6 +98,8 @@ KINDS = {  # kind -> weight
     "too_many_n": 3,
     "too_large": 2,
     "bad_key": 3,
+    "too_many_stop_ids": 1,
+    "too_long_text": 1,
 }
 
 
@@ -89,6 +114,8 @@ class LoadConfig:
     request_timeout_s: float = 120.0
     max_requests_per_client: int = 100_000  # a bound besides the deadline
     ray_replicas: int = 0  # > 0: `llmc serve --ray` with this many replicas (local Ray), the cores split among them
+    hostile: bool = True  # template bombs, cross-site requests and slowloris connections mixed in
+    slowloris: int = 32  # connections trickling their headers at any time
 
 
 @dataclasses.dataclass
@@ -101,16 +128,40 @@ class Tally:
     generated_tokens: int = 0
     ttft: list[float] = dataclasses.field(default_factory=list)
     tpot: list[float] = dataclasses.field(default_factory=list)
+    hostile_refused: dict[str, int] = dataclasses.field(default_factory=dict)  # kind -> refusals as they should be
+    hostile_not_refused: list[str] = dataclasses.field(default_factory=list)
+    slowloris_closed: int = 0
+    slowloris_held: list[float] = dataclasses.field(default_factory=list)  # seconds until the server closed each
 
 
 # -- the server ---------------------------------------------------------------------------------------------
 
 
-def bundled_artifact() -> Path:
+def bundled_artifact(hostile: bool = True) -> Path:
+    """The bundled checkpoint compiled for this CPU (cached); hostile: with the template bombs' branches."""
     from llmc.examples import bundled_checkpoint
+    from llmc.host import cache_root
     from llmc.tools.build import cached_artifact
 
-    return cached_artifact(bundled_checkpoint())
+    ckpt = bundled_checkpoint()
+    if not hostile:
+        return cached_artifact(ckpt)
+    copy = cache_root() / "load_test" / "pystdlib-5m-bombs"  # by content: cached_artifact compiles it once
+    copy.mkdir(parents=True, exist_ok=True)
+    for f in ckpt.iterdir():
+        if f.is_file() and f.name != "tokenizer_config.json" and not (copy / f.name).exists():
+            shutil.copyfile(f, copy / f.name)
+    config = json.loads((ckpt / "tokenizer_config.json").read_text())
+    branches = "".join(
+        f"{{% {'if' if i == 0 else 'elif'} message.bomb == '{name}' %}}{branch}"
+        for i, (name, branch) in enumerate(BOMBS.items())
+    )
+    config["chat_template"] = config["chat_template"].replace(
+        "{% for message in messages %}", "{% for message in messages %}" + branches + "{% endif %}", 1
+    )
+    assert "message.bomb" in config["chat_template"], "the bundled chat template changed: place the bombs anew"
+    (copy / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+    return cached_artifact(copy)
 
 
 def kv_cache_bytes(artifact: Path, num_blocks: int) -> int:
@@ -153,6 +204,8 @@ class Server:
             "--max-n",
             str(MAX_N),
         ]
+        if not cfg.ray_replicas:
+            cmd += ["--header-timeout", str(HEADER_TIMEOUT_S)]
         if cfg.ray_replicas:
             threads = max(1, (os.cpu_count() or 1) // cfg.ray_replicas)
             cmd += ["--ray", "--replicas", str(cfg.ray_replicas), "--threads-per-replica", str(threads)]
@@ -320,6 +373,10 @@ async def _past_limit(http: httpx.AsyncClient, rng: random.Random, tally: Tally,
         body, want = {"prompt": prompt, "n": MAX_N + 1, "max_tokens": 4}, 400
     elif kind == "too_large":
         body, want = {"prompt": prompt, "stop": ["x" * 10] * (MAX_BODY // 10), "max_tokens": 4}, 413
+    elif kind == "too_many_stop_ids":
+        body, want = {"prompt": prompt, "stop_token_ids": list(range(300)), "n": MAX_N, "max_tokens": 4}, 400
+    elif kind == "too_long_text":  # far past what 512 tokens could hold: refused before it is tokenized
+        body, want = {"prompt": "import sys\n" * 5000, "max_tokens": 4}, 400
     else:
         body, want, headers = {"prompt": prompt, "max_tokens": 4}, 401, {"Authorization": "Bearer wrong"}
     try:
@@ -331,6 +388,118 @@ async def _past_limit(http: httpx.AsyncClient, rng: random.Random, tally: Tally,
         tally.limits_enforced += 1
     else:
         tally.limits_not_enforced.append(f"{kind}: got {got}, not {want}")
+
+
+def _refused(tally: Tally, kind: str, ok: bool, got: str) -> None:
+    if ok:
+        tally.hostile_refused[kind] = tally.hostile_refused.get(kind, 0) + 1
+    else:
+        tally.hostile_not_refused.append(f"{kind}: {got}")
+
+
+async def _bomber(http: httpx.AsyncClient, deadline: float, tally: Tally) -> None:
+    """One template bomb at a time, each kind in turn: a 500 naming the chat template."""
+    for bomb in itertools.islice(itertools.cycle(BOMBS), 10_000):
+        if time.monotonic() >= deadline:
+            return
+        body = {"messages": [{"role": "user", "content": "hi", "bomb": bomb}], "max_tokens": 4}
+        try:
+            r = await http.post("/v1/chat/completions", json=body)
+            error = r.json().get("error") or {}
+            ok, got = (
+                r.status_code == 500 and "chat template" in error.get("message", ""),
+                f"{r.status_code} {r.text[:200]}",
+            )
+        except (httpx.HTTPError, ValueError) as e:
+            ok, got = False, f"{type(e).__name__}: {e}"
+        _refused(tally, f"bomb_{bomb}", ok, got)
+
+
+async def _cross_site(http: httpx.AsyncClient, rng: random.Random, deadline: float, tally: Tally) -> None:
+    """What a web page can send without the user's say: each refused before it runs."""
+    body = json.dumps({"prompt": rng.choice(PROMPTS), "max_tokens": 4}).encode()
+    kinds = {
+        "wrong_host": (body, {"host": "evil.example.com", "content-type": "application/json"}, 400),
+        "text_plain": (body, {"content-type": "text/plain"}, 415),
+        "form": (b"prompt=hi&max_tokens=4", {"content-type": "application/x-www-form-urlencoded"}, 415),
+        "untyped": (body, {"content-type": ""}, 415),
+    }
+    for _ in range(100_000):
+        if time.monotonic() >= deadline:
+            return
+        kind = rng.choice([*kinds, "preflight"])
+        try:
+            if kind == "preflight":
+                r = await http.options(
+                    "/v1/completions",
+                    headers={"origin": "https://evil.example.com", "access-control-request-method": "POST"},
+                )
+                ok = "access-control-allow-origin" not in r.headers
+            else:
+                content, headers, want = kinds[kind]
+                r = await http.post("/v1/completions", content=content, headers=headers)
+                ok = r.status_code == want and bool(r.json().get("error", {}).get("message"))
+            got = f"{r.status_code} {r.text[:200]}"
+        except (httpx.HTTPError, ValueError) as e:
+            ok, got = False, f"{type(e).__name__}: {e}"
+        _refused(tally, kind, ok, got)
+        await asyncio.sleep(0.02)
+
+
+async def _slowloris(port: int, deadline: float, tally: Tally) -> None:
+    """One connection that trickles its headers a byte each 0.2 s until the server closes it (timed)."""
+    head = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n" + b"X-Slow: a\r\n" * 10_000
+    while time.monotonic() < deadline:
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        except OSError:
+            await asyncio.sleep(0.1)
+            continue
+        start, closed = time.monotonic(), False
+        try:
+            for i in range(len(head)):
+                writer.write(head[i : i + 1])
+                await writer.drain()
+                with contextlib.suppress(TimeoutError):
+                    if await asyncio.wait_for(reader.read(4096), 0.2) == b"":
+                        closed = True
+                        break
+                if time.monotonic() - start > HEADER_TIMEOUT_S + 3:
+                    break
+        except OSError:
+            closed = True  # reset by the server
+        finally:
+            writer.close()
+        held = time.monotonic() - start
+        if closed:
+            tally.slowloris_closed += 1
+            tally.slowloris_held.append(held)
+        elif held > HEADER_TIMEOUT_S + 3:
+            tally.hostile_not_refused.append(f"slowloris: still open after {held:.1f} s")
+
+
+_HEALTH_PROBE = """
+import http.client, json, sys, time
+port, seconds, interval = int(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3])
+latencies, errors, end = [], [], time.monotonic() + seconds
+while time.monotonic() < end:
+    start = time.perf_counter()
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    try:
+        conn.request("GET", "/health")
+        r = conn.getresponse()
+        r.read()
+        if r.status == 200:
+            latencies.append(time.perf_counter() - start)
+        else:
+            errors.append(r.status)
+    except OSError as e:
+        errors.append(repr(e))
+    finally:
+        conn.close()
+    time.sleep(interval)
+print(json.dumps({"latencies": latencies, "errors": errors[:20]}))
+"""
 
 
 async def _client(http: httpx.AsyncClient, rng: random.Random, deadline: float, cfg: LoadConfig, tally: Tally) -> None:
@@ -355,10 +524,22 @@ async def _drive(server: Server, cfg: LoadConfig, duration_s: float, seed: int) 
         base_url=server.base, headers=headers, timeout=cfg.request_timeout_s, limits=limits
     ) as http:
         deadline = time.monotonic() + duration_s
-        await asyncio.gather(
-            *(_client(http, random.Random(seed * 1000 + i), deadline, cfg, tally) for i in range(cfg.concurrency))
-        )
+        jobs = [_client(http, random.Random(seed * 1000 + i), deadline, cfg, tally) for i in range(cfg.concurrency)]
+        if cfg.hostile:
+            jobs += [_bomber(http, deadline, tally), _cross_site(http, random.Random(seed - 1), deadline, tally)]
+            jobs += [_slowloris(server.port, deadline, tally) for _ in range(0 if cfg.ray_replicas else cfg.slowloris)]
+        await asyncio.gather(*jobs)
     return tally
+
+
+def _probe_health(server: Server, seconds: float) -> subprocess.Popen:
+    """A process that GETs /health every HEALTH_INTERVAL_S for `seconds`, each on a new connection, and prints
+    the latencies as JSON: apart from the clients, so that their own event loop does not add to them."""
+    return subprocess.Popen(
+        [sys.executable, "-c", _HEALTH_PROBE, str(server.port), str(seconds), str(HEALTH_INTERVAL_S)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
 
 
 # -- the run ------------------------------------------------------------------------------------------------
@@ -384,7 +565,7 @@ def _percentiles(values: list[float]) -> dict[str, float | None]:
 
 def run_load(cfg: LoadConfig, log_dir: Path) -> dict:
     """Serve the bundled model, drive it, stop it; the report (see the module docstring)."""
-    artifact = bundled_artifact()
+    artifact = bundled_artifact(hostile=cfg.hostile)
     server = Server(artifact, cfg, log_dir / "llmc-serve.log")
     try:
         server.wait_up()
@@ -395,11 +576,14 @@ def run_load(cfg: LoadConfig, log_dir: Path) -> dict:
         before = server.metrics()
         rss_start = server.rss_bytes()
         t0 = time.perf_counter()
+        probe = _probe_health(server, cfg.duration_s)
         tally = asyncio.run(_drive(server, cfg, cfg.duration_s, seed=cfg.seed))
         elapsed = time.perf_counter() - t0
+        probe_out, _ = probe.communicate(timeout=60)
+        health = json.loads(probe_out)
         after = _wait_drained(server)
         rss_end = server.rss_bytes()
-        health = httpx.get(f"{server.base}/health", timeout=10)
+        health_end = httpx.get(f"{server.base}/health", timeout=10)
     finally:
         exit_code = server.stop()
     return {
@@ -427,7 +611,17 @@ def run_load(cfg: LoadConfig, log_dir: Path) -> dict:
             "end": round(rss_end / 2**20, 1),
         },
         "rss_growth_pct": round(100 * (rss_end - rss_start) / rss_start, 2),
-        "health_end": health.status_code,
+        "hostile_refused": tally.hostile_refused,
+        "hostile_not_refused": tally.hostile_not_refused[:20],
+        "slowloris_closed": tally.slowloris_closed,
+        "slowloris_held_s": {"max": round(max(tally.slowloris_held, default=0.0), 2)},
+        "health_s": {
+            **{k: v and round(v, 4) for k, v in _percentiles(health["latencies"]).items()},
+            "max": round(max(health["latencies"], default=0.0), 4),
+            "n": len(health["latencies"]),
+        },
+        "health_errors": health["errors"],
+        "health_end": health_end.status_code,
         "exit_code": exit_code,
     }
 
@@ -480,10 +674,18 @@ def main() -> int:
         help="comma-separated replica counts, e.g. 1,2: the same load against `llmc serve --ray` with each "
         "(local Ray), one after the other, and their throughput side by side",
     )
+    p.add_argument("--no-hostile", action="store_true", help="no template bombs, cross-site requests, slowloris")
+    p.add_argument("--slowloris", type=int, default=d.slowloris, help="slowloris connections at any time")
     p.add_argument("--json", action="store_true")
     a = p.parse_args()
     cfg = LoadConfig(
-        duration_s=a.duration, warmup_s=a.warmup, concurrency=a.concurrency, kv_blocks=a.kv_blocks, seed=a.seed
+        duration_s=a.duration,
+        warmup_s=a.warmup,
+        concurrency=a.concurrency,
+        kv_blocks=a.kv_blocks,
+        seed=a.seed,
+        hostile=not a.no_hostile,
+        slowloris=a.slowloris,
     )
     if a.ray_replicas:
         return _compare_replicas(cfg, [int(n) for n in a.ray_replicas.split(",")], a.log_dir, a.json)
@@ -496,6 +698,8 @@ def main() -> int:
     ok = (
         not report["failures"]
         and not report["limits_not_enforced"]
+        and not report["hostile_not_refused"]
+        and (report["health_s"]["p99"] or 0) < 0.1
         and report["exit_code"] == 0
         and report["kv_free_blocks_end"] == report["kv_blocks"]
         and report["health_end"] == 200

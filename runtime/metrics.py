@@ -8,10 +8,12 @@
 Each app has its own CollectorRegistry, so several apps in one process (tests, a Ray Serve replica set) keep
 their counts apart. Series (label `model_name` on each):
 - counters: llmc:prompt_tokens_total, llmc:generation_tokens_total, llmc:num_preemptions_total,
-  llmc:request_success_total{finished_reason="stop"|"length"|"abort"}, one per sequence (n per request);
-  "abort" covers a client that left, a request cut at shutdown and one whose step failed.
-- histograms (seconds): llmc:time_to_first_token_seconds, llmc:inter_token_latency_seconds (vLLM's newer name
-  for time per output token), llmc:e2e_request_latency_seconds (requests whose sequences all finished).
+  llmc:request_success_total{finished_reason="stop"|"length"|"abort"}, one per request (whatever its n), as
+  the histograms count: "abort" when a sequence of it did not finish (a client that left, a request cut at
+  shutdown, one whose step failed), else "length" when one hit its max_tokens or the context, else "stop".
+- histograms (seconds), one observation per request: llmc:time_to_first_token_seconds (its first token, of
+  any sequence), llmc:e2e_request_latency_seconds (requests whose sequences all finished); and
+  llmc:inter_token_latency_seconds (vLLM's newer name for time per output token), per token of each sequence.
 - gauges, read from the engine at each scrape: llmc:num_requests_running, llmc:num_requests_waiting (sequences,
   as the scheduler counts them), llmc:kv_cache_usage_perc (a fraction, 0..1, as vLLM's), and, with no vLLM
   counterpart, llmc:kv_cache_free_blocks and llmc:kv_cache_blocks (an idle engine must have all blocks free).
@@ -159,7 +161,7 @@ class ServerMetrics:
             model_name
         )
         self._success = Counter(
-            "llmc:request_success", "Sequences finished, by why.", [*labels, "finished_reason"], registry=reg
+            "llmc:request_success", "Requests finished, by why.", [*labels, "finished_reason"], registry=reg
         )
         self.model_name = model_name
         for reason in ("stop", "length", "abort"):  # every series from the start, so rate() sees its first increase
@@ -199,6 +201,9 @@ class ServerMetrics:
         return generate_latest(self.registry)
 
 
+_REASON_RANK = {"stop": 0, "length": 1, "abort": 2}  # a request's finished_reason: its sequences' highest
+
+
 class RequestTracker:
     """Times one request (its n sequences) from the engine outputs it gets; close() it exactly once at the end."""
 
@@ -206,6 +211,8 @@ class RequestTracker:
         self.metrics, self.arrival = metrics, arrival
         self.last_token: list[float | None] = [None] * n  # per sequence
         self.unfinished = n
+        self.reason: str | None = None  # of the sequences that ended: the highest in _REASON_RANK
+        self.counted = False
 
     def output(self, out: RequestOutput) -> None:
         now, m = time.perf_counter(), self.metrics
@@ -218,13 +225,14 @@ class RequestTracker:
                 m.inter_token.observe(now - last)
             self.last_token[out.index] = now
         if out.finished:
-            m.finished(out.finish_reason)
+            reason = out.finish_reason if out.finish_reason in _REASON_RANK else "abort"
+            self.reason = max(self.reason or "stop", reason, key=_REASON_RANK.__getitem__)
             self.unfinished -= 1
             if not self.unfinished:
                 m.e2e.observe(now - self.arrival)
 
     def close(self) -> None:
-        """The request is over: sequences that did not finish were aborted."""
-        for _ in range(self.unfinished):
-            self.metrics.finished("abort")
-        self.unfinished = 0
+        """The request is over (counted once): with a sequence that did not finish, as aborted."""
+        if not self.counted:
+            self.metrics.finished("abort" if self.unfinished or self.reason is None else self.reason)
+        self.counted = True

@@ -219,8 +219,9 @@ class Scheduler:
             if not self.kv_cache.allocate_slots(request.req_id, num_new, computed_blocks):
                 request.num_computed_tokens = 0
                 break  # FIFO: wait for blocks rather than let a later request jump ahead
-            self.prefix_cache_queries += request.num_tokens
-            self.prefix_cache_hits += request.num_computed_tokens
+            if self.kv_cache.enable_prefix_caching:  # with caching off, nothing was looked up
+                self.prefix_cache_queries += request.num_tokens
+                self.prefix_cache_hits += request.num_computed_tokens
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)

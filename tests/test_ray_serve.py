@@ -139,8 +139,11 @@ def test_server_errors_and_limits_come_from_the_shared_app(served):
     """A 404 for another model, the 400 for a bad body, /v1/models and /metrics: the server's, through Ray."""
     r = httpx.post(f"{served}/v1/completions", json={"model": "other", "prompt": "x"}, timeout=TIMEOUT)
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found" and r.headers[REPLICA]
-    r = httpx.post(f"{served}/v1/completions", content=b"{not json", timeout=TIMEOUT)
+    json_type = {"content-type": "application/json"}
+    r = httpx.post(f"{served}/v1/completions", content=b"{not json", headers=json_type, timeout=TIMEOUT)
     assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+    r = httpx.post(f"{served}/v1/completions", content=b'{"prompt": "x"}', timeout=TIMEOUT)  # a form's or a page's
+    assert r.status_code == 415 and r.json()["error"]["code"] == "unsupported_media_type"
     r = httpx.post(f"{served}/v1/completions", content=b"x" * (ServerLimits().max_body_bytes + 1), timeout=TIMEOUT)
     assert r.status_code == 413
     assert httpx.get(f"{served}/v1/models", timeout=TIMEOUT).json()["data"][0]["id"] == "bundled"

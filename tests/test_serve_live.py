@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import itertools
 import json
 import os
 import signal
@@ -201,7 +202,7 @@ def servers(artifact, tmp_path_factory):
     with _serving(
         artifact,
         tmp_path_factory.mktemp("serve"),
-        ("--kv-cache-memory", KV),
+        ("--kv-cache-memory", KV, "--header-timeout", "1"),
         ("--kv-cache-memory", SMALL_KV, "--max-num-seqs", "4"),
     ) as both:
         yield both
@@ -487,6 +488,111 @@ def test_32_concurrent_clients_each_get_their_own_answer(server, artifact, tok, 
         got = list(pool.map(run, jobs, timeout=60))
     for job, answer in zip(jobs, got, strict=True):
         assert answer == expected(job[0], job[1], job[3]), job
+
+
+# -- hostile clients ---------------------------------------------------------------------------------------
+
+
+def _slowloris(server: LiveServer, stop: threading.Event, held: list[float]) -> None:
+    """Connections that trickle their headers a byte each 0.1 s, one after another: each time until closed."""
+    head = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n" + b"X-Slow: a\r\n" * 1000
+    while not stop.is_set():
+        with socket.create_connection(("127.0.0.1", server.port), timeout=0.1) as sock:
+            start = time.monotonic()
+            for i in range(len(head)):
+                try:
+                    sock.sendall(head[i : i + 1])
+                    if sock.recv(4096) == b"":
+                        break
+                except TimeoutError:
+                    continue
+                except OSError:
+                    break
+                if time.monotonic() - start > 10:
+                    break
+            held.append(time.monotonic() - start)
+
+
+def _cross_site(server: LiveServer, stop: threading.Event, answers: list[tuple[str, int, str]]) -> None:
+    body = json.dumps({"prompt": "hi", "max_tokens": 2}).encode()
+    kinds = [
+        ("wrong host", {"host": "evil.example.com", "content-type": "application/json"}, body),
+        ("text/plain", {"content-type": "text/plain"}, body),
+        ("form", {"content-type": "application/x-www-form-urlencoded"}, b"prompt=hi"),
+        (
+            "stop_token_ids",
+            {"content-type": "application/json"},
+            json.dumps({"prompt": "hi", "stop_token_ids": [3] * 100_000, "n": 16}).encode(),
+        ),
+        ("huge prompt", {"content-type": "application/json"}, json.dumps({"prompt": "list " * 700_000}).encode()),
+    ]
+    with httpx.Client(base_url=server.base, timeout=REQUEST_TIMEOUT) as http:
+        for i in itertools.count():
+            if stop.is_set():
+                return
+            what, headers, content = kinds[i % len(kinds)]
+            r = http.post("/v1/completions", content=content, headers=headers)
+            answers.append((what, r.status_code, r.json()["error"].get("code") or ""))
+
+
+_HEALTH_PROBE = """
+import http.client, json, sys, time
+port, seconds = int(sys.argv[1]), float(sys.argv[2])
+latencies, end = [], time.monotonic() + seconds
+while time.monotonic() < end:
+    start = time.perf_counter()
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    conn.request("GET", "/health")
+    assert conn.getresponse().status == 200
+    latencies.append(time.perf_counter() - start)
+    conn.close()
+    time.sleep(0.02)
+print(json.dumps(sorted(latencies)))
+"""
+
+
+def test_health_stays_fast_with_slowloris_and_cross_site_requests_mixed_in(server, artifact, tok, reference):
+    """Four seconds of clients that get answers, slowloris connections and refused requests at once: /health
+    answers within 100 ms at p99, every slowloris connection is closed by the server at its header timeout
+    (1 s here), every hostile request is refused, and every answer is right."""
+    stop, held, answers = threading.Event(), [], []
+    want = reference(tok.encode(PROMPTS[1]).ids, SamplingParams(max_tokens=12, **GREEDY))
+    name = _model_name(artifact)
+
+    def valid() -> int:
+        n = 0
+        with server.client() as c:
+            while not stop.is_set():
+                r = c.completions.create(model=name, prompt=PROMPTS[1], max_tokens=12, **GREEDY)
+                assert r.choices[0].text == want.text
+                n += 1
+        return n
+
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        jobs = [pool.submit(valid) for _ in range(4)]
+        jobs += [pool.submit(_slowloris, server, stop, held) for _ in range(8)]
+        jobs += [pool.submit(_cross_site, server, stop, answers) for _ in range(2)]
+        # timed from a process of its own: this one's client threads would add their waits for the GIL
+        probe = subprocess.run(
+            [sys.executable, "-c", _HEALTH_PROBE, str(server.port), "4"], capture_output=True, text=True, timeout=60
+        )
+        stop.set()
+        served = [job.result(timeout=60) for job in jobs]
+    assert probe.returncode == 0, probe.stderr
+    assert sum(served[:4]) > 0
+    latencies = json.loads(probe.stdout)
+    p99 = latencies[int(0.99 * (len(latencies) - 1))]
+    print(f"/health under the mix: p50 {latencies[len(latencies) // 2] * 1e3:.1f} ms, p99 {p99 * 1e3:.1f} ms")
+    assert p99 < 0.1, latencies[-5:]
+    assert held and max(held) < 3.0, f"slowloris connections held for up to {max(held):.1f} s"
+    want_status = {
+        "wrong host": (400, "invalid_host"),
+        "text/plain": (415, "unsupported_media_type"),
+        "form": (415, "unsupported_media_type"),
+        "stop_token_ids": (400, ""),
+        "huge prompt": (400, ""),
+    }
+    assert answers and all((status, code) == want_status[what] for what, status, code in answers), answers[:10]
 
 
 # -- shutdown ----------------------------------------------------------------------------------------------

@@ -124,6 +124,7 @@ def server_app(
     name: str,
     limits,
     api_key: str | None,
+    sites=None,
     kv_cache_memory: str | None,
     max_num_seqs: int,
     max_num_batched_tokens: int,
@@ -132,7 +133,8 @@ def server_app(
     num_speculative_tokens: int,
     draft: Path | None,
 ):
-    """The app `llmc serve` runs, over a model that `stack` closes; and the model."""
+    """The app `llmc serve` runs, over a model that `stack` closes; and the model. sites: its SitePolicy (the Host
+    names it answers, CORS), None for any Host and no CORS."""
     from llmc.runtime import server
     from llmc.runtime.async_engine import AsyncLLMEngine
 
@@ -156,6 +158,7 @@ def server_app(
         eos_token=model.eos_token,
         limits=limits,
         api_key=api_key,
+        sites=sites,
     )
     return app, model
 

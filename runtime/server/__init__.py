@@ -1,6 +1,7 @@
 """OpenAI-compatible HTTP server (`llmc serve`): FastAPI + uvicorn over AsyncLLMEngine.
 
-    app = create_app(AsyncLLMEngine(LLMEngine(model, tokenizer)), tokenizer, "my-model", chat_template)
+    app = create_app(AsyncLLMEngine(LLMEngine(model, tokenizer)), tokenizer, "my-model", chat_template,
+                     sites=hosts_for("127.0.0.1"))       # the Host names answered (sites.py)
     serve(app, "127.0.0.1", 8000)
 
 Endpoints:
@@ -23,15 +24,19 @@ generation path (`OpenAIServing.respond`); what differs (object names, choice an
 A bad request fails alone, with OpenAI's error body `{"error": {"message", "type", "param", "code"}}`; the
 server never answers a bad request with a 500 and keeps serving:
 - 400: bad JSON (a lone UTF-16 surrogate included), wrong types, invalid values (non-finite floats, a
-  negative seed), a prompt longer than the context, prompt + max_tokens past it, n / stop / logprobs past
-  the `ServerLimits`. A request is validated before its stream starts, so a streaming request that cannot
-  run gets the 400 too, not a stream.
+  negative seed), a prompt longer than the context (a text too long to fit is refused before it is
+  tokenized), prompt + max_tokens past it, n / stop / stop_token_ids / logprobs past the `ServerLimits`;
+  a Host header the server does not answer to (code invalid_host, before anything else). A request is
+  validated before its stream starts, so a streaming request that cannot run gets the 400 too, not a stream.
 - 401: an API key is set and the request did not send it (checked before the body is read).
 - 404: a model other than the one served.
+- 408: the body did not arrive within `ServerLimits.body_timeout_s` (the headers: `header_timeout_s`, serve).
 - 413: a body larger than `ServerLimits.max_body_bytes`, told by Content-Length or counted while it arrives.
-- 429 with Retry-After: more than `max_num_seqs + max_waiting_requests` requests already in flight.
-- 503: the server is shutting down.
-Large bodies are parsed off the event loop, and so are chat templates (bounded by chat_template.py).
+- 415: a POST body not sent as `Content-Type: application/json` (never parsed; sites.py says why).
+- 429 with Retry-After: the request's n sequences would pass `max_num_seqs + max_waiting_requests` in flight.
+- 503: the server is shutting down; or (serve) more than `ServerLimits.max_connections` connections are open.
+Large bodies are parsed off the event loop, and so are chat templates (bounded by chat_template.py); long
+prompts are tokenized on the server's own tokenizer threads.
 
 Cancellation: a client that disconnects (while its request waits, prefills or streams) aborts its request,
 so its KV cache blocks are freed before the next step.
@@ -51,6 +56,8 @@ The modules, by responsibility (a new request feature touches them in this order
                 (tool calls, say) is a Format's
 - streaming.py  Server-Sent Events framing, the streaming response, a client's disconnect
 - auth.py, openapi.py, limits.py   the API key check; the OpenAPI schema's bodies and errors; ServerLimits
+- sites.py      which web sites may drive the server: the Host check (DNS rebinding) and CORS (SitePolicy)
+- connections.py  uvicorn's h11 protocol with a header timeout and a connection limit (serve's)
 - app.py        create_app (routes, handlers, lifespan) and serve (uvicorn, graceful shutdown)
 """
 
@@ -64,6 +71,7 @@ from llmc.runtime.server.protocol import (
     StreamOptions,
     read_body,
 )
+from llmc.runtime.server.sites import SitePolicy, hosts_for
 
 __all__ = [
     "ApiError",
@@ -71,10 +79,12 @@ __all__ = [
     "ChatMessage",
     "CompletionRequest",
     "ServerLimits",
+    "SitePolicy",
     "StreamOptions",
     "create_app",
     "error_body",
     "error_response",
+    "hosts_for",
     "read_body",
     "serve",
 ]

@@ -1,6 +1,6 @@
-"""The app: create_app builds the FastAPI app (routes, error handlers, the API key, the OpenAPI schema, the
-engine's shutdown with the app) over OpenAIServing, and serve runs it under uvicorn until SIGTERM or Ctrl-C,
-draining the requests in flight first.
+"""The app: create_app builds the FastAPI app (routes, error handlers, the API key, the Host check and CORS, the
+OpenAPI schema, the engine's shutdown with the app) over OpenAIServing, and serve runs it under uvicorn (with
+connections.py's timeouts and connection limit) until SIGTERM or Ctrl-C, draining the requests in flight first.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse, Response
 from llmc.runtime.async_engine import AsyncLLMEngine
 from llmc.runtime.metrics import CONTENT_TYPE
 from llmc.runtime.server.auth import bearer_check
+from llmc.runtime.server.connections import protocol_class
 from llmc.runtime.server.errors import install_error_handlers
 from llmc.runtime.server.limits import ServerLimits
 from llmc.runtime.server.openapi import (
@@ -29,6 +30,7 @@ from llmc.runtime.server.openapi import (
 )
 from llmc.runtime.server.protocol import ChatCompletionRequest, CompletionRequest
 from llmc.runtime.server.serving import OpenAIServing
+from llmc.runtime.server.sites import SitePolicy, install_site_policy
 
 
 def create_app(
@@ -41,6 +43,7 @@ def create_app(
     eos_token: str | None = None,
     limits: ServerLimits | None = None,
     api_key: str | None = None,
+    sites: SitePolicy | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible app over `engine` (whose LLMEngine must hold the same tokenizer, for text).
 
@@ -48,7 +51,9 @@ def create_app(
     transcript. bos_token / eos_token: the strings the template sees; by default the tokens of the model
     config's bos_token_id and first eos_token_id. api_key: if given, every /v1 request must send
     `Authorization: Bearer <api_key>` (401 otherwise); /health and /metrics stay open, as in vLLM, for
-    probes and scrapers. The engine is shut down when the app stops.
+    probes and scrapers. sites: the Host names answered and the CORS origins (sites.py); `llmc serve` passes
+    `hosts_for(--host, --allowed-hosts)`; by default any Host and no CORS. The engine is shut down when the
+    app stops.
     """
     server = OpenAIServing(engine, tokenizer, model_name, chat_template, bos_token, eos_token, limits or ServerLimits())
 
@@ -56,10 +61,12 @@ def create_app(
     async def lifespan(app: FastAPI):
         yield
         await engine.shutdown()
+        server.close()
 
     app = FastAPI(title="llmc", lifespan=lifespan)
     app.state.llmc = server
     install_error_handlers(app)
+    install_site_policy(app, sites or SitePolicy())
 
     auth = [Depends(bearer_check(api_key))] if api_key else []
     errors = {**ERROR_RESPONSES, 401: ERROR_RESPONSES_AUTH} if api_key else ERROR_RESPONSES
@@ -139,12 +146,23 @@ class _Uvicorn(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
+def uvicorn_config(app: FastAPI, host: str, port: int, *, log_level: str = "info", **kw) -> uvicorn.Config:
+    """uvicorn's Config for the app: the h11 protocol with the app's header timeout and connection limit
+    (connections.py), and a shutdown deadline after the app's own. kw: more of uvicorn.Config's."""
+    limits: ServerLimits = app.state.llmc.limits
+    # uvicorn's own deadline comes after ours: by then every request has answered, so none gets its plain 500
+    return uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        http=protocol_class(limits.header_timeout_s, limits.max_connections),
+        timeout_graceful_shutdown=limits.shutdown_timeout_s + 5,
+        **kw,
+    )
+
+
 def serve(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, *, log_level: str = "info") -> None:
     """Run the app until SIGTERM or Ctrl-C (blocking); requests in flight get the app's
     `ServerLimits.shutdown_timeout_s` to finish."""
-    server: OpenAIServing = app.state.llmc
-    # uvicorn's own deadline comes after ours: by then every request has answered, so none gets its plain 500
-    config = uvicorn.Config(
-        app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=server.limits.shutdown_timeout_s + 5
-    )
-    _Uvicorn(config, server).run()
+    _Uvicorn(uvicorn_config(app, host, port, log_level=log_level), app.state.llmc).run()

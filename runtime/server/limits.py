@@ -15,8 +15,14 @@ class ServerLimits:
     max_n: int = 16  # choices per request: each is a sequence in the engine
     max_stop: int = 16  # stop strings per request
     max_stop_chars: int = 256  # characters per stop string
-    max_waiting_requests: int = 256  # in flight beyond max_num_seqs; 429 past it
+    max_stop_token_ids: int = 256  # stop token ids per request (each sequence checks every generated token)
+    max_waiting_requests: int = 256  # sequences (n per request) in flight beyond max_num_seqs; 429 past it
     retry_after_s: int = 1  # the Retry-After a 429 sends
     parse_off_loop_bytes: int = 64 << 10  # bodies larger than this are parsed in a worker thread
+    tokenize_on_loop_chars: int = 4 << 10  # longer prompts are tokenized on the server's tokenizer threads
+    tokenizer_threads: int = 2  # those threads: long prompts queue there, never on the pool other requests use
+    header_timeout_s: float = 10.0  # a connection's request line and headers must arrive within this (`serve`)
+    body_timeout_s: float = 30.0  # a request's whole body must arrive within this; 408 past it
+    max_connections: int = 512  # open connections (`serve`); a request on one past it gets 503
     chat_template: TemplateLimits = DEFAULT_LIMITS  # time and size bounds of the checkpoint's chat template
     shutdown_timeout_s: float = 30.0  # after SIGTERM, requests in flight get this long to finish (`serve`)

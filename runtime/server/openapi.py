@@ -31,15 +31,20 @@ def _error_doc(description: str) -> dict:
 
 
 ERROR_RESPONSES = {
-    400: _error_doc("Bad JSON, a wrong type or value, or a request past a limit; `param` names the field."),
+    400: _error_doc(
+        "Bad JSON, a wrong type or value, or a request past a limit; `param` names the field. Also a "
+        "Host header the server does not answer to (code `invalid_host`)."
+    ),
     404: _error_doc("The model named is not served here."),
+    408: _error_doc("The body did not arrive in time."),
     413: _error_doc("The body is larger than the server's limit."),
+    415: _error_doc("The body was not sent as `Content-Type: application/json`."),
     429: {
         **_error_doc("Too many requests in flight; see Retry-After."),
         "headers": {"Retry-After": {"description": "Seconds to wait", "schema": {"type": "integer"}}},
     },
     500: _error_doc("The model or its chat template failed on this request; the server goes on."),
-    503: _error_doc("The server is shutting down."),
+    503: _error_doc("The server is shutting down, or has too many open connections."),
 }
 ERROR_RESPONSES_AUTH = _error_doc("No API key, or a wrong one.")
 GENERATION_OK = {

@@ -104,6 +104,7 @@ class ChatCompletionRequest(_GenerationRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None  # refused without tools (serving.py), as OpenAI does
     response_format: dict[str, Any] | None = None
 
     _unsupported: ClassVar[tuple[str, ...]] = ("logit_bias", "tools")
@@ -113,26 +114,55 @@ class ChatCompletionRequest(_GenerationRequest):
 # Request bodies: read with a size limit, parsed (off the event loop when large) and validated
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The body, refused with a 413 as soon as it is known to pass `limit`: by Content-Length, else by count."""
+def require_json(request: Request) -> None:
+    """415 unless the body is declared JSON: a form POST or a `text/plain` fetch from any web page needs no CORS
+    preflight, so a body sent as anything else is never parsed (sites.py)."""
+    media_type = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+    if media_type != "application/json":
+        shown = media_type[:100] or "none"
+        raise ApiError(
+            f"the request body must be sent as Content-Type: application/json, not {shown}",
+            status=415,
+            code="unsupported_media_type",
+        )
+
+
+async def read_body(request: Request, limit: int, timeout_s: float | None = None) -> bytes:
+    """The body, refused with a 413 as soon as it is known to pass `limit`: by Content-Length, else by count;
+    and with a 408 when it has not all arrived within timeout_s (a client that trickles it holds a connection)."""
 
     def too_large() -> ApiError:
-        return ApiError(f"the request body is larger than {limit:,} bytes", status=413, code="request_too_large")
+        return ApiError(
+            f"the request body is larger than {limit:,} bytes",
+            status=413,
+            code="request_too_large",
+            headers={"Connection": "close"},
+        )
 
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise too_large()
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise too_large()
-        chunks.append(chunk)
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise too_large()
+                chunks.append(chunk)
+    except TimeoutError:
+        raise ApiError(
+            f"the request body did not arrive within {timeout_s:g} s",
+            status=408,
+            code="request_timeout",
+            headers={"Connection": "close"},
+        ) from None
     return b"".join(chunks)
 
 
 async def parse_body(request: Request, model: type[BaseModel], limits: ServerLimits) -> BaseModel:
-    body = await read_body(request, limits.max_body_bytes)
+    require_json(request)
+    body = await read_body(request, limits.max_body_bytes, limits.body_timeout_s)
 
     def parse() -> BaseModel:
         try:

@@ -7,6 +7,8 @@ graceful shutdown's state.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import functools
 import logging
 import time
 import uuid
@@ -15,10 +17,16 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import Response
 
-from llmc.chat_template import NO_TEMPLATE_NOTICE, compile_template, pick_template, warm_render_processes
+from llmc.chat_template import (
+    NO_TEMPLATE_NOTICE,
+    compile_template,
+    pick_template,
+    render_chat,
+    warm_render_processes,
+)
 from llmc.errors import LlmcError, RequestError
 from llmc.runtime.async_engine import AsyncLLMEngine
-from llmc.runtime.chat_template import chat_prompt_ids, special_tokens
+from llmc.runtime.chat_template import special_tokens
 from llmc.runtime.metrics import ServerMetrics
 from llmc.runtime.outputs import RequestOutput
 from llmc.runtime.server.errors import ApiError, error_body, shutting_down
@@ -26,7 +34,7 @@ from llmc.runtime.server.limits import ServerLimits
 from llmc.runtime.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, parse_body
 from llmc.runtime.server.responses import ChatFormat, Choice, CompletionFormat, Format
 from llmc.runtime.server.streaming import SSE_DONE, SSEResponse, sse, wait_for_disconnect
-from llmc.sampling_params import SamplingParams
+from llmc.sampling_params import MAX_LOGPROBS, SamplingParams
 
 logger = logging.getLogger("llmc.server")
 
@@ -58,8 +66,17 @@ class OpenAIServing:
         self.created = int(time.time())
         self.draining = False  # shutdown began: new requests get 503
         self.cut = False  # shutdown's grace period is over: requests still running were aborted
-        self.in_flight: set[str] = set()
+        self.in_flight: dict[str, int] = {}  # request id -> its sequences (n)
         self.metrics = ServerMetrics(model_name, lambda: engine.stats)
+        # A prompt text longer than this cannot fit the context, whatever its tokens: it is refused untokenized.
+        self.max_prompt_chars = engine.max_model_len * max_chars_per_token(tokenizer)
+        # Long prompts are tokenized here, never on the default pool that parsing and chat renders wait on.
+        self._tokenizer_threads = concurrent.futures.ThreadPoolExecutor(
+            limits.tokenizer_threads, thread_name_prefix="llmc-tokenize"
+        )
+
+    def close(self) -> None:
+        self._tokenizer_threads.shutdown(wait=False, cancel_futures=True)
 
     # -- shutdown -------------------------------------------------------------------------------------------
 
@@ -80,38 +97,54 @@ class OpenAIServing:
 
     # -- checks before a request starts ---------------------------------------------------------------------
 
-    def admit(self, model: str | None) -> None:
+    def admit(self, model: str | None, n: int | None) -> None:
+        """Shutdown, the model, then room: the request's n sequences join those in flight (429 past the limit)."""
         if self.draining:
             raise shutting_down()
         if model not in (None, "", self.model_name):
+            shown = model if len(model) <= 64 else f"{model[:64]}... ({len(model):,} characters)"
             raise ApiError(
-                f"the model '{model}' does not exist; this server serves '{self.model_name}'",
+                f"the model '{shown}' does not exist; this server serves '{self.model_name}'",
                 status=404,
                 param="model",
                 code="model_not_found",
             )
         most = self.engine.max_num_seqs + self.limits.max_waiting_requests
-        if self.engine.num_requests >= most:
+        busy, n = sum(self.in_flight.values()), max(n or 1, 1)
+        if busy and busy + n > most:  # alone, a request may take more than `most`: it waits for its place
             raise ApiError(
-                f"the server is busy: {self.engine.num_requests} requests are in flight (at most {most})",
+                f"the server is busy: {busy} sequences are in flight, and {n} more would pass its limit of {most}",
                 status=429,
                 code="queue_full",
                 headers={"Retry-After": str(self.limits.retry_after_s)},
             )
 
-    def check_limits(self, params: SamplingParams, prompt_ids: list[int], prompt_param: str) -> None:
-        """The server's own limits, then the engine's (prompt length, vocabulary): all before the request starts."""
+    def check_body(self, body: CompletionRequest | ChatCompletionRequest) -> None:
+        """The server's limits on the lists and counts a body carries: before anything is built from them."""
         lim = self.limits
-        if params.n > lim.max_n:
-            raise ApiError(f"n={params.n} is more than this server's limit of {lim.max_n}", param="n")
-        if len(params.stop) > lim.max_stop or any(len(s) > lim.max_stop_chars for s in params.stop):
+        if body.n is not None and body.n > lim.max_n:
+            raise ApiError(f"n={body.n} is more than this server's limit of {lim.max_n}", param="n")
+        stop = [body.stop] if isinstance(body.stop, str) else body.stop or []
+        if len(stop) > lim.max_stop or any(len(s) > lim.max_stop_chars for s in stop):
             raise ApiError(
                 f"stop: at most {lim.max_stop} strings of at most {lim.max_stop_chars} characters", param="stop"
             )
+        if body.stop_token_ids is not None and len(body.stop_token_ids) > lim.max_stop_token_ids:
+            raise ApiError(
+                f"stop_token_ids: {len(body.stop_token_ids):,} ids, more than this server's limit of "
+                f"{lim.max_stop_token_ids}",
+                param="stop_token_ids",
+            )
+
+    def check_limits(
+        self, params: SamplingParams, prompt_ids: list[int], prompt_param: str, logprobs_param: str = "logprobs"
+    ) -> None:
+        """The engine's limits (prompt length, vocabulary) and the context: all before the request starts."""
         try:
             self.engine.check_request(prompt_ids, params)
         except RequestError as e:
-            raise ApiError(str(e), param=prompt_param if e.param == "prompt" else e.param) from None
+            param = {"prompt": prompt_param, "logprobs": logprobs_param}.get(e.param, e.param)
+            raise ApiError(str(e), param=param) from None
         room = self.engine.max_model_len - len(prompt_ids)
         if params.max_tokens is not None and params.max_tokens > room:
             raise ApiError(
@@ -165,7 +198,7 @@ class OpenAIServing:
 
         tracker = self.metrics.track_request(len(prompt_ids), params.n, arrival)
         engine_stream = self.engine.generate(prompt_ids, params, req_id)
-        self.in_flight.add(req_id)
+        self.in_flight[req_id] = params.n
         first: list[RequestOutput | None] = []
 
         async def consume() -> None:
@@ -184,7 +217,7 @@ class OpenAIServing:
             handed_to_stream = stream
         finally:
             if not handed_to_stream:
-                self.in_flight.discard(req_id)
+                self.in_flight.pop(req_id, None)
                 tracker.close()
                 await engine_stream.aclose()
         if not stream:
@@ -214,7 +247,7 @@ class OpenAIServing:
                 logger.exception("generation failed")
                 yield sse(error_body(f"internal error: {type(e).__name__}: {e}", 500))
             finally:
-                self.in_flight.discard(req_id)
+                self.in_flight.pop(req_id, None)
                 tracker.close()
                 await engine_stream.aclose()
             yield SSE_DONE
@@ -241,15 +274,28 @@ class OpenAIServing:
 
     # -- /v1/completions -----------------------------------------------------------------------------------
 
+    async def tokenize(self, text: str, param: str, *, add_special_tokens: bool = True) -> list[int]:
+        """A prompt's token ids. A text too long for the context is refused before it is tokenized (a few MB take
+        seconds of CPU); a long one is tokenized on the server's tokenizer threads, off the event loop."""
+        if len(text) > self.max_prompt_chars:
+            raise ApiError(
+                f"the prompt is {len(text):,} characters long: more than the model's context of "
+                f"{self.engine.max_model_len} tokens can hold (at most {self.max_prompt_chars:,} characters "
+                "with this tokenizer)",
+                param=param,
+            )
+        if len(text) <= self.limits.tokenize_on_loop_chars:
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        # tokenizers' encode holds the GIL and encode_batch lets go of it: a long text leaves the loop free
+        encode = functools.partial(self.tokenizer.encode_batch, [text], add_special_tokens=add_special_tokens)
+        (encoding,) = await asyncio.get_running_loop().run_in_executor(self._tokenizer_threads, encode)
+        return encoding.ids
+
     async def completion_prompt(self, prompt) -> list[int]:
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]
         if isinstance(prompt, str):
-            if len(prompt) <= self.limits.parse_off_loop_bytes:
-                return self.tokenizer.encode(prompt).ids
-            # tokenizers' encode holds the GIL and encode_batch lets go of it: a long text leaves the loop free
-            (encoding,) = await asyncio.to_thread(self.tokenizer.encode_batch, [prompt])
-            return encoding.ids
+            return await self.tokenize(prompt, "prompt")
         if all(isinstance(t, int) for t in prompt):
             return list(prompt)
         raise ApiError(
@@ -259,7 +305,8 @@ class OpenAIServing:
     async def completions(self, request: Request):
         arrival = time.perf_counter()
         body = await parse_body(request, CompletionRequest, self.limits)
-        self.admit(body.model)
+        self.check_body(body)
+        self.admit(body.model, body.n)
         if body.best_of is not None and body.best_of != (body.n or 1):
             raise ApiError("best_of other than n is not supported", param="best_of")
         params = body.sampling_params(max_tokens=body.max_tokens, logprobs=body.logprobs)
@@ -284,26 +331,35 @@ class OpenAIServing:
     async def chat_completions(self, request: Request):
         arrival = time.perf_counter()
         body = await parse_body(request, ChatCompletionRequest, self.limits)
-        self.admit(body.model)
+        self.check_body(body)
+        self.admit(body.model, body.n)
         if body.top_logprobs is not None and not body.logprobs:
             raise ApiError("top_logprobs needs logprobs=true", param="top_logprobs")
+        if body.top_logprobs is not None and not 0 <= body.top_logprobs <= MAX_LOGPROBS:
+            raise ApiError(
+                f"top_logprobs={body.top_logprobs}: it must be an integer in [0, {MAX_LOGPROBS}]", param="top_logprobs"
+            )
+        if body.tool_choice is not None and not body.tools:
+            raise ApiError("tool_choice is only allowed when tools are given", param="tool_choice")
         if body.response_format not in (None, {"type": "text"}):
             raise ApiError("response_format other than text is not supported", param="response_format")
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         params = body.sampling_params(max_tokens=max_tokens, logprobs=logprobs)
         messages = self.chat_messages(body.messages)
-        # the template runs in a thread: even bounded (chat_template.py), a render may take its whole budget
-        prompt_ids = await asyncio.to_thread(
-            chat_prompt_ids,
-            self.tokenizer,
+        # a thread waits for the render (in a render process, chat_template.py), which may take its whole budget;
+        # the template placed the special tokens itself, so the tokenizer adds none
+        text = await asyncio.to_thread(
+            render_chat,
             self.chat_template,
             messages,
             self.bos_token,
             self.eos_token,
-            self.limits.chat_template,
+            add_generation_prompt=True,
+            limits=self.limits.chat_template,
         )
-        self.check_limits(params, prompt_ids, "messages")
+        prompt_ids = await self.tokenize(text, "messages", add_special_tokens=False)
+        self.check_limits(params, prompt_ids, "messages", logprobs_param="top_logprobs")
         fmt = ChatFormat(self.token_text, params.logprobs)
         return await self.respond(request, arrival, fmt, prompt_ids, params, body.stream, body.include_usage)
 
@@ -321,3 +377,11 @@ class OpenAIServing:
             "max_model_len": self.engine.max_model_len,
         }
         return {"object": "list", "data": [card]}
+
+
+def max_chars_per_token(tokenizer) -> int:
+    """A bound on the characters of text one token stands for: the longest token's text (a byte-level BPE's
+    token strings have a character per byte, and a character is at least a byte), four times that when a
+    normalizer may shorten the text first (Unicode composition makes one character of up to three)."""
+    longest = max((len(t) for t in tokenizer.get_vocab(with_added_tokens=True)), default=1)
+    return max(longest, 1) * (4 if tokenizer.normalizer is not None else 1)

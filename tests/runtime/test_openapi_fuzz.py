@@ -3,13 +3,20 @@
 Every endpoint gets valid and invalid requests generated from /openapi.json. Each answer must have a status
 the schema documents, never a 5xx, the content type and body schema documented for that status; invalid
 requests must be refused with a 4xx. Then the server must still answer right, with every KV block free.
+
+The app answers only its Host names (as `llmc serve` does) and its chat template has branches that a hostile
+message takes (template bombs). A second fuzz mixes hostile requests into fuzzed ones: the bombs, wrong
+Hosts, bodies not sent as JSON (a web page's form or text/plain fetch), oversized lists and prompts. Each
+gets its documented refusal with OpenAI's error body, never a traceback, and the server goes on.
 """
 
 import dataclasses
+import json
 
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from schemathesis.checks import not_a_server_error
 from schemathesis.generation.modes import GenerationMode
 from schemathesis.specs.openapi.checks import (
@@ -20,15 +27,28 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
+from llmc.chat_template import TemplateLimits
 from llmc.runtime.async_engine import AsyncLLMEngine
 from llmc.runtime.engine import LLMEngine
-from llmc.runtime.server import create_app
+from llmc.runtime.server import ServerLimits, create_app, hosts_for
 from llmc.sampling_params import SamplingParams
 from tests.runtime.runtime_fakes import FakeConfig, FakeModel, byte_level_bpe
 
 NUM_BLOCKS = 64
 MAX_MODEL_LEN = 96  # bounds a fuzzed request that asks for every token the context holds
-TEMPLATE = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}<|assistant|>"
+BOMBS = {  # a message's "bomb" -> the template branch it takes: each refused (a 500 naming the template)
+    "int": "{{ ((10 ** 1024) ** 1024) ** 32 }}",
+    "concat": "{% set ns = namespace(s='x') %}{% for i in range(28) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s }}",
+    "loop": "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+}
+TEMPLATE = (
+    "{% for m in messages %}"
+    + "".join(f"{{% {'el' * bool(i)}if m.bomb == '{k}' %}}{v}" for i, (k, v) in enumerate(BOMBS.items()))
+    + "{% endif %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}"
+    "<|assistant|>"
+)
+HOST = "testserver"  # the Host the ASGI transport sends
+LIMITS = ServerLimits(chat_template=TemplateLimits(timeout_s=0.3), max_stop_token_ids=64)
 MAX_EXAMPLES = 100  # per operation and mode: the module runs in seconds
 OPERATIONS = [
     ("/v1/completions", "POST"),
@@ -63,7 +83,9 @@ def served(tok):
     its engine) after each test."""
     config = Config(vocab_size=tok.get_vocab_size())
     engine = LLMEngine(FakeModel(config, num_blocks=NUM_BLOCKS), tok, max_model_len=MAX_MODEL_LEN, seed=0)
-    app = create_app(AsyncLLMEngine(engine), tok, "fuzzed", TEMPLATE)
+    app = create_app(
+        AsyncLLMEngine(engine), tok, "fuzzed", TEMPLATE, limits=LIMITS, sites=hosts_for("127.0.0.1", [HOST])
+    )
     return schemathesis.openapi.from_asgi("/openapi.json", app), engine
 
 
@@ -113,9 +135,83 @@ def test_the_schema_documents_the_error_statuses_with_openais_error_body(served)
     ref = {"$ref": "#/components/schemas/ErrorResponse"}
     for path in ("/v1/completions", "/v1/chat/completions"):
         responses = api_schema.raw_schema["paths"][path]["post"]["responses"]
-        assert set(responses) == {"200", "400", "404", "413", "429", "500", "503"}
+        assert set(responses) == {"200", "400", "404", "408", "413", "415", "429", "500", "503"}
         for status in set(responses) - {"200"}:
             assert responses[status]["content"]["application/json"]["schema"] == ref, (path, status)
         assert "Retry-After" in responses["429"]["headers"]
         assert set(responses["200"]["content"]) == {"application/json", "text/event-stream"}
     assert set(api_schema.raw_schema["paths"]["/health"]["get"]["responses"]) == {"200", "503"}
+
+
+HOSTILE = ["bomb", "wrong_host", "not_json", "stop_token_ids", "huge_prompt", "huge_model", "tool_choice"]
+CHAT_ONLY = ("bomb", "tool_choice")  # a completion has no template, and takes no tools (the field is ignored)
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_hostile_requests_mixed_into_fuzzed_ones_get_their_documented_refusal(served, path):
+    """Each example: a fuzzed request (valid or not), then a hostile one; every answer a documented status with
+    OpenAI's error body, the hostile ones refused as they should be; then the server still answers right."""
+    api_schema, engine = served
+    operation = api_schema[path]["POST"]
+    documented = {int(s) for s in api_schema.raw_schema["paths"][path]["post"]["responses"]}
+    chat = path.endswith("chat/completions")
+
+    def hostile(kind: str, data) -> tuple[dict, dict | bytes, int, str | None]:
+        """(headers, body, status, error code) of one hostile request of `kind`."""
+        body = {"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "hi"}
+        body["max_tokens"] = 2
+        if kind == "bomb":
+            body["messages"][0]["bomb"] = data.draw(st.sampled_from(sorted(BOMBS)))
+            return {}, body, 500, None
+        if kind == "wrong_host":
+            host = data.draw(st.sampled_from(["evil.example.com", "evil.example.com:8000", "x" * 5000, "[::1"]))
+            return {"host": host}, body, 400, "invalid_host"
+        if kind == "not_json":
+            ctype = data.draw(
+                st.sampled_from(
+                    [
+                        "text/plain",
+                        "application/x-www-form-urlencoded",
+                        "",
+                        "text/json",
+                        "multipart/form-data; boundary=b",
+                        "application/jsonx",
+                    ]
+                )
+            )
+            return {"content-type": ctype}, json.dumps(body).encode(), 415, "unsupported_media_type"
+        if kind == "stop_token_ids":
+            body["stop_token_ids"] = [data.draw(st.integers(0, 10**6))] * data.draw(st.integers(65, 50_000))
+            return {}, body, 400, None
+        if kind == "huge_prompt":
+            text = data.draw(st.sampled_from(["x", "日本", "🙂 ", "a b"])) * data.draw(st.integers(20_000, 400_000))
+            if chat:
+                body["messages"][0]["content"] = text
+            else:
+                body["prompt"] = text
+            return {}, body, 400, None
+        if kind == "huge_model":
+            body["model"] = "m" * data.draw(st.integers(1000, 1_000_000))
+            return {}, body, 404, "model_not_found"
+        body["tool_choice"] = data.draw(st.sampled_from(["auto", "none", {"type": "function"}]))
+        return {}, body, 400, None
+
+    kinds = HOSTILE if chat else [k for k in HOSTILE if k not in CHAT_ONLY]
+
+    @given(case=operation.as_strategy(GenerationMode.POSITIVE), kind=st.sampled_from(kinds), data=st.data())
+    @settings(max_examples=MAX_EXAMPLES, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    def fuzz(case, kind, data):
+        r = case.call()
+        assert r.status_code in documented and r.status_code < 500, (r.status_code, r.text[:300])
+        headers, body, status, code = hostile(kind, data)
+        content = body if isinstance(body, bytes) else json.dumps(body).encode()
+        r = operation.Case(headers={"content-type": "application/json", **headers}).call(data=content)
+        assert r.status_code == status, (kind, r.status_code, r.text[:300])
+        if status != 200:
+            error = r.json()["error"]
+            assert error["message"] and len(r.content) < 2000 and "Traceback" not in error["message"], error
+            assert code is None or error["code"] == code, error
+            assert status != 500 or "chat template" in error["message"], error
+
+    fuzz()
+    check_still_answers_right(api_schema, engine)

@@ -347,12 +347,19 @@ def test_bad_chat_requests_and_raw_http(server, client):
     for body, headers in [
         (b"{not json", {"content-type": "application/json"}),
         (b'["a list"]', {"content-type": "application/json"}),
-        (b"prompt=hi", {"content-type": "text/plain"}),
         (b'{"prompt": "hi", "temperature": "hot"}', {"content-type": "application/json"}),
         (b'{"temperature": 0}', {"content-type": "application/json"}),  # no prompt
     ]:
         r = httpx.post(url, content=body, headers=headers, timeout=10)
         assert r.status_code == 400, (body, r.text)
+        err = r.json()["error"]
+        assert err["type"] == "invalid_request_error" and err["message"]
+    for body, headers in [
+        (b'{"prompt": "hi"}', {"content-type": "text/plain"}),  # never parsed: a page's form or fetch
+        (b"prompt=hi", {"content-type": "application/x-www-form-urlencoded"}),
+    ]:
+        r = httpx.post(url, content=body, headers=headers, timeout=10)
+        assert r.status_code == 415, (body, r.text)
         err = r.json()["error"]
         assert err["type"] == "invalid_request_error" and err["message"]
     r = httpx.get(f"{base}/v1/nothing", timeout=10)

@@ -603,7 +603,7 @@ def test_cli_serve_with_a_draft_model_counts_guesses_in_metrics(llama_artifact, 
     seen = {}
 
     def fake_serve(app, host, port, **kw):
-        with TestClient(app) as http:
+        with TestClient(app, base_url=f"http://{host}:{port}") as http:  # the Host names it answers
             seen["completion"] = http.post(
                 "/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 12, "temperature": 0, "ignore_eos": True}
             ).json()

@@ -311,7 +311,7 @@ def test_serve(fake_artifact, monkeypatch):
 
     def fake_serve(app, host, port, **kw):
         seen["where"] = (host, port)
-        with TestClient(app) as client:
+        with TestClient(app, base_url=f"http://{host}:{port}") as client:
             seen["models"] = client.get("/v1/models").json()
             seen["completion"] = client.post(
                 "/v1/completions", json={"model": "fake.cpu", "prompt": [5, 6], "max_tokens": 3, "temperature": 0}
@@ -326,6 +326,65 @@ def test_serve(fake_artifact, monkeypatch):
     choice = seen["completion"]["choices"][0]
     assert choice["finish_reason"] == "length" and seen["completion"]["usage"]["completion_tokens"] == 3
     assert seen["too_long"].status_code == 400
+
+
+def _serve_app(fake_artifact, monkeypatch, *args):
+    """The app `llmc serve ARTIFACT *args` would serve (its exit code, output and the app)."""
+    from llmc.runtime import server
+
+    apps = []
+    monkeypatch.setattr(server, "serve", lambda app, host, port, **kw: apps.append(app))
+    r = _invoke("serve", fake_artifact, "--kv-cache-memory", "8MiB", *args)
+    return r, apps[0] if apps else None
+
+
+def test_serve_answers_only_its_own_host_names_by_default(fake_artifact, monkeypatch):
+    """A DNS-rebinding page's requests carry its own Host: the default server refuses them, even /health."""
+    from fastapi.testclient import TestClient
+
+    r, app = _serve_app(fake_artifact, monkeypatch)
+    assert r.exit_code == 0, r.output
+    with TestClient(app, base_url="http://127.0.0.1:8000") as client:
+        assert client.get("/health").status_code == 200
+        assert client.get("/health", headers={"host": "localhost:8000"}).status_code == 200
+        r = client.get("/health", headers={"host": "evil.example.com"})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_host"
+        r = client.post("/v1/completions", json={"prompt": [5], "max_tokens": 1}, headers={"host": "evil.example.com"})
+        assert r.status_code == 400
+        r = client.post("/v1/completions", content=b'{"prompt": [5]}', headers={"content-type": "text/plain"})
+        assert r.status_code == 415
+
+    r, app = _serve_app(
+        fake_artifact,
+        monkeypatch,
+        "--allowed-hosts",
+        "llm.internal,*.corp.example",
+        "--allowed-origins",
+        "https://app.example.com",
+    )
+    assert r.exit_code == 0, r.output
+    with TestClient(app, base_url="http://llm.internal:8000") as client:
+        assert client.get("/health").status_code == 200
+        assert client.get("/health", headers={"host": "x.corp.example"}).status_code == 200
+        assert client.get("/health", headers={"host": "evil.example.com"}).status_code == 400
+        preflight = {"origin": "https://app.example.com", "access-control-request-method": "POST"}
+        assert client.options("/v1/completions", headers=preflight).status_code == 200
+
+
+@pytest.mark.parametrize(
+    "args, named",
+    [
+        (("--replicas", "2"), "--replicas"),
+        (("--address", "auto"), "--address"),
+        (("--threads-per-replica", "2"), "--threads-per-replica"),
+        (("--autoscale", "1:2"), "--autoscale"),
+        (("--allowed-methods", "GET"), "--allowed-origins"),
+    ],
+)
+def test_serve_refuses_options_that_would_be_ignored_in_one_line(fake_artifact, monkeypatch, args, named):
+    r, app = _serve_app(fake_artifact, monkeypatch, *args)
+    assert r.exit_code == 1 and app is None
+    assert r.stderr.startswith("error: ") and named in r.stderr and len(r.stderr.strip().splitlines()) == 1
 
 
 def test_bench(fake_artifact):

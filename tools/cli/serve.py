@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 import os
@@ -17,6 +18,11 @@ from llmc.errors import LlmcError
 from llmc.tools.engine_setup import ray_replica_app, resolve_artifact, server_app
 
 from .options import kv_cache_dtype_option, no_prefix_caching, quant_options, speculative_options
+
+
+def _names(ctx, param, values: tuple[str, ...]) -> tuple[str, ...]:
+    """A repeatable option whose values may also be comma-separated: `--allowed-hosts a,b --allowed-hosts c`."""
+    return tuple(name.strip() for value in values for name in value.split(",") if name.strip())
 
 
 def _byte_size(text: str) -> int:
@@ -55,7 +61,7 @@ def _byte_size(text: str) -> int:
     "--max-waiting-requests",
     type=click.IntRange(min=0),
     default=None,
-    help="Requests that may wait beyond --max-num-seqs; more get 429 with Retry-After [default: 256].",
+    help="Sequences (n per request) that may wait beyond --max-num-seqs; more get 429 with Retry-After [default: 256].",
 )
 @click.option(
     "--shutdown-timeout",
@@ -64,11 +70,56 @@ def _byte_size(text: str) -> int:
     help="Seconds requests in flight get to finish after SIGTERM or Ctrl-C; then they are cut [default: 30].",
 )
 @click.option(
+    "--header-timeout",
+    type=click.FloatRange(min=0, min_open=True),
+    default=None,
+    help="Seconds a connection has to send its request line and headers; then 408 and closed [default: 10].",
+)
+@click.option(
+    "--body-timeout",
+    type=click.FloatRange(min=0, min_open=True),
+    default=None,
+    help="Seconds a request has to send its whole body; then 408 [default: 30].",
+)
+@click.option(
+    "--max-connections",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Open connections; a request on one more gets 503 [default: 512].",
+)
+@click.option(
     "--api-key",
     envvar="LLMC_API_KEY",
     default=None,
     show_envvar=True,
     help="Require `Authorization: Bearer <key>` on /v1 (401 otherwise); /health and /metrics stay open.",
+)
+@click.option(
+    "--allowed-hosts",
+    multiple=True,
+    callback=_names,
+    help="Host names to answer besides the bound address (and the localhost names when bound to loopback; "
+    "this machine's names and IP addresses when bound to 0.0.0.0 or ::), comma-separated or repeated; `*` for "
+    "any. Other Host headers get 400: a DNS-rebinding page sends its own name.",
+)
+@click.option(
+    "--allowed-origins",
+    multiple=True,
+    callback=_names,
+    help="Web origins (e.g. https://app.example.com, or `*`) that browsers may let call the API (CORS) "
+    "[default: none].",
+)
+@click.option(
+    "--allowed-methods",
+    multiple=True,
+    callback=_names,
+    help="With --allowed-origins: the methods CORS allows [default: GET,POST].",
+)
+@click.option(
+    "--allowed-headers",
+    multiple=True,
+    callback=_names,
+    help="With --allowed-origins: the request headers CORS allows [default: Authorization,Content-Type].",
 )
 @no_prefix_caching
 @speculative_options
@@ -89,9 +140,8 @@ def _byte_size(text: str) -> int:
 @click.option(
     "--replicas",
     type=click.IntRange(min=1),
-    default=1,
-    show_default=True,
-    help="With --ray: replicas, each loading the artifact once.",
+    default=None,
+    help="With --ray: replicas, each loading the artifact once [default: 1].",
 )
 @click.option(
     "--threads-per-replica",
@@ -118,7 +168,14 @@ def serve(
     max_n: int | None,
     max_waiting_requests: int | None,
     shutdown_timeout: float | None,
+    header_timeout: float | None,
+    body_timeout: float | None,
+    max_connections: int | None,
     api_key: str | None,
+    allowed_hosts: tuple[str, ...],
+    allowed_origins: tuple[str, ...],
+    allowed_methods: tuple[str, ...],
+    allowed_headers: tuple[str, ...],
     no_prefix_caching: bool,
     speculative: str | None,
     num_speculative_tokens: int,
@@ -127,20 +184,51 @@ def serve(
     kv_cache_dtype: str,
     use_ray: bool,
     address: str | None,
-    replicas: int,
+    replicas: int | None,
     threads_per_replica: int | None,
     autoscale: str | None,
 ) -> None:
     """Serve ARTIFACT over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models),
     with /health and Prometheus metrics at /metrics."""
     from llmc.runtime import server
+    from llmc.runtime.server.sites import hosts_for
 
+    ray_only = {
+        "--replicas": replicas,
+        "--address": address,
+        "--threads-per-replica": threads_per_replica,
+        "--autoscale": autoscale,
+    }
+    given_without_ray = [name for name, value in ray_only.items() if value is not None and not use_ray]
+    if given_without_ray:
+        raise LlmcError(
+            f"{', '.join(given_without_ray)} applies to `llmc serve --ray` only",
+            "add --ray (pip install 'llmc[ray]'), or drop it",
+        )
+    not_on_ray = {"--header-timeout": header_timeout, "--max-connections": max_connections}
+    given_with_ray = [name for name, value in not_on_ray.items() if value is not None and use_ray]
+    if given_with_ray:  # Ray Serve's HTTP proxy holds the connections
+        raise LlmcError(
+            f"{', '.join(given_with_ray)} applies to `llmc serve` without --ray",
+            "Ray Serve's HTTP proxy has its own settings (serve.start(http_options=...))",
+        )
+    if (allowed_methods or allowed_headers) and not allowed_origins:
+        raise LlmcError(
+            "--allowed-methods and --allowed-headers apply with --allowed-origins",
+            "name the origins too, e.g. --allowed-origins https://app.example.com",
+        )
+    policy = hosts_for(host, allowed_hosts)
+    cors = {"allowed_origins": allowed_origins, "allowed_methods": allowed_methods, "allowed_headers": allowed_headers}
+    sites = dataclasses.replace(policy, **{k: v for k, v in cors.items() if v})
     ray_serve = _ray_serve_module() if use_ray else None  # before any compile: a missing extra fails at once
     given = {
         "max_body_bytes": max_body_size,
         "max_n": max_n,
         "max_waiting_requests": max_waiting_requests,
         "shutdown_timeout_s": shutdown_timeout,
+        "header_timeout_s": header_timeout,
+        "body_timeout_s": body_timeout,
+        "max_connections": max_connections,
     }
     limits = server.ServerLimits(**{k: v for k, v in given.items() if v is not None})  # unset: the library's default
     path = resolve_artifact(artifact, quant, kv_cache_dtype)
@@ -149,6 +237,7 @@ def serve(
         name=model_name or artifact.resolve().name,
         limits=limits,
         api_key=api_key or None,
+        sites=sites,
         kv_cache_memory=kv_cache_memory,
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
@@ -158,7 +247,7 @@ def serve(
         draft=None if draft is None else resolve_artifact(draft).resolve(),
     )
     if ray_serve is not None:
-        return _serve_on_ray(ray_serve, app_kw, host, port, address, replicas, threads_per_replica, autoscale)
+        return _serve_on_ray(ray_serve, app_kw, host, port, address, replicas or 1, threads_per_replica, autoscale)
     with contextlib.ExitStack() as stack:
         app, model = server_app(stack, **app_kw)
         click.echo(
