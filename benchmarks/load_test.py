@@ -38,6 +38,8 @@ chunk) and TPOT ((last chunk - first chunk) / (tokens - 1), per stream), failure
 not get a right answer, limits or hostile requests not refused as they should be), preemptions, RSS at the
 start and the end, and /health's latency. Goals: no failure, every KV block free at the end, RSS growth
 under 5%, /health under 100 ms at p99. tests/test_load.py runs it for a few seconds (60 s: -m slow).
+
+load_server.py holds the run's configuration and the server, load_hostile.py the hostile clients.
 """
 
 from __future__ import annotations
@@ -46,46 +48,27 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
-import itertools
 import json
-import os
 import random
-import secrets
-import shutil
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
-PROMPTS = [
-    "The list type",
-    "Lists may be constructed",
-    "A dictionary maps",
-    "for x in range(3):",
-    "Strings are immutable",
-    "The with statement",
-    "import sys",
-    "def main():",
-    "class Node:",
-    "Exceptions are raised",
-]
-MAX_BODY = 64 << 10
-MAX_N = 4
-HEADER_TIMEOUT_S = 2.0
-HEALTH_INTERVAL_S = 0.05
-BOMBS = {  # a message's "bomb" -> the template branch it takes (every one is refused: a 500 naming the template)
-    "int": "{{ ((10 ** 1024) ** 1024) ** 32 }}",
-    "concat": "{% set ns = namespace(s='x') %}{% for i in range(28) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}"
-    "{{ ns.s }}",
-    "loop": "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
-}
-STARTUP_TIMEOUT_S = 180.0  # includes compiling nothing (the artifact is compiled first) and loading the model
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from load_hostile import bomber, cross_site, probe_health, slowloris  # noqa: E402
+from load_server import (  # noqa: E402
+    MAX_BODY,
+    MAX_N,
+    PROMPTS,
+    LoadConfig,
+    Server,
+    Tally,
+    bundled_artifact,
+)
+
 DRAIN_TIMEOUT_S = 30.0
 KINDS = {  # kind -> weight
     "completion": 20,
@@ -101,158 +84,6 @@ KINDS = {  # kind -> weight
     "too_many_stop_ids": 1,
     "too_long_text": 1,
 }
-
-
-@dataclasses.dataclass(frozen=True)
-class LoadConfig:
-    duration_s: float = 60.0
-    warmup_s: float = 3.0
-    concurrency: int = 64
-    kv_blocks: int = 40  # 640 tokens: more than one full context (512), far less than 64 clients need
-    max_num_seqs: int = 64
-    seed: int = 0
-    request_timeout_s: float = 120.0
-    max_requests_per_client: int = 100_000  # a bound besides the deadline
-    ray_replicas: int = 0  # > 0: `llmc serve --ray` with this many replicas (local Ray), the cores split among them
-    hostile: bool = True  # template bombs, cross-site requests and slowloris connections mixed in
-    slowloris: int = 32  # connections trickling their headers at any time
-
-
-@dataclasses.dataclass
-class Tally:
-    valid_ok: int = 0
-    failures: list[str] = dataclasses.field(default_factory=list)  # valid requests without a right answer
-    limits_enforced: int = 0
-    limits_not_enforced: list[str] = dataclasses.field(default_factory=list)
-    cancelled: int = 0
-    generated_tokens: int = 0
-    ttft: list[float] = dataclasses.field(default_factory=list)
-    tpot: list[float] = dataclasses.field(default_factory=list)
-    hostile_refused: dict[str, int] = dataclasses.field(default_factory=dict)  # kind -> refusals as they should be
-    hostile_not_refused: list[str] = dataclasses.field(default_factory=list)
-    slowloris_closed: int = 0
-    slowloris_held: list[float] = dataclasses.field(default_factory=list)  # seconds until the server closed each
-
-
-# -- the server ---------------------------------------------------------------------------------------------
-
-
-def bundled_artifact(hostile: bool = True) -> Path:
-    """The bundled checkpoint compiled for this CPU (cached); hostile: with the template bombs' branches."""
-    from llmc.examples import bundled_checkpoint
-    from llmc.host import cache_root
-    from llmc.tools.build import cached_artifact
-
-    ckpt = bundled_checkpoint()
-    if not hostile:
-        return cached_artifact(ckpt)
-    copy = cache_root() / "load_test" / "pystdlib-5m-bombs"  # by content: cached_artifact compiles it once
-    copy.mkdir(parents=True, exist_ok=True)
-    for f in ckpt.iterdir():
-        if f.is_file() and f.name != "tokenizer_config.json" and not (copy / f.name).exists():
-            shutil.copyfile(f, copy / f.name)
-    config = json.loads((ckpt / "tokenizer_config.json").read_text())
-    branches = "".join(
-        f"{{% {'if' if i == 0 else 'elif'} message.bomb == '{name}' %}}{branch}"
-        for i, (name, branch) in enumerate(BOMBS.items())
-    )
-    config["chat_template"] = config["chat_template"].replace(
-        "{% for message in messages %}", "{% for message in messages %}" + branches + "{% endif %}", 1
-    )
-    assert "message.bomb" in config["chat_template"], "the bundled chat template changed: place the bombs anew"
-    (copy / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
-    return cached_artifact(copy)
-
-
-def kv_cache_bytes(artifact: Path, num_blocks: int) -> int:
-    from llmc.artifact import load_artifact
-    from llmc.runtime.kv_cache import kv_bytes_per_block
-
-    a = load_artifact(artifact)
-    c = a.config
-    return num_blocks * kv_bytes_per_block(c.num_layers, c.num_kv_heads, c.head_dim, a.block_size, 4)  # fp32 on CPU
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """`llmc serve` in a subprocess on a loopback port; its output goes to `log`."""
-
-    def __init__(self, artifact: Path, cfg: LoadConfig, log: Path):
-        self.port, self.log, self.api_key = free_port(), log, secrets.token_hex(16)
-        self.base = f"http://127.0.0.1:{self.port}"
-        cmd = [
-            sys.executable,
-            "-m",
-            "llmc.tools.cli",
-            "serve",
-            str(artifact),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(self.port),
-            "--kv-cache-memory",
-            str(kv_cache_bytes(artifact, cfg.kv_blocks)),
-            "--max-num-seqs",
-            str(cfg.max_num_seqs),
-            "--max-body-size",
-            str(MAX_BODY),
-            "--max-n",
-            str(MAX_N),
-        ]
-        if not cfg.ray_replicas:
-            cmd += ["--header-timeout", str(HEADER_TIMEOUT_S)]
-        if cfg.ray_replicas:
-            threads = max(1, (os.cpu_count() or 1) // cfg.ray_replicas)
-            cmd += ["--ray", "--replicas", str(cfg.ray_replicas), "--threads-per-replica", str(threads)]
-        env = {**os.environ, "LLMC_API_KEY": self.api_key, "PYTHONUNBUFFERED": "1"}
-        with open(log, "wb") as out:
-            self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env)
-
-    def log_tail(self, n: int = 4000) -> str:
-        return self.log.read_text(errors="replace")[-n:]
-
-    def wait_up(self) -> None:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"llmc serve exited with {self.proc.returncode}:\n{self.log_tail()}")
-            with contextlib.suppress(httpx.TransportError):
-                if httpx.get(f"{self.base}/health", timeout=2).status_code == 200:
-                    return
-            time.sleep(0.2)
-        raise RuntimeError(f"llmc serve did not answer /health in {STARTUP_TIMEOUT_S:.0f} s:\n{self.log_tail()}")
-
-    def rss_bytes(self) -> int:
-        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-        raise RuntimeError("no VmRSS in /proc/<pid>/status")
-
-    def metrics(self) -> dict[str, float]:
-        """{sample name: value}, labels dropped except finished_reason (every series here has one model)."""
-        text = httpx.get(f"{self.base}/metrics", timeout=10).text
-        out = {}
-        for family in text_string_to_metric_families(text):
-            for s in family.samples:
-                reason = s.labels.get("finished_reason")
-                out[s.name if reason is None else f"{s.name}{{{reason}}}"] = s.value
-        return out
-
-    def stop(self) -> int:
-        """SIGTERM, then SIGKILL after 30 s; the exit code (negative: killed by that signal)."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=30)
-        return self.proc.returncode
 
 
 # -- the clients --------------------------------------------------------------------------------------------
@@ -390,118 +221,6 @@ async def _past_limit(http: httpx.AsyncClient, rng: random.Random, tally: Tally,
         tally.limits_not_enforced.append(f"{kind}: got {got}, not {want}")
 
 
-def _refused(tally: Tally, kind: str, ok: bool, got: str) -> None:
-    if ok:
-        tally.hostile_refused[kind] = tally.hostile_refused.get(kind, 0) + 1
-    else:
-        tally.hostile_not_refused.append(f"{kind}: {got}")
-
-
-async def _bomber(http: httpx.AsyncClient, deadline: float, tally: Tally) -> None:
-    """One template bomb at a time, each kind in turn: a 500 naming the chat template."""
-    for bomb in itertools.islice(itertools.cycle(BOMBS), 10_000):
-        if time.monotonic() >= deadline:
-            return
-        body = {"messages": [{"role": "user", "content": "hi", "bomb": bomb}], "max_tokens": 4}
-        try:
-            r = await http.post("/v1/chat/completions", json=body)
-            error = r.json().get("error") or {}
-            ok, got = (
-                r.status_code == 500 and "chat template" in error.get("message", ""),
-                f"{r.status_code} {r.text[:200]}",
-            )
-        except (httpx.HTTPError, ValueError) as e:
-            ok, got = False, f"{type(e).__name__}: {e}"
-        _refused(tally, f"bomb_{bomb}", ok, got)
-
-
-async def _cross_site(http: httpx.AsyncClient, rng: random.Random, deadline: float, tally: Tally) -> None:
-    """What a web page can send without the user's say: each refused before it runs."""
-    body = json.dumps({"prompt": rng.choice(PROMPTS), "max_tokens": 4}).encode()
-    kinds = {
-        "wrong_host": (body, {"host": "evil.example.com", "content-type": "application/json"}, 400),
-        "text_plain": (body, {"content-type": "text/plain"}, 415),
-        "form": (b"prompt=hi&max_tokens=4", {"content-type": "application/x-www-form-urlencoded"}, 415),
-        "untyped": (body, {"content-type": ""}, 415),
-    }
-    for _ in range(100_000):
-        if time.monotonic() >= deadline:
-            return
-        kind = rng.choice([*kinds, "preflight"])
-        try:
-            if kind == "preflight":
-                r = await http.options(
-                    "/v1/completions",
-                    headers={"origin": "https://evil.example.com", "access-control-request-method": "POST"},
-                )
-                ok = "access-control-allow-origin" not in r.headers
-            else:
-                content, headers, want = kinds[kind]
-                r = await http.post("/v1/completions", content=content, headers=headers)
-                ok = r.status_code == want and bool(r.json().get("error", {}).get("message"))
-            got = f"{r.status_code} {r.text[:200]}"
-        except (httpx.HTTPError, ValueError) as e:
-            ok, got = False, f"{type(e).__name__}: {e}"
-        _refused(tally, kind, ok, got)
-        await asyncio.sleep(0.02)
-
-
-async def _slowloris(port: int, deadline: float, tally: Tally) -> None:
-    """One connection that trickles its headers a byte each 0.2 s until the server closes it (timed)."""
-    head = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n" + b"X-Slow: a\r\n" * 10_000
-    while time.monotonic() < deadline:
-        try:
-            reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        except OSError:
-            await asyncio.sleep(0.1)
-            continue
-        start, closed = time.monotonic(), False
-        try:
-            for i in range(len(head)):
-                writer.write(head[i : i + 1])
-                await writer.drain()
-                with contextlib.suppress(TimeoutError):
-                    if await asyncio.wait_for(reader.read(4096), 0.2) == b"":
-                        closed = True
-                        break
-                if time.monotonic() - start > HEADER_TIMEOUT_S + 3:
-                    break
-        except OSError:
-            closed = True  # reset by the server
-        finally:
-            writer.close()
-        held = time.monotonic() - start
-        if closed:
-            tally.slowloris_closed += 1
-            tally.slowloris_held.append(held)
-        elif held > HEADER_TIMEOUT_S + 3:
-            tally.hostile_not_refused.append(f"slowloris: still open after {held:.1f} s")
-
-
-_HEALTH_PROBE = """
-import http.client, json, sys, time
-port, seconds, interval = int(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3])
-latencies, errors, end = [], [], time.monotonic() + seconds
-while time.monotonic() < end:
-    start = time.perf_counter()
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
-    try:
-        conn.request("GET", "/health")
-        r = conn.getresponse()
-        r.read()
-        if r.status == 200:
-            latencies.append(time.perf_counter() - start)
-        else:
-            errors.append(r.status)
-    except OSError as e:
-        errors.append(repr(e))
-    finally:
-        conn.close()
-    time.sleep(interval)
-print(json.dumps({"latencies": latencies, "errors": errors[:20]}))
-"""
-
-
 async def _client(http: httpx.AsyncClient, rng: random.Random, deadline: float, cfg: LoadConfig, tally: Tally) -> None:
     kinds, weights = list(KINDS), list(KINDS.values())
     for _ in range(cfg.max_requests_per_client):
@@ -526,20 +245,10 @@ async def _drive(server: Server, cfg: LoadConfig, duration_s: float, seed: int) 
         deadline = time.monotonic() + duration_s
         jobs = [_client(http, random.Random(seed * 1000 + i), deadline, cfg, tally) for i in range(cfg.concurrency)]
         if cfg.hostile:
-            jobs += [_bomber(http, deadline, tally), _cross_site(http, random.Random(seed - 1), deadline, tally)]
-            jobs += [_slowloris(server.port, deadline, tally) for _ in range(0 if cfg.ray_replicas else cfg.slowloris)]
+            jobs += [bomber(http, deadline, tally), cross_site(http, random.Random(seed - 1), deadline, tally)]
+            jobs += [slowloris(server.port, deadline, tally) for _ in range(0 if cfg.ray_replicas else cfg.slowloris)]
         await asyncio.gather(*jobs)
     return tally
-
-
-def _probe_health(server: Server, seconds: float) -> subprocess.Popen:
-    """A process that GETs /health every HEALTH_INTERVAL_S for `seconds`, each on a new connection, and prints
-    the latencies as JSON: apart from the clients, so that their own event loop does not add to them."""
-    return subprocess.Popen(
-        [sys.executable, "-c", _HEALTH_PROBE, str(server.port), str(seconds), str(HEALTH_INTERVAL_S)],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
 
 
 # -- the run ------------------------------------------------------------------------------------------------
@@ -576,7 +285,7 @@ def run_load(cfg: LoadConfig, log_dir: Path) -> dict:
         before = server.metrics()
         rss_start = server.rss_bytes()
         t0 = time.perf_counter()
-        probe = _probe_health(server, cfg.duration_s)
+        probe = probe_health(server, cfg.duration_s)
         tally = asyncio.run(_drive(server, cfg, cfg.duration_s, seed=cfg.seed))
         elapsed = time.perf_counter() - t0
         probe_out, _ = probe.communicate(timeout=60)
