@@ -168,7 +168,7 @@ def build_module(target: Target, source: str, tvm_source: str | None = None) -> 
 
 
 def compile_checkpoint(
-    checkpoint: str | Path,
+    checkpoint: str | Path | Checkpoint,
     *,
     target: str = "cpu",
     output: str | Path,
@@ -199,7 +199,7 @@ def compile_checkpoint(
             f"KV cache dtype {kv_dtype!r} is not supported",
             f"--kv-cache-dtype takes auto or one of {', '.join(ELEMENT_DTYPES)}",
         )
-    ckpt = load_checkpoint(checkpoint)
+    ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else load_checkpoint(checkpoint)
     dtype = resolve_weight_dtype(ckpt, weight_dtype)
     kv_dtype = resolve_kv_dtype(kv_dtype, cuda=tgt.is_cuda, weight_dtype=dtype)
     schemes = quant_schemes(ckpt, quant)

@@ -27,7 +27,7 @@ from .quality import QUALITY_STAGE, Quality, calibration_tokens, check_max_kl, m
 
 
 def compile_checkpoint(
-    checkpoint: str | Path,
+    checkpoint,
     *,
     quant=None,
     calibration: str | Path | None = None,
@@ -35,10 +35,12 @@ def compile_checkpoint(
     **options,
 ) -> Path:
     """llmc.compiler.compile.compile_checkpoint, with the quality gate for a quantized build (quant, a
-    QuantConfig): the gate runs the build against the unquantized model on the calibration text (None: the
-    bundled model's held-out text), writes the figures into the manifest's `quality`, and fails the compile,
-    writing nothing, when the mean KL is over max_kl. options: compile_checkpoint's."""
+        QuantConfig): the gate runs the build against the unquantized model on the calibration text (None: the
+        bundled model's held-out text), writes the figures into the manifest's `quality`, and fails the compile,
+        writing nothing, when the mean KL is over max_kl. checkpoint: a path, or a Checkpoint loaded already (it is
+    loaded once for the gate and the compile). options: compile_checkpoint's."""
     from llmc.compiler.compile import compile_checkpoint as compile_only  # torch and TVM load only to compile
+    from llmc.compiler.frontend.checkpoint import Checkpoint
     from llmc.compiler.frontend.load import load_checkpoint
 
     enabled = quant is not None and quant.enabled
@@ -48,7 +50,7 @@ def compile_checkpoint(
         raise CompileError(f"--max-kl {max_kl} is not a KL divergence", "pass a number >= 0")
     if not enabled:
         return compile_only(checkpoint, quant=quant, **options)
-    ckpt = load_checkpoint(checkpoint)
+    ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else load_checkpoint(checkpoint)
     # read and tokenized before anything is built: a bad file fails at once
     token_ids, label = calibration_tokens(ckpt.tokenizer_path, calibration)
 
@@ -62,7 +64,7 @@ def compile_checkpoint(
         else:
             with tempfile.TemporaryDirectory() as d:
                 twin = compile_checkpoint(
-                    checkpoint,
+                    ckpt,
                     target="cpu",
                     output=Path(d) / "cpu",
                     weight_dtype=dtype,
@@ -74,7 +76,7 @@ def compile_checkpoint(
         check_max_kl(result, max_kl)
         return {"quality": result.to_manifest()}
 
-    return compile_only(checkpoint, quant=quant, gate=(QUALITY_STAGE, gate), **options)
+    return compile_only(ckpt, quant=quant, gate=(QUALITY_STAGE, gate), **options)
 
 
 def _reference_artifact(ckpt, weight_dtype: str, kv_dtype: str) -> Path:
