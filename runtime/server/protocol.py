@@ -27,22 +27,9 @@ class StreamOptions(_Body):
 
 
 # Request fields that map one to one onto SamplingParams; unset (or null) ones keep SamplingParams' defaults.
-_SAMPLING_FIELDS = (
-    "n",
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "seed",
-    "stop",
-    "presence_penalty",
-    "frequency_penalty",
-    "repetition_penalty",
-    "stop_token_ids",
-    "min_tokens",
-    "ignore_eos",
-    "skip_special_tokens",
-)
+_SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "presence_penalty",
+                    "frequency_penalty", "repetition_penalty", "stop_token_ids", "min_tokens", "ignore_eos",
+                    "skip_special_tokens")  # fmt: skip
 
 
 class _GenerationRequest(_Body):
