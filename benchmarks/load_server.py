@@ -125,25 +125,10 @@ class Server:
     def __init__(self, artifact: Path, cfg: LoadConfig, log: Path):
         self.port, self.log, self.api_key = free_port(), log, secrets.token_hex(16)
         self.base = f"http://127.0.0.1:{self.port}"
-        cmd = [
-            sys.executable,
-            "-m",
-            "llmc.tools.cli",
-            "serve",
-            str(artifact),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(self.port),
-            "--kv-cache-memory",
-            str(kv_cache_bytes(artifact, cfg.kv_blocks)),
-            "--max-num-seqs",
-            str(cfg.max_num_seqs),
-            "--max-body-size",
-            str(MAX_BODY),
-            "--max-n",
-            str(MAX_N),
-        ]
+        kv_bytes = kv_cache_bytes(artifact, cfg.kv_blocks)
+        options = f"--host 127.0.0.1 --port {self.port} --kv-cache-memory {kv_bytes} --max-num-seqs {cfg.max_num_seqs} "
+        options += f"--max-body-size {MAX_BODY} --max-n {MAX_N}"
+        cmd = [sys.executable, "-m", "llmc.tools.cli", "serve", str(artifact), *options.split()]
         if not cfg.ray_replicas:
             cmd += ["--header-timeout", str(HEADER_TIMEOUT_S)]
         if cfg.ray_replicas:
