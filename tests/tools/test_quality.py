@@ -240,7 +240,7 @@ def test_kill_in_the_quality_stage_leaves_no_artifact(checkpoint_dir, llmc_cache
     nothing is at the output, and the next compile cleans up and writes the artifact with its figures."""
     out = tmp_path / "m.cpu"
     script = (
-        "import sys; from llmc.compiler.compile import compile_checkpoint; from llmc.compiler.quant import "
+        "import sys; from llmc.tools.build import compile_checkpoint; from llmc.compiler.quant import "
         "QuantConfig; compile_checkpoint(sys.argv[1], target='cpu', output=sys.argv[2], quant=QuantConfig('int8'))"
     )
     env = {**os.environ, "LLMC_CACHE_DIR": str(llmc_cache), SIGNAL_AT_ENV: QUALITY_STAGE}
