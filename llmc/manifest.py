@@ -10,8 +10,10 @@ are plain relative names inside the artifact (no "..", no absolute path, nothing
 to), checked before anything is opened, and every field the runtime reads is type-checked.
 
 The manifest's `manifest_sha256` maps each of its other top-level fields to the sha256 of that field's
-canonical JSON, so an edit names the field it touched (model_config, block_size, tokenizer, ...). It
-guards against edits and damage, not against someone who recomputes the digests on purpose.
+canonical JSON, so an edit names the field it touched (model_config, block_size, tokenizer, ...), and its
+own name to the sha256 of the sorted field names: a field taken out (or put in) together with its digest
+changes that set. It guards against edits and damage, not against someone who recomputes the digests on
+purpose.
 """
 
 from __future__ import annotations
@@ -33,7 +35,9 @@ from llmc.model_config import ModelConfig
 from llmc.targets import KINDS, SOURCE_FILE, load_target
 
 MAGIC = "llmc-artifact"
-FORMAT_VERSION = 3  # 2: the target's kind, block_size and manifest_sha256 are required; 3: kernel_program is JSON
+# 2: the target's kind, block_size and manifest_sha256 are required; 3: kernel_program is JSON; 4: the set of
+# fields is sealed
+FORMAT_VERSION = 4
 ABI_VERSION = 2  # docs/contracts.md LLMC_ABI_VERSION
 MANIFEST = "manifest.json"
 MANIFEST_DIGESTS = "manifest_sha256"
@@ -60,9 +64,10 @@ def _canonical_sha256(value) -> str:
 
 
 def seal_manifest(m: dict) -> dict:
-    """The manifest with `manifest_sha256` (re)computed over its other fields."""
+    """The manifest with `manifest_sha256` (re)computed over its other fields and over the set of them."""
     fields = {k: v for k, v in m.items() if k != MANIFEST_DIGESTS}
-    return {**fields, MANIFEST_DIGESTS: {k: _canonical_sha256(v) for k, v in fields.items()}}
+    digests = {k: _canonical_sha256(v) for k, v in fields.items()}
+    return {**fields, MANIFEST_DIGESTS: {**digests, MANIFEST_DIGESTS: _canonical_sha256(sorted(fields))}}
 
 
 def _complete_target(target) -> dict:
@@ -149,7 +154,8 @@ def _is_int(value, low: int = 1, high: int = 2**31 - 1) -> bool:
 def check_manifest(m: dict, path: Path) -> None:
     """Structure and types (no hashing) of every field the runtime reads: target, block_size, files (plain
     names inside the artifact, the required ones listed), tokenizer, weight_dtype, kv_cache_dtype,
-    kernel_program (llmc/kernel_program.py's schema) and generation_defaults."""
+    kernel_program (llmc/kernel_program.py's schema) and generation_defaults; and the shapes of those only
+    `llmc inspect` reads."""
     damaged = "the manifest is damaged; recompile the artifact"
     target = m.get("target")
     name = target.get("name") if isinstance(target, dict) else None
@@ -198,6 +204,8 @@ def check_manifest(m: dict, path: Path) -> None:
         )
     if "kernel_program" in m and (problem := schema_problem(m["kernel_program"])):
         raise ArtifactError(f"{path}: manifest kernel_program {problem}", hint)
+    if problem := _described_fields_problem(m):
+        raise ArtifactError(f"{path}: manifest {problem}", hint)
     defaults = m.get("generation_defaults")
     if not (
         defaults is None
@@ -211,6 +219,49 @@ def check_manifest(m: dict, path: Path) -> None:
         )
 
 
+# The fields only the tools read (`llmc inspect`), and the JSON type each must have
+_DESCRIBED_FIELDS = {
+    "compiler_version": str,
+    "quantization": str,
+    "activation_dtype": str,
+    "kernels": list,
+    "passes": dict,
+    "buffer_plan": dict,
+    "quant": dict,
+    "quality": dict,
+    "tuning": dict,
+}
+
+
+def _described_fields_problem(m: dict) -> str | None:
+    """What is wrong with the shape of a field `llmc inspect` goes through, if anything."""
+    for key, kind in _DESCRIBED_FIELDS.items():
+        if key in m and not isinstance(m[key], kind):
+            return (
+                f"{key} {_show(m[key])} is not {dict(str='a string', list='a list', dict='an object')[kind.__name__]}"
+            )
+    if not all(_is_int(n, 0) for n in m.get("passes", {}).values()):
+        return f"passes {_show(m['passes'])} are not counts of rewrites"
+    for k in m.get("kernels", []):
+        if not (
+            isinstance(k, dict)
+            and isinstance(k.get("params", {}), dict)
+            and _is_int(k.get("launches", 1), 0)
+            and isinstance(k.get("fuses", []), list)
+        ):
+            return f"kernels entry {_show(k)} is not a kernel (params an object, launches a count, fuses a list)"
+    tuned = m.get("tuning", {}).get("kernels", {})
+    if not isinstance(tuned, dict) or not all(
+        isinstance(t, dict)
+        and isinstance(t.get("params", {}), dict)
+        and isinstance(ignored := t.get("ignored", []), list)
+        and all(isinstance(i, str) for i in ignored)
+        for t in tuned.values()
+    ):
+        return f"tuning kernels {_show(tuned)} are not kernels' tuned parameters"
+    return None
+
+
 def check_seal(m: dict, path: Path) -> None:
     """Every field of the manifest still has the sha256 recorded when it was written."""
     recorded = m.get(MANIFEST_DIGESTS)
@@ -220,7 +271,7 @@ def check_seal(m: dict, path: Path) -> None:
     fields = {k: v for k, v in m.items() if k != MANIFEST_DIGESTS}
     changed = sorted(
         k
-        for k in fields.keys() | recorded.keys()
+        for k in fields.keys() | recorded.keys() - {MANIFEST_DIGESTS}
         if k not in recorded or k not in fields or _canonical_sha256(fields[k]) != recorded[k]
     )
     if changed:
@@ -228,6 +279,12 @@ def check_seal(m: dict, path: Path) -> None:
         raise ArtifactError(
             f"{path / MANIFEST}: field {named} was edited or damaged after compile "
             f"(its sha256 does not match {MANIFEST_DIGESTS})",
+            hint,
+        )
+    if recorded.get(MANIFEST_DIGESTS) != _canonical_sha256(sorted(fields)):
+        raise ArtifactError(
+            f"{path / MANIFEST}: its set of fields was changed after compile (a field was taken out or put in; "
+            f"the names do not match their sha256 in {MANIFEST_DIGESTS})",
             hint,
         )
 

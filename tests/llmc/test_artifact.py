@@ -106,7 +106,7 @@ def test_corrupt_file_is_named(tmp_path, config, name):
         f.write(b"X")
     with pytest.raises(ArtifactError, match=rf"{name} is corrupt.*recompile"):
         art.load_artifact(out)
-    art.load_artifact(out, verify=False)  # inspect can still read it
+    art.load_artifact(out, verify=False)  # the simulator and the profiler, which verify right after, still read it
 
 
 def test_missing_file_is_named(tmp_path, config):

@@ -17,6 +17,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -27,6 +28,7 @@ from llmc.compiler.frontend.load import load_checkpoint
 from llmc.errors import ArtifactError, LlmcError
 from llmc.kernel_program import decode_weight_bytes, format_program
 from llmc.model_config import ModelConfig
+from llmc.tools.cli import main as cli
 
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
@@ -103,6 +105,12 @@ def valid(checkpoint_dir, tmp_path_factory) -> Path:
             "tokenizer": {"chat_template": "{{x}}", "bos_token": "<s>", "eos_token": "</s>"},
             "generation_defaults": {"temperature": 0.7, "top_k": 40},
             "kernel_program": PROGRAM,
+            "passes": {"fuse_rmsnorm": 3, "fold": 0},
+            "buffer_plan": {"buffers": PROGRAM["buffers"], "values_per_token_row": 128},
+            "quantization": "int4 g32",
+            "quant": {"default": "int4 g32", "activations": "float32", "weights": {"lm_head.weight": "int4 g32"}},
+            "quality": {"kl_mean": 0.01, "tokens": 100},
+            "tuning": {"database": "none", "kernels": {"k0": {"template": "rmsnorm", "source": "default"}}},
         }
 
     return writer.write_artifact(tmp_path_factory.mktemp("valid") / "a.cpu", populate)
@@ -135,7 +143,8 @@ def _write(path: Path, m, seal: bool = True) -> None:
 
 def _loads_or_one_line_error(path: Path, hashed: list[str]) -> ArtifactError | None:
     """The property: load_artifact returns a usable Artifact or raises one LlmcError of one line, and hashes
-    nothing outside the artifact."""
+    nothing outside the artifact; `llmc inspect -v` agrees (it verifies as the runtime does) and either describes
+    the artifact or prints that one line."""
     hashed.clear()
     error = None
     try:
@@ -160,6 +169,12 @@ def _loads_or_one_line_error(path: Path, hashed: list[str]) -> ArtifactError | N
             a.decode_weight_bytes,
             format_program(a.manifest["kernel_program"]) if "kernel_program" in a.manifest else None,
         )
+    inspected = CliRunner().invoke(cli, ["inspect", "-v", str(path)])
+    if error is None:
+        assert inspected.exit_code == 0 and inspected.exception is None, (inspected.exception, inspected.output)
+    else:
+        assert inspected.exit_code == 1 and isinstance(inspected.exception, SystemExit), inspected.exception
+        assert inspected.stderr == f"error: {error}\n", inspected.stderr
     root = os.path.realpath(path)
     outside = [p for p in hashed if os.path.commonpath([root, os.path.realpath(p)]) != root]
     assert not outside, f"read outside the artifact: {outside}"
@@ -180,7 +195,7 @@ def test_config_field_types_are_all_checked():
 def test_valid_manifest_loads(artifact):
     path, hashed = artifact
     assert _loads_or_one_line_error(path, hashed) is None
-    assert len(hashed) == 5
+    assert len(set(hashed)) == 5
 
 
 @FUZZ
@@ -310,6 +325,19 @@ def test_fuzz_kernel_program_resealed(artifact):
         ("kernel_program", {"buffers": [{"rows": "B", "cols": 8}]}),
         ("kernel_program", {"tvm_funcs": {"f": 1}}),
         ("kernel_program", {"act_dtype": "float16"}),
+        ("kernel_program", 1),
+        ("kernels", 5),
+        ("kernels", [{"id": "k0", "fuses": 3}]),
+        ("kernels", [{"id": "k0", "launches": "x"}]),
+        ("kernels", [{"id": "k0", "params": [1]}]),
+        ("passes", {"fold": "x"}),
+        ("buffer_plan", []),
+        ("quant", "int4"),
+        ("quality", 0.5),
+        ("tuning", {"kernels": {"k0": 1}}),
+        ("tuning", {"kernels": [1]}),
+        ("quantization", 4),
+        ("compiler_version", ["0.1"]),
     ],
 )
 def test_resealed_bad_field_is_refused(artifact, field, value):
@@ -319,6 +347,30 @@ def test_resealed_bad_field_is_refused(artifact, field, value):
     _write(path, m)
     error = _loads_or_one_line_error(path, hashed)
     assert isinstance(error, ArtifactError) and field in str(error)
+
+
+@pytest.mark.parametrize(
+    "field",
+    ["generation_defaults", "quantization", "tuning", "kernels", "compiler_version", "weight_dtype", "kernel_program"],
+)
+def test_field_deleted_with_its_digest_is_refused(artifact, field):
+    """The set of fields is sealed too: taking a field out together with its digest is an edit."""
+    path, hashed = artifact
+    m = _manifest(path)
+    del m[field], m[mf.MANIFEST_DIGESTS][field]
+    _write(path, m, seal=False)
+    error = _loads_or_one_line_error(path, hashed)
+    assert isinstance(error, ArtifactError) and "set of fields" in str(error), error
+
+
+def test_field_added_with_its_digest_is_refused(artifact):
+    path, hashed = artifact
+    m = _manifest(path)
+    m["extra"] = {"temperature": 9}
+    m[mf.MANIFEST_DIGESTS]["extra"] = mf._canonical_sha256(m["extra"])
+    _write(path, m, seal=False)
+    error = _loads_or_one_line_error(path, hashed)
+    assert isinstance(error, ArtifactError) and "set of fields" in str(error), error
 
 
 def _passwd_sha256() -> str:

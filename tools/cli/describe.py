@@ -84,7 +84,7 @@ def inspect_artifact(path: Path, verbose: bool) -> None:
     """A compiled artifact, from its manifest: verbose lists every kernel, quantized weight and tuned kernel."""
     from llmc.artifact import load_artifact, safetensors_data_bytes
 
-    a = load_artifact(path, verify=False, check_target=False)
+    a = load_artifact(path, check_target=False)  # verified: what it describes is what `llmc run` would load
     m, c = a.manifest, a.config
     target = dict(a.target)
     name = target.pop("name")
