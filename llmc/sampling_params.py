@@ -7,6 +7,7 @@ they become every request's defaults. Names and semantics follow vLLM and the Op
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 
 from llmc.errors import RequestError
@@ -20,6 +21,70 @@ MAX_REPETITION_PENALTY = 100.0
 MIN_REPETITION_PENALTY = 1.0 / MAX_REPETITION_PENALTY
 # numpy's SeedSequence takes non-negative integers only; 64 bits is every seed a client sends in practice.
 MAX_SEED = 2**64 - 1
+# A schema, regex or grammar's text: far past any real one, and a bound on what the grammar compiler is given
+MAX_GRAMMAR_CHARS = 256 * 1024
+MAX_CHOICES = 4096
+
+
+@dataclasses.dataclass(frozen=True)
+class StructuredOutputs:
+    """What a request's output must match (vLLM's `structured_outputs`): exactly one of a JSON schema (a dict,
+    or its text), any JSON object, a regular expression, a list of choices, or a grammar (Lark, or llama.cpp's
+    GBNF). The runtime compiles it (runtime/structured.py) and masks every step's logits with it."""
+
+    json: dict | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.choice is not None and isinstance(self.choice, list):
+            object.__setattr__(self, "choice", tuple(self.choice))
+        given = [name for name in ("json", "json_object", "regex", "choice", "grammar") if getattr(self, name)]
+        if len(given) != 1:
+            raise RequestError(
+                "structured output takes exactly one of json, json_object, regex, choice and grammar"
+                + (f", not {' and '.join(given)}" if given else ""),
+                param="structured_outputs",
+            )
+        (kind,) = given
+        value = getattr(self, kind)
+        ok = {
+            "json": isinstance(value, dict | str) and not isinstance(value, bool),
+            "json_object": value is True,
+            "regex": isinstance(value, str),
+            "choice": isinstance(value, tuple)
+            and 0 < len(value) <= MAX_CHOICES
+            and all(isinstance(c, str) and c for c in value),
+            "grammar": isinstance(value, str),
+        }[kind]
+        if not ok:
+            raise RequestError(
+                f"structured output {kind} must be "
+                + {
+                    "json": "a JSON schema (an object)",
+                    "json_object": "true",
+                    "regex": "a string",
+                    "choice": f"a list of 1 to {MAX_CHOICES} non-empty strings",
+                    "grammar": "a string (Lark or GBNF)",
+                }[kind],
+                param=kind,
+            )
+        if len(self.text) > MAX_GRAMMAR_CHARS:
+            raise RequestError(f"structured output {kind} is longer than {MAX_GRAMMAR_CHARS:,} characters", param=kind)
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in ("json", "json_object", "regex", "choice", "grammar") if getattr(self, k))
+
+    @property
+    def text(self) -> str:
+        """The constraint as one string: what the grammar cache is keyed by."""
+        value = getattr(self, self.kind)
+        if isinstance(value, str):
+            return value
+        return json.dumps(value, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
 
 
 @dataclasses.dataclass
@@ -40,6 +105,7 @@ class SamplingParams:
     logprobs: int | None = None  # return the sampled token's logprob and the top-n; None: none
     ignore_eos: bool = False
     skip_special_tokens: bool = True  # detokenization
+    structured: StructuredOutputs | None = None  # the grammar every output must match; None: free text
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -107,6 +173,8 @@ class SamplingParams:
             )
         if self.logprobs is not None:
             integer("logprobs", 0, MAX_LOGPROBS)
+        if self.structured is not None and not isinstance(self.structured, StructuredOutputs):
+            raise bad("structured", self.structured, "structured must be a StructuredOutputs")
 
     @property
     def greedy(self) -> bool:

@@ -42,6 +42,7 @@ from llmc.runtime.kv_cache import KVCacheManager
 from llmc.runtime.outputs import Completion, EngineStats, GenerationResult, RequestOutput
 from llmc.runtime.sampling import make_rng, process_logits, sample_next_token, softmax, top_logprobs
 from llmc.runtime.scheduler import Request, Scheduler
+from llmc.runtime.structured import GrammarMatcher, StructuredOutput, apply_mask
 from llmc.runtime.spec_decode import (
     DraftProposer,
     NgramProposer,
@@ -70,6 +71,7 @@ class _Sequence:
     min_tokens_suppress: tuple[int, ...]  # EOS and stop token ids, banned until min_tokens are out
     speculate: bool = True  # the engine's speculative decoding (if on) guesses this sequence's tokens
     proposal: Proposal | None = None  # the guesses of its next step, while it runs
+    matcher: GrammarMatcher | None = None  # structured output: where its output stands in its grammar
 
 
 class LLMEngine:
@@ -143,6 +145,7 @@ class LLMEngine:
             )
         self.spec_num_draft_tokens = 0
         self.spec_num_accepted_tokens = 0
+        self.structured = StructuredOutput(tokenizer, self.vocab_size, self.eos_token_ids, int(model.max_num_logits))
         self._seqs: dict[str, _Sequence] = {}  # by sequence id (== req_id when n == 1)
         self._seq_ids: dict[str, list[str]] = {}  # req_id -> its live sequence ids
         self._ids = itertools.count()
@@ -158,6 +161,8 @@ class LLMEngine:
                 "load the engine with the model's tokenizer, or use stop_token_ids",
                 param="stop",
             )
+        if params.structured is not None:
+            self.structured.compiler().check(params.structured)
 
     def add_request(
         self,
@@ -181,6 +186,8 @@ class LLMEngine:
         if any(s in self._seqs for s in seq_ids):
             raise RequestError(f"request id {req_id!r} clashes with a running request's sequence ids")
         self._seq_ids[req_id] = seq_ids
+        if params.structured is not None:
+            self.structured.num_requests += 1
         try:
             for index, seq_id in enumerate(seq_ids):
                 # n > 1: n independent sequences; seeded ones get seed + index (as vLLM), or they would be equal
@@ -214,6 +221,7 @@ class LLMEngine:
             detokenizer=detokenizer,
             min_tokens_suppress=tuple(sorted(set(self.eos_token_ids) | set(params.stop_token_ids))),
             speculate=speculate,
+            matcher=None if params.structured is None else self.structured.compiler().matcher(params.structured),
         )
         self.scheduler.add_request(request)
 
@@ -272,6 +280,8 @@ class LLMEngine:
             self.kv_cache.block_size,
             num_logits=num_rows,
         )
+        row_end = np.cumsum(num_rows)
+        masking = self._start_masks(sched.scheduled, row_end)  # beside the model step, which lets go of the GIL
         try:
             logits = self.model.step(batch)  # float32 [N, vocab]: each sequence's last num_rows[b] token rows
             if logits.shape != (batch.num_logits, self.vocab_size):
@@ -279,24 +289,41 @@ class LLMEngine:
                     f"the model returned logits of shape {logits.shape}, not {(batch.num_logits, self.vocab_size)}"
                 )
         except Exception as e:  # the step's requests cannot go on; the others (waiting) can
+            if masking is not None:
+                masking.result()
             return self._fail_requests([self._seqs[s.req_id] for s in sched.scheduled], e)
+        masks = None if masking is None else masking.result()
         self.scheduler.cache_computed_blocks(sched)  # before sampling finishes (and frees) any of them
         outputs = []
-        row_end = np.cumsum(num_rows)
         for scheduled, end in zip(sched.scheduled, row_end, strict=True):
             seq = self._seqs.get(scheduled.req_id)  # None: a sibling sequence failed earlier in this loop
             if seq is None or not scheduled.samples:  # partial prefill chunks produce no token
                 continue
             try:
+                first = end - 1 - scheduled.num_spec_tokens
+                if seq.matcher is not None:
+                    for row in range(first, end):
+                        apply_mask(logits[row], masks[row])
                 if scheduled.num_spec_tokens:
-                    rows = logits[end - 1 - scheduled.num_spec_tokens : end]
                     guesses = scheduled.token_ids[-scheduled.num_spec_tokens :]
-                    outputs.append(self._verify_and_finish(seq, rows, guesses))
+                    if seq.matcher is not None:  # rows past the first guess the grammar refuses were not masked
+                        guesses = guesses[: seq.matcher.num_valid(guesses) + 1]
+                    outputs.append(self._verify_and_finish(seq, logits[first : first + len(guesses) + 1], guesses))
                 else:
                     outputs.append(self._sample_and_finish(seq, logits[end - 1]))
             except Exception as e:
                 outputs.append(self._fail(seq, e))
         return outputs
+
+    def _start_masks(self, scheduled, row_end):
+        """Start computing the grammar masks of the step's constrained rows (structured.py); None when it has none."""
+        rows = []
+        for s, end in zip(scheduled, row_end, strict=True):
+            seq = self._seqs[s.req_id]
+            if seq.matcher is not None and s.samples:
+                guesses = s.token_ids[len(s.token_ids) - s.num_spec_tokens :] if s.num_spec_tokens else []
+                rows.append((seq.matcher, int(end) - 1 - s.num_spec_tokens, guesses))
+        return self.structured.start_masks(rows) if rows else None
 
     @staticmethod
     def _make_proposer(config: SpeculativeConfig, model) -> NgramProposer | DraftProposer:
@@ -352,6 +379,8 @@ class LLMEngine:
         params, request = seq.params, seq.request
         num_out = request.num_output_tokens  # before this token
         suppress = seq.min_tokens_suppress if num_out < params.min_tokens else ()
+        if seq.matcher is not None and seq.matcher.is_finished:  # the grammar allows only EOS now
+            suppress = ()
         output_ids = np.asarray(request.output_token_ids, dtype=np.int64) if params.has_penalties else _NO_TOKENS
         token = sample_next_token(logits, params, seq.rng, seq.prompt_ids, output_ids, suppress)
         logprobs = [top_logprobs(logits, token, params.logprobs)] if params.logprobs is not None else None
@@ -405,6 +434,10 @@ class LLMEngine:
             num_tokens += 1
             finish_reason, stop_reason = self._check_stop_token(seq, token, num_out)
             stopped_by_token = finish_reason == "stop"
+            if finish_reason is None and seq.matcher is not None:
+                seq.matcher.accept([token])
+                if seq.matcher.is_finished:  # only EOS could follow: end here, not one step later
+                    finish_reason = "stop"
             if finish_reason is None and (
                 (params.max_tokens is not None and num_out >= params.max_tokens) or num_tokens >= self.max_model_len
             ):

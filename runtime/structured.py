@@ -1,0 +1,249 @@
+"""Structured output: each constrained sequence carries a grammar matcher, and every step masks its logits rows
+with the tokens that keep its output valid before they are sampled.
+
+The grammar engine is llguidance (a Rust Earley parser over the tokenizer's token trie, no dependencies). This
+module is the seam to it:
+  - `GrammarCompiler`, one per engine: the tokenizer's token trie, built once; each constraint (a
+    SamplingParams' StructuredOutputs) compiled once into a matcher in its start state, kept in an LRU cache
+    and copied for every sequence that uses it. A constraint the engine cannot compile is a RequestError that
+    names it and the reason; llguidance's fuel limits bound the time any grammar takes.
+  - `GrammarMatcher`, one per sequence: the tokens it has output so far, nothing else, so preemption (which
+    recomputes the cache but keeps the output), chunked prefill and prefix-cache hits leave it as it is.
+  - `fill_masks` computes the step's masks into one [rows, ceil(V/32)] int32 bitmask on llguidance's own
+    threads, with the GIL released, so the engine runs it beside the model step; `apply_mask` sets the logits
+    of the tokens a row's mask excludes to -inf.
+
+EOS is in a mask only where the grammar can end, and a grammar that has ended allows nothing but EOS; the
+engine ends such a sequence at once (finish_reason "stop") rather than spending a step on the EOS.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import json
+import threading
+import time
+
+import llguidance as llg
+import numpy as np
+
+from llmc.errors import RequestError
+from llmc.sampling_params import StructuredOutputs
+
+# llguidance's defaults but for the initial lexer fuel, a quarter of theirs: a schema or regex that needs more
+# is pathological (its compile would take seconds), and it is refused instead.
+_LIMITS = llg.LLParserLimits(initial_lexer_fuel=250_000, verbose_errors=False)
+_CACHE_SIZE = 256
+
+
+class StructuredOutput:
+    """An engine's structured output: its grammar compiler and mask filler, each made on first use (the token
+    trie takes a while for a large vocabulary), and the thread that fills a step's masks beside the model step."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids, max_rows: int):
+        self._tokenizer, self._vocab_size, self._eos_token_ids = tokenizer, vocab_size, tuple(eos_token_ids)
+        self._max_rows = max_rows
+        self._compiler: GrammarCompiler | None = None
+        self._masks: MaskFiller | None = None
+        self._thread: concurrent.futures.ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+        self.num_requests = 0
+
+    def compiler(self) -> GrammarCompiler:
+        """Raises RequestError without a tokenizer."""
+        if self._tokenizer is None:
+            raise RequestError(
+                "structured output needs a tokenizer", "load the engine with the model's tokenizer", param="structured"
+            )
+        with self._lock:
+            if self._compiler is None:
+                self._compiler = GrammarCompiler(self._tokenizer, self._vocab_size, self._eos_token_ids)
+            return self._compiler
+
+    def start_masks(self, rows: list[tuple[GrammarMatcher, int, list[int]]]) -> concurrent.futures.Future:
+        """Fill the masks of `rows` (MaskFiller.fill's) on the mask thread; the future's result is the bitmask."""
+        if self._masks is None:
+            self._masks = MaskFiller(self._max_rows, self._vocab_size)
+            self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="llmc-grammar-masks")
+        masks = self._masks
+        return self._thread.submit(lambda: (masks.fill(rows), masks.bitmask)[1])
+
+    @property
+    def mask_seconds(self) -> float:
+        """The last step's time filling masks (beside the model step); 0 before any structured request."""
+        return 0.0 if self._masks is None else self._masks.seconds
+
+    @property
+    def compile_seconds(self) -> float:
+        return 0.0 if self._compiler is None else self._compiler.compile_seconds
+
+
+class GrammarCompiler:
+    """Constraints compiled against one tokenizer, cached. Thread-safe: the server checks requests on its threads
+    while the engine's thread adds them."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids):
+        """tokenizer: a `tokenizers.Tokenizer`; vocab_size: the model's logits width (it may pass the tokenizer's)."""
+        self.vocab_size = int(vocab_size)
+        self._tokenizer = llg.LLTokenizer(tokenizer.to_str(), n_vocab=self.vocab_size, eos_token=list(eos_token_ids))
+        self._cache: collections.OrderedDict[tuple[str, str], llg.LLMatcher] = collections.OrderedDict()
+        self._lock = threading.Lock()
+        self.num_compiled = 0
+        self.compile_seconds = 0.0  # the last compile's time (metrics.py observes it)
+
+    def matcher(self, spec: StructuredOutputs) -> GrammarMatcher:
+        """A fresh matcher for one sequence; compiles `spec` on a cache miss. Raises RequestError."""
+        return GrammarMatcher(self._compiled(spec).deep_copy())
+
+    def check(self, spec: StructuredOutputs) -> None:
+        """Raise RequestError unless `spec` compiles (and cache it)."""
+        self._compiled(spec)
+
+    def _compiled(self, spec: StructuredOutputs) -> llg.LLMatcher:
+        key = (spec.kind, spec.text)
+        with self._lock:
+            if (hit := self._cache.get(key)) is not None:
+                self._cache.move_to_end(key)
+                return hit
+        start = time.perf_counter()
+        matcher = llg.LLMatcher(self._tokenizer, _grammar(spec), log_level=0, limits=_LIMITS)  # drops the GIL
+        if matcher.is_error():
+            raise RequestError(
+                f"the {spec.kind} constraint cannot be compiled: {_first_line(matcher.get_error())}",
+                _HINTS[spec.kind],
+                param=spec.kind,
+            )
+        with self._lock:
+            self.num_compiled += 1
+            self.compile_seconds = time.perf_counter() - start
+            self._cache[key] = matcher
+            while len(self._cache) > _CACHE_SIZE:
+                self._cache.popitem(last=False)
+        return matcher
+
+
+_HINTS = {
+    "json": "pass a valid JSON schema (draft 2020-12 keywords; see llguidance's JSON schema support)",
+    "json_object": "",
+    "regex": "pass a regular expression in Rust regex syntax (no look-around or backreferences)",
+    "choice": "pass a list of non-empty strings",
+    "grammar": "pass a Lark grammar with a `start` rule, or a GBNF grammar with a `root` rule",
+}
+
+
+def _grammar(spec: StructuredOutputs) -> str:
+    """The llguidance grammar of a constraint. JSON is compact (no whitespace between tokens): a model can
+    otherwise pad a value with whitespace until max_tokens."""
+    try:
+        if spec.kind in ("json", "json_object"):
+            schema = {"type": "object"} if spec.kind == "json_object" else closed_objects(_schema_object(spec.json))
+            return llg.LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_flexible": False})
+        if spec.kind == "regex":
+            return llg.LLMatcher.grammar_from_regex(spec.regex)
+        if spec.kind == "choice":
+            return llg.grammar_from("choice", spec.text)
+        return llg.grammar_from("grammar", spec.grammar)
+    except (ValueError, TypeError) as e:  # JSON that is no object, a GBNF that does not convert
+        raise RequestError(
+            f"the {spec.kind} constraint cannot be compiled: {_first_line(str(e))}", _HINTS[spec.kind], param=spec.kind
+        ) from None
+
+
+def _schema_object(schema: dict | str) -> dict | bool:
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except ValueError as e:
+            raise ValueError(f"the schema is not JSON ({e})") from None
+    if not isinstance(schema, dict | bool):
+        raise ValueError("a JSON schema is an object (or true / false)")
+    return schema
+
+
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
+_SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
+_SUBSCHEMAS = ("items", "additionalProperties", "not", "if", "then", "else", "contains")
+
+
+def closed_objects(schema):
+    """The schema with `additionalProperties: false` on every object schema that does not say (as OpenAI's strict
+    mode requires and xgrammar's strict mode assumes): else a model may add keys of its own without end.
+    allOf's branches are left open, since each must admit the others' properties."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [closed_objects(s) for s in out[key]]
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: closed_objects(s) for name, s in out[key].items()}
+    for key in _SUBSCHEMAS:
+        if key in out:
+            out[key] = closed_objects(out[key])
+    is_object = out.get("type") == "object" or (isinstance(out.get("type"), list) and "object" in out["type"])
+    if (is_object or "properties" in out) and not {"additionalProperties", "unevaluatedProperties"} & out.keys():
+        out["additionalProperties"] = False
+    return out
+
+
+def _first_line(message: str, limit: int = 300) -> str:
+    line = (message.strip().splitlines() or ["unknown error"])[0]
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+class GrammarMatcher:
+    """One sequence's position in its grammar."""
+
+    def __init__(self, matcher: llg.LLMatcher):
+        self._matcher = matcher
+
+    def accept(self, token_ids: list[int]) -> None:
+        """Advance over tokens the sequence output (each was allowed by its mask)."""
+        if not self._matcher.consume_tokens(token_ids):
+            raise RuntimeError(f"the grammar matcher refused an output token: {self._matcher.get_error()}")
+
+    def num_valid(self, token_ids: list[int]) -> int:
+        """How many of `token_ids` (a speculative proposal) the grammar takes in a row from here."""
+        return self._matcher.validate_tokens(token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        """The grammar has ended: nothing but EOS may follow."""
+        return self._matcher.is_stopped()
+
+    @property
+    def llg_matcher(self) -> llg.LLMatcher:
+        return self._matcher
+
+
+class MaskFiller:
+    """Fills one step's bitmask [rows, ceil(V/32)] on llguidance's threads."""
+
+    def __init__(self, max_rows: int, vocab_size: int):
+        self.bitmask = np.full((max_rows, (vocab_size + 31) // 32), -1, dtype=np.int32)
+        self._executor = llg.LLExecutor()
+        self.seconds = 0.0  # the last fill's time
+
+    def fill(self, rows: list[tuple[GrammarMatcher, int, list[int]]]) -> None:
+        """rows: (matcher, first row, proposal): the mask at `first row` is the matcher's next token's, and
+        first row + 1 + i the one after the proposal's first i + 1 tokens (as far as the grammar takes them)."""
+        start = time.perf_counter()
+        plain = [(m.llg_matcher, row) for m, row, draft in rows if not draft]
+        drafted = [(m.llg_matcher, row, draft) for m, row, draft in rows if draft]
+        one_mask = self.bitmask.shape[1] * 4
+        if plain:
+            self._executor.unsafe_compute_mask_ptr(plain, self.bitmask.ctypes.data, one_mask, self.bitmask.shape[0])
+        if drafted:
+            self._executor.unsafe_compute_mask_ptr_with_draft_token(
+                drafted, self.bitmask.ctypes.data, one_mask, self.bitmask.shape[0]
+            )
+        self.seconds = time.perf_counter() - start
+
+
+def apply_mask(logits: np.ndarray, mask: np.ndarray) -> None:
+    """Set logits [V] of the tokens that `mask` (int32 [ceil(V/32)], bit t % 32 of word t // 32) excludes to
+    -inf, in place."""
+    allowed = np.unpackbits(mask.view(np.uint8), bitorder="little", count=logits.shape[0]).view(bool)
+    logits[~allowed] = -np.inf
