@@ -42,7 +42,6 @@ from llmc.runtime.kv_cache import KVCacheManager
 from llmc.runtime.outputs import Completion, EngineStats, GenerationResult, RequestOutput
 from llmc.runtime.sampling import make_rng, process_logits, sample_next_token, softmax, top_logprobs
 from llmc.runtime.scheduler import Request, Scheduler
-from llmc.runtime.structured import GrammarMatcher, StructuredOutput, apply_mask
 from llmc.runtime.spec_decode import (
     DraftProposer,
     NgramProposer,
@@ -52,6 +51,7 @@ from llmc.runtime.spec_decode import (
     accept_greedy,
     rejection_sample,
 )
+from llmc.runtime.structured import GrammarMatcher, StructuredOutput, apply_mask
 from llmc.sampling_params import SamplingParams
 
 _NO_TOKENS = np.zeros(0, dtype=np.int64)
