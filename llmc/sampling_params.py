@@ -41,7 +41,9 @@ class StructuredOutputs:
     def __post_init__(self) -> None:
         if self.choice is not None and isinstance(self.choice, list):
             object.__setattr__(self, "choice", tuple(self.choice))
-        given = [name for name in ("json", "json_object", "regex", "choice", "grammar") if getattr(self, name)]
+        given = [
+            k for k in ("json", "json_object", "regex", "choice", "grammar") if getattr(self, k) not in (None, False)
+        ]
         if len(given) != 1:
             raise RequestError(
                 "structured output takes exactly one of json, json_object, regex, choice and grammar"
@@ -76,12 +78,20 @@ class StructuredOutputs:
 
     @property
     def kind(self) -> str:
-        return next(k for k in ("json", "json_object", "regex", "choice", "grammar") if getattr(self, k))
+        return next(
+            k for k in ("json", "json_object", "regex", "choice", "grammar") if getattr(self, k) not in (None, False)
+        )
 
     @property
     def text(self) -> str:
-        """The constraint as one string: what the grammar cache is keyed by."""
+        """The constraint as one string: what the grammar cache is keyed by (a schema's canonical JSON, whether it
+        came as an object or as text)."""
         value = getattr(self, self.kind)
+        if self.kind == "json" and isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError:
+                return value  # the compiler refuses it
         if isinstance(value, str):
             return value
         return json.dumps(value, sort_keys=True, ensure_ascii=False, separators=(",", ":"))

@@ -110,7 +110,7 @@ class GrammarCompiler:
         matcher = llg.LLMatcher(self._tokenizer, _grammar(spec), log_level=0, limits=_LIMITS)  # drops the GIL
         if matcher.is_error():
             raise RequestError(
-                f"the {spec.kind} constraint cannot be compiled: {_first_line(matcher.get_error())}",
+                f"the {spec.kind} constraint cannot be compiled: {_one_line(matcher.get_error())}",
                 _HINTS[spec.kind],
                 param=spec.kind,
             )
@@ -146,7 +146,7 @@ def _grammar(spec: StructuredOutputs) -> str:
         return llg.grammar_from("grammar", spec.grammar)
     except (ValueError, TypeError) as e:  # JSON that is no object, a GBNF that does not convert
         raise RequestError(
-            f"the {spec.kind} constraint cannot be compiled: {_first_line(str(e))}", _HINTS[spec.kind], param=spec.kind
+            f"the {spec.kind} constraint cannot be compiled: {_one_line(str(e))}", _HINTS[spec.kind], param=spec.kind
         ) from None
 
 
@@ -188,8 +188,9 @@ def closed_objects(schema):
     return out
 
 
-def _first_line(message: str, limit: int = 300) -> str:
-    line = (message.strip().splitlines() or ["unknown error"])[0]
+def _one_line(message: str, limit: int = 300) -> str:
+    """llguidance's message (several lines, with a caret under the place) as one line, cut short."""
+    line = " ".join(message.split()) or "unknown error"
     return line if len(line) <= limit else line[: limit - 3] + "..."
 
 

@@ -8,14 +8,15 @@ listed in `_unsupported` and refused (400), never ignored. Checks across fields 
 from __future__ import annotations
 
 import asyncio
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 from fastapi import Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from llmc.errors import RequestError
 from llmc.runtime.server.errors import ApiError, validation_error
 from llmc.runtime.server.limits import ServerLimits
-from llmc.sampling_params import SamplingParams
+from llmc.sampling_params import SamplingParams, StructuredOutputs
 
 
 class _Body(BaseModel):
@@ -24,6 +25,30 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(_Body):
+    name: str | None = Field(None, max_length=64)  # OpenAI requires it; it names the schema and changes nothing
+    description: str | None = None
+    schema_: dict[str, Any] | bool | None = Field(None, alias="schema")
+    strict: bool | None = None  # llmc constrains every schema: strict or not, the output matches it
+
+
+class ResponseFormat(_Body):
+    """OpenAI's response_format."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsBody(_Body):
+    """vLLM's structured_outputs: one of them."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
 
 
 # Request fields that map one to one onto SamplingParams; unset (or null) ones keep SamplingParams' defaults.
@@ -50,6 +75,8 @@ class _GenerationRequest(_Body):
     skip_special_tokens: bool | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsBody | None = None
     # Accepted so that they can be refused when set: silently ignoring them would change the answer.
     logit_bias: dict[str, float] | None = None
 
@@ -64,7 +91,39 @@ class _GenerationRequest(_Body):
             if getattr(self, name) not in (None, False, [], {}):
                 raise ApiError(f"'{name}' is not supported by this server", param=name)
         kwargs = {k: getattr(self, k) for k in _SAMPLING_FIELDS if getattr(self, k) is not None}
-        return SamplingParams(**kwargs, max_tokens=max_tokens, logprobs=logprobs)
+        return SamplingParams(**kwargs, max_tokens=max_tokens, logprobs=logprobs, structured=self.structured())
+
+    def structured(self) -> StructuredOutputs | None:
+        """The constraint response_format or structured_outputs asks for (not both), or None for free text."""
+        fmt, so = self.response_format, self.structured_outputs
+        asked = fmt is not None and fmt.type != "text"
+        if asked and so is not None:
+            raise ApiError("give response_format or structured_outputs, not both", param="structured_outputs")
+        try:
+            if fmt is not None and fmt.type == "json_schema":
+                if fmt.json_schema is None:
+                    raise ApiError("response_format json_schema needs its json_schema", param="response_format")
+                schema = fmt.json_schema.schema_
+                return StructuredOutputs(json_object=True) if schema in (None, True) else StructuredOutputs(json=schema)
+            if fmt is not None and fmt.type == "json_object":
+                return StructuredOutputs(json_object=True)
+            if so is not None:
+                return StructuredOutputs(
+                    json=so.json_,
+                    json_object=bool(so.json_object),
+                    regex=so.regex,
+                    choice=so.choice,
+                    grammar=so.grammar,
+                )
+        except RequestError as e:
+            raise ApiError(str(e), param=self.structured_param(e.param)) from None
+        return None
+
+    def structured_param(self, kind: str | None) -> str:
+        """The request field a constraint of `kind` came from, for an error message."""
+        if self.response_format is not None and self.response_format.type != "text":
+            return "response_format"
+        return "structured_outputs" if kind in (None, "structured_outputs") else f"structured_outputs.{kind}"
 
 
 class CompletionRequest(_GenerationRequest):
@@ -92,7 +151,6 @@ class ChatCompletionRequest(_GenerationRequest):
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None  # refused without tools (serving.py), as OpenAI does
-    response_format: dict[str, Any] | None = None
 
     _unsupported: ClassVar[tuple[str, ...]] = ("logit_bias", "tools")
 

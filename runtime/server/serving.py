@@ -136,14 +136,25 @@ class OpenAIServing:
                 param="stop_token_ids",
             )
 
-    def check_limits(
-        self, params: SamplingParams, prompt_ids: list[int], prompt_param: str, logprobs_param: str = "logprobs"
+    async def check_limits(
+        self,
+        body: CompletionRequest | ChatCompletionRequest,
+        params: SamplingParams,
+        prompt_ids: list[int],
+        prompt_param: str,
+        logprobs_param: str = "logprobs",
     ) -> None:
-        """The engine's limits (prompt length, vocabulary) and the context: all before the request starts."""
+        """The engine's limits (prompt length, vocabulary), the context and the structured output's grammar
+        (compiled off the event loop, once per constraint): all before the request starts."""
         try:
-            self.engine.check_request(prompt_ids, params)
+            if params.structured is None:
+                self.engine.check_request(prompt_ids, params)
+            else:
+                await asyncio.to_thread(self.engine.check_request, prompt_ids, params)
         except RequestError as e:
             param = {"prompt": prompt_param, "logprobs": logprobs_param}.get(e.param, e.param)
+            if params.structured is not None and e.param == params.structured.kind:
+                param = body.structured_param(e.param)
             raise ApiError(str(e), param=param) from None
         room = self.engine.max_model_len - len(prompt_ids)
         if params.max_tokens is not None and params.max_tokens > room:
@@ -311,7 +322,7 @@ class OpenAIServing:
             raise ApiError("best_of other than n is not supported", param="best_of")
         params = body.sampling_params(max_tokens=body.max_tokens, logprobs=body.logprobs)
         prompt_ids = await self.completion_prompt(body.prompt)
-        self.check_limits(params, prompt_ids, "prompt")
+        await self.check_limits(body, params, prompt_ids, "prompt")
         fmt = CompletionFormat(self.token_text, params.logprobs)
         return await self.respond(request, arrival, fmt, prompt_ids, params, body.stream, body.include_usage)
 
@@ -341,8 +352,6 @@ class OpenAIServing:
             )
         if body.tool_choice is not None and not body.tools:
             raise ApiError("tool_choice is only allowed when tools are given", param="tool_choice")
-        if body.response_format not in (None, {"type": "text"}):
-            raise ApiError("response_format other than text is not supported", param="response_format")
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         params = body.sampling_params(max_tokens=max_tokens, logprobs=logprobs)
@@ -359,7 +368,7 @@ class OpenAIServing:
             limits=self.limits.chat_template,
         )
         prompt_ids = await self.tokenize(text, "messages", add_special_tokens=False)
-        self.check_limits(params, prompt_ids, "messages", logprobs_param="top_logprobs")
+        await self.check_limits(body, params, prompt_ids, "messages", logprobs_param="top_logprobs")
         fmt = ChatFormat(self.token_text, params.logprobs)
         return await self.respond(request, arrival, fmt, prompt_ids, params, body.stream, body.include_usage)
 
