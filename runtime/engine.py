@@ -252,6 +252,7 @@ class LLMEngine:
             prefix_cache_hits=sched.prefix_cache_hits,
             spec_num_draft_tokens=self.spec_num_draft_tokens,
             spec_num_accepted_tokens=self.spec_num_accepted_tokens,
+            **self.structured.stats(),
         )
 
     def _new_id(self) -> str:

@@ -75,6 +75,15 @@ class _EngineCollector(Collector):
             ("llmc:prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits),
             ("llmc:spec_decode_num_draft_tokens", "Speculative guesses verified.", s.spec_num_draft_tokens),
             ("llmc:spec_decode_num_accepted_tokens", "Speculative guesses accepted.", s.spec_num_accepted_tokens),
+            ("llmc:structured_requests", "Requests with structured output (a grammar).", s.structured_requests),
+            ("llmc:grammar_compiles", "Structured-output constraints compiled (cache misses).", s.grammar_compiles),
+            ("llmc:grammar_compile_seconds", "Time compiling constraints.", s.grammar_compile_seconds),
+            ("llmc:grammar_mask_steps", "Steps that computed grammar masks.", s.grammar_mask_steps),
+            (
+                "llmc:grammar_mask_seconds",
+                "Time computing grammar masks, beside the model step.",
+                s.grammar_mask_seconds,
+            ),
         ]:
             family = CounterMetricFamily(name, doc, labels=["model_name"])
             family.add_metric([self.model_name], value)

@@ -67,6 +67,11 @@ class EngineStats:
     prefix_cache_hits: int = 0  # of those, tokens found cached (not computed)
     spec_num_draft_tokens: int = 0  # speculative guesses verified by the target model, since the engine was created
     spec_num_accepted_tokens: int = 0  # of those, guesses the target accepted
+    structured_requests: int = 0  # requests with a grammar (structured output), since the engine was created
+    grammar_compiles: int = 0  # constraints compiled (a cache miss each)
+    grammar_compile_seconds: float = 0.0  # their time, summed
+    grammar_mask_steps: int = 0  # steps that filled grammar masks
+    grammar_mask_seconds: float = 0.0  # their time filling masks (beside the model step), summed
 
     @property
     def kv_cache_usage(self) -> float:

@@ -69,14 +69,16 @@ class StructuredOutput:
         masks = self._masks
         return self._thread.submit(lambda: (masks.fill(rows), masks.bitmask)[1])
 
-    @property
-    def mask_seconds(self) -> float:
-        """The last step's time filling masks (beside the model step); 0 before any structured request."""
-        return 0.0 if self._masks is None else self._masks.seconds
-
-    @property
-    def compile_seconds(self) -> float:
-        return 0.0 if self._compiler is None else self._compiler.compile_seconds
+    def stats(self) -> dict:
+        """EngineStats' structured-output counters."""
+        compiler, masks = self._compiler, self._masks
+        return {
+            "structured_requests": self.num_requests,
+            "grammar_compiles": 0 if compiler is None else compiler.num_compiled,
+            "grammar_compile_seconds": 0.0 if compiler is None else compiler.compile_seconds,
+            "grammar_mask_steps": 0 if masks is None else masks.num_fills,
+            "grammar_mask_seconds": 0.0 if masks is None else masks.seconds,
+        }
 
 
 class GrammarCompiler:
@@ -90,7 +92,7 @@ class GrammarCompiler:
         self._cache: collections.OrderedDict[tuple[str, str], llg.LLMatcher] = collections.OrderedDict()
         self._lock = threading.Lock()
         self.num_compiled = 0
-        self.compile_seconds = 0.0  # the last compile's time (metrics.py observes it)
+        self.compile_seconds = 0.0  # summed over the compiles
 
     def matcher(self, spec: StructuredOutputs) -> GrammarMatcher:
         """A fresh matcher for one sequence; compiles `spec` on a cache miss. Raises RequestError."""
@@ -116,7 +118,7 @@ class GrammarCompiler:
             )
         with self._lock:
             self.num_compiled += 1
-            self.compile_seconds = time.perf_counter() - start
+            self.compile_seconds += time.perf_counter() - start
             self._cache[key] = matcher
             while len(self._cache) > _CACHE_SIZE:
                 self._cache.popitem(last=False)
@@ -225,7 +227,8 @@ class MaskFiller:
     def __init__(self, max_rows: int, vocab_size: int):
         self.bitmask = np.full((max_rows, (vocab_size + 31) // 32), -1, dtype=np.int32)
         self._executor = llg.LLExecutor()
-        self.seconds = 0.0  # the last fill's time
+        self.num_fills = 0
+        self.seconds = 0.0  # summed over the fills
 
     def fill(self, rows: list[tuple[GrammarMatcher, int, list[int]]]) -> None:
         """rows: (matcher, first row, proposal): the mask at `first row` is the matcher's next token's, and
@@ -240,7 +243,8 @@ class MaskFiller:
             self._executor.unsafe_compute_mask_ptr_with_draft_token(
                 drafted, self.bitmask.ctypes.data, one_mask, self.bitmask.shape[0]
             )
-        self.seconds = time.perf_counter() - start
+        self.num_fills += 1
+        self.seconds += time.perf_counter() - start
 
 
 def apply_mask(logits: np.ndarray, mask: np.ndarray) -> None:

@@ -5,6 +5,7 @@ kinds of path an option takes (PathKind), each checked on the command line."""
 from __future__ import annotations
 
 import functools
+import json
 import os
 import stat
 from pathlib import Path
@@ -188,6 +189,58 @@ def speculative_options(command):
         "tokens in the prompt and output (prompt lookup); draft has a smaller model (--draft) guess them. "
         "Greedy outputs are unchanged, sampled ones keep their distribution.",
     )(command)
+
+
+def structured_options(command):
+    """--json-schema, --regex, --choice, --grammar: the output must match one of them (the engine masks every
+    step's logits with the grammar); `structured_outputs` turns them into SamplingParams' StructuredOutputs."""
+    for option in (
+        click.option(
+            "--grammar", type=PathKind("input"), default=None, help="Output matches this Lark or GBNF grammar."
+        ),
+        click.option("--choice", multiple=True, help="Output is one of these strings (repeat the option for each)."),
+        click.option("--regex", default=None, help="Output matches this regular expression (Rust regex syntax)."),
+        click.option(
+            "--json-schema", type=PathKind("input"), default=None, help="Output is JSON valid against this schema file."
+        ),
+    ):
+        command = option(command)
+    return command
+
+
+def structured_outputs(json_schema: Path | None, regex: str | None, choice: tuple[str, ...], grammar: Path | None):
+    """The StructuredOutputs the options ask for (None: free text). A file that is not UTF-8 text or JSON, or more
+    than one option, is an LlmcError."""
+    from llmc.sampling_params import MAX_GRAMMAR_CHARS, StructuredOutputs
+
+    def read(path: Path, flag: str) -> str:
+        with open(path, "rb") as f:
+            data = f.read(4 * MAX_GRAMMAR_CHARS + 1)
+        try:
+            text = data.decode()
+        except UnicodeDecodeError:
+            raise LlmcError(f"{flag} {path}: not UTF-8 text", f"pass a text file for {flag}") from None
+        if len(text) > MAX_GRAMMAR_CHARS:
+            raise LlmcError(f"{flag} {path}: longer than {MAX_GRAMMAR_CHARS:,} characters")
+        return text
+
+    given = [json_schema, regex, choice or None, grammar]
+    if sum(g is not None for g in given) == 0:
+        return None
+    if sum(g is not None for g in given) > 1:
+        raise LlmcError("give one of --json-schema, --regex, --choice and --grammar")
+    schema = None
+    if json_schema is not None:
+        try:
+            schema = json.loads(read(json_schema, "--json-schema"))
+        except ValueError as e:
+            raise LlmcError(f"--json-schema {json_schema}: not JSON ({e})", "pass a JSON schema file") from None
+    return StructuredOutputs(
+        json=schema,
+        regex=regex,
+        choice=tuple(choice) or None,
+        grammar=None if grammar is None else read(grammar, "--grammar"),
+    )
 
 
 def config_text(config: dict) -> str:

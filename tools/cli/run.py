@@ -14,7 +14,14 @@ import click
 from llmc.errors import LlmcError
 from llmc.tools.engine_setup import engine_parts, resolve_artifact
 
-from .options import kv_cache_dtype_option, no_prefix_caching, quant_options, speculative_options
+from .options import (
+    kv_cache_dtype_option,
+    no_prefix_caching,
+    quant_options,
+    speculative_options,
+    structured_options,
+    structured_outputs,
+)
 
 DEFAULT_PROMPT = "The list type"
 DEFAULT_MAX_TOKENS = 64
@@ -45,6 +52,7 @@ DEFAULT_MAX_TOKENS = 64
 @speculative_options
 @quant_options
 @kv_cache_dtype_option
+@structured_options
 def run(
     artifact: Path | None,
     prompt: str | None,
@@ -62,6 +70,10 @@ def run(
     draft: Path | None,
     quant,
     kv_cache_dtype: str,
+    json_schema: Path | None,
+    regex: str | None,
+    choice: tuple[str, ...],
+    grammar: Path | None,
 ) -> None:
     """Generate from ARTIFACT (a compiled artifact, a checkpoint dir or a .gguf file; default: the bundled model).
 
@@ -75,6 +87,7 @@ def run(
         max_tokens = DEFAULT_MAX_TOKENS
     given = {"temperature": temperature, "top_p": top_p, "top_k": top_k}
     given = {k: v for k, v in given.items() if v is not None}
+    given["structured"] = structured_outputs(json_schema, regex, choice, grammar)
     if simulate and (artifact is None or not (artifact / "manifest.json").is_file()):
         raise LlmcError(
             "--simulate needs a CUDA-target artifact", "compile one: llmc compile CHECKPOINT --target sm90 -o OUT"
