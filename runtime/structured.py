@@ -139,7 +139,7 @@ def _grammar(spec: StructuredOutputs) -> str:
     otherwise pad a value with whitespace until max_tokens."""
     try:
         if spec.kind in ("json", "json_object"):
-            schema = {"type": "object"} if spec.kind == "json_object" else closed_objects(_schema_object(spec.json))
+            schema = {"type": "object"} if spec.kind == "json_object" else constrained_schema(_schema_object(spec.json))
             return llg.LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_flexible": False})
         if spec.kind == "regex":
             return llg.LLMatcher.grammar_from_regex(spec.regex)
@@ -163,30 +163,46 @@ def _schema_object(schema: dict | str) -> dict | bool:
     return schema
 
 
-_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
 _SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
 _SUBSCHEMAS = ("items", "additionalProperties", "not", "if", "then", "else", "contains")
+# I-JSON (RFC 7493): a number's interoperable range and precision are IEEE 754 double's. Past them a JSON reader
+# keeps nothing more; a weak model would otherwise write digits until max_tokens.
+SAFE_INTEGER = 2**53 - 1
+NUMBER_STEP = 1e-10  # the finest multipleOf llguidance takes; a double's 15 significant digits need no finer
 
 
-def closed_objects(schema):
-    """The schema with `additionalProperties: false` on every object schema that does not say (as OpenAI's strict
-    mode requires and xgrammar's strict mode assumes): else a model may add keys of its own without end.
-    allOf's branches are left open, since each must admit the others' properties."""
+def constrained_schema(schema, in_all_of: bool = False):
+    """The schema a JSON constraint compiles (the caller's is left as it is): each output valid against it is
+    valid against the caller's, and ends.
+      - Objects that do not say otherwise are closed (`additionalProperties: false`, as OpenAI's strict mode
+        requires and xgrammar's strict mode assumes): else a model may add keys of its own without end. allOf's
+        branches stay open, since each must admit the others' properties.
+      - Numbers without bounds keep to I-JSON's range (integers within +-(2**53 - 1)), and numbers that need not
+        be integers to ten decimal places (no exponent)."""
     if not isinstance(schema, dict):
         return schema
     out = dict(schema)
     for key in _SUBSCHEMA_LISTS:
         if isinstance(out.get(key), list):
-            out[key] = [closed_objects(s) for s in out[key]]
+            out[key] = [constrained_schema(s, in_all_of or key == "allOf") for s in out[key]]
     for key in _SUBSCHEMA_MAPS:
         if isinstance(out.get(key), dict):
-            out[key] = {name: closed_objects(s) for name, s in out[key].items()}
+            out[key] = {name: constrained_schema(s) for name, s in out[key].items()}
     for key in _SUBSCHEMAS:
         if key in out:
-            out[key] = closed_objects(out[key])
-    is_object = out.get("type") == "object" or (isinstance(out.get("type"), list) and "object" in out["type"])
-    if (is_object or "properties" in out) and not {"additionalProperties", "unevaluatedProperties"} & out.keys():
-        out["additionalProperties"] = False
+            out[key] = constrained_schema(out[key])
+    types = out.get("type") if isinstance(out.get("type"), list) else [out.get("type")]
+    if ("object" in types or "properties" in out) and not in_all_of:
+        if not {"additionalProperties", "unevaluatedProperties"} & out.keys():
+            out["additionalProperties"] = False
+    if "integer" in types or "number" in types:
+        if not {"minimum", "exclusiveMinimum"} & out.keys():
+            out["minimum"] = -SAFE_INTEGER
+        if not {"maximum", "exclusiveMaximum"} & out.keys():
+            out["maximum"] = SAFE_INTEGER
+        if "number" in types and "multipleOf" not in out:
+            out["multipleOf"] = NUMBER_STEP
     return out
 
 

@@ -16,7 +16,7 @@ import pytest
 from llmc.errors import RequestError
 from llmc.runtime.engine import LLMEngine
 from llmc.runtime.spec_decode import SpeculativeConfig
-from llmc.runtime.structured import apply_mask, closed_objects
+from llmc.runtime.structured import apply_mask, constrained_schema
 from llmc.sampling_params import SamplingParams, StructuredOutputs
 from tests.runtime.runtime_fakes import FakeConfig, FakeModel, byte_level_bpe, run_with_arrivals
 
@@ -64,7 +64,7 @@ def check(spec: StructuredOutputs, text: str) -> None:
     """The output matches the constraint, by a matcher that is not llguidance."""
     if spec.json is not None:
         schema = json.loads(spec.json) if isinstance(spec.json, str) else spec.json
-        jsonschema.validate(json.loads(text), closed_objects(schema))
+        jsonschema.validate(json.loads(text), schema)
     elif spec.json_object:
         assert isinstance(json.loads(text), dict)
     elif spec.regex is not None:
@@ -265,17 +265,25 @@ def test_apply_mask_keeps_exactly_the_set_bits():
     np.testing.assert_array_equal(logits, expect)
 
 
-def test_closed_objects_closes_every_object_schema_but_allofs_branches():
+def test_constrained_schema_closes_objects_and_bounds_numbers_within_the_callers_schema():
     schema = {
         "type": "object",
-        "properties": {"a": {"type": "object", "properties": {"b": {"type": "integer"}}}},
+        "properties": {
+            "a": {"type": "object", "properties": {"b": {"type": "integer"}}},
+            "n": {"type": ["number", "null"], "maximum": 3},
+            "m": {"type": "number", "multipleOf": 0.5, "exclusiveMinimum": 0},
+        },
         "$defs": {"x": {"properties": {"c": {}}}},
         "allOf": [{"type": "object", "properties": {"d": {}}}],
         "items": {"type": "object", "additionalProperties": {"type": "object"}},
     }
-    out = closed_objects(schema)
+    out = constrained_schema(schema)
     assert out["additionalProperties"] is False and out["properties"]["a"]["additionalProperties"] is False
     assert out["$defs"]["x"]["additionalProperties"] is False
     assert "additionalProperties" not in out["allOf"][0]
     assert out["items"]["additionalProperties"] == {"type": "object", "additionalProperties": False}
-    assert "additionalProperties" not in schema, "the caller's schema is left as it was"
+    b, n, m = (out["properties"]["a"]["properties"]["b"], out["properties"]["n"], out["properties"]["m"])
+    assert (b["minimum"], b["maximum"], "multipleOf" in b) == (-(2**53 - 1), 2**53 - 1, False)
+    assert (n["minimum"], n["maximum"], n["multipleOf"]) == (-(2**53 - 1), 3, 1e-10)
+    assert "minimum" not in m and m["multipleOf"] == 0.5 and m["maximum"] == 2**53 - 1
+    assert "additionalProperties" not in schema and "minimum" not in schema["properties"]["n"], "left as it was"
