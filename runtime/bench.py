@@ -14,6 +14,11 @@ starts with the same N tokens (a system prompt, say), so with prefix caching on 
 a level find them cached. With speculative decoding on (the engine's), the guesses verified and accepted, and
 the acceptance rate; a step then yields several tokens of a sequence, which arrive together.
 
+Structured output (`structured`): every request's output is constrained by the same grammar (runtime/
+structured.py), one that cannot end within output_len tokens, so the workload is the same length as without
+it; each level also reports the time spent filling grammar masks per step (beside the model step).
+`compare_structured` sets a structured run against the same workload unconstrained.
+
 Roofline: decoding is memory-bound. Every step reads all the weights once (of the embedding table, a row a
 token), whatever the batch size, so a sequence can never decode faster than memory_bandwidth / weight_bytes
 tokens/s; a compiled model's weight_bytes is its artifact's decode_weight_bytes. The bandwidth is measured
@@ -33,7 +38,26 @@ from tqdm import tqdm
 
 from llmc.errors import LlmcError
 from llmc.runtime.engine import LLMEngine
-from llmc.sampling_params import SamplingParams
+from llmc.sampling_params import SamplingParams, StructuredOutputs
+
+# `llmc bench --structured json`: records of mixed fields (numbers, strings, enums, arrays), more of them than
+# any output_len holds, so that every request runs to max_tokens as an unconstrained one does
+RECORDS_SCHEMA = {
+    "type": "array",
+    "minItems": 100_000,
+    "items": {
+        "type": "object",
+        "properties": {
+            "id": {"type": "integer", "minimum": 0, "maximum": 99999},
+            "name": {"type": "string", "maxLength": 24},
+            "kind": {"enum": ["file", "directory", "link", "socket"]},
+            "size": {"type": "number", "minimum": 0},
+            "tags": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 4},
+        },
+        "required": ["id", "name", "kind", "size", "tags"],
+    },
+}
+STRUCTURED_WORKLOADS = {"json": StructuredOutputs(json=RECORDS_SCHEMA)}
 
 
 def make_workload(
@@ -69,8 +93,15 @@ def _percentiles(values: Sequence[float]) -> tuple[float | None, float | None]:
     return float(p50), float(p99)
 
 
-def _run_level(engine: LLMEngine, prompts: list[list[int]], output_len: int, concurrency: int, bar) -> dict:
-    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+def _run_level(
+    engine: LLMEngine,
+    prompts: list[list[int]],
+    output_len: int,
+    concurrency: int,
+    bar,
+    structured: StructuredOutputs | None = None,
+) -> dict:
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True, structured=structured)
     pending = collections.deque(range(len(prompts)))
     in_flight: dict[str, int] = {}
     added = [0.0] * len(prompts)
@@ -119,6 +150,9 @@ def _run_level(engine: LLMEngine, prompts: list[list[int]], output_len: int, con
         "spec_draft_tokens": stats.spec_num_draft_tokens,
         "spec_accepted_tokens": stats.spec_num_accepted_tokens,
         "spec_acceptance_rate": stats.spec_acceptance_rate,
+        "grammar_mask_ms_per_step": stats.grammar_mask_seconds * 1e3 / stats.grammar_mask_steps
+        if stats.grammar_mask_steps
+        else None,
     }
 
 
@@ -134,12 +168,14 @@ def run_bench(
     weight_bytes: int | None = None,
     memory_bandwidth: float | None = None,
     progress: bool = True,
+    structured: StructuredOutputs | None = None,
 ) -> dict:
     """Run the workload at each concurrency level; returns a JSON-ready dict (see format_bench_table).
 
     engine_factory: makes a fresh LLMEngine over the model (called once for a warm-up and once per level),
     e.g. `lambda: LLMEngine(model)`. num_requests: per level; default max(4, 2 * concurrency). shared_prefix:
-    how many leading tokens all prompts share (at most prompt_len).
+    how many leading tokens all prompts share (at most prompt_len). structured: every request's constraint
+    (one that does not end within output_len tokens, such as STRUCTURED_WORKLOADS'); the engine needs a tokenizer.
     weight_bytes: bytes of weights one decode step reads (default: the model's `weight_bytes`, if it has
     one); with it the result has a roofline. memory_bandwidth: bytes/s; default measured here.
     """
@@ -163,7 +199,7 @@ def run_bench(
     # warm-up (not timed): first-call costs (page faults on mmapped weights, lazy inits) stay out of the numbers
     engine.generate(
         [make_workload(1, prompt_len, engine.vocab_size, seed)[0]],
-        SamplingParams(temperature=0.0, max_tokens=min(2, output_len), ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=min(2, output_len), ignore_eos=True, structured=structured),
     )
 
     levels = []
@@ -172,7 +208,7 @@ def run_bench(
             bar.set_postfix(concurrency=c)
             engine = engine_factory()
             prompts = make_workload(counts[c], prompt_len, engine.vocab_size, seed + c, shared_prefix)
-            levels.append(_run_level(engine, prompts, output_len, c, bar))
+            levels.append(_run_level(engine, prompts, output_len, c, bar, structured))
             levels[-1]["max_num_seqs"] = engine.scheduler.max_num_seqs
 
     roofline = None
@@ -208,6 +244,7 @@ def run_bench(
             "seed": seed,
             "shared_prefix": shared_prefix,
             "sampling": "greedy, ignore_eos",
+            "structured": None if structured is None else structured.kind,
         },
         "levels": levels,
         "roofline": roofline,
@@ -229,6 +266,37 @@ _COLUMNS = [  # header, key, format
     ("% of roofline", "roofline_fraction", "{:.1%}"),
 ]
 _SPEC_COLUMN = ("spec accept", "spec_acceptance_rate", "{:.1%}")  # shown when speculative decoding is on
+
+
+def compare_structured(plain: dict, structured: dict) -> list[dict]:
+    """Per concurrency level: the structured run's output tokens/s as a fraction of the unconstrained run's, and
+    its mask time per step."""
+    return [
+        {
+            "concurrency": p["concurrency"],
+            "plain_tokens_per_s": p["output_tokens_per_s"],
+            "structured_tokens_per_s": s["output_tokens_per_s"],
+            "structured_fraction": s["output_tokens_per_s"] / p["output_tokens_per_s"],
+            "grammar_mask_ms_per_step": s["grammar_mask_ms_per_step"],
+        }
+        for p, s in zip(plain["levels"], structured["levels"], strict=True)
+    ]
+
+
+def format_structured_comparison(rows: list[dict], kind: str) -> str:
+    cells = [["concurrency", "plain tok/s", f"{kind} tok/s", f"{kind} / plain", "mask ms/step"]]
+    for r in rows:
+        mask = r["grammar_mask_ms_per_step"]
+        cells.append(
+            [
+                str(r["concurrency"]),
+                f"{r['plain_tokens_per_s']:.1f}",
+                f"{r['structured_tokens_per_s']:.1f}",
+                f"{r['structured_fraction']:.1%}",
+                "-" if mask is None else f"{mask:.3f}",
+            ]
+        )
+    return "\n".join([f"structured output ({kind}) against the same workload unconstrained:", *align_columns(cells)])
 
 
 def align_columns(cells: list[list[str]], left: int = 0) -> list[str]:

@@ -51,7 +51,7 @@ from llmc.runtime.spec_decode import (
     accept_greedy,
     rejection_sample,
 )
-from llmc.runtime.structured import GrammarMatcher, StructuredOutput, apply_mask
+from llmc.runtime.structured import GrammarMatcher, StructuredOutput, add_mask_biases
 from llmc.sampling_params import SamplingParams
 
 _NO_TOKENS = np.zeros(0, dtype=np.int64)
@@ -293,7 +293,8 @@ class LLMEngine:
             if masking is not None:
                 masking.result()
             return self._fail_requests([self._seqs[s.req_id] for s in sched.scheduled], e)
-        masks = None if masking is None else masking.result()
+        if masking is not None:
+            add_mask_biases(logits, *masking.result())
         self.scheduler.cache_computed_blocks(sched)  # before sampling finishes (and frees) any of them
         outputs = []
         for scheduled, end in zip(sched.scheduled, row_end, strict=True):
@@ -302,9 +303,6 @@ class LLMEngine:
                 continue
             try:
                 first = end - 1 - scheduled.num_spec_tokens
-                if seq.matcher is not None:
-                    for row in range(first, end):
-                        apply_mask(logits[row], masks[row])
                 if scheduled.num_spec_tokens:
                     guesses = scheduled.token_ids[-scheduled.num_spec_tokens :]
                     if seq.matcher is not None:  # rows past the first guess the grammar refuses were not masked

@@ -9,9 +9,9 @@ module is the seam to it:
     names it and the reason; llguidance's fuel limits bound the time any grammar takes.
   - `GrammarMatcher`, one per sequence: the tokens it has output so far, nothing else, so preemption (which
     recomputes the cache but keeps the output), chunked prefill and prefix-cache hits leave it as it is.
-  - `fill_masks` computes the step's masks into one [rows, ceil(V/32)] int32 bitmask on llguidance's own
-    threads, with the GIL released, so the engine runs it beside the model step; `apply_mask` sets the logits
-    of the tokens a row's mask excludes to -inf.
+  - `MaskFiller` computes the step's masks into one [rows, ceil(V/32)] int32 bitmask on llguidance's own
+    threads (the GIL released) and widens them into additive biases, all beside the model step;
+    `add_mask_biases` then sets the logits of the tokens a row's mask excludes to -inf in one pass.
 
 EOS is in a mask only where the grammar can end, and a grammar that has ended allows nothing but EOS; the
 engine ends such a sequence at once (finish_reason "stop") rather than spending a step on the EOS.
@@ -62,12 +62,11 @@ class StructuredOutput:
             return self._compiler
 
     def start_masks(self, rows: list[tuple[GrammarMatcher, int, list[int]]]) -> concurrent.futures.Future:
-        """Fill the masks of `rows` (MaskFiller.fill's) on the mask thread; the future's result is the bitmask."""
+        """Fill the masks of `rows` on the mask thread; the future's result is MaskFiller.fill's."""
         if self._masks is None:
             self._masks = MaskFiller(self._max_rows, self._vocab_size)
             self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="llmc-grammar-masks")
-        masks = self._masks
-        return self._thread.submit(lambda: (masks.fill(rows), masks.bitmask)[1])
+        return self._thread.submit(self._masks.fill, rows)
 
     def stats(self) -> dict:
         """EngineStats' structured-output counters."""
@@ -237,18 +236,29 @@ class GrammarMatcher:
         return self._matcher
 
 
+# A mask's byte b -> the additive logit biases of its 8 tokens (bit i set: token allowed, bias 0; else -inf)
+_BYTE_BIASES = np.where(
+    np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1, bitorder="little") == 1, 0.0, -np.inf
+).astype(np.float32)
+
+
 class MaskFiller:
-    """Fills one step's bitmask [rows, ceil(V/32)] on llguidance's threads."""
+    """A step's grammar masks: filled as bits [rows, ceil(V/32)] on llguidance's threads, then widened into
+    additive biases (0 or -inf per token), all on the mask thread while the model step runs; adding them to the
+    logits afterwards is one pass over the constrained rows."""
 
     def __init__(self, max_rows: int, vocab_size: int):
         self.bitmask = np.full((max_rows, (vocab_size + 31) // 32), -1, dtype=np.int32)
+        self._bias = np.empty((0, self.bitmask.shape[1] * 32), dtype=np.float32)  # grown to the rows a step needs
         self._executor = llg.LLExecutor()
         self.num_fills = 0
         self.seconds = 0.0  # summed over the fills
 
-    def fill(self, rows: list[tuple[GrammarMatcher, int, list[int]]]) -> None:
+    def fill(self, rows: list[tuple[GrammarMatcher, int, list[int]]]) -> tuple[np.ndarray, list[int]]:
         """rows: (matcher, first row, proposal): the mask at `first row` is the matcher's next token's, and
-        first row + 1 + i the one after the proposal's first i + 1 tokens (as far as the grammar takes them)."""
+        first row + 1 + i the one after the proposal's first i + 1 tokens (as far as the grammar takes them).
+        Returns the biases [n, >= V] and the n logits rows they belong to: a proposal's rows past the first token
+        the grammar refuses get none (acceptance never reads them)."""
         start = time.perf_counter()
         plain = [(m.llg_matcher, row) for m, row, draft in rows if not draft]
         drafted = [(m.llg_matcher, row, draft) for m, row, draft in rows if draft]
@@ -259,12 +269,22 @@ class MaskFiller:
             self._executor.unsafe_compute_mask_ptr_with_draft_token(
                 drafted, self.bitmask.ctypes.data, one_mask, self.bitmask.shape[0]
             )
+        filled = [r for m, first, draft in rows for r in range(first, first + 1 + m.num_valid(draft))]
+        if len(filled) > self._bias.shape[0]:
+            self._bias = np.empty((len(filled), self._bias.shape[1]), dtype=np.float32)
+        bias = self._bias[: len(filled)]
+        np.take(_BYTE_BIASES, self.bitmask[filled].view(np.uint8), axis=0, out=bias.reshape(len(filled), -1, 8))
         self.num_fills += 1
         self.seconds += time.perf_counter() - start
+        return bias, filled
 
 
-def apply_mask(logits: np.ndarray, mask: np.ndarray) -> None:
-    """Set logits [V] of the tokens that `mask` (int32 [ceil(V/32)], bit t % 32 of word t // 32) excludes to
-    -inf, in place."""
-    allowed = np.unpackbits(mask.view(np.uint8), bitorder="little", count=logits.shape[0]).view(bool)
-    logits[~allowed] = -np.inf
+def add_mask_biases(logits: np.ndarray, bias: np.ndarray, rows: list[int]) -> None:
+    """logits [N, V] += the biases of `rows` (MaskFiller.fill's), in place: -inf where a mask excludes the token."""
+    if not rows:
+        return
+    vocab = logits.shape[1]
+    if rows == list(range(rows[0], rows[0] + len(rows))):  # the usual case: a view, no copy
+        logits[rows[0] : rows[0] + len(rows)] += bias[:, :vocab]
+    else:
+        logits[rows] += bias[:, :vocab]

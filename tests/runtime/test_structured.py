@@ -16,7 +16,7 @@ import pytest
 from llmc.errors import RequestError
 from llmc.runtime.engine import LLMEngine
 from llmc.runtime.spec_decode import SpeculativeConfig
-from llmc.runtime.structured import apply_mask, constrained_schema
+from llmc.runtime.structured import GrammarMatcher, MaskFiller, add_mask_biases, constrained_schema
 from llmc.sampling_params import SamplingParams, StructuredOutputs
 from tests.runtime.runtime_fakes import FakeConfig, FakeModel, byte_level_bpe, run_with_arrivals
 
@@ -252,17 +252,37 @@ def test_structured_output_needs_a_tokenizer(config):
         engine.add_request([5], SamplingParams(structured=StructuredOutputs(regex="a")))
 
 
-def test_apply_mask_keeps_exactly_the_set_bits():
-    rng = np.random.default_rng(0)
-    vocab = 77  # a tail word
-    allowed = rng.random(vocab) < 0.3
-    words = np.zeros((vocab + 31) // 32, dtype=np.uint32)
-    for t in np.flatnonzero(allowed):
-        words[t // 32] |= np.uint32(1 << (t % 32))
-    logits = rng.standard_normal(vocab).astype(np.float32)
-    expect = np.where(allowed, logits, -np.inf)
-    apply_mask(logits, words.view(np.int32))
+@pytest.mark.parametrize("rows", [[0, 1, 2], [0, 3]])
+def test_mask_biases_exclude_exactly_the_unset_bits_of_the_rows_given(rows):
+    rng = np.random.default_rng(len(rows))
+    num_rows, vocab = 5, 77  # a tail word
+    allowed = rng.random((num_rows, vocab)) < 0.3
+    words = np.zeros((num_rows, (vocab + 31) // 32), dtype=np.uint32)
+    for r, t in zip(*np.nonzero(allowed), strict=True):
+        words[r, t // 32] |= np.uint32(1 << (t % 32))
+    logits = rng.standard_normal((num_rows, vocab)).astype(np.float32)
+    expect = logits.copy()
+    expect[rows] = np.where(allowed[rows], logits[rows], -np.inf)
+    filler = MaskFiller(num_rows, vocab)
+    filler.bitmask[:] = words.view(np.int32)
+    matchers = [GrammarMatcher(_AnyMatcher()) for _ in rows]
+    filler._executor = _NoExecutor()
+    bias, filled = filler.fill([(m, r, []) for m, r in zip(matchers, rows, strict=True)])
+    assert filled == rows
+    add_mask_biases(logits, bias, filled)
     np.testing.assert_array_equal(logits, expect)
+
+
+class _AnyMatcher:
+    """An llguidance matcher's stand-in for MaskFiller: the test writes the masks itself."""
+
+    def validate_tokens(self, tokens):
+        return len(tokens)
+
+
+class _NoExecutor:
+    def unsafe_compute_mask_ptr(self, *args):
+        pass
 
 
 def test_constrained_schema_closes_objects_and_bounds_numbers_within_the_callers_schema():

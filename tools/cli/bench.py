@@ -51,6 +51,13 @@ def _int_list(ctx, param, value: str) -> list[int]:
 @click.option("--memory-bandwidth", type=float, default=None, help="Bytes/s for the roofline [default: measured].")
 @click.option("--kv-cache-memory", default=None, help="KV cache size, e.g. 4GiB (default: 20% of free memory).")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+@click.option(
+    "--structured",
+    type=click.Choice(["json"]),
+    default=None,
+    help="Also run the workload with every output constrained to a JSON schema (records that run past "
+    "--output-len), and compare its tokens/s and mask time per step with the unconstrained run.",
+)
 @no_prefix_caching
 @speculative_options
 @quant_options
@@ -66,6 +73,7 @@ def bench(
     memory_bandwidth: float | None,
     kv_cache_memory: str | None,
     as_json: bool,
+    structured: str | None,
     no_prefix_caching: bool,
     speculative: str | None,
     num_speculative_tokens: int,
@@ -74,7 +82,13 @@ def bench(
     kv_cache_dtype: str,
 ) -> None:
     """TTFT, TPOT and tokens/s of ARTIFACT on a fixed synthetic workload, against the memory roofline."""
-    from llmc.runtime.bench import format_bench_table, run_bench
+    from llmc.runtime.bench import (
+        STRUCTURED_WORKLOADS,
+        compare_structured,
+        format_bench_table,
+        format_structured_comparison,
+        run_bench,
+    )
 
     with contextlib.ExitStack() as stack:
         path = resolve_artifact(artifact, quant, kv_cache_dtype)
@@ -88,8 +102,9 @@ def bench(
             num_speculative_tokens,
             draft,
         )
-        result = run_bench(
-            lambda: make_engine(detokenize=False),
+        # a structured run needs the tokenizer (its grammar's token trie): its unconstrained twin detokenizes too
+        detokenize = structured is not None
+        workload = dict(
             concurrency=concurrency,
             num_requests=num_requests,
             prompt_len=prompt_len,
@@ -99,4 +114,18 @@ def bench(
             memory_bandwidth=memory_bandwidth,
             progress=not as_json,
         )
-    click.echo(json.dumps(result, indent=2) if as_json else format_bench_table(result))
+        result = run_bench(lambda: make_engine(detokenize=detokenize), **workload)
+        if structured is not None:
+            constrained = run_bench(
+                lambda: make_engine(detokenize=True), structured=STRUCTURED_WORKLOADS[structured], **workload
+            )
+            comparison = compare_structured(result, constrained)
+    if as_json:
+        if structured is not None:
+            result = {"plain": result, "structured": constrained, "comparison": comparison}
+        click.echo(json.dumps(result, indent=2))
+        return
+    click.echo(format_bench_table(result))
+    if structured is not None:
+        click.echo("\n" + format_bench_table(constrained))
+        click.echo("\n" + format_structured_comparison(comparison, structured))
