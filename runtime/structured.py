@@ -58,7 +58,7 @@ class StructuredOutput:
             )
         with self._lock:
             if self._compiler is None:
-                self._compiler = GrammarCompiler(self._tokenizer, self._vocab_size, self._eos_token_ids)
+                self._compiler = shared_compiler(self._tokenizer, self._vocab_size, self._eos_token_ids)
             return self._compiler
 
     def start_masks(self, rows: list[tuple[GrammarMatcher, int, list[int]]]) -> concurrent.futures.Future:
@@ -78,6 +78,27 @@ class StructuredOutput:
             "grammar_mask_steps": 0 if masks is None else masks.num_fills,
             "grammar_mask_seconds": 0.0 if masks is None else masks.seconds,
         }
+
+
+_COMPILERS: collections.OrderedDict[tuple, tuple[object, GrammarCompiler]] = collections.OrderedDict()
+_COMPILERS_LOCK = threading.Lock()
+
+
+def shared_compiler(tokenizer, vocab_size: int, eos_token_ids) -> GrammarCompiler:
+    """The grammar compiler of a tokenizer, shared by every engine over it (bench and the server's replicas make
+    several): its token trie is built, and each constraint compiled, once per model. The few latest are kept,
+    each with its tokenizer, so that an id is never taken for another tokenizer's."""
+    key = (id(tokenizer), int(vocab_size), tuple(eos_token_ids))
+    with _COMPILERS_LOCK:
+        if key in _COMPILERS:
+            _COMPILERS.move_to_end(key)
+            return _COMPILERS[key][1]
+    compiler = GrammarCompiler(tokenizer, vocab_size, eos_token_ids)
+    with _COMPILERS_LOCK:
+        _COMPILERS[key] = (tokenizer, compiler)
+        while len(_COMPILERS) > 4:
+            _COMPILERS.popitem(last=False)
+    return compiler
 
 
 class GrammarCompiler:

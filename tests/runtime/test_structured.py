@@ -232,18 +232,19 @@ def test_a_pathological_schema_compiles_or_is_refused_within_seconds(tok, config
     assert time.perf_counter() - start < 10
 
 
-def test_grammars_are_compiled_once_per_constraint(tok, config):
+def test_grammars_are_compiled_once_per_constraint_and_tokenizer(tok, config):
+    spec = StructuredOutputs(json={**PERSON, "title": "once"})  # a schema no other test compiles
     engine = new_engine(tok, config)
-    spec = StructuredOutputs(json=PERSON)
+    compiler = engine.structured.compiler()
+    before = compiler.num_compiled
     for _ in range(3):
         engine.generate(["a"], SamplingParams(temperature=0, max_tokens=30, n=2, structured=spec))
-    engine.generate(["a"], SamplingParams(max_tokens=5, structured=StructuredOutputs(json=json.dumps(PERSON))))
-    assert engine.structured.compiler().num_compiled == 1
-    assert (
-        engine.structured.num_requests == 4
-        and engine.stats().grammar_compile_seconds > 0
-        and engine.stats().grammar_mask_steps > 0
-    )
+    as_text = StructuredOutputs(json=json.dumps(spec.json))
+    engine.generate(["a"], SamplingParams(max_tokens=5, structured=as_text))
+    another = new_engine(tok, config)  # a second engine over the same tokenizer shares the compiled grammars
+    another.generate(["b"], SamplingParams(max_tokens=5, structured=spec))
+    assert another.structured.compiler() is compiler and compiler.num_compiled == before + 1
+    assert engine.stats().structured_requests == 4 and engine.stats().grammar_mask_steps > 0
 
 
 def test_structured_output_needs_a_tokenizer(config):
