@@ -266,8 +266,10 @@ def render_chat(
     eos_token: str = "",
     add_generation_prompt: bool = True,
     limits: TemplateLimits = DEFAULT_LIMITS,
+    tools: list[dict] | None = None,
 ) -> str:
-    """The prompt text for `messages` ([{"role", "content"}, ...]). template None: plain transcript.
+    """The prompt text for `messages` ([{"role", "content"}, ...]). template None: plain transcript. tools:
+    OpenAI's tool definitions, the template's `tools` variable.
 
     A template that rejects the conversation (raise_exception, e.g. "roles must alternate") raises
     RequestError: the request is at fault, not the server. One that fails on it (a TypeError in its code) or
@@ -283,7 +285,7 @@ def render_chat(
         add_generation_prompt=add_generation_prompt,
         bos_token=bos_token,
         eos_token=eos_token,
-        tools=None,
+        tools=tools,
         documents=None,
     )
     compile_template(template, limits)  # one that does not parse or is too large fails here, not in a process

@@ -149,10 +149,11 @@ class ChatCompletionRequest(_GenerationRequest):
     max_completion_tokens: int | None = None  # OpenAI's newer name; wins over max_tokens
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None  # checked by runtime/tool_calls.py
     tool_choice: str | dict[str, Any] | None = None  # refused without tools (serving.py), as OpenAI does
+    parallel_tool_calls: bool | None = None  # None: as OpenAI, true
 
-    _unsupported: ClassVar[tuple[str, ...]] = ("logit_bias", "tools")
+    _unsupported: ClassVar[tuple[str, ...]] = ("logit_bias",)
 
 
 # ----------------------------------------------------------------------------------------------------------

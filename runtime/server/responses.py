@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any, ClassVar
 
 from llmc.runtime.outputs import RequestOutput
+from llmc.runtime.tool_calls import ToolCallStream, parse_tool_calls
 
 
 @dataclasses.dataclass
@@ -53,8 +54,8 @@ class Format(abc.ABC):
         """A whole choice of a non-streaming response."""
 
     @abc.abstractmethod
-    def delta(self, choice: Choice, out: RequestOutput, logprobs) -> dict:
-        """The choice entry of one stream chunk."""
+    def delta(self, choice: Choice, out: RequestOutput, logprobs) -> dict | None:
+        """The choice entry of one stream chunk; None when it has nothing to send yet."""
 
 
 class CompletionFormat(Format):
@@ -95,7 +96,15 @@ class CompletionFormat(Format):
 
 
 class ChatFormat(Format):
+    """tool_format: with tools in the request, the calls of each choice are parsed from its text in that format
+    (runtime/tool_calls.py) into message.tool_calls, or streamed as delta.tool_calls once they parse."""
+
     id_prefix, object, chunk_object = "chatcmpl", "chat.completion", "chat.completion.chunk"
+
+    def __init__(self, token_text: Callable[[int], str], num_logprobs: int | None, tool_format: str | None = None):
+        super().__init__(token_text, num_logprobs)
+        self.tool_format = tool_format
+        self._streams: dict[int, ToolCallStream] = {}
 
     def logprobs(self, choice: Choice, out: RequestOutput):
         if self.num_logprobs is None:
@@ -120,20 +129,41 @@ class ChatFormat(Format):
         ]
 
     def choice(self, choice: Choice) -> dict:
+        message = {"role": "assistant", "content": choice.text}
+        finish_reason = choice.finish_reason
+        if self.tool_format is not None and (parsed := parse_tool_calls(self.tool_format, choice.text)).tool_calls:
+            message = {
+                "role": "assistant",
+                "content": parsed.content,
+                "tool_calls": [call.to_openai() for call in parsed.tool_calls],
+            }
+            finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
         return {
             "index": choice.index,
-            "message": {"role": "assistant", "content": choice.text},
+            "message": message,
             "logprobs": choice.logprobs,
-            "finish_reason": choice.finish_reason,
+            "finish_reason": finish_reason,
             "stop_reason": choice.stop_reason,
         }
 
     def delta(self, choice: Choice, out: RequestOutput, logprobs) -> dict:
-        delta = {"content": out.new_text} if out.new_text or not out.finished else {}
+        text, finish_reason, calls = out.new_text, choice.finish_reason, []
+        if self.tool_format is not None:
+            stream = self._streams.setdefault(choice.index, ToolCallStream(self.tool_format))
+            text = stream.feed(out.new_text)
+            if out.finished:
+                rest, calls = stream.finish()
+                text += rest
+                finish_reason = "tool_calls" if calls and finish_reason == "stop" else finish_reason
+        if not (text or out.finished or logprobs is not None):
+            return None  # the text is held back: it may be a call
+        delta = {"content": text} if text or not (out.finished or calls) else {}
+        if calls:
+            delta["tool_calls"] = [{"index": i, **call.to_openai()} for i, call in enumerate(calls)]
         return {
             "index": choice.index,
             "delta": delta,
             "logprobs": logprobs,
-            "finish_reason": choice.finish_reason,
+            "finish_reason": finish_reason,
             "stop_reason": choice.stop_reason,
         }

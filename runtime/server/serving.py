@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import functools
 import logging
 import time
@@ -34,7 +35,16 @@ from llmc.runtime.server.limits import ServerLimits
 from llmc.runtime.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, parse_body
 from llmc.runtime.server.responses import ChatFormat, Choice, CompletionFormat, Format
 from llmc.runtime.server.streaming import SSE_DONE, SSEResponse, sse, wait_for_disconnect
-from llmc.sampling_params import MAX_LOGPROBS, SamplingParams
+from llmc.runtime.tool_calls import (
+    call_grammar,
+    check_tool_choice,
+    check_tools,
+    detect_tool_format,
+    format_tool_calls,
+    template_renders_tools,
+    tools_system_prompt,
+)
+from llmc.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputs
 
 logger = logging.getLogger("llmc.server")
 
@@ -55,6 +65,7 @@ class OpenAIServing:
         self.model_name = model_name
         self.limits = limits
         self.chat_template = pick_template(chat_template)
+        self.tool_format = detect_tool_format(self.chat_template)  # how this model writes a tool call
         if self.chat_template is not None:
             compile_template(self.chat_template, limits.chat_template)  # a broken template fails at start
             warm_render_processes()  # the first chat request does not wait for a render process to start
@@ -205,7 +216,8 @@ class OpenAIServing:
             choice.update(out)
             if not out.new_text and not out.finished and lp is None:
                 return []  # text held back (an incomplete character, a possible stop string)
-            return [envelope([fmt.delta(choice, out, lp)], fmt.chunk_object)]
+            entry = fmt.delta(choice, out, lp)
+            return [] if entry is None else [envelope([entry], fmt.chunk_object)]
 
         tracker = self.metrics.track_request(len(prompt_ids), params.n, arrival)
         engine_stream = self.engine.generate(prompt_ids, params, req_id)
@@ -356,6 +368,19 @@ class OpenAIServing:
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         params = body.sampling_params(max_tokens=max_tokens, logprobs=logprobs)
         messages = self.chat_messages(body.messages)
+        functions, tool_format = None, None
+        if body.tools is not None:
+            try:
+                functions = check_tools(body.tools)
+                mode, name = check_tool_choice(body.tool_choice, functions)
+            except RequestError as e:
+                raise ApiError(str(e), param=e.param) from None
+            if mode != "none":
+                tool_format = self.tool_format
+                messages = self.tool_messages(messages, functions)
+                params = self.tool_constraint(body, params, functions, mode, name)
+            else:
+                functions = None
         # a thread waits for the render (in a render process, chat_template.py), which may take its whole budget;
         # the template placed the special tokens itself, so the tokenizer adds none
         text = await asyncio.to_thread(
@@ -366,11 +391,48 @@ class OpenAIServing:
             self.eos_token,
             add_generation_prompt=True,
             limits=self.limits.chat_template,
+            tools=None if functions is None else [{"type": "function", "function": f} for f in functions],
         )
         prompt_ids = await self.tokenize(text, "messages", add_special_tokens=False)
         await self.check_limits(body, params, prompt_ids, "messages", logprobs_param="top_logprobs")
-        fmt = ChatFormat(self.token_text, params.logprobs)
+        fmt = ChatFormat(self.token_text, params.logprobs, tool_format)
         return await self.respond(request, arrival, fmt, prompt_ids, params, body.stream, body.include_usage)
+
+    def tool_messages(self, messages: list[dict], functions: list[dict]) -> list[dict]:
+        """The conversation as the template needs it for tools: a template that does not render them gets them
+        in a system message, and the calls of earlier assistant turns in their text (tool_calls.py's format)."""
+        if not template_renders_tools(self.chat_template):
+            prompt = tools_system_prompt(self.tool_format, functions)
+            if messages and messages[0]["role"] == "system":
+                messages = [{**messages[0], "content": f"{messages[0]['content']}\n\n{prompt}"}, *messages[1:]]
+            else:
+                messages = [{"role": "system", "content": prompt}, *messages]
+        if self.chat_template is None or "tool_calls" not in self.chat_template:
+            messages = [
+                {**m, "content": "\n".join(filter(None, [m["content"], format_tool_calls(self.tool_format, calls)]))}
+                if m["role"] == "assistant" and isinstance(calls := m.get("tool_calls"), list) and calls
+                else m
+                for m in messages
+            ]
+        return messages
+
+    def tool_constraint(self, body, params: SamplingParams, functions: list[dict], mode: str, name: str | None):
+        """The sampling params of a tools request: tool_choice required or a named function constrains the
+        output to calls, whose arguments validate against the function's parameters; auto with strict
+        functions constrains the calls it makes (free text stays free)."""
+        parallel = body.parallel_tool_calls is not False
+        if mode == "required":
+            grammar = call_grammar(self.tool_format, functions, parallel=parallel)
+        elif mode == "named":
+            grammar = call_grammar(self.tool_format, [f for f in functions if f["name"] == name], parallel=False)
+        elif strict := [f for f in functions if f.get("strict")]:
+            grammar = call_grammar(self.tool_format, strict, parallel=parallel, free_text=True)
+        else:
+            return params
+        if params.structured is not None:
+            raise ApiError("a forced tool call and response_format or structured_outputs cannot go together",
+                           param="tool_choice")  # fmt: skip
+        return dataclasses.replace(params, structured=StructuredOutputs(grammar=grammar))
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
