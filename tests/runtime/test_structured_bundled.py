@@ -75,3 +75,44 @@ def test_regex_choice_and_grammar_outputs_match(engine, spec, matches):
         for c in result.outputs:
             assert c.finish_reason == "stop", c.text
             assert matches(c.text), c.text
+
+
+def test_greedy_structured_output_is_the_same_with_speculation_prefix_caching_and_preemption():
+    """On the compiled model: n-gram speculation (K = 4), prefix caching off, and a KV cache of 12 blocks (one
+    request fits, eight do not: they are preempted and recomputed) all give the same tokens."""
+    from llmc.runtime.spec_decode import SpeculativeConfig
+    from tests.runtime.runtime_fakes import run_with_arrivals
+
+    artifact = cached_artifact(bundled_checkpoint(), progress=False)
+    tokenizer = Tokenizer.from_file(str(artifact / "tokenizer.json"))
+    shared = tokenizer.encode("The list type is a mutable sequence, and ").ids
+    requests = [
+        (
+            shared + tokenizer.encode(p, add_special_tokens=False).ids,
+            SamplingParams(temperature=0, max_tokens=150, structured=StructuredOutputs(json=s)),
+        )
+        for p, s in zip(PROMPTS * 3, SCHEMAS[22:34], strict=True)
+    ]
+    arrivals = [0] * 8 + [2] * 4
+    with CompiledModel.load(artifact, max_num_seqs=8) as model:
+        per_block = model.kv_cache_bytes // model.num_blocks
+    runs = {
+        "plain": ({}, {}),
+        "no prefix cache": ({}, dict(enable_prefix_caching=False)),
+        "ngram k=4": ({}, dict(speculative=SpeculativeConfig("ngram", 4))),
+        "preempted": (dict(kv_cache_memory=12 * per_block), {}),
+    }
+    got = {}
+    for name, (load, kw) in runs.items():
+        with CompiledModel.load(artifact, max_num_seqs=8, max_num_logits=8 * 5, **load) as model:
+            engine = LLMEngine(model, tokenizer, **kw)
+            got[name] = run_with_arrivals(engine, requests, arrivals)
+            stats = engine.stats()
+        assert name != "preempted" or stats.num_preemptions > 0, stats
+        assert name != "ngram k=4" or stats.spec_num_accepted_tokens > 0, stats
+    for name in runs:
+        assert got[name] == got["plain"], name
+    for i, (_, params) in enumerate(requests):
+        ids, reason = got["plain"][i]
+        if reason == "stop":
+            jsonschema.validate(json.loads(tokenizer.decode(ids)), params.structured.json)
