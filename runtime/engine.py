@@ -42,36 +42,19 @@ from llmc.runtime.kv_cache import KVCacheManager
 from llmc.runtime.outputs import Completion, EngineStats, GenerationResult, RequestOutput
 from llmc.runtime.sampling import make_rng, process_logits, sample_next_token, softmax, top_logprobs
 from llmc.runtime.scheduler import Request, Scheduler
+from llmc.runtime.sequence import SequenceState
 from llmc.runtime.spec_decode import (
     DraftProposer,
     NgramProposer,
-    Proposal,
     ProposalRequest,
     SpeculativeConfig,
     accept_greedy,
     rejection_sample,
 )
-from llmc.runtime.structured import GrammarMatcher, StructuredOutput, add_mask_biases
+from llmc.runtime.structured import StructuredOutput, add_mask_biases
 from llmc.sampling_params import SamplingParams
 
 _NO_TOKENS = np.zeros(0, dtype=np.int64)
-
-
-@dataclasses.dataclass(eq=False)
-class _Sequence:
-    """Engine-side state of one sequence; the scheduler's `Request` holds its tokens."""
-
-    req_id: str
-    index: int
-    params: SamplingParams
-    request: Request
-    rng: np.random.Generator
-    prompt_ids: np.ndarray  # int64 [P], for the repetition penalty
-    detokenizer: IncrementalDetokenizer | None
-    min_tokens_suppress: tuple[int, ...]  # EOS and stop token ids, banned until min_tokens are out
-    speculate: bool = True  # the engine's speculative decoding (if on) guesses this sequence's tokens
-    proposal: Proposal | None = None  # the guesses of its next step, while it runs
-    matcher: GrammarMatcher | None = None  # structured output: where its output stands in its grammar
 
 
 class LLMEngine:
@@ -146,7 +129,7 @@ class LLMEngine:
         self.spec_num_draft_tokens = 0
         self.spec_num_accepted_tokens = 0
         self.structured = StructuredOutput(tokenizer, self.vocab_size, self.eos_token_ids, int(model.max_num_logits))
-        self._seqs: dict[str, _Sequence] = {}  # by sequence id (== req_id when n == 1)
+        self._seqs: dict[str, SequenceState] = {}  # by sequence id (== req_id when n == 1)
         self._seq_ids: dict[str, list[str]] = {}  # req_id -> its live sequence ids
         self._ids = itertools.count()
 
@@ -211,7 +194,7 @@ class LLMEngine:
                 self.tokenizer, prompt, stop=params.stop, skip_special_tokens=params.skip_special_tokens
             )
         request = Request(seq_id, prompt)
-        self._seqs[seq_id] = _Sequence(
+        self._seqs[seq_id] = SequenceState(
             req_id=req_id,
             index=index,
             params=params,
@@ -334,7 +317,7 @@ class LLMEngine:
         """Guess the next tokens of each running sequence that decodes this step (one token missing), as many as
         the step's spare logits rows, its max_tokens (one token comes after the guesses) and its length allow."""
         spare_rows = self._spec_rows
-        wanted: list[_Sequence] = []
+        wanted: list[SequenceState] = []
         asks: list[ProposalRequest] = []
         for request in self.scheduler.running:
             seq = self._seqs[request.req_id]
@@ -358,7 +341,7 @@ class LLMEngine:
         by_request = {seq.req_id: seq for seq in seqs}
         return [self._fail(seq, error) for seq in by_request.values()]
 
-    def _fail(self, seq: _Sequence, error: Exception) -> RequestOutput:
+    def _fail(self, seq: SequenceState, error: Exception) -> RequestOutput:
         """Abort the whole request of `seq` (all n sequences) because of `error`, and say so in one output."""
         self.abort(seq.req_id)
         return RequestOutput(
@@ -373,7 +356,7 @@ class LLMEngine:
             num_output_tokens=seq.request.num_output_tokens,
         )
 
-    def _sample_and_finish(self, seq: _Sequence, logits: np.ndarray) -> RequestOutput:
+    def _sample_and_finish(self, seq: SequenceState, logits: np.ndarray) -> RequestOutput:
         """Sample one token for the sequence, apply every stop rule, and build its output."""
         params, request = seq.params, seq.request
         num_out = request.num_output_tokens  # before this token
@@ -385,7 +368,7 @@ class LLMEngine:
         logprobs = [top_logprobs(logits, token, params.logprobs)] if params.logprobs is not None else None
         return self._append_and_finish(seq, [token], logprobs)
 
-    def _verify_and_finish(self, seq: _Sequence, rows: np.ndarray, guesses: list[int]) -> RequestOutput:
+    def _verify_and_finish(self, seq: SequenceState, rows: np.ndarray, guesses: list[int]) -> RequestOutput:
         """Check the sequence's guesses against the target's rows [K+1, vocab] (spec_decode.py), then emit the
         accepted ones and the token after them as `_sample_and_finish` would, one by one.
 
@@ -421,64 +404,26 @@ class LLMEngine:
             logprobs = [top_logprobs(rows[i], t, params.logprobs) for i, t in enumerate(tokens)]
         return self._append_and_finish(seq, tokens, logprobs)
 
-    def _append_and_finish(self, seq: _Sequence, tokens: list[int], logprobs: list | None) -> RequestOutput:
-        """Emit `tokens` one by one under every stop rule, stopping at the first that matches, and build the output."""
-        params, request = seq.params, seq.request
-        num_out, num_tokens = request.num_output_tokens, request.num_tokens  # before these tokens
-        emitted: list[int] = []
-        finish_reason = stop_reason = None
-        for token in tokens:
-            emitted.append(token)
-            num_out += 1
-            num_tokens += 1
-            finish_reason, stop_reason = self._check_stop_token(seq, token, num_out)
-            stopped_by_token = finish_reason == "stop"
-            if finish_reason is None and seq.matcher is not None:
-                seq.matcher.accept([token])
-                if seq.matcher.is_finished:  # only EOS could follow: end here, not one step later
-                    finish_reason = "stop"
-            if finish_reason is None and (
-                (params.max_tokens is not None and num_out >= params.max_tokens) or num_tokens >= self.max_model_len
-            ):
-                finish_reason = "length"
-            if seq.detokenizer is not None:
-                # NOTE: a stop token (EOS or stop_token_ids) is returned as an id but not as text (as vLLM).
-                matched = seq.detokenizer.update(
-                    [] if stopped_by_token else [token],
-                    check_stop=num_out > params.min_tokens,
-                    flush=finish_reason is not None,
-                )
-                if matched is not None:
-                    finish_reason, stop_reason = "stop", matched
-            if finish_reason is not None:
-                break
-        text = "" if seq.detokenizer is None else seq.detokenizer.take_delta(finished=finish_reason is not None)
-        self.scheduler.append_tokens(request.req_id, emitted)
-        if finish_reason is not None:
+    def _append_and_finish(self, seq: SequenceState, tokens: list[int], logprobs: list | None) -> RequestOutput:
+        """Emit `tokens` under every stop rule (sequence.py) and build the output."""
+        emitted = seq.emit(tokens, self.eos_token_ids, self.max_model_len)
+        self.scheduler.append_tokens(seq.request.req_id, emitted.token_ids)
+        if emitted.finish_reason is not None:
             self._finish_sequence(seq)
         return RequestOutput(
             req_id=seq.req_id,
             index=seq.index,
-            new_token_ids=emitted,
-            new_text=text,
-            finished=finish_reason is not None,
-            finish_reason=finish_reason,
-            stop_reason=stop_reason,
-            logprobs=None if logprobs is None else logprobs[: len(emitted)],
-            num_prompt_tokens=request.num_prompt_tokens,
-            num_output_tokens=num_out,
+            new_token_ids=emitted.token_ids,
+            new_text=emitted.text,
+            finished=emitted.finish_reason is not None,
+            finish_reason=emitted.finish_reason,
+            stop_reason=emitted.stop_reason,
+            logprobs=None if logprobs is None else logprobs[: len(emitted.token_ids)],
+            num_prompt_tokens=seq.request.num_prompt_tokens,
+            num_output_tokens=seq.request.num_output_tokens,
         )
 
-    def _check_stop_token(self, seq: _Sequence, token: int, num_out: int) -> tuple[str | None, int | None]:
-        if num_out <= seq.params.min_tokens:
-            return None, None
-        if token in self.eos_token_ids and not seq.params.ignore_eos:
-            return "stop", None
-        if token in seq.params.stop_token_ids:
-            return "stop", token
-        return None, None
-
-    def _finish_sequence(self, seq: _Sequence) -> None:
+    def _finish_sequence(self, seq: SequenceState) -> None:
         self.scheduler.finish_request(seq.request.req_id)
         if self._proposer is not None:
             self._proposer.free(seq.request.req_id)
