@@ -46,23 +46,12 @@ def smollm_with_a_full_vocabulary(cache: Path) -> Path:
     if (out / "tokenizer.json").is_file() and (out / ".full-vocab").is_file():
         return out
     common.random_checkpoint(out, common.SMOLLM_135M, common.log)
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from checkpoints import train_tokenizer  # tests/, on the path random_checkpoint set
 
     common.log(f"training a {VOCAB}-token BPE on the standard library's sources")
     stdlib = Path(sysconfig.get_paths()["stdlib"])
-    texts = [p.read_text(errors="replace") for p in sorted(stdlib.rglob("*.py"))[:3000]]
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB,
-        special_tokens=["<|bos|>", "<|eos|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(texts, trainer)
-    tok.save(str(out / "tokenizer.json"))
-    (out / ".full-vocab").write_text(str(tok.get_vocab_size()))
+    train_tokenizer(out, VOCAB, [p.read_text(errors="replace") for p in sorted(stdlib.rglob("*.py"))[:3000]])
+    (out / ".full-vocab").write_text(str(VOCAB))
     return out
 
 

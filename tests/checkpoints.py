@@ -58,7 +58,9 @@ VARIANTS = {
 ARCHS = tuple(VARIANTS)
 
 
-def train_tokenizer(out_dir: Path, vocab_size: int = VOCAB) -> None:
+def train_tokenizer(out_dir: Path, vocab_size: int = VOCAB, texts: list[str] | None = None) -> None:
+    """A byte-level BPE (and a tokenizer_config.json with a chat template) in out_dir, trained on `texts`
+    (default: 40 of pydoc's topics)."""
     from pydoc_data.topics import topics
 
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -71,8 +73,7 @@ def train_tokenizer(out_dir: Path, vocab_size: int = VOCAB) -> None:
         special_tokens=["<|bos|>", "<|eos|>"],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
-    text = [topics[k] for k in sorted(topics)][:40]
-    tok.train_from_iterator(text, trainer)
+    tok.train_from_iterator(texts or [topics[k] for k in sorted(topics)][:40], trainer)
     tok.save(str(out_dir / "tokenizer.json"))
     template = (
         "{% for m in messages %}<|bos|>{{ m['role'] }}\n{{ m['content'] }}<|eos|>\n{% endfor %}"

@@ -13,20 +13,8 @@ from pydantic import BaseModel, Field
 
 from llmc.examples import bundled_checkpoint
 from llmc.tools.build import cached_artifact
+from tests.runtime.test_tool_calls import WEATHER
 from tests.test_serve_live import _serving
-
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The current weather of a city.",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string", "maxLength": 24}, "unit": {"enum": ["celsius", "fahrenheit"]}},
-            "required": ["city", "unit"],
-        },
-    },
-}
 
 
 class Module(BaseModel):

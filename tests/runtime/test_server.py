@@ -101,6 +101,19 @@ def running(app):
     assert not thread.is_alive(), "uvicorn did not stop"
 
 
+@contextlib.contextmanager
+def fake_server(context: int = 512):
+    """(openai client, engine, tokenizer, config): the fake model served in a background thread; on exit the
+    engine must be idle."""
+    tok = byte_level_bpe()
+    config = Config(vocab_size=tok.get_vocab_size(), max_position_embeddings=context, eos_token_ids=(1,))
+    engine = LLMEngine(new_model(config), tok, seed=0)
+    with running(create_app(AsyncLLMEngine(engine), tok, MODEL, TEMPLATE)) as (base, _, _):
+        with openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=30) as client:
+            yield client, engine, tok, config
+    wait_until(lambda: not engine.has_unfinished(), what="the engine to go idle")
+
+
 @pytest.fixture(scope="module")
 def server(tok, config):
     """(base_url, engine, model): uvicorn in a background thread, stopped at the end of the module."""

@@ -13,12 +13,9 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from llmc.runtime.async_engine import AsyncLLMEngine
 from llmc.runtime.engine import LLMEngine
-from llmc.runtime.server import create_app
 from llmc.sampling_params import SamplingParams, StructuredOutputs
-from tests.runtime.runtime_fakes import byte_level_bpe
-from tests.runtime.test_server import MODEL, TEMPLATE, Config, chat_ids, new_model, running, wait_until
+from tests.runtime.test_server import MODEL, chat_ids, fake_server, new_model
 
 
 class Pet(BaseModel):
@@ -29,26 +26,13 @@ class Pet(BaseModel):
 
 
 @pytest.fixture(scope="module")
-def tok():
-    return byte_level_bpe()
-
-
-@pytest.fixture(scope="module")
-def config(tok):
-    return Config(vocab_size=tok.get_vocab_size(), max_position_embeddings=512, eos_token_ids=(1,))
-
-
-@pytest.fixture(scope="module")
-def served(tok, config):
-    engine = LLMEngine(new_model(config), tok, seed=0)
-    with running(create_app(AsyncLLMEngine(engine), tok, MODEL, TEMPLATE)) as (base, _, _):
-        with openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=30) as client:
-            yield client, engine
-    wait_until(lambda: not engine.has_unfinished(), what="the engine to go idle")
+def served():
+    with fake_server() as parts:
+        yield parts
 
 
 def test_parse_with_a_pydantic_model(served):
-    client, _ = served
+    client, *_ = served
     for seed in range(4):
         completion = client.chat.completions.parse(
             model=MODEL,
@@ -63,8 +47,8 @@ def test_parse_with_a_pydantic_model(served):
         assert isinstance(choice.message.parsed, Pet)
 
 
-def test_json_schema_greedy_equals_the_sync_engine_streaming_or_not(served, tok, config):
-    client, _ = served
+def test_json_schema_greedy_equals_the_sync_engine_streaming_or_not(served):
+    client, _, tok, config = served
     schema = {"type": "object", "properties": {"x": {"type": "integer"}, "y": {"enum": ["a", "b"]}}, "required": ["x"]}
     messages = [{"role": "user", "content": "coordinates"}]
     fmt = {"type": "json_schema", "json_schema": {"name": "point", "schema": schema, "strict": True}}
@@ -82,7 +66,7 @@ def test_json_schema_greedy_equals_the_sync_engine_streaming_or_not(served, tok,
 
 
 def test_json_object(served):
-    client, _ = served
+    client, *_ = served
     completion = client.chat.completions.create(
         model=MODEL,
         messages=[{"role": "user", "content": "json"}],
@@ -106,7 +90,7 @@ def test_json_object(served):
 )
 @pytest.mark.parametrize("endpoint", ["completions", "chat"])
 def test_structured_outputs_on_both_endpoints(served, structured, matches, endpoint):
-    client, _ = served
+    client, *_ = served
     kw = dict(model=MODEL, temperature=1.0, seed=5, max_tokens=80, n=2, extra_body={"structured_outputs": structured})
     if endpoint == "completions":
         texts = [c.text for c in client.completions.create(prompt="once upon", **kw).choices]
@@ -143,7 +127,7 @@ def test_structured_outputs_on_both_endpoints(served, structured, matches, endpo
     ],
 )
 def test_a_bad_constraint_is_a_400_naming_the_field(served, extra, param, words):
-    client, _ = served
+    client, *_ = served
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=5, extra_body=extra
@@ -156,7 +140,7 @@ def test_a_bad_constraint_is_a_400_naming_the_field(served, extra, param, words)
 
 
 def test_metrics_count_structured_requests(served):
-    client, engine = served
+    client, engine, *_ = served
     before = engine.stats().structured_requests
     client.completions.create(
         model=MODEL, prompt="x", max_tokens=5, extra_body={"structured_outputs": {"regex": "[0-9]{3}"}}

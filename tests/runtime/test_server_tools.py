@@ -10,11 +10,7 @@ import jsonschema
 import openai
 import pytest
 
-from llmc.runtime.async_engine import AsyncLLMEngine
-from llmc.runtime.engine import LLMEngine
-from llmc.runtime.server import create_app
-from tests.runtime.runtime_fakes import byte_level_bpe
-from tests.runtime.test_server import MODEL, TEMPLATE, Config, new_model, running, wait_until
+from tests.runtime.test_server import MODEL, fake_server
 from tests.runtime.test_tool_calls import NOW, SEARCH, WEATHER
 
 TOOLS = [WEATHER, SEARCH, NOW]
@@ -24,13 +20,8 @@ ASK = [{"role": "user", "content": "What is the weather in Oslo?"}]
 
 @pytest.fixture(scope="module")
 def client():
-    tok = byte_level_bpe()
-    config = Config(vocab_size=tok.get_vocab_size(), max_position_embeddings=2048, eos_token_ids=(1,))
-    engine = LLMEngine(new_model(config), tok, seed=0)
-    with running(create_app(AsyncLLMEngine(engine), tok, MODEL, TEMPLATE)) as (base, _, _):
-        with openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=30) as c:
-            yield c
-    wait_until(lambda: not engine.has_unfinished(), what="the engine to go idle")
+    with fake_server(context=2048) as (client, *_):  # the tools' system message is long in the fake tokenizer
+        yield client
 
 
 def _check_calls(calls, names=None):
