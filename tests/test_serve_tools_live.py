@@ -95,7 +95,10 @@ def test_the_openai_agents_sdk_loop(server):
         instructions="Answer with the weather tool.",
         tools=[get_weather],
         model=agents.OpenAIChatCompletionsModel(model=model, openai_client=client),
-        model_settings=agents.ModelSettings(tool_choice="required", max_tokens=60, parallel_tool_calls=False),
+        # greedy, and room for the call in the 512-token context: the SDK leaves `city` unbounded, a cut call is none
+        model_settings=agents.ModelSettings(
+            tool_choice="required", temperature=0, max_tokens=100, parallel_tool_calls=False
+        ),
     )
     agents.set_tracing_disabled(True)
     result = agents.Runner.run_sync(agent, "What is the weather in Paris?", max_turns=4)

@@ -68,6 +68,7 @@ def test_bench_json(artifact):
         "seed": 0,
         "shared_prefix": 0,
         "sampling": "greedy, ignore_eos",
+        "structured": None,
     }
     assert 0 <= result["prefix_cache_hit_rate"] <= 1
     levels = result["levels"]
