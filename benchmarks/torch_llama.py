@@ -87,8 +87,14 @@ class TorchLlama(torch.nn.Module):
         for layer in range(c.num_layers):
             p = f"model.layers.{layer}"
             h = self._norm(x, self.w[f"{p}.input_layernorm.weight"])
-            q = self._linear(h, f"{p}.self_attn.q_proj").view(b, t, c.num_heads, c.head_dim).transpose(1, 2)
-            k = self._linear(h, f"{p}.self_attn.k_proj").view(b, t, c.num_kv_heads, c.head_dim).transpose(1, 2)
+            q = self._linear(h, f"{p}.self_attn.q_proj").view(b, t, c.num_heads, c.head_dim)
+            k = self._linear(h, f"{p}.self_attn.k_proj").view(b, t, c.num_kv_heads, c.head_dim)
+            if c.qk_norm:  # Qwen3: each head of q and k, before RoPE
+                q, k = (
+                    self._norm(q, self.w[f"{p}.self_attn.q_norm.weight"]),
+                    self._norm(k, self.w[f"{p}.self_attn.k_norm.weight"]),
+                )
+            q, k = q.transpose(1, 2), k.transpose(1, 2)
             v = self._linear(h, f"{p}.self_attn.v_proj").view(b, t, c.num_kv_heads, c.head_dim).transpose(1, 2)
             q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
             self.k_cache[layer][:, :, pos] = k

@@ -397,14 +397,14 @@ class _Lowering:
             int(prim_value(args[n])) for n in ("layer", "num_heads", "num_kv_heads", "head_dim", "sliding_window")
         )
         inv_freq = [float(f) for f in args["inv_freq"].value.numpy().tolist()]
-        for view, heads in ((q, num_heads), (k, num_kv_heads)):
-            self.emit(
-                "rope",
-                {"num_heads": heads, "head_dim": head_dim, "inv_freq": inv_freq},
-                [view, str(q.stride), "positions", "T"],
-                ["rope"],
-                [],
-            )
+        norm_eps = float(prim_value(args["norm_eps"]))
+        for view, heads, norm in ((q, num_heads, "q_norm"), (k, num_kv_heads, "k_norm")):
+            params = {"num_heads": heads, "head_dim": head_dim, "inv_freq": inv_freq}
+            weight, fused = "nullptr", ["rope"]
+            if norm_eps > 0:  # Qwen3: the head's RMSNorm before the rotation, in the same kernel
+                params["norm_eps"] = norm_eps
+                weight, fused = f"W[{self.weight(args[norm])}]", [f"rms_norm({norm})", "rope"]
+            self.emit("rope", params, [view, str(q.stride), "positions", "T", weight], fused, [])
         out = self.new_value(num_heads * head_dim, "T")
         params = {
             "num_heads": num_heads,

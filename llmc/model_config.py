@@ -34,6 +34,7 @@ class ModelConfig:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     sliding_layers: tuple[int, ...] = ()  # Mistral: every layer; Qwen2 with use_sliding_window: the upper ones
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and of k (q_norm, k_norm: [head_dim]) before RoPE
 
     @property
     def q_size(self) -> int:
@@ -82,6 +83,9 @@ class ModelConfig:
                 shapes[p + f"self_attn.{name}_proj.weight"] = (out_features, h)
                 if self.attention_bias:
                     shapes[p + f"self_attn.{name}_proj.bias"] = (out_features,)
+            if self.qk_norm:
+                shapes[p + "self_attn.q_norm.weight"] = (self.head_dim,)
+                shapes[p + "self_attn.k_norm.weight"] = (self.head_dim,)
             shapes[p + "self_attn.o_proj.weight"] = (h, self.q_size)
             if self.o_bias:
                 shapes[p + "self_attn.o_proj.bias"] = (h,)

@@ -53,6 +53,17 @@ VARIANTS = {
         num_hidden_layers=2,
         rope_scaling={"rope_type": "linear", "factor": 2.0},
     ),
+    # q/k norms per head; an explicit head_dim that is no power of two and not hidden / heads. (Qwen3's
+    # checkpoints have no sliding window, and llama.cpp's qwen3 arch none: the variants above cover windows.)
+    "qwen3": dict(
+        arch="qwen3",
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=24,
+        intermediate_size=120,
+        num_hidden_layers=2,
+    ),
 }
 
 ARCHS = tuple(VARIANTS)
@@ -102,12 +113,15 @@ def make_checkpoint(
         MistralForCausalLM,
         Qwen2Config,
         Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
     )
 
     classes = {
         "llama": (LlamaConfig, LlamaForCausalLM),
         "mistral": (MistralConfig, MistralForCausalLM),
         "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+        "qwen3": (Qwen3Config, Qwen3ForCausalLM),
     }
     spec = {**VARIANTS[variant], **overrides}
     arch, shard = spec.pop("arch"), spec.pop("shard", None)

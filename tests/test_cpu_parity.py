@@ -48,7 +48,9 @@ def test_greedy_tokens_match_transformers_in_one_batch(arch, checkpoint_dir, tmp
 
 def _assert_batched_greedy_matches(model, path, prompts):
     """The prompts run as one batch (shared steps); each continuation equals transformers' generate."""
-    results = LLMEngine(model).generate(prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
+    results = LLMEngine(model).generate(
+        prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS)
+    )
     reference = hf_model(path)
     for ids, result in zip(prompts, results, strict=True):
         with torch.no_grad():

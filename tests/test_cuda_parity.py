@@ -40,7 +40,7 @@ def artifact(checkpoint_dir, tmp_path_factory, arch, target, dtype="float32"):
 
 
 def _greedy(model, ids):
-    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS)
     return LLMEngine(model).generate([ids], params)[0].outputs[0].token_ids
 
 

@@ -75,7 +75,7 @@ def test_greedy_tokens_match_transformers_reading_bf16_kv(target, checkpoint_dir
     path = checkpoint_dir("llama")
     tok = Tokenizer.from_file(str(path / "tokenizer.json"))
     prompts = [tok.encode(p).ids for p in PROMPTS]
-    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS)
     with _load(artifact(checkpoint_dir, tmp_path_factory, target), target, max_num_seqs=4) as model:
         results = LLMEngine(model).generate(prompts, params)
     reference = bf16_kv_reference(path)

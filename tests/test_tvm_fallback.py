@@ -45,7 +45,7 @@ def test_fallback_model_matches_transformers(fallback_artifact, checkpoint_dir):
     with CompiledModel.load(fallback_artifact, kv_cache_memory="16MiB") as model:
         table = list(range(-(-len(ids) // model.block_size)))
         logits = model.step(StepBatch.build([ids], [0], [table], model.block_size))[0]
-        params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+        params = SamplingParams(temperature=0, max_tokens=24, min_tokens=24)
         tokens = LLMEngine(model).generate([ids], params)[0].outputs[0].token_ids
     with torch.no_grad():
         expected_logits = reference(torch.tensor([ids])).logits[0, -1].numpy()

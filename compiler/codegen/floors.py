@@ -96,8 +96,9 @@ def launch_floor(template: str, params: dict, rows_var: str, shape: StepShape) -
     if op == "rmsnorm":
         vectors = 4 if p["add_residual"] else 2  # x (+ residual) in, (sum +) y out
         return Floor(p["hidden"] * _bytes(p["wdtype"]) + rows * vectors * p["hidden"] * _act(p), 0)
-    if op == "rope":
-        return Floor(rows * (4 + 2 * p["num_heads"] * p["head_dim"] * _act(p)), 0)
+    if op == "rope":  # with a per-head norm, its [head_dim] float32 weight too
+        norm = 4 * p["head_dim"] if "norm_eps" in p else 0
+        return Floor(norm + rows * (4 + 2 * p["num_heads"] * p["head_dim"] * _act(p)), 0)
     if op == "silu_mul":
         return Floor(rows * 3 * p["inter"] * _act(p), 0)
     if op == "gather_rows":

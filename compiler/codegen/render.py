@@ -107,6 +107,9 @@ def _check_params(op: str, params: Mapping[str, Any]) -> None:
             raise ValueError(f"head_dim must be an even int, got {hd!r}")
         if not isinstance(freqs, (list, tuple)) or len(freqs) != hd // 2:
             raise ValueError(f"inv_freq must be a list of head_dim/2 = {hd // 2} floats")
+        eps = params.get("norm_eps")
+        if eps is not None and (isinstance(eps, bool) or not isinstance(eps, float) or not eps > 0):
+            raise ValueError(f"norm_eps must be a float > 0 (absent: no per-head norm), got {eps!r}")
     if op == "qgemm":
         _check_qgemm(params)
     if op == "paged_attention":
@@ -178,6 +181,10 @@ def render_host(template_dir: str, filename: str, **context: Any) -> str:
     return _environment().get_template(f"{template_dir}/{filename}").render(**context)
 
 
+# Parameters a template reads only when given (`is defined`): a variant of the op, absent from the others' ids
+OPTIONAL_PARAMS = {"rope": {"norm_eps"}}  # Qwen3's per-head q / k norm before the rotation
+
+
 def render_kernel(target: str, op: str, **params: Any) -> str:
     """Render the kernel `op` for `target` with its compile-time parameters (docs/contracts.md)."""
     rel = template_path(target, op)
@@ -186,7 +193,7 @@ def render_kernel(target: str, op: str, **params: Any) -> str:
         params = {**space.defaults(), **params}
     where = f"op {op!r} (template {rel}, params {_short(params)})"
     needed = template_params(target, op)
-    missing, unknown = sorted(needed - params.keys()), sorted(params.keys() - needed)
+    missing, unknown = sorted(needed - params.keys() - OPTIONAL_PARAMS.get(op, set())), sorted(params.keys() - needed)
     if missing or unknown:
         parts = ([f"missing {', '.join(missing)}"] if missing else []) + (
             [f"unknown {', '.join(unknown)}"] if unknown else []

@@ -12,7 +12,8 @@ import math
 from llmc.errors import CheckpointError, UnsupportedModelError
 from llmc.model_config import ModelConfig
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+_QWEN = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")  # sliding window only with use_sliding_window, above max_window_layers
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
@@ -134,7 +135,7 @@ def parse_config(raw: dict) -> ModelConfig:
         raise UnsupportedModelError(f"config.json: head_dim={head_dim} is odd; RoPE needs an even head_dim")
     theta, scaling = _rope(raw)
     sliding = raw.get("sliding_window")
-    if arch == "Qwen2ForCausalLM" and not raw.get("use_sliding_window", False):
+    if arch in _QWEN and not raw.get("use_sliding_window", False):
         sliding = None
     sliding = _int(raw, "sliding_window") if sliding is not None else None
     sliding_layers = _sliding_layers(raw, arch, layers) if sliding else ()
@@ -167,6 +168,7 @@ def parse_config(raw: dict) -> ModelConfig:
         bos_token_id=bos,
         eos_token_ids=token_ids(raw.get("eos_token_id")),
         sliding_layers=sliding_layers,
+        qk_norm=arch == "Qwen3ForCausalLM",
     )
 
 
@@ -197,6 +199,6 @@ def _sliding_layers(raw: dict, arch: str, layers: int) -> tuple[int, ...]:
                 "llmc compiles full_attention and sliding_attention layers",
             )
         return tuple(i for i, t in enumerate(types) if t == "sliding_attention")
-    if arch == "Qwen2ForCausalLM":
+    if arch in _QWEN:
         return tuple(range(_int(raw, "max_window_layers", 0, low=0), layers))
     return tuple(range(layers))

@@ -2,7 +2,7 @@
 
 A GGUF holds in one file what a Hugging Face checkpoint spreads over config.json, tokenizer.json and
 safetensors, under llama.cpp's names (gguf_names):
-- Architecture metadata (`llama.*`, `qwen2.*`) becomes the config.json transformers would have, checked by
+- Architecture metadata (`llama.*`, `qwen2.*`, `qwen3.*`) becomes the config.json transformers would have, checked by
   parse_config like any other. llama3 rope scaling is stored by llama.cpp as the per-frequency divisors of
   the `rope_freqs` tensor; the scaling fields are recovered from them (`_llama3_scaling`).
 - The tokenizer is stored as token lists, and rebuilt as a `tokenizers` tokenizer (gguf_tokenizer.py).
@@ -46,7 +46,7 @@ SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_K", "Q6_K")
 
 @dataclasses.dataclass
 class GGUFCheckpoint(Checkpoint):
-    gguf_arch: str  # general.architecture: "llama" | "qwen2"
+    gguf_arch: str  # general.architecture: "llama" | "qwen2" | "qwen3"
     gguf_names: dict[str, str]  # HF name -> GGUF tensor name
     gguf_types: dict[str, str]  # HF name -> "Q4_K", "F32", ...
     gguf_tensors: dict[str, gguf.ReaderTensor]  # GGUF name -> the reader's entry (its data mmapped)

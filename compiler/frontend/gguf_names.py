@@ -5,8 +5,8 @@ Three things are fixed by llama.cpp (its convert_hf_to_gguf.py and gguf-py's con
 - metadata keys: `general.architecture`, then `{arch}.block_count` etc., with `{arch}` the GGUF arch name;
 - the row order of q_proj and k_proj (weights and biases) in the `llama` arch. Hugging Face's RoPE rotates
   halves (dimension i pairs with i + head_dim/2); llama.cpp's `llama` arch rotates adjacent pairs (2i with
-  2i + 1), so the converter permutes each head's rows: permute_qk. `qwen2` keeps Hugging Face's order
-  (llama.cpp runs it with NEOX-style rope), so nothing is permuted there.
+  2i + 1), so the converter permutes each head's rows: permute_qk. `qwen2` and `qwen3` keep Hugging Face's
+  order (llama.cpp runs them with NEOX-style rope), so nothing is permuted there.
 
 Pure numpy, no `gguf` import: the importer and the writer each bring the `gguf` package themselves.
 """
@@ -18,9 +18,14 @@ import re
 import numpy as np
 
 # config.json `architectures[0]` -> GGUF `general.architecture`. llama.cpp converts Mistral as `llama`.
-GGUF_ARCH = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
+GGUF_ARCH = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
 # GGUF arch -> the Hugging Face class the importer rebuilds.
-HF_ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+HF_ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 # The GGUF archs whose q/k rows are stored in llama.cpp's interleaved-pair order.
 PERMUTED_ARCHS = frozenset({"llama"})
 
@@ -72,6 +77,8 @@ _LAYER = {  # the part after `model.layers.N.` -> the part after `blk.N.`, weigh
     "self_attn.k_proj": "attn_k",
     "self_attn.v_proj": "attn_v",
     "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",  # Qwen3's per-head norms
+    "self_attn.k_norm": "attn_k_norm",
     "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",

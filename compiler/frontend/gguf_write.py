@@ -8,7 +8,7 @@ convert_hf_to_gguf.py would write it.
   vocabulary padded to vocab_size with unused `[PAD<id>]` tokens, as the converter does), token types
   (added special tokens are CONTROL), merges, bos/eos ids, and the chat template when there is one.
 - Tensors under llama.cpp's names. In the `llama` arch, q_proj and k_proj rows (and biases) are permuted to
-  llama.cpp's interleaved RoPE pairs (gguf_names.permute_qk); `qwen2` keeps Hugging Face's order. llama3 rope
+  llama.cpp's interleaved RoPE pairs (gguf_names.permute_qk); `qwen2` and `qwen3` keep Hugging Face's order. llama3 rope
   scaling is written as the `rope_freqs` tensor, as the converter does.
 - dtype F32, BF16, Q8_0 or Q4_0 applies to every 2-D tensor (the token embedding and lm_head included); 1-D
   tensors (norms, biases, rope_freqs) stay F32, as llama.cpp writes them. A 2-D tensor whose rows are not a
@@ -53,7 +53,9 @@ def write_gguf(checkpoint_dir: str | Path, out_path: str | Path, dtype: str) -> 
     cfg = ckpt.config
     arch = names.GGUF_ARCH.get(cfg.architecture)
     if arch is None:
-        raise UnsupportedModelError(f"{cfg.architecture} has no GGUF writer", "llama, mistral and qwen2 are written")
+        raise UnsupportedModelError(
+            f"{cfg.architecture} has no GGUF writer", f"{', '.join(sorted(names.GGUF_ARCH))} are written"
+        )
     if cfg.sliding_window is not None and cfg.sliding_window < cfg.max_position_embeddings:
         raise UnsupportedModelError(
             f"sliding-window attention (window {cfg.sliding_window}) is not written to GGUF",

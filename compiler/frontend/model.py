@@ -1,4 +1,4 @@
-"""The Llama family (Llama, Mistral, Qwen2) as one plain, stateless torch module.
+"""The Llama family (Llama, Mistral, Qwen2, Qwen3) as one plain, stateless torch module.
 
 This is what the compiler traces, not what it runs: a full-sequence forward over one sequence with
 explicit positions and no cache. Parameter names equal Hugging Face's, so a checkpoint's tensors map
@@ -113,13 +113,19 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(c.hidden_size, c.kv_size, bias=c.attention_bias)
         self.v_proj = nn.Linear(c.hidden_size, c.kv_size, bias=c.attention_bias)
         self.o_proj = nn.Linear(c.q_size, c.hidden_size, bias=c.o_bias)
+        if c.qk_norm:
+            self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+            self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # x: [1, T, hidden]; cos, sin: [1, 1, T, head_dim]
         c = self.c
         T = x.shape[1]
-        q = self.q_proj(x).view(1, T, c.num_heads, c.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(1, T, c.num_kv_heads, c.head_dim).transpose(1, 2)
+        q = self.q_proj(x).view(1, T, c.num_heads, c.head_dim)
+        k = self.k_proj(x).view(1, T, c.num_kv_heads, c.head_dim)
+        if c.qk_norm:  # Qwen3: each head of q and k normalized before RoPE
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.v_proj(x).view(1, T, c.num_kv_heads, c.head_dim).transpose(1, 2)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin

@@ -54,7 +54,12 @@ OPS = {
         "head_dim",
         "scale",
         "sliding_window",
-    ),  # sliding_window 0: plain causal; else key j is seen from query i when i - window < j <= i
+        "q_norm",
+        "k_norm",
+        "norm_eps",
+    ),  # sliding_window 0: plain causal; else key j is seen from query i when i - window < j <= i. norm_eps > 0:
+    # each head of q and of k is RMS-normalized (weights q_norm, k_norm: [head_dim]) before RoPE (Qwen3); else
+    # q_norm and k_norm are empty constants
     "silu_mul": ("gate_up",),  # [rows, 2 * inter] -> [rows, inter]: silu(gate) * up
     # x @ W.T with W (float [N, K], sources as traced) packed quantized: compiler/quant.py's scheme as attrs
     "quantized_matmul": ("x", "weight", "bits", "group_size", "asymmetric", "scale_bits"),

@@ -3,11 +3,13 @@
 Matches, per layer, `R.nn.attention(q, k, v, scale=s, causal_mask="TopLeft", window_size=w)` whose inputs
 come from the q/k/v projections through the head split ([T, H*D] -> [1, H, T, D]), `llmc.rope` on q and k
 (by the same positions and inverse frequencies), and for GQA transformers' repeat_kv (expand_dims,
-broadcast_to, reshape). It rewrites the whole chain into
+broadcast_to, reshape). Qwen3 normalizes each head of q and of k (llmc.rms_norm with a [head_dim] weight)
+between the head split and RoPE: the norm joins the op, which applies it with RoPE. It rewrites the whole
+chain into
 
     llmc.paged_attention(q2d, k2d, v2d, positions, inv_freq, kv_cache_<layer>, slot_mapping, query_start_loc,
                          seq_lens, block_tables, layer, num_heads, num_kv_heads, head_dim, scale,
-                         sliding_window)  -> [T, H*D]
+                         sliding_window, q_norm, k_norm, norm_eps)  -> [T, H*D]
 
 which applies RoPE, writes this step's k/v into the cache through slot_mapping, and attends over each
 sequence's cached context. The op carries what the graph states: the scale (head_dim^-0.5 when the graph
@@ -24,11 +26,23 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import tvm
 import tvm_ffi
 from tvm import relax
 
-from .common import bindings, calls, llmc_args, llmc_call, llmc_op_name, main_function, prim, rewrite, source_of
+from .common import (
+    bindings,
+    calls,
+    llmc_args,
+    llmc_call,
+    llmc_op_name,
+    main_function,
+    prim,
+    prim_value,
+    rewrite,
+    source_of,
+)
 
 _LAYOUT_OPS = ("relax.permute_dims", "relax.reshape", "relax.expand_dims", "relax.broadcast_to")
 
@@ -53,6 +67,25 @@ class _Attention:
     head_dim: int
     scale: float
     sliding_window: int
+    q_norm: relax.Expr  # Qwen3's per-head norm weights, [head_dim]; empty constants when there is none
+    k_norm: relax.Expr
+    norm_eps: float  # 0: no per-head norm
+
+
+_NO_NORM = relax.const(np.zeros(0, dtype="float32"))
+
+
+def _head_norm(expr: relax.Expr, var2val, head_dim: int) -> tuple[relax.Expr, relax.Expr, float] | None:
+    """(x, weight, eps) if `expr` (a head-split q or k, [1, T, heads, head_dim]) is llmc.rms_norm over each head
+    with a [head_dim] weight, else None."""
+    value = var2val.get(expr)
+    if llmc_op_name(value) != "rms_norm":
+        return None
+    args = llmc_args(value)
+    shape = args["weight"].ty.shape
+    if shape is None or [int(d) for d in shape.values] != [head_dim]:
+        return None
+    return args["x"], args["weight"], float(prim_value(args["eps"]))
 
 
 def _through_rope(expr: relax.Expr, var2val) -> relax.Call | None:
@@ -106,9 +139,14 @@ def fuse_attention(mod: tvm.IRModule) -> tvm.IRModule:
             and tvm_ffi.structural_equal(q_args["inv_freq"], k_args["inv_freq"])
         ):
             continue
-        q2, k2 = (_strip_layout(a["x"], var2val) for a in (q_args, k_args))
-        v2 = _strip_layout(v_in, var2val)
         heads, head_dim = (int(d) for d in b.var.ty.shape.values[2:])  # attention out: [1, T, heads, head_dim]
+        q2, k2 = (_strip_layout(a["x"], var2val) for a in (q_args, k_args))
+        q_norm, k_norm = (_head_norm(x, var2val, head_dim) for x in (q2, k2))
+        if (q_norm is None) != (k_norm is None) or (q_norm and q_norm[2] != k_norm[2]):
+            continue  # a norm on one of them only, or two epsilons: not Qwen3's attention
+        if q_norm is not None:
+            q2, k2 = (_strip_layout(n[0], var2val) for n in (q_norm, k_norm))
+        v2 = _strip_layout(v_in, var2val)
         if _columns(q2) != heads * head_dim or _columns(k2) != _columns(v2):
             continue
         attrs = b.value.attrs
@@ -125,6 +163,9 @@ def fuse_attention(mod: tvm.IRModule) -> tvm.IRModule:
                 head_dim,
                 head_dim**-0.5 if attrs.scale is None else float(attrs.scale.value),
                 0 if attrs.window_size is None else int(attrs.window_size),
+                _NO_NORM if q_norm is None else q_norm[1],
+                _NO_NORM if k_norm is None else k_norm[1],
+                0.0 if q_norm is None else q_norm[2],
             )
         )
     if not matches:
@@ -156,6 +197,9 @@ def fuse_attention(mod: tvm.IRModule) -> tvm.IRModule:
                 prim(m.head_dim),
                 prim(m.scale),
                 prim(m.sliding_window),
+                m.q_norm,
+                m.k_norm,
+                prim(m.norm_eps),
             ],
             out_ty,
         )

@@ -14,6 +14,21 @@ from llmc.errors import CompileError
 from tests.compiler.passes.pass_helpers import imported, plain_module
 
 
+def test_qwen3_launches_what_llama_launches(checkpoint_dir):
+    """Its q / k head norms ride in the two rope launches (their weights as the launches' last argument)."""
+    programs = {}
+    for arch in ("llama", "qwen3"):
+        mod, config = imported(checkpoint_dir, arch)
+        programs[arch] = lower(run_passes(mod), trace(config).weight_names, weight_dtype="float32", block_size=16)
+    assert [launch.op for launch in programs["qwen3"].launches] == [launch.op for launch in programs["llama"].launches]
+    ropes = [launch for launch in programs["qwen3"].launches if launch.op == "rope"]
+    assert all("norm_eps" in r.params and r.args[-1].startswith("W[") for r in ropes)
+    assert [r.fused for r in ropes[:2]] == [["rms_norm(q_norm)", "rope"], ["rms_norm(k_norm)", "rope"]]
+    assert all(
+        "norm_eps" not in r.params and r.args[-1] == "nullptr" for r in programs["llama"].launches if r.op == "rope"
+    )
+
+
 def test_kernel_program_of_a_fused_model(checkpoint_dir):
     mod, config = imported(checkpoint_dir, "mistral")  # tied embeddings, 9 heads / 3 KV heads
     program = lower(run_passes(mod), trace(config).weight_names, weight_dtype="bfloat16", block_size=16)

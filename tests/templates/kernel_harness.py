@@ -46,7 +46,7 @@ SIGNATURES = {
     ],
     "gemm": [("x", "A*"), ("w", "W*"), ("bias", "W*"), ("y", "A*"), ("T", "int")],
     "gemm_swiglu": [("x", "A*"), ("w", "W*"), ("bias", "W*"), ("y", "A*"), ("T", "int")],
-    "rope": [("x", "A*"), ("row_stride", "int"), ("positions", "i32*"), ("T", "int")],
+    "rope": [("x", "A*"), ("row_stride", "int"), ("positions", "i32*"), ("T", "int"), ("norm_w", "f32*")],
     "paged_attention": [
         ("q", "A*"),
         ("k", "A*"),

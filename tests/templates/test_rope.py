@@ -1,5 +1,7 @@
 """rope (templates/{cpu,cuda}/rope.*.j2) against transformers' Llama rotary embedding (rotate-half), in torch
-float32; on CUDA with bf16 activations, the float32 rotation of the bf16 values, rounded once."""
+float32; on CUDA with bf16 activations, the float32 rotation of the bf16 values, rounded once. With norm_eps,
+each head first goes through Qwen3's q_norm / k_norm (transformers' RMSNorm over head_dim), as its attention
+does before RoPE."""
 
 import numpy as np
 import pytest
@@ -25,7 +27,7 @@ def test_rope_matches_transformers(kernels, op, params, T, extra_cols):
     stride = nh * hd + extra_cols
     x, positions = rope_inputs(T, stride, seed=T + extra_cols)
     orig = x.copy()
-    kernels(op, params)(x, stride, positions, T)
+    kernels(op, params)(x, stride, positions, T, None)
     ref = rope_reference(orig[:, : nh * hd].reshape(T, nh, hd), positions, params["inv_freq"]).reshape(T, nh * hd)
     np.testing.assert_allclose(x[:, : nh * hd], ref, rtol=1e-5, atol=1e-5)
     assert np.array_equal(x[:, nh * hd :], orig[:, nh * hd :])
@@ -38,9 +40,9 @@ def test_rope_bf16_activations(kernels, op, params, T):
     stride = params["num_heads"] * params["head_dim"] + 40
     x, positions = rope_inputs(T, stride, seed=T)
     bits, values = to_bf16(x)
-    kernels(op, dict(params, adtype="f32"))(values, stride, positions, T)
+    kernels(op, dict(params, adtype="f32"))(values, stride, positions, T, None)
     orig = bits.copy()
-    kernels(op, params)(bits, stride, positions, T)
+    kernels(op, params)(bits, stride, positions, T, None)
     assert np.array_equal(bits, to_bf16(values)[0])  # k and v columns: untouched, as the float32 kernel leaves them
     assert not np.array_equal(bits, orig)
 
@@ -60,3 +62,41 @@ def test_rope_kernel_id_hashes_inv_freq():
     ida, idb = kernel_id("cpu", "rope", a), kernel_id("cpu", "rope", b)
     assert ida.startswith("cpu_rope_qh9_d64_if32x") and ida != idb
     assert ida == kernel_id("cpu", "rope", dict(a, inv_freq=tuple(np.float32(v) for v in a["inv_freq"])))
+
+
+# Qwen3's shapes: head_dim 128 (and a tail head_dim, 24), 16 / 3 heads
+NORM_SPECS = [
+    ("rope", dict(num_heads=nh, head_dim=hd, inv_freq=rope_inv_freq(hd, 1e6).tolist(), norm_eps=1e-6))
+    for nh, hd in [(16, 128), (3, 24)]
+]
+SPECS += NORM_SPECS
+
+
+def _rms_norm_heads(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    """transformers' RMSNorm over the last axis, in torch float32."""
+    import torch
+
+    h = torch.from_numpy(x)
+    return (torch.from_numpy(w) * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps))).numpy()
+
+
+@pytest.mark.parametrize("T", [1, 5])
+@pytest.mark.parametrize("op,params", NORM_SPECS, ids=map(spec_id, NORM_SPECS))
+def test_rope_with_per_head_norm_matches_qwen3(kernels, op, params, T):
+    nh, hd = params["num_heads"], params["head_dim"]
+    stride = nh * hd + 40
+    x, positions = rope_inputs(T, stride, seed=T + nh)
+    x *= 7.0  # far from unit RMS: the norm has work to do
+    w = (1.0 + 0.3 * np.random.default_rng(T).standard_normal(hd)).astype(np.float32)
+    orig = x.copy()
+    kernels(op, params)(x, stride, positions, T, w)
+    normed = _rms_norm_heads(orig[:, : nh * hd].reshape(T, nh, hd), w, params["norm_eps"])
+    ref = rope_reference(normed, positions, params["inv_freq"]).reshape(T, nh * hd)
+    np.testing.assert_allclose(x[:, : nh * hd], ref, rtol=2e-5, atol=2e-5)
+    assert np.array_equal(x[:, nh * hd :], orig[:, nh * hd :])
+
+
+def test_a_per_head_norm_changes_the_kernel_id():
+    a = dict(num_heads=4, head_dim=24, inv_freq=rope_inv_freq(24, 1e6).tolist())
+    assert kernel_id("cpu", "rope", a) != kernel_id("cpu", "rope", dict(a, norm_eps=1e-6))
+    assert "normeps1em06" in kernel_id("cpu", "rope", dict(a, norm_eps=1e-6))

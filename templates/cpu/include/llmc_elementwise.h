@@ -38,9 +38,11 @@ inline void rmsnorm(const float* x, const float* residual_in, float* residual_ou
 
 // rope, rotate-half convention (transformers' Llama): with c, s = cos, sin(float(pos) * inv_freq[i]),
 //   x[i] = x[i] * c - x[i + D/2] * s,   x[i + D/2] = x[i + D/2] * c + x[i] * s,   i < D/2,
-// in place on heads [0, NH) of each row (row t starts at x + t * row_stride).
-template <int NH, int D>
-inline void rope(float* x, int row_stride, const int32_t* positions, int T, const float* inv_freq) {
+// in place on heads [0, NH) of each row (row t starts at x + t * row_stride). NORM (Qwen3's q_norm / k_norm):
+// first each head is RMS-normalized over its D values and scaled by norm_w [D], as RMSNorm does at fp32.
+template <int NH, int D, bool NORM = false>
+inline void rope(float* x, int row_stride, const int32_t* positions, int T, const float* inv_freq,
+                 const float* norm_w = nullptr, float eps = 0.0f) {
   static_assert(D % 2 == 0, "rope: odd head_dim");
   constexpr int HALF = D / 2;
   parallel_for(T, (long)T * NH * D >= kParallelWork, [&](int t) {
@@ -55,6 +57,10 @@ inline void rope(float* x, int row_stride, const int32_t* positions, int T, cons
     for (int h = 0; h < NH; ++h) {
       float* x1 = row + h * D;
       float* x2 = x1 + HALF;
+      if constexpr (NORM) {
+        const float r = 1.0f / std::sqrt(dot<D>(x1, x1) / float(D) + eps);
+        for (int i = 0; i < D; ++i) x1[i] = norm_w[i] * (x1[i] * r);
+      }
       for (int i = 0; i < HALF; ++i) {
         const float a = x1[i], b = x2[i];
         x1[i] = a * c[i] - b * s[i];

@@ -73,25 +73,43 @@ struct RmsNorm {
 // rope, rotate-half (transformers' Llama), in place on heads [0, NH) of each row: with c, s = cos, sin of
 // float(pos) * inv_freq[i],  x[i] = x[i] c - x[i + D/2] s,  x[i + D/2] = x[i + D/2] c + x[i] s.
 // Grid (T), block kThreads: the token's D/2 (cos, sin) pairs once into shared memory (accurate sincosf),
-// then one thread per (head, i) pair.
-template <int NH, int D, typename A = float>
+// then one thread per (head, i) pair. NORM (Qwen3's q_norm / k_norm): each head is first RMS-normalized over
+// its D values and scaled by norm_w [D] (float32), as the rmsnorm kernel does a row: a thread per head sums
+// its squares in order (deterministic), before any value is rotated.
+template <int NH, int D, typename A = float, bool NORM = false>
 struct Rope {
   static_assert(D % 2 == 0, "rope: odd head_dim");
   static constexpr int HALF = D / 2;
   static constexpr int kThreads = row_threads(NH * HALF, 256);
 
-  static __device__ __forceinline__ void run(A* x, int row_stride, const int32_t* positions, const float* inv_freq) {
+  static __device__ __forceinline__ void run(A* x, int row_stride, const int32_t* positions, const float* inv_freq,
+                                             const float* norm_w = nullptr, float eps = 0.0f) {
     __shared__ float cos_s[HALF], sin_s[HALF];
+    __shared__ float scale_s[NORM ? NH : 1];
     const int t = blockIdx.x;
     const float p = static_cast<float>(positions[t]);
-    for (int i = threadIdx.x; i < HALF; i += kThreads) sincosf(p * inv_freq[i], &sin_s[i], &cos_s[i]);
-    __syncthreads();
     A* row = x + static_cast<int64_t>(t) * row_stride;
+    for (int i = threadIdx.x; i < HALF; i += kThreads) sincosf(p * inv_freq[i], &sin_s[i], &cos_s[i]);
+    if constexpr (NORM) {
+      for (int h = threadIdx.x; h < NH; h += kThreads) {
+        float ss = 0.0f;
+        for (int j = 0; j < D; ++j) {
+          const float v = wload(row[h * D + j]);
+          ss += v * v;
+        }
+        scale_s[h] = 1.0f / sqrtf(ss / static_cast<float>(D) + eps);
+      }
+    }
+    __syncthreads();
     for (int idx = threadIdx.x; idx < NH * HALF; idx += kThreads) {
       const int h = idx / HALF, i = idx % HALF;
       const float c = cos_s[i], s = sin_s[i];
       A* x1 = row + h * D + i;
-      const float a = wload(x1[0]), b = wload(x1[HALF]);
+      float a = wload(x1[0]), b = wload(x1[HALF]);
+      if constexpr (NORM) {
+        a = act_round<A>(norm_w[i] * act_round<A>(a * scale_s[h]));  // as torch's bf16 RMSNorm rounds twice
+        b = act_round<A>(norm_w[i + HALF] * act_round<A>(b * scale_s[h]));
+      }
       A* y1 = store_ptr(x1);
       astore(y1, a * c - b * s);
       astore(y1 + HALF, b * c + a * s);

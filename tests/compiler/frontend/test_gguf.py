@@ -167,7 +167,7 @@ def test_config_and_tokenizer_as_the_source(arch, checkpoint_dir, gguf_file):
     ckpt = load_checkpoint(gguf_file(arch, "F32"))
     a, b = src.config, ckpt.config
     # llama.cpp writes Mistral as llama, and a window wider than the context attends to all of it
-    assert b.architecture == {"qwen2": "Qwen2ForCausalLM"}.get(arch, "LlamaForCausalLM")
+    assert b.architecture == {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}.get(arch, "LlamaForCausalLM")
     assert a.sliding_window is None or a.sliding_window >= a.max_position_embeddings
     same = (
         "vocab_size",

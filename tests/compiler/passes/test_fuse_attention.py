@@ -13,6 +13,9 @@ from tests.checkpoints import ARCHS
 from tests.compiler.passes.pass_helpers import apply, before, count_ops, imported, plain_module
 
 INV_FREQ = np.array([1.0, 0.01], dtype="float32")  # head_dim 4
+NO_NORM = np.zeros(0, dtype="float32")
+Q_NORM = np.array([1.0, 1.5, 0.5, 2.0], dtype="float32")  # Qwen3's per-head weights, [head_dim]
+K_NORM = np.array([0.9, 1.1, 1.2, 0.8], dtype="float32")
 
 
 def _attention_module(k_inv_freq=INV_FREQ, causal_mask="TopLeft"):
@@ -96,6 +99,9 @@ class Expected:
                 R.prim_value(4),
                 R.prim_value(T.float64(0.5)),
                 R.prim_value(3),
+                R.const(NO_NORM),
+                R.const(NO_NORM),
+                R.prim_value(T.float64(0.0)),
                 ty_args=R.Tensor((n, 8), "float32"),
             )
             att = R.reshape(paged, R.shape([1, n, 2, 4]))
@@ -119,6 +125,84 @@ def test_attention_becomes_paged_attention_carrying_its_facts():
     ids=["k_rotated_differently", "not_causal"],
 )
 def test_near_misses_are_left_alone(near_miss):
+    out, count = apply(fuse_attention, near_miss)
+    assert count == 0
+    tvm.ir.assert_structural_equal(out["main"], near_miss["main"])
+
+
+def _qk_norm_module(k_norm=K_NORM, k_eps=1e-6):
+    """One layer as Qwen3's reaches fuse_attention: each head of q and k through llmc.rms_norm ([head_dim]
+    weights) between the head split and RoPE; 2 query heads, 1 KV head (no GQA repeat needed for the match)."""
+
+    @I.ir_module
+    class Module:
+        @R.function
+        def main(
+            input_ids: R.Tensor(("n",), "int64"),
+            positions: R.Tensor(("n",), "int64"),
+            q: R.Tensor(("n", 8), "float32"),
+            k: R.Tensor(("n", 4), "float32"),
+            v: R.Tensor(("n", 4), "float32"),
+        ):
+            n = T.int64()
+            with R.dataflow():
+                q_split = R.reshape(q, R.shape([1, n, 2, 4]))
+                k_split = R.reshape(k, R.shape([1, n, 1, 4]))
+                q_normed = R.call_pure_packed(
+                    "llmc.rms_norm", q_split, R.const(Q_NORM), R.prim_value(T.float64(1e-6)),
+                    ty_args=R.Tensor((1, n, 2, 4), "float32"),
+                )  # fmt: skip
+                k_normed = R.call_pure_packed(
+                    "llmc.rms_norm", k_split, R.const(k_norm), R.prim_value(T.float64(k_eps)),
+                    ty_args=R.Tensor((1, n, 1, 4), "float32"),
+                )  # fmt: skip
+                q_rot = R.call_pure_packed(
+                    "llmc.rope", R.permute_dims(q_normed, axes=[0, 2, 1, 3]), positions, R.const(INV_FREQ),
+                    ty_args=R.Tensor((1, 2, n, 4), "float32"),
+                )  # fmt: skip
+                k_rot = R.call_pure_packed(
+                    "llmc.rope", R.permute_dims(k_normed, axes=[0, 2, 1, 3]), positions, R.const(INV_FREQ),
+                    ty_args=R.Tensor((1, 1, n, 4), "float32"),
+                )  # fmt: skip
+                k_rep = R.reshape(
+                    R.broadcast_to(R.expand_dims(k_rot, axis=[2]), R.shape([1, 1, 2, n, 4])), R.shape([1, 2, n, 4])
+                )
+                v_rep = R.reshape(
+                    R.broadcast_to(
+                        R.expand_dims(R.permute_dims(R.reshape(v, R.shape([1, n, 1, 4])), axes=[0, 2, 1, 3]), axis=[2]),
+                        R.shape([1, 1, 2, n, 4]),
+                    ),
+                    R.shape([1, 2, n, 4]),
+                )
+                att = R.nn.attention(
+                    R.permute_dims(q_rot, axes=[0, 2, 1, 3]),
+                    R.permute_dims(k_rep, axes=[0, 2, 1, 3]),
+                    R.permute_dims(v_rep, axes=[0, 2, 1, 3]),
+                    causal_mask="TopLeft",
+                )
+                out = R.reshape(att, R.shape([1, n, 8]))
+                R.output(out)
+            return out
+
+    return Module
+
+
+def test_qwen3_head_norms_join_paged_attention():
+    out, count = apply(fuse_attention, _qk_norm_module())
+    assert count == 1 and count_ops(out, "rms_norm") == 0 and count_ops(out, "rope") == 0
+    (call,) = [b.value for b in out["main"].body.blocks[0].bindings if "paged_attention" in str(b.value.args[0])]
+    q, k, v, *_, q_norm, k_norm, eps = call.args[1:]
+    assert [p.name for p in (q, k, v)] == ["q", "k", "v"]  # straight from the projections, norms and all
+    assert np.array_equal(q_norm.value.numpy(), Q_NORM) and np.array_equal(k_norm.value.numpy(), K_NORM)
+    assert float(eps.value) == 1e-6
+
+
+@pytest.mark.parametrize(
+    "near_miss",
+    [_qk_norm_module(k_eps=1e-5), _qk_norm_module(k_norm=np.ones(2, dtype="float32"))],
+    ids=["q_and_k_norms_of_two_epsilons", "k_norm_not_over_each_head"],
+)
+def test_head_norm_near_misses_are_left_alone(near_miss):
     out, count = apply(fuse_attention, near_miss)
     assert count == 0
     tvm.ir.assert_structural_equal(out["main"], near_miss["main"])

@@ -12,6 +12,7 @@ from tests.checkpoints import ARCHS
 from tests.compiler.passes.pass_helpers import apply, before, count_ops, imported, plain_module
 
 INV_FREQ = np.array([1.0, 0.01], dtype="float32")
+NO_NORM = np.zeros(0, dtype="float32")  # paged attention without per-head norms
 
 
 @I.ir_module
@@ -53,6 +54,9 @@ class Before:
                 R.prim_value(4),
                 R.prim_value(T.float64(0.5)),
                 R.prim_value(0),
+                R.const(NO_NORM),
+                R.const(NO_NORM),
+                R.prim_value(T.float64(0.0)),
                 ty_args=R.Tensor((n, 8), "float32"),
             )
             R.output(out)
@@ -99,6 +103,9 @@ class Expected:
                 R.prim_value(4),
                 R.prim_value(T.float64(0.5)),
                 R.prim_value(0),
+                R.const(NO_NORM),
+                R.const(NO_NORM),
+                R.prim_value(T.float64(0.0)),
                 ty_args=R.Tensor((n, 8), "float32"),
             )
             R.output(out)
@@ -152,6 +159,9 @@ class KeysOfAnotherInput:
                 R.prim_value(4),
                 R.prim_value(T.float64(0.5)),
                 R.prim_value(0),
+                R.const(NO_NORM),
+                R.const(NO_NORM),
+                R.prim_value(T.float64(0.0)),
                 ty_args=R.Tensor((n, 8), "float32"),
             )
             R.output(out)
