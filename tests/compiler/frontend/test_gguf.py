@@ -248,7 +248,7 @@ def _assert_exact(ckpt, expect_types):
 
 
 @pytest.mark.parametrize("dtype", ["Q8_0", "Q4_0"])
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_quantized_tensors_equal_gguf_dequantize(arch, dtype, gguf_file):
     _assert_exact(load_checkpoint(gguf_file(arch, dtype)), [dtype])
 
