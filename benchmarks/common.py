@@ -24,6 +24,9 @@ from llmc.host import host_caches
 
 REPO = Path(__file__).resolve().parent.parent
 
+# A family's transformers config class and architecture name (random_checkpoint)
+FAMILIES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen3": ("Qwen3Config", "Qwen3ForCausalLM")}
+
 SMOLLM_135M = {  # LlamaConfig kwargs
     "hidden_size": 576,
     "intermediate_size": 1536,
@@ -90,10 +93,17 @@ def cache_dir(arg: Path | None) -> Path:
 
 
 def random_checkpoint(
-    out: Path, config: dict, log=log, gain: float = 2.0, embed_std: float = 0.02, seed: int = 0
+    out: Path,
+    config: dict,
+    log=log,
+    gain: float = 2.0,
+    embed_std: float = 0.02,
+    seed: int = 0,
+    family: str = "llama",
 ) -> Path:
-    """A LlamaForCausalLM checkpoint of the config's shape with random fp32 weights, written tensor by tensor
-    (a shard of at most 1 GiB in memory at a time), plus the small byte-level BPE tokenizer.
+    """A checkpoint of the config's shape in `family` (FAMILIES: its transformers config class) with random fp32
+    weights, written tensor by tensor (a shard of at most 1 GiB in memory at a time), plus the small byte-level
+    BPE tokenizer.
 
     Norms are 1 and the embedding N(0, embed_std), as transformers initialises them; the other matrices are
     N(0, (gain / sqrt(fan_in))^2). transformers' std 0.02 for those collapses greedy decode onto one repeated
@@ -102,8 +112,8 @@ def random_checkpoint(
     if (out / "config.json").is_file() and (out / "tokenizer.json").is_file():
         return out
     import numpy as np
+    import transformers
     from safetensors.numpy import save_file
-    from transformers import LlamaConfig
 
     sys.path.insert(0, str(REPO / "tests"))
     from checkpoints import train_tokenizer
@@ -115,8 +125,9 @@ def random_checkpoint(
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     train_tokenizer(tmp)
-    hf_config = LlamaConfig(**config)
-    hf_config.architectures = ["LlamaForCausalLM"]
+    config_class, architecture = FAMILIES[family]
+    hf_config = getattr(transformers, config_class)(**config)
+    hf_config.architectures = [architecture]
     hf_config.save_pretrained(tmp)
     shapes = parse_config(hf_config.to_dict()).weight_shapes()
     rng = np.random.default_rng(seed)
