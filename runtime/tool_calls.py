@@ -11,10 +11,12 @@ Formats, each as the family's chat template writes a call (and so as the model w
 `detect_tool_format` reads which one from the chat template; a template that says nothing gets hermes, and the
 server then describes the tools and that format in a system message itself (serving.py).
 
-A forced call (tool_choice "required" or a named function, or a function with `"strict": true`) is a Lark
-grammar for runtime/structured.py: the format's markers around `%json` schemas whose arguments are the function's
-parameters (narrowed as every JSON constraint is, structured.constrained_schema). Model output is never an
-error here: text that looks like a call but does not parse stays content.
+A forced call (tool_choice "required" or a named function: tool_call_grammar; a function with `"strict": true`:
+call_grammar with free text) is a Lark grammar for llguidance (runtime/structured.py): the format's markers around
+`%json` schemas whose arguments are the function's parameters (narrowed as every JSON constraint is,
+structured.constrained_schema). Model output is never an error here: text that looks like a call but does not
+parse stays content. A stream (ToolCallStreamParser) sends OpenAI's delta fragments, and in all exactly what
+parse_tool_calls makes of the whole text, so a client sees the same answer streamed or not.
 """
 
 from __future__ import annotations
@@ -24,6 +26,9 @@ import json
 import re
 import secrets
 import string
+from typing import Literal
+
+import llguidance as llg
 
 from llmc.errors import RequestError
 from llmc.runtime.structured import constrained_schema
@@ -50,11 +55,11 @@ def _random_id(n: int = 24) -> str:
 def detect_tool_format(chat_template: str | None) -> str:
     """The call format a chat template teaches: hermes where it says nothing."""
     template = chat_template or ""
-    if "[TOOL_CALLS]" in template:
-        return "mistral"
     if "<tool_call>" in template:
         return "hermes"
-    if "<|python_tag|>" in template or "ipython" in template:
+    if "[TOOL_CALLS]" in template:
+        return "mistral"
+    if "<|python_tag|>" in template or "ipython" in template or ('"parameters"' in template and "tools" in template):
         return "llama3_json"
     return "hermes"
 
@@ -168,6 +173,23 @@ def call_grammar(fmt: str, functions: list[dict], *, parallel: bool = True, free
     return f"start: TEXT | calls\nTEXT: /[^{marker}](.|\\n)*/\n" + rules
 
 
+def tool_call_grammar(
+    fmt: str, tools: list[dict], mode: Literal["required", "named"], name: str | None = None, parallel: bool = True
+) -> str:
+    """The llguidance grammar (for `llg.LLMatcher`) of the calls tool_choice forces: "required" a call of any of
+    `tools` (OpenAI's request field, checked), "named" a call of the function `name`; one or more calls if
+    `parallel`, else exactly one."""
+    functions = check_tools(tools)
+    if mode == "named":
+        functions = [f for f in functions if f["name"] == name]
+        if not functions:
+            raise RequestError(f"tool_choice names the function {name!r}, which is not among the tools",
+                               param="tool_choice")  # fmt: skip
+    elif mode != "required":
+        raise ValueError(f"mode {mode!r}: a grammar forces calls only for 'required' or 'named'")
+    return llg.LLMatcher.grammar_from_lark(call_grammar(fmt, functions, parallel=parallel))
+
+
 # -- parsing a model's output ---------------------------------------------------------------------------------
 
 
@@ -178,7 +200,7 @@ class ParsedOutput:
 
 
 def _as_call(obj, keys=("arguments", "parameters")) -> ToolCall | None:
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
         return None
     args = next((obj[k] for k in keys if k in obj), {})
     if isinstance(args, str):  # some models write the arguments as JSON text already
@@ -194,22 +216,30 @@ def _as_call(obj, keys=("arguments", "parameters")) -> ToolCall | None:
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 
 
+def _hermes_call(block: str) -> ToolCall | None:
+    """The call of one `<tool_call>...</tool_call>` block; None if it does not parse (it stays text)."""
+    try:
+        return _as_call(json.loads(_HERMES.fullmatch(block).group(1)))
+    except ValueError:
+        return None
+
+
 def _parse_hermes(text: str) -> ParsedOutput | None:
-    calls, spans = [], []
+    """Each block that parses is a call, each that does not stays text; the content is the text between the
+    calls, trimmed where it meets a call or the end, its pieces joined by newlines (as ToolCallStreamParser
+    sends it)."""
+    calls, pieces, at = [], [], 0
     for m in _HERMES.finditer(text):
-        try:
-            call = _as_call(json.loads(m.group(1)))
-        except ValueError:
-            call = None
-        if call is None:
-            return None
+        if (call := _hermes_call(m.group(0))) is None:
+            continue
         calls.append(call)
-        spans.append(m.span())
+        pieces.append(text[at : m.start()])
+        at = m.end()
     if not calls:
         return None
-    starts, ends = [0] + [e for _, e in spans], [s for s, _ in spans] + [len(text)]
-    rest = "".join(text[a:b] for a, b in zip(starts, ends, strict=True))
-    return ParsedOutput(rest.strip() or None, calls)
+    pieces.append(text[at:])
+    content = [pieces[0].rstrip()] + [p.strip() for p in pieces[1:]]  # the first keeps its leading text as sent
+    return ParsedOutput("\n".join(p for p in content if p) or None, calls)
 
 
 def _parse_llama3(text: str) -> ParsedOutput | None:
@@ -255,7 +285,7 @@ def _parse_mistral(text: str) -> ParsedOutput | None:
                 calls.append(None)
     if not calls or any(c is None for c in calls):
         return None
-    return ParsedOutput(head.strip() or None, calls)
+    return ParsedOutput(head.rstrip() or None, calls)
 
 
 _PARSERS = {"hermes": _parse_hermes, "llama3_json": _parse_llama3, "mistral": _parse_mistral}
@@ -297,53 +327,136 @@ def tools_system_prompt(fmt: str, functions: list[dict]) -> str:
     )
 
 
-class ToolCallStream:
-    """A streamed output's content deltas, with calls held back until they parse: the text before the format's
-    call marker streams as content; from the marker on, the rest waits for the end of the output, whose calls
-    are then sent as OpenAI's `delta.tool_calls` (each call's name and whole arguments at once). llama3's calls
-    are the whole answer, so an answer that opens with anything else is all content."""
+_OPEN, _CLOSE, _PYTHON_TAG, _MISTRAL = "<tool_call>", "</tool_call>", "<|python_tag|>", "[TOOL_CALLS]"
 
-    _MARKERS = {"hermes": "<tool_call>", "llama3_json": "{", "mistral": "[TOOL_CALLS]"}
+
+class ToolCallStreamParser:
+    """A streamed output as OpenAI's `delta` fragments: `{"content": ...}` for free text, and for each call
+    `{"tool_calls": [{"index", "id", "type", "function": {"name", "arguments": ""}}]}` then
+    `{"tool_calls": [{"index", "function": {"arguments"}}]}` with its whole arguments. What it sends in all is
+    what parse_tool_calls makes of the whole text.
+
+    Free text goes out as soon as it cannot be a call's beginning; its trailing whitespace waits too, since
+    whitespace that meets a call is not content. hermes sends each call once its block closes; llama3's and
+    Mistral's calls are the rest of the output, which is calls only if all of it parses, so from their marker
+    on the text waits for the end."""
 
     def __init__(self, fmt: str):
-        self.fmt, self.marker = fmt, self._MARKERS[fmt]
-        self._text = ""  # everything so far
-        self._sent = 0  # characters of it sent as content
-        self._holding = False  # a marker was seen: the rest waits for the end
-        self._free = False  # llama3: the answer opened with text, so it has no call
+        self.fmt = fmt
+        self.tool_calls: list[ToolCall] = []  # the calls sent so far
+        self._text = ""  # the whole output so far
+        self._unread = ""  # its end, not yet sent as content or a call
+        self._in_block = False  # hermes: _unread opens a <tool_call> block whose close has not come
+        self._held = False  # llama3, Mistral: the calls' marker came; the rest waits for the end
+        self._free = False  # llama3: the output opened with text, so all of it is content
+        self._blank = ""  # content's trailing whitespace, held back
+        self._trim = False  # hermes: a call was sent, and the whitespace after it is not content
+        self._sent_content = False
 
-    def feed(self, delta: str) -> str:
-        """The content that can go out now."""
+    def feed(self, delta: str) -> list[dict]:
+        """The fragments the output so far lets out, given its next piece of text."""
         self._text += delta
-        if self._holding:
-            return ""
-        if self.fmt == "llama3_json" and not self._free:
-            head = self._text.lstrip()
-            if head.startswith(("{", "<|python_tag|>")):
-                self._holding = True
-                return ""
-            if "<|python_tag|>".startswith(head):  # undecided (nothing, or a tag's beginning)
-                return ""
-            self._free = True
-        if self._free:
-            out, self._sent = self._text[self._sent :], len(self._text)
-            return out
-        start = self._text.find(self.marker, self._sent)
-        if start >= 0:
-            self._holding = True
-            out, self._sent = self._text[self._sent : start], start
-            return out
-        end = len(self._text) - _partial_suffix(self._text, self.marker)
-        out, self._sent = self._text[self._sent : end], max(self._sent, end)
-        return out
+        self._unread += delta
+        if self.fmt == "hermes":
+            return self._read_hermes()
+        if self.fmt == "llama3_json":
+            return self._read_llama3()
+        return self._read_to_marker(_MISTRAL)
 
-    def finish(self) -> tuple[str, list[ToolCall]]:
-        """(the content still to send, the calls) once the output has ended."""
-        parsed = parse_tool_calls(self.fmt, self._text)
-        held, self._sent = self._text[self._sent :], len(self._text)
-        if not parsed.tool_calls:
-            return held, []
-        return (_HERMES.sub("", held).strip() if self.fmt == "hermes" else ""), parsed.tool_calls
+    def finish(self) -> list[dict]:
+        """The fragments still to send once the output has ended."""
+        out = []
+        if self._held and (calls := parse_tool_calls(self.fmt, self._text).tool_calls):
+            self._unread = ""
+            for call in calls:
+                out += self._call(call)
+        elif self.fmt == "hermes":
+            out += self._content(self._unread)  # an unclosed block, or a marker's beginning, is text
+            self._unread = ""
+        rest = self._unread if self.tool_calls else self._blank + self._unread
+        self._blank = self._unread = ""
+        return out + ([{"content": rest}] if rest else [])
+
+    def _read_hermes(self) -> list[dict]:
+        out = []
+        while True:
+            if not self._in_block:
+                out += self._read_to_marker(_OPEN)
+                if not self._in_block:
+                    return out
+            end = self._unread.find(_CLOSE)
+            if end < 0:
+                return out
+            end += len(_CLOSE)
+            block, self._unread, self._in_block = self._unread[:end], self._unread[end:], False
+            call = _hermes_call(block)
+            out += self._content(block) if call is None else self._call(call)
+
+    def _read_llama3(self) -> list[dict]:
+        if not (self._held or self._free):
+            head = self._unread.lstrip()
+            self._held = head.startswith(("{", _PYTHON_TAG))
+            self._free = not self._held and not _PYTHON_TAG.startswith(head)  # else undecided: a tag's beginning
+        if not self._free or not self._unread:
+            return []
+        text, self._unread = self._unread, ""
+        return [{"content": text}]
+
+    def _read_to_marker(self, marker: str) -> list[dict]:
+        """Sends the text before `marker` (hermes' block or Mistral's calls), or all of it but the end that may
+        begin one; where the marker came, _unread then opens with it."""
+        if self._held:
+            return []
+        start = self._unread.find(marker)
+        if start < 0:
+            start = len(self._unread) - _partial_suffix(self._unread, marker)
+        elif self.fmt == "hermes":
+            self._in_block = True
+        else:
+            self._held = True
+        text, self._unread = self._unread[:start], self._unread[start:]
+        return self._content(text)
+
+    def _content(self, text: str) -> list[dict]:
+        if self._trim:
+            text = text.lstrip()
+            if not text:
+                return []
+            self._trim = False
+            if self._sent_content:  # content between calls: its pieces on lines of their own
+                text = "\n" + text
+        text = self._blank + text
+        body = text.rstrip()
+        self._blank = text[len(body) :]
+        if not body:
+            return []
+        self._sent_content = True
+        return [{"content": body}]
+
+    def _call(self, call: ToolCall) -> list[dict]:
+        index = len(self.tool_calls)
+        self.tool_calls.append(call)
+        self._blank, self._trim = "", True
+        opening = {"index": index, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}
+        return [
+            {"tool_calls": [opening]},
+            {"tool_calls": [{"index": index, "function": {"arguments": call.arguments}}]},
+        ]
+
+
+def merge_deltas(fragments: list[dict]) -> dict:
+    """Fragments as one OpenAI `delta`: the content joined, and a call's fragments in one entry of tool_calls."""
+    merged: dict = {}
+    for fragment in fragments:
+        if "content" in fragment:
+            merged["content"] = merged.get("content", "") + fragment["content"]
+        for piece in fragment.get("tool_calls", []):
+            calls = merged.setdefault("tool_calls", [])
+            if calls and calls[-1]["index"] == piece["index"]:
+                calls[-1]["function"]["arguments"] += piece["function"]["arguments"]
+            else:
+                calls.append({**piece, "function": dict(piece["function"])})
+    return merged
 
 
 def _partial_suffix(text: str, marker: str) -> int:

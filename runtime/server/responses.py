@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import Any, ClassVar
 
 from llmc.runtime.outputs import RequestOutput
-from llmc.runtime.tool_calls import ToolCallStream, parse_tool_calls
+from llmc.runtime.tool_calls import ToolCallStreamParser, merge_deltas, parse_tool_calls
 
 
 @dataclasses.dataclass
@@ -104,7 +104,7 @@ class ChatFormat(Format):
     def __init__(self, token_text: Callable[[int], str], num_logprobs: int | None, tool_format: str | None = None):
         super().__init__(token_text, num_logprobs)
         self.tool_format = tool_format
-        self._streams: dict[int, ToolCallStream] = {}
+        self._streams: dict[int, ToolCallStreamParser] = {}
 
     def logprobs(self, choice: Choice, out: RequestOutput):
         if self.num_logprobs is None:
@@ -147,19 +147,16 @@ class ChatFormat(Format):
         }
 
     def delta(self, choice: Choice, out: RequestOutput, logprobs) -> dict:
-        text, finish_reason, calls = out.new_text, choice.finish_reason, []
+        delta, finish_reason = ({"content": out.new_text} if out.new_text else {}), choice.finish_reason
         if self.tool_format is not None:
-            stream = self._streams.setdefault(choice.index, ToolCallStream(self.tool_format))
-            text = stream.feed(out.new_text)
-            if out.finished:
-                rest, calls = stream.finish()
-                text += rest
-                finish_reason = "tool_calls" if calls and finish_reason == "stop" else finish_reason
-        if not (text or out.finished or logprobs is not None):
+            stream = self._streams.setdefault(choice.index, ToolCallStreamParser(self.tool_format))
+            delta = merge_deltas(stream.feed(out.new_text) + (stream.finish() if out.finished else []))
+            if out.finished and stream.tool_calls and finish_reason == "stop":
+                finish_reason = "tool_calls"
+        if not (delta or out.finished or logprobs is not None):
             return None  # the text is held back: it may be a call
-        delta = {"content": text} if text or not (out.finished or calls) else {}
-        if calls:
-            delta["tool_calls"] = [{"index": i, **call.to_openai()} for i, call in enumerate(calls)]
+        if not (delta or out.finished):
+            delta = {"content": ""}
         return {
             "index": choice.index,
             "delta": delta,

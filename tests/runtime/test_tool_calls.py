@@ -18,13 +18,15 @@ from llmc.errors import RequestError
 from llmc.examples import bundled_checkpoint
 from llmc.runtime.tool_calls import (
     FORMATS,
-    ToolCallStream,
+    ToolCallStreamParser,
     call_grammar,
     check_tool_choice,
     check_tools,
     detect_tool_format,
     format_tool_calls,
+    merge_deltas,
     parse_tool_calls,
+    tool_call_grammar,
     tools_system_prompt,
 )
 
@@ -60,6 +62,38 @@ SEARCH = {
 }
 NOW = {"type": "function", "function": {"name": "now"}}
 TOOLS = [WEATHER, SEARCH, NOW]
+BOOK = {
+    "type": "function",
+    "function": {
+        "name": "book-trip",
+        "strict": True,
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "legs": {
+                    "type": "array",
+                    "minItems": 1,
+                    "maxItems": 2,
+                    "items": {
+                        "type": "object",
+                        "properties": {
+                            "to": {"type": "string", "pattern": "^[A-Z]{3}$"},
+                            "class": {"enum": ["economy", "business"]},
+                            "seat": {"type": ["integer", "null"], "minimum": 1, "maximum": 60},
+                        },
+                        "required": ["to", "class"],
+                    },
+                },
+                "traveller": {
+                    "type": "object",
+                    "properties": {"name": {"type": "string", "maxLength": 8}, "adult": {"type": "boolean"}},
+                    "required": ["name"],
+                },
+            },
+            "required": ["legs", "traveller"],
+        },
+    },
+}
 
 
 def _calls(*pairs):
@@ -72,6 +106,7 @@ def _calls(*pairs):
         ("{% for t in tools %}<tool_call>{% endfor %}", "hermes"),
         ("[AVAILABLE_TOOLS]{{ tools }}[TOOL_CALLS]", "mistral"),
         ("<|start_header_id|>ipython<|end_header_id|>", "llama3_json"),
+        ('Answer with {"name": function name, "parameters": ...} {{ tools }}', "llama3_json"),
         ("{{ messages }}", "hermes"),
         (None, "hermes"),
     ],
@@ -103,6 +138,24 @@ def test_calls_written_in_each_format_parse_back(fmt):
         ),
         ("hermes", '<tool_call>{"name": "now", "arguments": "{}"}</tool_call>', None, ["now"]),
         ("hermes", "<tool_call>\n{not json}\n</tool_call>", "<tool_call>\n{not json}\n</tool_call>", []),
+        (
+            "hermes",
+            'A\n<tool_call>{"name": "now"}</tool_call>\n<tool_call>{"oops"}</tool_call>\n B  ',
+            'A\n<tool_call>{"oops"}</tool_call>\n B',
+            ["now"],
+        ),
+        (
+            "hermes",
+            '  <tool_call>{"name": "", "arguments": {}}</tool_call>',
+            '  <tool_call>{"name": "", "arguments": {}}</tool_call>',
+            [],
+        ),
+        (
+            "hermes",
+            '<tool_call>{"name": "now"}</tool_call>\n\n<tool_call>\n{"name": "no',
+            '<tool_call>\n{"name": "no',
+            ["now"],
+        ),
         ("hermes", "no calls here", "no calls here", []),
         ("llama3_json", '<|python_tag|>{"name": "now", "parameters": {}}', None, ["now"]),
         ("llama3_json", '{"name": "now", "parameters": {}}; {"name": "now", "parameters": {}}', None, ["now", "now"]),
@@ -117,32 +170,108 @@ def test_parsing_keeps_text_that_is_not_a_call_as_content(fmt, text, content, na
     assert parsed.content == content and [c.name for c in parsed.tool_calls] == names
 
 
-OUTPUTS = {
-    "hermes": [
-        'Sure.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "c"}}\n</tool_call>\n'
-        '<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>',
-        "Just text, with a < sign and <tool but no call.",
-    ],
-    "llama3_json": ['{"name": "search", "parameters": {"query": "x"}}; {"name": "now", "parameters": {}}', "x { y"],
-    "mistral": ['[TOOL_CALLS][{"name": "now", "arguments": {}}]', "plain [TOOL text"],
-}
+def _call_json(fmt: str, name: str, args: dict) -> str:
+    return json.dumps({"name": name, "parameters" if fmt == "llama3_json" else "arguments": args})
 
 
-@settings(max_examples=200, deadline=None)
-@given(st.sampled_from([(f, t) for f, ts in OUTPUTS.items() for t in ts]), st.data())
+NAMES = st.sampled_from(["now", "get_weather", "search"])
+ARGS = st.dictionaries(st.text("ab", max_size=2), st.integers() | st.text('x\n"é', max_size=3), max_size=2)
+CALLS = st.lists(st.tuples(NAMES, ARGS), min_size=1, max_size=3)
+# free text, with the markers' beginnings and whitespace that a parser must not mistake
+TEXT = st.text(" \n<>{}[];aT_|/", max_size=8) | st.sampled_from(
+    ["<tool_", "<tool_call>", "</tool_call>", "[TOOL_", "[TOOL_CALLS]", "<|python_tag|>", "{", "; ", "\n\n", "é"]
+)
+
+
+@st.composite
+def _hermes_outputs(draw):
+    parts = draw(st.lists(TEXT | CALLS.map(lambda c: c[0]) | st.just(None), max_size=6))
+    return "".join(  # None: a block that does not parse
+        '<tool_call>{"name": "x", "arguments": {</tool_call>'
+        if p is None
+        else p
+        if isinstance(p, str)
+        else f"<tool_call>\n{_call_json('hermes', *p)}\n</tool_call>\n"
+        for p in parts
+    )
+
+
+@st.composite
+def _llama3_outputs(draw):
+    calls = "; ".join(_call_json("llama3_json", n, a) for n, a in draw(CALLS))
+    return (
+        draw(st.sampled_from(["", " ", "<|python_tag|>", "x "])) + calls + draw(st.sampled_from(["", "\n", ";", " x"]))
+    )
+
+
+@st.composite
+def _mistral_outputs(draw):
+    calls = draw(CALLS)
+    array = json.dumps([{"name": n, "arguments": a} for n, a in calls])
+    v11 = "[TOOL_CALLS]".join(f"{n}[ARGS]{json.dumps(a)}" for n, a in calls)
+    body = draw(st.sampled_from([array, v11, array[:-1], "[TOOL_CALLS]"]))
+    return draw(TEXT) + "[TOOL_CALLS]" + body
+
+
+OUTPUTS = st.one_of(
+    st.tuples(st.just("hermes"), _hermes_outputs()),
+    st.tuples(st.just("llama3_json"), _llama3_outputs() | TEXT),
+    st.tuples(st.just("mistral"), _mistral_outputs() | TEXT),
+)
+
+
+def _received(fragments: list[dict]) -> tuple[str, list[tuple[str, str]]]:
+    """(content, calls as (name, arguments)) as a client joins a stream's fragments; checks each is well formed."""
+    content, calls = "", []
+    for fragment in fragments:
+        assert list(fragment) in (["content"], ["tool_calls"]) and fragment.get("content") != ""
+        for piece in fragment.get("tool_calls", []):
+            if piece["index"] == len(calls):  # a call's first fragment: its id and name
+                assert piece["id"].startswith("call_") and piece["type"] == "function"
+                assert piece["function"]["arguments"] == ""
+                calls.append([piece["function"]["name"], ""])
+            else:
+                assert piece["index"] == len(calls) - 1 and "name" not in piece["function"]
+                calls[-1][1] += piece["function"]["arguments"]
+        content += fragment.get("content", "")
+    return content, [tuple(c) for c in calls]
+
+
+@settings(max_examples=400, deadline=None)
+@given(OUTPUTS, st.data())
 def test_the_stream_sends_what_the_whole_output_parses_to(case, data):
     fmt, text = case
     cuts = sorted(data.draw(st.lists(st.integers(0, len(text)), max_size=12)))
-    pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
-    stream = ToolCallStream(fmt)
-    content = "".join(stream.feed(p) for p in pieces)
-    rest, calls = stream.finish()
+    stream = ToolCallStreamParser(fmt)
+    fragments = [f for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True) for f in stream.feed(text[a:b])]
+    content, calls = _received(fragments + stream.finish())
     whole = parse_tool_calls(fmt, text)
-    assert [(c.name, c.arguments) for c in calls] == [(c.name, c.arguments) for c in whole.tool_calls]
-    if whole.tool_calls:
-        assert (content + rest).strip() == (whole.content or "")
-    else:
-        assert content + rest == text
+    assert calls == [(c.name, c.arguments) for c in whole.tool_calls]
+    assert content == (whole.content or "")
+    assert whole.tool_calls or whole.content == text
+
+
+def test_free_text_streams_at_once_but_a_markers_beginning_and_trailing_blanks():
+    stream = ToolCallStreamParser("hermes")
+    assert stream.feed("Let me check. ") == [{"content": "Let me check."}]
+    assert stream.feed("<tool_") == []
+    assert stream.feed('call>{"name": "now"}') == []
+    (opening,), (arguments,) = (f["tool_calls"] for f in stream.feed("</tool_call>"))
+    assert opening["function"] == {"name": "now", "arguments": ""} and arguments["function"] == {"arguments": "{}"}
+    assert stream.feed("\n") == [] and stream.finish() == []
+    assert ToolCallStreamParser("llama3_json").feed(" Hi") == [{"content": " Hi"}]
+
+
+def test_fragments_merge_into_one_delta():
+    fragments = ToolCallStreamParser("hermes").feed('A<tool_call>{"name": "now"}</tool_call>B')
+    assert merge_deltas(fragments) == {
+        "content": "A\nB",
+        "tool_calls": [
+            {"index": 0, "id": fragments[1]["tool_calls"][0]["id"], "type": "function",
+             "function": {"name": "now", "arguments": "{}"}},
+        ],
+    }  # fmt: skip
+    assert merge_deltas([]) == {}
 
 
 @pytest.mark.parametrize(
@@ -158,6 +287,8 @@ def test_the_stream_sends_what_the_whole_output_parses_to(case, data):
         ([{"type": "function", "function": {"name": "a", "parameters": {"type": "array"}}}], "object"),
         ([{"type": "function", "function": {"name": "a", "description": 3}}], "description"),
         ([NOW] * 200, "more than"),
+        ([{"type": "function", "function": {"name": "a", "parameters": 3}}], "object"),
+        ([{"type": "function", "function": {"name": "a", "strict": "yes"}}], "strict"),
     ],
 )
 def test_malformed_tools_are_refused_naming_tools(tools, words):
@@ -185,10 +316,10 @@ def llg_tokenizer():
     return tok, llg.LLTokenizer(tok.to_str(), n_vocab=tok.get_vocab_size(), eos_token=[1])
 
 
-def _random_walk(tok, lltok, grammar: str, rng, max_tokens: int = 300) -> str | None:
+def _random_walk(tok, lltok, grammar: str, rng, max_tokens: int = 400) -> str | None:
     """A random output the grammar allows (uniform over each step's allowed tokens, and ended half the time where
     it may end); None if not done in time."""
-    matcher = llg.LLMatcher(lltok, llg.grammar_from("grammar", grammar), log_level=0)
+    matcher = llg.LLMatcher(lltok, grammar, log_level=0)
     assert not matcher.is_error(), matcher.get_error()
     vocab = tok.get_vocab_size()
     mask = np.full((1, (vocab + 31) // 32), -1, dtype=np.int32)
@@ -207,15 +338,23 @@ def _random_walk(tok, lltok, grammar: str, rng, max_tokens: int = 300) -> str | 
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("parallel", [True, False])
-def test_a_forced_call_parses_and_its_arguments_validate(llg_tokenizer, fmt, parallel):
+@pytest.mark.parametrize(
+    "tools, mode, name, parallel",
+    [
+        (TOOLS, "required", None, True),
+        (TOOLS, "required", None, False),
+        (TOOLS, "named", "search", True),
+        ([WEATHER, BOOK], "required", None, True),
+        ([WEATHER, BOOK], "named", "book-trip", False),
+    ],
+)
+def test_a_forced_call_parses_and_its_arguments_validate(llg_tokenizer, fmt, tools, mode, name, parallel):
     tok, lltok = llg_tokenizer
-    functions = check_tools(TOOLS)
-    schemas = {f["name"]: f["parameters"] for f in functions}
-    grammar = call_grammar(fmt, functions, parallel=parallel)
-    rng = np.random.default_rng(len(fmt) + parallel)
+    schemas = {t["function"]["name"]: t["function"].get("parameters", {"type": "object"}) for t in tools}
+    grammar = tool_call_grammar(fmt, tools, mode, name, parallel=parallel)
+    rng = np.random.default_rng()
     done = 0
-    for _ in range(12):
+    for _ in range(10):
         text = _random_walk(tok, lltok, grammar, rng)
         if text is None:
             continue
@@ -224,8 +363,18 @@ def test_a_forced_call_parses_and_its_arguments_validate(llg_tokenizer, fmt, par
         assert parsed.tool_calls and parsed.content is None, text
         assert parallel or len(parsed.tool_calls) == 1
         for call in parsed.tool_calls:
+            assert name is None or call.name == name
             jsonschema.validate(json.loads(call.arguments), schemas[call.name])
-    assert done >= 6
+    assert done >= 5
+
+
+def test_a_forced_call_of_a_bad_tool_or_choice_is_refused():
+    with pytest.raises(RequestError) as e:
+        tool_call_grammar("hermes", TOOLS, "named", "missing")
+    assert e.value.param == "tool_choice"
+    with pytest.raises(RequestError) as e:
+        tool_call_grammar("hermes", [NOW, NOW], "required")
+    assert e.value.param == "tools"
 
 
 def test_free_text_or_strict_calls(llg_tokenizer):
