@@ -96,7 +96,8 @@ class TorchLlama(torch.nn.Module):
                 )
             q, k = q.transpose(1, 2), k.transpose(1, 2)
             v = self._linear(h, f"{p}.self_attn.v_proj").view(b, t, c.num_kv_heads, c.head_dim).transpose(1, 2)
-            q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
+            if layer not in c.nope_layers:  # SmolLM3's NoPE layers attend without RoPE
+                q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
             self.k_cache[layer][:, :, pos] = k
             self.v_cache[layer][:, :, pos] = v
             visible = self.key_pos[None, :] <= pos[:, None]  # [T, max_seq]

@@ -398,7 +398,8 @@ class _Lowering:
         )
         inv_freq = [float(f) for f in args["inv_freq"].value.numpy().tolist()]
         norm_eps = float(prim_value(args["norm_eps"]))
-        for view, heads, norm in ((q, num_heads, "q_norm"), (k, num_kv_heads, "k_norm")):
+        rotated = [] if not inv_freq else [(q, num_heads, "q_norm"), (k, num_kv_heads, "k_norm")]  # SmolLM3: NoPE
+        for view, heads, norm in rotated:
             params = {"num_heads": heads, "head_dim": head_dim, "inv_freq": inv_freq}
             weight, fused = "nullptr", ["rope"]
             if norm_eps > 0:  # Qwen3: the head's RMSNorm before the rotation, in the same kernel

@@ -35,6 +35,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     sliding_layers: tuple[int, ...] = ()  # Mistral: every layer; Qwen2 with use_sliding_window: the upper ones
     qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and of k (q_norm, k_norm: [head_dim]) before RoPE
+    nope_layers: tuple[int, ...] = ()  # SmolLM3: the layers whose attention has no RoPE
 
     @property
     def q_size(self) -> int:
@@ -69,6 +70,8 @@ class ModelConfig:
             return f"token id {past[0]} (bos/eos) is past the vocabulary of {self.vocab_size}"
         if any(layer >= self.num_layers for layer in self.sliding_layers):
             return f"a sliding-window layer is past the last of {self.num_layers} layers"
+        if any(layer >= self.num_layers for layer in self.nope_layers):
+            return f"a layer without RoPE is past the last of {self.num_layers} layers"
         return None
 
     def weight_shapes(self) -> dict[str, tuple[int, ...]]:
@@ -105,6 +108,7 @@ class ModelConfig:
         d = dataclasses.asdict(self)
         d["eos_token_ids"] = list(self.eos_token_ids)
         d["sliding_layers"] = list(self.sliding_layers)
+        d["nope_layers"] = list(self.nope_layers)
         return d
 
     @classmethod
@@ -112,4 +116,5 @@ class ModelConfig:
         d = dict(d)
         d["eos_token_ids"] = tuple(d["eos_token_ids"])
         d["sliding_layers"] = tuple(d.get("sliding_layers", ()))
+        d["nope_layers"] = tuple(d.get("nope_layers", ()))
         return cls(**d)

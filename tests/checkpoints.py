@@ -64,9 +64,21 @@ VARIANTS = {
         intermediate_size=120,
         num_hidden_layers=2,
     ),
+    # layer 1 without RoPE (NoPE), tied embeddings
+    "smollm3": dict(
+        arch="smollm3",
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=120,
+        num_hidden_layers=2,
+        no_rope_layer_interval=2,
+        pad_token_id=None,  # its default (128004) is past this vocabulary
+    ),
 }
 
 ARCHS = tuple(VARIANTS)
+GGUF_ARCHS = ("llama", "mistral", "qwen2", "qwen3")  # llama.cpp's smollm3 arch is not read or written
 
 
 def train_tokenizer(out_dir: Path, vocab_size: int = VOCAB, texts: list[str] | None = None) -> None:
@@ -115,6 +127,8 @@ def make_checkpoint(
         Qwen2ForCausalLM,
         Qwen3Config,
         Qwen3ForCausalLM,
+        SmolLM3Config,
+        SmolLM3ForCausalLM,
     )
 
     classes = {
@@ -122,6 +136,7 @@ def make_checkpoint(
         "mistral": (MistralConfig, MistralForCausalLM),
         "qwen2": (Qwen2Config, Qwen2ForCausalLM),
         "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+        "smollm3": (SmolLM3Config, SmolLM3ForCausalLM),
     }
     spec = {**VARIANTS[variant], **overrides}
     arch, shard = spec.pop("arch"), spec.pop("shard", None)

@@ -12,7 +12,13 @@ import math
 from llmc.errors import CheckpointError, UnsupportedModelError
 from llmc.model_config import ModelConfig
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "SmolLM3ForCausalLM",
+)
 _QWEN = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")  # sliding window only with use_sliding_window, above max_window_layers
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -169,6 +175,7 @@ def parse_config(raw: dict) -> ModelConfig:
         eos_token_ids=token_ids(raw.get("eos_token_id")),
         sliding_layers=sliding_layers,
         qk_norm=arch == "Qwen3ForCausalLM",
+        nope_layers=_nope_layers(raw, layers) if arch == "SmolLM3ForCausalLM" else (),
     )
 
 
@@ -183,6 +190,22 @@ def token_ids(value, path: object = "config.json") -> tuple[int, ...]:
             "fix eos_token_id, or re-download the file",
         )
     return tuple(ids)
+
+
+def _nope_layers(raw: dict, layers: int) -> tuple[int, ...]:
+    """SmolLM3's layers without RoPE: `no_rope_layers[i]` is 1 where layer i rotates and 0 where it does not; by
+    default every `no_rope_layer_interval`-th layer does not (as transformers' SmolLM3Config fills it in)."""
+    flags = raw.get("no_rope_layers")
+    if flags is None:
+        interval = _int(raw, "no_rope_layer_interval", 4)
+        flags = [int((i + 1) % interval != 0) for i in range(layers)]
+    if (
+        not isinstance(flags, list)
+        or len(flags) != layers
+        or not all(f in (0, 1) and not isinstance(f, bool) for f in flags)
+    ):
+        raise _bad("no_rope_layers", flags, f"a list of {layers} flags, 1 (RoPE) or 0 (none)")
+    return tuple(i for i, f in enumerate(flags) if f == 0)
 
 
 def _sliding_layers(raw: dict, arch: str, layers: int) -> tuple[int, ...]:

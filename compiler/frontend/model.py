@@ -1,4 +1,4 @@
-"""The Llama family (Llama, Mistral, Qwen2, Qwen3) as one plain, stateless torch module.
+"""The Llama family (Llama, Mistral, Qwen2, Qwen3, SmolLM3) as one plain, stateless torch module.
 
 This is what the compiler traces, not what it runs: a full-sequence forward over one sequence with
 explicit positions and no cache. Parameter names equal Hugging Face's, so a checkpoint's tensors map
@@ -106,9 +106,9 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, c: ModelConfig, window: int):
+    def __init__(self, c: ModelConfig, window: int, rope: bool = True):
         super().__init__()
-        self.c, self.window = c, window
+        self.c, self.window, self.rope = c, window, rope
         self.q_proj = nn.Linear(c.hidden_size, c.q_size, bias=c.attention_bias)
         self.k_proj = nn.Linear(c.hidden_size, c.kv_size, bias=c.attention_bias)
         self.v_proj = nn.Linear(c.hidden_size, c.kv_size, bias=c.attention_bias)
@@ -127,8 +127,9 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.v_proj(x).view(1, T, c.num_kv_heads, c.head_dim).transpose(1, 2)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        if self.rope:  # SmolLM3's NoPE layers attend without it
+            q = q * cos + rotate_half(q) * sin
+            k = k * cos + rotate_half(k) * sin
         group = c.num_heads // c.num_kv_heads
         if group > 1:  # repeat_kv, as transformers spells it
             k = k[:, :, None].expand(1, c.num_kv_heads, group, T, c.head_dim).reshape(1, c.num_heads, T, c.head_dim)
@@ -154,10 +155,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, c: ModelConfig, window: int):
+    def __init__(self, c: ModelConfig, window: int, rope: bool = True):
         super().__init__()
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.self_attn = Attention(c, window)
+        self.self_attn = Attention(c, window, rope)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = MLP(c)
 
@@ -170,7 +171,9 @@ class Backbone(nn.Module):
     def __init__(self, c: ModelConfig):
         super().__init__()
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(c, c.attention_window(i)) for i in range(c.num_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(c, c.attention_window(i), i not in c.nope_layers) for i in range(c.num_layers)
+        )
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
 

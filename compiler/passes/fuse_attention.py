@@ -3,7 +3,8 @@
 Matches, per layer, `R.nn.attention(q, k, v, scale=s, causal_mask="TopLeft", window_size=w)` whose inputs
 come from the q/k/v projections through the head split ([T, H*D] -> [1, H, T, D]), `llmc.rope` on q and k
 (by the same positions and inverse frequencies), and for GQA transformers' repeat_kv (expand_dims,
-broadcast_to, reshape). Qwen3 normalizes each head of q and of k (llmc.rms_norm with a [head_dim] weight)
+broadcast_to, reshape); in SmolLM3's NoPE layers neither q nor k is rotated, and the op's inv_freq is empty.
+Qwen3 normalizes each head of q and of k (llmc.rms_norm with a [head_dim] weight)
 between the head split and RoPE: the norm joins the op, which applies it with RoPE. It rewrites the whole
 chain into
 
@@ -73,6 +74,7 @@ class _Attention:
 
 
 _NO_NORM = relax.const(np.zeros(0, dtype="float32"))
+_NO_ROPE = relax.const(np.zeros(0, dtype="float32"))  # inv_freq of a layer without RoPE
 
 
 def _head_norm(expr: relax.Expr, var2val, head_dim: int) -> tuple[relax.Expr, relax.Expr, float] | None:
@@ -131,9 +133,13 @@ def fuse_attention(mod: tvm.IRModule) -> tvm.IRModule:
             continue
         q_in, k_in, v_in = b.value.args
         q_rope, k_rope = _through_rope(q_in, var2val), _through_rope(k_in, var2val)
-        if q_rope is None or k_rope is None:
+        if (q_rope is None) != (k_rope is None):
             continue
-        q_args, k_args = llmc_args(q_rope), llmc_args(k_rope)
+        if q_rope is None:  # a NoPE layer (SmolLM3): neither is rotated
+            q_args = k_args = {"positions": func.params[1], "inv_freq": _NO_ROPE}
+            q_args, k_args = {**q_args, "x": q_in}, {**k_args, "x": k_in}
+        else:
+            q_args, k_args = llmc_args(q_rope), llmc_args(k_rope)
         if not (
             q_args["positions"].same_as(k_args["positions"])
             and tvm_ffi.structural_equal(q_args["inv_freq"], k_args["inv_freq"])

@@ -29,6 +29,13 @@ def test_qwen3_launches_what_llama_launches(checkpoint_dir):
     )
 
 
+def test_smollm3_nope_layers_launch_no_rope(checkpoint_dir):
+    mod, config = imported(checkpoint_dir, "smollm3")
+    program = lower(run_passes(mod), trace(config).weight_names, weight_dtype="float32", block_size=16)
+    ops = [launch.op for launch in program.launches]
+    assert config.nope_layers == (1,) and ops.count("paged_attention") == 2 and ops.count("rope") == 2  # layer 0's
+
+
 def test_kernel_program_of_a_fused_model(checkpoint_dir):
     mod, config = imported(checkpoint_dir, "mistral")  # tied embeddings, 9 heads / 3 KV heads
     program = lower(run_passes(mod), trace(config).weight_names, weight_dtype="bfloat16", block_size=16)

@@ -34,7 +34,7 @@ from llmc.runtime.engine import LLMEngine
 from llmc.runtime.module import CompiledModel
 from llmc.sampling_params import SamplingParams
 from llmc.tools.cli import main
-from tests.checkpoints import ARCHS, hf_model
+from tests.checkpoints import GGUF_ARCHS, hf_model
 
 T = gguf.GGMLQuantizationType
 TEXTS = [
@@ -143,7 +143,7 @@ def _greedy(artifact, texts, tokenizer_path, n=24):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", GGUF_ARCHS)
 def test_f32_gguf_generates_the_safetensors_tokens(arch, checkpoint_dir, gguf_file, tmp_path):
     """llama: q/k rows unpermuted and llama3 rope rebuilt from rope_freqs; mistral: tied embeddings and 9 heads
     (as llama); qwen2: biases and no permutation."""
@@ -161,7 +161,7 @@ def test_f32_gguf_generates_the_safetensors_tokens(arch, checkpoint_dir, gguf_fi
     assert _greedy(ours, TEXTS, src / "tokenizer.json") == _greedy(theirs, TEXTS, src / "tokenizer.json")
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", GGUF_ARCHS)
 def test_config_and_tokenizer_as_the_source(arch, checkpoint_dir, gguf_file):
     src = load_checkpoint(checkpoint_dir(arch))
     ckpt = load_checkpoint(gguf_file(arch, "F32"))
@@ -474,7 +474,7 @@ def test_sentencepiece_tokenizer_as_transformers_converts_it(sentencepiece_file)
     assert ours.decode(ours.encode(PREFIX_TEXTS[0]).ids) == PREFIX_TEXTS[0]
 
 
-@pytest.mark.parametrize("case", [*ARCHS, "llama-bpe", "qwen2-pre", "sentencepiece"])
+@pytest.mark.parametrize("case", [*GGUF_ARCHS, "llama-bpe", "qwen2-pre", "sentencepiece"])
 def test_tokenizer_as_llama_cpp_tokenizes(case, gguf_file, sentencepiece_file, tmp_path):
     """llama.cpp, the file format's own runtime (in the bench extra): the same ids, special tokens and BOS
     included. llama-bpe / qwen2-pre: the tiny vocabulary under Llama 3's and Qwen2's split regexes."""

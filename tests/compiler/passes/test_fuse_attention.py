@@ -208,6 +208,74 @@ def test_head_norm_near_misses_are_left_alone(near_miss):
     tvm.ir.assert_structural_equal(out["main"], near_miss["main"])
 
 
+@I.ir_module
+class NoPE:
+    """A layer of SmolLM3 without RoPE: the head-split q and k reach attention unrotated (no GQA repeat: 2 / 2)."""
+
+    @R.function
+    def main(
+        input_ids: R.Tensor(("n",), "int64"),
+        positions: R.Tensor(("n",), "int64"),
+        q: R.Tensor(("n", 8), "float32"),
+        k: R.Tensor(("n", 8), "float32"),
+        v: R.Tensor(("n", 8), "float32"),
+    ):
+        n = T.int64()
+        with R.dataflow():
+            att = R.nn.attention(
+                R.reshape(q, R.shape([1, n, 2, 4])),
+                R.reshape(k, R.shape([1, n, 2, 4])),
+                R.reshape(v, R.shape([1, n, 2, 4])),
+                causal_mask="TopLeft",
+            )
+            out = R.reshape(att, R.shape([1, n, 8]))
+            R.output(out)
+        return out
+
+
+def test_a_layer_without_rope_becomes_paged_attention_with_no_inverse_frequencies():
+    out, count = apply(fuse_attention, NoPE)
+    assert count == 1
+    (call,) = [b.value for b in out["main"].body.blocks[0].bindings if "paged_attention" in str(b.value.args[0])]
+    q, k, v, positions, inv_freq = call.args[1:6]
+    assert [p.name for p in (q, k, v, positions)] == ["q", "k", "v", "positions"]
+    assert inv_freq.value.numpy().shape == (0,)
+
+
+@I.ir_module
+class RopeOnQAlone:
+    @R.function
+    def main(
+        input_ids: R.Tensor(("n",), "int64"),
+        positions: R.Tensor(("n",), "int64"),
+        q: R.Tensor(("n", 8), "float32"),
+        k: R.Tensor(("n", 8), "float32"),
+        v: R.Tensor(("n", 8), "float32"),
+    ):
+        n = T.int64()
+        with R.dataflow():
+            q_rot = R.call_pure_packed(
+                "llmc.rope", R.permute_dims(R.reshape(q, R.shape([1, n, 2, 4])), axes=[0, 2, 1, 3]), positions,
+                R.const(INV_FREQ), ty_args=R.Tensor((1, 2, n, 4), "float32"),
+            )  # fmt: skip
+            att = R.nn.attention(
+                R.permute_dims(q_rot, axes=[0, 2, 1, 3]),
+                R.reshape(k, R.shape([1, n, 2, 4])),
+                R.reshape(v, R.shape([1, n, 2, 4])),
+                causal_mask="TopLeft",
+            )
+            out = R.reshape(att, R.shape([1, n, 8]))
+            R.output(out)
+        return out
+
+
+def test_rope_on_q_alone_is_left_alone():
+    """A rotated q against an unrotated k is no attention the kernels compute: the layer keeps R.nn.attention."""
+    out, count = apply(fuse_attention, RopeOnQAlone)
+    assert count == 0
+    tvm.ir.assert_structural_equal(out["main"], RopeOnQAlone["main"])
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_rewrites_causal_attention_to_paged(arch, checkpoint_dir):
     mod, config = imported(checkpoint_dir, arch)
