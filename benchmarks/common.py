@@ -25,7 +25,11 @@ from llmc.host import host_caches
 REPO = Path(__file__).resolve().parent.parent
 
 # A family's transformers config class and architecture name (random_checkpoint)
-FAMILIES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen3": ("Qwen3Config", "Qwen3ForCausalLM")}
+FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM"),
+}
 
 SMOLLM_135M = {  # LlamaConfig kwargs
     "hidden_size": 576,
