@@ -56,3 +56,6 @@ def test_heldout_perplexity_is_far_below_unigram(tmp_path):
     counts = np.bincount(ids, minlength=4096) + 1.0  # add-one unigram fit on this very text: a generous baseline
     unigram = float(np.exp(-np.mean(np.log(counts[ids] / counts.sum()))))
     assert ppl < unigram / 3, (ppl, unigram)
+    (tmp_path / "binary.bin").write_bytes(b"\x7fELF\x02\x01\x01\x00" + bytes(range(128, 256)))
+    r = CliRunner().invoke(main, ["eval", "ppl", str(art), "--text", str(tmp_path / "binary.bin")])
+    assert r.exit_code == 1 and "not UTF-8 text" in r.stderr and r.stderr.count("\n") == 1, r.output

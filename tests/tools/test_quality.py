@@ -156,6 +156,14 @@ def test_max_kl_refuses_an_int4_build_and_writes_nothing(checkpoint_dir, llmc_ca
     assert list(cached_artifacts(llmc_cache).values()) == ["none"]
 
 
+@pytest.mark.parametrize("bound", ["nan", "inf", "-1"])
+def test_max_kl_must_be_a_finite_bound(checkpoint_dir, tmp_path, bound):
+    """nan passes every comparison (a gate of nan would let any build through): refused before any work."""
+    args = ["compile", checkpoint_dir("llama"), "--quant", "int8", "-o", tmp_path / "m.cpu", "--max-kl", bound]
+    result = CliRunner().invoke(cli.main, [str(a) for a in args])
+    assert result.exit_code == 2 and "--max-kl" in result.output and not list(tmp_path.iterdir()), result.output
+
+
 def test_a_quantized_build_records_its_quality(checkpoint_dir, llmc_cache, tmp_path, monkeypatch):
     monkeypatch.setenv("LLMC_CACHE_DIR", str(llmc_cache))
     ckpt = checkpoint_dir("llama")

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from .options import PathKind, kv_cache_dtype_option, quant_options
+from .options import PathKind, finite_number, kv_cache_dtype_option, quant_options
 
 
 @click.command("compile")
@@ -53,6 +53,7 @@ from .options import PathKind, kv_cache_dtype_option, quant_options
 @click.option(
     "--max-kl",
     type=click.FloatRange(min=0),
+    callback=finite_number,
     default=None,
     help="With --quant: fail, writing nothing, when the mean KL divergence (nats) of the quantized model's "
     "next-token distributions from the unquantized model's exceeds this.",

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import click
 
+from llmc.errors import LlmcError
 from llmc.tools.engine_setup import load_model, resolve_artifact
 
 from .options import PathKind
@@ -41,7 +42,13 @@ def eval_ppl(
 
     # logits at every row of a step (max_num_logits is capped at the step's max_num_tokens)
     model, tokenizer = load_model(resolve_artifact(artifact), kv_cache_memory, max_num_seqs=1, max_num_logits=512)
-    ids = tokenizer.encode(text_file.read_text(encoding="utf-8")).ids
+    try:
+        text = text_file.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise LlmcError(
+            f"--text {text_file}: not UTF-8 text ({e.reason} at byte {e.start})", "pass a text file"
+        ) from None
+    ids = tokenizer.encode(text).ids
     if max_tokens is not None:
         ids = ids[:max_tokens]
     with model:

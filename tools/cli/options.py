@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 import stat
 from pathlib import Path
@@ -189,6 +190,13 @@ def speculative_options(command):
         "tokens in the prompt and output (prompt lookup); draft has a smaller model (--draft) guess them. "
         "Greedy outputs are unchanged, sampled ones keep their distribution.",
     )(command)
+
+
+def finite_number(ctx, param, value):
+    """A click callback: a float option's nan or inf is refused (FloatRange lets nan through every bound)."""
+    if value is not None and not math.isfinite(value):
+        raise click.BadParameter(f"{value} is not a finite number")
+    return value
 
 
 def structured_options(command):
