@@ -288,7 +288,7 @@ class LLMEngine:
                 first = end - 1 - scheduled.num_spec_tokens
                 if scheduled.num_spec_tokens:
                     guesses = scheduled.token_ids[-scheduled.num_spec_tokens :]
-                    if seq.matcher is not None:  # rows past the first guess the grammar refuses were not masked
+                    if seq.matcher is not None:  # rows past the first guess the grammar refuses hold stale masks
                         guesses = guesses[: seq.matcher.num_valid(guesses) + 1]
                     outputs.append(self._verify_and_finish(seq, logits[first : first + len(guesses) + 1], guesses))
                 else:

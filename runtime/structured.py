@@ -3,7 +3,8 @@ with the tokens that keep its output valid before they are sampled.
 
 The grammar engine is llguidance (a Rust Earley parser over the tokenizer's token trie, no dependencies). This
 module is the seam to it:
-  - `GrammarCompiler`, one per engine: the tokenizer's token trie, built once; each constraint (a
+  - `GrammarCompiler`, one per tokenizer (shared_compiler), so one per model whatever the number of engines
+    over it: the tokenizer's token trie, built once; each constraint (a
     SamplingParams' StructuredOutputs) compiled once into a matcher in its start state, kept in an LRU cache
     and copied for every sequence that uses it. A constraint the engine cannot compile is a RequestError that
     names it and the reason; llguidance's fuel limits bound the time any grammar takes.
@@ -277,9 +278,10 @@ class MaskFiller:
 
     def fill(self, rows: list[tuple[GrammarMatcher, int, list[int]]]) -> tuple[np.ndarray, list[int]]:
         """rows: (matcher, first row, proposal): the mask at `first row` is the matcher's next token's, and
-        first row + 1 + i the one after the proposal's first i + 1 tokens (as far as the grammar takes them).
-        Returns the biases [n, >= V] and the n logits rows they belong to: a proposal's rows past the first token
-        the grammar refuses get none (acceptance never reads them)."""
+        first row + 1 + i the one after the proposal's first i + 1 tokens. Returns the biases [n, >= V] and the n
+        logits rows they belong to. llguidance fills a proposal's rows only as far as the grammar takes its
+        tokens; the rows past the first one it refuses keep stale masks, and the engine never reads them (it cuts
+        the proposal there)."""
         start = time.perf_counter()
         plain = [(m.llg_matcher, row) for m, row, draft in rows if not draft]
         drafted = [(m.llg_matcher, row, draft) for m, row, draft in rows if draft]
@@ -290,7 +292,7 @@ class MaskFiller:
             self._executor.unsafe_compute_mask_ptr_with_draft_token(
                 drafted, self.bitmask.ctypes.data, one_mask, self.bitmask.shape[0]
             )
-        filled = [r for m, first, draft in rows for r in range(first, first + 1 + m.num_valid(draft))]
+        filled = [r for _, first, draft in rows for r in range(first, first + 1 + len(draft))]
         if len(filled) > self._bias.shape[0]:
             self._bias = np.empty((len(filled), self._bias.shape[1]), dtype=np.float32)
         bias = self._bias[: len(filled)]

@@ -26,9 +26,6 @@ import json
 import re
 import secrets
 import string
-from typing import Literal
-
-import llguidance as llg
 
 from llmc.errors import RequestError
 from llmc.runtime.structured import constrained_schema
@@ -171,23 +168,6 @@ def call_grammar(fmt: str, functions: list[dict], *, parallel: bool = True, free
     if not free_text:
         return "start: calls\n" + rules
     return f"start: TEXT | calls\nTEXT: /[^{marker}](.|\\n)*/\n" + rules
-
-
-def tool_call_grammar(
-    fmt: str, tools: list[dict], mode: Literal["required", "named"], name: str | None = None, parallel: bool = True
-) -> str:
-    """The llguidance grammar (for `llg.LLMatcher`) of the calls tool_choice forces: "required" a call of any of
-    `tools` (OpenAI's request field, checked), "named" a call of the function `name`; one or more calls if
-    `parallel`, else exactly one."""
-    functions = check_tools(tools)
-    if mode == "named":
-        functions = [f for f in functions if f["name"] == name]
-        if not functions:
-            raise RequestError(f"tool_choice names the function {name!r}, which is not among the tools",
-                               param="tool_choice")  # fmt: skip
-    elif mode != "required":
-        raise ValueError(f"mode {mode!r}: a grammar forces calls only for 'required' or 'named'")
-    return llg.LLMatcher.grammar_from_lark(call_grammar(fmt, functions, parallel=parallel))
 
 
 # -- parsing a model's output ---------------------------------------------------------------------------------

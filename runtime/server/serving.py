@@ -42,7 +42,6 @@ from llmc.runtime.tool_calls import (
     detect_tool_format,
     format_tool_calls,
     template_renders_tools,
-    tool_call_grammar,
     tools_system_prompt,
 )
 from llmc.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputs
@@ -422,10 +421,10 @@ class OpenAIServing:
         output to calls, whose arguments validate against the function's parameters; auto with strict
         functions constrains the calls it makes (free text stays free)."""
         parallel = body.parallel_tool_calls is not False
-        if mode in ("required", "named"):  # a named function is called once
-            grammar = tool_call_grammar(
-                self.tool_format, body.tools, mode, name, parallel=parallel and mode == "required"
-            )
+        if mode == "required":
+            grammar = call_grammar(self.tool_format, functions, parallel=parallel)
+        elif mode == "named":  # called once
+            grammar = call_grammar(self.tool_format, [f for f in functions if f["name"] == name], parallel=False)
         elif strict := [f for f in functions if f.get("strict")]:
             grammar = call_grammar(self.tool_format, strict, parallel=parallel, free_text=True)
         else:

@@ -52,8 +52,6 @@ def test_required_gives_valid_calls_streamed_or_not(client, parallel):
               parallel_tool_calls=parallel)  # fmt: skip
     whole = client.chat.completions.create(**kw)
     choice = whole.choices[0]
-    if choice.finish_reason == "length":
-        pytest.skip("the fake model's calls ran past max_tokens")
     assert choice.finish_reason == "tool_calls"
     _check_calls(choice.message.tool_calls)
     assert parallel or len(choice.message.tool_calls) == 1

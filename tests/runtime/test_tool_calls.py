@@ -26,7 +26,6 @@ from llmc.runtime.tool_calls import (
     format_tool_calls,
     merge_deltas,
     parse_tool_calls,
-    tool_call_grammar,
     tools_system_prompt,
 )
 
@@ -351,7 +350,8 @@ def _random_walk(tok, lltok, grammar: str, rng, max_tokens: int = 400) -> str | 
 def test_a_forced_call_parses_and_its_arguments_validate(llg_tokenizer, fmt, tools, mode, name, parallel):
     tok, lltok = llg_tokenizer
     schemas = {t["function"]["name"]: t["function"].get("parameters", {"type": "object"}) for t in tools}
-    grammar = tool_call_grammar(fmt, tools, mode, name, parallel=parallel)
+    functions = [f for f in check_tools(tools) if mode == "required" or f["name"] == name]
+    grammar = call_grammar(fmt, functions, parallel=parallel)
     rng = np.random.default_rng()
     done = 0
     for _ in range(10):
@@ -366,15 +366,6 @@ def test_a_forced_call_parses_and_its_arguments_validate(llg_tokenizer, fmt, too
             assert name is None or call.name == name
             jsonschema.validate(json.loads(call.arguments), schemas[call.name])
     assert done >= 5
-
-
-def test_a_forced_call_of_a_bad_tool_or_choice_is_refused():
-    with pytest.raises(RequestError) as e:
-        tool_call_grammar("hermes", TOOLS, "named", "missing")
-    assert e.value.param == "tool_choice"
-    with pytest.raises(RequestError) as e:
-        tool_call_grammar("hermes", [NOW, NOW], "required")
-    assert e.value.param == "tools"
 
 
 def test_free_text_or_strict_calls(llg_tokenizer):
