@@ -7,6 +7,7 @@ they become every request's defaults. Names and semantics follow vLLM and the Op
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 
@@ -26,6 +27,9 @@ MAX_GRAMMAR_CHARS = 256 * 1024
 MAX_CHOICES = 4096
 
 
+_STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
 @dataclasses.dataclass(frozen=True)
 class StructuredOutputs:
     """What a request's output must match (vLLM's `structured_outputs`): exactly one of a JSON schema (a dict,
@@ -41,9 +45,7 @@ class StructuredOutputs:
     def __post_init__(self) -> None:
         if self.choice is not None and isinstance(self.choice, list):
             object.__setattr__(self, "choice", tuple(self.choice))
-        given = [
-            k for k in ("json", "json_object", "regex", "choice", "grammar") if getattr(self, k) not in (None, False)
-        ]
+        given = self._given()
         if len(given) != 1:
             raise RequestError(
                 "structured output takes exactly one of json, json_object, regex, choice and grammar"
@@ -76,13 +78,14 @@ class StructuredOutputs:
         if len(self.text) > MAX_GRAMMAR_CHARS:
             raise RequestError(f"structured output {kind} is longer than {MAX_GRAMMAR_CHARS:,} characters", param=kind)
 
-    @property
-    def kind(self) -> str:
-        return next(
-            k for k in ("json", "json_object", "regex", "choice", "grammar") if getattr(self, k) not in (None, False)
-        )
+    def _given(self) -> list[str]:
+        return [k for k in _STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
 
     @property
+    def kind(self) -> str:
+        return self._given()[0]
+
+    @functools.cached_property  # every request looks its constraint up by it (structured.py's cache key)
     def text(self) -> str:
         """The constraint as one string: what the grammar cache is keyed by (a schema's canonical JSON, whether it
         came as an object or as text)."""
