@@ -137,7 +137,7 @@ class ChatFormat(Format):
                 "content": parsed.content,
                 "tool_calls": [call.to_openai() for call in parsed.tool_calls],
             }
-            finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
+            finish_reason = _with_calls(finish_reason)
         return {
             "index": choice.index,
             "message": message,
@@ -146,13 +146,13 @@ class ChatFormat(Format):
             "stop_reason": choice.stop_reason,
         }
 
-    def delta(self, choice: Choice, out: RequestOutput, logprobs) -> dict:
+    def delta(self, choice: Choice, out: RequestOutput, logprobs) -> dict | None:
         delta, finish_reason = ({"content": out.new_text} if out.new_text else {}), choice.finish_reason
         if self.tool_format is not None:
             stream = self._streams.setdefault(choice.index, ToolCallStreamParser(self.tool_format))
             delta = merge_deltas(stream.feed(out.new_text) + (stream.finish() if out.finished else []))
-            if out.finished and stream.tool_calls and finish_reason == "stop":
-                finish_reason = "tool_calls"
+            if out.finished and stream.tool_calls:
+                finish_reason = _with_calls(finish_reason)
         if not (delta or out.finished or logprobs is not None):
             return None  # the text is held back: it may be a call
         if not (delta or out.finished):
@@ -164,3 +164,8 @@ class ChatFormat(Format):
             "finish_reason": finish_reason,
             "stop_reason": choice.stop_reason,
         }
+
+
+def _with_calls(finish_reason: str | None) -> str | None:
+    """A choice that made tool calls finishes with "tool_calls" where it stopped by itself (not at a length)."""
+    return "tool_calls" if finish_reason == "stop" else finish_reason
