@@ -1,4 +1,4 @@
-"""A Llama-family model (Llama, Mistral, Qwen2) in plain torch with a static KV cache, written the way gpt-fast
+"""A Llama-family model (Llama, Mistral, Qwen2, Qwen3, SmolLM3: ARCHITECTURES) in plain torch with a static KV cache, written the way gpt-fast
 writes it, so that `torch.compile(mode="max-autotune")` can take the whole step: the peer that
 benchmarks/gpu_check.py times beside llmc on the same weights. tests/test_torch_llama.py checks it against
 transformers.
@@ -34,6 +34,9 @@ def _load(checkpoint: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "SmolLM3ForCausalLM")
+
+
 class TorchLlama(torch.nn.Module):
     """forward(ids [B, T], pos [T]) -> logits [B, vocab] at each sequence's last position; the B sequences of
     a step sit at the same positions pos (a prefill chunk, or one decode token each)."""
@@ -54,6 +57,8 @@ class TorchLlama(torch.nn.Module):
         checkpoint = Path(checkpoint)
         hf_config = AutoConfig.from_pretrained(checkpoint)
         self.cfg = c = parse_config(hf_config.to_dict())
+        if c.architecture not in ARCHITECTURES:
+            raise ValueError(f"the torch peer computes {', '.join(ARCHITECTURES)}, not {c.architecture}")
         self.rotary = LlamaRotaryEmbedding(config=hf_config).to(device)
         w = {k: v.to(device=device, dtype=weight_dtype or dtype).to(dtype) for k, v in _load(checkpoint).items()}
         self.w = w

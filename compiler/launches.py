@@ -69,6 +69,8 @@ def fuse_gemm_swiglu(launches: list[PendingLaunch], weights: list[WeightSpec]) -
         ):
             x, w, _, _, rows = g.args
             params = {"inter": p.params["inter"], "k": g.params["k"], "wdtype": "bf16"}
+            if "activation" in p.params:  # GeGLU
+                params["activation"] = p.params["activation"]
             out[-1] = PendingLaunch(
                 "gemm_swiglu", params, [x, w, "nullptr", p.args[1], rows], g.fused + p.fused, p.defs, g.weight
             )

@@ -35,12 +35,14 @@ from .legalize import legalize_call
 from .passes.common import (
     ABI_PARAMS,
     bindings,
+    calls,
     last_dim,
     llmc_args,
     llmc_op_name,
     main_function,
     prim_value,
     rewrite_counts,
+    scalar,
     static_dim,
     tensor_args,
     weight_params,
@@ -57,6 +59,11 @@ class _Weight:
     sources: tuple[str, ...]  # HF tensor names, concatenated along dim 0
     shape: tuple[int, ...]
     transposed: bool = False
+    affine: tuple[float, float] = (1.0, 0.0)  # (scale, offset) applied when packed (WeightSpec.affine)
+
+    @property
+    def key(self) -> tuple:
+        return self.sources if self.affine == (1.0, 0.0) else (self.sources, self.affine)
 
 
 class _Unlowered(Exception):
@@ -131,13 +138,18 @@ class _Lowering:
         return self.weight_index(w)
 
     def weight_index(self, w: _Weight, dtype: str | None = None) -> int:
-        if w.sources not in self.weight_specs:
+        if w.key not in self.weight_specs:
             dtype = dtype or (self.weight_dtype if len(w.shape) == 2 else "float32")
-            self.weight_specs[w.sources] = len(self.weight_list)
-            self.weight_list.append(WeightSpec(packed_name(w.sources), w.sources, dtype, w.shape))
-        return self.weight_specs[w.sources]
+            name = packed_name(w.sources)
+            if any(spec.name == name for spec in self.weight_list):
+                raise CompileError(f"{name} is packed twice, with different scales or offsets")
+            self.weight_specs[w.key] = len(self.weight_list)
+            self.weight_list.append(WeightSpec(name, w.sources, dtype, w.shape, affine=w.affine))
+        return self.weight_specs[w.key]
 
     def quant_index(self, w: _Weight, scheme: QuantScheme, part: str) -> int:
+        if w.affine != (1.0, 0.0):
+            raise CompileError(f"{packed_name(w.sources)} is scaled when packed, and cannot also be quantized")
         key = (w.sources, part)
         if key not in self.weight_specs:
             self.weight_specs[key] = len(self.weight_list)
@@ -303,7 +315,51 @@ class _Lowering:
         )
         self.env[var] = out
 
+    def _affine_weight(self, var, value, op: str) -> bool:
+        """A weight times or plus a scalar constant (Gemma's 1 + w, a folded logits scale) is a weight, packed
+        with that affine map."""
+        w, c = self.env.get(value.args[0]), scalar(value.args[1])
+        if not isinstance(w, _Weight) or w.transposed or c is None:
+            return False
+        scale, offset = w.affine
+        self.env[var] = dataclasses.replace(
+            w, affine=(scale * c, offset * c) if op == "multiply" else (scale, offset + c)
+        )
+        return True
+
+    def relax_multiply(self, var, value):
+        if self._affine_weight(var, value, "multiply"):
+            return
+        x, c = self.env.get(value.args[0]), scalar(value.args[1])
+        last = self.launches[-1] if self.launches else None
+        if (
+            isinstance(x, View)
+            and c is not None
+            and last is not None
+            and last.op == "embedding"
+            and last.defs == [x.value]
+            and self._read_once(value.args[0])
+            and "scale" not in last.params
+        ):
+            # the embedding's scale (Granite, Gemma) joins the gather that made the rows, alone read here
+            last.params["scale"] = c
+            last.fused[0] += " * scale"
+            self.env[var] = x
+            return
+        raise _Unlowered
+
+    def _read_once(self, var) -> bool:
+        """Whether `var`, and every view (reshape, expand_dims) it is of, has one reader."""
+        while self.uses.get(var) == 1:
+            value = self.var2val.get(var)
+            if not calls(value, "relax.reshape", "relax.expand_dims"):
+                return True
+            var = value.args[0]
+        return False
+
     def relax_add(self, var, value):
+        if self._affine_weight(var, value, "add"):
+            return
         a, b = (self.env.get(x) for x in value.args)
         if isinstance(a, _Weight):
             a, b = b, a
@@ -353,7 +409,19 @@ class _Lowering:
         if add_residual:
             residual = self.view(args["residual"])
             total = self.new_value(hidden, x.rows)
-            self.emit("rmsnorm", params, [x, residual, total, f"W[{w}]", y, x.rows], ["add", "rms_norm"], [total, y])
+            launch_args, fused = [x, residual, total, f"W[{w}]", y, x.rows], ["add", "rms_norm"]
+            scale = float(prim_value(args["residual_scale"]))
+            if scale != 1.0:  # Granite's residual_multiplier
+                params["residual_scale"] = scale
+                fused.insert(0, "scale")
+            if int(args["residual_weight"].ty.shape.values[0]):  # Gemma: the branch's own norm
+                rw = self.weight(args["residual_weight"])
+                if self.wdtype(rw) != params["wdtype"]:
+                    raise CompileError("a branch norm's weight and the next norm's are packed as different dtypes")
+                params["residual_norm"] = True
+                launch_args.append(f"W[{rw}]")
+                fused.insert(0, "rms_norm")
+            self.emit("rmsnorm", params, launch_args, fused, [total, y])
             self.env[var] = (total, y)
         else:
             self.emit("rmsnorm", params, [x, "nullptr", "nullptr", f"W[{w}]", y, x.rows], ["rms_norm"], [y])
@@ -381,12 +449,16 @@ class _Lowering:
         self.emit("qgemm", params, [x, *weights, "nullptr", out, x.rows], [linear_name(w.sources)], [out], weight=q)
         self.env[var] = out
 
-    def op_silu_mul(self, var, value):
+    def op_silu_mul(self, var, value, activation: str = "silu"):
         gate_up = self.view(llmc_args(value)["gate_up"])
         inter = gate_up.cols // 2
         out = self.new_value(inter, gate_up.rows)
-        self.emit("silu_mul", {"inter": inter}, [gate_up, out, gate_up.rows], ["silu", "mul"], [out])
+        params = {"inter": inter} if activation == "silu" else {"inter": inter, "activation": activation}
+        self.emit("silu_mul", params, [gate_up, out, gate_up.rows], [activation, "mul"], [out])
         self.env[var] = out
+
+    def op_gelu_tanh_mul(self, var, value):
+        self.op_silu_mul(var, value, "gelu_tanh")
 
     def op_paged_attention(self, var, value):
         args = llmc_args(value)

@@ -81,6 +81,7 @@ class KernelProgram:
                     "quant": w.quant.describe() if w.quant is not None else None,
                     "interleave": w.interleave,
                     "sources": list(w.sources),
+                    **({} if w.affine == (1.0, 0.0) else {"affine": list(w.affine)}),
                 }
                 for w in self.weights
             ],

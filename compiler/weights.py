@@ -20,6 +20,8 @@ finds each tensor at a byte offset fixed at compile time:
   is quantized once, by rows, or taken as the checkpoint holds it
   quantized (GGUF); the packed parts of the current fused weight's sources are kept until its last part is
   written, so memory stays near one packed fused weight.
+- A spec with an `affine` (scale, offset) other than (1, 0) holds source * scale + offset, in float32 (never a
+  quantized one).
 - A spec with `interleave` g holds two sources of as many rows, their rows interleaved g at a time (g of the
   first, g of the second, ...): the CUDA SwiGLU GEMM's gate and up projections (llmc::Gemm's SWIGLU), so
   that the rows of one output's gate and up meet in one tile.
@@ -68,6 +70,9 @@ class WeightSpec:
     quant: QuantScheme | None = None  # set for the parts of a quantized linear
     part: str | None = None  # "qweight" | "scales" | "mins", with quant
     interleave: int = 0  # two sources' rows interleaved this many at a time (0: concatenated)
+    # (scale, offset): the values packed are source * scale + offset, computed in float32 before the dtype
+    # conversion (Gemma's norms scale by 1 + w; Granite's logits_scaling folds into the final norm)
+    affine: tuple[float, float] = (1.0, 0.0)
 
     @property
     def stored_shape(self) -> tuple[int, ...]:
@@ -256,7 +261,10 @@ def _write_spec(ckpt, spec: WeightSpec, shapes, f, digest, progress) -> int:
         row_bytes = max(1, math.prod(t.shape[1:]) * width)
         step = max(1, _CHUNK_BYTES // row_bytes)
         for start in range(0, t.shape[0], step):
-            total += _emit(_converted(t[start : start + step], torch_dtype, (ckpt, src, start)), f, digest, progress)
+            rows = t[start : start + step]
+            if spec.affine != (1.0, 0.0):
+                rows = rows.float() * spec.affine[0] + spec.affine[1]
+            total += _emit(_converted(rows, torch_dtype, (ckpt, src, start)), f, digest, progress)
         del t
     return total
 

@@ -8,7 +8,8 @@ manifest (`kernel_program`) without the compiler: `llmc inspect`, the memory roo
      "kv_dtype": "float32",  "act_dtype": "float32",        the KV cache and activation elements
      "buffers":  [{"rows": "T" | "N", "cols": 64}, ...],    buf<i>: rows x cols of act_dtype
      "weights":  [{"name": ..., "dtype": "bfloat16", "shape": [N, K] (as stored), "quant": "int4 g32" | null,
-                   "interleave": 0, "sources": [checkpoint tensor names]}, ...],        W[i]
+                   "interleave": 0, "sources": [checkpoint tensor names],
+                   "affine": [scale, offset] (only where the values are source * scale + offset)}, ...],  W[i]
      "launches": [{"op": "gemm", "params": {...}, "args": ["buf0", "W[3]", ...], "fused": ["q+k+v_proj"]}, ...],
      "tvm_funcs": {"tvm_nn_silu_0": "<TVMScript of the fallback>", ...}}
 
@@ -51,7 +52,10 @@ def format_program(program: dict) -> str:
     for i, w in enumerate(weights):
         quant = f" ({w['quant']})" if w["quant"] is not None else ""
         rows = f" (rows interleaved {w['interleave']} at a time)" if w["interleave"] else ""
-        lines.append(f"  W[{i}] {w['name']}: {w['dtype']}{w['shape']}{quant}{rows} <- {', '.join(w['sources'])}")
+        affine = f" * {w['affine'][0]:g} + {w['affine'][1]:g}" if "affine" in w else ""
+        lines.append(
+            f"  W[{i}] {w['name']}: {w['dtype']}{w['shape']}{quant}{rows} <- {', '.join(w['sources'])}{affine}"
+        )
     for launch in launches:
         params = ", ".join(f"{k}={v}" for k, v in launch["params"].items() if k not in _UNPRINTED_PARAMS)
         lines.append(f"  {launch['op']}({params})({', '.join(launch['args'])})  # {' + '.join(launch['fused'])}")
@@ -97,7 +101,7 @@ def schema_problem(program) -> str | None:
         if not (isinstance(b, dict) and set(b) == _BUFFER_KEYS and b["rows"] in ("T", "N") and _count(b["cols"], 1)):
             return f"buffer {i} is not {{rows: T | N, cols: a positive integer}}"
     for i, w in enumerate(program["weights"]):
-        if not (isinstance(w, dict) and set(w) == _WEIGHT_KEYS):
+        if not (isinstance(w, dict) and set(w) - {"affine"} == _WEIGHT_KEYS):
             return f"weight {i} does not have the fields {', '.join(sorted(_WEIGHT_KEYS))}"
         if not (
             isinstance(w["name"], str)
@@ -109,6 +113,7 @@ def schema_problem(program) -> str | None:
             and all(_count(d) for d in w["shape"])
             and _count(w["interleave"])
             and _strings(w["sources"])
+            and _affine(w.get("affine", [1.0, 0.0]))
         ):
             return f"weight {i} ({_short(w['name'])}) has a field of the wrong type"
     for i, launch in enumerate(program["launches"]):
@@ -132,6 +137,12 @@ def schema_problem(program) -> str | None:
 
 def _count(value, low: int = 0) -> bool:
     return type(value) is int and low <= value < 2**63  # bool is no count here
+
+
+def _affine(value) -> bool:
+    return (
+        isinstance(value, list) and len(value) == 2 and all(type(v) in (int, float) and math.isfinite(v) for v in value)
+    )
 
 
 def _strings(value) -> bool:

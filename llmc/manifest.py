@@ -325,6 +325,7 @@ _CONFIG_TYPES: dict[str, Callable[[object], bool]] = {
     "bool": lambda v: isinstance(v, bool),
     "dict | None": lambda v: v is None or isinstance(v, dict),
     "int | None": lambda v: v is None or _is_int(v, 0),
+    "float | None": lambda v: v is None or _finite_positive(v),
     "tuple[int, ...]": lambda v: isinstance(v, list) and all(_is_int(i, 0) for i in v),
 }
 

@@ -36,6 +36,15 @@ class ModelConfig:
     sliding_layers: tuple[int, ...] = ()  # Mistral: every layer; Qwen2 with use_sliding_window: the upper ones
     qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and of k (q_norm, k_norm: [head_dim]) before RoPE
     nope_layers: tuple[int, ...] = ()  # SmolLM3: the layers whose attention has no RoPE
+    # Gemma 3: the sliding layers' RoPE base (rope_local_base_freq), unscaled; None: every layer's is rope_theta
+    sliding_rope_theta: float | None = None
+    hidden_act: str = "silu"  # the gated MLP's activation: "silu" (SwiGLU) or "gelu_tanh" (Gemma's GeGLU)
+    norm_unit_offset: bool = False  # Gemma: every RMSNorm scales by 1 + w
+    sandwich_norms: bool = False  # Gemma: each branch's output normed before its residual add, and a pre-MLP norm
+    embedding_scale: float = 1.0  # the embedding times this (Granite's embedding_multiplier; Gemma's sqrt(hidden))
+    residual_scale: float = 1.0  # Granite: x + branch * residual_multiplier
+    query_scale: float | None = None  # the softmax scale, when not head_dim^-0.5 (Granite, Gemma)
+    logits_scaling: float = 1.0  # Granite: the logits divided by this
 
     @property
     def q_size(self) -> int:
@@ -80,8 +89,9 @@ class ModelConfig:
         shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (self.vocab_size, h)}
         for n in range(self.num_layers):
             p = f"model.layers.{n}."
-            shapes[p + "input_layernorm.weight"] = (h,)
-            shapes[p + "post_attention_layernorm.weight"] = (h,)
+            norms = ("input", "post_attention", "pre_feedforward", "post_feedforward")
+            for norm in norms if self.sandwich_norms else norms[:2]:
+                shapes[p + f"{norm}_layernorm.weight"] = (h,)
             for name, out_features in (("q", self.q_size), ("k", self.kv_size), ("v", self.kv_size)):
                 shapes[p + f"self_attn.{name}_proj.weight"] = (out_features, h)
                 if self.attention_bias:

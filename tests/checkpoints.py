@@ -75,6 +75,40 @@ VARIANTS = {
         no_rope_layer_interval=2,
         pad_token_id=None,  # its default (128004) is past this vocabulary
     ),
+    # every multiplier Granite has, none of them 1; tied embeddings
+    "granite": dict(
+        arch="granite",
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=120,
+        num_hidden_layers=2,
+        tie_word_embeddings=True,
+        embedding_multiplier=6.0,
+        residual_multiplier=0.3,
+        attention_multiplier=0.09,
+        logits_scaling=3.5,
+    ),
+    # GeGLU, (1 + w) norms, sandwich norms, q/k norms, query_pre_attn_scalar, head_dim 24 (not hidden / heads),
+    # a window of 5 (shorter than the parity prompts) on 2 of 3 layers with their own RoPE base, and a
+    # linearly scaled global RoPE (as Gemma 3 4B)
+    "gemma3": dict(
+        arch="gemma3",
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=24,
+        intermediate_size=120,
+        num_hidden_layers=3,
+        query_pre_attn_scalar=20,
+        sliding_window=5,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={
+            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 50000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0},
+        },
+        pad_token_id=None,
+    ),
 }
 
 ARCHS = tuple(VARIANTS)
@@ -119,6 +153,10 @@ def make_checkpoint(
 ) -> Path:
     """Write a random checkpoint of one VARIANTS entry (plus overrides) to out_dir; returns out_dir."""
     from transformers import (
+        Gemma3ForCausalLM,
+        Gemma3TextConfig,
+        GraniteConfig,
+        GraniteForCausalLM,
         LlamaConfig,
         LlamaForCausalLM,
         MistralConfig,
@@ -137,6 +175,8 @@ def make_checkpoint(
         "qwen2": (Qwen2Config, Qwen2ForCausalLM),
         "qwen3": (Qwen3Config, Qwen3ForCausalLM),
         "smollm3": (SmolLM3Config, SmolLM3ForCausalLM),
+        "granite": (GraniteConfig, GraniteForCausalLM),
+        "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM),
     }
     spec = {**VARIANTS[variant], **overrides}
     arch, shard = spec.pop("arch"), spec.pop("shard", None)

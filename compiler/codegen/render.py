@@ -110,6 +110,12 @@ def _check_params(op: str, params: Mapping[str, Any]) -> None:
         eps = params.get("norm_eps")
         if eps is not None and (isinstance(eps, bool) or not isinstance(eps, float) or not eps > 0):
             raise ValueError(f"norm_eps must be a float > 0 (absent: no per-head norm), got {eps!r}")
+    if params.get("activation", "gelu_tanh") != "gelu_tanh":
+        raise ValueError(f"activation must be 'gelu_tanh' (absent: silu), got {params['activation']!r}")
+    for key in ("scale", "residual_scale"):
+        value = params.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, float) or not math.isfinite(value)):
+            raise ValueError(f"{key} must be a finite float (absent: 1), got {value!r}")
     if op == "qgemm":
         _check_qgemm(params)
     if op == "paged_attention":
@@ -182,7 +188,13 @@ def render_host(template_dir: str, filename: str, **context: Any) -> str:
 
 
 # Parameters a template reads only when given (`is defined`): a variant of the op, absent from the others' ids
-OPTIONAL_PARAMS = {"rope": {"norm_eps"}}  # Qwen3's per-head q / k norm before the rotation
+OPTIONAL_PARAMS = {
+    "rope": {"norm_eps"},  # Qwen3's per-head q / k norm before the rotation
+    "embedding": {"scale"},  # Granite's and Gemma's scaled embedding
+    "rmsnorm": {"residual_scale", "residual_norm"},  # Granite's scaled branch; Gemma's normed branch
+    "silu_mul": {"activation"},  # "gelu_tanh": Gemma's GeGLU
+    "gemm_swiglu": {"activation"},
+}
 
 
 def render_kernel(target: str, op: str, **params: Any) -> str:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from llmc.errors import CheckpointError, UnsupportedModelError
 from llmc.model_config import ModelConfig
 
@@ -18,7 +20,16 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
     "SmolLM3ForCausalLM",
+    "GraniteForCausalLM",
+    "Gemma3ForCausalLM",
 )
+# Checkpoints of these hold a vision tower or experts: named in the refusal, so a user knows why
+_REFUSED = {
+    "Gemma3ForConditionalGeneration": "its vision tower is not compiled; a text-only Gemma 3 (Gemma3ForCausalLM) is",
+    "Qwen3MoeForCausalLM": "mixture-of-experts layers are not compiled yet",
+    "MixtralForCausalLM": "mixture-of-experts layers are not compiled yet",
+    "OlmoeForCausalLM": "mixture-of-experts layers are not compiled yet",
+}
 _QWEN = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")  # sliding window only with use_sliding_window, above max_window_layers
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -74,8 +85,8 @@ def _number(raw: dict, key: str, default: float, low: float = 0.0) -> float:
     return float(value)
 
 
-def _rope(raw: dict) -> tuple[float, dict | None]:
-    params = raw.get("rope_parameters")
+def _rope(raw: dict, params=None) -> tuple[float, dict | None]:
+    params = raw.get("rope_parameters") if params is None else params
     if params is None:
         params = raw.get("rope_scaling") or {}
         if not isinstance(params, dict):
@@ -122,14 +133,24 @@ def parse_config(raw: dict) -> ModelConfig:
     CheckpointError for a field of the wrong type or outside any real model's range."""
     archs = raw.get("architectures") or []
     arch = archs[0] if isinstance(archs, list) and archs else None
+    if isinstance(arch, str) and arch in _REFUSED:
+        raise UnsupportedModelError(f"config.json: architecture {arch!r} is not supported: {_REFUSED[arch]}")
     if not isinstance(arch, str) or arch not in SUPPORTED_ARCHITECTURES:
         raise UnsupportedModelError(
             f"config.json: architecture {arch!r} is not supported",
             f"llmc compiles {', '.join(SUPPORTED_ARCHITECTURES)}",
         )
-    act = raw.get("hidden_act", "silu")
-    if not isinstance(act, str) or act not in ("silu", "swish"):  # transformers maps both to SiLU
-        raise UnsupportedModelError(f"config.json: hidden_act {act!r} is not supported", "llmc compiles SwiGLU (silu)")
+    gemma = arch == "Gemma3ForCausalLM"
+    act_key = "hidden_activation" if gemma else "hidden_act"
+    act = _ACTIVATIONS.get(raw.get(act_key) or ("gelu_pytorch_tanh" if gemma else "silu"))
+    if act is None:
+        raise UnsupportedModelError(
+            f"config.json: {act_key} {raw.get(act_key)!r} is not supported",
+            f"llmc compiles the gated MLP with {', '.join(sorted(_ACTIVATIONS))}",
+        )
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if raw.get(key) is not None:
+            raise UnsupportedModelError(f"config.json: {key}={raw[key]!r} is not supported", "llmc has no soft-capping")
     hidden = _int(raw, "hidden_size")
     heads = _int(raw, "num_attention_heads")
     kv_heads = _int(raw, "num_key_value_heads", heads)
@@ -139,7 +160,7 @@ def parse_config(raw: dict) -> ModelConfig:
     inter = _int(raw, "intermediate_size")
     if head_dim % 2:
         raise UnsupportedModelError(f"config.json: head_dim={head_dim} is odd; RoPE needs an even head_dim")
-    theta, scaling = _rope(raw)
+    theta, scaling, sliding_theta = _layer_ropes(raw) if gemma else (*_rope(raw), None)
     sliding = raw.get("sliding_window")
     if arch in _QWEN and not raw.get("use_sliding_window", False):
         sliding = None
@@ -149,6 +170,8 @@ def parse_config(raw: dict) -> ModelConfig:
     dtype = raw.get("torch_dtype") or raw.get("dtype") or "float32"
     if not isinstance(dtype, str):
         raise _bad("torch_dtype", dtype, "a dtype name")
+    dtype = dtype.replace("torch.", "")
+    granite = arch == "GraniteForCausalLM"
     bos = raw.get("bos_token_id")
     if bos is not None and (isinstance(bos, bool) or not isinstance(bos, int) or bos < 0):
         raise _bad("bos_token_id", bos, "a token id >= 0, or null")
@@ -170,13 +193,68 @@ def parse_config(raw: dict) -> ModelConfig:
         attention_bias=True if arch == "Qwen2ForCausalLM" else llama_bias,
         o_bias=llama_bias and arch != "Qwen2ForCausalLM",
         mlp_bias=bool(raw.get("mlp_bias", False)),
-        torch_dtype=dtype.replace("torch.", ""),
+        torch_dtype=dtype,
         bos_token_id=bos,
         eos_token_ids=token_ids(raw.get("eos_token_id")),
         sliding_layers=sliding_layers,
-        qk_norm=arch == "Qwen3ForCausalLM",
+        qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
         nope_layers=_nope_layers(raw, layers) if arch == "SmolLM3ForCausalLM" else (),
+        sliding_rope_theta=sliding_theta if sliding_layers else None,
+        hidden_act=act,
+        norm_unit_offset=gemma,
+        sandwich_norms=gemma,
+        embedding_scale=_embedding_scale(raw, arch, hidden, dtype),
+        residual_scale=_number(raw, "residual_multiplier", 1.0) if granite else 1.0,
+        query_scale=(
+            _number(raw, "attention_multiplier", 1.0)
+            if granite
+            else _number(raw, "query_pre_attn_scalar", head_dim) ** -0.5
+            if gemma
+            else None
+        ),
+        logits_scaling=_number(raw, "logits_scaling", 1.0) if granite else 1.0,
     )
+
+
+_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}  # transformers' ACT2FN names
+
+
+def _layer_ropes(raw: dict) -> tuple[float, dict | None, float]:
+    """Gemma 3's two RoPEs: (theta, scaling) of the full-attention layers, and the sliding layers' theta (their
+    RoPE is unscaled). transformers v5 writes one rope_parameters entry per layer type; v4 rope_theta,
+    rope_scaling and rope_local_base_freq."""
+    params = raw.get("rope_parameters")
+    if isinstance(params, dict) and ("full_attention" in params or "sliding_attention" in params):
+        full, local = params.get("full_attention") or {}, params.get("sliding_attention") or {}
+        if not isinstance(full, dict) or not isinstance(local, dict):
+            raise _bad("rope_parameters", params, "an object per layer type")
+        full = {"rope_theta": 1e6, **full}
+        local = {"rope_theta": 1e4, **local}
+    else:
+        full = {"rope_theta": raw.get("rope_theta") or 1e6, **(raw.get("rope_scaling") or {})}
+        local = {"rope_theta": raw.get("rope_local_base_freq") or 1e4}
+    theta, scaling = _rope(raw, full)
+    local_theta, local_scaling = _rope(raw, local)
+    if local_scaling is not None:
+        raise UnsupportedModelError("config.json: scaled RoPE on sliding layers is not supported")
+    return theta, scaling, local_theta
+
+
+def _embedding_scale(raw: dict, arch: str, hidden: int, dtype: str) -> float:
+    """Granite's embedding_multiplier; Gemma's sqrt(hidden), rounded to the checkpoint dtype as transformers
+    rounds it (the scale is cast to the embedding's dtype before it multiplies)."""
+    if arch == "GraniteForCausalLM":
+        return _number(raw, "embedding_multiplier", 1.0)
+    if arch != "Gemma3ForCausalLM":
+        return 1.0
+    scale = np.float32(math.sqrt(hidden))
+    if dtype == "float16":
+        return float(np.float16(scale))
+    if dtype == "bfloat16":  # round to nearest even on the top 16 bits
+        bits = int(scale.view(np.uint32))
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return float(np.uint32(bits).view(np.float32))
+    return float(scale)
 
 
 def token_ids(value, path: object = "config.json") -> tuple[int, ...]:
@@ -224,4 +302,7 @@ def _sliding_layers(raw: dict, arch: str, layers: int) -> tuple[int, ...]:
         return tuple(i for i, t in enumerate(types) if t == "sliding_attention")
     if arch in _QWEN:
         return tuple(range(_int(raw, "max_window_layers", 0, low=0), layers))
+    if arch == "Gemma3ForCausalLM":  # before layer_types: every sliding_window_pattern-th layer is global
+        pattern = _int(raw, "sliding_window_pattern", 6)
+        return tuple(i for i in range(layers) if (i + 1) % pattern)
     return tuple(range(layers))

@@ -1,4 +1,4 @@
-"""The Llama family (Llama, Mistral, Qwen2, Qwen3, SmolLM3) as one plain, stateless torch module.
+"""The Llama family (Llama, Mistral, Qwen2, Qwen3, SmolLM3, Granite, Gemma 3) as one plain, stateless torch module.
 
 This is what the compiler traces, not what it runs: a full-sequence forward over one sequence with
 explicit positions and no cache. Parameter names equal Hugging Face's, so a checkpoint's tensors map
@@ -22,12 +22,14 @@ from torch import nn
 from .config import ModelConfig
 
 
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """float32 [head_dim // 2], computed exactly as transformers' rope init functions do."""
+def rope_inv_freq(config: ModelConfig, theta: float | None = None) -> torch.Tensor:
+    """float32 [head_dim // 2], computed exactly as transformers' rope init functions do. theta: an unscaled
+    RoPE of that base instead (Gemma 3's sliding layers)."""
     dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    base = config.rope_theta if theta is None else theta
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     scaling = config.rope_scaling
-    if scaling is None:
+    if scaling is None or theta is not None:
         return inv_freq
     factor = float(scaling["factor"])
     if scaling["rope_type"] == "linear":
@@ -67,12 +69,12 @@ def _yarn_inv_freq(config: ModelConfig, factor: float) -> torch.Tensor:
 
 
 def attention_scale(config: ModelConfig) -> float:
-    """The softmax scale: head_dim^-0.5, times YaRN's attention factor squared.
+    """The softmax scale: head_dim^-0.5 (or the config's query_scale), times YaRN's attention factor squared.
 
     transformers multiplies YaRN's cos and sin by the attention factor, which scales q.k by its square;
     folding that into the softmax scale keeps the rotate-half pattern fuse_rope matches.
     """
-    scale = config.head_dim**-0.5
+    scale = config.head_dim**-0.5 if config.query_scale is None else config.query_scale
     s = config.rope_scaling
     if s is None or s["rope_type"] != "yarn":
         return scale
@@ -88,15 +90,17 @@ def attention_scale(config: ModelConfig) -> float:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, unit_offset: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
+        self.eps, self.unit_offset = eps, unit_offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.unit_offset:  # Gemma scales in fp32 by 1 + w, then casts
+            return ((1.0 + self.weight.float()) * x).to(dtype)
         return self.weight * x.to(dtype)
 
 
@@ -114,8 +118,8 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(c.hidden_size, c.kv_size, bias=c.attention_bias)
         self.o_proj = nn.Linear(c.q_size, c.hidden_size, bias=c.o_bias)
         if c.qk_norm:
-            self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
-            self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+            self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, c.norm_unit_offset)
+            self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, c.norm_unit_offset)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # x: [1, T, hidden]; cos, sin: [1, 1, T, head_dim]
@@ -123,7 +127,7 @@ class Attention(nn.Module):
         T = x.shape[1]
         q = self.q_proj(x).view(1, T, c.num_heads, c.head_dim)
         k = self.k_proj(x).view(1, T, c.num_kv_heads, c.head_dim)
-        if c.qk_norm:  # Qwen3: each head of q and k normalized before RoPE
+        if c.qk_norm:  # Qwen3, Gemma 3: each head of q and k normalized before RoPE
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.v_proj(x).view(1, T, c.num_kv_heads, c.head_dim).transpose(1, 2)
@@ -146,25 +150,45 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, c: ModelConfig):
         super().__init__()
+        self.act = F.silu if c.hidden_act == "silu" else lambda g: F.gelu(g, approximate="tanh")
         self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=c.mlp_bias)
         self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=c.mlp_bias)
         self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=c.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):
+    """Pre-norm (Llama), or Gemma's sandwich: post_attention_layernorm and post_feedforward_layernorm norm each
+    branch before its residual add, and pre_feedforward_layernorm is the MLP's input norm."""
+
     def __init__(self, c: ModelConfig, window: int, rope: bool = True):
         super().__init__()
-        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.c = c
+
+        def norm():
+            return RMSNorm(c.hidden_size, c.rms_norm_eps, c.norm_unit_offset)
+
+        self.input_layernorm = norm()
         self.self_attn = Attention(c, window, rope)
-        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.post_attention_layernorm = norm()
+        if c.sandwich_norms:
+            self.pre_feedforward_layernorm = norm()
+            self.post_feedforward_layernorm = norm()
         self.mlp = MLP(c)
 
+    def residual(self, x: torch.Tensor, branch: torch.Tensor) -> torch.Tensor:
+        r = self.c.residual_scale
+        return x + (branch if r == 1.0 else branch * r)  # Granite's residual_multiplier
+
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, positions)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        attn = self.self_attn(self.input_layernorm(x), cos, sin, positions)
+        if not self.c.sandwich_norms:
+            x = self.residual(x, attn)
+            return self.residual(x, self.mlp(self.post_attention_layernorm(x)))
+        x = self.residual(x, self.post_attention_layernorm(attn))
+        return self.residual(x, self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x))))
 
 
 class Backbone(nn.Module):
@@ -174,7 +198,7 @@ class Backbone(nn.Module):
         self.layers = nn.ModuleList(
             DecoderLayer(c, c.attention_window(i), i not in c.nope_layers) for i in range(c.num_layers)
         )
-        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, c.norm_unit_offset)
 
 
 class LlamaFamily(nn.Module):
@@ -190,6 +214,8 @@ class LlamaFamily(nn.Module):
         # A real CPU tensor even when the module is built on meta: the trace captures its values as a constant.
         with torch.device("cpu"):
             self.inv_freq = rope_inv_freq(c)
+            local = c.sliding_rope_theta
+            self.sliding_inv_freq = None if local is None else rope_inv_freq(c, local)
         self.model = Backbone(c)
         if not c.tie_word_embeddings:
             self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
@@ -197,13 +223,20 @@ class LlamaFamily(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         c = self.config
         x = self.model.embed_tokens(input_ids)[None]  # [1, T, hidden]
-        # RoPE tables from the positions; inv_freq is a trace-time constant, not a buffer.
-        inv_freq = self.inv_freq.to(x.device)
-        freqs = positions.float()[:, None] * inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)[None, None]  # [1, 1, T, head_dim]
-        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
-        for layer in self.model.layers:
-            x = layer(x, cos, sin, positions)
+        if c.embedding_scale != 1.0:
+            x = x * c.embedding_scale
+
+        def rope_tables(inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            # from the positions; inv_freq is a trace-time constant, not a buffer
+            freqs = positions.float()[:, None] * inv_freq.to(x.device)[None, :]
+            emb = torch.cat((freqs, freqs), dim=-1)[None, None]  # [1, 1, T, head_dim]
+            return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+
+        tables = rope_tables(self.inv_freq)
+        local = tables if self.sliding_inv_freq is None else rope_tables(self.sliding_inv_freq)
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, *(local if i in c.sliding_layers else tables), positions)
         x = self.model.norm(x)
         head = self.model.embed_tokens.weight if c.tie_word_embeddings else self.lm_head.weight
-        return F.linear(x, head)[0]
+        logits = F.linear(x, head)[0]
+        return logits if c.logits_scaling == 1.0 else logits / c.logits_scaling

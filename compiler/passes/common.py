@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+import numpy as np
 import tvm
 from tvm import relax
 from tvm.relax.dpl import DFPattern
@@ -34,7 +35,9 @@ def weight_params(func: relax.Function) -> list[relax.Var]:
 
 OPS = {
     "rms_norm": ("x", "weight", "eps"),
-    "add_rms_norm": ("x", "residual", "weight", "eps"),  # -> (x + residual, rms_norm(x + residual))
+    # -> (h, rms_norm(h)), h = x + residual_scale * r, where r is rms_norm(residual) by residual_weight (Gemma's
+    # normed branch) or, when residual_weight is an empty constant, residual itself
+    "add_rms_norm": ("x", "residual", "weight", "eps", "residual_scale", "residual_weight"),
     # x: [1, heads, T, head_dim], rotate-half RoPE; inv_freq: float32 [head_dim / 2] constant
     "rope": ("x", "positions", "inv_freq"),
     "paged_attention": (  # -> [T, num_heads * head_dim]; RoPE by inv_freq on q and k applied inside
@@ -61,6 +64,7 @@ OPS = {
     # each head of q and of k is RMS-normalized (weights q_norm, k_norm: [head_dim]) before RoPE (Qwen3); else
     # q_norm and k_norm are empty constants
     "silu_mul": ("gate_up",),  # [rows, 2 * inter] -> [rows, inter]: silu(gate) * up
+    "gelu_tanh_mul": ("gate_up",),  # the same with gelu(gate, approximate="tanh") (Gemma's GeGLU)
     # x @ W.T with W (float [N, K], sources as traced) packed quantized: compiler/quant.py's scheme as attrs
     "quantized_matmul": ("x", "weight", "bits", "group_size", "asymmetric", "scale_bits"),
 }
@@ -87,6 +91,9 @@ def llmc_args(call: relax.Call) -> dict[str, relax.Expr]:
     return dict(zip(OPS[name], call.args[1:], strict=True))
 
 
+NO_WEIGHT = relax.const(np.zeros(0, dtype="float32"))  # an optional weight argument that is absent
+
+
 def prim(value: int | float) -> relax.Expr:
     dtype = "int64" if isinstance(value, int) else "float64"  # a Python float is a double: keep every bit
     return relax.prim_value(tvm.tirx.const(value, dtype))
@@ -94,6 +101,13 @@ def prim(value: int | float) -> relax.Expr:
 
 def prim_value(expr: relax.Expr) -> int | float:
     return expr.value
+
+
+def scalar(expr: relax.Expr) -> float | None:
+    """The value of a float32 scalar constant, else None."""
+    if isinstance(expr, tvm.ir.Constant) and expr.ty.ndim == 0 and expr.ty.dtype == "float32":
+        return float(expr.value.numpy())
+    return None
 
 
 def main_function(mod: tvm.IRModule) -> relax.Function:

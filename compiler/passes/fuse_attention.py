@@ -33,6 +33,7 @@ import tvm_ffi
 from tvm import relax
 
 from .common import (
+    NO_WEIGHT,
     bindings,
     calls,
     llmc_args,
@@ -73,7 +74,6 @@ class _Attention:
     norm_eps: float  # 0: no per-head norm
 
 
-_NO_NORM = relax.const(np.zeros(0, dtype="float32"))
 _NO_ROPE = relax.const(np.zeros(0, dtype="float32"))  # inv_freq of a layer without RoPE
 
 
@@ -169,8 +169,8 @@ def fuse_attention(mod: tvm.IRModule) -> tvm.IRModule:
                 head_dim,
                 head_dim**-0.5 if attrs.scale is None else float(attrs.scale.value),
                 0 if attrs.window_size is None else int(attrs.window_size),
-                _NO_NORM if q_norm is None else q_norm[1],
-                _NO_NORM if k_norm is None else k_norm[1],
+                NO_WEIGHT if q_norm is None else q_norm[1],
+                NO_WEIGHT if k_norm is None else k_norm[1],
                 0.0 if q_norm is None else q_norm[2],
             )
         )

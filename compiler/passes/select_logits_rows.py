@@ -7,6 +7,10 @@ in the order the caller wants them) and gathers those rows before the final (add
 and the vocab-sized GEMM run on N rows, not T: for a 512-token prefill sampled once that is 512x less
 lm_head work. main then returns logits [N, vocab], as the C ABI says.
 
+Logits divided (or multiplied) by a scalar constant (Granite's logits_scaling) are linear in the final
+norm's output, so the scale moves onto that norm's weight (`weight * (1 / c)`, evaluated when lowering
+packs it) and the lm_head stays a plain GEMM.
+
 Runs after fuse_rmsnorm (it moves the fused final norm). N is a symbolic dimension of its own, so
 lowering can tell the logits rows from token rows.
 """
@@ -16,15 +20,21 @@ from __future__ import annotations
 import tvm
 from tvm import relax
 
-from .common import Linear, llmc_args, llmc_call, llmc_op_name, main_function, rewrite, source_of
+from .common import Linear, calls, llmc_args, llmc_call, llmc_op_name, main_function, rewrite, scalar, source_of
 
 
 def _output_linear(func: relax.Function, var2val):
-    """The lm_head Linear whose result main returns (through reshapes and a leading-1 squeeze)."""
+    """(scale, the lm_head Linear) whose result main returns (through reshapes, a leading-1 squeeze, and scalar
+    multiplies and divides, whose product is the scale)."""
     out = func.body.body
-    expr = out
+    expr, scale = out, 1.0
     while True:
         value = var2val.get(expr)
+        if calls(value, "relax.multiply", "relax.divide") and scalar(value.args[1]) not in (None, 0.0):
+            c = scalar(value.args[1])
+            scale *= c if calls(value, "relax.multiply") else 1.0 / c
+            expr = value.args[0]
+            continue
         if isinstance(value, relax.Var) or (
             isinstance(value, relax.Call)
             and value.op.name in ("relax.reshape", "relax.take", "relax.squeeze")
@@ -32,13 +42,13 @@ def _output_linear(func: relax.Function, var2val):
         ):
             expr = value if isinstance(value, relax.Var) else value.args[0]
             continue
-        return expr, Linear.match(expr, var2val)
+        return scale, Linear.match(expr, var2val)
 
 
 def select_logits_rows(mod: tvm.IRModule) -> tvm.IRModule:
     func = main_function(mod)
     var2val = relax.analysis.get_var2val(func)
-    _, head = _output_linear(func, var2val)
+    scale, head = _output_linear(func, var2val)
     if head is None:
         return rewrite(mod, {}, pass_name="select_logits_rows", count=0)
     normed = source_of(head.x, var2val)
@@ -52,6 +62,7 @@ def select_logits_rows(mod: tvm.IRModule) -> tvm.IRModule:
     num_logits = tvm.tirx.Var("N", "int64")
     indices = relax.Var("logits_indices", relax.TensorType([num_logits], "int32"))
     args = llmc_args(norm_call)
+    weight = args["weight"] if scale == 1.0 else relax.op.multiply(args["weight"], relax.const(scale, "float32"))
     hidden = normed.ty.shape.values[-1]
     row_axis = len(normed.ty.shape.values) - 2
 
@@ -62,14 +73,21 @@ def select_logits_rows(mod: tvm.IRModule) -> tvm.IRModule:
         gathered_ty = relax.TensorType([*normed.ty.shape.values[:-2], num_logits, hidden], "float32")
         call = llmc_call(
             "add_rms_norm",
-            [gather(args["x"]), gather(args["residual"]), args["weight"], args["eps"]],
+            [
+                gather(args["x"]),
+                gather(args["residual"]),
+                weight,
+                args["eps"],
+                args["residual_scale"],
+                args["residual_weight"],
+            ],
             relax.TupleType([gathered_ty, gathered_ty]),
         )
         rows = relax.TupleGetItem(call, 1)
     else:
         rows = llmc_call(
             "rms_norm",
-            [gather(args["x"]), args["weight"], args["eps"]],
+            [gather(args["x"]), weight, args["eps"]],
             relax.TensorType([*normed.ty.shape.values[:-2], num_logits, hidden], "float32"),
         )
     logits = relax.op.matmul(relax.op.reshape(rows, [num_logits, hidden]), relax.op.permute_dims(head.weight, [1, 0]))

@@ -6,27 +6,35 @@
 
 namespace llmc {
 
-// embedding: out[t, :] = table[ids[t], :] (bf16 widened).
+// embedding: out[t, :] = table[ids[t], :] * scale (bf16 widened; Granite and Gemma scale the embedding).
 template <int H, typename WT>
-inline void embedding(const int32_t* ids, int T, const WT* LLMC_RESTRICT table, float* LLMC_RESTRICT out) {
+inline void embedding(const int32_t* ids, int T, const WT* LLMC_RESTRICT table, float* LLMC_RESTRICT out,
+                      float scale = 1.0f) {
   parallel_for(T, (long)T * H >= kParallelWork, [&](int t) {
     const WT* src = table + (long)ids[t] * H;
     float* dst = out + (long)t * H;
-    for (int i = 0; i < H; ++i) dst[i] = load_w(src[i]);
+    for (int i = 0; i < H; ++i) dst[i] = load_w(src[i]) * scale;
   });
 }
 
 // rmsnorm, as transformers' LlamaRMSNorm in float32: y = w * (h * (1 / sqrt(mean(h^2) + eps))).
-// ADD: h = residual_out = x + residual_in first (residual_out may alias residual_in or x).
-template <int H, bool ADD, typename WT>
+// ADD: h = residual_out = x + residual_scale * b first (residual_out may alias residual_in or x), where b is
+// residual_in, or with RNORM (Gemma's norm of each branch before its add) residual_in RMS-normalized by the
+// same eps and scaled by residual_w.
+template <int H, bool ADD, typename WT, bool RNORM = false>
 inline void rmsnorm(const float* x, const float* residual_in, float* residual_out, const WT* w, float* y,
-                    int T, float eps) {
+                    int T, float eps, float residual_scale = 1.0f, const WT* residual_w = nullptr) {
   parallel_for(T, (long)T * H >= kParallelWork, [&](int t) {
     const float* h = x + (long)t * H;
     if constexpr (ADD) {
       const float* ri = residual_in + (long)t * H;
       float* ro = residual_out + (long)t * H;
-      for (int i = 0; i < H; ++i) ro[i] = h[i] + ri[i];
+      if constexpr (RNORM) {
+        const float rr = 1.0f / std::sqrt(dot<H>(ri, ri) / float(H) + eps);
+        for (int i = 0; i < H; ++i) ro[i] = h[i] + residual_scale * (load_w(residual_w[i]) * (ri[i] * rr));
+      } else {
+        for (int i = 0; i < H; ++i) ro[i] = h[i] + residual_scale * ri[i];
+      }
       h = ro;
     }
     const float ss = dot<H>(h, h);
@@ -70,17 +78,29 @@ inline void rope(float* x, int row_stride, const int32_t* positions, int T, cons
   });
 }
 
+// gelu_tanh(g) * u, as torch's gelu(approximate="tanh"): 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))).
+inline float gelu_tanh_mul(float g, float u) {
+  constexpr float kBeta = 0.7978845608028654f, kKappa = 0.044715f;
+  const float inner = kBeta * (g + kKappa * (g * g * g));
+  return 0.5f * g * (1.0f + std::tanh(inner)) * u;
+}
+
 // silu_mul: out[t, i] = silu(gate[t, i]) * up[t, i], gate_up = [gate | up] per row;
 // silu(g) = g / (1 + exp(-g)) as torch computes it, exp by Vec::silu_mul's SIMD exp_poly: libm's expf, one call
 // per element, cost a SmolLM-135M decode step ~0.5 ms of CPU (of ~25), a 16-row step ~4 ms. The last partial
-// vector is masked, so every element goes through the same formula.
-template <int I>
+// vector is masked, so every element goes through the same formula. GELU: gelu_tanh(gate) * up (Gemma's
+// GeGLU), libm's tanhf an element.
+template <int I, bool GELU = false>
 inline void silu_mul(const float* LLMC_RESTRICT gate_up, float* LLMC_RESTRICT out, int T) {
   constexpr int W = Vec::W, IMAIN = I / W * W;
   parallel_for(T, (long)T * I >= kParallelWork, [&](int t) {
     const float* g = gate_up + (long)t * 2 * I;
     const float* u = g + I;
     float* o = out + (long)t * I;
+    if constexpr (GELU) {
+      for (int i = 0; i < I; ++i) o[i] = gelu_tanh_mul(g[i], u[i]);
+      return;
+    }
     for (int i = 0; i < IMAIN; i += W) Vec::silu_mul(Vec::load(g + i), Vec::load(u + i)).store(o + i);
     if constexpr (IMAIN < I) {
       Vec::silu_mul(Vec::load_part(g + IMAIN, I - IMAIN), Vec::load_part(u + IMAIN, I - IMAIN))

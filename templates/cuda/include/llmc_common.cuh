@@ -143,4 +143,16 @@ __device__ __forceinline__ void copy_row(const T* src, T* dst) {
 // silu(g) * u, silu(g) = g / (1 + exp(-g)) as torch computes it: silu_mul's, and the SwiGLU GEMM's epilogue.
 __device__ __forceinline__ float silu_mul(float g, float u) { return g / (1.0f + expf(-g)) * u; }
 
+// gelu_tanh(g) * u, as torch's gelu(approximate="tanh"): Gemma's GeGLU, the sibling of silu_mul.
+__device__ __forceinline__ float gelu_tanh_mul(float g, float u) {
+  const float inner = 0.7978845608028654f * (g + 0.044715f * (g * g * g));
+  return 0.5f * g * (1.0f + tanhf(inner)) * u;
+}
+
+// The gated MLP's activation times up: GELU (GeGLU) or SiLU (SwiGLU).
+template <bool GELU>
+__device__ __forceinline__ float gated_mul(float g, float u) {
+  return GELU ? gelu_tanh_mul(g, u) : silu_mul(g, u);
+}
+
 }  // namespace llmc

@@ -6,14 +6,15 @@
 
 namespace llmc {
 
-// embedding: out[t, :] = table[ids[t], :]. Grid (T), block kThreads; 16-byte loads when rows are aligned.
+// embedding: out[t, :] = table[ids[t], :] * scale (Granite and Gemma scale it). Grid (T), block kThreads;
+// 16-byte loads when rows are aligned.
 template <int H, typename W, typename A = float>
 struct Embedding {
   static constexpr int V = Vec16<W>::N;
   static constexpr bool kVec = H % V == 0;
   static constexpr int kThreads = row_threads(ceil_div(H, kVec ? V : 1), 256);
 
-  static __device__ __forceinline__ void run(const int32_t* ids, const W* table, A* out) {
+  static __device__ __forceinline__ void run(const int32_t* ids, const W* table, A* out, float scale = 1.0f) {
     const int t = blockIdx.x;
     const W* src = table + static_cast<int64_t>(ids[t]) * H;
     A* dst = out + static_cast<int64_t>(t) * H;
@@ -21,10 +22,12 @@ struct Embedding {
       for (int i = threadIdx.x * V; i < H; i += kThreads * V) {
         float f[V];
         Vec16<W>::load(src + i, f);
+#pragma unroll
+        for (int j = 0; j < V; ++j) f[j] *= scale;
         store_acts<V>(dst + i, f);
       }
     } else {
-      for (int i = threadIdx.x; i < H; i += kThreads) astore(dst + i, wload(src[i]));
+      for (int i = threadIdx.x; i < H; i += kThreads) astore(dst + i, wload(src[i]) * scale);
     }
   }
 };
@@ -34,15 +37,29 @@ struct Embedding {
 // rounding to the activation type (bf16: as LlamaRMSNorm casts back to the input dtype before the weight).
 // ADD: h = residual_out = A(x + residual_in) first (residual_out may alias x or residual_in: each element is
 // read and written by the same thread). Grid (T), block kThreads; a thread keeps its PER elements in
-// registers (element i = j * kThreads + tid: coalesced), one block_sum.
-template <int H, bool ADD, typename W, typename A = float>
+// registers (element i = j * kThreads + tid: coalesced), one block_sum. The added branch residual_in is first
+// scaled by residual_scale (Granite), and with RNORM (Gemma's norm of each branch) first RMS-normalized by the
+// same eps and scaled by residual_w, rounded to A as that norm's output is: one more block_sum.
+template <int H, bool ADD, typename W, typename A = float, bool RNORM = false>
 struct RmsNorm {
   static constexpr int kThreads = row_threads(ceil_div(H, 8), 512);
   static constexpr int PER = ceil_div(H, kThreads);
 
   static __device__ __forceinline__ void run(const A* x, const A* residual_in, A* residual_out, const W* w, A* y,
-                                             float eps) {
+                                             float eps, float residual_scale = 1.0f, const W* residual_w = nullptr) {
     const int64_t base = static_cast<int64_t>(blockIdx.x) * H;
+    float b[RNORM ? PER : 1];
+    float rr = 1.0f;
+    if constexpr (RNORM) {
+      float bs = 0.0f;
+#pragma unroll
+      for (int j = 0; j < PER; ++j) {
+        const int i = j * kThreads + threadIdx.x;
+        b[j] = i < H ? wload(residual_in[base + i]) : 0.0f;
+        bs += b[j] * b[j];
+      }
+      rr = 1.0f / sqrtf(block_sum(bs) / static_cast<float>(H) + eps);
+    }
     float h[PER];
     float ss = 0.0f;
 #pragma unroll
@@ -52,7 +69,8 @@ struct RmsNorm {
       if (i < H) {
         v = wload(x[base + i]);
         if constexpr (ADD) {
-          v = act_round<A>(v + wload(residual_in[base + i]));
+          const float branch = RNORM ? act_round<A>(wload(residual_w[i]) * (b[j] * rr)) : wload(residual_in[base + i]);
+          v = act_round<A>(v + residual_scale * branch);
           astore(residual_out + base + i, v);
         }
       }
@@ -118,9 +136,9 @@ struct Rope {
 };
 
 // ---------------------------------------------------------------------------------------------------
-// silu_mul: out[t, i] = silu(gate[t, i]) * up[t, i], gate_up = [gate | up] per row. Grid (T, kChunks), block
-// kThreads, V elements per thread.
-template <int I, typename A = float>
+// silu_mul: out[t, i] = silu(gate[t, i]) * up[t, i] (GELU: gelu_tanh, Gemma's GeGLU), gate_up = [gate | up] per
+// row. Grid (T, kChunks), block kThreads, V elements per thread.
+template <int I, typename A = float, bool GELU = false>
 struct SiluMul {
   static constexpr int V = I % 4 == 0 ? 4 : 1;
   static constexpr int kThreads = row_threads(ceil_div(I, V), 256);
@@ -136,9 +154,10 @@ struct SiluMul {
       float gv[4], uv[4];
       load_act4(g, gv);
       load_act4(g + I, uv);
-      store_act4(o, silu_mul(gv[0], uv[0]), silu_mul(gv[1], uv[1]), silu_mul(gv[2], uv[2]), silu_mul(gv[3], uv[3]));
+      store_act4(o, gated_mul<GELU>(gv[0], uv[0]), gated_mul<GELU>(gv[1], uv[1]), gated_mul<GELU>(gv[2], uv[2]),
+                 gated_mul<GELU>(gv[3], uv[3]));
     } else {
-      astore(o, silu_mul(wload(g[0]), wload(g[I])));
+      astore(o, gated_mul<GELU>(wload(g[0]), wload(g[I])));
     }
   }
 };

@@ -32,10 +32,10 @@ namespace llmc {
 // mma warp's n8 tiles 2j and 2j + 1 hold gate and up of the same 8 outputs, and y is [T, N / 2]: y[t, o] =
 // silu(gate_o . x_t) * (up_o . x_t). The GEMV's warp takes both rows of its output. Each sum is the unfused
 // GEMM's, in its order, and is rounded to A as the unfused GEMM stores it, so the result equals gemm +
-// silu_mul bit for bit. bf16 weights with 16-byte rows only.
+// silu_mul bit for bit. bf16 weights with 16-byte rows only. GELU: gelu_tanh(gate) * up instead (GeGLU).
 // A: the activation element of x and y.
 template <int N, int K, bool BIAS, typename W, int GEMV_WARPS = 4, int TILE_M = 64, int TILE_N = 64,
-          int TILE_K = 32, int STAGES = 3, bool SWIGLU = false, typename A = float>
+          int TILE_K = 32, int STAGES = 3, bool SWIGLU = false, typename A = float, bool GELU = false>
 struct Gemm {
   static constexpr int kOut = SWIGLU ? N / 2 : N;  // y's columns
   static constexpr int kRowsPerOut = SWIGLU ? 2 : 1;
@@ -65,7 +65,7 @@ struct Gemm {
   // One output's value from its row sums (slice sums added): SWIGLU: silu(gate) * up; else the sum + bias.
   static __device__ __forceinline__ float gemv_out(const float (&s)[kRowsPerOut], float b) {
     if constexpr (SWIGLU)
-      return silu_mul(act_round<A>(s[0]), act_round<A>(s[1]));
+      return gated_mul<GELU>(act_round<A>(s[0]), act_round<A>(s[1]));
     else
       return s[0] + b;
   }
@@ -253,8 +253,8 @@ struct Gemm {
             const float* gate = acc[mi][j];
             const float* up = acc[mi][j + 1];
             store_act2(y + static_cast<int64_t>(row) * kOut + col,
-                       silu_mul(act_round<A>(gate[2 * h]), act_round<A>(up[2 * h])),
-                       silu_mul(act_round<A>(gate[2 * h + 1]), act_round<A>(up[2 * h + 1])));
+                       gated_mul<GELU>(act_round<A>(gate[2 * h]), act_round<A>(up[2 * h])),
+                       gated_mul<GELU>(act_round<A>(gate[2 * h + 1]), act_round<A>(up[2 * h + 1])));
           }
         }
       }
