@@ -409,7 +409,7 @@ class _Lowering:
         if add_residual:
             residual = self.view(args["residual"])
             total = self.new_value(hidden, x.rows)
-            launch_args, fused = [x, residual, total, f"W[{w}]", y, x.rows], ["add", "rms_norm"]
+            launch_args, fused = [x, residual, total, f"W[{w}]", y, x.rows, "nullptr"], ["add", "rms_norm"]
             scale = float(prim_value(args["residual_scale"]))
             if scale != 1.0:  # Granite's residual_multiplier
                 params["residual_scale"] = scale
@@ -419,12 +419,12 @@ class _Lowering:
                 if self.wdtype(rw) != params["wdtype"]:
                     raise CompileError("a branch norm's weight and the next norm's are packed as different dtypes")
                 params["residual_norm"] = True
-                launch_args.append(f"W[{rw}]")
+                launch_args[-1] = f"W[{rw}]"
                 fused.insert(0, "rms_norm")
             self.emit("rmsnorm", params, launch_args, fused, [total, y])
             self.env[var] = (total, y)
         else:
-            self.emit("rmsnorm", params, [x, "nullptr", "nullptr", f"W[{w}]", y, x.rows], ["rms_norm"], [y])
+            self.emit("rmsnorm", params, [x, "nullptr", "nullptr", f"W[{w}]", y, x.rows, "nullptr"], ["rms_norm"], [y])
             self.env[var] = y
 
     def op_rms_norm(self, var, value):

@@ -142,7 +142,8 @@ def parse_config(raw: dict) -> ModelConfig:
         )
     gemma = arch == "Gemma3ForCausalLM"
     act_key = "hidden_activation" if gemma else "hidden_act"
-    act = _ACTIVATIONS.get(raw.get(act_key) or ("gelu_pytorch_tanh" if gemma else "silu"))
+    act_name = raw.get(act_key) or ("gelu_pytorch_tanh" if gemma else "silu")
+    act = _ACTIVATIONS.get(act_name) if isinstance(act_name, str) else None
     if act is None:
         raise UnsupportedModelError(
             f"config.json: {act_key} {raw.get(act_key)!r} is not supported",
@@ -231,7 +232,10 @@ def _layer_ropes(raw: dict) -> tuple[float, dict | None, float]:
         full = {"rope_theta": 1e6, **full}
         local = {"rope_theta": 1e4, **local}
     else:
-        full = {"rope_theta": raw.get("rope_theta") or 1e6, **(raw.get("rope_scaling") or {})}
+        scaling = raw.get("rope_scaling") or {}
+        if not isinstance(scaling, dict):
+            raise _bad("rope_scaling", scaling, "an object")
+        full = {"rope_theta": raw.get("rope_theta") or 1e6, **scaling}
         local = {"rope_theta": raw.get("rope_local_base_freq") or 1e4}
     theta, scaling = _rope(raw, full)
     local_theta, local_scaling = _rope(raw, local)

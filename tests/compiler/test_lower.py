@@ -1,6 +1,7 @@
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from llmc.compiler.export import to_relax
@@ -27,6 +28,58 @@ def test_qwen3_launches_what_llama_launches(checkpoint_dir):
     assert all(
         "norm_eps" not in r.params and r.args[-1] == "nullptr" for r in programs["llama"].launches if r.op == "rope"
     )
+
+
+def _program(checkpoint_dir, arch, **kw):
+    mod, config = imported(checkpoint_dir, arch)
+    return lower(run_passes(mod), trace(config).weight_names, block_size=16, **kw), config
+
+
+def _layer_ops(program, num_layers: int) -> list[str]:
+    """The launches of every layer, which must repeat, after the embedding and the first norm; the last layer's
+    add and final norm run after the head's row gathers (of the residual stream and of the last branch)."""
+    ops = [launch.op for launch in program.launches]
+    assert ops[:2] == ["embedding", "rmsnorm"] and ops[-4:] == ["gather_rows", "gather_rows", "rmsnorm", "gemm"]
+    layers = [*ops[2:-4], "rmsnorm"]
+    per_layer = len(layers) // num_layers
+    assert layers == layers[:per_layer] * num_layers
+    return layers[:per_layer]
+
+
+@pytest.mark.parametrize("weight_dtype,swiglu", [("float32", False), ("bfloat16", True)])
+def test_gemma3_and_granite_launch_what_llama_launches(checkpoint_dir, weight_dtype, swiglu):
+    """Gemma's four norms a layer fold into Llama's two launches, its GeGLU into silu_mul (or the SwiGLU GEMM's
+    epilogue on CUDA), its q / k norms into rope; Granite's multipliers into the embedding, the adds and the
+    final norm's weight. Not one TVM fallback."""
+    kw = dict(weight_dtype=weight_dtype, swiglu_epilogue=swiglu)
+    llama, llama_config = _program(checkpoint_dir, "llama", **kw)
+    for arch in ("gemma3", "granite"):
+        program, config = _program(checkpoint_dir, arch, **kw)
+        assert not program.tvm_funcs
+        assert _layer_ops(program, config.num_layers) == _layer_ops(llama, llama_config.num_layers)
+
+
+def test_gemma3_norm_weights_pack_as_one_plus_w(checkpoint_dir):
+    program, config = _program(checkpoint_dir, "gemma3", weight_dtype="float32")
+    norms = [w for w in program.weights if "norm" in w.name]
+    assert len(norms) == 6 * config.num_layers + 1  # four a layer, q and k, and the final norm
+    assert all(w.affine == (1.0, 1.0) and w.dtype == "float32" for w in norms)
+    embedding = program.launches[0]
+    assert embedding.op == "embedding" and embedding.params["scale"] == 8.0  # sqrt(64)
+    gated = [launch for launch in program.launches if launch.op == "silu_mul"]
+    assert len(gated) == config.num_layers and all(g.params["activation"] == "gelu_tanh" for g in gated)
+    branch_normed = [launch for launch in program.launches if launch.params.get("residual_norm")]
+    assert len(branch_normed) == 2 * config.num_layers and all(n.args[-1].startswith("W[") for n in branch_normed)
+
+
+def test_granite_logits_scaling_folds_into_the_final_norm(checkpoint_dir):
+    program, config = _program(checkpoint_dir, "granite", weight_dtype="float32")
+    final = program.weights[int(program.launches[-2].args[3].removeprefix("W[").removesuffix("]"))]
+    assert final.name == "model.norm.weight" and final.affine == (float(np.float32(1 / 3.5)), 0.0)
+    assert program.launches[0].params["scale"] == 6.0
+    assert [launch.params.get("residual_scale") for launch in program.launches if launch.op == "rmsnorm"][1:] == [
+        float(np.float32(0.3))
+    ] * (2 * config.num_layers)
 
 
 def test_smollm3_nope_layers_launch_no_rope(checkpoint_dir):

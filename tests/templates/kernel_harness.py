@@ -43,6 +43,7 @@ SIGNATURES = {
         ("w", "W*"),
         ("y", "A*"),
         ("T", "int"),
+        ("residual_w", "W*"),
     ],
     "gemm": [("x", "A*"), ("w", "W*"), ("bias", "W*"), ("y", "A*"), ("T", "int")],
     "gemm_swiglu": [("x", "A*"), ("w", "W*"), ("bias", "W*"), ("y", "A*"), ("T", "int")],

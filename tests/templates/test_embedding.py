@@ -11,7 +11,8 @@ from tests.templates.kernel_reference import act_empty, embedding_inputs, to_bf1
 # float4 on 256 threads; bf16: 125 x 8)
 F32_SPECS = [("embedding", dict(hidden=h, wdtype=wd)) for h in (37, 64, 1000) for wd in ("f32", "bf16")]
 BF16_SPECS = [(op, dict(p, adtype="bf16")) for op, p in F32_SPECS]
-SPECS = F32_SPECS + BF16_SPECS
+SCALED_SPECS = [("embedding", dict(hidden=h, wdtype=wd, scale=8.0)) for h, wd in ((37, "f32"), (64, "bf16"))]
+SPECS = F32_SPECS + BF16_SPECS + SCALED_SPECS
 
 
 @pytest.mark.parametrize("T", [0, 1, 3, 5, 17, 300])
@@ -34,3 +35,13 @@ def test_embedding_bf16_activations(kernels, op, params, T):
     kernels(op, params)(ids, T, table, out)
     assert np.array_equal(out[:T], to_bf16(table_f[ids])[0])
     assert (out[T:] == 0x7FC0).all()
+
+
+@pytest.mark.parametrize("T", [1, 5])
+@pytest.mark.parametrize("op,params", SCALED_SPECS, ids=map(spec_id, SCALED_SPECS))
+def test_embedding_scaled(kernels, op, params, T):
+    """Granite's embedding_multiplier and Gemma's sqrt(hidden): the float32 product, as transformers takes it."""
+    ids, table, table_f = embedding_inputs(T, params["hidden"], params["wdtype"], vocab=97, seed=T)
+    out = np.empty((T, params["hidden"]), dtype=np.float32)
+    kernels(op, params)(ids, T, table, out)
+    assert np.array_equal(out, table_f[ids] * np.float32(params["scale"]))

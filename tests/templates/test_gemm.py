@@ -176,6 +176,10 @@ SWIGLU_SPECS = [
         ("silu_mul", dict(inter=i, adtype=a)),
     )
 ]
+# GeGLU's: the same GEMM with gelu_tanh as the epilogue (Gemma)
+SWIGLU_SPECS += [
+    (op, dict(p, activation="gelu_tanh")) for op, p in SWIGLU_SPECS if op != "gemm" and p["adtype"] == "bf16"
+]
 
 
 @pytest.mark.targets("cuda")
@@ -208,3 +212,25 @@ def test_swiglu_gemm_is_gemm_then_silu_mul(harnesses, weights, target, inter, k,
     ref = g / (1 + np.exp(-g)) * u
     # d(silu(g) u) = silu'(g) u dg + silu(g) du, |silu'| < 1.1, |silu(g)| <= |g|; dg, du within 1e-5 of mg, mu
     assert np.all(np.abs(fused - ref) <= 1e-5 * (1.1 * np.abs(u) * mg + np.abs(g) * mu) + 1e-6)
+
+
+@pytest.mark.targets("cuda")
+@pytest.mark.parametrize("T", [1, 17])
+@pytest.mark.parametrize("inter,k", SWIGLU_SHAPES[:2])
+def test_geglu_gemm_is_gemm_then_gelu_tanh_mul(harnesses, weights, target, inter, k, T):
+    """With activation="gelu_tanh" the fused GEMM equals the unfused gemm and silu_mul's GeGLU bit for bit."""
+    from llmc.compiler.weights import SWIGLU_INTERLEAVE, interleave_rows
+
+    cuda = harnesses["cuda"]
+    cuda.build(SWIGLU_SPECS)
+    x, w, _, _, _ = gemm_inputs(2 * inter, k, T, "bf16", False, weights, seed=T)
+    xa = to_bf16(x)[0]
+    fused = act_empty((T, inter), "bf16")
+    w_interleaved = interleave_rows(w[:inter], w[inter:], SWIGLU_INTERLEAVE)
+    geglu = dict(inter=inter, k=k, wdtype="bf16", adtype="bf16", activation="gelu_tanh")
+    cuda("gemm_swiglu", geglu)(xa, w_interleaved, None, fused, T)
+    gate_up = act_empty((T, 2 * inter), "bf16")
+    cuda("gemm", dict(n=2 * inter, k=k, wdtype="bf16", has_bias=False, adtype="bf16"))(xa, w, None, gate_up, T)
+    unfused = act_empty((T, inter), "bf16")
+    cuda("silu_mul", dict(inter=inter, adtype="bf16", activation="gelu_tanh"))(gate_up, unfused, T)
+    assert np.array_equal(fused, unfused)

@@ -1,5 +1,5 @@
 """rmsnorm (templates/{cpu,cuda}/rmsnorm.*.j2): y = w * (h / sqrt(mean(h^2) + eps)),
-h = x (+ residual_in -> residual_out). On CUDA with bf16 activations, as transformers' bf16 LlamaRMSNorm
+h = x (+ residual_in -> residual_out), the added branch optionally scaled (Granite) or normed first (Gemma). On CUDA with bf16 activations, as transformers' bf16 LlamaRMSNorm
 rounds: the residual sum to bf16, and the normalized row before its weight multiplies it."""
 
 import numpy as np
@@ -24,6 +24,13 @@ BF16_SPECS = [
     for res in (False, True)
 ]
 SPECS += BF16_SPECS
+# Granite's scaled branch, Gemma's normed branch, both; hidden 37 and 4100 (partial tails)
+BRANCH_SPECS = [
+    ("rmsnorm", dict(hidden=h, eps=1e-6, wdtype=wd, add_residual=True, **branch))
+    for h, wd in ((37, "f32"), (4100, "bf16"))
+    for branch in (dict(residual_scale=0.22), dict(residual_norm=True), dict(residual_scale=1.5, residual_norm=True))
+]
+SPECS += BRANCH_SPECS
 
 
 @pytest.mark.parametrize("T", [1, 3, 17])
@@ -31,7 +38,7 @@ SPECS += BF16_SPECS
 def test_rmsnorm_matches_numpy(kernels, op, params, T):
     add = params["add_residual"]
     x, w, wf, res_in, res_out, y = rmsnorm_inputs(T, params["hidden"], params["wdtype"], add, seed=T)
-    kernels(op, params)(x, res_in, res_out, w, y, T)
+    kernels(op, params)(x, res_in, res_out, w, y, T, None)
     h = x
     if add:
         h = x + res_in  # float32 add, as transformers does
@@ -52,7 +59,7 @@ def test_rmsnorm_residual_in_place(kernels, weights, wdtype, alias):
     expect_res = x + res
     y = np.empty_like(x)
     out = res if alias == "residual_in" else x
-    kernels("rmsnorm", params)(x, res, out, w, y, T)
+    kernels("rmsnorm", params)(x, res, out, w, y, T, None)
     assert np.array_equal(out, expect_res)
     np.testing.assert_allclose(y, rmsnorm_reference(expect_res, wf, 1e-5), rtol=1e-5, atol=1e-6)
 
@@ -69,13 +76,13 @@ def test_rmsnorm_row_independent_of_batch_and_schedule(kernels, weights, schedul
     for schedule in schedules:
         schedule()
         y = np.empty_like(x)
-        fn(x, r, np.empty_like(x) if add else None, w, y, 5)
+        fn(x, r, np.empty_like(x) if add else None, w, y, 5, None)
         outs.append(y)
     assert all(np.array_equal(o, outs[0]) for o in outs)
     for t in (0, 4):
         alone = np.empty((1, hidden), dtype=np.float32)
         r_t = np.ascontiguousarray(r[t : t + 1]) if add else None
-        fn(np.ascontiguousarray(x[t : t + 1]), r_t, np.empty_like(alone) if add else None, w, alone, 1)
+        fn(np.ascontiguousarray(x[t : t + 1]), r_t, np.empty_like(alone) if add else None, w, alone, 1, None)
         assert np.array_equal(alone[0], outs[0][t])
 
 
@@ -92,10 +99,42 @@ def test_rmsnorm_bf16_activations(kernels, op, params, T):
         res_out = act_empty((T, hidden), "bf16")
         h = to_bf16(h + rv)[1]  # the float32 sum, rounded
     y = act_empty((T, hidden), "bf16")
-    kernels(op, params)(xb, rb, res_out, w, y, T)
+    kernels(op, params)(xb, rb, res_out, w, y, T, None)
     if add:
         assert np.array_equal(bf16_bits_of(res_out), h)
     normed = to_bf16(rmsnorm_reference(h, np.ones(hidden, np.float32), params["eps"]).astype(np.float32))[1]
     # the normalized row may round to the other neighbour (its float32 value differs from float64's), then the
     # product with the weight rounds once more: 1.5 bf16 ulps at most
     np.testing.assert_allclose(bf16_bits_of(y), wf * normed.astype(np.float64), rtol=2.0**-6, atol=0)
+
+
+@pytest.mark.parametrize("T", [1, 3, 17])
+@pytest.mark.parametrize("op,params", BRANCH_SPECS, ids=map(spec_id, BRANCH_SPECS))
+def test_rmsnorm_scaled_and_normed_branch(kernels, weights, op, params, T):
+    hidden, eps = params["hidden"], params["eps"]
+    x, w, wf, res_in, res_out, y = rmsnorm_inputs(T, hidden, params["wdtype"], True, seed=T)
+    rng = np.random.default_rng(T + 100)
+    rw, rwf = weights(rng.standard_normal(hidden, dtype=np.float32), params["wdtype"])
+    branch = res_in.astype(np.float64)
+    if params.get("residual_norm"):
+        branch = rmsnorm_reference(res_in, rwf, eps)
+    h = x + params.get("residual_scale", 1.0) * branch
+    kernels(op, params)(x, res_in, res_out, w, y, T, rw if params.get("residual_norm") else None)
+    np.testing.assert_allclose(res_out, h, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(y, rmsnorm_reference(res_out, wf, eps), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("alias", ["residual_in", "x"])
+def test_rmsnorm_normed_branch_in_place(kernels, weights, alias):
+    """With the branch normed first, residual_out may still alias residual_in or x."""
+    params = BRANCH_SPECS[1][1]
+    rng = np.random.default_rng(8)
+    T, hidden = 5, params["hidden"]
+    x = rng.standard_normal((T, hidden), dtype=np.float32)
+    res = rng.standard_normal((T, hidden), dtype=np.float32)
+    w, _ = weights(rng.standard_normal(hidden, dtype=np.float32), params["wdtype"])
+    rw, rwf = weights(rng.standard_normal(hidden, dtype=np.float32), params["wdtype"])
+    expect = x + rmsnorm_reference(res, rwf, params["eps"])
+    out = res if alias == "residual_in" else x
+    kernels("rmsnorm", params)(x, res, out, w, np.empty_like(x), T, rw)
+    np.testing.assert_allclose(out, expect, rtol=1e-5, atol=1e-5)

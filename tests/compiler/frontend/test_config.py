@@ -1,8 +1,10 @@
-"""parse_config: which layers use a sliding window, as transformers decides it."""
+"""parse_config: which layers use a sliding window, as transformers decides it; each family's fields; refusals."""
 
+import pytest
 from transformers import LlamaConfig, MistralConfig, Qwen2Config
 
 from llmc.compiler.frontend.config import parse_config
+from llmc.errors import UnsupportedModelError
 
 
 def _parse(config_cls, **kw):
@@ -63,3 +65,86 @@ def test_yarn_rope_matches_transformers():
         ours = parse_config({**hf.to_dict(), "architectures": ["Qwen2ForCausalLM"]})
         assert torch.equal(rope_inv_freq(ours), inv_freq.float())
         assert math.isclose(attention_scale(ours), 16**-0.5 * factor**2, rel_tol=1e-12)
+
+
+GEMMA3_1B_V4 = {  # google/gemma-3-1b-it's config.json as transformers v4 wrote it (sizes cut down)
+    "architectures": ["Gemma3ForCausalLM"],
+    "model_type": "gemma3_text",
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 1,
+    "head_dim": 256,
+    "num_hidden_layers": 7,
+    "vocab_size": 262144,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "query_pre_attn_scalar": 256,
+    "rope_theta": 1000000,
+    "rope_local_base_freq": 10000,
+    "rope_scaling": None,
+    "sliding_window": 512,
+    "sliding_window_pattern": 6,
+    "final_logit_softcapping": None,
+    "attn_logit_softcapping": None,
+    "max_position_embeddings": 32768,
+    "rms_norm_eps": 1e-06,
+    "torch_dtype": "bfloat16",
+    "eos_token_id": [1, 106],
+    "bos_token_id": 2,
+}
+
+
+def test_gemma3_v4_config():
+    c = parse_config(GEMMA3_1B_V4)
+    assert c.sliding_layers == (0, 1, 2, 3, 4, 6) and c.attention_window(5) == 0 and c.attention_window(6) == 512
+    assert (c.rope_theta, c.sliding_rope_theta, c.rope_scaling) == (1e6, 1e4, None)
+    assert c.query_scale == 256**-0.5 and c.hidden_act == "gelu_tanh" and c.norm_unit_offset and c.sandwich_norms
+    assert c.qk_norm and c.embedding_scale == 8.0  # sqrt(64), exact in bf16
+
+
+def test_gemma3_v5_config_matches_transformers():
+    """transformers v5 writes one rope_parameters entry per layer type; the embedding scale is sqrt(hidden) rounded
+    to the checkpoint's dtype, as Gemma3TextScaledWordEmbedding casts it."""
+    import torch
+    from transformers import Gemma3TextConfig
+
+    hf = Gemma3TextConfig(
+        hidden_size=72,
+        num_hidden_layers=6,
+        rope_parameters={
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+        },
+        dtype="bfloat16",
+    )
+    c = parse_config({**hf.to_dict(), "architectures": ["Gemma3ForCausalLM"]})
+    assert c.rope_scaling == {"rope_type": "linear", "factor": 8.0} and c.sliding_rope_theta == 1e4
+    assert c.sliding_layers == tuple(i for i, t in enumerate(hf.layer_types) if t == "sliding_attention")
+    assert c.embedding_scale == torch.tensor(72**0.5).to(torch.bfloat16).item() != 72**0.5
+
+
+def test_granite_multipliers():
+    from transformers import GraniteConfig
+
+    hf = GraniteConfig(
+        num_hidden_layers=2, embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.0078125
+    )
+    c = parse_config({**hf.to_dict(), "logits_scaling": 8.0, "architectures": ["GraniteForCausalLM"]})
+    assert (c.embedding_scale, c.residual_scale, c.query_scale, c.logits_scaling) == (12.0, 0.22, 0.0078125, 8.0)
+
+
+@pytest.mark.parametrize(
+    "arch,extra,match",
+    [
+        ("Gemma3ForConditionalGeneration", {}, "vision tower"),
+        ("Qwen3MoeForCausalLM", {}, "mixture-of-experts"),
+        ("Gemma3ForCausalLM", {"final_logit_softcapping": 30.0}, "final_logit_softcapping"),
+        ("Gemma3ForCausalLM", {"hidden_activation": "gelu"}, "hidden_activation 'gelu'"),
+        ("Gemma3ForCausalLM", {"hidden_activation": ["gelu"]}, "hidden_activation"),
+        ("LlamaForCausalLM", {"hidden_act": "relu"}, "hidden_act 'relu'"),
+    ],
+)
+def test_refusals_name_the_field(arch, extra, match):
+    with pytest.raises(UnsupportedModelError, match=match) as e:
+        parse_config({**GEMMA3_1B_V4, "architectures": [arch], **extra})
+    assert "\n" not in str(e.value)

@@ -137,10 +137,17 @@ def test_header_that_is_a_list(valid_file, tmp_path):
         _scan_safetensors(tmp_path / "model.safetensors")
 
 
-@pytest.mark.parametrize("name", ["config.json", "generation_config.json", "tokenizer_config.json", "tokenizer.json"])
-def test_fuzz_json_files(checkpoint_dir, tmp_path, name):
+@pytest.mark.parametrize(
+    "name,base",
+    [
+        *((n, "llama") for n in ("config.json", "generation_config.json", "tokenizer_config.json", "tokenizer.json")),
+        ("config.json", "gemma3"),  # the fields of the families with more of them
+        ("config.json", "granite"),
+    ],
+)
+def test_fuzz_json_files(checkpoint_dir, tmp_path, name, base):
     ckpt = tmp_path / "ckpt"
-    shutil.copytree(checkpoint_dir("llama"), ckpt)
+    shutil.copytree(checkpoint_dir(base), ckpt)
     original = json.loads((ckpt / name).read_text()) if (ckpt / name).is_file() else {}
 
     @FUZZ

@@ -49,6 +49,49 @@ def test_gate_and_up_become_one_gemm_and_silu_mul():
     tvm.ir.assert_structural_equal(out["main"], Expected["main"])
 
 
+def _gated(act: str):
+    """act(gate(x)) * up(x), act one of R.nn's gelu_tanh (Gemma's GeGLU) or gelu (erf: no template has it)."""
+
+    @I.ir_module
+    class Module:
+        @R.function
+        def main(x: R.Tensor(("n", 8), "float32"), wg: R.Tensor((6, 8), "float32"), wu: R.Tensor((6, 8), "float32")):
+            with R.dataflow():
+                gate = R.matmul(x, R.permute_dims(wg))
+                activated = R.nn.gelu_tanh(gate) if act == "gelu_tanh" else R.nn.gelu(gate)
+                out = R.multiply(activated, R.matmul(x, R.permute_dims(wu)))
+                R.output(out)
+            return out
+
+    return Module
+
+
+@I.ir_module
+class GegluExpected:
+    @R.function
+    def main(x: R.Tensor(("n", 8), "float32"), wg: R.Tensor((6, 8), "float32"), wu: R.Tensor((6, 8), "float32")):
+        n = T.int64()
+        with R.dataflow():
+            gate_up = R.matmul(x, R.permute_dims(R.concat((wg, wu), axis=0), axes=[1, 0]))
+            fused = R.call_pure_packed("llmc.gelu_tanh_mul", gate_up, ty_args=R.Tensor((n, 6), "float32"))
+            out = R.reshape(fused, R.shape([n, 6]))
+            R.output(out)
+        return out
+
+
+def test_geglu_becomes_one_gemm_and_gelu_tanh_mul():
+    out, count = apply(fuse_swiglu, _gated("gelu_tanh"))
+    assert count == 1
+    tvm.ir.assert_structural_equal(out["main"], GegluExpected["main"])
+
+
+def test_erf_gelu_is_left_alone():
+    near_miss = _gated("gelu")
+    out, count = apply(fuse_swiglu, near_miss)
+    assert count == 0
+    tvm.ir.assert_structural_equal(out["main"], near_miss["main"])
+
+
 @I.ir_module
 class UpOfAnotherInput:
     """silu(gate(x)) * up(y): a gated product, but the two Linears read different inputs."""

@@ -84,7 +84,7 @@ for T in (3, 17):
     w, wf = make_weights(rng.standard_normal(37, dtype=np.float32), "f32")
     h = x + res
     y = np.empty_like(x)
-    k[kernel_id("cuda", "rmsnorm", rms)](x, res, res, w, y, T)
+    k[kernel_id("cuda", "rmsnorm", rms)](x, res, res, w, y, T, None)
     np.testing.assert_allclose(y, rmsnorm_reference(h, wf, 1e-6), rtol=1e-5, atol=1e-6)
 for seqs in (MIXED, [(300, 1), (130, 2), (0, 70)]):  # bf16 activations: within their rounding
     batch = make_batch(attn16, seqs, seed=3)
