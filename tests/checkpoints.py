@@ -112,7 +112,20 @@ VARIANTS = {
 }
 
 ARCHS = tuple(VARIANTS)
-GGUF_ARCHS = ("llama", "mistral", "qwen2", "qwen3")  # llama.cpp's smollm3 arch is not read or written
+GGUF_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "granite", "gemma3")  # llama.cpp's smollm3 arch is not read
+# What a GGUF of the variant can hold: llama.cpp's gemma3 has a global layer every 6th, local RoPE base 10000
+# and query_pre_attn_scalar = head_dim, and no field for any other
+GGUF_OVERRIDES = {
+    "gemma3": dict(
+        num_hidden_layers=6,
+        layer_types=None,
+        query_pre_attn_scalar=24,
+        rope_parameters={
+            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 50000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        },
+    )
+}
 
 
 def train_tokenizer(out_dir: Path, vocab_size: int = VOCAB, texts: list[str] | None = None) -> None:

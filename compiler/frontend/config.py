@@ -14,15 +14,18 @@ import numpy as np
 from llmc.errors import CheckpointError, UnsupportedModelError
 from llmc.model_config import ModelConfig
 
-SUPPORTED_ARCHITECTURES = (
-    "LlamaForCausalLM",
-    "MistralForCausalLM",
-    "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM",
-    "SmolLM3ForCausalLM",
-    "GraniteForCausalLM",
-    "Gemma3ForCausalLM",
-)
+# Each family llmc compiles, and which of its variants (what `llmc inspect --architectures` lists)
+ARCHITECTURES = {
+    "LlamaForCausalLM": "Llama 2, 3, 3.1-3.3 (llama3 / linear / YaRN RoPE scaling), SmolLM, TinyLlama; q/k/v/o and MLP biases",
+    "MistralForCausalLM": "Mistral 7B, Ministral; sliding window on every layer",
+    "Qwen2ForCausalLM": "Qwen2, Qwen2.5 (qkv bias; sliding window above max_window_layers)",
+    "Qwen3ForCausalLM": "Qwen3 dense (per-head q/k norms, explicit head_dim)",
+    "SmolLM3ForCausalLM": "SmolLM3 (no RoPE on the no_rope_layers)",
+    "GraniteForCausalLM": "Granite 3.x dense (embedding, residual, attention and logits multipliers)",
+    "Gemma3ForCausalLM": "Gemma 3 text (1B; the text weights of larger ones): GeGLU, (1 + w) and sandwich norms, "
+    "q/k norms, 5 local to 1 global layers with their own RoPE bases; no soft-capping",
+}
+SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 # Checkpoints of these hold a vision tower or experts: named in the refusal, so a user knows why
 _REFUSED = {
     "Gemma3ForConditionalGeneration": "its vision tower is not compiled; a text-only Gemma 3 (Gemma3ForCausalLM) is",

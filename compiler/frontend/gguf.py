@@ -6,7 +6,8 @@ safetensors, under llama.cpp's names (gguf_names):
   parse_config like any other. llama3 rope scaling is stored by llama.cpp as the per-frequency divisors of
   the `rope_freqs` tensor; the scaling fields are recovered from them (`_llama3_scaling`).
 - The tokenizer is stored as token lists, and rebuilt as a `tokenizers` tokenizer (gguf_tokenizer.py).
-- Tensors are renamed to Hugging Face's, and q/k rows of the `llama` arch are put back in rotate-half order.
+- Tensors are renamed to Hugging Face's, q/k rows of the `llama` and `granite` archs are put back in rotate-half
+  order, and Gemma's norm weights, stored as 1 + w, become w again (the traced model adds the 1).
 
 Quantized tensors keep their exact values: Q8_0, Q4_0, Q4_K and Q6_K each map onto a QuantizedTensor
 (compiler/quant.py) with no rounding, and `Checkpoint.tensor` returns its dequantization, equal bit for bit
@@ -46,7 +47,7 @@ SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_K", "Q6_K")
 
 @dataclasses.dataclass
 class GGUFCheckpoint(Checkpoint):
-    gguf_arch: str  # general.architecture: "llama" | "qwen2" | "qwen3"
+    gguf_arch: str  # general.architecture: a key of gguf_names.HF_ARCH
     gguf_names: dict[str, str]  # HF name -> GGUF tensor name
     gguf_types: dict[str, str]  # HF name -> "Q4_K", "F32", ...
     gguf_tensors: dict[str, gguf.ReaderTensor]  # GGUF name -> the reader's entry (its data mmapped)
@@ -79,6 +80,8 @@ class GGUFCheckpoint(Checkpoint):
             w = (w.view(np.uint16) if info.tensor_type == GGMLType.BF16 else w).reshape(shape)
         heads = self._qk_heads(name)
         w = np.array(w) if heads is None else names.unpermute_qk(w, heads)
+        if names.norm_shifted(self.gguf_arch, self.gguf_names[name]):  # stored 1 + w
+            w = (w.astype(np.float64) - 1.0).astype(np.float32)
         if info.tensor_type == GGMLType.BF16:
             return torch.from_numpy(w.view(np.int16)).view(torch.bfloat16)
         return torch.from_numpy(w)
@@ -188,7 +191,7 @@ def load_gguf(path: str | Path) -> GGUFCheckpoint:
 
     gguf_names, dtypes, gguf_types = {}, {}, {}
     for hf_name, shape in config.weight_shapes().items():
-        gguf_name = names.hf_to_gguf(hf_name)
+        gguf_name = names.hf_to_gguf(hf_name, arch)
         info = tensors.get(gguf_name)
         if info is None:
             raise CheckpointError(
@@ -251,12 +254,13 @@ def _config(meta: GGUFMetadata, tensors: dict, tokens: list, path: Path):
         "rms_norm_eps": meta.get(names.RMS_EPS, float),
         "rope_theta": theta,
         "max_position_embeddings": context,
-        "tie_word_embeddings": names.hf_to_gguf("lm_head.weight") not in tensors,
+        "tie_word_embeddings": names.hf_to_gguf("lm_head.weight", meta.arch) not in tensors,
         "attention_bias": "blk.0.attn_q.bias" in tensors,
         "mlp_bias": "blk.0.ffn_up.bias" in tensors,
         "bos_token_id": meta.get(names.BOS_ID, int, None),
         "eos_token_id": list(dict.fromkeys(e for e in eos if e is not None)),
     }
+    raw.update(_family_fields(meta, raw))
     kind = meta.get(names.ROPE_SCALING_TYPE, str, "none")
     freqs = tensors.get(names.ROPE_FREQS)
     if kind == "linear" and freqs is None:
@@ -281,6 +285,29 @@ def _config(meta: GGUFMetadata, tensors: dict, tokens: list, path: Path):
     if config.rope_scaling and config.rope_scaling["rope_type"] == "llama3":
         _check_rope(config, freqs, path)
     return config
+
+
+def _family_fields(meta: GGUFMetadata, raw: dict) -> dict:
+    """The config.json fields of a family beyond Llama's, as llama.cpp's loader reads them for its arch."""
+    if meta.arch == "granite":
+        keys = {
+            "embedding_multiplier": names.EMBEDDING_SCALE,
+            "residual_multiplier": names.RESIDUAL_SCALE,
+            "attention_multiplier": names.ATTENTION_SCALE,
+            "logits_scaling": names.LOGIT_SCALE,
+        }
+        return {field: meta.get(key, float, None) for field, key in keys.items()}
+    if meta.arch != "gemma3":
+        return {}
+    # llama.cpp: every 6th layer global, the others sliding with RoPE base 10000 (when the file has a window),
+    # and the softmax scale head_dim^-0.5, but (hidden / heads)^-0.5 for the 62-layer 27B
+    big = raw["num_hidden_layers"] == 62
+    return {
+        "sliding_window": meta.get(names.SLIDING_WINDOW, int, None) or None,
+        "sliding_window_pattern": 6,
+        "rope_local_base_freq": 10000.0,
+        "query_pre_attn_scalar": raw["hidden_size"] // raw["num_attention_heads"] if big else raw["head_dim"],
+    }
 
 
 def _rope_freqs(info, head_dim: int, path: Path) -> np.ndarray:

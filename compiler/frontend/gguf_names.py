@@ -6,7 +6,10 @@ Three things are fixed by llama.cpp (its convert_hf_to_gguf.py and gguf-py's con
 - the row order of q_proj and k_proj (weights and biases) in the `llama` arch. Hugging Face's RoPE rotates
   halves (dimension i pairs with i + head_dim/2); llama.cpp's `llama` arch rotates adjacent pairs (2i with
   2i + 1), so the converter permutes each head's rows: permute_qk. `qwen2` and `qwen3` keep Hugging Face's
-  order (llama.cpp runs them with NEOX-style rope), so nothing is permuted there.
+  order (llama.cpp runs them with NEOX-style rope), so nothing is permuted there; `granite` is converted as
+  `llama` is, permuted.
+- Gemma's norm weights: transformers scales by 1 + w, llama.cpp by the stored weight, so the converter stores
+  w + 1 (NORM_SHIFTED_ARCHS).
 
 Pure numpy, no `gguf` import: the importer and the writer each bring the `gguf` package themselves.
 """
@@ -23,11 +26,21 @@ GGUF_ARCH = {
     "MistralForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "GraniteForCausalLM": "granite",
+    "Gemma3ForCausalLM": "gemma3",
 }
 # GGUF arch -> the Hugging Face class the importer rebuilds.
-HF_ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+HF_ARCH = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "granite": "GraniteForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+}
 # The GGUF archs whose q/k rows are stored in llama.cpp's interleaved-pair order.
-PERMUTED_ARCHS = frozenset({"llama"})
+PERMUTED_ARCHS = frozenset({"llama", "granite"})
+# The GGUF archs whose norm weights are stored as 1 + w (Gemma's)
+NORM_SHIFTED_ARCHS = frozenset({"gemma3"})
 
 # Metadata keys; `.format(arch=...)` the ones with `{arch}`.
 ARCHITECTURE = "general.architecture"
@@ -48,6 +61,11 @@ ROPE_DIMENSION_COUNT = "{arch}.rope.dimension_count"
 ROPE_SCALING_TYPE = "{arch}.rope.scaling.type"
 ROPE_SCALING_FACTOR = "{arch}.rope.scaling.factor"
 ROPE_SCALING_ORIG_CTX = "{arch}.rope.scaling.original_context_length"
+SLIDING_WINDOW = "{arch}.attention.sliding_window"
+ATTENTION_SCALE = "{arch}.attention.scale"  # Granite's attention_multiplier
+EMBEDDING_SCALE = "{arch}.embedding_scale"  # Granite's multipliers
+RESIDUAL_SCALE = "{arch}.residual_scale"
+LOGIT_SCALE = "{arch}.logit_scale"  # Granite's logits_scaling (llama.cpp divides the logits by it)
 TOKENIZER_MODEL = "tokenizer.ggml.model"
 TOKENIZER_PRE = "tokenizer.ggml.pre"
 TOKENS = "tokenizer.ggml.tokens"
@@ -85,30 +103,44 @@ _LAYER = {  # the part after `model.layers.N.` -> the part after `blk.N.`, weigh
     "input_layernorm": "attn_norm",
     "post_attention_layernorm": "ffn_norm",
 }
+# Gemma's sandwich: post_attention_layernorm norms the attention's output, pre_feedforward_layernorm is the MLP's
+_SANDWICH = {
+    **_LAYER,
+    "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+}
+_LAYERS = {"gemma3": _SANDWICH}  # a GGUF arch's layer names, where they are not _LAYER
 _GLOBAL_BACK = {g: h for h, g in _GLOBAL.items()}
-_LAYER_BACK = {g: h for h, g in _LAYER.items()}
 _HF_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)")
 _GGUF_LAYER = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
-def hf_to_gguf(name: str) -> str:
-    """A Hugging Face tensor name -> llama.cpp's. KeyError for a name outside the llama family."""
+def hf_to_gguf(name: str, arch: str) -> str:
+    """A Hugging Face tensor name -> llama.cpp's in GGUF arch `arch`. KeyError for a name outside the family."""
     if name in _GLOBAL:
         return _GLOBAL[name]
+    layer = _LAYERS.get(arch, _LAYER)
     m = _HF_LAYER.fullmatch(name)
-    if m and m.group(2) in _LAYER:
-        return f"blk.{m.group(1)}.{_LAYER[m.group(2)]}.{m.group(3)}"
+    if m and m.group(2) in layer:
+        return f"blk.{m.group(1)}.{layer[m.group(2)]}.{m.group(3)}"
     raise KeyError(name)
 
 
-def gguf_to_hf(name: str) -> str:
-    """A llama.cpp tensor name -> Hugging Face's. KeyError for a name outside the llama family."""
+def gguf_to_hf(name: str, arch: str) -> str:
+    """A llama.cpp tensor name in GGUF arch `arch` -> Hugging Face's. KeyError for a name outside the family."""
     if name in _GLOBAL_BACK:
         return _GLOBAL_BACK[name]
+    back = {g: h for h, g in _LAYERS.get(arch, _LAYER).items()}
     m = _GGUF_LAYER.fullmatch(name)
-    if m and m.group(2) in _LAYER_BACK:
-        return f"model.layers.{m.group(1)}.{_LAYER_BACK[m.group(2)]}.{m.group(3)}"
+    if m and m.group(2) in back:
+        return f"model.layers.{m.group(1)}.{back[m.group(2)]}.{m.group(3)}"
     raise KeyError(name)
+
+
+def norm_shifted(arch: str, gguf_name: str) -> bool:
+    """Whether this tensor holds 1 + w (a norm weight of a NORM_SHIFTED_ARCHS file)."""
+    return arch in NORM_SHIFTED_ARCHS and gguf_name.endswith("norm.weight")
 
 
 def qk_heads(gguf_arch: str, gguf_name: str, n_head: int, n_head_kv: int) -> int | None:

@@ -7,9 +7,10 @@ convert_hf_to_gguf.py would write it.
 - The tokenizer: tokenizer.json's byte-level BPE as `tokenizer.ggml.model = "gpt2"`: tokens by id (the
   vocabulary padded to vocab_size with unused `[PAD<id>]` tokens, as the converter does), token types
   (added special tokens are CONTROL), merges, bos/eos ids, and the chat template when there is one.
-- Tensors under llama.cpp's names. In the `llama` arch, q_proj and k_proj rows (and biases) are permuted to
-  llama.cpp's interleaved RoPE pairs (gguf_names.permute_qk); `qwen2` and `qwen3` keep Hugging Face's order. llama3 rope
-  scaling is written as the `rope_freqs` tensor, as the converter does.
+- Tensors under llama.cpp's names. In the `llama` and `granite` archs, q_proj and k_proj rows (and biases) are
+  permuted to llama.cpp's interleaved RoPE pairs (gguf_names.permute_qk); `qwen2`, `qwen3` and `gemma3` keep
+  Hugging Face's order. llama3 rope scaling is written as the `rope_freqs` tensor, as the converter does.
+  Gemma's norm weights are written as 1 + w; Granite's multipliers as its scale keys.
 - dtype F32, BF16, Q8_0 or Q4_0 applies to every 2-D tensor (the token embedding and lm_head included); 1-D
   tensors (norms, biases, rope_freqs) stay F32, as llama.cpp writes them. A 2-D tensor whose rows are not a
   whole number of the type's blocks (32 values for Q8_0 / Q4_0) stays F32, as the converter falls back;
@@ -56,7 +57,9 @@ def write_gguf(checkpoint_dir: str | Path, out_path: str | Path, dtype: str) -> 
         raise UnsupportedModelError(
             f"{cfg.architecture} has no GGUF writer", f"{', '.join(sorted(names.GGUF_ARCH))} are written"
         )
-    if cfg.sliding_window is not None and cfg.sliding_window < cfg.max_position_embeddings:
+    if arch == "gemma3":
+        _check_gemma3(cfg)
+    elif cfg.sliding_window is not None and cfg.sliding_window < cfg.max_position_embeddings:
         raise UnsupportedModelError(
             f"sliding-window attention (window {cfg.sliding_window}) is not written to GGUF",
             "llama.cpp's llama arch attends to the whole context",
@@ -68,7 +71,7 @@ def write_gguf(checkpoint_dir: str | Path, out_path: str | Path, dtype: str) -> 
     writer.add_name(Path(checkpoint_dir).resolve().name)
     writer.add_file_type(gguf.LlamaFileType[{"F32": "ALL_F32"}.get(dtype, "MOSTLY_" + dtype)])
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    _add_hparams(writer, cfg)
+    _add_hparams(writer, cfg, arch)
     _add_tokenizer(writer, ckpt, cfg)
 
     # (gguf name, hf name (None: rope_freqs), shape, GGML type): the tensor table goes before any data
@@ -80,7 +83,7 @@ def write_gguf(checkpoint_dir: str | Path, out_path: str | Path, dtype: str) -> 
     block = gguf.GGML_QUANT_SIZES[qtype][0]
     for hf_name, shape in cfg.weight_shapes().items():
         t = qtype if len(shape) == 2 and shape[-1] % block == 0 else f32
-        plan.append((names.hf_to_gguf(hf_name), hf_name, shape, t))
+        plan.append((names.hf_to_gguf(hf_name, arch), hf_name, shape, t))
     for gguf_name, _, shape, t in plan:
         if t == f32:
             writer.add_tensor_info(gguf_name, shape, np.dtype(np.float32), 4 * math.prod(shape))
@@ -97,6 +100,8 @@ def write_gguf(checkpoint_dir: str | Path, out_path: str | Path, dtype: str) -> 
             heads = names.qk_heads(arch, gguf_name, cfg.num_heads, cfg.num_kv_heads)
             if heads is not None:
                 w = names.permute_qk(w, heads)
+            if names.norm_shifted(arch, gguf_name):
+                w = w + np.float32(1.0)
             if t != f32:
                 w = gguf.quants.quantize(w, t)
             writer.write_tensor_data(np.ascontiguousarray(w))
@@ -107,7 +112,23 @@ def write_gguf(checkpoint_dir: str | Path, out_path: str | Path, dtype: str) -> 
     return out_path
 
 
-def _add_hparams(writer, cfg) -> None:
+def _check_gemma3(cfg) -> None:
+    """A Gemma 3 whose layers llama.cpp would set up as transformers does: the sliding layers every 6th, with RoPE
+    base 10000, and the softmax scale llama.cpp derives (GGUF has no field for either)."""
+    pattern = tuple(i for i in range(cfg.num_layers) if (i + 1) % 6) if cfg.sliding_window else ()
+    scale = (cfg.hidden_size // cfg.num_heads if cfg.num_layers == 62 else cfg.head_dim) ** -0.5
+    if (
+        cfg.sliding_layers != pattern
+        or (pattern and cfg.sliding_rope_theta != 10000.0)
+        or not math.isclose(cfg.query_scale, scale, rel_tol=1e-12)
+    ):
+        raise UnsupportedModelError(
+            "this Gemma 3's layer types, local RoPE base or query_pre_attn_scalar are not llama.cpp's",
+            "GGUF's gemma3 has a global layer every 6th, local base 10000, and query_pre_attn_scalar = head_dim",
+        )
+
+
+def _add_hparams(writer, cfg, arch: str) -> None:
     import gguf
 
     writer.add_context_length(cfg.max_position_embeddings)
@@ -129,6 +150,13 @@ def _add_hparams(writer, cfg) -> None:
         writer.add_rope_scaling_factor(scaling["factor"])
     elif kind not in (None, "llama3"):  # llama3 is the rope_freqs tensor
         raise UnsupportedModelError(f"rope scaling {kind!r} is not written to GGUF", "default, linear and llama3 are")
+    if arch == "gemma3" and cfg.sliding_window:
+        writer.add_sliding_window(cfg.sliding_window)
+    if arch == "granite":
+        writer.add_embedding_scale(cfg.embedding_scale)
+        writer.add_residual_scale(cfg.residual_scale)
+        writer.add_attention_scale(cfg.query_scale if cfg.query_scale is not None else cfg.head_dim**-0.5)
+        writer.add_logit_scale(cfg.logits_scaling)
 
 
 def _llama3_rope_freqs(cfg) -> np.ndarray | None:

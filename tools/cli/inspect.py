@@ -11,7 +11,8 @@ from .options import quant_options
 
 
 @click.command()
-@click.argument("model", type=click.Path(path_type=Path))
+@click.argument("model", type=click.Path(path_type=Path), required=False)
+@click.option("--architectures", "list_architectures", is_flag=True, help="List the architectures llmc compiles.")
 @click.option("-v", "--verbose", is_flag=True, help="Artifacts: list every kernel, print the kernel program.")
 @click.option(
     "--passes",
@@ -21,8 +22,18 @@ from .options import quant_options
     "the quantized one).",
 )
 @quant_options
-def inspect(model: Path, verbose: bool, show_passes: bool, quant) -> None:
+def inspect(model: Path | None, list_architectures: bool, verbose: bool, show_passes: bool, quant) -> None:
     """Describe MODEL: a checkpoint dir or .gguf file (architecture, size, memory) or a compiled artifact."""
+    if list_architectures:
+        from llmc.compiler.frontend.config import ARCHITECTURES
+        from llmc.compiler.frontend.gguf_names import GGUF_ARCH
+
+        for arch, covered in ARCHITECTURES.items():
+            gguf = GGUF_ARCH.get(arch)
+            click.echo(f"{arch:<22} {covered}" + (f" (GGUF: {gguf})" if gguf else ""))
+        return
+    if model is None:
+        raise click.UsageError("give MODEL, or --architectures")
     if (model / "manifest.json").is_file():
         return inspect_artifact(model, verbose)
     from llmc.compiler.frontend.load import load_checkpoint

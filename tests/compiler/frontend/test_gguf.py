@@ -34,7 +34,7 @@ from llmc.runtime.engine import LLMEngine
 from llmc.runtime.module import CompiledModel
 from llmc.sampling_params import SamplingParams
 from llmc.tools.cli import main
-from tests.checkpoints import GGUF_ARCHS, hf_model
+from tests.checkpoints import GGUF_ARCHS, GGUF_OVERRIDES, hf_model
 
 T = gguf.GGMLQuantizationType
 TEXTS = [
@@ -59,7 +59,7 @@ def gguf_file(checkpoint_dir, tmp_path_factory):
     def get(arch: str, dtype: str):
         if (arch, dtype) not in made:
             out = tmp_path_factory.mktemp("gguf") / f"{arch}-{dtype}.gguf"
-            made[arch, dtype] = write_gguf(checkpoint_dir(arch), out, dtype)
+            made[arch, dtype] = write_gguf(checkpoint_dir(arch, **GGUF_OVERRIDES.get(arch, {})), out, dtype)
         return made[arch, dtype]
 
     return get
@@ -147,11 +147,14 @@ def _greedy(artifact, texts, tokenizer_path, n=24):
 def test_f32_gguf_generates_the_safetensors_tokens(arch, checkpoint_dir, gguf_file, tmp_path):
     """llama: q/k rows unpermuted and llama3 rope rebuilt from rope_freqs; mistral: tied embeddings and 9 heads
     (as llama); qwen2: biases and no permutation."""
-    src = checkpoint_dir(arch)
+    src = checkpoint_dir(arch, **GGUF_OVERRIDES.get(arch, {}))
     ckpt = load_checkpoint(gguf_file(arch, "F32"))
     assert ckpt.quantized_tensor("model.layers.0.self_attn.q_proj.weight") is None
     for name in ckpt.config.weight_shapes():
-        assert torch.equal(ckpt.tensor(name), load_checkpoint(src).tensor(name)), name
+        ours, theirs = ckpt.tensor(name), load_checkpoint(src).tensor(name)
+        if names.norm_shifted(ckpt.gguf_arch, ckpt.gguf_names[name]):  # the file holds 1 + w, which the model uses
+            ours, theirs = ours + 1, theirs + 1
+        assert torch.equal(ours, theirs), name
     result = CliRunner().invoke(
         main, ["compile", str(gguf_file(arch, "F32")), "--target", "cpu", "-o", str(tmp_path / "gguf.cpu")]
     )
@@ -163,12 +166,12 @@ def test_f32_gguf_generates_the_safetensors_tokens(arch, checkpoint_dir, gguf_fi
 
 @pytest.mark.parametrize("arch", GGUF_ARCHS)
 def test_config_and_tokenizer_as_the_source(arch, checkpoint_dir, gguf_file):
-    src = load_checkpoint(checkpoint_dir(arch))
+    src = load_checkpoint(checkpoint_dir(arch, **GGUF_OVERRIDES.get(arch, {})))
     ckpt = load_checkpoint(gguf_file(arch, "F32"))
     a, b = src.config, ckpt.config
     # llama.cpp writes Mistral as llama, and a window wider than the context attends to all of it
-    assert b.architecture == {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}.get(arch, "LlamaForCausalLM")
-    assert a.sliding_window is None or a.sliding_window >= a.max_position_embeddings
+    assert b.architecture == names.HF_ARCH[names.GGUF_ARCH[a.architecture]]
+    assert a.sliding_window is None or a.sliding_window >= a.max_position_embeddings or arch == "gemma3"
     same = (
         "vocab_size",
         "hidden_size",
@@ -186,9 +189,24 @@ def test_config_and_tokenizer_as_the_source(arch, checkpoint_dir, gguf_file):
         "mlp_bias",
         "bos_token_id",
         "eos_token_ids",
+        "qk_norm",
+        "hidden_act",
+        "norm_unit_offset",
+        "sandwich_norms",
+        "embedding_scale",
+        "residual_scale",
+        "query_scale",
+        "logits_scaling",
     )
     assert {k: getattr(b, k) for k in same} == {k: getattr(a, k) for k in same}
+
+    def windows(c):  # each layer's window, 0 where none (or one wider than the context: llama.cpp drops it)
+        return [(w if w < c.max_context else 0) for w in map(c.attention_window, range(c.num_layers))]
+
+    assert windows(b) == windows(a)
     assert torch.equal(rope_inv_freq(b), rope_inv_freq(a))
+    if a.sliding_rope_theta is not None:
+        assert b.sliding_rope_theta == a.sliding_rope_theta
     assert ckpt.chat_template == src.chat_template and ckpt.special_tokens == src.special_tokens
     ours, theirs = Tokenizer.from_file(str(ckpt.tokenizer_path)), Tokenizer.from_file(str(src.tokenizer_path))
     for text in TEXTS:

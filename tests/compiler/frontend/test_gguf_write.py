@@ -26,16 +26,27 @@ def _layer_names(n: int) -> list[str]:
 
 def test_names_round_trip():
     hf = ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight", *_layer_names(0), *_layer_names(17)]
-    gg = [names.hf_to_gguf(n) for n in hf]
+    gg = [names.hf_to_gguf(n, "llama") for n in hf]
     assert len(set(gg)) == len(gg)
-    assert [names.gguf_to_hf(n) for n in gg] == hf
-    assert names.hf_to_gguf("model.layers.3.self_attn.o_proj.weight") == "blk.3.attn_output.weight"
-    assert names.hf_to_gguf("model.layers.3.post_attention_layernorm.weight") == "blk.3.ffn_norm.weight"
+    assert [names.gguf_to_hf(n, "llama") for n in gg] == hf
+    assert names.hf_to_gguf("model.layers.3.self_attn.o_proj.weight", "llama") == "blk.3.attn_output.weight"
+    assert names.hf_to_gguf("model.layers.3.post_attention_layernorm.weight", "llama") == "blk.3.ffn_norm.weight"
+    # Gemma's sandwich: its post-attention norm is its own tensor, and ffn_norm is the pre-MLP norm
+    sandwich = {
+        "model.layers.3.post_attention_layernorm.weight": "blk.3.post_attention_norm.weight",
+        "model.layers.3.pre_feedforward_layernorm.weight": "blk.3.ffn_norm.weight",
+        "model.layers.3.post_feedforward_layernorm.weight": "blk.3.post_ffw_norm.weight",
+    }
+    for hf_name, gguf_name in sandwich.items():
+        assert names.hf_to_gguf(hf_name, "gemma3") == gguf_name and names.gguf_to_hf(gguf_name, "gemma3") == hf_name
+    assert names.norm_shifted("gemma3", "blk.3.ffn_norm.weight") and not names.norm_shifted(
+        "llama", "blk.3.ffn_norm.weight"
+    )
     for bad in ("model.layers.0.self_attn.rotary_emb.inv_freq", "blk.0.attn_qkv.weight"):
         with pytest.raises(KeyError):
-            names.hf_to_gguf(bad)
+            names.hf_to_gguf(bad, "llama")
         with pytest.raises(KeyError):
-            names.gguf_to_hf(bad)
+            names.gguf_to_hf(bad, "llama")
 
 
 def test_qk_heads_by_arch():
@@ -113,11 +124,11 @@ def test_writer_round_trips(checkpoint_dir, tmp_path, dtype):
     assert meta[names.CHAT_TEMPLATE] == ckpt.chat_template
 
     tensors = {t.name: t for t in reader.tensors}
-    assert set(tensors) == {names.hf_to_gguf(n) for n in cfg.weight_shapes()}
+    assert set(tensors) == {names.hf_to_gguf(n, "llama") for n in cfg.weight_shapes()}
     qtype = gguf.GGMLQuantizationType[dtype]
     tol = {"F32": 0, "BF16": 2**-8, "Q8_0": 2**-7, "Q4_0": 2**-3}[dtype]
     for hf_name, shape in cfg.weight_shapes().items():
-        t = tensors[names.hf_to_gguf(hf_name)]
+        t = tensors[names.hf_to_gguf(hf_name, "llama")]
         assert tuple(int(d) for d in reversed(t.shape)) == shape  # GGUF lists dims innermost first
         assert t.tensor_type == (qtype if len(shape) == 2 else gguf.GGMLQuantizationType.F32)
         w = gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape)
