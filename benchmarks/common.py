@@ -29,6 +29,19 @@ FAMILIES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
     "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM"),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+    "granite": ("GraniteConfig", "GraniteForCausalLM"),
+}
+# A family's fields beyond a Llama config's kwargs, as its real checkpoints set them (Gemma 3 1B: a window of 512
+# on 5 layers of 6, the softmax scale of head_dim; Granite 3.x: its multipliers)
+FAMILY_FIELDS = {
+    "gemma3": {"sliding_window": 512, "query_pre_attn_scalar": 64},
+    "granite": {
+        "embedding_multiplier": 12.0,
+        "residual_multiplier": 0.22,
+        "attention_multiplier": 0.015625,
+        "logits_scaling": 8.0,
+    },
 }
 
 SMOLLM_135M = {  # LlamaConfig kwargs
@@ -130,7 +143,7 @@ def random_checkpoint(
     tmp.mkdir(parents=True)
     train_tokenizer(tmp)
     config_class, architecture = FAMILIES[family]
-    hf_config = getattr(transformers, config_class)(**config)
+    hf_config = getattr(transformers, config_class)(**config, **FAMILY_FIELDS.get(family, {}))
     hf_config.architectures = [architecture]
     hf_config.save_pretrained(tmp)
     shapes = parse_config(hf_config.to_dict()).weight_shapes()

@@ -433,6 +433,24 @@ class _Lowering:
     def op_add_rms_norm(self, var, value):
         self._norm(var, value, add_residual=True)
 
+    def op_add_normed(self, var, value):
+        """OLMo 2's x + norm(branch): the rmsnorm kernel's add of a normed branch, with no norm of the sum."""
+        args = llmc_args(value)
+        x, residual = self.view(args["x"]), self.view(args["residual"])
+        rw = self.weight(args["residual_weight"])
+        params = {
+            "hidden": x.cols,
+            "eps": float(prim_value(args["eps"])),
+            "wdtype": self.wdtype(rw),
+            "add_residual": True,
+            "residual_norm": True,
+            "output_norm": False,
+        }
+        total = self.new_value(x.cols, x.rows)
+        launch_args = [x, residual, total, "nullptr", "nullptr", x.rows, f"W[{rw}]"]
+        self.emit("rmsnorm", params, launch_args, ["rms_norm", "add"], [total])
+        self.env[var] = total
+
     def op_quantized_matmul(self, var, value):
         args = llmc_args(value)
         x, w = self.env.get(args["x"]), self.env.get(args["weight"])
@@ -474,9 +492,12 @@ class _Lowering:
         for view, heads, norm in rotated:
             params = {"num_heads": heads, "head_dim": head_dim, "inv_freq": inv_freq}
             weight, fused = "nullptr", ["rope"]
-            if norm_eps > 0:  # Qwen3: the head's RMSNorm before the rotation, in the same kernel
+            if norm_eps > 0:  # Qwen3 (each head), OLMo 2 (the whole of q or k): the RMSNorm, in the same kernel
                 params["norm_eps"] = norm_eps
-                weight, fused = f"W[{self.weight(args[norm])}]", [f"rms_norm({norm})", "rope"]
+                w = self.weight(args[norm])
+                if self.weight_list[w].shape != (head_dim,):
+                    params["norm_over_heads"] = True
+                weight, fused = f"W[{w}]", [f"rms_norm({norm})", "rope"]
             self.emit("rope", params, [view, str(q.stride), "positions", "T", weight], fused, [])
         out = self.new_value(num_heads * head_dim, "T")
         params = {

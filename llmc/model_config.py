@@ -41,6 +41,8 @@ class ModelConfig:
     hidden_act: str = "silu"  # the gated MLP's activation: "silu" (SwiGLU) or "gelu_tanh" (Gemma's GeGLU)
     norm_unit_offset: bool = False  # Gemma: every RMSNorm scales by 1 + w
     sandwich_norms: bool = False  # Gemma: each branch's output normed before its residual add, and a pre-MLP norm
+    post_norms: bool = False  # OLMo 2: each branch's output normed before its residual add, and no input norms
+    qk_norm_over_heads: bool = False  # OLMo 2: q_norm / k_norm over the whole projection (q_size, kv_size)
     embedding_scale: float = 1.0  # the embedding times this (Granite's embedding_multiplier; Gemma's sqrt(hidden))
     residual_scale: float = 1.0  # Granite: x + branch * residual_multiplier
     query_scale: float | None = None  # the softmax scale, when not head_dim^-0.5 (Granite, Gemma)
@@ -81,6 +83,10 @@ class ModelConfig:
             return f"a sliding-window layer is past the last of {self.num_layers} layers"
         if any(layer >= self.num_layers for layer in self.nope_layers):
             return f"a layer without RoPE is past the last of {self.num_layers} layers"
+        if self.hidden_act not in ("silu", "gelu_tanh"):
+            return f"hidden_act {self.hidden_act!r} is neither silu nor gelu_tanh"
+        if self.sandwich_norms and self.post_norms:
+            return "sandwich_norms and post_norms both set"
         return None
 
     def weight_shapes(self) -> dict[str, tuple[int, ...]]:
@@ -90,15 +96,17 @@ class ModelConfig:
         for n in range(self.num_layers):
             p = f"model.layers.{n}."
             norms = ("input", "post_attention", "pre_feedforward", "post_feedforward")
-            for norm in norms if self.sandwich_norms else norms[:2]:
+            if self.post_norms:
+                norms = norms[1::2]
+            for norm in norms if self.sandwich_norms or self.post_norms else norms[:2]:
                 shapes[p + f"{norm}_layernorm.weight"] = (h,)
             for name, out_features in (("q", self.q_size), ("k", self.kv_size), ("v", self.kv_size)):
                 shapes[p + f"self_attn.{name}_proj.weight"] = (out_features, h)
                 if self.attention_bias:
                     shapes[p + f"self_attn.{name}_proj.bias"] = (out_features,)
             if self.qk_norm:
-                shapes[p + "self_attn.q_norm.weight"] = (self.head_dim,)
-                shapes[p + "self_attn.k_norm.weight"] = (self.head_dim,)
+                shapes[p + "self_attn.q_norm.weight"] = (self.q_size if self.qk_norm_over_heads else self.head_dim,)
+                shapes[p + "self_attn.k_norm.weight"] = (self.kv_size if self.qk_norm_over_heads else self.head_dim,)
             shapes[p + "self_attn.o_proj.weight"] = (h, self.q_size)
             if self.o_bias:
                 shapes[p + "self_attn.o_proj.bias"] = (h,)

@@ -109,6 +109,16 @@ VARIANTS = {
         },
         pad_token_id=None,
     ),
+    # norms after each branch, q / k norms over the whole projection (GQA: k's is kv_size), untied
+    "olmo2": dict(
+        arch="olmo2",
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=120,
+        num_hidden_layers=2,
+        pad_token_id=None,  # its default (1) is this vocabulary's eos
+    ),
 }
 
 ARCHS = tuple(VARIANTS)
@@ -174,6 +184,8 @@ def make_checkpoint(
         LlamaForCausalLM,
         MistralConfig,
         MistralForCausalLM,
+        Olmo2Config,
+        Olmo2ForCausalLM,
         Qwen2Config,
         Qwen2ForCausalLM,
         Qwen3Config,
@@ -190,6 +202,7 @@ def make_checkpoint(
         "smollm3": (SmolLM3Config, SmolLM3ForCausalLM),
         "granite": (GraniteConfig, GraniteForCausalLM),
         "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM),
+        "olmo2": (Olmo2Config, Olmo2ForCausalLM),
     }
     spec = {**VARIANTS[variant], **overrides}
     arch, shard = spec.pop("arch"), spec.pop("shard", None)

@@ -189,9 +189,10 @@ def render_host(template_dir: str, filename: str, **context: Any) -> str:
 
 # Parameters a template reads only when given (`is defined`): a variant of the op, absent from the others' ids
 OPTIONAL_PARAMS = {
-    "rope": {"norm_eps"},  # Qwen3's per-head q / k norm before the rotation
+    "rope": {"norm_eps", "norm_over_heads"},  # Qwen3's per-head q / k norm before the rotation; OLMo 2's whole one
     "embedding": {"scale"},  # Granite's and Gemma's scaled embedding
-    "rmsnorm": {"residual_scale", "residual_norm"},  # Granite's scaled branch; Gemma's normed branch
+    # Granite's scaled branch; Gemma's normed branch; OLMo 2's normed branch added with no norm of the sum
+    "rmsnorm": {"residual_scale", "residual_norm", "output_norm"},
     "silu_mul": {"activation"},  # "gelu_tanh": Gemma's GeGLU
     "gemm_swiglu": {"activation"},
 }

@@ -24,6 +24,7 @@ ARCHITECTURES = {
     "GraniteForCausalLM": "Granite 3.x dense (embedding, residual, attention and logits multipliers)",
     "Gemma3ForCausalLM": "Gemma 3 text (1B; the text weights of larger ones): GeGLU, (1 + w) and sandwich norms, "
     "q/k norms, 5 local to 1 global layers with their own RoPE bases; no soft-capping",
+    "Olmo2ForCausalLM": "OLMo 2 (norms after each branch, q/k norms over the whole projection)",
 }
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 # Checkpoints of these hold a vision tower or experts: named in the refusal, so a user knows why
@@ -201,12 +202,14 @@ def parse_config(raw: dict) -> ModelConfig:
         bos_token_id=bos,
         eos_token_ids=token_ids(raw.get("eos_token_id")),
         sliding_layers=sliding_layers,
-        qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
+        qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM", "Olmo2ForCausalLM"),
         nope_layers=_nope_layers(raw, layers) if arch == "SmolLM3ForCausalLM" else (),
         sliding_rope_theta=sliding_theta if sliding_layers else None,
         hidden_act=act,
         norm_unit_offset=gemma,
         sandwich_norms=gemma,
+        post_norms=arch == "Olmo2ForCausalLM",
+        qk_norm_over_heads=arch == "Olmo2ForCausalLM",
         embedding_scale=_embedding_scale(raw, arch, hidden, dtype),
         residual_scale=_number(raw, "residual_multiplier", 1.0) if granite else 1.0,
         query_scale=(

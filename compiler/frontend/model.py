@@ -1,4 +1,5 @@
-"""The Llama family (Llama, Mistral, Qwen2, Qwen3, SmolLM3, Granite, Gemma 3) as one plain, stateless torch module.
+"""The Llama family (Llama, Mistral, Qwen2, Qwen3, SmolLM3, Granite, Gemma 3, OLMo 2) as one plain, stateless torch
+module.
 
 This is what the compiler traces, not what it runs: a full-sequence forward over one sequence with
 explicit positions and no cache. Parameter names equal Hugging Face's, so a checkpoint's tensors map
@@ -118,16 +119,19 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(c.hidden_size, c.kv_size, bias=c.attention_bias)
         self.o_proj = nn.Linear(c.q_size, c.hidden_size, bias=c.o_bias)
         if c.qk_norm:
-            self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, c.norm_unit_offset)
-            self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, c.norm_unit_offset)
+            whole = c.qk_norm_over_heads  # OLMo 2: over the whole projection
+            self.q_norm = RMSNorm(c.q_size if whole else c.head_dim, c.rms_norm_eps, c.norm_unit_offset)
+            self.k_norm = RMSNorm(c.kv_size if whole else c.head_dim, c.rms_norm_eps, c.norm_unit_offset)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # x: [1, T, hidden]; cos, sin: [1, 1, T, head_dim]
         c = self.c
         T = x.shape[1]
-        q = self.q_proj(x).view(1, T, c.num_heads, c.head_dim)
-        k = self.k_proj(x).view(1, T, c.num_kv_heads, c.head_dim)
-        if c.qk_norm:  # Qwen3, Gemma 3: each head of q and k normalized before RoPE
+        q, k = self.q_proj(x), self.k_proj(x)
+        if c.qk_norm and c.qk_norm_over_heads:  # OLMo 2: the whole projection normalized before RoPE
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.view(1, T, c.num_heads, c.head_dim), k.view(1, T, c.num_kv_heads, c.head_dim)
+        if c.qk_norm and not c.qk_norm_over_heads:  # Qwen3, Gemma 3: each head of q and k normalized
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.v_proj(x).view(1, T, c.num_kv_heads, c.head_dim).transpose(1, 2)
@@ -160,8 +164,9 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm (Llama), or Gemma's sandwich: post_attention_layernorm and post_feedforward_layernorm norm each
-    branch before its residual add, and pre_feedforward_layernorm is the MLP's input norm."""
+    """Pre-norm (Llama); Gemma's sandwich: post_attention_layernorm and post_feedforward_layernorm norm each
+    branch before its residual add, and pre_feedforward_layernorm is the MLP's input norm; OLMo 2's post-norm:
+    those two branch norms and no input norms."""
 
     def __init__(self, c: ModelConfig, window: int, rope: bool = True):
         super().__init__()
@@ -170,11 +175,13 @@ class DecoderLayer(nn.Module):
         def norm():
             return RMSNorm(c.hidden_size, c.rms_norm_eps, c.norm_unit_offset)
 
-        self.input_layernorm = norm()
+        if not c.post_norms:
+            self.input_layernorm = norm()
         self.self_attn = Attention(c, window, rope)
         self.post_attention_layernorm = norm()
         if c.sandwich_norms:
             self.pre_feedforward_layernorm = norm()
+        if c.sandwich_norms or c.post_norms:
             self.post_feedforward_layernorm = norm()
         self.mlp = MLP(c)
 
@@ -183,6 +190,9 @@ class DecoderLayer(nn.Module):
         return x + (branch if r == 1.0 else branch * r)  # Granite's residual_multiplier
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        if self.c.post_norms:
+            x = self.residual(x, self.post_attention_layernorm(self.self_attn(x, cos, sin, positions)))
+            return self.residual(x, self.post_feedforward_layernorm(self.mlp(x)))
         attn = self.self_attn(self.input_layernorm(x), cos, sin, positions)
         if not self.c.sandwich_norms:
             x = self.residual(x, attn)

@@ -61,8 +61,10 @@ OPS = {
         "k_norm",
         "norm_eps",
     ),  # sliding_window 0: plain causal; else key j is seen from query i when i - window < j <= i. norm_eps > 0:
-    # each head of q and of k is RMS-normalized (weights q_norm, k_norm: [head_dim]) before RoPE (Qwen3); else
-    # q_norm and k_norm are empty constants
+    # q and k are RMS-normalized before RoPE, each head (weights q_norm, k_norm: [head_dim]; Qwen3) or the whole of
+    # each ([num_heads * head_dim], [num_kv_heads * head_dim]; OLMo 2); else q_norm and k_norm are empty constants
+    # x + rms_norm(residual) by residual_weight: OLMo 2's normed branch added, with no norm after the sum
+    "add_normed": ("x", "residual", "residual_weight", "eps"),
     "silu_mul": ("gate_up",),  # [rows, 2 * inter] -> [rows, inter]: silu(gate) * up
     "gelu_tanh_mul": ("gate_up",),  # the same with gelu(gate, approximate="tanh") (Gemma's GeGLU)
     # x @ W.T with W (float [N, K], sources as traced) packed quantized: compiler/quant.py's scheme as attrs

@@ -5,8 +5,9 @@ come from the q/k/v projections through the head split ([T, H*D] -> [1, H, T, D]
 (by the same positions and inverse frequencies), and for GQA transformers' repeat_kv (expand_dims,
 broadcast_to, reshape); in SmolLM3's NoPE layers neither q nor k is rotated, and the op's inv_freq is empty.
 Qwen3 normalizes each head of q and of k (llmc.rms_norm with a [head_dim] weight)
-between the head split and RoPE: the norm joins the op, which applies it with RoPE. It rewrites the whole
-chain into
+between the head split and RoPE, OLMo 2 the whole projection before the head split (a [heads * head_dim]
+weight): the norm joins the op, which applies it with RoPE (its weight's length says which). It rewrites the
+whole chain into
 
     llmc.paged_attention(q2d, k2d, v2d, positions, inv_freq, kv_cache_<layer>, slot_mapping, query_start_loc,
                          seq_lens, block_tables, layer, num_heads, num_kv_heads, head_dim, scale,
@@ -69,7 +70,7 @@ class _Attention:
     head_dim: int
     scale: float
     sliding_window: int
-    q_norm: relax.Expr  # Qwen3's per-head norm weights, [head_dim]; empty constants when there is none
+    q_norm: relax.Expr  # the norm weights: [head_dim] (Qwen3: each head), [heads * head_dim] (OLMo 2); or empty
     k_norm: relax.Expr
     norm_eps: float  # 0: no per-head norm
 
@@ -77,15 +78,16 @@ class _Attention:
 _NO_ROPE = relax.const(np.zeros(0, dtype="float32"))  # inv_freq of a layer without RoPE
 
 
-def _head_norm(expr: relax.Expr, var2val, head_dim: int) -> tuple[relax.Expr, relax.Expr, float] | None:
-    """(x, weight, eps) if `expr` (a head-split q or k, [1, T, heads, head_dim]) is llmc.rms_norm over each head
-    with a [head_dim] weight, else None."""
+def _qk_norm(expr: relax.Expr, var2val, head_dim: int) -> tuple[relax.Expr, relax.Expr, float] | None:
+    """(x, weight, eps) if `expr` (q or k with its head split stripped) is llmc.rms_norm over each head (a
+    [head_dim] weight, on [1, T, heads, head_dim]) or over the whole projection (a [columns] weight, on
+    [1, T, columns]), else None."""
     value = var2val.get(expr)
     if llmc_op_name(value) != "rms_norm":
         return None
     args = llmc_args(value)
     shape = args["weight"].ty.shape
-    if shape is None or [int(d) for d in shape.values] != [head_dim]:
+    if shape is None or [int(d) for d in shape.values] not in ([head_dim], [_columns(expr)]):
         return None
     return args["x"], args["weight"], float(prim_value(args["eps"]))
 
@@ -147,9 +149,9 @@ def fuse_attention(mod: tvm.IRModule) -> tvm.IRModule:
             continue
         heads, head_dim = (int(d) for d in b.var.ty.shape.values[2:])  # attention out: [1, T, heads, head_dim]
         q2, k2 = (_strip_layout(a["x"], var2val) for a in (q_args, k_args))
-        q_norm, k_norm = (_head_norm(x, var2val, head_dim) for x in (q2, k2))
+        q_norm, k_norm = (_qk_norm(x, var2val, head_dim) for x in (q2, k2))
         if (q_norm is None) != (k_norm is None) or (q_norm and q_norm[2] != k_norm[2]):
-            continue  # a norm on one of them only, or two epsilons: not Qwen3's attention
+            continue  # a norm on one of them only, or two epsilons: not Qwen3's or OLMo 2's attention
         if q_norm is not None:
             q2, k2 = (_strip_layout(n[0], var2val) for n in (q_norm, k_norm))
         v2 = _strip_layout(v_in, var2val)

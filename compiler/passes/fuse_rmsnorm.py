@@ -10,6 +10,8 @@ residual add) reads field 0. The branch b joins it too when the add alone reads 
 - `b = c * s` with a scalar constant s (Granite's residual_multiplier): residual_scale s, b := c;
 - `b = rms_norm(c)` with the same eps (Gemma's norm of each branch before its add): residual_weight is that
   norm's weight, b := c; else residual_weight is an empty constant.
+A normed branch whose sum no norm follows (OLMo 2, whose layers have no input norm) joins its add as
+`llmc.add_normed(a, c, weight, eps)`.
 
 Runs after the first fold (which removes the no-op fp32 casts inside the traced norm), before everything
 that reads its fused ops. Not covered: RMSNorm traced with dtype casts (llmc traces at fp32), and a
@@ -67,15 +69,15 @@ def _residual_add(x: relax.Expr, var2val) -> tuple[relax.Expr, relax.Expr] | Non
     return a, b
 
 
-def _branch(b: relax.Var, var2val, norms: dict, uses: dict, eps: float):
+def _branch(b: relax.Var, var2val, norms: dict, uses: dict, eps: float | None):
     """(source, scale, the norm it absorbs or None) of the add's branch b: b itself, or c of `c * s` and of a
-    norm of c that only the add reads."""
+    norm of c (of epsilon eps, unless None) that only the add reads."""
     scale = 1.0
     value = var2val.get(b)
     if uses.get(b) == 1 and calls(value, "relax.multiply") and scalar(value.args[1]) is not None:
         b, scale = value.args[0], scalar(value.args[1])
     norm = norms.get(b)
-    if norm is not None and uses.get(b) == 1 and norm.eps == eps:
+    if norm is not None and uses.get(b) == 1 and eps in (norm.eps, None):
         return norm.x, scale, b
     return b, scale, None
 
@@ -112,4 +114,15 @@ def fuse_rmsnorm(mod: tvm.IRModule) -> tvm.IRModule:
     absorbed.discard(None)
     for var in absorbed:
         del edits[var]
+    for b in bindings(func):  # the adds of a normed branch left: no norm reads their sums
+        residual = _residual_add(b.var, var2val)
+        if residual is None or b.var in edits:
+            continue
+        branch, scale, branch_norm = _branch(residual[1], var2val, norms, uses, None)
+        if branch_norm is None or scale != 1.0 or branch_norm in absorbed:
+            continue
+        norm = norms[branch_norm]
+        edits[b.var] = llmc_call("add_normed", [residual[0], branch, norm.weight, prim(norm.eps)], b.var.ty)
+        edits.pop(branch_norm, None)
+        absorbed.add(branch_norm)
     return rewrite(mod, edits, pass_name="fuse_rmsnorm", count=len(norms) - len(absorbed))

@@ -21,9 +21,11 @@ inline void embedding(const int32_t* ids, int T, const WT* LLMC_RESTRICT table, 
 // ADD: h = residual_out = x + residual_scale * b first (residual_out may alias residual_in or x), where b is
 // residual_in, or with RNORM (Gemma's norm of each branch before its add) residual_in RMS-normalized by the
 // same eps and scaled by residual_w.
-template <int H, bool ADD, typename WT, bool RNORM = false>
+// OUT = false (OLMo 2, whose sum no norm reads): residual_out alone is written; w and y are null.
+template <int H, bool ADD, typename WT, bool RNORM = false, bool OUT = true>
 inline void rmsnorm(const float* x, const float* residual_in, float* residual_out, const WT* w, float* y,
                     int T, float eps, float residual_scale = 1.0f, const WT* residual_w = nullptr) {
+  static_assert(OUT || (ADD && RNORM), "rmsnorm: only the add of a normed branch skips the output norm");
   parallel_for(T, (long)T * H >= kParallelWork, [&](int t) {
     const float* h = x + (long)t * H;
     if constexpr (ADD) {
@@ -37,6 +39,7 @@ inline void rmsnorm(const float* x, const float* residual_in, float* residual_ou
       }
       h = ro;
     }
+    if constexpr (!OUT) return;
     const float ss = dot<H>(h, h);
     const float r = 1.0f / std::sqrt(ss / float(H) + eps);
     float* out = y + (long)t * H;
@@ -47,8 +50,9 @@ inline void rmsnorm(const float* x, const float* residual_in, float* residual_ou
 // rope, rotate-half convention (transformers' Llama): with c, s = cos, sin(float(pos) * inv_freq[i]),
 //   x[i] = x[i] * c - x[i + D/2] * s,   x[i + D/2] = x[i + D/2] * c + x[i] * s,   i < D/2,
 // in place on heads [0, NH) of each row (row t starts at x + t * row_stride). NORM (Qwen3's q_norm / k_norm):
-// first each head is RMS-normalized over its D values and scaled by norm_w [D], as RMSNorm does at fp32.
-template <int NH, int D, bool NORM = false>
+// first each head is RMS-normalized over its D values and scaled by norm_w [D], as RMSNorm does at fp32;
+// with WHOLE (OLMo 2's), the NH * D values together, scaled by norm_w [NH * D].
+template <int NH, int D, bool NORM = false, bool WHOLE = false>
 inline void rope(float* x, int row_stride, const int32_t* positions, int T, const float* inv_freq,
                  const float* norm_w = nullptr, float eps = 0.0f) {
   static_assert(D % 2 == 0, "rope: odd head_dim");
@@ -62,10 +66,14 @@ inline void rope(float* x, int row_stride, const int32_t* positions, int T, cons
       s[i] = std::sin(a);
     }
     float* row = x + (long)t * row_stride;
+    if constexpr (NORM && WHOLE) {
+      const float r = 1.0f / std::sqrt(dot<NH * D>(row, row) / float(NH * D) + eps);
+      for (int i = 0; i < NH * D; ++i) row[i] = norm_w[i] * (row[i] * r);
+    }
     for (int h = 0; h < NH; ++h) {
       float* x1 = row + h * D;
       float* x2 = x1 + HALF;
-      if constexpr (NORM) {
+      if constexpr (NORM && !WHOLE) {
         const float r = 1.0f / std::sqrt(dot<D>(x1, x1) / float(D) + eps);
         for (int i = 0; i < D; ++i) x1[i] = norm_w[i] * (x1[i] * r);
       }

@@ -39,9 +39,11 @@ struct Embedding {
 // read and written by the same thread). Grid (T), block kThreads; a thread keeps its PER elements in
 // registers (element i = j * kThreads + tid: coalesced), one block_sum. The added branch residual_in is first
 // scaled by residual_scale (Granite), and with RNORM (Gemma's norm of each branch) first RMS-normalized by the
-// same eps and scaled by residual_w, rounded to A as that norm's output is: one more block_sum.
-template <int H, bool ADD, typename W, typename A = float, bool RNORM = false>
+// same eps and scaled by residual_w, rounded to A as that norm's output is: one more block_sum. OUT = false
+// (OLMo 2, whose sum no norm reads): residual_out alone is written; w and y are null.
+template <int H, bool ADD, typename W, typename A = float, bool RNORM = false, bool OUT = true>
 struct RmsNorm {
+  static_assert(OUT || (ADD && RNORM), "rmsnorm: only the add of a normed branch skips the output norm");
   static constexpr int kThreads = row_threads(ceil_div(H, 8), 512);
   static constexpr int PER = ceil_div(H, kThreads);
 
@@ -77,6 +79,7 @@ struct RmsNorm {
       h[j] = v;
       ss += v * v;
     }
+    if constexpr (!OUT) return;
     ss = block_sum(ss);
     const float r = 1.0f / sqrtf(ss / static_cast<float>(H) + eps);
 #pragma unroll
@@ -93,8 +96,9 @@ struct RmsNorm {
 // Grid (T), block kThreads: the token's D/2 (cos, sin) pairs once into shared memory (accurate sincosf),
 // then one thread per (head, i) pair. NORM (Qwen3's q_norm / k_norm): each head is first RMS-normalized over
 // its D values and scaled by norm_w [D] (float32), as the rmsnorm kernel does a row: a thread per head sums
-// its squares in order (deterministic), before any value is rotated.
-template <int NH, int D, typename A = float, bool NORM = false>
+// its squares in order (deterministic), before any value is rotated. WHOLE (OLMo 2's): the NH * D values
+// together, scaled by norm_w [NH * D]: thread 0 adds the heads' sums in head order.
+template <int NH, int D, typename A = float, bool NORM = false, bool WHOLE = false>
 struct Rope {
   static_assert(D % 2 == 0, "rope: odd head_dim");
   static constexpr int HALF = D / 2;
@@ -115,7 +119,15 @@ struct Rope {
           const float v = wload(row[h * D + j]);
           ss += v * v;
         }
-        scale_s[h] = 1.0f / sqrtf(ss / static_cast<float>(D) + eps);
+        scale_s[h] = WHOLE ? ss : 1.0f / sqrtf(ss / static_cast<float>(D) + eps);
+      }
+      if constexpr (WHOLE) {
+        __syncthreads();
+        if (threadIdx.x == 0) {
+          float ss = 0.0f;
+          for (int h = 0; h < NH; ++h) ss += scale_s[h];
+          scale_s[0] = 1.0f / sqrtf(ss / static_cast<float>(NH * D) + eps);
+        }
       }
     }
     __syncthreads();
@@ -125,8 +137,10 @@ struct Rope {
       A* x1 = row + h * D + i;
       float a = wload(x1[0]), b = wload(x1[HALF]);
       if constexpr (NORM) {
-        a = act_round<A>(norm_w[i] * act_round<A>(a * scale_s[h]));  // as torch's bf16 RMSNorm rounds twice
-        b = act_round<A>(norm_w[i + HALF] * act_round<A>(b * scale_s[h]));
+        const float r = scale_s[WHOLE ? 0 : h];
+        const int w0 = WHOLE ? h * D + i : i;
+        a = act_round<A>(norm_w[w0] * act_round<A>(a * r));  // as torch's bf16 RMSNorm rounds twice
+        b = act_round<A>(norm_w[w0 + HALF] * act_round<A>(b * r));
       }
       A* y1 = store_ptr(x1);
       astore(y1, a * c - b * s);

@@ -71,6 +71,10 @@ def test_near_misses_are_left_alone(near_miss):
 def test_fuses_every_norm_and_residual(arch, checkpoint_dir):
     mod, config = imported(checkpoint_dir, arch)
     out, count = apply(fuse_rmsnorm, before(mod, fuse_rmsnorm))
+    if config.post_norms:  # OLMo 2: each branch norm joins its add (add_normed), the last one the final norm
+        assert count_ops(out, "add_normed") == 2 * config.num_layers - 1 and count_ops(out, "add_rms_norm") == 1
+        assert count_ops(out, "rsqrt") == 0
+        return
     head_norms = 2 * config.num_layers if config.qk_norm else 0  # Qwen3's q and k norms, per head
     # each layer's two norms and the final norm
     assert count == 2 * config.num_layers + 1 + head_norms
