@@ -32,6 +32,7 @@ from llmc.errors import CompileError
 
 from .launches import PendingLaunch, View, fuse_gemm_swiglu, plan_buffers
 from .legalize import legalize_call
+from .lower_llmc_ops import LlmcOpLowering
 from .passes.common import (
     ABI_PARAMS,
     bindings,
@@ -70,7 +71,7 @@ class _Unlowered(Exception):
     """A handler's op form that no template covers: the binding falls back to TVM."""
 
 
-class _Lowering:
+class _Lowering(LlmcOpLowering):
     def __init__(
         self, func: relax.Function, weight_names: list[str], weight_dtype: str, block_size: int, kv_dtype: str
     ):
@@ -392,64 +393,7 @@ class _Lowering:
             for lo, hi in zip(bounds, bounds[1:], strict=False)
         )
 
-    # --- llmc ops -------------------------------------------------------------------------------
-
-    def _norm(self, var, value, add_residual: bool):
-        args = llmc_args(value)
-        w = self.weight(args["weight"])
-        x = self.view(args["x"])
-        hidden = x.cols
-        params = {
-            "hidden": hidden,
-            "eps": float(prim_value(args["eps"])),
-            "wdtype": self.wdtype(w),
-            "add_residual": add_residual,
-        }
-        y = self.new_value(hidden, x.rows)
-        if add_residual:
-            residual = self.view(args["residual"])
-            total = self.new_value(hidden, x.rows)
-            launch_args, fused = [x, residual, total, f"W[{w}]", y, x.rows, "nullptr"], ["add", "rms_norm"]
-            scale = float(prim_value(args["residual_scale"]))
-            if scale != 1.0:  # Granite's residual_multiplier
-                params["residual_scale"] = scale
-                fused.insert(0, "scale")
-            if int(args["residual_weight"].ty.shape.values[0]):  # Gemma: the branch's own norm
-                rw = self.weight(args["residual_weight"])
-                if self.wdtype(rw) != params["wdtype"]:
-                    raise CompileError("a branch norm's weight and the next norm's are packed as different dtypes")
-                params["residual_norm"] = True
-                launch_args[-1] = f"W[{rw}]"
-                fused.insert(0, "rms_norm")
-            self.emit("rmsnorm", params, launch_args, fused, [total, y])
-            self.env[var] = (total, y)
-        else:
-            self.emit("rmsnorm", params, [x, "nullptr", "nullptr", f"W[{w}]", y, x.rows, "nullptr"], ["rms_norm"], [y])
-            self.env[var] = y
-
-    def op_rms_norm(self, var, value):
-        self._norm(var, value, add_residual=False)
-
-    def op_add_rms_norm(self, var, value):
-        self._norm(var, value, add_residual=True)
-
-    def op_add_normed(self, var, value):
-        """OLMo 2's x + norm(branch): the rmsnorm kernel's add of a normed branch, with no norm of the sum."""
-        args = llmc_args(value)
-        x, residual = self.view(args["x"]), self.view(args["residual"])
-        rw = self.weight(args["residual_weight"])
-        params = {
-            "hidden": x.cols,
-            "eps": float(prim_value(args["eps"])),
-            "wdtype": self.wdtype(rw),
-            "add_residual": True,
-            "residual_norm": True,
-            "output_norm": False,
-        }
-        total = self.new_value(x.cols, x.rows)
-        launch_args = [x, residual, total, "nullptr", "nullptr", x.rows, f"W[{rw}]"]
-        self.emit("rmsnorm", params, launch_args, ["rms_norm", "add"], [total])
-        self.env[var] = total
+    # --- the quantized matmul (the other llmc ops: lower_llmc_ops.py) ---------------------------------
 
     def op_quantized_matmul(self, var, value):
         args = llmc_args(value)
@@ -465,72 +409,6 @@ class _Lowering:
         params = {"n": n, "k": k, **quant, "has_bias": False}
         weights = [f"W[{q}]", f"W[{scales}]", f"W[{mins[0]}]" if mins else "nullptr"]
         self.emit("qgemm", params, [x, *weights, "nullptr", out, x.rows], [linear_name(w.sources)], [out], weight=q)
-        self.env[var] = out
-
-    def op_silu_mul(self, var, value, activation: str = "silu"):
-        gate_up = self.view(llmc_args(value)["gate_up"])
-        inter = gate_up.cols // 2
-        out = self.new_value(inter, gate_up.rows)
-        params = {"inter": inter} if activation == "silu" else {"inter": inter, "activation": activation}
-        self.emit("silu_mul", params, [gate_up, out, gate_up.rows], [activation, "mul"], [out])
-        self.env[var] = out
-
-    def op_gelu_tanh_mul(self, var, value):
-        self.op_silu_mul(var, value, "gelu_tanh")
-
-    def op_paged_attention(self, var, value):
-        args = llmc_args(value)
-        q, k, v = (self.view(args[n]) for n in ("q", "k", "v"))
-        if not (q.value == k.value == v.value and q.stride == k.stride == v.stride):
-            raise CompileError("paged attention needs q, k and v as column slices of one buffer (merge_qkv)")
-        layer, num_heads, num_kv_heads, head_dim, window = (
-            int(prim_value(args[n])) for n in ("layer", "num_heads", "num_kv_heads", "head_dim", "sliding_window")
-        )
-        inv_freq = [float(f) for f in args["inv_freq"].value.numpy().tolist()]
-        norm_eps = float(prim_value(args["norm_eps"]))
-        rotated = [] if not inv_freq else [(q, num_heads, "q_norm"), (k, num_kv_heads, "k_norm")]  # SmolLM3: NoPE
-        for view, heads, norm in rotated:
-            params = {"num_heads": heads, "head_dim": head_dim, "inv_freq": inv_freq}
-            weight, fused = "nullptr", ["rope"]
-            if norm_eps > 0:  # Qwen3 (each head), OLMo 2 (the whole of q or k): the RMSNorm, in the same kernel
-                params["norm_eps"] = norm_eps
-                w = self.weight(args[norm])
-                if self.weight_list[w].shape != (head_dim,):
-                    params["norm_over_heads"] = True
-                weight, fused = f"W[{w}]", [f"rms_norm({norm})", "rope"]
-            self.emit("rope", params, [view, str(q.stride), "positions", "T", weight], fused, [])
-        out = self.new_value(num_heads * head_dim, "T")
-        params = {
-            "num_heads": num_heads,
-            "num_kv_heads": num_kv_heads,
-            "head_dim": head_dim,
-            "block_size": self.block_size,
-            "scale": float(prim_value(args["scale"])),
-            "sliding_window": window,
-            "kv_dtype": DTYPES[self.kv_dtype].short,
-        }
-        self.emit(
-            "paged_attention",
-            params,
-            [
-                q,
-                k,
-                v,
-                str(q.stride),
-                f"k_cache[{layer}]",
-                f"v_cache[{layer}]",
-                "slot_mapping",
-                "query_start_loc",
-                "seq_lens",
-                "block_tables",
-                "max_blocks",
-                "B",
-                "T",
-                out,
-            ],
-            ["kv write", "attention"],
-            [out],
-        )
         self.env[var] = out
 
     # --- buffer plan ----------------------------------------------------------------------------

@@ -26,6 +26,7 @@ COMPILER_STAGES = (
     (
         "llmc.compiler.legalize",
         "llmc.compiler.lower",
+        "llmc.compiler.lower_llmc_ops",
         "llmc.compiler.launches",
         "llmc.compiler.program",
         "llmc.compiler.tuning",
