@@ -122,7 +122,8 @@ VARIANTS = {
 }
 
 ARCHS = tuple(VARIANTS)
-GGUF_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "granite", "gemma3")  # llama.cpp's smollm3 arch is not read
+# llama.cpp's smollm3 arch is not read
+GGUF_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "granite", "gemma3", "olmo2")
 # What a GGUF of the variant can hold: llama.cpp's gemma3 has a global layer every 6th, local RoPE base 10000
 # and query_pre_attn_scalar = head_dim, and no field for any other
 GGUF_OVERRIDES = {

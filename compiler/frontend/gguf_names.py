@@ -7,7 +7,7 @@ Three things are fixed by llama.cpp (its convert_hf_to_gguf.py and gguf-py's con
   halves (dimension i pairs with i + head_dim/2); llama.cpp's `llama` arch rotates adjacent pairs (2i with
   2i + 1), so the converter permutes each head's rows: permute_qk. `qwen2` and `qwen3` keep Hugging Face's
   order (llama.cpp runs them with NEOX-style rope), so nothing is permuted there; `granite` is converted as
-  `llama` is, permuted.
+  `llama` is, permuted; `olmo2` and `gemma3` are not permuted (NEOX-style rope).
 - Gemma's norm weights: transformers scales by 1 + w, llama.cpp by the stored weight, so the converter stores
   w + 1 (NORM_SHIFTED_ARCHS).
 
@@ -28,6 +28,7 @@ GGUF_ARCH = {
     "Qwen3ForCausalLM": "qwen3",
     "GraniteForCausalLM": "granite",
     "Gemma3ForCausalLM": "gemma3",
+    "Olmo2ForCausalLM": "olmo2",
 }
 # GGUF arch -> the Hugging Face class the importer rebuilds.
 HF_ARCH = {
@@ -36,6 +37,7 @@ HF_ARCH = {
     "qwen3": "Qwen3ForCausalLM",
     "granite": "GraniteForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
+    "olmo2": "Olmo2ForCausalLM",
 }
 # The GGUF archs whose q/k rows are stored in llama.cpp's interleaved-pair order.
 PERMUTED_ARCHS = frozenset({"llama", "granite"})
@@ -110,7 +112,13 @@ _SANDWICH = {
     "pre_feedforward_layernorm": "ffn_norm",
     "post_feedforward_layernorm": "post_ffw_norm",
 }
-_LAYERS = {"gemma3": _SANDWICH}  # a GGUF arch's layer names, where they are not _LAYER
+# OLMo 2's norms follow each branch, and there is no norm before either
+_POST_NORMS = {
+    **{h: g for h, g in _LAYER.items() if h != "input_layernorm"},
+    "post_attention_layernorm": "post_attention_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+}
+_LAYERS = {"gemma3": _SANDWICH, "olmo2": _POST_NORMS}  # a GGUF arch's layer names, where they are not _LAYER
 _GLOBAL_BACK = {g: h for h, g in _GLOBAL.items()}
 _HF_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)")
 _GGUF_LAYER = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")

@@ -8,8 +8,8 @@ convert_hf_to_gguf.py would write it.
   vocabulary padded to vocab_size with unused `[PAD<id>]` tokens, as the converter does), token types
   (added special tokens are CONTROL), merges, bos/eos ids, and the chat template when there is one.
 - Tensors under llama.cpp's names. In the `llama` and `granite` archs, q_proj and k_proj rows (and biases) are
-  permuted to llama.cpp's interleaved RoPE pairs (gguf_names.permute_qk); `qwen2`, `qwen3` and `gemma3` keep
-  Hugging Face's order. llama3 rope scaling is written as the `rope_freqs` tensor, as the converter does.
+  permuted to llama.cpp's interleaved RoPE pairs (gguf_names.permute_qk); `qwen2`, `qwen3`, `gemma3` and `olmo2`
+  keep Hugging Face's order. llama3 rope scaling is written as the `rope_freqs` tensor, as the converter does.
   Gemma's norm weights are written as 1 + w; Granite's multipliers as its scale keys.
 - dtype F32, BF16, Q8_0 or Q4_0 applies to every 2-D tensor (the token embedding and lm_head included); 1-D
   tensors (norms, biases, rope_freqs) stay F32, as llama.cpp writes them. A 2-D tensor whose rows are not a

@@ -193,6 +193,8 @@ def test_config_and_tokenizer_as_the_source(arch, checkpoint_dir, gguf_file):
         "hidden_act",
         "norm_unit_offset",
         "sandwich_norms",
+        "post_norms",
+        "qk_norm_over_heads",
         "embedding_scale",
         "residual_scale",
         "query_scale",
@@ -505,6 +507,25 @@ def test_tokenizer_as_llama_cpp_tokenizes(case, gguf_file, sentencepiece_file, t
     reference = llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
     for text in TEXTS + PREFIX_TEXTS + ["tabs\tand\nnewlines", "中文 bytes", "The  fox's 'quoted' THE end.\r\n"]:
         assert ours.encode(text).ids == reference.tokenize(text.encode(), add_bos=True, special=True), text
+
+
+@pytest.mark.parametrize("arch", GGUF_ARCHS)
+def test_llama_cpp_runs_the_written_file_as_transformers_does(arch, checkpoint_dir, gguf_file):
+    """The layout llmc writes and reads is llama.cpp's own: llama.cpp's loader, with the arch's own graph (rope
+    style, norm placement, multipliers, window pattern), gives transformers' logits and greedy tokens."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    src = checkpoint_dir(arch, **GGUF_OVERRIDES.get(arch, {}))
+    ids = Tokenizer.from_file(str(src / "tokenizer.json")).encode(TEXTS[0]).ids
+    model = hf_model(src)
+    with torch.no_grad():
+        want_logits = model(torch.tensor([ids])).logits[0].numpy()
+        want = model.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False)[0, len(ids) :].tolist()
+    llm = llama_cpp.Llama(model_path=str(gguf_file(arch, "F32")), n_ctx=64, logits_all=True, verbose=False)
+    llm.eval(ids)
+    np.testing.assert_allclose(np.asarray(llm.scores[: len(ids)]), want_logits, atol=5e-2, rtol=0)
+    llm.reset()
+    got = [t for t, _ in zip(llm.generate(ids, temp=0.0, top_k=1), range(8), strict=False)]
+    assert got == want
 
 
 def test_gguf_file_without_the_gguf_suffix_is_refused(gguf_file, tmp_path):
