@@ -267,9 +267,11 @@ def render_chat(
     add_generation_prompt: bool = True,
     limits: TemplateLimits = DEFAULT_LIMITS,
     tools: list[dict] | None = None,
+    template_kwargs: dict | None = None,
 ) -> str:
     """The prompt text for `messages` ([{"role", "content"}, ...]). template None: plain transcript. tools:
-    OpenAI's tool definitions, the template's `tools` variable.
+    OpenAI's tool definitions, the template's `tools` variable. template_kwargs: more variables the template
+    reads (Qwen3's and SmolLM3's `enable_thinking`); RequestError for one that names a variable set here.
 
     A template that rejects the conversation (raise_exception, e.g. "roles must alternate") raises
     RequestError: the request is at fault, not the server. One that fails on it (a TypeError in its code) or
@@ -288,6 +290,10 @@ def render_chat(
         tools=tools,
         documents=None,
     )
+    clash = sorted(set(template_kwargs or ()) & set(variables))
+    if clash:
+        raise RequestError(f"chat_template_kwargs may not set {', '.join(clash)}", param="chat_template_kwargs")
+    variables.update(template_kwargs or {})
     compile_template(template, limits)  # one that does not parse or is too large fails here, not in a process
     return _render_in_process(template, limits, variables)
 

@@ -46,6 +46,18 @@ def _strftime_now(fmt: str) -> str:
     return datetime.datetime.now().strftime(fmt)
 
 
+class _GenerationTag(jinja2.ext.Extension):
+    """transformers' `{% generation %}...{% endgeneration %}` (SmolLM3's template has it): it marks the
+    assistant's text for training masks. A render needs only its body, in a scope of its own as there."""
+
+    tags = {"generation"}
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.Scope(body, lineno=lineno)
+
+
 @dataclasses.dataclass(frozen=True)
 class TemplateLimits:
     """Bounds on one chat template: far above what real templates need (they are a few KiB and render in ms)."""
@@ -231,7 +243,7 @@ def compile_template(template: str, limits: TemplateLimits = DEFAULT_LIMITS) -> 
         trim_blocks=True,
         lstrip_blocks=True,
         optimized=False,
-        extensions=[jinja2.ext.loopcontrols],
+        extensions=[jinja2.ext.loopcontrols, _GenerationTag],
     )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception

@@ -152,6 +152,8 @@ class ChatCompletionRequest(_GenerationRequest):
     tools: list[dict[str, Any]] | None = None  # checked by runtime/tool_calls.py
     tool_choice: str | dict[str, Any] | None = None  # refused without tools (serving.py), as OpenAI does
     parallel_tool_calls: bool | None = None  # None: as OpenAI, true
+    # vLLM's and SGLang's extension: more variables for the chat template, e.g. {"enable_thinking": false}
+    chat_template_kwargs: dict[str, Any] | None = None
 
     _unsupported: ClassVar[tuple[str, ...]] = ("logit_bias",)
 

@@ -392,6 +392,7 @@ class OpenAIServing:
             add_generation_prompt=True,
             limits=self.limits.chat_template,
             tools=None if functions is None else [{"type": "function", "function": f} for f in functions],
+            template_kwargs=body.chat_template_kwargs,
         )
         prompt_ids = await self.tokenize(text, "messages", add_special_tokens=False)
         await self.check_limits(body, params, prompt_ids, "messages", logprobs_param="top_logprobs")
