@@ -31,6 +31,7 @@ FAMILIES = {
     "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM"),
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
     "granite": ("GraniteConfig", "GraniteForCausalLM"),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM"),
 }
 # A family's fields beyond a Llama config's kwargs, as its real checkpoints set them (Gemma 3 1B: a window of 512
 # on 5 layers of 6, the softmax scale of head_dim; Granite 3.x: its multipliers)
