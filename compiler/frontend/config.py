@@ -27,8 +27,11 @@ ARCHITECTURES = {
     "Olmo2ForCausalLM": "OLMo 2 (norms after each branch, q/k norms over the whole projection)",
 }
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
-# Checkpoints of these hold a vision tower or experts: named in the refusal, so a user knows why
+# Checkpoints of these hold a vision tower, experts or layers llmc does not build yet: named in the refusal, so a
+# user knows why
 _REFUSED = {
+    "Gemma2ForCausalLM": "its attention and final-logit soft-capping are not compiled yet",
+    "Phi3ForCausalLM": "its fused qkv / gate_up projections, partial rotary and LongRoPE are not compiled yet",
     "Gemma3ForConditionalGeneration": "its vision tower is not compiled; a text-only Gemma 3 (Gemma3ForCausalLM) is",
     "Qwen3MoeForCausalLM": "mixture-of-experts layers are not compiled yet",
     "MixtralForCausalLM": "mixture-of-experts layers are not compiled yet",

@@ -138,6 +138,8 @@ def test_granite_multipliers():
     [
         ("Gemma3ForConditionalGeneration", {}, "vision tower"),
         ("Qwen3MoeForCausalLM", {}, "mixture-of-experts"),
+        ("Gemma2ForCausalLM", {}, "soft-capping"),
+        ("Phi3ForCausalLM", {}, "LongRoPE"),
         ("Gemma3ForCausalLM", {"final_logit_softcapping": 30.0}, "final_logit_softcapping"),
         ("Gemma3ForCausalLM", {"hidden_activation": "gelu"}, "hidden_activation 'gelu'"),
         ("Gemma3ForCausalLM", {"hidden_activation": ["gelu"]}, "hidden_activation"),
