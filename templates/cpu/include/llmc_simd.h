@@ -74,6 +74,7 @@ struct Vec {
   LLMC_INLINE Vec operator+(Vec o) const { return {_mm512_add_ps(v, o.v)}; }
   LLMC_INLINE Vec operator-(Vec o) const { return {_mm512_sub_ps(v, o.v)}; }
   LLMC_INLINE Vec operator*(Vec o) const { return {_mm512_mul_ps(v, o.v)}; }
+  LLMC_INLINE Vec operator/(Vec o) const { return {_mm512_div_ps(v, o.v)}; }
   static LLMC_INLINE Vec max(Vec a, Vec b) { return {_mm512_max_ps(a.v, b.v)}; }
   LLMC_INLINE float hmax() const { return _mm512_reduce_max_ps(v); }
   // The tree, spelled out (sum16 below repeats it for 16 at once): lanes i + (i + 8), then + 4, then
@@ -156,6 +157,7 @@ struct Vec {
   LLMC_INLINE Vec operator+(Vec o) const { return {_mm256_add_ps(v, o.v)}; }
   LLMC_INLINE Vec operator-(Vec o) const { return {_mm256_sub_ps(v, o.v)}; }
   LLMC_INLINE Vec operator*(Vec o) const { return {_mm256_mul_ps(v, o.v)}; }
+  LLMC_INLINE Vec operator/(Vec o) const { return {_mm256_div_ps(v, o.v)}; }
   static LLMC_INLINE Vec max(Vec a, Vec b) { return {_mm256_max_ps(a.v, b.v)}; }
   LLMC_INLINE float hmax() const {
     __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -226,6 +228,11 @@ struct Vec {  // portable fallback: 8 independent lanes the compiler may map ont
   LLMC_INLINE Vec operator*(Vec o) const {
     Vec r;
     for (int i = 0; i < W; ++i) r.v[i] = v[i] * o.v[i];
+    return r;
+  }
+  LLMC_INLINE Vec operator/(Vec o) const {
+    Vec r;
+    for (int i = 0; i < W; ++i) r.v[i] = v[i] / o.v[i];
     return r;
   }
   static LLMC_INLINE Vec max(Vec a, Vec b) {
