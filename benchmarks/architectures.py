@@ -28,24 +28,19 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
+import gpu_check  # noqa: E402
 
 PROMPT, STEPS = 64, 64
 
-LAYER_8B = {  # a family's 8B-class layer shape: config kwargs, one layer
-    "llama": {"intermediate_size": 14336, "rope_theta": 500000.0},  # Llama-3-8B
-    "qwen3": {"intermediate_size": 12288, "head_dim": 128, "rope_theta": 1e6, "rms_norm_eps": 1e-6},  # Qwen3-8B
-}
-_LAYER_COMMON = {
-    "hidden_size": 4096,
-    "num_hidden_layers": 1,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "vocab_size": 32000,
-    "max_position_embeddings": 2048,
-    "rms_norm_eps": 1e-5,
-    "tie_word_embeddings": False,
-    "bos_token_id": 0,
-    "eos_token_id": 1,
+LAYER_8B = {  # a family's 8B-class layer shape: config kwargs, one layer, the GPU check's 32000-token vocabulary
+    "llama": gpu_check.SHAPES["llama3-8b-layer"],  # Llama-3-8B
+    "qwen3": {  # Qwen3-8B
+        **gpu_check.SHAPES["llama3-8b-layer"],
+        "intermediate_size": 12288,
+        "head_dim": 128,
+        "rope_theta": 1e6,
+        "rms_norm_eps": 1e-6,
+    },
 }
 
 
@@ -106,9 +101,7 @@ def simulated_layers(families: list[str], cache: Path) -> int:
         sys.exit(f"no 8B-class layer shape for: {', '.join(missing)} (LAYER_8B)")
     rows = []
     for family in families:
-        ckpt = common.random_checkpoint(
-            cache / f"layer8b-{family}", {**_LAYER_COMMON, **LAYER_8B[family]}, family=family
-        )
+        ckpt = common.random_checkpoint(cache / f"layer8b-{family}", LAYER_8B[family], family=family)
         artifact = cache / f"layer8b-{family}.sm90"
         shutil.rmtree(artifact, ignore_errors=True)
         common.log(f"compiling {ckpt.name} for sm90 (bf16)")

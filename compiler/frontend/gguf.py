@@ -3,8 +3,9 @@
 A GGUF holds in one file what a Hugging Face checkpoint spreads over config.json, tokenizer.json and
 safetensors, under llama.cpp's names (gguf_names):
 - Architecture metadata (`llama.*`, `qwen2.*`, `gemma3.*`, ...: gguf_names.HF_ARCH) becomes the config.json
-  transformers would have, checked by parse_config like any other. llama3 rope scaling is stored by llama.cpp as the per-frequency divisors of
-  the `rope_freqs` tensor; the scaling fields are recovered from them (`_llama3_scaling`).
+  transformers would have, checked by parse_config like any other. llama3 rope scaling is stored by llama.cpp
+  as the per-frequency divisors of the `rope_freqs` tensor; the scaling fields are recovered from them
+  (`_llama3_scaling`).
 - The tokenizer is stored as token lists, and rebuilt as a `tokenizers` tokenizer (gguf_tokenizer.py).
 - Tensors are renamed to Hugging Face's, q/k rows of the `llama` and `granite` archs are put back in rotate-half
   order, and Gemma's norm weights, stored as 1 + w, become w again (the traced model adds the 1).

@@ -107,18 +107,13 @@ inline void silu_mul(const float* LLMC_RESTRICT gate_up, float* LLMC_RESTRICT ou
     const float* g = gate_up + (long)t * 2 * I;
     const float* u = g + I;
     float* o = out + (long)t * I;
-    if constexpr (GELU) {
-      for (int i = 0; i < IMAIN; i += W) gelu_tanh_mul(Vec::load(g + i), Vec::load(u + i)).store(o + i);
-      if constexpr (IMAIN < I) {
-        gelu_tanh_mul(Vec::load_part(g + IMAIN, I - IMAIN), Vec::load_part(u + IMAIN, I - IMAIN))
-            .store_part(o + IMAIN, I - IMAIN);
-      }
-      return;
-    }
-    for (int i = 0; i < IMAIN; i += W) Vec::silu_mul(Vec::load(g + i), Vec::load(u + i)).store(o + i);
+    const auto act = [](Vec gv, Vec uv) {
+      if constexpr (GELU) return gelu_tanh_mul(gv, uv);
+      else return Vec::silu_mul(gv, uv);
+    };
+    for (int i = 0; i < IMAIN; i += W) act(Vec::load(g + i), Vec::load(u + i)).store(o + i);
     if constexpr (IMAIN < I) {
-      Vec::silu_mul(Vec::load_part(g + IMAIN, I - IMAIN), Vec::load_part(u + IMAIN, I - IMAIN))
-          .store_part(o + IMAIN, I - IMAIN);
+      act(Vec::load_part(g + IMAIN, I - IMAIN), Vec::load_part(u + IMAIN, I - IMAIN)).store_part(o + IMAIN, I - IMAIN);
     }
   });
 }
