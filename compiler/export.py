@@ -25,8 +25,9 @@ import torch
 from llmc.errors import CompileError
 
 from .frontend.checkpoint import Checkpoint
-from .frontend.model import LlamaFamily
+from .frontend.model import LlamaFamily, softcapped_attention_reference
 from .frontend.trace import Traced, trace
+from .passes.common import llmc_call, prim
 
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 
@@ -81,6 +82,25 @@ def _attention(node, importer):
     return swap_heads_and_tokens(out)
 
 
+def _softcapped_attention(node, importer):
+    """llmc::softcapped_attention [1, H, T, D] -> llmc.softcapped_attention over [1, T, H, D] (R.nn.attention's
+    layout; Relax has no soft-capped attention), which fuse_attention takes as it takes R.nn.attention."""
+    from tvm import relax
+
+    q, k, v = (importer.env[a] for a in node.args[:3])
+    scale, softcap, window = node.args[3:]
+    bb = importer.block_builder
+
+    def swap_heads_and_tokens(t):
+        return bb.emit(relax.op.permute_dims(t, [0, 2, 1, 3]))
+
+    q, k, v = (swap_heads_and_tokens(t) for t in (q, k, v))
+    out = bb.emit(
+        llmc_call("softcapped_attention", [q, k, v, prim(float(scale)), prim(int(window)), prim(float(softcap))], q.ty)
+    )
+    return swap_heads_and_tokens(out)
+
+
 def to_relax(traced: Traced):
     """Relax IRModule whose main is (input_ids: [T] i64, positions: [T] i64, *weights) -> logits [T, vocab]."""
     from tvm.relax.frontend.torch import from_exported_program
@@ -90,7 +110,10 @@ def to_relax(traced: Traced):
             traced.program,
             run_ep_decomposition=False,
             unwrap_unit_return_tuple=True,
-            custom_convert_map={"scaled_dot_product_attention.default": _attention},
+            custom_convert_map={
+                "scaled_dot_product_attention.default": _attention,
+                "softcapped_attention.default": _softcapped_attention,
+            },
         )
     except CompileError:
         raise
@@ -121,12 +144,16 @@ def export_onnx(ckpt: Checkpoint, out: Path) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the exporter warns about its own axis renaming
+        traced = torch.export.export(model, (ids, pos), dynamic_shapes=({0: tokens}, {0: tokens}))
+        # ONNX has no soft-capped attention: its body, in ONNX's ops (the one entry leaves every other op as is)
+        traced = traced.run_decompositions(
+            {torch.ops.llmc.softcapped_attention.default: softcapped_attention_reference}
+        )
         program = torch.onnx.export(
-            model,
+            traced,
             (ids, pos),
             input_names=["input_ids", "positions"],
             output_names=["logits"],
-            dynamic_shapes=({0: tokens}, {0: tokens}),
             dynamo=True,
             optimize=True,
             verbose=False,

@@ -85,6 +85,16 @@ class LlmcOpLowering:
     def op_gelu_tanh_mul(self, var, value):
         self.op_silu_mul(var, value, "gelu_tanh")
 
+    def op_softcap(self, var, value):
+        """Gemma 2's final-logit soft-capping, in place on the rows the lm_head wrote."""
+        args = llmc_args(value)
+        x = self.view(args["x"])
+        if x.stride != x.cols:
+            raise CompileError(f"soft-capping {var.name} of a column slice is not lowered")
+        params = {"cols": x.cols, "cap": float(prim_value(args["cap"]))}
+        self.emit("softcap", params, [x, x.rows], ["softcap"], [])
+        self.env[var] = x
+
     def op_paged_attention(self, var, value):
         args = llmc_args(value)
         q, k, v = (self.view(args[n]) for n in ("q", "k", "v"))
@@ -116,6 +126,9 @@ class LlmcOpLowering:
             "sliding_window": window,
             "kv_dtype": DTYPES[self.kv_dtype].short,
         }
+        softcap = float(prim_value(args["softcap"]))
+        if softcap > 0:  # Gemma 2
+            params["softcap"] = softcap
         self.emit(
             "paged_attention",
             params,

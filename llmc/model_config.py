@@ -47,6 +47,9 @@ class ModelConfig:
     residual_scale: float = 1.0  # Granite: x + branch * residual_multiplier
     query_scale: float | None = None  # the softmax scale, when not head_dim^-0.5 (Granite, Gemma)
     logits_scaling: float = 1.0  # Granite: the logits divided by this
+    # Gemma 2's soft-capping, c * tanh(x / c): of the attention scores after the scale, and of the final logits
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
 
     @property
     def q_size(self) -> int:

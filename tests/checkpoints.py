@@ -109,6 +109,21 @@ VARIANTS = {
         },
         pad_token_id=None,
     ),
+    # Gemma 3's norms and GeGLU without q/k norms; attention and final-logit soft-capping low enough to bite (random
+    # scores reach several times 3, the logits tens), a window of 5 on alternate layers (layer_types' default)
+    "gemma2": dict(
+        arch="gemma2",
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=24,
+        intermediate_size=120,
+        num_hidden_layers=3,
+        query_pre_attn_scalar=20,
+        sliding_window=5,
+        attn_logit_softcapping=3.0,
+        final_logit_softcapping=10.0,
+    ),
     # norms after each branch, q / k norms over the whole projection (GQA: k's is kv_size), untied
     "olmo2": dict(
         arch="olmo2",
@@ -123,10 +138,11 @@ VARIANTS = {
 
 ARCHS = tuple(VARIANTS)
 # llama.cpp's smollm3 arch is not read
-GGUF_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "granite", "gemma3", "olmo2")
-# What a GGUF of the variant can hold: llama.cpp's gemma3 has a global layer every 6th, local RoPE base 10000
-# and query_pre_attn_scalar = head_dim, and no field for any other
+GGUF_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "granite", "gemma2", "gemma3", "olmo2")
+# What a GGUF of the variant can hold: llama.cpp's gemma2 and gemma3 have query_pre_attn_scalar = head_dim, gemma3 a
+# global layer every 6th and local RoPE base 10000, and no field for any other
 GGUF_OVERRIDES = {
+    "gemma2": dict(query_pre_attn_scalar=24),
     "gemma3": dict(
         num_hidden_layers=6,
         layer_types=None,
@@ -135,7 +151,7 @@ GGUF_OVERRIDES = {
             "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 50000.0},
             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
         },
-    )
+    ),
 }
 
 
@@ -177,6 +193,8 @@ def make_checkpoint(
 ) -> Path:
     """Write a random checkpoint of one VARIANTS entry (plus overrides) to out_dir; returns out_dir."""
     from transformers import (
+        Gemma2Config,
+        Gemma2ForCausalLM,
         Gemma3ForCausalLM,
         Gemma3TextConfig,
         GraniteConfig,
@@ -202,6 +220,7 @@ def make_checkpoint(
         "qwen3": (Qwen3Config, Qwen3ForCausalLM),
         "smollm3": (SmolLM3Config, SmolLM3ForCausalLM),
         "granite": (GraniteConfig, GraniteForCausalLM),
+        "gemma2": (Gemma2Config, Gemma2ForCausalLM),
         "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM),
         "olmo2": (Olmo2Config, Olmo2ForCausalLM),
     }

@@ -22,6 +22,8 @@ ARCHITECTURES = {
     "Qwen3ForCausalLM": "Qwen3 dense (per-head q/k norms, explicit head_dim)",
     "SmolLM3ForCausalLM": "SmolLM3 (no RoPE on the no_rope_layers)",
     "GraniteForCausalLM": "Granite 3.x dense (embedding, residual, attention and logits multipliers)",
+    "Gemma2ForCausalLM": "Gemma 2: GeGLU, (1 + w) and sandwich norms, attention and final-logit soft-capping, "
+    "a sliding window on alternate layers",
     "Gemma3ForCausalLM": "Gemma 3 text (1B; the text weights of larger ones): GeGLU, (1 + w) and sandwich norms, "
     "q/k norms, 5 local to 1 global layers with their own RoPE bases; no soft-capping",
     "Olmo2ForCausalLM": "OLMo 2 (norms after each branch, q/k norms over the whole projection)",
@@ -30,7 +32,6 @@ SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 # Checkpoints of these hold a vision tower, experts or layers llmc does not build yet: named in the refusal, so a
 # user knows why
 _REFUSED = {
-    "Gemma2ForCausalLM": "its attention and final-logit soft-capping are not compiled yet",
     "Phi3ForCausalLM": "its fused qkv / gate_up projections, partial rotary and LongRoPE are not compiled yet",
     "Gemma3ForConditionalGeneration": "its vision tower is not compiled; a text-only Gemma 3 (Gemma3ForCausalLM) is",
     "Qwen3MoeForCausalLM": "mixture-of-experts layers are not compiled yet",
@@ -38,6 +39,7 @@ _REFUSED = {
     "OlmoeForCausalLM": "mixture-of-experts layers are not compiled yet",
 }
 _QWEN = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")  # sliding window only with use_sliding_window, above max_window_layers
+_GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
@@ -147,7 +149,7 @@ def parse_config(raw: dict) -> ModelConfig:
             f"config.json: architecture {arch!r} is not supported",
             f"llmc compiles {', '.join(SUPPORTED_ARCHITECTURES)}",
         )
-    gemma = arch == "Gemma3ForCausalLM"
+    gemma = arch in _GEMMA
     act_key = "hidden_activation" if gemma else "hidden_act"
     act_name = raw.get(act_key) or ("gelu_pytorch_tanh" if gemma else "silu")
     act = _ACTIVATIONS.get(act_name) if isinstance(act_name, str) else None
@@ -156,9 +158,12 @@ def parse_config(raw: dict) -> ModelConfig:
             f"config.json: {act_key} {raw.get(act_key)!r} is not supported",
             f"llmc compiles the gated MLP with {', '.join(sorted(_ACTIVATIONS))}",
         )
-    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
-        if raw.get(key) is not None:
-            raise UnsupportedModelError(f"config.json: {key}={raw[key]!r} is not supported", "llmc has no soft-capping")
+    if arch != "Gemma2ForCausalLM":
+        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+            if raw.get(key) is not None:
+                raise UnsupportedModelError(
+                    f"config.json: {key}={raw[key]!r} is not supported", "llmc soft-caps Gemma 2 only"
+                )
     hidden = _int(raw, "hidden_size")
     heads = _int(raw, "num_attention_heads")
     kv_heads = _int(raw, "num_key_value_heads", heads)
@@ -168,7 +173,7 @@ def parse_config(raw: dict) -> ModelConfig:
     inter = _int(raw, "intermediate_size")
     if head_dim % 2:
         raise UnsupportedModelError(f"config.json: head_dim={head_dim} is odd; RoPE needs an even head_dim")
-    theta, scaling, sliding_theta = _layer_ropes(raw) if gemma else (*_rope(raw), None)
+    theta, scaling, sliding_theta = _layer_ropes(raw) if arch == "Gemma3ForCausalLM" else (*_rope(raw), None)
     sliding = raw.get("sliding_window")
     if arch in _QWEN and not raw.get("use_sliding_window", False):
         sliding = None
@@ -223,7 +228,14 @@ def parse_config(raw: dict) -> ModelConfig:
             else None
         ),
         logits_scaling=_number(raw, "logits_scaling", 1.0) if granite else 1.0,
+        attn_softcap=_softcap(raw, "attn_logit_softcapping"),
+        final_softcap=_softcap(raw, "final_logit_softcapping"),
     )
+
+
+def _softcap(raw: dict, key: str) -> float | None:
+    """Gemma 2's soft-capping value; null turns it off (as transformers reads it)."""
+    return None if raw.get(key) is None else _number(raw, key, 1.0)
 
 
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}  # transformers' ACT2FN names
@@ -258,7 +270,7 @@ def _embedding_scale(raw: dict, arch: str, hidden: int, dtype: str) -> float:
     rounds it (the scale is cast to the embedding's dtype before it multiplies)."""
     if arch == "GraniteForCausalLM":
         return _number(raw, "embedding_multiplier", 1.0)
-    if arch != "Gemma3ForCausalLM":
+    if arch not in _GEMMA:
         return 1.0
     scale = np.float32(math.sqrt(hidden))
     if dtype == "float16":
@@ -315,6 +327,8 @@ def _sliding_layers(raw: dict, arch: str, layers: int) -> tuple[int, ...]:
         return tuple(i for i, t in enumerate(types) if t == "sliding_attention")
     if arch in _QWEN:
         return tuple(range(_int(raw, "max_window_layers", 0, low=0), layers))
+    if arch == "Gemma2ForCausalLM":  # before layer_types: even layers slide, odd ones are global
+        return tuple(range(0, layers, 2))
     if arch == "Gemma3ForCausalLM":  # before layer_types: every sliding_window_pattern-th layer is global
         pattern = _int(raw, "sliding_window_pattern", 6)
         return tuple(i for i in range(layers) if (i + 1) % pattern)

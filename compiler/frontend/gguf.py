@@ -298,17 +298,41 @@ def _family_fields(meta: GGUFMetadata, raw: dict) -> dict:
             "logits_scaling": names.LOGIT_SCALE,
         }
         return {field: meta.get(key, float, None) for field, key in keys.items()}
-    if meta.arch != "gemma3":
+    if meta.arch not in ("gemma2", "gemma3"):
         return {}
-    # llama.cpp: every 6th layer global, the others sliding with RoPE base 10000 (when the file has a window),
-    # and the softmax scale head_dim^-0.5, but (hidden / heads)^-0.5 for the 62-layer 27B
-    big = raw["num_hidden_layers"] == 62
-    return {
-        "sliding_window": meta.get(names.SLIDING_WINDOW, int, None) or None,
-        "sliding_window_pattern": 6,
-        "rope_local_base_freq": 10000.0,
+    # llama.cpp: the softmax scale head_dim^-0.5, but (hidden / heads)^-0.5 for the 27B (46, 62 layers); the
+    # sliding layers by its swa pattern (gemma2: every 2nd layer global, gemma3: every 6th, with RoPE base 10000)
+    gemma2 = meta.arch == "gemma2"
+    layers = raw["num_hidden_layers"]
+    big = layers == (46 if gemma2 else 62)
+    window = meta.get(names.SLIDING_WINDOW, int, 4096 if gemma2 else None) or None
+    fields = {
+        "sliding_window": window,
         "query_pre_attn_scalar": raw["hidden_size"] // raw["num_attention_heads"] if big else raw["head_dim"],
+        "layer_types": _swa_layer_types(meta, 2 if gemma2 else 6, layers) if window else None,
     }
+    if gemma2:  # llama.cpp's defaults where the file has no value
+        fields["attn_logit_softcapping"] = meta.get(names.ATTN_SOFTCAP, float, 50.0)
+        fields["final_logit_softcapping"] = meta.get(names.FINAL_SOFTCAP, float, 30.0)
+        return fields
+    return {**fields, "rope_local_base_freq": 10000.0}
+
+
+def _swa_layer_types(meta: GGUFMetadata, default: int, layers: int) -> list[str]:
+    """config.json's layer_types as llama.cpp's load_swa_pattern sets them: the file's per-layer flags, or a
+    pattern n (the arch's default unless the file gives one) under which layer i slides when i % n < n - 1."""
+    key = names.SLIDING_WINDOW_PATTERN
+    raw = meta.reader.fields.get(key.format(arch=meta.arch))
+    flags = meta.get(key, list) if raw is not None and raw.types[0] == gguf.GGUFValueType.ARRAY else None
+    if flags is None:
+        n = meta.get(key, int, default)
+        flags = [n == 0 or i % n < n - 1 for i in range(layers)] if n >= 0 else None
+    if flags is None or len(flags) != layers or not all(isinstance(f, bool) for f in flags):
+        raise CheckpointError(
+            f"{meta.path}: GGUF metadata {key.format(arch=meta.arch)!r} is no swa pattern of {layers} layers",
+            "re-convert the model",
+        )
+    return [("sliding" if f else "full") + "_attention" for f in flags]
 
 
 def _rope_freqs(info, head_dim: int, path: Path) -> np.ndarray:

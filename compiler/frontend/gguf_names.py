@@ -7,7 +7,7 @@ Three things are fixed by llama.cpp (its convert_hf_to_gguf.py and gguf-py's con
   halves (dimension i pairs with i + head_dim/2); llama.cpp's `llama` arch rotates adjacent pairs (2i with
   2i + 1), so the converter permutes each head's rows: permute_qk. `qwen2` and `qwen3` keep Hugging Face's
   order (llama.cpp runs them with NEOX-style rope), so nothing is permuted there; `granite` is converted as
-  `llama` is, permuted; `olmo2` and `gemma3` are not permuted (NEOX-style rope).
+  `llama` is, permuted; `olmo2`, `gemma2` and `gemma3` are not permuted (NEOX-style rope).
 - Gemma's norm weights: transformers scales by 1 + w, llama.cpp by the stored weight, so the converter stores
   w + 1 (NORM_SHIFTED_ARCHS).
 
@@ -27,6 +27,7 @@ GGUF_ARCH = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "GraniteForCausalLM": "granite",
+    "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
     "Olmo2ForCausalLM": "olmo2",
 }
@@ -36,13 +37,14 @@ HF_ARCH = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "granite": "GraniteForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
 }
 # The GGUF archs whose q/k rows are stored in llama.cpp's interleaved-pair order.
 PERMUTED_ARCHS = frozenset({"llama", "granite"})
 # The GGUF archs whose norm weights are stored as 1 + w (Gemma's)
-NORM_SHIFTED_ARCHS = frozenset({"gemma3"})
+NORM_SHIFTED_ARCHS = frozenset({"gemma2", "gemma3"})
 
 # Metadata keys; `.format(arch=...)` the ones with `{arch}`.
 ARCHITECTURE = "general.architecture"
@@ -64,10 +66,13 @@ ROPE_SCALING_TYPE = "{arch}.rope.scaling.type"
 ROPE_SCALING_FACTOR = "{arch}.rope.scaling.factor"
 ROPE_SCALING_ORIG_CTX = "{arch}.rope.scaling.original_context_length"
 SLIDING_WINDOW = "{arch}.attention.sliding_window"
+SLIDING_WINDOW_PATTERN = "{arch}.attention.sliding_window_pattern"  # an int n, or a bool per layer
 ATTENTION_SCALE = "{arch}.attention.scale"  # Granite's attention_multiplier
 EMBEDDING_SCALE = "{arch}.embedding_scale"  # Granite's multipliers
 RESIDUAL_SCALE = "{arch}.residual_scale"
 LOGIT_SCALE = "{arch}.logit_scale"  # Granite's logits_scaling (llama.cpp divides the logits by it)
+ATTN_SOFTCAP = "{arch}.attn_logit_softcapping"  # Gemma 2's
+FINAL_SOFTCAP = "{arch}.final_logit_softcapping"
 TOKENIZER_MODEL = "tokenizer.ggml.model"
 TOKENIZER_PRE = "tokenizer.ggml.pre"
 TOKENS = "tokenizer.ggml.tokens"
@@ -118,7 +123,11 @@ _POST_NORMS = {
     "post_attention_layernorm": "post_attention_norm",
     "post_feedforward_layernorm": "post_ffw_norm",
 }
-_LAYERS = {"gemma3": _SANDWICH, "olmo2": _POST_NORMS}  # a GGUF arch's layer names, where they are not _LAYER
+_LAYERS = {
+    "gemma2": _SANDWICH,
+    "gemma3": _SANDWICH,
+    "olmo2": _POST_NORMS,
+}  # a GGUF arch's layer names, where they are not _LAYER
 _GLOBAL_BACK = {g: h for h, g in _GLOBAL.items()}
 _HF_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)")
 _GGUF_LAYER = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")

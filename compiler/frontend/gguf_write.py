@@ -8,9 +8,10 @@ convert_hf_to_gguf.py would write it.
   vocabulary padded to vocab_size with unused `[PAD<id>]` tokens, as the converter does), token types
   (added special tokens are CONTROL), merges, bos/eos ids, and the chat template when there is one.
 - Tensors under llama.cpp's names. In the `llama` and `granite` archs, q_proj and k_proj rows (and biases) are
-  permuted to llama.cpp's interleaved RoPE pairs (gguf_names.permute_qk); `qwen2`, `qwen3`, `gemma3` and `olmo2`
-  keep Hugging Face's order. llama3 rope scaling is written as the `rope_freqs` tensor, as the converter does.
-  Gemma's norm weights are written as 1 + w; Granite's multipliers as its scale keys.
+  permuted to llama.cpp's interleaved RoPE pairs (gguf_names.permute_qk); `qwen2`, `qwen3`, `gemma2`, `gemma3`
+  and `olmo2` keep Hugging Face's order. llama3 rope scaling is written as the `rope_freqs` tensor, as the converter does.
+  Gemma's norm weights are written as 1 + w; Granite's multipliers as its scale keys; Gemma 2's soft-caps as
+  its soft-capping keys.
 - dtype F32, BF16, Q8_0 or Q4_0 applies to every 2-D tensor (the token embedding and lm_head included); 1-D
   tensors (norms, biases, rope_freqs) stay F32, as llama.cpp writes them. A 2-D tensor whose rows are not a
   whole number of the type's blocks (32 values for Q8_0 / Q4_0) stays F32, as the converter falls back;
@@ -57,8 +58,8 @@ def write_gguf(checkpoint_dir: str | Path, out_path: str | Path, dtype: str) -> 
         raise UnsupportedModelError(
             f"{cfg.architecture} has no GGUF writer", f"{', '.join(sorted(names.GGUF_ARCH))} are written"
         )
-    if arch == "gemma3":
-        _check_gemma3(cfg)
+    if arch in ("gemma2", "gemma3"):
+        _check_gemma(cfg, arch)
     elif cfg.sliding_window is not None and cfg.sliding_window < cfg.max_position_embeddings:
         raise UnsupportedModelError(
             f"sliding-window attention (window {cfg.sliding_window}) is not written to GGUF",
@@ -112,19 +113,25 @@ def write_gguf(checkpoint_dir: str | Path, out_path: str | Path, dtype: str) -> 
     return out_path
 
 
-def _check_gemma3(cfg) -> None:
-    """A Gemma 3 whose layers llama.cpp would set up as transformers does: the sliding layers every 6th, with RoPE
-    base 10000, and the softmax scale llama.cpp derives (GGUF has no field for either)."""
-    pattern = tuple(i for i in range(cfg.num_layers) if (i + 1) % 6) if cfg.sliding_window else ()
-    scale = (cfg.hidden_size // cfg.num_heads if cfg.num_layers == 62 else cfg.head_dim) ** -0.5
+def _check_gemma(cfg, arch: str) -> None:
+    """A Gemma whose layers llama.cpp would set up as transformers does: the sliding layers by its pattern (gemma2:
+    every 2nd layer global, gemma3: every 6th, with RoPE base 10000), and the softmax scale llama.cpp derives
+    (GGUF has no field for it). Gemma 2's soft-capping is always on in llama.cpp."""
+    n = 2 if arch == "gemma2" else 6
+    pattern = tuple(i for i in range(cfg.num_layers) if i % n < n - 1) if cfg.sliding_window else ()
+    big = cfg.num_layers == (46 if arch == "gemma2" else 62)
+    scale = (cfg.hidden_size // cfg.num_heads if big else cfg.head_dim) ** -0.5
     if (
         cfg.sliding_layers != pattern
-        or (pattern and cfg.sliding_rope_theta != 10000.0)
+        or (arch == "gemma3" and pattern and cfg.sliding_rope_theta != 10000.0)
         or not math.isclose(cfg.query_scale, scale, rel_tol=1e-12)
+        or (arch == "gemma2" and (cfg.attn_softcap is None or cfg.final_softcap is None))
     ):
         raise UnsupportedModelError(
-            "this Gemma 3's layer types, local RoPE base or query_pre_attn_scalar are not llama.cpp's",
-            "GGUF's gemma3 has a global layer every 6th, local base 10000, and query_pre_attn_scalar = head_dim",
+            f"this {cfg.architecture}'s layer types, RoPE bases, query_pre_attn_scalar or soft-capping are not "
+            f"what llama.cpp's {arch} sets up",
+            f"GGUF's {arch} has a global layer every {n}th and query_pre_attn_scalar = head_dim"
+            + (", local RoPE base 10000" if arch == "gemma3" else ", both soft-caps"),
         )
 
 
@@ -150,8 +157,11 @@ def _add_hparams(writer, cfg, arch: str) -> None:
         writer.add_rope_scaling_factor(scaling["factor"])
     elif kind not in (None, "llama3"):  # llama3 is the rope_freqs tensor
         raise UnsupportedModelError(f"rope scaling {kind!r} is not written to GGUF", "default, linear and llama3 are")
-    if arch == "gemma3" and cfg.sliding_window:
+    if arch in ("gemma2", "gemma3") and cfg.sliding_window:
         writer.add_sliding_window(cfg.sliding_window)
+    if arch == "gemma2":
+        writer.add_attn_logit_softcapping(cfg.attn_softcap)
+        writer.add_final_logit_softcapping(cfg.final_softcap)
     if arch == "granite":
         writer.add_embedding_scale(cfg.embedding_scale)
         writer.add_residual_scale(cfg.residual_scale)

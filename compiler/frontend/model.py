@@ -1,4 +1,4 @@
-"""The Llama family (Llama, Mistral, Qwen2, Qwen3, SmolLM3, Granite, Gemma 3, OLMo 2) as one plain, stateless torch
+"""The Llama family (Llama, Mistral, Qwen2, Qwen3, SmolLM3, Granite, Gemma 2 and 3, OLMo 2) as one plain, stateless torch
 module.
 
 This is what the compiler traces, not what it runs: a full-sequence forward over one sequence with
@@ -90,6 +90,32 @@ def attention_scale(config: ModelConfig) -> float:
     return scale * float(factor) ** 2
 
 
+def softcapped_attention_reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, softcap: float, window: int
+) -> torch.Tensor:
+    """Gemma 2's attention over one sequence ([1, H, T, D] each, causal; window > 0: key j is seen from query i
+    when i - window < j <= i): the scores are soft-capped, softcap * tanh(s / softcap), after the scale."""
+    s = torch.matmul(q, k.transpose(-1, -2)) * scale
+    s = torch.tanh(s / softcap) * softcap
+    pos = torch.arange(q.shape[-2], device=q.device)
+    delta = pos[:, None] - pos[None, :]
+    seen = (delta >= 0) & (delta < window) if window > 0 else delta >= 0
+    p = torch.softmax(s.masked_fill(~seen, float("-inf")), dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(p, v)
+
+
+# One opaque op, so that the trace carries it whole to the Relax import (compiler/export.py), as it carries
+# scaled_dot_product_attention; the ONNX export decomposes it into the reference.
+softcapped_attention = torch.library.custom_op("llmc::softcapped_attention", mutates_args=())(
+    softcapped_attention_reference
+)
+
+
+@softcapped_attention.register_fake
+def _(q, k, v, scale, softcap, window):
+    return torch.empty_like(q)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, unit_offset: bool = False):
         super().__init__()
@@ -142,7 +168,9 @@ class Attention(nn.Module):
         if group > 1:  # repeat_kv, as transformers spells it
             k = k[:, :, None].expand(1, c.num_kv_heads, group, T, c.head_dim).reshape(1, c.num_heads, T, c.head_dim)
             v = v[:, :, None].expand(1, c.num_kv_heads, group, T, c.head_dim).reshape(1, c.num_heads, T, c.head_dim)
-        if self.window:  # key j is seen from query i when p_i - window < p_j <= p_i
+        if c.attn_softcap is not None:  # Gemma 2 (positions are 0..T-1 here, as the window mask below assumes too)
+            o = softcapped_attention(q, k, v, attention_scale(c), c.attn_softcap, self.window)
+        elif self.window:  # key j is seen from query i when p_i - window < p_j <= p_i
             delta = positions[:, None] - positions[None, :]
             mask = (delta >= 0) & (delta < self.window)
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=attention_scale(c))
@@ -249,4 +277,6 @@ class LlamaFamily(nn.Module):
         x = self.model.norm(x)
         head = self.model.embed_tokens.weight if c.tie_word_embeddings else self.lm_head.weight
         logits = F.linear(x, head)[0]
+        if c.final_softcap is not None:  # Gemma 2
+            logits = torch.tanh(logits / c.final_softcap) * c.final_softcap
         return logits if c.logits_scaling == 1.0 else logits / c.logits_scaling

@@ -40,6 +40,9 @@ OPS = {
     "add_rms_norm": ("x", "residual", "weight", "eps", "residual_scale", "residual_weight"),
     # x: [1, heads, T, head_dim], rotate-half RoPE; inv_freq: float32 [head_dim / 2] constant
     "rope": ("x", "positions", "inv_freq"),
+    # Gemma 2's attention as the Relax import states it (compiler/export.py): R.nn.attention's [1, T, H, D] layout,
+    # causal mask and window (0: none), the scores soft-capped, softcap * tanh(s / softcap), after the scale
+    "softcapped_attention": ("q", "k", "v", "scale", "sliding_window", "softcap"),
     "paged_attention": (  # -> [T, num_heads * head_dim]; RoPE by inv_freq on q and k applied inside
         "q",
         "k",
@@ -60,13 +63,16 @@ OPS = {
         "q_norm",
         "k_norm",
         "norm_eps",
+        "softcap",
     ),  # sliding_window 0: plain causal; else key j is seen from query i when i - window < j <= i. norm_eps > 0:
     # q and k are RMS-normalized before RoPE, each head (weights q_norm, k_norm: [head_dim]; Qwen3) or the whole of
-    # each ([num_heads * head_dim], [num_kv_heads * head_dim]; OLMo 2); else q_norm and k_norm are empty constants
+    # each ([num_heads * head_dim], [num_kv_heads * head_dim]; OLMo 2); else q_norm and k_norm are empty constants.
+    # softcap > 0: the scores soft-capped as in softcapped_attention (Gemma 2); 0: not
     # x + rms_norm(residual) by residual_weight: OLMo 2's normed branch added, with no norm after the sum
     "add_normed": ("x", "residual", "residual_weight", "eps"),
     "silu_mul": ("gate_up",),  # [rows, 2 * inter] -> [rows, inter]: silu(gate) * up
     "gelu_tanh_mul": ("gate_up",),  # the same with gelu(gate, approximate="tanh") (Gemma's GeGLU)
+    "softcap": ("x", "cap"),  # cap * tanh(x / cap), elementwise (Gemma 2's final logits)
     # x @ W.T with W (float [N, K], sources as traced) packed quantized: compiler/quant.py's scheme as attrs
     "quantized_matmul": ("x", "weight", "bits", "group_size", "asymmetric", "scale_bits"),
 }

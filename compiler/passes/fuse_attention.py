@@ -1,6 +1,7 @@
 """fuse_attention: causal attention over the sequence becomes paged-KV attention over the cache.
 
-Matches, per layer, `R.nn.attention(q, k, v, scale=s, causal_mask="TopLeft", window_size=w)` whose inputs
+Matches, per layer, `R.nn.attention(q, k, v, scale=s, causal_mask="TopLeft", window_size=w)` (or Gemma 2's
+`llmc.softcapped_attention(q, k, v, s, w, softcap)`, as the import states it) whose inputs
 come from the q/k/v projections through the head split ([T, H*D] -> [1, H, T, D]), `llmc.rope` on q and k
 (by the same positions and inverse frequencies), and for GQA transformers' repeat_kv (expand_dims,
 broadcast_to, reshape); in SmolLM3's NoPE layers neither q nor k is rotated, and the op's inv_freq is empty.
@@ -11,7 +12,7 @@ whole chain into
 
     llmc.paged_attention(q2d, k2d, v2d, positions, inv_freq, kv_cache_<layer>, slot_mapping, query_start_loc,
                          seq_lens, block_tables, layer, num_heads, num_kv_heads, head_dim, scale,
-                         sliding_window, q_norm, k_norm, norm_eps)  -> [T, H*D]
+                         sliding_window, q_norm, k_norm, norm_eps, softcap)  -> [T, H*D]
 
 which applies RoPE, writes this step's k/v into the cache through slot_mapping, and attends over each
 sequence's cached context. The op carries what the graph states: the scale (head_dim^-0.5 when the graph
@@ -73,6 +74,7 @@ class _Attention:
     q_norm: relax.Expr  # the norm weights: [head_dim] (Qwen3: each head), [heads * head_dim] (OLMo 2); or empty
     k_norm: relax.Expr
     norm_eps: float  # 0: no per-head norm
+    softcap: float  # 0: none
 
 
 _NO_ROPE = relax.const(np.zeros(0, dtype="float32"))  # inv_freq of a layer without RoPE
@@ -106,6 +108,20 @@ def _columns(expr: relax.Expr) -> int | None:
     return int(last) if isinstance(last, tvm.tirx.IntImm) else None
 
 
+def _attention_facts(value: relax.Expr):
+    """((q, k, v), scale or None, window, softcap) of causal attention without a bias: R.nn.attention with
+    causal_mask="TopLeft", or llmc.softcapped_attention (Gemma 2); else None."""
+    if llmc_op_name(value) == "softcapped_attention":
+        args = llmc_args(value)
+        scale, softcap = (float(prim_value(args[n])) for n in ("scale", "softcap"))
+        return (args["q"], args["k"], args["v"]), scale, int(prim_value(args["sliding_window"])), softcap
+    if not calls(value, "relax.nn.attention") or value.attrs.causal_mask != "TopLeft" or len(value.args) != 3:
+        return None
+    attrs = value.attrs
+    scale = None if attrs.scale is None else float(attrs.scale.value)
+    return tuple(value.args), scale, 0 if attrs.window_size is None else int(attrs.window_size), 0.0
+
+
 def batch_state_params(func: relax.Function, num_layers: int, num_kv_heads: int, head_dim: int):
     """New main parameters: (seq_lens, query_start_loc, block_tables, slot_mapping, kv caches)."""
     tokens = func.params[0].ty.shape.values[0]
@@ -129,11 +145,10 @@ def fuse_attention(mod: tvm.IRModule) -> tvm.IRModule:
     var2val = relax.analysis.get_var2val(func)
     matches = []
     for b in bindings(func):
-        if not calls(b.value, "relax.nn.attention") or b.value.attrs.causal_mask != "TopLeft":
+        facts = _attention_facts(b.value)
+        if facts is None:
             continue
-        if len(b.value.args) != 3:  # a bias
-            continue
-        q_in, k_in, v_in = b.value.args
+        (q_in, k_in, v_in), scale, window, softcap = facts
         q_rope, k_rope = _through_rope(q_in, var2val), _through_rope(k_in, var2val)
         if (q_rope is None) != (k_rope is None):
             continue
@@ -157,7 +172,6 @@ def fuse_attention(mod: tvm.IRModule) -> tvm.IRModule:
         v2 = _strip_layout(v_in, var2val)
         if _columns(q2) != heads * head_dim or _columns(k2) != _columns(v2):
             continue
-        attrs = b.value.attrs
         matches.append(
             _Attention(
                 b,
@@ -169,11 +183,12 @@ def fuse_attention(mod: tvm.IRModule) -> tvm.IRModule:
                 heads,
                 _columns(k2) // head_dim,
                 head_dim,
-                head_dim**-0.5 if attrs.scale is None else float(attrs.scale.value),
-                0 if attrs.window_size is None else int(attrs.window_size),
+                head_dim**-0.5 if scale is None else scale,
+                window,
                 NO_WEIGHT if q_norm is None else q_norm[1],
                 NO_WEIGHT if k_norm is None else k_norm[1],
                 0.0 if q_norm is None else q_norm[2],
+                softcap,
             )
         )
     if not matches:
@@ -208,6 +223,7 @@ def fuse_attention(mod: tvm.IRModule) -> tvm.IRModule:
                 m.q_norm,
                 m.k_norm,
                 prim(m.norm_eps),
+                prim(m.softcap),
             ],
             out_ty,
         )

@@ -14,6 +14,7 @@ from .fold import fold
 from .fuse_attention import fuse_attention
 from .fuse_rmsnorm import fuse_rmsnorm
 from .fuse_rope import fuse_rope
+from .fuse_softcap import fuse_softcap
 from .fuse_swiglu import fuse_swiglu
 from .merge_qkv import merge_qkv
 from .select_logits_rows import select_logits_rows
@@ -25,7 +26,8 @@ PASSES: list[Callable[[tvm.IRModule], tvm.IRModule]] = [
     fuse_attention,  # needs llmc.rope
     merge_qkv,  # needs llmc.paged_attention to find q, k, v
     fuse_swiglu,
-    select_logits_rows,  # needs the fused final norm
+    fuse_softcap,
+    select_logits_rows,  # needs the fused final norm, and llmc.softcap to carry onto the rows it selects
     fold,
 ]
 

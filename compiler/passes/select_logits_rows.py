@@ -24,12 +24,16 @@ from .common import Linear, calls, llmc_args, llmc_call, llmc_op_name, main_func
 
 
 def _output_linear(func: relax.Function, var2val):
-    """(scale, the lm_head Linear) whose result main returns (through reshapes, a leading-1 squeeze, and scalar
-    multiplies and divides, whose product is the scale)."""
+    """(scale, softcap, the lm_head Linear) whose result main returns (through reshapes, a leading-1 squeeze,
+    scalar multiplies and divides, whose product is the scale, and the llmc.softcap call, if any, that main's
+    result is)."""
     out = func.body.body
-    expr, scale = out, 1.0
+    expr, scale, softcap = out, 1.0, None
     while True:
         value = var2val.get(expr)
+        if llmc_op_name(value) == "softcap" and softcap is None and scale == 1.0:  # a scale before it: the norm's
+            softcap, expr = llmc_args(value)["cap"], llmc_args(value)["x"]
+            continue
         if calls(value, "relax.multiply", "relax.divide") and scalar(value.args[1]) not in (None, 0.0):
             c = scalar(value.args[1])
             scale *= c if calls(value, "relax.multiply") else 1.0 / c
@@ -42,13 +46,13 @@ def _output_linear(func: relax.Function, var2val):
         ):
             expr = value if isinstance(value, relax.Var) else value.args[0]
             continue
-        return scale, Linear.match(expr, var2val)
+        return scale, softcap, Linear.match(expr, var2val)
 
 
 def select_logits_rows(mod: tvm.IRModule) -> tvm.IRModule:
     func = main_function(mod)
     var2val = relax.analysis.get_var2val(func)
-    scale, head = _output_linear(func, var2val)
+    scale, softcap, head = _output_linear(func, var2val)
     if head is None:
         return rewrite(mod, {}, pass_name="select_logits_rows", count=0)
     normed = source_of(head.x, var2val)
@@ -91,6 +95,9 @@ def select_logits_rows(mod: tvm.IRModule) -> tvm.IRModule:
             relax.TensorType([*normed.ty.shape.values[:-2], num_logits, hidden], "float32"),
         )
     logits = relax.op.matmul(relax.op.reshape(rows, [num_logits, hidden]), relax.op.permute_dims(head.weight, [1, 0]))
+    if softcap is not None:
+        vocab = head.weight.ty.shape.values[0]
+        logits = llmc_call("softcap", [logits, softcap], relax.TensorType([num_logits, vocab], "float32"))
     out_var = func.body.body
     return rewrite(
         mod,

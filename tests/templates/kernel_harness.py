@@ -66,6 +66,7 @@ SIGNATURES = {
     ],
     "silu_mul": [("gate_up", "A*"), ("out", "A*"), ("T", "int")],
     "gather_rows": [("x", "A*"), ("rows", "i32*"), ("n", "int"), ("out", "A*")],
+    "softcap": [("x", "A*"), ("n", "int")],
     "qgemm": [
         ("x", "A*"),
         ("qweight", "u8*"),

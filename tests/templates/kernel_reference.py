@@ -260,7 +260,7 @@ class Batch:
 
     def reference(self):
         """Causal GQA attention of each new token over its sequence's K/V (the last sliding_window positions
-        when that is > 0), in float64: [T, nh * hd]."""
+        when that is > 0; scores soft-capped with softcap), in float64: [T, nh * hd]."""
         nh, nkv, hd = self.p["num_heads"], self.p["num_kv_heads"], self.p["head_dim"]
         group, window = nh // nkv, self.p["sliding_window"]
         out = np.zeros((self.T, nh, hd))
@@ -272,6 +272,8 @@ class Batch:
                 lo = max(0, c + i + 1 - window) if window else 0
                 for h in range(nh):
                     s = K[lo : c + i + 1, h // group] @ q[h] * self.p["scale"]
+                    if "softcap" in self.p:
+                        s = self.p["softcap"] * np.tanh(s / self.p["softcap"])
                     w = np.exp(s - s.max())
                     out[t, h] = (w / w.sum()) @ V[lo : c + i + 1, h // group]
         return out.reshape(self.T, nh * hd)

@@ -58,6 +58,9 @@ F32_SPECS = [
     )
     for nh, nkv, hd, bs, w, kv in CONFIGS
 ]
+# Gemma 2's soft-capped scores, with a cap (2) that random scores pass: a window mid-block (f32 cache), a bf16
+# cache with a window of 13, and a tensor-core prefill's key tiles with a window across them
+F32_SPECS += [(op, dict(p, softcap=2.0)) for op, p in (F32_SPECS[i] for i in (5, 13, 15))]
 # bf16 activations (q, k, v and out bf16): an f32 cache with GQA 4, bf16 caches with head_dim 64 and 8 (a window
 # of 13), and one of head_dim 32 with a window across the tensor-core prefill's key tiles
 BF16_SPECS = [(op, dict(p, adtype="bf16")) for op, p in (F32_SPECS[i] for i in (1, 9, 13, 15))]

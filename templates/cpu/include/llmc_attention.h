@@ -1,6 +1,7 @@
 // llmc CPU target: paged attention over the KV cache.
 #pragma once
 
+#include "llmc_elementwise.h"
 #include "llmc_pool.h"
 #include "llmc_simd.h"
 
@@ -29,7 +30,8 @@ constexpr int v_chunk(int nv, int g) {
 }
 
 // attend<G, ...>: G query heads of one token that share a kv head (q: G rows of D floats, one after another), over
-// cache positions [first, ctx) of one sequence through its block table: out (G rows of D) = softmax(q k^T * scale) v.
+// cache positions [first, ctx) of one sequence through its block table: out (G rows of D) = softmax(q k^T * scale) v,
+// each score soft-capped (soft_cap) after the scale when softcap > 0.
 // Each K and V row is read once for the G heads. Per head, the same sequence whatever G, T or thread: scores by
 // dot_block (a function of D and the data only), an online softmax in float32 with one rescale per cache block
 // (the running max m; the sum l gains each block's p as one vector sum), p = exp(score - m) by Vec::exp, and
@@ -37,7 +39,7 @@ constexpr int v_chunk(int nv, int g) {
 template <int G, int D, int BS, long SLOT, typename KV>
 LLMC_INLINE void attend(const float* LLMC_RESTRICT q, const KV* LLMC_RESTRICT k_cache, const KV* LLMC_RESTRICT v_cache,
                         long kvo, const int32_t* LLMC_RESTRICT table, int first, int ctx, float scale,
-                        float* LLMC_RESTRICT out) {
+                        float softcap, float* LLMC_RESTRICT out) {
   constexpr int VW = Vec::W;
   constexpr int NP = (BS + VW - 1) / VW * VW;  // a block's scores, padded to whole vectors
   constexpr int C = G <= 4 ? 4 : 2;            // keys per dot_block: G x C accumulators
@@ -81,13 +83,20 @@ LLMC_INLINE void attend(const float* LLMC_RESTRICT q, const KV* LLMC_RESTRICT k_
     // and end as 0 (none in the sum; the V loop never reads them).
     const Vec vscale = Vec::splat(scale), ninf = Vec::splat(-std::numeric_limits<float>::infinity());
     for (int g = 0; g < G; ++g) {
-      for (i = 0; i < lo; ++i) p[g][i] = -std::numeric_limits<float>::infinity();
-      for (i = n; i < NP; ++i) p[g][i] = -std::numeric_limits<float>::infinity();
       Vec mv = ninf;
-      for (i = 0; i < NP; i += VW) {
-        const Vec x = Vec::load(p[g] + i) * vscale;
-        x.store(p[g] + i);
-        mv = Vec::max(mv, x);
+      if (softcap > 0.0f) {  // soft_cap(-inf) is -softcap: the positions outside are masked after it
+        for (i = 0; i < NP; i += VW) soft_cap(Vec::load(p[g] + i) * vscale, softcap).store(p[g] + i);
+        for (i = 0; i < lo; ++i) p[g][i] = -std::numeric_limits<float>::infinity();
+        for (i = n; i < NP; ++i) p[g][i] = -std::numeric_limits<float>::infinity();
+        for (i = 0; i < NP; i += VW) mv = Vec::max(mv, Vec::load(p[g] + i));
+      } else {
+        for (i = 0; i < lo; ++i) p[g][i] = -std::numeric_limits<float>::infinity();
+        for (i = n; i < NP; ++i) p[g][i] = -std::numeric_limits<float>::infinity();
+        for (i = 0; i < NP; i += VW) {
+          const Vec x = Vec::load(p[g] + i) * vscale;
+          x.store(p[g] + i);
+          mv = Vec::max(mv, x);
+        }
       }
       const float mb = mv.hmax();
       if (mb > m[g]) {  // new running max: rescale what we have (exp(-inf) = 0 on the first block)
@@ -155,7 +164,7 @@ template <int NH, int NKV, int D, int BS, int W, typename KV>
 inline void paged_attention(const float* q, const float* k, const float* v, int row_stride, KV* k_cache,
                             KV* v_cache, const int64_t* slot_mapping, const int32_t* query_start_loc,
                             const int32_t* seq_lens, const int32_t* block_tables, int max_blocks, int B,
-                            float* out, float scale) {
+                            float* out, float scale, float softcap) {
   static_assert(NH % NKV == 0, "paged_attention: num_heads must be a multiple of num_kv_heads");
   static_assert(std::is_same_v<KV, float> || std::is_same_v<KV, uint16_t>, "paged_attention: KV is float or bf16");
   constexpr int GROUP = NH / NKV;
@@ -182,7 +191,8 @@ inline void paged_attention(const float* q, const float* k, const float* v, int 
       const int ctx = seq_lens[b] - n_new + (t - query_start_loc[b]) + 1;  // positions 0..p
       const int first = W > 0 ? std::max(0, ctx - W) : 0;                   // the window's first position
       attend<G, D, BS, SLOT>(q + (long)t * row_stride + h * D, k_cache, v_cache, (long)(h / GROUP) * D,
-                             block_tables + (long)b * max_blocks, first, ctx, scale, out + (long)t * NH * D + h * D);
+                             block_tables + (long)b * max_blocks, first, ctx, scale, softcap,
+                             out + (long)t * NH * D + h * D);
     });
   };
   // Too few tasks of G heads to keep every thread busy (decode with few kv heads): one head each, so that the

@@ -1,4 +1,4 @@
-// llmc CPU target: the row-wise kernels: embedding, RMSNorm, RoPE, SiLU-and-multiply, row gather.
+// llmc CPU target: the row-wise kernels: embedding, RMSNorm, RoPE, SiLU-and-multiply, row gather, soft-capping.
 #pragma once
 
 #include "llmc_pool.h"
@@ -95,6 +95,12 @@ LLMC_INLINE Vec gelu_tanh_mul(Vec g, Vec u) {
   return g * u / (Vec::splat(1.0f) + Vec::exp(Vec::zero() - two_z));
 }
 
+// Gemma 2's soft-capping, cap * tanh(x / cap), as cap - 2 cap / (1 + exp(2 x / cap)): Vec::exp's polynomial where
+// libm's tanhf is a call per element. Vec::exp clamps its argument, so an x far past the cap lands on +-cap.
+LLMC_INLINE Vec soft_cap(Vec x, float cap) {
+  return Vec::splat(cap) - Vec::splat(2.0f * cap) / (Vec::splat(1.0f) + Vec::exp(x * Vec::splat(2.0f / cap)));
+}
+
 // silu_mul: out[t, i] = silu(gate[t, i]) * up[t, i], gate_up = [gate | up] per row;
 // silu(g) = g / (1 + exp(-g)) as torch computes it, exp by Vec::silu_mul's SIMD exp_poly: libm's expf, one call
 // per element, cost a SmolLM-135M decode step ~0.5 ms of CPU (of ~25), a 16-row step ~4 ms. The last partial
@@ -122,6 +128,17 @@ inline void silu_mul(const float* LLMC_RESTRICT gate_up, float* LLMC_RESTRICT ou
 template <int C>
 inline void gather_rows(const float* LLMC_RESTRICT x, const int32_t* rows, int n, float* LLMC_RESTRICT out) {
   for (int i = 0; i < n; ++i) std::memcpy(out + (long)i * C, x + (long)rows[i] * C, sizeof(float) * C);
+}
+
+// softcap: x[r, :] = soft_cap(x[r, :]) in place for r < n (Gemma 2's final logits).
+template <int C>
+inline void softcap_rows(float* LLMC_RESTRICT x, int n, float cap) {
+  constexpr int W = Vec::W, CMAIN = C / W * W;
+  parallel_for(n, (long)n * C >= kParallelWork, [&](int r) {
+    float* row = x + (long)r * C;
+    for (int i = 0; i < CMAIN; i += W) soft_cap(Vec::load(row + i), cap).store(row + i);
+    if constexpr (CMAIN < C) soft_cap(Vec::load_part(row + CMAIN, C - CMAIN), cap).store_part(row + CMAIN, C - CMAIN);
+  });
 }
 
 }  // namespace llmc

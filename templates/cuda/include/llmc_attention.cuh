@@ -154,6 +154,9 @@ struct PagedAttention {
     store_dims(out + (static_cast<int64_t>(t) * NH + h) * D, o, 1.0f / L);
   }
 
+  // Gemma 2's soft-capped score, cap * tanh(s / cap); cap 0: none (a uniform branch)
+  static __device__ __forceinline__ float soft_cap(float s, float cap) { return cap > 0.0f ? cap * tanhf(s / cap) : s; }
+
   // dst[d] = acc * scale for this lane's dims d = lane + 32 i of a head (an output row, or a float partial)
   template <typename T>
   static __device__ __forceinline__ void store_dims(T* dst, const float (&acc)[DPL], float scale) {
@@ -168,7 +171,7 @@ struct PagedAttention {
   static __device__ __forceinline__ void attend(const A* q, int row_stride, const KV* k_cache,
                                                 const KV* v_cache, const int32_t* query_start_loc,
                                                 const int32_t* seq_lens, const int32_t* block_tables,
-                                                int max_blocks, int B, A* out, float scale,
+                                                int max_blocks, int B, A* out, float scale, float softcap,
                                                 float* partials, unsigned* done) {
     struct alignas(16) Smem {
       float q[HPB][D];     // this warp's query row
@@ -241,12 +244,12 @@ struct PagedAttention {
             if (lane % LPR == 0 && pj < hi) sm.p[warp][j] = part;
           }
           __syncwarp();
-          if (pos < hi) s = sm.p[warp][lane] * scale;
+          if (pos < hi) s = soft_cap(sm.p[warp][lane] * scale, softcap);
           __syncwarp();  // sm.p is rewritten with the weights below
         } else if (pos < hi) {
           const int64_t row = cache_row(table, pos, kvh);
           sm.row[warp][lane] = row;
-          s = dot_q(sm.q[warp], k_cache + row) * scale;
+          s = soft_cap(dot_q(sm.q[warp], k_cache + row) * scale, softcap);
         }
         const float m_new = fmaxf(m, warp_max(s));  // finite: position c0 is always < hi
         const float corr = expf(m - m_new);         // 0 on the first chunk (m = -inf)
@@ -295,7 +298,7 @@ struct PagedAttention {
   static __device__ __forceinline__ void prefill(const A* q, int row_stride, const KV* k_cache,
                                                  const KV* v_cache, const int32_t* query_start_loc,
                                                  const int32_t* seq_lens, const int32_t* block_tables,
-                                                 int max_blocks, int B, A* out, float scale) {
+                                                 int max_blocks, int B, A* out, float scale, float softcap) {
     if constexpr (kFlash) {
       struct alignas(16) Smem {
         uint16_t k[2][FN][FS];
@@ -389,7 +392,7 @@ struct PagedAttention {
                   const int kp = p0 + 8 * i + 2 * t4 + e;
                   const bool see = kp <= qp && kp <= k_hi && (W == 0 || kp > qp - W);
                   float& v = sc[i][2 * hr + e];
-                  v = see ? v * scale : -INFINITY;
+                  v = see ? soft_cap(v * scale, softcap) : -INFINITY;
                   mx = fmaxf(mx, v);
                 }
               }

@@ -123,6 +123,41 @@ def test_gemma3_v5_config_matches_transformers():
     assert c.embedding_scale == torch.tensor(72**0.5).to(torch.bfloat16).item() != 72**0.5
 
 
+GEMMA2_2B = {  # google/gemma-2-2b-it's config.json (sizes cut down): no layer_types, so even layers slide
+    "architectures": ["Gemma2ForCausalLM"],
+    "model_type": "gemma2",
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "num_hidden_layers": 5,
+    "vocab_size": 256000,
+    "hidden_act": "gelu_pytorch_tanh",
+    "hidden_activation": "gelu_pytorch_tanh",
+    "query_pre_attn_scalar": 256,
+    "rope_theta": 10000.0,
+    "sliding_window": 4096,
+    "final_logit_softcapping": 30.0,
+    "attn_logit_softcapping": 50.0,
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-06,
+    "torch_dtype": "float32",
+    "eos_token_id": [1, 107],
+    "bos_token_id": 2,
+}
+
+
+def test_gemma2_config():
+    c = parse_config(GEMMA2_2B)
+    assert c.sliding_layers == (0, 2, 4) and c.attention_window(0) == 4096 and c.attention_window(1) == 0
+    assert (c.attn_softcap, c.final_softcap) == (50.0, 30.0) and c.query_scale == 256**-0.5
+    assert c.hidden_act == "gelu_tanh" and c.norm_unit_offset and c.sandwich_norms and not c.qk_norm
+    assert (c.rope_theta, c.sliding_rope_theta) == (10000.0, None) and c.embedding_scale == 8.0
+    off = parse_config({**GEMMA2_2B, "attn_logit_softcapping": None, "final_logit_softcapping": None})
+    assert (off.attn_softcap, off.final_softcap) == (None, None)
+
+
 def test_granite_multipliers():
     from transformers import GraniteConfig
 
@@ -138,7 +173,6 @@ def test_granite_multipliers():
     [
         ("Gemma3ForConditionalGeneration", {}, "vision tower"),
         ("Qwen3MoeForCausalLM", {}, "mixture-of-experts"),
-        ("Gemma2ForCausalLM", {}, "soft-capping"),
         ("Phi3ForCausalLM", {}, "LongRoPE"),
         ("Gemma3ForCausalLM", {"final_logit_softcapping": 30.0}, "final_logit_softcapping"),
         ("Gemma3ForCausalLM", {"hidden_activation": "gelu"}, "hidden_activation 'gelu'"),

@@ -171,7 +171,7 @@ def test_config_and_tokenizer_as_the_source(arch, checkpoint_dir, gguf_file):
     a, b = src.config, ckpt.config
     # llama.cpp writes Mistral as llama, and a window wider than the context attends to all of it
     assert b.architecture == names.HF_ARCH[names.GGUF_ARCH[a.architecture]]
-    assert a.sliding_window is None or a.sliding_window >= a.max_position_embeddings or arch == "gemma3"
+    assert a.sliding_window is None or a.sliding_window >= a.max_position_embeddings or arch in ("gemma2", "gemma3")
     same = (
         "vocab_size",
         "hidden_size",
@@ -199,6 +199,8 @@ def test_config_and_tokenizer_as_the_source(arch, checkpoint_dir, gguf_file):
         "residual_scale",
         "query_scale",
         "logits_scaling",
+        "attn_softcap",
+        "final_softcap",
     )
     assert {k: getattr(b, k) for k in same} == {k: getattr(a, k) for k in same}
 

@@ -71,10 +71,26 @@ def _without_windows_wider_than(mod, length: int):
     return mod
 
 
+def _register_softcapped_attention():
+    """The VM's kernel for llmc.softcapped_attention (Gemma 2's, which Relax has no op for): the torch reference."""
+    import tvm
+
+    from llmc.compiler.frontend.model import softcapped_attention_reference
+
+    def run(q, k, v, scale, window, softcap):
+        q, k, v = (torch.from_numpy(t.numpy()).transpose(1, 2) for t in (q, k, v))  # [1, T, H, D] -> [1, H, T, D]
+        out = softcapped_attention_reference(q, k, v, scale, softcap, window)
+        return tvm.runtime.tensor(out.transpose(1, 2).contiguous().numpy())
+
+    tvm.register_global_func("llmc.softcapped_attention", run, override=True)
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_relax_matches_transformers(arch, checkpoint_dir):
     import tvm
     from tvm import relax
+
+    _register_softcapped_attention()
 
     path = checkpoint_dir(arch)
     ckpt = load_checkpoint(path)

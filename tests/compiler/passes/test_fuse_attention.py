@@ -2,11 +2,13 @@ import numpy as np
 import pytest
 import tvm
 import tvm_ffi
+from tvm import relax
 from tvm.script import ir as I
 from tvm.script import relax as R
 from tvm.script import tirx as T
 
 from llmc.compiler.compile import check_fusion
+from llmc.compiler.passes.common import calls, llmc_args, llmc_call, prim
 from llmc.compiler.passes.fuse_attention import fuse_attention
 from llmc.errors import CompileError
 from tests.checkpoints import ARCHS
@@ -18,8 +20,27 @@ Q_NORM = np.array([1.0, 1.5, 0.5, 2.0], dtype="float32")  # Qwen3's per-head wei
 K_NORM = np.array([0.9, 1.1, 1.2, 0.8], dtype="float32")
 
 
-def _attention_module(k_inv_freq=INV_FREQ, causal_mask="TopLeft"):
-    """One GQA layer as fuse_rope leaves it: 2 query heads, 1 KV head, head_dim 4, scale 0.5, window 3."""
+def _attention_module(k_inv_freq=INV_FREQ, causal_mask="TopLeft", softcap=None):
+    """One GQA layer as fuse_rope leaves it: 2 query heads, 1 KV head, head_dim 4, scale 0.5, window 3; with
+    softcap, Gemma 2's soft-capped attention as the import states it."""
+    module = _plain_attention_module(k_inv_freq, causal_mask)
+    if softcap is None:
+        return module
+
+    @relax.expr_functor.mutator
+    class SoftCapped(relax.PyExprMutator):
+        def visit_call_(self, call):
+            call = super().visit_call_(call)
+            if not calls(call, "relax.nn.attention"):
+                return call
+            facts = [prim(0.5), prim(int(call.attrs.window_size)), prim(softcap)]
+            return llmc_call("softcapped_attention", [*call.args, *facts], call.args[0].ty)
+
+    module["main"] = SoftCapped().visit_expr(module["main"])
+    return module
+
+
+def _plain_attention_module(k_inv_freq, causal_mask):
 
     @I.ir_module
     class Module:
@@ -63,57 +84,67 @@ def _attention_module(k_inv_freq=INV_FREQ, causal_mask="TopLeft"):
     return Module
 
 
-@I.ir_module
-class Expected:
-    @R.function
-    def main(
-        input_ids: R.Tensor(("n",), "int64"),
-        positions: R.Tensor(("n",), "int64"),
-        seq_lens: R.Tensor(("B",), "int32"),
-        query_start_loc: R.Tensor(("B + 1",), "int32"),
-        block_tables: R.Tensor(("B", "max_blocks"), "int32"),
-        slot_mapping: R.Tensor(("n",), "int64"),
-        kv_cache_0: R.Tensor((2, "num_blocks", "block_size", 1, 4), "float32"),
-        q: R.Tensor(("n", 8), "float32"),
-        k: R.Tensor(("n", 4), "float32"),
-        v: R.Tensor(("n", 4), "float32"),
-    ):
-        n = T.int64()
-        with R.dataflow():
-            # layer 0, 2 heads, 1 KV head, head_dim 4, scale 0.5, window 3
-            paged = R.call_pure_packed(
-                "llmc.paged_attention",
-                q,
-                k,
-                v,
-                positions,
-                R.const(INV_FREQ),
-                kv_cache_0,
-                slot_mapping,
-                query_start_loc,
-                seq_lens,
-                block_tables,
-                R.prim_value(0),
-                R.prim_value(2),
-                R.prim_value(1),
-                R.prim_value(4),
-                R.prim_value(T.float64(0.5)),
-                R.prim_value(3),
-                R.const(NO_NORM),
-                R.const(NO_NORM),
-                R.prim_value(T.float64(0.0)),
-                ty_args=R.Tensor((n, 8), "float32"),
-            )
-            att = R.reshape(paged, R.shape([1, n, 2, 4]))
-            out = R.reshape(att, R.shape([1, n, 8]))
-            R.output(out)
-        return out
+def _expected(softcap=0.0):
+    @I.ir_module
+    class Expected:
+        @R.function
+        def main(
+            input_ids: R.Tensor(("n",), "int64"),
+            positions: R.Tensor(("n",), "int64"),
+            seq_lens: R.Tensor(("B",), "int32"),
+            query_start_loc: R.Tensor(("B + 1",), "int32"),
+            block_tables: R.Tensor(("B", "max_blocks"), "int32"),
+            slot_mapping: R.Tensor(("n",), "int64"),
+            kv_cache_0: R.Tensor((2, "num_blocks", "block_size", 1, 4), "float32"),
+            q: R.Tensor(("n", 8), "float32"),
+            k: R.Tensor(("n", 4), "float32"),
+            v: R.Tensor(("n", 4), "float32"),
+        ):
+            n = T.int64()
+            with R.dataflow():
+                # layer 0, 2 heads, 1 KV head, head_dim 4, scale 0.5, window 3
+                paged = R.call_pure_packed(
+                    "llmc.paged_attention",
+                    q,
+                    k,
+                    v,
+                    positions,
+                    R.const(INV_FREQ),
+                    kv_cache_0,
+                    slot_mapping,
+                    query_start_loc,
+                    seq_lens,
+                    block_tables,
+                    R.prim_value(0),
+                    R.prim_value(2),
+                    R.prim_value(1),
+                    R.prim_value(4),
+                    R.prim_value(T.float64(0.5)),
+                    R.prim_value(3),
+                    R.const(NO_NORM),
+                    R.const(NO_NORM),
+                    R.prim_value(T.float64(0.0)),
+                    R.prim_value(T.float64(softcap)),
+                    ty_args=R.Tensor((n, 8), "float32"),
+                )
+                att = R.reshape(paged, R.shape([1, n, 2, 4]))
+                out = R.reshape(att, R.shape([1, n, 8]))
+                R.output(out)
+            return out
+
+    return Expected
 
 
 def test_attention_becomes_paged_attention_carrying_its_facts():
     out, count = apply(fuse_attention, _attention_module())
     assert count == 1
-    tvm.ir.assert_structural_equal(out["main"], Expected["main"])
+    tvm.ir.assert_structural_equal(out["main"], _expected()["main"])
+
+
+def test_softcapped_attention_becomes_paged_attention_carrying_the_cap():
+    out, count = apply(fuse_attention, _attention_module(softcap=50.0))
+    assert count == 1
+    tvm.ir.assert_structural_equal(out["main"], _expected(softcap=50.0)["main"])
 
 
 @pytest.mark.parametrize(
@@ -121,8 +152,9 @@ def test_attention_becomes_paged_attention_carrying_its_facts():
     [
         _attention_module(k_inv_freq=INV_FREQ * 2),  # q and k rotated differently: one op cannot carry both
         _attention_module(causal_mask=None),  # bidirectional
+        _attention_module(k_inv_freq=INV_FREQ * 2, softcap=50.0),  # soft-capped, k rotated differently
     ],
-    ids=["k_rotated_differently", "not_causal"],
+    ids=["k_rotated_differently", "not_causal", "softcapped_k_rotated_differently"],
 )
 def test_near_misses_are_left_alone(near_miss):
     out, count = apply(fuse_attention, near_miss)
@@ -191,10 +223,10 @@ def test_qwen3_head_norms_join_paged_attention():
     out, count = apply(fuse_attention, _qk_norm_module())
     assert count == 1 and count_ops(out, "rms_norm") == 0 and count_ops(out, "rope") == 0
     (call,) = [b.value for b in out["main"].body.blocks[0].bindings if "paged_attention" in str(b.value.args[0])]
-    q, k, v, *_, q_norm, k_norm, eps = call.args[1:]
-    assert [p.name for p in (q, k, v)] == ["q", "k", "v"]  # straight from the projections, norms and all
-    assert np.array_equal(q_norm.value.numpy(), Q_NORM) and np.array_equal(k_norm.value.numpy(), K_NORM)
-    assert float(eps.value) == 1e-6
+    args = llmc_args(call)
+    assert [args[n].name for n in ("q", "k", "v")] == ["q", "k", "v"]  # straight from the projections, norms and all
+    assert np.array_equal(args["q_norm"].value.numpy(), Q_NORM) and np.array_equal(args["k_norm"].value.numpy(), K_NORM)
+    assert float(args["norm_eps"].value) == 1e-6
 
 
 @pytest.mark.parametrize(

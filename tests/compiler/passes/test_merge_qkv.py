@@ -57,6 +57,7 @@ class Before:
                 R.const(NO_NORM),
                 R.const(NO_NORM),
                 R.prim_value(T.float64(0.0)),
+                R.prim_value(T.float64(0.0)),
                 ty_args=R.Tensor((n, 8), "float32"),
             )
             R.output(out)
@@ -105,6 +106,7 @@ class Expected:
                 R.prim_value(0),
                 R.const(NO_NORM),
                 R.const(NO_NORM),
+                R.prim_value(T.float64(0.0)),
                 R.prim_value(T.float64(0.0)),
                 ty_args=R.Tensor((n, 8), "float32"),
             )
@@ -161,6 +163,7 @@ class KeysOfAnotherInput:
                 R.prim_value(0),
                 R.const(NO_NORM),
                 R.const(NO_NORM),
+                R.prim_value(T.float64(0.0)),
                 R.prim_value(T.float64(0.0)),
                 ty_args=R.Tensor((n, 8), "float32"),
             )
