@@ -50,6 +50,9 @@ class ModelConfig:
     # Gemma 2's soft-capping, c * tanh(x / c): of the attention scores after the scale, and of the final logits
     attn_softcap: float | None = None
     final_softcap: float | None = None
+    rotary_dim: int | None = None  # the leading dims of each head that RoPE rotates (Phi-4-mini: 3/4); None: all
+    # Phi-3: the checkpoint stores q, k, v as one qkv_proj and gate, up as one gate_up_proj (stored_slices)
+    fused_projections: bool = False
 
     @property
     def q_size(self) -> int:
@@ -63,6 +66,26 @@ class ModelConfig:
     def max_context(self) -> int:
         """Longest sequence the compiled model serves."""
         return self.max_position_embeddings
+
+    @property
+    def rope_dim(self) -> int:
+        return self.head_dim if self.rotary_dim is None else self.rotary_dim
+
+    def stored_slices(self) -> dict[str, tuple[str, int, int]]:
+        """The tensors of weight_shapes() that the checkpoint stores as row ranges of another: {name: (stored
+        name, first row, end row)} (Phi-3's fused qkv_proj and gate_up_proj); empty for the other families."""
+        if not self.fused_projections:
+            return {}
+        q, kv, i = self.q_size, self.kv_size, self.intermediate_size
+        out = {}
+        for n in range(self.num_layers):
+            p = f"model.layers.{n}."
+            qkv, gate_up = p + "self_attn.qkv_proj.weight", p + "mlp.gate_up_proj.weight"
+            for name, lo, hi in (("q", 0, q), ("k", q, q + kv), ("v", q + kv, q + 2 * kv)):
+                out[p + f"self_attn.{name}_proj.weight"] = (qkv, lo, hi)
+            out[p + "mlp.gate_proj.weight"] = (gate_up, 0, i)
+            out[p + "mlp.up_proj.weight"] = (gate_up, i, 2 * i)
+        return out
 
     def attention_window(self, layer: int) -> int:
         """Keys a query of `layer` attends to, itself included; 0 is the whole causal context."""
@@ -90,6 +113,10 @@ class ModelConfig:
             return f"hidden_act {self.hidden_act!r} is neither silu nor gelu_tanh"
         if self.sandwich_norms and self.post_norms:
             return "sandwich_norms and post_norms both set"
+        if self.fused_projections and (self.attention_bias or self.mlp_bias):
+            return "fused projections with biases"
+        if not 2 <= self.rope_dim <= self.head_dim or self.rope_dim % 2:
+            return f"rotary_dim={self.rotary_dim} is not an even count of at most head_dim={self.head_dim}"
         return None
 
     def weight_shapes(self) -> dict[str, tuple[int, ...]]:

@@ -124,6 +124,19 @@ VARIANTS = {
         attn_logit_softcapping=3.0,
         final_logit_softcapping=10.0,
     ),
+    # fused qkv_proj and gate_up_proj; RoPE on 18 of each head's 24 dims (partial_rotary_factor 0.75, as Phi-4-mini);
+    # a window of 7 on every layer
+    "phi3": dict(
+        arch="phi3",
+        hidden_size=96,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=120,
+        num_hidden_layers=2,
+        sliding_window=7,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75},
+        pad_token_id=None,  # its default (32000) is past this vocabulary
+    ),
     # norms after each branch, q / k norms over the whole projection (GQA: k's is kv_size), untied
     "olmo2": dict(
         arch="olmo2",
@@ -205,6 +218,8 @@ def make_checkpoint(
         MistralForCausalLM,
         Olmo2Config,
         Olmo2ForCausalLM,
+        Phi3Config,
+        Phi3ForCausalLM,
         Qwen2Config,
         Qwen2ForCausalLM,
         Qwen3Config,
@@ -223,6 +238,7 @@ def make_checkpoint(
         "gemma2": (Gemma2Config, Gemma2ForCausalLM),
         "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM),
         "olmo2": (Olmo2Config, Olmo2ForCausalLM),
+        "phi3": (Phi3Config, Phi3ForCausalLM),
     }
     spec = {**VARIANTS[variant], **overrides}
     arch, shard = spec.pop("arch"), spec.pop("shard", None)

@@ -105,8 +105,8 @@ def _check_params(op: str, params: Mapping[str, Any]) -> None:
         hd, freqs = params["head_dim"], params["inv_freq"]
         if not isinstance(hd, int) or hd % 2:
             raise ValueError(f"head_dim must be an even int, got {hd!r}")
-        if not isinstance(freqs, (list, tuple)) or len(freqs) != hd // 2:
-            raise ValueError(f"inv_freq must be a list of head_dim/2 = {hd // 2} floats")
+        if not isinstance(freqs, (list, tuple)) or not 1 <= len(freqs) <= hd // 2:
+            raise ValueError(f"inv_freq must be a list of 1 to head_dim/2 = {hd // 2} floats (R/2: R dims rotate)")
         eps = params.get("norm_eps")
         if eps is not None and (isinstance(eps, bool) or not isinstance(eps, float) or not eps > 0):
             raise ValueError(f"norm_eps must be a float > 0 (absent: no per-head norm), got {eps!r}")

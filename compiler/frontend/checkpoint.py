@@ -38,6 +38,7 @@ class Checkpoint:
     chat_template: str | None
     special_tokens: dict[str, str]  # bos_token / eos_token from tokenizer_config.json, when given
     generation_defaults: dict  # sampling defaults from generation_config.json (SamplingParams names)
+    slices: dict[str, tuple[str, int, int]]  # config.stored_slices(): tensors read as rows of a fused one
 
     @property
     def weight_dtype(self) -> str:
@@ -48,6 +49,9 @@ class Checkpoint:
     def tensor(self, name: str) -> torch.Tensor:
         """The tensor as float; a quantized one (GGUF) comes dequantized, exactly."""
         with safe_open(self.tensor_files[name], framework="pt") as f:
+            if name in self.slices:  # rows of a fused tensor (Phi-3's qkv_proj, gate_up_proj), read alone
+                stored, lo, hi = self.slices[name]
+                return f.get_slice(stored)[lo:hi]
             return f.get_tensor(name)
 
     def quant_scheme(self, name: str) -> QuantScheme | None:
@@ -194,22 +198,28 @@ def load_hf_checkpoint(path: Path) -> Checkpoint:
     for f in _weight_files(path):
         for name, (dtype, shape) in _scan_safetensors(f).items():
             found[name] = (f, dtype, shape)
+    slices = config.stored_slices()
+    stored_shapes = {}  # a fused tensor's shape: its parts' rows stacked
+    for name, (stored, _, hi) in slices.items():
+        rows = max(hi, stored_shapes.get(stored, (0,))[0])
+        stored_shapes[stored] = (rows, *expected[name][1:])
     tensor_files, dtypes = {}, {}
     for name, shape in expected.items():
-        if name not in found:
+        stored, shape = (slices[name][0], stored_shapes[slices[name][0]]) if name in slices else (name, shape)
+        if stored not in found:
             raise CheckpointError(
-                f"{path}: tensor {name!r} is missing from the weights",
+                f"{path}: tensor {stored!r} is missing from the weights",
                 "the config does not match these weights (check num_hidden_layers, tie_word_embeddings, biases)",
             )
-        f, dtype, got = found[name]
+        f, dtype, got = found[stored]
         if got != shape:
             raise CheckpointError(
-                f"{f.name}: tensor {name!r} has shape {list(got)} but config.json implies {list(shape)}",
+                f"{f.name}: tensor {stored!r} has shape {list(got)} but config.json implies {list(shape)}",
                 "config.json and the weights disagree; fix the config or use matching weights",
             )
         if BY_SAFETENSORS[dtype].name not in _READS:
             raise CheckpointError(
-                f"{f.name}: tensor {name!r} has dtype {dtype}", "llmc reads F32, F16 and BF16 weights"
+                f"{f.name}: tensor {stored!r} has dtype {dtype}", "llmc reads F32, F16 and BF16 weights"
             )
         tensor_files[name], dtypes[name] = f, BY_SAFETENSORS[dtype].name
 
@@ -224,7 +234,7 @@ def load_hf_checkpoint(path: Path) -> Checkpoint:
         k: _token_text(tok_config[k], tok_config_path, k) for k in ("bos_token", "eos_token") if tok_config.get(k)
     }
     generation = generation_defaults(gen, gen_path) if gen_path.is_file() else {}
-    return Checkpoint(path, config, tensor_files, dtypes, tokenizer_path, chat_template, special, generation)
+    return Checkpoint(path, config, tensor_files, dtypes, tokenizer_path, chat_template, special, generation, slices)
 
 
 def _check_tokenizer(path: Path) -> None:

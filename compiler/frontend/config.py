@@ -27,12 +27,13 @@ ARCHITECTURES = {
     "Gemma3ForCausalLM": "Gemma 3 text (1B; the text weights of larger ones): GeGLU, (1 + w) and sandwich norms, "
     "q/k norms, 5 local to 1 global layers with their own RoPE bases; no soft-capping",
     "Olmo2ForCausalLM": "OLMo 2 (norms after each branch, q/k norms over the whole projection)",
+    "Phi3ForCausalLM": "Phi-3 and Phi-4-mini without LongRoPE (fused qkv / gate_up projections, partial rotary, "
+    "a sliding window on every layer)",
 }
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 # Checkpoints of these hold a vision tower, experts or layers llmc does not build yet: named in the refusal, so a
 # user knows why
 _REFUSED = {
-    "Phi3ForCausalLM": "its fused qkv / gate_up projections, partial rotary and LongRoPE are not compiled yet",
     "Gemma3ForConditionalGeneration": "its vision tower is not compiled; a text-only Gemma 3 (Gemma3ForCausalLM) is",
     "Qwen3MoeForCausalLM": "mixture-of-experts layers are not compiled yet",
     "MixtralForCausalLM": "mixture-of-experts layers are not compiled yet",
@@ -40,6 +41,7 @@ _REFUSED = {
 }
 _QWEN = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")  # sliding window only with use_sliding_window, above max_window_layers
 _GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+_PARTIAL_ROTARY = ("Phi3ForCausalLM",)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
@@ -104,6 +106,7 @@ def _rope(raw: dict, params=None) -> tuple[float, dict | None]:
     if not isinstance(params, dict):
         raise _bad("rope_parameters", params, "an object")
     params = dict(params)
+    params.pop("partial_rotary_factor", None)  # _rotary_dim's
     rope_type = params.pop("rope_type", params.pop("type", "default")) or "default"
     theta = _number({"rope_theta": params.pop("rope_theta", raw.get("rope_theta", 10000.0))}, "rope_theta", 1e4)
     if not isinstance(rope_type, str) or rope_type not in SUPPORTED_ROPE_TYPES:
@@ -130,11 +133,25 @@ def _rope(raw: dict, params=None) -> tuple[float, dict | None]:
                 raise UnsupportedModelError(f"config.json: llama3 rope scaling lacks {key!r}", "add it to rope_scaling")
         if params["low_freq_factor"] == params["high_freq_factor"]:
             raise _bad("high_freq_factor", params["high_freq_factor"], "different from low_freq_factor")
-    if params.get("partial_rotary_factor", 1.0) != 1.0:
-        raise UnsupportedModelError(
-            "config.json: partial rotary embeddings are not supported", "llmc rotates the whole head_dim"
-        )
     return theta, {"rope_type": rope_type, **params}
+
+
+def _rotary_dim(raw: dict, arch: str, head_dim: int) -> int | None:
+    """The dimensions of each head that RoPE rotates: int(head_dim * partial_rotary_factor), as transformers sizes
+    it (Phi-4-mini: 0.75), or None for all of them; the factor sits in rope_parameters (v5) or at the top level
+    (v4)."""
+    params = raw.get("rope_parameters")
+    source = params if isinstance(params, dict) and params.get("partial_rotary_factor") is not None else raw
+    factor = _number(source, "partial_rotary_factor", 1.0)
+    if factor == 1.0:
+        return None
+    dim = int(head_dim * factor)
+    if arch not in _PARTIAL_ROTARY or factor > 1.0 or dim < 2 or dim % 2:
+        raise UnsupportedModelError(
+            f"config.json: partial_rotary_factor={factor!r} is not supported for {arch}",
+            f"llmc rotates part of each head for {', '.join(_PARTIAL_ROTARY)}, an even count of its dimensions",
+        )
+    return dim
 
 
 def parse_config(raw: dict) -> ModelConfig:
@@ -228,6 +245,8 @@ def parse_config(raw: dict) -> ModelConfig:
             else None
         ),
         logits_scaling=_number(raw, "logits_scaling", 1.0) if granite else 1.0,
+        rotary_dim=_rotary_dim(raw, arch, head_dim),
+        fused_projections=arch == "Phi3ForCausalLM",
         attn_softcap=_softcap(raw, "attn_logit_softcapping"),
         final_softcap=_softcap(raw, "final_logit_softcapping"),
     )

@@ -223,6 +223,7 @@ def load_gguf(path: str | Path) -> GGUFCheckpoint:
         chat_template=chat_template,
         special_tokens=special,
         generation_defaults={},
+        slices={},
         gguf_arch=arch,
         gguf_names=gguf_names,
         gguf_types=gguf_types,

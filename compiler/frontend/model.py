@@ -1,9 +1,9 @@
-"""The Llama family (Llama, Mistral, Qwen2, Qwen3, SmolLM3, Granite, Gemma 2 and 3, OLMo 2) as one plain, stateless torch
-module.
+"""The Llama family (Llama, Mistral, Qwen2, Qwen3, SmolLM3, Granite, Gemma 2 and 3, OLMo 2, Phi-3) as one plain,
+stateless torch module.
 
 This is what the compiler traces, not what it runs: a full-sequence forward over one sequence with
-explicit positions and no cache. Parameter names equal Hugging Face's, so a checkpoint's tensors map
-onto it 1:1 and `torch.func.functional_call` can feed them in as explicit inputs. The passes later find
+explicit positions and no cache. Parameter names equal Hugging Face's Llama names, so a checkpoint's tensors map
+onto it 1:1 (Phi-3's fused projections as row ranges: ModelConfig.stored_slices) and `torch.func.functional_call` can feed them in as explicit inputs. The passes later find
 RMSNorm, RoPE, attention and SwiGLU in the traced graph and rewrite attention into paged-KV attention;
 nothing here knows about the cache.
 
@@ -24,9 +24,9 @@ from .config import ModelConfig
 
 
 def rope_inv_freq(config: ModelConfig, theta: float | None = None) -> torch.Tensor:
-    """float32 [head_dim // 2], computed exactly as transformers' rope init functions do. theta: an unscaled
+    """float32 [rope_dim // 2], computed exactly as transformers' rope init functions do. theta: an unscaled
     RoPE of that base instead (Gemma 3's sliding layers)."""
-    dim = config.head_dim
+    dim = config.rope_dim
     base = config.rope_theta if theta is None else theta
     inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     scaling = config.rope_scaling
@@ -51,7 +51,7 @@ def rope_inv_freq(config: ModelConfig, theta: float | None = None) -> torch.Tens
 
 def _yarn_inv_freq(config: ModelConfig, factor: float) -> torch.Tensor:
     """YaRN: interpolated low frequencies, extrapolated high ones, a linear ramp between (beta_fast/slow)."""
-    s, dim, base = config.rope_scaling, config.head_dim, config.rope_theta
+    s, dim, base = config.rope_scaling, config.rope_dim, config.rope_theta
     old_len = s["original_max_position_embeddings"]
 
     def correction_dim(rotations: float) -> float:
@@ -136,6 +136,15 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE on the leading cos.shape[-1] dims of each head; the rest pass (Phi-4-mini's partial)."""
+    dim = cos.shape[-1]
+    if dim == x.shape[-1]:
+        return x * cos + rotate_half(x) * sin
+    rot = x[..., :dim]
+    return torch.cat((rot * cos + rotate_half(rot) * sin, x[..., dim:]), dim=-1)
+
+
 class Attention(nn.Module):
     def __init__(self, c: ModelConfig, window: int, rope: bool = True):
         super().__init__()
@@ -162,8 +171,7 @@ class Attention(nn.Module):
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.v_proj(x).view(1, T, c.num_kv_heads, c.head_dim).transpose(1, 2)
         if self.rope:  # SmolLM3's NoPE layers attend without it
-            q = q * cos + rotate_half(q) * sin
-            k = k * cos + rotate_half(k) * sin
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         group = c.num_heads // c.num_kv_heads
         if group > 1:  # repeat_kv, as transformers spells it
             k = k[:, :, None].expand(1, c.num_kv_heads, group, T, c.head_dim).reshape(1, c.num_heads, T, c.head_dim)
@@ -267,7 +275,7 @@ class LlamaFamily(nn.Module):
         def rope_tables(inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             # from the positions; inv_freq is a trace-time constant, not a buffer
             freqs = positions.float()[:, None] * inv_freq.to(x.device)[None, :]
-            emb = torch.cat((freqs, freqs), dim=-1)[None, None]  # [1, 1, T, head_dim]
+            emb = torch.cat((freqs, freqs), dim=-1)[None, None]  # [1, 1, T, rope_dim]
             return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
 
         tables = rope_tables(self.inv_freq)

@@ -38,7 +38,8 @@ OPS = {
     # -> (h, rms_norm(h)), h = x + residual_scale * r, where r is rms_norm(residual) by residual_weight (Gemma's
     # normed branch) or, when residual_weight is an empty constant, residual itself
     "add_rms_norm": ("x", "residual", "weight", "eps", "residual_scale", "residual_weight"),
-    # x: [1, heads, T, head_dim], rotate-half RoPE; inv_freq: float32 [head_dim / 2] constant
+    # x: [1, heads, T, head_dim], rotate-half RoPE of each head's leading 2 * len(inv_freq) dims (all of them but
+    # for a partial rotary, Phi-4-mini's); inv_freq: a float32 constant
     "rope": ("x", "positions", "inv_freq"),
     # Gemma 2's attention as the Relax import states it (compiler/export.py): R.nn.attention's [1, T, H, D] layout,
     # causal mask and window (0: none), the scores soft-capped, softcap * tanh(s / softcap), after the scale

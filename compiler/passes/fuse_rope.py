@@ -7,8 +7,10 @@ constant (the model's inverse frequencies, scaling included, as the frontend tra
 that constant, so the cos/sin subgraph becomes dead and is removed.
 
 Runs after the first fold (which drops the no-op casts around cos and sin) and before fuse_attention,
-which folds llmc.rope into paged attention. Not covered: interleaved (GPT-J style) rotation, partial
-rotary dims, and inverse frequencies computed in the graph rather than traced as a constant.
+which folds llmc.rope into paged attention. Partial rotary (Phi-4-mini), concat((rope(x[..., :R]), x[..., R:])),
+becomes one llmc.rope on the whole head whose inv_freq has R / 2 entries: the kernels rotate the leading R dims
+and leave the rest. Not covered: interleaved (GPT-J style) rotation, and inverse frequencies computed in the graph
+rather than traced as a constant.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import tvm
 from tvm import relax
 from tvm.relax.dpl import is_op, wildcard
 
-from .common import calls, llmc_call, main_function, matching_bindings, rewrite, source_of
+from .common import bindings, calls, llmc_call, main_function, matching_bindings, rewrite, source_of
 
 _VIEWS_AND_CASTS = ("relax.reshape", "relax.expand_dims", "relax.astype")
 
@@ -73,9 +75,41 @@ def _angles(emb: relax.Expr, var2val) -> tuple[relax.Var, tvm.ir.Constant] | Non
     return positions, inv_freq
 
 
+def _last_axis_slice(expr: relax.Expr, var2val) -> tuple[relax.Expr, int, int] | None:
+    """(x, begin, end) if expr is x[..., begin:end] (a unit-stride strided_slice of x's last axis), else None."""
+    value = var2val.get(expr)
+    if not calls(value, "relax.strided_slice") or len(value.args) != 5:
+        return None
+    x, axes, begin, end, strides = value.args
+    ndim = x.ty.ndim
+    if [int(a) for a in axes] not in ([ndim - 1], [-1]) or [int(s) for s in strides] != [1]:
+        return None
+    return x, int(begin[0]), int(end[0])
+
+
+def _partial(b: relax.VarBinding, roped: dict, var2val) -> tuple[relax.Expr, relax.Var] | None:
+    """(llmc.rope over the whole head, the var of the rotated part's rope) if b is Phi-4-mini's partial rotary,
+    concat((rope(x[..., :R]), x[..., R:])) on the last axis with R the rope's 2 * len(inv_freq); else None."""
+    if not calls(b.value, "relax.concat"):
+        return None
+    parts = b.value.args[0]
+    parts = var2val.get(parts, parts)
+    if not isinstance(parts, relax.Tuple) or len(parts.fields) != 2 or parts.fields[0] not in roped:
+        return None
+    x, positions, inv_freq = roped[parts.fields[0]]
+    rotated, passed = _last_axis_slice(x, var2val), _last_axis_slice(parts.fields[1], var2val)
+    dim = 2 * int(inv_freq.ty.shape.values[0])
+    if rotated is None or passed is None or not rotated[0].same_as(passed[0]) or rotated[1:] != (0, dim):
+        return None
+    head_dim = int(rotated[0].ty.shape.values[-1])
+    if passed[1] != dim or passed[2] < head_dim or int(b.value.attrs.axis) not in (-1, rotated[0].ty.ndim - 1):
+        return None
+    return llmc_call("rope", [rotated[0], positions, inv_freq], b.var.ty), parts.fields[0]
+
+
 def fuse_rope(mod: tvm.IRModule) -> tvm.IRModule:
     func = main_function(mod)
-    edits, count = {}, 0
+    edits, roped = {}, {}
     for b, var2val in matching_bindings(func, _pattern()):
         first, second = (var2val[a] for a in b.value.args)
         x, rotated = first.args[0], second.args[0]
@@ -87,5 +121,11 @@ def fuse_rope(mod: tvm.IRModule) -> tvm.IRModule:
         if angles is None or 2 * int(angles[1].ty.shape.values[0]) != int(x.ty.shape.values[-1]):
             continue
         edits[b.var] = llmc_call("rope", [x, *angles], b.var.ty)
-        count += 1
-    return rewrite(mod, edits, pass_name="fuse_rope", count=count)
+        roped[b.var] = (x, *angles)
+    var2val = relax.analysis.get_var2val(func)
+    for b in bindings(func):
+        partial = _partial(b, roped, var2val)
+        if partial is not None:  # the rotated part's own rope becomes unused
+            edits[b.var] = partial[0]
+            del edits[partial[1]]
+    return rewrite(mod, edits, pass_name="fuse_rope", count=len(edits))

@@ -127,7 +127,8 @@ def rope_inputs(T, row_stride, seed):
 
 
 def rope_reference(x, positions, inv_freq):
-    """x [T, H, D] float32, positions [T] -> [T, H, D] float32.
+    """x [T, H, D] float32, positions [T] -> [T, H, D] float32, the leading 2 * len(inv_freq) dims of each head
+    rotated (the rest passed, as Phi-3's apply_rotary_pos_emb passes them).
 
     transformers.models.llama: LlamaRotaryEmbedding.forward + apply_rotary_pos_emb, float32."""
     import torch
@@ -137,10 +138,11 @@ def rope_reference(x, positions, inv_freq):
     freqs = (inv[None, :, None] @ pos[:, None, :]).transpose(1, 2)
     emb = torch.cat((freqs, freqs), dim=-1)
     cos, sin = emb.cos()[0, :, None, :], emb.sin()[0, :, None, :]  # [T, 1, D]
-    q = torch.from_numpy(x)
+    whole = torch.from_numpy(x)
+    q = whole[..., : emb.shape[-1]]
     half = q.shape[-1] // 2
     rotated = torch.cat((-q[..., half:], q[..., :half]), dim=-1)
-    return ((q * cos) + (rotated * sin)).numpy()
+    return torch.cat(((q * cos) + (rotated * sin), whole[..., emb.shape[-1] :]), dim=-1).numpy()
 
 
 def emitted_floats(src, table):

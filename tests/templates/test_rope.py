@@ -10,10 +10,12 @@ from llmc.compiler.codegen.render import kernel_id, render_kernel
 from tests.templates.kernel_harness import spec_id, target_params
 from tests.templates.kernel_reference import emitted_floats, rope_inputs, rope_inv_freq, rope_reference, to_bf16
 
-# (num_heads, head_dim, theta): 9 heads is the odd GQA case (on CUDA 9 x 32 pairs > 256 threads: a second
-# sweep), head_dim 8 / 16 / 64
-CASES = [(9, 64, 10000.0), (3, 16, 500000.0), (2, 8, 10000.0)]
-F32_SPECS = [("rope", dict(num_heads=nh, head_dim=hd, inv_freq=rope_inv_freq(hd, th).tolist())) for nh, hd, th in CASES]
+# (num_heads, head_dim, rotated dims, theta): 9 heads is the odd GQA case (on CUDA 9 x 32 pairs > 256 threads: a
+# second sweep), head_dim 8 / 16 / 64; partial rotaries (Phi-4-mini's 3/4) of 18 of 24 dims and 96 of 128
+CASES = [(9, 64, 64, 10000.0), (3, 16, 16, 500000.0), (2, 8, 8, 10000.0), (3, 24, 18, 10000.0), (4, 128, 96, 1e4)]
+F32_SPECS = [
+    ("rope", dict(num_heads=nh, head_dim=hd, inv_freq=rope_inv_freq(r, th).tolist())) for nh, hd, r, th in CASES
+]
 BF16_SPECS = [(op, dict(p, adtype="bf16")) for op, p in F32_SPECS]
 SPECS = F32_SPECS + BF16_SPECS
 

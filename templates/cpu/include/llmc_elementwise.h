@@ -48,15 +48,16 @@ inline void rmsnorm(const float* x, const float* residual_in, float* residual_ou
 }
 
 // rope, rotate-half convention (transformers' Llama): with c, s = cos, sin(float(pos) * inv_freq[i]),
-//   x[i] = x[i] * c - x[i + D/2] * s,   x[i + D/2] = x[i + D/2] * c + x[i] * s,   i < D/2,
-// in place on heads [0, NH) of each row (row t starts at x + t * row_stride). NORM (Qwen3's q_norm / k_norm):
+//   x[i] = x[i] * c - x[i + R/2] * s,   x[i + R/2] = x[i + R/2] * c + x[i] * s,   i < R/2,
+// in place on heads [0, NH) of each row (row t starts at x + t * row_stride); R < D (Phi-4-mini's partial rotary)
+// leaves each head's dims [R, D) as they are. NORM (Qwen3's q_norm / k_norm):
 // first each head is RMS-normalized over its D values and scaled by norm_w [D], as RMSNorm does at fp32;
 // with WHOLE (OLMo 2's), the NH * D values together, scaled by norm_w [NH * D].
-template <int NH, int D, bool NORM = false, bool WHOLE = false>
+template <int NH, int D, int R = D, bool NORM = false, bool WHOLE = false>
 inline void rope(float* x, int row_stride, const int32_t* positions, int T, const float* inv_freq,
                  const float* norm_w = nullptr, float eps = 0.0f) {
-  static_assert(D % 2 == 0, "rope: odd head_dim");
-  constexpr int HALF = D / 2;
+  static_assert(R % 2 == 0 && R <= D, "rope: the rotated dims are an even count of at most head_dim");
+  constexpr int HALF = R / 2;
   parallel_for(T, (long)T * NH * D >= kParallelWork, [&](int t) {
     float c[HALF], s[HALF];
     const float p = float(positions[t]);

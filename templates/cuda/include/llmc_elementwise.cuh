@@ -92,16 +92,18 @@ struct RmsNorm {
 
 // ---------------------------------------------------------------------------------------------------
 // rope, rotate-half (transformers' Llama), in place on heads [0, NH) of each row: with c, s = cos, sin of
-// float(pos) * inv_freq[i],  x[i] = x[i] c - x[i + D/2] s,  x[i + D/2] = x[i + D/2] c + x[i] s.
-// Grid (T), block kThreads: the token's D/2 (cos, sin) pairs once into shared memory (accurate sincosf),
+// float(pos) * inv_freq[i],  x[i] = x[i] c - x[i + R/2] s,  x[i + R/2] = x[i + R/2] c + x[i] s,  i < R/2; R < D
+// (Phi-4-mini's partial rotary) leaves each head's dims [R, D) as they are.
+// Grid (T), block kThreads: the token's R/2 (cos, sin) pairs once into shared memory (accurate sincosf),
 // then one thread per (head, i) pair. NORM (Qwen3's q_norm / k_norm): each head is first RMS-normalized over
 // its D values and scaled by norm_w [D] (float32), as the rmsnorm kernel does a row: a thread per head sums
 // its squares in order (deterministic), before any value is rotated. WHOLE (OLMo 2's): the NH * D values
 // together, scaled by norm_w [NH * D]: thread 0 adds the heads' sums in head order.
-template <int NH, int D, typename A = float, bool NORM = false, bool WHOLE = false>
+template <int NH, int D, typename A = float, bool NORM = false, bool WHOLE = false, int R = D>
 struct Rope {
-  static_assert(D % 2 == 0, "rope: odd head_dim");
-  static constexpr int HALF = D / 2;
+  static_assert(R % 2 == 0 && R <= D, "rope: the rotated dims are an even count of at most head_dim");
+  static_assert(!NORM || R == D, "rope: the norm is applied as the dims rotate, so it takes a whole-head rotation");
+  static constexpr int HALF = R / 2;
   static constexpr int kThreads = row_threads(NH * HALF, 256);
 
   static __device__ __forceinline__ void run(A* x, int row_stride, const int32_t* positions, const float* inv_freq,

@@ -50,6 +50,60 @@ def test_rope_becomes_one_op_carrying_its_inverse_frequencies():
     tvm.ir.assert_structural_equal(out["main"], Expected["main"])
 
 
+def _partial(pass_from: int = 2):
+    """Phi-4-mini's partial rotary: RoPE on dims [0, 2) of head_dim 4 (one frequency), dims [pass_from, 4) passed."""
+
+    @I.ir_module
+    class Module:
+        @R.function
+        def main(x: R.Tensor((1, 2, "n", 4), "float32"), positions: R.Tensor(("n",), "int64")):
+            with R.dataflow():
+                freqs = R.multiply(
+                    R.expand_dims(R.astype(positions, "float32"), axis=[1]),
+                    R.expand_dims(R.const(INV_FREQ[:1]), axis=[0]),
+                )
+                emb = R.expand_dims(R.concat((freqs, freqs), axis=-1), axis=[0, 1])
+                rot = R.strided_slice(x, (3,), (0,), (2,), (1,))
+                rotated = R.concat(
+                    (
+                        R.negative(R.strided_slice(rot, (3,), (1,), (2,), (1,))),
+                        R.strided_slice(rot, (3,), (0,), (1,), (1,)),
+                    ),
+                    axis=-1,
+                )
+                roped = R.add(R.multiply(rot, R.cos(emb)), R.multiply(rotated, R.sin(emb)))
+                out = R.concat((roped, R.strided_slice(x, (3,), (pass_from,), (4,), (1,))), axis=-1)
+                R.output(out)
+            return out
+
+    return Module
+
+
+@I.ir_module
+class PartialExpected:
+    @R.function
+    def main(x: R.Tensor((1, 2, "n", 4), "float32"), positions: R.Tensor(("n",), "int64")):
+        n = T.int64()
+        with R.dataflow():
+            out = R.call_pure_packed(
+                "llmc.rope", x, positions, R.const(INV_FREQ[:1]), ty_args=R.Tensor((1, 2, n, 4), "float32")
+            )
+            R.output(out)
+        return out
+
+
+def test_partial_rotary_becomes_one_op_over_the_whole_head():
+    out, count = apply(fuse_rope, _partial())
+    assert count == 1
+    tvm.ir.assert_structural_equal(out["main"], PartialExpected["main"])
+
+
+def test_partial_rotary_with_a_gap_keeps_its_concat():
+    """Dims [0, 2) rotated and [3, 4) passed: no rope of the whole head; the rotated part alone is fused."""
+    out, count = apply(fuse_rope, _partial(pass_from=3))
+    assert count == 1 and count_ops(out, "concat") == 1
+
+
 @I.ir_module
 class FrequenciesComputedInTheGraph:
     """inv_freq is a parameter, not a constant: the op could not carry it, so nothing is rewritten."""
