@@ -106,8 +106,14 @@ class LlmcOpLowering:
         inv_freq = [float(f) for f in args["inv_freq"].value.numpy().tolist()]
         norm_eps = float(prim_value(args["norm_eps"]))
         rotated = [] if not inv_freq else [(q, num_heads, "q_norm"), (k, num_kv_heads, "k_norm")]  # SmolLM3: NoPE
+        longrope = {}
+        if int(prim_value(args["original_max"])) > 0:  # Phi-3's LongRoPE: the runtime flags the long sequences
+            longrope = {
+                "long_inv_freq": [float(f) for f in args["long_inv_freq"].value.numpy().tolist()],
+                "attention_factor": float(prim_value(args["attention_factor"])),
+            }
         for view, heads, norm in rotated:
-            params = {"num_heads": heads, "head_dim": head_dim, "inv_freq": inv_freq}
+            params = {"num_heads": heads, "head_dim": head_dim, "inv_freq": inv_freq, **longrope}
             weight, fused = "nullptr", ["rope"]
             if norm_eps > 0:  # Qwen3 (each head), OLMo 2 (the whole of q or k): the RMSNorm, in the same kernel
                 params["norm_eps"] = norm_eps

@@ -23,7 +23,7 @@ class ModelConfig:
     head_dim: int
     rms_norm_eps: float
     rope_theta: float
-    rope_scaling: dict | None  # {"rope_type": "linear" | "llama3" | "yarn", ...}; None for plain RoPE
+    rope_scaling: dict | None  # {"rope_type": "linear" | "llama3" | "yarn" | "longrope", ...}; None for plain RoPE
     max_position_embeddings: int
     sliding_window: int | None  # a query at position p sees keys p-W+1..p in the layers of sliding_layers
     tie_word_embeddings: bool
@@ -66,6 +66,12 @@ class ModelConfig:
     def max_context(self) -> int:
         """Longest sequence the compiled model serves."""
         return self.max_position_embeddings
+
+    @property
+    def long_rope(self) -> int:
+        """LongRoPE's original length (Phi-3): a sequence of more tokens rotates by its long set; 0: none."""
+        s = self.rope_scaling or {}
+        return int(s["original_max_position_embeddings"]) if s.get("rope_type") == "longrope" else 0
 
     @property
     def rope_dim(self) -> int:
@@ -117,6 +123,14 @@ class ModelConfig:
             return "fused projections with biases"
         if not 2 <= self.rope_dim <= self.head_dim or self.rope_dim % 2:
             return f"rotary_dim={self.rotary_dim} is not an even count of at most head_dim={self.head_dim}"
+        s = self.rope_scaling or {}
+        if (
+            s.get("rope_type") == "longrope"
+            and not len(s["short_factor"]) == len(s["long_factor"]) == self.rope_dim // 2
+        ):
+            return (
+                f"LongRoPE's short_factor and long_factor must hold rotary_dim / 2 = {self.rope_dim // 2} values each"
+            )
         return None
 
     def weight_shapes(self) -> dict[str, tuple[int, ...]]:

@@ -16,6 +16,8 @@ import numpy as np
 
 from llmc.runtime.kv_cache import slot_id, slot_ids
 
+LONG_ROPE_FLAG = 1 << 30  # the templates' kLongRopeFlag: a position's mark for LongRoPE's long set (docs/contracts.md)
+
 
 @dataclasses.dataclass(frozen=True)
 class StepBatch:
@@ -26,6 +28,9 @@ class StepBatch:
     seq_lens: np.ndarray  # int32 [B]: context length of sequence b after this step (cached + new)
     block_tables: np.ndarray  # int32 [B, max_blocks]: cache blocks of sequence b in order; unused = 0
     logits_indices: np.ndarray  # int32 [N]: the token rows (of T) whose logits the step returns, in this order
+    # Not an ABI array: int32 [B], the tokens each sequence's request holds in all (LongRoPE's switch, which the
+    # module marks in the positions it passes: CompiledModel.step); None: seq_lens
+    seq_totals: np.ndarray | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -51,6 +56,7 @@ class StepBatch:
         block_tables: Sequence[Sequence[int]],
         block_size: int,
         num_logits: Sequence[int] | None = None,
+        seq_totals: Sequence[int] | None = None,
     ) -> StepBatch:
         """Flatten B sequences' new tokens into one step.
 
@@ -59,13 +65,20 @@ class StepBatch:
         at least seq_len slots. Block tables are padded with 0 to the longest one in the batch.
         num_logits[b] (1..n_b; default 1): the step returns logits for the last num_logits[b] new tokens of
         sequence b, sequence by sequence and in token order. Any other set of rows is a `logits_indices` of
-        one's own (dataclasses.replace).
+        one's own (dataclasses.replace). seq_totals[b]: the tokens sequence b's request holds in all, when more
+        than this step brings it to (a prompt prefilled in chunks; default: seq_lens).
         """
         num_seqs = len(token_ids)
         assert num_seqs == len(num_computed_tokens) == len(block_tables) and num_seqs > 0, "empty or ragged step"
         if all(len(t) == 1 for t in token_ids) and (num_logits is None or all(r == 1 for r in num_logits)):
-            return cls._decode(token_ids, num_computed_tokens, block_tables, block_size)
-        return cls._ragged(token_ids, num_computed_tokens, block_tables, block_size, num_logits)
+            batch = cls._decode(token_ids, num_computed_tokens, block_tables, block_size)
+        else:
+            batch = cls._ragged(token_ids, num_computed_tokens, block_tables, block_size, num_logits)
+        if seq_totals is None:
+            return batch
+        totals = np.asarray(seq_totals, dtype=np.int32)
+        assert totals.shape == (num_seqs,) and (totals >= batch.seq_lens).all(), f"seq_totals {totals}"
+        return dataclasses.replace(batch, seq_totals=totals)
 
     @classmethod
     def _ragged(
@@ -137,6 +150,13 @@ class StepBatch:
             block_tables=np.array([[*bt, *[0] * (max_blocks - len(bt))] for bt in block_tables], dtype=np.int32),
             logits_indices=rows[:-1],
         )
+
+    def long_rope_positions(self, original: int) -> np.ndarray:
+        """positions with LONG_ROPE_FLAG set on the tokens of sequences that hold more than `original` tokens in
+        all (seq_totals, else seq_lens): the rows LongRoPE's kernels rotate by its long set."""
+        totals = self.seq_lens if self.seq_totals is None else self.seq_totals
+        long = np.repeat(totals > original, np.diff(self.query_start_loc))
+        return np.where(long, self.positions | LONG_ROPE_FLAG, self.positions).astype(np.int32)
 
     def validate(self) -> None:
         """Check dtypes, shapes and contiguity against the C ABI; a mismatch would be silent memory corruption."""

@@ -96,6 +96,7 @@ class LLMEngine:
             self.kv_cache,
             max_num_batched_tokens=min(max_num_batched_tokens or model.max_num_tokens, model.max_num_tokens),
             max_num_seqs=min(max_num_seqs or model.max_num_seqs, model.max_num_seqs),
+            long_rope=int(getattr(config, "long_rope", 0)),
         )
         # A sequence holds at most its window plus one step's chunk (and a partial block at each end) when
         # the cache releases out-of-window blocks; else all of its tokens, so the cache caps its length.
@@ -245,6 +246,11 @@ class LLMEngine:
 
     # -- the step -------------------------------------------------------------------------------------
 
+    def _total(self, req_id: str) -> int:
+        """The tokens a scheduled request holds in all, its guesses under verification included (StepBatch)."""
+        request = self.scheduler.requests[req_id]
+        return max(request.num_tokens, request.num_computed_tokens)
+
     def step(self) -> list[RequestOutput]:
         if self._proposer is not None:
             try:
@@ -263,6 +269,7 @@ class LLMEngine:
             [s.block_ids for s in sched.scheduled],
             self.kv_cache.block_size,
             num_logits=num_rows,
+            seq_totals=[self._total(s.req_id) for s in sched.scheduled],
         )
         row_end = np.cumsum(num_rows)
         masking = self._start_masks(sched.scheduled, row_end)  # beside the model step, which lets go of the GIL

@@ -194,16 +194,17 @@ class KVCacheManager:
     def __contains__(self, req_id: str) -> bool:
         return req_id in self._blocks
 
-    def get_computed_blocks(self, token_ids: Sequence[int]) -> list[int]:
+    def get_computed_blocks(self, token_ids: Sequence[int], salt: bytes = b"") -> list[int]:
         """The cached blocks holding the longest run of full blocks that starts `token_ids` ([] if caching is off).
 
         Never all of the tokens: the last one is left out, so a request always computes at least one token and
-        its step yields logits. Changes nothing; `allocate_slots` takes the blocks.
+        its step yields logits. Changes nothing; `allocate_slots` takes the blocks. salt: what else the k/v depend
+        on (LongRoPE's long set: Scheduler), the chain's first parent, as `cache_blocks` was given it.
         """
         if not self.enable_prefix_caching:
             return []
         blocks: list[int] = []
-        parent = b""
+        parent = salt
         for start in range(0, (len(token_ids) - 1) // self.block_size * self.block_size, self.block_size):
             parent = hash_block_tokens(parent, token_ids[start : start + self.block_size])
             block = self.pool.cached_block(parent)
@@ -263,7 +264,7 @@ class KVCacheManager:
                 self.pool.free([blocks[i]])
                 blocks[i] = _RELEASED
 
-    def cache_blocks(self, req_id: str, token_ids: Sequence[int], num_computed_tokens: int) -> None:
+    def cache_blocks(self, req_id: str, token_ids: Sequence[int], num_computed_tokens: int, salt: bytes = b"") -> None:
         """The request's k/v are computed for token_ids[:num_computed_tokens]: cache its full blocks among them.
 
         Call it only once a step has written those k/v (a failed step's blocks must never be found by others).
@@ -274,7 +275,7 @@ class KVCacheManager:
         hashes = self._block_hashes[req_id]
         bs = self.block_size
         for i in range(len(hashes), num_computed_tokens // bs):
-            hashes.append(hash_block_tokens(hashes[-1] if hashes else b"", token_ids[i * bs : (i + 1) * bs]))
+            hashes.append(hash_block_tokens(hashes[-1] if hashes else salt, token_ids[i * bs : (i + 1) * bs]))
             if blocks[i] != _RELEASED:
                 self.pool.cache(blocks[i], hashes[-1])
 

@@ -274,12 +274,14 @@ class CompiledModel:
                 " per step (CompiledModel.load(max_num_logits=))"
             )
         batch.validate()
+        # LongRoPE (Phi-3): the positions of sequences past the original length carry the kernels' long-set flag
+        positions = batch.long_rope_positions(self.config.long_rope) if self.config.long_rope else batch.positions
         logits = np.empty((n, self.config.vocab_size), dtype=np.float32)
         rc = self._lib.llmc_step(
             self._handle,
             t,
             _ptr(batch.token_ids, _i32p),
-            _ptr(batch.positions, _i32p),
+            _ptr(positions, _i32p),
             _ptr(batch.slot_mapping, _i64p),
             b,
             _ptr(batch.query_start_loc, _i32p),

@@ -27,6 +27,11 @@ Speculative decoding: the engine puts guesses of a decoding request's next token
 `schedule()`; its step then computes the last token and the guesses (budget permitting), and `append_tokens`
 records the accepted ones and rolls the computed tokens (and cache slots) back past the rejected ones.
 
+LongRoPE (Phi-3, `long_rope` = its original length): a sequence of more tokens rotates q and k by the long
+frequencies, all of its tokens, as transformers recomputes the whole cache the step a sequence passes that length.
+So the step a running request passes it, its short-rotated k/v are dropped and it is computed again from its first
+token (`_recompute`), and the prefix cache keeps the two kinds apart (`_salt`).
+
 Admission, budget, preemption and output building are separate helpers (`_admit_waiting`,
 `_num_new_tokens`, `_preempt_newest`, `_schedule_request`).
 """
@@ -58,6 +63,7 @@ class Request:
         "status",
         "num_preemptions",
         "spec_token_ids",
+        "long_rope_kv",
     )
 
     def __init__(self, req_id: str, prompt_token_ids: Sequence[int]):
@@ -70,6 +76,7 @@ class Request:
         self.num_preemptions = 0
         # guesses of the tokens after its last one (speculative decoding), to verify in its next decode step
         self.spec_token_ids: list[int] = []
+        self.long_rope_kv = False  # its cached k/v were rotated by LongRoPE's long set (Scheduler.long_rope)
 
     @property
     def num_tokens(self) -> int:
@@ -115,12 +122,13 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, kv_cache: KVCacheManager, *, max_num_batched_tokens: int, max_num_seqs: int):
+    def __init__(self, kv_cache: KVCacheManager, *, max_num_batched_tokens: int, max_num_seqs: int, long_rope: int = 0):
         if max_num_batched_tokens < 1 or max_num_seqs < 1:
             raise ValueError(f"max_num_batched_tokens={max_num_batched_tokens}, max_num_seqs={max_num_seqs}: need >= 1")
         self.kv_cache = kv_cache
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
+        self.long_rope = long_rope  # LongRoPE's original length (0: the model has none)
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order: oldest first, newest (first to preempt) last
@@ -196,6 +204,8 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
+            if request.num_computed_tokens and self._long(request) != request.long_rope_kv:
+                self._recompute(request)
             num_new = self._num_new_tokens(request, budget)
             while not self.kv_cache.allocate_slots(request.req_id, num_new):
                 victim = self._preempt_newest()
@@ -213,7 +223,7 @@ class Scheduler:
     def _admit_waiting(self, budget: int, out: SchedulerOutput) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
-            computed_blocks = self.kv_cache.get_computed_blocks(request.all_token_ids)
+            computed_blocks = self.kv_cache.get_computed_blocks(request.all_token_ids, self._salt(self._long(request)))
             request.num_computed_tokens = len(computed_blocks) * self.kv_cache.block_size
             num_new = self._num_new_tokens(request, budget)
             if not self.kv_cache.allocate_slots(request.req_id, num_new, computed_blocks):
@@ -256,6 +266,25 @@ class Scheduler:
         self.waiting.appendleft(victim)
         return victim
 
+    def _long(self, request: Request) -> bool:
+        """Whether the request's tokens rotate by LongRoPE's long set: it holds more than the original length."""
+        return 0 < self.long_rope < request.num_tokens
+
+    @staticmethod
+    def _salt(long_rope_kv: bool) -> bytes:
+        """The prefix cache's salt for k/v rotated by LongRoPE's long set: they never meet the short ones."""
+        return b"longrope" if long_rope_kv else b""
+
+    def _recompute(self, request: Request) -> None:
+        """A running request that passed LongRoPE's original length: its k/v, rotated by the short set, go, and its
+        tokens are computed again (prefix-cached long ones reused)."""
+        self.kv_cache.free(request.req_id)
+        computed = self.kv_cache.get_computed_blocks(request.all_token_ids, self._salt(True))
+        request.num_computed_tokens = len(computed) * self.kv_cache.block_size
+        if not self.kv_cache.allocate_slots(request.req_id, 0, computed):
+            request.num_computed_tokens = 0
+        request.spec_token_ids = []
+
     def cache_computed_blocks(self, out: SchedulerOutput) -> None:
         """The step of `out` has run: make the full blocks it computed findable by later requests."""
         for scheduled in out.scheduled:
@@ -263,7 +292,8 @@ class Scheduler:
             if request is not None and request.status is RequestStatus.RUNNING:
                 # never past num_tokens: guesses under verification are not final, so their blocks are not either
                 num_final = min(request.num_computed_tokens, request.num_tokens)
-                self.kv_cache.cache_blocks(request.req_id, request.all_token_ids, num_final)
+                salt = self._salt(request.long_rope_kv)
+                self.kv_cache.cache_blocks(request.req_id, request.all_token_ids, num_final, salt)
 
     def _schedule_request(self, request: Request, num_new: int, out: SchedulerOutput) -> None:
         """Output building: record the request's chunk and advance its computed tokens."""
@@ -273,6 +303,7 @@ class Scheduler:
         token_ids += request.spec_token_ids[:num_spec]
         request.spec_token_ids = []
         request.num_computed_tokens = start + num_new
+        request.long_rope_kv = self._long(request)
         out.scheduled.append(
             ScheduledRequest(
                 req_id=request.req_id,

@@ -53,7 +53,12 @@ def next_token_logits(model, token_ids: Sequence[int]) -> Iterator[tuple[np.ndar
                 if not kv_cache.allocate_slots(req_id, len(new)):
                     raise AssertionError(f"{window} tokens do not fit the cache they were sized for")
                 batch = StepBatch.build(
-                    [new], [i], [kv_cache.block_ids(req_id)], model.block_size, num_logits=[len(new)]
+                    [new],
+                    [i],
+                    [kv_cache.block_ids(req_id)],
+                    model.block_size,
+                    num_logits=[len(new)],
+                    seq_totals=[len(chunk) - 1],  # the window's tokens that run (LongRoPE's switch)
                 )
                 yield model.step(batch), np.asarray(chunk[i + 1 : i + 1 + len(new)])
         finally:

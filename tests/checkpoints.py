@@ -124,8 +124,8 @@ VARIANTS = {
         attn_logit_softcapping=3.0,
         final_logit_softcapping=10.0,
     ),
-    # fused qkv_proj and gate_up_proj; RoPE on 18 of each head's 24 dims (partial_rotary_factor 0.75, as Phi-4-mini);
-    # a window of 7 on every layer
+    # fused qkv_proj and gate_up_proj; RoPE on 18 of each head's 24 dims (partial_rotary_factor 0.75, as Phi-4-mini)
+    # with LongRoPE, whose original length (32) generation crosses; a window of 7 on every layer
     "phi3": dict(
         arch="phi3",
         hidden_size=96,
@@ -134,7 +134,14 @@ VARIANTS = {
         intermediate_size=120,
         num_hidden_layers=2,
         sliding_window=7,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75},
+        rope_parameters={
+            "rope_type": "longrope",
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": 0.75,
+            "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.1, 3.8, 4.6],
+            "long_factor": [1.0, 1.4, 2.2, 3.5, 5.1, 7.2, 9.8, 13.0, 16.9],
+        },
+        original_max_position_embeddings=32,
         pad_token_id=None,  # its default (32000) is past this vocabulary
     ),
     # norms after each branch, q / k norms over the whole projection (GQA: k's is kv_size), untied

@@ -109,3 +109,22 @@ def test_variant_matches_transformers(variant, checkpoint_dir, tmp_path):
     path = checkpoint_dir(arch, **overrides)
     model = CompiledModel.load(compile_checkpoint(path, target="cpu", output=tmp_path / "model.cpu"))
     _assert_batched_greedy_matches(model, path, _prompt_ids(path)[:2])
+
+
+def test_longrope_prompt_prefilled_in_chunks_matches_transformers(checkpoint_dir, tmp_path_factory):
+    """Phi-3's LongRoPE with a step budget of 8 tokens: the 62-token prompt, past the original length of 32, is
+    prefilled in chunks that all rotate by the long set (its request's length decides, not the chunk's end), and
+    the short prompts pass 32 while decoding, where their cache is computed again with the long set."""
+    path = checkpoint_dir("phi3")
+    model = CompiledModel.load(compiled(checkpoint_dir, tmp_path_factory, "phi3"))
+    prompts = _prompt_ids(path)
+    assert len(prompts[1]) > 32 > len(prompts[0]) + 8
+    engine = LLMEngine(model, max_num_batched_tokens=8)
+    results = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS))
+    reference = hf_model(path)
+    for ids, result in zip(prompts, results, strict=True):
+        with torch.no_grad():
+            expected = reference.generate(
+                torch.tensor([ids]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False
+            )[0, len(ids) :].tolist()
+        assert result.outputs[0].token_ids == expected

@@ -107,12 +107,17 @@ def _check_params(op: str, params: Mapping[str, Any]) -> None:
             raise ValueError(f"head_dim must be an even int, got {hd!r}")
         if not isinstance(freqs, (list, tuple)) or not 1 <= len(freqs) <= hd // 2:
             raise ValueError(f"inv_freq must be a list of 1 to head_dim/2 = {hd // 2} floats (R/2: R dims rotate)")
+        long = params.get("long_inv_freq")
+        if long is not None and (not isinstance(long, (list, tuple)) or len(long) != len(freqs)):
+            raise ValueError(f"long_inv_freq must be a list of as many floats as inv_freq ({len(freqs)})")
+        if (long is None) != ("attention_factor" not in params):
+            raise ValueError("LongRoPE takes long_inv_freq and attention_factor together")
         eps = params.get("norm_eps")
         if eps is not None and (isinstance(eps, bool) or not isinstance(eps, float) or not eps > 0):
             raise ValueError(f"norm_eps must be a float > 0 (absent: no per-head norm), got {eps!r}")
     if params.get("activation", "gelu_tanh") != "gelu_tanh":
         raise ValueError(f"activation must be 'gelu_tanh' (absent: silu), got {params['activation']!r}")
-    for key in ("scale", "residual_scale", "cap"):
+    for key in ("scale", "residual_scale", "cap", "attention_factor"):
         value = params.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, float) or not math.isfinite(value)):
             raise ValueError(f"{key} must be a finite float (absent: 1), got {value!r}")
@@ -192,7 +197,8 @@ def render_host(template_dir: str, filename: str, **context: Any) -> str:
 
 # Parameters a template reads only when given (`is defined`): a variant of the op, absent from the others' ids
 OPTIONAL_PARAMS = {
-    "rope": {"norm_eps", "norm_over_heads"},  # Qwen3's per-head q / k norm before the rotation; OLMo 2's whole one
+    # Qwen3's per-head q / k norm before the rotation; OLMo 2's whole one; Phi-3's LongRoPE
+    "rope": {"norm_eps", "norm_over_heads", "long_inv_freq", "attention_factor"},
     "embedding": {"scale"},  # Granite's and Gemma's scaled embedding
     # Granite's scaled branch; Gemma's normed branch; OLMo 2's normed branch added with no norm of the sum
     "rmsnorm": {"residual_scale", "residual_norm", "output_norm"},
@@ -251,6 +257,8 @@ _ID_PREFIX = {
     "has_bias": "bias",
     "add_residual": "res",
     "inv_freq": "if",
+    "long_inv_freq": "lif",
+    "attention_factor": "af",
     "sliding_window": "sw",
     "kv_dtype": "kv",
     "adtype": "act",

@@ -27,8 +27,8 @@ ARCHITECTURES = {
     "Gemma3ForCausalLM": "Gemma 3 text (1B; the text weights of larger ones): GeGLU, (1 + w) and sandwich norms, "
     "q/k norms, 5 local to 1 global layers with their own RoPE bases; no soft-capping",
     "Olmo2ForCausalLM": "OLMo 2 (norms after each branch, q/k norms over the whole projection)",
-    "Phi3ForCausalLM": "Phi-3 and Phi-4-mini without LongRoPE (fused qkv / gate_up projections, partial rotary, "
-    "a sliding window on every layer)",
+    "Phi3ForCausalLM": "Phi-3, Phi-3.5-mini and Phi-4-mini (fused qkv / gate_up projections, partial rotary, "
+    "LongRoPE, a sliding window on every layer)",
 }
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 # Checkpoints of these hold a vision tower, experts or layers llmc does not build yet: named in the refusal, so a
@@ -42,7 +42,7 @@ _REFUSED = {
 _QWEN = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")  # sliding window only with use_sliding_window, above max_window_layers
 _GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 _PARTIAL_ROTARY = ("Phi3ForCausalLM",)
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 
 
 # Bounds far beyond any released checkpoint; a config outside them is damaged or hostile, and would make
@@ -119,10 +119,12 @@ def _rope(raw: dict, params=None) -> tuple[float, dict | None]:
     for key in _ROPE_NUMBERS:
         if params.get(key) is not None:
             params[key] = _number(params, key, 1.0)
-    if rope_type in ("llama3", "yarn"):  # as transformers' standardize_rope_params fills it in
+    if rope_type in ("llama3", "yarn", "longrope"):  # as transformers' standardize_rope_params fills it in
         key = "original_max_position_embeddings"
         source = raw if raw.get(key) is not None else params if params.get(key) is not None else None
         params[key] = _int(source, key) if source else _int(raw, "max_position_embeddings", 2048)
+    if rope_type == "longrope":
+        return theta, _longrope(raw, params)
     if rope_type == "yarn" and params.get("factor") is None:
         params["factor"] = _int(raw, "max_position_embeddings", 2048) / params["original_max_position_embeddings"]
     if "factor" not in params:
@@ -134,6 +136,29 @@ def _rope(raw: dict, params=None) -> tuple[float, dict | None]:
         if params["low_freq_factor"] == params["high_freq_factor"]:
             raise _bad("high_freq_factor", params["high_freq_factor"], "different from low_freq_factor")
     return theta, {"rope_type": rope_type, **params}
+
+
+def _longrope(raw: dict, params: dict) -> dict:
+    """Phi-3's LongRoPE: per-frequency divisors for short sequences and for ones past
+    original_max_position_embeddings, and the attention factor on cos and sin (transformers' defaults filled in:
+    factor max_position_embeddings / original, attention_factor sqrt(1 + ln factor / ln original))."""
+    for key in ("short_factor", "long_factor"):
+        f = params.get(key)
+        if (
+            not isinstance(f, list)
+            or not f
+            or not all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0 for v in f
+            )
+        ):
+            raise _bad(key, f, "a list of finite numbers > 0, one per rotary frequency")
+        params[key] = [float(v) for v in f]
+    orig = params["original_max_position_embeddings"]
+    factor = params.get("factor") or _int(raw, "max_position_embeddings", 2048) / orig
+    attention = params.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig))
+    return {"rope_type": "longrope", **params, "factor": float(factor), "attention_factor": float(attention)}
 
 
 def _rotary_dim(raw: dict, arch: str, head_dim: int) -> int | None:

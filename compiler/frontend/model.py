@@ -23,15 +23,19 @@ from torch import nn
 from .config import ModelConfig
 
 
-def rope_inv_freq(config: ModelConfig, theta: float | None = None) -> torch.Tensor:
+def rope_inv_freq(config: ModelConfig, theta: float | None = None, long: bool = False) -> torch.Tensor:
     """float32 [rope_dim // 2], computed exactly as transformers' rope init functions do. theta: an unscaled
-    RoPE of that base instead (Gemma 3's sliding layers)."""
+    RoPE of that base instead (Gemma 3's sliding layers); long: LongRoPE's set for sequences past its original
+    length (else its short one)."""
     dim = config.rope_dim
     base = config.rope_theta if theta is None else theta
     inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     scaling = config.rope_scaling
     if scaling is None or theta is not None:
         return inv_freq
+    if scaling["rope_type"] == "longrope":
+        ext = torch.tensor(scaling["long_factor" if long else "short_factor"], dtype=torch.float32)
+        return 1.0 / (ext * base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     factor = float(scaling["factor"])
     if scaling["rope_type"] == "linear":
         return inv_freq / factor
@@ -262,6 +266,8 @@ class LlamaFamily(nn.Module):
             self.inv_freq = rope_inv_freq(c)
             local = c.sliding_rope_theta
             self.sliding_inv_freq = None if local is None else rope_inv_freq(c, local)
+            longrope = c.rope_scaling is not None and c.rope_scaling["rope_type"] == "longrope"
+            self.long_inv_freq = rope_inv_freq(c, long=True) if longrope else None
         self.model = Backbone(c)
         if not c.tie_word_embeddings:
             self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
@@ -272,13 +278,22 @@ class LlamaFamily(nn.Module):
         if c.embedding_scale != 1.0:
             x = x * c.embedding_scale
 
-        def rope_tables(inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        def rope_tables(inv_freq: torch.Tensor, factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
             # from the positions; inv_freq is a trace-time constant, not a buffer
             freqs = positions.float()[:, None] * inv_freq.to(x.device)[None, :]
             emb = torch.cat((freqs, freqs), dim=-1)[None, None]  # [1, 1, T, rope_dim]
-            return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+            cos, sin = emb.cos(), emb.sin()
+            if factor != 1.0:
+                cos, sin = cos * factor, sin * factor
+            return cos.to(x.dtype), sin.to(x.dtype)
 
-        tables = rope_tables(self.inv_freq)
+        if self.long_inv_freq is None:
+            tables = rope_tables(self.inv_freq)
+        else:  # LongRoPE, as transformers switches it: the long set once the sequence passes the original length
+            s = c.rope_scaling
+            past = positions.max() + 1 > s["original_max_position_embeddings"]
+            inv_freq = torch.where(past, self.long_inv_freq.to(x.device), self.inv_freq.to(x.device))
+            tables = rope_tables(inv_freq, s["attention_factor"])
         local = tables if self.sliding_inv_freq is None else rope_tables(self.sliding_inv_freq)
         for i, layer in enumerate(self.model.layers):
             x = layer(x, *(local if i in c.sliding_layers else tables), positions)

@@ -40,7 +40,9 @@ OPS = {
     "add_rms_norm": ("x", "residual", "weight", "eps", "residual_scale", "residual_weight"),
     # x: [1, heads, T, head_dim], rotate-half RoPE of each head's leading 2 * len(inv_freq) dims (all of them but
     # for a partial rotary, Phi-4-mini's); inv_freq: a float32 constant
-    "rope": ("x", "positions", "inv_freq"),
+    # LongRoPE (Phi-3; else long_inv_freq empty, original_max 0, attention_factor 1): a token whose sequence holds
+    # more than original_max tokens after this step rotates by long_inv_freq, and cos and sin scale by the factor
+    "rope": ("x", "positions", "inv_freq", "long_inv_freq", "original_max", "attention_factor"),
     # Gemma 2's attention as the Relax import states it (compiler/export.py): R.nn.attention's [1, T, H, D] layout,
     # causal mask and window (0: none), the scores soft-capped, softcap * tanh(s / softcap), after the scale
     "softcapped_attention": ("q", "k", "v", "scale", "sliding_window", "softcap"),
@@ -65,10 +67,14 @@ OPS = {
         "k_norm",
         "norm_eps",
         "softcap",
+        "long_inv_freq",
+        "original_max",
+        "attention_factor",
     ),  # sliding_window 0: plain causal; else key j is seen from query i when i - window < j <= i. norm_eps > 0:
     # q and k are RMS-normalized before RoPE, each head (weights q_norm, k_norm: [head_dim]; Qwen3) or the whole of
     # each ([num_heads * head_dim], [num_kv_heads * head_dim]; OLMo 2); else q_norm and k_norm are empty constants.
-    # softcap > 0: the scores soft-capped as in softcapped_attention (Gemma 2); 0: not
+    # softcap > 0: the scores soft-capped as in softcapped_attention (Gemma 2); 0: not. long_inv_freq,
+    # original_max, attention_factor: the rope's LongRoPE
     # x + rms_norm(residual) by residual_weight: OLMo 2's normed branch added, with no norm after the sum
     "add_normed": ("x", "residual", "residual_weight", "eps"),
     "silu_mul": ("gate_up",),  # [rows, 2 * inter] -> [rows, inter]: silu(gate) * up

@@ -12,7 +12,8 @@ whole chain into
 
     llmc.paged_attention(q2d, k2d, v2d, positions, inv_freq, kv_cache_<layer>, slot_mapping, query_start_loc,
                          seq_lens, block_tables, layer, num_heads, num_kv_heads, head_dim, scale,
-                         sliding_window, q_norm, k_norm, norm_eps, softcap)  -> [T, H*D]
+                         sliding_window, q_norm, k_norm, norm_eps, softcap, long_inv_freq, original_max,
+                         attention_factor)  -> [T, H*D]
 
 which applies RoPE, writes this step's k/v into the cache through slot_mapping, and attends over each
 sequence's cached context. The op carries what the graph states: the scale (head_dim^-0.5 when the graph
@@ -65,7 +66,7 @@ class _Attention:
     k: relax.Expr
     v: relax.Expr
     positions: relax.Expr
-    inv_freq: tvm.ir.Constant
+    rope: dict  # inv_freq and the LongRoPE facts (_ROPE_FACTS), as llmc.rope carries them
     num_heads: int
     num_kv_heads: int
     head_dim: int
@@ -78,6 +79,8 @@ class _Attention:
 
 
 _NO_ROPE = relax.const(np.zeros(0, dtype="float32"))  # inv_freq of a layer without RoPE
+_NO_LONGROPE = {"long_inv_freq": NO_WEIGHT, "original_max": prim(0), "attention_factor": prim(1.0)}
+_ROPE_FACTS = ("inv_freq", *_NO_LONGROPE)  # what q's and k's rotations must share
 
 
 def _qk_norm(expr: relax.Expr, var2val, head_dim: int) -> tuple[relax.Expr, relax.Expr, float] | None:
@@ -153,13 +156,12 @@ def fuse_attention(mod: tvm.IRModule) -> tvm.IRModule:
         if (q_rope is None) != (k_rope is None):
             continue
         if q_rope is None:  # a NoPE layer (SmolLM3): neither is rotated
-            q_args = k_args = {"positions": func.params[1], "inv_freq": _NO_ROPE}
+            q_args = k_args = {"positions": func.params[1], "inv_freq": _NO_ROPE, **_NO_LONGROPE}
             q_args, k_args = {**q_args, "x": q_in}, {**k_args, "x": k_in}
         else:
             q_args, k_args = llmc_args(q_rope), llmc_args(k_rope)
-        if not (
-            q_args["positions"].same_as(k_args["positions"])
-            and tvm_ffi.structural_equal(q_args["inv_freq"], k_args["inv_freq"])
+        if not q_args["positions"].same_as(k_args["positions"]) or not all(
+            tvm_ffi.structural_equal(q_args[n], k_args[n]) for n in _ROPE_FACTS
         ):
             continue
         heads, head_dim = (int(d) for d in b.var.ty.shape.values[2:])  # attention out: [1, T, heads, head_dim]
@@ -179,7 +181,7 @@ def fuse_attention(mod: tvm.IRModule) -> tvm.IRModule:
                 k2,
                 v2,
                 q_args["positions"],
-                q_args["inv_freq"],
+                {n: q_args[n] for n in _ROPE_FACTS},
                 heads,
                 _columns(k2) // head_dim,
                 head_dim,
@@ -208,7 +210,7 @@ def fuse_attention(mod: tvm.IRModule) -> tvm.IRModule:
                 m.k,
                 m.v,
                 m.positions,
-                m.inv_freq,
+                m.rope["inv_freq"],
                 caches[layer],
                 slot_mapping,
                 qsl,
@@ -224,6 +226,9 @@ def fuse_attention(mod: tvm.IRModule) -> tvm.IRModule:
                 m.k_norm,
                 prim(m.norm_eps),
                 prim(m.softcap),
+                m.rope["long_inv_freq"],
+                m.rope["original_max"],
+                m.rope["attention_factor"],
             ],
             out_ty,
         )

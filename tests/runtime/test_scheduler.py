@@ -150,3 +150,31 @@ def test_preempted_request_finds_its_own_blocks_again():
     out = run_step(sched)
     assert chunks(out) == [("new", 4, 5, True)]  # its first block is found; the rest and its sampled token computed
     assert sched.requests["new"].num_preemptions == 1
+
+
+def test_longrope_recomputes_a_request_the_step_it_passes_the_original_length():
+    """LongRoPE (original length 10): a request of 9 prompt tokens decodes with the short set until it holds 11
+    tokens; that step computes all 11 again (its short-rotated k/v dropped), and decoding goes on from there."""
+    kv = KVCacheManager(16, 4)
+    sched = Scheduler(kv, max_num_batched_tokens=32, max_num_seqs=4, long_rope=10)
+    sched.add_request(Request("a", list(range(9))))
+    assert chunks(run_step(sched)) == [("a", 0, 9, True)]  # 10 tokens now: not past the original length
+    assert chunks(run_step(sched)) == [("a", 9, 1, True)]  # computes the 10th; 11 tokens now
+    out = run_step(sched)
+    assert chunks(out) == [("a", 0, 11, True)] and out.scheduled[0].token_ids == sched.requests["a"].all_token_ids[:11]
+    assert chunks(run_step(sched)) == [("a", 11, 1, True)]
+
+
+def test_longrope_keeps_short_and_long_blocks_apart_in_the_prefix_cache():
+    """Blocks computed with the short set are never found by a request past the original length (the k/v differ),
+    while one past it finds another long request's."""
+    kv = KVCacheManager(32, 4, enable_prefix_caching=True)
+    sched = Scheduler(kv, max_num_batched_tokens=64, max_num_seqs=4, long_rope=10)
+    sched.add_request(Request("short", list(range(9))))
+    run_step(sched)
+    sched.finish_request("short")
+    sched.add_request(Request("long", list(range(20))))
+    assert chunks(run_step(sched)) == [("long", 0, 20, True)]  # the short request's blocks 0..1 are not its
+    sched.finish_request("long")
+    sched.add_request(Request("long2", list(range(16)) + [99, 98, 97, 96]))
+    assert chunks(run_step(sched)) == [("long2", 16, 4, True)]  # the long request's 4 full blocks are

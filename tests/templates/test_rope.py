@@ -1,7 +1,8 @@
 """rope (templates/{cpu,cuda}/rope.*.j2) against transformers' Llama rotary embedding (rotate-half), in torch
 float32; on CUDA with bf16 activations, the float32 rotation of the bf16 values, rounded once. With norm_eps,
 each head first goes through Qwen3's q_norm / k_norm (transformers' RMSNorm over head_dim), as its attention
-does before RoPE."""
+does before RoPE. With LongRoPE (Phi-3), a token whose position carries the long flag rotates by the long
+frequencies, the others by the short ones, cos and sin scaled by the attention factor."""
 
 import numpy as np
 import pytest
@@ -102,3 +103,43 @@ def test_a_per_head_norm_changes_the_kernel_id():
     a = dict(num_heads=4, head_dim=24, inv_freq=rope_inv_freq(24, 1e6).tolist())
     assert kernel_id("cpu", "rope", a) != kernel_id("cpu", "rope", dict(a, norm_eps=1e-6))
     assert "normeps1em06" in kernel_id("cpu", "rope", dict(a, norm_eps=1e-6))
+
+
+# Phi-4-mini's shape (96 of 128 dims rotated, 24 heads) and a tail (18 of 24)
+LONGROPE_SPECS = [
+    (
+        "rope",
+        dict(
+            num_heads=nh,
+            head_dim=hd,
+            inv_freq=(rope_inv_freq(r, 1e4) / 1.3).tolist(),
+            long_inv_freq=(rope_inv_freq(r, 1e4) / np.linspace(1.0, 30.0, r // 2, dtype=np.float32)).tolist(),
+            attention_factor=1.19,
+        ),
+    )
+    for nh, hd, r in [(24, 128, 96), (3, 24, 18)]
+]
+SPECS += LONGROPE_SPECS
+LONG_ROPE_FLAG = 1 << 30  # kLongRopeFlag: StepBatch marks the positions of a sequence past the original length
+
+
+@pytest.mark.parametrize("op,params", LONGROPE_SPECS, ids=map(spec_id, LONGROPE_SPECS))
+def test_longrope_rotates_flagged_tokens_by_the_long_frequencies(kernels, op, params):
+    """Rows whose position carries the flag rotate by long_inv_freq, the others by inv_freq; both scaled by the
+    attention factor (the rotated dims only: cos and sin carry it, the passed dims stay)."""
+    nh, hd = params["num_heads"], params["head_dim"]
+    T, stride = 9, nh * hd + 40
+    x, positions = rope_inputs(T, stride, seed=3)
+    long = np.arange(T) % 3 == 1
+    flagged = positions | np.where(long, LONG_ROPE_FLAG, 0).astype(np.int32)
+    orig = x.copy()
+    kernels(op, params)(x, stride, flagged, T, None)
+    heads = orig[:, : nh * hd].reshape(T, nh, hd)
+    want = np.empty_like(heads)
+    for t in range(T):
+        freqs = params["long_inv_freq"] if long[t] else params["inv_freq"]
+        r = 2 * len(freqs)
+        rotated = rope_reference(heads[t : t + 1], positions[t : t + 1], freqs)
+        want[t] = np.concatenate([rotated[0, :, :r] * params["attention_factor"], heads[t, :, r:]], axis=-1)
+    np.testing.assert_allclose(x[:, : nh * hd], want.reshape(T, nh * hd), rtol=2e-5, atol=2e-5)
+    assert np.array_equal(x[:, nh * hd :], orig[:, nh * hd :])

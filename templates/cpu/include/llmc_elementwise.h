@@ -47,6 +47,14 @@ inline void rmsnorm(const float* x, const float* residual_in, float* residual_ou
   });
 }
 
+// Phi-3's LongRoPE: the runtime marks each token of a sequence past the original length with kLongRopeFlag in its
+// position (StepBatch); those rotate by long_inv_freq. cos and sin scale by `factor` either way. The default: none.
+constexpr int32_t kLongRopeFlag = 1 << 30;
+struct LongRope {
+  const float* long_inv_freq = nullptr;
+  float factor = 1.0f;
+};
+
 // rope, rotate-half convention (transformers' Llama): with c, s = cos, sin(float(pos) * inv_freq[i]),
 //   x[i] = x[i] * c - x[i + R/2] * s,   x[i + R/2] = x[i + R/2] * c + x[i] * s,   i < R/2,
 // in place on heads [0, NH) of each row (row t starts at x + t * row_stride); R < D (Phi-4-mini's partial rotary)
@@ -55,16 +63,18 @@ inline void rmsnorm(const float* x, const float* residual_in, float* residual_ou
 // with WHOLE (OLMo 2's), the NH * D values together, scaled by norm_w [NH * D].
 template <int NH, int D, int R = D, bool NORM = false, bool WHOLE = false>
 inline void rope(float* x, int row_stride, const int32_t* positions, int T, const float* inv_freq,
-                 const float* norm_w = nullptr, float eps = 0.0f) {
+                 const float* norm_w = nullptr, float eps = 0.0f, const LongRope& longrope = {}) {
   static_assert(R % 2 == 0 && R <= D, "rope: the rotated dims are an even count of at most head_dim");
   constexpr int HALF = R / 2;
   parallel_for(T, (long)T * NH * D >= kParallelWork, [&](int t) {
     float c[HALF], s[HALF];
-    const float p = float(positions[t]);
+    const bool past = longrope.long_inv_freq != nullptr && (positions[t] & kLongRopeFlag);
+    const float p = float(positions[t] & ~kLongRopeFlag);
+    const float* f = past ? longrope.long_inv_freq : inv_freq;
     for (int i = 0; i < HALF; ++i) {
-      const float a = p * inv_freq[i];
-      c[i] = std::cos(a);
-      s[i] = std::sin(a);
+      const float a = p * f[i];
+      c[i] = std::cos(a) * longrope.factor;
+      s[i] = std::sin(a) * longrope.factor;
     }
     float* row = x + (long)t * row_stride;
     if constexpr (NORM && WHOLE) {

@@ -99,6 +99,14 @@ struct RmsNorm {
 // its D values and scaled by norm_w [D] (float32), as the rmsnorm kernel does a row: a thread per head sums
 // its squares in order (deterministic), before any value is rotated. WHOLE (OLMo 2's): the NH * D values
 // together, scaled by norm_w [NH * D]: thread 0 adds the heads' sums in head order.
+// Phi-3's LongRoPE: the runtime marks each token of a sequence past the original length with kLongRopeFlag in its
+// position (StepBatch); those rotate by long_inv_freq. cos and sin scale by `factor` either way. The default: none.
+constexpr int32_t kLongRopeFlag = 1 << 30;
+struct LongRope {
+  const float* long_inv_freq = nullptr;
+  float factor = 1.0f;
+};
+
 template <int NH, int D, typename A = float, bool NORM = false, bool WHOLE = false, int R = D>
 struct Rope {
   static_assert(R % 2 == 0 && R <= D, "rope: the rotated dims are an even count of at most head_dim");
@@ -107,13 +115,19 @@ struct Rope {
   static constexpr int kThreads = row_threads(NH * HALF, 256);
 
   static __device__ __forceinline__ void run(A* x, int row_stride, const int32_t* positions, const float* inv_freq,
-                                             const float* norm_w = nullptr, float eps = 0.0f) {
+                                             const float* norm_w = nullptr, float eps = 0.0f,
+                                             const LongRope& longrope = {}) {
     __shared__ float cos_s[HALF], sin_s[HALF];
     __shared__ float scale_s[NORM ? NH : 1];
     const int t = blockIdx.x;
-    const float p = static_cast<float>(positions[t]);
+    const bool past = longrope.long_inv_freq != nullptr && (positions[t] & kLongRopeFlag);  // block-uniform
+    const float p = static_cast<float>(positions[t] & ~kLongRopeFlag);
     A* row = x + static_cast<int64_t>(t) * row_stride;
-    for (int i = threadIdx.x; i < HALF; i += kThreads) sincosf(p * inv_freq[i], &sin_s[i], &cos_s[i]);
+    const float* f = past ? longrope.long_inv_freq : inv_freq;
+    for (int i = threadIdx.x; i < HALF; i += kThreads) {
+      sincosf(p * f[i], &sin_s[i], &cos_s[i]);
+      sin_s[i] *= longrope.factor, cos_s[i] *= longrope.factor;
+    }
     if constexpr (NORM) {
       for (int h = threadIdx.x; h < NH; h += kThreads) {
         float ss = 0.0f;

@@ -1,5 +1,7 @@
 """parse_config: which layers use a sliding window, as transformers decides it; each family's fields; refusals."""
 
+import math
+
 import pytest
 from transformers import LlamaConfig, MistralConfig, Qwen2Config
 
@@ -158,6 +160,41 @@ def test_gemma2_config():
     assert (off.attn_softcap, off.final_softcap) == (None, None)
 
 
+PHI4_MINI = {  # microsoft/Phi-4-mini-instruct's config.json (transformers v4 spelling; layers and factors cut down)
+    "architectures": ["Phi3ForCausalLM"],
+    "model_type": "phi3",
+    "hidden_size": 3072,
+    "intermediate_size": 8192,
+    "num_attention_heads": 24,
+    "num_key_value_heads": 8,
+    "num_hidden_layers": 2,
+    "vocab_size": 200064,
+    "hidden_act": "silu",
+    "partial_rotary_factor": 0.75,
+    "rope_theta": 10000.0,
+    "rope_scaling": {"type": "longrope", "long_factor": [1.0 + i for i in range(48)], "short_factor": [1.0] * 48},
+    "original_max_position_embeddings": 4096,
+    "max_position_embeddings": 131072,
+    "sliding_window": 262144,
+    "rms_norm_eps": 1e-05,
+    "torch_dtype": "bfloat16",
+    "tie_word_embeddings": True,
+    "bos_token_id": 199999,
+    "eos_token_id": 199999,
+}
+
+
+def test_phi4_mini_config():
+    c = parse_config(PHI4_MINI)
+    assert (c.head_dim, c.rotary_dim, c.rope_dim, c.long_rope) == (128, 96, 96, 4096) and c.fused_projections
+    s = c.rope_scaling
+    assert s["rope_type"] == "longrope" and s["factor"] == 32.0 and len(s["long_factor"]) == 48
+    assert s["attention_factor"] == (1 + math.log(32) / math.log(4096)) ** 0.5  # transformers' default
+    assert c.inconsistency() is None
+    short = parse_config({**PHI4_MINI, "rope_scaling": {**PHI4_MINI["rope_scaling"], "short_factor": [1.0] * 47}})
+    assert "rotary_dim / 2 = 48" in short.inconsistency()
+
+
 def test_granite_multipliers():
     from transformers import GraniteConfig
 
@@ -173,7 +210,7 @@ def test_granite_multipliers():
     [
         ("Gemma3ForConditionalGeneration", {}, "vision tower"),
         ("Qwen3MoeForCausalLM", {}, "mixture-of-experts"),
-        ("Phi3ForCausalLM", {}, "LongRoPE"),
+        ("LlamaForCausalLM", {"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5 is not supported"),
         ("Gemma3ForCausalLM", {"final_logit_softcapping": 30.0}, "final_logit_softcapping"),
         ("Gemma3ForCausalLM", {"hidden_activation": "gelu"}, "hidden_activation 'gelu'"),
         ("Gemma3ForCausalLM", {"hidden_activation": ["gelu"]}, "hidden_activation"),

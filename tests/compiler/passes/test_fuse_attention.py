@@ -15,6 +15,7 @@ from tests.checkpoints import ARCHS
 from tests.compiler.passes.pass_helpers import apply, before, count_ops, imported, plain_module
 
 INV_FREQ = np.array([1.0, 0.01], dtype="float32")  # head_dim 4
+NO_LONG = np.zeros(0, dtype="float32")  # llmc.rope without LongRoPE: no long set, original length 0, factor 1
 NO_NORM = np.zeros(0, dtype="float32")
 Q_NORM = np.array([1.0, 1.5, 0.5, 2.0], dtype="float32")  # Qwen3's per-head weights, [head_dim]
 K_NORM = np.array([0.9, 1.1, 1.2, 0.8], dtype="float32")
@@ -58,10 +59,24 @@ def _plain_attention_module(k_inv_freq, causal_mask):
                 k_heads = R.permute_dims(R.reshape(k, R.shape([1, n, 1, 4])), axes=[0, 2, 1, 3])
                 v_heads = R.permute_dims(R.reshape(v, R.shape([1, n, 1, 4])), axes=[0, 2, 1, 3])
                 q_rot = R.call_pure_packed(
-                    "llmc.rope", q_heads, positions, R.const(INV_FREQ), ty_args=R.Tensor((1, 2, n, 4), "float32")
+                    "llmc.rope",
+                    q_heads,
+                    positions,
+                    R.const(INV_FREQ),
+                    R.const(NO_LONG),
+                    R.prim_value(0),
+                    R.prim_value(T.float64(1.0)),
+                    ty_args=R.Tensor((1, 2, n, 4), "float32"),
                 )
                 k_rot = R.call_pure_packed(
-                    "llmc.rope", k_heads, positions, R.const(k_inv_freq), ty_args=R.Tensor((1, 1, n, 4), "float32")
+                    "llmc.rope",
+                    k_heads,
+                    positions,
+                    R.const(k_inv_freq),
+                    R.const(NO_LONG),
+                    R.prim_value(0),
+                    R.prim_value(T.float64(1.0)),
+                    ty_args=R.Tensor((1, 1, n, 4), "float32"),
                 )
                 k_rep = R.reshape(
                     R.broadcast_to(R.expand_dims(k_rot, axis=[2]), R.shape([1, 1, 2, n, 4])), R.shape([1, 2, n, 4])
@@ -125,6 +140,9 @@ def _expected(softcap=0.0):
                     R.const(NO_NORM),
                     R.prim_value(T.float64(0.0)),
                     R.prim_value(T.float64(softcap)),
+                    R.const(NO_LONG),
+                    R.prim_value(0),
+                    R.prim_value(T.float64(1.0)),
                     ty_args=R.Tensor((n, 8), "float32"),
                 )
                 att = R.reshape(paged, R.shape([1, n, 2, 4]))
@@ -190,11 +208,11 @@ def _qk_norm_module(k_norm=K_NORM, k_eps=1e-6):
                 )  # fmt: skip
                 q_rot = R.call_pure_packed(
                     "llmc.rope", R.permute_dims(q_normed, axes=[0, 2, 1, 3]), positions, R.const(INV_FREQ),
-                    ty_args=R.Tensor((1, 2, n, 4), "float32"),
+                    R.const(NO_LONG), R.prim_value(0), R.prim_value(T.float64(1.0)), ty_args=R.Tensor((1, 2, n, 4), "float32"),
                 )  # fmt: skip
                 k_rot = R.call_pure_packed(
                     "llmc.rope", R.permute_dims(k_normed, axes=[0, 2, 1, 3]), positions, R.const(INV_FREQ),
-                    ty_args=R.Tensor((1, 1, n, 4), "float32"),
+                    R.const(NO_LONG), R.prim_value(0), R.prim_value(T.float64(1.0)), ty_args=R.Tensor((1, 1, n, 4), "float32"),
                 )  # fmt: skip
                 k_rep = R.reshape(
                     R.broadcast_to(R.expand_dims(k_rot, axis=[2]), R.shape([1, 1, 2, n, 4])), R.shape([1, 2, n, 4])
@@ -288,7 +306,7 @@ class RopeOnQAlone:
         with R.dataflow():
             q_rot = R.call_pure_packed(
                 "llmc.rope", R.permute_dims(R.reshape(q, R.shape([1, n, 2, 4])), axes=[0, 2, 1, 3]), positions,
-                R.const(INV_FREQ), ty_args=R.Tensor((1, 2, n, 4), "float32"),
+                R.const(INV_FREQ), R.const(NO_LONG), R.prim_value(0), R.prim_value(T.float64(1.0)), ty_args=R.Tensor((1, 2, n, 4), "float32"),
             )  # fmt: skip
             att = R.nn.attention(
                 R.permute_dims(q_rot, axes=[0, 2, 1, 3]),

@@ -11,6 +11,7 @@ from tests.checkpoints import ARCHS
 from tests.compiler.passes.pass_helpers import apply, before, count_ops, imported, plain_module
 
 INV_FREQ = np.array([1.0, 0.01], dtype="float32")  # head_dim 4
+NO_LONG = np.zeros(0, dtype="float32")  # llmc.rope without LongRoPE: no long set, original length 0, factor 1
 
 
 @I.ir_module
@@ -38,7 +39,14 @@ class Expected:
         n = T.int64()
         with R.dataflow():
             out = R.call_pure_packed(
-                "llmc.rope", x, positions, R.const(INV_FREQ), ty_args=R.Tensor((1, 2, n, 4), "float32")
+                "llmc.rope",
+                x,
+                positions,
+                R.const(INV_FREQ),
+                R.const(NO_LONG),
+                R.prim_value(0),
+                R.prim_value(T.float64(1.0)),
+                ty_args=R.Tensor((1, 2, n, 4), "float32"),
             )
             R.output(out)
         return out
@@ -86,7 +94,14 @@ class PartialExpected:
         n = T.int64()
         with R.dataflow():
             out = R.call_pure_packed(
-                "llmc.rope", x, positions, R.const(INV_FREQ[:1]), ty_args=R.Tensor((1, 2, n, 4), "float32")
+                "llmc.rope",
+                x,
+                positions,
+                R.const(INV_FREQ[:1]),
+                R.const(NO_LONG),
+                R.prim_value(0),
+                R.prim_value(T.float64(1.0)),
+                ty_args=R.Tensor((1, 2, n, 4), "float32"),
             )
             R.output(out)
         return out
@@ -102,6 +117,72 @@ def test_partial_rotary_with_a_gap_keeps_its_concat():
     """Dims [0, 2) rotated and [3, 4) passed: no rope of the whole head; the rotated part alone is fused."""
     out, count = apply(fuse_rope, _partial(pass_from=3))
     assert count == 1 and count_ops(out, "concat") == 1
+
+
+LONG = np.array([0.5, 0.001], dtype="float32")
+
+
+def _longrope(sin_factor: float = 1.25):
+    """Phi-3's LongRoPE as traced: where(max(positions) + 1 > 32, long, short) frequencies, cos and sin times 1.25."""
+
+    @I.ir_module
+    class Module:
+        @R.function
+        def main(x: R.Tensor((1, 2, "n", 4), "float32"), positions: R.Tensor(("n",), "int64")):
+            with R.dataflow():
+                past = R.greater(R.add(R.max(positions), R.const(1, "int64")), R.const(32, "int64"))
+                inv_freq = R.where(past, R.const(LONG), R.const(INV_FREQ))
+                freqs = R.multiply(
+                    R.expand_dims(R.astype(positions, "float32"), axis=[1]), R.expand_dims(inv_freq, axis=[0])
+                )
+                emb = R.expand_dims(R.concat((freqs, freqs), axis=-1), axis=[0, 1])
+                rotated = R.concat(
+                    (
+                        R.negative(R.strided_slice(x, (3,), (2,), (4,), (1,))),
+                        R.strided_slice(x, (3,), (0,), (2,), (1,)),
+                    ),
+                    axis=-1,
+                )
+                cos = R.multiply(R.cos(emb), R.const(1.25, "float32"))
+                sin = R.multiply(R.sin(emb), R.const(sin_factor, "float32"))
+                out = R.add(R.multiply(x, cos), R.multiply(rotated, sin))
+                R.output(out)
+            return out
+
+    return Module
+
+
+@I.ir_module
+class LongropeExpected:
+    @R.function
+    def main(x: R.Tensor((1, 2, "n", 4), "float32"), positions: R.Tensor(("n",), "int64")):
+        n = T.int64()
+        with R.dataflow():
+            out = R.call_pure_packed(
+                "llmc.rope",
+                x,
+                positions,
+                R.const(INV_FREQ),
+                R.const(LONG),
+                R.prim_value(32),
+                R.prim_value(T.float64(1.25)),
+                ty_args=R.Tensor((1, 2, n, 4), "float32"),
+            )
+            R.output(out)
+        return out
+
+
+def test_longrope_becomes_one_op_carrying_both_sets_and_the_factor():
+    out, count = apply(fuse_rope, _longrope())
+    assert count == 1
+    tvm.ir.assert_structural_equal(out["main"], LongropeExpected["main"])
+
+
+def test_cos_and_sin_scaled_differently_is_left_alone():
+    near_miss = _longrope(sin_factor=1.5)
+    out, count = apply(fuse_rope, near_miss)
+    assert count == 0
+    tvm.ir.assert_structural_equal(out["main"], near_miss["main"])
 
 
 @I.ir_module

@@ -58,6 +58,9 @@ class Before:
                 R.const(NO_NORM),
                 R.prim_value(T.float64(0.0)),
                 R.prim_value(T.float64(0.0)),
+                R.const(NO_NORM),
+                R.prim_value(0),
+                R.prim_value(T.float64(1.0)),
                 ty_args=R.Tensor((n, 8), "float32"),
             )
             R.output(out)
@@ -108,6 +111,9 @@ class Expected:
                 R.const(NO_NORM),
                 R.prim_value(T.float64(0.0)),
                 R.prim_value(T.float64(0.0)),
+                R.const(NO_NORM),
+                R.prim_value(0),
+                R.prim_value(T.float64(1.0)),
                 ty_args=R.Tensor((n, 8), "float32"),
             )
             R.output(out)
@@ -165,6 +171,9 @@ class KeysOfAnotherInput:
                 R.const(NO_NORM),
                 R.prim_value(T.float64(0.0)),
                 R.prim_value(T.float64(0.0)),
+                R.const(NO_NORM),
+                R.prim_value(0),
+                R.prim_value(T.float64(1.0)),
                 ty_args=R.Tensor((n, 8), "float32"),
             )
             R.output(out)
