@@ -68,11 +68,13 @@ def _longrope_switch(inv_freq: relax.Expr, positions: relax.Var, var2val):
     if not (isinstance(long, tvm.ir.Constant) and isinstance(short, tvm.ir.Constant) and calls(cond, "relax.greater")):
         return None
     total, orig = var2val.get(cond.args[0]), cond.args[1]
-    top = var2val.get(total.args[0]) if calls(total, "relax.add") else None
+    if not calls(total, "relax.add"):
+        return None
+    top, one = var2val.get(total.args[0]), total.args[1]
     if not (
         isinstance(orig, tvm.ir.Constant)
-        and isinstance(total.args[1], tvm.ir.Constant)
-        and int(total.args[1].value.numpy()) == 1
+        and isinstance(one, tvm.ir.Constant)
+        and int(one.value.numpy()) == 1
         and calls(top, "relax.max")
         and top.args[0].same_as(positions)
     ):
@@ -122,7 +124,11 @@ def _angles(emb: relax.Expr, var2val) -> tuple[relax.Var, tvm.ir.Constant, tvm.i
     switch = _longrope_switch(inv_freq, positions, var2val)
     if switch is not None:
         inv_freq, long, orig = switch
-        if long.ty.shape.values[0] != inv_freq.ty.shape.values[0]:
+        if (
+            long.ty.dtype != "float32"
+            or long.ty.ndim != 1
+            or int(long.ty.shape.values[0]) != int(inv_freq.ty.shape.values[0])
+        ):
             return None
     if not (isinstance(inv_freq, tvm.ir.Constant) and inv_freq.ty.dtype == "float32" and inv_freq.ty.ndim == 1):
         return None
