@@ -66,8 +66,10 @@ class GGUFCheckpoint(Checkpoint):
         shape = self._shape(name)
         qt = self._unpack(name)
         heads = self._qk_heads(name)
-        if heads is not None:
-            rows = names.unpermute_qk(np.arange(shape[0]), heads)
+        rows = None if heads is None else names.unpermute_qk(np.arange(shape[0]), heads)
+        if name in self.slices:  # rows of a fused tensor (phi3's attn_qkv, ffn_up)
+            rows = np.arange(*self.slices[name][1:])
+        if rows is not None:
             mins = None if qt.mins is None else qt.mins[rows]
             qt = QuantizedTensor(qt.q[rows], qt.scales[rows], mins, qt.scheme)
         return qt
@@ -81,6 +83,8 @@ class GGUFCheckpoint(Checkpoint):
             w = (w.view(np.uint16) if info.tensor_type == GGMLType.BF16 else w).reshape(shape)
         heads = self._qk_heads(name)
         w = np.array(w) if heads is None else names.unpermute_qk(w, heads)
+        if name in self.slices:  # rows of a fused tensor (phi3's attn_qkv, ffn_up)
+            w = np.array(w[slice(*self.slices[name][1:])])
         if names.norm_shifted(self.gguf_arch, self.gguf_names[name]):  # stored 1 + w
             w = (w.astype(np.float64) - 1.0).astype(np.float32)
         if info.tensor_type == GGMLType.BF16:
@@ -190,9 +194,18 @@ def load_gguf(path: str | Path) -> GGUFCheckpoint:
             "the vocabulary does not match the embedding; re-convert the model",
         )
 
-    gguf_names, dtypes, gguf_types = {}, {}, {}
+    gguf_names, dtypes, gguf_types, slices = {}, {}, {}, {}
+    fused = config.stored_slices()
+    stored_rows = {}  # a fused tensor's rows: its parts' stacked
+    for stored, _, hi in fused.values():
+        stored_rows[stored] = max(hi, stored_rows.get(stored, 0))
     for hf_name, shape in config.weight_shapes().items():
-        gguf_name = names.hf_to_gguf(hf_name, arch)
+        if hf_name in fused:
+            stored, lo, hi = fused[hf_name]
+            gguf_name, shape = names.hf_to_gguf(stored, arch), (stored_rows[stored], *shape[1:])
+            slices[hf_name] = (gguf_name, lo, hi)
+        else:
+            gguf_name = names.hf_to_gguf(hf_name, arch)
         info = tensors.get(gguf_name)
         if info is None:
             raise CheckpointError(
@@ -223,7 +236,7 @@ def load_gguf(path: str | Path) -> GGUFCheckpoint:
         chat_template=chat_template,
         special_tokens=special,
         generation_defaults={},
-        slices={},
+        slices=slices,
         gguf_arch=arch,
         gguf_names=gguf_names,
         gguf_types=gguf_types,
@@ -236,7 +249,7 @@ def _config(meta: GGUFMetadata, tensors: dict, tokens: list, path: Path):
     hidden, heads = meta.get(names.EMBEDDING_LENGTH, int), meta.get(names.HEAD_COUNT, int)
     head_dim = meta.get(names.KEY_LENGTH, int, None) or (hidden // heads if heads else None)
     rope_dims = meta.get(names.ROPE_DIMENSION_COUNT, int, head_dim)
-    if rope_dims != head_dim:
+    if rope_dims != head_dim and meta.arch != "phi3":
         raise UnsupportedModelError(
             f"{path}: RoPE over {rope_dims} of {head_dim} head dimensions", "llmc rotates the whole head_dim"
         )
@@ -263,6 +276,8 @@ def _config(meta: GGUFMetadata, tensors: dict, tokens: list, path: Path):
         "eos_token_id": list(dict.fromkeys(e for e in eos if e is not None)),
     }
     raw.update(_family_fields(meta, raw))
+    if meta.arch == "phi3":
+        raw.update(_phi3_fields(meta, tensors, raw, rope_dims, path))
     kind = meta.get(names.ROPE_SCALING_TYPE, str, "none")
     freqs = tensors.get(names.ROPE_FREQS)
     if kind == "linear" and freqs is None:
@@ -287,6 +302,37 @@ def _config(meta: GGUFMetadata, tensors: dict, tokens: list, path: Path):
     if config.rope_scaling and config.rope_scaling["rope_type"] == "llama3":
         _check_rope(config, freqs, path)
     return config
+
+
+def _phi3_fields(meta: GGUFMetadata, tensors: dict, raw: dict, rope_dims: int, path: Path) -> dict:
+    """Phi-3's fields as its converter writes them: the rotated dims (partial_rotary_factor), the window (0: none,
+    Phi-4's), and LongRoPE as the rope_factors_long / _short tensors with the original length and attention factor.
+    llama.cpp itself runs phi3 with no window and picks the long set by its context size, not a sequence's length;
+    llmc runs them as transformers does the checkpoint they came from."""
+    fields = {
+        "partial_rotary_factor": rope_dims / raw["head_dim"],
+        "sliding_window": meta.get(names.SLIDING_WINDOW, int, 0) or None,
+    }
+    long, short = (tensors.get(n) for n in (names.ROPE_FACTORS_LONG, names.ROPE_FACTORS_SHORT))
+    if long is None and short is None:
+        return fields
+    factors = {}
+    for key, info in (("long_factor", long), ("short_factor", short)):
+        if info is None or info.tensor_type != GGMLType.F32 or int(info.n_elements) != rope_dims // 2:
+            raise CheckpointError(
+                f"{path}: LongRoPE needs F32 rope_factors_long and rope_factors_short of {rope_dims // 2} values",
+                "re-convert the model",
+            )
+        factors[key] = [float(v) for v in np.asarray(info.data, dtype=np.float32).reshape(-1)]
+    orig = meta.get(names.ROPE_SCALING_ORIG_CTX, int)
+    fields["rope_scaling"] = {
+        "rope_type": "longrope",
+        **factors,
+        "original_max_position_embeddings": orig,
+        "attention_factor": meta.get(names.ROPE_SCALING_ATTN_FACTOR, float, None),
+    }
+    fields["original_max_position_embeddings"] = orig
+    return fields
 
 
 def _family_fields(meta: GGUFMetadata, raw: dict) -> dict:

@@ -10,6 +10,8 @@ Three things are fixed by llama.cpp (its convert_hf_to_gguf.py and gguf-py's con
   `llama` is, permuted; `olmo2`, `gemma2` and `gemma3` are not permuted (NEOX-style rope).
 - Gemma's norm weights: transformers scales by 1 + w, llama.cpp by the stored weight, so the converter stores
   w + 1 (NORM_SHIFTED_ARCHS).
+- Phi-3's fused projections: `attn_qkv` and `ffn_up` (gate then up) hold what the Hugging Face checkpoint's
+  qkv_proj and gate_up_proj do; llmc reads q, k, v, gate and up as their row ranges (ModelConfig.stored_slices).
 
 Pure numpy, no `gguf` import: the importer and the writer each bring the `gguf` package themselves.
 """
@@ -30,6 +32,7 @@ GGUF_ARCH = {
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
     "Olmo2ForCausalLM": "olmo2",
+    "Phi3ForCausalLM": "phi3",
 }
 # GGUF arch -> the Hugging Face class the importer rebuilds.
 HF_ARCH = {
@@ -40,6 +43,7 @@ HF_ARCH = {
     "gemma2": "Gemma2ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
 }
 # The GGUF archs whose q/k rows are stored in llama.cpp's interleaved-pair order.
 PERMUTED_ARCHS = frozenset({"llama", "granite"})
@@ -65,6 +69,7 @@ ROPE_DIMENSION_COUNT = "{arch}.rope.dimension_count"
 ROPE_SCALING_TYPE = "{arch}.rope.scaling.type"
 ROPE_SCALING_FACTOR = "{arch}.rope.scaling.factor"
 ROPE_SCALING_ORIG_CTX = "{arch}.rope.scaling.original_context_length"
+ROPE_SCALING_ATTN_FACTOR = "{arch}.rope.scaling.attn_factor"  # LongRoPE's attention factor (phi3)
 SLIDING_WINDOW = "{arch}.attention.sliding_window"
 SLIDING_WINDOW_PATTERN = "{arch}.attention.sliding_window_pattern"  # an int n, or a bool per layer
 ATTENTION_SCALE = "{arch}.attention.scale"  # Granite's attention_multiplier
@@ -91,6 +96,8 @@ TOKEN_NORMAL, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED = 1, 3, 4, 5
 # A GGUF-only tensor: llama3 rope scaling's per-frequency divisors (head_dim / 2 floats), which llama.cpp
 # reads instead of the rope_scaling fields; no Hugging Face tensor maps to it.
 ROPE_FREQS = "rope_freqs.weight"
+# phi3's LongRoPE: the long and short per-frequency divisors (rotary dims / 2 floats each)
+ROPE_FACTORS_LONG, ROPE_FACTORS_SHORT = "rope_factors_long.weight", "rope_factors_short.weight"
 
 _GLOBAL = {
     "model.embed_tokens.weight": "token_embd.weight",
@@ -123,11 +130,18 @@ _POST_NORMS = {
     "post_attention_layernorm": "post_attention_norm",
     "post_feedforward_layernorm": "post_ffw_norm",
 }
-_LAYERS = {
-    "gemma2": _SANDWICH,
-    "gemma3": _SANDWICH,
-    "olmo2": _POST_NORMS,
-}  # a GGUF arch's layer names, where they are not _LAYER
+# Phi-3's projections fused, as its checkpoint stores them (ModelConfig.stored_slices)
+_FUSED = {
+    **{
+        h: g
+        for h, g in _LAYER.items()
+        if h.split(".")[-1] not in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+    },
+    "self_attn.qkv_proj": "attn_qkv",
+    "mlp.gate_up_proj": "ffn_up",
+}
+# a GGUF arch's layer names, where they are not _LAYER
+_LAYERS = {"gemma2": _SANDWICH, "gemma3": _SANDWICH, "olmo2": _POST_NORMS, "phi3": _FUSED}
 _GLOBAL_BACK = {g: h for h, g in _GLOBAL.items()}
 _HF_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)")
 _GGUF_LAYER = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")

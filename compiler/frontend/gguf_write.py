@@ -60,7 +60,7 @@ def write_gguf(checkpoint_dir: str | Path, out_path: str | Path, dtype: str) -> 
         )
     if arch in ("gemma2", "gemma3"):
         _check_gemma(cfg, arch)
-    elif cfg.sliding_window is not None and cfg.sliding_window < cfg.max_position_embeddings:
+    elif arch != "phi3" and cfg.sliding_window is not None and cfg.sliding_window < cfg.max_position_embeddings:
         raise UnsupportedModelError(
             f"sliding-window attention (window {cfg.sliding_window}) is not written to GGUF",
             "llama.cpp's llama arch attends to the whole context",
@@ -75,16 +75,14 @@ def write_gguf(checkpoint_dir: str | Path, out_path: str | Path, dtype: str) -> 
     _add_hparams(writer, cfg, arch)
     _add_tokenizer(writer, ckpt, cfg)
 
-    # (gguf name, hf name (None: rope_freqs), shape, GGML type): the tensor table goes before any data
+    # (gguf name, its values: hf names stacked by rows or an array of its own, shape, GGML type): the tensor
+    # table goes before any data
     f32 = gguf.GGMLQuantizationType.F32
-    plan = []
-    rope_freqs = _llama3_rope_freqs(cfg)
-    if rope_freqs is not None:
-        plan.append((names.ROPE_FREQS, None, rope_freqs.shape, f32))
+    plan = [(name, values, values.shape, f32) for name, values in _extra_tensors(cfg).items()]
     block = gguf.GGML_QUANT_SIZES[qtype][0]
-    for hf_name, shape in cfg.weight_shapes().items():
+    for gguf_name, (parts, shape) in _stored_tensors(cfg, arch).items():
         t = qtype if len(shape) == 2 and shape[-1] % block == 0 else f32
-        plan.append((names.hf_to_gguf(hf_name, arch), hf_name, shape, t))
+        plan.append((gguf_name, parts, shape, t))
     for gguf_name, _, shape, t in plan:
         if t == f32:
             writer.add_tensor_info(gguf_name, shape, np.dtype(np.float32), 4 * math.prod(shape))
@@ -96,8 +94,11 @@ def write_gguf(checkpoint_dir: str | Path, out_path: str | Path, dtype: str) -> 
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
-        for gguf_name, hf_name, _, t in plan:
-            w = rope_freqs if hf_name is None else to_numpy(ckpt.tensor(hf_name)).astype(np.float32, copy=False)
+        for gguf_name, values, _, t in plan:
+            if isinstance(values, np.ndarray):
+                w = values
+            else:
+                w = np.concatenate([to_numpy(ckpt.tensor(n)).astype(np.float32, copy=False) for n in values])
             heads = names.qk_heads(arch, gguf_name, cfg.num_heads, cfg.num_kv_heads)
             if heads is not None:
                 w = names.permute_qk(w, heads)
@@ -111,6 +112,31 @@ def write_gguf(checkpoint_dir: str | Path, out_path: str | Path, dtype: str) -> 
     finally:
         tmp.unlink(missing_ok=True)
     return out_path
+
+
+def _stored_tensors(cfg, arch: str) -> dict[str, tuple[list[str], tuple[int, ...]]]:
+    """{gguf name: (the hf tensors it stacks by rows, its shape)}: one each, but Phi-3's fused projections."""
+    fused = cfg.stored_slices()
+    out: dict[str, tuple[list[str], tuple[int, ...]]] = {}
+    for hf_name, shape in cfg.weight_shapes().items():
+        gguf_name = names.hf_to_gguf(fused[hf_name][0] if hf_name in fused else hf_name, arch)
+        parts, stacked = out.get(gguf_name, ([], (0, *shape[1:])))
+        out[gguf_name] = ([*parts, hf_name], (stacked[0] + shape[0], *shape[1:]))
+    return out
+
+
+def _extra_tensors(cfg) -> dict[str, np.ndarray]:
+    """The GGUF-only tensors: llama3's rope_freqs, LongRoPE's rope_factors_long / _short."""
+    rope_freqs = _llama3_rope_freqs(cfg)
+    if rope_freqs is not None:
+        return {names.ROPE_FREQS: rope_freqs}
+    if cfg.long_rope:
+        s = cfg.rope_scaling
+        return {
+            names.ROPE_FACTORS_LONG: np.array(s["long_factor"], dtype=np.float32),
+            names.ROPE_FACTORS_SHORT: np.array(s["short_factor"], dtype=np.float32),
+        }
+    return {}
 
 
 def _check_gemma(cfg, arch: str) -> None:
@@ -146,7 +172,7 @@ def _add_hparams(writer, cfg, arch: str) -> None:
     writer.add_head_count_kv(cfg.num_kv_heads)
     writer.add_key_length(cfg.head_dim)
     writer.add_value_length(cfg.head_dim)
-    writer.add_rope_dimension_count(cfg.head_dim)
+    writer.add_rope_dimension_count(cfg.rope_dim)
     writer.add_rope_freq_base(cfg.rope_theta)
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_vocab_size(cfg.vocab_size)
@@ -155,10 +181,15 @@ def _add_hparams(writer, cfg, arch: str) -> None:
     if kind == "linear":
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(scaling["factor"])
-    elif kind not in (None, "llama3"):  # llama3 is the rope_freqs tensor
+    elif kind not in (None, "llama3", "longrope"):  # llama3 is the rope_freqs tensor, longrope rope_factors_*
         raise UnsupportedModelError(f"rope scaling {kind!r} is not written to GGUF", "default, linear and llama3 are")
     if arch in ("gemma2", "gemma3") and cfg.sliding_window:
         writer.add_sliding_window(cfg.sliding_window)
+    if arch == "phi3":
+        writer.add_sliding_window(cfg.sliding_window or 0)  # the converter's 0: none
+    if kind == "longrope":
+        writer.add_rope_scaling_orig_ctx_len(scaling["original_max_position_embeddings"])
+        writer.add_rope_scaling_attn_factors(scaling["attention_factor"])
     if arch == "gemma2":
         writer.add_attn_logit_softcapping(cfg.attn_softcap)
         writer.add_final_logit_softcapping(cfg.final_softcap)

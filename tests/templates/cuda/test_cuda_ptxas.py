@@ -60,6 +60,7 @@ _REPRESENTATIVE = [
     ),
     ("silu_mul", dict(inter=14336)),
     ("gather_rows", dict(cols=4096)),
+    ("softcap", dict(cols=256000, cap=30.0)),  # Gemma 2's vocabulary
     ("qgemm", dict(n=14336, k=4096, bits=4, group_size=32, asymmetric=True, scale_bits=32, has_bias=False)),
     ("qgemm", dict(n=4096, k=14336, bits=8, group_size=14336, asymmetric=False, scale_bits=16, has_bias=False)),
     ("qgemm", dict(n=53, k=160, bits=4, group_size=128, asymmetric=False, scale_bits=16, has_bias=True)),

@@ -66,7 +66,7 @@ def test_render_errors_name_the_cuda_template():
     with pytest.raises(CompileError, match=r"template cuda/paged_attention.cu.j2.*missing adtype, kv_dtype, scale"):
         render_kernel("cuda", "paged_attention", name="a", num_heads=4, num_kv_heads=2, head_dim=16, block_size=4)
     with pytest.raises(CompileError, match="head_dim/2"):
-        render_kernel("cuda", "rope", name="r", num_heads=2, head_dim=8, inv_freq=[1.0], adtype="f32")
+        render_kernel("cuda", "rope", name="r", num_heads=2, head_dim=8, inv_freq=[1.0] * 5, adtype="f32")
     assert "1e-06f" in render_kernel(
         "cuda", "rmsnorm", name="n", hidden=8, eps=1e-6, wdtype="f32", add_residual=False, adtype="f32"
     )
