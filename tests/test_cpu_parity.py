@@ -46,9 +46,9 @@ def test_greedy_tokens_match_transformers_in_one_batch(arch, checkpoint_dir, tmp
     )
 
 
-def _assert_batched_greedy_matches(model, path, prompts):
+def _assert_batched_greedy_matches(model, path, prompts, max_num_batched_tokens=None):
     """The prompts run as one batch (shared steps); each continuation equals transformers' generate."""
-    results = LLMEngine(model).generate(
+    results = LLMEngine(model, max_num_batched_tokens=max_num_batched_tokens).generate(
         prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS)
     )
     reference = hf_model(path)
@@ -119,12 +119,4 @@ def test_longrope_prompt_prefilled_in_chunks_matches_transformers(checkpoint_dir
     model = CompiledModel.load(compiled(checkpoint_dir, tmp_path_factory, "phi3"))
     prompts = _prompt_ids(path)
     assert len(prompts[1]) > 32 > len(prompts[0]) + 8
-    engine = LLMEngine(model, max_num_batched_tokens=8)
-    results = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS))
-    reference = hf_model(path)
-    for ids, result in zip(prompts, results, strict=True):
-        with torch.no_grad():
-            expected = reference.generate(
-                torch.tensor([ids]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False
-            )[0, len(ids) :].tolist()
-        assert result.outputs[0].token_ids == expected
+    _assert_batched_greedy_matches(model, path, prompts, max_num_batched_tokens=8)
