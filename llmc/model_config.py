@@ -93,6 +93,15 @@ class ModelConfig:
             out[p + "mlp.up_proj.weight"] = (gate_up, i, 2 * i)
         return out
 
+    def stored_shapes(self) -> dict[str, tuple[int, ...]]:
+        """weight_shapes(), each name with the shape of what the checkpoint stores for it: for one of
+        stored_slices(), the fused tensor's, all its parts' rows stacked."""
+        shapes, slices = self.weight_shapes(), self.stored_slices()
+        rows: dict[str, int] = {}
+        for stored, _, hi in slices.values():
+            rows[stored] = max(hi, rows.get(stored, 0))
+        return {n: (rows[slices[n][0]], *s[1:]) if n in slices else s for n, s in shapes.items()}
+
     def attention_window(self, layer: int) -> int:
         """Keys a query of `layer` attends to, itself included; 0 is the whole causal context."""
         return self.sliding_window if self.sliding_window and layer in self.sliding_layers else 0

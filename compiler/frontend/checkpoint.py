@@ -193,19 +193,14 @@ def load_hf_checkpoint(path: Path) -> Checkpoint:
     if problem:  # an artifact built from it would be refused at every load
         raise CheckpointError(f"{path}: {problem}", "fix config.json (or generation_config.json's eos_token_id)")
 
-    expected = config.weight_shapes()
     found: dict[str, tuple[Path, str, tuple[int, ...]]] = {}
     for f in _weight_files(path):
         for name, (dtype, shape) in _scan_safetensors(f).items():
             found[name] = (f, dtype, shape)
     slices = config.stored_slices()
-    stored_shapes = {}  # a fused tensor's shape: its parts' rows stacked
-    for name, (stored, _, hi) in slices.items():
-        rows = max(hi, stored_shapes.get(stored, (0,))[0])
-        stored_shapes[stored] = (rows, *expected[name][1:])
     tensor_files, dtypes = {}, {}
-    for name, shape in expected.items():
-        stored, shape = (slices[name][0], stored_shapes[slices[name][0]]) if name in slices else (name, shape)
+    for name, shape in config.stored_shapes().items():
+        stored = slices[name][0] if name in slices else name
         if stored not in found:
             raise CheckpointError(
                 f"{path}: tensor {stored!r} is missing from the weights",

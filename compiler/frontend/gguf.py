@@ -196,13 +196,10 @@ def load_gguf(path: str | Path) -> GGUFCheckpoint:
 
     gguf_names, dtypes, gguf_types, slices = {}, {}, {}, {}
     fused = config.stored_slices()
-    stored_rows = {}  # a fused tensor's rows: its parts' stacked
-    for stored, _, hi in fused.values():
-        stored_rows[stored] = max(hi, stored_rows.get(stored, 0))
-    for hf_name, shape in config.weight_shapes().items():
+    for hf_name, shape in config.stored_shapes().items():
         if hf_name in fused:
             stored, lo, hi = fused[hf_name]
-            gguf_name, shape = names.hf_to_gguf(stored, arch), (stored_rows[stored], *shape[1:])
+            gguf_name = names.hf_to_gguf(stored, arch)
             slices[hf_name] = (gguf_name, lo, hi)
         else:
             gguf_name = names.hf_to_gguf(hf_name, arch)

@@ -118,10 +118,9 @@ def _stored_tensors(cfg, arch: str) -> dict[str, tuple[list[str], tuple[int, ...
     """{gguf name: (the hf tensors it stacks by rows, its shape)}: one each, but Phi-3's fused projections."""
     fused = cfg.stored_slices()
     out: dict[str, tuple[list[str], tuple[int, ...]]] = {}
-    for hf_name, shape in cfg.weight_shapes().items():
+    for hf_name, shape in cfg.stored_shapes().items():
         gguf_name = names.hf_to_gguf(fused[hf_name][0] if hf_name in fused else hf_name, arch)
-        parts, stacked = out.get(gguf_name, ([], (0, *shape[1:])))
-        out[gguf_name] = ([*parts, hf_name], (stacked[0] + shape[0], *shape[1:]))
+        out[gguf_name] = ([*out.get(gguf_name, ([], shape))[0], hf_name], shape)
     return out
 
 
