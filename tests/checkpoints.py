@@ -157,8 +157,7 @@ VARIANTS = {
 }
 
 ARCHS = tuple(VARIANTS)
-# llama.cpp's smollm3 arch is not read
-GGUF_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "granite", "gemma2", "gemma3", "olmo2", "phi3")
+GGUF_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "granite", "gemma2", "gemma3", "olmo2", "phi3", "smollm3")
 # What a GGUF of the variant can hold, or llama.cpp runs as transformers does: llama.cpp's gemma2 and gemma3 have
 # query_pre_attn_scalar = head_dim, gemma3 a global layer every 6th and local RoPE base 10000, and no field for any
 # other
@@ -167,6 +166,8 @@ GGUF_OVERRIDES = {
     # llama.cpp runs phi3 with no window and picks LongRoPE's long set by its context (64 in the test that runs it)
     # past the original length: an original length of 4 has every test sequence long in both
     "phi3": dict(sliding_window=None, original_max_position_embeddings=4),
+    # llama.cpp's smollm3 runs every 4th layer without RoPE
+    "smollm3": dict(num_hidden_layers=4, no_rope_layer_interval=4),
     "gemma3": dict(
         num_hidden_layers=6,
         layer_types=None,

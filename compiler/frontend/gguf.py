@@ -342,6 +342,8 @@ def _family_fields(meta: GGUFMetadata, raw: dict) -> dict:
             "logits_scaling": names.LOGIT_SCALE,
         }
         return {field: meta.get(key, float, None) for field, key in keys.items()}
+    if meta.arch == "smollm3":  # llama.cpp fixes the NoPE layers (no key holds them): every 4th
+        return {"no_rope_layer_interval": names.SMOLLM3_NOPE_INTERVAL}
     if meta.arch not in ("gemma2", "gemma3"):
         return {}
     # llama.cpp: the softmax scale head_dim^-0.5, but (hidden / heads)^-0.5 for the 27B (46, 62 layers); the

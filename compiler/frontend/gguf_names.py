@@ -6,8 +6,8 @@ Three things are fixed by llama.cpp (its convert_hf_to_gguf.py and gguf-py's con
 - the row order of q_proj and k_proj (weights and biases) in the `llama` arch. Hugging Face's RoPE rotates
   halves (dimension i pairs with i + head_dim/2); llama.cpp's `llama` arch rotates adjacent pairs (2i with
   2i + 1), so the converter permutes each head's rows: permute_qk. `qwen2` and `qwen3` keep Hugging Face's
-  order (llama.cpp runs them with NEOX-style rope), so nothing is permuted there; `granite` is converted as
-  `llama` is, permuted; `olmo2`, `gemma2` and `gemma3` are not permuted (NEOX-style rope).
+  order (llama.cpp runs them with NEOX-style rope), so nothing is permuted there; `granite` and `smollm3` are
+  converted as `llama` is, permuted; `olmo2`, `gemma2` and `gemma3` are not permuted (NEOX-style rope).
 - Gemma's norm weights: transformers scales by 1 + w, llama.cpp by the stored weight, so the converter stores
   w + 1 (NORM_SHIFTED_ARCHS).
 - Phi-3's fused projections: `attn_qkv` and `ffn_up` (gate then up) hold what the Hugging Face checkpoint's
@@ -33,6 +33,7 @@ GGUF_ARCH = {
     "Gemma3ForCausalLM": "gemma3",
     "Olmo2ForCausalLM": "olmo2",
     "Phi3ForCausalLM": "phi3",
+    "SmolLM3ForCausalLM": "smollm3",
 }
 # GGUF arch -> the Hugging Face class the importer rebuilds.
 HF_ARCH = {
@@ -44,11 +45,15 @@ HF_ARCH = {
     "gemma3": "Gemma3ForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "smollm3": "SmolLM3ForCausalLM",
 }
 # The GGUF archs whose q/k rows are stored in llama.cpp's interleaved-pair order.
-PERMUTED_ARCHS = frozenset({"llama", "granite"})
+PERMUTED_ARCHS = frozenset({"llama", "granite", "smollm3"})
 # The GGUF archs whose norm weights are stored as 1 + w (Gemma's)
 NORM_SHIFTED_ARCHS = frozenset({"gemma2", "gemma3"})
+
+# llama.cpp's smollm3 runs every 4th layer without RoPE, whatever the file says (n_no_rope_layer_step)
+SMOLLM3_NOPE_INTERVAL = 4
 
 # Metadata keys; `.format(arch=...)` the ones with `{arch}`.
 ARCHITECTURE = "general.architecture"

@@ -7,11 +7,12 @@ convert_hf_to_gguf.py would write it.
 - The tokenizer: tokenizer.json's byte-level BPE as `tokenizer.ggml.model = "gpt2"`: tokens by id (the
   vocabulary padded to vocab_size with unused `[PAD<id>]` tokens, as the converter does), token types
   (added special tokens are CONTROL), merges, bos/eos ids, and the chat template when there is one.
-- Tensors under llama.cpp's names. In the `llama` and `granite` archs, q_proj and k_proj rows (and biases) are
+- Tensors under llama.cpp's names. In the `llama`, `granite` and `smollm3` archs, q_proj and k_proj rows (and biases) are
   permuted to llama.cpp's interleaved RoPE pairs (gguf_names.permute_qk); `qwen2`, `qwen3`, `gemma2`, `gemma3`
   and `olmo2` keep Hugging Face's order. llama3 rope scaling is written as the `rope_freqs` tensor, as the converter does.
   Gemma's norm weights are written as 1 + w; Granite's multipliers as its scale keys; Gemma 2's soft-caps as
-  its soft-capping keys.
+  its soft-capping keys. SmolLM3's NoPE layers have no key: llama.cpp runs every 4th layer without RoPE, so
+  only that pattern is written.
 - dtype F32, BF16, Q8_0 or Q4_0 applies to every 2-D tensor (the token embedding and lm_head included); 1-D
   tensors (norms, biases, rope_freqs) stay F32, as llama.cpp writes them. A 2-D tensor whose rows are not a
   whole number of the type's blocks (32 values for Q8_0 / Q4_0) stays F32, as the converter falls back;
@@ -65,6 +66,8 @@ def write_gguf(checkpoint_dir: str | Path, out_path: str | Path, dtype: str) -> 
             f"sliding-window attention (window {cfg.sliding_window}) is not written to GGUF",
             "llama.cpp's llama arch attends to the whole context",
         )
+    if arch == "smollm3":
+        _check_smollm3(cfg)
 
     out_path = Path(out_path)
     tmp = out_path.with_name(out_path.name + ".tmp")
@@ -136,6 +139,16 @@ def _extra_tensors(cfg) -> dict[str, np.ndarray]:
             names.ROPE_FACTORS_SHORT: np.array(s["short_factor"], dtype=np.float32),
         }
     return {}
+
+
+def _check_smollm3(cfg) -> None:
+    """llama.cpp's smollm3 runs every 4th layer without RoPE and reads no key for it."""
+    n = names.SMOLLM3_NOPE_INTERVAL
+    if cfg.nope_layers != tuple(i for i in range(cfg.num_layers) if (i + 1) % n == 0):
+        raise UnsupportedModelError(
+            f"this SmolLM3's layers without RoPE ({list(cfg.nope_layers)}) are not llama.cpp's",
+            f"GGUF's smollm3 runs every {n}th layer without RoPE (no_rope_layer_interval = {n})",
+        )
 
 
 def _check_gemma(cfg, arch: str) -> None:
