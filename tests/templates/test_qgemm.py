@@ -48,6 +48,7 @@ SCHEMES = [
     (37, 160, 8, 16, True, 32),  # GGUF Q4_K beside Q6_K in one fused GEMM (quant.common_scheme)
     (53, 96, 8, 32, True, 16),
     (37, 576, 8, 576, True, 16),
+    (53, 96, 8, 32, True, 32),  # GGUF Q5_K
 ]
 
 

@@ -96,11 +96,31 @@ def _rewrite(src, out, rng, types=None, meta=None):
     return out
 
 
+# Where each type's fp16 d (and m / dmin) lie in its block, and their size: about the tiny model's weight scale
 _FP16_FIELDS = {
+    T.Q4_1: ((0, 3e-3), (2, 3e-2)),
+    T.Q5_0: ((0, 3e-3),),
+    T.Q5_1: ((0, 1.5e-3), (2, 3e-2)),
+    T.Q2_K: ((80, 1e-3), (82, 1e-3)),
+    T.Q3_K: ((108, 3e-4),),
     T.Q4_K: ((0, 3e-4), (2, 3e-4)),
+    T.Q5_K: ((0, 2e-4), (2, 2e-4)),
     T.Q6_K: ((208, 1e-4),),
-    T.Q5_K: ((0, 3e-4), (2, 3e-4)),
+    T.IQ4_NL: ((0, 3e-4),),
+    T.IQ4_XS: ((0, 1e-5),),
     T.IQ2_XXS: ((0, 1e-3),),
+    T.TQ1_0: ((52, 1e-3),),
+}
+# The types imported beside Q8_0, Q4_0, Q4_K and Q6_K, and the scheme each becomes
+MORE_TYPES = {
+    "Q4_1": "int4 g32 asym",
+    "Q5_0": "int8 g32",
+    "Q5_1": "int8 g32 asym",
+    "Q2_K": "int8 g16 asym fp32-scales",
+    "Q3_K": "int8 g16 fp32-scales",
+    "Q5_K": "int8 g32 asym fp32-scales",
+    "IQ4_NL": "int8 g32",
+    "IQ4_XS": "int8 g32 fp32-scales",
 }
 
 
@@ -256,7 +276,13 @@ def _raw_reference(ckpt, name) -> np.ndarray:
     return w if heads is None else names.unpermute_qk(w, heads)
 
 
-SCHEMES = {"Q8_0": "int8 g32", "Q4_0": "int4 g32", "Q4_K": "int4 g32 asym fp32-scales", "Q6_K": "int8 g16 fp32-scales"}
+SCHEMES = {
+    "Q8_0": "int8 g32",
+    "Q4_0": "int4 g32",
+    "Q4_K": "int4 g32 asym fp32-scales",
+    "Q6_K": "int8 g16 fp32-scales",
+    **MORE_TYPES,
+}
 
 
 def _assert_exact(ckpt, expect_types):
@@ -289,10 +315,49 @@ def test_kquant_tensors_equal_gguf_dequantize(kquant_file):
     _assert_exact(load_checkpoint(kquant_file()), ["Q4_K", "Q6_K"])
 
 
-@pytest.mark.parametrize("ftype", ["Q4_K_M", "Q8_0", "Q4_0"])
+@pytest.fixture(scope="module")
+def mixed_types_file(checkpoint_dir, tmp_path_factory):
+    """The widened llama with each of MORE_TYPES on one GEMM's weights (q/k/v, o, gate/up and down of two
+    layers: each fused GEMM reads one type, so each type gets its own kernel scheme), Q6_K elsewhere."""
+    out = tmp_path_factory.mktemp("mixed")
+    src = write_gguf(checkpoint_dir("llama", **KQUANT), out / "f32.gguf", "F32")
+    gemms = [("attn_q", "attn_k", "attn_v"), ("attn_output",), ("ffn_gate", "ffn_up"), ("ffn_down",)]
+    slots = [(layer, g) for layer in (0, 1) for g in gemms]
+    types = {}
+    for t in gguf.GGUFReader(src).tensors:
+        if len(t.shape) == 2:
+            layer = int(t.name.split(".")[1]) if t.name.startswith("blk.") else None
+            slot = next((i for i, (n, g) in enumerate(slots) if n == layer and t.name.split(".")[2] in g), None)
+            types[t.name] = T.Q6_K if slot is None else T[list(MORE_TYPES)[slot]]
+    return _rewrite(src, out / "mixed.gguf", np.random.default_rng(11), types)
+
+
+def test_every_type_equals_gguf_dequantize(mixed_types_file):
+    _assert_exact(load_checkpoint(mixed_types_file), [*MORE_TYPES, "Q6_K"])
+
+
+# llama.cpp's file types -> the tensor types it writes for the widened llama (its mixes: Q6_K for the lm_head,
+# higher types for attn_v and ffn_down of some layers)
+LLAMA_CPP_FTYPES = {
+    "Q8_0": ["Q8_0"],
+    "Q4_0": ["Q4_0", "Q6_K"],
+    "Q4_1": ["Q4_1", "Q6_K"],
+    "Q5_0": ["Q5_0", "Q6_K"],
+    "Q5_1": ["Q5_1", "Q6_K"],
+    "Q2_K": ["Q2_K", "Q3_K", "Q4_K", "Q6_K"],
+    "Q3_K_M": ["Q3_K", "Q4_K", "Q5_K", "Q6_K"],
+    "Q4_K_S": ["Q4_K", "Q5_K", "Q6_K"],
+    "Q4_K_M": ["Q4_K", "Q6_K"],
+    "Q5_K_M": ["Q5_K", "Q6_K"],
+    "Q6_K": ["Q6_K"],
+    "IQ4_NL": ["IQ4_NL", "Q5_K", "Q6_K"],
+    "IQ4_XS": ["IQ4_XS", "Q5_K", "Q6_K"],
+}
+
+
+@pytest.mark.parametrize("ftype", LLAMA_CPP_FTYPES)
 def test_llama_cpp_quantized_file_imports_exactly(ftype, checkpoint_dir, tmp_path):
-    """A file quantized by llama.cpp itself (in the bench extra), with its own mix of types: Q6_K for the
-    lm_head of Q4_0 and Q4_K_M, and for attn_v and ffn_down of some layers of Q4_K_M."""
+    """A file quantized by llama.cpp itself (in the bench extra), with its own mix of types."""
     llama_cpp = pytest.importorskip("llama_cpp")
     src = write_gguf(checkpoint_dir("llama", **KQUANT), tmp_path / "f32.gguf", "F32")
     params = llama_cpp.llama_model_quantize_default_params()
@@ -301,7 +366,7 @@ def test_llama_cpp_quantized_file_imports_exactly(ftype, checkpoint_dir, tmp_pat
     assert llama_cpp.llama_model_quantize(str(src).encode(), str(out).encode(), ctypes.byref(params)) == 0
     ckpt = load_checkpoint(out)
     assert ckpt.config == load_checkpoint(src).config
-    _assert_exact(ckpt, {"Q4_K_M": ["Q4_K", "Q6_K"], "Q8_0": ["Q8_0"], "Q4_0": ["Q4_0", "Q6_K"]}[ftype])
+    _assert_exact(ckpt, LLAMA_CPP_FTYPES[ftype])
 
 
 def _dequantized_checkpoint(ckpt, source_dir, out):
@@ -350,11 +415,13 @@ def _assert_logits_match(artifact, reference_dir, quantized: set[str]):
 @pytest.mark.slow
 # Q4_K_M: llama.cpp's mix puts attn_v in Q6_K beside Q4_K q / k, so the fused qkv GEMM is int8 g16 with mins
 # (quant.common_scheme)
-@pytest.mark.parametrize("dtype", ["Q8_0", "Q4_0", "Q4_K+Q6_K", "Q4_K_M"])
+@pytest.mark.parametrize("dtype", ["Q8_0", "Q4_0", "Q4_K+Q6_K", "Q4_K_M", "mixed"])
 def test_quantized_file_compiles_and_matches_fp32_of_its_weights(
-    dtype, checkpoint_dir, gguf_file, kquant_file, tmp_path
+    dtype, checkpoint_dir, gguf_file, kquant_file, mixed_types_file, tmp_path
 ):
-    if dtype.startswith("Q4_K"):
+    if dtype == "mixed":
+        path, source = mixed_types_file, checkpoint_dir("llama", **KQUANT)
+    elif dtype.startswith("Q4_K"):
         path, source = kquant_file(T.Q6_K if dtype == "Q4_K_M" else T.Q4_K), checkpoint_dir("llama", **KQUANT)
     else:
         path, source = gguf_file("llama", dtype), checkpoint_dir("llama")
@@ -368,7 +435,7 @@ def test_quantized_file_compiles_and_matches_fp32_of_its_weights(
     _assert_logits_match(artifact, reference, quantized)
 
 
-@pytest.mark.parametrize("qtype", [T.Q5_K, T.IQ2_XXS])
+@pytest.mark.parametrize("qtype", [T.TQ1_0, T.IQ2_XXS])
 def test_unsupported_type_is_one_line(qtype, checkpoint_dir, tmp_path):
     src = write_gguf(checkpoint_dir("llama", **KQUANT), tmp_path / "f32.gguf", "F32")
     bad = _rewrite(src, tmp_path / "bad.gguf", np.random.default_rng(0), {"blk.1.ffn_up.weight": qtype})

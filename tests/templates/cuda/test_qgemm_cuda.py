@@ -49,7 +49,10 @@ SCHEMES = [
     (37, 576, 4, 128, True, 16),
     (70, 160, 4, 128, True, 32),
     (37, 160, 8, 16, True, 32),  # GGUF Q4_K beside Q6_K in one fused GEMM (quant.common_scheme)
-    (19, 1056, 8, 32, True, 16),
+    (19, 1056, 8, 32, True, 16),  # GGUF Q5_1
+    (53, 160, 4, 32, True, 16),  # GGUF Q4_1
+    (37, 160, 8, 32, True, 32),  # GGUF Q5_K
+    (53, 96, 8, 32, False, 32),  # GGUF IQ4_XS
 ]
 TS = [1, 3, 8, 9, 17, 70]
 # tail blocks and clamped weight rows read exactly-sized numpy buffers: int4 asym, int8 g16, int4 without a full block
