@@ -35,7 +35,6 @@ import numpy as np
 from llmc.errors import CheckpointError, UnsupportedModelError
 
 from . import gguf_names as names
-from .checkpoint import to_numpy
 from .load import load_checkpoint
 
 DTYPES = ("F32", "BF16", "Q8_0", "Q4_0")
@@ -101,7 +100,7 @@ def write_gguf(checkpoint_dir: str | Path, out_path: str | Path, dtype: str) -> 
             if isinstance(values, np.ndarray):
                 w = values
             else:
-                w = np.concatenate([to_numpy(ckpt.tensor(n)).astype(np.float32, copy=False) for n in values])
+                w = np.concatenate([ckpt.tensor(n).float().numpy() for n in values])
             heads = names.qk_heads(arch, gguf_name, cfg.num_heads, cfg.num_kv_heads)
             if heads is not None:
                 w = names.permute_qk(w, heads)

@@ -90,6 +90,10 @@ from llmc.compiler.frontend.checkpoint import to_numpy  # noqa: E402
 from llmc.compiler.frontend.gguf_write import write_gguf  # noqa: E402
 from llmc.compiler.frontend.load import load_checkpoint  # noqa: E402
 from llmc.errors import UnsupportedModelError  # noqa: E402
+from llmc.examples import EXAMPLES_DIR  # noqa: E402
+
+torch = pytest.importorskip("torch")
+BUNDLED = EXAMPLES_DIR / "pystdlib-5m"
 
 # Sizes that are whole Q8_0 / Q4_0 blocks (32), so every matrix is quantized; GQA 4 (8 heads, 2 KV heads).
 _QUANTIZABLE = dict(rope_scaling=None, intermediate_size=96)
@@ -158,6 +162,15 @@ def test_writer_llama3_rope_freqs(checkpoint_dir, tmp_path):
     assert freqs.shape == (dim // 2,)
     np.testing.assert_allclose(freqs[wavelen < 32 / 4], 1.0)  # high frequencies are not scaled
     np.testing.assert_allclose(freqs[wavelen > 32], 8.0)  # low ones by the factor
+
+
+def test_a_bf16_checkpoint_is_written_as_its_values(tmp_path):
+    """The bundled model is stored in bf16, as most checkpoints are: each F32 tensor holds its bf16 values."""
+    src = load_checkpoint(BUNDLED)
+    ckpt = load_checkpoint(write_gguf(BUNDLED, tmp_path / "m.gguf", "F32"))
+    assert {src.tensor(n).dtype for n in src.config.weight_shapes()} == {torch.bfloat16}
+    for name in src.config.weight_shapes():
+        assert torch.equal(ckpt.tensor(name), src.tensor(name).float()), name
 
 
 def test_writer_refuses_what_it_cannot_write(checkpoint_dir, tmp_path):
