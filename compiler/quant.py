@@ -16,11 +16,12 @@ A weight matrix w[N, K] (HF Linear layout, one row per output) is quantized alon
 - The dequantized value is computed in float32 as written above, one rounding (`dequantize`), which is how
   gguf.quants.dequantize computes Q8_0, Q4_0, Q4_K and Q6_K.
 
-llmc's own quantizer (`quantize`) is round-to-nearest: symmetric with scale = absmax / qmax (int8 qmax 127,
-int4 qmax 7, q clamped to [-qmax - 1, qmax]); asymmetric int4 with scale = (max - min) / 15 and
-mins = -min, so that q = round((w - min) / scale) lies in 0..15. With fp16 scales, mins and scales are
-rounded up to the next fp16 value first (so every w still lies in the range q covers), and q is computed
-from the rounded values.
+llmc's own quantizer (`quantize`): symmetric groups take the scale that minimises their squared error, searched
+as llama.cpp's make_qx_quants does (`_searched_scales`), with q = round(w / scale) clamped to the whole range
+(int8 -128..127, int4 -8..7: a group's largest-magnitude value may map to -8, as in Q4_0, and the clamp may cut
+an outlier when that lowers the group's error); asymmetric int4 is round-to-nearest with scale = (max - min) / 15
+and mins = -min, so that q = round((w - min) / scale) lies in 0..15. With fp16 scales, mins and scales are
+rounded up to the next fp16 value first, and q is computed from the rounded values.
 """
 
 from __future__ import annotations
@@ -125,7 +126,7 @@ def dequantize(t: QuantizedTensor) -> np.ndarray:
 
 
 def quantize(w: np.ndarray, scheme: QuantScheme) -> QuantizedTensor:
-    """Round-to-nearest quantization of float32 w[N, K] (see the module docstring)."""
+    """float32 w[N, K] quantized to `scheme` (see the module docstring)."""
     w = np.asarray(w, dtype=np.float32)
     if w.ndim != 2:
         raise CompileError(f"only 2-D weights are quantized, got shape {list(w.shape)}")
@@ -148,13 +149,43 @@ def quantize(w: np.ndarray, scheme: QuantScheme) -> QuantizedTensor:
         safe = np.where(scales > 0, scales, 1.0).astype(np.float32)
         q = np.rint((blocks + mins[..., None]) / safe[..., None])
     else:
-        qmax = hi
-        scales = stored(np.abs(blocks).max(axis=2) / qmax)
-        safe = np.where(scales > 0, scales, 1.0).astype(np.float32)
+        scales = stored(_searched_scales(blocks, lo, hi))  # negative where a group's largest value is positive
+        safe = np.where(scales != 0, scales, 1.0).astype(np.float32)
         q = np.rint(blocks / safe[..., None])
         mins = None
     q = np.clip(q, lo, hi).astype(np.int8).reshape(n, groups * g)[:, :k]
     return QuantizedTensor(np.ascontiguousarray(q), scales, mins, scheme)
+
+
+# The searched reciprocal scales: -(qmax + 1 + SEARCH_STEP * i) / m for |i| <= SEARCH_STEPS, m the group's
+# largest-magnitude value (llama.cpp's make_qx_quants grid)
+SEARCH_STEPS, SEARCH_STEP = 9, 0.1
+
+
+def _searched_scales(blocks: np.ndarray, lo: int, hi: int, rows: int = 256) -> np.ndarray:
+    """[N, groups, g] -> each group's scale that minimises its squared error, as llama.cpp's make_qx_quants finds
+    it: for each candidate rounding q = clamp(round(w * r), lo, hi) over a grid of r around -(hi + 1) / m, the
+    least-squares scale sum(w q) / sum(q^2), keeping the one with the least error (the largest sum(w q)^2 /
+    sum(q^2)). The grid's centre maps m to lo, so all of q's levels are in use (Q4_0's rounding); absmax / hi
+    leaves one of int4's 16 unused. Row chunks keep the candidates' temporaries in cache."""
+    import torch
+
+    out = np.empty(blocks.shape[:2], np.float32)
+    for start in range(0, blocks.shape[0], rows):
+        b = torch.from_numpy(blocks[start : start + rows])
+        m = torch.gather(b, 2, b.abs().argmax(dim=2, keepdim=True))[..., 0]
+        m = torch.where(m == 0, torch.ones_like(m), m)
+        best_fit, best = torch.zeros_like(m), torch.zeros_like(m)
+        # the grid, and absmax / hi's rounding (m to hi), so that no group does worse than that
+        for r in [-(hi + 1 + SEARCH_STEP * i) for i in range(-SEARCH_STEPS, SEARCH_STEPS + 1)] + [hi]:
+            q = torch.clamp(torch.round(b * (r / m)[..., None]), lo, hi)
+            wq, qq = (b * q).sum(2), (q * q).sum(2)
+            qq = torch.where(qq > 0, qq, torch.ones_like(qq))
+            fit = wq * wq / qq
+            better = fit > best_fit
+            best_fit, best = torch.where(better, fit, best_fit), torch.where(better, wq / qq, best)
+        out[start : start + rows] = best.numpy()
+    return out
 
 
 def _round_up_fp16(a: np.ndarray) -> np.ndarray:
@@ -162,8 +193,8 @@ def _round_up_fp16(a: np.ndarray) -> np.ndarray:
     a = np.asarray(a, np.float32)
     with np.errstate(over="ignore"):
         h = a.astype(np.float16)
-    low = h.astype(np.float32) < a
-    h[low] = np.nextafter(h[low], np.float16(np.inf))
+        low = np.isfinite(h) & (h.astype(np.float32) < a)  # not -inf: a negative scale past the range stays out
+        h[low] = np.nextafter(h[low], np.float16(np.inf))
     if not np.isfinite(h).all():
         big = float(np.abs(a[~np.isfinite(h)]).max())
         raise CompileError(

@@ -1,4 +1,6 @@
-"""compiler/quant.py: the round-to-nearest quantizer against its error bound, and the contract's checks."""
+"""compiler/quant.py: the quantizer against round-to-nearest and Q4_0, its error bound, and the contract's checks."""
+
+import dataclasses
 
 import numpy as np
 import pytest
@@ -14,22 +16,67 @@ from llmc.compiler.quant import (
 )
 from llmc.errors import CompileError
 
+SYMMETRIC = [QuantScheme(8, 37), QuantScheme(8, 32), QuantScheme(4, 32), QuantScheme(4, 32, scale_dtype="float32")]
+ASYMMETRIC = [QuantScheme(4, 64, asymmetric=True), QuantScheme(4, 64, asymmetric=True, scale_dtype="float32")]
 
-@pytest.mark.parametrize(
-    "scheme",
-    [
-        QuantScheme(8, 37),
-        QuantScheme(8, 32),
-        QuantScheme(4, 32),
-        QuantScheme(4, 64, asymmetric=True),
-        QuantScheme(4, 32, scale_dtype="float32"),
-        QuantScheme(4, 64, asymmetric=True, scale_dtype="float32"),
-    ],
-    ids=lambda s: s.describe().replace(" ", "-"),
-)
-def test_round_to_nearest_is_within_half_a_step(scheme):
+
+def _ids(s):
+    return s.describe().replace(" ", "-")
+
+
+def _group_errors(w, t) -> np.ndarray:
+    """Squared error of each group, [N, groups]."""
+    g, k = t.scheme.group_size, w.shape[1]
+    e = np.zeros((w.shape[0], -(-k // g) * g), np.float64)
+    e[:, :k] = (dequantize(t).astype(np.float64) - w) ** 2
+    return e.reshape(w.shape[0], -1, g).sum(axis=2)
+
+
+def _absmax_rtn(w, scheme) -> QuantizedTensor:
+    """The quantizer llmc had before the search: scale = absmax / qmax (fp16 scales rounded up), round to nearest."""
+    g, k = scheme.group_size, w.shape[1]
+    lo, hi = scheme.qrange
+    blocks = np.zeros((w.shape[0], -(-k // g) * g), np.float32)
+    blocks[:, :k] = w
+    scales = np.abs(blocks.reshape(w.shape[0], -1, g)).max(axis=2) / hi
+    if scheme.scale_dtype == "float16":
+        h = scales.astype(np.float16)
+        h[h < scales] = np.nextafter(h[h < scales], np.float16(np.inf))
+        scales = h.astype(np.float32)
+    q = np.clip(np.rint(w / np.repeat(np.where(scales > 0, scales, 1), g, axis=1)[:, :k]), lo, hi)
+    return QuantizedTensor(q.astype(np.int8), scales, None, dataclasses.replace(scheme, scale_dtype="float32"))
+
+
+@pytest.mark.parametrize("scheme", SYMMETRIC, ids=_ids)
+def test_searched_scales_beat_round_to_nearest(scheme):
+    """In all, the error is well under round-to-nearest's with absmax / qmax, and q uses the whole range. At int4
+    each group's is at most that (the searched candidates include its rounding); int8's groups' small errors move
+    by more with the fp16 rounding of the scale (up to 13% either way on a group)."""
     rng = np.random.default_rng(0)
-    w = rng.standard_normal((7, 100)).astype(np.float32)  # 100: the last group is short for every group size
+    w = rng.standard_normal((64, 100)).astype(np.float32)  # 100: the last group is short for every group size
+    t = quantize(w, scheme)
+    lo, hi = scheme.qrange
+    assert t.q.min() >= lo and t.q.max() <= hi and t.q.min() == lo
+    ours, rtn = _group_errors(w, t), _group_errors(w, _absmax_rtn(w, scheme))
+    assert scheme.bits == 8 or np.all(ours <= rtn * 1.002 + 1e-12)
+    assert ours.sum() < (0.9 if scheme.bits == 8 else 0.75) * rtn.sum()
+
+
+def test_int4_error_is_below_q4_0s():
+    """llama.cpp's Q4_0 (its reference rounding, gguf.quants) on heavy-tailed weights: llmc's int4 g32 errs less."""
+    gguf = pytest.importorskip("gguf")
+    rng = np.random.default_rng(3)
+    w = (rng.standard_t(5, (256, 512)) * 0.02).astype(np.float32)
+    q4_0_type = gguf.GGMLQuantizationType.Q4_0
+    q4_0 = gguf.quants.dequantize(gguf.quants.quantize(w, q4_0_type), q4_0_type)
+    ours = dequantize(quantize(w, QuantScheme(4, 32)))
+    assert np.sum((ours - w) ** 2) < 0.95 * np.sum((q4_0 - w) ** 2)
+
+
+@pytest.mark.parametrize("scheme", ASYMMETRIC, ids=_ids)
+def test_asymmetric_round_to_nearest_is_within_half_a_step(scheme):
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((7, 100)).astype(np.float32)
     t = quantize(w, scheme)
     lo, hi = scheme.qrange
     assert t.q.min() >= lo and t.q.max() <= hi
@@ -39,7 +86,7 @@ def test_round_to_nearest_is_within_half_a_step(scheme):
 
 @pytest.mark.parametrize("asymmetric", [False, True])
 def test_fp16_scales_are_fp16_values_rounded_up(asymmetric):
-    """Scales (and mins) are fp16 values no smaller than the fp32 choice, so no element is clipped."""
+    """Scales (and mins) are fp16 values no smaller than the fp32 choice (asymmetric: so no element is clipped)."""
     rng = np.random.default_rng(1)
     w = (rng.standard_normal((9, 96)) * np.logspace(-4, 1, 9)[:, None]).astype(np.float32)
     t16 = quantize(w, QuantScheme(4, 32, asymmetric))
@@ -49,8 +96,7 @@ def test_fp16_scales_are_fp16_values_rounded_up(asymmetric):
     if asymmetric:
         assert np.all(t16.mins >= t32.mins)
     else:
-        assert np.all(t16.scales >= t32.scales) and np.all(t16.scales <= t32.scales * (1 + 2**-10) + 2**-24)
-        assert np.all(np.abs(w) <= 7.5 * np.repeat(t16.scales, 32, axis=1))  # within q's range, unclipped
+        assert np.all(t16.scales >= t32.scales) and np.all(t16.scales <= t32.scales + np.abs(t32.scales) * 2**-10)
 
 
 def test_scales_past_fp16_are_refused():
