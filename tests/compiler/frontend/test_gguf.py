@@ -493,7 +493,7 @@ def test_unsupported_arch_and_tokenizer_are_named(gguf_file, tmp_path):
     cases = {
         "gemma2": {names.ARCHITECTURE: ("gemma2", S, None)},
         "'bert'": {names.TOKENIZER_MODEL: ("bert", S, None)},
-        "'tekken'": {names.TOKENIZER_PRE: ("tekken", S, None)},
+        "'gemma4'": {names.TOKENIZER_PRE: ("gemma4", S, None)},
         "'yarn'": {"llama.rope.scaling.type": ("yarn", S, None)},
     }
     for expected, meta in cases.items():
