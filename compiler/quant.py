@@ -20,8 +20,9 @@ llmc's own quantizer (`quantize`): symmetric groups take the scale that minimise
 as llama.cpp's make_qx_quants does (`_searched_scales`), with q = round(w / scale) clamped to the whole range
 (int8 -128..127, int4 -8..7: a group's largest-magnitude value may map to -8, as in Q4_0, and the clamp may cut
 an outlier when that lowers the group's error); asymmetric int4 is round-to-nearest with scale = (max - min) / 15
-and mins = -min, so that q = round((w - min) / scale) lies in 0..15. With fp16 scales, mins and scales are
-rounded up to the next fp16 value first, and q is computed from the rounded values.
+and mins = -min, so that q = round((w - min) / scale) lies in 0..15. With fp16 scales, the asymmetric mins and
+scales are rounded up to the next fp16 value (no value leaves the range), the searched scales to the nearest,
+and q is computed from the rounded values. Quantizing a quantized tensor's values gives them back.
 """
 
 from __future__ import annotations
@@ -137,19 +138,22 @@ def quantize(w: np.ndarray, scheme: QuantScheme) -> QuantizedTensor:
     padded[:, :k] = w
     blocks = padded.reshape(n, groups, g)
     lo, hi = scheme.qrange
-    stored = _round_up_fp16 if scheme.scale_dtype == "float16" else (lambda a: a.astype(np.float32))
+    fp16 = scheme.scale_dtype == "float16"
     if scheme.asymmetric:
         # A padded tail's zeros widen the last group's range by at most 0: min <= 0 <= max is not assumed
         # elsewhere, so take the real elements only.
         real = np.arange(groups * g).reshape(groups, g) < k
         wmin = np.where(real, blocks, np.inf).min(axis=2)
         wmax = np.where(real, blocks, -np.inf).max(axis=2)
-        mins = stored(-wmin)  # >= -min: w + mins >= 0
-        scales = stored((wmax + mins) / hi)
+        mins = _stored(-wmin, fp16, up=True)  # >= -min: w + mins >= 0
+        scales = _stored((wmax + mins) / hi, fp16, up=True)
         safe = np.where(scales > 0, scales, 1.0).astype(np.float32)
         q = np.rint((blocks + mins[..., None]) / safe[..., None])
     else:
-        scales = stored(_searched_scales(blocks, lo, hi))  # negative where a group's largest value is positive
+        # negative where a group's largest value is positive; the nearest fp16 value, not the next one up:
+        # the least-squares scale of already-quantized weights is their scale to within float rounding, and
+        # rounding that up would move it a whole fp16 step (quantize must be idempotent on its own output)
+        scales = _stored(_searched_scales(blocks, lo, hi), fp16, up=False)
         safe = np.where(scales != 0, scales, 1.0).astype(np.float32)
         q = np.rint(blocks / safe[..., None])
         mins = None
@@ -188,13 +192,17 @@ def _searched_scales(blocks: np.ndarray, lo: int, hi: int, rows: int = 256) -> n
     return out
 
 
-def _round_up_fp16(a: np.ndarray) -> np.ndarray:
-    """float32 a, each value replaced by the smallest fp16 value >= it (finite: else a CompileError)."""
+def _stored(a: np.ndarray, fp16: bool, up: bool) -> np.ndarray:
+    """float32 a as stored: unchanged for fp32 scales; else each value replaced by the nearest fp16 value, or
+    with `up` the smallest fp16 value >= it (finite: else a CompileError)."""
     a = np.asarray(a, np.float32)
+    if not fp16:
+        return a
     with np.errstate(over="ignore"):
         h = a.astype(np.float16)
-        low = np.isfinite(h) & (h.astype(np.float32) < a)  # not -inf: a negative scale past the range stays out
-        h[low] = np.nextafter(h[low], np.float16(np.inf))
+        if up:
+            low = np.isfinite(h) & (h.astype(np.float32) < a)  # not -inf: a negative scale past the range stays out
+            h[low] = np.nextafter(h[low], np.float16(np.inf))
     if not np.isfinite(h).all():
         big = float(np.abs(a[~np.isfinite(h)]).max())
         raise CompileError(

@@ -85,8 +85,9 @@ def test_asymmetric_round_to_nearest_is_within_half_a_step(scheme):
 
 
 @pytest.mark.parametrize("asymmetric", [False, True])
-def test_fp16_scales_are_fp16_values_rounded_up(asymmetric):
-    """Scales (and mins) are fp16 values no smaller than the fp32 choice (asymmetric: so no element is clipped)."""
+def test_fp16_scales_are_fp16_values(asymmetric):
+    """Scales (and mins) are fp16 values: asymmetric ones no smaller than the fp32 choice (so no element is
+    clipped), the searched symmetric ones the nearest to it."""
     rng = np.random.default_rng(1)
     w = (rng.standard_normal((9, 96)) * np.logspace(-4, 1, 9)[:, None]).astype(np.float32)
     t16 = quantize(w, QuantScheme(4, 32, asymmetric))
@@ -96,7 +97,19 @@ def test_fp16_scales_are_fp16_values_rounded_up(asymmetric):
     if asymmetric:
         assert np.all(t16.mins >= t32.mins)
     else:
-        assert np.all(t16.scales >= t32.scales) and np.all(t16.scales <= t32.scales + np.abs(t32.scales) * 2**-10)
+        assert np.array_equal(t16.scales, t32.scales.astype(np.float16).astype(np.float32))
+
+
+@pytest.mark.parametrize("scheme", SYMMETRIC + ASYMMETRIC, ids=_ids)
+def test_quantizing_quantized_values_gives_them_back(scheme):
+    """A checkpoint that is already quantized (a dequantized GGUF, a QAT model) loses nothing more when llmc
+    quantizes it again to its scheme."""
+    rng = np.random.default_rng(4)
+    w = (rng.standard_normal((128, 100)) * np.logspace(-3, 1, 128)[:, None]).astype(np.float32)
+    once = dequantize(quantize(w, scheme))
+    twice = dequantize(quantize(once, scheme))
+    err = np.abs(twice - once).max(axis=1) / np.abs(once).max(axis=1)
+    assert err.max() <= 1e-6, f"rows moved by up to {err.max():.2g} of their largest value"
 
 
 def test_scales_past_fp16_are_refused():
