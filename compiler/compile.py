@@ -32,6 +32,7 @@ from .frontend.trace import trace
 from .lower import lower
 from .passes.common import rewrite_counts
 from .passes.pipeline import run_passes
+from .passes.quantize_embedding import quantize_embedding
 from .passes.quantize_linear import quantize_linear
 from .program import KernelProgram
 from .quant import QuantConfig, QuantScheme
@@ -76,7 +77,8 @@ def quant_schemes(ckpt: Checkpoint, quant: QuantConfig) -> dict[str, QuantScheme
 
     From the flags: every linear of the blocks, and the lm_head (the embedding, when tied) with quant.lm_head;
     a linear whose K is not a multiple of 32 stays float. A tensor the checkpoint holds quantized (GGUF) keeps
-    its own scheme whatever the flags, so a file imports with no requantization.
+    its own scheme whatever the flags, so a file imports with no requantization: an untied embedding too, which
+    the gather reads quantized (passes/quantize_embedding.py).
     """
     shapes = ckpt.config.weight_shapes()
     lm_head = "lm_head.weight" if "lm_head.weight" in shapes else "model.embed_tokens.weight"
@@ -88,7 +90,7 @@ def quant_schemes(ckpt: Checkpoint, quant: QuantConfig) -> dict[str, QuantScheme
         scheme = quant.scheme(shapes[name][1])
         if scheme is not None:
             schemes[name] = scheme
-    for name in [*linears, lm_head]:
+    for name in {*linears, lm_head, "model.embed_tokens.weight"}:
         held = ckpt.quant_scheme(name)
         if held is not None:
             schemes[name] = held
@@ -134,7 +136,7 @@ def build_program(
     step("import to Relax")
     mod = to_relax(traced)
     step("fuse")
-    quantize = quantize_linear(schemes, traced.weight_names) if schemes else None
+    quantize = [f(schemes, traced.weight_names) for f in (quantize_linear, quantize_embedding)] if schemes else []
     mod = run_passes(mod, after_each=after_each_pass, quantize=quantize)
     check_fusion(mod, ckpt.config.num_layers)
     step("lower")

@@ -11,7 +11,8 @@ With swiglu_epilogue (the CUDA targets), a bf16 gate_up GEMM and the silu_mul th
 lower to one `gemm_swiglu` launch (compiler/launches.py). The buffer plan follows there too.
 
 A `llmc.quantized_matmul` lowers to a `qgemm` launch whose weight is two or three packed tensors (qweight,
-scales, mins: WeightSpec parts), which the packer quantizes from the float sources named here.
+scales, mins: WeightSpec parts), which the packer quantizes from the float sources named here; a
+`llmc.quantized_take` to a `qembedding` launch reading the same parts (a tied head's, when it is one).
 
 Every binding of the fused main lowers to a template or is a free view (reshape, expand_dims, split into
 columns, a weight concat evaluated at pack time). Any other op falls back to TVM's own codegen: its
@@ -337,7 +338,7 @@ class _Lowering(LlmcOpLowering):
             isinstance(x, View)
             and c is not None
             and last is not None
-            and last.op == "embedding"
+            and last.op in ("embedding", "qembedding")
             and last.defs == [x.value]
             and self._read_once(value.args[0])
             and "scale" not in last.params
@@ -395,20 +396,37 @@ class _Lowering(LlmcOpLowering):
 
     # --- the quantized matmul (the other llmc ops: lower_llmc_ops.py) ---------------------------------
 
+    def _quantized(self, args: dict, w: _Weight) -> tuple[dict, list[str]]:
+        """(the scheme's kernel parameters, the packed parts' args: qweight, scales, mins or nullptr)."""
+        quant = {a: int(prim_value(args[a])) for a in ("bits", "group_size", "asymmetric", "scale_bits")}
+        quant["asymmetric"] = bool(quant["asymmetric"])
+        scheme = QuantScheme.of_kernel(quant)
+        q, scales, *mins = (self.quant_index(w, scheme, p) for p in QUANT_PARTS if p != "mins" or scheme.asymmetric)
+        return quant, [f"W[{q}]", f"W[{scales}]", f"W[{mins[0]}]" if mins else "nullptr"]
+
     def op_quantized_matmul(self, var, value):
         args = llmc_args(value)
         x, w = self.env.get(args["x"]), self.env.get(args["weight"])
         if not (isinstance(x, View) and x.stride == x.cols and isinstance(w, _Weight) and len(w.shape) == 2):
             raise CompileError(f"quantized matmul {var.name}: expected a whole activation and an [N, K] weight")
-        quant = {a: int(prim_value(args[a])) for a in ("bits", "group_size", "asymmetric", "scale_bits")}
-        quant["asymmetric"] = bool(quant["asymmetric"])
-        scheme = QuantScheme.of_kernel(quant)
-        q, scales, *mins = (self.quant_index(w, scheme, p) for p in QUANT_PARTS if p != "mins" or scheme.asymmetric)
+        quant, weights = self._quantized(args, w)
         n, k = w.shape
         out = self.new_value(n, x.rows)
         params = {"n": n, "k": k, **quant, "has_bias": False}
-        weights = [f"W[{q}]", f"W[{scales}]", f"W[{mins[0]}]" if mins else "nullptr"]
+        q = self.weight_specs[(w.sources, "qweight")]
         self.emit("qgemm", params, [x, *weights, "nullptr", out, x.rows], [linear_name(w.sources)], [out], weight=q)
+        self.env[var] = out
+
+    def op_quantized_take(self, var, value):
+        """The embedding gather from the packed table (a tied head's qgemm reads the same parts)."""
+        args = llmc_args(value)
+        table = self.env.get(args["table"])
+        if not (isinstance(table, _Weight) and len(table.shape) == 2 and self.env.get(args["ids"]) == "token_ids"):
+            raise CompileError(f"quantized take {var.name}: expected a [vocab, hidden] weight gathered by token ids")
+        quant, weights = self._quantized(args, table)
+        out = self.new_value(table.shape[1], "T")
+        params = {"hidden": table.shape[1], **quant}
+        self.emit("qembedding", params, ["token_ids", "T", *weights, out], ["take(embed_tokens)"], [out])
         self.env[var] = out
 
     # --- buffer plan ----------------------------------------------------------------------------

@@ -67,7 +67,7 @@ def format_program(program: dict) -> str:
 
 def decode_weight_bytes(program: dict) -> dict[str, int]:
     """Bytes of weights one decode step of one token reads, by op: each weight a launch names, in full, except
-    an embedding's table, of which it reads one row. What a step streams at batch 1, and so the memory
+    an embedding's table (or a quantized one's parts), of which it reads one row. What a step streams at batch 1, and so the memory
     roofline's bytes."""
     by_op: dict[str, int] = {}
     for launch in program["launches"]:
@@ -77,7 +77,7 @@ def decode_weight_bytes(program: dict) -> dict[str, int]:
             if i is None:
                 continue
             w = program["weights"][i]
-            elements = math.prod(w["shape"][-1:] if op == "embedding" else w["shape"])  # a table: one row
+            elements = math.prod(w["shape"][-1:] if op in ("embedding", "qembedding") else w["shape"])  # a row
             by_op[op] = by_op.get(op, 0) + DTYPES[w["dtype"]].nbytes * elements
     return by_op
 

@@ -24,18 +24,20 @@ from tests.cuda_mode import cuda_library
 
 REL = 1e-3
 BF16_REL = 3e-2
-# qwen2's qkv bias joins the quantized GEMM; llama's down_proj (K = 136) stays float
+# qwen2's qkv bias joins the quantized GEMM; llama's down_proj (K = 136) stays float; llama's embedding is tied,
+# so its head's qgemm and the qembedding gather read one packed table
 BUILDS = [("llama", QuantConfig("int4", lm_head=True)), ("qwen2", QuantConfig("int8", group_size=32))]
 
 
 def _dequantized_checkpoint(root, arch, quant):
-    ckpt = make_checkpoint(root / "ckpt", arch, seed=3)
+    ckpt = make_checkpoint(root / "ckpt", arch, seed=3, tie_word_embeddings=arch == "llama")
     (weights,) = ckpt.glob("*.safetensors")
     state = load_file(weights)
+    head = "lm_head.weight" if "lm_head.weight" in state else "model.embed_tokens.weight"
     quantized = 0
     for name, t in state.items():
         linear = name.startswith("model.layers.") and name.endswith("_proj.weight")
-        if t.dim() == 2 and (linear or (quant.lm_head and name == "lm_head.weight")):
+        if t.dim() == 2 and (linear or (quant.lm_head and name == head)):
             scheme = quant.scheme(t.shape[1])
             if scheme is not None:
                 state[name] = torch.from_numpy(dequantize(quantize(t.numpy(), scheme)))

@@ -93,6 +93,10 @@ def launch_floor(template: str, params: dict, rows_var: str, shape: StepShape) -
         return _gemm(p, rows, _qweight_bytes(p), _F32)
     if op == "embedding":
         return Floor(rows * (4 + p["hidden"] * (_bytes(p["wdtype"]) + _act(p))), 0)
+    if op == "qembedding":  # a row's packed bytes, and its scales (and mins)
+        groups = -(-p["hidden"] // p["group_size"]) * (2 if p["asymmetric"] else 1)
+        row = p["hidden"] * p["bits"] // 8 + groups * p["scale_bits"] // 8
+        return Floor(rows * (4 + row + p["hidden"] * _act(p)), 0)
     if op == "rmsnorm":
         vectors = 4 if p["add_residual"] else 2  # x (+ residual) in, (sum +) y out
         return Floor(p["hidden"] * _bytes(p["wdtype"]) + rows * vectors * p["hidden"] * _act(p), 0)

@@ -122,7 +122,9 @@ def _check_params(op: str, params: Mapping[str, Any]) -> None:
         if value is not None and (isinstance(value, bool) or not isinstance(value, float) or not math.isfinite(value)):
             raise ValueError(f"{key} must be a finite float (absent: 1), got {value!r}")
     if op == "qgemm":
-        _check_qgemm(params)
+        _check_quant(params, params["k"])
+    if op == "qembedding":
+        _check_quant(params, params["hidden"])
     if op == "paged_attention":
         nh, nkv = params["num_heads"], params["num_kv_heads"]
         if isinstance(nh, int) and isinstance(nkv, int) and nkv > 0 and nh % nkv:
@@ -137,9 +139,9 @@ def _check_params(op: str, params: Mapping[str, Any]) -> None:
             raise ValueError(f"softcap must be a finite float > 0 (absent: none), got {cap!r}")
 
 
-def _check_qgemm(params: Mapping[str, Any]) -> None:
-    """The schemes of compiler/quant.py that the CPU packed layout (compiler/quant_pack.py) holds."""
-    bits, k, g = params["bits"], params["k"], params["group_size"]
+def _check_quant(params: Mapping[str, Any], k: Any) -> None:
+    """The schemes of compiler/quant.py that the packed layouts (compiler/quant_pack.py) hold, for rows of k."""
+    bits, g = params["bits"], params["group_size"]
     if bits not in (4, 8):
         raise ValueError(f"bits must be 8 or 4, got {bits!r}")
     if not isinstance(k, int) or k % 32:
@@ -200,6 +202,7 @@ OPTIONAL_PARAMS = {
     # Qwen3's per-head q / k norm before the rotation; OLMo 2's whole one; Phi-3's LongRoPE
     "rope": {"norm_eps", "norm_over_heads", "long_inv_freq", "attention_factor"},
     "embedding": {"scale"},  # Granite's and Gemma's scaled embedding
+    "qembedding": {"scale"},
     # Granite's scaled branch; Gemma's normed branch; OLMo 2's normed branch added with no norm of the sum
     "rmsnorm": {"residual_scale", "residual_norm", "output_norm"},
     "silu_mul": {"activation"},  # "gelu_tanh": Gemma's GeGLU
@@ -294,6 +297,7 @@ _ID_ORDER = {
     "gather_rows": ["cols", "adtype"],
     "softcap": ["cols", "cap", "adtype"],
     "qgemm": ["n", "k", "bits", "group_size", "asymmetric", "scale_bits", "has_bias", "adtype"],
+    "qembedding": ["hidden", "bits", "group_size", "asymmetric", "scale_bits", "adtype"],
 }
 _LIST_INLINE_MAX = 4  # longer lists are spelled as length + content hash
 

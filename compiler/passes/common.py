@@ -82,6 +82,8 @@ OPS = {
     "softcap": ("x", "cap"),  # cap * tanh(x / cap), elementwise (Gemma 2's final logits)
     # x @ W.T with W (float [N, K], sources as traced) packed quantized: compiler/quant.py's scheme as attrs
     "quantized_matmul": ("x", "weight", "bits", "group_size", "asymmetric", "scale_bits"),
+    # take(table, ids, axis=0) with the table (float [vocab, hidden], as traced) packed quantized, as above
+    "quantized_take": ("table", "ids", "bits", "group_size", "asymmetric", "scale_bits"),
 }
 
 

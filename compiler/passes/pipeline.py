@@ -1,12 +1,13 @@
 """The pass pipeline, in order. Each entry is one IRModule -> IRModule function (see its docstring).
 
-A quantized build adds quantize_linear (made for its checkpoint's schemes) after them all: it reads the GEMMs
-as the fusions left them (merged qkv and gate/up), which is how lowering launches them.
+A quantized build adds quantize_linear and quantize_embedding (made for its checkpoint's schemes) after them
+all: quantize_linear reads the GEMMs as the fusions left them (merged qkv and gate/up), which is how lowering
+launches them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import tvm
 
@@ -35,10 +36,10 @@ PASSES: list[Callable[[tvm.IRModule], tvm.IRModule]] = [
 def run_passes(
     mod: tvm.IRModule,
     after_each: Callable[[str, tvm.IRModule], None] | None = None,
-    quantize: Callable[[tvm.IRModule], tvm.IRModule] | None = None,
+    quantize: Sequence[Callable[[tvm.IRModule], tvm.IRModule]] = (),
 ) -> tvm.IRModule:
-    """quantize: the quantize_linear pass of a quantized build, else None."""
-    for p in PASSES if quantize is None else [*PASSES, quantize]:
+    """quantize: a quantized build's quantize_linear and quantize_embedding passes."""
+    for p in [*PASSES, *quantize]:
         mod = p(mod)
         if after_each is not None:
             after_each(p.__name__, mod)

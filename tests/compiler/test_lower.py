@@ -247,7 +247,7 @@ def test_quantized_matmul_lowers_to_qgemm_over_packed_parts(checkpoint_dir):
         p + "o_proj.weight": QuantScheme(8, config.q_size),
     }
     program = lower(
-        run_passes(mod, quantize=quantize_linear(schemes, names)), names, weight_dtype="bfloat16", block_size=16
+        run_passes(mod, quantize=[quantize_linear(schemes, names)]), names, weight_dtype="bfloat16", block_size=16
     )
     print(program)
     qgemms = [launch for launch in program.launches if launch.op == "qgemm"]

@@ -28,7 +28,8 @@ from tests.checkpoints import hf_model, make_checkpoint
 
 REL = 1e-3  # the fp32 parity tolerance (tests/logits_rows.py)
 FLIP_REL = 1e-2  # a row with an activation rounded the other way (see the module docstring)
-# (arch, quant): qwen2 has the qkv bias (joins the quantized GEMM); llama's down_proj (K = 136) stays float
+# (arch, quant): qwen2 has the qkv bias (joins the quantized GEMM); llama's down_proj (K = 136) stays float, and
+# its embedding is tied: the head's qgemm and the qembedding gather read one packed table
 # Each build compiles twice (the quality gate's unquantized reference too), 25-70 s here: one runs by default.
 BUILDS = [
     ("llama", QuantConfig("int4", lm_head=True)),
@@ -44,7 +45,8 @@ def _quantized_names(state: dict, quant: QuantConfig) -> dict:
     out = {}
     for name, t in state.items():
         block_linear = name.startswith("model.layers.") and name.endswith("_proj.weight")
-        if t.dim() == 2 and (block_linear or (quant.lm_head and name == "lm_head.weight")):
+        head = name == "lm_head.weight" or (name == "model.embed_tokens.weight" and "lm_head.weight" not in state)
+        if t.dim() == 2 and (block_linear or (quant.lm_head and head)):
             scheme = quant.scheme(t.shape[1])
             if scheme is not None:
                 out[name] = scheme
@@ -56,7 +58,7 @@ def build(tmp_path_factory, arch: str, quant: QuantConfig):
     key = (arch, quant)
     if key not in _built:
         root = tmp_path_factory.mktemp(f"q_{arch}_{quant.mode}")
-        ckpt = make_checkpoint(root / "ckpt", arch, seed=3)
+        ckpt = make_checkpoint(root / "ckpt", arch, seed=3, tie_word_embeddings=arch == "llama")
         (weights,) = ckpt.glob("*.safetensors")
         state = load_file(weights)
         names = _quantized_names(state, quant)
@@ -79,7 +81,8 @@ def _quantize_activations(module, args):
 def _reference(ckpt, names):
     model = hf_model(ckpt)
     for name, module in model.named_modules():
-        if f"{name}.weight" in names:
+        tied_head = name == "lm_head" and "model.embed_tokens.weight" in names  # not the gather's ids
+        if isinstance(module, torch.nn.Linear) and (f"{name}.weight" in names or tied_head):
             module.register_forward_pre_hook(_quantize_activations)
     return model
 
@@ -120,6 +123,10 @@ def test_quantized_build_generates_and_records_its_scheme(arch, quant, tmp_path_
     header = json.loads(raw[8 : 8 + int.from_bytes(raw[:8], "little")])
     qweights = {k: v for k, v in header.items() if k.endswith(".qweight")}
     assert len(qweights) == len(entry["weights"]) and all(v["dtype"] == "U8" for v in qweights.values())
+    if "model.embed_tokens.weight" in names:  # tied: the gather reads the head's packed table, stored once
+        assert not any(
+            k.startswith("model.embed_tokens.weight") and not k.endswith(("qweight", "scales")) for k in header
+        )
     assert entry["packed_bytes"]["quantized"] == sum(
         v["data_offsets"][1] - v["data_offsets"][0] for k, v in header.items() if k.endswith((".qweight", ".scales"))
     )

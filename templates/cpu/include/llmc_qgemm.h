@@ -800,4 +800,33 @@ inline void qgemm(const float* LLMC_RESTRICT x, const uint8_t* LLMC_RESTRICT qwe
   });
 }
 
+// qembedding: out[t, :] = dequant(table)[ids[t], :] * scale, the table packed as qgemm's weight (a tied head's
+// is that weight): w = q * scale[g] - min[g] as compiler/quant.py's dequantize rounds it, the product and then
+// the difference (not contracted into one FMA), so a GGUF table's rows come out bit for bit.
+template <int H, int BITS, int GS, bool ASYM, typename SC>
+#if defined(__GNUC__) && !defined(__clang__)
+__attribute__((optimize("fp-contract=off")))
+#endif
+inline void qembedding(const int32_t* ids, int T, const uint8_t* LLMC_RESTRICT qweight, const SC* LLMC_RESTRICT scales,
+                       const SC* LLMC_RESTRICT mins, float* LLMC_RESTRICT out, float scale = 1.0f) {
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#endif
+  static_assert(H % 32 == 0, "qembedding: a quantized table's rows are whole blocks of 32");
+  constexpr int G = (H + GS - 1) / GS;
+  constexpr int RB = H * BITS / 8;
+  constexpr int LO = BITS == 8 ? -128 : (ASYM ? 0 : -8);  // the q that is stored as u = 0
+  parallel_for(T, (long)T * H >= kParallelWork, [&](int t) {
+    const long row = ids[t];
+    const uint8_t* u = qweight + row * RB;
+    float* dst = out + (long)t * H;
+    for (int k = 0; k < H; ++k) {
+      // int4: chunk c's byte j holds elements 32c + j (low nibble) and 32c + j + 16 (high)
+      const int q = (BITS == 8 ? u[k] : (u[k / 32 * 16 + k % 16] >> (k % 32 / 16 * 4)) & 0xF) + LO;
+      const float w = float(q) * scale_value(scales[row * G + k / GS]);
+      dst[k] = (ASYM ? w - scale_value(mins[row * G + k / GS]) : w) * scale;
+    }
+  });
+}
+
 }  // namespace llmc

@@ -309,4 +309,42 @@ struct QGemm {
   }
 };
 
+// qembedding: out[t, :] = dequant(table)[ids[t], :] * scale, the table in pack_cuda's layout (a tied head's is
+// that weight). Grid (T), one block per token; a thread decodes whole 32-bit words: the word of unit u (32 k for
+// int4, 16 for int8) for lane l sits at 4 * (16 * (u / 4) + l * nw + u % 4) bytes, nw = the block's units, and
+// its element i = 4s + 2r + h (k = 16s + 8r + 2l + h of the unit) at bit BITS * (i / 2) + 16 * (i % 2).
+// w = q * scale - min rounded as compiler/quant.py's dequantize does (two roundings, never one FMA).
+template <int H, int BITS, int GS, bool ASYM, typename SC, typename A = float>
+struct QEmbedding {
+  static_assert(H % 32 == 0, "qembedding: a quantized table's rows are whole blocks of 32");
+  static constexpr int kWords = H * BITS / 32;
+  static constexpr int kPerWord = 32 / BITS;
+  static constexpr int kUnits = H / (4 * kPerWord);
+  static constexpr int NG = (H + GS - 1) / GS;
+  static constexpr int LO = BITS == 8 ? -128 : (ASYM ? 0 : -8);  // the q stored as u = 0
+  static constexpr uint32_t kMask = (1u << BITS) - 1;
+  static constexpr int kThreads = row_threads(kWords, 256);
+
+  static __device__ __forceinline__ void run(const int32_t* ids, const uint8_t* qweight, const SC* scales,
+                                             const SC* mins, A* out, float scale = 1.0f) {
+    const int64_t row = ids[blockIdx.x];
+    const uint32_t* src = reinterpret_cast<const uint32_t*>(qweight + row * (H * BITS / 8));
+    A* dst = out + static_cast<int64_t>(blockIdx.x) * H;
+    for (int wi = threadIdx.x; wi < kWords; wi += kThreads) {
+      const uint32_t word = src[wi];
+      const int block = wi / 16, nw = min(4, kUnits - 4 * block);
+      const int lane = wi % 16 / nw, unit = 4 * block + wi % 16 % nw;
+#pragma unroll
+      for (int i = 0; i < kPerWord; ++i) {
+        const int k = unit * 4 * kPerWord + 16 * (i / 4) + 8 * (i / 2 % 2) + 2 * lane + i % 2;
+        const int q = static_cast<int>((word >> (BITS * (i / 2) + 16 * (i % 2))) & kMask) + LO;
+        const int64_t g = row * NG + k / GS;
+        float w = __fmul_rn(static_cast<float>(q), scale_value(scales[g]));
+        if constexpr (ASYM) w = __fsub_rn(w, scale_value(mins[g]));
+        astore(dst + k, __fmul_rn(w, scale));
+      }
+    }
+  }
+};
+
 }  // namespace llmc

@@ -4,11 +4,11 @@ import pytest
 from tvm import relax
 
 from llmc.compiler.compile import quant_schemes
-from llmc.compiler.export import to_relax
 from llmc.compiler.frontend.load import load_checkpoint
 from llmc.compiler.frontend.trace import trace
 from llmc.compiler.passes.common import bindings, llmc_args, llmc_op_name, prim_value
 from llmc.compiler.passes.pipeline import PASSES, run_passes
+from llmc.compiler.passes.quantize_embedding import quantize_embedding
 from llmc.compiler.passes.quantize_linear import quantize_linear
 from llmc.compiler.quant import QuantConfig, QuantScheme
 from tests.checkpoints import ARCHS
@@ -110,24 +110,6 @@ def test_pipeline_runs_it_last_and_reports_it(checkpoint_dir):
     names = trace(config).weight_names
     seen = []
     schemes = quant_schemes(load_checkpoint(checkpoint_dir("llama")), QuantConfig("int8"))
-    run_passes(mod, after_each=lambda name, m: seen.append(name), quantize=quantize_linear(schemes, names))
-    assert seen == [p.__name__ for p in PASSES] + ["quantize_linear"]
-
-
-def test_tied_lm_head_is_quantized_apart_from_the_embedding_table(checkpoint_dir):
-    """--quant-lm-head on tied embeddings: the lm_head GEMM reads the table quantized, the embedding float."""
-    from llmc.compiler.lower import lower
-
-    path = checkpoint_dir("llama", tie_word_embeddings=True)
-    ckpt = load_checkpoint(path)
-    mod = run_passes(to_relax(trace(ckpt.config)))
-    names = trace(ckpt.config).weight_names
-    schemes = quant_schemes(ckpt, QuantConfig("int8", lm_head=True))
-    assert "model.embed_tokens.weight" in schemes
-    out, count = apply(quantize_linear(schemes, names), mod)
-    assert count == _expected_count(ckpt.config, lm_head=True)
-    program = lower(out, names, block_size=16)
-    table = [w for w in program.weights if w.sources == ("model.embed_tokens.weight",)]
-    assert sorted((w.part, w.dtype) for w in table if w.quant) == [("qweight", "uint8"), ("scales", "float16")]
-    assert [w.dtype for w in table if w.quant is None] == ["float32"]  # the embedding's own
-    assert program.launches[0].op == "embedding" and program.launches[-1].op == "qgemm"
+    quantize = [quantize_linear(schemes, names), quantize_embedding(schemes, names)]
+    run_passes(mod, after_each=lambda name, m: seen.append(name), quantize=quantize)
+    assert seen == [p.__name__ for p in PASSES] + ["quantize_linear", "quantize_embedding"]

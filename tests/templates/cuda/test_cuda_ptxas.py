@@ -25,6 +25,8 @@ def _inv_freq(head_dim, theta=500000.0):
 _REPRESENTATIVE = [
     ("embedding", dict(hidden=4096, wdtype="bf16")),
     ("embedding", dict(hidden=37, wdtype="f32")),
+    ("qembedding", dict(hidden=4096, bits=4, group_size=32, asymmetric=True, scale_bits=32)),
+    ("qembedding", dict(hidden=576, bits=8, group_size=32, asymmetric=False, scale_bits=16)),
     ("rmsnorm", dict(hidden=4096, eps=1e-5, wdtype="bf16", add_residual=True)),
     ("rmsnorm", dict(hidden=8192, eps=1e-5, wdtype="f32", add_residual=False)),
     ("gemm", dict(n=4096, k=4096, wdtype="bf16", has_bias=False)),

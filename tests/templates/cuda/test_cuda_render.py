@@ -24,6 +24,7 @@ COMMON = {
     ),
     "silu_mul": dict(inter=32),
     "gather_rows": dict(cols=32),
+    "qembedding": dict(hidden=64, bits=4, group_size=32, asymmetric=False, scale_bits=16),
 }
 
 
