@@ -10,6 +10,7 @@ import dataclasses
 import fcntl
 import hashlib
 import json
+import math
 import re
 import sys
 import tempfile
@@ -23,7 +24,7 @@ from llmc.errors import CompileError
 from llmc.host import cache_root, host_cpu_target
 from llmc.manifest import ABI_VERSION, FORMAT_VERSION, read_manifest
 
-from .quality import QUALITY_STAGE, Quality, calibration_tokens, check_max_kl, measure_artifacts
+from .quality import QUALITY_STAGE, Quality, calibration_tokens, check_gate, measure_artifacts
 
 
 def compile_checkpoint(
@@ -32,22 +33,28 @@ def compile_checkpoint(
     quant=None,
     calibration: str | Path | None = None,
     max_kl: float | None = None,
+    max_ppl_increase: float | None = None,
     **options,
 ) -> Path:
     """llmc.compiler.compile.compile_checkpoint, with the quality gate for a quantized build (quant, a
         QuantConfig): the gate runs the build against the unquantized model on the calibration text (None: the
         bundled model's held-out text), writes the figures into the manifest's `quality`, and fails the compile,
-        writing nothing, when the mean KL is over max_kl. checkpoint: a path, or a Checkpoint loaded already (it is
+        writing nothing, when the mean KL is over max_kl or the perplexity over the reference's by more than
+        max_ppl_increase percent. checkpoint: a path, or a Checkpoint loaded already (it is
     loaded once for the gate and the compile). options: compile_checkpoint's."""
     from llmc.compiler.compile import compile_checkpoint as compile_only  # torch and TVM load only to compile
     from llmc.compiler.frontend.checkpoint import Checkpoint
     from llmc.compiler.frontend.load import load_checkpoint
 
     enabled = quant is not None and quant.enabled
-    if not enabled and (calibration is not None or max_kl is not None):
-        raise CompileError("--calibration and --max-kl apply to a quantized build", "add --quant int8 or int4")
+    if not enabled and (calibration is not None or max_kl is not None or max_ppl_increase is not None):
+        raise CompileError(
+            "--calibration, --max-kl and --max-ppl-increase apply to a quantized build", "add --quant int8 or int4"
+        )
     if max_kl is not None and not max_kl >= 0:
         raise CompileError(f"--max-kl {max_kl} is not a KL divergence", "pass a number >= 0")
+    if max_ppl_increase is not None and not math.isfinite(max_ppl_increase):
+        raise CompileError(f"--max-ppl-increase {max_ppl_increase} is not a percentage", "pass a finite number")
     if not enabled:
         return compile_only(checkpoint, quant=quant, **options)
     ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else load_checkpoint(checkpoint)
@@ -73,7 +80,7 @@ def compile_checkpoint(
                     calibration=calibration,
                 )
                 result = dataclasses.replace(Quality(**read_manifest(twin)["quality"]), measured_on="cpu build")
-        check_max_kl(result, max_kl)
+        check_gate(result, max_kl, max_ppl_increase)
         return {"quality": result.to_manifest()}
 
     return compile_only(ckpt, quant=quant, gate=(QUALITY_STAGE, gate), **options)

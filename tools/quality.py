@@ -1,7 +1,8 @@
 """The quality gate of a quantized build: how far its next-token distributions are from the unquantized model's.
 
-Both models run on the CPU, through the runtime's CompiledModel, over the same calibration tokens (a few
-hundred: the bundled model's held-out text by default, or `--calibration FILE`), cut into windows of the
+Both models run on the CPU, through the runtime's CompiledModel, over the same calibration tokens (the first
+2,048: the bundled model's held-out text by default, or `--calibration FILE`; a text of fewer than 2,000 is
+refused, a perplexity over a few hundred tokens moves by more than the quantization does), cut into windows of the
 model's context as `llmc eval ppl` cuts them (runtime/scoring.next_token_logits). At every scored position,
 with p the reference's and q the quantized model's next-token distribution:
 
@@ -9,7 +10,8 @@ with p the reference's and q the quantized model's next-token distribution:
     argmax p == argmax q                               the fraction of positions: top1_agreement
 
 and each model's perplexity on the text, exp(mean -log p(next token)). The figures go into the manifest as
-`quality`; `--max-kl X` fails the compile when kl_mean > X, before anything is written.
+`quality`; `--max-kl X` fails the compile when kl_mean > X, and `--max-ppl-increase P` when the quantized
+perplexity is more than P percent over the reference's, before anything is written.
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ from llmc.runtime.module import CompiledModel, load_tokenizer
 from llmc.runtime.scoring import next_token_logits
 
 QUALITY_STAGE = "quality"  # a quantized build's last compile stage (tools/build.py)
-DEFAULT_CALIBRATION_TOKENS = 256
+DEFAULT_CALIBRATION_TOKENS = 2048
+MIN_CALIBRATION_TOKENS = 2000
 BUNDLED_HELDOUT = "bundled heldout"
 _HELDOUT_FILE = "heldout.txt"
 _MAX_BYTES_PER_TOKEN = 1024  # read per token asked, however long the vocabulary's longest token
@@ -148,10 +151,11 @@ def calibration_tokens(
     tokenizer = load_tokenizer(tokenizer_path)
     text = _text_prefix(path, _prefix_bytes(tokenizer, max_tokens))
     ids = tokenizer.encode(text).ids[:max_tokens]
-    if len(ids) < 2:
+    if len(ids) < min(MIN_CALIBRATION_TOKENS, max_tokens):
         raise CompileError(
-            f"calibration text {path.name} has {len(ids)} token(s); the quality gate needs at least 2",
-            "pass a longer --calibration file",
+            f"calibration text {path.name} has {len(ids)} token(s); the quality gate needs at least "
+            f"{MIN_CALIBRATION_TOKENS} for a perplexity that means something",
+            "pass a longer --calibration file (text the model was not trained on)",
         )
     return ids, label
 
@@ -208,10 +212,16 @@ def measure_artifacts(reference: Path, candidate: Path, token_ids: Sequence[int]
         return measure(ref, cand, token_ids, calibration)
 
 
-def check_max_kl(quality: Quality, max_kl: float | None) -> None:
-    """CompileError when the build is over its --max-kl bound."""
+def check_gate(quality: Quality, max_kl: float | None, max_ppl_increase: float | None) -> None:
+    """CompileError when the build is over its --max-kl or --max-ppl-increase (percent) bound."""
+    over = []
     if max_kl is not None and not quality.kl_mean <= max_kl:
+        over.append(f"the mean KL is over --max-kl {max_kl:g}")
+    increase = 100 * (quality.ppl_quantized / quality.ppl_reference - 1)
+    if max_ppl_increase is not None and not increase <= max_ppl_increase:
+        over.append(f"the perplexity rose {increase:.2f}%, over --max-ppl-increase {max_ppl_increase:g}%")
+    if over:
         raise CompileError(
-            f"quality gate: the mean KL is over --max-kl {max_kl:g}: {quality.describe()}; no artifact was written",
-            "quantize less (int8, a smaller --group-size) or raise --max-kl",
+            f"quality gate: {' and '.join(over)}: {quality.describe()}; no artifact was written",
+            "quantize less (int8, a smaller --group-size) or raise the bound",
         )

@@ -47,8 +47,9 @@ from .options import PathKind, finite_number, kv_cache_dtype_option, quant_optio
     "--calibration",
     type=PathKind("input"),
     default=None,
-    help="With --quant: the UTF-8 text file (its first 256 tokens; a symlink to it is followed) on which the quantized build is compared with the "
-    "unquantized one [default: the bundled model's held-out text].",
+    help="With --quant: the UTF-8 text file (its first 2048 tokens, at least 2000; a symlink to it is followed) on "
+    "which the quantized build is compared with the unquantized one: text the model was not trained on "
+    "[default: the bundled model's held-out text].",
 )
 @click.option(
     "--max-kl",
@@ -57,6 +58,15 @@ from .options import PathKind, finite_number, kv_cache_dtype_option, quant_optio
     default=None,
     help="With --quant: fail, writing nothing, when the mean KL divergence (nats) of the quantized model's "
     "next-token distributions from the unquantized model's exceeds this.",
+)
+@click.option(
+    "--max-ppl-increase",
+    type=float,
+    callback=finite_number,
+    default=None,
+    metavar="PERCENT",
+    help="With --quant: fail, writing nothing, when the quantized model's perplexity on the calibration text is "
+    "more than PERCENT percent over the unquantized model's.",
 )
 @click.option(
     "--tuning-db",
@@ -76,6 +86,7 @@ def compile_cmd(
     quant,
     calibration: Path | None,
     max_kl: float | None,
+    max_ppl_increase: float | None,
     tuning_db: Path | str | None,
 ) -> None:
     """Compile MODEL (a Hugging Face checkpoint dir or a .gguf file) into an artifact for TARGET.
@@ -96,6 +107,7 @@ def compile_cmd(
         kv_dtype=kv_cache_dtype,
         calibration=calibration,
         max_kl=max_kl,
+        max_ppl_increase=max_ppl_increase,
         tuning_db=False if tuning_db == "none" else tuning_db,
     )
     click.echo(f"wrote {out}")
