@@ -51,6 +51,7 @@ SCHEMES = [
     ("int4 g32", 4, 32, False, 16),
     ("int4 g32 fp32s", 4, 32, False, 32),
     ("int4 g32 asym", 4, 32, True, 32),
+    ("q4_k", 4, 32, True, 8),  # GGUF Q4_K's own superblock records (K a multiple of 256 only)
     ("int4 g128", 4, 128, False, 16),
     ("bf16", None, "bf16", False, None),
     ("f32", None, "f32", False, None),
@@ -88,14 +89,16 @@ def cases(only: set[str], schemes: set[str] | None = None) -> list[tuple]:
     for scheme in SCHEMES:
         if schemes and scheme[0] not in schemes:
             continue
+        rows = []
         if "gemv" in only:
-            out += [(f"{lab} T=1", n, k, 1, scheme, True) for lab, n, k in [*SHAPES, BIG]]
+            rows += [(f"{lab} T=1", n, k, 1, scheme, True) for lab, n, k in [*SHAPES, BIG]]
         if "gemv1b" in only:  # Llama-3.2-1B's decode step
-            out += [(f"1b {lab} T=1", n, k, 1, scheme, True) for lab, n, k in decode_gemv_shapes(LLAMA_32_1B)]
+            rows += [(f"1b {lab} T=1", n, k, 1, scheme, True) for lab, n, k in decode_gemv_shapes(LLAMA_32_1B)]
         if "hot" in only:  # the kernel's own speed, weights in cache: the most it could stream
-            out += [(f"{lab} T=1 hot", n, k, 1, scheme, False) for lab, n, k in [*SHAPES[:4], BIG]]
+            rows += [(f"{lab} T=1 hot", n, k, 1, scheme, False) for lab, n, k in [*SHAPES[:4], BIG]]
         if "gemm" in only:
-            out += [(f"{lab} T=128", n, k, 128, scheme, False) for lab, n, k in SHAPES[:4]]
+            rows += [(f"{lab} T=128", n, k, 128, scheme, False) for lab, n, k in SHAPES[:4]]
+        out += [r for r in rows if scheme[4] != 8 or r[2] % 256 == 0]  # K-quant records: superblocks of 256
     return out
 
 
@@ -112,7 +115,8 @@ def build(headers: dict[str, str], specs: list[tuple]) -> ctypes.CDLL:
         seen.add(kid)
         parts.append(render_kernel("cpu", op, name=kid, **params))
         if op == "qgemm":
-            parts.append(_QLOOP.format(kid=kid, sc="uint16_t" if params["scale_bits"] == 16 else "float"))
+            sc = {16: "uint16_t", 32: "float", 8: "llmc::KScales"}[params["scale_bits"]]
+            parts.append(_QLOOP.format(kid=kid, sc=sc))
         else:
             parts.append(_LOOP.format(kid=kid, wt=ELEMENTS_BY_SHORT[params["wdtype"]].ctype))
     return ctypes.CDLL(str(build_shared_library({**headers, "bench.cc": "".join(parts)}, flags=CPU_FLAGS)))
@@ -129,7 +133,8 @@ def weight_parts(n: int, k: int, scheme: tuple, rng) -> list:
     _, bits, g, asym, scale_bits = scheme
     if bits is None:
         return [w if g == "f32" else (w.view(np.uint32) >> 16).astype(np.uint16)]
-    return [a for a in pack_cpu(quantize(w, QuantScheme(bits, g or k, asym, f"float{scale_bits}"))) if a is not None]
+    scheme = QuantScheme.of_kernel(dict(bits=bits, group_size=g or k, asymmetric=asym, scale_bits=scale_bits))
+    return [a for a in pack_cpu(quantize(w, scheme)) if a is not None]
 
 
 def main(argv=None) -> None:

@@ -401,7 +401,7 @@ class _Lowering(LlmcOpLowering):
         quant = {a: int(prim_value(args[a])) for a in ("bits", "group_size", "asymmetric", "scale_bits")}
         quant["asymmetric"] = bool(quant["asymmetric"])
         scheme = QuantScheme.of_kernel(quant)
-        q, scales, *mins = (self.quant_index(w, scheme, p) for p in QUANT_PARTS if p != "mins" or scheme.asymmetric)
+        q, scales, *mins = (self.quant_index(w, scheme, p) for p in QUANT_PARTS if p != "mins" or scheme.stores_mins)
         return quant, [f"W[{q}]", f"W[{scales}]", f"W[{mins[0]}]" if mins else "nullptr"]
 
     def op_quantized_matmul(self, var, value):

@@ -33,10 +33,13 @@ import numpy as np
 
 from llmc.errors import CompileError
 
+from . import kquant
+
 QUANT_MODES = ("none", "int8", "int4")
 GROUP_SIZES = (32, 64, 128)
 K_MULTIPLE = 32  # a quantized weight's K is a multiple of this (the kernels' activation blocks); else it stays float
-SCALE_DTYPES = ("float16", "float32")
+SCALE_DTYPES = ("float16", "float32", "kquant")  # kquant: compiler/kquant.py's superblock records
+_SCALE_BITS = {"float16": 16, "float32": 32, "kquant": 8}  # kquant: 16 bytes per 8 scales and 8 mins
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +56,8 @@ class QuantScheme:
             raise CompileError(f"quantization group size {self.group_size} must be positive")
         if self.scale_dtype not in SCALE_DTYPES:
             raise CompileError(f"quantization scales in {self.scale_dtype} are not supported")
+        if self.scale_dtype == "kquant" and (self.group_size != 32 or not self.asymmetric):
+            raise CompileError("K-quant superblock scales are for asymmetric groups of 32 (Q4_K, Q5_K)")
 
     @property
     def qrange(self) -> tuple[int, int]:
@@ -64,19 +69,26 @@ class QuantScheme:
     @classmethod
     def of_kernel(cls, params) -> QuantScheme:
         """The scheme of a qgemm kernel's parameters (bits, group_size, asymmetric, scale_bits)."""
-        return cls(params["bits"], params["group_size"], params["asymmetric"], f"float{params['scale_bits']}")
+        dtype = {bits: dtype for dtype, bits in _SCALE_BITS.items()}[params["scale_bits"]]
+        return cls(params["bits"], params["group_size"], params["asymmetric"], dtype)
 
     @property
     def scale_bits(self) -> int:
-        """16 or 32: how the IR and the kernels' parameters spell scale_dtype."""
-        return 16 if self.scale_dtype == "float16" else 32
+        """16, 32 or 8 (kquant): how the IR and the kernels' parameters spell scale_dtype."""
+        return _SCALE_BITS[self.scale_dtype]
+
+    @property
+    def stores_mins(self) -> bool:
+        """Whether the mins are a part of their own (a kquant record holds its mins beside its scales)."""
+        return self.asymmetric and self.scale_dtype != "kquant"
 
     def describe(self) -> str:
-        """`int4 g32 asym`, as `llmc inspect` shows it (`int8 g16 fp32-scales` where scales are not fp16)."""
+        """`int4 g32 asym`, as `llmc inspect` shows it (`int8 g16 fp32-scales` where scales are not fp16,
+        `int4 g32 asym k-scales` for the K-quants' superblocks)."""
         return (
             f"int{self.bits} g{self.group_size}"
             + (" asym" if self.asymmetric else "")
-            + (" fp32-scales" if self.scale_dtype == "float32" else "")
+            + {"float16": "", "float32": " fp32-scales", "kquant": " k-scales"}[self.scale_dtype]
         )
 
 
@@ -86,6 +98,7 @@ class QuantizedTensor:
     scales: np.ndarray  # float32 [N, groups]
     mins: np.ndarray | None  # float32 [N, groups], asymmetric schemes only
     scheme: QuantScheme
+    records: np.ndarray | None = None  # kquant scales only: uint8 [N, K / 16], the stored form of scales and mins
 
     def __post_init__(self):
         n, k = self.q.shape
@@ -106,6 +119,15 @@ class QuantizedTensor:
             raise CompileError(
                 f"quantized tensor: scales or mins are not fp16 values, as {self.scheme.describe()} needs"
             )
+        if (self.records is not None) != (self.scheme.scale_dtype == "kquant"):
+            raise CompileError(f"quantized tensor: K-quant records go with k-scales only, not {self.scheme.describe()}")
+        if self.records is not None:
+            if k % kquant.SUPERBLOCK or self.records.dtype != np.uint8 or self.records.shape != (n, k // 16):
+                raise CompileError(f"quantized tensor: K-quant records do not fit [{n}, {k}] (K a multiple of 256)")
+            if not all(
+                np.array_equal(a, b) for a, b in zip(kquant.decode(self.records), (self.scales, self.mins), strict=True)
+            ):
+                raise CompileError("quantized tensor: the K-quant records do not hold its scales and mins")
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -132,6 +154,13 @@ def quantize(w: np.ndarray, scheme: QuantScheme) -> QuantizedTensor:
     if w.ndim != 2:
         raise CompileError(f"only 2-D weights are quantized, got shape {list(w.shape)}")
     n, k = w.shape
+    if scheme.scale_dtype == "kquant":
+        if scheme.bits != 4 or k % kquant.SUPERBLOCK:
+            raise CompileError(
+                f"llmc quantizes to K-quant scales at 4 bits with K a multiple of 256, not {scheme.describe()}, K={k}"
+            )
+        q, scales, mins, records = kquant.quantize_kquant(w)
+        return QuantizedTensor(q, scales, mins, scheme, records)
     g = scheme.group_size
     groups = -(-k // g)
     padded = np.zeros((n, groups * g), np.float32)
@@ -216,7 +245,8 @@ def widen_exactly(t: QuantizedTensor, scheme: QuantScheme) -> QuantizedTensor:
     """t in `scheme`, exactly: the same q, each scale (and min) repeated over the smaller groups.
 
     Only widening is exact: scheme has at least t's bits, a group that divides t's, and mins if t has them
-    (a symmetric t gains zero mins). A symmetric int4 q (-8..7) is a valid int8 q as it stands.
+    (a symmetric t gains zero mins). A symmetric int4 q (-8..7) is a valid int8 q as it stands. K-quant scales
+    widen to fp32 ones (their values are float32 products); nothing widens into them.
     """
     if scheme == t.scheme:
         return t
@@ -227,7 +257,8 @@ def widen_exactly(t: QuantizedTensor, scheme: QuantScheme) -> QuantizedTensor:
         or (old.asymmetric and not scheme.asymmetric)
         or (scheme.bits == old.bits == 4 and scheme.asymmetric != old.asymmetric)  # int4 q: -8..7 or 0..15
         or (old.group_size % scheme.group_size and -(-k // old.group_size) > 1)
-        or (old.scale_dtype == "float32" and scheme.scale_dtype == "float16")
+        or (old.scale_dtype != "float16" and scheme.scale_dtype == "float16")
+        or scheme.scale_dtype == "kquant"
     ):
         raise CompileError(f"a {old.describe()} weight cannot be stored exactly as {scheme.describe()}")
     groups = -(-k // scheme.group_size)
@@ -243,9 +274,11 @@ def common_scheme(schemes: list[QuantScheme], k: int) -> QuantScheme:
     """One scheme that holds weights of each of `schemes` exactly (`widen_exactly`), for sources fused into one GEMM.
 
     Equal schemes stay as they are; different ones (GGUF Q4_K_M: attn_v Q6_K beside q/k Q4_K) become int8 with
-    the smallest group, asymmetric if any is. Scales are fp32 if any source's are.
+    the smallest group, asymmetric if any is. Scales are fp32 if any source's are not fp16.
     """
-    scale_dtype = "float32" if any(s.scale_dtype == "float32" for s in schemes) else "float16"
+    if len(set(schemes)) == 1:
+        return schemes[0]
+    scale_dtype = "float32" if any(s.scale_dtype != "float16" for s in schemes) else "float16"
     if len({dataclasses.replace(s, scale_dtype=scale_dtype) for s in schemes}) == 1:
         return dataclasses.replace(schemes[0], scale_dtype=scale_dtype)
     group = min(s.group_size for s in schemes)

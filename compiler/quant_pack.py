@@ -12,6 +12,7 @@ For a QuantizedTensor of w[N, K] (K a multiple of 32, see compiler/quant.py):
     `>> 4` give elements 0..15 and 16..31 of the chunk in order.
 - scales: [N, G], mins: [N, G] (asymmetric) or None, in the scheme's scale_dtype (float16 or float32,
   both exact); G = ceil(K / group_size), the last group may be short. Copied as they are (C-contiguous).
+  K-quant scales (compiler/kquant.py): scales are the records, uint8 [N, K / 16], and there are no mins.
 
 The CUDA layout (pack_cuda) is in the same shapes and keeps rows independent, so the packed rows of fused
 sources (q/k/v, gate/up) concatenate like the CPU's; only the byte order inside a row differs.
@@ -42,7 +43,10 @@ from .quant import QuantizedTensor
 
 
 def _stored_scales(t: QuantizedTensor) -> tuple[np.ndarray, np.ndarray | None]:
-    """(scales, mins | None) in the scheme's scale_dtype: the values are exact in it (QuantizedTensor checks)."""
+    """(scales, mins | None) in the scheme's scale_dtype: the values are exact in it (QuantizedTensor checks);
+    for kquant, (the superblock records, None): the records hold the mins too."""
+    if t.records is not None:
+        return np.ascontiguousarray(t.records), None
     dtype = np.dtype(t.scheme.scale_dtype)
     return np.ascontiguousarray(t.scales, dtype), None if t.mins is None else np.ascontiguousarray(t.mins, dtype)
 

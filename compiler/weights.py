@@ -76,11 +76,14 @@ class WeightSpec:
 
     @property
     def stored_shape(self) -> tuple[int, ...]:
-        """The shape in the file: a quantized part's is [N, K * bits / 8] (qweight) or [N, groups]."""
+        """The shape in the file: a quantized part's is [N, K * bits / 8] (qweight), [N, K / 16] (kquant
+        records) or [N, groups]."""
         if self.quant is None:
             return self.shape
         n, k = self.shape
-        return (n, k * self.quant.bits // 8) if self.part == "qweight" else (n, -(-k // self.quant.group_size))
+        if self.part == "qweight":
+            return (n, k * self.quant.bits // 8)
+        return (n, k // 16) if self.quant.scale_dtype == "kquant" else (n, -(-k // self.quant.group_size))
 
     @property
     def nbytes(self) -> int:
@@ -96,8 +99,9 @@ def interleave_rows(a: np.ndarray, b: np.ndarray, group: int) -> np.ndarray:
 
 
 def quant_part_dtype(scheme: QuantScheme, part: str) -> str:
-    """The stored dtype of one part of a quantized linear: uint8 codes, scales and mins in the scheme's dtype."""
-    return "uint8" if part == "qweight" else scheme.scale_dtype
+    """The stored dtype of one part of a quantized linear: uint8 codes, scales and mins in the scheme's dtype
+    (uint8 records for kquant)."""
+    return "uint8" if part == "qweight" or scheme.scale_dtype == "kquant" else scheme.scale_dtype
 
 
 def packed_name(sources: tuple[str, ...]) -> str:

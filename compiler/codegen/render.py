@@ -149,8 +149,14 @@ def _check_quant(params: Mapping[str, Any], k: Any) -> None:
     groups = (16, 32, 64, 128, k) if bits == 8 else (32, 64, 128)
     if g not in groups:
         raise ValueError(f"group_size must be one of {sorted(set(groups))} for int{bits}, got {g!r}")
-    if params["scale_bits"] not in (16, 32):
-        raise ValueError(f"scale_bits must be 16 (fp16 scales) or 32, got {params['scale_bits']!r}")
+    if params["scale_bits"] not in (16, 32, 8):
+        raise ValueError(
+            f"scale_bits must be 16 (fp16 scales), 32 or 8 (K-quant records), got {params['scale_bits']!r}"
+        )
+    if params["scale_bits"] == 8 and (g != 32 or not params["asymmetric"] or k % 256):
+        raise ValueError(
+            f"K-quant scales (scale_bits 8) need asymmetric groups of 32 and k a multiple of 256, got {k!r}"
+        )
 
 
 def template_path(target: str, op: str) -> str:

@@ -67,7 +67,8 @@ class GGUFCheckpoint(Checkpoint):
             rows = np.arange(*self.slices[name][1:])
         if rows is not None:
             mins = None if qt.mins is None else qt.mins[rows]
-            qt = QuantizedTensor(qt.q[rows], qt.scales[rows], mins, qt.scheme)
+            records = None if qt.records is None else qt.records[rows]
+            qt = QuantizedTensor(qt.q[rows], qt.scales[rows], mins, qt.scheme, records)
         return qt
 
     def tensor(self, name: str) -> torch.Tensor:

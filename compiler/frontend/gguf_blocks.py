@@ -6,6 +6,8 @@ from __future__ import annotations
 import gguf
 import numpy as np
 
+from .. import kquant
+from ..kquant import fp16_values
 from ..quant import QuantizedTensor, QuantScheme
 
 GGMLType = gguf.GGMLQuantizationType
@@ -18,20 +20,16 @@ FLOAT_TYPES = (GGMLType.F32, GGMLType.F16, GGMLType.BF16)  # read as they are (G
 # and scale = d * sub-scale is the same float32 product gguf.quants.dequantize forms, so values match exactly.
 
 
-def _f16(b: np.ndarray) -> np.ndarray:
-    """[..., 2] little-endian half bytes -> float32 [...]."""
-    return np.ascontiguousarray(b).view("<f2")[..., 0].astype(np.float32)
-
-
 def _rows(a: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(a.reshape(a.shape[0], -1))
 
 
 # What each imported type is in compiler/quant.py's terms: exactly its blocks' values. The legacy types' scales
-# (and mins) are the blocks' fp16 d (and m); the K-quants' and IQ4_XS's are fp16 d x a 4-, 6- or 8-bit sub-scale,
-# which needs fp32. Q4_0 / Q4_1 / Q8_0 keep the file's bytes per weight; the 2-, 3-, 5- and 6-bit types and the
-# IQ4 codebook (values -127..113) are held widened, in int8 (CUDA's int4 groups are 32 or more: Q2_K / Q3_K /
-# Q6_K groups of 16 are int8 too).
+# (and mins) are the blocks' fp16 d (and m). Q4_K's and Q5_K's are their own superblock records (kquant: 16
+# bytes per 8 groups, compiler/kquant.py); the other K-quants' and IQ4_XS's are fp16 d x a 4-, 6- or 8-bit
+# sub-scale, held in fp32. Q4_0 / Q4_1 / Q8_0 / Q4_K keep the file's bytes per weight; the 2-, 3-, 5- and 6-bit
+# types and the IQ4 codebook (values -127..113) are held widened, in int8 (CUDA's int4 groups are 32 or more:
+# Q2_K / Q3_K / Q6_K groups of 16 are int8 too).
 SCHEMES = {
     GGMLType.Q8_0: QuantScheme(8, 32),
     GGMLType.Q4_0: QuantScheme(4, 32),
@@ -40,8 +38,8 @@ SCHEMES = {
     GGMLType.Q5_1: QuantScheme(8, 32, asymmetric=True),
     GGMLType.Q2_K: QuantScheme(8, 16, asymmetric=True, scale_dtype="float32"),
     GGMLType.Q3_K: QuantScheme(8, 16, scale_dtype="float32"),
-    GGMLType.Q4_K: QuantScheme(4, 32, asymmetric=True, scale_dtype="float32"),
-    GGMLType.Q5_K: QuantScheme(8, 32, asymmetric=True, scale_dtype="float32"),
+    GGMLType.Q4_K: QuantScheme(4, 32, asymmetric=True, scale_dtype="kquant"),
+    GGMLType.Q5_K: QuantScheme(8, 32, asymmetric=True, scale_dtype="kquant"),
     GGMLType.Q6_K: QuantScheme(8, 16, scale_dtype="float32"),
     GGMLType.IQ4_NL: QuantScheme(8, 32),
     GGMLType.IQ4_XS: QuantScheme(8, 32, scale_dtype="float32"),
@@ -67,15 +65,15 @@ def _legacy(t, d: np.ndarray, q: np.ndarray, m: np.ndarray | None = None) -> Qua
 
 
 def _q8_0(b: np.ndarray) -> QuantizedTensor:  # d: f16 | qs: int8[32]
-    return _legacy(GGMLType.Q8_0, _f16(b[..., :2]), np.ascontiguousarray(b[..., 2:]).view(np.int8))
+    return _legacy(GGMLType.Q8_0, fp16_values(b[..., :2]), np.ascontiguousarray(b[..., 2:]).view(np.int8))
 
 
 def _q4_0(b: np.ndarray) -> QuantizedTensor:  # d: f16 | qs: uint8[16]
-    return _legacy(GGMLType.Q4_0, _f16(b[..., :2]), _nibbles(b[..., 2:18]).astype(np.int8) - 8)
+    return _legacy(GGMLType.Q4_0, fp16_values(b[..., :2]), _nibbles(b[..., 2:18]).astype(np.int8) - 8)
 
 
 def _q4_1(b: np.ndarray) -> QuantizedTensor:  # d: f16 | m: f16 | qs: uint8[16]
-    return _legacy(GGMLType.Q4_1, _f16(b[..., :2]), _nibbles(b[..., 4:20]), _f16(b[..., 2:4]))
+    return _legacy(GGMLType.Q4_1, fp16_values(b[..., :2]), _nibbles(b[..., 4:20]), fp16_values(b[..., 2:4]))
 
 
 def _q5(b: np.ndarray, at: int) -> np.ndarray:
@@ -85,29 +83,21 @@ def _q5(b: np.ndarray, at: int) -> np.ndarray:
 
 
 def _q5_0(b: np.ndarray) -> QuantizedTensor:  # d: f16 | qh: uint8[4] | qs: uint8[16]
-    return _legacy(GGMLType.Q5_0, _f16(b[..., :2]), _q5(b, 2).astype(np.int8) - 16)
+    return _legacy(GGMLType.Q5_0, fp16_values(b[..., :2]), _q5(b, 2).astype(np.int8) - 16)
 
 
 def _q5_1(b: np.ndarray) -> QuantizedTensor:  # d: f16 | m: f16 | qh: uint8[4] | qs: uint8[16]
-    return _legacy(GGMLType.Q5_1, _f16(b[..., :2]), _q5(b, 4), _f16(b[..., 2:4]))
+    return _legacy(GGMLType.Q5_1, fp16_values(b[..., :2]), _q5(b, 4), fp16_values(b[..., 2:4]))
 
 
 def _iq4_nl(b: np.ndarray) -> QuantizedTensor:  # d: f16 | qs: uint8[16], indices into _IQ4_LEVELS
-    return _legacy(GGMLType.IQ4_NL, _f16(b[..., :2]), _IQ4_LEVELS[_nibbles(b[..., 2:18])])
-
-
-def _k_scales_mins(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Q4_K / Q5_K's uint8[12]: eight 6-bit scales and eight 6-bit mins."""
-    lo, mid, hi = s[..., 0:4], s[..., 4:8], s[..., 8:12]
-    sc = np.concatenate([lo & 63, (hi & 0xF) | ((lo >> 6) << 4)], axis=-1).astype(np.float32)
-    m = np.concatenate([mid & 63, (hi >> 4) | ((mid >> 6) << 4)], axis=-1).astype(np.float32)
-    return sc, m
+    return _legacy(GGMLType.IQ4_NL, fp16_values(b[..., :2]), _IQ4_LEVELS[_nibbles(b[..., 2:18])])
 
 
 def _q2_k(b: np.ndarray) -> QuantizedTensor:
     """scales: uint8[16] (4-bit scale, 4-bit min) | qs: uint8[64] | d: f16 | dmin: f16; 16 groups of 16 2-bit
     values: half h, shift s, byte l is value 128h + 32s + l."""
-    sc, d, dmin = b[..., 0:16], _f16(b[..., 80:82]), _f16(b[..., 82:84])
+    sc, d, dmin = b[..., 0:16], fp16_values(b[..., 80:82]), fp16_values(b[..., 82:84])
     qs = b[..., 16:80].reshape(*b.shape[:2], 2, 1, 32)
     q = (qs >> np.array([0, 2, 4, 6], np.uint8)[:, None]) & 3
     scales = _rows(d[..., None] * (sc & 0xF).astype(np.float32))
@@ -125,30 +115,27 @@ def _q3_k(b: np.ndarray) -> QuantizedTensor:
     lo = np.concatenate([s[..., 0:8] & 0xF, s[..., 0:8] >> 4], axis=-1)
     hi = (s[..., None, 8:12] >> np.array([0, 2, 4, 6], np.uint8)[:, None]).reshape(*b.shape[:2], 16) & 3
     sc = (lo | (hi << 4)).astype(np.int8) - 32
-    scales = _rows(_f16(b[..., 108:110])[..., None] * sc.astype(np.float32))
+    scales = _rows(fp16_values(b[..., 108:110])[..., None] * sc.astype(np.float32))
     return QuantizedTensor(_rows(q), scales, None, SCHEMES[GGMLType.Q3_K])
 
 
 def _q4_k(b: np.ndarray) -> QuantizedTensor:
-    """d: f16 | dmin: f16 | scales: uint8[12] (eight 6-bit scales and mins) | qs: uint8[128]; 8 groups of 32."""
-    d, dmin = _f16(b[..., 0:2]), _f16(b[..., 2:4])
-    sc, m = _k_scales_mins(b[..., 4:16])
+    """d: f16 | dmin: f16 | scales: uint8[12] (eight 6-bit scales and mins) | qs: uint8[128]; 8 groups of 32.
+    The first 16 bytes are kept as they are: compiler/kquant.py's record."""
+    records = _rows(b[..., 0:16])
     qs = b[..., 16:144].reshape(*b.shape[:2], 4, 32)  # chunk c: groups 2c (low nibbles) and 2c + 1 (high)
     q = np.stack([qs & 0xF, qs >> 4], axis=3).astype(np.int8)
-    scales, mins = _rows(d[..., None] * sc), _rows(dmin[..., None] * m)
-    return QuantizedTensor(_rows(q), scales, mins, SCHEMES[GGMLType.Q4_K])
+    return QuantizedTensor(_rows(q), *kquant.decode(records), SCHEMES[GGMLType.Q4_K], records)
 
 
 def _q5_k(b: np.ndarray) -> QuantizedTensor:
     """d: f16 | dmin: f16 | scales: uint8[12] | qh: uint8[32] | qs: uint8[128]; 8 groups of 32: Q4_K's low
     nibbles, and bit g of qh[l] as the fifth bit of value l of group g."""
-    d, dmin = _f16(b[..., 0:2]), _f16(b[..., 2:4])
-    sc, m = _k_scales_mins(b[..., 4:16])
+    records = _rows(b[..., 0:16])
     qs = b[..., 48:176].reshape(*b.shape[:2], 4, 32)
     low = np.stack([qs & 0xF, qs >> 4], axis=3).reshape(*b.shape[:2], 8, 32)
     q = (low | (_bits(b[..., 16:48], 8) << 4)).astype(np.int8)
-    scales, mins = _rows(d[..., None] * sc), _rows(dmin[..., None] * m)
-    return QuantizedTensor(_rows(q), scales, mins, SCHEMES[GGMLType.Q5_K])
+    return QuantizedTensor(_rows(q), *kquant.decode(records), SCHEMES[GGMLType.Q5_K], records)
 
 
 def _q6_k(b: np.ndarray) -> QuantizedTensor:
@@ -159,7 +146,7 @@ def _q6_k(b: np.ndarray) -> QuantizedTensor:
     high = (qh >> np.array([0, 2, 4, 6], np.uint8)[:, None]) & 3
     q = (low | (high << 4)).astype(np.int8) - 32
     sc = np.ascontiguousarray(b[..., 192:208]).view(np.int8).astype(np.float32)
-    return QuantizedTensor(_rows(q), _rows(_f16(b[..., 208:210])[..., None] * sc), None, SCHEMES[GGMLType.Q6_K])
+    return QuantizedTensor(_rows(q), _rows(fp16_values(b[..., 208:210])[..., None] * sc), None, SCHEMES[GGMLType.Q6_K])
 
 
 def _iq4_xs(b: np.ndarray) -> QuantizedTensor:
@@ -171,7 +158,7 @@ def _iq4_xs(b: np.ndarray) -> QuantizedTensor:
     high = ((sh >> np.arange(0, 16, 2, dtype=np.uint16)) & 3).astype(np.uint8)
     sc = (low | (high << 4)).astype(np.int8) - 32
     q = _IQ4_LEVELS[_nibbles(b[..., 8:136].reshape(*b.shape[:2], 8, 16))]
-    scales = _rows(_f16(b[..., 0:2])[..., None] * sc.astype(np.float32))
+    scales = _rows(fp16_values(b[..., 0:2])[..., None] * sc.astype(np.float32))
     return QuantizedTensor(_rows(q), scales, None, SCHEMES[GGMLType.IQ4_XS])
 
 

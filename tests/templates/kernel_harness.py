@@ -81,7 +81,7 @@ SIGNATURES = {
 _C_TYPE = {"f32*": "float*", "u8*": "uint8_t*", "i32*": "int32_t*", "i64*": "int64_t*", "int": "int"}
 _NP_TYPE = {"f32*": np.float32, "u8*": np.uint8, "i32*": np.int32, "i64*": np.int64}
 W_TYPES = {"f32": ("float*", np.float32), "bf16": ("uint16_t*", np.uint16)}
-_S_TYPES = {32: ("float*", np.float32), 16: ("uint16_t*", np.float16)}
+_S_TYPES = {32: ("float*", np.float32), 16: ("uint16_t*", np.float16), 8: ("llmc::KScales*", np.uint8)}
 # kind -> (the kernel parameter that picks the element type, its (C type, numpy dtype) per value)
 _ELEMENT = {
     "W*": ("wdtype", W_TYPES),

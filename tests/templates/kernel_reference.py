@@ -46,6 +46,23 @@ def bf16_bits_of(a):
 # embedding: out[t] = table[ids[t]]
 
 
+def quantized_weight(w, scheme, rng):
+    """compiler/quant.py's quantize(w, scheme), or for K-quant records at 8 bits (GGUF Q5_K, which llmc's
+    quantizer does not write) random 5-bit q under random records."""
+    from llmc.compiler import kquant
+    from llmc.compiler.quant import QuantizedTensor, quantize
+
+    if scheme.scale_dtype != "kquant" or scheme.bits == 4:
+        return quantize(w, scheme)
+    n, k = w.shape
+    half = (n, k // kquant.SUPERBLOCK)
+    d, dmin = ((rng.random(half) * 0.004).astype(np.float16) for _ in range(2))
+    sc, m = (rng.integers(0, 64, (*half, kquant.GROUPS)) for _ in range(2))
+    records = kquant.encode(d, dmin, sc, m)
+    q = rng.integers(0, 32, (n, k)).astype(np.int8)
+    return QuantizedTensor(q, *kquant.decode(records), scheme, records)
+
+
 def embedding_inputs(T, hidden, wdtype, vocab, seed):
     """ids [T] int32 (ids[0] = vocab - 1, the last row; ids[1] = ids[2] when T > 2), and the table
     [vocab, hidden] as (array to pass the kernel, float32 values)."""

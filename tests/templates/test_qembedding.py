@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 
 from llmc.compiler.codegen.render import render_kernel
-from llmc.compiler.quant import QuantScheme, dequantize, quantize
+from llmc.compiler.quant import QuantScheme, dequantize
 from llmc.compiler.quant_pack import pack_cpu, pack_cuda
 from llmc.errors import CompileError
 from tests.templates.kernel_harness import spec_id
-from tests.templates.kernel_reference import act_empty, to_bf16
+from tests.templates.kernel_reference import act_empty, quantized_weight, to_bf16
 
 # (hidden, bits, group_size, asymmetric, scale_bits): hidden 96 / 160 / 576 leave CUDA's last 128- or 64-k block
 # short (int4: 3, 1 and 2 of its 4 units); the GGUF schemes (Q8_0, Q4_0, Q4_K, Q6_K, Q5_K) and llmc's own
@@ -23,6 +23,8 @@ SCHEMES = [
     (576, 4, 64, True, 16),
     (160, 4, 128, False, 16),  # a short last group
     (96, 8, 96, False, 16),  # one scale per row
+    (256, 4, 32, True, 8),  # Q4_K's own superblock records
+    (512, 8, 32, True, 8),  # Q5_K's records, its q widened to int8
 ]
 
 
@@ -43,7 +45,7 @@ def _inputs(target, params, T, seed):
     rng = np.random.default_rng(seed)
     scheme = QuantScheme.of_kernel(params)
     w = rng.standard_normal((VOCAB, params["hidden"]), dtype=np.float32) * 0.1 + (0.03 if scheme.asymmetric else 0)
-    t = quantize(w, scheme)
+    t = quantized_weight(w, scheme, rng)
     qweight, scales, mins = (pack_cpu if target == "cpu" else pack_cuda)(t)
     ids = rng.integers(0, VOCAB, max(T, 3)).astype(np.int32)
     ids[0], ids[2] = VOCAB - 1, ids[1]

@@ -23,11 +23,12 @@ from llmc.compiler.quant import QuantizedTensor, QuantScheme, dequantize, quanti
 from llmc.compiler.quant_pack import pack_cpu, unpack_cpu
 from llmc.errors import CompileError
 from tests.templates.kernel_harness import spec_id
+from tests.templates.kernel_reference import quantized_weight
 
 pytestmark = pytest.mark.targets("cpu")
 
 # (n, k, bits, group_size, asymmetric, scale_bits); group_size == k: one scale per output channel; scale_bits
-# 16 (llmc's quantizer, GGUF Q8_0 / Q4_0) or 32 (GGUF's K-quants)
+# 16 (llmc's quantizer, GGUF Q8_0 / Q4_0), 32 (GGUF's K-quants, widened) or 8 (K-quant records)
 SCHEMES = [
     (37, 32, 8, 16, False, 32),  # GGUF Q6_K
     (53, 96, 8, 32, False, 16),
@@ -49,6 +50,9 @@ SCHEMES = [
     (53, 96, 8, 32, True, 16),
     (37, 576, 8, 576, True, 16),
     (53, 96, 8, 32, True, 32),  # GGUF Q5_K
+    (37, 256, 4, 32, True, 8),  # GGUF Q4_K, its own superblock records (scale_bits 8)
+    (53, 768, 4, 32, True, 8),
+    (19, 512, 8, 32, True, 8),  # GGUF Q5_K's records, its q widened to int8
 ]
 
 
@@ -72,7 +76,7 @@ def qgemm_inputs(params, T, seed):
     x = rng.standard_normal((T, k), dtype=np.float32)
     x[rng.random((T, k)) < 0.02] *= 20
     w = rng.standard_normal((n, k), dtype=np.float32) * 0.1 + (0.05 if params["asymmetric"] else 0.0)
-    t = quantize(w, QuantScheme.of_kernel(params))
+    t = quantized_weight(w, QuantScheme.of_kernel(params), rng)
     bias = rng.standard_normal(n, dtype=np.float32) if params["has_bias"] else None
     return x, t, pack_cpu(t), bias
 
@@ -168,7 +172,8 @@ def test_pack_cpu_layout(bits, g, asym):
         (dict(bits=4, group_size=16), "group_size must be one of"),
         (dict(group_size=48), "group_size must be one of"),
         (dict(bits=3), "bits must be 8 or 4"),
-        (dict(scale_bits=8), "scale_bits must be 16"),
+        (dict(scale_bits=12), "scale_bits must be 16"),
+        (dict(scale_bits=8), "K-quant scales"),  # int8 g32 symmetric, K = 96
     ],
 )
 def test_qgemm_render_refuses_other_schemes(change, message):

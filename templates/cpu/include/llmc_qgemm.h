@@ -1,6 +1,7 @@
 // llmc CPU target: the quantized GEMM / GEMV of a linear layer with int8 or int4 weights.
 #pragma once
 
+#include <type_traits>
 #include <vector>
 
 #include "llmc_pool.h"
@@ -11,7 +12,8 @@ namespace llmc {
 // g = k / GS (compiler/quant.py; packed layout in compiler/quant_pack.py):
 //   BITS 8: qweight row n = K bytes u = q + 128;  BITS 4: K/2 bytes, per 32-element chunk byte j = u[j] | u[j + 16] << 4,
 //   u = q + 8 (symmetric) or q (ASYM, with mins); scales / mins SC [N, ceil(K / GS)], SC float, or uint16_t
-//   holding fp16 bits (converted exactly to float in registers as a tile goes; fp16 cuts int4 g32's bytes by 10%).
+//   holding fp16 bits (converted exactly to float in registers as a tile goes; fp16 cuts int4 g32's bytes by 10%),
+//   or KScales: the K-quants' superblock records [N, K / 256], which hold the mins (mins null; see KScales).
 //
 // Activations are quantized to int8 first, llama.cpp Q8_0-style: per block of 32 of a row, d = amax / 127,
 // q = round-to-nearest-even(x * (127 / amax)) in [-127, 127] (so the AVX2 sign trick below never meets
@@ -27,7 +29,8 @@ namespace llmc {
 // group's steps of float(P[l]) * DX[l], then acc[l] += gacc[l] * S_g (one multiply-add per group, not per
 // step: per-channel int8 has one group). Each += is an FMA where the ISA has one. Then y = hsum(acc) (one
 // fixed tree) - sum over pieces b of min[g(b)] * xs[b] (ASYM; xs[b] = d * sum of q over piece b: a block of
-// 32, or for 16-element groups each half of one, in row order) + bias. Every (row, output) is computed by that one sequence whatever T, the tile it lands in,
+// 32, or for 16-element groups each half of one, in row order; with K-quant records, 8 pieces a vector FMA per
+// record and one hsum) + bias. Every (row, output) is computed by that one sequence whatever T, the tile it lands in,
 // or the thread: results never depend on them.
 // The AVX2, AVX-VNNI and AVX-512 VNNI paths differ only in how they form the exact integer P, so they
 // agree bit for bit (so does the AVX-512 VNNI prefill, LLMC_QGEMM_PAIRS: two rows per zmm); the portable path
@@ -80,6 +83,48 @@ LLMC_INLINE const float* scales_as_float(const uint16_t* p, long n, float* buf) 
 #endif
   for (; i < n; ++i) buf[i] = scale_value(p[i]);
   return buf;
+}
+
+// K-quant superblock scales (SC = KScales; compiler/kquant.py): one 16-byte record per 8 groups of 32, fp16 d
+// and dmin and eight 6-bit scale and min codes; group j's scale is d * sc[j] and its min dmin * m[j], exact
+// float products. The record holds the mins: the mins pointer is null. The kernels decode a tile's records into
+// floats once and run the float-scale path, so the numbers are those of fp32 scales with the same values.
+struct KScales {
+  uint16_t d, dmin;
+  uint8_t codes[12];
+};
+static_assert(sizeof(KScales) == 16, "a K-quant record is 16 bytes");
+LLMC_INLINE void kscale_min(const KScales& r, int j, float& scale, float& min) {
+  const uint8_t* c = r.codes;
+  const int sc = j < 4 ? c[j] & 63 : (c[j + 4] & 0xF) | ((c[j - 4] >> 6) << 4);
+  const int m = j < 4 ? c[j + 4] & 63 : (c[j + 4] >> 4) | ((c[j] >> 6) << 4);
+  scale = scale_value(r.d) * float(sc);
+  min = scale_value(r.dmin) * float(m);
+}
+// A record's codes rearranged into bytes sc[0..7], m[0..7] (b[0..1], b[2..3]), four at a time in 32-bit words,
+// as llama.cpp unpacks them: a few integer ops per record, where the GEMV streams 128 bytes of int4 per record.
+LLMC_INLINE void kscale_bytes(const KScales& r, uint32_t (&b)[4]) {
+  constexpr uint32_t low6 = 0x3f3f3f3f, low4 = 0x0f0f0f0f, top2 = 0x03030303;
+  uint32_t u[3];
+  std::memcpy(u, r.codes, 12);
+  b[0] = u[0] & low6;                                         // sc 0..3
+  b[1] = (u[2] & low4) | (((u[0] >> 6) & top2) << 4);        // sc 4..7
+  b[2] = u[1] & low6;                                         // m 0..3
+  b[3] = ((u[2] >> 4) & low4) | (((u[1] >> 6) & top2) << 4);  // m 4..7
+}
+// Bytes of scales (and mins) per row of G groups.
+template <typename SC>
+constexpr long scale_row_bytes(int G, bool asym) {
+  return std::is_same_v<SC, KScales> ? 2L * G : (long)G * sizeof(SC) * (asym ? 2 : 1);
+}
+// Group gi's scale and min (0 without mins), whatever SC.
+template <typename SC>
+LLMC_INLINE void group_scale_min(const SC* scales, const SC* mins, long gi, float& scale, float& min) {
+  scale = scale_value(scales[gi]);
+  min = mins ? scale_value(mins[gi]) : 0.0f;
+}
+LLMC_INLINE void group_scale_min(const KScales* scales, const KScales*, long gi, float& scale, float& min) {
+  kscale_min(scales[gi / 8], int(gi % 8), scale, min);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -160,7 +205,9 @@ LLMC_INLINE Floats zero_floats() { return _mm256_setzero_ps(); }
 LLMC_INLINE Floats splat(float a) { return _mm256_set1_ps(a); }
 // [p[0] x 4, p[1] x 4]: one 8-byte load (fp16: a 4-byte load and a conversion) and a permute
 LLMC_INLINE Floats splat2(const float* p) {
-  const __m128 two = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(p)));
+  // through __m128i (may_alias): a double* load of floats would break strict aliasing (K-quant scales are
+  // decoded into a stack array just before)
+  const __m128 two = _mm_castsi128_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
   return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(two), _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
 }
 LLMC_INLINE Floats splat2(const uint16_t* p) {
@@ -185,6 +232,19 @@ LLMC_INLINE Floats widen8(const uint16_t* p, int n) {
 #endif
 }
 LLMC_INLINE Floats lane(Floats v, int i) { return _mm256_permutevar8x32_ps(v, _mm256_set1_epi32(i)); }
+// [v[2i] x 4, v[2i + 1] x 4]: the scales of a SPLIT step's two groups
+LLMC_INLINE Floats pair(Floats v, int i) {
+  return _mm256_permutevar8x32_ps(v, _mm256_add_epi32(_mm256_set1_epi32(2 * i), _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1)));
+}
+// A K-quant record's 8 scales (returned) and 8 mins, as floats (exact products)
+LLMC_INLINE Floats kscales8(const KScales& r, Floats& mins) {
+  uint32_t b[4];
+  kscale_bytes(r, b);
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b));
+  mins = _mm256_mul_ps(_mm256_set1_ps(scale_value(r.dmin)),
+                       _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8))));
+  return _mm256_mul_ps(_mm256_set1_ps(scale_value(r.d)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)));
+}
 LLMC_INLINE Floats mul(Floats a, Floats b) { return _mm256_mul_ps(a, b); }
 LLMC_INLINE Floats fma(Floats a, Floats b, Floats acc) { return _mm256_fmadd_ps(a, b, acc); }
 LLMC_INLINE Floats fma_ints(Ints p, Floats d, Floats acc) { return fma(_mm256_cvtepi32_ps(p), d, acc); }
@@ -305,6 +365,21 @@ LLMC_INLINE Floats widen8(const uint16_t* p, int n) {
   return r;
 }
 LLMC_INLINE Floats lane(Floats v, int i) { return splat(v.v[i]); }
+LLMC_INLINE Floats pair(Floats v, int i) {
+  Floats r;
+  for (int l = 0; l < 8; ++l) r.v[l] = v.v[2 * i + l / 4];
+  return r;
+}
+LLMC_INLINE Floats kscales8(const KScales& r, Floats& mins) {
+  uint32_t b[4];
+  kscale_bytes(r, b);
+  uint8_t c[16];
+  std::memcpy(c, b, 16);
+  const float d = scale_value(r.d), dmin = scale_value(r.dmin);
+  Floats scales;
+  for (int j = 0; j < 8; ++j) scales.v[j] = d * float(c[j]), mins.v[j] = dmin * float(c[8 + j]);
+  return scales;
+}
 LLMC_INLINE Floats mul(Floats a, Floats b) {
   for (int l = 0; l < 8; ++l) a.v[l] *= b.v[l];
   return a;
@@ -418,10 +493,28 @@ LLMC_INLINE void qdot_tile(const QStep<BITS>* LLMC_RESTRICT steps, const float* 
   }
   const uint8_t* wr = w + (long)j * S::RB;
   constexpr bool HALF = std::is_same_v<SC, uint16_t>;
+  // K-quant records: decoded in registers a record (8 groups) at a time; their mins' term summed 8 groups a
+  // vector (kq_mins), where the other schemes sum min * xs one piece at a time after the tile
+  constexpr bool KQ = std::is_same_v<SC, KScales>;
+  static_assert(!KQ || (GS == 32 && ASYM && S::G % 8 == 0), "qgemm: K-quant records need K % 256 == 0");
   float mbuf[HALF && ASYM ? C * S::G : 1];
-  const SC* sp = scales + (long)j * S::G;
+  const SC* sp = scales + (long)j * (KQ ? S::G / 8 : S::G);  // a row's scales: G values, or G / 8 records
   const float* mr = nullptr;
-  if constexpr (ASYM) mr = scales_as_float(mins + (long)j * S::G, C * S::G, mbuf);
+  if constexpr (ASYM && !KQ) mr = scales_as_float(mins + (long)j * S::G, C * S::G, mbuf);
+  Floats k8[KQ ? C : 1], macc[KQ ? R : 1][KQ ? C : 1];  // a record's scales; the mins' term
+  if constexpr (KQ) {
+    LLMC_UNROLL for (int r = 0; r < R; ++r) {
+      LLMC_UNROLL for (int c = 0; c < C; ++c) macc[r][c] = zero_floats();
+    }
+  }
+  // output c's record of groups g..g + 7 (g % 8 == 0) into k8[c], its mins times the rows' xs into macc
+  auto kq_record = [&](int c, int g) {
+    if constexpr (KQ) {
+      Floats m8;
+      k8[c] = kscales8(sp[c * S::G / 8 + g / 8], m8);
+      LLMC_UNROLL for (int r = 0; r < R; ++r) macc[r][c] = fma(m8, load_floats(xs + (long)r * S::NX + g), macc[r][c]);
+    }
+  };
   constexpr int SB = 32;  // packed bytes per step: one int8 block, or two int4 chunks
   constexpr bool ODD_TAIL = BITS == 4 && S::NB % 2 == 1;
   constexpr int FULL = ODD_TAIL ? S::NS - 1 : S::NS;
@@ -467,7 +560,12 @@ LLMC_INLINE void qdot_tile(const QStep<BITS>* LLMC_RESTRICT steps, const float* 
     for (int s = 0; s < FULL; ++s) {
       Floats sc[C];
       LLMC_UNROLL for (int c = 0; c < C; ++c) {
-        sc[c] = splat2(sp + c * S::G + S::group_lo(s));  // groups 2s and 2s + 1
+        if constexpr (KQ) {
+          if (s % 4 == 0) kq_record(c, 2 * s);
+          sc[c] = pair(k8[c], s % 4);
+        } else {
+          sc[c] = splat2(sp + c * S::G + S::group_lo(s));  // groups 2s and 2s + 1
+        }
       }
       step(s, std::false_type{}, [&](int r, int c, Ints p, Floats dx) {
         acc[r][c] = fma_ints(p, mul(dx, sc[c]), acc[r][c]);
@@ -497,7 +595,10 @@ LLMC_INLINE void qdot_tile(const QStep<BITS>* LLMC_RESTRICT steps, const float* 
       }
       LLMC_UNROLL for (int c = 0; c < C; ++c) {
         Floats sc;
-        if constexpr (HALF) {
+        if constexpr (KQ) {
+          if (g % 8 == 0) kq_record(c, g);
+          sc = lane(k8[c], g % 8);
+        } else if constexpr (HALF) {
           if (g % 8 == 0) s8[c] = widen8(sp + c * S::G + g, std::min(8, S::G - g));
           sc = lane(s8[c], g % 8);
         } else {
@@ -510,7 +611,9 @@ LLMC_INLINE void qdot_tile(const QStep<BITS>* LLMC_RESTRICT steps, const float* 
   LLMC_UNROLL for (int r = 0; r < R; ++r) {
     LLMC_UNROLL for (int c = 0; c < C; ++c) {
       float y = hsum(acc[r][c]);
-      if constexpr (ASYM) {
+      if constexpr (KQ) {
+        y -= hsum(macc[r][c]);
+      } else if constexpr (ASYM) {
         const float* m = mr + c * S::G;
         const float* x = xs + (long)r * S::NX;
         float sm = 0.0f;
@@ -744,7 +847,7 @@ inline void qgemm(const float* LLMC_RESTRICT x, const uint8_t* LLMC_RESTRICT qwe
     quantize_row_q8<K, BITS, GS, ASYM>(x + (long)t * K, steps + (long)t * S::NS, xs + (long)t * S::NX);
   });
   // per output: packed weights, its scales (and mins)
-  constexpr long RB = S::RB + (long)S::G * sizeof(SC) * (ASYM ? 2 : 1);
+  constexpr long RB = S::RB + scale_row_bytes<SC>(S::G, ASYM);
   if (T <= R) {
     constexpr int CH = (int)std::max<long>(8, TASK / RB / 8 * 8);
     constexpr int NCH = (N + CH - 1) / CH;
@@ -823,8 +926,10 @@ inline void qembedding(const int32_t* ids, int T, const uint8_t* LLMC_RESTRICT q
     for (int k = 0; k < H; ++k) {
       // int4: chunk c's byte j holds elements 32c + j (low nibble) and 32c + j + 16 (high)
       const int q = (BITS == 8 ? u[k] : (u[k / 32 * 16 + k % 16] >> (k % 32 / 16 * 4)) & 0xF) + LO;
-      const float w = float(q) * scale_value(scales[row * G + k / GS]);
-      dst[k] = (ASYM ? w - scale_value(mins[row * G + k / GS]) : w) * scale;
+      float s, m;
+      group_scale_min(scales, mins, row * G + k / GS, s, m);
+      const float w = float(q) * s;
+      dst[k] = (ASYM ? w - m : w) * scale;
     }
   });
 }

@@ -35,6 +35,32 @@ namespace llmc {
 __device__ __forceinline__ float scale_value(float s) { return s; }
 __device__ __forceinline__ float scale_value(uint16_t h) { return __half2float(__ushort_as_half(h)); }
 
+// K-quant superblock scales (SC = KScales; compiler/kquant.py): one 16-byte record per 8 groups of 32, fp16 d
+// and dmin and eight 6-bit scale and min codes; group j's scale is d * sc[j] and its min dmin * m[j], exact
+// float products. The record holds the mins: the mins pointer is null.
+struct KScales {
+  uint16_t d, dmin;
+  uint8_t codes[12];
+};
+static_assert(sizeof(KScales) == 16, "a K-quant record is 16 bytes");
+
+// Group gi's scale and min (0 without mins), whatever SC.
+template <typename SC>
+__device__ __forceinline__ void group_scale_min(const SC* scales, const SC* mins, int64_t gi, float& scale, float& min) {
+  scale = scale_value(scales[gi]);
+  min = mins ? scale_value(mins[gi]) : 0.0f;
+}
+__device__ __forceinline__ void group_scale_min(const KScales* scales, const KScales*, int64_t gi, float& scale,
+                                                float& min) {
+  const KScales& r = scales[gi / 8];
+  const int j = static_cast<int>(gi % 8);
+  const uint8_t* c = r.codes;
+  const int sc = j < 4 ? c[j] & 63 : (c[j + 4] & 0xF) | ((c[j - 4] >> 6) << 4);
+  const int m = j < 4 ? c[j + 4] & 63 : (c[j + 4] >> 4) | ((c[j] >> 6) << 4);
+  scale = __fmul_rn(scale_value(r.d), static_cast<float>(sc));
+  min = __fmul_rn(scale_value(r.dmin), static_cast<float>(m));
+}
+
 template <int N, int K, int BITS, int G, bool ASYM, bool BIAS, typename SC, typename A = float>
 struct QGemm {
   static_assert(BITS == 4 || BITS == 8, "qgemm: int4 or int8");
@@ -88,9 +114,7 @@ struct QGemm {
           qf[i][2 * j] = q_float(pr & 0xffffu);
           qf[i][2 * j + 1] = q_float(pr >> 16);
         }
-        const int gi = n[i] * NG + k0 / G;
-        s[i] = scale_value(scales[gi]);
-        m[i] = ASYM ? scale_value(mins[gi]) : 0.0f;
+        group_scale_min(scales, mins, static_cast<int64_t>(n[i]) * NG + k0 / G, s[i], m[i]);
       }
       const A* x0 = x + k0 + 2 * t;
 #pragma unroll
@@ -271,9 +295,10 @@ struct QGemm {
 #pragma unroll
             for (int j = 0; j < NT; ++j) {
               const int c0 = min(nw0 + 8 * j + 2 * t, N - 1), c1 = min(nw0 + 8 * j + 2 * t + 1, N - 1);
-              const float s0 = scale_value(scales[c0 * NG + grp]), s1 = scale_value(scales[c1 * NG + grp]);
-              const float n0 = ASYM ? -scale_value(mins[c0 * NG + grp]) : 0.0f;
-              const float n1 = ASYM ? -scale_value(mins[c1 * NG + grp]) : 0.0f;
+              float s0, s1, n0, n1;
+              group_scale_min(scales, mins, static_cast<int64_t>(c0) * NG + grp, s0, n0);
+              group_scale_min(scales, mins, static_cast<int64_t>(c1) * NG + grp, s1, n1);
+              n0 = -n0, n1 = -n1;
 #pragma unroll
               for (int mi = 0; mi < MT; ++mi) {
 #pragma unroll
@@ -338,9 +363,10 @@ struct QEmbedding {
       for (int i = 0; i < kPerWord; ++i) {
         const int k = unit * 4 * kPerWord + 16 * (i / 4) + 8 * (i / 2 % 2) + 2 * lane + i % 2;
         const int q = static_cast<int>((word >> (BITS * (i / 2) + 16 * (i % 2))) & kMask) + LO;
-        const int64_t g = row * NG + k / GS;
-        float w = __fmul_rn(static_cast<float>(q), scale_value(scales[g]));
-        if constexpr (ASYM) w = __fsub_rn(w, scale_value(mins[g]));
+        float s, m;
+        group_scale_min(scales, mins, row * NG + k / GS, s, m);
+        float w = __fmul_rn(static_cast<float>(q), s);
+        if constexpr (ASYM) w = __fsub_rn(w, m);
         astore(dst + k, __fmul_rn(w, scale));
       }
     }

@@ -118,7 +118,7 @@ MORE_TYPES = {
     "Q5_1": "int8 g32 asym",
     "Q2_K": "int8 g16 asym fp32-scales",
     "Q3_K": "int8 g16 fp32-scales",
-    "Q5_K": "int8 g32 asym fp32-scales",
+    "Q5_K": "int8 g32 asym k-scales",
     "IQ4_NL": "int8 g32",
     "IQ4_XS": "int8 g32 fp32-scales",
 }
@@ -279,7 +279,7 @@ def _raw_reference(ckpt, name) -> np.ndarray:
 SCHEMES = {
     "Q8_0": "int8 g32",
     "Q4_0": "int4 g32",
-    "Q4_K": "int4 g32 asym fp32-scales",
+    "Q4_K": "int4 g32 asym k-scales",
     "Q6_K": "int8 g16 fp32-scales",
     **MORE_TYPES,
 }

@@ -28,12 +28,12 @@ from llmc.compiler.quant import QuantScheme, dequantize, quantize
 from llmc.compiler.quant_pack import pack_cuda, unpack_cuda
 from llmc.errors import CompileError
 from tests.templates.kernel_harness import kernels_source, spec_id
-from tests.templates.kernel_reference import to_bf16
+from tests.templates.kernel_reference import quantized_weight, to_bf16
 
 ROOT = Path(__file__).resolve().parents[3]  # the repository: the child imports tests.templates.*
 
 # (n, k, bits, group_size, asymmetric, scale_bits); group_size == k: one scale per output channel; scale_bits
-# 16 (llmc's quantizer, GGUF Q8_0 / Q4_0) or 32 (GGUF's K-quants)
+# 16 (llmc's quantizer, GGUF Q8_0 / Q4_0), 32 (GGUF's K-quants, widened) or 8 (K-quant records)
 SCHEMES = [
     (37, 96, 8, 96, False, 16),
     (53, 160, 8, 32, False, 16),
@@ -53,6 +53,9 @@ SCHEMES = [
     (53, 160, 4, 32, True, 16),  # GGUF Q4_1
     (37, 160, 8, 32, True, 32),  # GGUF Q5_K
     (53, 96, 8, 32, False, 32),  # GGUF IQ4_XS
+    (37, 256, 4, 32, True, 8),  # GGUF Q4_K, its own superblock records (scale_bits 8)
+    (53, 768, 4, 32, True, 8),
+    (19, 512, 8, 32, True, 8),  # GGUF Q5_K's records, its q widened to int8
 ]
 TS = [1, 3, 8, 9, 17, 70]
 # tail blocks and clamped weight rows read exactly-sized numpy buffers: int4 asym, int8 g16, int4 without a full block
@@ -84,7 +87,7 @@ def qgemm_inputs(params, T, seed):
     x = rng.standard_normal((T, k), dtype=np.float32)
     x[rng.random((T, k)) < 0.02] *= 20
     w = rng.standard_normal((n, k), dtype=np.float32) * 0.1 + (0.05 if params["asymmetric"] else 0.0)
-    t = quantize(w, QuantScheme.of_kernel(params))
+    t = quantized_weight(w, QuantScheme.of_kernel(params), rng)
     bias = rng.standard_normal(n, dtype=np.float32) if params["has_bias"] else None
     return x, t, pack_cuda(t), bias
 

@@ -1,0 +1,124 @@
+"""The K-quants' superblock scales (llama.cpp's Q4_K and Q5_K), as llmc's scale storage `kquant`.
+
+A row's groups of 32 come in superblocks of 8 (256 elements). A superblock's scales and mins are one 16-byte
+record, as a GGUF Q4_K / Q5_K block begins:
+
+    d: fp16 | dmin: fp16 | codes: uint8[12], eight 6-bit scale codes sc and eight 6-bit min codes m
+
+with group j's scale d * sc[j] and min dmin * m[j] (w = q * scale - min, q in 0..15 for Q4_K, 0..31 for Q5_K),
+each product exact in float32. Codes j < 4 are the low 6 bits of bytes j (sc) and j + 4 (m); codes j >= 4 keep
+their low 4 bits in byte j + 8 (sc low nibble, m high nibble) and their top 2 bits in the top bits of bytes
+j - 4 (sc) and j (m). That is 2 bytes per group for a scale and a min: 4.5 bits a weight at int4, as llama.cpp.
+
+`quantize_kquant` is llmc's own quantizer to it (Q4_K's): each group's scale and min from a weighted
+least-squares search over roundings, as llama.cpp's make_qkx2_quants, then the superblock's 6-bit codes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+GROUP = 32
+GROUPS = 8  # groups per superblock
+SUPERBLOCK = GROUP * GROUPS
+RECORD_BYTES = 16
+
+
+def scale_min_codes(codes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """uint8 [..., 12] -> (sc, m) float32 [..., 8]: the eight 6-bit scale and min codes."""
+    lo, mid, hi = codes[..., 0:4], codes[..., 4:8], codes[..., 8:12]
+    sc = np.concatenate([lo & 63, (hi & 0xF) | ((lo >> 6) << 4)], axis=-1).astype(np.float32)
+    m = np.concatenate([mid & 63, (hi >> 4) | ((mid >> 6) << 4)], axis=-1).astype(np.float32)
+    return sc, m
+
+
+def fp16_values(b: np.ndarray) -> np.ndarray:
+    """[..., 2] little-endian half bytes -> float32 [...]."""
+    return np.ascontiguousarray(b).view("<f2")[..., 0].astype(np.float32)
+
+
+def decode(records: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """uint8 [N, S * 16] (S superblocks a row) -> (scales, mins) float32 [N, S * 8], exactly."""
+    n = records.shape[0]
+    r = records.reshape(n, -1, RECORD_BYTES)
+    sc, m = scale_min_codes(r[..., 4:16])
+    d, dmin = fp16_values(r[..., 0:2]), fp16_values(r[..., 2:4])
+    return (d[..., None] * sc).reshape(n, -1), (dmin[..., None] * m).reshape(n, -1)
+
+
+def encode(d: np.ndarray, dmin: np.ndarray, sc: np.ndarray, m: np.ndarray) -> np.ndarray:
+    """d, dmin float16 [N, S]; sc, m integers [N, S, 8] in 0..63 -> records uint8 [N, S * 16]."""
+    sc, m = sc.astype(np.uint8), m.astype(np.uint8)
+    codes = np.concatenate(
+        [
+            sc[..., :4] | ((sc[..., 4:] >> 4) << 6),
+            m[..., :4] | ((m[..., 4:] >> 4) << 6),
+            (sc[..., 4:] & 0xF) | ((m[..., 4:] & 0xF) << 4),
+        ],
+        axis=-1,
+    )
+    halves = np.stack([d.astype(np.float16), dmin.astype(np.float16)], axis=-1).view(np.uint8)
+    return np.ascontiguousarray(np.concatenate([halves, codes], axis=-1).reshape(d.shape[0], -1))
+
+
+# make_qkx2_quants' grid: iscale = (nmax + RMIN + RDELTA * i) / (max - min), i = 0..NSTEP
+RMIN, RDELTA, NSTEP = -1.0, 0.1, 20
+
+
+def _group_scale_min(x: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarray]:
+    """x [..., 32] -> (scale, min) [...] with min >= 0 (w = q * scale - min, q in 0..nmax) minimising the
+    weighted squared error (weights mean |x| + |x|, as llama.cpp's Q4_K), over the roundings of the grid."""
+    import torch
+
+    x = torch.from_numpy(x).double()
+    w = x.square().mean(-1, keepdim=True).sqrt() + x.abs()
+    lo = x.min(-1).values.clamp(max=0)
+    hi = x.max(-1).values
+    span = torch.where(hi > lo, hi - lo, torch.ones_like(hi))
+    best_scale, best_min = (hi - lo) / nmax, -lo
+    best_err = _weighted_error(x, w, best_scale, best_min, nmax)
+    sw, sx = w.sum(-1), (w * x).sum(-1)
+    for i in range(NSTEP + 1):
+        q = torch.clamp(torch.round((nmax + RMIN + RDELTA * i) / span[..., None] * (x - lo[..., None])), 0, nmax)
+        sl, sl2, sxl = (w * q).sum(-1), (w * q * q).sum(-1), (w * x * q).sum(-1)
+        det = sw * sl2 - sl * sl
+        ok = det > 0
+        safe = torch.where(ok, det, torch.ones_like(det))
+        scale = (sw * sxl - sx * sl) / safe
+        low = (sl2 * sx - sl * sxl) / safe  # the fit's value at q = 0, -min
+        pos = low > 0  # a min past zero: the fit through zero instead
+        scale = torch.where(pos, sxl / torch.where(sl2 > 0, sl2, torch.ones_like(sl2)), scale)
+        low = torch.where(pos, torch.zeros_like(low), low)
+        err = _weighted_error(x, w, scale, -low, nmax)
+        better = ok & (scale > 0) & (err < best_err)
+        best_scale = torch.where(better, scale, best_scale)
+        best_min = torch.where(better, -low, best_min)
+        best_err = torch.where(better, err, best_err)
+    return best_scale.float().numpy(), best_min.float().numpy()
+
+
+def _weighted_error(x, w, scale, mn, nmax: int):
+    import torch
+
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))[..., None]
+    q = torch.clamp(torch.round((x + mn[..., None]) / safe), 0, nmax)
+    return (w * (q * scale[..., None] - mn[..., None] - x).square()).sum(-1)
+
+
+def quantize_kquant(w: np.ndarray, nmax: int = 15) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """float32 w [N, K] (K a multiple of 256) -> (q int8 [N, K] in 0..nmax, scales, mins float32 [N, K / 32],
+    records uint8 [N, K / 16]): the groups' searched scales and mins, coded to 6 bits per superblock (d =
+    largest scale / 63, dmin = largest min / 63, in fp16), q rounded against the coded values."""
+    n, k = w.shape
+    x = w.reshape(n, k // SUPERBLOCK, GROUPS, GROUP)
+    scale, mn = _group_scale_min(x, nmax)
+    d = (scale.max(-1) / 63).astype(np.float16)
+    dmin = (mn.max(-1) / 63).astype(np.float16)
+    sc = np.clip(np.rint(scale / np.where(d > 0, d, 1).astype(np.float32)[..., None]), 0, 63)
+    m = np.clip(np.rint(mn / np.where(dmin > 0, dmin, 1).astype(np.float32)[..., None]), 0, 63)
+    records = encode(d, dmin, sc, m)
+    scales, mins = decode(records)
+    s = scales.reshape(x.shape[:3])[..., None]
+    q = np.rint((x + mins.reshape(x.shape[:3])[..., None]) / np.where(s > 0, s, 1))
+    q = np.clip(q, 0, nmax).astype(np.int8).reshape(n, k)
+    return q, scales, mins, records
