@@ -35,7 +35,7 @@ from llmc.errors import CompileError
 
 from . import kquant
 
-QUANT_MODES = ("none", "int8", "int4")
+QUANT_MODES = ("none", "int8", "int4", "q4_k")
 GROUP_SIZES = (32, 64, 128)
 K_MULTIPLE = 32  # a quantized weight's K is a multiple of this (the kernels' activation blocks); else it stays float
 SCALE_DTYPES = ("float16", "float32", "kquant")  # kquant: compiler/kquant.py's superblock records
@@ -293,9 +293,11 @@ def common_scheme(schemes: list[QuantScheme], k: int) -> QuantScheme:
 class QuantConfig:
     """What `llmc compile --quant MODE [--group-size G] [--quant-lm-head]` asks of llmc's own quantizer.
 
-    int8 defaults to one scale per output channel (group_size K), int4 to groups of 32; both symmetric. The
-    linears of the blocks are quantized, the lm_head only with lm_head=True, and a linear whose K is not a
-    multiple of K_MULTIPLE stays float.
+    int8 defaults to one scale per output channel (group_size K), int4 to groups of 32; both symmetric. q4_k is
+    llama.cpp's Q4_K: asymmetric int4 groups of 32 with K-quant superblock records (compiler/kquant.py), for a
+    linear whose K is a multiple of 256, else asymmetric int4 g32 with fp16 scales and mins. The linears of the
+    blocks are quantized, the lm_head only with lm_head=True, and a linear whose K is not a multiple of
+    K_MULTIPLE stays float.
     """
 
     mode: str = "none"
@@ -315,6 +317,8 @@ class QuantConfig:
             raise CompileError(
                 "--group-size and --quant-lm-head apply to a quantized build", "add --quant int8 or int4"
             )
+        if self.mode == "q4_k" and self.group_size is not None:
+            raise CompileError("q4_k's groups are 32 (superblocks of 256)", "leave out --group-size")
 
     @property
     def enabled(self) -> bool:
@@ -326,11 +330,15 @@ class QuantConfig:
             return None
         if self.mode == "int8":
             return QuantScheme(8, self.group_size or k)
+        if self.mode == "q4_k":
+            return QuantScheme(4, 32, True, "kquant" if k % kquant.SUPERBLOCK == 0 else "float16")
         return QuantScheme(4, self.group_size or 32)
 
     def describe(self) -> str:
         """`int8 per channel`, `int4 g32`, + `, lm_head` when it is quantized too: for the manifest and the cache key."""
         if not self.enabled:
             return "none"
+        if self.mode == "q4_k":
+            return "q4_k" + (", lm_head" if self.lm_head else "")
         group = f"g{self.group_size}" if self.group_size else ("per channel" if self.mode == "int8" else "g32")
         return f"{self.mode} {group}" + (", lm_head" if self.lm_head else "")

@@ -5,6 +5,7 @@ import dataclasses
 import numpy as np
 import pytest
 
+from llmc.compiler import kquant
 from llmc.compiler.quant import (
     QuantConfig,
     QuantizedTensor,
@@ -193,3 +194,33 @@ def test_quant_config_defaults_and_refusals():
         QuantConfig("int4", group_size=48)
     with pytest.raises(CompileError, match="apply to a quantized build"):
         QuantConfig("none", lm_head=True)
+
+
+def test_q4_k_takes_kquant_records_where_k_allows():
+    kq = QuantScheme(4, 32, asymmetric=True, scale_dtype="kquant")
+    assert QuantConfig("q4_k").scheme(512) == kq and kq.scale_bits == 8 and not kq.stores_mins
+    assert QuantConfig("q4_k").scheme(704) == QuantScheme(4, 32, asymmetric=True)  # K not a multiple of 256
+    assert QuantConfig("q4_k", lm_head=True).describe() == "q4_k, lm_head"
+    with pytest.raises(CompileError, match="q4_k's groups are 32"):
+        QuantConfig("q4_k", group_size=64)
+    with pytest.raises(CompileError, match="asymmetric groups of 32"):
+        QuantScheme(4, 64, asymmetric=True, scale_dtype="kquant")
+
+
+def test_kquant_records_hold_the_scales_and_beat_round_to_nearest():
+    """llmc's Q4_K: the records decode to exactly the scales and mins q was rounded against (6-bit codes,
+    fp16 d / dmin, as llama.cpp's layout: encode and decode are inverse), q uses 0..15, and the searched
+    scales and mins err less than min / max round-to-nearest with fp16 scales."""
+    rng = np.random.default_rng(5)
+    w = (rng.standard_t(5, (64, 512)) * 0.02).astype(np.float32)
+    t = quantize(w, QuantScheme(4, 32, asymmetric=True, scale_dtype="kquant"))
+    assert t.records.shape == (64, 32) and t.q.min() == 0 and t.q.max() == 15
+    assert all(np.array_equal(a, b) for a, b in zip(kquant.decode(t.records), (t.scales, t.mins), strict=True))
+    r = t.records.reshape(64, 2, 16)
+    d, dmin = (r[..., a : a + 2].copy().view(np.float16)[..., 0] for a in (0, 2))
+    sc, m = kquant.scale_min_codes(r[..., 4:16])
+    assert np.array_equal(kquant.encode(d, dmin, sc, m), t.records)
+    rtn = quantize(w, QuantScheme(4, 32, asymmetric=True))
+    assert np.sum((dequantize(t) - w) ** 2) < 0.9 * np.sum((dequantize(rtn) - w) ** 2)
+    with pytest.raises(CompileError, match="do not hold its scales"):
+        QuantizedTensor(t.q, t.scales * 2, t.mins, t.scheme, t.records)

@@ -129,12 +129,13 @@ def quant_options(command):
     options = [
         click.option(
             "--quant",
-            type=click.Choice(["none", "int8", "int4"]),
+            type=click.Choice(["none", "int8", "int4", "q4_k"]),
             default="none",
             show_default=True,
             help="Quantize the linears' weights: int8 (one scale per output channel, or per group with "
-            "--group-size) or int4 (groups of 32 by default), symmetric. A linear whose input size "
-            "is not a multiple of 32 stays float.",
+            "--group-size) or int4 (groups of 32 by default), symmetric; q4_k as llama.cpp's Q4_K (asymmetric "
+            "int4 groups of 32 with 6-bit scales and mins per 256). A linear whose input size is not a multiple "
+            "of 32 stays float.",
         ),
         click.option(
             "--group-size",
