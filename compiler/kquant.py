@@ -67,42 +67,40 @@ RMIN, RDELTA, NSTEP = -1.0, 0.1, 20
 
 def _group_scale_min(x: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarray]:
     """x [..., 32] -> (scale, min) [...] with min >= 0 (w = q * scale - min, q in 0..nmax) minimising the
-    weighted squared error (weights mean |x| + |x|, as llama.cpp's Q4_K), over the roundings of the grid."""
+    weighted squared error (weights rms(x) + |x|, as llama.cpp's Q4_K), over the roundings of the grid. Each
+    candidate rounding gets its least-squares (scale, min) and that fit's error from the same five weighted
+    sums (as make_qkx2_quants scores it), so a candidate costs one rounding pass."""
     import torch
 
-    x = torch.from_numpy(x).double()
+    x = torch.from_numpy(x)
     w = x.square().mean(-1, keepdim=True).sqrt() + x.abs()
     lo = x.min(-1).values.clamp(max=0)
     hi = x.max(-1).values
     span = torch.where(hi > lo, hi - lo, torch.ones_like(hi))
+    sw, sx, sxx = w.sum(-1), (w * x).sum(-1), (w * x * x).sum(-1)
     best_scale, best_min = (hi - lo) / nmax, -lo
-    best_err = _weighted_error(x, w, best_scale, best_min, nmax)
-    sw, sx = w.sum(-1), (w * x).sum(-1)
-    for i in range(NSTEP + 1):
-        q = torch.clamp(torch.round((nmax + RMIN + RDELTA * i) / span[..., None] * (x - lo[..., None])), 0, nmax)
-        sl, sl2, sxl = (w * q).sum(-1), (w * q * q).sum(-1), (w * x * q).sum(-1)
+    best_err = torch.full_like(hi, float("inf"))
+    for i in [None, *range(NSTEP + 1)]:  # None: min / max round-to-nearest itself, so no group does worse
+        if i is None:
+            q = torch.clamp(torch.round((x - lo[..., None]) / torch.where(hi > lo, best_scale, 1)[..., None]), 0, nmax)
+        else:
+            q = torch.clamp(torch.round((nmax + RMIN + RDELTA * i) / span[..., None] * (x - lo[..., None])), 0, nmax)
+        wq = w * q
+        sl, sl2, sxl = wq.sum(-1), (wq * q).sum(-1), (wq * x).sum(-1)
         det = sw * sl2 - sl * sl
-        ok = det > 0
-        safe = torch.where(ok, det, torch.ones_like(det))
+        safe = torch.where(det > 0, det, torch.ones_like(det))
         scale = (sw * sxl - sx * sl) / safe
         low = (sl2 * sx - sl * sxl) / safe  # the fit's value at q = 0, -min
         pos = low > 0  # a min past zero: the fit through zero instead
         scale = torch.where(pos, sxl / torch.where(sl2 > 0, sl2, torch.ones_like(sl2)), scale)
         low = torch.where(pos, torch.zeros_like(low), low)
-        err = _weighted_error(x, w, scale, -low, nmax)
-        better = ok & (scale > 0) & (err < best_err)
+        # sum w (scale q + low - x)^2, from the sums
+        err = scale * scale * sl2 + 2 * scale * low * sl + low * low * sw - 2 * scale * sxl - 2 * low * sx + sxx
+        better = (det > 0) & (scale > 0) & (err < best_err)
         best_scale = torch.where(better, scale, best_scale)
         best_min = torch.where(better, -low, best_min)
         best_err = torch.where(better, err, best_err)
-    return best_scale.float().numpy(), best_min.float().numpy()
-
-
-def _weighted_error(x, w, scale, mn, nmax: int):
-    import torch
-
-    safe = torch.where(scale > 0, scale, torch.ones_like(scale))[..., None]
-    q = torch.clamp(torch.round((x + mn[..., None]) / safe), 0, nmax)
-    return (w * (q * scale[..., None] - mn[..., None] - x).square()).sum(-1)
+    return best_scale.numpy(), best_min.numpy()
 
 
 def quantize_kquant(w: np.ndarray, nmax: int = 15) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
