@@ -557,19 +557,26 @@ LLMC_INLINE void qdot_tile(const QStep<BITS>* LLMC_RESTRICT steps, const float* 
   };
   if constexpr (S::SPLIT) {
     // a step spans two groups: acc += P * (DX * S), S = [scale of lanes 0-3 | of lanes 4-7]
-    for (int s = 0; s < FULL; ++s) {
-      Floats sc[C];
-      LLMC_UNROLL for (int c = 0; c < C; ++c) {
-        if constexpr (KQ) {
-          if (s % 4 == 0) kq_record(c, 2 * s);
-          sc[c] = pair(k8[c], s % 4);
-        } else {
-          sc[c] = splat2(sp + c * S::G + S::group_lo(s));  // groups 2s and 2s + 1
+    if constexpr (KQ) {
+      // a record's 4 steps unrolled: its pairs of scales are fixed lanes
+      for (int s0 = 0; s0 < FULL; s0 += 4) {
+        LLMC_UNROLL for (int c = 0; c < C; ++c) kq_record(c, 2 * s0);
+        LLMC_UNROLL for (int i = 0; i < 4; ++i) {
+          Floats sc[C];
+          LLMC_UNROLL for (int c = 0; c < C; ++c) sc[c] = pair(k8[c], i);
+          step(s0 + i, std::false_type{}, [&](int r, int c, Ints p, Floats dx) {
+            acc[r][c] = fma_ints(p, mul(dx, sc[c]), acc[r][c]);
+          });
         }
       }
-      step(s, std::false_type{}, [&](int r, int c, Ints p, Floats dx) {
-        acc[r][c] = fma_ints(p, mul(dx, sc[c]), acc[r][c]);
-      });
+    } else {
+      for (int s = 0; s < FULL; ++s) {
+        Floats sc[C];
+        LLMC_UNROLL for (int c = 0; c < C; ++c) sc[c] = splat2(sp + c * S::G + S::group_lo(s));  // groups 2s, 2s + 1
+        step(s, std::false_type{}, [&](int r, int c, Ints p, Floats dx) {
+          acc[r][c] = fma_ints(p, mul(dx, sc[c]), acc[r][c]);
+        });
+      }
     }
     if constexpr (ODD_TAIL) {
       Floats sc[C];
