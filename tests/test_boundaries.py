@@ -20,7 +20,7 @@ GROUND = ("llmc", "llmc.targets", "llmc.templates", "llmc.examples")
 # A compiler module may import its own stage and those before it: the checkpoint comes in (frontend), becomes
 # fused Relax (passes), a kernel program (lower), sources (codegen), and compile drives them all.
 COMPILER_STAGES = (
-    ("llmc.compiler.quant", "llmc.compiler.quant_pack", "llmc.compiler.weights"),
+    ("llmc.compiler.kquant", "llmc.compiler.quant", "llmc.compiler.quant_pack", "llmc.compiler.weights"),
     ("llmc.compiler.frontend",),
     ("llmc.compiler.export", "llmc.compiler.passes"),
     (
