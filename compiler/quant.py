@@ -159,7 +159,13 @@ def quantize(w: np.ndarray, scheme: QuantScheme) -> QuantizedTensor:
             raise CompileError(
                 f"llmc quantizes to K-quant scales at 4 bits with K a multiple of 256, not {scheme.describe()}, K={k}"
             )
-        q, scales, mins, records = kquant.quantize_kquant(w)
+        with np.errstate(over="ignore", invalid="ignore"):
+            q, scales, mins, records = kquant.quantize_kquant(w)
+        if not (np.isfinite(scales).all() and np.isfinite(mins).all()):
+            raise CompileError(
+                "a K-quant superblock needs a scale past fp16's range (65504)",
+                "such a weight cannot be quantized with fp16 scales; leave it unquantized",
+            )
         return QuantizedTensor(q, scales, mins, scheme, records)
     g = scheme.group_size
     groups = -(-k // g)

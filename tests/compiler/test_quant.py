@@ -116,6 +116,8 @@ def test_quantizing_quantized_values_gives_them_back(scheme):
 def test_scales_past_fp16_are_refused():
     with pytest.raises(CompileError, match="past fp16's range"):
         quantize(np.full((1, 32), 1e6, np.float32), QuantScheme(4, 32))
+    with pytest.raises(CompileError, match="past fp16's range"):
+        quantize(np.full((1, 256), 1e9, np.float32), QuantScheme(4, 32, asymmetric=True, scale_dtype="kquant"))
     with pytest.raises(CompileError, match="not fp16 values"):
         QuantizedTensor(np.zeros((1, 32), np.int8), np.full((1, 1), 0.1, np.float32), None, QuantScheme(8, 32))
 
