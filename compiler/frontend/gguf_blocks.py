@@ -1,5 +1,5 @@
 """GGUF's quantized block formats -> QuantizedTensor (compiler/quant.py): each of llama.cpp's legacy types, K-quants
-and IQ4_NL / IQ4_XS as exactly its values (`_SCHEMES`, `UNPACK`), used by the GGUF importer (gguf.py)."""
+and IQ4_NL / IQ4_XS as exactly its values (`SCHEMES`, `UNPACK`), used by the GGUF importer (gguf.py)."""
 
 from __future__ import annotations
 

@@ -87,20 +87,13 @@ LLMC_INLINE const float* scales_as_float(const uint16_t* p, long n, float* buf) 
 
 // K-quant superblock scales (SC = KScales; compiler/kquant.py): one 16-byte record per 8 groups of 32, fp16 d
 // and dmin and eight 6-bit scale and min codes; group j's scale is d * sc[j] and its min dmin * m[j], exact
-// float products. The record holds the mins: the mins pointer is null. The kernels decode a tile's records into
-// floats once and run the float-scale path, so the numbers are those of fp32 scales with the same values.
+// float products. The record holds the mins: the mins pointer is null. qdot_tile decodes a record's 8 scales and
+// 8 mins in registers (qsimd::kscales8) as its steps reach it.
 struct KScales {
   uint16_t d, dmin;
   uint8_t codes[12];
 };
 static_assert(sizeof(KScales) == 16, "a K-quant record is 16 bytes");
-LLMC_INLINE void kscale_min(const KScales& r, int j, float& scale, float& min) {
-  const uint8_t* c = r.codes;
-  const int sc = j < 4 ? c[j] & 63 : (c[j + 4] & 0xF) | ((c[j - 4] >> 6) << 4);
-  const int m = j < 4 ? c[j + 4] & 63 : (c[j + 4] >> 4) | ((c[j] >> 6) << 4);
-  scale = scale_value(r.d) * float(sc);
-  min = scale_value(r.dmin) * float(m);
-}
 // A record's codes rearranged into bytes sc[0..7], m[0..7] (b[0..1], b[2..3]), four at a time in 32-bit words,
 // as llama.cpp unpacks them: a few integer ops per record, where the GEMV streams 128 bytes of int4 per record.
 LLMC_INLINE void kscale_bytes(const KScales& r, uint32_t (&b)[4]) {
@@ -111,6 +104,14 @@ LLMC_INLINE void kscale_bytes(const KScales& r, uint32_t (&b)[4]) {
   b[1] = (u[2] & low4) | (((u[0] >> 6) & top2) << 4);        // sc 4..7
   b[2] = u[1] & low6;                                         // m 0..3
   b[3] = ((u[2] >> 4) & low4) | (((u[1] >> 6) & top2) << 4);  // m 4..7
+}
+LLMC_INLINE void kscale_min(const KScales& r, int j, float& scale, float& min) {
+  uint32_t b[4];
+  kscale_bytes(r, b);
+  uint8_t c[16];
+  std::memcpy(c, b, 16);
+  scale = scale_value(r.d) * float(c[j]);
+  min = scale_value(r.dmin) * float(c[8 + j]);
 }
 // Bytes of scales (and mins) per row of G groups.
 template <typename SC>
@@ -371,13 +372,8 @@ LLMC_INLINE Floats pair(Floats v, int i) {
   return r;
 }
 LLMC_INLINE Floats kscales8(const KScales& r, Floats& mins) {
-  uint32_t b[4];
-  kscale_bytes(r, b);
-  uint8_t c[16];
-  std::memcpy(c, b, 16);
-  const float d = scale_value(r.d), dmin = scale_value(r.dmin);
   Floats scales;
-  for (int j = 0; j < 8; ++j) scales.v[j] = d * float(c[j]), mins.v[j] = dmin * float(c[8 + j]);
+  for (int j = 0; j < 8; ++j) kscale_min(r, j, scales.v[j], mins.v[j]);
   return scales;
 }
 LLMC_INLINE Floats mul(Floats a, Floats b) {
@@ -494,7 +490,7 @@ LLMC_INLINE void qdot_tile(const QStep<BITS>* LLMC_RESTRICT steps, const float* 
   const uint8_t* wr = w + (long)j * S::RB;
   constexpr bool HALF = std::is_same_v<SC, uint16_t>;
   // K-quant records: decoded in registers a record (8 groups) at a time; their mins' term summed 8 groups a
-  // vector (kq_mins), where the other schemes sum min * xs one piece at a time after the tile
+  // vector (kq_record), where the other schemes sum min * xs one piece at a time after the tile
   constexpr bool KQ = std::is_same_v<SC, KScales>;
   static_assert(!KQ || (GS == 32 && ASYM && S::G % 8 == 0), "qgemm: K-quant records need K % 256 == 0");
   float mbuf[HALF && ASYM ? C * S::G : 1];
