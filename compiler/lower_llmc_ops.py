@@ -86,13 +86,14 @@ class LlmcOpLowering:
         self.op_silu_mul(var, value, "gelu_tanh")
 
     def op_softcap(self, var, value):
-        """Gemma 2's final-logit soft-capping, in place on the rows the lm_head wrote."""
-        args = llmc_args(value)
-        x = self.view(args["x"])
-        if x.stride != x.cols:
-            raise CompileError(f"soft-capping {var.name} of a column slice is not lowered")
-        params = {"cols": x.cols, "cap": float(prim_value(args["cap"]))}
-        self.emit("softcap", params, [x, x.rows], ["softcap"], [])
+        """Gemma 2's final-logit soft-capping: the epilogue of the lm_head GEMM that wrote its input, so a Gemma 2
+        decode step launches what Llama's does."""
+        x = self.view(llmc_args(value)["x"])
+        last = self.launches[-1] if self.launches else None
+        if last is None or last.op not in ("gemm", "qgemm") or last.defs != [x.value] or "softcap" in last.params:
+            raise CompileError(f"soft-capping {var.name} is lowered only as the epilogue of the GEMM that computes it")
+        last.params["softcap"] = float(prim_value(llmc_args(value)["cap"]))
+        last.fused[0] += " + softcap"
         self.env[var] = x
 
     def op_paged_attention(self, var, value):

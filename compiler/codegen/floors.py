@@ -107,8 +107,6 @@ def launch_floor(template: str, params: dict, rows_var: str, shape: StepShape) -
         return Floor(rows * 3 * p["inter"] * _act(p), 0)
     if op == "gather_rows":
         return Floor(rows * (4 + 2 * p["cols"] * _act(p)), 0)
-    if op == "softcap":  # in place: each value read and written
-        return Floor(rows * 2 * p["cols"] * _act(p), 0)
     if op == "paged_attention":
         kv_row = 2 * p["num_kv_heads"] * p["head_dim"]  # one position's key and value
         kv = _bytes(p["kv_dtype"])

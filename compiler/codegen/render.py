@@ -117,10 +117,13 @@ def _check_params(op: str, params: Mapping[str, Any]) -> None:
             raise ValueError(f"norm_eps must be a float > 0 (absent: no per-head norm), got {eps!r}")
     if params.get("activation", "gelu_tanh") != "gelu_tanh":
         raise ValueError(f"activation must be 'gelu_tanh' (absent: silu), got {params['activation']!r}")
-    for key in ("scale", "residual_scale", "cap", "attention_factor"):
+    for key in ("scale", "residual_scale", "attention_factor"):
         value = params.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, float) or not math.isfinite(value)):
             raise ValueError(f"{key} must be a finite float (absent: 1), got {value!r}")
+    cap = params.get("softcap")
+    if cap is not None and (isinstance(cap, bool) or not isinstance(cap, float) or not 0 < cap < math.inf):
+        raise ValueError(f"softcap must be a finite float > 0 (absent: none), got {cap!r}")
     if op == "qgemm":
         _check_quant(params, params["k"])
     if op == "qembedding":
@@ -134,9 +137,6 @@ def _check_params(op: str, params: Mapping[str, Any]) -> None:
             raise ValueError(f"sliding_window must be an int >= 0 (0: no window), got {w!r}")
         if params["kv_dtype"] not in ELEMENTS_BY_SHORT:
             raise ValueError(f"kv_dtype must be one of {sorted(ELEMENTS_BY_SHORT)}, got {params['kv_dtype']!r}")
-        cap = params.get("softcap")
-        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, float) or not 0 < cap < math.inf):
-            raise ValueError(f"softcap must be a finite float > 0 (absent: none), got {cap!r}")
 
 
 def _check_quant(params: Mapping[str, Any], k: Any) -> None:
@@ -214,6 +214,8 @@ OPTIONAL_PARAMS = {
     "silu_mul": {"activation"},  # "gelu_tanh": Gemma's GeGLU
     "gemm_swiglu": {"activation"},
     "paged_attention": {"softcap"},  # Gemma 2's soft-capped scores
+    "gemm": {"softcap"},  # Gemma 2's soft-capped final logits, the lm_head's epilogue
+    "qgemm": {"softcap"},
 }
 
 
@@ -301,7 +303,6 @@ _ID_ORDER = {
     ],
     "silu_mul": ["inter", "adtype"],
     "gather_rows": ["cols", "adtype"],
-    "softcap": ["cols", "cap", "adtype"],
     "qgemm": ["n", "k", "bits", "group_size", "asymmetric", "scale_bits", "has_bias", "adtype"],
     "qembedding": ["hidden", "bits", "group_size", "asymmetric", "scale_bits", "adtype"],
 }

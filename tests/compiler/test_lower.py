@@ -47,16 +47,18 @@ def _layer_ops(program, num_layers: int) -> list[str]:
 
 
 @pytest.mark.parametrize("weight_dtype,swiglu", [("float32", False), ("bfloat16", True)])
-def test_gemma3_and_granite_launch_what_llama_launches(checkpoint_dir, weight_dtype, swiglu):
+def test_gemma_and_granite_launch_what_llama_launches(checkpoint_dir, weight_dtype, swiglu):
     """Gemma's four norms a layer fold into Llama's two launches, its GeGLU into silu_mul (or the SwiGLU GEMM's
-    epilogue on CUDA), its q / k norms into rope; Granite's multipliers into the embedding, the adds and the
-    final norm's weight. Not one TVM fallback."""
+    epilogue on CUDA), its q / k norms into rope, Gemma 2's final soft-capping into the lm_head GEMM; Granite's
+    multipliers into the embedding, the adds and the final norm's weight. Not one TVM fallback."""
     kw = dict(weight_dtype=weight_dtype, swiglu_epilogue=swiglu)
     llama, llama_config = _program(checkpoint_dir, "llama", **kw)
-    for arch in ("gemma3", "granite"):
+    for arch in ("gemma2", "gemma3", "granite"):
         program, config = _program(checkpoint_dir, arch, **kw)
         assert not program.tvm_funcs
         assert _layer_ops(program, config.num_layers) == _layer_ops(llama, llama_config.num_layers)
+        head = program.launches[-1]
+        assert head.params.get("softcap") == (config.final_softcap if arch == "gemma2" else None)
 
 
 def test_gemma3_norm_weights_pack_as_one_plus_w(checkpoint_dir):

@@ -66,7 +66,6 @@ SIGNATURES = {
     ],
     "silu_mul": [("gate_up", "A*"), ("out", "A*"), ("T", "int")],
     "gather_rows": [("x", "A*"), ("rows", "i32*"), ("n", "int"), ("out", "A*")],
-    "softcap": [("x", "A*"), ("n", "int")],
     "qembedding": [("ids", "i32*"), ("T", "int"), ("qweight", "u8*"), ("scales", "S*"), ("mins", "S*"), ("out", "A*")],
     "qgemm": [
         ("x", "A*"),

@@ -124,6 +124,14 @@ def assert_gemm_close(y, x, wf, bf):
 # rope: transformers' Llama rotary embedding (rotate-half), in place on heads [0, num_heads) of each row
 
 
+def assert_softcapped(capped, y, cap):
+    """A soft-capped GEMM's output is cap * tanh(y / cap) of the plain GEMM's y (the same sums), within float32
+    rounding of that function (the CPU's through its SIMD exp), and never past the cap."""
+    want = cap * np.tanh(np.asarray(y, np.float64) / cap)
+    np.testing.assert_allclose(capped, want, rtol=1e-6, atol=1e-6 * cap)
+    assert np.abs(capped).max(initial=0.0) <= cap
+
+
 def rope_inv_freq(head_dim, theta):
     """[head_dim / 2] torch float32, as transformers' default rope init computes it."""
     import torch

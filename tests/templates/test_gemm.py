@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from tests.templates.kernel_harness import spec_id
-from tests.templates.kernel_reference import act_empty, assert_gemm_close, gemm_inputs, to_bf16
+from tests.templates.kernel_reference import act_empty, assert_gemm_close, assert_softcapped, gemm_inputs, to_bf16
 
 # (n, k): 53 / 37 / 23 are no multiple of any vector, warp or tile width (k = 37: scalar weight loads on CUDA);
 # k = 64 / 136 take 16-byte loads (136 = 4 full + 1 partial lane sweep for f32); k = 61: a K tail of more than
@@ -44,7 +44,24 @@ def _grid(shapes):
 SPLIT_SHAPES = [(19, 1000), (11, 2050), (7, 1100)]
 # CUDA's bf16 activations (x and y bf16): the shapes of every path, and a split GEMV
 BF16_SPECS = [(op, dict(p, adtype="bf16")) for op, p in _grid([*SHAPES, SPLIT_SHAPES[0]])]
-SPECS = _grid(SHAPES) + _grid([MODEL_SHAPE, BLOCKED_SHAPE]) + _grid(SPLIT_SHAPES) + BF16_SPECS
+# Gemma 2's soft-capped lm_head (the plain GEMM of each is in the grids): fp32 GEMV and SIMT tiles with a bias,
+# bf16 on the CPU's panel and CUDA's mma tiles, a split-K GEMV; caps 30 (Gemma 2's) and 0.5 (most outputs saturate)
+SOFTCAP_SPECS = [
+    ("gemm", dict(n=n, k=k, wdtype=wd, has_bias=bias, softcap=cap))
+    for n, k, wd, bias, cap in (
+        (53, 37, "f32", True, 30.0),
+        (131, 200, "bf16", False, 0.5),
+        (19, 1000, "bf16", False, 2.0),
+    )
+]
+SPECS = (
+    _grid(SHAPES)
+    + _grid([MODEL_SHAPE, BLOCKED_SHAPE])
+    + _grid(SPLIT_SHAPES)
+    + BF16_SPECS
+    + SOFTCAP_SPECS
+    + [(op, dict(p, adtype="bf16")) for op, p in SOFTCAP_SPECS[1:2]]
+)
 CASES = [pytest.param(*s, id=spec_id(s)) for s in _grid(SHAPES)] + [
     pytest.param(*s, id=spec_id(s), marks=CPU_ONLY) for s in _grid([MODEL_SHAPE, BLOCKED_SHAPE])
 ]
@@ -99,6 +116,31 @@ def test_gemm_bf16_activations(kernels, weights, op, params, T):
     kernels(op, dict(params, adtype="f32"))(values, w, b, want, T)
     y = act_empty((T, params["n"]), "bf16")
     kernels(op, params)(bits, w, b, y, T)
+    assert np.array_equal(y, to_bf16(want)[0])
+
+
+@pytest.mark.parametrize("T", [1, 5, 9, 17, 70])
+@pytest.mark.parametrize("op,params", SOFTCAP_SPECS, ids=map(spec_id, SOFTCAP_SPECS))
+def test_softcapped_gemm_is_the_gemm_soft_capped(kernels, weights, op, params, T):
+    plain = {key: v for key, v in params.items() if key != "softcap"}
+    x, w, _, b, _ = gemm_inputs(params["n"], params["k"], T, params["wdtype"], params["has_bias"], weights, seed=T)
+    y, capped = (np.full((T, params["n"]), np.nan, dtype=np.float32) for _ in range(2))
+    kernels(op, plain)(x, w, b, y, T)
+    kernels(op, params)(x, w, b, capped, T)
+    assert_softcapped(capped, y, params["softcap"])
+
+
+@pytest.mark.targets("cuda")
+@pytest.mark.parametrize("T", [5, 17])
+def test_softcapped_gemm_bf16_activations(kernels, weights, T):
+    """bf16 y: the float32-activation kernel's capped y over the same bf16 x, rounded once (after the cap)."""
+    op, params = SOFTCAP_SPECS[1]
+    x, w, _, b, _ = gemm_inputs(params["n"], params["k"], T, params["wdtype"], params["has_bias"], weights, seed=T)
+    bits, values = to_bf16(x)
+    want = np.empty((T, params["n"]), np.float32)
+    kernels(op, params)(values, w, b, want, T)
+    y = act_empty((T, params["n"]), "bf16")
+    kernels(op, dict(params, adtype="bf16"))(bits, w, b, y, T)
     assert np.array_equal(y, to_bf16(want)[0])
 
 

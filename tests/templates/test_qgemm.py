@@ -23,7 +23,7 @@ from llmc.compiler.quant import QuantizedTensor, QuantScheme, dequantize, quanti
 from llmc.compiler.quant_pack import pack_cpu, unpack_cpu
 from llmc.errors import CompileError
 from tests.templates.kernel_harness import spec_id
-from tests.templates.kernel_reference import quantized_weight
+from tests.templates.kernel_reference import assert_softcapped, quantized_weight
 
 pytestmark = pytest.mark.targets("cpu")
 
@@ -60,8 +60,12 @@ def _params(n, k, bits, g, asym, scale_bits, bias):
     return dict(n=n, k=k, bits=bits, group_size=g, asymmetric=asym, scale_bits=scale_bits, has_bias=bias)
 
 
-SPECS = [("qgemm", _params(*s, bias)) for s in SCHEMES for bias in (False, True)]
-CASES = [pytest.param(*spec, id=spec_id(spec)) for spec in SPECS]
+# Gemma 2's soft-capped lm_head: int8, int4 (the row-pair path from 3 rows on), K-quant records with a bias
+SOFTCAP_SPECS = [
+    ("qgemm", dict(_params(*SCHEMES[i], i == 20), softcap=cap)) for i, cap in ((1, 30.0), (6, 0.5), (20, 2.0))
+]
+SPECS = [("qgemm", _params(*s, bias)) for s in SCHEMES for bias in (False, True)] + SOFTCAP_SPECS
+CASES = [pytest.param(*spec, id=spec_id(spec)) for spec in SPECS if "softcap" not in spec[1]]
 # the decode GEMV with 4 outputs in flight (qgemm.tune.toml gemv_cols; the default is 2): int8, int4 with an odd
 # tail, asymmetric int4. A CPU tunable, so not in SPECS, which every target's harness builds.
 COLS4 = [_params(*SCHEMES[i], True) for i in (1, 6, 13)]
@@ -117,6 +121,16 @@ def test_qgemm_matches_dequantized_matmul(kernels, op, params, T):
     assert np.all(np.abs(y - ref) <= rounding), f"max excess {np.max(np.abs(y - ref) - rounding)}"
     exact = x.astype(np.float64) @ dequantize(t).astype(np.float64).T + (0 if bias is None else bias)
     assert np.all(np.abs(y - exact) <= quant_err * 1.001 + rounding)
+
+
+@pytest.mark.parametrize("T", [1, 3, 5, 70])
+@pytest.mark.parametrize("op,params", SOFTCAP_SPECS, ids=map(spec_id, SOFTCAP_SPECS))
+def test_softcapped_qgemm_is_the_qgemm_soft_capped(kernels, op, params, T):
+    x, _, (qweight, scales, mins), bias = qgemm_inputs(params, T, seed=T)
+    y, capped = (np.full((T, params["n"]), np.nan, dtype=np.float32) for _ in range(2))
+    kernels(op, {key: v for key, v in params.items() if key != "softcap"})(x, qweight, scales, mins, bias, y, T)
+    kernels(op, params)(x, qweight, scales, mins, bias, capped, T)
+    assert_softcapped(capped, y, params["softcap"])
 
 
 @pytest.mark.parametrize("op,params", CASES[1::2])

@@ -141,15 +141,16 @@ inline void gather_rows(const float* LLMC_RESTRICT x, const int32_t* rows, int n
   for (int i = 0; i < n; ++i) std::memcpy(out + (long)i * C, x + (long)rows[i] * C, sizeof(float) * C);
 }
 
-// softcap: x[r, :] = soft_cap(x[r, :]) in place for r < n (Gemma 2's final logits).
-template <int C>
-inline void softcap_rows(float* LLMC_RESTRICT x, int n, float cap) {
-  constexpr int W = Vec::W, CMAIN = C / W * W;
-  parallel_for(n, (long)n * C >= kParallelWork, [&](int r) {
-    float* row = x + (long)r * C;
-    for (int i = 0; i < CMAIN; i += W) soft_cap(Vec::load(row + i), cap).store(row + i);
-    if constexpr (CMAIN < C) soft_cap(Vec::load_part(row + CMAIN, C - CMAIN), cap).store_part(row + CMAIN, C - CMAIN);
-  });
+// y[r, c] = soft_cap(y[r, c]) in place for r0 <= r < r1, c0 <= c < c1 (row stride ld): Gemma 2's final-logit
+// soft-capping as the lm_head GEMM's epilogue, on a task's outputs while they are still in cache.
+inline void softcap_block(float* LLMC_RESTRICT y, long ld, int r0, int r1, int c0, int c1, float cap) {
+  constexpr int W = Vec::W;
+  for (int r = r0; r < r1; ++r) {
+    float* row = y + (long)r * ld;
+    int c = c0;
+    for (; c + W <= c1; c += W) soft_cap(Vec::load(row + c), cap).store(row + c);
+    if (c < c1) soft_cap(Vec::load_part(row + c, c1 - c), cap).store_part(row + c, c1 - c);
+  }
 }
 
 }  // namespace llmc

@@ -3,6 +3,7 @@
 
 #include <vector>
 
+#include "llmc_elementwise.h"
 #include "llmc_pool.h"
 #include "llmc_simd.h"
 
@@ -480,10 +481,10 @@ XT* gemm_scratch(long n) {
 }  // namespace
 
 // PF and TASK (weight bytes per parallel task) are tunable (templates/cpu/gemm.tune.toml); they change the
-// speed, never the numbers.
+// speed, never the numbers. cap > 0: each output soft-capped (softcap_block), a task's own once it has them.
 template <int N, int K, bool HAS_BIAS, int PF = kGemvPrefetchBytes, long TASK = kGemvTaskBytes, typename WT>
 inline void gemm(const float* LLMC_RESTRICT x, const WT* LLMC_RESTRICT w, const WT* LLMC_RESTRICT bias,
-                 float* LLMC_RESTRICT y, int T) {
+                 float* LLMC_RESTRICT y, int T, float cap = 0.0f) {
   using O = GemmOrder<WT>;
   using XT = typename O::XT;
   constexpr int KMAIN = K / O::KS * O::KS;
@@ -509,6 +510,7 @@ inline void gemm(const float* LLMC_RESTRICT x, const WT* LLMC_RESTRICT w, const 
         case 3: gemv_rows<O, 3, N, K, HAS_BIAS, PF>(xp, x, w, bias, y, j0, j1); break;
         case 4: gemv_rows<O, 4, N, K, HAS_BIAS, PF>(xp, x, w, bias, y, j0, j1); break;
       }
+      if (cap > 0.0f) softcap_block(y, N, 0, T, j0, j1, cap);
     });
     return;
   }
@@ -564,23 +566,26 @@ inline void gemm(const float* LLMC_RESTRICT x, const WT* LLMC_RESTRICT w, const 
     if (t0 >= t1) return;
     Vec* spill = KMAIN > KB ? gemm_scratch<Vec, kScratchSpill>((long)tc_rows * NB) : nullptr;
     const float* xf = static_cast<const float*>(xk);
-    if constexpr (kBf16 && LLMC_BF16_DOT) {
-      if (panel) {
-        gemm_ftz_daz(true);
-        gemm_block<O, GemmOrder<float>, true, true, N, K, HAS_BIAS, PF>(xf, x, w, bias, y, t0, t1, j0, j1, spill,
-                                                                       true);
-        gemm_ftz_daz(false);
-        return;
+    [&] {
+      if constexpr (kBf16 && LLMC_BF16_DOT) {
+        if (panel) {
+          gemm_ftz_daz(true);
+          gemm_block<O, GemmOrder<float>, true, true, N, K, HAS_BIAS, PF>(xf, x, w, bias, y, t0, t1, j0, j1, spill,
+                                                                         true);
+          gemm_ftz_daz(false);
+          return;
+        }
+      } else if constexpr (kBf16) {
+        if (panel) {
+          gemm_block<O, GemmOrder<float>, true, false, N, K, HAS_BIAS, PF>(xf, x, w, bias, y, t0, t1, j0, j1,
+                                                                          spill, false);
+          return;
+        }
       }
-    } else if constexpr (kBf16) {
-      if (panel) {
-        gemm_block<O, GemmOrder<float>, true, false, N, K, HAS_BIAS, PF>(xf, x, w, bias, y, t0, t1, j0, j1, spill,
-                                                                        false);
-        return;
-      }
-    }
-    gemm_block<O, O, false, false, N, K, HAS_BIAS, PF>(static_cast<const XT*>(xk), x, w, bias, y, t0, t1, j0, j1,
-                                                      spill, false);
+      gemm_block<O, O, false, false, N, K, HAS_BIAS, PF>(static_cast<const XT*>(xk), x, w, bias, y, t0, t1, j0, j1,
+                                                        spill, false);
+    }();
+    if (cap > 0.0f) softcap_block(y, N, t0, t1, j0, j1, cap);
   });
 }
 

@@ -4,6 +4,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "llmc_elementwise.h"
 #include "llmc_pool.h"
 
 namespace llmc {
@@ -833,11 +834,13 @@ LLMC_INLINE void qgemm_rows(int rows, const QStep<BITS>* steps, const float* xs,
 }
 
 // PF, TASK and GEMV_COLS (the decode GEMV's prefetch distance, bytes per task and outputs in flight at T = 1) are
-// tunable (templates/cpu/qgemm.tune.toml); they change the speed, never the numbers.
+// tunable (templates/cpu/qgemm.tune.toml); they change the speed, never the numbers. cap > 0: each output
+// soft-capped (softcap_block), a task's own once it has them.
 template <int N, int K, int BITS, int GS, bool ASYM, bool HAS_BIAS, int PF = kQgemvPrefetchBytes,
           long TASK = kQgemvTaskBytes, int GEMV_COLS = kQgemvCols, typename SC>
 inline void qgemm(const float* LLMC_RESTRICT x, const uint8_t* LLMC_RESTRICT qweight, const SC* LLMC_RESTRICT scales,
-                  const SC* LLMC_RESTRICT mins, const float* LLMC_RESTRICT bias, float* LLMC_RESTRICT y, int T) {
+                  const SC* LLMC_RESTRICT mins, const float* LLMC_RESTRICT bias, float* LLMC_RESTRICT y, int T,
+                  float cap = 0.0f) {
   using S = QShape<K, BITS, GS>;
   constexpr int R = kQgemmRows;
   const bool par = (long)T * N * K >= kParallelWork;
@@ -855,8 +858,9 @@ inline void qgemm(const float* LLMC_RESTRICT x, const uint8_t* LLMC_RESTRICT qwe
     constexpr int CH = (int)std::max<long>(8, TASK / RB / 8 * 8);
     constexpr int NCH = (N + CH - 1) / CH;
     parallel_for(NCH, par, [&](int ch) {
-      qgemm_rows<N, K, BITS, GS, ASYM, HAS_BIAS, PF, GEMV_COLS>(T, steps, xs, qweight, scales, mins, bias, y,
-                                                                ch * CH, std::min(N, (ch + 1) * CH));
+      const int j0 = ch * CH, j1 = std::min(N, j0 + CH);
+      qgemm_rows<N, K, BITS, GS, ASYM, HAS_BIAS, PF, GEMV_COLS>(T, steps, xs, qweight, scales, mins, bias, y, j0, j1);
+      if (cap > 0.0f) softcap_block(y, N, 0, T, j0, j1, cap);
     });
     return;
   }
@@ -891,6 +895,7 @@ inline void qgemm(const float* LLMC_RESTRICT x, const uint8_t* LLMC_RESTRICT qwe
         else
           qgemm_pairs_rows<1, N, K, BITS, GS, HAS_BIAS>(t1 - t, pt, wb, sb, bb, yt, 0, j1 - j0);
       }
+      if (cap > 0.0f) softcap_block(y, N, tc * kQgemmTChunk, t1, j0, j1, cap);
     });
     return;
   }
@@ -903,6 +908,7 @@ inline void qgemm(const float* LLMC_RESTRICT x, const uint8_t* LLMC_RESTRICT qwe
       qgemm_rows<N, K, BITS, GS, ASYM, HAS_BIAS, 0, kQgemvCols>(std::min(R, t1 - t), steps + (long)t * S::NS,
                                                              xs + (long)t * S::NX, qweight, scales, mins, bias,
                                                              y + (long)t * N, j0, j1);
+    if (cap > 0.0f) softcap_block(y, N, tc * kQgemmTChunk, t1, j0, j1, cap);
   });
 }
 

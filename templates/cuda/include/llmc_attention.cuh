@@ -154,9 +154,6 @@ struct PagedAttention {
     store_dims(out + (static_cast<int64_t>(t) * NH + h) * D, o, 1.0f / L);
   }
 
-  // Gemma 2's soft-capped score, cap * tanh(s / cap); cap 0: none (a uniform branch)
-  static __device__ __forceinline__ float soft_cap(float s, float cap) { return cap > 0.0f ? cap * tanhf(s / cap) : s; }
-
   // dst[d] = acc * scale for this lane's dims d = lane + 32 i of a head (an output row, or a float partial)
   template <typename T>
   static __device__ __forceinline__ void store_dims(T* dst, const float (&acc)[DPL], float scale) {

@@ -82,6 +82,9 @@ struct Vec16<uint16_t> {
 __device__ __forceinline__ uint16_t bf16_bits(float v) { return pack_bf16x2(v, 0.0f) & 0xffffu; }
 __device__ __forceinline__ void astore(float* p, float v) { *p = v; }
 __device__ __forceinline__ void astore(uint16_t* p, float v) { *p = bf16_bits(v); }
+// Gemma 2's soft-capping, cap * tanh(v / cap); cap 0: v. The generated kernels pass cap as a literal, so the
+// branch folds away (attention's scores take it as an argument: a uniform branch).
+__device__ __forceinline__ float soft_cap(float v, float cap) { return cap > 0.0f ? cap * tanhf(v / cap) : v; }
 // v as an activation of type A holds it: what a fused epilogue reads where the unfused kernel reads memory
 template <typename A>
 __device__ __forceinline__ float act_round(float v) {

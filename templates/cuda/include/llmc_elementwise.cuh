@@ -204,20 +204,4 @@ struct GatherRows {
   }
 };
 
-// ---------------------------------------------------------------------------------------------------
-// softcap: x[r, c] = cap * tanh(x[r, c] / cap) in place (Gemma 2's final logits). Grid (n, kChunks), block kThreads.
-template <int C, typename A = float>
-struct SoftcapRows {
-  static constexpr int kThreads = row_threads(C, 256);
-  static constexpr int kChunks = ceil_div(C, kThreads);
-
-  static __device__ __forceinline__ void run(A* x, float cap) {
-    const int c = blockIdx.y * kThreads + threadIdx.x;
-    if (c >= C) return;
-    A* p = x + static_cast<int64_t>(blockIdx.x) * C + c;
-    const float v = wload(*p);
-    astore(store_ptr(p), cap * tanhf(v / cap));
-  }
-};
-
 }  // namespace llmc

@@ -62,15 +62,17 @@ struct Gemm {
   static __device__ __forceinline__ void load_w4(const float* p, float (&o)[4]) { Vec16<float>::load(p, o); }
   static __device__ __forceinline__ void load_w4(const uint16_t* p, float (&o)[4]) { load_bf16x4(p, o); }
 
-  // One output's value from its row sums (slice sums added): SWIGLU: silu(gate) * up; else the sum + bias.
-  static __device__ __forceinline__ float gemv_out(const float (&s)[kRowsPerOut], float b) {
+  // One output's value from its row sums (slice sums added): SWIGLU: silu(gate) * up; else the sum + bias,
+  // soft-capped when cap > 0.
+  static __device__ __forceinline__ float gemv_out(const float (&s)[kRowsPerOut], float b, float cap) {
     if constexpr (SWIGLU)
       return gated_mul<GELU>(act_round<A>(s[0]), act_round<A>(s[1]));
     else
-      return s[0] + b;
+      return soft_cap(s[0] + b, cap);
   }
 
-  static __device__ __forceinline__ void gemv(const A* x, const W* w, const W* bias, A* y, int T) {
+  // cap > 0: every output soft-capped (Gemma 2's final logits), as it is stored.
+  static __device__ __forceinline__ void gemv(const A* x, const W* w, const W* bias, A* y, int T, float cap = 0.0f) {
     constexpr int R = kGemvRows, NR = kRowsPerOut;
     __shared__ float part[kSplit > 1 ? kGemvWarps * kSplit : 1][NR][R];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, slice = warp % kSplit;
@@ -128,7 +130,7 @@ struct Gemm {
 #pragma unroll
           for (int q = 0; q < NR; ++q) s[q] = warp_sum(acc[q][r]);
           if constexpr (kSplit == 1) {
-            if (lane == 0) astore(y + static_cast<int64_t>(t0 + r) * kOut + j, gemv_out(s, b));
+            if (lane == 0) astore(y + static_cast<int64_t>(t0 + r) * kOut + j, gemv_out(s, b, cap));
           } else if (lane == 0) {
 #pragma unroll
             for (int q = 0; q < NR; ++q) part[warp][q][r] = s[q];
@@ -145,21 +147,22 @@ struct Gemm {
 #pragma unroll
             for (int sl = 0; sl < kSplit; ++sl) v[q] += part[warp + sl][q][lane];
           }
-          astore(y + static_cast<int64_t>(t0 + lane) * kOut + j, gemv_out(v, b));
+          astore(y + static_cast<int64_t>(t0 + lane) * kOut + j, gemv_out(v, b, cap));
         }
         __syncthreads();  // part is rewritten by the next rows
       }
     }
   }
 
-  static __device__ __forceinline__ void tiled(const A* x, const W* w, const W* bias, A* y, int T) {
+  static __device__ __forceinline__ void tiled(const A* x, const W* w, const W* bias, A* y, int T, float cap = 0.0f) {
     if constexpr (kMma)
-      tiled_mma(x, w, bias, y, T);
+      tiled_mma(x, w, bias, y, T, cap);
     else
-      tiled_simt(x, w, bias, y, T);
+      tiled_simt(x, w, bias, y, T, cap);
   }
 
-  static __device__ __forceinline__ void tiled_mma(const A* x, const uint16_t* w, const uint16_t* bias, A* y, int T) {
+  static __device__ __forceinline__ void tiled_mma(const A* x, const uint16_t* w, const uint16_t* bias, A* y, int T,
+                                                   float cap) {
     static_assert(BM % 32 == 0 && BN % 32 == 0 && BK % 16 == 0 && STAGES >= 2, "gemm: mma tile shape");
     constexpr bool kBf16X = sizeof(A) == 2;
     // row strides in elements: 16-byte multiples that shift banks
@@ -272,7 +275,7 @@ struct Gemm {
           const int row = m0 + wm + 16 * mi + g + 8 * h;
           if (row >= T) continue;
           A* yr = y + static_cast<int64_t>(row) * N + col;
-          const float v0 = acc[mi][j][2 * h] + b0, v1 = acc[mi][j][2 * h + 1] + b1;
+          const float v0 = soft_cap(acc[mi][j][2 * h] + b0, cap), v1 = soft_cap(acc[mi][j][2 * h + 1] + b1, cap);
           if (kPairs && col + 1 < N) {
             store_act2(yr, v0, v1);
           } else {
@@ -284,7 +287,7 @@ struct Gemm {
     }
   }
 
-  static __device__ __forceinline__ void tiled_simt(const A* x, const W* w, const W* bias, A* y, int T) {
+  static __device__ __forceinline__ void tiled_simt(const A* x, const W* w, const W* bias, A* y, int T, float cap) {
     static_assert(BM * BK % kTileThreads == 0 && BN * BK % kTileThreads == 0, "gemm: tile loads");
     static_assert((BM / 4) * (BN / 4) == kTileThreads, "gemm: 4 x 4 outputs per thread");
     struct alignas(16) Smem {
@@ -334,7 +337,7 @@ struct Gemm {
 #pragma unroll
       for (int jj = 0; jj < 4; ++jj) {
         const int gn = n0 + tx * 4 + jj;
-        if (gn < N) astore(y + static_cast<int64_t>(gm) * N + gn, BIAS ? acc[i][jj] + wload(bias[gn]) : acc[i][jj]);
+        if (gn < N) astore(y + static_cast<int64_t>(gm) * N + gn, soft_cap(BIAS ? acc[i][jj] + wload(bias[gn]) : acc[i][jj], cap));
       }
     }
   }

@@ -144,8 +144,9 @@ struct QGemm {
     }
   }
 
+  // cap > 0: every output soft-capped (Gemma 2's final logits), as it is stored.
   static __device__ __forceinline__ void gemv(const A* x, const uint8_t* qweight, const SC* scales,
-                                              const SC* mins, const float* bias, A* y, int T) {
+                                              const SC* mins, const float* bias, A* y, int T, float cap = 0.0f) {
     __shared__ float part[kGemvWarps][NR][kGemvMaxT];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int slice = warp % kSplit, n0 = (blockIdx.x * kGroupsPerBlock + warp / kSplit) * NR;
@@ -204,7 +205,7 @@ struct QGemm {
       float v = 0.0f;
 #pragma unroll
       for (int sl = 0; sl < kSplit; ++sl) v += part[grp * kSplit + sl][i][r];
-      astore(y + static_cast<int64_t>(r) * N + ni, BIAS ? v + bias[ni] : v);
+      astore(y + static_cast<int64_t>(r) * N + ni, soft_cap(BIAS ? v + bias[ni] : v, cap));
     }
   }
 
@@ -225,7 +226,7 @@ struct QGemm {
   }
 
   static __device__ __forceinline__ void tiled(const A* x, const uint8_t* qweight, const SC* scales,
-                                               const SC* mins, const float* bias, A* y, int T) {
+                                               const SC* mins, const float* bias, A* y, int T, float cap = 0.0f) {
     __shared__ __align__(16) uint16_t xs[BM][XS];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
     const int m0 = blockIdx.y * BM, nw0 = blockIdx.x * BN + warp * WN;
@@ -327,7 +328,8 @@ struct QGemm {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int row = m0 + 16 * mi + g + 8 * (e >> 1), col = nw0 + 8 * j + 2 * t + (e & 1);
-          if (row < T && col < N) astore(y + static_cast<int64_t>(row) * N + col, BIAS ? acc[mi][j][e] + bias[col] : acc[mi][j][e]);
+          if (row < T && col < N)
+            astore(y + static_cast<int64_t>(row) * N + col, soft_cap(BIAS ? acc[mi][j][e] + bias[col] : acc[mi][j][e], cap));
         }
       }
     }

@@ -33,6 +33,7 @@ _REPRESENTATIVE = [
     ("gemm", dict(n=6144, k=4096, wdtype="bf16", has_bias=True)),
     ("gemm", dict(n=4096, k=14336, wdtype="f32", has_bias=False)),
     ("gemm", dict(n=53, k=37, wdtype="bf16", has_bias=True)),
+    ("gemm", dict(n=256000, k=2304, wdtype="bf16", has_bias=False, softcap=30.0)),  # Gemma 2's soft-capped lm_head
     ("gemm_swiglu", dict(inter=14336, k=4096, wdtype="bf16")),
     ("gemm_swiglu", dict(inter=40, k=200, wdtype="bf16")),
     ("rope", dict(num_heads=32, head_dim=128, inv_freq=_inv_freq(128))),
@@ -62,10 +63,13 @@ _REPRESENTATIVE = [
     ),
     ("silu_mul", dict(inter=14336)),
     ("gather_rows", dict(cols=4096)),
-    ("softcap", dict(cols=256000, cap=30.0)),  # Gemma 2's vocabulary
     ("qgemm", dict(n=14336, k=4096, bits=4, group_size=32, asymmetric=True, scale_bits=32, has_bias=False)),
     ("qgemm", dict(n=4096, k=14336, bits=8, group_size=14336, asymmetric=False, scale_bits=16, has_bias=False)),
     ("qgemm", dict(n=53, k=160, bits=4, group_size=128, asymmetric=False, scale_bits=16, has_bias=True)),
+    (
+        "qgemm",
+        dict(n=256000, k=2304, bits=8, group_size=32, asymmetric=False, scale_bits=16, has_bias=False, softcap=30.0),
+    ),
 ]
 # Activations as llmc compile gives them: float32 beside float32 weights, a float32 cache or float32 scales (a
 # float32 build), else bf16; rope, silu_mul and gather_rows both ways.

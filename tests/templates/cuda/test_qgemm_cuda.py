@@ -28,7 +28,7 @@ from llmc.compiler.quant import QuantScheme, dequantize, quantize
 from llmc.compiler.quant_pack import pack_cuda, unpack_cuda
 from llmc.errors import CompileError
 from tests.templates.kernel_harness import kernels_source, spec_id
-from tests.templates.kernel_reference import quantized_weight, to_bf16
+from tests.templates.kernel_reference import assert_softcapped, quantized_weight, to_bf16
 
 ROOT = Path(__file__).resolve().parents[3]  # the repository: the child imports tests.templates.*
 
@@ -70,7 +70,12 @@ F32_SPECS = [("qgemm", _params(*s, bias)) for s in SCHEMES for bias in (False, T
 CASES = [pytest.param(*spec, id=spec_id(spec)) for spec in F32_SPECS]
 # bf16 activations: int8 and int4, asymmetric, a split GEMV, short groups
 BF16_SPECS = [("qgemm", _params(*SCHEMES[i], True, "bf16")) for i in (3, 4, 9, 11)]
-SPECS = F32_SPECS + BF16_SPECS
+# Gemma 2's soft-capped lm_head: int8 split GEMV, int4 asymmetric, K-quant records with a bias, bf16 activations
+SOFTCAP_SPECS = [
+    ("qgemm", dict(_params(*SCHEMES[i], i == 18, adtype), softcap=cap))
+    for i, cap, adtype in ((4, 30.0, "f32"), (12, 0.5, "f32"), (18, 2.0, "f32"), (12, 0.5, "bf16"))
+]
+SPECS = F32_SPECS + BF16_SPECS + SOFTCAP_SPECS
 
 
 @pytest.fixture(scope="module")
@@ -142,6 +147,28 @@ def test_qgemm_cuda_bf16_activations(cuda, op, params, T):
     y = np.full((T, params["n"]), 0x7FC0, np.uint16)
     cuda(op, params)(bits, *packed, bias, y, T)
     assert np.array_equal(y, to_bf16(want)[0])
+
+
+@pytest.mark.parametrize("T", [3, 17])
+@pytest.mark.parametrize("op,params", SOFTCAP_SPECS, ids=map(spec_id, SOFTCAP_SPECS))
+def test_softcapped_qgemm_cuda_is_the_qgemm_soft_capped(cuda, op, params, T):
+    """float32 y: the plain kernel's (the same sums) soft-capped; bf16 y: the float32 kernel's capped y over the same
+    bf16 x, rounded once."""
+    x, _, packed, bias = qgemm_inputs(params, T, seed=T)
+    f32 = dict(params, adtype="f32")
+    if params["adtype"] == "bf16":
+        bits, values = to_bf16(x)
+        want = _run(cuda(op, f32), params, values, packed, bias)
+        y = np.full((T, params["n"]), 0x7FC0, np.uint16)
+        cuda(op, params)(bits, *packed, bias, y, T)
+        assert np.array_equal(y, to_bf16(want)[0])
+        return
+    plain = {key: v for key, v in params.items() if key != "softcap"}
+    assert_softcapped(
+        _run(cuda(op, params), params, x, packed, bias),
+        _run(cuda(op, plain), params, x, packed, bias),
+        params["softcap"],
+    )
 
 
 @pytest.mark.parametrize("bits,asym,k", [(8, False, 96), (8, False, 160), (4, False, 96), (4, True, 416)])
