@@ -6,6 +6,7 @@ tensor by tensor into the artifact (compiler/weights.py), so peak memory stays n
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import signal
@@ -35,7 +36,7 @@ from .passes.pipeline import run_passes
 from .passes.quantize_embedding import quantize_embedding
 from .passes.quantize_linear import quantize_linear
 from .program import KernelProgram
-from .quant import QuantConfig, QuantScheme
+from .quant import K_MULTIPLE, QuantConfig, QuantScheme
 from .tuning.database import TuningDB
 from .weights import WeightSpec, write_packed_weights
 
@@ -73,24 +74,27 @@ def check_fusion(mod: tvm.IRModule, num_layers: int) -> None:
 
 
 def quant_schemes(ckpt: Checkpoint, quant: QuantConfig) -> dict[str, QuantScheme]:
-    """Checkpoint weight name -> scheme of each weight a GEMM reads quantized.
+    """Checkpoint weight name -> scheme of each weight a GEMM or the embedding's gather reads quantized.
 
-    From the flags: every linear of the blocks, and the lm_head (the embedding, when tied) with quant.lm_head;
-    a linear whose K is not a multiple of 32 stays float. A tensor the checkpoint holds quantized (GGUF) keeps
-    its own scheme whatever the flags, so a file imports with no requantization: an untied embedding too, which
-    the gather reads quantized (passes/quantize_embedding.py).
+    From the flags (QuantConfig.tensor_scheme): the linears of the blocks, the lm_head (the embedding, when tied)
+    and an untied embedding, as the mode chooses. A tensor the checkpoint holds quantized (GGUF) keeps its own
+    scheme whatever the flags, so a file imports with no requantization: an untied embedding too, which the
+    gather reads quantized (passes/quantize_embedding.py).
     """
     shapes = ckpt.config.weight_shapes()
-    lm_head = "lm_head.weight" if "lm_head.weight" in shapes else "model.embed_tokens.weight"
+    tied = "lm_head.weight" not in shapes
     linears = [
         n for n, s in shapes.items() if len(s) == 2 and n.startswith("model.layers.") and n.endswith("_proj.weight")
     ]
+    roles = {n: n for n in linears} | {"model.embed_tokens.weight" if tied else "lm_head.weight": "lm_head.weight"}
+    if not tied:  # its own table, read only by the gather
+        roles["model.embed_tokens.weight"] = "model.embed_tokens.weight"
     schemes = {}
-    for name in linears + ([lm_head] if quant.lm_head else []):
-        scheme = quant.scheme(shapes[name][1])
+    for name, role in roles.items():
+        scheme = quant.tensor_scheme(role, shapes[name][1], ckpt.config.num_layers)
         if scheme is not None:
             schemes[name] = scheme
-    for name in {*linears, lm_head, "model.embed_tokens.weight"}:
+    for name in roles:
         held = ckpt.quant_scheme(name)
         if held is not None:
             schemes[name] = held
@@ -108,9 +112,10 @@ def quant_manifest(
     return {
         "mode": quant.mode,
         "default": quant.describe(),
-        "lm_head": quant.lm_head,
+        "lm_head": quant.quantizes_head,
         "activations": activations,
         "weights": {w.name.removesuffix(".qweight"): w.quant.describe() for w in quantized if w.part == "qweight"},
+        "quantized_weights": sum(math.prod(w.shape) for w in quantized if w.part == "qweight"),
         "packed_bytes": {
             "quantized": sum(w.nbytes for w in quantized),
             "float": sum(w.nbytes for w in weights if w.quant is None),
@@ -205,6 +210,12 @@ def compile_checkpoint(
     dtype = resolve_weight_dtype(ckpt, weight_dtype)
     kv_dtype = resolve_kv_dtype(kv_dtype, cuda=tgt.is_cuda, weight_dtype=dtype)
     schemes = quant_schemes(ckpt, quant)
+    if quant.enabled and not schemes:
+        raise CompileError(
+            f"--quant {quant.mode} quantizes nothing in this model: no linear's input size is a multiple of "
+            f"{K_MULTIPLE}",
+            "compile it without --quant",
+        )
     bar = tqdm(total=len(STAGES) + (gate is not None), desc="compile", unit="stage", disable=not progress, leave=False)
     started: list[str] = []
 

@@ -35,7 +35,8 @@ from llmc.errors import CompileError
 
 from . import kquant
 
-QUANT_MODES = ("none", "int8", "int4", "q4_k")
+QUANT_MODES = ("none", "int8", "int4", "q4_k", "q4_k_m", "q8_0")
+RECIPES = ("q4_k_m", "q8_0")  # modes that choose each tensor's scheme, the lm_head's and the embedding's too
 GROUP_SIZES = (32, 64, 128)
 K_MULTIPLE = 32  # a quantized weight's K is a multiple of this (the kernels' activation blocks); else it stays float
 SCALE_DTYPES = ("float16", "float32", "kquant")  # kquant: compiler/kquant.py's superblock records
@@ -295,15 +296,32 @@ def common_scheme(schemes: list[QuantScheme], k: int) -> QuantScheme:
     return QuantScheme(8, group, asymmetric=any(s.asymmetric for s in schemes), scale_dtype=scale_dtype)
 
 
+Q8_0 = QuantScheme(8, 32)  # llama.cpp's Q8_0: symmetric int8 groups of 32, fp16 scales
+
+
+def more_bits(layer: int, num_layers: int) -> bool:
+    """llama.cpp's use_more_bits: the layers whose attn_v and ffn_down its _M recipes quantize wider (the first
+    and last eighth, and every third layer between)."""
+    eighth = num_layers // 8
+    return layer < eighth or layer >= 7 * num_layers // 8 or (layer - eighth) % 3 == 2
+
+
 @dataclasses.dataclass(frozen=True)
 class QuantConfig:
     """What `llmc compile --quant MODE [--group-size G] [--quant-lm-head]` asks of llmc's own quantizer.
 
     int8 defaults to one scale per output channel (group_size K), int4 to groups of 32; both symmetric. q4_k is
     llama.cpp's Q4_K: asymmetric int4 groups of 32 with K-quant superblock records (compiler/kquant.py), for a
-    linear whose K is a multiple of 256, else asymmetric int4 g32 with fp16 scales and mins. The linears of the
-    blocks are quantized, the lm_head only with lm_head=True, and a linear whose K is not a multiple of
-    K_MULTIPLE stays float.
+    linear whose K is a multiple of 256, else asymmetric int4 g32 with fp16 scales and mins. These quantize the
+    linears of the blocks, and the lm_head only with lm_head=True.
+
+    The recipes choose per tensor, as llama.cpp's file types do (`tensor_scheme`):
+    - q8_0: every linear, the lm_head and the embedding as Q8_0.
+    - q4_k_m: q4_k, but the lm_head (a tied embedding with it) as Q8_0, and on the more_bits layers ffn_down and
+      the attention's q, k and v as Q8_0. llama.cpp's Q4_K_M puts Q6_K there, and on attn_v alone: llmc has no
+      6-bit scheme yet, and runs q, k and v as one GEMM of one scheme. An untied embedding is q4_k, as there.
+
+    A linear whose K is not a multiple of K_MULTIPLE stays float.
     """
 
     mode: str = "none"
@@ -323,28 +341,50 @@ class QuantConfig:
             raise CompileError(
                 "--group-size and --quant-lm-head apply to a quantized build", "add --quant int8 or int4"
             )
-        if self.mode == "q4_k" and self.group_size is not None:
-            raise CompileError("q4_k's groups are 32 (superblocks of 256)", "leave out --group-size")
+        if self.mode in ("q4_k", *RECIPES) and self.group_size is not None:
+            raise CompileError(f"{self.mode} chooses its own groups", "leave out --group-size")
+        if self.mode in RECIPES and self.lm_head:
+            raise CompileError(f"{self.mode} quantizes the lm_head itself (as Q8_0)", "leave out --quant-lm-head")
 
     @property
     def enabled(self) -> bool:
         return self.mode != "none"
 
+    @property
+    def quantizes_head(self) -> bool:
+        return self.lm_head or self.mode in RECIPES
+
     def scheme(self, k: int) -> QuantScheme | None:
-        """The scheme of a linear with K = k inputs, None where it stays float."""
+        """The scheme of a linear of the blocks with K = k inputs, None where it stays float."""
         if not self.enabled or k % K_MULTIPLE:
             return None
         if self.mode == "int8":
             return QuantScheme(8, self.group_size or k)
-        if self.mode == "q4_k":
+        if self.mode == "q8_0":
+            return Q8_0
+        if self.mode in ("q4_k", "q4_k_m"):
             return QuantScheme(4, 32, True, "kquant" if k % kquant.SUPERBLOCK == 0 else "float16")
         return QuantScheme(4, self.group_size or 32)
+
+    def tensor_scheme(self, name: str, k: int, num_layers: int) -> QuantScheme | None:
+        """The scheme of checkpoint tensor `name` with K = k inputs, None where it stays float. `name` is a linear
+        of the blocks, "lm_head.weight" (the head, a tied embedding's too) or "model.embed_tokens.weight" (an
+        untied embedding's gather)."""
+        if name == "model.embed_tokens.weight" and self.mode not in RECIPES:
+            return None
+        if name == "lm_head.weight" and not self.quantizes_head:
+            return None
+        if self.mode == "q4_k_m" and k % K_MULTIPLE == 0:
+            wider = name.endswith(("mlp.down_proj.weight", *(f"self_attn.{p}_proj.weight" for p in "qkv")))
+            if name == "lm_head.weight" or (wider and more_bits(int(name.split(".")[2]), num_layers)):
+                return Q8_0
+        return self.scheme(k)
 
     def describe(self) -> str:
         """`int8 per channel`, `int4 g32`, + `, lm_head` when it is quantized too: for the manifest and the cache key."""
         if not self.enabled:
             return "none"
-        if self.mode == "q4_k":
-            return "q4_k" + (", lm_head" if self.lm_head else "")
+        if self.mode in ("q4_k", *RECIPES):
+            return self.mode + (", lm_head" if self.lm_head else "")
         group = f"g{self.group_size}" if self.group_size else ("per channel" if self.mode == "int8" else "g32")
         return f"{self.mode} {group}" + (", lm_head" if self.lm_head else "")

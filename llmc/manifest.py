@@ -330,6 +330,15 @@ _CONFIG_TYPES: dict[str, Callable[[object], bool]] = {
 }
 
 
+def quant_bits_per_weight(quant) -> float | None:
+    """Bits a quantized GEMM weight is stored in, scales and mins included (the manifest's `quant` entry)."""
+    if not isinstance(quant, dict) or not _is_int(quant.get("quantized_weights")):
+        return None
+    packed = quant.get("packed_bytes")
+    stored = packed.get("quantized") if isinstance(packed, dict) else None
+    return 8 * stored / quant["quantized_weights"] if _is_int(stored) else None
+
+
 def parse_manifest(path: Path) -> dict:
     """manifest.json of an artifact dir, parsed (with limits on size and nesting) and its magic checked."""
     if not path.exists():

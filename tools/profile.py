@@ -54,6 +54,7 @@ from llmc.compiler.codegen.host_probes import cpu_ceilings
 from llmc.compiler.codegen.simulator import build_profiled_library
 from llmc.errors import LlmcError
 from llmc.host import host_llc_bytes
+from llmc.manifest import quant_bits_per_weight
 from llmc.runtime.batch import StepBatch
 from llmc.runtime.module import CompiledModel
 
@@ -240,6 +241,8 @@ def _header(artifact, ceil: Ceilings, mode: str, phase: str, batch: int, context
         "context": context if phase == "decode" else 0,
         "prompt_len": prompt_len if phase == "prefill" else 0,
         "ceilings": dataclasses.asdict(ceil),
+        "quantization": artifact.manifest.get("quantization", "none"),
+        "quantized_bits_per_weight": quant_bits_per_weight(artifact.manifest.get("quant")),
     }
 
 

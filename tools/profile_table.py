@@ -13,6 +13,13 @@ def _mb(n: float) -> str:
     return f"{n / 1e6:.2f}"
 
 
+def _weights_line(report: dict) -> list[str]:
+    bits = report.get("quantized_bits_per_weight")
+    return (
+        [f"quantization {report['quantization']}: its GEMM weights stored at {bits:.2f} bits a weight"] if bits else []
+    )
+
+
 def _format_measured(report: dict, shape: str) -> str:
     s, c = report["step"], report["ceilings"]
     on_gpu = report["mode"] == "gpu"
@@ -41,6 +48,7 @@ def _format_measured(report: dict, shape: str) -> str:
             f"the step's {_mb(s['floor_bytes'])} MB fit in this host's {llc >> 20} MiB last-level cache: its "
             "kernels read from the cache, which the DRAM floor does not bound"
         )
+    lines.extend(_weights_line(report))
     served = "host copies; a CUDA graph at decode" if on_gpu else "the C ABI call from Python, logits out"
     lines.append(
         f"whole step as served ({served}): {s['wall_us']:.2f} us, {s['wall_us'] - s['time_us']:.2f} us of it "
@@ -84,4 +92,5 @@ def format_table(report: dict) -> str:
         f"floor / predicted time: {100 * s['floor_fraction']:.1f}%; DRAM/fl = DRAM bytes / floor bytes; "
         "a kernel's FLOPs are its mma.sync ones, the step's the program's"
     )
+    lines.extend(_weights_line(report))
     return "\n".join(lines)

@@ -12,6 +12,7 @@ from llmc.compiler.quant import (
     QuantScheme,
     common_scheme,
     dequantize,
+    more_bits,
     quantize,
     widen_exactly,
 )
@@ -203,10 +204,43 @@ def test_q4_k_takes_kquant_records_where_k_allows():
     assert QuantConfig("q4_k").scheme(512) == kq and kq.scale_bits == 8 and not kq.stores_mins
     assert QuantConfig("q4_k").scheme(704) == QuantScheme(4, 32, asymmetric=True)  # K not a multiple of 256
     assert QuantConfig("q4_k", lm_head=True).describe() == "q4_k, lm_head"
-    with pytest.raises(CompileError, match="q4_k's groups are 32"):
+    with pytest.raises(CompileError, match="q4_k chooses its own groups"):
         QuantConfig("q4_k", group_size=64)
     with pytest.raises(CompileError, match="asymmetric groups of 32"):
         QuantScheme(4, 64, asymmetric=True, scale_dtype="kquant")
+
+
+def test_more_bits_are_llama_cpps_layers():
+    """llama.cpp's Q4_K_M widens attn_v and ffn_down on these layers of a 32-layer model (Llama-3-8B's)."""
+    assert [i for i in range(32) if more_bits(i, 32)] == [0, 1, 2, 3, 6, 9, 12, 15, 18, 21, 24, 27, 28, 29, 30, 31]
+    assert [i for i in range(6) if more_bits(i, 6)] == [2, 5]  # the bundled model: no whole eighth
+
+
+def test_recipes_choose_per_tensor():
+    q4_k, q8_0 = QuantConfig("q4_k").scheme(512), QuantScheme(8, 32)
+    recipe = QuantConfig("q4_k_m")
+    assert recipe.quantizes_head and recipe.describe() == "q4_k_m"
+    assert recipe.tensor_scheme("lm_head.weight", 512, 32) == q8_0  # llama.cpp: Q6_K
+    assert recipe.tensor_scheme("model.embed_tokens.weight", 512, 32) == q4_k  # untied, as llama.cpp's
+    for layer, wide in ((0, True), (4, False), (6, True), (31, True)):
+        for proj in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.down_proj"):
+            want = q8_0 if wide else q4_k
+            assert recipe.tensor_scheme(f"model.layers.{layer}.{proj}.weight", 512, 32) == want
+        for proj in ("self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj"):
+            assert recipe.tensor_scheme(f"model.layers.{layer}.{proj}.weight", 512, 32) == q4_k
+    assert recipe.tensor_scheme("model.layers.5.mlp.gate_proj.weight", 704, 32) == QuantScheme(4, 32, True)
+    assert recipe.tensor_scheme("model.layers.0.mlp.down_proj.weight", 100, 32) is None  # K % 32: float
+    everything = QuantConfig("q8_0")
+    for name in ("lm_head.weight", "model.embed_tokens.weight", "model.layers.4.mlp.gate_proj.weight"):
+        assert everything.tensor_scheme(name, 512, 32) == q8_0
+    plain = QuantConfig("int4")  # not a recipe: the head only with lm_head, never an untied embedding
+    assert plain.tensor_scheme("lm_head.weight", 512, 32) is None
+    assert QuantConfig("int4", lm_head=True).tensor_scheme("lm_head.weight", 512, 32) == QuantScheme(4, 32)
+    assert QuantConfig("int4", lm_head=True).tensor_scheme("model.embed_tokens.weight", 512, 32) is None
+    with pytest.raises(CompileError, match="q4_k_m chooses its own groups"):
+        QuantConfig("q4_k_m", group_size=32)
+    with pytest.raises(CompileError, match="q8_0 quantizes the lm_head itself"):
+        QuantConfig("q8_0", lm_head=True)
 
 
 def test_kquant_records_hold_the_scales_and_beat_round_to_nearest():

@@ -7,9 +7,11 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 from tokenizers import Tokenizer
 
 from llmc.compiler.frontend.load import load_checkpoint
+from llmc.compiler.quant import QuantConfig
 from llmc.examples import EXAMPLES_DIR
 
 BUNDLED = EXAMPLES_DIR / "pystdlib-5m"
@@ -59,3 +61,48 @@ def test_heldout_perplexity_is_far_below_unigram(tmp_path):
     (tmp_path / "binary.bin").write_bytes(b"\x7fELF\x02\x01\x01\x00" + bytes(range(128, 256)))
     r = CliRunner().invoke(main, ["eval", "ppl", str(art), "--text", str(tmp_path / "binary.bin")])
     assert r.exit_code == 1 and "not UTF-8 text" in r.stderr and r.stderr.count("\n") == 1, r.output
+
+
+def repetition_loop(ids: list[int], max_period: int = 16, repeats: int = 3) -> bool:
+    """Whether ids end in a loop: their last period-long run repeated `repeats` times, for some period."""
+    return any(
+        len(ids) >= repeats * p
+        and all(ids[-p:] == ids[len(ids) - (r + 1) * p : len(ids) - r * p] for r in range(repeats))
+        for p in range(1, max_period + 1)
+    )
+
+
+def test_repetition_loop_finds_loops():
+    assert repetition_loop([1, 2, 3, 4, 5, 6, 7, 8, 9, 7, 8, 9, 7, 8, 9])
+    assert repetition_loop([4] * 6)
+    assert not repetition_loop([1, 2, 3, 1, 2, 3, 1, 2, 4])
+    assert not repetition_loop(list(range(64)))
+
+
+@pytest.mark.slow
+def test_recipe_builds_chat_without_repetition_loops(tmp_path):
+    """Greedy chat replies, 64 tokens each: where the unquantized build's reply has no repetition loop, the
+    q4_k_m and q8_0 builds' replies have none either."""
+    from llmc.runtime.chat_template import chat_prompt_ids, special_tokens
+    from llmc.runtime.engine import LLMEngine
+    from llmc.runtime.module import CompiledModel
+    from llmc.sampling_params import SamplingParams
+    from llmc.tools.build import compile_checkpoint
+
+    questions = ["What does os.path.join do?", "How do I read a file line by line?", "What is a generator?"]
+    ckpt = load_checkpoint(BUNDLED)
+    tok = Tokenizer.from_file(str(BUNDLED / "tokenizer.json"))
+    bos, eos = special_tokens(tok, ckpt.config.bos_token_id, ckpt.config.eos_token_ids)
+    prompts = [chat_prompt_ids(tok, ckpt.chat_template, [{"role": "user", "content": q}], bos, eos) for q in questions]
+    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    replies = {}
+    for quant in ("none", "q4_k_m", "q8_0"):
+        art = compile_checkpoint(BUNDLED, target="cpu", output=tmp_path / quant, quant=QuantConfig(quant))
+        model = CompiledModel.load(art)
+        replies[quant] = [r.outputs[0].token_ids for r in LLMEngine(model, tok).generate(prompts, params)]
+        model.close()
+    looping = [repetition_loop(ids) for ids in replies["none"]]
+    assert not all(looping), "the unquantized build loops on every question: the test shows nothing"
+    for quant in ("q4_k_m", "q8_0"):
+        for question, ids, base in zip(questions, replies[quant], looping, strict=True):
+            assert base or not repetition_loop(ids), f"{quant} loops on {question!r}: {tok.decode(ids)!r}"

@@ -36,18 +36,22 @@ BUILDS = [
     pytest.param("llama", QuantConfig("int8", lm_head=True), marks=pytest.mark.slow),
     pytest.param("qwen2", QuantConfig("int8", group_size=32), marks=pytest.mark.slow),
     pytest.param("qwen2", QuantConfig("int4", group_size=64), marks=pytest.mark.slow),
+    # a recipe: int4 asym (no K % 256 here), layer 1's qkv and down_proj and the head as Q8_0, the untied
+    # embedding's gather quantized
+    pytest.param("qwen2", QuantConfig("q4_k_m"), marks=pytest.mark.slow),
 ]
 _built = {}
 
 
-def _quantized_names(state: dict, quant: QuantConfig) -> dict:
-    """The weights a build quantizes (compile.quant_schemes' rule, restated here from the flags' meaning)."""
+def _quantized_names(state: dict, quant: QuantConfig, num_layers: int) -> dict:
+    """The weights a build quantizes (compile.quant_schemes' rule, restated here from each tensor's role)."""
     out = {}
     for name, t in state.items():
         block_linear = name.startswith("model.layers.") and name.endswith("_proj.weight")
-        head = name == "lm_head.weight" or (name == "model.embed_tokens.weight" and "lm_head.weight" not in state)
-        if t.dim() == 2 and (block_linear or (quant.lm_head and head)):
-            scheme = quant.scheme(t.shape[1])
+        tied = name == "model.embed_tokens.weight" and "lm_head.weight" not in state
+        role = "lm_head.weight" if tied else name
+        if t.dim() == 2 and (block_linear or role in ("lm_head.weight", "model.embed_tokens.weight")):
+            scheme = quant.tensor_scheme(role, t.shape[1], num_layers)
             if scheme is not None:
                 out[name] = scheme
     return out
@@ -61,7 +65,7 @@ def build(tmp_path_factory, arch: str, quant: QuantConfig):
         ckpt = make_checkpoint(root / "ckpt", arch, seed=3, tie_word_embeddings=arch == "llama")
         (weights,) = ckpt.glob("*.safetensors")
         state = load_file(weights)
-        names = _quantized_names(state, quant)
+        names = _quantized_names(state, quant, json.loads((ckpt / "config.json").read_text())["num_hidden_layers"])
         for name, scheme in names.items():
             state[name] = torch.from_numpy(dequantize(quantize(state[name].numpy(), scheme)))
         save_file(state, str(weights), metadata={"format": "pt"})
@@ -113,7 +117,7 @@ def test_quantized_build_generates_and_records_its_scheme(arch, quant, tmp_path_
     m = read_manifest(artifact)
     entry = m["quant"]
     assert m["quantization"] == quant.mode
-    assert entry["mode"] == quant.mode and entry["lm_head"] == quant.lm_head
+    assert entry["mode"] == quant.mode and entry["lm_head"] == quant.quantizes_head
     assert entry["activations"] == "int8 per 32" and entry["default"] == quant.describe()
     # one entry per quantized GEMM: fused qkv and gate/up are one each, named as packed
     fused = {n.replace(".q_proj", ".q+k+v_proj").replace(".gate_proj", ".gate+up_proj") for n in names}

@@ -9,6 +9,7 @@ from pathlib import Path
 import click
 
 from llmc.kernel_program import format_program
+from llmc.manifest import quant_bits_per_weight
 
 from .options import config_text
 
@@ -172,7 +173,12 @@ def _inspect_quant(quant: dict, verbose: bool) -> None:
     """The manifest's `quant` entry: the build's scheme, the activations, packed bytes and each GEMM's scheme."""
     weights = quant.get("weights") if isinstance(quant.get("weights"), dict) else {}
     packed = quant.get("packed_bytes") if isinstance(quant.get("packed_bytes"), dict) else {}
-    sizes = ", ".join(f"{k} {human_bytes(v)}" for k, v in packed.items() if isinstance(v, int))
+    bits = quant_bits_per_weight(quant)
+    sizes = ", ".join(
+        f"{k} {human_bytes(v)}" + (f" ({bits:.2f} bits a weight)" if k == "quantized" and bits else "")
+        for k, v in packed.items()
+        if isinstance(v, int)
+    )
     click.echo(
         f"  quant          {quant.get('default')}; activations {quant.get('activations')}"
         f"{'; ' + sizes if sizes else ''}"

@@ -129,13 +129,15 @@ def quant_options(command):
     options = [
         click.option(
             "--quant",
-            type=click.Choice(["none", "int8", "int4", "q4_k"]),
+            type=click.Choice(["none", "int8", "int4", "q4_k", "q4_k_m", "q8_0"]),
             default="none",
             show_default=True,
             help="Quantize the linears' weights: int8 (one scale per output channel, or per group with "
             "--group-size) or int4 (groups of 32 by default), symmetric; q4_k as llama.cpp's Q4_K (asymmetric "
-            "int4 groups of 32 with 6-bit scales and mins per 256). A linear whose input size is not a multiple "
-            "of 32 stays float.",
+            "int4 groups of 32 with 6-bit scales and mins per 256). Recipes, as llama.cpp's file types, choose "
+            "per tensor, the lm_head and embedding included: q8_0 (int8 groups of 32 throughout), q4_k_m "
+            "(q4_k; the lm_head, and ffn_down and attention q/k/v on an eighth-and-a-third of the layers, as "
+            "Q8_0). A linear whose input size is not a multiple of 32 stays float.",
         ),
         click.option(
             "--group-size",
