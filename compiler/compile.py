@@ -10,7 +10,7 @@ import math
 import os
 import shutil
 import signal
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import tvm
@@ -30,6 +30,7 @@ from .export import to_relax
 from .frontend.checkpoint import Checkpoint
 from .frontend.load import load_checkpoint
 from .frontend.trace import trace
+from .importance import input_importance
 from .lower import lower
 from .passes.common import rewrite_counts
 from .passes.pipeline import run_passes
@@ -42,6 +43,7 @@ from .weights import WeightSpec, write_packed_weights
 
 WEIGHT_DTYPES = ("auto", *ELEMENT_DTYPES)
 STAGES = ("trace", "import to Relax", "fuse", "lower", "pack weights", "render", "build")
+IMPORTANCE_STAGE = "activation importance"  # before them, when the quantizer weighs its error by it
 # A gate: (stage name, check(directory, fields) -> fields to add). It runs after STAGES on the populated
 # directory, under the output's lock; raising writes nothing (tools/build.py's quality gate).
 Gate = tuple[str, Callable[[Path, dict], dict]]
@@ -186,8 +188,12 @@ def compile_checkpoint(
     kv_dtype: str = "auto",
     tuning_db: str | Path | None | bool = None,
     gate: Gate | None = None,
+    importance_tokens: Sequence[int] | None = None,
 ) -> Path:
     """quant: llmc's own quantization (`--quant`); None or QuantConfig() for none.
+    importance_tokens: calibration token ids (one sequence) over which each quantized linear's input channels
+    are measured (compiler/importance.py); llmc's quantizer then weighs each weight's error by its channel's
+    importance. None: unweighted.
     kv_dtype: what the KV cache stores (`--kv-cache-dtype`): float32, or bfloat16 at half the bytes;
     "auto" (resolve_kv_dtype): bfloat16 for a bf16 / fp16 CUDA build, else float32.
     gate: a last check of the built directory before it is written (Gate); the quality gate of a quantized
@@ -216,7 +222,10 @@ def compile_checkpoint(
             f"{K_MULTIPLE}",
             "compile it without --quant",
         )
-    bar = tqdm(total=len(STAGES) + (gate is not None), desc="compile", unit="stage", disable=not progress, leave=False)
+    fresh = [n for n in schemes if ckpt.quant_scheme(n) is None]  # quantized here, from float weights
+    measured = bool(importance_tokens) and bool(fresh)
+    stages = len(STAGES) + (gate is not None) + measured
+    bar = tqdm(total=stages, desc="compile", unit="stage", disable=not progress, leave=False)
     started: list[str] = []
 
     def step(name: str) -> None:
@@ -229,10 +238,15 @@ def compile_checkpoint(
         bar.set_description(name)
 
     def populate(tmp: Path) -> dict:  # all of it under the output's lock: a second compile fails before it traces
+        importance = None
+        if measured:
+            step(IMPORTANCE_STAGE)
+            importance = input_importance(ckpt, importance_tokens, fresh)
         program = build_program(ckpt, dtype, block_size, step, schemes=schemes, kv_dtype=kv_dtype, cuda=tgt.is_cuda)
         step("pack weights")
         weights = tmp / "weights.safetensors"
-        offsets = write_packed_weights(ckpt, program.weights, weights, layout="cuda" if tgt.is_cuda else "cpu")
+        layout = "cuda" if tgt.is_cuda else "cpu"
+        offsets = write_packed_weights(ckpt, program.weights, weights, layout=layout, importance=importance)
         step("render")
         rendered = render_module(program, tgt, offsets, weights.stat().st_size, tuning)
         (tmp / tgt.source_file).write_text(rendered.source)
@@ -250,6 +264,8 @@ def compile_checkpoint(
             shutil.copyfile(tok_config, tmp / "tokenizer_config.json")
         activations = CUDA_QGEMM_ACTIVATIONS[program.act_dtype] if tgt.is_cuda else CPU_QGEMM_ACTIVATIONS
         quant_entry = quant_manifest(quant, program.weights, activations)
+        if quant_entry and measured:
+            quant_entry["importance_tokens"] = len(importance_tokens)
         fields = {
             **({"quant": quant_entry} if quant_entry else {}),
             "target": {**tgt.raw, "name": tgt.name},

@@ -65,15 +65,20 @@ def encode(d: np.ndarray, dmin: np.ndarray, sc: np.ndarray, m: np.ndarray) -> np
 RMIN, RDELTA, NSTEP = -1.0, 0.1, 20
 
 
-def _group_scale_min(x: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarray]:
-    """x [..., 32] -> (scale, min) [...] with min >= 0 (w = q * scale - min, q in 0..nmax) minimising the
-    weighted squared error (weights rms(x) + |x|, as llama.cpp's Q4_K), over the roundings of the grid. Each
+def _group_scale_min(x: np.ndarray, nmax: int, importance: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """x [N, superblocks, 8, 32] -> (scale, min) [N, superblocks, 8] with min >= 0 (w = q * scale - min, q in
+    0..nmax) minimising the weighted squared error over the roundings of the grid: weights rms(x) + |x|, or
+    with importance [superblocks, 8, 32] importance * sqrt(sigma2 + x^2), as llama.cpp's Q4_K weighs them. Each
     candidate rounding gets its least-squares (scale, min) and that fit's error from the same five weighted
     sums (as make_qkx2_quants scores it), so a candidate costs one rounding pass."""
     import torch
 
     x = torch.from_numpy(x)
-    w = x.square().mean(-1, keepdim=True).sqrt() + x.abs()
+    if importance is None:
+        w = x.square().mean(-1, keepdim=True).sqrt() + x.abs()
+    else:  # llama.cpp's Q4_K with an imatrix: importance * sqrt(sigma2 + x^2), sigma2 = 2 mean(x^2) per superblock
+        sigma2 = 2 * x.square().mean((-2, -1), keepdim=True)
+        w = torch.from_numpy(importance) * (sigma2 + x.square()).sqrt()
     lo = x.min(-1).values.clamp(max=0)
     hi = x.max(-1).values
     span = torch.where(hi > lo, hi - lo, torch.ones_like(hi))
@@ -103,13 +108,16 @@ def _group_scale_min(x: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarray]:
     return best_scale.numpy(), best_min.numpy()
 
 
-def quantize_kquant(w: np.ndarray, nmax: int = 15) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def quantize_kquant(
+    w: np.ndarray, nmax: int = 15, importance: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """float32 w [N, K] (K a multiple of 256) -> (q int8 [N, K] in 0..nmax, scales, mins float32 [N, K / 32],
     records uint8 [N, K / 16]): the groups' searched scales and mins, coded to 6 bits per superblock (d =
     largest scale / 63, dmin = largest min / 63, in fp16), q rounded against the coded values."""
     n, k = w.shape
     x = w.reshape(n, k // SUPERBLOCK, GROUPS, GROUP)
-    scale, mn = _group_scale_min(x, nmax)
+    imp = None if importance is None else np.asarray(importance, np.float32).reshape(k // SUPERBLOCK, GROUPS, GROUP)
+    scale, mn = _group_scale_min(x, nmax, imp)
     d = (scale.max(-1) / 63).astype(np.float16)
     dmin = (mn.max(-1) / 63).astype(np.float16)
     sc = np.clip(np.rint(scale / np.where(d > 0, d, 1).astype(np.float32)[..., None]), 0, 63)

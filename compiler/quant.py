@@ -149,19 +149,23 @@ def dequantize(t: QuantizedTensor) -> np.ndarray:
     return w
 
 
-def quantize(w: np.ndarray, scheme: QuantScheme) -> QuantizedTensor:
-    """float32 w[N, K] quantized to `scheme` (see the module docstring)."""
+def quantize(w: np.ndarray, scheme: QuantScheme, importance: np.ndarray | None = None) -> QuantizedTensor:
+    """float32 w[N, K] quantized to `scheme` (see the module docstring). importance: float32 [K], each input
+    channel's mean squared activation (compiler/importance.py): the searches weigh a weight's squared error by
+    it (symmetric groups and K-quant records; the asymmetric round-to-nearest has no search)."""
     w = np.asarray(w, dtype=np.float32)
     if w.ndim != 2:
         raise CompileError(f"only 2-D weights are quantized, got shape {list(w.shape)}")
     n, k = w.shape
+    if importance is not None and np.shape(importance) != (k,):
+        raise CompileError(f"importance of {np.shape(importance)} for a weight of K = {k}")
     if scheme.scale_dtype == "kquant":
         if scheme.bits != 4 or k % kquant.SUPERBLOCK:
             raise CompileError(
                 f"llmc quantizes to K-quant scales at 4 bits with K a multiple of 256, not {scheme.describe()}, K={k}"
             )
         with np.errstate(over="ignore", invalid="ignore"):
-            q, scales, mins, records = kquant.quantize_kquant(w)
+            q, scales, mins, records = kquant.quantize_kquant(w, importance=importance)
         if not (np.isfinite(scales).all() and np.isfinite(mins).all()):
             raise CompileError(
                 "a K-quant superblock needs a scale past fp16's range (65504)",
@@ -189,7 +193,13 @@ def quantize(w: np.ndarray, scheme: QuantScheme) -> QuantizedTensor:
         # negative where a group's largest value is positive; the nearest fp16 value, not the next one up:
         # the least-squares scale of already-quantized weights is their scale to within float rounding, and
         # rounding that up would move it a whole fp16 step (quantize must be idempotent on its own output)
-        scales = _stored(_searched_scales(blocks, lo, hi), fp16, up=False)
+        weight = None
+        if importance is not None:  # llama.cpp's Q4_0 with an imatrix: importance * sqrt(sigma2 + w^2), per row
+            imp = np.zeros(groups * g, np.float32)
+            imp[:k] = importance
+            sigma2 = np.square(w).mean(axis=1)
+            weight = imp.reshape(groups, g) * np.sqrt(sigma2[:, None, None] + np.square(blocks))
+        scales = _stored(_searched_scales(blocks, lo, hi, weight), fp16, up=False)
         safe = np.where(scales != 0, scales, 1.0).astype(np.float32)
         q = np.rint(blocks / safe[..., None])
         mins = None
@@ -202,24 +212,29 @@ def quantize(w: np.ndarray, scheme: QuantScheme) -> QuantizedTensor:
 SEARCH_STEPS, SEARCH_STEP = 9, 0.1
 
 
-def _searched_scales(blocks: np.ndarray, lo: int, hi: int, rows: int = 256) -> np.ndarray:
+def _searched_scales(
+    blocks: np.ndarray, lo: int, hi: int, weight: np.ndarray | None = None, rows: int = 256
+) -> np.ndarray:
     """[N, groups, g] -> each group's scale that minimises its squared error, as llama.cpp's make_qx_quants finds
     it: for each candidate rounding q = clamp(round(w * r), lo, hi) over a grid of r around -(hi + 1) / m, the
     least-squares scale sum(w q) / sum(q^2), keeping the one with the least error (the largest sum(w q)^2 /
     sum(q^2)). The grid's centre maps m to lo, so all of q's levels are in use (Q4_0's rounding); absmax / hi
-    leaves one of int4's 16 unused. Row chunks keep the candidates' temporaries in cache."""
+    leaves one of int4's 16 unused. weight (as blocks): each element's error weighted by it (the sums become
+    weighted sums). Row chunks keep the candidates' temporaries in cache."""
     import torch
 
     out = np.empty(blocks.shape[:2], np.float32)
     for start in range(0, blocks.shape[0], rows):
         b = torch.from_numpy(blocks[start : start + rows])
+        a = None if weight is None else torch.from_numpy(np.ascontiguousarray(weight[start : start + rows], np.float32))
         m = torch.gather(b, 2, b.abs().argmax(dim=2, keepdim=True))[..., 0]
         m = torch.where(m == 0, torch.ones_like(m), m)
         best_fit, best = torch.zeros_like(m), torch.zeros_like(m)
         # the grid, and absmax / hi's rounding (m to hi), so that no group does worse than that
         for r in [-(hi + 1 + SEARCH_STEP * i) for i in range(-SEARCH_STEPS, SEARCH_STEPS + 1)] + [hi]:
             q = torch.clamp(torch.round(b * (r / m)[..., None]), lo, hi)
-            wq, qq = (b * q).sum(2), (q * q).sum(2)
+            aq = q if a is None else a * q
+            wq, qq = (b * aq).sum(2), (q * aq).sum(2)
             qq = torch.where(qq > 0, qq, torch.ones_like(qq))
             fit = wq * wq / qq
             better = fit > best_fit

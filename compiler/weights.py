@@ -39,7 +39,7 @@ import hashlib
 import json
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import numpy as np
@@ -204,11 +204,13 @@ def write_packed_weights(
     path: Path,
     progress: Callable[[int], None] | None = None,
     layout: str = "cpu",
+    importance: Mapping[str, np.ndarray] | None = None,
 ) -> dict[str, tuple[int, int]]:
     """Stream the packed weights to `path`; returns name -> (absolute byte offset of the data, nbytes).
 
     progress(n_bytes) is called as data is written (the sum over the calls is the data size). layout: the
-    quantized linears' packed layout, the target's (LAYOUTS).
+    quantized linears' packed layout, the target's (LAYOUTS). importance: checkpoint name -> its input
+    channels' importance (compiler/importance.py), which quantizing that tensor from float weighs its error by.
     """
     if layout not in LAYOUTS:
         raise CompileError(f"no packed layout {layout!r} for quantized weights", f"use one of {', '.join(LAYOUTS)}")
@@ -216,7 +218,7 @@ def write_packed_weights(
     shapes = {spec.name: _source_shapes(ckpt, spec) for spec in specs}
     prefix, offsets, order = plan_layout(specs)
     by_name = {s.name: s for s in specs}
-    quantized = _QuantizedSources(ckpt, layout)
+    quantized = _QuantizedSources(ckpt, layout, importance or {})
     digest = hashlib.sha256(prefix)
     tmp = path.with_name(path.name + ".partial")
     try:
@@ -352,8 +354,8 @@ def _emit(array: np.ndarray, f, digest, progress) -> int:
 class _QuantizedSources:
     """The packed parts of one quantized weight's sources, made once for its two or three parts."""
 
-    def __init__(self, ckpt, layout: str):
-        self.ckpt, self.layout = ckpt, layout
+    def __init__(self, ckpt, layout: str, importance: Mapping[str, np.ndarray]):
+        self.ckpt, self.layout, self.importance = ckpt, layout, importance
         self.key = None
         self.value: list[dict] = []
 
@@ -361,12 +363,14 @@ class _QuantizedSources:
         key = (spec.sources, spec.quant)
         if key != self.key:
             self.key, self.value = None, []  # drop the previous weight's before making this one's
-            self.value = [_pack_source(self.ckpt, src, spec.quant, self.layout) for src in spec.sources]
+            self.value = [
+                _pack_source(self.ckpt, src, spec.quant, self.layout, self.importance.get(src)) for src in spec.sources
+            ]
             self.key = key
         return self.value
 
 
-def _pack_source(ckpt, src: str, scheme: QuantScheme, layout: str) -> dict:
+def _pack_source(ckpt, src: str, scheme: QuantScheme, layout: str, importance: np.ndarray | None) -> dict:
     """{part: array} of one source tensor in `scheme` and `layout`: widened exactly (widen_exactly) if the checkpoint holds it
     quantized, else quantized from float32 a slab of rows at a time."""
     from .quant_pack import pack_cpu, pack_cuda
@@ -388,7 +392,7 @@ def _pack_source(ckpt, src: str, scheme: QuantScheme, layout: str) -> dict:
         for i in range(0, t.shape[0], step):
             rows = t[i : i + step].float()
             _check_finite(rows, ckpt, src, i)
-            pieces.append(pack(quantize(rows.numpy(), scheme)))
+            pieces.append(pack(quantize(rows.numpy(), scheme, importance)))
         del t
     parts = dict(zip(QUANT_PARTS, zip(*pieces, strict=True), strict=True))
     return {part: np.concatenate(arrays) for part, arrays in parts.items() if arrays[0] is not None}

@@ -21,7 +21,7 @@ GROUND = ("llmc", "llmc.targets", "llmc.templates", "llmc.examples")
 # fused Relax (passes), a kernel program (lower), sources (codegen), and compile drives them all.
 COMPILER_STAGES = (
     ("llmc.compiler.kquant", "llmc.compiler.quant", "llmc.compiler.quant_pack", "llmc.compiler.weights"),
-    ("llmc.compiler.frontend",),
+    ("llmc.compiler.frontend", "llmc.compiler.importance"),  # importance runs the frontend's model
     ("llmc.compiler.export", "llmc.compiler.passes"),
     (
         "llmc.compiler.legalize",

@@ -24,7 +24,17 @@ from llmc.errors import CompileError
 from llmc.host import cache_root, host_cpu_target
 from llmc.manifest import ABI_VERSION, FORMAT_VERSION, read_manifest
 
-from .quality import QUALITY_STAGE, Quality, calibration_tokens, check_gate, measure_artifacts
+from .quality import (
+    DEFAULT_CALIBRATION_TOKENS,
+    QUALITY_STAGE,
+    Quality,
+    calibration_tokens,
+    check_gate,
+    measure_artifacts,
+)
+
+IMPORTANCE_TOKENS = 1024  # calibration tokens after the gate's that the activation importance is measured on
+MIN_IMPORTANCE_TOKENS = 128
 
 
 def compile_checkpoint(
@@ -58,8 +68,13 @@ def compile_checkpoint(
     if not enabled:
         return compile_only(checkpoint, quant=quant, **options)
     ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else load_checkpoint(checkpoint)
-    # read and tokenized before anything is built: a bad file fails at once
-    token_ids, label = calibration_tokens(ckpt.tokenizer_path, calibration)
+    # read and tokenized before anything is built: a bad file fails at once. The gate scores the first
+    # DEFAULT_CALIBRATION_TOKENS; the quantizer's activation importance is measured on the tokens after them, so
+    # the gate's figures are not of the text the rounding was fitted to (a text with too few: unweighted).
+    ids, label = calibration_tokens(ckpt.tokenizer_path, calibration, DEFAULT_CALIBRATION_TOKENS + IMPORTANCE_TOKENS)
+    token_ids, importance_tokens = ids[:DEFAULT_CALIBRATION_TOKENS], ids[DEFAULT_CALIBRATION_TOKENS:]
+    if len(importance_tokens) < MIN_IMPORTANCE_TOKENS:
+        importance_tokens = None
 
     def gate(tmp: Path, fields: dict) -> dict:
         """This build against the unquantized one on the CPU: itself for a CPU target, else a CPU twin."""
@@ -83,7 +98,7 @@ def compile_checkpoint(
         check_gate(result, max_kl, max_ppl_increase)
         return {"quality": result.to_manifest()}
 
-    return compile_only(ckpt, quant=quant, gate=(QUALITY_STAGE, gate), **options)
+    return compile_only(ckpt, quant=quant, gate=(QUALITY_STAGE, gate), importance_tokens=importance_tokens, **options)
 
 
 def _reference_artifact(ckpt, weight_dtype: str, kv_dtype: str) -> Path:

@@ -243,6 +243,28 @@ def test_recipes_choose_per_tensor():
         QuantConfig("q8_0", lm_head=True)
 
 
+@pytest.mark.parametrize(
+    "scheme",
+    [QuantScheme(4, 32), QuantScheme(8, 32), QuantScheme(4, 32, asymmetric=True, scale_dtype="kquant")],
+    ids=_ids,
+)
+def test_importance_weighted_rounding_errs_less_where_it_matters(scheme):
+    """With each input channel's importance (its mean squared activation), the error that the activations see,
+    sum over k of importance * err^2, is below the unweighted rounding's; without, nothing changes."""
+    rng = np.random.default_rng(11)
+    w = (rng.standard_t(5, (128, 512)) * 0.02).astype(np.float32)
+    importance = rng.lognormal(0.0, 1.5, 512).astype(np.float32)  # a few channels carry most of the activations
+    plain, weighted = quantize(w, scheme), quantize(w, scheme, importance)
+
+    def seen(t):
+        return float(((dequantize(t) - w) ** 2 * importance).sum())
+
+    assert seen(weighted) < 0.97 * seen(plain)
+    assert all(np.array_equal(a, b) for a, b in zip(quantize(w, scheme, None).q, plain.q, strict=True))
+    with pytest.raises(CompileError, match="importance"):
+        quantize(w, scheme, importance[:100])
+
+
 def test_kquant_records_hold_the_scales_and_beat_round_to_nearest():
     """llmc's Q4_K: the records decode to exactly the scales and mins q was rounded against (6-bit codes,
     fp16 d / dmin, as llama.cpp's layout: encode and decode are inverse), q uses 0..15, and the searched

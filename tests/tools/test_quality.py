@@ -26,7 +26,7 @@ from llmc.errors import CompileError  # noqa: E402
 from llmc.runtime.module import CompiledModel  # noqa: E402
 from llmc.runtime.scoring import perplexity  # noqa: E402
 from llmc.tools import cli, quality  # noqa: E402
-from llmc.tools.build import compile_checkpoint  # noqa: E402
+from llmc.tools.build import IMPORTANCE_TOKENS, MIN_IMPORTANCE_TOKENS, compile_checkpoint  # noqa: E402
 from llmc.tools.quality import QUALITY_STAGE  # noqa: E402
 from tests.runtime.runtime_fakes import FakeConfig, FakeModel, context_logits  # noqa: E402
 
@@ -202,6 +202,10 @@ def test_a_quantized_build_records_its_quality(checkpoint_dir, llmc_cache, tmp_p
         # the 2,048 tokens in windows of the context (256), each scored after its first token
         assert len(ids) == quality.DEFAULT_CALIBRATION_TOKENS and got["tokens"] == ppl.num_tokens >= 2000
     assert len(cached_artifacts(llmc_cache)) == 1, "the reference is compiled once and reused"
+    # the rounding weighs each channel by its activations over the tokens after the gate's (not those it scores)
+    longer, _ = quality.calibration_tokens(ckpt / "tokenizer.json", text, len(ids) + IMPORTANCE_TOKENS)
+    assert len(longer) - len(ids) >= MIN_IMPORTANCE_TOKENS
+    assert load_artifact(out).manifest["quant"]["importance_tokens"] == len(longer) - len(ids)
 
     shown = CliRunner().invoke(cli.main, ["inspect", str(out)])
     assert shown.exit_code == 0, shown.output
@@ -209,6 +213,8 @@ def test_a_quantized_build_records_its_quality(checkpoint_dir, llmc_cache, tmp_p
     assert (
         f"{got['kl_mean']:.4g} nats" in line and "calib.txt, sha256 " in line and f"over {got['tokens']} tokens" in line
     )
+    line = next(x for x in shown.output.splitlines() if x.lstrip().startswith("quant "))
+    assert f"rounding weighted by activations over {len(longer) - len(ids)} tokens" in line
 
 
 def test_gate_flags_need_a_quantized_build_and_a_usable_text(checkpoint_dir, tmp_path):

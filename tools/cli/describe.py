@@ -179,9 +179,11 @@ def _inspect_quant(quant: dict, verbose: bool) -> None:
         for k, v in packed.items()
         if isinstance(v, int)
     )
+    weighted = quant.get("importance_tokens")
     click.echo(
         f"  quant          {quant.get('default')}; activations {quant.get('activations')}"
         f"{'; ' + sizes if sizes else ''}"
+        f"{f'; rounding weighted by activations over {weighted} tokens' if isinstance(weighted, int) else ''}"
     )
     counts: dict[str, int] = {}
     for scheme in weights.values():

@@ -1,0 +1,74 @@
+#!/usr/bin/env python
+"""llmc's quantization against llama.cpp's file types of the same weights, by quality, all run by llmc.
+
+    python benchmarks/quant_quality.py [CHECKPOINT] [--calibration FILE] [--types Q4_0,Q4_K_M,...] [--modes ...]
+
+The checkpoint (default: the bundled model) is written as an F32 GGUF (llmc.compiler.frontend.gguf_write) and
+quantized to each llama.cpp type by llama.cpp itself (llama-cpp-python's llama_model_quantize, no imatrix); llmc
+imports each file exactly and compiles it, and compiles the checkpoint with each `--quant` mode. Every build is
+measured against the unquantized build on the same calibration tokens the quality gate scores (the first 2,048
+of the bundled model's held-out text, or --calibration): mean KL, top-1 agreement and the perplexity change
+(tools/quality.measure_artifacts), and its weights' bytes. Needs the `bench` extra (llama-cpp-python).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import tempfile
+from pathlib import Path
+
+from llmc.examples import bundled_checkpoint
+
+LLAMA_CPP_TYPES = {"Q4_0": 2, "Q8_0": 7, "Q4_K_M": 15, "Q5_K_M": 17, "Q6_K": 18}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("checkpoint", nargs="?", type=Path, default=None)
+    parser.add_argument("--calibration", type=Path, default=None)
+    parser.add_argument("--types", default=",".join(LLAMA_CPP_TYPES))
+    parser.add_argument("--modes", default="int8,q8_0,int4,q4_k,q4_k_m")
+    args = parser.parse_args()
+
+    import llama_cpp
+
+    from llmc.compiler.frontend.gguf_write import write_gguf
+    from llmc.compiler.frontend.load import load_checkpoint
+    from llmc.compiler.quant import QuantConfig
+    from llmc.tools.build import compile_checkpoint
+    from llmc.tools.quality import calibration_tokens, measure_artifacts
+
+    src = args.checkpoint or bundled_checkpoint()
+    ids, label = calibration_tokens(load_checkpoint(src).tokenizer_path, args.calibration)
+    with tempfile.TemporaryDirectory() as d:
+        root = Path(d)
+        reference = compile_checkpoint(src, target="cpu", output=root / "reference")
+        f32 = write_gguf(src, root / "f32.gguf", "F32")
+        builds = []
+        for name in args.types.split(","):
+            params = llama_cpp.llama_model_quantize_default_params()
+            params.ftype = LLAMA_CPP_TYPES[name]
+            gguf = root / f"{name}.gguf"
+            if llama_cpp.llama_model_quantize(str(f32).encode(), str(gguf).encode(), ctypes.byref(params)) != 0:
+                raise SystemExit(f"llama.cpp could not quantize {f32} to {name}")
+            builds.append((f"llama.cpp {name}", compile_checkpoint(gguf, target="cpu", output=root / name)))
+        for mode in args.modes.split(","):
+            out = compile_checkpoint(
+                src, target="cpu", output=root / mode, quant=QuantConfig(mode), calibration=args.calibration
+            )
+            builds.append((f"--quant {mode}", out))
+        print(f"{src}: {len(ids)} tokens of {label}, against the unquantized build")
+        print("| build | mean KL | top-1 | perplexity | weights |\n|---|---|---|---|---|")
+        for name, art in builds:
+            q = measure_artifacts(reference, art, ids, label)
+            size = (art / "weights.safetensors").stat().st_size
+            print(
+                f"| {name} | {q.kl_mean:.5f} | {100 * q.top1_agreement:.1f}% | "
+                f"{100 * (q.ppl_quantized / q.ppl_reference - 1):+.2f}% | {size / 1e6:.2f} MB |",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()

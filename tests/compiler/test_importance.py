@@ -1,0 +1,37 @@
+"""compiler/importance.py: each linear's mean squared input per channel, measured through the family's module one
+layer at a time, against transformers' model with hooks on its Linears."""
+
+import numpy as np
+import pytest
+import torch
+
+from llmc.compiler.frontend.load import load_checkpoint
+from llmc.compiler.importance import input_importance
+from tests.checkpoints import hf_model
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma2", "olmo2"])
+def test_matches_transformers_inputs(arch, checkpoint_dir):
+    path = checkpoint_dir(arch)
+    ckpt = load_checkpoint(path)
+    ids = [int(i) for i in np.random.default_rng(0).integers(2, ckpt.config.vocab_size, 29)]
+    model = hf_model(path)
+    want: dict[str, torch.Tensor] = {}
+
+    def hook(name):
+        def record(module, args):
+            want[name] = args[0][0].double().square().mean(0)
+
+        return record
+
+    head = "model.embed_tokens.weight" if ckpt.config.tie_word_embeddings else "lm_head.weight"
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear):
+            module.register_forward_pre_hook(hook(head if name == "lm_head" else f"{name}.weight"))
+    with torch.no_grad():
+        model(torch.tensor([ids]))
+    names = [n for n in want if n != "model.layers.0.mlp.up_proj.weight"]  # only the names asked for come back
+    got = input_importance(ckpt, ids, names)
+    assert sorted(got) == sorted(names)
+    for name in names:
+        np.testing.assert_allclose(got[name], want[name].numpy(), rtol=2e-4, atol=1e-7, err_msg=name)
