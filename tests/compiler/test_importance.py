@@ -7,10 +7,13 @@ import torch
 
 from llmc.compiler.frontend.load import load_checkpoint
 from llmc.compiler.importance import input_importance
-from tests.checkpoints import hf_model
+from tests.checkpoints import ARCHS, hf_model
+
+# transformers' fused Phi-3 Linears, and the checkpoint names llmc reads them as (their row ranges)
+UNFUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma2", "olmo2"])
+@pytest.mark.parametrize("arch", ARCHS)
 def test_matches_transformers_inputs(arch, checkpoint_dir):
     path = checkpoint_dir(arch)
     ckpt = load_checkpoint(path)
@@ -20,7 +23,11 @@ def test_matches_transformers_inputs(arch, checkpoint_dir):
 
     def hook(name):
         def record(module, args):
-            want[name] = args[0][0].double().square().mean(0)
+            stem, _, leaf = name.rpartition(".")
+            for part in UNFUSED.get(stem.rpartition(".")[2], ()):
+                want[f"{stem.rpartition('.')[0]}.{part}.{leaf}"] = args[0][0].double().square().mean(0)
+            if stem.rpartition(".")[2] not in UNFUSED:
+                want[name] = args[0][0].double().square().mean(0)
 
         return record
 
