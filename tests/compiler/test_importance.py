@@ -21,12 +21,9 @@ def test_matches_transformers_inputs(arch, checkpoint_dir):
     model = hf_model(path)
     want: dict[str, torch.Tensor] = {}
 
-    def hook(name):
+    def hook(targets):
         def record(module, args):
-            stem, _, leaf = name.rpartition(".")
-            for part in UNFUSED.get(stem.rpartition(".")[2], ()):
-                want[f"{stem.rpartition('.')[0]}.{part}.{leaf}"] = args[0][0].double().square().mean(0)
-            if stem.rpartition(".")[2] not in UNFUSED:
+            for name in targets:
                 want[name] = args[0][0].double().square().mean(0)
 
         return record
@@ -34,7 +31,9 @@ def test_matches_transformers_inputs(arch, checkpoint_dir):
     head = "model.embed_tokens.weight" if ckpt.config.tie_word_embeddings else "lm_head.weight"
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.Linear):
-            module.register_forward_pre_hook(hook(head if name == "lm_head" else f"{name}.weight"))
+            parent, _, proj = name.rpartition(".")
+            parts = [f"{parent}.{p}.weight" for p in UNFUSED.get(proj, (proj,))]
+            module.register_forward_pre_hook(hook([head] if name == "lm_head" else parts))
     with torch.no_grad():
         model(torch.tensor([ids]))
     names = [n for n in want if n != "model.layers.0.mlp.up_proj.weight"]  # only the names asked for come back
