@@ -26,6 +26,9 @@ gguf.quants, every matrix including the embedding, norms F32):
   bf16   llmc weight_dtype bfloat16                           llama.cpp BF16
   int8   llmc --quant int8 --group-size 32 --quant-lm-head    llama.cpp Q8_0
   int4   llmc --quant int4 --group-size 32 --quant-lm-head    llama.cpp Q4_0
+and, not run by default (--rows), llama.cpp's own file types, quantized by llama.cpp (llama_model_quantize) from
+the F32 file, where llmc compiles that same file (imported exactly, at the types it holds natively or widened):
+  q4_k_m  q5_k_m  q6_k  q4_1                                  llama.cpp Q4_K_M, Q5_K_M, Q6_K, Q4_1
 A row whose llmc options are None measures llama.cpp alone and prints "—" for llmc.
 For each row, both peers get the same prompt token ids (--prompt-len random ids of the checkpoint's tokenizer),
 the same --tokens greedy decode tokens and the same --threads, and a KV cache of the same bytes: 16 bits a value,
@@ -85,6 +88,10 @@ SHAPES = {  # --shapes name -> (LlamaConfig kwargs, description)
     ),
 }
 
+GGUF_ITSELF = {"dtype": "float32", "from_gguf": True}  # llmc compiles the llama.cpp file of the row
+# llama.cpp's quantizer's file types (llama_model_quantize ftypes): the gguf package does not write them
+LLAMA_CPP_FTYPES = {"Q4_1": 3, "Q4_K_M": 15, "Q5_K_M": 17, "Q6_K": 18}
+
 # row -> (llmc compile options for common.compiled, None for a row llmc has no build for; llama.cpp GGUF type).
 # The quantized rows match llama.cpp's files: symmetric groups of 32 over every matrix, the tied lm_head included
 # (the files hold token_embd in Q8_0 / Q4_0), int8 activations per 32 in the GEMMs.
@@ -93,13 +100,19 @@ ROWS = {
     "bf16": ({"dtype": "bfloat16"}, "BF16"),
     "int8": ({"dtype": "float32", "quant": QuantConfig("int8", group_size=32, lm_head=True)}, "Q8_0"),
     "int4": ({"dtype": "float32", "quant": QuantConfig("int4", group_size=32, lm_head=True)}, "Q4_0"),
+    # llama.cpp's own file types, quantized by llama.cpp from the F32 file; llmc compiles that very file
+    "q4_k_m": (GGUF_ITSELF, "Q4_K_M"),
+    "q5_k_m": (GGUF_ITSELF, "Q5_K_M"),
+    "q6_k": (GGUF_ITSELF, "Q6_K"),
+    "q4_1": (GGUF_ITSELF, "Q4_1"),
 }
+DEFAULT_ROWS = ("fp32", "bf16", "int8", "int4")
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {', '.join(SHAPES)}")
-    p.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated, of {', '.join(ROWS)}")
+    p.add_argument("--rows", default=",".join(DEFAULT_ROWS), help=f"comma-separated, of {', '.join(ROWS)}")
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="threads of both peers")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--tokens", type=int, default=128, help="greedy decode tokens per round")
@@ -138,7 +151,8 @@ def _writer_hash() -> str:
 
 
 def gguf_file(ckpt: Path, cache: Path, tag: str, gguf_type: str, log=log) -> Path:
-    """The checkpoint as a GGUF file of gguf_type, written once per writer source state."""
+    """The checkpoint as a GGUF file of gguf_type, written once per writer source state: by llmc's writer, or
+    for llama.cpp's quantizer's types (LLAMA_CPP_FTYPES) by llama.cpp from the F32 file."""
     from llmc.compiler.frontend.gguf_write import write_gguf
 
     out = cache / f"{tag}-{gguf_type}-{_writer_hash()}.gguf"
@@ -148,7 +162,18 @@ def gguf_file(ckpt: Path, cache: Path, tag: str, gguf_type: str, log=log) -> Pat
         old.unlink()
     log(f"writing {out.name}")
     t = time.perf_counter()
-    write_gguf(ckpt, out, gguf_type)
+    if gguf_type in LLAMA_CPP_FTYPES:
+        import ctypes
+
+        import llama_cpp
+
+        params = llama_cpp.llama_model_quantize_default_params()
+        params.ftype = LLAMA_CPP_FTYPES[gguf_type]
+        f32 = gguf_file(ckpt, cache, tag, "F32", log)
+        if llama_cpp.llama_model_quantize(str(f32).encode(), str(out).encode(), ctypes.byref(params)) != 0:
+            raise SystemExit(f"llama.cpp could not quantize {f32.name} to {gguf_type}")
+    else:
+        write_gguf(ckpt, out, gguf_type)
     log(f"  written in {time.perf_counter() - t:.1f} s")
     return out
 
@@ -349,7 +374,8 @@ def main(argv=None) -> dict:
             if options is not None:
                 options = dict(options)
                 options["kv_dtype"] = args.kv_cache_dtype
-                llmc_path = common.compiled(ckpt, cache, shape, options.pop("dtype"), log, **options)
+                source, tag = (gguf_path, gguf_path.stem) if options.pop("from_gguf", False) else (ckpt, shape)
+                llmc_path = common.compiled(source, cache, tag, options.pop("dtype"), log, **options)
             log(f"{shape} {row}: llmc {'-' if llmc_path is None else llmc_path.name} vs llama.cpp {gguf_path.name}")
             measured[row] = measure_row(
                 llmc_path, gguf_path, prompt, args.tokens, args.rounds, args.threads, probe=probe, log=log

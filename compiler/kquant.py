@@ -65,20 +65,14 @@ def encode(d: np.ndarray, dmin: np.ndarray, sc: np.ndarray, m: np.ndarray) -> np
 RMIN, RDELTA, NSTEP = -1.0, 0.1, 20
 
 
-def _group_scale_min(x: np.ndarray, nmax: int, importance: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """x [N, superblocks, 8, 32] -> (scale, min) [N, superblocks, 8] with min >= 0 (w = q * scale - min, q in
-    0..nmax) minimising the weighted squared error over the roundings of the grid: weights rms(x) + |x|, or
-    with importance [superblocks, 8, 32] importance * sqrt(sigma2 + x^2), as llama.cpp's Q4_K weighs them. Each
-    candidate rounding gets its least-squares (scale, min) and that fit's error from the same five weighted
-    sums (as make_qkx2_quants scores it), so a candidate costs one rounding pass."""
+def search_scale_min(x: np.ndarray, weight: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarray]:
+    """x [..., group] -> (scale, min) [...] with min >= 0 (w = q * scale - min, q in 0..nmax) minimising the
+    squared error weighted by `weight` (as x) over the roundings of make_qkx2_quants' grid. Each candidate
+    rounding gets its least-squares (scale, min) and that fit's error from the same five weighted sums (as
+    make_qkx2_quants scores it), so a candidate costs one rounding pass."""
     import torch
 
-    x = torch.from_numpy(x)
-    if importance is None:
-        w = x.square().mean(-1, keepdim=True).sqrt() + x.abs()
-    else:  # llama.cpp's Q4_K with an imatrix: importance * sqrt(sigma2 + x^2), sigma2 = 2 mean(x^2) per superblock
-        sigma2 = 2 * x.square().mean((-2, -1), keepdim=True)
-        w = torch.from_numpy(importance) * (sigma2 + x.square()).sqrt()
+    x, w = torch.from_numpy(x), torch.from_numpy(np.ascontiguousarray(weight, np.float32))
     lo = x.min(-1).values.clamp(max=0)
     hi = x.max(-1).values
     span = torch.where(hi > lo, hi - lo, torch.ones_like(hi))
@@ -116,8 +110,12 @@ def quantize_kquant(
     largest scale / 63, dmin = largest min / 63, in fp16), q rounded against the coded values."""
     n, k = w.shape
     x = w.reshape(n, k // SUPERBLOCK, GROUPS, GROUP)
-    imp = None if importance is None else np.asarray(importance, np.float32).reshape(k // SUPERBLOCK, GROUPS, GROUP)
-    scale, mn = _group_scale_min(x, nmax, imp)
+    if importance is None:  # llama.cpp's Q4_K: rms(x) + |x| per group
+        weight = np.sqrt(np.square(x).mean(-1, keepdims=True)) + np.abs(x)
+    else:  # with an imatrix: importance * sqrt(sigma2 + x^2), sigma2 = 2 mean(x^2) per superblock
+        sigma2 = 2 * np.square(x).mean((-2, -1), keepdims=True)
+        weight = np.asarray(importance, np.float32).reshape(x.shape[1:]) * np.sqrt(sigma2 + np.square(x))
+    scale, mn = search_scale_min(x, weight, nmax)
     d = (scale.max(-1) / 63).astype(np.float16)
     dmin = (mn.max(-1) / 63).astype(np.float16)
     sc = np.clip(np.rint(scale / np.where(d > 0, d, 1).astype(np.float32)[..., None]), 0, 63)

@@ -22,7 +22,9 @@ as llama.cpp's make_qx_quants does (`_searched_scales`), with q = round(w / scal
 an outlier when that lowers the group's error); asymmetric int4 is round-to-nearest with scale = (max - min) / 15
 and mins = -min, so that q = round((w - min) / scale) lies in 0..15. With fp16 scales, the asymmetric mins and
 scales are rounded up to the next fp16 value (no value leaves the range), the searched scales to the nearest,
-and q is computed from the rounded values. Quantizing a quantized tensor's values gives them back.
+and q is computed from the rounded values. Quantizing a quantized tensor's values gives them back. Given the
+input channels' importance (compiler/importance.py), every search weighs each weight's error by it, and the
+asymmetric scales and mins are searched too (kquant.search_scale_min), stored at the nearest fp16 values.
 """
 
 from __future__ import annotations
@@ -183,10 +185,16 @@ def quantize(w: np.ndarray, scheme: QuantScheme, importance: np.ndarray | None =
         # A padded tail's zeros widen the last group's range by at most 0: min <= 0 <= max is not assumed
         # elsewhere, so take the real elements only.
         real = np.arange(groups * g).reshape(groups, g) < k
-        wmin = np.where(real, blocks, np.inf).min(axis=2)
-        wmax = np.where(real, blocks, -np.inf).max(axis=2)
-        mins = _stored(-wmin, fp16, up=True)  # >= -min: w + mins >= 0
-        scales = _stored((wmax + mins) / hi, fp16, up=True)
+        if importance is None:  # round-to-nearest over each group's range, as llama.cpp's Q4_1 without an imatrix
+            wmin = np.where(real, blocks, np.inf).min(axis=2)
+            wmax = np.where(real, blocks, -np.inf).max(axis=2)
+            mins = _stored(-wmin, fp16, up=True)  # >= -min: w + mins >= 0
+            scales = _stored((wmax + mins) / hi, fp16, up=True)
+        else:  # with one: make_qkx2's weighted search, importance * sqrt(sigma2 + w^2) (q may clip)
+            sigma2 = np.square(w).mean(axis=1)[:, None, None]
+            weight = np.where(real, _padded(importance, groups * g).reshape(groups, g), 0) * np.sqrt(sigma2 + blocks**2)
+            scale, mn = kquant.search_scale_min(blocks, weight.astype(np.float32), hi)
+            scales, mins = _stored(scale, fp16, up=False), _stored(mn, fp16, up=False)
         safe = np.where(scales > 0, scales, 1.0).astype(np.float32)
         q = np.rint((blocks + mins[..., None]) / safe[..., None])
     else:
@@ -195,16 +203,20 @@ def quantize(w: np.ndarray, scheme: QuantScheme, importance: np.ndarray | None =
         # rounding that up would move it a whole fp16 step (quantize must be idempotent on its own output)
         weight = None
         if importance is not None:  # llama.cpp's Q4_0 with an imatrix: importance * sqrt(sigma2 + w^2), per row
-            imp = np.zeros(groups * g, np.float32)
-            imp[:k] = importance
             sigma2 = np.square(w).mean(axis=1)
-            weight = imp.reshape(groups, g) * np.sqrt(sigma2[:, None, None] + np.square(blocks))
+            weight = _padded(importance, groups * g).reshape(groups, g) * np.sqrt(sigma2[:, None, None] + blocks**2)
         scales = _stored(_searched_scales(blocks, lo, hi, weight), fp16, up=False)
         safe = np.where(scales != 0, scales, 1.0).astype(np.float32)
         q = np.rint(blocks / safe[..., None])
         mins = None
     q = np.clip(q, lo, hi).astype(np.int8).reshape(n, groups * g)[:, :k]
     return QuantizedTensor(np.ascontiguousarray(q), scales, mins, scheme)
+
+
+def _padded(a: np.ndarray, n: int) -> np.ndarray:
+    out = np.zeros(n, np.float32)
+    out[: len(a)] = a
+    return out
 
 
 # The searched reciprocal scales: -(qmax + 1 + SEARCH_STEP * i) / m for |i| <= SEARCH_STEPS, m the group's

@@ -245,7 +245,12 @@ def test_recipes_choose_per_tensor():
 
 @pytest.mark.parametrize(
     "scheme",
-    [QuantScheme(4, 32), QuantScheme(8, 32), QuantScheme(4, 32, asymmetric=True, scale_dtype="kquant")],
+    [
+        QuantScheme(4, 32),
+        QuantScheme(8, 32),
+        QuantScheme(4, 32, asymmetric=True),
+        QuantScheme(4, 32, asymmetric=True, scale_dtype="kquant"),
+    ],
     ids=_ids,
 )
 def test_importance_weighted_rounding_errs_less_where_it_matters(scheme):
