@@ -30,13 +30,16 @@ FAMILIES = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
     "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM"),
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
     "granite": ("GraniteConfig", "GraniteForCausalLM"),
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM"),
 }
 # A family's fields beyond a Llama config's kwargs, as its real checkpoints set them (Gemma 3 1B: a window of 512
-# on 5 layers of 6, the softmax scale of head_dim; Granite 3.x: its multipliers)
+# on 5 layers of 6, the softmax scale of head_dim; Gemma 2: a window on every other layer, its soft-capping of 50
+# and 30 by default; Granite 3.x: its multipliers)
 FAMILY_FIELDS = {
     "gemma3": {"sliding_window": 512, "query_pre_attn_scalar": 64},
+    "gemma2": {"sliding_window": 512, "query_pre_attn_scalar": 64},
     "granite": {
         "embedding_multiplier": 12.0,
         "residual_multiplier": 0.22,
