@@ -70,9 +70,11 @@ def compile_checkpoint(
     ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else load_checkpoint(checkpoint)
     # read and tokenized before anything is built: a bad file fails at once. The gate scores the first
     # DEFAULT_CALIBRATION_TOKENS; the quantizer's activation importance is measured on the tokens after them, so
-    # the gate's figures are not of the text the rounding was fitted to (a text with too few: unweighted).
+    # the gate's figures are not of the text the rounding was fitted to (a text with too few: unweighted), as one
+    # sequence no longer than the model's context.
     ids, label = calibration_tokens(ckpt.tokenizer_path, calibration, DEFAULT_CALIBRATION_TOKENS + IMPORTANCE_TOKENS)
-    token_ids, importance_tokens = ids[:DEFAULT_CALIBRATION_TOKENS], ids[DEFAULT_CALIBRATION_TOKENS:]
+    token_ids = ids[:DEFAULT_CALIBRATION_TOKENS]
+    importance_tokens = ids[DEFAULT_CALIBRATION_TOKENS:][: ckpt.config.max_position_embeddings]
     if len(importance_tokens) < MIN_IMPORTANCE_TOKENS:
         importance_tokens = None
 

@@ -21,6 +21,7 @@ from click.testing import CliRunner
 from llmc import examples  # noqa: E402
 from llmc.artifact import load_artifact  # noqa: E402
 from llmc.compiler.compile import SIGNAL_AT_ENV  # noqa: E402
+from llmc.compiler.frontend.load import load_checkpoint  # noqa: E402
 from llmc.compiler.quant import QuantConfig  # noqa: E402
 from llmc.errors import CompileError  # noqa: E402
 from llmc.runtime.module import CompiledModel  # noqa: E402
@@ -203,9 +204,11 @@ def test_a_quantized_build_records_its_quality(checkpoint_dir, llmc_cache, tmp_p
         assert len(ids) == quality.DEFAULT_CALIBRATION_TOKENS and got["tokens"] == ppl.num_tokens >= 2000
     assert len(cached_artifacts(llmc_cache)) == 1, "the reference is compiled once and reused"
     # the rounding weighs each channel by its activations over the tokens after the gate's (not those it scores)
+    # (at most the model's context, one sequence)
     longer, _ = quality.calibration_tokens(ckpt / "tokenizer.json", text, len(ids) + IMPORTANCE_TOKENS)
-    assert len(longer) - len(ids) >= MIN_IMPORTANCE_TOKENS
-    assert load_artifact(out).manifest["quant"]["importance_tokens"] == len(longer) - len(ids)
+    measured = min(len(longer) - len(ids), load_checkpoint(ckpt).config.max_position_embeddings)
+    assert measured >= MIN_IMPORTANCE_TOKENS
+    assert load_artifact(out).manifest["quant"]["importance_tokens"] == measured
 
     shown = CliRunner().invoke(cli.main, ["inspect", str(out)])
     assert shown.exit_code == 0, shown.output
@@ -214,7 +217,7 @@ def test_a_quantized_build_records_its_quality(checkpoint_dir, llmc_cache, tmp_p
         f"{got['kl_mean']:.4g} nats" in line and "calib.txt, sha256 " in line and f"over {got['tokens']} tokens" in line
     )
     line = next(x for x in shown.output.splitlines() if x.lstrip().startswith("quant "))
-    assert f"rounding weighted by activations over {len(longer) - len(ids)} tokens" in line
+    assert f"rounding weighted by activations over {measured} tokens" in line
 
 
 def test_gate_flags_need_a_quantized_build_and_a_usable_text(checkpoint_dir, tmp_path):
