@@ -220,8 +220,10 @@ def _padded(a: np.ndarray, n: int) -> np.ndarray:
 
 
 # The searched reciprocal scales: -(qmax + 1 + SEARCH_STEP * i) / m for |i| <= SEARCH_STEPS, m the group's
-# largest-magnitude value (llama.cpp's make_qx_quants grid)
-SEARCH_STEPS, SEARCH_STEP = 9, 0.1
+# largest-magnitude value (llama.cpp's make_qx_quants grid). int8 takes every INT8_STRIDE-th point: there a step
+# moves the scale by 0.08%, a fraction of a rounding step, and a Q8_0 lm_head (128256 x 4096) is the largest
+# matrix a recipe searches.
+SEARCH_STEPS, SEARCH_STEP, INT8_STRIDE = 9, 0.1, 3
 
 
 def _searched_scales(
@@ -243,7 +245,8 @@ def _searched_scales(
         m = torch.where(m == 0, torch.ones_like(m), m)
         best_fit, best = torch.zeros_like(m), torch.zeros_like(m)
         # the grid, and absmax / hi's rounding (m to hi), so that no group does worse than that
-        for r in [-(hi + 1 + SEARCH_STEP * i) for i in range(-SEARCH_STEPS, SEARCH_STEPS + 1)] + [hi]:
+        stride = INT8_STRIDE if hi > 7 else 1
+        for r in [-(hi + 1 + SEARCH_STEP * i) for i in range(-SEARCH_STEPS, SEARCH_STEPS + 1, stride)] + [hi]:
             q = torch.clamp(torch.round(b * (r / m)[..., None]), lo, hi)
             aq = q if a is None else a * q
             wq, qq = (b * aq).sum(2), (q * aq).sum(2)
