@@ -153,8 +153,8 @@ def dequantize(t: QuantizedTensor) -> np.ndarray:
 
 def quantize(w: np.ndarray, scheme: QuantScheme, importance: np.ndarray | None = None) -> QuantizedTensor:
     """float32 w[N, K] quantized to `scheme` (see the module docstring). importance: float32 [K], each input
-    channel's mean squared activation (compiler/importance.py): the searches weigh a weight's squared error by
-    it (symmetric groups and K-quant records; the asymmetric round-to-nearest has no search)."""
+    channel's mean squared activation (compiler/importance.py): every search weighs a weight's squared error by
+    it, and asymmetric groups are searched instead of rounded to nearest."""
     w = np.asarray(w, dtype=np.float32)
     if w.ndim != 2:
         raise CompileError(f"only 2-D weights are quantized, got shape {list(w.shape)}")
@@ -181,19 +181,22 @@ def quantize(w: np.ndarray, scheme: QuantScheme, importance: np.ndarray | None =
     blocks = padded.reshape(n, groups, g)
     lo, hi = scheme.qrange
     fp16 = scheme.scale_dtype == "float16"
+    weight = None  # as blocks; a padded tail's weight is 0
+    if importance is not None:  # llama.cpp's Q4_0 / Q4_1 with an imatrix: importance * sqrt(sigma2 + w^2), per row
+        sigma2 = np.square(w).mean(axis=1)[:, None, None]
+        imp = np.pad(np.asarray(importance, np.float32), (0, groups * g - k)).reshape(groups, g)
+        weight = (imp * np.sqrt(sigma2 + blocks**2)).astype(np.float32)
     if scheme.asymmetric:
-        # A padded tail's zeros widen the last group's range by at most 0: min <= 0 <= max is not assumed
-        # elsewhere, so take the real elements only.
-        real = np.arange(groups * g).reshape(groups, g) < k
-        if importance is None:  # round-to-nearest over each group's range, as llama.cpp's Q4_1 without an imatrix
+        if weight is None:  # round-to-nearest over each group's range, as llama.cpp's Q4_1 without an imatrix
+            # A padded tail's zeros widen the last group's range by at most 0: min <= 0 <= max is not assumed
+            # elsewhere, so take the real elements only.
+            real = np.arange(groups * g).reshape(groups, g) < k
             wmin = np.where(real, blocks, np.inf).min(axis=2)
             wmax = np.where(real, blocks, -np.inf).max(axis=2)
             mins = _stored(-wmin, fp16, up=True)  # >= -min: w + mins >= 0
             scales = _stored((wmax + mins) / hi, fp16, up=True)
-        else:  # with one: make_qkx2's weighted search, importance * sqrt(sigma2 + w^2) (q may clip)
-            sigma2 = np.square(w).mean(axis=1)[:, None, None]
-            weight = np.where(real, _padded(importance, groups * g).reshape(groups, g), 0) * np.sqrt(sigma2 + blocks**2)
-            scale, mn = kquant.search_scale_min(blocks, weight.astype(np.float32), hi)
+        else:  # with one: make_qkx2's weighted search (q may clip)
+            scale, mn = kquant.search_scale_min(blocks, weight, hi)
             scales, mins = _stored(scale, fp16, up=False), _stored(mn, fp16, up=False)
         safe = np.where(scales > 0, scales, 1.0).astype(np.float32)
         q = np.rint((blocks + mins[..., None]) / safe[..., None])
@@ -201,22 +204,12 @@ def quantize(w: np.ndarray, scheme: QuantScheme, importance: np.ndarray | None =
         # negative where a group's largest value is positive; the nearest fp16 value, not the next one up:
         # the least-squares scale of already-quantized weights is their scale to within float rounding, and
         # rounding that up would move it a whole fp16 step (quantize must be idempotent on its own output)
-        weight = None
-        if importance is not None:  # llama.cpp's Q4_0 with an imatrix: importance * sqrt(sigma2 + w^2), per row
-            sigma2 = np.square(w).mean(axis=1)
-            weight = _padded(importance, groups * g).reshape(groups, g) * np.sqrt(sigma2[:, None, None] + blocks**2)
         scales = _stored(_searched_scales(blocks, lo, hi, weight), fp16, up=False)
         safe = np.where(scales != 0, scales, 1.0).astype(np.float32)
         q = np.rint(blocks / safe[..., None])
         mins = None
     q = np.clip(q, lo, hi).astype(np.int8).reshape(n, groups * g)[:, :k]
     return QuantizedTensor(np.ascontiguousarray(q), scales, mins, scheme)
-
-
-def _padded(a: np.ndarray, n: int) -> np.ndarray:
-    out = np.zeros(n, np.float32)
-    out[: len(a)] = a
-    return out
 
 
 # The searched reciprocal scales: -(qmax + 1 + SEARCH_STEP * i) / m for |i| <= SEARCH_STEPS, m the group's
