@@ -30,6 +30,7 @@ asymmetric scales and mins are searched too (kquant.search_scale_min), stored at
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import numpy as np
 
@@ -39,6 +40,7 @@ from . import kquant
 
 QUANT_MODES = ("none", "int8", "int4", "q4_k", "q4_k_m", "q8_0")
 RECIPES = ("q4_k_m", "q8_0")  # modes that choose each tensor's scheme, the lm_head's and the embedding's too
+TENSOR_TYPES = ("float", "int8", "int4", "q4_k", "q8_0")  # what --tensor-quant gives one tensor
 GROUP_SIZES = (32, 64, 128)
 K_MULTIPLE = 32  # a quantized weight's K is a multiple of this (the kernels' activation blocks); else it stays float
 SCALE_DTYPES = ("float16", "float32", "kquant")  # kquant: compiler/kquant.py's superblock records
@@ -344,12 +346,19 @@ class QuantConfig:
       the attention's q, k and v as Q8_0. llama.cpp's Q4_K_M puts Q6_K there, and on attn_v alone: llmc has no
       6-bit scheme yet, and runs q, k and v as one GEMM of one scheme. An untied embedding is q4_k, as there.
 
+    `overrides` ((pattern, type), ...; `--tensor-quant PATTERN=TYPE`, as llama-quantize's --tensor-type) give
+    the tensors whose checkpoint name matches a regular expression (re.search) a TYPE of their own in place of
+    the mode's choice: the first pattern that matches wins. int8 is per channel and int4 g32 there (the mode's
+    --group-size where the type is the mode); float leaves the tensor unquantized. The lm_head's name is "lm_head.weight" (a tied embedding's
+    too), an untied embedding's "model.embed_tokens.weight".
+
     A linear whose K is not a multiple of K_MULTIPLE stays float.
     """
 
     mode: str = "none"
     group_size: int | None = None  # None: the mode's default
     lm_head: bool = False
+    overrides: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self):
         if self.mode not in QUANT_MODES:
@@ -368,6 +377,18 @@ class QuantConfig:
             raise CompileError(f"{self.mode} chooses its own groups", "leave out --group-size")
         if self.mode in RECIPES and self.lm_head:
             raise CompileError(f"{self.mode} quantizes the lm_head itself (as Q8_0)", "leave out --quant-lm-head")
+        if self.overrides and self.mode == "none":
+            raise CompileError("--tensor-quant changes a quantized build's choice", "add --quant MODE")
+        for pattern, kind in self.overrides:
+            if kind not in TENSOR_TYPES:
+                raise CompileError(
+                    f"--tensor-quant {pattern}={kind}: no tensor type {kind!r}",
+                    f"choose one of {', '.join(TENSOR_TYPES)}",
+                )
+            try:
+                re.compile(pattern)
+            except re.error as e:
+                raise CompileError(f"--tensor-quant {pattern}={kind}: not a regular expression ({e})") from None
 
     @property
     def enabled(self) -> bool:
@@ -377,22 +398,27 @@ class QuantConfig:
     def quantizes_head(self) -> bool:
         return self.lm_head or self.mode in RECIPES
 
-    def scheme(self, k: int) -> QuantScheme | None:
-        """The scheme of a linear of the blocks with K = k inputs, None where it stays float."""
-        if not self.enabled or k % K_MULTIPLE:
+    def scheme(self, k: int, kind: str | None = None) -> QuantScheme | None:
+        """The scheme of a linear of the blocks with K = k inputs (of TENSOR_TYPES `kind` if given, else of the
+        mode), None where it stays float."""
+        kind = kind or self.mode
+        if kind in ("none", "float") or k % K_MULTIPLE:
             return None
-        if self.mode == "int8":
-            return QuantScheme(8, self.group_size or k)
-        if self.mode == "q8_0":
+        if kind == "int8":
+            return QuantScheme(8, (self.group_size if kind == self.mode else None) or k)
+        if kind == "q8_0":
             return Q8_0
-        if self.mode in ("q4_k", "q4_k_m"):
+        if kind in ("q4_k", "q4_k_m"):
             return QuantScheme(4, 32, True, "kquant" if k % kquant.SUPERBLOCK == 0 else "float16")
-        return QuantScheme(4, self.group_size or 32)
+        return QuantScheme(4, (self.group_size if kind == self.mode else None) or 32)
 
     def tensor_scheme(self, name: str, k: int, num_layers: int) -> QuantScheme | None:
         """The scheme of checkpoint tensor `name` with K = k inputs, None where it stays float. `name` is a linear
         of the blocks, "lm_head.weight" (the head, a tied embedding's too) or "model.embed_tokens.weight" (an
         untied embedding's gather)."""
+        for pattern, kind in self.overrides:
+            if re.search(pattern, name):
+                return self.scheme(k, kind)
         if name == "model.embed_tokens.weight" and self.mode not in RECIPES:
             return None
         if name == "lm_head.weight" and not self.quantizes_head:
@@ -408,6 +434,8 @@ class QuantConfig:
         if not self.enabled:
             return "none"
         if self.mode in ("q4_k", *RECIPES):
-            return self.mode + (", lm_head" if self.lm_head else "")
-        group = f"g{self.group_size}" if self.group_size else ("per channel" if self.mode == "int8" else "g32")
-        return f"{self.mode} {group}" + (", lm_head" if self.lm_head else "")
+            text = self.mode
+        else:
+            group = f"g{self.group_size}" if self.group_size else ("per channel" if self.mode == "int8" else "g32")
+            text = f"{self.mode} {group}"
+        return text + (", lm_head" if self.lm_head else "") + "".join(f", {p}={t}" for p, t in self.overrides)

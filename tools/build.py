@@ -131,6 +131,8 @@ def cached_artifact(
     key = f"{content[:24]}-llmc{__version__}-f{FORMAT_VERSION}-abi{ABI_VERSION}-cpu-{isa}"
     if quant is not None and quant.enabled:
         key += "-" + re.sub(r"[^a-z0-9]+", "-", quant.describe()).strip("-")  # int8-per-channel, int4-g32-lm-head
+        if quant.overrides:  # patterns differ in the characters the line above drops
+            key += "-" + hashlib.sha256(quant.describe().encode()).hexdigest()[:8]
     key += (f"-{weight_dtype}" if weight_dtype != "auto" else "") + (f"-kv-{kv_dtype}" if kv_dtype != "float32" else "")
     root = cache_root() / "artifacts"
     out = root / key

@@ -243,6 +243,30 @@ def test_recipes_choose_per_tensor():
         QuantConfig("q8_0", lm_head=True)
 
 
+def test_tensor_overrides_take_precedence_in_order():
+    """--tensor-quant PATTERN=TYPE: the first pattern that matches a tensor's name (re.search) chooses its type,
+    over the mode's and the recipe's choice; the rest keep the mode's."""
+    q4_k, q8_0 = QuantConfig("q4_k").scheme(512), QuantScheme(8, 32)
+    config = QuantConfig(
+        "q4_k_m", overrides=((r"layers\.[0-9]+\.mlp\.down_proj", "int8"), ("down_proj", "float"), ("lm_head", "q4_k"))
+    )
+    assert config.tensor_scheme("model.layers.4.mlp.down_proj.weight", 512, 32) == QuantScheme(8, 512)  # per channel
+    assert config.tensor_scheme("lm_head.weight", 512, 32) == q4_k  # the recipe's Q8_0 overridden
+    assert config.tensor_scheme("model.layers.0.self_attn.v_proj.weight", 512, 32) == q8_0  # the recipe's own
+    assert config.describe() == r"q4_k_m, layers\.[0-9]+\.mlp\.down_proj=int8, down_proj=float, lm_head=q4_k"
+    plain = QuantConfig("int4", 64, overrides=(("gate", "float"), ("up_proj", "int4"), ("embed", "q8_0")))
+    assert plain.tensor_scheme("model.layers.1.mlp.gate_proj.weight", 512, 32) is None
+    assert plain.tensor_scheme("model.layers.1.mlp.up_proj.weight", 512, 32) == QuantScheme(4, 64)  # the mode's g64
+    assert plain.tensor_scheme("model.embed_tokens.weight", 512, 32) == q8_0  # untied: only by a pattern
+    assert plain.tensor_scheme("model.embed_tokens.weight", 100, 32) is None  # K % 32: float whatever is asked
+    with pytest.raises(CompileError, match="no tensor type 'q5_k'"):
+        QuantConfig("int4", overrides=(("x", "q5_k"),))
+    with pytest.raises(CompileError, match="not a regular expression"):
+        QuantConfig("int4", overrides=(("mlp.(", "int8"),))
+    with pytest.raises(CompileError, match="add --quant"):
+        QuantConfig("none", overrides=(("x", "int8"),))
+
+
 @pytest.mark.parametrize(
     "scheme",
     [

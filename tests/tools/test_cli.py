@@ -596,6 +596,10 @@ def test_quant_flag_errors(tmp_path, checkpoint_dir, fake_artifact):
     assert r.exit_code == 1 and "apply to a quantized build" in r.stderr and "add --quant int8 or int4" in r.stderr
     r = _invoke("run", fake_artifact, "--quant", "int4", "--prompt", "hi")
     assert r.exit_code == 1 and "--quant applies when a checkpoint is compiled" in r.stderr
+    r = _invoke("compile", ckpt, "-o", out, "--quant", "int4", "--tensor-quant", "down_proj")
+    assert r.exit_code == 2 and "'down_proj' is not PATTERN=TYPE" in r.stderr
+    r = _invoke("compile", ckpt, "-o", out, "--quant", "int4", "--tensor-quant", "down_proj=int2")
+    assert r.exit_code == 1 and "no tensor type 'int2'" in r.stderr and "Traceback" not in r.output
     assert not out.exists()
 
 
@@ -611,12 +615,22 @@ def test_run_compiles_a_checkpoint_with_quant_under_its_own_cache_key(tmp_path, 
 
     monkeypatch.setattr(llmc.compiler.compile, "compile_checkpoint", fake_compile)
     env = {"LLMC_CACHE_DIR": str(tmp_path / "cache")}
-    for flags in ([], ["--quant", "int4"], ["--quant", "int8", "--group-size", "64", "--quant-lm-head"], []):
+    override = ["--quant", "int4", "--tensor-quant", "mlp[.]down=q8_0"]
+    for flags in (
+        [],
+        ["--quant", "int4"],
+        ["--quant", "int8", "--group-size", "64", "--quant-lm-head"],
+        [],
+        override,
+        [*override[:-1], "mlp.down=q8_0"],  # the same key but for the characters a key drops
+    ):
         r = _invoke("run", ckpt, *flags, "--prompt", "hi", "--max-tokens", 2, "--kv-cache-memory", "8MiB", env=env)
         assert r.exit_code == 0, r.output
-    assert [q for _, q in calls] == [QuantConfig(), QuantConfig("int4"), QuantConfig("int8", 64, lm_head=True)]
+    assert [q for _, q in calls][:4] == [QuantConfig(), QuantConfig("int4"), QuantConfig("int8", 64, lm_head=True)] + [
+        QuantConfig("int4", overrides=(("mlp[.]down", "q8_0"),))
+    ]
     keys = [out.name for out, _ in calls]
-    assert keys[1].endswith("-int4-g32") and keys[2].endswith("-int8-g64-lm-head") and len(set(keys)) == 3
+    assert keys[1].endswith("-int4-g32") and keys[2].endswith("-int8-g64-lm-head") and len(set(keys)) == 5
 
 
 def test_inspect_shows_the_quant_entry(tmp_path, checkpoint_dir, fake_lib):

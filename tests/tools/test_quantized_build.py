@@ -33,7 +33,12 @@ FLIP_REL = 1e-2  # a row with an activation rounded the other way (see the modul
 # Each build compiles twice (the quality gate's unquantized reference too), 25-70 s here: one runs by default.
 BUILDS = [
     ("llama", QuantConfig("int4", lm_head=True)),
-    pytest.param("llama", QuantConfig("int8", lm_head=True), marks=pytest.mark.slow),
+    # --tensor-quant: gate/up int4 under an int8 mode, o_proj left float
+    pytest.param(
+        "llama",
+        QuantConfig("int8", lm_head=True, overrides=((r"mlp\.(gate|up)_proj", "int4"), ("o_proj", "float"))),
+        marks=pytest.mark.slow,
+    ),
     pytest.param("qwen2", QuantConfig("int8", group_size=32), marks=pytest.mark.slow),
     pytest.param("qwen2", QuantConfig("int4", group_size=64), marks=pytest.mark.slow),
     # a recipe: int4 asym (no K % 256 here), layer 1's qkv and down_proj and the head as Q8_0, the untied

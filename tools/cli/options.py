@@ -116,14 +116,22 @@ def _output_problem(path: Path, kind: str) -> tuple[str, str] | None:
 
 
 def quant_options(command):
-    """--quant, --group-size, --quant-lm-head, handed to `command` as one `quant` (a QuantConfig): compile's
-    quantization, which run, serve and bench apply when they compile a checkpoint."""
+    """--quant, --group-size, --quant-lm-head, --tensor-quant, handed to `command` as one `quant` (a QuantConfig):
+    compile's quantization, which run, serve and bench apply when they compile a checkpoint."""
 
     @functools.wraps(command)
-    def with_quant(*args, quant: str, group_size: str | None, quant_lm_head: bool, **kwargs):
+    def with_quant(
+        *args, quant: str, group_size: str | None, quant_lm_head: bool, tensor_quant: tuple[str, ...], **kwargs
+    ):
         from llmc.compiler.quant import QuantConfig  # numpy only: neither torch nor TVM
 
-        config = QuantConfig(quant, None if group_size is None else int(group_size), quant_lm_head)
+        overrides = []
+        for text in tensor_quant:
+            pattern, eq, kind = text.rpartition("=")
+            if not eq or not pattern:
+                raise click.BadParameter(f"{text!r} is not PATTERN=TYPE", param_hint="--tensor-quant")
+            overrides.append((pattern, kind))
+        config = QuantConfig(quant, None if group_size is None else int(group_size), quant_lm_head, tuple(overrides))
         return command(*args, quant=config, **kwargs)
 
     options = [
@@ -146,6 +154,14 @@ def quant_options(command):
             help="Weights per scale, along the input dim [default: int8 per channel, int4 32].",
         ),
         click.option("--quant-lm-head", is_flag=True, help="Quantize the lm_head too (off: it stays float)."),
+        click.option(
+            "--tensor-quant",
+            multiple=True,
+            metavar="PATTERN=TYPE",
+            help="Give the tensors whose checkpoint name matches the regular expression PATTERN their own TYPE "
+            "(float, int8, int4, q4_k or q8_0) in place of --quant's choice; repeatable, the first match wins. "
+            "E.g. 'mlp\\.down_proj=q8_0', 'lm_head=q8_0', 'experts=int4'.",
+        ),
     ]
     for option in reversed(options):
         with_quant = option(with_quant)
