@@ -137,7 +137,8 @@ def build_program(
 ) -> KernelProgram:
     """step(stage) marks each stage's start (a progress bar); after_each_pass(name, mod) sees every pass;
     schemes (quant_schemes) adds quantize_linear to the passes; cuda: lower for the CUDA templates
-    (activations in the weight dtype, the SwiGLU epilogue: see lower())."""
+    (activations in the weight dtype, the SwiGLU epilogue: see lower()), else for the CPU's (a quantized head's
+    int8 activations in two passes)."""
     step("trace")
     traced = trace(ckpt.config)
     step("import to Relax")
@@ -155,6 +156,7 @@ def build_program(
         kv_dtype=kv_dtype,
         act_dtype=weight_dtype if cuda else None,
         swiglu_epilogue=cuda,
+        two_pass_head=not cuda,
     )
 
 

@@ -456,16 +456,23 @@ def lower(
     kv_dtype: str = "float32",
     act_dtype: str | None = None,
     swiglu_epilogue: bool = False,
+    two_pass_head: bool = False,
 ) -> KernelProgram:
     """weight_names: the HF names of main's weight parameters, in order (Traced.weight_names); kv_dtype: the
     KV cache element, one of llmc.dtypes.ELEMENT_DTYPES; act_dtype: the activation element (one of them too),
     given to every launch as `adtype`, for targets whose templates take it (CUDA); None: float32, and no
     parameter;
     swiglu_epilogue: lower gate_up + silu_mul to gemm_swiglu where it applies (the target has that template:
-    CUDA)."""
+    CUDA); two_pass_head: a quantized lm_head takes its int8 activations in two passes (qgemm's act_passes, CPU:
+    the logits are what int8 activations move most, and it is one GEMM of the step)."""
     func = main_function(mod)
     lowering = _Lowering(func, weight_names, weight_dtype, block_size, kv_dtype)
     lowering.lower(func)
+    if two_pass_head:
+        logits = lowering.env[lowering.output]
+        for launch in lowering.launches:
+            if launch.op == "qgemm" and getattr(logits, "value", None) in launch.defs:
+                launch.params["act_passes"] = 2
     if swiglu_epilogue:
         lowering.launches = fuse_gemm_swiglu(lowering.launches, lowering.weight_list)
     program = lowering.finish(rewrite_counts(mod))

@@ -126,6 +126,8 @@ def _check_params(op: str, params: Mapping[str, Any]) -> None:
         raise ValueError(f"softcap must be a finite float > 0 (absent: none), got {cap!r}")
     if op == "qgemm":
         _check_quant(params, params["k"])
+        if params.get("act_passes", 2) != 2:
+            raise ValueError(f"act_passes must be 2 (absent: one pass), got {params['act_passes']!r}")
     if op == "qembedding":
         _check_quant(params, params["hidden"])
     if op == "paged_attention":
@@ -215,7 +217,7 @@ OPTIONAL_PARAMS = {
     "gemm_swiglu": {"activation"},
     "paged_attention": {"softcap"},  # Gemma 2's soft-capped scores
     "gemm": {"softcap"},  # Gemma 2's soft-capped final logits, the lm_head's epilogue
-    "qgemm": {"softcap"},
+    "qgemm": {"softcap", "act_passes"},  # act_passes 2 (CPU): the lm_head's int8 activations in two passes
 }
 
 
@@ -264,6 +266,7 @@ _ID_PREFIX = {
     "eps": "eps",
     "scale": "sc",
     "softcap": "cap",
+    "act_passes": "ap",
     "wdtype": "",
     "has_bias": "bias",
     "add_residual": "res",

@@ -283,3 +283,19 @@ def test_quantized_matmul_lowers_to_qgemm_over_packed_parts(checkpoint_dir):
     assert bias.quant is None and bias.dtype == "float32" and len(bias.sources) == 3
     # layer 0 stays float: its GEMMs are bf16 gemm launches
     assert sum(launch.op == "gemm" for launch in program.launches) == 4 * config.num_layers - 2 + 1
+
+
+@pytest.mark.parametrize("two_pass", [True, False])
+def test_quantized_head_takes_two_pass_activations_on_the_cpu(checkpoint_dir, two_pass):
+    """two_pass_head (the CPU's lowering): the lm_head's qgemm, and no other launch, carries act_passes 2."""
+    from llmc.compiler.passes.quantize_linear import quantize_linear
+    from llmc.compiler.quant import QuantScheme
+
+    mod, config = imported(checkpoint_dir, "qwen2")
+    names = trace(config).weight_names
+    schemes = {n: QuantScheme(8, 32) for n in names if n == "lm_head.weight" or n.endswith("o_proj.weight")}
+    mod = run_passes(mod, quantize=[quantize_linear(schemes, names)])
+    program = lower(mod, names, weight_dtype="float32", block_size=16, two_pass_head=two_pass)
+    passes = [(launch.fused, launch.params.get("act_passes")) for launch in program.launches if launch.op == "qgemm"]
+    assert passes[-1] == (["lm_head"], 2 if two_pass else None)
+    assert all(p is None for _, p in passes[:-1]) and len(passes) == config.num_layers + 1

@@ -208,3 +208,35 @@ def test_gemv_cols_change_no_number(kernels, harnesses, params):
             ys.append(np.full((T, params["n"]), np.nan, dtype=np.float32))
             fn(x, qweight, scales, mins, bias, ys[-1], T)
         assert np.array_equal(ys[0], ys[1]) and not np.isnan(ys[0]).any(), T
+
+
+# The lm_head's int8 activations in two passes (act_passes 2, CPU): int8, int4 with an odd tail, asymmetric
+# int4, K-quant records with a bias, and one soft-capped
+TWO_PASS = [_params(*SCHEMES[i], i in (13, 20)) for i in (1, 6, 13, 20)] + [dict(SOFTCAP_SPECS[1][1])]
+TWO_PASS_SPECS = [("qgemm", {**p, "act_passes": 2}) for p in TWO_PASS]
+
+
+@pytest.mark.parametrize("params", TWO_PASS, ids=[spec_id(("qgemm", p)) for p in TWO_PASS])
+def test_two_pass_activations_err_far_less(kernels, harnesses, params):
+    """x and its int8 rounding's residual as two rows: y within the quantized weights' float result by 1/100 of
+    the one-pass bound (the residual's own rounding errs 1/254 as much), and each row's result whatever T (T
+    crosses the 32-row chunks)."""
+    harnesses["cpu"].build(TWO_PASS_SPECS)
+    two = harnesses["cpu"]("qgemm", {**params, "act_passes": 2})
+    one = kernels("qgemm", params)
+    x, t, (qweight, scales, mins), bias = qgemm_inputs(params, 70, seed=5)
+    y1, y2 = (np.full((70, params["n"]), np.nan, dtype=np.float32) for _ in range(2))
+    one(x, qweight, scales, mins, bias, y1, 70)
+    two(x, qweight, scales, mins, bias, y2, 70)
+    exact = x.astype(np.float64) @ dequantize(t).astype(np.float64).T + (0 if bias is None else bias)
+    _, rounding, quant_err = qgemm_reference(x, t, bias)
+    cap = params.get("softcap")
+    if cap is not None:  # compare before the cap: tanh is 1-Lipschitz, so the bounds hold after it too
+        exact = cap * np.tanh(exact / cap)
+    assert np.all(np.abs(y1 - exact) <= quant_err * 1.001 + rounding)
+    assert np.all(np.abs(y2 - exact) <= quant_err / 100 + 2 * rounding)
+    assert np.abs(y2 - exact).mean() < np.abs(y1 - exact).mean() / 20
+    for T in (1, 3, 33):
+        alone = np.full((T, params["n"]), np.nan, dtype=np.float32)
+        two(np.ascontiguousarray(x[:T]), qweight, scales, mins, bias, alone, T)
+        assert np.array_equal(alone, y2[:T]), T

@@ -3,8 +3,8 @@ quantized weights say.
 
 The reference is transformers on a checkpoint whose quantized weights ARE quant.dequantize(quantize(w)), so
 the weights lose nothing to the build; what remains is the CPU kernel's activation quantization (int8 per
-block of 32, the manifest's "activations"), which the reference reproduces with a forward pre-hook on each
-quantized Linear. Against that, the logits agree to the fp32 parity tolerance, but for the rows where some
+block of 32, the manifest's "activations"; the lm_head's in two passes), which the reference reproduces with a
+forward pre-hook on each quantized Linear (tests/cpu_activations.py). Against that, the logits agree to the fp32 parity tolerance, but for the rows where some
 activation sits at a rounding midpoint and the two sides round it differently (float sums in another order):
 one step of one activation moves those rows' logits by well under the whole activation quantization's effect,
 which (against transformers without the hooks) is 1-3% on these models.
@@ -25,6 +25,7 @@ from llmc.runtime.module import CompiledModel
 from llmc.sampling_params import SamplingParams
 from llmc.tools.build import compile_checkpoint
 from tests.checkpoints import hf_model, make_checkpoint
+from tests.cpu_activations import round_as_cpu_qgemm
 
 REL = 1e-3  # the fp32 parity tolerance (tests/logits_rows.py)
 FLIP_REL = 1e-2  # a row with an activation rounded the other way (see the module docstring)
@@ -78,22 +79,9 @@ def build(tmp_path_factory, arch: str, quant: QuantConfig):
     return _built[key]
 
 
-def _quantize_activations(module, args):
-    """What the CPU qgemm does to x first: per block of 32 of a row, round-half-even(x * 127 / amax) * amax / 127."""
-    (x,) = args
-    blocks = x.reshape(*x.shape[:-1], -1, 32)
-    amax = blocks.abs().amax(dim=-1, keepdim=True)
-    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
-    return (torch.round(blocks * inv) * (amax / 127.0)).reshape(x.shape)
-
-
 def _reference(ckpt, names):
-    model = hf_model(ckpt)
-    for name, module in model.named_modules():
-        tied_head = name == "lm_head" and "model.embed_tokens.weight" in names  # not the gather's ids
-        if isinstance(module, torch.nn.Linear) and (f"{name}.weight" in names or tied_head):
-            module.register_forward_pre_hook(_quantize_activations)
-    return model
+    tied = "model.embed_tokens.weight" in names  # the head reads it quantized (not the gather's ids)
+    return round_as_cpu_qgemm(hf_model(ckpt), lambda name: f"{name}.weight" in names or (name == "lm_head" and tied))
 
 
 @pytest.mark.parametrize("arch,quant", BUILDS, ids=lambda v: v if isinstance(v, str) else v.describe())

@@ -791,7 +791,7 @@ LLMC_INLINE void qgemm_pairs_rows(int rows, const QPair<BITS>* pairs, const uint
 namespace {  // internal linkage: each model.so has its own buffers (see the pool in llmc_pool.h)
 // The quantized activations of a call (USE: as steps, or packed in row pairs for LLMC_QGEMM_PAIRS), 64-byte
 // aligned, reused by the next call on the same thread.
-enum { kQScratchSteps, kQScratchPairs, kQScratchScales };
+enum { kQScratchSteps, kQScratchPairs, kQScratchScales, kQScratchTwoPass };
 template <int USE>
 LLMC_INLINE unsigned char* qgemm_scratch(size_t bytes) {
   thread_local std::vector<unsigned char> buf;
@@ -910,6 +910,50 @@ inline void qgemm(const float* LLMC_RESTRICT x, const uint8_t* LLMC_RESTRICT qwe
                                                              y + (long)t * N, j0, j1);
     if (cap > 0.0f) softcap_block(y, N, tc * kQgemmTChunk, t1, j0, j1, cap);
   });
+}
+
+// qgemm with x's int8 rounding taken twice (a template's act_passes = 2: the lm_head, whose logits int8 activations
+// move most): row t runs as two rows, x_t's blocks as quantized_row_q8 rounds them and what that rounding leaves,
+// r = x - q * d (|r| <= d / 2 a block, so its own rounding errs 1/254 as much), and y_t = y(x_t part) + y(r part)
+// (+ bias, then the cap). The weights are read once for both: a GEMV of 2 rows costs its integer dots twice.
+// Rows go in chunks of kQgemm2PassRows, so the doubled rows and their outputs stay small at a large vocabulary;
+// each row's result is that of qgemm's one sequence, whatever T.
+constexpr int kQgemm2PassRows = 32;
+template <int N, int K, int BITS, int GS, bool ASYM, bool HAS_BIAS, int PF = kQgemvPrefetchBytes,
+          long TASK = kQgemvTaskBytes, int GEMV_COLS = kQgemvCols, typename SC>
+inline void qgemm_two_pass(const float* LLMC_RESTRICT x, const uint8_t* LLMC_RESTRICT qweight,
+                           const SC* LLMC_RESTRICT scales, const SC* LLMC_RESTRICT mins, const float* LLMC_RESTRICT bias,
+                           float* LLMC_RESTRICT y, int T, float cap = 0.0f) {
+  constexpr int TC = kQgemm2PassRows;
+  // the chunk's [2 TC, K] rows, then their [2 TC, N] outputs
+  float* x2 = reinterpret_cast<float*>(qgemm_scratch<kQScratchTwoPass>((size_t)2 * TC * (K + N) * sizeof(float)));
+  float* y2 = x2 + (size_t)2 * TC * K;
+  for (int t0 = 0; t0 < T; t0 += TC) {
+    const int rows = std::min(TC, T - t0);
+    for (int t = 0; t < rows; ++t) {
+      const float* xt = x + (long)(t0 + t) * K;
+      float* hi = x2 + (long)2 * t * K;
+      float* lo = hi + K;
+      int8_t q[32];
+      for (int b = 0; b < K / 32; ++b) {
+        const float* xb = xt + 32 * b;
+        const float amax = qsimd::absmax32(xb);
+        qsimd::round32(xb, amax != 0.0f ? 127.0f / amax : 0.0f, q);
+        const float d = amax / 127.0f;
+        for (int i = 0; i < 32; ++i) {
+          hi[32 * b + i] = xb[i];
+          lo[32 * b + i] = xb[i] - float(q[i]) * d;
+        }
+      }
+    }
+    qgemm<N, K, BITS, GS, ASYM, false, PF, TASK, GEMV_COLS>(x2, qweight, scales, mins, nullptr, y2, 2 * rows);
+    for (int t = 0; t < rows; ++t) {
+      const float* a = y2 + (long)2 * t * N;
+      float* yt = y + (long)(t0 + t) * N;
+      for (int j = 0; j < N; ++j) yt[j] = HAS_BIAS ? (a[j] + a[N + j]) + bias[j] : a[j] + a[N + j];
+    }
+  }
+  if (cap > 0.0f) softcap_block(y, N, 0, T, 0, N, cap);
 }
 
 // qembedding: out[t, :] = dequant(table)[ids[t], :] * scale, the table packed as qgemm's weight (a tied head's

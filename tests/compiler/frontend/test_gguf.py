@@ -35,6 +35,7 @@ from llmc.runtime.module import CompiledModel
 from llmc.sampling_params import SamplingParams
 from llmc.tools.cli import main
 from tests.checkpoints import GGUF_ARCHS, GGUF_OVERRIDES, hf_model
+from tests.cpu_activations import round_as_cpu_qgemm
 
 T = gguf.GGMLQuantizationType
 TEXTS = [
@@ -380,16 +381,6 @@ def _dequantized_checkpoint(ckpt, source_dir, out):
     return out
 
 
-def _quantize_activations(module, args):
-    """What the CPU qgemm does to a quantized GEMM's input first (its manifest's "activations": int8 per 32):
-    per block of 32 of a row, round-half-even(x * 127 / amax) * amax / 127."""
-    (x,) = args
-    blocks = x.reshape(*x.shape[:-1], -1, 32)
-    amax = blocks.abs().amax(dim=-1, keepdim=True)
-    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
-    return (torch.round(blocks * inv) * (amax / 127.0)).reshape(x.shape)
-
-
 def _assert_logits_match(artifact, reference_dir, quantized: set[str]):
     """Every prefill row and one decode step against transformers on the same weights, its Linears that read a
     quantized weight given the kernel's activation rounding. As in tests/tools/test_quantized_build.py, most
@@ -402,10 +393,7 @@ def _assert_logits_match(artifact, reference_dir, quantized: set[str]):
     nxt = int(np.argmax(prefill[-1]))
     decode = model.step(StepBatch.build([[nxt]], [len(ids)], [table], model.block_size))
     model.close()
-    reference = hf_model(reference_dir)
-    for name, module in reference.named_modules():
-        if isinstance(module, torch.nn.Linear) and f"{name}.weight" in quantized:
-            module.register_forward_pre_hook(_quantize_activations)
+    reference = round_as_cpu_qgemm(hf_model(reference_dir), lambda name: f"{name}.weight" in quantized)
     with torch.no_grad():
         want = reference(torch.tensor([[*ids, nxt]])).logits[0].numpy()
     rel = np.abs(np.concatenate([prefill, decode]) - want).max(axis=1) / np.abs(want).max(axis=1)

@@ -1,0 +1,32 @@
+"""The CPU qgemm's activation rounding (templates/cpu/include/llmc_qgemm.h; the manifest's "activations": int8
+per 32), for references that run transformers on a quantized build's weights."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+
+def int8_per_32(x: torch.Tensor) -> torch.Tensor:
+    """Per block of 32 of a row: round-half-even(x * 127 / amax) * amax / 127."""
+    blocks = x.reshape(*x.shape[:-1], -1, 32)
+    amax = blocks.abs().amax(dim=-1, keepdim=True)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    return (torch.round(blocks * inv) * (amax / 127.0)).reshape(x.shape)
+
+
+def int8_two_pass(x: torch.Tensor) -> torch.Tensor:
+    """qgemm_two_pass (the lm_head): x's rounding, plus its residual's."""
+    hi = int8_per_32(x)
+    return hi + int8_per_32(x - hi)
+
+
+def round_as_cpu_qgemm(model: torch.nn.Module, quantized: Callable[[str], bool]) -> torch.nn.Module:
+    """model, each Linear whose module name `quantized` accepts rounding its input as the CPU qgemm does: the
+    lm_head in two passes, the others in one."""
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and quantized(name):
+            rounding = int8_two_pass if name == "lm_head" else int8_per_32
+            module.register_forward_pre_hook(lambda _, args, rounding=rounding: rounding(args[0]))
+    return model
