@@ -3,9 +3,9 @@
 
     python benchmarks/quant_quality.py [CHECKPOINT] [--calibration FILE] [--types Q4_0,Q4_K_M,...] [--modes ...]
 
-The checkpoint (default: the bundled model) is written as an F32 GGUF (llmc.compiler.frontend.gguf_write) and
-quantized to each llama.cpp type by llama.cpp itself (llama-cpp-python's llama_model_quantize, no imatrix); llmc
-imports each file exactly and compiles it, and compiles the checkpoint with each `--quant` mode. Every build is
+The checkpoint (default: the bundled model; a GGUF file is taken at its values, dequantized) is written as an F32
+GGUF (llmc.compiler.frontend.gguf_write) and quantized to each llama.cpp type by llama.cpp itself
+(llama-cpp-python's llama_model_quantize, no imatrix); llmc imports each file exactly and compiles it, and compiles the checkpoint with each `--quant` mode. Every build is
 measured against the unquantized build on the same calibration tokens the quality gate scores (the first 2,048
 of the bundled model's held-out text, or --calibration): mean KL, top-1 agreement and the perplexity change
 (tools/quality.measure_artifacts), and its weights' bytes. Needs the `bench` extra (llama-cpp-python).
@@ -40,11 +40,13 @@ def main() -> None:
     from llmc.tools.quality import calibration_tokens, measure_artifacts
 
     src = args.checkpoint or bundled_checkpoint()
-    ids, label = calibration_tokens(load_checkpoint(src).tokenizer_path, args.calibration)
     with tempfile.TemporaryDirectory() as d:
         root = Path(d)
-        reference = compile_checkpoint(src, target="cpu", output=root / "reference")
         f32 = write_gguf(src, root / "f32.gguf", "F32")
+        if src.suffix == ".gguf":  # a quantized download: every build starts from its values, unquantized
+            src = f32
+        ids, label = calibration_tokens(load_checkpoint(src).tokenizer_path, args.calibration)
+        reference = compile_checkpoint(src, target="cpu", output=root / "reference")
         builds = []
         for name in args.types.split(","):
             params = llama_cpp.llama_model_quantize_default_params()
