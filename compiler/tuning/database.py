@@ -31,7 +31,9 @@ from llmc.host import host_cpu_isa, host_cpu_model
 
 VERSION = 1
 SOURCES = ("simulated", "measured")  # by rank: a later one replaces an earlier one
-_NOT_SHAPE = {"name", "inv_freq", "wdtype", "kv_dtype", "bits", "group_size", "asymmetric", "scale_bits"}
+# act_passes: a two-pass qgemm (the CPU's quantized lm_head) streams the same weights as its one-pass twin, and takes
+# its tuning
+_NOT_SHAPE = {"name", "inv_freq", "wdtype", "kv_dtype", "bits", "group_size", "asymmetric", "scale_bits", "act_passes"}
 
 
 def entry_key(template: str, params: Mapping[str, Any], tunables: set[str]) -> dict:
@@ -39,7 +41,7 @@ def entry_key(template: str, params: Mapping[str, Any], tunables: set[str]) -> d
     quant = "none"
     if "bits" in params:
         quant = f"int{params['bits']}_g{params['group_size']}" + ("_asym" if params.get("asymmetric") else "")
-        quant += "_fp32scales" if params.get("scale_bits") == 32 else ""
+        quant += {32: "_fp32scales", 8: "_kscales"}.get(params.get("scale_bits"), "")
     shape = {k: v for k, v in sorted(params.items()) if k not in _NOT_SHAPE and k not in tunables}
     dtype = params.get("wdtype") or params.get("kv_dtype") or "f32"
     return {"template": template, "shape": shape, "dtype": dtype, "quant": quant}

@@ -65,8 +65,8 @@ def render_candidate(shape: KernelShape, config: dict) -> tuple[str, str]:
     call = call.format(
         kid=kid,
         wt=ELEMENTS_BY_SHORT[params.get("wdtype", "f32")].ctype,
-        st=DTYPES["float16" if params.get("scale_bits") == 16 else "float32"].ctype,
-    )  # bf16 weights, fp16 scales: their bits
+        st={16: DTYPES["float16"].ctype, 8: "llmc::KScales"}.get(params.get("scale_bits"), "float"),
+    )  # bf16 weights, fp16 scales: their bits; K-quant records as the kernel reads them
     return kid, render_kernel("cpu", shape.op, name=kid, **params) + _TRAMPOLINES.format(kid=kid, call=call, nw=nw)
 
 
