@@ -349,8 +349,8 @@ class QuantConfig:
     `overrides` ((pattern, type), ...; `--tensor-quant PATTERN=TYPE`, as llama-quantize's --tensor-type) give
     the tensors whose checkpoint name matches a regular expression (re.search) a TYPE of their own in place of
     the mode's choice: the first pattern that matches wins. int8 is per channel and int4 g32 there (the mode's
-    --group-size where the type is the mode); float leaves the tensor unquantized. The lm_head's name is "lm_head.weight" (a tied embedding's
-    too), an untied embedding's "model.embed_tokens.weight".
+    --group-size where the type is the mode); float leaves the tensor unquantized. The lm_head's name is
+    "lm_head.weight" (a tied embedding's too), an untied embedding's "model.embed_tokens.weight".
 
     A linear whose K is not a multiple of K_MULTIPLE stays float.
     """
