@@ -396,7 +396,12 @@ class QuantConfig:
 
     @property
     def quantizes_head(self) -> bool:
-        return self.lm_head or self.mode in RECIPES
+        kind = self._override("lm_head.weight")
+        return kind != "float" if kind is not None else self.lm_head or self.mode in RECIPES
+
+    def _override(self, name: str) -> str | None:
+        """The type of the first override whose pattern matches tensor `name`, None where none does."""
+        return next((kind for pattern, kind in self.overrides if re.search(pattern, name)), None)
 
     def scheme(self, k: int, kind: str | None = None) -> QuantScheme | None:
         """The scheme of a linear of the blocks with K = k inputs (of TENSOR_TYPES `kind` if given, else of the
@@ -416,9 +421,9 @@ class QuantConfig:
         """The scheme of checkpoint tensor `name` with K = k inputs, None where it stays float. `name` is a linear
         of the blocks, "lm_head.weight" (the head, a tied embedding's too) or "model.embed_tokens.weight" (an
         untied embedding's gather)."""
-        for pattern, kind in self.overrides:
-            if re.search(pattern, name):
-                return self.scheme(k, kind)
+        kind = self._override(name)
+        if kind is not None:
+            return self.scheme(k, kind)
         if name == "model.embed_tokens.weight" and self.mode not in RECIPES:
             return None
         if name == "lm_head.weight" and not self.quantizes_head:
