@@ -33,6 +33,7 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from llmc.errors import CompileError
@@ -177,21 +178,34 @@ def build_shared_library(
                 "free space there, or set $LLMC_CACHE_DIR to a disk with room",
             ) from None
         raise
-    cmd = [compiler, *flags, "-o", tmp, *units]
+    objects = [f"{tmp[: -len('.so.tmp')]}.{i}.o.tmp" for i in range(len(units))] if len(units) > 1 else []
     try:
-        proc = subprocess.run(cmd, cwd=out_dir, capture_output=True, text=True)
-        if proc.returncode != 0:
-            tail = "\n".join(proc.stderr.strip().splitlines()[-_STDERR_TAIL_LINES:])
-            raise CompileError(
-                f"{compiler} failed (exit {proc.returncode}) building {', '.join(units)}:\n{tail}",
-                f"sources kept in {out_dir}; command: {' '.join(cmd)}",
-            )
+        if objects:  # each unit on its own core, then one link
+            with ThreadPoolExecutor(min(len(units), os.cpu_count() or 1)) as pool:
+                list(pool.map(lambda u, o: _run(compiler, [*flags, "-c", "-o", o, u], out_dir), units, objects))
+            _run(compiler, [*flags, "-o", tmp, *objects], out_dir)
+        else:
+            _run(compiler, [*flags, "-o", tmp, *units], out_dir)
         os.replace(tmp, lib)
-    except OSError as e:
-        raise CompileError(f"cannot run {compiler} in {out_dir}: {e}") from e
     finally:
-        Path(tmp).unlink(missing_ok=True)
+        for path in [tmp, *objects]:
+            Path(path).unlink(missing_ok=True)
     return lib
+
+
+def _run(compiler: str, args: list[str], cwd: Path) -> None:
+    cmd = [compiler, *args]
+    try:
+        proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True)
+    except OSError as e:
+        raise CompileError(f"cannot run {compiler} in {cwd}: {e}") from e
+    if proc.returncode != 0:
+        tail = "\n".join(proc.stderr.strip().splitlines()[-_STDERR_TAIL_LINES:])
+        sources = [a for a in args if a.endswith(_COMPILED_SUFFIXES)]
+        raise CompileError(
+            f"{compiler} failed (exit {proc.returncode}) building {', '.join(sources) or 'the library'}:\n{tail}",
+            f"sources kept in {cwd}; command: {' '.join(cmd)}",
+        )
 
 
 def clear_cache(cache_dir: str | os.PathLike | None = None) -> None:

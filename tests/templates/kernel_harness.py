@@ -1,7 +1,7 @@
 """Builds kernel templates into test libraries and calls them from numpy, on either target.
 
-kernels_source(target, specs) renders every distinct (op, params) of `specs` after the target's header, each
-with an `extern "C"` trampoline `test_<kernel_id>` taking the contract signature: on the CPU it calls the
+kernels_source(target, specs, units) renders every distinct (op, params) of `specs` after the target's header, split
+into `units` translation units (the CPU's: one per core, compiled in parallel), each an `extern "C"` trampoline `test_<kernel_id>` taking the contract signature: on the CPU it calls the
 kernel, on CUDA the host launcher with the default stream, returning cudaGetLastError(). A Kernel wraps a
 loaded trampoline and is called with numpy arrays / ints / None in contract order; dtypes and contiguity are
 checked. Under the CUDA simulator device memory is host memory, so both targets take the same numpy arrays.
@@ -67,6 +67,18 @@ SIGNATURES = {
     "silu_mul": [("gate_up", "A*"), ("out", "A*"), ("T", "int")],
     "gather_rows": [("x", "A*"), ("rows", "i32*"), ("n", "int"), ("out", "A*")],
     "qembedding": [("ids", "i32*"), ("T", "int"), ("qweight", "u8*"), ("scales", "S*"), ("mins", "S*"), ("out", "A*")],
+    "moe_route": [("x", "A*"), ("router", "W*"), ("route", "f32*"), ("T", "int")],
+    "moe_gemm": [("x", "A*"), ("route", "f32*"), ("w", "W*"), ("out", "A*"), ("T", "int")],
+    "moe_qgemm": [
+        ("x", "A*"),
+        ("route", "f32*"),
+        ("qweight", "u8*"),
+        ("scales", "S*"),
+        ("mins", "S*"),
+        ("out", "A*"),
+        ("T", "int"),
+    ],
+    "moe_combine": [("y", "A*"), ("route", "f32*"), ("out", "A*"), ("T", "int")],
     "qgemm": [
         ("x", "A*"),
         ("qweight", "u8*"),
@@ -234,31 +246,29 @@ def trampoline(target: str, op: str, params: dict, kid: str) -> str:
     )
 
 
-def kernels_source(target: str, specs) -> tuple[str, dict[str, tuple[str, dict]]]:
-    """One translation unit with every distinct kernel of `specs` and its trampoline, after the target's header;
-    also {kernel_id: (op, params)}."""
-    parts = [f'#include "{HEADERS[target]}"\n']
+def kernels_source(target: str, specs, units: int = 1) -> tuple[list[str], dict[str, tuple[str, dict]]]:
+    """`units` translation units (fewer if there are fewer kernels) that hold every distinct kernel of `specs` and
+    its trampoline between them, each after the target's header; also {kernel_id: (op, params)}."""
     seen: dict[str, tuple[str, dict]] = {}
     for op, params in specs:
-        kid = kernel_id(target, op, params)
-        if kid in seen:
-            continue
-        seen[kid] = (op, params)
-        parts.append(render_kernel(target, op, name=kid, **params))
-        parts.append(trampoline(target, op, params, kid))
-    return "".join(parts), seen
+        seen.setdefault(kernel_id(target, op, params), (op, params))
+    parts: list[list[str]] = [[f'#include "{HEADERS[target]}"\n'] for _ in range(min(units, len(seen)) or 1)]
+    for i, (kid, (op, params)) in enumerate(seen.items()):
+        parts[i % len(parts)] += [render_kernel(target, op, name=kid, **params), trampoline(target, op, params, kid)]
+    return ["".join(p) for p in parts], seen
 
 
 class Harness:
     """The kernels of one target: build(specs) compiles what is missing, harness(op, params) is its Kernel.
 
     `pending` holds specs to compile along with the next build (the collected test modules' SPECS), so a run
-    builds one library per target, not one per module. A target class adds _load(source) -> CDLL,
+    builds one library per target, not one per module. A target class adds _load(sources) -> CDLL,
     schedules() (functions that each put the target in one schedule, the default first) and reset_schedule().
     """
 
     target: str
     kernel_class = Kernel
+    units = 1  # translation units a build splits its kernels into
 
     def __init__(self):
         self._kernels: dict[str, Kernel] = {}
@@ -274,8 +284,8 @@ class Harness:
             return
         pending = [t for s in self.pending if (t := self.spec(*s)) is not None]
         missing = [s for s in [*specs, *pending] if kernel_id(self.target, *s) not in self._kernels]
-        source, seen = kernels_source(self.target, missing)
-        lib = self._load(source)
+        sources, seen = kernels_source(self.target, missing, self.units)
+        lib = self._load(sources)
         self._kernels.update(
             {kid: self.kernel_class(getattr(lib, f"test_{kid}"), op, p) for kid, (op, p) in seen.items()}
         )
@@ -286,6 +296,7 @@ class Harness:
 
 class CpuHarness(Harness):
     target = "cpu"
+    units = os.cpu_count() or 1  # build_shared_library compiles them in parallel: the build is most of a run
 
     def spec(self, op: str, params: dict) -> tuple[str, dict] | None:
         """The CPU templates take no adtype: their activations are float32, and bf16 ones are CUDA's alone."""
@@ -299,8 +310,8 @@ class CpuHarness(Harness):
         self.flags = [f"-march={march}" if f == "-march=native" and march else f for f in CPU_FLAGS]
         self._gomp = None
 
-    def _load(self, source: str) -> ctypes.CDLL:
-        files = {**target_headers("cpu"), "kernels.cc": source}
+    def _load(self, sources: list[str]) -> ctypes.CDLL:
+        files = {**target_headers("cpu"), **{f"kernels{i}.cc": s for i, s in enumerate(sources)}}
         return ctypes.CDLL(str(build_shared_library(files, flags=self.flags)))
 
     def _omp(self) -> ctypes.CDLL:  # libgomp, which the kernels load
@@ -339,7 +350,8 @@ class CudaHarness(CudaTemplates, Harness):
         self.out_dir = out_dir
         self._libs: list[ctypes.CDLL] = []
 
-    def _load(self, source: str) -> ctypes.CDLL:
+    def _load(self, sources: list[str]) -> ctypes.CDLL:
+        (source,) = sources
         lib = ctypes.CDLL(str(simulator.build_simulated(source, self.out_dir / f"kernels{len(self._libs)}.so")))
         lib.llmc_sim_set_seed.argtypes = [ctypes.c_ulonglong]
         lib.llmc_sim_set_seed(1)
@@ -372,9 +384,10 @@ class GpuHarness(CudaTemplates, Harness):
     def kernel_class(self, fn, op: str, params: dict) -> StagedKernel:
         return StagedKernel(fn, op, params, self.memory)
 
-    def _load(self, source: str) -> ctypes.CDLL:
+    def _load(self, sources: list[str]) -> ctypes.CDLL:
         from llmc.compiler.compile import build_module
 
+        (source,) = sources
         return ctypes.CDLL(str(build_module(self.gpu_target, source)))
 
     def schedules(self) -> list:

@@ -328,3 +328,35 @@ class Batch:
         one.block_tables = np.ascontiguousarray(self.block_tables[b : b + 1])
         one.B, one.T = 1, int(t1 - t0)
         return one
+
+
+# ---------------------------------------------------------------------------------------------------
+# qgemm: y = x_hat @ dequant(w)^T, x_hat the kernel's int8-per-32 activations
+
+
+def quantize_activations(x):
+    """(x_hat float64 [T, k] = the values the kernel's int8 activations hold, d float32 [T, k/32] per block)."""
+    T, k = x.shape
+    blocks = x.reshape(T, k // 32, 32)
+    amax = np.abs(blocks).max(axis=2)
+    d = amax / np.float32(127)
+    inv = np.divide(np.float32(127), amax, out=np.zeros_like(amax), where=amax != 0)
+    q = np.rint(blocks * inv[..., None])  # float32 product, ties to even: as the kernel rounds
+    assert np.abs(q).max() <= 127
+    return (q.astype(np.float64) * d[..., None].astype(np.float64)).reshape(T, k), d
+
+
+def qgemm_reference(x, t, bias):
+    """(y float64 [T, n] for the quantized activations, a bound on the kernel's float32 rounding, and the bound on
+    the activation quantization's error against the unquantized x)."""
+    k, g = t.shape[1], t.scheme.group_size
+    x_hat, d = quantize_activations(x)
+    qs = t.q.astype(np.float64) * np.repeat(t.scales, g, axis=1)[:, :k]
+    m = np.zeros_like(qs) if t.mins is None else np.repeat(t.mins, g, axis=1)[:, :k].astype(np.float64)
+    y = x_hat @ (qs - m).T + (0.0 if bias is None else bias.astype(np.float64))
+    magnitude = np.abs(x_hat) @ (np.abs(qs) + np.abs(m)).T + (0.0 if bias is None else np.abs(bias))
+    half_step = np.repeat(d.astype(np.float64), 32, axis=1) / 2
+    from llmc.compiler.quant import dequantize
+
+    quant_err = half_step @ np.abs(dequantize(t).astype(np.float64)).T
+    return y, 1e-5 * magnitude, quant_err

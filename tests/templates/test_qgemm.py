@@ -19,11 +19,11 @@ import numpy as np
 import pytest
 
 from llmc.compiler.codegen.render import render_kernel
-from llmc.compiler.quant import QuantizedTensor, QuantScheme, dequantize, quantize
+from llmc.compiler.quant import QuantScheme, dequantize, quantize
 from llmc.compiler.quant_pack import pack_cpu, unpack_cpu
 from llmc.errors import CompileError
 from tests.templates.kernel_harness import spec_id
-from tests.templates.kernel_reference import assert_softcapped, quantized_weight
+from tests.templates.kernel_reference import assert_softcapped, qgemm_reference, quantized_weight
 
 pytestmark = pytest.mark.targets("cpu")
 
@@ -83,32 +83,6 @@ def qgemm_inputs(params, T, seed):
     t = quantized_weight(w, QuantScheme.of_kernel(params), rng)
     bias = rng.standard_normal(n, dtype=np.float32) if params["has_bias"] else None
     return x, t, pack_cpu(t), bias
-
-
-def quantize_activations(x):
-    """(x_hat float64 [T, k] = the values the kernel's int8 activations hold, d float32 [T, k/32] per block)."""
-    T, k = x.shape
-    blocks = x.reshape(T, k // 32, 32)
-    amax = np.abs(blocks).max(axis=2)
-    d = amax / np.float32(127)
-    inv = np.divide(np.float32(127), amax, out=np.zeros_like(amax), where=amax != 0)
-    q = np.rint(blocks * inv[..., None])  # float32 product, ties to even: as the kernel rounds
-    assert np.abs(q).max() <= 127
-    return (q.astype(np.float64) * d[..., None].astype(np.float64)).reshape(T, k), d
-
-
-def qgemm_reference(x, t: QuantizedTensor, bias):
-    """(y float64 [T, n] for the quantized activations, a bound on the kernel's float32 rounding, and the bound on
-    the activation quantization's error against the unquantized x)."""
-    k, g = t.shape[1], t.scheme.group_size
-    x_hat, d = quantize_activations(x)
-    qs = t.q.astype(np.float64) * np.repeat(t.scales, g, axis=1)[:, :k]
-    m = np.zeros_like(qs) if t.mins is None else np.repeat(t.mins, g, axis=1)[:, :k].astype(np.float64)
-    y = x_hat @ (qs - m).T + (0.0 if bias is None else bias.astype(np.float64))
-    magnitude = np.abs(x_hat) @ (np.abs(qs) + np.abs(m)).T + (0.0 if bias is None else np.abs(bias))
-    half_step = np.repeat(d.astype(np.float64), 32, axis=1) / 2
-    quant_err = half_step @ np.abs(dequantize(t).astype(np.float64)).T
-    return y, 1e-5 * magnitude, quant_err
 
 
 @pytest.mark.parametrize("T", [1, 2, 3, 4, 5, 17, 64, 129])

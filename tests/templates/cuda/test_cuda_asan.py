@@ -106,7 +106,7 @@ print("ok")
 
 @pytest.fixture(scope="module")
 def asan_so(tmp_path_factory):
-    source, _ = kernels_source("cuda", SPECS_ASAN)
+    (source,), _ = kernels_source("cuda", SPECS_ASAN)
     return simulator.build_simulated(source, tmp_path_factory.mktemp("asan") / "kernels.so", asan=True)
 
 

@@ -89,7 +89,7 @@ KERNELS = {
 
 @pytest.fixture(scope="module")
 def source(tmp_path_factory):
-    text, _ = kernels_source("cuda", REPRESENTATIVE)
+    (text,), _ = kernels_source("cuda", REPRESENTATIVE)
     path = tmp_path_factory.mktemp("nvcc") / "templates.cu"
     path.write_text(text)
     return path

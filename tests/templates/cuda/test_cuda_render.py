@@ -89,7 +89,7 @@ def test_the_build_ships_every_header(tmp_path):
     for name, text in headers.items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(text)
-    source, _ = kernels_source("cuda", [("rmsnorm", dict(COMMON["rmsnorm"], adtype="bf16"))])
+    (source,), _ = kernels_source("cuda", [("rmsnorm", dict(COMMON["rmsnorm"], adtype="bf16"))])
     (tmp_path / "model.cu").write_text(source)
     cmd = [
         simulator.CXX,

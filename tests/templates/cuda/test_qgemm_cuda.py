@@ -224,7 +224,7 @@ print("ok")
 
 @pytest.mark.slow
 def test_qgemm_cuda_asan_clean(tmp_path):
-    source, _ = kernels_source("cuda", [("qgemm", _params(*s, True)) for s in ASAN_SCHEMES])
+    (source,), _ = kernels_source("cuda", [("qgemm", _params(*s, True)) for s in ASAN_SCHEMES])
     so = simulator.build_simulated(source, tmp_path / "qgemm_asan.so", asan=True)
     code = ASAN_CHILD.format(root=str(ROOT), so=str(so))
     r = subprocess.run(
