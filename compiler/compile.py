@@ -18,7 +18,7 @@ from tqdm import tqdm
 
 from llmc.artifact_writer import write_artifact
 from llmc.dtypes import ELEMENT_DTYPES, resolve_kv_dtype
-from llmc.errors import CompileError
+from llmc.errors import CompileError, UnsupportedModelError
 from llmc.targets import Target, load_target, tuning_db_path
 
 from .codegen.build import build_shared_library
@@ -86,7 +86,9 @@ def quant_schemes(ckpt: Checkpoint, quant: QuantConfig) -> dict[str, QuantScheme
     shapes = ckpt.config.weight_shapes()
     tied = "lm_head.weight" not in shapes
     linears = [
-        n for n, s in shapes.items() if len(s) == 2 and n.startswith("model.layers.") and n.endswith("_proj.weight")
+        n
+        for n, s in shapes.items()
+        if len(s) == 2 and n.startswith("model.layers.") and (n.endswith("_proj.weight") or ".experts." in n)
     ]
     roles = {n: n for n in linears} | {"model.embed_tokens.weight" if tied else "lm_head.weight": "lm_head.weight"}
     if not tied:  # its own table, read only by the gather
@@ -215,6 +217,11 @@ def compile_checkpoint(
             f"--kv-cache-dtype takes auto or one of {', '.join(ELEMENT_DTYPES)}",
         )
     ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else load_checkpoint(checkpoint)
+    if tgt.is_cuda and ckpt.config.moe_layers:
+        raise UnsupportedModelError(
+            f"{ckpt.config.architecture}: mixture-of-experts layers have kernels for the cpu target only so far",
+            "compile it with --target cpu",
+        )
     dtype = resolve_weight_dtype(ckpt, weight_dtype)
     kv_dtype = resolve_kv_dtype(kv_dtype, cuda=tgt.is_cuda, weight_dtype=dtype)
     schemes = quant_schemes(ckpt, quant)

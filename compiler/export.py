@@ -25,7 +25,7 @@ import torch
 from llmc.errors import CompileError
 
 from .frontend.checkpoint import Checkpoint
-from .frontend.model import LlamaFamily, softcapped_attention_reference
+from .frontend.model import LlamaFamily, moe_reference, softcapped_attention_reference
 from .frontend.trace import Traced, trace
 from .passes.common import llmc_call, prim
 
@@ -101,6 +101,17 @@ def _softcapped_attention(node, importer):
     return swap_heads_and_tokens(out)
 
 
+def _moe(node, importer):
+    """llmc::moe -> llmc.moe: the rows, the router and the experts' stacked weights (concats of weight parameters,
+    which lowering packs as one tensor each), top_k and whether the chosen probabilities are renormalized; the
+    experts float (quantize_linear gives them their scheme)."""
+    x, router, gate_up, down = (importer.env[a] for a in node.args[:4])
+    top_k, norm_topk = node.args[4:]
+    return importer.block_builder.emit(
+        llmc_call("moe", [x, router, gate_up, down, prim(int(top_k)), prim(int(norm_topk)), *[prim(0)] * 8], x.ty)
+    )
+
+
 def to_relax(traced: Traced):
     """Relax IRModule whose main is (input_ids: [T] i64, positions: [T] i64, *weights) -> logits [T, vocab]."""
     from tvm.relax.frontend.torch import from_exported_program
@@ -113,6 +124,7 @@ def to_relax(traced: Traced):
             custom_convert_map={
                 "scaled_dot_product_attention.default": _attention,
                 "softcapped_attention.default": _softcapped_attention,
+                "moe.default": _moe,
             },
         )
     except CompileError:
@@ -145,9 +157,13 @@ def export_onnx(ckpt: Checkpoint, out: Path) -> Path:
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the exporter warns about its own axis renaming
         traced = torch.export.export(model, (ids, pos), dynamic_shapes=({0: tokens}, {0: tokens}))
-        # ONNX has no soft-capped attention: its body, in ONNX's ops (the one entry leaves every other op as is)
+        # ONNX has no soft-capped attention or mixture-of-experts: their bodies, in ONNX's ops (the entries leave
+        # every other op as is)
         traced = traced.run_decompositions(
-            {torch.ops.llmc.softcapped_attention.default: softcapped_attention_reference}
+            {
+                torch.ops.llmc.softcapped_attention.default: softcapped_attention_reference,
+                torch.ops.llmc.moe.default: moe_reference,
+            }
         )
         program = torch.onnx.export(
             traced,

@@ -36,6 +36,7 @@ from .legalize import legalize_call
 from .lower_llmc_ops import LlmcOpLowering
 from .passes.common import (
     ABI_PARAMS,
+    QUANT_ATTRS,
     bindings,
     calls,
     last_dim,
@@ -398,7 +399,7 @@ class _Lowering(LlmcOpLowering):
 
     def _quantized(self, args: dict, w: _Weight) -> tuple[dict, list[str]]:
         """(the scheme's kernel parameters, the packed parts' args: qweight, scales, mins or nullptr)."""
-        quant = {a: int(prim_value(args[a])) for a in ("bits", "group_size", "asymmetric", "scale_bits")}
+        quant = {a: int(prim_value(args[a])) for a in QUANT_ATTRS}
         quant["asymmetric"] = bool(quant["asymmetric"])
         scheme = QuantScheme.of_kernel(quant)
         q, scales, *mins = (self.quant_index(w, scheme, p) for p in QUANT_PARTS if p != "mins" or scheme.stores_mins)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from llmc.dtypes import DTYPES
 from llmc.errors import CompileError
 
-from .passes.common import llmc_args, prim_value
+from .passes.common import QUANT_ATTRS, llmc_args, prim_value
 
 
 class LlmcOpLowering:
@@ -159,3 +159,47 @@ class LlmcOpLowering:
             [out],
         )
         self.env[var] = out
+
+    def op_moe(self, var, value):
+        """A mixture-of-experts MLP: moe_route (router GEMM, softmax, top-k), the experts' gate_up GEMM with its
+        SwiGLU, their down GEMM (each over its tokens, gathered), moe_combine (the weighted sum)."""
+        args = llmc_args(value)
+        x = self.view(args["x"])
+        if x.stride != x.cols:
+            raise CompileError(f"mixture-of-experts {var.name}: expected a whole activation")
+        experts, hidden = self.env[args["router"]].shape
+        inter = self.env[args["down"]].shape[1]
+        top_k = int(prim_value(args["top_k"]))
+        router = self.weight(args["router"])
+        route = self.new_value(2 * top_k, x.rows)
+        params = {
+            "experts": experts,
+            "hidden": hidden,
+            "top_k": top_k,
+            "norm_topk": bool(prim_value(args["norm_topk"])),
+            "wdtype": self.wdtype(router),
+        }
+        self.emit("moe_route", params, [x, f"W[{router}]", route, x.rows], ["gate", "softmax", "top_k"], [route])
+        act = self.new_value(top_k * inter, x.rows)
+        self._moe_gemm(args, "gate_up", x, route, act, dict(experts=experts, n=2 * inter, k=hidden, top_k=top_k))
+        y = self.new_value(top_k * hidden, x.rows)
+        self._moe_gemm(args, "down", act, route, y, dict(experts=experts, n=hidden, k=inter, top_k=top_k))
+        out = self.new_value(hidden, x.rows)
+        self.emit("moe_combine", {"hidden": hidden, "top_k": top_k}, [y, route, out, x.rows], ["weighted sum"], [out])
+        self.env[var] = out
+
+    def _moe_gemm(self, args: dict, role: str, x, route, out, params: dict) -> None:
+        """The experts' stacked `role` weights over the rows each chose them for: moe_gemm, or moe_qgemm with the
+        scheme quantize_linear gave them."""
+        w = self.env.get(args[role])
+        swiglu = role == "gate_up"
+        params = {**params, "per_slot": not swiglu, "swiglu": swiglu}
+        fused = [f"experts.{role}"] + (["silu", "mul"] if swiglu else [])
+        quant = {a: args[f"{role}_{a}"] for a in QUANT_ATTRS}
+        if int(prim_value(quant["bits"])):
+            scheme, weights = self._quantized(quant, w)
+            self.emit("moe_qgemm", {**params, **scheme}, [x, route, *weights, out, x.rows], fused, [out])
+        else:
+            i = self.weight_index(w)
+            params["wdtype"] = self.wdtype(i)
+            self.emit("moe_gemm", params, [x, route, f"W[{i}]", out, x.rows], fused, [out])

@@ -53,6 +53,15 @@ class ModelConfig:
     rotary_dim: int | None = None  # the leading dims of each head that RoPE rotates (Phi-4-mini: 3/4); None: all
     # Phi-3: the checkpoint stores q, k, v as one qkv_proj and gate, up as one gate_up_proj (stored_slices)
     fused_projections: bool = False
+    # Mixture-of-experts (Qwen3-MoE, Mixtral, OLMoE): the MLP of each layer in moe_layers is a router over
+    # num_experts gated MLPs of expert_intermediate_size, experts_per_token of them per token, their outputs
+    # summed by the softmax probabilities of the chosen ones (renormalized to sum 1 with norm_topk_prob); None
+    # for a dense model
+    num_experts: int | None = None
+    experts_per_token: int | None = None
+    expert_intermediate_size: int | None = None
+    norm_topk_prob: bool = False
+    moe_layers: tuple[int, ...] = ()
 
     @property
     def q_size(self) -> int:
@@ -102,6 +111,14 @@ class ModelConfig:
             rows[stored] = max(hi, rows.get(stored, 0))
         return {n: (rows[slices[n][0]], *s[1:]) if n in slices else s for n, s in shapes.items()}
 
+    def moe_names(self, layer: int) -> tuple[str, str, tuple[str, str, str]]:
+        """(router weight, experts' prefix, (gate, up, down) linear names) of a sparse layer: expert e's gate is
+        f"{prefix}{e}.{gate}.weight". Mixtral's block_sparse_moe with w1 / w3 / w2, else the mlp's."""
+        p = f"model.layers.{layer}."
+        if self.architecture == "MixtralForCausalLM":
+            return p + "block_sparse_moe.gate.weight", p + "block_sparse_moe.experts.", ("w1", "w3", "w2")
+        return p + "mlp.gate.weight", p + "mlp.experts.", ("gate_proj", "up_proj", "down_proj")
+
     def attention_window(self, layer: int) -> int:
         """Keys a query of `layer` attends to, itself included; 0 is the whole causal context."""
         return self.sliding_window if self.sliding_window and layer in self.sliding_layers else 0
@@ -130,6 +147,17 @@ class ModelConfig:
             return "sandwich_norms and post_norms both set"
         if self.fused_projections and (self.attention_bias or self.mlp_bias):
             return "fused projections with biases"
+        if any(layer >= self.num_layers for layer in self.moe_layers):
+            return f"a mixture-of-experts layer is past the last of {self.num_layers} layers"
+        if self.moe_layers and not (
+            self.num_experts
+            and self.expert_intermediate_size
+            and 1 <= (self.experts_per_token or 0) <= self.num_experts
+        ):
+            return (
+                f"mixture-of-experts layers with num_experts={self.num_experts}, experts_per_token="
+                f"{self.experts_per_token}, expert_intermediate_size={self.expert_intermediate_size}"
+            )
         if not 2 <= self.rope_dim <= self.head_dim or self.rope_dim % 2:
             return f"rotary_dim={self.rotary_dim} is not an even count of at most head_dim={self.head_dim}"
         s = self.rope_scaling or {}
@@ -163,6 +191,14 @@ class ModelConfig:
             shapes[p + "self_attn.o_proj.weight"] = (h, self.q_size)
             if self.o_bias:
                 shapes[p + "self_attn.o_proj.bias"] = (h,)
+            if n in self.moe_layers:
+                router, experts, (gate, up, down) = self.moe_names(n)
+                shapes[router] = (self.num_experts, h)
+                e_i = self.expert_intermediate_size
+                for e in range(self.num_experts):
+                    for name, shape in ((gate, (e_i, h)), (up, (e_i, h)), (down, (h, e_i))):
+                        shapes[f"{experts}{e}.{name}.weight"] = shape
+                continue
             for name, (out_features, in_features) in (("gate", (i, h)), ("up", (i, h)), ("down", (h, i))):
                 shapes[p + f"mlp.{name}_proj.weight"] = (out_features, in_features)
                 if self.mlp_bias:
@@ -180,6 +216,7 @@ class ModelConfig:
         d["eos_token_ids"] = list(self.eos_token_ids)
         d["sliding_layers"] = list(self.sliding_layers)
         d["nope_layers"] = list(self.nope_layers)
+        d["moe_layers"] = list(self.moe_layers)
         return d
 
     @classmethod
@@ -188,4 +225,5 @@ class ModelConfig:
         d["eos_token_ids"] = tuple(d["eos_token_ids"])
         d["sliding_layers"] = tuple(d.get("sliding_layers", ()))
         d["nope_layers"] = tuple(d.get("nope_layers", ()))
+        d["moe_layers"] = tuple(d.get("moe_layers", ()))
         return cls(**d)

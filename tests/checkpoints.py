@@ -154,9 +154,51 @@ VARIANTS = {
         num_hidden_layers=2,
         pad_token_id=None,  # its default (1) is this vocabulary's eos
     ),
+    # Mixture-of-experts. Qwen3-MoE: 6 experts, top 2 renormalized; layer 1 dense (mlp_only_layers), with its own
+    # intermediate size; experts of 40 (no multiple of 32)
+    "qwen3_moe": dict(
+        arch="qwen3_moe",
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=24,
+        intermediate_size=120,
+        moe_intermediate_size=40,
+        num_experts=6,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        mlp_only_layers=[1],
+        num_hidden_layers=3,
+    ),
+    # Mixtral: 5 experts, top 2 (always renormalized), tied embeddings
+    "mixtral": dict(
+        arch="mixtral",
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=72,
+        num_local_experts=5,
+        num_experts_per_tok=2,
+        num_hidden_layers=2,
+        tie_word_embeddings=True,
+    ),
+    # OLMoE: q / k norms over the whole projection, 8 experts, top 3 not renormalized
+    "olmoe": dict(
+        arch="olmoe",
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=48,
+        num_experts=8,
+        num_experts_per_tok=3,
+        norm_topk_prob=False,
+        num_hidden_layers=2,
+        pad_token_id=None,
+    ),
 }
 
-ARCHS = tuple(VARIANTS)
+MOE_ARCHS = ("qwen3_moe", "mixtral", "olmoe")
+ARCHS = tuple(a for a in VARIANTS if a not in MOE_ARCHS)  # the dense families
 GGUF_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "granite", "gemma2", "gemma3", "olmo2", "phi3", "smollm3")
 # What a GGUF of the variant can hold, or llama.cpp runs as transformers does: llama.cpp's gemma2 and gemma3 have
 # query_pre_attn_scalar = head_dim, gemma3 a global layer every 6th and local RoPE base 10000, and no field for any
@@ -228,14 +270,20 @@ def make_checkpoint(
         LlamaForCausalLM,
         MistralConfig,
         MistralForCausalLM,
+        MixtralConfig,
+        MixtralForCausalLM,
         Olmo2Config,
         Olmo2ForCausalLM,
+        OlmoeConfig,
+        OlmoeForCausalLM,
         Phi3Config,
         Phi3ForCausalLM,
         Qwen2Config,
         Qwen2ForCausalLM,
         Qwen3Config,
         Qwen3ForCausalLM,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
         SmolLM3Config,
         SmolLM3ForCausalLM,
     )
@@ -251,6 +299,9 @@ def make_checkpoint(
         "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM),
         "olmo2": (Olmo2Config, Olmo2ForCausalLM),
         "phi3": (Phi3Config, Phi3ForCausalLM),
+        "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
+        "mixtral": (MixtralConfig, MixtralForCausalLM),
+        "olmoe": (OlmoeConfig, OlmoeForCausalLM),
     }
     spec = {**VARIANTS[variant], **overrides}
     arch, shard = spec.pop("arch"), spec.pop("shard", None)

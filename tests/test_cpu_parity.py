@@ -14,7 +14,7 @@ from llmc.runtime.batch import StepBatch
 from llmc.runtime.engine import LLMEngine
 from llmc.runtime.module import CompiledModel
 from llmc.sampling_params import SamplingParams
-from tests.checkpoints import ARCHS, hf_model
+from tests.checkpoints import ARCHS, MOE_ARCHS, hf_model
 from tests.logits_rows import assert_logits_rows_match_transformers
 
 PROMPTS = [
@@ -38,7 +38,7 @@ def _prompt_ids(path):
     return [tok.encode(p).ids for p in PROMPTS]
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", (*ARCHS, *MOE_ARCHS))
 def test_greedy_tokens_match_transformers_in_one_batch(arch, checkpoint_dir, tmp_path_factory):
     path = checkpoint_dir(arch)
     _assert_batched_greedy_matches(
@@ -60,7 +60,7 @@ def _assert_batched_greedy_matches(model, path, prompts, max_num_batched_tokens=
         assert result.outputs[0].token_ids == expected
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", (*ARCHS, *MOE_ARCHS))
 def test_every_step_logits_within_1e3(arch, checkpoint_dir, tmp_path_factory):
     path = checkpoint_dir(arch)
     model = CompiledModel.load(compiled(checkpoint_dir, tmp_path_factory, arch))
@@ -80,7 +80,7 @@ def test_every_step_logits_within_1e3(arch, checkpoint_dir, tmp_path_factory):
         tokens.append(new[0])
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", (*ARCHS, *MOE_ARCHS))
 def test_logits_at_every_row_and_at_mixed_rows(arch, checkpoint_dir, tmp_path_factory):
     path = checkpoint_dir(arch)
     prompts = _prompt_ids(path)

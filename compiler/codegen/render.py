@@ -124,7 +124,7 @@ def _check_params(op: str, params: Mapping[str, Any]) -> None:
     cap = params.get("softcap")
     if cap is not None and (isinstance(cap, bool) or not isinstance(cap, float) or not 0 < cap < math.inf):
         raise ValueError(f"softcap must be a finite float > 0 (absent: none), got {cap!r}")
-    if op == "qgemm":
+    if op in ("qgemm", "moe_qgemm"):
         _check_quant(params, params["k"])
         if params.get("act_passes", 2) != 2:
             raise ValueError(f"act_passes must be 2 (absent: one pass), got {params['act_passes']!r}")

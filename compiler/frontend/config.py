@@ -29,18 +29,22 @@ ARCHITECTURES = {
     "Olmo2ForCausalLM": "OLMo 2 (norms after each branch, q/k norms over the whole projection)",
     "Phi3ForCausalLM": "Phi-3, Phi-3.5-mini and Phi-4-mini (fused qkv / gate_up projections, partial rotary, "
     "LongRoPE, a sliding window on every layer)",
+    "Qwen3MoeForCausalLM": "Qwen3-MoE (Qwen3-30B-A3B, 235B-A22B): Qwen3's attention, top-k experts per token "
+    "(CPU target)",
+    "MixtralForCausalLM": "Mixtral 8x7B, 8x22B: Mistral's attention, top-2 of 8 experts (CPU target)",
+    "OlmoeForCausalLM": "OLMoE (q/k norms over the whole projection, top-8 of 64 experts; CPU target)",
 }
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 # Checkpoints of these hold a vision tower, experts or layers llmc does not build yet: named in the refusal, so a
 # user knows why
 _REFUSED = {
     "Gemma3ForConditionalGeneration": "its vision tower is not compiled; a text-only Gemma 3 (Gemma3ForCausalLM) is",
-    "Qwen3MoeForCausalLM": "mixture-of-experts layers are not compiled yet",
-    "MixtralForCausalLM": "mixture-of-experts layers are not compiled yet",
-    "OlmoeForCausalLM": "mixture-of-experts layers are not compiled yet",
 }
-_QWEN = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")  # sliding window only with use_sliding_window, above max_window_layers
+# sliding window only with use_sliding_window, above max_window_layers
+_QWEN = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 _GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+_OLMOE = "OlmoeForCausalLM"
+_MOE = ("Qwen3MoeForCausalLM", "MixtralForCausalLM", _OLMOE)
 _PARTIAL_ROTARY = ("Phi3ForCausalLM",)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 
@@ -252,14 +256,14 @@ def parse_config(raw: dict) -> ModelConfig:
         bos_token_id=bos,
         eos_token_ids=token_ids(raw.get("eos_token_id")),
         sliding_layers=sliding_layers,
-        qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM", "Olmo2ForCausalLM"),
+        qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM", "Olmo2ForCausalLM", _OLMOE),
         nope_layers=_nope_layers(raw, layers) if arch == "SmolLM3ForCausalLM" else (),
         sliding_rope_theta=sliding_theta if sliding_layers else None,
         hidden_act=act,
         norm_unit_offset=gemma,
         sandwich_norms=gemma,
         post_norms=arch == "Olmo2ForCausalLM",
-        qk_norm_over_heads=arch == "Olmo2ForCausalLM",
+        qk_norm_over_heads=arch in ("Olmo2ForCausalLM", _OLMOE),
         embedding_scale=_embedding_scale(raw, arch, hidden, dtype),
         residual_scale=_number(raw, "residual_multiplier", 1.0) if granite else 1.0,
         query_scale=(
@@ -274,7 +278,45 @@ def parse_config(raw: dict) -> ModelConfig:
         fused_projections=arch == "Phi3ForCausalLM",
         attn_softcap=_softcap(raw, "attn_logit_softcapping"),
         final_softcap=_softcap(raw, "final_logit_softcapping"),
+        **(_experts(raw, arch, layers) if arch in _MOE else {}),
     )
+
+
+def _experts(raw: dict, arch: str, layers: int) -> dict:
+    """The ModelConfig fields of a mixture-of-experts family, with its config class's defaults: Qwen3-MoE's
+    sparse layers are every decoder_sparse_step-th but mlp_only_layers (the others keep a dense MLP of
+    intermediate_size); Mixtral's and OLMoE's are all, their experts of intermediate_size, and Mixtral always
+    renormalizes the chosen probabilities."""
+    if raw.get("clip_qkv") is not None:
+        raise UnsupportedModelError(f"config.json: clip_qkv={raw['clip_qkv']!r} is not supported")
+    qwen = arch == "Qwen3MoeForCausalLM"
+    mixtral = arch == "MixtralForCausalLM"
+    # transformers v5 writes num_local_experts for all three; v4 num_experts, but for Mixtral
+    key = next((k for k in ("num_local_experts", "num_experts") if raw.get(k) is not None), "num_experts")
+    experts = _int(raw, key, 8 if mixtral else 128 if qwen else 64)
+    if experts > 1 << 12:
+        raise _bad("num_experts", experts, f"an integer in [1, {1 << 12}]")
+    top_k = _int(raw, "num_experts_per_tok", 2 if mixtral else 8)
+    if top_k > experts:
+        raise _bad("num_experts_per_tok", top_k, f"at most num_experts={experts}")
+    moe = range(layers)
+    if qwen:
+        step = _int(raw, "decoder_sparse_step", 1)
+        dense = raw.get("mlp_only_layers") or []
+        if not isinstance(dense, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in dense):
+            raise _bad("mlp_only_layers", dense, "a list of layer indices")
+        moe = [i for i in range(layers) if i not in dense and (i + 1) % step == 0]
+    norm = raw.get("norm_topk_prob")
+    norm = False if norm is None else norm
+    if not isinstance(norm, bool):
+        raise _bad("norm_topk_prob", norm, "true or false")
+    return {
+        "num_experts": experts,
+        "experts_per_token": top_k,
+        "expert_intermediate_size": _int(raw, "moe_intermediate_size", 768) if qwen else _int(raw, "intermediate_size"),
+        "norm_topk_prob": True if mixtral else norm,
+        "moe_layers": tuple(moe),
+    }
 
 
 def _softcap(raw: dict, key: str) -> float | None:

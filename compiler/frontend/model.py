@@ -1,4 +1,5 @@
-"""The Llama family (Llama, Mistral, Qwen2, Qwen3, SmolLM3, Granite, Gemma 2 and 3, OLMo 2, Phi-3) as one plain,
+"""The Llama family (Llama, Mistral, Qwen2, Qwen3, SmolLM3, Granite, Gemma 2 and 3, OLMo 2, Phi-3, and the
+mixture-of-experts Qwen3-MoE, Mixtral and OLMoE) as one plain,
 stateless torch module.
 
 This is what the compiler traces, not what it runs: a full-sequence forward over one sequence with
@@ -120,6 +121,40 @@ def _(q, k, v, scale, softcap, window):
     return torch.empty_like(q)
 
 
+def moe_reference(
+    x: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_k: int, norm_topk: bool
+) -> torch.Tensor:
+    """A mixture-of-experts MLP over rows x [T, H], as transformers computes it: the router's probabilities
+    softmax(x @ router.T) in float32, each token's top_k of them (renormalized to sum 1 with norm_topk), and its
+    output the sum of its chosen experts' SwiGLU MLPs weighted by them. router: [E, H]; gate_up: [E * 2I, H],
+    expert e's gate rows then its up rows; down: [E * H, I], expert e's rows.
+
+    Every expert runs on every token here, weighted 0 where not chosen: the same sum, in shapes that export to
+    ONNX; the kernels run only the chosen ones."""
+    experts, hidden = router.shape
+    inter = down.shape[1]
+    probs = torch.softmax(F.linear(x, router).float(), dim=-1)
+    top, chosen = torch.topk(probs, top_k, dim=-1)
+    if norm_topk:
+        top = top / top.sum(dim=-1, keepdim=True)
+    weights = torch.zeros_like(probs).scatter(1, chosen, top).to(x.dtype)  # [T, E]
+    out = torch.zeros_like(x)
+    for e in range(experts):
+        gate, up = F.linear(x, gate_up[2 * inter * e : 2 * inter * (e + 1)]).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, down[hidden * e : hidden * (e + 1)])
+        out = out + weights[:, e : e + 1] * y
+    return out
+
+
+# One opaque op, carried whole to the Relax import (compiler/export.py) as llmc.moe; the ONNX export decomposes it
+moe = torch.library.custom_op("llmc::moe", mutates_args=())(moe_reference)
+
+
+@moe.register_fake
+def _(x, router, gate_up, down, top_k, norm_topk):
+    return torch.empty_like(x)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, unit_offset: bool = False):
         super().__init__()
@@ -203,12 +238,45 @@ class MLP(nn.Module):
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
+class Expert(nn.Module):
+    """One expert's gated MLP, its linears named as the family names them (gate, up, down)."""
+
+    def __init__(self, names: tuple[str, str, str], hidden: int, inter: int):
+        super().__init__()
+        self.names = names
+        for name, (o, i) in zip(names, ((inter, hidden), (inter, hidden), (hidden, inter)), strict=True):
+            setattr(self, name, nn.Linear(i, o, bias=False))
+
+    def weights(self) -> list[torch.Tensor]:
+        return [getattr(self, n).weight for n in self.names]
+
+
+class SparseMoE(nn.Module):
+    """A router (`gate`) over `experts`: the experts' weights stacked, as the kernels read them, into llmc.moe."""
+
+    def __init__(self, c: ModelConfig, names: tuple[str, str, str]):
+        super().__init__()
+        self.c = c
+        self.gate = nn.Linear(c.hidden_size, c.num_experts, bias=False)
+        self.experts = nn.ModuleList(
+            Expert(names, c.hidden_size, c.expert_intermediate_size) for _ in range(c.num_experts)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights = [e.weights() for e in self.experts]
+        gate_up = torch.cat([w for gate, up, _ in weights for w in (gate, up)])
+        down = torch.cat([d for _, _, d in weights])
+        rows = x.reshape(-1, x.shape[-1])
+        out = moe(rows, self.gate.weight, gate_up, down, self.c.experts_per_token, self.c.norm_topk_prob)
+        return out.reshape(x.shape)
+
+
 class DecoderLayer(nn.Module):
     """Pre-norm (Llama); Gemma's sandwich: post_attention_layernorm and post_feedforward_layernorm norm each
     branch before its residual add, and pre_feedforward_layernorm is the MLP's input norm; OLMo 2's post-norm:
     those two branch norms and no input norms."""
 
-    def __init__(self, c: ModelConfig, window: int, rope: bool = True):
+    def __init__(self, c: ModelConfig, window: int, rope: bool = True, layer: int = 0):
         super().__init__()
         self.c = c
 
@@ -223,7 +291,16 @@ class DecoderLayer(nn.Module):
             self.pre_feedforward_layernorm = norm()
         if c.sandwich_norms or c.post_norms:
             self.post_feedforward_layernorm = norm()
-        self.mlp = MLP(c)
+        self.ffn = "mlp"  # the MLP's name: a sparse one's as the checkpoint names it (Mixtral: block_sparse_moe)
+        if layer in c.moe_layers:
+            _, experts, names = c.moe_names(layer)
+            self.ffn = experts.split(".")[-3]
+            setattr(self, self.ffn, SparseMoE(c, names))
+        else:
+            self.mlp = MLP(c)
+
+    def mlp_branch(self, x: torch.Tensor) -> torch.Tensor:
+        return getattr(self, self.ffn)(x)
 
     def residual(self, x: torch.Tensor, branch: torch.Tensor) -> torch.Tensor:
         r = self.c.residual_scale
@@ -232,13 +309,13 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         if self.c.post_norms:
             x = self.residual(x, self.post_attention_layernorm(self.self_attn(x, cos, sin, positions)))
-            return self.residual(x, self.post_feedforward_layernorm(self.mlp(x)))
+            return self.residual(x, self.post_feedforward_layernorm(self.mlp_branch(x)))
         attn = self.self_attn(self.input_layernorm(x), cos, sin, positions)
         if not self.c.sandwich_norms:
             x = self.residual(x, attn)
-            return self.residual(x, self.mlp(self.post_attention_layernorm(x)))
+            return self.residual(x, self.mlp_branch(self.post_attention_layernorm(x)))
         x = self.residual(x, self.post_attention_layernorm(attn))
-        return self.residual(x, self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x))))
+        return self.residual(x, self.post_feedforward_layernorm(self.mlp_branch(self.pre_feedforward_layernorm(x))))
 
 
 class Backbone(nn.Module):
@@ -246,7 +323,7 @@ class Backbone(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(c, c.attention_window(i), i not in c.nope_layers) for i in range(c.num_layers)
+            DecoderLayer(c, c.attention_window(i), i not in c.nope_layers, i) for i in range(c.num_layers)
         )
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, c.norm_unit_offset)
 

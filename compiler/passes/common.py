@@ -33,6 +33,7 @@ def weight_params(func: relax.Function) -> list[relax.Var]:
     return [p for p in func.params if p.name not in ABI_PARAMS and not p.name.startswith("kv_cache_")]
 
 
+QUANT_ATTRS = ("bits", "group_size", "asymmetric", "scale_bits")  # a quantized weight's scheme (compiler/quant.py)
 OPS = {
     "rms_norm": ("x", "weight", "eps"),
     # -> (h, rms_norm(h)), h = x + residual_scale * r, where r is rms_norm(residual) by residual_weight (Gemma's
@@ -81,9 +82,21 @@ OPS = {
     "gelu_tanh_mul": ("gate_up",),  # the same with gelu(gate, approximate="tanh") (Gemma's GeGLU)
     "softcap": ("x", "cap"),  # cap * tanh(x / cap), elementwise (Gemma 2's final logits)
     # x @ W.T with W (float [N, K], sources as traced) packed quantized: compiler/quant.py's scheme as attrs
-    "quantized_matmul": ("x", "weight", "bits", "group_size", "asymmetric", "scale_bits"),
+    "quantized_matmul": ("x", "weight", *QUANT_ATTRS),
+    # a mixture-of-experts MLP over rows x [T, H] (frontend/model.py moe_reference): router [E, H]; gate_up
+    # [E * 2I, H], each expert's gate rows then up rows; down [E * H, I]; norm_topk 1: the top_k probabilities
+    # renormalized. quant_*: the experts' scheme (quantized_matmul's attrs, bits 0: float), gate_up's then down's
+    "moe": (
+        "x",
+        "router",
+        "gate_up",
+        "down",
+        "top_k",
+        "norm_topk",
+        *(f"{w}_{a}" for w in ("gate_up", "down") for a in QUANT_ATTRS),
+    ),
     # take(table, ids, axis=0) with the table (float [vocab, hidden], as traced) packed quantized, as above
-    "quantized_take": ("table", "ids", "bits", "group_size", "asymmetric", "scale_bits"),
+    "quantized_take": ("table", "ids", *QUANT_ATTRS),
 }
 
 

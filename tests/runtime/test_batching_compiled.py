@@ -1,6 +1,7 @@
 """Batching changes nothing, on a real compiled module: N greedy requests with random arrival times and
 lengths, through the scheduler with chunked prefill and a cache so small that it must preempt, give each
-request exactly the tokens it gets alone."""
+request exactly the tokens it gets alone. Dense and mixture-of-experts (whose experts see other tokens beside a
+request's when batched)."""
 
 import numpy as np
 import pytest
@@ -12,9 +13,10 @@ from llmc.sampling_params import SamplingParams
 from tests.runtime.runtime_fakes import run_with_arrivals
 
 
-@pytest.fixture(scope="module")
-def artifact(checkpoint_dir, tmp_path_factory):
-    return compile_checkpoint(checkpoint_dir("llama"), target="cpu", output=tmp_path_factory.mktemp("art") / "m")
+@pytest.fixture(scope="module", params=["llama", "qwen3_moe"])
+def artifact(request, checkpoint_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("art") / "m"
+    return compile_checkpoint(checkpoint_dir(request.param), target="cpu", output=out)
 
 
 def test_concurrent_requests_equal_each_alone_under_preemption(artifact):
@@ -29,8 +31,10 @@ def test_concurrent_requests_equal_each_alone_under_preemption(artifact):
     arrivals = [int(a) for a in rng.integers(0, 12, len(requests))]
     with CompiledModel.load(artifact, max_num_seqs=8) as roomy:
         alone = [LLMEngine(roomy).generate([p], [sp])[0].outputs[0].token_ids for p, sp in requests]
+        c = roomy.config
+        per_block = 2 * c.num_layers * roomy.block_size * c.num_kv_heads * c.head_dim * 4  # k and v, fp32
     # 12 blocks of 16 tokens for up to 8 sequences of up to 63 tokens: preemption is certain.
-    with CompiledModel.load(artifact, kv_cache_memory=12 * 4096, max_num_seqs=8) as tight:
+    with CompiledModel.load(artifact, kv_cache_memory=12 * per_block, max_num_seqs=8) as tight:
         engine = LLMEngine(tight, max_num_batched_tokens=24)
         together = run_with_arrivals(engine, requests, arrivals)
         assert engine.scheduler.num_preemptions > 0, "the cache was not small enough to force preemption"

@@ -19,5 +19,6 @@
 #include "llmc_elementwise.h"
 #include "llmc_gemm.h"
 #include "llmc_qgemm.h"
+#include "llmc_moe.h"
 #include "llmc_attention.h"
 #include "llmc_tvm_abi.h"

@@ -209,7 +209,7 @@ def test_granite_multipliers():
     "arch,extra,match",
     [
         ("Gemma3ForConditionalGeneration", {}, "vision tower"),
-        ("Qwen3MoeForCausalLM", {}, "mixture-of-experts"),
+        ("OlmoeForCausalLM", {"clip_qkv": 8.0}, "clip_qkv=8.0"),
         ("LlamaForCausalLM", {"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5 is not supported"),
         ("Gemma3ForCausalLM", {"final_logit_softcapping": 30.0}, "final_logit_softcapping"),
         ("Gemma3ForCausalLM", {"hidden_activation": "gelu"}, "hidden_activation 'gelu'"),
@@ -221,3 +221,59 @@ def test_refusals_name_the_field(arch, extra, match):
     with pytest.raises(UnsupportedModelError, match=match) as e:
         parse_config({**GEMMA3_1B_V4, "architectures": [arch], **extra})
     assert "\n" not in str(e.value)
+
+
+def test_mixture_of_experts_configs():
+    """Qwen3-30B-A3B's, Mixtral 8x7B's and OLMoE-1B-7B's config.json fields, in transformers v4's spelling and
+    v5's (num_local_experts); Qwen3-MoE's dense layers (mlp_only_layers, decoder_sparse_step) keep their MLP."""
+    qwen = {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        **{k: GEMMA3_1B_V4[k] for k in ("max_position_embeddings", "rope_theta")},
+        "vocab_size": 151936,
+        "tie_word_embeddings": False,
+        "hidden_size": 2048,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "head_dim": 128,
+        "num_hidden_layers": 48,
+        "intermediate_size": 6144,
+        "moe_intermediate_size": 768,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+    }
+    c = parse_config(qwen)
+    assert (c.num_experts, c.experts_per_token, c.expert_intermediate_size, c.norm_topk_prob) == (128, 8, 768, True)
+    assert c.moe_layers == tuple(range(48)) and c.qk_norm and not c.qk_norm_over_heads
+    shapes = c.weight_shapes()
+    assert shapes["model.layers.3.mlp.gate.weight"] == (128, 2048)
+    assert shapes["model.layers.3.mlp.experts.127.down_proj.weight"] == (2048, 768)
+    assert "model.layers.3.mlp.down_proj.weight" not in shapes
+    assert round(c.num_parameters() / 1e9, 1) == 30.5
+    v5 = {k: v for k, v in qwen.items() if k != "num_experts"} | {"num_local_experts": 128}
+    assert parse_config(v5) == c
+    dense = parse_config({**qwen, "mlp_only_layers": [0], "decoder_sparse_step": 2})
+    assert dense.moe_layers == tuple(range(1, 48, 2))
+    assert dense.weight_shapes()["model.layers.0.mlp.down_proj.weight"] == (2048, 6144)
+
+    mixtral = parse_config(
+        {**qwen, "architectures": ["MixtralForCausalLM"], "num_local_experts": 8, "num_experts_per_tok": 2}
+        | {"hidden_size": 4096, "head_dim": 128, "num_hidden_layers": 32, "intermediate_size": 14336}
+        | {"num_key_value_heads": 8, "norm_topk_prob": None, "num_experts": None, "vocab_size": 32000}
+    )
+    assert (mixtral.num_experts, mixtral.experts_per_token, mixtral.expert_intermediate_size) == (8, 2, 14336)
+    assert mixtral.norm_topk_prob and not mixtral.qk_norm
+    assert mixtral.weight_shapes()["model.layers.31.block_sparse_moe.experts.7.w2.weight"] == (4096, 14336)
+    assert round(mixtral.num_parameters() / 1e9, 1) == 46.7
+
+    olmoe = parse_config(
+        {**qwen, "architectures": ["OlmoeForCausalLM"], "num_experts": 64, "num_experts_per_tok": 8}
+        | {"hidden_size": 2048, "num_attention_heads": 16, "num_key_value_heads": 16, "head_dim": None}
+        | {"num_hidden_layers": 16, "intermediate_size": 1024, "norm_topk_prob": False, "clip_qkv": None}
+        | {"vocab_size": 50304}
+    )
+    assert (olmoe.num_experts, olmoe.expert_intermediate_size, olmoe.norm_topk_prob) == (64, 1024, False)
+    assert olmoe.qk_norm and olmoe.qk_norm_over_heads and olmoe.moe_layers == tuple(range(16))
+    assert round(olmoe.num_parameters() / 1e9, 1) == 6.9
