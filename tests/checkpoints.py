@@ -199,7 +199,21 @@ VARIANTS = {
 
 MOE_ARCHS = ("qwen3_moe", "mixtral", "olmoe")
 ARCHS = tuple(a for a in VARIANTS if a not in MOE_ARCHS)  # the dense families
-GGUF_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "granite", "gemma2", "gemma3", "olmo2", "phi3", "smollm3")
+GGUF_ARCHS = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "granite",
+    "gemma2",
+    "gemma3",
+    "olmo2",
+    "phi3",
+    "smollm3",
+    "qwen3_moe",
+    "mixtral",
+    "olmoe",
+)
 # What a GGUF of the variant can hold, or llama.cpp runs as transformers does: llama.cpp's gemma2 and gemma3 have
 # query_pre_attn_scalar = head_dim, gemma3 a global layer every 6th and local RoPE base 10000, and no field for any
 # other
@@ -210,6 +224,9 @@ GGUF_OVERRIDES = {
     "phi3": dict(sliding_window=None, original_max_position_embeddings=4),
     # llama.cpp's smollm3 runs every 4th layer without RoPE
     "smollm3": dict(num_hidden_layers=4, no_rope_layer_interval=4),
+    # llama.cpp's qwen3moe has experts on every layer; its olmoe sizes k_norm by the hidden size (no GQA)
+    "qwen3_moe": dict(mlp_only_layers=[]),
+    "olmoe": dict(num_key_value_heads=4),
     "gemma3": dict(
         num_hidden_layers=6,
         layer_types=None,

@@ -8,7 +8,8 @@ safetensors, under llama.cpp's names (gguf_names):
   (`_llama3_scaling`).
 - The tokenizer is stored as token lists, and rebuilt as a `tokenizers` tokenizer (gguf_tokenizer.py).
 - Tensors are renamed to Hugging Face's, q/k rows of the `llama` and `granite` archs are put back in rotate-half
-  order, and Gemma's norm weights, stored as 1 + w, become w again (the traced model adds the 1).
+  order, and Gemma's norm weights, stored as 1 + w, become w again (the traced model adds the 1). A mixture of
+  experts' stacked `ffn_*_exps` tensors are read as each expert's rows (gguf_names.expert_slices), quantized or not.
 
 Quantized tensors keep their exact values: each of llama.cpp's legacy types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0), K-quants
 (Q2_K to Q6_K) and IQ4_NL / IQ4_XS maps onto a QuantizedTensor (compiler/quant.py; gguf_blocks.py) with no rounding,
@@ -50,7 +51,7 @@ class GGUFCheckpoint(Checkpoint):
     gguf_tensors: dict[str, gguf.ReaderTensor]  # GGUF name -> the reader's entry (its data mmapped)
 
     def quant_scheme(self, name: str) -> QuantScheme | None:
-        if len(self._shape(name)) != 2:  # a quantized vector: no GEMM reads one
+        if len(self._shape(name)) < 2:  # a quantized vector: no GEMM reads one
             return None
         return SCHEMES.get(self._info(name).tensor_type)
 
@@ -63,7 +64,7 @@ class GGUFCheckpoint(Checkpoint):
         qt = self._unpack(name)
         heads = self._qk_heads(name)
         rows = None if heads is None else names.unpermute_qk(np.arange(shape[0]), heads)
-        if name in self.slices:  # rows of a fused tensor (phi3's attn_qkv, ffn_up)
+        if name in self.slices:  # rows of a fused tensor (phi3's attn_qkv, ffn_up) or of stacked experts
             rows = np.arange(*self.slices[name][1:])
         if rows is not None:
             mins = None if qt.mins is None else qt.mins[rows]
@@ -80,8 +81,8 @@ class GGUFCheckpoint(Checkpoint):
             w = (w.view(np.uint16) if info.tensor_type == GGMLType.BF16 else w).reshape(shape)
         heads = self._qk_heads(name)
         w = np.array(w) if heads is None else names.unpermute_qk(w, heads)
-        if name in self.slices:  # rows of a fused tensor (phi3's attn_qkv, ffn_up)
-            w = np.array(w[slice(*self.slices[name][1:])])
+        if name in self.slices:  # rows of a fused tensor (phi3's attn_qkv, ffn_up) or of stacked experts
+            w = np.array(w.reshape(-1, shape[-1])[slice(*self.slices[name][1:])])
         if names.norm_shifted(self.gguf_arch, self.gguf_names[name]):  # stored 1 + w
             w = (w.astype(np.float64) - 1.0).astype(np.float32)
         if info.tensor_type == GGMLType.BF16:
@@ -130,9 +131,13 @@ def load_gguf(path: str | Path) -> GGUFCheckpoint:
         )
 
     gguf_names, dtypes, gguf_types, slices = {}, {}, {}, {}
-    fused = config.stored_slices()
+    fused, experts = config.stored_slices(), names.expert_slices(config)
     for hf_name, shape in config.stored_shapes().items():
-        if hf_name in fused:
+        if hf_name in experts:
+            gguf_name = experts[hf_name][0]
+            slices[hf_name] = experts[hf_name]
+            shape = (config.num_experts, *shape)
+        elif hf_name in fused:
             stored, lo, hi = fused[hf_name]
             gguf_name = names.hf_to_gguf(stored, arch)
             slices[hf_name] = (gguf_name, lo, hi)
@@ -208,6 +213,7 @@ def _config(meta: GGUFMetadata, tensors: dict, tokens: list, path: Path):
         "eos_token_id": list(dict.fromkeys(e for e in eos if e is not None)),
     }
     raw.update(_family_fields(meta, raw))
+    raw.update(_expert_fields(meta, raw))
     if meta.arch == "phi3":
         raw.update(_phi3_fields(meta, tensors, raw, rope_dims, path))
     kind = meta.get(names.ROPE_SCALING_TYPE, str, "none")
@@ -264,6 +270,25 @@ def _phi3_fields(meta: GGUFMetadata, tensors: dict, raw: dict, rope_dims: int, p
         "attention_factor": meta.get(names.ROPE_SCALING_ATTN_FACTOR, float, None),
     }
     fields["original_max_position_embeddings"] = orig
+    return fields
+
+
+def _expert_fields(meta: GGUFMetadata, raw: dict) -> dict:
+    """A mixture-of-experts file's config.json fields (none for a dense one): the expert counts, every layer
+    sparse, and routing as llama.cpp's arch runs it (gguf_names.NORM_TOPK); a `llama` file with experts is a
+    Mixtral."""
+    experts = meta.get(names.EXPERT_COUNT, int, 0)
+    if not experts or meta.arch not in names.NORM_TOPK:
+        return {}
+    fields = {
+        "num_experts": experts,
+        "num_experts_per_tok": meta.get(names.EXPERT_USED_COUNT, int),
+        "norm_topk_prob": names.NORM_TOPK[meta.arch],
+    }
+    if meta.arch == "llama":
+        fields["architectures"] = [names.MIXTRAL]
+    if meta.arch == "qwen3moe":
+        fields["moe_intermediate_size"] = meta.get(names.EXPERT_FEED_FORWARD_LENGTH, int)
     return fields
 
 

@@ -34,8 +34,11 @@ GGUF_ARCH = {
     "Olmo2ForCausalLM": "olmo2",
     "Phi3ForCausalLM": "phi3",
     "SmolLM3ForCausalLM": "smollm3",
+    "Qwen3MoeForCausalLM": "qwen3moe",
+    "MixtralForCausalLM": "llama",  # with expert_count: the importer rebuilds a Mixtral
+    "OlmoeForCausalLM": "olmoe",
 }
-# GGUF arch -> the Hugging Face class the importer rebuilds.
+# GGUF arch -> the Hugging Face class the importer rebuilds (a `llama` file with experts: MIXTRAL).
 HF_ARCH = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
@@ -46,7 +49,13 @@ HF_ARCH = {
     "olmo2": "Olmo2ForCausalLM",
     "phi3": "Phi3ForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
+    "olmoe": "OlmoeForCausalLM",
 }
+MIXTRAL = "MixtralForCausalLM"
+# How llama.cpp routes each mixture-of-experts arch: it renormalizes the chosen probabilities in `llama` (Mixtral)
+# and `qwen3moe` whatever the file says, never in `olmoe`
+NORM_TOPK = {"llama": True, "qwen3moe": True, "olmoe": False}
 # The GGUF archs whose q/k rows are stored in llama.cpp's interleaved-pair order.
 PERMUTED_ARCHS = frozenset({"llama", "granite", "smollm3"})
 # The GGUF archs whose norm weights are stored as 1 + w (Gemma's)
@@ -83,6 +92,9 @@ RESIDUAL_SCALE = "{arch}.residual_scale"
 LOGIT_SCALE = "{arch}.logit_scale"  # Granite's logits_scaling (llama.cpp divides the logits by it)
 ATTN_SOFTCAP = "{arch}.attn_logit_softcapping"  # Gemma 2's
 FINAL_SOFTCAP = "{arch}.final_logit_softcapping"
+EXPERT_COUNT = "{arch}.expert_count"
+EXPERT_USED_COUNT = "{arch}.expert_used_count"
+EXPERT_FEED_FORWARD_LENGTH = "{arch}.expert_feed_forward_length"  # qwen3moe's moe_intermediate_size
 TOKENIZER_MODEL = "tokenizer.ggml.model"
 TOKENIZER_PRE = "tokenizer.ggml.pre"
 TOKENS = "tokenizer.ggml.tokens"
@@ -119,6 +131,8 @@ _LAYER = {  # the part after `model.layers.N.` -> the part after `blk.N.`, weigh
     "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
+    "mlp.gate": "ffn_gate_inp",  # a mixture-of-experts router (Mixtral's below)
+    "block_sparse_moe.gate": "ffn_gate_inp",
     "input_layernorm": "attn_norm",
     "post_attention_layernorm": "ffn_norm",
 }
@@ -172,6 +186,19 @@ def gguf_to_hf(name: str, arch: str) -> str:
     if m and m.group(2) in back:
         return f"model.layers.{m.group(1)}.{back[m.group(2)]}.{m.group(3)}"
     raise KeyError(name)
+
+
+def expert_slices(config) -> dict[str, tuple[str, int, int]]:
+    """Each expert linear's rows in llama.cpp's stacked expert tensors: {hf name: (gguf name, first row, end row)},
+    `blk.N.ffn_{gate,up,down}_exps.weight` [experts, rows, K] read as [experts * rows, K]."""
+    out = {}
+    for n in config.moe_layers:
+        _, prefix, linears = config.moe_names(n)
+        for linear, part in zip(linears, ("gate", "up", "down"), strict=True):
+            rows = config.hidden_size if part == "down" else config.expert_intermediate_size
+            for e in range(config.num_experts):
+                out[f"{prefix}{e}.{linear}.weight"] = (f"blk.{n}.ffn_{part}_exps.weight", e * rows, (e + 1) * rows)
+    return out
 
 
 def norm_shifted(arch: str, gguf_name: str) -> bool:

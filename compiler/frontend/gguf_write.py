@@ -11,7 +11,8 @@ convert_hf_to_gguf.py would write it.
   permuted to llama.cpp's interleaved RoPE pairs (gguf_names.permute_qk); `qwen2`, `qwen3`, `gemma2`, `gemma3`
   and `olmo2` keep Hugging Face's order. llama3 rope scaling is written as the `rope_freqs` tensor, as the converter does.
   Gemma's norm weights are written as 1 + w; Granite's multipliers as its scale keys; Gemma 2's soft-caps as
-  its soft-capping keys. SmolLM3's NoPE layers have no key: llama.cpp runs every 4th layer without RoPE, so
+  its soft-capping keys. Mixture-of-experts layers (qwen3moe, olmoe, and Mixtral as `llama`) write the router as
+  `ffn_gate_inp` and each linear's experts stacked into one [experts, rows, K] `ffn_*_exps` tensor. SmolLM3's NoPE layers have no key: llama.cpp runs every 4th layer without RoPE, so
   only that pattern is written.
 - dtype F32, BF16, Q8_0 or Q4_0 applies to every 2-D tensor (the token embedding and lm_head included); 1-D
   tensors (norms, biases, rope_freqs) stay F32, as llama.cpp writes them. A 2-D tensor whose rows are not a
@@ -67,6 +68,8 @@ def write_gguf(checkpoint_dir: str | Path, out_path: str | Path, dtype: str) -> 
         )
     if arch == "smollm3":
         _check_smollm3(cfg)
+    if cfg.moe_layers:
+        _check_experts(cfg, arch)
 
     out_path = Path(out_path)
     tmp = out_path.with_name(out_path.name + ".tmp")
@@ -83,7 +86,7 @@ def write_gguf(checkpoint_dir: str | Path, out_path: str | Path, dtype: str) -> 
     plan = [(name, values, values.shape, f32) for name, values in _extra_tensors(cfg).items()]
     block = gguf.GGML_QUANT_SIZES[qtype][0]
     for gguf_name, (parts, shape) in _stored_tensors(cfg, arch).items():
-        t = qtype if len(shape) == 2 and shape[-1] % block == 0 else f32
+        t = qtype if len(shape) >= 2 and shape[-1] % block == 0 else f32
         plan.append((gguf_name, parts, shape, t))
     for gguf_name, _, shape, t in plan:
         if t == f32:
@@ -96,11 +99,11 @@ def write_gguf(checkpoint_dir: str | Path, out_path: str | Path, dtype: str) -> 
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
-        for gguf_name, values, _, t in plan:
+        for gguf_name, values, shape, t in plan:
             if isinstance(values, np.ndarray):
                 w = values
             else:
-                w = np.concatenate([ckpt.tensor(n).float().numpy() for n in values])
+                w = np.concatenate([ckpt.tensor(n).float().numpy() for n in values]).reshape(shape)
             heads = names.qk_heads(arch, gguf_name, cfg.num_heads, cfg.num_kv_heads)
             if heads is not None:
                 w = names.permute_qk(w, heads)
@@ -117,11 +120,16 @@ def write_gguf(checkpoint_dir: str | Path, out_path: str | Path, dtype: str) -> 
 
 
 def _stored_tensors(cfg, arch: str) -> dict[str, tuple[list[str], tuple[int, ...]]]:
-    """{gguf name: (the hf tensors it stacks by rows, its shape)}: one each, but Phi-3's fused projections."""
-    fused = cfg.stored_slices()
+    """{gguf name: (the hf tensors it stacks by rows, its shape)}: one each, but Phi-3's fused projections and
+    the experts' linears ([experts, rows, K] each, gguf_names.expert_slices)."""
+    fused, experts = cfg.stored_slices(), names.expert_slices(cfg)
     out: dict[str, tuple[list[str], tuple[int, ...]]] = {}
     for hf_name, shape in cfg.stored_shapes().items():
-        gguf_name = names.hf_to_gguf(fused[hf_name][0] if hf_name in fused else hf_name, arch)
+        if hf_name in experts:
+            gguf_name = experts[hf_name][0]
+            shape = (cfg.num_experts, *shape)
+        else:
+            gguf_name = names.hf_to_gguf(fused[hf_name][0] if hf_name in fused else hf_name, arch)
         out[gguf_name] = ([*out.get(gguf_name, ([], shape))[0], hf_name], shape)
     return out
 
@@ -147,6 +155,23 @@ def _check_smollm3(cfg) -> None:
         raise UnsupportedModelError(
             f"this SmolLM3's layers without RoPE ({list(cfg.nope_layers)}) are not llama.cpp's",
             f"GGUF's smollm3 runs every {n}th layer without RoPE (no_rope_layer_interval = {n})",
+        )
+
+
+def _check_experts(cfg, arch: str) -> None:
+    """A mixture-of-experts model llama.cpp's arch runs as transformers does: every layer sparse, and the chosen
+    probabilities renormalized exactly where llama.cpp always does (gguf_names.NORM_TOPK)."""
+    if len(cfg.moe_layers) != cfg.num_layers or cfg.norm_topk_prob != names.NORM_TOPK[arch]:
+        raise UnsupportedModelError(
+            f"this {cfg.architecture}'s dense layers or norm_topk_prob={cfg.norm_topk_prob} are not what llama.cpp's "
+            f"{arch} runs",
+            f"GGUF's {arch} has experts on every layer and norm_topk_prob={names.NORM_TOPK[arch]}",
+        )
+    if arch == "olmoe" and cfg.num_kv_heads != cfg.num_heads:
+        raise UnsupportedModelError(
+            f"this OLMoE's {cfg.num_kv_heads} KV heads of {cfg.num_heads}: llama.cpp's olmoe reads k_norm over "
+            "the whole hidden size",
+            "GGUF's olmoe has as many KV heads as query heads",
         )
 
 
@@ -187,6 +212,11 @@ def _add_hparams(writer, cfg, arch: str) -> None:
     writer.add_rope_freq_base(cfg.rope_theta)
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_vocab_size(cfg.vocab_size)
+    if cfg.moe_layers:
+        writer.add_expert_count(cfg.num_experts)
+        writer.add_expert_used_count(cfg.experts_per_token)
+        if arch == "qwen3moe":
+            writer.add_expert_feed_forward_length(cfg.expert_intermediate_size)
     scaling = cfg.rope_scaling or {}
     kind = scaling.get("rope_type")
     if kind == "linear":

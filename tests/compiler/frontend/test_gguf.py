@@ -194,8 +194,9 @@ def test_config_and_tokenizer_as_the_source(arch, checkpoint_dir, gguf_file):
     src = load_checkpoint(checkpoint_dir(arch, **GGUF_OVERRIDES.get(arch, {})))
     ckpt = load_checkpoint(gguf_file(arch, "F32"))
     a, b = src.config, ckpt.config
-    # llama.cpp writes Mistral as llama, and a window wider than the context attends to all of it
-    assert b.architecture == names.HF_ARCH[names.GGUF_ARCH[a.architecture]]
+    # llama.cpp writes Mistral as llama (Mixtral too: a llama with experts), and a window wider than the context
+    # attends to all of it
+    assert b.architecture == (a.architecture if a.num_experts else names.HF_ARCH[names.GGUF_ARCH[a.architecture]])
     assert a.sliding_window is None or a.sliding_window >= a.max_position_embeddings or arch in ("gemma2", "gemma3")
     same = (
         "vocab_size",
@@ -226,6 +227,11 @@ def test_config_and_tokenizer_as_the_source(arch, checkpoint_dir, gguf_file):
         "logits_scaling",
         "attn_softcap",
         "final_softcap",
+        "num_experts",
+        "experts_per_token",
+        "expert_intermediate_size",
+        "norm_topk_prob",
+        "moe_layers",
     )
     assert {k: getattr(b, k) for k in same} == {k: getattr(a, k) for k in same}
 
@@ -267,12 +273,12 @@ def test_float_types_import_as_they_are(dtype, checkpoint_dir, gguf_file, tmp_pa
 
 def _raw_reference(ckpt, name) -> np.ndarray:
     """gguf.quants.dequantize of the tensor's bytes, its rows put back in Hugging Face order (a fused tensor's:
-    the part's row range)."""
+    the part's row range; an expert's: its rows of the stacked experts)."""
     info = ckpt.gguf_tensors[ckpt.gguf_names[name]]
     w = gguf.quants.dequantize(np.array(info.data), info.tensor_type)
     if name in ckpt.slices:
         _, lo, hi = ckpt.slices[name]
-        w = w[lo:hi]
+        w = w.reshape(-1, w.shape[-1])[lo:hi]
     heads = names.qk_heads(ckpt.gguf_arch, info.name, ckpt.config.num_heads, ckpt.config.num_kv_heads)
     return w if heads is None else names.unpermute_qk(w, heads)
 
