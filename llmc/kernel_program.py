@@ -67,8 +67,8 @@ def format_program(program: dict) -> str:
 
 def decode_weight_bytes(program: dict) -> dict[str, int]:
     """Bytes of weights one decode step of one token reads, by op: each weight a launch names, in full, except
-    an embedding's table (or a quantized one's parts), of which it reads one row. What a step streams at batch 1, and so the memory
-    roofline's bytes."""
+    an embedding's table (or a quantized one's parts), of which it reads one row, and stacked experts, of which
+    it reads the top_k the token chose. What a step streams at batch 1, and so the memory roofline's bytes."""
     by_op: dict[str, int] = {}
     for launch in program["launches"]:
         op = launch["op"]
@@ -78,6 +78,8 @@ def decode_weight_bytes(program: dict) -> dict[str, int]:
                 continue
             w = program["weights"][i]
             elements = math.prod(w["shape"][-1:] if op in ("embedding", "qembedding") else w["shape"])  # a row
+            if op in ("moe_gemm", "moe_qgemm"):
+                elements = elements * launch["params"]["top_k"] // launch["params"]["experts"]
             by_op[op] = by_op.get(op, 0) + DTYPES[w["dtype"]].nbytes * elements
     return by_op
 

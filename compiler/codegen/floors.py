@@ -10,7 +10,8 @@ none, as on the CPU); weights, biases and the KV cache take their recorded dtype
 covers its KV write and the attention: the new tokens' keys and values are read from the QKV buffer and
 stored once, and each sequence reads the cached positions its queries can see once for all its query heads
 (GQA), whatever the split of the work. TVM's fallback (tvm_call, float32 tensors only) states its tensors'
-shapes but not its arithmetic: its floor is their bytes, with no FLOPs.
+shapes but not its arithmetic: its floor is their bytes, with no FLOPs. A mixture-of-experts GEMM reads the
+weights of the experts its rows chose, once each (moe_experts_read: exact at batch 1).
 """
 
 from __future__ import annotations
@@ -79,6 +80,12 @@ def _qweight_bytes(p: dict) -> int:
     return n * k * p["bits"] // 8 + groups * (p["scale_bits"] // 8) * (2 if p["asymmetric"] else 1)
 
 
+def moe_experts_read(experts: int, top_k: int, rows: int) -> int:
+    """The experts a step's rows choose between them: top_k at one row, exact; at more, at most top_k a row and
+    at most all (the routing decides how many: this is the bound, all rows choosing apart)."""
+    return min(experts, top_k * rows)
+
+
 def launch_floor(template: str, params: dict, rows_var: str, shape: StepShape) -> Floor:
     """One launch of a <target>/<op> kernel with these template parameters."""
     op = template.split("/", 1)[-1]
@@ -115,6 +122,18 @@ def launch_floor(template: str, params: dict, rows_var: str, shape: StepShape) -
         queries = rows * 2 * p["num_heads"] * p["head_dim"] * _act(p)  # q in, the output out
         tables = 4 * sum(-(-(c + n) // p["block_size"]) + 2 for c, n in shape.seqs)  # block tables, lens
         return Floor(new + queries + tables + cached * kv_row * kv, 4 * p["num_heads"] * p["head_dim"] * pairs)
+    if op == "moe_route":  # the router's weights, x in, ids and weights out
+        w = p["experts"] * p["hidden"] * _bytes(p["wdtype"])
+        return Floor(w + rows * (p["hidden"] + 2 * p["top_k"]) * _F32, 2 * rows * p["experts"] * p["hidden"])
+    if op in ("moe_gemm", "moe_qgemm"):  # the chosen experts' weights once each, a row in and out per slot
+        n, k, top_k = p["n"], p["k"], p["top_k"]
+        read = moe_experts_read(p["experts"], top_k, rows)
+        expert = _qweight_bytes(p) if op == "moe_qgemm" else n * k * _bytes(p["wdtype"])
+        x = rows * (top_k if p["per_slot"] else 1) * k
+        out = rows * top_k * (n // 2 if p["swiglu"] else n)
+        return Floor(read * expert + (x + out) * _F32 + rows * 2 * top_k * _F32, 2 * rows * top_k * n * k)
+    if op == "moe_combine":
+        return Floor(rows * (p["top_k"] * (p["hidden"] + 1) + p["hidden"]) * _F32, 2 * rows * p["top_k"] * p["hidden"])
     if op == "tvm_call":
         return Floor(
             sum(math.prod(shape.rows(d) if isinstance(d, str) else d for d in t) for t in p["shapes"]) * _F32, 0

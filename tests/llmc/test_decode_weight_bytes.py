@@ -30,3 +30,17 @@ def test_decode_reads_one_embedding_row(checkpoint_dir, tmp_path, variant, optio
         assert artifact.decode_weight_bytes == tensors + hidden * 4
     else:
         assert artifact.decode_weight_bytes == tensors - table + hidden * 4
+
+
+@pytest.mark.parametrize("options", [{}, {"quant": QuantConfig("int4", group_size=32)}], ids=["fp32", "int4"])
+def test_decode_reads_the_chosen_experts_only(checkpoint_dir, tmp_path, options):
+    """Mixtral (5 experts, top 2, tied): a token's step reads 2 of each layer's 5 experts, and the rest in full."""
+    out = compile_checkpoint(checkpoint_dir("mixtral"), target="cpu", output=tmp_path / "m.cpu", **options)
+    artifact = load_artifact(out)
+    with open(artifact.weights_path, "rb") as f:
+        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    sizes = {k: e - b for k, v in header.items() if not k.startswith("__") for b, e in [v["data_offsets"]]}
+    experts = sum(n for k, n in sizes.items() if ".experts." in k)
+    assert experts and experts % 5 == 0
+    hidden = artifact.config.hidden_size
+    assert artifact.decode_weight_bytes == sum(sizes.values()) - experts + experts * 2 // 5 + hidden * 4

@@ -41,6 +41,18 @@ def test_qgemm_weight_bytes():
     assert launch_floor("cuda/qgemm", sym8, "T", PREFILL).bytes == 64 * 256 + groups * 4 + 19 * (256 + 64) * 4
 
 
+def test_expert_gemms_read_the_chosen_experts_once():
+    """At one row, top_k experts' weights; at many, each expert at most once, however many rows chose it."""
+    p = {"experts": 8, "n": 64, "k": 32, "top_k": 2, "per_slot": False, "swiglu": True, "wdtype": "bf16"}
+    one = launch_floor("cpu/moe_gemm", p, "T", StepShape(((0, 1),), 1))
+    assert one.bytes == 2 * 64 * 32 * 2 + (32 + 2 * 32) * 4 + 2 * 2 * 4 and one.flops == 2 * 2 * 64 * 32
+    many = launch_floor("cpu/moe_gemm", p, "T", StepShape(((0, 100),), 1))
+    assert many.bytes - 100 * (32 + 2 * 32 + 2 * 2) * 4 == 8 * 64 * 32 * 2
+    q = {**p, "bits": 4, "group_size": 32, "asymmetric": False, "scale_bits": 16}
+    del q["wdtype"]
+    assert launch_floor("cpu/moe_qgemm", q, "T", StepShape(((0, 1),), 1)).bytes == 2 * (64 * 16 + 64 * 2) + 96 * 4 + 16
+
+
 def test_paged_attention_reads_each_cached_position_once_per_kv_head():
     p = {"num_heads": 8, "num_kv_heads": 2, "head_dim": 16, "block_size": 16, "sliding_window": 0, "kv_dtype": "bf16"}
     f = launch_floor("cuda/paged_attention", p, "T", DECODE)
