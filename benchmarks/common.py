@@ -33,6 +33,7 @@ FAMILIES = {
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
     "granite": ("GraniteConfig", "GraniteForCausalLM"),
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM"),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
 }
 # A family's fields beyond a Llama config's kwargs, as its real checkpoints set them (Gemma 3 1B: a window of 512
 # on 5 layers of 6, the softmax scale of head_dim; Gemma 2: a window on every other layer, its soft-capping of 50
@@ -76,6 +77,29 @@ LLAMA_32_1B = {
     "rms_norm_eps": 1e-5,
     "rope_theta": 500000.0,
     "tie_word_embeddings": True,
+    "bos_token_id": 0,
+    "eos_token_id": 1,
+}
+
+
+# Qwen3-30B-A3B's shape, 4 of its 48 layers: 128 experts of 768, 8 a token, renormalized; q/k norms, head_dim 128,
+# untied. 3.0 G parameters (2.4 G of them experts), of which a token reads 0.35 G (8 experts a layer, the head).
+QWEN3_30B_A3B_4L = {
+    "hidden_size": 2048,
+    "intermediate_size": 6144,
+    "moe_intermediate_size": 768,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "norm_topk_prob": True,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "vocab_size": 151936,
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0,
+    "tie_word_embeddings": False,
     "bos_token_id": 0,
     "eos_token_id": 1,
 }

@@ -18,6 +18,9 @@ Models (random weights, written once into the cache dir as an fp32 safetensors c
                  vocab 128256, tied embeddings, rope_theta 500000, plain RoPE (the real model's llama3 rope
                  scaling reads no weight byte and only changes positions past 8192). 1.2 G parameters: its
                  weights (2.5 GB in bf16) are far above any last-level cache, so decode is DRAM-bound.
+  qwen3-30b-a3b-4l  (not run by default) Qwen3-30B-A3B's shape, 4 of its 48 layers: 128 experts of 768 a layer, 8
+                 a token, renormalized; vocab 151936, untied. 3.0 G parameters; a decode token reads its 8
+                 experts a layer (the roofline's bytes count those, not all 128), attention and the head.
 
 Rows: each pairs one llmc build with the llama.cpp GGUF file of the same weights, written from the checkpoint by
 llmc.compiler.frontend.gguf_write (as llama.cpp's convert_hf_to_gguf.py writes them; Q8_0 / Q4_0 through
@@ -75,7 +78,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common  # noqa: E402
-from common import LLAMA_32_1B, REPO, SMOLLM_135M, TOKENIZER_VOCAB, LlmcStep, log  # noqa: E402
+from common import LLAMA_32_1B, QWEN3_30B_A3B_4L, REPO, SMOLLM_135M, TOKENIZER_VOCAB, LlmcStep, log  # noqa: E402
 
 from llmc.compiler.quant import QuantConfig  # noqa: E402
 from llmc.runtime.bench import align_columns  # noqa: E402
@@ -86,7 +89,13 @@ SHAPES = {  # --shapes name -> (LlamaConfig kwargs, description)
         LLAMA_32_1B,
         "Llama-3.2-1B shape (2048 hidden, 16 layers, 32/8 heads, 8192, vocab 128256, tied, rope 5e5, no rope scaling)",
     ),
+    "qwen3-30b-a3b-4l": (
+        QWEN3_30B_A3B_4L,
+        "Qwen3-30B-A3B shape, 4 of 48 layers (2048 hidden, 32/4 heads, 128 experts of 768, top 8, vocab 151936)",
+    ),
 }
+DEFAULT_SHAPES = ("smollm-135m", "llama-3.2-1b")
+SHAPE_FAMILY = {"qwen3-30b-a3b-4l": "qwen3_moe"}  # common.FAMILIES; the others are Llama's
 
 GGUF_ITSELF = {"dtype": "float32", "from_gguf": True}  # llmc compiles the llama.cpp file of the row
 # llama.cpp's quantizer's file types (llama_model_quantize ftypes): the gguf package does not write them
@@ -111,7 +120,7 @@ DEFAULT_ROWS = ("fp32", "bf16", "int8", "int4")
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {', '.join(SHAPES)}")
+    p.add_argument("--shapes", default=",".join(DEFAULT_SHAPES), help=f"comma-separated, of {', '.join(SHAPES)}")
     p.add_argument("--rows", default=",".join(DEFAULT_ROWS), help=f"comma-separated, of {', '.join(ROWS)}")
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="threads of both peers")
     p.add_argument("--prompt-len", type=int, default=128)
@@ -180,12 +189,24 @@ def gguf_file(ckpt: Path, cache: Path, tag: str, gguf_type: str, log=log) -> Pat
 
 def gguf_decode_bytes(path: Path) -> int:
     """Weight bytes one llama.cpp decode step reads from this file: every tensor once, but one row of the token
-    embedding, and the whole embedding again when it is the (tied) output matrix."""
+    embedding, the whole embedding again when it is the (tied) output matrix, and of stacked experts
+    (ffn_*_exps) the expert_used_count of expert_count that a token chooses."""
     import gguf
 
-    tensors = {t.name: t for t in gguf.GGUFReader(path).tensors}
+    reader = gguf.GGUFReader(path)
+    tensors = {t.name: t for t in reader.tensors}
+
+    def field(key: str) -> int:
+        f = reader.fields.get(key)
+        return int(f.parts[f.data[0]][0]) if f is not None else 0
+
+    arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+    used, experts = field(f"{arch}.expert_used_count"), field(f"{arch}.expert_count")
     embd = tensors["token_embd.weight"]
-    total = sum(int(t.n_bytes) for n, t in tensors.items() if n != "token_embd.weight")
+    total = 0
+    for n, t in tensors.items():
+        if n != "token_embd.weight":
+            total += int(t.n_bytes) * used // experts if "_exps." in n else int(t.n_bytes)
     total += int(embd.n_bytes) // int(embd.shape[-1])  # GGUF lists dims innermost first: shape[-1] is the rows
     if "output.weight" not in tensors:
         total += int(embd.n_bytes)
@@ -365,7 +386,7 @@ def main(argv=None) -> dict:
     shapes = []
     for shape in args.shapes:
         config, description = SHAPES[shape]
-        ckpt = common.random_checkpoint(cache / f"{shape}-random", config, log)
+        ckpt = common.random_checkpoint(cache / f"{shape}-random", config, log, family=SHAPE_FAMILY.get(shape, "llama"))
         measured = {}
         for row in args.rows:
             options, gguf_type = ROWS[row]
