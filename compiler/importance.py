@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from .frontend.model import LlamaFamily
+from .frontend.model import LlamaFamily, SparseMoE
 
 
 class _HeadInputMeasured(Exception):
@@ -25,8 +25,9 @@ class _HeadInputMeasured(Exception):
 
 def input_importance(ckpt, token_ids: Sequence[int], names: Collection[str]) -> dict[str, np.ndarray]:
     """Checkpoint weight name -> float32 [K]: the mean over `token_ids` (one sequence) of the square of the input
-    of each linear named in `names`, per input channel. The lm_head's name (a tied embedding's, for the head)
-    gets the final norm's output."""
+    of each linear named in `names`, per input channel (an expert's: over the tokens routed to it; one that no
+    token chose has no entry). The lm_head's name (a tied embedding's, for the head) gets the final norm's
+    output."""
     c = ckpt.config
     with torch.device("meta"):
         model = LlamaFamily(c).eval()
@@ -36,11 +37,36 @@ def input_importance(ckpt, token_ids: Sequence[int], names: Collection[str]) -> 
     model.model.embed_tokens = nn.Embedding.from_pretrained(embed[rows].float())
     del embed
     sums: dict[str, torch.Tensor] = {}
+    counts: dict[str, int] = {}
+
+    def add(name: str, x: torch.Tensor) -> None:
+        sums[name] = sums.get(name, 0) + x.double().square().sum(0)
+        counts[name] = counts.get(name, 0) + len(x)
 
     def measure(name: str):
         def hook(module, args):
-            x = args[0].detach().reshape(-1, args[0].shape[-1])
-            sums[name] = sums.get(name, 0) + x.double().square().sum(0)
+            add(name, args[0].detach().reshape(-1, args[0].shape[-1]))
+
+        return hook
+
+    def measure_experts(prefix: str):
+        """Each expert's inputs over the tokens routed to it (its gate and up: those rows of x; its down: their
+        SwiGLU), as llama.cpp's imatrix counts an expert's tokens only."""
+
+        def hook(module, args):
+            x = args[0].detach().reshape(-1, args[0].shape[-1]).float()
+            probs = torch.softmax(x @ module.gate.weight.float().T, dim=-1)
+            chosen = torch.topk(probs, c.experts_per_token, dim=-1).indices
+            for e, expert in enumerate(module.experts):
+                rows = x[(chosen == e).any(dim=-1)]
+                gate, up, down = (f"{prefix}{e}.{n}.weight" for n in expert.names)
+                if not len(rows) or not {gate, up, down} & set(names):
+                    continue
+                wg, wu, _ = (w.float() for w in expert.weights())
+                act = torch.nn.functional.silu(rows @ wg.T) * (rows @ wu.T)
+                for name, inputs in ((gate, rows), (up, rows), (down, act)):
+                    if name in names:
+                        add(name, inputs)
 
         return hook
 
@@ -63,6 +89,8 @@ def input_importance(ckpt, token_ids: Sequence[int], names: Collection[str]) -> 
         for n, m in layer.named_modules():
             if isinstance(m, nn.Linear) and f"{prefix}{n}.weight" in names:
                 m.register_forward_pre_hook(measure(f"{prefix}{n}.weight"))
+            elif isinstance(m, SparseMoE):
+                m.register_forward_pre_hook(measure_experts(f"{prefix}{n}.experts."))
     head = "lm_head.weight" if not c.tie_word_embeddings else "model.embed_tokens.weight"
 
     def head_input(module, args, out):
@@ -77,4 +105,4 @@ def input_importance(ckpt, token_ids: Sequence[int], names: Collection[str]) -> 
             model(local, torch.arange(len(ids)))
         except _HeadInputMeasured:
             pass
-    return {name: (s / len(ids)).float().numpy() for name, s in sums.items()}
+    return {name: (s / counts[name]).float().numpy() for name, s in sums.items()}
