@@ -14,8 +14,8 @@ convert_hf_to_gguf.py would write it.
   its soft-capping keys. Mixture-of-experts layers (qwen3moe, olmoe, and Mixtral as `llama`) write the router as
   `ffn_gate_inp` and each linear's experts stacked into one [experts, rows, K] `ffn_*_exps` tensor. SmolLM3's NoPE layers have no key: llama.cpp runs every 4th layer without RoPE, so
   only that pattern is written.
-- dtype F32, BF16, Q8_0 or Q4_0 applies to every 2-D tensor (the token embedding and lm_head included); 1-D
-  tensors (norms, biases, rope_freqs) stay F32, as llama.cpp writes them. A 2-D tensor whose rows are not a
+- dtype F32, BF16, Q8_0 or Q4_0 applies to every 2-D tensor (the token embedding and lm_head included) and the
+  stacked experts; 1-D tensors (norms, biases, rope_freqs) and routers stay F32, as llama.cpp writes them. A 2-D tensor whose rows are not a
   whole number of the type's blocks (32 values for Q8_0 / Q4_0) stays F32, as the converter falls back;
   callers who want every matrix quantized pick hidden and intermediate sizes that are multiples of 32.
   Q8_0 / Q4_0 / BF16 bytes come from `gguf.quants.quantize`, the converter's own code.
@@ -86,7 +86,9 @@ def write_gguf(checkpoint_dir: str | Path, out_path: str | Path, dtype: str) -> 
     plan = [(name, values, values.shape, f32) for name, values in _extra_tensors(cfg).items()]
     block = gguf.GGML_QUANT_SIZES[qtype][0]
     for gguf_name, (parts, shape) in _stored_tensors(cfg, arch).items():
-        t = qtype if len(shape) >= 2 and shape[-1] % block == 0 else f32
+        # a router (ffn_gate_inp) stays F32, as the converter and llama.cpp's quantizer keep it
+        routed = gguf_name.endswith("ffn_gate_inp.weight")
+        t = qtype if len(shape) >= 2 and shape[-1] % block == 0 and not routed else f32
         plan.append((gguf_name, parts, shape, t))
     for gguf_name, _, shape, t in plan:
         if t == f32:

@@ -34,7 +34,7 @@ from llmc.runtime.engine import LLMEngine
 from llmc.runtime.module import CompiledModel
 from llmc.sampling_params import SamplingParams
 from llmc.tools.cli import main
-from tests.checkpoints import GGUF_ARCHS, GGUF_OVERRIDES, hf_model
+from tests.checkpoints import GGUF_ARCHS, GGUF_OVERRIDES, MOE_ARCHS, hf_model
 from tests.cpu_activations import round_as_cpu_qgemm
 
 T = gguf.GGMLQuantizationType
@@ -316,6 +316,13 @@ def _assert_exact(ckpt, expect_types):
 )
 def test_quantized_tensors_equal_gguf_dequantize(arch, dtype, gguf_file):
     _assert_exact(load_checkpoint(gguf_file(arch, dtype)), [dtype])
+
+
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_routers_stay_f32_and_experts_quantize(arch, gguf_file):
+    ckpt = load_checkpoint(gguf_file(arch, "Q8_0"))
+    router, experts, (gate, _, _) = ckpt.config.moe_names(0)
+    assert ckpt.gguf_types[router] == "F32" and ckpt.gguf_types[f"{experts}0.{gate}.weight"] == "Q8_0"
 
 
 def test_kquant_tensors_equal_gguf_dequantize(kquant_file):
