@@ -49,7 +49,7 @@ from pathlib import Path
 import numpy as np
 
 from llmc.artifact import load_artifact
-from llmc.compiler.codegen.floors import StepShape, kernel_floor
+from llmc.compiler.codegen.floors import StepShape, expert_bytes, kernel_floor, launch_floor
 from llmc.compiler.codegen.host_probes import cpu_ceilings
 from llmc.compiler.codegen.simulator import build_profiled_library
 from llmc.errors import LlmcError
@@ -114,16 +114,21 @@ def ceilings(target: dict) -> Ceilings:
 
 def program_flops(config, phase: str, batch: int, context: int, prompt_len: int) -> int:
     """FLOPs of one step from the kernel program's shapes: the GEMMs (2*M*N*K, logits for one row per
-    sequence) and attention's QK and PV products (4 * heads * head_dim per query-key pair)."""
+    sequence; a mixture-of-experts layer: its router and a token's top_k experts) and attention's QK and PV
+    products (4 * heads * head_dim per query-key pair)."""
     c = config
-    per_token = c.hidden_size * (c.q_size + 2 * c.kv_size) + c.q_size * c.hidden_size
-    per_token += 3 * c.hidden_size * c.intermediate_size
+    attn = c.hidden_size * (c.q_size + 2 * c.kv_size) + c.q_size * c.hidden_size
+    dense, sparse = c.num_layers - len(c.moe_layers), len(c.moe_layers)
+    per_token = attn * c.num_layers + 3 * c.hidden_size * c.intermediate_size * dense
+    if sparse:
+        experts = c.hidden_size * (c.num_experts + 3 * c.experts_per_token * c.expert_intermediate_size)
+        per_token += experts * sparse
     if phase == "decode":
         tokens, seqs, pairs = batch, batch, batch * (context + 1)
     else:
         tokens, seqs, pairs = prompt_len, 1, prompt_len * (prompt_len + 1) // 2
     attention = 4 * c.num_heads * c.head_dim * pairs
-    return 2 * tokens * per_token * c.num_layers + attention * c.num_layers + 2 * seqs * c.hidden_size * c.vocab_size
+    return 2 * tokens * per_token + attention * c.num_layers + 2 * seqs * c.hidden_size * c.vocab_size
 
 
 def step_seqs(phase: str, batch: int, context: int, prompt_len: int) -> list[tuple[int, int]]:
@@ -305,21 +310,43 @@ def profile_simulated(
 
 
 _TIMING = ("llmc_profile_timing", "llmc_profile_num_launches", "llmc_profile_launch")
+_EXPERT_OPS = ("moe_gemm", "moe_qgemm")
 
 
-def _timed_launches(lib: ctypes.CDLL, model: CompiledModel, step: StepBatch) -> list[tuple[str, float]]:
-    """(kernel, microseconds) of each launch of one step, in launch order."""
+def _timed_launches(lib: ctypes.CDLL, model: CompiledModel, step: StepBatch) -> list[tuple[str, float, int]]:
+    """(kernel, microseconds, experts it read: an expert GEMM's, else 0) of each launch of one step, in order."""
     lib.llmc_profile_timing(1)
+    experts = getattr(lib, "llmc_profile_launch_experts", None)  # a CPU module's, with expert kernels
     try:
         model.step(step)
         name, ms, out = ctypes.create_string_buffer(_NAME_LEN), ctypes.c_float(), []
         for i in range(lib.llmc_profile_num_launches()):
             if lib.llmc_profile_launch(i, name, _NAME_LEN, ctypes.byref(ms)) != 0:
                 raise LlmcError(f"reading the time of launch {i} failed")
-            out.append((name.value.decode(errors="replace"), 1e3 * ms.value))
+            out.append((name.value.decode(errors="replace"), 1e3 * ms.value, experts(i) if experts else 0))
         return out
     finally:
         lib.llmc_profile_timing(0)
+
+
+def _experts(kernels: dict[str, dict], read: list[tuple[str, int]], shape: StepShape) -> tuple[dict, dict | None]:
+    """From the (kernel, experts read) of a step's expert GEMMs: their floors at the experts they read, and the
+    report's `experts` entry (None for a model without experts): the experts each MoE layer activated (its
+    gate/up GEMM's) and the weight bytes streamed for them (both GEMMs)."""
+    floors: dict = {}
+    per_layer, streamed = [], 0
+    for kid, n in read:
+        k = kernels[kid]
+        op = k["template"].split("/", 1)[-1]
+        f = launch_floor(k["template"], k["params"], "T", shape, n)
+        floors[kid] = floors[kid] + f if kid in floors else f
+        streamed += n * expert_bytes(op, k["params"])
+        if k["params"]["swiglu"]:
+            per_layer.append(n)
+    if not read:
+        return floors, None
+    total = kernels[read[0][0]]["params"]["experts"]
+    return floors, {"per_layer": per_layer, "of": total, "weight_bytes": streamed}
 
 
 def _kernel_id(launched: str, ids: list[str]) -> str:
@@ -364,6 +391,7 @@ def profile_measured(
     manifest_kernels = artifact.manifest.get("kernels") or []
     floors = {k["id"]: kernel_floor(k, shape) for k in manifest_kernels}
     templates = {k["id"]: k.get("template", "") for k in manifest_kernels}
+    experts_kernels = {k["id"]: k for k in manifest_kernels if templates[k["id"]].endswith(_EXPERT_OPS)}
     if progress:
         progress("load")
     with _load_for_step(artifact, library, step, blocks) as model:
@@ -390,13 +418,18 @@ def profile_measured(
         for _ in range(repeats):
             step_times: dict[str, float] = {}
             counts: dict[str, int] = {}
-            for name, us in _timed_launches(lib, model, step):
+            read = []  # (expert kernel, experts it read) of the step: the same each repeat, the step being one
+            for name, us, n in _timed_launches(lib, model, step):
                 kid = _kernel_id(name, ids)
                 step_times[kid] = step_times.get(kid, 0.0) + us
                 counts[kid] = counts.get(kid, 0) + 1
+                if kid in experts_kernels:
+                    read.append((kid, n))
             for kid, us in step_times.items():
                 per_kernel.setdefault(kid, []).append(us)
             launches = counts
+    expert_floors, experts = _experts(experts_kernels, read, shape)
+    floors.update(expert_floors)
     kernels, step_flop_us = [], 0.0
     for kid, times in per_kernel.items():
         f = floors[kid]
@@ -436,6 +469,7 @@ def profile_measured(
             "time_us": time_us,
             "wall_us": statistics.median(wall),
             "floor_fraction": floor_us / time_us if time_us else 0.0,
+            **({"experts": experts} if experts else {}),
         },
         "kernels": kernels,
     }

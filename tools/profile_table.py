@@ -49,6 +49,13 @@ def _format_measured(report: dict, shape: str) -> str:
             "kernels read from the cache, which the DRAM floor does not bound"
         )
     lines.extend(_weights_line(report))
+    e = s.get("experts")
+    if e:
+        per = e["per_layer"]
+        lines.append(
+            f"experts: {sum(per) / len(per):.1f} of {e['of']} a layer activated (per layer {per}), "
+            f"{_mb(e['weight_bytes'])} MB of their weights streamed once each"
+        )
     served = "host copies; a CUDA graph at decode" if on_gpu else "the C ABI call from Python, logits out"
     lines.append(
         f"whole step as served ({served}): {s['wall_us']:.2f} us, {s['wall_us'] - s['time_us']:.2f} us of it "

@@ -86,8 +86,16 @@ def moe_experts_read(experts: int, top_k: int, rows: int) -> int:
     return min(experts, top_k * rows)
 
 
-def launch_floor(template: str, params: dict, rows_var: str, shape: StepShape) -> Floor:
-    """One launch of a <target>/<op> kernel with these template parameters."""
+def expert_bytes(op: str, p: dict) -> int:
+    """One expert's weight bytes in a moe_gemm / moe_qgemm launch."""
+    return _qweight_bytes(p) if op == "moe_qgemm" else p["n"] * p["k"] * _bytes(p["wdtype"])
+
+
+def launch_floor(
+    template: str, params: dict, rows_var: str, shape: StepShape, experts_read: int | None = None
+) -> Floor:
+    """One launch of a <target>/<op> kernel with these template parameters; experts_read: the experts an expert
+    GEMM's rows chose (measured: `llmc profile`), else moe_experts_read's."""
     op = template.split("/", 1)[-1]
     p, rows = params, shape.rows(rows_var)
     if op == "gemm":
@@ -127,13 +135,13 @@ def launch_floor(template: str, params: dict, rows_var: str, shape: StepShape) -
         return Floor(w + rows * (p["hidden"] + 2 * p["top_k"]) * _F32, 2 * rows * p["experts"] * p["hidden"])
     if op in ("moe_gemm", "moe_qgemm"):  # the chosen experts' weights once each, a row in and out per slot
         n, k, top_k = p["n"], p["k"], p["top_k"]
-        read = moe_experts_read(p["experts"], top_k, rows)
-        expert = _qweight_bytes(p) if op == "moe_qgemm" else n * k * _bytes(p["wdtype"])
+        read = moe_experts_read(p["experts"], top_k, rows) if experts_read is None else experts_read
+        expert = expert_bytes(op, p)
         x = rows * (top_k if p["per_slot"] else 1) * k
         out = rows * top_k * (n // 2 if p["swiglu"] else n)
         return Floor(read * expert + (x + out) * _F32 + rows * 2 * top_k * _F32, 2 * rows * top_k * n * k)
     if op == "moe_combine":
-        return Floor(rows * (p["top_k"] * (p["hidden"] + 1) + p["hidden"]) * _F32, 2 * rows * p["top_k"] * p["hidden"])
+        return Floor(rows * (p["top_k"] * (p["hidden"] + 1) + p["hidden"]) * _F32, 0)  # elementwise, as silu_mul
     if op == "tvm_call":
         return Floor(
             sum(math.prod(shape.rows(d) if isinstance(d, str) else d for d in t) for t in p["shapes"]) * _F32, 0

@@ -352,3 +352,28 @@ def test_decode_attention_reads_shared_memory_without_bank_conflicts(tmp_path, k
     report = profile_simulated(art, phase="decode", batch=2, context=100)
     (attend,) = [k for k in report["kernels"] if k["name"].endswith("_attend")]
     assert attend["shared_requests"] > 0 and attend["bank_conflicts_per_request"] == 0.0
+
+
+def test_cpu_profile_counts_the_experts_each_step_reads(tmp_path, checkpoint_dir):
+    """Qwen3-MoE (6 experts, top 2, layers 0 and 2 sparse): decode at batch 1 reads 2 experts a layer, exactly;
+    at batch 16, each expert its tokens chose once, however many chose it; the expert GEMMs' floors count those,
+    and the step's FLOPs a token's 2 experts and the router."""
+    from llmc.compiler.codegen.floors import expert_bytes
+    from llmc.tools.build import compile_checkpoint
+
+    art = compile_checkpoint(checkpoint_dir("qwen3_moe"), target="cpu", output=tmp_path / "m.cpu")
+    manifest = {k["id"]: k for k in load_artifact(art, verify=False).manifest["kernels"]}
+    experts = [k for k in manifest.values() if k["template"] == "cpu/moe_gemm"]
+    both = sum(expert_bytes("moe_gemm", k["params"]) for k in experts)  # one expert's gate_up and down
+    one = profile_measured(art, phase="decode", batch=1, context=5, repeats=1, ceil=HOST)
+    assert one["step"]["experts"] == {"per_layer": [2, 2], "of": 6, "weight_bytes": 2 * 2 * both}
+    sixteen = profile_measured(art, phase="decode", batch=16, context=5, repeats=1, ceil=HOST)
+    e = sixteen["step"]["experts"]
+    assert len(e["per_layer"]) == 2 and all(2 < n <= 6 for n in e["per_layer"])
+    assert e["weight_bytes"] == sum(e["per_layer"]) * both
+    floors = {k["name"]: k["floor_bytes"] for k in sixteen["kernels"]}
+    gate_up = next(k for k in experts if k["params"]["swiglu"])
+    acts = 16 * (64 + 2 * 40 + 2 * 2) * 4  # a token's x in, its 2 slots' SwiGLU out, its route read
+    assert floors[gate_up["id"]] == sum(e["per_layer"]) * expert_bytes("moe_gemm", gate_up["params"]) + 2 * acts
+    assert sixteen["step"]["flops"] == program_flops(load_artifact(art, verify=False).config, "decode", 16, 5, 1)
+    assert "experts: " in format_table(one)

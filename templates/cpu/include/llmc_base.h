@@ -50,8 +50,10 @@ struct LaunchTiming {
   struct Launch {
     const char* kernel;
     double ms;
+    int experts;  // an expert GEMM's: the experts it read (llmc_moe.h); 0 for the other kernels
   };
   bool on = false;
+  int experts = 0;  // set by the running launch, taken by its TimedLaunch
   std::vector<Launch> launches;
 };
 LaunchTiming launch_timing;  // at namespace scope: a function's static would pay its guard check every launch
@@ -65,7 +67,8 @@ class TimedLaunch {
   ~TimedLaunch() {
     if (!kernel_) return;
     const std::chrono::duration<double, std::milli> ms = std::chrono::steady_clock::now() - start_;
-    launch_timing.launches.push_back({kernel_, ms.count()});
+    launch_timing.launches.push_back({kernel_, ms.count(), launch_timing.experts});
+    launch_timing.experts = 0;
   }
   TimedLaunch(const TimedLaunch&) = delete;
   TimedLaunch& operator=(const TimedLaunch&) = delete;

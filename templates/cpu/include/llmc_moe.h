@@ -81,10 +81,13 @@ inline void moe_experts(const float* LLMC_RESTRICT x, const float* LLMC_RESTRICT
     const int r = order[i], t = r / TOPK, j = r % TOPK;
     std::memcpy(xs + (long)i * K, x + (PER_SLOT ? (long)t * TOPK * K + (long)j * K : (long)t * K), K * sizeof(float));
   });
+  int read = 0;
   for (int e = 0; e < E; ++e) {
     const int count = start[e + 1] - start[e];
     if (count) run(e, xs + (long)start[e] * K, ys + (long)start[e] * N, count);
+    read += count > 0;
   }
+  if (launch_timing.on) launch_timing.experts = read;  // for `llmc profile`
   parallel_for(rows, par, [&](int i) {
     const int r = order[i];
     float* o = out + (long)(r / TOPK) * TOPK * OUT + (long)(r % TOPK) * OUT;
