@@ -30,3 +30,23 @@ def round_as_cpu_qgemm(model: torch.nn.Module, quantized: Callable[[str], bool])
             rounding = int8_two_pass if name == "lm_head" else int8_per_32
             module.register_forward_pre_hook(lambda _, args, rounding=rounding: rounding(args[0]))
     return model
+
+
+def moe_as_cpu_qgemm(x, router, gate_up, down, top_k, norm_topk):
+    """frontend/model.py's moe_reference with each expert GEMM's input rounded as the CPU qgemm rounds it (int8 per
+    32): what a build with quantized experts computes, for its weights' values (monkeypatch it over the family
+    module's `moe`)."""
+    experts, hidden = router.shape
+    inter = down.shape[1]
+    probs = torch.softmax(torch.nn.functional.linear(x, router).float(), dim=-1)
+    top, chosen = torch.topk(probs, top_k, dim=-1)
+    if norm_topk:
+        top = top / top.sum(dim=-1, keepdim=True)
+    weights = torch.zeros_like(probs).scatter(1, chosen, top)
+    out = torch.zeros_like(x)
+    for e in range(experts):
+        gate_up_e, down_e = gate_up[2 * inter * e : 2 * inter * (e + 1)], down[hidden * e : hidden * (e + 1)]
+        gate, up = torch.nn.functional.linear(int8_per_32(x), gate_up_e).chunk(2, -1)
+        act = torch.nn.functional.silu(gate) * up
+        out = out + weights[:, e : e + 1] * torch.nn.functional.linear(int8_per_32(act), down_e)
+    return out

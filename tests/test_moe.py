@@ -13,31 +13,12 @@ from llmc.compiler.quant import QuantConfig, dequantize, quantize
 from llmc.errors import UnsupportedModelError
 from llmc.runtime.batch import StepBatch
 from llmc.runtime.module import CompiledModel
-from tests.cpu_activations import int8_per_32
+from tests.cpu_activations import moe_as_cpu_qgemm
 
 
 def test_cuda_target_refuses_experts(checkpoint_dir, tmp_path):
     with pytest.raises(UnsupportedModelError, match="cpu target only"):
         compile_checkpoint(checkpoint_dir("mixtral"), target="sm90", output=tmp_path / "m")
-
-
-def _experts_as_cpu_kernels(x, router, gate_up, down, top_k, norm_topk):
-    """moe_reference with each expert GEMM's input rounded as the CPU qgemm rounds it (int8 per 32)."""
-    experts, hidden = router.shape
-    inter = down.shape[1]
-    probs = torch.softmax(torch.nn.functional.linear(x, router).float(), dim=-1)
-    top, chosen = torch.topk(probs, top_k, dim=-1)
-    if norm_topk:
-        top = top / top.sum(dim=-1, keepdim=True)
-    weights = torch.zeros_like(probs).scatter(1, chosen, top)
-    out = torch.zeros_like(x)
-    for e in range(experts):
-        gate, up = torch.nn.functional.linear(int8_per_32(x), gate_up[2 * inter * e : 2 * inter * (e + 1)]).chunk(2, -1)
-        act = torch.nn.functional.silu(gate) * up
-        out = out + weights[:, e : e + 1] * torch.nn.functional.linear(
-            int8_per_32(act), down[hidden * e : hidden * (e + 1)]
-        )
-    return out
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4", "q4_k_m"])
@@ -56,7 +37,7 @@ def test_quantized_experts_match_their_dequantized_weights(mode, checkpoint_dir,
             scheme = quant.tensor_scheme(name, p.shape[-1], layers) if ".experts." in name else None
             if scheme is not None:
                 p.copy_(torch.from_numpy(dequantize(quantize(p.numpy(), scheme))))
-    monkeypatch.setattr(family, "moe", _experts_as_cpu_kernels)
+    monkeypatch.setattr(family, "moe", moe_as_cpu_qgemm)
     ids = [int(i) for i in np.random.default_rng(5).integers(2, 384, 29)]
     with torch.no_grad():
         want = model(torch.tensor(ids), torch.arange(len(ids))).numpy()

@@ -10,6 +10,7 @@ tokenizer, transformers' own GGUF tokenizer conversion and llama.cpp's tokenizer
 import ctypes
 import dataclasses
 import json
+import math
 import shutil
 
 import gguf
@@ -21,7 +22,9 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer
 
 from llmc.compiler.compile import compile_checkpoint
+from llmc.compiler.export import build_eager_model
 from llmc.compiler.frontend import gguf_names as names
+from llmc.compiler.frontend import model as family
 from llmc.compiler.frontend.gguf import _llama3_scaling
 from llmc.compiler.frontend.gguf_write import _llama3_rope_freqs, write_gguf
 from llmc.compiler.frontend.load import load_checkpoint
@@ -35,7 +38,7 @@ from llmc.runtime.module import CompiledModel
 from llmc.sampling_params import SamplingParams
 from llmc.tools.cli import main
 from tests.checkpoints import GGUF_ARCHS, GGUF_OVERRIDES, MOE_ARCHS, hf_model
-from tests.cpu_activations import round_as_cpu_qgemm
+from tests.cpu_activations import moe_as_cpu_qgemm, round_as_cpu_qgemm
 
 T = gguf.GGMLQuantizationType
 TEXTS = [
@@ -99,6 +102,7 @@ def _rewrite(src, out, rng, types=None, meta=None):
 
 # Where each type's fp16 d (and m / dmin) lie in its block, and their size: about the tiny model's weight scale
 _FP16_FIELDS = {
+    T.Q4_0: ((0, 1e-2),),
     T.Q4_1: ((0, 3e-3), (2, 3e-2)),
     T.Q5_0: ((0, 3e-3),),
     T.Q5_1: ((0, 1.5e-3), (2, 3e-2)),
@@ -126,14 +130,16 @@ MORE_TYPES = {
 
 
 def _random_blocks(shape, qtype, rng) -> np.ndarray:
-    """Random bytes as whole blocks, with finite fp16 d (and dmin) of about the tiny model's weight scale."""
-    n, k = shape
+    """Random bytes as whole blocks, with finite fp16 d (and dmin) of about the tiny model's weight scale; rows
+    of a matrix, or of stacked experts."""
+    *rows, k = shape
+    n = math.prod(rows)
     block, size = gguf.GGML_QUANT_SIZES[qtype]
     b = rng.integers(0, 256, (n, k // block, size), dtype=np.uint8)
     for offset, scale in _FP16_FIELDS[qtype]:
         d = rng.uniform(-scale, scale, (n, k // block, 1)).astype(np.float16)
         b[..., offset : offset + 2] = d.view(np.uint8)
-    return b.reshape(n, -1)
+    return b.reshape(*rows, -1)
 
 
 @pytest.fixture(scope="module")
@@ -323,6 +329,30 @@ def test_routers_stay_f32_and_experts_quantize(arch, gguf_file):
     ckpt = load_checkpoint(gguf_file(arch, "Q8_0"))
     router, experts, (gate, _, _) = ckpt.config.moe_names(0)
     assert ckpt.gguf_types[router] == "F32" and ckpt.gguf_types[f"{experts}0.{gate}.weight"] == "Q8_0"
+
+
+@pytest.mark.parametrize("expert_type", ["Q4_0", "Q4_K", "Q6_K"])
+def test_expert_tensors_import_exactly_and_run(expert_type, checkpoint_dir, tmp_path, monkeypatch):
+    """A qwen3moe file whose stacked experts are Q4_0, Q4_K or Q6_K blocks (hidden and expert sizes 256): each
+    expert's rows equal gguf dequantize, and the build's logits are the family's module on those values, its
+    experts' inputs rounded as the kernels round them."""
+    src = checkpoint_dir("qwen3_moe", **KQUANT, moe_intermediate_size=256, mlp_only_layers=[])
+    f32 = write_gguf(src, tmp_path / "f32.gguf", "F32")
+    types = {t.name: T[expert_type] for t in gguf.GGUFReader(f32).tensors if "_exps." in t.name}
+    path = _rewrite(f32, tmp_path / f"{expert_type}.gguf", np.random.default_rng(3), types)
+    ckpt = load_checkpoint(path)
+    _assert_exact(ckpt, [expert_type])
+    artifact = compile_checkpoint(path, target="cpu", output=tmp_path / "m.cpu")
+    model = build_eager_model(ckpt)
+    monkeypatch.setattr(family, "moe", moe_as_cpu_qgemm)
+    ids = [int(i) for i in np.random.default_rng(5).integers(2, 384, 23)]
+    with torch.no_grad():
+        want = model(torch.tensor(ids), torch.arange(len(ids))).numpy()
+    with CompiledModel.load(artifact, max_num_seqs=1, max_num_logits=len(ids)) as m:
+        table = list(range(m.num_blocks))[: -(-len(ids) // m.block_size)]
+        got = m.step(StepBatch.build([ids], [0], [table], m.block_size, num_logits=[len(ids)]))
+    rel = np.abs(got - want).max(axis=1) / np.abs(want).max(axis=1)
+    assert rel.max() <= 1e-2 and np.mean(rel <= 1e-3) >= 0.75, f"relative logit errors per row {np.round(rel, 4)}"
 
 
 def test_kquant_tensors_equal_gguf_dequantize(kquant_file):
