@@ -27,7 +27,7 @@ from pathlib import Path
 from llmc.digests import file_sha256
 from llmc.errors import ArtifactError
 from llmc.host import host_cpu_isa
-from llmc.kernel_program import decode_weight_bytes
+from llmc.kernel_program import decode_weight_bytes, expert_bytes
 from llmc.manifest import (
     LIBRARY,
     MANIFEST_DIGESTS,
@@ -126,6 +126,12 @@ class Artifact:
         if "kernel_program" not in self.manifest:
             return self.weight_bytes
         return sum(decode_weight_bytes(self.manifest["kernel_program"]).values())
+
+    @property
+    def expert_bytes(self) -> int:
+        """Bytes of one expert's weights in one mixture-of-experts layer (kernel_program.expert_bytes); 0 without
+        experts or a kernel program."""
+        return expert_bytes(self.manifest["kernel_program"]) if "kernel_program" in self.manifest else 0
 
 
 def safetensors_data_bytes(path: Path) -> int:

@@ -84,6 +84,23 @@ def decode_weight_bytes(program: dict) -> dict[str, int]:
     return by_op
 
 
+def expert_bytes(program: dict) -> int:
+    """Bytes of one expert's weights in one mixture-of-experts layer (its gate/up and down, the layers' mean): what
+    a step streams for each (layer, expert) it activates; 0 without experts."""
+    total, layers, experts = 0, 0, 1
+    for launch in program["launches"]:
+        if launch["op"] not in ("moe_gemm", "moe_qgemm"):
+            continue
+        experts = launch["params"]["experts"]
+        layers += bool(launch["params"]["swiglu"])
+        for arg in launch["args"]:
+            i = weight_ref(arg)
+            if i is not None:
+                w = program["weights"][i]
+                total += DTYPES[w["dtype"]].nbytes * math.prod(w["shape"])
+    return total // (experts * layers) if layers else 0
+
+
 def schema_problem(program) -> str | None:
     """What makes `program` (parsed JSON, untrusted) not a kernel program of SCHEMA, in a few words; None when
     it is one: every field of its type, each weight a launch names declared."""

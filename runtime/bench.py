@@ -23,7 +23,9 @@ Roofline: decoding is memory-bound. Every step reads all the weights once (of th
 token), whatever the batch size, so a sequence can never decode faster than memory_bandwidth / weight_bytes
 tokens/s; a compiled model's weight_bytes is its artifact's decode_weight_bytes. The bandwidth is measured
 in-process with a large numpy copy (host memory: right for the CPU target; pass `memory_bandwidth` for a
-GPU) and `roofline_fraction` = roofline TPOT / measured TPOT p50.
+GPU) and `roofline_fraction` = roofline TPOT / measured TPOT p50. A mixture of experts reads a token's chosen
+experts only (weight_bytes counts top_k of each layer's); a CPU module counts the experts its steps activate,
+and each level reports them per layer and step, and the bytes of their weights per step.
 """
 
 from __future__ import annotations
@@ -102,6 +104,9 @@ def _run_level(
     structured: StructuredOutputs | None = None,
 ) -> dict:
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True, structured=structured)
+    counter = getattr(engine.model, "experts_activated", None)  # a CPU module of a mixture of experts
+    activated = counter() if counter else None
+    steps = 0
     pending = collections.deque(range(len(prompts)))
     in_flight: dict[str, int] = {}
     added = [0.0] * len(prompts)
@@ -113,6 +118,7 @@ def _run_level(
             in_flight[engine.add_request(prompts[i], params)] = i
             added[i] = time.perf_counter()
         outputs = engine.step()
+        steps += 1
         now = time.perf_counter()
         for out in outputs:
             if out.error is not None:
@@ -134,7 +140,16 @@ def _run_level(
     tpot = [(t[-1] - t[0]) * 1e3 / (len(t) - 1) for t in token_times if len(t) > 1]
     (ttft50, ttft99), (tpot50, tpot99) = _percentiles(ttft), _percentiles(tpot)
     stats = engine.stats()
+    experts = {}
+    layers = len(engine.model.config.moe_layers) if activated is not None else 0
+    if layers:  # the (layer, expert) pairs the run's steps read, per step and layer
+        per_layer = (counter() - activated) / steps / layers
+        experts = {
+            "experts_per_layer_step": per_layer,
+            "expert_bytes_per_step": per_layer * layers * engine.model.artifact.expert_bytes,
+        }
     return {
+        **experts,
         "concurrency": concurrency,
         "num_requests": len(prompts),
         "duration_s": duration,
@@ -326,6 +341,12 @@ def format_bench_table(result: dict) -> str:
             row.append("-" if value is None else fmt.format(value))
         cells.append(row)
     lines += align_columns(cells)
+    for level in result["levels"]:
+        if "experts_per_layer_step" in level:
+            lines.append(
+                f"experts at concurrency {level['concurrency']}: {level['experts_per_layer_step']:.1f} a layer per "
+                f"step, {level['expert_bytes_per_step'] / 1e6:.1f} MB of their weights streamed per step"
+            )
     roof = result.get("roofline")
     if roof:
         lines.append(

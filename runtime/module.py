@@ -255,6 +255,15 @@ class CompiledModel:
 
     # -- the step -------------------------------------------------------------------------------------
 
+    def experts_activated(self) -> int | None:
+        """(layer, expert) pairs whose weights this module's steps have read since it loaded (its gate/up GEMMs'),
+        None for a module that does not count them (a CUDA build, or an older one)."""
+        count = getattr(self._lib, "llmc_experts_activated", None)
+        if count is None:
+            return None
+        count.restype = ctypes.c_int64
+        return int(count())
+
     def step(self, batch: StepBatch) -> np.ndarray:
         """Run one ragged batch; float32 logits [N, vocab], row i for token row batch.logits_indices[i]."""
         if self._handle is None:

@@ -46,3 +46,32 @@ def test_quantized_experts_match_their_dequantized_weights(mode, checkpoint_dir,
         got = m.step(StepBatch.build([ids], [0], [table], m.block_size, num_logits=[len(ids)]))
     rel = np.abs(got - want).max(axis=1) / np.abs(want).max(axis=1)
     assert rel.max() <= 1e-2 and np.mean(rel <= 1e-3) >= 0.75, f"relative logit errors per row {np.round(rel, 4)}"
+
+
+def test_bench_reports_the_experts_each_step_activates(checkpoint_dir, tmp_path):
+    """`llmc bench`'s levels count the (layer, expert) pairs the module's steps read: at concurrency 1, 2 a layer
+    for a decode step, more for the prefill that starts each request; at concurrency 8, more a step, at most all 6;
+    the bytes per step are that many experts' weights (Qwen3-MoE's: gate/up 80 x 64 and down 64 x 40, fp32)."""
+    from llmc.runtime.bench import format_bench_table, run_bench
+    from llmc.runtime.engine import LLMEngine
+
+    artifact = compile_checkpoint(checkpoint_dir("qwen3_moe"), target="cpu", output=tmp_path / "m")
+    with CompiledModel.load(artifact, max_num_seqs=8) as model:
+        assert model.artifact.expert_bytes == (80 * 64 + 64 * 40) * 4
+        result = run_bench(
+            lambda: LLMEngine(model),
+            concurrency=(1, 8),
+            num_requests=8,
+            prompt_len=8,
+            output_len=24,
+            memory_bandwidth=1e10,
+            progress=False,
+        )
+    one, eight = result["levels"]
+    assert 2 < one["experts_per_layer_step"] < 2.5 and 2 < eight["experts_per_layer_step"] <= 6
+    assert one["experts_per_layer_step"] < eight["experts_per_layer_step"]
+    for level in (one, eight):
+        assert level["expert_bytes_per_step"] == pytest.approx(
+            level["experts_per_layer_step"] * 2 * (80 * 64 + 64 * 40) * 4
+        )
+    assert "a layer per step" in format_bench_table(result)

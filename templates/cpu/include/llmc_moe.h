@@ -19,6 +19,9 @@ namespace llmc {
 
 namespace {
 enum { kMoeScratchLogits, kMoeScratchRows, kMoeScratchOut };
+// (layer, expert) pairs the gate/up GEMMs have read since the module was loaded: llmc_experts_activated, for
+// `llmc bench`'s experts a step
+long long experts_activated = 0;
 template <int USE>
 float* moe_scratch(size_t n) {
   static thread_local std::vector<float> buf;
@@ -88,6 +91,7 @@ inline void moe_experts(const float* LLMC_RESTRICT x, const float* LLMC_RESTRICT
     read += count > 0;
   }
   if (launch_timing.on) launch_timing.experts = read;  // for `llmc profile`
+  if constexpr (SWIGLU) experts_activated += read;
   parallel_for(rows, par, [&](int i) {
     const int r = order[i];
     float* o = out + (long)(r / TOPK) * TOPK * OUT + (long)(r % TOPK) * OUT;
