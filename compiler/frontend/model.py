@@ -1,6 +1,5 @@
 """The Llama family (Llama, Mistral, Qwen2, Qwen3, SmolLM3, Granite, Gemma 2 and 3, OLMo 2, Phi-3, and the
-mixture-of-experts Qwen3-MoE, Mixtral and OLMoE) as one plain,
-stateless torch module.
+mixture-of-experts Qwen3-MoE, Mixtral and OLMoE) as one plain, stateless torch module.
 
 This is what the compiler traces, not what it runs: a full-sequence forward over one sequence with
 explicit positions and no cache. Parameter names equal Hugging Face's Llama names, so a checkpoint's tensors map
