@@ -28,7 +28,8 @@ import numpy as np
 
 from llmc.compiler.codegen import simulator
 from llmc.compiler.codegen.build import CPU_FLAGS, build_shared_library
-from llmc.compiler.codegen.render import kernel_id, render_kernel, target_headers
+from llmc.compiler.codegen.render import kernel_id, render_kernel, target_headers, template_path
+from llmc.errors import CompileError
 
 # docs/contracts.md, "Kernel templates": (argument, kind) per op; the CUDA launcher takes a cudaStream_t after
 # them. W* (weights, by wdtype), KV* (KV cache, by kv_dtype) and A* (activations, by adtype: CUDA's templates
@@ -338,7 +339,12 @@ def target_params(target: str, params: dict) -> dict:
 class CudaTemplates:
     target = "cuda"
 
-    def spec(self, op: str, params: dict) -> tuple[str, dict]:
+    def spec(self, op: str, params: dict) -> tuple[str, dict] | None:
+        """None for an op with no CUDA template (the CPU's mixture-of-experts kernels)."""
+        try:
+            template_path("cuda", op)
+        except CompileError:
+            return None
         return op, target_params("cuda", params)
 
 
