@@ -7,7 +7,7 @@ import torch
 from llmc.compiler.export import export_onnx, to_relax
 from llmc.compiler.frontend.load import load_checkpoint
 from llmc.compiler.frontend.trace import trace
-from tests.checkpoints import ARCHS, VOCAB, hf_model
+from tests.checkpoints import ARCHS, MOE_ARCHS, VOCAB, hf_model
 
 LENGTHS = (1, 5, 37)
 TOL = 1e-4
@@ -23,7 +23,7 @@ def _reference(path, ids, pos) -> np.ndarray:
         return hf_model(path)(ids[None], position_ids=pos[None]).logits[0].numpy()
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", (*ARCHS, *MOE_ARCHS))
 def test_traced_program_matches_transformers(arch, checkpoint_dir):
     path = checkpoint_dir(arch)
     ckpt = load_checkpoint(path)
@@ -39,7 +39,7 @@ def test_traced_program_matches_transformers(arch, checkpoint_dir):
         np.testing.assert_allclose(got, _reference(path, ids, pos), atol=TOL, rtol=0)
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", (*ARCHS, *MOE_ARCHS))
 def test_onnx_matches_transformers(arch, checkpoint_dir, tmp_path):
     import onnxruntime as ort
 
