@@ -50,3 +50,24 @@ def moe_as_cpu_qgemm(x, router, gate_up, down, top_k, norm_topk):
         act = torch.nn.functional.silu(gate) * up
         out = out + weights[:, e : e + 1] * torch.nn.functional.linear(int8_per_32(act), down_e)
     return out
+
+
+def assert_quantized_experts_match(artifact, model: torch.nn.Module, monkeypatch, num_tokens: int) -> None:
+    """A build with quantized experts against the family module `model` holding its weights' values: one prefill
+    of random ids, its experts' inputs rounded as the kernels round them (moe_as_cpu_qgemm); within the fp32
+    tolerance but for rows where an activation sits at a rounding midpoint (tests/tools/test_quantized_build.py)."""
+    import numpy as np
+
+    from llmc.compiler.frontend import model as family
+    from llmc.runtime.batch import StepBatch
+    from llmc.runtime.module import CompiledModel
+
+    monkeypatch.setattr(family, "moe", moe_as_cpu_qgemm)
+    ids = [int(i) for i in np.random.default_rng(5).integers(2, 384, num_tokens)]
+    with torch.no_grad():
+        want = model(torch.tensor(ids), torch.arange(len(ids))).numpy()
+    with CompiledModel.load(artifact, max_num_seqs=1, max_num_logits=len(ids)) as m:
+        table = list(range(m.num_blocks))[: -(-len(ids) // m.block_size)]
+        got = m.step(StepBatch.build([ids], [0], [table], m.block_size, num_logits=[len(ids)]))
+    rel = np.abs(got - want).max(axis=1) / np.abs(want).max(axis=1)
+    assert rel.max() <= 1e-2 and np.mean(rel <= 1e-3) >= 0.75, f"relative logit errors per row {np.round(rel, 4)}"

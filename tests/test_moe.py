@@ -1,19 +1,16 @@
 """Mixture-of-experts builds beyond fp32 parity (test_cpu_parity.py runs the three families against transformers):
 quantized experts compute what their packed weights say, and a CUDA target refuses them plainly."""
 
-import numpy as np
 import pytest
 import torch
 
 from llmc.compiler.compile import compile_checkpoint
 from llmc.compiler.export import build_eager_model
-from llmc.compiler.frontend import model as family
 from llmc.compiler.frontend.load import load_checkpoint
 from llmc.compiler.quant import QuantConfig, dequantize, quantize
 from llmc.errors import UnsupportedModelError
-from llmc.runtime.batch import StepBatch
 from llmc.runtime.module import CompiledModel
-from tests.cpu_activations import moe_as_cpu_qgemm
+from tests.cpu_activations import assert_quantized_experts_match
 
 
 def test_cuda_target_refuses_experts(checkpoint_dir, tmp_path):
@@ -37,15 +34,7 @@ def test_quantized_experts_match_their_dequantized_weights(mode, checkpoint_dir,
             scheme = quant.tensor_scheme(name, p.shape[-1], layers) if ".experts." in name else None
             if scheme is not None:
                 p.copy_(torch.from_numpy(dequantize(quantize(p.numpy(), scheme))))
-    monkeypatch.setattr(family, "moe", moe_as_cpu_qgemm)
-    ids = [int(i) for i in np.random.default_rng(5).integers(2, 384, 29)]
-    with torch.no_grad():
-        want = model(torch.tensor(ids), torch.arange(len(ids))).numpy()
-    with CompiledModel.load(artifact, max_num_seqs=1, max_num_logits=len(ids)) as m:
-        table = list(range(m.num_blocks))[: -(-len(ids) // m.block_size)]
-        got = m.step(StepBatch.build([ids], [0], [table], m.block_size, num_logits=[len(ids)]))
-    rel = np.abs(got - want).max(axis=1) / np.abs(want).max(axis=1)
-    assert rel.max() <= 1e-2 and np.mean(rel <= 1e-3) >= 0.75, f"relative logit errors per row {np.round(rel, 4)}"
+    assert_quantized_experts_match(artifact, model, monkeypatch, 29)
 
 
 def test_bench_reports_the_experts_each_step_activates(checkpoint_dir, tmp_path):

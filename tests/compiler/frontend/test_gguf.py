@@ -24,7 +24,6 @@ from tokenizers import Tokenizer
 from llmc.compiler.compile import compile_checkpoint
 from llmc.compiler.export import build_eager_model
 from llmc.compiler.frontend import gguf_names as names
-from llmc.compiler.frontend import model as family
 from llmc.compiler.frontend.gguf import _llama3_scaling
 from llmc.compiler.frontend.gguf_write import _llama3_rope_freqs, write_gguf
 from llmc.compiler.frontend.load import load_checkpoint
@@ -38,7 +37,7 @@ from llmc.runtime.module import CompiledModel
 from llmc.sampling_params import SamplingParams
 from llmc.tools.cli import main
 from tests.checkpoints import GGUF_ARCHS, GGUF_OVERRIDES, MOE_ARCHS, hf_model
-from tests.cpu_activations import moe_as_cpu_qgemm, round_as_cpu_qgemm
+from tests.cpu_activations import assert_quantized_experts_match, round_as_cpu_qgemm
 
 T = gguf.GGMLQuantizationType
 TEXTS = [
@@ -344,15 +343,7 @@ def test_expert_tensors_import_exactly_and_run(expert_type, checkpoint_dir, tmp_
     _assert_exact(ckpt, [expert_type])
     artifact = compile_checkpoint(path, target="cpu", output=tmp_path / "m.cpu")
     model = build_eager_model(ckpt)
-    monkeypatch.setattr(family, "moe", moe_as_cpu_qgemm)
-    ids = [int(i) for i in np.random.default_rng(5).integers(2, 384, 23)]
-    with torch.no_grad():
-        want = model(torch.tensor(ids), torch.arange(len(ids))).numpy()
-    with CompiledModel.load(artifact, max_num_seqs=1, max_num_logits=len(ids)) as m:
-        table = list(range(m.num_blocks))[: -(-len(ids) // m.block_size)]
-        got = m.step(StepBatch.build([ids], [0], [table], m.block_size, num_logits=[len(ids)]))
-    rel = np.abs(got - want).max(axis=1) / np.abs(want).max(axis=1)
-    assert rel.max() <= 1e-2 and np.mean(rel <= 1e-3) >= 0.75, f"relative logit errors per row {np.round(rel, 4)}"
+    assert_quantized_experts_match(artifact, model, monkeypatch, 23)
 
 
 def test_kquant_tensors_equal_gguf_dequantize(kquant_file):
