@@ -30,6 +30,7 @@ _BUFFER_KEYS = {"rows", "cols"}
 _WEIGHT_KEYS = {"name", "dtype", "shape", "quant", "interleave", "sources"}
 _LAUNCH_KEYS = {"op", "params", "args", "fused"}
 _UNPRINTED_PARAMS = ("inv_freq",)  # RoPE's frequencies: in the JSON, too long a line to print
+EXPERT_GEMMS = ("moe_gemm", "moe_qgemm")  # the ops whose weights stack every expert of a layer
 
 
 def weight_ref(arg: str) -> int | None:
@@ -78,7 +79,7 @@ def decode_weight_bytes(program: dict) -> dict[str, int]:
                 continue
             w = program["weights"][i]
             elements = math.prod(w["shape"][-1:] if op in ("embedding", "qembedding") else w["shape"])  # a row
-            if op in ("moe_gemm", "moe_qgemm"):
+            if op in EXPERT_GEMMS:
                 elements = elements * launch["params"]["top_k"] // launch["params"]["experts"]
             by_op[op] = by_op.get(op, 0) + DTYPES[w["dtype"]].nbytes * elements
     return by_op
@@ -89,7 +90,7 @@ def expert_bytes(program: dict) -> int:
     a step streams for each (layer, expert) it activates; 0 without experts."""
     total, layers, experts = 0, 0, 1
     for launch in program["launches"]:
-        if launch["op"] not in ("moe_gemm", "moe_qgemm"):
+        if launch["op"] not in EXPERT_GEMMS:
             continue
         experts = launch["params"]["experts"]
         layers += bool(launch["params"]["swiglu"])

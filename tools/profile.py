@@ -54,6 +54,7 @@ from llmc.compiler.codegen.host_probes import cpu_ceilings
 from llmc.compiler.codegen.simulator import build_profiled_library
 from llmc.errors import LlmcError
 from llmc.host import host_llc_bytes
+from llmc.kernel_program import EXPERT_GEMMS
 from llmc.manifest import quant_bits_per_weight
 from llmc.runtime.batch import StepBatch
 from llmc.runtime.module import CompiledModel
@@ -310,7 +311,6 @@ def profile_simulated(
 
 
 _TIMING = ("llmc_profile_timing", "llmc_profile_num_launches", "llmc_profile_launch")
-_EXPERT_OPS = ("moe_gemm", "moe_qgemm")
 
 
 def _timed_launches(lib: ctypes.CDLL, model: CompiledModel, step: StepBatch) -> list[tuple[str, float, int]]:
@@ -391,7 +391,7 @@ def profile_measured(
     manifest_kernels = artifact.manifest.get("kernels") or []
     floors = {k["id"]: kernel_floor(k, shape) for k in manifest_kernels}
     templates = {k["id"]: k.get("template", "") for k in manifest_kernels}
-    experts_kernels = {k["id"]: k for k in manifest_kernels if templates[k["id"]].endswith(_EXPERT_OPS)}
+    experts_kernels = {k["id"]: k for k in manifest_kernels if templates[k["id"]].split("/")[-1] in EXPERT_GEMMS}
     if progress:
         progress("load")
     with _load_for_step(artifact, library, step, blocks) as model:

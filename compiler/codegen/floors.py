@@ -21,6 +21,7 @@ import math
 
 from llmc.dtypes import DTYPES, ELEMENTS_BY_SHORT
 from llmc.errors import LlmcError
+from llmc.kernel_program import EXPERT_GEMMS
 
 _F32 = DTYPES["float32"].nbytes
 
@@ -133,7 +134,7 @@ def launch_floor(
     if op == "moe_route":  # the router's weights, x in, ids and weights out
         w = p["experts"] * p["hidden"] * _bytes(p["wdtype"])
         return Floor(w + rows * (p["hidden"] + 2 * p["top_k"]) * _F32, 2 * rows * p["experts"] * p["hidden"])
-    if op in ("moe_gemm", "moe_qgemm"):  # the chosen experts' weights once each, a row in and out per slot
+    if op in EXPERT_GEMMS:  # the chosen experts' weights once each, a row in and out per slot
         n, k, top_k = p["n"], p["k"], p["top_k"]
         read = moe_experts_read(p["experts"], top_k, rows) if experts_read is None else experts_read
         expert = expert_bytes(op, p)

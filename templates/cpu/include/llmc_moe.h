@@ -9,8 +9,8 @@
 // order, whatever else the step holds.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
-#include <vector>
 
 #include "llmc_elementwise.h"
 #include "llmc_gemm.h"
@@ -18,16 +18,11 @@
 namespace llmc {
 
 namespace {
-enum { kMoeScratchLogits, kMoeScratchRows, kMoeScratchOut };
+// gemm_scratch's uses (llmc_gemm.h), after the GEMM's own
+enum { kScratchMoeLogits = kScratchSpill + 1, kScratchMoeOrder, kScratchMoeRows, kScratchMoeOut };
 // (layer, expert) pairs the gate/up GEMMs have read since the module was loaded: llmc_experts_activated, for
 // `llmc bench`'s experts a step
 long long experts_activated = 0;
-template <int USE>
-float* moe_scratch(size_t n) {
-  static thread_local std::vector<float> buf;
-  if (buf.size() < n) buf.resize(n);
-  return buf.data();
-}
 }  // namespace
 
 // Router probabilities softmax(x @ router^T) in float32, each row's TOPK largest (ties: the lower expert),
@@ -35,7 +30,7 @@ float* moe_scratch(size_t n) {
 template <int E, int H, int TOPK, bool NORM, typename WT>
 inline void moe_route(const float* LLMC_RESTRICT x, const WT* LLMC_RESTRICT router, float* LLMC_RESTRICT route,
                       int T) {
-  float* logits = moe_scratch<kMoeScratchLogits>((size_t)T * E);
+  float* logits = gemm_scratch<float, kScratchMoeLogits>((long)T * E);
   gemm<E, H, false>(x, router, (const WT*)nullptr, logits, T);
   parallel_for(T, (long)T * E * TOPK >= kParallelWork, [&](int t) {
     float* p = logits + (long)t * E;
@@ -70,15 +65,17 @@ inline void moe_experts(const float* LLMC_RESTRICT x, const float* LLMC_RESTRICT
                         int T, Run run) {
   constexpr int OUT = SWIGLU ? N / 2 : N;
   const int rows = T * TOPK;
+  // row r = (token r / TOPK, slot r % TOPK); its expert, then the rows in expert order (a counting sort)
+  auto expert = [&](int r) { return (int)route[(long)(r / TOPK) * 2 * TOPK + r % TOPK]; };
   int start[E + 1] = {};
-  std::vector<int> order(rows);
-  for (int r = 0; r < rows; ++r) ++start[(int)route[(long)(r / TOPK) * 2 * TOPK + r % TOPK] + 1];
+  for (int r = 0; r < rows; ++r) ++start[expert(r) + 1];
   for (int e = 0; e < E; ++e) start[e + 1] += start[e];
   int fill[E];
   std::copy(start, start + E, fill);
-  for (int r = 0; r < rows; ++r) order[fill[(int)route[(long)(r / TOPK) * 2 * TOPK + r % TOPK]]++] = r;
-  float* xs = moe_scratch<kMoeScratchRows>((size_t)rows * K);
-  float* ys = moe_scratch<kMoeScratchOut>((size_t)rows * N);
+  int* order = gemm_scratch<int, kScratchMoeOrder>(rows);
+  for (int r = 0; r < rows; ++r) order[fill[expert(r)]++] = r;
+  float* xs = gemm_scratch<float, kScratchMoeRows>((long)rows * K);
+  float* ys = gemm_scratch<float, kScratchMoeOut>((long)rows * N);
   const bool par = (long)rows * (K + N) >= kParallelWork;
   parallel_for(rows, par, [&](int i) {
     const int r = order[i], t = r / TOPK, j = r % TOPK;
