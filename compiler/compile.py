@@ -37,7 +37,7 @@ from .passes.pipeline import run_passes
 from .passes.quantize_embedding import quantize_embedding
 from .passes.quantize_linear import quantize_linear
 from .program import KernelProgram
-from .quant import K_MULTIPLE, QuantConfig, QuantScheme
+from .quant import CUDA_INT6, K_MULTIPLE, QuantConfig, QuantScheme
 from .tuning.database import TuningDB
 from .weights import WeightSpec, write_packed_weights
 
@@ -75,13 +75,14 @@ def check_fusion(mod: tvm.IRModule, num_layers: int) -> None:
         )
 
 
-def quant_schemes(ckpt: Checkpoint, quant: QuantConfig) -> dict[str, QuantScheme]:
+def quant_schemes(ckpt: Checkpoint, quant: QuantConfig, cuda: bool = False) -> dict[str, QuantScheme]:
     """Checkpoint weight name -> scheme of each weight a GEMM or the embedding's gather reads quantized.
 
     From the flags (QuantConfig.tensor_scheme): the linears of the blocks, the lm_head (the embedding, when tied)
     and an untied embedding, as the mode chooses. A tensor the checkpoint holds quantized (GGUF) keeps its own
     scheme whatever the flags, so a file imports with no requantization: an untied embedding too, which the
-    gather reads quantized (passes/quantize_embedding.py).
+    gather reads quantized (passes/quantize_embedding.py). cuda: int6 (Q6_K) becomes int8 with the same groups
+    (quant.CUDA_INT6), which holds it exactly: the CUDA kernels read no 6-bit layout yet.
     """
     shapes = ckpt.config.weight_shapes()
     tied = "lm_head.weight" not in shapes
@@ -102,6 +103,8 @@ def quant_schemes(ckpt: Checkpoint, quant: QuantConfig) -> dict[str, QuantScheme
         held = ckpt.quant_scheme(name)
         if held is not None:
             schemes[name] = held
+    if cuda:
+        schemes = {n: CUDA_INT6 if s.bits == 6 else s for n, s in schemes.items()}
     return schemes
 
 
@@ -224,7 +227,7 @@ def compile_checkpoint(
         )
     dtype = resolve_weight_dtype(ckpt, weight_dtype)
     kv_dtype = resolve_kv_dtype(kv_dtype, cuda=tgt.is_cuda, weight_dtype=dtype)
-    schemes = quant_schemes(ckpt, quant)
+    schemes = quant_schemes(ckpt, quant, cuda=tgt.is_cuda)
     if quant.enabled and not schemes:
         raise CompileError(
             f"--quant {quant.mode} quantizes nothing in this model: no linear's input size is a multiple of "

@@ -12,6 +12,13 @@ j - 4 (sc) and j (m). That is 2 bytes per group for a scale and a min: 4.5 bits 
 
 `quantize_kquant` is llmc's own quantizer to it (Q4_K's): each group's scale and min from a weighted
 least-squares search over roundings, as llama.cpp's make_qkx2_quants, then the superblock's 6-bit codes.
+
+Q6_K's superblock (symmetric groups of 16, no mins) has a record of its own, 18 bytes as the GGUF block ends:
+
+    sc: int8[16] | d: fp16
+
+with group j's scale d * sc[j] (exact in float32): 0.5625 bits a weight. `quantize_q6k` is llama.cpp's Q6_K
+quantizer: each group's scale searched (make_qx_quants), then the superblock's int8 codes.
 """
 
 from __future__ import annotations
@@ -22,6 +29,13 @@ GROUP = 32
 GROUPS = 8  # groups per superblock
 SUPERBLOCK = GROUP * GROUPS
 RECORD_BYTES = 16
+GROUP6, GROUPS6 = 16, 16  # Q6_K: groups of 16, 16 a superblock
+RECORD6_BYTES = 18
+
+
+def record_row_bytes(k: int, asymmetric: bool) -> int:
+    """Bytes of records in a row of K (a multiple of 256): Q4_K / Q5_K's (asymmetric) or Q6_K's."""
+    return k // SUPERBLOCK * (RECORD_BYTES if asymmetric else RECORD6_BYTES)
 
 
 def scale_min_codes(codes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -44,6 +58,21 @@ def decode(records: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     sc, m = scale_min_codes(r[..., 4:16])
     d, dmin = fp16_values(r[..., 0:2]), fp16_values(r[..., 2:4])
     return (d[..., None] * sc).reshape(n, -1), (dmin[..., None] * m).reshape(n, -1)
+
+
+def decode6(records: np.ndarray) -> np.ndarray:
+    """uint8 [N, S * 18] (Q6_K records) -> scales float32 [N, S * 16], exactly."""
+    n = records.shape[0]
+    r = records.reshape(n, -1, RECORD6_BYTES)
+    sc = np.ascontiguousarray(r[..., :16]).view(np.int8).astype(np.float32)
+    return (fp16_values(r[..., 16:18])[..., None] * sc).reshape(n, -1)
+
+
+def encode6(d: np.ndarray, sc: np.ndarray) -> np.ndarray:
+    """d float16 [N, S], sc integers [N, S, 16] in -128..127 -> Q6_K records uint8 [N, S * 18]."""
+    codes = sc.astype(np.int8).view(np.uint8)
+    halves = d.astype(np.float16)[..., None].view(np.uint8)
+    return np.ascontiguousarray(np.concatenate([codes, halves], axis=-1).reshape(d.shape[0], -1))
 
 
 def encode(d: np.ndarray, dmin: np.ndarray, sc: np.ndarray, m: np.ndarray) -> np.ndarray:
@@ -142,3 +171,24 @@ def quantize_kquant(
     q = np.rint((x + mins.reshape(x.shape[:3])[..., None]) / np.where(s > 0, s, 1))
     q = np.clip(q, 0, nmax).astype(np.int8).reshape(n, k)
     return q, scales, mins, records
+
+
+def quantize_q6k(w: np.ndarray, group_scales) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """float32 w [N, K] (K a multiple of 256) -> (q int8 [N, K] in -32..31, scales float32 [N, K / 16], records
+    uint8 [N, K / 256 * 18]), as llama.cpp's quantize_row_q6_K: group_scales(blocks [N, K / 16, 16]) gives each
+    group's searched scale; the superblock's d = -(its largest-magnitude scale) / 128 in fp16, each group's code
+    round(scale / d) clamped to int8, and q rounded against d * code."""
+    n, k = w.shape
+    x = w.reshape(n, k // SUPERBLOCK, GROUPS6, GROUP6)
+    scale = np.asarray(group_scales(x.reshape(n, -1, GROUP6)), np.float32).reshape(x.shape[:3])
+    big = np.take_along_axis(scale, np.abs(scale).argmax(-1)[..., None], -1)[..., 0]
+    with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
+        iscale = np.where(big != 0, -128.0 / big, 0).astype(np.float32)
+        d = np.where(big != 0, 1.0 / iscale, 0).astype(np.float16)
+    sc = np.clip(np.rint(iscale[..., None] * scale), -128, 127)
+    records = encode6(d, sc)
+    scales = decode6(records)
+    s = scales.reshape(x.shape[:3])[..., None]
+    q = np.rint(x / np.where(s != 0, s, 1))
+    q = np.clip(np.where(s != 0, q, 0), -32, 31).astype(np.int8).reshape(n, k)
+    return q, scales, records

@@ -6,8 +6,9 @@ A weight matrix w[N, K] (HF Linear layout, one row per output) is quantized alon
 
     w[n, k] = q[n, k] * scales[n, k // group_size] - mins[n, k // group_size]      (mins: asymmetric only)
 
-- `q` is int8 [N, K], one value per element whatever the width: bits=8 holds -128..127 (GGUF Q6_K's
-  -32..31 fits too), bits=4 holds -8..7 when symmetric and 0..15 when asymmetric.
+- `q` is int8 [N, K], one value per element whatever the width: bits=8 holds -128..127, bits=6 -32..31
+  (llama.cpp's Q6_K: symmetric groups of 16 under its superblock records, the one 6-bit scheme), bits=4 holds
+  -8..7 when symmetric and 0..15 when asymmetric.
 - `scales` and `mins` are float32 arrays [N, ceil(K / group_size)]. The last group of a row may be shorter
   than `group_size` when it does not divide K. The scheme's `scale_dtype` says how they are stored: float16
   (the default: llmc's quantizer picks fp16 values, and GGUF Q8_0 / Q4_0 hold fp16 scales) or float32 (GGUF
@@ -44,31 +45,38 @@ TENSOR_TYPES = ("float", "int8", "int4", "q4_k", "q8_0")  # what --tensor-quant 
 GROUP_SIZES = (32, 64, 128)
 K_MULTIPLE = 32  # a quantized weight's K is a multiple of this (the kernels' activation blocks); else it stays float
 SCALE_DTYPES = ("float16", "float32", "kquant")  # kquant: compiler/kquant.py's superblock records
-_SCALE_BITS = {"float16": 16, "float32": 32, "kquant": 8}  # kquant: 16 bytes per 8 scales and 8 mins
+# kquant: 16 bytes per 8 scales and 8 mins (asymmetric, Q4_K / Q5_K), or 18 per 16 scales (symmetric, Q6_K)
+_SCALE_BITS = {"float16": 16, "float32": 32, "kquant": 8}
 
 
 @dataclasses.dataclass(frozen=True)
 class QuantScheme:
-    bits: int  # 8 or 4
+    bits: int  # 8, 6 (Q6_K only) or 4
     group_size: int  # elements of a row per scale; K for one scale per output channel
     asymmetric: bool = False  # per-group mins
     scale_dtype: str = "float16"  # how scales and mins are stored: SCALE_DTYPES
 
     def __post_init__(self):
-        if self.bits not in (4, 8):
+        if self.bits not in (4, 6, 8):
             raise CompileError(f"quantization to {self.bits} bits is not supported", "use int8 or int4")
         if self.group_size <= 0:
             raise CompileError(f"quantization group size {self.group_size} must be positive")
         if self.scale_dtype not in SCALE_DTYPES:
             raise CompileError(f"quantization scales in {self.scale_dtype} are not supported")
-        if self.scale_dtype == "kquant" and (self.group_size != 32 or not self.asymmetric):
-            raise CompileError("K-quant superblock scales are for asymmetric groups of 32 (Q4_K, Q5_K)")
+        if self.scale_dtype == "kquant" and (self.group_size, self.asymmetric) not in ((32, True), (16, False)):
+            raise CompileError(
+                "K-quant superblock scales are for asymmetric groups of 32 (Q4_K, Q5_K) or symmetric ones of 16 (Q6_K)"
+            )
+        if self.bits == 6 and (self.group_size, self.asymmetric, self.scale_dtype) != (16, False, "kquant"):
+            raise CompileError("6-bit weights are Q6_K's: symmetric groups of 16 under K-quant records")
 
     @property
     def qrange(self) -> tuple[int, int]:
         """The range q holds."""
         if self.bits == 8:
             return -128, 127
+        if self.bits == 6:
+            return -32, 31
         return (0, 15) if self.asymmetric else (-8, 7)
 
     @classmethod
@@ -81,6 +89,12 @@ class QuantScheme:
     def scale_bits(self) -> int:
         """16, 32 or 8 (kquant): how the IR and the kernels' parameters spell scale_dtype."""
         return _SCALE_BITS[self.scale_dtype]
+
+    def scale_row_bytes(self, k: int) -> int:
+        """Bytes of scales (and mins) that a row of K stores."""
+        if self.scale_dtype == "kquant":
+            return kquant.record_row_bytes(k, self.asymmetric)
+        return -(-k // self.group_size) * (self.scale_bits // 8) * (2 if self.asymmetric else 1)
 
     @property
     def stores_mins(self) -> bool:
@@ -103,7 +117,8 @@ class QuantizedTensor:
     scales: np.ndarray  # float32 [N, groups]
     mins: np.ndarray | None  # float32 [N, groups], asymmetric schemes only
     scheme: QuantScheme
-    records: np.ndarray | None = None  # kquant scales only: uint8 [N, K / 16], the stored form of scales and mins
+    # kquant scales only: uint8 [N, kquant.record_row_bytes(K)], the stored form of scales and mins
+    records: np.ndarray | None = None
 
     def __post_init__(self):
         n, k = self.q.shape
@@ -127,10 +142,16 @@ class QuantizedTensor:
         if (self.records is not None) != (self.scheme.scale_dtype == "kquant"):
             raise CompileError(f"quantized tensor: K-quant records go with k-scales only, not {self.scheme.describe()}")
         if self.records is not None:
-            if k % kquant.SUPERBLOCK or self.records.dtype != np.uint8 or self.records.shape != (n, k // 16):
+            asym = self.scheme.asymmetric
+            if (
+                k % kquant.SUPERBLOCK
+                or self.records.dtype != np.uint8
+                or self.records.shape != (n, kquant.record_row_bytes(k, asym))
+            ):
                 raise CompileError(f"quantized tensor: K-quant records do not fit [{n}, {k}] (K a multiple of 256)")
+            held = kquant.decode(self.records) if asym else (kquant.decode6(self.records), None)
             if not all(
-                np.array_equal(a, b) for a, b in zip(kquant.decode(self.records), (self.scales, self.mins), strict=True)
+                a is b or np.array_equal(a, b) for a, b in zip(held, (self.scales, self.mins), strict=True)
             ):
                 raise CompileError("quantized tensor: the K-quant records do not hold its scales and mins")
 
@@ -164,10 +185,12 @@ def quantize(w: np.ndarray, scheme: QuantScheme, importance: np.ndarray | None =
     if importance is not None and np.shape(importance) != (k,):
         raise CompileError(f"importance of {np.shape(importance)} for a weight of K = {k}")
     if scheme.scale_dtype == "kquant":
-        if scheme.bits != 4 or k % kquant.SUPERBLOCK:
+        if scheme.bits not in (4, 6) or k % kquant.SUPERBLOCK:
             raise CompileError(
-                f"llmc quantizes to K-quant scales at 4 bits with K a multiple of 256, not {scheme.describe()}, K={k}"
+                f"llmc quantizes to K-quant scales at 4 or 6 bits with K a multiple of 256, not {scheme.describe()}, K={k}"
             )
+        if scheme.bits == 6:
+            return _quantize_q6k(w, scheme, importance)
         with np.errstate(over="ignore", invalid="ignore"):
             q, scales, mins, records = kquant.quantize_kquant(w, importance=importance)
         if not (np.isfinite(scales).all() and np.isfinite(mins).all()):
@@ -214,6 +237,25 @@ def quantize(w: np.ndarray, scheme: QuantScheme, importance: np.ndarray | None =
     return QuantizedTensor(np.ascontiguousarray(q), scales, mins, scheme)
 
 
+def _quantize_q6k(w: np.ndarray, scheme: QuantScheme, importance: np.ndarray | None) -> QuantizedTensor:
+    """Q6_K (kquant.quantize_q6k), each group's scale searched as int8's and int4's are, weighted as llama.cpp's
+    quantize_q6_K weighs it: w^2, or given an imatrix importance * sqrt(sigma2 + w^2), sigma2 = 2 mean(w^2) a row."""
+    lo, hi = scheme.qrange
+    n, k = w.shape
+    if importance is None:  # make_qx_quants' rmse_type 1, as quantize_row_q6_K_ref calls it: w^2
+        weight = np.square(w).reshape(n, k // 16, 16)
+    else:
+        sigma2 = 2 * np.square(w).mean(axis=1)[:, None]
+        weight = (np.asarray(importance, np.float32) * np.sqrt(sigma2 + np.square(w))).reshape(n, k // 16, 16)
+    q, scales, records = kquant.quantize_q6k(w, lambda blocks: _searched_scales(blocks, lo, hi, weight))
+    if not np.isfinite(scales).all():
+        raise CompileError(
+            "a Q6_K superblock needs a scale past fp16's range (65504)",
+            "such a weight cannot be quantized with fp16 scales; leave it unquantized",
+        )
+    return QuantizedTensor(q, scales, None, scheme, records)
+
+
 # The searched reciprocal scales: -(qmax + 1 + SEARCH_STEP * i) / m for |i| <= SEARCH_STEPS, m the group's
 # largest-magnitude value (llama.cpp's make_qx_quants grid). int8 takes every INT8_STRIDE-th point: there a step
 # moves the scale by 0.08%, a fraction of a rounding step, and a Q8_0 lm_head (128256 x 4096) is the largest
@@ -240,7 +282,7 @@ def _searched_scales(
         m = torch.where(m == 0, torch.ones_like(m), m)
         best_fit, best = torch.zeros_like(m), torch.zeros_like(m)
         # the grid, and absmax / hi's rounding (m to hi), so that no group does worse than that
-        stride = INT8_STRIDE if hi > 7 else 1
+        stride = INT8_STRIDE if hi > 31 else 1
         for r in [-(hi + 1 + SEARCH_STEP * i) for i in range(-SEARCH_STEPS, SEARCH_STEPS + 1, stride)] + [hi]:
             q = torch.clamp(torch.round(b * (r / m)[..., None]), lo, hi)
             aq = q if a is None else a * q
@@ -311,7 +353,8 @@ def common_scheme(schemes: list[QuantScheme], k: int) -> QuantScheme:
     if len(set(schemes)) == 1:
         return schemes[0]
     scale_dtype = "float32" if any(s.scale_dtype != "float16" for s in schemes) else "float16"
-    if len({dataclasses.replace(s, scale_dtype=scale_dtype) for s in schemes}) == 1:
+    same_but_scales = {(s.bits, s.group_size, s.asymmetric) for s in schemes}
+    if len(same_but_scales) == 1 and schemes[0].bits != 6:
         return dataclasses.replace(schemes[0], scale_dtype=scale_dtype)
     group = min(s.group_size for s in schemes)
     if any(s.group_size % group and -(-k // s.group_size) > 1 for s in schemes):
@@ -322,6 +365,8 @@ def common_scheme(schemes: list[QuantScheme], k: int) -> QuantScheme:
 
 
 Q8_0 = QuantScheme(8, 32)  # llama.cpp's Q8_0: symmetric int8 groups of 32, fp16 scales
+Q6_K = QuantScheme(6, 16, scale_dtype="kquant")  # llama.cpp's Q6_K: int6 groups of 16 under superblock records
+CUDA_INT6 = QuantScheme(8, 16, scale_dtype="float32")  # what a CUDA build holds Q6_K as (widen_exactly)
 
 
 def more_bits(layer: int, num_layers: int) -> bool:

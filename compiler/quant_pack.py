@@ -12,7 +12,11 @@ For a QuantizedTensor of w[N, K] (K a multiple of 32, see compiler/quant.py):
     `>> 4` give elements 0..15 and 16..31 of the chunk in order.
 - scales: [N, G], mins: [N, G] (asymmetric) or None, in the scheme's scale_dtype (float16 or float32,
   both exact); G = ceil(K / group_size), the last group may be short. Copied as they are (C-contiguous).
-  K-quant scales (compiler/kquant.py): scales are the records, uint8 [N, K / 16], and there are no mins.
+  * bits 6 (Q6_K): K * 3/4 bytes per row; chunk c (32 elements) is 24 bytes: int4's 16 bytes of low nibbles of
+    u = q + 32 (0..63), then 8 bytes of the top 2 bits, byte j holding those of elements 32c + j + 8i at bits
+    2i..2i+1 (i < 4): one 8-byte broadcast and a shift per 64-bit lane give all 32 in order.
+  K-quant scales (compiler/kquant.py): scales are the records, uint8 [N, kquant.record_row_bytes(K)], and there are
+  no mins.
 
 The CUDA layout (pack_cuda) is in the same shapes and keeps rows independent, so the packed rows of fused
 sources (q/k/v, gate/up) concatenate like the CPU's; only the byte order inside a row differs.
@@ -61,6 +65,12 @@ def pack_cpu(t: QuantizedTensor) -> tuple[np.ndarray, np.ndarray, np.ndarray | N
     u = (t.q.astype(np.int16) - lo).astype(np.uint8)
     if t.scheme.bits == 8:
         return np.ascontiguousarray(u), scales, mins
+    if t.scheme.bits == 6:
+        c = u.reshape(n, k // 32, 32)
+        low = (c[..., :16] & 0xF) | ((c[..., 16:] & 0xF) << 4)
+        top = (c >> 4).reshape(n, k // 32, 4, 8) << (2 * np.arange(4, dtype=np.uint8))[:, None]
+        packed = np.concatenate([low, np.bitwise_or.reduce(top, axis=2)], axis=-1)
+        return np.ascontiguousarray(packed.reshape(n, k * 3 // 4)), scales, mins
     u = u.reshape(n, k // 32, 2, 16)
     packed = u[:, :, 0, :] | (u[:, :, 1, :] << 4)
     return np.ascontiguousarray(packed.reshape(n, k // 2)), scales, mins
@@ -72,6 +82,11 @@ def unpack_cpu(qweight: np.ndarray, t_shape: tuple[int, int], bits: int, asymmet
     b = np.asarray(qweight, np.uint8)
     if bits == 8:
         u = b.reshape(n, k)
+    elif bits == 6:
+        c = b.reshape(n, k // 32, 24)
+        low = np.concatenate([c[..., :16] & 0xF, c[..., :16] >> 4], axis=-1)
+        top = (c[..., None, 16:] >> (2 * np.arange(4, dtype=np.uint8))[:, None]) & 3
+        u = (low | (top.reshape(n, k // 32, 32) << 4)).reshape(n, k)
     else:
         b = b.reshape(n, k // 32, 16)
         u = np.stack([b & 0xF, b >> 4], axis=2).reshape(n, k)
@@ -80,7 +95,7 @@ def unpack_cpu(qweight: np.ndarray, t_shape: tuple[int, int], bits: int, asymmet
 
 def _stored_lo(bits: int, asymmetric: bool) -> int:
     """The q that both layouts store as u = 0 (QuantScheme.qrange's low end)."""
-    return -128 if bits == 8 else (0 if asymmetric else -8)
+    return {8: -128, 6: -32}.get(bits, 0 if asymmetric else -8)
 
 
 _CUDA_BLOCK_WORDS = 4  # words per lane in a full 64-byte block

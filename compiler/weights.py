@@ -76,14 +76,16 @@ class WeightSpec:
 
     @property
     def stored_shape(self) -> tuple[int, ...]:
-        """The shape in the file: a quantized part's is [N, K * bits / 8] (qweight), [N, K / 16] (kquant
+        """The shape in the file: a quantized part's is [N, K * bits / 8] (qweight), [N, record bytes] (kquant
         records) or [N, groups]."""
         if self.quant is None:
             return self.shape
         n, k = self.shape
         if self.part == "qweight":
             return (n, k * self.quant.bits // 8)
-        return (n, k // 16) if self.quant.scale_dtype == "kquant" else (n, -(-k // self.quant.group_size))
+        if self.quant.scale_dtype == "kquant":
+            return (n, self.quant.scale_row_bytes(k))
+        return (n, -(-k // self.quant.group_size))
 
     @property
     def nbytes(self) -> int:

@@ -23,6 +23,8 @@ from llmc.dtypes import DTYPES, ELEMENTS_BY_SHORT
 from llmc.errors import LlmcError
 from llmc.kernel_program import EXPERT_GEMMS
 
+from ..quant import QuantScheme
+
 _F32 = DTYPES["float32"].nbytes
 
 
@@ -76,9 +78,13 @@ def _gemm(p: dict, rows: int, weight_bytes: int, bias_bytes: int) -> Floor:
     return Floor(weight_bytes + bias + rows * (k + n) * _act(p), 2 * rows * n * k)
 
 
+def _quant_row_bytes(p: dict, k: int) -> int:
+    """A packed row of k: its codes and its scales (and mins, or records)."""
+    return k * p["bits"] // 8 + QuantScheme.of_kernel(p).scale_row_bytes(k)
+
+
 def _qweight_bytes(p: dict) -> int:
-    n, k, groups = p["n"], p["k"], p["n"] * p["k"] // p["group_size"]
-    return n * k * p["bits"] // 8 + groups * (p["scale_bits"] // 8) * (2 if p["asymmetric"] else 1)
+    return p["n"] * _quant_row_bytes(p, p["k"])
 
 
 def moe_experts_read(experts: int, top_k: int, rows: int) -> int:
@@ -110,9 +116,7 @@ def launch_floor(
     if op == "embedding":
         return Floor(rows * (4 + p["hidden"] * (_bytes(p["wdtype"]) + _act(p))), 0)
     if op == "qembedding":  # a row's packed bytes, and its scales (and mins)
-        groups = -(-p["hidden"] // p["group_size"]) * (2 if p["asymmetric"] else 1)
-        row = p["hidden"] * p["bits"] // 8 + groups * p["scale_bits"] // 8
-        return Floor(rows * (4 + row + p["hidden"] * _act(p)), 0)
+        return Floor(rows * (4 + _quant_row_bytes(p, p["hidden"]) + p["hidden"] * _act(p)), 0)
     if op == "rmsnorm":
         vectors = 4 if p["add_residual"] else 2  # x (+ residual) in, (sum +) y out
         return Floor(p["hidden"] * _bytes(p["wdtype"]) + rows * vectors * p["hidden"] * _act(p), 0)

@@ -75,9 +75,11 @@ def _tuned_params(family: str, op: str, params: dict, tuning: TuningDB | None, i
 def _c_expr(arg: str, program: KernelProgram, device: bool) -> str:
     def weight(m):
         spec = program.weights[int(m.group(1))]
-        # K-quant records are bytes in the file and one struct each to the kernels (llmc::KScales)
+        # K-quant records are bytes in the file and one struct each to the kernels (llmc::KScales; Q6_K's
+        # symmetric ones llmc::KScales6)
         kquant = spec.quant is not None and spec.quant.scale_dtype == "kquant" and spec.part == "scales"
-        ctype = "llmc::KScales" if kquant else DTYPES[spec.dtype].ctype
+        record = "llmc::KScales" if kquant and spec.quant.asymmetric else "llmc::KScales6"
+        ctype = record if kquant else DTYPES[spec.dtype].ctype
         return f"static_cast<const {ctype}*>(m->w[{m.group(1)}])"
 
     arg = re.sub(r"\bW\[(\d+)\]", weight, arg)

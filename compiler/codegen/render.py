@@ -98,7 +98,7 @@ def _environment() -> jinja2.Environment:
 # --- per-op checks that a template cannot express -------------------------------------------------
 
 
-def _check_params(op: str, params: Mapping[str, Any]) -> None:
+def _check_params(target: str, op: str, params: Mapping[str, Any]) -> None:
     if "adtype" in params and params["adtype"] not in ELEMENTS_BY_SHORT:
         raise ValueError(f"adtype must be one of {sorted(ELEMENTS_BY_SHORT)}, got {params['adtype']!r}")
     if op == "rope":
@@ -125,11 +125,11 @@ def _check_params(op: str, params: Mapping[str, Any]) -> None:
     if cap is not None and (isinstance(cap, bool) or not isinstance(cap, float) or not 0 < cap < math.inf):
         raise ValueError(f"softcap must be a finite float > 0 (absent: none), got {cap!r}")
     if op in ("qgemm", "moe_qgemm"):
-        _check_quant(params, params["k"])
+        _check_quant(target, params, params["k"])
         if params.get("act_passes", 2) != 2:
             raise ValueError(f"act_passes must be 2 (absent: one pass), got {params['act_passes']!r}")
     if op == "qembedding":
-        _check_quant(params, params["hidden"])
+        _check_quant(target, params, params["hidden"])
     if op == "paged_attention":
         nh, nkv = params["num_heads"], params["num_kv_heads"]
         if isinstance(nh, int) and isinstance(nkv, int) and nkv > 0 and nh % nkv:
@@ -141,24 +141,29 @@ def _check_params(op: str, params: Mapping[str, Any]) -> None:
             raise ValueError(f"kv_dtype must be one of {sorted(ELEMENTS_BY_SHORT)}, got {params['kv_dtype']!r}")
 
 
-def _check_quant(params: Mapping[str, Any], k: Any) -> None:
-    """The schemes of compiler/quant.py that the packed layouts (compiler/quant_pack.py) hold, for rows of k."""
+def _check_quant(target: str, params: Mapping[str, Any], k: Any) -> None:
+    """The schemes of compiler/quant.py that the packed layouts (compiler/quant_pack.py) hold, for rows of k: int6
+    on the CPU only (a CUDA build holds Q6_K widened to int8, compile.quant_schemes)."""
     bits, g = params["bits"], params["group_size"]
-    if bits not in (4, 8):
-        raise ValueError(f"bits must be 8 or 4, got {bits!r}")
+    if bits not in ((4, 8) if target == "cuda" else (4, 6, 8)):
+        raise ValueError(f"bits must be 8{'' if target == 'cuda' else ', 6'} or 4 on target {target}, got {bits!r}")
     if not isinstance(k, int) or k % 32:
         raise ValueError(f"k must be a multiple of 32 for a quantized weight, got {k!r}")
-    groups = (16, 32, 64, 128, k) if bits == 8 else (32, 64, 128)
+    groups = {8: (16, 32, 64, 128, k), 6: (16,), 4: (32, 64, 128)}[bits]
     if g not in groups:
         raise ValueError(f"group_size must be one of {sorted(set(groups))} for int{bits}, got {g!r}")
     if params["scale_bits"] not in (16, 32, 8):
         raise ValueError(
             f"scale_bits must be 16 (fp16 scales), 32 or 8 (K-quant records), got {params['scale_bits']!r}"
         )
-    if params["scale_bits"] == 8 and (g != 32 or not params["asymmetric"] or k % 256):
+    records = (32, True) if params["asymmetric"] else (16, False)  # Q4_K / Q5_K's, or Q6_K's
+    if params["scale_bits"] == 8 and ((g, bool(params["asymmetric"])) != records or k % 256):
         raise ValueError(
-            f"K-quant scales (scale_bits 8) need asymmetric groups of 32 and k a multiple of 256, got {k!r}"
+            "K-quant scales (scale_bits 8) need asymmetric groups of 32 or symmetric ones of 16, and k a multiple of "
+            f"256, got group_size {g!r}, k {k!r}"
         )
+    if bits == 6 and (params["scale_bits"] != 8 or params["asymmetric"]):
+        raise ValueError("int6 weights are Q6_K's: symmetric, under K-quant records (scale_bits 8)")
 
 
 def template_path(target: str, op: str) -> str:
@@ -242,7 +247,7 @@ def render_kernel(target: str, op: str, **params: Any) -> str:
     if not isinstance(name, str) or not _IDENT.match(name):
         raise CompileError(f"bad parameters for {where}: name must be a C identifier, got {name!r}")
     try:
-        _check_params(op, params)
+        _check_params(target, op, params)
         return _environment().get_template(rel).render(**params)
     except jinja2.UndefinedError as e:  # a parameter used in a way the signature check missed
         raise CompileError(f"template {rel} of op {op!r} needs a parameter it was not given: {e}") from e

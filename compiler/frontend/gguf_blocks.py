@@ -25,11 +25,11 @@ def _rows(a: np.ndarray) -> np.ndarray:
 
 
 # What each imported type is in compiler/quant.py's terms: exactly its blocks' values. The legacy types' scales
-# (and mins) are the blocks' fp16 d (and m). Q4_K's and Q5_K's are their own superblock records (kquant: 16
-# bytes per 8 groups, compiler/kquant.py); the other K-quants' and IQ4_XS's are fp16 d x a 4-, 6- or 8-bit
-# sub-scale, held in fp32. Q4_0 / Q4_1 / Q8_0 / Q4_K keep the file's bytes per weight; the 2-, 3-, 5- and 6-bit
-# types and the IQ4 codebook (values -127..113) are held widened, in int8 (CUDA's int4 groups are 32 or more:
-# Q2_K / Q3_K / Q6_K groups of 16 are int8 too).
+# (and mins) are the blocks' fp16 d (and m). Q4_K's, Q5_K's and Q6_K's are their own superblock records (kquant,
+# compiler/kquant.py); the other K-quants' and IQ4_XS's are fp16 d x a 4- or 6-bit sub-scale, held in fp32.
+# Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K keep the file's bytes per weight; the 2-, 3- and 5-bit types and the IQ4
+# codebook (values -127..113) are held widened, in int8 (CUDA's int4 groups are 32 or more: Q2_K / Q3_K groups
+# of 16 are int8 too).
 SCHEMES = {
     GGMLType.Q8_0: QuantScheme(8, 32),
     GGMLType.Q4_0: QuantScheme(4, 32),
@@ -40,7 +40,7 @@ SCHEMES = {
     GGMLType.Q3_K: QuantScheme(8, 16, scale_dtype="float32"),
     GGMLType.Q4_K: QuantScheme(4, 32, asymmetric=True, scale_dtype="kquant"),
     GGMLType.Q5_K: QuantScheme(8, 32, asymmetric=True, scale_dtype="kquant"),
-    GGMLType.Q6_K: QuantScheme(8, 16, scale_dtype="float32"),
+    GGMLType.Q6_K: QuantScheme(6, 16, scale_dtype="kquant"),
     GGMLType.IQ4_NL: QuantScheme(8, 32),
     GGMLType.IQ4_XS: QuantScheme(8, 32, scale_dtype="float32"),
 }
@@ -145,8 +145,8 @@ def _q6_k(b: np.ndarray) -> QuantizedTensor:
     low = np.stack([ql & 0xF, ql >> 4], axis=3).reshape(*b.shape[:2], 2, 4, 32)
     high = (qh >> np.array([0, 2, 4, 6], np.uint8)[:, None]) & 3
     q = (low | (high << 4)).astype(np.int8) - 32
-    sc = np.ascontiguousarray(b[..., 192:208]).view(np.int8).astype(np.float32)
-    return QuantizedTensor(_rows(q), _rows(fp16_values(b[..., 208:210])[..., None] * sc), None, SCHEMES[GGMLType.Q6_K])
+    records = _rows(b[..., 192:210])  # scales and d: compiler/kquant.py's Q6_K record as it is
+    return QuantizedTensor(_rows(q), kquant.decode6(records), None, SCHEMES[GGMLType.Q6_K], records)
 
 
 def _iq4_xs(b: np.ndarray) -> QuantizedTensor:

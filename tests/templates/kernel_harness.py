@@ -107,6 +107,8 @@ HEADERS = {"cpu": "common.h", "cuda": "llmc_kernels.cuh"}
 
 def _element(kind: str, params: dict) -> tuple[str, type]:
     param, types = _ELEMENT[kind]
+    if kind == "S*" and params[param] == 8 and not params["asymmetric"]:
+        return "llmc::KScales6*", np.uint8  # Q6_K's records
     return types[params.get(param, "f32") if kind == "A*" else params[param]]
 
 
@@ -345,10 +347,13 @@ class CudaTemplates:
     target = "cuda"
 
     def spec(self, op: str, params: dict) -> tuple[str, dict] | None:
-        """None for an op with no CUDA template (the CPU's mixture-of-experts kernels)."""
+        """None for an op with no CUDA template (the CPU's mixture-of-experts kernels), and for int6 weights (a
+        CUDA build holds Q6_K widened to int8)."""
         try:
             template_path("cuda", op)
         except CompileError:
+            return None
+        if params.get("bits") == 6:
             return None
         return op, target_params("cuda", params)
 

@@ -52,7 +52,7 @@ def quantized_weight(w, scheme, rng):
     from llmc.compiler import kquant
     from llmc.compiler.quant import QuantizedTensor, quantize
 
-    if scheme.scale_dtype != "kquant" or scheme.bits == 4:
+    if scheme.scale_dtype != "kquant" or scheme.bits != 8:
         return quantize(w, scheme)
     n, k = w.shape
     half = (n, k // kquant.SUPERBLOCK)

@@ -25,6 +25,7 @@ SCHEMES = [
     (96, 8, 96, False, 16),  # one scale per row
     (256, 4, 32, True, 8),  # Q4_K's own superblock records
     (512, 8, 32, True, 8),  # Q5_K's records, its q widened to int8
+    (768, 6, 16, False, 8),  # Q6_K: int6 under its own records (the CPU's; CUDA holds it widened to int8)
 ]
 
 
@@ -52,8 +53,14 @@ def _inputs(target, params, T, seed):
     return ids[:T].copy(), qweight, scales, mins, dequantize(t)
 
 
+F32_CASES = [
+    pytest.param(*spec, id=spec_id(spec), marks=[pytest.mark.targets("cpu")] if spec[1]["bits"] == 6 else [])
+    for spec in F32_SPECS
+]
+
+
 @pytest.mark.parametrize("T", [0, 1, 3, 17])
-@pytest.mark.parametrize("op,params", F32_SPECS, ids=map(spec_id, F32_SPECS))
+@pytest.mark.parametrize("op,params", F32_CASES)
 def test_qembedding_equals_the_dequantized_rows(kernels, target, op, params, T):
     ids, qweight, scales, mins, table = _inputs(target, params, T, seed=T)
     out = np.full((T + 1, params["hidden"]), np.nan, dtype=np.float32)
@@ -86,3 +93,5 @@ def test_qembedding_render_refuses_what_no_layout_holds():
         render_kernel("cpu", "qembedding", name="e", **_params(100, 8, 32, False, 16))
     with pytest.raises(CompileError, match="group_size"):
         render_kernel("cpu", "qembedding", name="e", **_params(96, 4, 16, False, 16))
+    with pytest.raises(CompileError, match="bits must be 8 or 4 on target cuda"):
+        render_kernel("cuda", "qembedding", name="e", adtype="f32", **_params(768, 6, 16, False, 8))

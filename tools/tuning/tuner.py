@@ -114,7 +114,7 @@ def model_shapes(checkpoint, target: str, weight_dtype: str = "auto", quant=None
         ckpt,
         resolve_weight_dtype(ckpt, weight_dtype),
         tgt.block_size,
-        schemes=quant_schemes(ckpt, quant or QuantConfig()),
+        schemes=quant_schemes(ckpt, quant or QuantConfig(), cuda=tgt.is_cuda),
         cuda=tgt.is_cuda,
     )
     out: dict[KernelShape, None] = {}

@@ -1,4 +1,4 @@
-// llmc CPU target: the quantized GEMM / GEMV of a linear layer with int8 or int4 weights.
+// llmc CPU target: the quantized GEMM / GEMV of a linear layer with int8, int6 (Q6_K) or int4 weights.
 #pragma once
 
 #include <type_traits>
@@ -12,18 +12,20 @@ namespace llmc {
 // qgemm: y[T, N] = x[T, K] @ dequant(w)[N, K]^T (+ bias[N]), w[n, k] = q[n, k] * scale[n, g] - min[n, g],
 // g = k / GS (compiler/quant.py; packed layout in compiler/quant_pack.py):
 //   BITS 8: qweight row n = K bytes u = q + 128;  BITS 4: K/2 bytes, per 32-element chunk byte j = u[j] | u[j + 16] << 4,
-//   u = q + 8 (symmetric) or q (ASYM, with mins); scales / mins SC [N, ceil(K / GS)], SC float, or uint16_t
-//   holding fp16 bits (converted exactly to float in registers as a tile goes; fp16 cuts int4 g32's bytes by 10%),
-//   or KScales: the K-quants' superblock records [N, K / 256], which hold the mins (mins null; see KScales).
+//   u = q + 8 (symmetric) or q (ASYM, with mins);  BITS 6: 3K/4 bytes, per chunk int4's 16 bytes of the low
+//   nibbles of u = q + 32, then 8 bytes of the top 2 bits (byte j: element j + 8i's at bits 2i); scales / mins
+//   SC [N, ceil(K / GS)], SC float, or uint16_t holding fp16 bits (converted exactly to float in registers as a
+//   tile goes; fp16 cuts int4 g32's bytes by 10%), or KScales: the K-quants' superblock records [N, K / 256],
+//   which hold the mins (mins null; see KScales), or KScales6: Q6_K's records [N, K / 256] (int6, GS 16).
 //
 // Activations are quantized to int8 first, llama.cpp Q8_0-style: per block of 32 of a row, d = amax / 127,
 // q = round-to-nearest-even(x * (127 / amax)) in [-127, 127] (so the AVX2 sign trick below never meets
 // -128). The manifest records this as "activations": "int8 per 32". The dot products are then exact
 // integer sums, turned into float once per block.
 //
-// Numerics. A row is walked in steps: int8, one block of 32; int4, a pair of blocks (2i, 2i + 1), whose 16
+// Numerics. A row is walked in steps: int8 and int6, one block of 32; int4, a pair of blocks (2i, 2i + 1), whose 16
 // packed bytes each load as one 32-byte vector (the second block absent at an odd tail). Each step gives
-// 8 int32 lanes P[l], exact: int8, lane l sums elements 4l..4l+3 of the block; int4, lanes 0-3 hold block
+// 8 int32 lanes P[l], exact: int8 / int6, lane l sums elements 4l..4l+3 of the block; int4, lanes 0-3 hold block
 // 2i and lanes 4-7 block 2i + 1, lane l sums elements {4l', 16 + 4l'} + 0..3 (l' = l % 4). DX[l] is the
 // lane's activation scale, S[l] its weight scale. When a step spans two weight groups (int8 g16, int4 g32):
 // acc[l] += float(P[l]) * (DX[l] * S[l]) per step. Otherwise, per group g in order: gacc[l] = sum over the
@@ -114,10 +116,20 @@ LLMC_INLINE void kscale_min(const KScales& r, int j, float& scale, float& min) {
   scale = scale_value(r.d) * float(c[j]);
   min = scale_value(r.dmin) * float(c[8 + j]);
 }
+// Q6_K's superblock scales (SC = KScales6; compiler/kquant.py): one 18-byte record per 16 groups of 16, the int8
+// sub-scales and fp16 d; group j's scale is d * sc[j], an exact float product. Symmetric: no mins.
+struct KScales6 {
+  int8_t sc[16];
+  uint16_t d;
+};
+static_assert(sizeof(KScales6) == 18, "a Q6_K record is 18 bytes");
+// Groups per SC item: a record's, or 1.
+template <typename SC>
+constexpr int groups_per_scale = std::is_same_v<SC, KScales> ? 8 : std::is_same_v<SC, KScales6> ? 16 : 1;
 // Bytes of scales (and mins) per row of G groups.
 template <typename SC>
 constexpr long scale_row_bytes(int G, bool asym) {
-  return std::is_same_v<SC, KScales> ? 2L * G : (long)G * sizeof(SC) * (asym ? 2 : 1);
+  return groups_per_scale<SC> > 1 ? (long)G / groups_per_scale<SC> * sizeof(SC) : (long)G * sizeof(SC) * (asym ? 2 : 1);
 }
 // Group gi's scale and min (0 without mins), whatever SC.
 template <typename SC>
@@ -127,6 +139,10 @@ LLMC_INLINE void group_scale_min(const SC* scales, const SC* mins, long gi, floa
 }
 LLMC_INLINE void group_scale_min(const KScales* scales, const KScales*, long gi, float& scale, float& min) {
   kscale_min(scales[gi / 8], int(gi % 8), scale, min);
+}
+LLMC_INLINE void group_scale_min(const KScales6* scales, const KScales6*, long gi, float& scale, float& min) {
+  scale = scale_value(scales[gi / 16].d) * float(scales[gi / 16].sc[gi % 16]);
+  min = 0.0f;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -159,6 +175,16 @@ LLMC_INLINE void nibbles16(const uint8_t* p, Bytes& lo, Bytes& hi) {
   lo = _mm256_and_si256(b, m);
   hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), m);
 }
+// 24 bytes of an int6 chunk -> its 32 u = q + 32 in order: the low nibbles as int4's, the top 2 bits of element
+// j + 8i from bits 2i of byte 16 + j, one 64-bit lane i each.
+LLMC_INLINE Bytes decode6(const uint8_t* p) {
+  const __m128i nib = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m256i lo = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(nib, 4), nib), _mm256_set1_epi8(0x0F));
+  int64_t top;
+  std::memcpy(&top, p + 16, 8);
+  const __m256i hv = _mm256_srlv_epi64(_mm256_set1_epi64x(top), _mm256_setr_epi64x(0, 2, 4, 6));
+  return _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(hv, _mm256_set1_epi8(0x03)), 4));
+}
 // acc + sum of 4 products u[4l + i] * s[4l + i] per lane l: u unsigned, s signed (u * s pairs fit int16:
 // u <= 255 with |s| <= 127 would not, callers pass u <= 128, or u <= 15 two at a time).
 LLMC_INLINE Ints dot_us(Ints acc, Bytes u, Bytes s) {
@@ -170,20 +196,24 @@ LLMC_INLINE Ints dot_us(Ints acc, Bytes u, Bytes s) {
   return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
 #endif
 }
-// The int8 weights' P = sum4((u - 128) * x) = sum4(u * x) + neg128, from neg128 = neg128_of(x) = -128 * sum4(x)
-// (per lane; formed once per row and step, for all the outputs).
+// The int8 (BIAS 128) and int6 (BIAS 32) weights' P = sum4((u - BIAS) * x) = sum4(u * x) + base, from base =
+// neg_bias_of<BIAS>(x) = -BIAS * sum4(x) (per lane; formed once per row and step, for all the outputs).
 #if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
-LLMC_INLINE Ints neg128_of(Bytes x) {
-  return _mm256_sub_epi32(_mm256_setzero_si256(), dot_us(_mm256_setzero_si256(), _mm256_set1_epi8(int8_t(0x80)), x));
+template <int BIAS>
+LLMC_INLINE Ints neg_bias_of(Bytes x) {
+  return _mm256_sub_epi32(_mm256_setzero_si256(), dot_us(_mm256_setzero_si256(), _mm256_set1_epi8(int8_t(BIAS)), x));
 }
-LLMC_INLINE Ints dot_u8(Ints neg128, Bytes u, Bytes x) {
-  return dot_us(neg128, u, x);  // one instruction: u * x pairs would saturate only maddubs' int16
+template <int BIAS>
+LLMC_INLINE Ints dot_biased(Ints base, Bytes u, Bytes x) {
+  return dot_us(base, u, x);  // one instruction: u * x pairs would saturate only maddubs' int16
 }
 #else
-LLMC_INLINE Ints neg128_of(Bytes) { return _mm256_setzero_si256(); }
-LLMC_INLINE Ints dot_u8(Ints, Bytes u, Bytes x) {
-  // w = u - 128 as int8, then |w| * (x with w's sign), llama.cpp's sign trick (x in [-127, 127])
-  const __m256i w = _mm256_xor_si256(u, _mm256_set1_epi8(int8_t(0x80)));
+template <int BIAS>
+LLMC_INLINE Ints neg_bias_of(Bytes) { return _mm256_setzero_si256(); }
+template <int BIAS>
+LLMC_INLINE Ints dot_biased(Ints, Bytes u, Bytes x) {
+  // w = u - BIAS as int8, then |w| * (x with w's sign), llama.cpp's sign trick (x in [-127, 127])
+  const __m256i w = _mm256_sub_epi8(u, _mm256_set1_epi8(int8_t(BIAS)));
   return dot_us(_mm256_setzero_si256(), _mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
 }
 #endif
@@ -237,6 +267,13 @@ LLMC_INLINE Floats lane(Floats v, int i) { return _mm256_permutevar8x32_ps(v, _m
 // [v[2i] x 4, v[2i + 1] x 4]: the scales of a SPLIT step's two groups
 LLMC_INLINE Floats pair(Floats v, int i) {
   return _mm256_permutevar8x32_ps(v, _mm256_add_epi32(_mm256_set1_epi32(2 * i), _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1)));
+}
+// A Q6_K record's 16 scales, as floats (exact products): groups 0-7 and 8-15
+LLMC_INLINE void kscales16(const KScales6& r, Floats& lo, Floats& hi) {
+  const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(r.sc));
+  const __m256 d = _mm256_set1_ps(scale_value(r.d));
+  lo = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)));
+  hi = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8))));
 }
 // A K-quant record's 8 scales (returned) and 8 mins, as floats (exact products)
 LLMC_INLINE Floats kscales8(const KScales& r, Floats& mins) {
@@ -308,12 +345,20 @@ LLMC_INLINE void nibbles16(const uint8_t* p, Bytes& lo, Bytes& hi) {
     hi.v[j] = j < 16 ? int8_t(p[j] >> 4) : 0;
   }
 }
-LLMC_INLINE Ints neg128_of(Bytes) { return Ints{}; }
-LLMC_INLINE Ints dot_u8(Ints, Bytes u, Bytes x) {
+LLMC_INLINE Bytes decode6(const uint8_t* p) {
+  Bytes r;
+  for (int j = 0; j < 32; ++j)
+    r.v[j] = int8_t(((p[j % 16] >> (j / 16 * 4)) & 0x0F) | (((p[16 + j % 8] >> (2 * (j / 8))) & 3) << 4));
+  return r;
+}
+template <int BIAS>
+LLMC_INLINE Ints neg_bias_of(Bytes) { return Ints{}; }
+template <int BIAS>
+LLMC_INLINE Ints dot_biased(Ints, Bytes u, Bytes x) {
   Ints r;
   for (int l = 0; l < 8; ++l) {
     int32_t s = 0;
-    for (int i = 0; i < 4; ++i) s += (int32_t(uint8_t(u.v[4 * l + i])) - 128) * int32_t(x.v[4 * l + i]);
+    for (int i = 0; i < 4; ++i) s += (int32_t(uint8_t(u.v[4 * l + i])) - BIAS) * int32_t(x.v[4 * l + i]);
     r.v[l] = s;
   }
   return r;
@@ -372,6 +417,13 @@ LLMC_INLINE Floats pair(Floats v, int i) {
   for (int l = 0; l < 8; ++l) r.v[l] = v.v[2 * i + l / 4];
   return r;
 }
+LLMC_INLINE void kscales16(const KScales6& r, Floats& lo, Floats& hi) {
+  for (int j = 0; j < 8; ++j) {
+    float m;
+    group_scale_min(&r, &r, j, lo.v[j], m);
+    group_scale_min(&r, &r, 8 + j, hi.v[j], m);
+  }
+}
 LLMC_INLINE Floats kscales8(const KScales& r, Floats& mins) {
   Floats scales;
   for (int j = 0; j < 8; ++j) kscale_min(r, j, scales.v[j], mins.v[j]);
@@ -418,6 +470,8 @@ struct QStep<8> {
   float dx[8];
 };
 template <>
+struct QStep<6> : QStep<8> {};  // int6 steps are int8's: one block of 32 in order
+template <>
 struct QStep<4> {
   int8_t x[64];  // xlo = [block 2i elements 0..15, block 2i + 1 elements 0..15], xhi = the elements 16..31
   float dx[8];
@@ -427,14 +481,15 @@ struct QStep<4> {
 template <int K, int BITS, int GS>
 struct QShape {
   static_assert(K % 32 == 0, "qgemm: K must be a multiple of 32");
-  static_assert(BITS == 8 || BITS == 4, "qgemm: 8 or 4 bits");
+  static_assert(BITS == 8 || BITS == 6 || BITS == 4, "qgemm: 8, 6 or 4 bits");
   static_assert(GS == 16 || GS % 32 == 0, "qgemm: group size 16 or a multiple of 32");
   static constexpr int NB = K / 32;                     // blocks of 32 per row
-  static constexpr int NS = BITS == 8 ? NB : (NB + 1) / 2;  // steps per row
-  static constexpr int G = (K + GS - 1) / GS;           // groups per row
-  static constexpr long RB = BITS == 8 ? K : K / 2;     // packed bytes per row
-  static constexpr int SE = BITS == 8 ? 32 : 64;        // row elements per step
-  // The two weight-scale groups of a step's lanes 0-3 and 4-7 differ for int8 g16 and int4 g32.
+  static constexpr int NS = BITS == 4 ? (NB + 1) / 2 : NB;  // steps per row
+  static constexpr int G = (K + GS - 1) / GS;               // groups per row
+  static constexpr long RB = (long)K * BITS / 8;            // packed bytes per row
+  static constexpr int SE = BITS == 4 ? 64 : 32;            // row elements per step
+  static constexpr int SB = BITS == 6 ? 24 : 32;            // packed bytes per step
+  // The two weight-scale groups of a step's lanes 0-3 and 4-7 differ for int8 / int6 g16 and int4 g32.
   static constexpr bool SPLIT = GS < SE;
   static LLMC_INLINE int group_lo(int s) { return s * SE / GS; }
   static constexpr int XU = GS < 32 ? GS : 32;  // elements per xs piece (ASYM): one weight group's min each
@@ -458,7 +513,7 @@ inline void quantize_row_q8(const float* LLMC_RESTRICT x, QStep<BITS>* LLMC_REST
         xs[b * (32 / XU) + h] = d * float(sum);
       }
     }
-    if constexpr (BITS == 8) {
+    if constexpr (BITS != 4) {
       std::memcpy(steps[b].x, q, 32);
       for (float& f : steps[b].dx) f = d;
     } else {
@@ -494,8 +549,13 @@ LLMC_INLINE void qdot_tile(const QStep<BITS>* LLMC_RESTRICT steps, const float* 
   // vector (kq_record), where the other schemes sum min * xs one piece at a time after the tile
   constexpr bool KQ = std::is_same_v<SC, KScales>;
   static_assert(!KQ || (GS == 32 && ASYM && S::G % 8 == 0), "qgemm: K-quant records need K % 256 == 0");
+  // Q6_K records: decoded in registers a record (16 groups, 8 steps) at a time
+  constexpr bool KQ6 = std::is_same_v<SC, KScales6>;
+  static_assert(!KQ6 || (GS == 16 && !ASYM && S::G % 16 == 0), "qgemm: Q6_K records need K % 256 == 0");
+  static_assert(BITS != 6 || !ASYM, "qgemm: int6 weights are symmetric");
   float mbuf[HALF && ASYM ? C * S::G : 1];
-  const SC* sp = scales + (long)j * (KQ ? S::G / 8 : S::G);  // a row's scales: G values, or G / 8 records
+  constexpr int SROW = S::G / groups_per_scale<SC>;  // a row's scales: G values, or its records
+  const SC* sp = scales + (long)j * SROW;
   const float* mr = nullptr;
   if constexpr (ASYM && !KQ) mr = scales_as_float(mins + (long)j * S::G, C * S::G, mbuf);
   Floats k8[KQ ? C : 1], macc[KQ ? R : 1][KQ ? C : 1];  // a record's scales; the mins' term
@@ -508,11 +568,11 @@ LLMC_INLINE void qdot_tile(const QStep<BITS>* LLMC_RESTRICT steps, const float* 
   auto kq_record = [&](int c, int g) {
     if constexpr (KQ) {
       Floats m8;
-      k8[c] = kscales8(sp[c * S::G / 8 + g / 8], m8);
+      k8[c] = kscales8(sp[c * SROW + g / 8], m8);
       LLMC_UNROLL for (int r = 0; r < R; ++r) macc[r][c] = fma(m8, load_floats(xs + (long)r * S::NX + g), macc[r][c]);
     }
   };
-  constexpr int SB = 32;  // packed bytes per step: one int8 block, or two int4 chunks
+  constexpr int SB = S::SB;
   constexpr bool ODD_TAIL = BITS == 4 && S::NB % 2 == 1;
   constexpr int FULL = ODD_TAIL ? S::NS - 1 : S::NS;
   // One step: into(r, c, P, DX) for every (row, output), with P the step's integer lanes and DX the lanes'
@@ -521,7 +581,9 @@ LLMC_INLINE void qdot_tile(const QStep<BITS>* LLMC_RESTRICT steps, const float* 
     Bytes wlo[C], whi[C];
     LLMC_UNROLL for (int c = 0; c < C; ++c) {
       const uint8_t* p = wr + c * S::RB + (long)s * SB;
-      if constexpr (PF > 0) {
+      if constexpr (PF > 0 && BITS == 6) {
+        if ((s * SB) % 64 < SB) __builtin_prefetch(p + PF, 0, 3);  // one per 64-byte line the step starts
+      } else if constexpr (PF > 0) {
         if (s % 2 == 0) {  // one per 64-byte line: in address order over a tile shorter than PF (llmc_gemm.h)
           // Into L1, unlike the dense GEMV's prefetch_l2: into L2 measured mixed per kernel (int8 at K = 576
           // 0.65-0.75x, int4 1.05-1.18x, both 1.4-1.6x at K = 8192) and within noise end to end on SmolLM-135M
@@ -532,6 +594,8 @@ LLMC_INLINE void qdot_tile(const QStep<BITS>* LLMC_RESTRICT steps, const float* 
       }
       if constexpr (BITS == 8) {
         wlo[c] = load32(p);
+      } else if constexpr (BITS == 6) {
+        wlo[c] = decode6(p);
       } else if constexpr (decltype(tail)::value) {
         nibbles16(p, wlo[c], whi[c]);
       } else {
@@ -541,10 +605,11 @@ LLMC_INLINE void qdot_tile(const QStep<BITS>* LLMC_RESTRICT steps, const float* 
     LLMC_UNROLL for (int r = 0; r < R; ++r) {
       const QStep<BITS>& a = steps[(long)r * S::NS + s];
       const Floats dx = load_floats(a.dx);
-      if constexpr (BITS == 8) {
+      if constexpr (BITS != 4) {
+        constexpr int BIAS = BITS == 8 ? 128 : 32;
         const Bytes xv = load32(a.x);
-        const Ints base = neg128_of(xv);
-        LLMC_UNROLL for (int c = 0; c < C; ++c) into(r, c, dot_u8(base, wlo[c], xv), dx);
+        const Ints base = neg_bias_of<BIAS>(xv);
+        LLMC_UNROLL for (int c = 0; c < C; ++c) into(r, c, dot_biased<BIAS>(base, wlo[c], xv), dx);
       } else {
         const Ints base = ASYM ? zero_ints() : load_ints(a.neg8);
         const Bytes xlo = load32(a.x), xhi = load32(a.x + 32);
@@ -554,7 +619,20 @@ LLMC_INLINE void qdot_tile(const QStep<BITS>* LLMC_RESTRICT steps, const float* 
   };
   if constexpr (S::SPLIT) {
     // a step spans two groups: acc += P * (DX * S), S = [scale of lanes 0-3 | of lanes 4-7]
-    if constexpr (KQ) {
+    if constexpr (KQ6) {
+      // a record's 8 steps unrolled: its pairs of scales are fixed lanes
+      for (int s0 = 0; s0 < FULL; s0 += 8) {
+        Floats k16[C][2];
+        LLMC_UNROLL for (int c = 0; c < C; ++c) kscales16(sp[c * SROW + s0 / 8], k16[c][0], k16[c][1]);
+        LLMC_UNROLL for (int i = 0; i < 8; ++i) {
+          Floats sc[C];
+          LLMC_UNROLL for (int c = 0; c < C; ++c) sc[c] = pair(k16[c][i / 4], i % 4);
+          step(s0 + i, std::false_type{}, [&](int r, int c, Ints p, Floats dx) {
+            acc[r][c] = fma_ints(p, mul(dx, sc[c]), acc[r][c]);
+          });
+        }
+      }
+    } else if constexpr (KQ) {
       // a record's 4 steps unrolled: its pairs of scales are fixed lanes
       for (int s0 = 0; s0 < FULL; s0 += 4) {
         LLMC_UNROLL for (int c = 0; c < C; ++c) kq_record(c, 2 * s0);
@@ -869,7 +947,7 @@ inline void qgemm(const float* LLMC_RESTRICT x, const uint8_t* LLMC_RESTRICT qwe
   constexpr int NBLK = (N + NBLK_N - 1) / NBLK_N;
   const int ntc = (T + kQgemmTChunk - 1) / kQgemmTChunk;
 #if LLMC_QGEMM_PAIRS
-  if constexpr (!ASYM) {
+  if constexpr (!ASYM && BITS != 6) {
     static_assert(kQgemmTChunk % (2 * kQgemmPairRows) == 0, "qgemm: whole row-pair tiles per chunk");
     constexpr int RT = 2 * kQgemmPairRows;  // rows per tile
     QPair<BITS>* pairs = reinterpret_cast<QPair<BITS>*>(
@@ -971,14 +1049,17 @@ inline void qembedding(const int32_t* ids, int T, const uint8_t* LLMC_RESTRICT q
   static_assert(H % 32 == 0, "qembedding: a quantized table's rows are whole blocks of 32");
   constexpr int G = (H + GS - 1) / GS;
   constexpr int RB = H * BITS / 8;
-  constexpr int LO = BITS == 8 ? -128 : (ASYM ? 0 : -8);  // the q that is stored as u = 0
+  constexpr int LO = BITS == 8 ? -128 : BITS == 6 ? -32 : (ASYM ? 0 : -8);  // the q that is stored as u = 0
   parallel_for(T, (long)T * H >= kParallelWork, [&](int t) {
     const long row = ids[t];
     const uint8_t* u = qweight + row * RB;
     float* dst = out + (long)t * H;
     for (int k = 0; k < H; ++k) {
-      // int4: chunk c's byte j holds elements 32c + j (low nibble) and 32c + j + 16 (high)
-      const int q = (BITS == 8 ? u[k] : (u[k / 32 * 16 + k % 16] >> (k % 32 / 16 * 4)) & 0xF) + LO;
+      // int4: chunk c's byte j holds elements 32c + j (low nibble) and 32c + j + 16 (high); int6: the same
+      // nibbles in 24-byte chunks, then element 32c + j + 8i's top 2 bits at bits 2i of byte 16 + j
+      const int cb = k / 32 * (BITS == 6 ? 24 : 16), e = k % 32;
+      const int nib = (u[cb + e % 16] >> (e / 16 * 4)) & 0xF;
+      const int q = (BITS == 8 ? u[k] : BITS == 6 ? nib | ((u[cb + 16 + e % 8] >> (2 * (e / 8))) & 3) << 4 : nib) + LO;
       float s, m;
       group_scale_min(scales, mins, row * G + k / GS, s, m);
       const float w = float(q) * s;

@@ -292,7 +292,7 @@ SCHEMES = {
     "Q8_0": "int8 g32",
     "Q4_0": "int4 g32",
     "Q4_K": "int4 g32 asym k-scales",
-    "Q6_K": "int8 g16 fp32-scales",
+    "Q6_K": "int6 g16 k-scales",
     **MORE_TYPES,
 }
 
