@@ -52,6 +52,8 @@ SCHEMES = [
     ("int4 g32 fp32s", 4, 32, False, 32),
     ("int4 g32 asym", 4, 32, True, 32),
     ("q4_k", 4, 32, True, 8),  # GGUF Q4_K's own superblock records (K a multiple of 256 only)
+    ("int8 g16 fp32s", 8, 16, False, 32),  # how GGUF Q6_K was held before int6 (a CUDA build still holds it so)
+    ("q6_k", 6, 16, False, 8),  # GGUF Q6_K's int6 under its own records (K a multiple of 256 only)
     ("int4 g128", 4, 128, False, 16),
     ("bf16", None, "bf16", False, None),
     ("f32", None, "f32", False, None),
@@ -115,7 +117,8 @@ def build(headers: dict[str, str], specs: list[tuple]) -> ctypes.CDLL:
         seen.add(kid)
         parts.append(render_kernel("cpu", op, name=kid, **params))
         if op == "qgemm":
-            sc = {16: "uint16_t", 32: "float", 8: "llmc::KScales"}[params["scale_bits"]]
+            records = "llmc::KScales" if params["asymmetric"] else "llmc::KScales6"
+            sc = {16: "uint16_t", 32: "float", 8: records}[params["scale_bits"]]
             parts.append(_QLOOP.format(kid=kid, sc=sc))
         else:
             parts.append(_LOOP.format(kid=kid, wt=ELEMENTS_BY_SHORT[params["wdtype"]].ctype))
