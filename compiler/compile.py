@@ -37,7 +37,7 @@ from .passes.pipeline import run_passes
 from .passes.quantize_embedding import quantize_embedding
 from .passes.quantize_linear import quantize_linear
 from .program import KernelProgram
-from .quant import CUDA_INT6, K_MULTIPLE, QuantConfig, QuantScheme
+from .quant import K_MULTIPLE, Q8_0, QuantConfig, QuantScheme, held_on_cuda
 from .tuning.database import TuningDB
 from .weights import WeightSpec, write_packed_weights
 
@@ -81,8 +81,9 @@ def quant_schemes(ckpt: Checkpoint, quant: QuantConfig, cuda: bool = False) -> d
     From the flags (QuantConfig.tensor_scheme): the linears of the blocks, the lm_head (the embedding, when tied)
     and an untied embedding, as the mode chooses. A tensor the checkpoint holds quantized (GGUF) keeps its own
     scheme whatever the flags, so a file imports with no requantization: an untied embedding too, which the
-    gather reads quantized (passes/quantize_embedding.py). cuda: int6 (Q6_K) becomes int8 with the same groups
-    (quant.CUDA_INT6), which holds it exactly: the CUDA kernels read no 6-bit layout yet.
+    gather reads quantized (passes/quantize_embedding.py). cuda: a held int5 or int6 tensor (GGUF Q5_* and Q6_K)
+    becomes the int8 scheme that holds it exactly (quant.held_on_cuda), and one quantized here to int6 becomes
+    Q8_0: the CUDA kernels read no 5- or 6-bit layout yet.
     """
     shapes = ckpt.config.weight_shapes()
     tied = "lm_head.weight" not in shapes
@@ -104,7 +105,10 @@ def quant_schemes(ckpt: Checkpoint, quant: QuantConfig, cuda: bool = False) -> d
         if held is not None:
             schemes[name] = held
     if cuda:
-        schemes = {n: CUDA_INT6 if s.bits == 6 else s for n, s in schemes.items()}
+        schemes = {
+            n: held_on_cuda(s) if ckpt.quant_scheme(n) is not None else Q8_0 if s.bits in (5, 6) else s
+            for n, s in schemes.items()
+        }
     return schemes
 
 

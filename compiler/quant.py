@@ -7,8 +7,9 @@ A weight matrix w[N, K] (HF Linear layout, one row per output) is quantized alon
     w[n, k] = q[n, k] * scales[n, k // group_size] - mins[n, k // group_size]      (mins: asymmetric only)
 
 - `q` is int8 [N, K], one value per element whatever the width: bits=8 holds -128..127, bits=6 -32..31
-  (llama.cpp's Q6_K: symmetric groups of 16 under its superblock records, the one 6-bit scheme), bits=4 holds
-  -8..7 when symmetric and 0..15 when asymmetric.
+  (llama.cpp's Q6_K: symmetric groups of 16 under its superblock records, the one 6-bit scheme), bits=5 and
+  bits=4 hold -16..15 / -8..7 when symmetric and 0..31 / 0..15 when asymmetric (5 bits: llama.cpp's Q5_0, Q5_1
+  and Q5_K, groups of 32).
 - `scales` and `mins` are float32 arrays [N, ceil(K / group_size)]. The last group of a row may be shorter
   than `group_size` when it does not divide K. The scheme's `scale_dtype` says how they are stored: float16
   (the default: llmc's quantizer picks fp16 values, and GGUF Q8_0 / Q4_0 hold fp16 scales) or float32 (GGUF
@@ -51,13 +52,13 @@ _SCALE_BITS = {"float16": 16, "float32": 32, "kquant": 8}
 
 @dataclasses.dataclass(frozen=True)
 class QuantScheme:
-    bits: int  # 8, 6 (Q6_K only) or 4
+    bits: int  # 8, 6 (Q6_K only), 5 (groups of 32: Q5_0, Q5_1, Q5_K) or 4
     group_size: int  # elements of a row per scale; K for one scale per output channel
     asymmetric: bool = False  # per-group mins
     scale_dtype: str = "float16"  # how scales and mins are stored: SCALE_DTYPES
 
     def __post_init__(self):
-        if self.bits not in (4, 6, 8):
+        if self.bits not in (4, 5, 6, 8):
             raise CompileError(f"quantization to {self.bits} bits is not supported", "use int8 or int4")
         if self.group_size <= 0:
             raise CompileError(f"quantization group size {self.group_size} must be positive")
@@ -69,6 +70,8 @@ class QuantScheme:
             )
         if self.bits == 6 and (self.group_size, self.asymmetric, self.scale_dtype) != (16, False, "kquant"):
             raise CompileError("6-bit weights are Q6_K's: symmetric groups of 16 under K-quant records")
+        if self.bits == 5 and self.group_size != 32:
+            raise CompileError("5-bit weights are in groups of 32 (Q5_0, Q5_1, Q5_K)")
 
     @property
     def qrange(self) -> tuple[int, int]:
@@ -77,7 +80,8 @@ class QuantScheme:
             return -128, 127
         if self.bits == 6:
             return -32, 31
-        return (0, 15) if self.asymmetric else (-8, 7)
+        top = 1 << self.bits
+        return (0, top - 1) if self.asymmetric else (-top // 2, top // 2 - 1)
 
     @classmethod
     def of_kernel(cls, params) -> QuantScheme:
@@ -320,7 +324,7 @@ def widen_exactly(t: QuantizedTensor, scheme: QuantScheme) -> QuantizedTensor:
 
     Only widening is exact: scheme has at least t's bits, a group that divides t's, and mins if t has them
     (a symmetric t gains zero mins). A symmetric int4 q (-8..7) is a valid int8 q as it stands. K-quant scales
-    widen to fp32 ones (their values are float32 products); nothing widens into them.
+    widen to fp32 ones (their values are float32 products); into K-quant records, only q widens (the same records).
     """
     if scheme == t.scheme:
         return t
@@ -329,12 +333,15 @@ def widen_exactly(t: QuantizedTensor, scheme: QuantScheme) -> QuantizedTensor:
     if (
         scheme.bits < old.bits
         or (old.asymmetric and not scheme.asymmetric)
-        or (scheme.bits == old.bits == 4 and scheme.asymmetric != old.asymmetric)  # int4 q: -8..7 or 0..15
+        # int4 / int5 q: -8..7 / -16..15 or 0..15 / 0..31
+        or (scheme.bits == old.bits and old.bits in (4, 5) and scheme.asymmetric != old.asymmetric)
         or (old.group_size % scheme.group_size and -(-k // old.group_size) > 1)
         or (old.scale_dtype != "float16" and scheme.scale_dtype == "float16")
-        or scheme.scale_dtype == "kquant"
+        or (scheme.scale_dtype == "kquant" and dataclasses.replace(old, bits=scheme.bits) != scheme)
     ):
         raise CompileError(f"a {old.describe()} weight cannot be stored exactly as {scheme.describe()}")
+    if scheme.scale_dtype == "kquant":  # the same records, wider q (Q5_K's int5 as int8)
+        return QuantizedTensor(t.q, t.scales, t.mins, scheme, t.records)
     groups = -(-k // scheme.group_size)
 
     def spread(a: np.ndarray) -> np.ndarray:  # per old group -> per new group: group j lies in old group j*g'//g
@@ -366,7 +373,16 @@ def common_scheme(schemes: list[QuantScheme], k: int) -> QuantScheme:
 
 Q8_0 = QuantScheme(8, 32)  # llama.cpp's Q8_0: symmetric int8 groups of 32, fp16 scales
 Q6_K = QuantScheme(6, 16, scale_dtype="kquant")  # llama.cpp's Q6_K: int6 groups of 16 under superblock records
-CUDA_INT6 = QuantScheme(8, 16, scale_dtype="float32")  # what a CUDA build holds Q6_K as (widen_exactly)
+
+
+def held_on_cuda(scheme: QuantScheme) -> QuantScheme:
+    """The scheme a CUDA build holds a weight of `scheme` in, exactly (widen_exactly): the CUDA kernels read int8
+    and int4 layouts only, so int6 (Q6_K) becomes int8 g16 with fp32 scales and int5 int8 with its groups."""
+    if scheme.bits == 6:
+        return QuantScheme(8, 16, scale_dtype="float32")
+    if scheme.bits == 5:
+        return dataclasses.replace(scheme, bits=8)
+    return scheme
 
 
 def more_bits(layer: int, num_layers: int) -> bool:

@@ -15,6 +15,9 @@ For a QuantizedTensor of w[N, K] (K a multiple of 32, see compiler/quant.py):
   * bits 6 (Q6_K): K * 3/4 bytes per row; chunk c (32 elements) is 24 bytes: int4's 16 bytes of low nibbles of
     u = q + 32 (0..63), then 8 bytes of the top 2 bits, byte j holding those of elements 32c + j + 8i at bits
     2i..2i+1 (i < 4): one 8-byte broadcast and a shift per 64-bit lane give all 32 in order.
+  * bits 5 (Q5_0, Q5_1, Q5_K): K * 5/8 bytes per row; chunk c is 20 bytes: int4's 16 bytes of low nibbles of u =
+    q + 16 (symmetric) or q (asymmetric), 0..31, then the fifth bits as a little-endian uint32, bit j element
+    32c + j (GGUF Q5_0's qh).
   K-quant scales (compiler/kquant.py): scales are the records, uint8 [N, kquant.record_row_bytes(K)], and there are
   no mins.
 
@@ -65,12 +68,16 @@ def pack_cpu(t: QuantizedTensor) -> tuple[np.ndarray, np.ndarray, np.ndarray | N
     u = (t.q.astype(np.int16) - lo).astype(np.uint8)
     if t.scheme.bits == 8:
         return np.ascontiguousarray(u), scales, mins
-    if t.scheme.bits == 6:
+    if t.scheme.bits in (5, 6):
         c = u.reshape(n, k // 32, 32)
         low = (c[..., :16] & 0xF) | ((c[..., 16:] & 0xF) << 4)
-        top = (c >> 4).reshape(n, k // 32, 4, 8) << (2 * np.arange(4, dtype=np.uint8))[:, None]
+        if t.scheme.bits == 6:
+            top = (c >> 4).reshape(n, k // 32, 4, 8) << (2 * np.arange(4, dtype=np.uint8))[:, None]
+        else:
+            top = (c >> 4).reshape(n, k // 32, 4, 8) << np.arange(8, dtype=np.uint8)
+            top = top.swapaxes(2, 3)
         packed = np.concatenate([low, np.bitwise_or.reduce(top, axis=2)], axis=-1)
-        return np.ascontiguousarray(packed.reshape(n, k * 3 // 4)), scales, mins
+        return np.ascontiguousarray(packed.reshape(n, k * t.scheme.bits // 8)), scales, mins
     u = u.reshape(n, k // 32, 2, 16)
     packed = u[:, :, 0, :] | (u[:, :, 1, :] << 4)
     return np.ascontiguousarray(packed.reshape(n, k // 2)), scales, mins
@@ -82,10 +89,13 @@ def unpack_cpu(qweight: np.ndarray, t_shape: tuple[int, int], bits: int, asymmet
     b = np.asarray(qweight, np.uint8)
     if bits == 8:
         u = b.reshape(n, k)
-    elif bits == 6:
-        c = b.reshape(n, k // 32, 24)
+    elif bits in (5, 6):
+        c = b.reshape(n, k // 32, 4 * bits)
         low = np.concatenate([c[..., :16] & 0xF, c[..., :16] >> 4], axis=-1)
-        top = (c[..., None, 16:] >> (2 * np.arange(4, dtype=np.uint8))[:, None]) & 3
+        if bits == 6:
+            top = (c[..., None, 16:] >> (2 * np.arange(4, dtype=np.uint8))[:, None]) & 3
+        else:  # byte i holds elements 8i..8i+7
+            top = (c[..., 16:, None] >> np.arange(8, dtype=np.uint8)) & 1
         u = (low | (top.reshape(n, k // 32, 32) << 4)).reshape(n, k)
     else:
         b = b.reshape(n, k // 32, 16)
@@ -95,7 +105,7 @@ def unpack_cpu(qweight: np.ndarray, t_shape: tuple[int, int], bits: int, asymmet
 
 def _stored_lo(bits: int, asymmetric: bool) -> int:
     """The q that both layouts store as u = 0 (QuantScheme.qrange's low end)."""
-    return {8: -128, 6: -32}.get(bits, 0 if asymmetric else -8)
+    return 0 if asymmetric and bits in (4, 5) else {8: -128, 6: -32, 5: -16, 4: -8}[bits]
 
 
 _CUDA_BLOCK_WORDS = 4  # words per lane in a full 64-byte block

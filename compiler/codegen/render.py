@@ -143,13 +143,13 @@ def _check_params(target: str, op: str, params: Mapping[str, Any]) -> None:
 
 def _check_quant(target: str, params: Mapping[str, Any], k: Any) -> None:
     """The schemes of compiler/quant.py that the packed layouts (compiler/quant_pack.py) hold, for rows of k: int6
-    on the CPU only (a CUDA build holds Q6_K widened to int8, compile.quant_schemes)."""
+    and int5 on the CPU only (a CUDA build holds them widened to int8, compile.quant_schemes)."""
     bits, g = params["bits"], params["group_size"]
-    if bits not in ((4, 8) if target == "cuda" else (4, 6, 8)):
-        raise ValueError(f"bits must be 8{'' if target == 'cuda' else ', 6'} or 4 on target {target}, got {bits!r}")
+    if bits not in ((4, 8) if target == "cuda" else (4, 5, 6, 8)):
+        raise ValueError(f"bits must be 8{'' if target == 'cuda' else ', 6, 5'} or 4 on target {target}, got {bits!r}")
     if not isinstance(k, int) or k % 32:
         raise ValueError(f"k must be a multiple of 32 for a quantized weight, got {k!r}")
-    groups = {8: (16, 32, 64, 128, k), 6: (16,), 4: (32, 64, 128)}[bits]
+    groups = {8: (16, 32, 64, 128, k), 6: (16,), 5: (32,), 4: (32, 64, 128)}[bits]
     if g not in groups:
         raise ValueError(f"group_size must be one of {sorted(set(groups))} for int{bits}, got {g!r}")
     if params["scale_bits"] not in (16, 32, 8):

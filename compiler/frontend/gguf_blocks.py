@@ -27,19 +27,18 @@ def _rows(a: np.ndarray) -> np.ndarray:
 # What each imported type is in compiler/quant.py's terms: exactly its blocks' values. The legacy types' scales
 # (and mins) are the blocks' fp16 d (and m). Q4_K's, Q5_K's and Q6_K's are their own superblock records (kquant,
 # compiler/kquant.py); the other K-quants' and IQ4_XS's are fp16 d x a 4- or 6-bit sub-scale, held in fp32.
-# Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K keep the file's bytes per weight; the 2-, 3- and 5-bit types and the IQ4
-# codebook (values -127..113) are held widened, in int8 (CUDA's int4 groups are 32 or more: Q2_K / Q3_K groups
-# of 16 are int8 too).
+# The legacy types, Q4_K, Q5_K and Q6_K keep the file's bytes per weight (a CUDA build holds the 5- and 6-bit ones
+# in int8: compile.quant_schemes); Q2_K, Q3_K and the IQ4 codebook (values -127..113) are held widened, in int8.
 SCHEMES = {
     GGMLType.Q8_0: QuantScheme(8, 32),
     GGMLType.Q4_0: QuantScheme(4, 32),
     GGMLType.Q4_1: QuantScheme(4, 32, asymmetric=True),
-    GGMLType.Q5_0: QuantScheme(8, 32),
-    GGMLType.Q5_1: QuantScheme(8, 32, asymmetric=True),
+    GGMLType.Q5_0: QuantScheme(5, 32),
+    GGMLType.Q5_1: QuantScheme(5, 32, asymmetric=True),
     GGMLType.Q2_K: QuantScheme(8, 16, asymmetric=True, scale_dtype="float32"),
     GGMLType.Q3_K: QuantScheme(8, 16, scale_dtype="float32"),
     GGMLType.Q4_K: QuantScheme(4, 32, asymmetric=True, scale_dtype="kquant"),
-    GGMLType.Q5_K: QuantScheme(8, 32, asymmetric=True, scale_dtype="kquant"),
+    GGMLType.Q5_K: QuantScheme(5, 32, asymmetric=True, scale_dtype="kquant"),
     GGMLType.Q6_K: QuantScheme(6, 16, scale_dtype="kquant"),
     GGMLType.IQ4_NL: QuantScheme(8, 32),
     GGMLType.IQ4_XS: QuantScheme(8, 32, scale_dtype="float32"),

@@ -47,12 +47,12 @@ def bf16_bits_of(a):
 
 
 def quantized_weight(w, scheme, rng):
-    """compiler/quant.py's quantize(w, scheme), or for K-quant records at 8 bits (GGUF Q5_K, which llmc's
+    """compiler/quant.py's quantize(w, scheme), or for K-quant records at 5 or 8 bits (GGUF Q5_K, which llmc's
     quantizer does not write) random 5-bit q under random records."""
     from llmc.compiler import kquant
     from llmc.compiler.quant import QuantizedTensor, quantize
 
-    if scheme.scale_dtype != "kquant" or scheme.bits != 8:
+    if scheme.scale_dtype != "kquant" or scheme.bits in (4, 6):
         return quantize(w, scheme)
     n, k = w.shape
     half = (n, k // kquant.SUPERBLOCK)

@@ -26,6 +26,9 @@ SCHEMES = [
     (256, 4, 32, True, 8),  # Q4_K's own superblock records
     (512, 8, 32, True, 8),  # Q5_K's records, its q widened to int8
     (768, 6, 16, False, 8),  # Q6_K: int6 under its own records (the CPU's; CUDA holds it widened to int8)
+    (160, 5, 32, False, 16),  # Q5_0 (the CPU's, as int6)
+    (96, 5, 32, True, 16),  # Q5_1
+    (512, 5, 32, True, 8),  # Q5_K
 ]
 
 
@@ -54,7 +57,7 @@ def _inputs(target, params, T, seed):
 
 
 F32_CASES = [
-    pytest.param(*spec, id=spec_id(spec), marks=[pytest.mark.targets("cpu")] if spec[1]["bits"] == 6 else [])
+    pytest.param(*spec, id=spec_id(spec), marks=[pytest.mark.targets("cpu")] if spec[1]["bits"] in (5, 6) else [])
     for spec in F32_SPECS
 ]
 

@@ -56,6 +56,9 @@ SCHEMES = [
     (19, 512, 8, 32, True, 8),  # GGUF Q5_K's records, its q widened to int8
     (37, 256, 6, 16, False, 8),  # GGUF Q6_K: int6 under its own records
     (53, 768, 6, 16, False, 8),
+    (53, 160, 5, 32, False, 16),  # GGUF Q5_0
+    (37, 96, 5, 32, True, 16),  # GGUF Q5_1
+    (19, 512, 5, 32, True, 8),  # GGUF Q5_K under its own records
 ]
 
 
@@ -125,7 +128,7 @@ def test_qgemm_row_independent_of_batch(kernels, op, params):
 
 
 @pytest.mark.parametrize("T", [1, 4, 17, 129])
-@pytest.mark.parametrize("op,params", [CASES[5], CASES[-5], CASES[-3]])
+@pytest.mark.parametrize("op,params", [CASES[5], CASES[-11], CASES[-9], CASES[-5], CASES[-1]])
 def test_qgemm_independent_of_schedule(kernels, schedules, op, params, T):
     """Thread counts 1, 2 and 3 give bit-identical results."""
     fn = kernels(op, params)
@@ -139,11 +142,14 @@ def test_qgemm_independent_of_schedule(kernels, schedules, op, params, T):
     assert all(np.array_equal(o, outs[0]) for o in outs)
 
 
-@pytest.mark.parametrize("bits,g,asym", [(8, 16, False), (8, 96, False), (4, 32, False), (4, 64, True), (6, 16, False)])
+@pytest.mark.parametrize(
+    "bits,g,asym", [(8, 16, False), (8, 96, False), (4, 32, False), (4, 64, True), (6, 16, False), (5, 32, False)]
+)
 def test_pack_cpu_layout(bits, g, asym):
     """pack_cpu writes the contract's layout: int8 as u = q + 128; int4's chunk c byte j = u[32c + j] |
     u[32c + j + 16] << 4; int6's 24-byte chunk: those nibbles of u = q + 32, then byte 16 + j holding element
-    32c + j + 8i's top 2 bits at bits 2i."""
+    32c + j + 8i's top 2 bits at bits 2i; int5's 20-byte chunk: the nibbles of u = q + 16, then the fifth bits as
+    a little-endian uint32."""
     rng = np.random.default_rng(0)
     k = 256 if bits == 6 else 96
     scheme = QuantScheme(bits, g, asym, "kquant" if bits == 6 else "float16")
@@ -158,14 +164,18 @@ def test_pack_cpu_layout(bits, g, asym):
     if bits == 8:
         assert np.array_equal(qweight.astype(np.int64), t.q.astype(np.int64) + 128)
         return
-    u = t.q.astype(np.int64) + {4: 0 if asym else 8, 6: 32}[bits]
-    chunk = 24 if bits == 6 else 16
+    u = t.q.astype(np.int64) + {4: 0 if asym else 8, 6: 32, 5: 16}[bits]
+    chunk = {6: 24, 5: 20, 4: 16}[bits]
     for n, c, j in [(0, 0, 0), (4, 2, 15), (2, 1, 7)]:
         assert qweight[n, chunk * c + j] == (u[n, 32 * c + j] & 15) | ((u[n, 32 * c + j + 16] & 15) << 4)
     if bits == 6:
         for n, c, j in [(0, 0, 0), (4, 2, 7), (2, 7, 3)]:
             top = sum((u[n, 32 * c + j + 8 * i] >> 4) << (2 * i) for i in range(4))
             assert qweight[n, 24 * c + 16 + j] == top
+    if bits == 5:
+        for n, c in [(0, 0), (4, 2), (2, 1)]:
+            top = int.from_bytes(qweight[n, 20 * c + 16 : 20 * c + 20].tobytes(), "little")
+            assert top == sum(int(u[n, 32 * c + j] >> 4) << j for j in range(32))
 
 
 @pytest.mark.parametrize(
@@ -174,7 +184,8 @@ def test_pack_cpu_layout(bits, g, asym):
         (dict(k=100), "multiple of 32"),
         (dict(bits=4, group_size=16), "group_size must be one of"),
         (dict(group_size=48), "group_size must be one of"),
-        (dict(bits=3), "bits must be 8, 6 or 4"),
+        (dict(bits=3), "bits must be 8, 6, 5 or 4"),
+        (dict(bits=5, group_size=64), "group_size must be one of"),
         (dict(bits=6, group_size=16), "int6 weights are Q6_K's"),  # fp16 scales
         (dict(bits=6, group_size=16, scale_bits=8, k=256, asymmetric=True), "K-quant scales"),
         (dict(scale_bits=12), "scale_bits must be 16"),
@@ -202,8 +213,8 @@ def test_gemv_cols_change_no_number(kernels, harnesses, params):
 
 
 # The lm_head's int8 activations in two passes (act_passes 2, CPU): int8, int4 with an odd tail, asymmetric
-# int4, K-quant records with a bias, Q6_K (a Q4_K_M file's head), and one soft-capped
-TWO_PASS = [_params(*SCHEMES[i], i in (13, 20)) for i in (1, 6, 13, 20, 23)] + [dict(SOFTCAP_SPECS[1][1])]
+# int4, K-quant records with a bias, Q6_K (a Q4_K_M file's head), Q5_K, and one soft-capped
+TWO_PASS = [_params(*SCHEMES[i], i in (13, 20)) for i in (1, 6, 13, 20, 23, 27)] + [dict(SOFTCAP_SPECS[1][1])]
 TWO_PASS_SPECS = [("qgemm", {**p, "act_passes": 2}) for p in TWO_PASS]
 
 

@@ -1,4 +1,4 @@
-// llmc CPU target: the quantized GEMM / GEMV of a linear layer with int8, int6 (Q6_K) or int4 weights.
+// llmc CPU target: the quantized GEMM / GEMV of a linear layer with int8, int6 (Q6_K), int5 or int4 weights.
 #pragma once
 
 #include <type_traits>
@@ -13,7 +13,9 @@ namespace llmc {
 // g = k / GS (compiler/quant.py; packed layout in compiler/quant_pack.py):
 //   BITS 8: qweight row n = K bytes u = q + 128;  BITS 4: K/2 bytes, per 32-element chunk byte j = u[j] | u[j + 16] << 4,
 //   u = q + 8 (symmetric) or q (ASYM, with mins);  BITS 6: 3K/4 bytes, per chunk int4's 16 bytes of the low
-//   nibbles of u = q + 32, then 8 bytes of the top 2 bits (byte j: element j + 8i's at bits 2i); scales / mins
+//   nibbles of u = q + 32, then 8 bytes of the top 2 bits (byte j: element j + 8i's at bits 2i);  BITS 5: 5K/8
+//   bytes, per chunk int4's 16 bytes of the low nibbles of u = q + 16 (symmetric) or q (ASYM), then the fifth
+//   bits as a little-endian uint32 (bit j: element j);  scales / mins
 //   SC [N, ceil(K / GS)], SC float, or uint16_t holding fp16 bits (converted exactly to float in registers as a
 //   tile goes; fp16 cuts int4 g32's bytes by 10%), or KScales: the K-quants' superblock records [N, K / 256],
 //   which hold the mins (mins null; see KScales), or KScales6: Q6_K's records [N, K / 256] (int6, GS 16).
@@ -23,9 +25,9 @@ namespace llmc {
 // -128). The manifest records this as "activations": "int8 per 32". The dot products are then exact
 // integer sums, turned into float once per block.
 //
-// Numerics. A row is walked in steps: int8 and int6, one block of 32; int4, a pair of blocks (2i, 2i + 1), whose 16
+// Numerics. A row is walked in steps: int8, int6 and int5, one block of 32; int4, a pair of blocks (2i, 2i + 1), whose 16
 // packed bytes each load as one 32-byte vector (the second block absent at an odd tail). Each step gives
-// 8 int32 lanes P[l], exact: int8 / int6, lane l sums elements 4l..4l+3 of the block; int4, lanes 0-3 hold block
+// 8 int32 lanes P[l], exact: int8 / int6 / int5, lane l sums elements 4l..4l+3 of the block; int4, lanes 0-3 hold block
 // 2i and lanes 4-7 block 2i + 1, lane l sums elements {4l', 16 + 4l'} + 0..3 (l' = l % 4). DX[l] is the
 // lane's activation scale, S[l] its weight scale. When a step spans two weight groups (int8 g16, int4 g32):
 // acc[l] += float(P[l]) * (DX[l] * S[l]) per step. Otherwise, per group g in order: gacc[l] = sum over the
@@ -184,6 +186,19 @@ LLMC_INLINE Bytes decode6(const uint8_t* p) {
   std::memcpy(&top, p + 16, 8);
   const __m256i hv = _mm256_srlv_epi64(_mm256_set1_epi64x(top), _mm256_setr_epi64x(0, 2, 4, 6));
   return _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(hv, _mm256_set1_epi8(0x03)), 4));
+}
+// 20 bytes of an int5 chunk -> its 32 u in order: the low nibbles as int4's, element j's fifth bit from bit j of
+// the uint32 at byte 16 (each byte spread to 8 lanes, each lane testing its own bit), as llama.cpp's Q5_0.
+LLMC_INLINE Bytes decode5(const uint8_t* p) {
+  const __m128i nib = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m256i lo = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(nib, 4), nib), _mm256_set1_epi8(0x0F));
+  int32_t top;
+  std::memcpy(&top, p + 16, 4);
+  const __m256i spread = _mm256_shuffle_epi8(
+      _mm256_set1_epi32(top), _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0));
+  const __m256i bit = _mm256_set1_epi64x(int64_t(0x8040201008040201));
+  const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+  return _mm256_or_si256(lo, _mm256_and_si256(set, _mm256_set1_epi8(0x10)));
 }
 // acc + sum of 4 products u[4l + i] * s[4l + i] per lane l: u unsigned, s signed (u * s pairs fit int16:
 // u <= 255 with |s| <= 127 would not, callers pass u <= 128, or u <= 15 two at a time).
@@ -351,6 +366,11 @@ LLMC_INLINE Bytes decode6(const uint8_t* p) {
     r.v[j] = int8_t(((p[j % 16] >> (j / 16 * 4)) & 0x0F) | (((p[16 + j % 8] >> (2 * (j / 8))) & 3) << 4));
   return r;
 }
+LLMC_INLINE Bytes decode5(const uint8_t* p) {
+  Bytes r;
+  for (int j = 0; j < 32; ++j) r.v[j] = int8_t(((p[j % 16] >> (j / 16 * 4)) & 0x0F) | (((p[16 + j / 8] >> (j % 8)) & 1) << 4));
+  return r;
+}
 template <int BIAS>
 LLMC_INLINE Ints neg_bias_of(Bytes) { return Ints{}; }
 template <int BIAS>
@@ -470,7 +490,9 @@ struct QStep<8> {
   float dx[8];
 };
 template <>
-struct QStep<6> : QStep<8> {};  // int6 steps are int8's: one block of 32 in order
+struct QStep<6> : QStep<8> {};  // int6 and int5 steps are int8's: one block of 32 in order
+template <>
+struct QStep<5> : QStep<8> {};
 template <>
 struct QStep<4> {
   int8_t x[64];  // xlo = [block 2i elements 0..15, block 2i + 1 elements 0..15], xhi = the elements 16..31
@@ -481,14 +503,14 @@ struct QStep<4> {
 template <int K, int BITS, int GS>
 struct QShape {
   static_assert(K % 32 == 0, "qgemm: K must be a multiple of 32");
-  static_assert(BITS == 8 || BITS == 6 || BITS == 4, "qgemm: 8, 6 or 4 bits");
+  static_assert(BITS == 8 || BITS == 6 || BITS == 5 || BITS == 4, "qgemm: 8, 6, 5 or 4 bits");
   static_assert(GS == 16 || GS % 32 == 0, "qgemm: group size 16 or a multiple of 32");
   static constexpr int NB = K / 32;                     // blocks of 32 per row
   static constexpr int NS = BITS == 4 ? (NB + 1) / 2 : NB;  // steps per row
   static constexpr int G = (K + GS - 1) / GS;               // groups per row
   static constexpr long RB = (long)K * BITS / 8;            // packed bytes per row
   static constexpr int SE = BITS == 4 ? 64 : 32;            // row elements per step
-  static constexpr int SB = BITS == 6 ? 24 : 32;            // packed bytes per step
+  static constexpr int SB = BITS == 4 ? 32 : 4 * BITS;      // packed bytes per step
   // The two weight-scale groups of a step's lanes 0-3 and 4-7 differ for int8 / int6 g16 and int4 g32.
   static constexpr bool SPLIT = GS < SE;
   static LLMC_INLINE int group_lo(int s) { return s * SE / GS; }
@@ -581,7 +603,7 @@ LLMC_INLINE void qdot_tile(const QStep<BITS>* LLMC_RESTRICT steps, const float* 
     Bytes wlo[C], whi[C];
     LLMC_UNROLL for (int c = 0; c < C; ++c) {
       const uint8_t* p = wr + c * S::RB + (long)s * SB;
-      if constexpr (PF > 0 && BITS == 6) {
+      if constexpr (PF > 0 && (BITS == 6 || BITS == 5)) {
         if ((s * SB) % 64 < SB) __builtin_prefetch(p + PF, 0, 3);  // one per 64-byte line the step starts
       } else if constexpr (PF > 0) {
         if (s % 2 == 0) {  // one per 64-byte line: in address order over a tile shorter than PF (llmc_gemm.h)
@@ -596,6 +618,8 @@ LLMC_INLINE void qdot_tile(const QStep<BITS>* LLMC_RESTRICT steps, const float* 
         wlo[c] = load32(p);
       } else if constexpr (BITS == 6) {
         wlo[c] = decode6(p);
+      } else if constexpr (BITS == 5) {
+        wlo[c] = decode5(p);
       } else if constexpr (decltype(tail)::value) {
         nibbles16(p, wlo[c], whi[c]);
       } else {
@@ -606,7 +630,7 @@ LLMC_INLINE void qdot_tile(const QStep<BITS>* LLMC_RESTRICT steps, const float* 
       const QStep<BITS>& a = steps[(long)r * S::NS + s];
       const Floats dx = load_floats(a.dx);
       if constexpr (BITS != 4) {
-        constexpr int BIAS = BITS == 8 ? 128 : 32;
+        constexpr int BIAS = BITS == 8 ? 128 : BITS == 6 ? 32 : ASYM ? 0 : 16;  // the u of q = 0
         const Bytes xv = load32(a.x);
         const Ints base = neg_bias_of<BIAS>(xv);
         LLMC_UNROLL for (int c = 0; c < C; ++c) into(r, c, dot_biased<BIAS>(base, wlo[c], xv), dx);
@@ -947,7 +971,7 @@ inline void qgemm(const float* LLMC_RESTRICT x, const uint8_t* LLMC_RESTRICT qwe
   constexpr int NBLK = (N + NBLK_N - 1) / NBLK_N;
   const int ntc = (T + kQgemmTChunk - 1) / kQgemmTChunk;
 #if LLMC_QGEMM_PAIRS
-  if constexpr (!ASYM && BITS != 6) {
+  if constexpr (!ASYM && (BITS == 8 || BITS == 4)) {
     static_assert(kQgemmTChunk % (2 * kQgemmPairRows) == 0, "qgemm: whole row-pair tiles per chunk");
     constexpr int RT = 2 * kQgemmPairRows;  // rows per tile
     QPair<BITS>* pairs = reinterpret_cast<QPair<BITS>*>(
@@ -1049,17 +1073,24 @@ inline void qembedding(const int32_t* ids, int T, const uint8_t* LLMC_RESTRICT q
   static_assert(H % 32 == 0, "qembedding: a quantized table's rows are whole blocks of 32");
   constexpr int G = (H + GS - 1) / GS;
   constexpr int RB = H * BITS / 8;
-  constexpr int LO = BITS == 8 ? -128 : BITS == 6 ? -32 : (ASYM ? 0 : -8);  // the q that is stored as u = 0
+  constexpr int LO = BITS == 8 ? -128 : BITS == 6 ? -32 : ASYM ? 0 : BITS == 5 ? -16 : -8;  // the q stored as u = 0
   parallel_for(T, (long)T * H >= kParallelWork, [&](int t) {
     const long row = ids[t];
     const uint8_t* u = qweight + row * RB;
     float* dst = out + (long)t * H;
     for (int k = 0; k < H; ++k) {
       // int4: chunk c's byte j holds elements 32c + j (low nibble) and 32c + j + 16 (high); int6: the same
-      // nibbles in 24-byte chunks, then element 32c + j + 8i's top 2 bits at bits 2i of byte 16 + j
-      const int cb = k / 32 * (BITS == 6 ? 24 : 16), e = k % 32;
-      const int nib = (u[cb + e % 16] >> (e / 16 * 4)) & 0xF;
-      const int q = (BITS == 8 ? u[k] : BITS == 6 ? nib | ((u[cb + 16 + e % 8] >> (2 * (e / 8))) & 3) << 4 : nib) + LO;
+      // nibbles in 24-byte chunks, then element 32c + j + 8i's top 2 bits at bits 2i of byte 16 + j; int5: in
+      // 20-byte chunks, then element 32c + j's fifth bit at bit j of the uint32 at byte 16
+      const int cb = k / 32 * (BITS == 4 ? 16 : 4 * BITS), e = k % 32;
+      int q = LO;
+      if constexpr (BITS == 8) {
+        q += u[k];
+      } else {
+        q += (u[cb + e % 16] >> (e / 16 * 4)) & 0xF;
+        if constexpr (BITS == 6) q += ((u[cb + 16 + e % 8] >> (2 * (e / 8))) & 3) << 4;
+        if constexpr (BITS == 5) q += ((u[cb + 16 + e / 8] >> (e % 8)) & 1) << 4;
+      }
       float s, m;
       group_scale_min(scales, mins, row * G + k / GS, s, m);
       const float w = float(q) * s;

@@ -21,14 +21,14 @@ from click.testing import CliRunner
 from safetensors.torch import save_file
 from tokenizers import Tokenizer
 
-from llmc.compiler.compile import compile_checkpoint
+from llmc.compiler.compile import compile_checkpoint, quant_schemes
 from llmc.compiler.export import build_eager_model
 from llmc.compiler.frontend import gguf_names as names
 from llmc.compiler.frontend.gguf import _llama3_scaling
 from llmc.compiler.frontend.gguf_write import _llama3_rope_freqs, write_gguf
 from llmc.compiler.frontend.load import load_checkpoint
 from llmc.compiler.frontend.model import rope_inv_freq
-from llmc.compiler.quant import dequantize
+from llmc.compiler.quant import QuantConfig, dequantize, widen_exactly
 from llmc.errors import CheckpointError, CompileError, LlmcError
 from llmc.model_config import ModelConfig
 from llmc.runtime.batch import StepBatch
@@ -118,11 +118,11 @@ _FP16_FIELDS = {
 # The types imported beside Q8_0, Q4_0, Q4_K and Q6_K, and the scheme each becomes
 MORE_TYPES = {
     "Q4_1": "int4 g32 asym",
-    "Q5_0": "int8 g32",
-    "Q5_1": "int8 g32 asym",
+    "Q5_0": "int5 g32",
+    "Q5_1": "int5 g32 asym",
     "Q2_K": "int8 g16 asym fp32-scales",
     "Q3_K": "int8 g16 fp32-scales",
-    "Q5_K": "int8 g32 asym k-scales",
+    "Q5_K": "int5 g32 asym k-scales",
     "IQ4_NL": "int8 g32",
     "IQ4_XS": "int8 g32 fp32-scales",
 }
@@ -369,6 +369,17 @@ def mixed_types_file(checkpoint_dir, tmp_path_factory):
 
 def test_every_type_equals_gguf_dequantize(mixed_types_file):
     _assert_exact(load_checkpoint(mixed_types_file), [*MORE_TYPES, "Q6_K"])
+
+
+def test_a_cuda_build_holds_the_5_and_6_bit_types_exactly_in_int8(mixed_types_file):
+    """The CUDA kernels read int8 and int4 layouts: Q5_0 / Q5_1 / Q5_K / Q6_K keep their values there, in int8."""
+    ckpt = load_checkpoint(mixed_types_file)
+    on_cpu, on_cuda = (quant_schemes(ckpt, QuantConfig(), cuda=cuda) for cuda in (False, True))
+    assert {s.bits for s in on_cpu.values()} >= {5, 6} and {s.bits for s in on_cuda.values()} <= {4, 8}
+    for name, scheme in on_cuda.items():
+        held = ckpt.quantized_tensor(name)
+        assert scheme == on_cpu[name] or scheme.bits == 8 > on_cpu[name].bits, name
+        assert np.array_equal(dequantize(widen_exactly(held, scheme)), dequantize(held)), name
 
 
 # llama.cpp's file types -> the tensor types it writes for the widened llama (its mixes: Q6_K for the lm_head,
