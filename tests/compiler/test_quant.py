@@ -7,6 +7,7 @@ import pytest
 
 from llmc.compiler import kquant
 from llmc.compiler.quant import (
+    Q6_K,
     QuantConfig,
     QuantizedTensor,
     QuantScheme,
@@ -112,6 +113,24 @@ def test_quantizing_quantized_values_gives_them_back(scheme):
     twice = dequantize(quantize(once, scheme))
     err = np.abs(twice - once).max(axis=1) / np.abs(once).max(axis=1)
     assert err.max() <= 1e-6, f"rows moved by up to {err.max():.2g} of their largest value"
+
+
+def test_q6_k_is_exact_again_and_finer_than_q4_k():
+    """llmc's Q6_K (kquant.quantize_q6k): int8 codes of each superblock's d, q in -32..31, and it errs far less
+    than Q4_K. Unlike the other schemes it is not idempotent (nor is llama.cpp's): a group whose largest value
+    the superblock's codes keep short of q = -32 is searched again on a grid that maps it to -32; quantizing
+    its own values moves them by less than the first quantization's error (rows of tiny weights have
+    subnormal fp16 d, where that comes close)."""
+    rng = np.random.default_rng(5)
+    w = (rng.standard_normal((64, 512)) * np.logspace(-3, 1, 64)[:, None]).astype(np.float32)
+    t = quantize(w, Q6_K)
+    assert t.q.min() >= -32 and t.q.max() <= 31 and t.records.shape == (64, 36)
+    once = dequantize(t)
+    twice = dequantize(quantize(once, Q6_K))
+    rms = lambda a: np.sqrt(np.mean(a**2, axis=1))  # noqa: E731
+    assert np.all(rms(twice - once) <= rms(once - w))
+    q4_k = dequantize(quantize(w, QuantScheme(4, 32, True, "kquant")))
+    assert np.sqrt(np.mean((once - w) ** 2)) < 0.3 * np.sqrt(np.mean((q4_k - w) ** 2))
 
 
 def test_scales_past_fp16_are_refused():
@@ -220,11 +239,12 @@ def test_recipes_choose_per_tensor():
     q4_k, q8_0 = QuantConfig("q4_k").scheme(512), QuantScheme(8, 32)
     recipe = QuantConfig("q4_k_m")
     assert recipe.quantizes_head and recipe.describe() == "q4_k_m"
-    assert recipe.tensor_scheme("lm_head.weight", 512, 32) == q8_0  # llama.cpp: Q6_K
+    assert recipe.tensor_scheme("lm_head.weight", 512, 32) == Q6_K  # as llama.cpp's
+    assert recipe.tensor_scheme("lm_head.weight", 288, 32) == q8_0  # K % 256: llama.cpp's fallback for Q6_K
     assert recipe.tensor_scheme("model.embed_tokens.weight", 512, 32) == q4_k  # untied, as llama.cpp's
     for layer, wide in ((0, True), (4, False), (6, True), (31, True)):
         for proj in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.down_proj"):
-            want = q8_0 if wide else q4_k
+            want = Q6_K if wide else q4_k
             assert recipe.tensor_scheme(f"model.layers.{layer}.{proj}.weight", 512, 32) == want
         for proj in ("self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj"):
             assert recipe.tensor_scheme(f"model.layers.{layer}.{proj}.weight", 512, 32) == q4_k

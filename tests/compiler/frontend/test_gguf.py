@@ -28,7 +28,7 @@ from llmc.compiler.frontend.gguf import _llama3_scaling
 from llmc.compiler.frontend.gguf_write import _llama3_rope_freqs, write_gguf
 from llmc.compiler.frontend.load import load_checkpoint
 from llmc.compiler.frontend.model import rope_inv_freq
-from llmc.compiler.quant import QuantConfig, dequantize, widen_exactly
+from llmc.compiler.quant import Q6_K, QuantConfig, dequantize, quantize, widen_exactly
 from llmc.errors import CheckpointError, CompileError, LlmcError
 from llmc.model_config import ModelConfig
 from llmc.runtime.batch import StepBatch
@@ -413,6 +413,30 @@ def test_llama_cpp_quantized_file_imports_exactly(ftype, checkpoint_dir, tmp_pat
     ckpt = load_checkpoint(out)
     assert ckpt.config == load_checkpoint(src).config
     _assert_exact(ckpt, LLAMA_CPP_FTYPES[ftype])
+
+
+def test_llmc_q6_k_quantizes_as_llama_cpp(checkpoint_dir, tmp_path):
+    """llmc's own Q6_K (the q4_k_m recipe's head and wide layers) against llama.cpp's quantize_row_q6_K on the same
+    F32 weights: the same search (make_qx_quants' grid, weighted by x^2) and codes, so the same values but where
+    the candidates' float sums, added in another order, break a near-tie the other way (0.4% of the weights
+    here), to the same error."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    src = write_gguf(checkpoint_dir("llama", **KQUANT), tmp_path / "f32.gguf", "F32")
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q6_K
+    out = tmp_path / "Q6_K.gguf"
+    assert llama_cpp.llama_model_quantize(str(src).encode(), str(out).encode(), ctypes.byref(params)) == 0
+    theirs, floats = load_checkpoint(out), load_checkpoint(src)
+    compared = 0
+    for name, kind in theirs.gguf_types.items():
+        if kind != "Q6_K":
+            continue
+        w = floats.tensor(name).float().numpy()
+        ours, want = dequantize(quantize(w, Q6_K)), dequantize(theirs.quantized_tensor(name))
+        err_ours, err_want = (np.sqrt(np.mean((a - w) ** 2)) for a in (ours, want))
+        assert np.mean(ours == want) >= 0.99 and abs(err_ours / err_want - 1) < 0.01, name
+        compared += 1
+    assert compared
 
 
 def _dequantized_checkpoint(ckpt, source_dir, out):
