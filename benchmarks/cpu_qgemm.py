@@ -54,6 +54,9 @@ SCHEMES = [
     ("q4_k", 4, 32, True, 8),  # GGUF Q4_K's own superblock records (K a multiple of 256 only)
     ("int8 g16 fp32s", 8, 16, False, 32),  # how GGUF Q6_K was held before int6 (a CUDA build still holds it so)
     ("q6_k", 6, 16, False, 8),  # GGUF Q6_K's int6 under its own records (K a multiple of 256 only)
+    ("int8 q5_k", 8, 32, True, 8),  # how GGUF Q5_K was held before int5: its records, q widened to int8
+    ("q5_k", 5, 32, True, 8),  # GGUF Q5_K's int5 under its own records
+    ("q5_0", 5, 32, False, 16),  # GGUF Q5_0
     ("int4 g128", 4, 128, False, 16),
     ("bf16", None, "bf16", False, None),
     ("f32", None, "f32", False, None),
@@ -129,7 +132,7 @@ def weight_parts(n: int, k: int, scheme: tuple, rng) -> list:
     """The arrays the kernel reads for a random w [n, k]: (qweight, scales, mins | None) or (w,)."""
     import numpy as np
 
-    from llmc.compiler.quant import QuantScheme, quantize
+    from llmc.compiler.quant import QuantScheme, quantize, widen_exactly
     from llmc.compiler.quant_pack import pack_cpu
 
     w = rng.standard_normal((n, k), dtype=np.float32) / np.float32(np.sqrt(k))
@@ -137,7 +140,11 @@ def weight_parts(n: int, k: int, scheme: tuple, rng) -> list:
     if bits is None:
         return [w if g == "f32" else (w.view(np.uint32) >> 16).astype(np.uint16)]
     scheme = QuantScheme.of_kernel(dict(bits=bits, group_size=g or k, asymmetric=asym, scale_bits=scale_bits))
-    return [a for a in pack_cpu(quantize(w, scheme)) if a is not None]
+    if scheme.scale_dtype == "kquant" and scheme.bits in (5, 8):  # Q5_K's records: llmc writes them at 4 bits
+        t = widen_exactly(quantize(w, QuantScheme(4, 32, True, "kquant")), scheme)
+    else:
+        t = quantize(w, scheme)
+    return [a for a in pack_cpu(t) if a is not None]
 
 
 def main(argv=None) -> None:

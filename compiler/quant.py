@@ -12,9 +12,10 @@ A weight matrix w[N, K] (HF Linear layout, one row per output) is quantized alon
   and Q5_K, groups of 32).
 - `scales` and `mins` are float32 arrays [N, ceil(K / group_size)]. The last group of a row may be shorter
   than `group_size` when it does not divide K. The scheme's `scale_dtype` says how they are stored: float16
-  (the default: llmc's quantizer picks fp16 values, and GGUF Q8_0 / Q4_0 hold fp16 scales) or float32 (GGUF
-  Q4_K / Q6_K, whose fp16 x 6- or 8-bit sub-scale products need it). Both are exact, so an imported tensor
-  keeps its values bit for bit. At int4 g32, fp16 scales are 0.5625 bytes a weight against 0.625.
+  (the default: llmc's quantizer picks fp16 values, and GGUF Q8_0 / Q4_0 hold fp16 scales), float32 (GGUF
+  Q2_K / Q3_K / IQ4_XS, whose fp16 x 4- or 6-bit sub-scale products need it) or kquant (Q4_K / Q5_K / Q6_K's own
+  superblock records, compiler/kquant.py). All are exact, so an imported tensor keeps its values bit for bit.
+  At int4 g32, fp16 scales are 0.5625 bytes a weight against 0.625.
 - The dequantized value is computed in float32 as written above, one rounding (`dequantize`), which is how
   gguf.quants.dequantize computes Q8_0, Q4_0, Q4_K and Q6_K.
 

@@ -271,10 +271,11 @@ def test_tensor_overrides_take_precedence_in_order():
         "q4_k_m", overrides=((r"layers\.[0-9]+\.mlp\.down_proj", "int8"), ("down_proj", "float"), ("lm_head", "q4_k"))
     )
     assert config.tensor_scheme("model.layers.4.mlp.down_proj.weight", 512, 32) == QuantScheme(8, 512)  # per channel
-    assert config.tensor_scheme("lm_head.weight", 512, 32) == q4_k  # the recipe's Q8_0 overridden
+    assert config.tensor_scheme("lm_head.weight", 512, 32) == q4_k  # the recipe's Q6_K overridden
     assert not QuantConfig("q8_0", overrides=(("lm_head", "float"),)).quantizes_head  # the manifest's lm_head
     assert QuantConfig("int4", overrides=(("lm_head", "q8_0"),)).quantizes_head
-    assert config.tensor_scheme("model.layers.0.self_attn.v_proj.weight", 512, 32) == q8_0  # the recipe's own
+    assert config.tensor_scheme("model.layers.0.self_attn.v_proj.weight", 512, 32) == Q6_K  # the recipe's own
+    assert QuantConfig("int4", overrides=(("v_proj", "q6_k"),)).tensor_scheme("v_proj.weight", 288, 32) == q8_0
     assert config.describe() == r"q4_k_m, layers\.[0-9]+\.mlp\.down_proj=int8, down_proj=float, lm_head=q4_k"
     plain = QuantConfig("int4", 64, overrides=(("gate", "float"), ("up_proj", "int4"), ("embed", "q8_0")))
     assert plain.tensor_scheme("model.layers.1.mlp.gate_proj.weight", 512, 32) is None
