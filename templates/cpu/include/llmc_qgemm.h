@@ -177,21 +177,24 @@ LLMC_INLINE void nibbles16(const uint8_t* p, Bytes& lo, Bytes& hi) {
   lo = _mm256_and_si256(b, m);
   hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), m);
 }
-// 24 bytes of an int6 chunk -> its 32 u = q + 32 in order: the low nibbles as int4's, the top 2 bits of element
-// j + 8i from bits 2i of byte 16 + j, one 64-bit lane i each.
-LLMC_INLINE Bytes decode6(const uint8_t* p) {
+// A chunk's 16 bytes of nibbles -> its 32 low nibbles in element order (int5's and int6's low 4 bits).
+LLMC_INLINE Bytes nibbles_in_order(const uint8_t* p) {
   const __m128i nib = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  const __m256i lo = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(nib, 4), nib), _mm256_set1_epi8(0x0F));
+  return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(nib, 4), nib), _mm256_set1_epi8(0x0F));
+}
+// 24 bytes of an int6 chunk -> its 32 u = q + 32 in order: the low nibbles, the top 2 bits of element j + 8i
+// from bits 2i of byte 16 + j, one 64-bit lane i each.
+LLMC_INLINE Bytes decode6(const uint8_t* p) {
+  const __m256i lo = nibbles_in_order(p);
   int64_t top;
   std::memcpy(&top, p + 16, 8);
   const __m256i hv = _mm256_srlv_epi64(_mm256_set1_epi64x(top), _mm256_setr_epi64x(0, 2, 4, 6));
   return _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(hv, _mm256_set1_epi8(0x03)), 4));
 }
-// 20 bytes of an int5 chunk -> its 32 u in order: the low nibbles as int4's, element j's fifth bit from bit j of
-// the uint32 at byte 16 (each byte spread to 8 lanes, each lane testing its own bit), as llama.cpp's Q5_0.
+// 20 bytes of an int5 chunk -> its 32 u in order: the low nibbles, element j's fifth bit from bit j of the
+// uint32 at byte 16 (each byte spread to 8 lanes, each lane testing its own bit), as llama.cpp's Q5_0.
 LLMC_INLINE Bytes decode5(const uint8_t* p) {
-  const __m128i nib = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  const __m256i lo = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(nib, 4), nib), _mm256_set1_epi8(0x0F));
+  const __m256i lo = nibbles_in_order(p);
   int32_t top;
   std::memcpy(&top, p + 16, 4);
   const __m256i spread = _mm256_shuffle_epi8(
@@ -211,8 +214,9 @@ LLMC_INLINE Ints dot_us(Ints acc, Bytes u, Bytes s) {
   return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
 #endif
 }
-// The int8 (BIAS 128) and int6 (BIAS 32) weights' P = sum4((u - BIAS) * x) = sum4(u * x) + base, from base =
-// neg_bias_of<BIAS>(x) = -BIAS * sum4(x) (per lane; formed once per row and step, for all the outputs).
+// The int8 (BIAS 128), int6 (32) and int5 (16; 0 with mins) weights' P = sum4((u - BIAS) * x) = sum4(u * x) +
+// base, from base = neg_bias_of<BIAS>(x) = -BIAS * sum4(x) (per lane; formed once per row and step, for all the
+// outputs).
 #if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
 template <int BIAS>
 LLMC_INLINE Ints neg_bias_of(Bytes x) {
