@@ -87,16 +87,23 @@ def test_a_wrong_candidate_is_rejected_and_never_wins(tmp_path, caplog):
     assert entry["figures"]["rejected"] == 1 and entry["figures"]["candidates"] == 4
 
 
-def test_kquant_record_gemms_tune(tmp_path):
-    """A qgemm reading K-quant superblock records (scale_bits 8: q4_k, a GGUF's Q4_K) builds, checks against its
-    reference and is timed; its entry's quant names the records."""
-    shape = parse_shape("qgemm:n=37,k=512,bits=4,group_size=32,asymmetric=1,scale_bits=8")
+@pytest.mark.parametrize(
+    "scheme,quant",
+    [
+        ("bits=4,group_size=32,asymmetric=1", "int4_g32_asym_kscales"),
+        ("bits=6,group_size=16,asymmetric=0", "int6_g16_kscales"),
+    ],
+)
+def test_kquant_record_gemms_tune(tmp_path, scheme, quant):
+    """A qgemm reading K-quant superblock records (scale_bits 8: q4_k, a GGUF's Q4_K; Q6_K's) builds, checks
+    against its reference and is timed; its entry's quant names the records."""
+    shape = parse_shape(f"qgemm:n=37,k=512,{scheme},scale_bits=8")
     space = TuneSpace("cpu/qgemm", (Tunable("prefetch_bytes", 16384, (0, 16384), ""),))
     db = TuningDB.load(tmp_path / "cpu.tuning.json", "cpu")
     (r,) = tune("cpu", [shape], db, rounds=1, progress=False, space=space)
     assert not any(c.rejected for c in r.candidates) and len(r.candidates) == 2
     (entry,) = db.entries
-    assert entry["key"]["quant"] == "int4_g32_asym_kscales" and entry["figures"]["rejected"] == 0
+    assert entry["key"]["quant"] == quant and entry["figures"]["rejected"] == 0
 
 
 def test_database_round_trips_and_ranks_entries(tmp_path):

@@ -65,8 +65,10 @@ def render_candidate(shape: KernelShape, config: dict) -> tuple[str, str]:
     call = call.format(
         kid=kid,
         wt=ELEMENTS_BY_SHORT[params.get("wdtype", "f32")].ctype,
-        st={16: DTYPES["float16"].ctype, 8: "llmc::KScales"}.get(params.get("scale_bits"), "float"),
-    )  # bf16 weights, fp16 scales: their bits; K-quant records as the kernel reads them
+        st={16: DTYPES["float16"].ctype, 8: "llmc::KScales" if params.get("asymmetric") else "llmc::KScales6"}.get(
+            params.get("scale_bits"), "float"
+        ),
+    )  # bf16 weights, fp16 scales: their bits; K-quant records (Q6_K's when symmetric) as the kernel reads them
     return kid, render_kernel("cpu", shape.op, name=kid, **params) + _TRAMPOLINES.format(kid=kid, call=call, nw=nw)
 
 
