@@ -109,7 +109,7 @@ def cases(only: set[str], schemes: set[str] | None = None) -> list[tuple]:
 
 def build(headers: dict[str, str], specs: list[tuple]) -> ctypes.CDLL:
     from llmc.compiler.codegen.build import CPU_FLAGS, build_shared_library
-    from llmc.compiler.codegen.render import kernel_id, render_kernel
+    from llmc.compiler.codegen.render import kernel_id, render_kernel, scale_ctype
 
     parts, seen = ['#include "common.h"\n#include <chrono>\n'], set()
     for _, n, k, _, scheme, _ in specs:
@@ -120,9 +120,7 @@ def build(headers: dict[str, str], specs: list[tuple]) -> ctypes.CDLL:
         seen.add(kid)
         parts.append(render_kernel("cpu", op, name=kid, **params))
         if op == "qgemm":
-            records = "llmc::KScales" if params["asymmetric"] else "llmc::KScales6"
-            sc = {16: "uint16_t", 32: "float", 8: records}[params["scale_bits"]]
-            parts.append(_QLOOP.format(kid=kid, sc=sc))
+            parts.append(_QLOOP.format(kid=kid, sc=scale_ctype(params["scale_bits"], params["asymmetric"])))
         else:
             parts.append(_LOOP.format(kid=kid, wt=ELEMENTS_BY_SHORT[params["wdtype"]].ctype))
     return ctypes.CDLL(str(build_shared_library({**headers, "bench.cc": "".join(parts)}, flags=CPU_FLAGS)))

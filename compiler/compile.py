@@ -97,18 +97,13 @@ def quant_schemes(ckpt: Checkpoint, quant: QuantConfig, cuda: bool = False) -> d
         roles["model.embed_tokens.weight"] = "model.embed_tokens.weight"
     schemes = {}
     for name, role in roles.items():
-        scheme = quant.tensor_scheme(role, shapes[name][1], ckpt.config.num_layers)
-        if scheme is not None:
-            schemes[name] = scheme
-    for name in roles:
         held = ckpt.quant_scheme(name)
         if held is not None:
-            schemes[name] = held
-    if cuda:
-        schemes = {
-            n: held_on_cuda(s) if ckpt.quant_scheme(n) is not None else Q8_0 if s.bits in (5, 6) else s
-            for n, s in schemes.items()
-        }
+            schemes[name] = held_on_cuda(held) if cuda else held
+            continue
+        scheme = quant.tensor_scheme(role, shapes[name][1], ckpt.config.num_layers)
+        if scheme is not None:
+            schemes[name] = Q8_0 if cuda and scheme.bits == 6 else scheme
     return schemes
 
 

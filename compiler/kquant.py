@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .quant_search import search_scale_min
+
 GROUP = 32
 GROUPS = 8  # groups per superblock
 SUPERBLOCK = GROUP * GROUPS
@@ -88,63 +90,6 @@ def encode(d: np.ndarray, dmin: np.ndarray, sc: np.ndarray, m: np.ndarray) -> np
     )
     halves = np.stack([d.astype(np.float16), dmin.astype(np.float16)], axis=-1).view(np.uint8)
     return np.ascontiguousarray(np.concatenate([halves, codes], axis=-1).reshape(d.shape[0], -1))
-
-
-# make_qkx2_quants' grid: iscale = (nmax + RMIN + RDELTA * i) / (max - min), i = 0..NSTEP
-RMIN, RDELTA, NSTEP = -1.0, 0.1, 20
-
-
-def search_scale_min(x: np.ndarray, weight: np.ndarray, nmax: int, chunk: int = 2048) -> tuple[np.ndarray, np.ndarray]:
-    """x [..., group] -> (scale, min) [...] with min >= 0 (w = q * scale - min, q in 0..nmax) minimising the
-    squared error weighted by `weight` (as x) over the roundings of make_qkx2_quants' grid. Each candidate
-    rounding gets its least-squares (scale, min) and that fit's error from the same five weighted sums (as
-    make_qkx2_quants scores it), so a candidate costs one rounding pass. `chunk` groups at a time, so that a
-    candidate's temporaries stay in the L2 cache instead of streaming a whole matrix from memory 22 times."""
-    import torch
-
-    shape, g = x.shape[:-1], x.shape[-1]
-    xs = torch.from_numpy(np.ascontiguousarray(x, np.float32).reshape(-1, g))
-    ws = torch.from_numpy(np.ascontiguousarray(weight, np.float32).reshape(-1, g))
-    scale, mn = torch.empty(xs.shape[0]), torch.empty(xs.shape[0])
-    for start in range(0, xs.shape[0], chunk):
-        part = slice(start, start + chunk)
-        scale[part], mn[part] = _search_groups(xs[part], ws[part], nmax)
-    return scale.numpy().reshape(shape), mn.numpy().reshape(shape)
-
-
-def _search_groups(x, w, nmax: int):
-    """search_scale_min of torch x, w [groups, group]."""
-    import torch
-
-    lo = x.min(-1).values.clamp(max=0)
-    hi = x.max(-1).values
-    span = torch.where(hi > lo, hi - lo, torch.ones_like(hi))
-    sw, sx, sxx = w.sum(-1), (w * x).sum(-1), (w * x * x).sum(-1)
-    shifted = x - lo[:, None]
-    best_scale, best_min = (hi - lo) / nmax, -lo
-    best_err = torch.full_like(hi, float("inf"))
-    q, wq, prod = torch.empty_like(x), torch.empty_like(x), torch.empty_like(x)
-    # None: min / max round-to-nearest itself, so that no group does worse
-    for r in [1 / torch.where(hi > lo, best_scale, 1)] + [(nmax + RMIN + RDELTA * i) / span for i in range(NSTEP + 1)]:
-        torch.mul(r[:, None], shifted, out=q).round_().clamp_(0, nmax)
-        torch.mul(w, q, out=wq)
-        sl = wq.sum(-1)
-        sl2 = torch.mul(wq, q, out=prod).sum(-1)
-        sxl = torch.mul(wq, x, out=prod).sum(-1)
-        det = sw * sl2 - sl * sl
-        safe = torch.where(det > 0, det, torch.ones_like(det))
-        scale = (sw * sxl - sx * sl) / safe
-        low = (sl2 * sx - sl * sxl) / safe  # the fit's value at q = 0, -min
-        pos = low > 0  # a min past zero: the fit through zero instead
-        scale = torch.where(pos, sxl / torch.where(sl2 > 0, sl2, torch.ones_like(sl2)), scale)
-        low = torch.where(pos, torch.zeros_like(low), low)
-        # sum w (scale q + low - x)^2, from the sums
-        err = scale * scale * sl2 + 2 * scale * low * sl + low * low * sw - 2 * scale * sxl - 2 * low * sx + sxx
-        better = (det > 0) & (scale > 0) & (err < best_err)
-        best_scale = torch.where(better, scale, best_scale)
-        best_min = torch.where(better, -low, best_min)
-        best_err = torch.where(better, err, best_err)
-    return best_scale, best_min
 
 
 def quantize_kquant(

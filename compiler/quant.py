@@ -20,14 +20,14 @@ A weight matrix w[N, K] (HF Linear layout, one row per output) is quantized alon
   gguf.quants.dequantize computes Q8_0, Q4_0, Q4_K and Q6_K.
 
 llmc's own quantizer (`quantize`): symmetric groups take the scale that minimises their squared error, searched
-as llama.cpp's make_qx_quants does (`_searched_scales`), with q = round(w / scale) clamped to the whole range
+as llama.cpp's make_qx_quants does (quant_search.searched_scales), with q = round(w / scale) clamped to the whole range
 (int8 -128..127, int4 -8..7: a group's largest-magnitude value may map to -8, as in Q4_0, and the clamp may cut
 an outlier when that lowers the group's error); asymmetric int4 is round-to-nearest with scale = (max - min) / 15
 and mins = -min, so that q = round((w - min) / scale) lies in 0..15. With fp16 scales, the asymmetric mins and
 scales are rounded up to the next fp16 value (no value leaves the range), the searched scales to the nearest,
 and q is computed from the rounded values. Quantizing a quantized tensor's values gives them back. Given the
 input channels' importance (compiler/importance.py), every search weighs each weight's error by it, and the
-asymmetric scales and mins are searched too (kquant.search_scale_min), stored at the nearest fp16 values.
+asymmetric scales and mins are searched too (quant_search.search_scale_min), stored at the nearest fp16 values.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ import numpy as np
 from llmc.errors import CompileError
 
 from . import kquant
+from .quant_search import search_scale_min, searched_scales
 
 QUANT_MODES = ("none", "int8", "int4", "q4_k", "q4_k_m", "q8_0")
 RECIPES = ("q4_k_m", "q8_0")  # modes that choose each tensor's scheme, the lm_head's and the embedding's too
@@ -49,6 +50,12 @@ K_MULTIPLE = 32  # a quantized weight's K is a multiple of this (the kernels' ac
 SCALE_DTYPES = ("float16", "float32", "kquant")  # kquant: compiler/kquant.py's superblock records
 # kquant: 16 bytes per 8 scales and 8 mins (asymmetric, Q4_K / Q5_K), or 18 per 16 scales (symmetric, Q6_K)
 _SCALE_BITS = {"float16": 16, "float32": 32, "kquant": 8}
+
+
+def q_range(bits: int, asymmetric: bool) -> tuple[int, int]:
+    """The range q holds at `bits`: signed, but for asymmetric int4 and int5, whose q count up from the min."""
+    top = 1 << bits
+    return (0, top - 1) if asymmetric and bits in (4, 5) else (-top // 2, top // 2 - 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,13 +83,8 @@ class QuantScheme:
 
     @property
     def qrange(self) -> tuple[int, int]:
-        """The range q holds."""
-        if self.bits == 8:
-            return -128, 127
-        if self.bits == 6:
-            return -32, 31
-        top = 1 << self.bits
-        return (0, top - 1) if self.asymmetric else (-top // 2, top // 2 - 1)
+        """The range q holds (q_range)."""
+        return q_range(self.bits, self.asymmetric)
 
     @classmethod
     def of_kernel(cls, params) -> QuantScheme:
@@ -224,7 +226,7 @@ def quantize(w: np.ndarray, scheme: QuantScheme, importance: np.ndarray | None =
             mins = _stored(-wmin, fp16, up=True)  # >= -min: w + mins >= 0
             scales = _stored((wmax + mins) / hi, fp16, up=True)
         else:  # with one: make_qkx2's weighted search (q may clip)
-            scale, mn = kquant.search_scale_min(blocks, weight, hi)
+            scale, mn = search_scale_min(blocks, weight, hi)
             scales, mins = _stored(scale, fp16, up=False), _stored(mn, fp16, up=False)
         safe = np.where(scales > 0, scales, 1.0).astype(np.float32)
         q = np.rint((blocks + mins[..., None]) / safe[..., None])
@@ -232,7 +234,7 @@ def quantize(w: np.ndarray, scheme: QuantScheme, importance: np.ndarray | None =
         # negative where a group's largest value is positive; the nearest fp16 value, not the next one up:
         # the least-squares scale of already-quantized weights is their scale to within float rounding, and
         # rounding that up would move it a whole fp16 step (quantize must be idempotent on its own output)
-        scales = _stored(_searched_scales(blocks, lo, hi, weight), fp16, up=False)
+        scales = _stored(searched_scales(blocks, lo, hi, weight), fp16, up=False)
         safe = np.where(scales != 0, scales, 1.0).astype(np.float32)
         q = np.rint(blocks / safe[..., None])
         mins = None
@@ -251,7 +253,7 @@ def _quantize_q6k(w: np.ndarray, scheme: QuantScheme, importance: np.ndarray | N
         sigma2 = 2 * np.square(w).mean(axis=1)[:, None]
         weight = (np.asarray(importance, np.float32) * np.sqrt(sigma2 + np.square(w))).reshape(n, k // 16, 16)
     q, scales, records = kquant.quantize_q6k(
-        w, lambda blocks: _searched_scales(blocks, lo, hi, weight, llama_cpp_grid=True)
+        w, lambda blocks: searched_scales(blocks, lo, hi, weight, llama_cpp_grid=True)
     )
     if not np.isfinite(scales).all():
         raise CompileError(
@@ -259,57 +261,6 @@ def _quantize_q6k(w: np.ndarray, scheme: QuantScheme, importance: np.ndarray | N
             "such a weight cannot be quantized with fp16 scales; leave it unquantized",
         )
     return QuantizedTensor(q, scales, None, scheme, records)
-
-
-# The searched reciprocal scales: -(qmax + 1 + SEARCH_STEP * i) / m for |i| <= SEARCH_STEPS, m the group's
-# largest-magnitude value (llama.cpp's make_qx_quants grid). int8 takes every INT8_STRIDE-th point: there a step
-# moves the scale by 0.08%, a fraction of a rounding step, and a Q8_0 lm_head (128256 x 4096) is the largest
-# matrix a recipe searches.
-SEARCH_STEPS, SEARCH_STEP, INT8_STRIDE = 9, 0.1, 3
-
-
-def _searched_scales(
-    blocks: np.ndarray,
-    lo: int,
-    hi: int,
-    weight: np.ndarray | None = None,
-    chunk: int = 1 << 16,
-    llama_cpp_grid: bool = False,
-) -> np.ndarray:
-    """[N, groups, g] -> each group's scale that minimises its squared error, as llama.cpp's make_qx_quants finds
-    it: for each candidate rounding q = clamp(round(w * r), lo, hi) over a grid of r around -(hi + 1) / m, the
-    least-squares scale sum(w q) / sum(q^2), keeping the one with the least error (the largest sum(w q)^2 /
-    sum(q^2)). The grid's centre maps m to lo, so all of q's levels are in use (Q4_0's rounding); absmax / hi
-    leaves one of int4's 16 unused. weight (as blocks): each element's error weighted by it (the sums become
-    weighted sums). Row chunks of about `chunk` elements keep the candidates' temporaries in the L2 cache (Q6_K's
-    search over a 2048-wide matrix: 1.5x faster than chunks of 256 rows). llama_cpp_grid: make_qx_quants' own
-    candidates in its order (the centre, then i = -9..9), float32 as it forms them, and no other (Q6_K)."""
-    import torch
-
-    out = np.empty(blocks.shape[:2], np.float32)
-    rows = max(1, chunk // (blocks.shape[1] * blocks.shape[2]))
-    for start in range(0, blocks.shape[0], rows):
-        b = torch.from_numpy(blocks[start : start + rows])
-        a = None if weight is None else torch.from_numpy(np.ascontiguousarray(weight[start : start + rows], np.float32))
-        m = torch.gather(b, 2, b.abs().argmax(dim=2, keepdim=True))[..., 0]
-        m = torch.where(m == 0, torch.ones_like(m), m)
-        best_fit, best = torch.zeros_like(m), torch.zeros_like(m)
-        if llama_cpp_grid:
-            steps = [0, *(i for i in range(-SEARCH_STEPS, SEARCH_STEPS + 1) if i)]
-            grid = [-(np.float32(hi + 1) + np.float32(SEARCH_STEP) * np.float32(i)) for i in steps]
-        else:  # the grid, and absmax / hi's rounding (m to hi), so that no group does worse than that
-            stride = INT8_STRIDE if hi > 31 else 1
-            grid = [-(hi + 1 + SEARCH_STEP * i) for i in range(-SEARCH_STEPS, SEARCH_STEPS + 1, stride)] + [hi]
-        for r in grid:
-            q = torch.clamp(torch.round(b * (r / m)[..., None]), lo, hi)
-            aq = q if a is None else a * q
-            wq, qq = (b * aq).sum(2), (q * aq).sum(2)
-            qq = torch.where(qq > 0, qq, torch.ones_like(qq))
-            fit = wq * wq / qq
-            better = fit > best_fit
-            best_fit, best = torch.where(better, fit, best_fit), torch.where(better, wq / qq, best)
-        out[start : start + rows] = best.numpy()
-    return out
 
 
 def _stored(a: np.ndarray, fp16: bool, up: bool) -> np.ndarray:

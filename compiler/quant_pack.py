@@ -46,7 +46,7 @@ import numpy as np
 
 from llmc.errors import CompileError
 
-from .quant import QuantizedTensor
+from .quant import QuantizedTensor, q_range
 
 
 def _stored_scales(t: QuantizedTensor) -> tuple[np.ndarray, np.ndarray | None]:
@@ -64,7 +64,7 @@ def pack_cpu(t: QuantizedTensor) -> tuple[np.ndarray, np.ndarray, np.ndarray | N
     if k % 32:
         raise CompileError(f"a quantized weight needs K a multiple of 32, got K={k}")
     scales, mins = _stored_scales(t)
-    lo, _ = t.scheme.qrange  # -128 (int8), -8 (symmetric int4) or 0 (asymmetric int4)
+    lo, _ = t.scheme.qrange  # stored as u = 0
     u = (t.q.astype(np.int16) - lo).astype(np.uint8)
     if t.scheme.bits == 8:
         return np.ascontiguousarray(u), scales, mins
@@ -100,12 +100,7 @@ def unpack_cpu(qweight: np.ndarray, t_shape: tuple[int, int], bits: int, asymmet
     else:
         b = b.reshape(n, k // 32, 16)
         u = np.stack([b & 0xF, b >> 4], axis=2).reshape(n, k)
-    return (u.astype(np.int16) + _stored_lo(bits, asymmetric)).astype(np.int8)
-
-
-def _stored_lo(bits: int, asymmetric: bool) -> int:
-    """The q that both layouts store as u = 0 (QuantScheme.qrange's low end)."""
-    return 0 if asymmetric and bits in (4, 5) else {8: -128, 6: -32, 5: -16, 4: -8}[bits]
+    return (u.astype(np.int16) + q_range(bits, asymmetric)[0]).astype(np.int8)
 
 
 _CUDA_BLOCK_WORDS = 4  # words per lane in a full 64-byte block
@@ -153,7 +148,7 @@ def pack_cuda(t: QuantizedTensor) -> tuple[np.ndarray, np.ndarray, np.ndarray | 
 def unpack_cuda(qweight: np.ndarray, t_shape: tuple[int, int], bits: int, asymmetric: bool) -> np.ndarray:
     """The inverse of pack_cuda's qweight: int8 q [N, K] (for tests and inspection)."""
     n, k = t_shape
-    lo = _stored_lo(bits, asymmetric)
+    lo, _ = q_range(bits, asymmetric)  # stored as u = 0
     b = np.asarray(qweight, np.uint8).reshape(n, -1)
     if bits == 8:
         u = b.reshape(n, k // 4, 4)[:, :, [0, 2, 1, 3]].reshape(n, k)

@@ -20,7 +20,13 @@ GROUND = ("llmc", "llmc.targets", "llmc.templates", "llmc.examples")
 # A compiler module may import its own stage and those before it: the checkpoint comes in (frontend), becomes
 # fused Relax (passes), a kernel program (lower), sources (codegen), and compile drives them all.
 COMPILER_STAGES = (
-    ("llmc.compiler.kquant", "llmc.compiler.quant", "llmc.compiler.quant_pack", "llmc.compiler.weights"),
+    (
+        "llmc.compiler.kquant",
+        "llmc.compiler.quant",
+        "llmc.compiler.quant_pack",
+        "llmc.compiler.quant_search",
+        "llmc.compiler.weights",
+    ),
     ("llmc.compiler.frontend", "llmc.compiler.importance"),  # importance runs the frontend's model
     ("llmc.compiler.export", "llmc.compiler.passes"),
     (

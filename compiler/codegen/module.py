@@ -22,7 +22,7 @@ from llmc.targets import Target
 from ..program import KernelProgram
 from ..tuning.database import TuningDB, entry_key
 from ..tuning.space import tune_space
-from .render import kernel_id, render_host, render_kernel
+from .render import kernel_id, render_host, render_kernel, scale_ctype
 from .tvm_fallback import c_source
 
 HOST_TEMPLATE = {"cpu": "model.cc.j2", "cuda": "model.cu.j2"}
@@ -75,11 +75,9 @@ def _tuned_params(family: str, op: str, params: dict, tuning: TuningDB | None, i
 def _c_expr(arg: str, program: KernelProgram, device: bool) -> str:
     def weight(m):
         spec = program.weights[int(m.group(1))]
-        # K-quant records are bytes in the file and one struct each to the kernels (llmc::KScales; Q6_K's
-        # symmetric ones llmc::KScales6)
+        # K-quant records are bytes in the file and one struct each to the kernels
         kquant = spec.quant is not None and spec.quant.scale_dtype == "kquant" and spec.part == "scales"
-        record = "llmc::KScales" if kquant and spec.quant.asymmetric else "llmc::KScales6"
-        ctype = record if kquant else DTYPES[spec.dtype].ctype
+        ctype = scale_ctype(8, spec.quant.asymmetric) if kquant else DTYPES[spec.dtype].ctype
         return f"static_cast<const {ctype}*>(m->w[{m.group(1)}])"
 
     arg = re.sub(r"\bW\[(\d+)\]", weight, arg)

@@ -83,6 +83,14 @@ def _cint(value: Any, minimum: int = 1) -> str:
     return str(int(value))
 
 
+def scale_ctype(scale_bits: int, asymmetric: bool) -> str:
+    """The C type a quantized kernel reads its scales (and mins) as (qgemm's S in docs/contracts.md): fp16 bits,
+    float, or one K-quant record each (Q4_K / Q5_K's llmc::KScales, asymmetric; Q6_K's llmc::KScales6)."""
+    if scale_bits == 8:
+        return "llmc::KScales" if asymmetric else "llmc::KScales6"
+    return {16: "uint16_t", 32: "float"}[scale_bits]
+
+
 @functools.cache
 def _environment() -> jinja2.Environment:
     env = jinja2.Environment(
@@ -92,6 +100,7 @@ def _environment() -> jinja2.Environment:
         keep_trailing_newline=True,
     )
     env.filters.update(f32=_f32, ctype=_ctype, cbool=_cbool, cint=_cint)
+    env.globals["scale_ctype"] = scale_ctype
     return env
 
 
@@ -162,8 +171,8 @@ def _check_quant(target: str, params: Mapping[str, Any], k: Any) -> None:
             "K-quant scales (scale_bits 8) need asymmetric groups of 32 or symmetric ones of 16, and k a multiple of "
             f"256, got group_size {g!r}, k {k!r}"
         )
-    if bits == 6 and (params["scale_bits"] != 8 or params["asymmetric"]):
-        raise ValueError("int6 weights are Q6_K's: symmetric, under K-quant records (scale_bits 8)")
+    if (bits == 6) != (params["scale_bits"] == 8 and not params["asymmetric"]):
+        raise ValueError("int6 weights are Q6_K's: symmetric, under K-quant records (scale_bits 8), and only they are")
 
 
 def template_path(target: str, op: str) -> str:
@@ -202,7 +211,7 @@ def template_params(target: str, op: str) -> set[str]:
     rel = template_path(target, op)
     env = _environment()
     source = env.loader.get_source(env, rel)[0]
-    return set(jinja2.meta.find_undeclared_variables(env.parse(source)))
+    return set(jinja2.meta.find_undeclared_variables(env.parse(source))) - env.globals.keys()
 
 
 def render_host(template_dir: str, filename: str, **context: Any) -> str:

@@ -28,7 +28,7 @@ import numpy as np
 
 from llmc.compiler.codegen import simulator
 from llmc.compiler.codegen.build import CPU_FLAGS, build_shared_library
-from llmc.compiler.codegen.render import kernel_id, render_kernel, target_headers, template_path
+from llmc.compiler.codegen.render import kernel_id, render_kernel, scale_ctype, target_headers, template_path
 from llmc.errors import CompileError
 
 # docs/contracts.md, "Kernel templates": (argument, kind) per op; the CUDA launcher takes a cudaStream_t after
@@ -93,22 +93,23 @@ SIGNATURES = {
 _C_TYPE = {"f32*": "float*", "u8*": "uint8_t*", "i32*": "int32_t*", "i64*": "int64_t*", "int": "int"}
 _NP_TYPE = {"f32*": np.float32, "u8*": np.uint8, "i32*": np.int32, "i64*": np.int64}
 W_TYPES = {"f32": ("float*", np.float32), "bf16": ("uint16_t*", np.uint16)}
-_S_TYPES = {32: ("float*", np.float32), 16: ("uint16_t*", np.float16), 8: ("llmc::KScales*", np.uint8)}
-# kind -> (the kernel parameter that picks the element type, its (C type, numpy dtype) per value)
+_S_DTYPES = {32: np.float32, 16: np.float16, 8: np.uint8}  # scales by scale_bits (8: K-quant record bytes)
+# kind -> (the kernel parameter that picks the element type, its (C type, numpy dtype) per value); and S*, the
+# scales, whose C type render.scale_ctype gives
 _ELEMENT = {
     "W*": ("wdtype", W_TYPES),
     "KV*": ("kv_dtype", W_TYPES),
     "A*": ("adtype", W_TYPES),
-    "S*": ("scale_bits", _S_TYPES),
 }
+_ELEMENTS = {*_ELEMENT, "S*"}
 _ROW_STRIDED = {"q", "k", "v"}  # may be column slices of a fused [T, row_stride] qkv buffer
 HEADERS = {"cpu": "common.h", "cuda": "llmc_kernels.cuh"}
 
 
 def _element(kind: str, params: dict) -> tuple[str, type]:
+    if kind == "S*":
+        return f"{scale_ctype(params['scale_bits'], params['asymmetric'])}*", _S_DTYPES[params["scale_bits"]]
     param, types = _ELEMENT[kind]
-    if kind == "S*" and params[param] == 8 and not params["asymmetric"]:
-        return "llmc::KScales6*", np.uint8  # Q6_K's records
     return types[params.get(param, "f32") if kind == "A*" else params[param]]
 
 
@@ -144,7 +145,7 @@ class Kernel:
             if a is None:
                 c_args.append(None)
                 continue
-            want = _element(kind, self.params)[1] if kind in _ELEMENT else _NP_TYPE[kind]
+            want = _element(kind, self.params)[1] if kind in _ELEMENTS else _NP_TYPE[kind]
             assert isinstance(a, np.ndarray) and a.dtype == want, f"{self.op}.{name}: want {np.dtype(want)}"
             if name in _ROW_STRIDED:
                 assert a.ndim == 2 and a.strides[1] == a.itemsize, f"{self.op}.{name}: rows must be dense"
@@ -238,7 +239,7 @@ def trampoline(target: str, op: str, params: dict, kid: str) -> str:
     """`extern "C"` test_<kid> with the contract signature, calling kernel (CPU) or launcher (CUDA) kid."""
     args = []
     for name, kind in SIGNATURES[op]:
-        ctype = _element(kind, params)[0] if kind in _ELEMENT else _C_TYPE[kind]
+        ctype = _element(kind, params)[0] if kind in _ELEMENTS else _C_TYPE[kind]
         args.append(f"{ctype} {name}")
     names = ", ".join(name for name, _ in SIGNATURES[op])
     if target == "cpu":

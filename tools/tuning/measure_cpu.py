@@ -18,9 +18,9 @@ import time
 import numpy as np
 
 from llmc.compiler.codegen.build import CPU_FLAGS, build_shared_library
-from llmc.compiler.codegen.render import kernel_id, render_kernel, target_headers
+from llmc.compiler.codegen.render import kernel_id, render_kernel, scale_ctype, target_headers
 from llmc.compiler.tuning.space import TuneSpace
-from llmc.dtypes import DTYPES, ELEMENTS_BY_SHORT
+from llmc.dtypes import ELEMENTS_BY_SHORT
 from llmc.errors import CompileError
 from llmc.host import host_llc_bytes
 
@@ -65,10 +65,8 @@ def render_candidate(shape: KernelShape, config: dict) -> tuple[str, str]:
     call = call.format(
         kid=kid,
         wt=ELEMENTS_BY_SHORT[params.get("wdtype", "f32")].ctype,
-        st={16: DTYPES["float16"].ctype, 8: "llmc::KScales" if params.get("asymmetric") else "llmc::KScales6"}.get(
-            params.get("scale_bits"), "float"
-        ),
-    )  # bf16 weights, fp16 scales: their bits; K-quant records (Q6_K's when symmetric) as the kernel reads them
+        st=scale_ctype(params["scale_bits"], params["asymmetric"]) if "scale_bits" in params else "float",
+    )  # bf16 weights, fp16 scales: their bits; K-quant records as the kernel reads them
     return kid, render_kernel("cpu", shape.op, name=kid, **params) + _TRAMPOLINES.format(kid=kid, call=call, nw=nw)
 
 

@@ -220,7 +220,10 @@ LLMC_INLINE Ints dot_us(Ints acc, Bytes u, Bytes s) {
 #if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
 template <int BIAS>
 LLMC_INLINE Ints neg_bias_of(Bytes x) {
-  return _mm256_sub_epi32(_mm256_setzero_si256(), dot_us(_mm256_setzero_si256(), _mm256_set1_epi8(int8_t(BIAS)), x));
+  if constexpr (BIAS == 0)  // asymmetric int5: u is q
+    return _mm256_setzero_si256();
+  else
+    return _mm256_sub_epi32(_mm256_setzero_si256(), dot_us(_mm256_setzero_si256(), _mm256_set1_epi8(int8_t(BIAS)), x));
 }
 template <int BIAS>
 LLMC_INLINE Ints dot_biased(Ints base, Bytes u, Bytes x) {
