@@ -146,6 +146,12 @@ LLMC_INLINE void group_scale_min(const KScales6* scales, const KScales6*, long g
   scale = scale_value(scales[gi / 16].d) * float(scales[gi / 16].sc[gi % 16]);
   min = 0.0f;
 }
+// The n scales of Q6_K records as floats, into buf (the prefill's row-pair tiles read float scales).
+LLMC_INLINE const float* scales_as_float(const KScales6* p, long n, float* buf) {
+  float min;
+  for (long i = 0; i < n; ++i) group_scale_min(p, p, i, buf[i], min);
+  return buf;
+}
 
 // ---------------------------------------------------------------------------------------------
 // The integer dot products of one step, per ISA. Bytes: 32 int8/uint8; Ints: 8 int32; Floats: 8 float.
@@ -162,6 +168,8 @@ using Bytes = __m256i;
 using Ints = __m256i;
 using Floats = __m256;
 LLMC_INLINE Bytes load32(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
+LLMC_INLINE void store32(void* p, Bytes v) { _mm256_storeu_si256(static_cast<__m256i*>(p), v); }
+LLMC_INLINE Bytes add_bytes(Bytes a, Bytes b) { return _mm256_add_epi8(a, b); }
 // 32 packed bytes (two chunks) -> (low nibbles of both, high nibbles of both).
 LLMC_INLINE void nibbles32(const uint8_t* p, Bytes& lo, Bytes& hi) {
   const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
@@ -354,6 +362,11 @@ LLMC_INLINE Bytes load32(const void* p) {
   Bytes r;
   std::memcpy(r.v, p, 32);
   return r;
+}
+LLMC_INLINE void store32(void* p, Bytes v) { std::memcpy(p, v.v, 32); }
+LLMC_INLINE Bytes add_bytes(Bytes a, Bytes b) {
+  for (int i = 0; i < 32; ++i) a.v[i] = int8_t(uint8_t(a.v[i]) + uint8_t(b.v[i]));
+  return a;
 }
 LLMC_INLINE void nibbles32(const uint8_t* p, Bytes& lo, Bytes& hi) {
   for (int j = 0; j < 32; ++j) {
@@ -745,7 +758,7 @@ LLMC_INLINE void qdot_tile(const QStep<BITS>* LLMC_RESTRICT steps, const float* 
 // 2p in lanes 0-7, row 2p + 1 in lanes 8-15, each output's weights in both halves), so each instruction does
 // the work of two ymm ones. The integer lanes are formed as in qdot_tile's VNNI path: P = dpbusd(-128 * sum4(x),
 // u, x) for int8 (-128 * sum4(x) once per row pair and step), dpbusd twice from -8 * sum4(x) over the nibbles
-// for int4.
+// for int4. Scales come as floats (scales_as_float: fp16 ones and Q6_K's records decoded once per task).
 template <int BITS>
 struct QPair;
 template <>
@@ -900,7 +913,7 @@ LLMC_INLINE void qgemm_pairs_rows(int rows, const QPair<BITS>* pairs, const uint
 namespace {  // internal linkage: each model.so has its own buffers (see the pool in llmc_pool.h)
 // The quantized activations of a call (USE: as steps, or packed in row pairs for LLMC_QGEMM_PAIRS), 64-byte
 // aligned, reused by the next call on the same thread.
-enum { kQScratchSteps, kQScratchPairs, kQScratchScales, kQScratchTwoPass };
+enum { kQScratchSteps, kQScratchPairs, kQScratchScales, kQScratchTwoPass, kQScratchWiden };
 template <int USE>
 LLMC_INLINE unsigned char* qgemm_scratch(size_t bytes) {
   thread_local std::vector<unsigned char> buf;
@@ -908,6 +921,20 @@ LLMC_INLINE unsigned char* qgemm_scratch(size_t bytes) {
   return buf.data() + (64 - reinterpret_cast<uintptr_t>(buf.data()) % 64) % 64;
 }
 }  // namespace
+
+// rows [0, n) of int5 / int6 packed weights w as int8's (u + 128 - the u of q = 0): K bytes a row.
+template <int K, int BITS, bool ASYM>
+inline void widen_to_int8(const uint8_t* LLMC_RESTRICT w, int n, uint8_t* LLMC_RESTRICT out) {
+  using S = QShape<K, BITS, 32>;
+  constexpr int BIAS = BITS == 6 ? 32 : ASYM ? 0 : 16;
+  const qsimd::Bytes shift = qsimd::splat_bytes(int8_t(128 - BIAS));
+  for (long r = 0; r < n; ++r) {
+    for (int c = 0; c < S::NB; ++c) {
+      const uint8_t* p = w + r * S::RB + (long)c * S::SB;
+      qsimd::store32(out + r * K + 32 * c, qsimd::add_bytes(BITS == 6 ? qsimd::decode6(p) : qsimd::decode5(p), shift));
+    }
+  }
+}
 
 template <int R, int N, int K, int BITS, int GS, bool ASYM, bool HAS_BIAS, int PF, int GEMV_COLS, typename SC>
 LLMC_INLINE void qgemm_tile_rows(const QStep<BITS>* steps, const float* xs, const uint8_t* w, const SC* scales,
@@ -973,36 +1000,53 @@ inline void qgemm(const float* LLMC_RESTRICT x, const uint8_t* LLMC_RESTRICT qwe
     });
     return;
   }
+  // Prefill: tasks of kQgemmTChunk rows x a block of outputs whose weights stay in L2, each output at index
+  // j - j0 of its block (block_weights). int5 / int6 blocks are widened to int8 there, once per task, and run as
+  // int8: the same integer dots as their decode tiles (so the same numbers), without decoding a weight vector
+  // again for every few rows (decoding per tile made SmolLM-135M Q4_K_M's 128-token prefill 1.3x slower).
+  constexpr int KB = BITS == 5 || BITS == 6 ? 8 : BITS;  // the bits the prefill's tiles read
+  using SK = QShape<K, KB, GS>;
+  const QStep<KB>* ksteps = steps;
   constexpr int NB0 = (int)std::max<long>(16, kQgemmBlockBytes / RB) / 8 * 8;
   constexpr int NBLK_N = NB0 < N ? NB0 : N;
   constexpr int NBLK = (N + NBLK_N - 1) / NBLK_N;
+  constexpr int SROW = S::G / groups_per_scale<SC>;  // SC items per output
   const int ntc = (T + kQgemmTChunk - 1) / kQgemmTChunk;
+  auto block_weights = [&](int j0, int j1) -> const uint8_t* {
+    if constexpr (KB == BITS) {
+      return qweight + (long)j0 * S::RB;
+    } else {
+      uint8_t* wide = reinterpret_cast<uint8_t*>(qgemm_scratch<kQScratchWiden>((size_t)NBLK_N * K));
+      widen_to_int8<K, BITS, ASYM>(qweight + (long)j0 * S::RB, j1 - j0, wide);
+      return wide;
+    }
+  };
 #if LLMC_QGEMM_PAIRS
-  if constexpr (!ASYM && (BITS == 8 || BITS == 4)) {
+  if constexpr (!ASYM) {
     static_assert(kQgemmTChunk % (2 * kQgemmPairRows) == 0, "qgemm: whole row-pair tiles per chunk");
     constexpr int RT = 2 * kQgemmPairRows;  // rows per tile
-    QPair<BITS>* pairs = reinterpret_cast<QPair<BITS>*>(
-        qgemm_scratch<kQScratchPairs>((size_t)(T + 1) / 2 * S::NS * sizeof(QPair<BITS>)));
-    qpack_pairs<BITS, S::NS>(steps, T, pairs);
+    QPair<KB>* pairs = reinterpret_cast<QPair<KB>*>(
+        qgemm_scratch<kQScratchPairs>((size_t)(T + 1) / 2 * SK::NS * sizeof(QPair<KB>)));
+    qpack_pairs<KB, SK::NS>(ksteps, T, pairs);
     parallel_for(ntc * NBLK, par, [&](int task) {
       const int tc = task / NBLK, nb = task % NBLK;
       const int t1 = std::min(T, (tc + 1) * kQgemmTChunk);
       const int j0 = nb * NBLK_N, j1 = std::min(N, j0 + NBLK_N);
       // outputs [j0, j1) of the block, as outputs [0, j1 - j0) of these, with the scales as floats
-      const uint8_t* wb = qweight + (long)j0 * S::RB;
+      const uint8_t* wb = block_weights(j0, j1);
       float* sbuf = nullptr;
       if constexpr (!std::is_same_v<SC, float>)
         sbuf = reinterpret_cast<float*>(qgemm_scratch<kQScratchScales>((size_t)NBLK_N * S::G * sizeof(float)));
-      const float* sb = scales_as_float(scales + (long)j0 * S::G, (long)(j1 - j0) * S::G, sbuf);
+      const float* sb = scales_as_float(scales + (long)j0 * SROW, (long)(j1 - j0) * S::G, sbuf);
       const float* bb = HAS_BIAS ? bias + j0 : nullptr;
       for (int t = tc * kQgemmTChunk; t < t1; t += RT) {
-        const QPair<BITS>* pt = pairs + (long)(t / 2) * S::NS;
+        const QPair<KB>* pt = pairs + (long)(t / 2) * SK::NS;
         float* yt = y + (long)t * N + j0;
         if (t1 - t > 2)
-          qgemm_pairs_rows<kQgemmPairRows, N, K, BITS, GS, HAS_BIAS>(std::min(RT, t1 - t), pt, wb, sb, bb, yt, 0,
-                                                                      j1 - j0);
+          qgemm_pairs_rows<kQgemmPairRows, N, K, KB, GS, HAS_BIAS>(std::min(RT, t1 - t), pt, wb, sb, bb, yt, 0,
+                                                                    j1 - j0);
         else
-          qgemm_pairs_rows<1, N, K, BITS, GS, HAS_BIAS>(t1 - t, pt, wb, sb, bb, yt, 0, j1 - j0);
+          qgemm_pairs_rows<1, N, K, KB, GS, HAS_BIAS>(t1 - t, pt, wb, sb, bb, yt, 0, j1 - j0);
       }
       if (cap > 0.0f) softcap_block(y, N, tc * kQgemmTChunk, t1, j0, j1, cap);
     });
@@ -1013,10 +1057,14 @@ inline void qgemm(const float* LLMC_RESTRICT x, const uint8_t* LLMC_RESTRICT qwe
     const int tc = task / NBLK, nb = task % NBLK;
     const int t1 = std::min(T, (tc + 1) * kQgemmTChunk);
     const int j0 = nb * NBLK_N, j1 = std::min(N, j0 + NBLK_N);
+    const uint8_t* wb = block_weights(j0, j1);
+    const SC* sb = scales + (long)j0 * SROW;
+    const SC* mb = mins ? mins + (long)j0 * S::G : nullptr;
+    const float* bb = HAS_BIAS ? bias + j0 : nullptr;
     for (int t = tc * kQgemmTChunk; t < t1; t += R)
-      qgemm_rows<N, K, BITS, GS, ASYM, HAS_BIAS, 0, kQgemvCols>(std::min(R, t1 - t), steps + (long)t * S::NS,
-                                                             xs + (long)t * S::NX, qweight, scales, mins, bias,
-                                                             y + (long)t * N, j0, j1);
+      qgemm_rows<N, K, KB, GS, ASYM, HAS_BIAS, 0, kQgemvCols>(std::min(R, t1 - t), ksteps + (long)t * SK::NS,
+                                                           xs + (long)t * SK::NX, wb, sb, mb, bb, y + (long)t * N + j0,
+                                                           0, j1 - j0);
     if (cap > 0.0f) softcap_block(y, N, tc * kQgemmTChunk, t1, j0, j1, cap);
   });
 }
