@@ -146,10 +146,18 @@ LLMC_INLINE void group_scale_min(const KScales6* scales, const KScales6*, long g
   scale = scale_value(scales[gi / 16].d) * float(scales[gi / 16].sc[gi % 16]);
   min = 0.0f;
 }
-// The n scales of Q6_K records as floats, into buf (the prefill's row-pair tiles read float scales).
-LLMC_INLINE const float* scales_as_float(const KScales6* p, long n, float* buf) {
+// The n scales of K-quant records (KScales, KScales6) as floats, into buf: the prefill's row-pair tiles read
+// float scales.
+template <typename R, std::enable_if_t<(groups_per_scale<R> > 1), int> = 0>
+LLMC_INLINE const float* scales_as_float(const R* p, long n, float* buf) {
   float min;
   for (long i = 0; i < n; ++i) group_scale_min(p, p, i, buf[i], min);
+  return buf;
+}
+// The n mins of K-quant records as floats, into buf.
+LLMC_INLINE const float* mins_as_float(const KScales* p, long n, float* buf) {
+  float scale;
+  for (long i = 0; i < n; ++i) group_scale_min(p, p, i, scale, buf[i]);
   return buf;
 }
 
@@ -574,6 +582,34 @@ inline void quantize_row_q8(const float* LLMC_RESTRICT x, QStep<BITS>* LLMC_REST
   }
 }
 
+// The mins' term an ASYM result subtracts (see Numerics), for one row's xs x and one output's mins m as floats:
+// with K-quant records (RECORDS) hsum of 8 mins x xs a vector FMA per record; else, with a min per piece, the
+// same over 8 pieces at a time, or the scalar sum over pieces in row order. qdot_tile's K-quant path forms the same sum beside its records' scales, so that a record is
+// decoded once; the row-pair prefill subtracts it after its tile, from mins decoded once per task.
+template <int K, int BITS, int GS, bool RECORDS>
+LLMC_INLINE float min_term(const float* LLMC_RESTRICT x, const float* LLMC_RESTRICT m) {
+  using S = QShape<K, BITS, GS>;
+  if constexpr (RECORDS) {
+    qsimd::Floats macc = qsimd::zero_floats();
+    for (int g = 0; g < S::G; g += 8) macc = qsimd::fma(qsimd::load_floats(m + g), qsimd::load_floats(x + g), macc);
+    return qsimd::hsum(macc);
+  } else if constexpr (GS == S::XU) {
+    // a piece per group, so m is as long as x: 8 independent sums (not one FMA chain: at K = 2048 and groups of
+    // 16, 128 dependent FMAs per result took longer than its dot), then the scalar tail
+    constexpr int V = S::NX / 8 * 8;
+    qsimd::Floats acc = qsimd::zero_floats();
+    for (int b = 0; b < V; b += 8) acc = qsimd::fma(qsimd::load_floats(m + b), qsimd::load_floats(x + b), acc);
+    float sm = qsimd::hsum(acc);
+    for (int b = V; b < S::NX; ++b) sm = qsimd::madd(m[b], x[b], sm);
+    return sm;
+  } else {
+    float sm = 0.0f;
+    // an explicit FMA: left to contraction, tiles of different R vectorized this loop differently
+    for (int b = 0; b < S::NX; ++b) sm = qsimd::madd(m[b * S::XU / GS], x[b], sm);
+    return sm;
+  }
+}
+
 // out[r * C + c] = the (row t0 + r, output j + c) result before bias, r < R, c < C (see Numerics).
 template <int R, int C, int K, int BITS, int GS, bool ASYM, int PF, typename SC>
 LLMC_INLINE void qdot_tile(const QStep<BITS>* LLMC_RESTRICT steps, const float* LLMC_RESTRICT xs,
@@ -595,9 +631,9 @@ LLMC_INLINE void qdot_tile(const QStep<BITS>* LLMC_RESTRICT steps, const float* 
   constexpr bool KQ6 = std::is_same_v<SC, KScales6>;
   static_assert(!KQ6 || (GS == 16 && !ASYM && S::G % 16 == 0), "qgemm: Q6_K records need K % 256 == 0");
   static_assert(BITS != 6 || !ASYM, "qgemm: int6 weights are symmetric");
-  float mbuf[HALF && ASYM ? C * S::G : 1];
   constexpr int SROW = S::G / groups_per_scale<SC>;  // a row's scales: G values, or its records
   const SC* sp = scales + (long)j * SROW;
+  float mbuf[HALF && ASYM ? C * S::G : 1];
   const float* mr = nullptr;
   if constexpr (ASYM && !KQ) mr = scales_as_float(mins + (long)j * S::G, C * S::G, mbuf);
   Floats k8[KQ ? C : 1], macc[KQ ? R : 1][KQ ? C : 1];  // a record's scales; the mins' term
@@ -740,12 +776,7 @@ LLMC_INLINE void qdot_tile(const QStep<BITS>* LLMC_RESTRICT steps, const float* 
       if constexpr (KQ) {
         y -= hsum(macc[r][c]);
       } else if constexpr (ASYM) {
-        const float* m = mr + c * S::G;
-        const float* x = xs + (long)r * S::NX;
-        float sm = 0.0f;
-        // an explicit FMA: left to contraction, tiles of different R vectorized this loop differently
-        for (int b = 0; b < S::NX; ++b) sm = qsimd::madd(m[b * S::XU / GS], x[b], sm);
-        y -= sm;
+        y -= min_term<K, BITS, GS, false>(xs + (long)r * S::NX, mr + c * S::G);
       }
       out[r * C + c] = y;
     }
@@ -754,11 +785,12 @@ LLMC_INLINE void qdot_tile(const QStep<BITS>* LLMC_RESTRICT steps, const float* 
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
 #define LLMC_QGEMM_PAIRS 1
-// Prefill on AVX-512 VNNI, symmetric weights: the same sequence as qdot_tile, two rows per 512-bit vector (row
+// Prefill on AVX-512 VNNI: the same sequence as qdot_tile, two rows per 512-bit vector (row
 // 2p in lanes 0-7, row 2p + 1 in lanes 8-15, each output's weights in both halves), so each instruction does
 // the work of two ymm ones. The integer lanes are formed as in qdot_tile's VNNI path: P = dpbusd(-128 * sum4(x),
 // u, x) for int8 (-128 * sum4(x) once per row pair and step), dpbusd twice from -8 * sum4(x) over the nibbles
-// for int4. Scales come as floats (scales_as_float: fp16 ones and Q6_K's records decoded once per task).
+// for int4 (from 0 with mins: u is q). Scales come as floats (scales_as_float: fp16 ones and K-quant records
+// decoded once per task); with mins, qgemm_pairs_rows subtracts each result's min_term after the tile.
 template <int BITS>
 struct QPair;
 template <>
@@ -797,9 +829,9 @@ inline void qpack_pairs(const QStep<BITS>* steps, int T, QPair<BITS>* pairs) {
   }
 }
 
-// out[r * C + c], r < 2 RP, c < C: as qdot_tile<2 RP, C, K, BITS, GS, false> gives them; pairs: RP row pairs of
-// stride NS.
-template <int RP, int C, int K, int BITS, int GS>
+// out[r * C + c], r < 2 RP, c < C: as qdot_tile<2 RP, C, K, BITS, GS, ASYM> gives them before the mins' term;
+// pairs: RP row pairs of stride NS.
+template <int RP, int C, int K, int BITS, int GS, bool ASYM>
 LLMC_INLINE void qdot_pairs_tile(const QPair<BITS>* LLMC_RESTRICT pairs, const uint8_t* LLMC_RESTRICT w,
                                  const float* LLMC_RESTRICT scales, int j, float* LLMC_RESTRICT out) {
   using S = QShape<K, BITS, GS>;
@@ -836,7 +868,7 @@ LLMC_INLINE void qdot_pairs_tile(const QPair<BITS>* LLMC_RESTRICT pairs, const u
         const __m512i base = _mm512_sub_epi32(zero, _mm512_dpbusd_epi32(zero, _mm512_set1_epi8(int8_t(0x80)), xv));
         LLMC_UNROLL for (int c = 0; c < C; ++c) into(p, c, _mm512_dpbusd_epi32(base, wa[c], xv), dx);
       } else {
-        const __m512i base = _mm512_loadu_si512(a.neg8);
+        const __m512i base = ASYM ? _mm512_setzero_si512() : _mm512_loadu_si512(a.neg8);
         const __m512i xlo = _mm512_loadu_si512(a.xlo), xhi = _mm512_loadu_si512(a.xhi);
         LLMC_UNROLL for (int c = 0; c < C; ++c)
           into(p, c, _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(base, wa[c], xlo), wb[c], xhi), dx);
@@ -888,14 +920,22 @@ LLMC_INLINE void qdot_pairs_tile(const QPair<BITS>* LLMC_RESTRICT pairs, const u
   }
 }
 
-// Rows [0, 2 RP) (pairs from row 0; rows: how many are real) x outputs [j0, j1), stored with bias.
-template <int RP, int N, int K, int BITS, int GS, bool HAS_BIAS>
-LLMC_INLINE void qgemm_pairs_rows(int rows, const QPair<BITS>* pairs, const uint8_t* w, const float* scales,
-                                  const float* bias, float* y, int j0, int j1) {
+// Rows [0, 2 RP) (pairs from row 0; rows: how many are real; xs: theirs, ASYM) x outputs [j0, j1), stored with bias;
+// scales (and mins, ASYM: for each result's min_term, from K-quant RECORDS or not) as floats.
+template <int RP, int N, int K, int BITS, int GS, bool ASYM, bool RECORDS, bool HAS_BIAS>
+LLMC_INLINE void qgemm_pairs_rows(int rows, const QPair<BITS>* pairs, const float* xs, const uint8_t* w,
+                                  const float* scales, const float* mins, const float* bias, float* y, int j0, int j1) {
+  using S = QShape<K, BITS, GS>;
   auto tile = [&](auto cols, int j) {
     constexpr int C = decltype(cols)::value;
     float s[2 * RP * C];
-    qdot_pairs_tile<RP, C, K, BITS, GS>(pairs, w, scales, j, s);
+    qdot_pairs_tile<RP, C, K, BITS, GS, ASYM>(pairs, w, scales, j, s);
+    if constexpr (ASYM) {
+      for (int r = 0; r < rows; ++r) {
+        LLMC_UNROLL for (int c = 0; c < C; ++c)
+          s[r * C + c] -= min_term<K, BITS, GS, RECORDS>(xs + (long)r * S::NX, mins + (long)(j + c) * S::G);
+      }
+    }
     LLMC_UNROLL for (int c = 0; c < C; ++c) {
       const float b = HAS_BIAS ? bias[j + c] : 0.0f;
       for (int r = 0; r < rows; ++r) y[(long)r * N + j + c] = HAS_BIAS ? s[r * C + c] + b : s[r * C + c];
@@ -913,7 +953,7 @@ LLMC_INLINE void qgemm_pairs_rows(int rows, const QPair<BITS>* pairs, const uint
 namespace {  // internal linkage: each model.so has its own buffers (see the pool in llmc_pool.h)
 // The quantized activations of a call (USE: as steps, or packed in row pairs for LLMC_QGEMM_PAIRS), 64-byte
 // aligned, reused by the next call on the same thread.
-enum { kQScratchSteps, kQScratchPairs, kQScratchScales, kQScratchTwoPass, kQScratchWiden };
+enum { kQScratchSteps, kQScratchPairs, kQScratchScales, kQScratchMins, kQScratchTwoPass, kQScratchWiden };
 template <int USE>
 LLMC_INLINE unsigned char* qgemm_scratch(size_t bytes) {
   thread_local std::vector<unsigned char> buf;
@@ -1011,6 +1051,7 @@ inline void qgemm(const float* LLMC_RESTRICT x, const uint8_t* LLMC_RESTRICT qwe
   constexpr int NBLK_N = NB0 < N ? NB0 : N;
   constexpr int NBLK = (N + NBLK_N - 1) / NBLK_N;
   constexpr int SROW = S::G / groups_per_scale<SC>;  // SC items per output
+  constexpr bool KQ = std::is_same_v<SC, KScales>;  // K-quant records, which hold the mins
   const int ntc = (T + kQgemmTChunk - 1) / kQgemmTChunk;
   auto block_weights = [&](int j0, int j1) -> const uint8_t* {
     if constexpr (KB == BITS) {
@@ -1022,7 +1063,7 @@ inline void qgemm(const float* LLMC_RESTRICT x, const uint8_t* LLMC_RESTRICT qwe
     }
   };
 #if LLMC_QGEMM_PAIRS
-  if constexpr (!ASYM) {
+  {
     static_assert(kQgemmTChunk % (2 * kQgemmPairRows) == 0, "qgemm: whole row-pair tiles per chunk");
     constexpr int RT = 2 * kQgemmPairRows;  // rows per tile
     QPair<KB>* pairs = reinterpret_cast<QPair<KB>*>(
@@ -1037,16 +1078,26 @@ inline void qgemm(const float* LLMC_RESTRICT x, const uint8_t* LLMC_RESTRICT qwe
       float* sbuf = nullptr;
       if constexpr (!std::is_same_v<SC, float>)
         sbuf = reinterpret_cast<float*>(qgemm_scratch<kQScratchScales>((size_t)NBLK_N * S::G * sizeof(float)));
-      const float* sb = scales_as_float(scales + (long)j0 * SROW, (long)(j1 - j0) * S::G, sbuf);
+      const SC* sc = scales + (long)j0 * SROW;
+      const float* sb = scales_as_float(sc, (long)(j1 - j0) * S::G, sbuf);
+      const float* mb = nullptr;  // the mins as floats, for the results' min_term
+      if constexpr (ASYM) {
+        float* mbuf = reinterpret_cast<float*>(qgemm_scratch<kQScratchMins>((size_t)NBLK_N * S::G * sizeof(float)));
+        if constexpr (std::is_same_v<SC, KScales>)
+          mb = mins_as_float(sc, (long)(j1 - j0) * S::G, mbuf);
+        else
+          mb = scales_as_float(mins + (long)j0 * S::G, (long)(j1 - j0) * S::G, mbuf);
+      }
       const float* bb = HAS_BIAS ? bias + j0 : nullptr;
       for (int t = tc * kQgemmTChunk; t < t1; t += RT) {
         const QPair<KB>* pt = pairs + (long)(t / 2) * SK::NS;
+        const float* xt = xs + (long)t * SK::NX;
         float* yt = y + (long)t * N + j0;
         if (t1 - t > 2)
-          qgemm_pairs_rows<kQgemmPairRows, N, K, KB, GS, HAS_BIAS>(std::min(RT, t1 - t), pt, wb, sb, bb, yt, 0,
-                                                                    j1 - j0);
+          qgemm_pairs_rows<kQgemmPairRows, N, K, KB, GS, ASYM, KQ, HAS_BIAS>(std::min(RT, t1 - t), pt, xt, wb, sb, mb,
+                                                                              bb, yt, 0, j1 - j0);
         else
-          qgemm_pairs_rows<1, N, K, KB, GS, HAS_BIAS>(t1 - t, pt, wb, sb, bb, yt, 0, j1 - j0);
+          qgemm_pairs_rows<1, N, K, KB, GS, ASYM, KQ, HAS_BIAS>(t1 - t, pt, xt, wb, sb, mb, bb, yt, 0, j1 - j0);
       }
       if (cap > 0.0f) softcap_block(y, N, tc * kQgemmTChunk, t1, j0, j1, cap);
     });
