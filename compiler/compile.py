@@ -82,8 +82,8 @@ def quant_schemes(ckpt: Checkpoint, quant: QuantConfig, cuda: bool = False) -> d
     and an untied embedding, as the mode chooses. A tensor the checkpoint holds quantized (GGUF) keeps its own
     scheme whatever the flags, so a file imports with no requantization: an untied embedding too, which the
     gather reads quantized (passes/quantize_embedding.py). cuda: a held int5 or int6 tensor (GGUF Q5_* and Q6_K)
-    becomes the int8 scheme that holds it exactly (quant.held_on_cuda), and one quantized here to int6 becomes
-    Q8_0: the CUDA kernels read no 5- or 6-bit layout yet.
+    becomes the int8 scheme that holds it exactly (quant.held_on_cuda), one quantized here to int6 becomes Q8_0,
+    and one to int5 (q5_k) is refused: the CUDA kernels read no 5- or 6-bit layout yet.
     """
     shapes = ckpt.config.weight_shapes()
     tied = "lm_head.weight" not in shapes
@@ -102,6 +102,11 @@ def quant_schemes(ckpt: Checkpoint, quant: QuantConfig, cuda: bool = False) -> d
             schemes[name] = held_on_cuda(held) if cuda else held
             continue
         scheme = quant.tensor_scheme(role, shapes[name][1], ckpt.config.num_layers)
+        if cuda and scheme is not None and scheme.bits == 5:
+            raise CompileError(
+                f"{name}: {scheme.describe()} (q5_k) has no CUDA kernels yet",
+                "quantize for a CUDA target with q4_k, q4_k_m or q8_0",
+            )
         if scheme is not None:
             schemes[name] = Q8_0 if cuda and scheme.bits == 6 else scheme
     return schemes

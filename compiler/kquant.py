@@ -95,12 +95,12 @@ def encode(d: np.ndarray, dmin: np.ndarray, sc: np.ndarray, m: np.ndarray) -> np
 def quantize_kquant(
     w: np.ndarray, nmax: int = 15, importance: np.ndarray | None = None
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """float32 w [N, K] (K a multiple of 256) -> (q int8 [N, K] in 0..nmax, scales, mins float32 [N, K / 32],
-    records uint8 [N, K / 16]): the groups' searched scales and mins, coded to 6 bits per superblock (d =
+    """float32 w [N, K] (K a multiple of 256) -> (q int8 [N, K] in 0..nmax: 15 for Q4_K, 31 for Q5_K, scales, mins
+    float32 [N, K / 32], records uint8 [N, K / 16]): the groups' searched scales and mins, coded to 6 bits per superblock (d =
     largest scale / 63, dmin = largest min / 63, in fp16), q rounded against the coded values."""
     n, k = w.shape
     x = w.reshape(n, k // SUPERBLOCK, GROUPS, GROUP)
-    if importance is None:  # llama.cpp's Q4_K: rms(x) + |x| per group
+    if importance is None:  # llama.cpp's Q4_K and Q5_K: rms(x) + |x| per group
         weight = np.sqrt(np.square(x).mean(-1, keepdims=True)) + np.abs(x)
     else:  # with an imatrix: importance * sqrt(sigma2 + x^2), sigma2 = 2 mean(x^2) per superblock
         sigma2 = 2 * np.square(x).mean((-2, -1), keepdims=True)

@@ -42,9 +42,10 @@ from llmc.errors import CompileError
 from . import kquant
 from .quant_search import search_scale_min, searched_scales
 
-QUANT_MODES = ("none", "int8", "int4", "q4_k", "q4_k_m", "q8_0")
-RECIPES = ("q4_k_m", "q8_0")  # modes that choose each tensor's scheme, the lm_head's and the embedding's too
-TENSOR_TYPES = ("float", "int8", "int4", "q4_k", "q6_k", "q8_0")  # what --tensor-quant gives one tensor
+QUANT_MODES = ("none", "int8", "int4", "q4_k", "q5_k", "q4_k_m", "q5_k_m", "q8_0")
+RECIPES = ("q4_k_m", "q5_k_m", "q8_0")  # modes that choose each tensor's scheme, the lm_head's and the embedding's too
+KQUANTS = {"q4_k": 4, "q5_k": 5, "q4_k_m": 4, "q5_k_m": 5}  # K-quant modes and types, by their bits
+TENSOR_TYPES = ("float", "int8", "int4", "q4_k", "q5_k", "q6_k", "q8_0")  # what --tensor-quant gives one tensor
 GROUP_SIZES = (32, 64, 128)
 K_MULTIPLE = 32  # a quantized weight's K is a multiple of this (the kernels' activation blocks); else it stays float
 SCALE_DTYPES = ("float16", "float32", "kquant")  # kquant: compiler/kquant.py's superblock records
@@ -190,14 +191,15 @@ def quantize(w: np.ndarray, scheme: QuantScheme, importance: np.ndarray | None =
     if importance is not None and np.shape(importance) != (k,):
         raise CompileError(f"importance of {np.shape(importance)} for a weight of K = {k}")
     if scheme.scale_dtype == "kquant":
-        if scheme.bits not in (4, 6) or k % kquant.SUPERBLOCK:
+        if scheme.bits not in (4, 5, 6) or k % kquant.SUPERBLOCK:
             raise CompileError(
-                f"llmc quantizes to K-quant scales at 4 or 6 bits with K a multiple of 256, not {scheme.describe()}, K={k}"
+                f"llmc quantizes to K-quant scales at 4, 5 or 6 bits with K a multiple of 256, not "
+                f"{scheme.describe()}, K={k}"
             )
         if scheme.bits == 6:
             return _quantize_q6k(w, scheme, importance)
         with np.errstate(over="ignore", invalid="ignore"):
-            q, scales, mins, records = kquant.quantize_kquant(w, importance=importance)
+            q, scales, mins, records = kquant.quantize_kquant(w, scheme.qrange[1], importance)
         if not (np.isfinite(scales).all() and np.isfinite(mins).all()):
             raise CompileError(
                 "a K-quant superblock needs a scale past fp16's range (65504)",
@@ -362,7 +364,8 @@ class QuantConfig:
 
     int8 defaults to one scale per output channel (group_size K), int4 to groups of 32; both symmetric. q4_k is
     llama.cpp's Q4_K: asymmetric int4 groups of 32 with K-quant superblock records (compiler/kquant.py), for a
-    linear whose K is a multiple of 256, else asymmetric int4 g32 with fp16 scales and mins. These quantize the
+    linear whose K is a multiple of 256, else asymmetric int4 g32 with fp16 scales and mins (llama.cpp's Q4_1
+    fallback); q5_k is Q5_K the same way, at 5 bits (Q5_1 where K is no multiple of 256). These quantize the
     linears of the blocks, and the lm_head only with lm_head=True.
 
     The recipes choose per tensor, as llama.cpp's file types do (`tensor_scheme`):
@@ -371,6 +374,7 @@ class QuantConfig:
       the attention's q, k and v as Q6_K (Q8_0 where K is no multiple of 256, as llama.cpp falls back). llama.cpp
       puts Q6_K on attn_v alone: llmc runs q, k and v as one GEMM of one scheme. An untied embedding is q4_k, as
       there.
+    - q5_k_m: the same with q5_k in place of q4_k, as llama.cpp's Q5_K_M.
 
     `overrides` ((pattern, type), ...; `--tensor-quant PATTERN=TYPE`, as llama-quantize's --tensor-type) give
     the tensors whose checkpoint name matches a regular expression (re.search) a TYPE of their own in place of
@@ -400,7 +404,7 @@ class QuantConfig:
             raise CompileError(
                 "--group-size and --quant-lm-head apply to a quantized build", "add --quant int8 or int4"
             )
-        if self.mode in ("q4_k", *RECIPES) and self.group_size is not None:
+        if self.mode in (*KQUANTS, *RECIPES) and self.group_size is not None:
             raise CompileError(f"{self.mode} chooses its own groups", "leave out --group-size")
         if self.mode in RECIPES and self.lm_head:
             raise CompileError(f"{self.mode} quantizes the lm_head itself (as Q8_0)", "leave out --quant-lm-head")
@@ -442,8 +446,8 @@ class QuantConfig:
             return Q8_0
         if kind == "q6_k":
             return Q6_K if k % kquant.SUPERBLOCK == 0 else Q8_0
-        if kind in ("q4_k", "q4_k_m"):
-            return QuantScheme(4, 32, True, "kquant" if k % kquant.SUPERBLOCK == 0 else "float16")
+        if kind in KQUANTS:  # llama.cpp's fallback where K is no multiple of 256: Q4_1 / Q5_1 (fp16 scales, mins)
+            return QuantScheme(KQUANTS[kind], 32, True, "kquant" if k % kquant.SUPERBLOCK == 0 else "float16")
         return QuantScheme(4, (self.group_size if kind == self.mode else None) or 32)
 
     def tensor_scheme(self, name: str, k: int, num_layers: int) -> QuantScheme | None:
@@ -457,7 +461,7 @@ class QuantConfig:
             return None
         if name == "lm_head.weight" and not self.quantizes_head:
             return None
-        if self.mode == "q4_k_m" and k % K_MULTIPLE == 0:
+        if self.mode in ("q4_k_m", "q5_k_m") and k % K_MULTIPLE == 0:
             wider = name.endswith(("mlp.down_proj.weight", *(f"self_attn.{p}_proj.weight" for p in "qkv")))
             if name == "lm_head.weight" or (wider and more_bits(int(name.split(".")[2]), num_layers)):
                 return self.scheme(k, "q6_k")
@@ -467,7 +471,7 @@ class QuantConfig:
         """`int8 per channel`, `int4 g32`, + `, lm_head` when it is quantized too: for the manifest and the cache key."""
         if not self.enabled:
             return "none"
-        if self.mode in ("q4_k", *RECIPES):
+        if self.mode in (*KQUANTS, *RECIPES):
             text = self.mode
         else:
             group = f"g{self.group_size}" if self.group_size else ("per channel" if self.mode == "int8" else "g32")

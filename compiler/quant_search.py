@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import numpy as np
 
-# make_qkx2_quants' grid: iscale = (nmax + RMIN + RDELTA * i) / (max - min), i = 0..NSTEP
-RMIN, RDELTA, NSTEP = -1.0, 0.1, 20
+# make_qkx2_quants' grid: iscale = (nmax + rmin + rdelta * i) / (max - min), i = 0..nstep; (rmin, rdelta, nstep)
+# as llama.cpp's Q4_K (nmax 15) and Q5_K (nmax 31) quantizers call it
+QKX2_GRIDS = {15: (-1.0, 0.1, 20), 31: (-0.5, 0.1, 15)}
 
 
 def search_scale_min(x: np.ndarray, weight: np.ndarray, nmax: int, chunk: int = 2048) -> tuple[np.ndarray, np.ndarray]:
     """x [..., group] -> (scale, min) [...] with min >= 0 (w = q * scale - min, q in 0..nmax) minimising the
-    squared error weighted by `weight` (as x) over the roundings of make_qkx2_quants' grid. Each candidate
+    squared error weighted by `weight` (as x) over the roundings of make_qkx2_quants' grid (QKX2_GRIDS[nmax]). Each candidate
     rounding gets its least-squares (scale, min) and that fit's error from the same five weighted sums (as
     make_qkx2_quants scores it), so a candidate costs one rounding pass. `chunk` groups at a time, so that a
     candidate's temporaries stay in the L2 cache instead of streaming a whole matrix from memory 22 times."""
@@ -33,6 +34,7 @@ def _search_groups(x, w, nmax: int):
     """search_scale_min of torch x, w [groups, group]."""
     import torch
 
+    rmin, rdelta, nstep = QKX2_GRIDS[nmax]
     lo = x.min(-1).values.clamp(max=0)
     hi = x.max(-1).values
     span = torch.where(hi > lo, hi - lo, torch.ones_like(hi))
@@ -42,7 +44,7 @@ def _search_groups(x, w, nmax: int):
     best_err = torch.full_like(hi, float("inf"))
     q, wq, prod = torch.empty_like(x), torch.empty_like(x), torch.empty_like(x)
     # None: min / max round-to-nearest itself, so that no group does worse
-    for r in [1 / torch.where(hi > lo, best_scale, 1)] + [(nmax + RMIN + RDELTA * i) / span for i in range(NSTEP + 1)]:
+    for r in [1 / torch.where(hi > lo, best_scale, 1)] + [(nmax + rmin + rdelta * i) / span for i in range(nstep + 1)]:
         torch.mul(r[:, None], shifted, out=q).round_().clamp_(0, nmax)
         torch.mul(w, q, out=wq)
         sl = wq.sum(-1)

@@ -133,6 +133,17 @@ def test_q6_k_is_exact_again_and_finer_than_q4_k():
     assert np.sqrt(np.mean((once - w) ** 2)) < 0.3 * np.sqrt(np.mean((q4_k - w) ** 2))
 
 
+def test_q5_k_records_and_error():
+    """llmc's Q5_K (kquant.quantize_kquant at nmax 31, llama.cpp's Q5_K grid): q in 0..31 under Q4_K's records,
+    and it errs about half as much as Q4_K."""
+    rng = np.random.default_rng(6)
+    w = rng.standard_normal((32, 512)).astype(np.float32)
+    t = quantize(w, QuantScheme(5, 32, True, "kquant"))
+    assert t.q.min() >= 0 and t.q.max() <= 31 and t.records.shape == (32, 32)
+    err = lambda s: np.sqrt(np.mean((dequantize(quantize(w, s)) - w) ** 2))  # noqa: E731
+    assert err(t.scheme) < 0.6 * err(QuantScheme(4, 32, True, "kquant"))
+
+
 def test_scales_past_fp16_are_refused():
     with pytest.raises(CompileError, match="past fp16's range"):
         quantize(np.full((1, 32), 1e6, np.float32), QuantScheme(4, 32))
@@ -250,6 +261,12 @@ def test_recipes_choose_per_tensor():
             assert recipe.tensor_scheme(f"model.layers.{layer}.{proj}.weight", 512, 32) == q4_k
     assert recipe.tensor_scheme("model.layers.5.mlp.gate_proj.weight", 704, 32) == QuantScheme(4, 32, True)
     assert recipe.tensor_scheme("model.layers.0.mlp.down_proj.weight", 100, 32) is None  # K % 32: float
+    five = QuantConfig("q5_k_m")  # llama.cpp's Q5_K_M: Q5_K (Q5_1 where K % 256), Q6_K where Q4_K_M has it
+    q5_k = QuantScheme(5, 32, True, "kquant")
+    assert five.describe() == "q5_k_m" and five.tensor_scheme("lm_head.weight", 512, 32) == Q6_K
+    assert five.tensor_scheme("model.layers.0.mlp.down_proj.weight", 512, 32) == Q6_K
+    assert five.tensor_scheme("model.layers.4.mlp.down_proj.weight", 512, 32) == q5_k
+    assert five.tensor_scheme("model.layers.4.mlp.up_proj.weight", 704, 32) == QuantScheme(5, 32, True)
     everything = QuantConfig("q8_0")
     for name in ("lm_head.weight", "model.embed_tokens.weight", "model.layers.4.mlp.gate_proj.weight"):
         assert everything.tensor_scheme(name, 512, 32) == q8_0
@@ -282,8 +299,8 @@ def test_tensor_overrides_take_precedence_in_order():
     assert plain.tensor_scheme("model.layers.1.mlp.up_proj.weight", 512, 32) == QuantScheme(4, 64)  # the mode's g64
     assert plain.tensor_scheme("model.embed_tokens.weight", 512, 32) == q8_0  # untied: only by a pattern
     assert plain.tensor_scheme("model.embed_tokens.weight", 100, 32) is None  # K % 32: float whatever is asked
-    with pytest.raises(CompileError, match="no tensor type 'q5_k'"):
-        QuantConfig("int4", overrides=(("x", "q5_k"),))
+    with pytest.raises(CompileError, match="no tensor type 'q3_k'"):
+        QuantConfig("int4", overrides=(("x", "q3_k"),))
     with pytest.raises(CompileError, match="not a regular expression"):
         QuantConfig("int4", overrides=(("mlp.(", "int8"),))
     with pytest.raises(CompileError, match="add --quant"):

@@ -45,6 +45,8 @@ BUILDS = [
     # a recipe: int4 asym (no K % 256 here), layer 1's qkv and down_proj and the head as Q8_0, the untied
     # embedding's gather quantized
     pytest.param("qwen2", QuantConfig("q4_k_m"), marks=pytest.mark.slow),
+    # the same at 5 bits: int5 with mins (Q5_1, llama.cpp's Q5_K fallback), through the int5 kernels
+    pytest.param("qwen2", QuantConfig("q5_k_m"), marks=pytest.mark.slow),
 ]
 _built = {}
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import click
 
+from llmc.compiler.quant import QUANT_MODES, TENSOR_TYPES, QuantConfig  # numpy only: neither torch nor TVM
 from llmc.errors import LlmcError
 
 
@@ -123,8 +124,6 @@ def quant_options(command):
     def with_quant(
         *args, quant: str, group_size: str | None, quant_lm_head: bool, tensor_quant: tuple[str, ...], **kwargs
     ):
-        from llmc.compiler.quant import QuantConfig  # numpy only: neither torch nor TVM
-
         overrides = []
         for text in tensor_quant:
             pattern, eq, kind = text.rpartition("=")
@@ -137,15 +136,16 @@ def quant_options(command):
     options = [
         click.option(
             "--quant",
-            type=click.Choice(["none", "int8", "int4", "q4_k", "q4_k_m", "q8_0"]),
+            type=click.Choice(QUANT_MODES),
             default="none",
             show_default=True,
             help="Quantize the linears' weights: int8 (one scale per output channel, or per group with "
-            "--group-size) or int4 (groups of 32 by default), symmetric; q4_k as llama.cpp's Q4_K (asymmetric "
-            "int4 groups of 32 with 6-bit scales and mins per 256). Recipes, as llama.cpp's file types, choose "
-            "per tensor, the lm_head and embedding included: q8_0 (int8 groups of 32 throughout), q4_k_m "
-            "(q4_k; the lm_head, and ffn_down and attention q/k/v on an eighth-and-a-third of the layers, as "
-            "Q8_0). A linear whose input size is not a multiple of 32 stays float.",
+            "--group-size) or int4 (groups of 32 by default), symmetric; q4_k / q5_k as llama.cpp's Q4_K / Q5_K "
+            "(asymmetric 4- / 5-bit groups of 32 with 6-bit scales and mins per 256). Recipes, as llama.cpp's file "
+            "types, choose per tensor, the lm_head and embedding included: q8_0 (int8 groups of 32 throughout), "
+            "q4_k_m / q5_k_m (q4_k / q5_k; the lm_head, and ffn_down and attention q/k/v on an "
+            "eighth-and-a-third of the layers, as Q6_K). A linear whose input size is not a multiple of 32 stays "
+            "float.",
         ),
         click.option(
             "--group-size",
@@ -159,7 +159,7 @@ def quant_options(command):
             multiple=True,
             metavar="PATTERN=TYPE",
             help="Give the tensors whose checkpoint name matches the regular expression PATTERN their own TYPE "
-            "(float, int8, int4, q4_k or q8_0) in place of --quant's choice; repeatable, the first match wins. "
+            f"({', '.join(TENSOR_TYPES)}) in place of --quant's choice; repeatable, the first match wins. "
             "E.g. 'mlp\\.down_proj=q8_0', 'lm_head=q8_0', 'experts=int4'.",
         ),
     ]
