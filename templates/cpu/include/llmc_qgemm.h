@@ -34,8 +34,8 @@ namespace llmc {
 // group's steps of float(P[l]) * DX[l], then acc[l] += gacc[l] * S_g (one multiply-add per group, not per
 // step: per-channel int8 has one group). Each += is an FMA where the ISA has one. Then y = hsum(acc) (one
 // fixed tree) - sum over pieces b of min[g(b)] * xs[b] (ASYM; xs[b] = d * sum of q over piece b: a block of
-// 32, or for 16-element groups each half of one, in row order; with K-quant records, 8 pieces a vector FMA per
-// record and one hsum) + bias. Every (row, output) is computed by that one sequence whatever T, the tile it lands in,
+// 32, or for 16-element groups each half of one; summed 8 pieces a vector FMA and one hsum where each piece has
+// its own min, as K-quant records' do, else in row order: min_term) + bias. Every (row, output) is computed by that one sequence whatever T, the tile it lands in,
 // or the thread: results never depend on them.
 // The AVX2, AVX-VNNI and AVX-512 VNNI paths differ only in how they form the exact integer P, so they
 // agree bit for bit (so does the AVX-512 VNNI prefill, LLMC_QGEMM_PAIRS: two rows per zmm); the portable path
@@ -582,20 +582,16 @@ inline void quantize_row_q8(const float* LLMC_RESTRICT x, QStep<BITS>* LLMC_REST
   }
 }
 
-// The mins' term an ASYM result subtracts (see Numerics), for one row's xs x and one output's mins m as floats:
-// with K-quant records (RECORDS) hsum of 8 mins x xs a vector FMA per record; else, with a min per piece, the
-// same over 8 pieces at a time, or the scalar sum over pieces in row order. qdot_tile's K-quant path forms the same sum beside its records' scales, so that a record is
-// decoded once; the row-pair prefill subtracts it after its tile, from mins decoded once per task.
-template <int K, int BITS, int GS, bool RECORDS>
+// The mins' term an ASYM result subtracts (see Numerics), for one row's xs x and one output's mins m as floats.
+// Where each piece has its own min (groups of 16 or 32, K-quant records' too): 8 independent sums, a vector FMA
+// per 8 pieces, then the scalar tail (one FMA chain took longer than the dot: 128 dependent FMAs a result at
+// K = 2048, g16); else the scalar sum in row order. qdot_tile's K-quant path forms the same sum beside its
+// records' scales, so that a record is decoded once; the row-pair prefill subtracts it after its tile, from
+// mins decoded once per task.
+template <int K, int BITS, int GS>
 LLMC_INLINE float min_term(const float* LLMC_RESTRICT x, const float* LLMC_RESTRICT m) {
   using S = QShape<K, BITS, GS>;
-  if constexpr (RECORDS) {
-    qsimd::Floats macc = qsimd::zero_floats();
-    for (int g = 0; g < S::G; g += 8) macc = qsimd::fma(qsimd::load_floats(m + g), qsimd::load_floats(x + g), macc);
-    return qsimd::hsum(macc);
-  } else if constexpr (GS == S::XU) {
-    // a piece per group, so m is as long as x: 8 independent sums (not one FMA chain: at K = 2048 and groups of
-    // 16, 128 dependent FMAs per result took longer than its dot), then the scalar tail
+  if constexpr (GS == S::XU) {
     constexpr int V = S::NX / 8 * 8;
     qsimd::Floats acc = qsimd::zero_floats();
     for (int b = 0; b < V; b += 8) acc = qsimd::fma(qsimd::load_floats(m + b), qsimd::load_floats(x + b), acc);
@@ -776,7 +772,7 @@ LLMC_INLINE void qdot_tile(const QStep<BITS>* LLMC_RESTRICT steps, const float* 
       if constexpr (KQ) {
         y -= hsum(macc[r][c]);
       } else if constexpr (ASYM) {
-        y -= min_term<K, BITS, GS, false>(xs + (long)r * S::NX, mr + c * S::G);
+        y -= min_term<K, BITS, GS>(xs + (long)r * S::NX, mr + c * S::G);
       }
       out[r * C + c] = y;
     }
@@ -921,8 +917,8 @@ LLMC_INLINE void qdot_pairs_tile(const QPair<BITS>* LLMC_RESTRICT pairs, const u
 }
 
 // Rows [0, 2 RP) (pairs from row 0; rows: how many are real; xs: theirs, ASYM) x outputs [j0, j1), stored with bias;
-// scales (and mins, ASYM: for each result's min_term, from K-quant RECORDS or not) as floats.
-template <int RP, int N, int K, int BITS, int GS, bool ASYM, bool RECORDS, bool HAS_BIAS>
+// scales (and mins, ASYM: for each result's min_term) as floats.
+template <int RP, int N, int K, int BITS, int GS, bool ASYM, bool HAS_BIAS>
 LLMC_INLINE void qgemm_pairs_rows(int rows, const QPair<BITS>* pairs, const float* xs, const uint8_t* w,
                                   const float* scales, const float* mins, const float* bias, float* y, int j0, int j1) {
   using S = QShape<K, BITS, GS>;
@@ -933,7 +929,7 @@ LLMC_INLINE void qgemm_pairs_rows(int rows, const QPair<BITS>* pairs, const floa
     if constexpr (ASYM) {
       for (int r = 0; r < rows; ++r) {
         LLMC_UNROLL for (int c = 0; c < C; ++c)
-          s[r * C + c] -= min_term<K, BITS, GS, RECORDS>(xs + (long)r * S::NX, mins + (long)(j + c) * S::G);
+          s[r * C + c] -= min_term<K, BITS, GS>(xs + (long)r * S::NX, mins + (long)(j + c) * S::G);
       }
     }
     LLMC_UNROLL for (int c = 0; c < C; ++c) {
@@ -1083,7 +1079,7 @@ inline void qgemm(const float* LLMC_RESTRICT x, const uint8_t* LLMC_RESTRICT qwe
       const float* mb = nullptr;  // the mins as floats, for the results' min_term
       if constexpr (ASYM) {
         float* mbuf = reinterpret_cast<float*>(qgemm_scratch<kQScratchMins>((size_t)NBLK_N * S::G * sizeof(float)));
-        if constexpr (std::is_same_v<SC, KScales>)
+        if constexpr (KQ)
           mb = mins_as_float(sc, (long)(j1 - j0) * S::G, mbuf);
         else
           mb = scales_as_float(mins + (long)j0 * S::G, (long)(j1 - j0) * S::G, mbuf);
@@ -1094,10 +1090,10 @@ inline void qgemm(const float* LLMC_RESTRICT x, const uint8_t* LLMC_RESTRICT qwe
         const float* xt = xs + (long)t * SK::NX;
         float* yt = y + (long)t * N + j0;
         if (t1 - t > 2)
-          qgemm_pairs_rows<kQgemmPairRows, N, K, KB, GS, ASYM, KQ, HAS_BIAS>(std::min(RT, t1 - t), pt, xt, wb, sb, mb,
-                                                                              bb, yt, 0, j1 - j0);
+          qgemm_pairs_rows<kQgemmPairRows, N, K, KB, GS, ASYM, HAS_BIAS>(std::min(RT, t1 - t), pt, xt, wb, sb, mb, bb,
+                                                                          yt, 0, j1 - j0);
         else
-          qgemm_pairs_rows<1, N, K, KB, GS, ASYM, KQ, HAS_BIAS>(t1 - t, pt, xt, wb, sb, mb, bb, yt, 0, j1 - j0);
+          qgemm_pairs_rows<1, N, K, KB, GS, ASYM, HAS_BIAS>(t1 - t, pt, xt, wb, sb, mb, bb, yt, 0, j1 - j0);
       }
       if (cap > 0.0f) softcap_block(y, N, tc * kQgemmTChunk, t1, j0, j1, cap);
     });
