@@ -101,7 +101,7 @@ def quant_schemes(ckpt: Checkpoint, quant: QuantConfig, cuda: bool = False) -> d
         if held is not None:
             schemes[name] = held_on_cuda(held) if cuda else held
             continue
-        scheme = quant.tensor_scheme(role, shapes[name][1], ckpt.config.num_layers)
+        scheme = quant.tensor_scheme(role, shapes[name][1], ckpt.config.num_layers, one_scheme_qkv=cuda)
         if cuda and scheme is not None and scheme.bits == 5:
             raise CompileError(
                 f"{name}: {scheme.describe()} (q5_k) has no CUDA kernels yet",
@@ -153,7 +153,11 @@ def build_program(
     step("import to Relax")
     mod = to_relax(traced)
     step("fuse")
-    quantize = [f(schemes, traced.weight_names) for f in (quantize_linear, quantize_embedding)] if schemes else []
+    quantize = []
+    if schemes:
+        # the CPU's qgemm writes a column range of a wider output: a fused weight of mixed schemes is one GEMM each
+        names = traced.weight_names
+        quantize = [quantize_linear(schemes, names, split_mixed=not cuda), quantize_embedding(schemes, names)]
     mod = run_passes(mod, after_each=after_each_pass, quantize=quantize)
     check_fusion(mod, ckpt.config.num_layers)
     step("lower")

@@ -15,7 +15,8 @@ scales, mins: WeightSpec parts), which the packer quantizes from the float sourc
 `llmc.quantized_take` to a `qembedding` launch reading the same parts (a tied head's, when it is one).
 
 Every binding of the fused main lowers to a template or is a free view (reshape, expand_dims, split into
-columns, a weight concat evaluated at pack time). Any other op falls back to TVM's own codegen: its
+columns, a weight concat evaluated at pack time, a concat of qgemm results along the columns, which those
+qgemms write into one buffer). Any other op falls back to TVM's own codegen: its
 PrimFunc joins `tvm_funcs`, and a `tvm_call` launch runs it (compiler/codegen/tvm_fallback.py).
 """
 
@@ -262,10 +263,32 @@ class _Lowering(LlmcOpLowering):
     def relax_concat(self, var, value):
         fields = value.args[0].fields if isinstance(value.args[0], relax.Tuple) else value.args[0]
         parts = [self.env[f] for f in fields]
+        if all(isinstance(p, View) for p in parts) and int(value.attrs.axis) == len(var.ty.shape.values) - 1:
+            self.env[var] = self._columns_of_one_value(parts)
+            return
         if not all(isinstance(p, _Weight) for p in parts) or int(value.attrs.axis) != 0:
             raise _Unlowered
         shape = (sum(p.shape[0] for p in parts), *parts[0].shape[1:])
         self.env[var] = _Weight(tuple(s for p in parts for s in p.sources), shape)
+
+    def _columns_of_one_value(self, parts: list[View]) -> View:
+        """Activations joined along the columns, each the whole output of a qgemm (quantize_linear's split of a
+        fused weight by scheme): those qgemms write their columns of one new value (ldy), so the join is free."""
+        producers = [self._sole_writer(p) for p in parts]
+        if any(launch is None or launch.op != "qgemm" for launch in producers):
+            raise _Unlowered
+        rows = parts[0].rows
+        out = self.new_value(sum(p.cols for p in parts), rows)
+        offset = 0
+        for p, launch in zip(parts, producers, strict=True):
+            column = View(out.value, offset, p.cols, out.cols, rows)
+            launch.args = [column if a == p else a for a in launch.args]
+            launch.defs = [out.value]
+            launch.params["ldy"] = out.cols
+            # a later use of the qgemm's own result reads its columns
+            self.env.update({v: column for v, view in self.env.items() if view == p})
+            offset += p.cols
+        return out
 
     def relax_permute_dims(self, var, value):
         src = self.env[value.args[0]]
@@ -366,26 +389,33 @@ class _Lowering(LlmcOpLowering):
         a, b = (self.env.get(x) for x in value.args)
         if isinstance(a, _Weight):
             a, b = b, a
-        last = self.launches[-1] if self.launches else None
-        if (
-            isinstance(a, View)
-            and isinstance(b, _Weight)
-            and last is not None
-            and last.op in _BIAS_ARG
-            and last.defs == [a.value]
-            and not last.params["has_bias"]
-        ):
-            # The bias add of the GEMM just emitted joins it (gemm reads bias in the weight dtype, qgemm float32).
-            dtype = self.weight_list[last.weight].dtype if last.op == "gemm" else "float32"
+        gemm = self._sole_writer(a) if isinstance(a, View) and isinstance(b, _Weight) else None
+        if gemm is not None and gemm.op in _BIAS_ARG and not gemm.params["has_bias"]:
+            # The bias add of the GEMM that made a joins it (gemm reads bias in the weight dtype, qgemm float32).
+            dtype = self.weight_list[gemm.weight].dtype if gemm.op == "gemm" else "float32"
             bias = self.weight_index(b, dtype=dtype)
             if self.weight_list[bias].dtype != dtype:
                 raise CompileError(f"bias {b.sources[0]} is read as {dtype} and as {self.weight_list[bias].dtype}")
-            last.params["has_bias"] = True
-            last.args[_BIAS_ARG[last.op]] = f"W[{bias}]"
-            last.fused[0] += " + bias"
+            gemm.params["has_bias"] = True
+            gemm.args[_BIAS_ARG[gemm.op]] = f"W[{bias}]"
+            gemm.fused[0] += " + bias"
             self.env[var] = a
             return
         raise _Unlowered
+
+    def _sole_writer(self, view: View) -> PendingLaunch | None:
+        """The launch that alone wrote the whole of `view`, its one output, if no launch has read it since: an
+        epilogue may join it."""
+        writers = [i for i, launch in enumerate(self.launches) if view.value in launch.defs]
+        if len(writers) != 1 or view.col_offset != 0 or not view.stride == view.cols == self.value_cols[view.value]:
+            return None
+        launch = self.launches[writers[0]]
+        later = self.launches[writers[0] + 1 :]
+        if launch.defs != [view.value] or any(
+            isinstance(x, View) and x.value == view.value for y in later for x in y.args
+        ):
+            return None
+        return launch
 
     def relax_split(self, var, value):
         src = self.view(value.args[0])

@@ -371,9 +371,8 @@ class QuantConfig:
     The recipes choose per tensor, as llama.cpp's file types do (`tensor_scheme`):
     - q8_0: every linear, the lm_head and the embedding as Q8_0.
     - q4_k_m: q4_k, but the lm_head (a tied embedding with it) as Q6_K, and on the more_bits layers ffn_down and
-      the attention's q, k and v as Q6_K (Q8_0 where K is no multiple of 256, as llama.cpp falls back). llama.cpp
-      puts Q6_K on attn_v alone: llmc runs q, k and v as one GEMM of one scheme. An untied embedding is q4_k, as
-      there.
+      attn_v as Q6_K (Q8_0 where K is no multiple of 256, as llama.cpp falls back). An untied embedding is q4_k,
+      as there. With one_scheme_qkv (CUDA, whose q, k and v GEMM reads one scheme) q and k go with v.
     - q5_k_m: the same with q5_k in place of q4_k, as llama.cpp's Q5_K_M.
 
     `overrides` ((pattern, type), ...; `--tensor-quant PATTERN=TYPE`, as llama-quantize's --tensor-type) give
@@ -450,10 +449,10 @@ class QuantConfig:
             return QuantScheme(KQUANTS[kind], 32, True, "kquant" if k % kquant.SUPERBLOCK == 0 else "float16")
         return QuantScheme(4, (self.group_size if kind == self.mode else None) or 32)
 
-    def tensor_scheme(self, name: str, k: int, num_layers: int) -> QuantScheme | None:
+    def tensor_scheme(self, name: str, k: int, num_layers: int, one_scheme_qkv: bool = False) -> QuantScheme | None:
         """The scheme of checkpoint tensor `name` with K = k inputs, None where it stays float. `name` is a linear
         of the blocks, "lm_head.weight" (the head, a tied embedding's too) or "model.embed_tokens.weight" (an
-        untied embedding's gather)."""
+        untied embedding's gather). one_scheme_qkv: a recipe gives q and k v's scheme."""
         kind = self._override(name)
         if kind is not None:
             return self.scheme(k, kind)
@@ -462,7 +461,8 @@ class QuantConfig:
         if name == "lm_head.weight" and not self.quantizes_head:
             return None
         if self.mode in ("q4_k_m", "q5_k_m") and k % K_MULTIPLE == 0:
-            wider = name.endswith(("mlp.down_proj.weight", *(f"self_attn.{p}_proj.weight" for p in "qkv")))
+            wide_attn = "qkv" if one_scheme_qkv else "v"
+            wider = name.endswith(("mlp.down_proj.weight", *(f"self_attn.{p}_proj.weight" for p in wide_attn)))
             if name == "lm_head.weight" or (wider and more_bits(int(name.split(".")[2]), num_layers)):
                 return self.scheme(k, "q6_k")
         return self.scheme(k)

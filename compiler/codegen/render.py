@@ -137,6 +137,10 @@ def _check_params(target: str, op: str, params: Mapping[str, Any]) -> None:
         _check_quant(target, params, params["k"])
         if params.get("act_passes", 2) != 2:
             raise ValueError(f"act_passes must be 2 (absent: one pass), got {params['act_passes']!r}")
+    if op == "qgemm" and "ldy" in params:
+        ldy = params["ldy"]
+        if isinstance(ldy, bool) or not isinstance(ldy, int) or ldy <= params["n"]:
+            raise ValueError(f"ldy must be an int > n (absent: n), got {ldy!r}")
     if op == "qembedding":
         _check_quant(target, params, params["hidden"])
     if op == "paged_attention":
@@ -231,7 +235,9 @@ OPTIONAL_PARAMS = {
     "gemm_swiglu": {"activation"},
     "paged_attention": {"softcap"},  # Gemma 2's soft-capped scores
     "gemm": {"softcap"},  # Gemma 2's soft-capped final logits, the lm_head's epilogue
-    "qgemm": {"softcap", "act_passes"},  # act_passes 2 (CPU): the lm_head's int8 activations in two passes
+    # act_passes 2 (CPU): the lm_head's int8 activations in two passes; ldy (CPU): y's row stride, where the GEMM
+    # writes a column range of a fused q / k / v whose parts have different schemes
+    "qgemm": {"softcap", "act_passes", "ldy"},
 }
 
 
@@ -281,6 +287,7 @@ _ID_PREFIX = {
     "scale": "sc",
     "softcap": "cap",
     "act_passes": "ap",
+    "ldy": "ldy",
     "wdtype": "",
     "has_bias": "bias",
     "add_residual": "res",

@@ -32,8 +32,19 @@ from llmc.host import host_cpu_isa, host_cpu_model
 VERSION = 1
 SOURCES = ("simulated", "measured")  # by rank: a later one replaces an earlier one
 # act_passes: a two-pass qgemm (the CPU's quantized lm_head) streams the same weights as its one-pass twin, and takes
-# its tuning
-_NOT_SHAPE = {"name", "inv_freq", "wdtype", "kv_dtype", "bits", "group_size", "asymmetric", "scale_bits", "act_passes"}
+# its tuning; so does a qgemm writing a column range of a wider output (ldy)
+_NOT_SHAPE = {
+    "name",
+    "inv_freq",
+    "wdtype",
+    "kv_dtype",
+    "bits",
+    "group_size",
+    "asymmetric",
+    "scale_bits",
+    "act_passes",
+    "ldy",
+}
 
 
 def entry_key(template: str, params: Mapping[str, Any], tunables: set[str]) -> dict:

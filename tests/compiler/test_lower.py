@@ -285,6 +285,38 @@ def test_quantized_matmul_lowers_to_qgemm_over_packed_parts(checkpoint_dir):
     assert sum(launch.op == "gemm" for launch in program.launches) == 4 * config.num_layers - 2 + 1
 
 
+def test_a_split_fused_weight_writes_the_columns_of_one_buffer(checkpoint_dir):
+    """qwen2, Q4_K_M's layer: q and k int4 asym, v int8 g16 (split_mixed): two qgemms, each with its bias slice,
+    writing their columns of one buffer (ldy), which rope and attention read as the one fused q / k / v."""
+    from llmc.compiler.passes.quantize_linear import quantize_linear
+    from llmc.compiler.quant import QuantScheme
+
+    mod, config = imported(checkpoint_dir, "qwen2")
+    names = trace(config).weight_names
+    p = "model.layers.1.self_attn."
+    schemes = {p + f"{n}_proj.weight": QuantScheme(4, 32, asymmetric=True) for n in "qk"}
+    schemes[p + "v_proj.weight"] = QuantScheme(8, 16)
+    program = lower(
+        run_passes(mod, quantize=[quantize_linear(schemes, names, split_mixed=True)]),
+        names,
+        weight_dtype="float32",
+        block_size=16,
+    )
+    qk, v = (launch for launch in program.launches if launch.op == "qgemm")
+    width = config.q_size + 2 * config.kv_size
+    assert (qk.params["n"], qk.params["ldy"], qk.params["bits"]) == (config.q_size + config.kv_size, width, 4)
+    assert (v.params["n"], v.params["ldy"], v.params["bits"]) == (config.kv_size, width, 8)
+    assert qk.params["has_bias"] and v.params["has_bias"]
+    out = qk.args[5]
+    assert v.args[5] == f"{out} + {config.q_size + config.kv_size}"
+    biases = [program.weights[int(launch.args[4][2:-1])].sources for launch in (qk, v)]
+    assert biases == [(p + "q_proj.bias", p + "k_proj.bias"), (p + "v_proj.bias",)]
+    after = program.launches[program.launches.index(v) + 1 :]
+    rope, attention = after[0], after[2]
+    assert rope.op == "rope" and rope.args[0] == out and rope.args[1] == str(width)
+    assert attention.op == "paged_attention" and attention.args[0] == out and attention.args[3] == str(width)
+
+
 @pytest.mark.parametrize("two_pass", [True, False])
 def test_quantized_head_takes_two_pass_activations_on_the_cpu(checkpoint_dir, two_pass):
     """two_pass_head (the CPU's lowering): the lm_head's qgemm, and no other launch, carries act_passes 2."""

@@ -254,11 +254,15 @@ def test_recipes_choose_per_tensor():
     assert recipe.tensor_scheme("lm_head.weight", 288, 32) == q8_0  # K % 256: llama.cpp's fallback for Q6_K
     assert recipe.tensor_scheme("model.embed_tokens.weight", 512, 32) == q4_k  # untied, as llama.cpp's
     for layer, wide in ((0, True), (4, False), (6, True), (31, True)):
-        for proj in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.down_proj"):
+        for proj in ("self_attn.v_proj", "mlp.down_proj"):
             want = Q6_K if wide else q4_k
             assert recipe.tensor_scheme(f"model.layers.{layer}.{proj}.weight", 512, 32) == want
-        for proj in ("self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj"):
+        for proj in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj"):
             assert recipe.tensor_scheme(f"model.layers.{layer}.{proj}.weight", 512, 32) == q4_k
+        # CUDA runs q, k and v as one GEMM of one scheme: q and k go with v
+        for proj in ("self_attn.q_proj", "self_attn.k_proj"):
+            name = f"model.layers.{layer}.{proj}.weight"
+            assert recipe.tensor_scheme(name, 512, 32, one_scheme_qkv=True) == (Q6_K if wide else q4_k)
     assert recipe.tensor_scheme("model.layers.5.mlp.gate_proj.weight", 704, 32) == QuantScheme(4, 32, True)
     assert recipe.tensor_scheme("model.layers.0.mlp.down_proj.weight", 100, 32) is None  # K % 32: float
     five = QuantConfig("q5_k_m")  # llama.cpp's Q5_K_M: Q5_K (Q5_1 where K % 256), Q6_K where Q4_K_M has it

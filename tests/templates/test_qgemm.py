@@ -242,3 +242,30 @@ def test_two_pass_activations_err_far_less(kernels, harnesses, params):
         alone = np.full((T, params["n"]), np.nan, dtype=np.float32)
         two(np.ascontiguousarray(x[:T]), qweight, scales, mins, bias, alone, T)
         assert np.array_equal(alone, y2[:T]), T
+
+
+# A fused q / k / v whose parts have different schemes (quantize_linear's split_mixed, CPU) runs one qgemm a
+# scheme, each writing its columns of one output (ldy): int4 with an odd tail, Q4_K records with a bias, Q6_K,
+# and a two-pass int8 one
+LDY = [_params(*SCHEMES[i], i == 20) for i in (6, 20, 23)] + [{**_params(*SCHEMES[1], False), "act_passes": 2}]
+LDY_SPECS = [("qgemm", {**p, "ldy": p["n"] + 13}) for p in LDY]
+
+
+@pytest.mark.parametrize("params", LDY, ids=[spec_id(("qgemm", p)) for p in LDY])
+def test_ldy_writes_its_columns_of_a_wider_output(kernels, harnesses, params):
+    """With ldy, y's rows are ldy apart: columns [0, n) get the unstrided kernel's numbers, the rest stay."""
+    harnesses["cpu"].build(LDY_SPECS + [("qgemm", p) for p in LDY if "act_passes" in p])
+    n, ldy = params["n"], params["n"] + 13
+    plain, strided = harnesses["cpu"]("qgemm", params), harnesses["cpu"]("qgemm", {**params, "ldy": ldy})
+    for T in (1, 2, 5, 70):
+        x, _, (qweight, scales, mins), bias = qgemm_inputs(params, T, seed=T)
+        y = np.full((T, n), np.nan, dtype=np.float32)
+        wide = np.full((T, ldy), 7.0, dtype=np.float32)
+        plain(x, qweight, scales, mins, bias, y, T)
+        strided(x, qweight, scales, mins, bias, wide, T)
+        assert np.array_equal(wide[:, :n], y) and np.all(wide[:, n:] == 7.0), T
+
+
+def test_qgemm_render_refuses_a_row_stride_below_n():
+    with pytest.raises(CompileError, match="ldy must be an int > n"):
+        render_kernel("cpu", "qgemm", name="k", **_params(37, 96, 8, 32, False, 16, False), ldy=37)

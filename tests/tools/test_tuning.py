@@ -178,6 +178,22 @@ def test_compile_takes_tuned_entries_for_this_isa_only(checkpoint_dir, tmp_path)
     assert np.array_equal(_logits(art, ids), _logits(plain, ids))  # tunables change the speed, not the numbers
 
 
+def test_a_qgemm_writing_columns_of_a_wider_output_is_tuned_as_its_own(checkpoint_dir):
+    """q4_k_m's layer with a wider attn_v runs q / k and v as two qgemms writing one buffer (ldy): each is timed,
+    and keyed, as a qgemm of its own [T, n] output."""
+    from llmc.compiler.compile import build_program, quant_schemes
+    from llmc.compiler.frontend.load import load_checkpoint
+
+    ckpt, quant = checkpoint_dir("llama"), QuantConfig("q4_k_m")
+    loaded = load_checkpoint(ckpt)
+    program = build_program(loaded, "float32", 16, schemes=quant_schemes(loaded, quant))
+    strided = [launch.params for launch in program.launches if "ldy" in launch.params]
+    assert len(strided) == 2  # the tiny model's one more_bits layer: q / k, then v
+    shapes = {s for s in model_shapes(ckpt, "cpu", "float32", quant=quant) if s.op == "qgemm"}
+    assert all("ldy" not in s.kwargs for s in shapes)
+    assert {KernelShape.of("qgemm", {k: v for k, v in p.items() if k != "ldy"}) for p in strided} <= shapes
+
+
 def test_an_entry_older_than_a_tunable_takes_its_default(checkpoint_dir, tmp_path):
     """An entry tuned before a tunable existed (qgemm's entries from before gemv_cols) compiles with that
     tunable at its default, the template's code when it was tuned; an entry naming no such tunable is refused."""

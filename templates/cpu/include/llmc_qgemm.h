@@ -918,7 +918,7 @@ LLMC_INLINE void qdot_pairs_tile(const QPair<BITS>* LLMC_RESTRICT pairs, const u
 
 // Rows [0, 2 RP) (pairs from row 0; rows: how many are real; xs: theirs, ASYM) x outputs [j0, j1), stored with bias;
 // scales (and mins, ASYM: for each result's min_term) as floats.
-template <int RP, int N, int K, int BITS, int GS, bool ASYM, bool HAS_BIAS>
+template <int RP, int LDY, int K, int BITS, int GS, bool ASYM, bool HAS_BIAS>
 LLMC_INLINE void qgemm_pairs_rows(int rows, const QPair<BITS>* pairs, const float* xs, const uint8_t* w,
                                   const float* scales, const float* mins, const float* bias, float* y, int j0, int j1) {
   using S = QShape<K, BITS, GS>;
@@ -934,7 +934,7 @@ LLMC_INLINE void qgemm_pairs_rows(int rows, const QPair<BITS>* pairs, const floa
     }
     LLMC_UNROLL for (int c = 0; c < C; ++c) {
       const float b = HAS_BIAS ? bias[j + c] : 0.0f;
-      for (int r = 0; r < rows; ++r) y[(long)r * N + j + c] = HAS_BIAS ? s[r * C + c] + b : s[r * C + c];
+      for (int r = 0; r < rows; ++r) y[(long)r * LDY + j + c] = HAS_BIAS ? s[r * C + c] + b : s[r * C + c];
     }
   };
   int j = j0;
@@ -972,7 +972,7 @@ inline void widen_to_int8(const uint8_t* LLMC_RESTRICT w, int n, uint8_t* LLMC_R
   }
 }
 
-template <int R, int N, int K, int BITS, int GS, bool ASYM, bool HAS_BIAS, int PF, int GEMV_COLS, typename SC>
+template <int R, int LDY, int K, int BITS, int GS, bool ASYM, bool HAS_BIAS, int PF, int GEMV_COLS, typename SC>
 LLMC_INLINE void qgemm_tile_rows(const QStep<BITS>* steps, const float* xs, const uint8_t* w, const SC* scales,
                                  const SC* mins, const float* bias, float* y, int j0, int j1) {
   constexpr int C = R == 1 ? GEMV_COLS : kQgemmCols;
@@ -982,34 +982,35 @@ LLMC_INLINE void qgemm_tile_rows(const QStep<BITS>* steps, const float* xs, cons
     qdot_tile<R, C, K, BITS, GS, ASYM, PF>(steps, xs, w, scales, mins, j, s);
     LLMC_UNROLL for (int c = 0; c < C; ++c) {
       const float b = HAS_BIAS ? bias[j + c] : 0.0f;
-      LLMC_UNROLL for (int r = 0; r < R; ++r) y[(long)r * N + j + c] = HAS_BIAS ? s[r * C + c] + b : s[r * C + c];
+      LLMC_UNROLL for (int r = 0; r < R; ++r) y[(long)r * LDY + j + c] = HAS_BIAS ? s[r * C + c] + b : s[r * C + c];
     }
   }
   for (; j < j1; ++j) {
     float s[R];
     qdot_tile<R, 1, K, BITS, GS, ASYM, PF>(steps, xs, w, scales, mins, j, s);
-    LLMC_UNROLL for (int r = 0; r < R; ++r) y[(long)r * N + j] = HAS_BIAS ? s[r] + bias[j] : s[r];
+    LLMC_UNROLL for (int r = 0; r < R; ++r) y[(long)r * LDY + j] = HAS_BIAS ? s[r] + bias[j] : s[r];
   }
 }
 
-template <int N, int K, int BITS, int GS, bool ASYM, bool HAS_BIAS, int PF, int GEMV_COLS, typename SC>
+template <int LDY, int K, int BITS, int GS, bool ASYM, bool HAS_BIAS, int PF, int GEMV_COLS, typename SC>
 LLMC_INLINE void qgemm_rows(int rows, const QStep<BITS>* steps, const float* xs, const uint8_t* w,
                             const SC* scales, const SC* mins, const float* bias, float* y, int j0, int j1) {
   static_assert(kQgemmRows == 4, "qgemm_rows: extend the switch");
   constexpr int GC = GEMV_COLS;
   switch (rows) {
-    case 1: qgemm_tile_rows<1, N, K, BITS, GS, ASYM, HAS_BIAS, PF, GC>(steps, xs, w, scales, mins, bias, y, j0, j1); break;
-    case 2: qgemm_tile_rows<2, N, K, BITS, GS, ASYM, HAS_BIAS, PF, GC>(steps, xs, w, scales, mins, bias, y, j0, j1); break;
-    case 3: qgemm_tile_rows<3, N, K, BITS, GS, ASYM, HAS_BIAS, PF, GC>(steps, xs, w, scales, mins, bias, y, j0, j1); break;
-    case 4: qgemm_tile_rows<4, N, K, BITS, GS, ASYM, HAS_BIAS, PF, GC>(steps, xs, w, scales, mins, bias, y, j0, j1); break;
+    case 1: qgemm_tile_rows<1, LDY, K, BITS, GS, ASYM, HAS_BIAS, PF, GC>(steps, xs, w, scales, mins, bias, y, j0, j1); break;
+    case 2: qgemm_tile_rows<2, LDY, K, BITS, GS, ASYM, HAS_BIAS, PF, GC>(steps, xs, w, scales, mins, bias, y, j0, j1); break;
+    case 3: qgemm_tile_rows<3, LDY, K, BITS, GS, ASYM, HAS_BIAS, PF, GC>(steps, xs, w, scales, mins, bias, y, j0, j1); break;
+    case 4: qgemm_tile_rows<4, LDY, K, BITS, GS, ASYM, HAS_BIAS, PF, GC>(steps, xs, w, scales, mins, bias, y, j0, j1); break;
   }
 }
 
 // PF, TASK and GEMV_COLS (the decode GEMV's prefetch distance, bytes per task and outputs in flight at T = 1) are
 // tunable (templates/cpu/qgemm.tune.toml); they change the speed, never the numbers. cap > 0: each output
-// soft-capped (softcap_block), a task's own once it has them.
+// soft-capped (softcap_block), a task's own once it has them. LDY: y's row stride, > N where this GEMM writes a
+// column range of a wider output (a fused q / k / v whose parts are quantized differently, one launch a scheme).
 template <int N, int K, int BITS, int GS, bool ASYM, bool HAS_BIAS, int PF = kQgemvPrefetchBytes,
-          long TASK = kQgemvTaskBytes, int GEMV_COLS = kQgemvCols, typename SC>
+          long TASK = kQgemvTaskBytes, int GEMV_COLS = kQgemvCols, int LDY = N, typename SC>
 inline void qgemm(const float* LLMC_RESTRICT x, const uint8_t* LLMC_RESTRICT qweight, const SC* LLMC_RESTRICT scales,
                   const SC* LLMC_RESTRICT mins, const float* LLMC_RESTRICT bias, float* LLMC_RESTRICT y, int T,
                   float cap = 0.0f) {
@@ -1031,8 +1032,8 @@ inline void qgemm(const float* LLMC_RESTRICT x, const uint8_t* LLMC_RESTRICT qwe
     constexpr int NCH = (N + CH - 1) / CH;
     parallel_for(NCH, par, [&](int ch) {
       const int j0 = ch * CH, j1 = std::min(N, j0 + CH);
-      qgemm_rows<N, K, BITS, GS, ASYM, HAS_BIAS, PF, GEMV_COLS>(T, steps, xs, qweight, scales, mins, bias, y, j0, j1);
-      if (cap > 0.0f) softcap_block(y, N, 0, T, j0, j1, cap);
+      qgemm_rows<LDY, K, BITS, GS, ASYM, HAS_BIAS, PF, GEMV_COLS>(T, steps, xs, qweight, scales, mins, bias, y, j0, j1);
+      if (cap > 0.0f) softcap_block(y, LDY, 0, T, j0, j1, cap);
     });
     return;
   }
@@ -1088,14 +1089,14 @@ inline void qgemm(const float* LLMC_RESTRICT x, const uint8_t* LLMC_RESTRICT qwe
       for (int t = tc * kQgemmTChunk; t < t1; t += RT) {
         const QPair<KB>* pt = pairs + (long)(t / 2) * SK::NS;
         const float* xt = xs + (long)t * SK::NX;
-        float* yt = y + (long)t * N + j0;
+        float* yt = y + (long)t * LDY + j0;
         if (t1 - t > 2)
-          qgemm_pairs_rows<kQgemmPairRows, N, K, KB, GS, ASYM, HAS_BIAS>(std::min(RT, t1 - t), pt, xt, wb, sb, mb, bb,
+          qgemm_pairs_rows<kQgemmPairRows, LDY, K, KB, GS, ASYM, HAS_BIAS>(std::min(RT, t1 - t), pt, xt, wb, sb, mb, bb,
                                                                           yt, 0, j1 - j0);
         else
-          qgemm_pairs_rows<1, N, K, KB, GS, ASYM, HAS_BIAS>(t1 - t, pt, xt, wb, sb, mb, bb, yt, 0, j1 - j0);
+          qgemm_pairs_rows<1, LDY, K, KB, GS, ASYM, HAS_BIAS>(t1 - t, pt, xt, wb, sb, mb, bb, yt, 0, j1 - j0);
       }
-      if (cap > 0.0f) softcap_block(y, N, tc * kQgemmTChunk, t1, j0, j1, cap);
+      if (cap > 0.0f) softcap_block(y, LDY, tc * kQgemmTChunk, t1, j0, j1, cap);
     });
     return;
   }
@@ -1109,10 +1110,10 @@ inline void qgemm(const float* LLMC_RESTRICT x, const uint8_t* LLMC_RESTRICT qwe
     const SC* mb = mins ? mins + (long)j0 * S::G : nullptr;
     const float* bb = HAS_BIAS ? bias + j0 : nullptr;
     for (int t = tc * kQgemmTChunk; t < t1; t += R)
-      qgemm_rows<N, K, KB, GS, ASYM, HAS_BIAS, 0, kQgemvCols>(std::min(R, t1 - t), ksteps + (long)t * SK::NS,
-                                                           xs + (long)t * SK::NX, wb, sb, mb, bb, y + (long)t * N + j0,
+      qgemm_rows<LDY, K, KB, GS, ASYM, HAS_BIAS, 0, kQgemvCols>(std::min(R, t1 - t), ksteps + (long)t * SK::NS,
+                                                             xs + (long)t * SK::NX, wb, sb, mb, bb, y + (long)t * LDY + j0,
                                                            0, j1 - j0);
-    if (cap > 0.0f) softcap_block(y, N, tc * kQgemmTChunk, t1, j0, j1, cap);
+    if (cap > 0.0f) softcap_block(y, LDY, tc * kQgemmTChunk, t1, j0, j1, cap);
   });
 }
 
@@ -1124,7 +1125,7 @@ inline void qgemm(const float* LLMC_RESTRICT x, const uint8_t* LLMC_RESTRICT qwe
 // each row's result is that of qgemm's one sequence, whatever T.
 constexpr int kQgemm2PassRows = 32;
 template <int N, int K, int BITS, int GS, bool ASYM, bool HAS_BIAS, int PF = kQgemvPrefetchBytes,
-          long TASK = kQgemvTaskBytes, int GEMV_COLS = kQgemvCols, typename SC>
+          long TASK = kQgemvTaskBytes, int GEMV_COLS = kQgemvCols, int LDY = N, typename SC>
 inline void qgemm_two_pass(const float* LLMC_RESTRICT x, const uint8_t* LLMC_RESTRICT qweight,
                            const SC* LLMC_RESTRICT scales, const SC* LLMC_RESTRICT mins, const float* LLMC_RESTRICT bias,
                            float* LLMC_RESTRICT y, int T, float cap = 0.0f) {
@@ -1153,11 +1154,11 @@ inline void qgemm_two_pass(const float* LLMC_RESTRICT x, const uint8_t* LLMC_RES
     qgemm<N, K, BITS, GS, ASYM, false, PF, TASK, GEMV_COLS>(x2, qweight, scales, mins, nullptr, y2, 2 * rows);
     for (int t = 0; t < rows; ++t) {
       const float* a = y2 + (long)2 * t * N;
-      float* yt = y + (long)(t0 + t) * N;
+      float* yt = y + (long)(t0 + t) * LDY;
       for (int j = 0; j < N; ++j) yt[j] = HAS_BIAS ? (a[j] + a[N + j]) + bias[j] : a[j] + a[N + j];
     }
   }
-  if (cap > 0.0f) softcap_block(y, N, 0, T, 0, N, cap);
+  if (cap > 0.0f) softcap_block(y, LDY, 0, T, 0, N, cap);
 }
 
 // qembedding: out[t, :] = dequant(table)[ids[t], :] * scale, the table packed as qgemm's weight (a tied head's

@@ -6,7 +6,7 @@ from tvm import relax
 from llmc.compiler.compile import quant_schemes
 from llmc.compiler.frontend.load import load_checkpoint
 from llmc.compiler.frontend.trace import trace
-from llmc.compiler.passes.common import bindings, llmc_args, llmc_op_name, prim_value
+from llmc.compiler.passes.common import bindings, calls, llmc_args, llmc_op_name, prim_value
 from llmc.compiler.passes.pipeline import PASSES, run_passes
 from llmc.compiler.passes.quantize_embedding import quantize_embedding
 from llmc.compiler.passes.quantize_linear import quantize_linear
@@ -86,6 +86,36 @@ def test_different_schemes_of_one_fused_weight_become_one_that_holds_both(checkp
         for c in _quantized_calls(out)
     )
     assert got == [(4, 32, 1), (8, 16, 1)]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_split_mixed_gives_each_scheme_its_own_gemm(arch, checkpoint_dir):
+    """split_mixed (the CPU): the Q4_K_M layer's q and k stay one GEMM at their scheme, v is one at its own, and
+    the results (with their bias slices, Qwen2) join along the columns in q, k, v order."""
+    mod, config, names = _fused(checkpoint_dir, arch)
+    p = "model.layers.0.self_attn."
+    q4k, q6k = QuantScheme(4, 32, asymmetric=True), QuantScheme(8, 16)
+    schemes = {p + f"{n}_proj.weight": q4k for n in "qko"} | {p + "v_proj.weight": q6k}
+    out, count = apply(quantize_linear(schemes, names, split_mixed=True), mod)
+    assert count == 2
+    var2val = relax.analysis.get_var2val(out["main"])
+    by_weight = {}
+    for c in _quantized_calls(out):
+        w = llmc_args(c)["weight"]
+        fields = var2val[w].args[0].fields if w in var2val else [w]
+        by_weight[tuple(f.name for f in fields)] = tuple(
+            int(prim_value(llmc_args(c)[n])) for n in ("bits", "group_size", "asymmetric")
+        )
+    assert sorted(by_weight.values()) == [(4, 32, 1), (4, 32, 1), (8, 16, 0)]
+    assert len([f for f in by_weight if len(f) == 2]) == 1  # q and k, one GEMM
+    joins = [b.value for b in bindings(out["main"]) if calls(b.value, "relax.concat") and int(b.value.attrs.axis) > 0]
+    assert len(joins) == 1
+    widths = [int(f.ty.shape.values[-1]) for f in joins[0].args[0].fields]
+    assert widths == [config.q_size + config.kv_size, config.kv_size]
+    if arch == "qwen2":  # each part's bias add reads its own slice
+        parts = [var2val[f] for f in joins[0].args[0].fields]
+        assert all(calls(v, "relax.add") for v in parts)
+    # the reference: the module computes what the unsplit one does (checked end to end in test_lower)
 
 
 def test_a_fused_weight_with_a_float_source_stays_float(checkpoint_dir):
