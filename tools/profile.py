@@ -249,6 +249,9 @@ def _header(artifact, ceil: Ceilings, mode: str, phase: str, batch: int, context
         "ceilings": dataclasses.asdict(ceil),
         "quantization": artifact.manifest.get("quantization", "none"),
         "quantized_bits_per_weight": quant_bits_per_weight(artifact.manifest.get("quant")),
+        # what one token's decode step reads of the weights (every weight once, one embedding row), to set beside
+        # a GGUF file's tensor bytes
+        "decode_weight_bytes": artifact.decode_weight_bytes,
     }
 
 

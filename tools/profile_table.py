@@ -15,8 +15,11 @@ def _mb(n: float) -> str:
 
 def _weights_line(report: dict) -> list[str]:
     bits = report.get("quantized_bits_per_weight")
+    read = f"a decode token reads {_mb(report['decode_weight_bytes'])} MB of weights (each once, one embedding row)"
     return (
-        [f"quantization {report['quantization']}: its GEMM weights stored at {bits:.2f} bits a weight"] if bits else []
+        [f"quantization {report['quantization']}: its GEMM weights stored at {bits:.2f} bits a weight; {read}"]
+        if bits
+        else [read]
     )
 
 

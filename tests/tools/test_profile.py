@@ -269,6 +269,8 @@ def test_cpu_profile_times_every_kernel_on_the_host(tiny_cpu, shape):
         c, shape["phase"], shape.get("batch", 1), shape.get("context", 0), shape.get("prompt_len", 1)
     )
     assert "timed on the CPU" in format_table(report) and "outside the kernels" in format_table(report)
+    assert report["decode_weight_bytes"] == artifact.decode_weight_bytes
+    assert f"reads {artifact.decode_weight_bytes / 1e6:.2f} MB of weights" in format_table(report)
 
 
 def test_quantized_gemms_take_the_int8_rate(tmp_path, checkpoint_dir):

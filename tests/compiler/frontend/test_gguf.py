@@ -492,6 +492,26 @@ def test_quantized_file_compiles_and_matches_fp32_of_its_weights(
     _assert_logits_match(artifact, reference, quantized)
 
 
+def test_a_q4_k_m_file_streams_its_own_bytes(kquant_file, tmp_path):
+    """attn_v in Q6_K beside Q4_K q and k (llama.cpp's Q4_K_M mix) is read at the file's types, each in its own
+    GEMM: a decode token reads the file's tensor bytes, of the token embedding one row (the whole table where
+    it is the head too), and `llmc profile` says so."""
+    path = kquant_file(T.Q6_K)
+    art = compile_checkpoint(path, target="cpu", output=tmp_path / "m.cpu")
+    # rope_freqs (Llama 3's scaled frequencies) is folded into the rope kernel's constants: no weight to read
+    sizes = {t.name: int(t.n_bytes) for t in gguf.GGUFReader(path).tensors if t.name != "rope_freqs.weight"}
+    rows = {t.name: int(t.shape[-1]) for t in gguf.GGUFReader(path).tensors}["token_embd.weight"]
+    want = sum(v for k, v in sizes.items() if k != "token_embd.weight") + sizes["token_embd.weight"] // rows
+    if "output.weight" not in sizes:
+        want += sizes["token_embd.weight"]
+    artifact = CompiledModel.load(art).artifact
+    assert artifact.decode_weight_bytes == want
+    launches = json.loads((art / "manifest.json").read_text())["kernel_program"]["launches"]
+    assert sum("ldy" in launch["params"] for launch in launches) == 2 * 2  # q / k and v, both layers
+    report = CliRunner().invoke(main, ["profile", str(art), "--context", "8", "--repeats", "1"])
+    assert report.exit_code == 0 and f"reads {want / 1e6:.2f} MB of weights" in report.output, report.output
+
+
 @pytest.mark.parametrize("qtype", [T.TQ1_0, T.IQ2_XXS])
 def test_unsupported_type_is_one_line(qtype, checkpoint_dir, tmp_path):
     src = write_gguf(checkpoint_dir("llama", **KQUANT), tmp_path / "f32.gguf", "F32")
