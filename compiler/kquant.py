@@ -100,11 +100,14 @@ def quantize_kquant(
     largest scale / 63, dmin = largest min / 63, in fp16), q rounded against the coded values."""
     n, k = w.shape
     x = w.reshape(n, k // SUPERBLOCK, GROUPS, GROUP)
+    # in place: a matrix's weights are as large as it is
     if importance is None:  # llama.cpp's Q4_K and Q5_K: rms(x) + |x| per group
-        weight = np.sqrt(np.square(x).mean(-1, keepdims=True)) + np.abs(x)
+        weight = np.abs(x)
+        weight += np.sqrt(np.square(x).mean(-1, keepdims=True))
     else:  # with an imatrix: importance * sqrt(sigma2 + x^2), sigma2 = 2 mean(x^2) per superblock
-        sigma2 = 2 * np.square(x).mean((-2, -1), keepdims=True)
-        weight = np.asarray(importance, np.float32).reshape(x.shape[1:]) * np.sqrt(sigma2 + np.square(x))
+        weight = np.square(x)
+        weight += 2 * weight.mean((-2, -1), keepdims=True)
+        np.multiply(np.sqrt(weight, out=weight), np.asarray(importance, np.float32).reshape(x.shape[1:]), out=weight)
     scale, mn = search_scale_min(x, weight, nmax)
     d = (scale.max(-1) / 63).astype(np.float16)
     dmin = (mn.max(-1) / 63).astype(np.float16)
@@ -113,9 +116,8 @@ def quantize_kquant(
     records = encode(d, dmin, sc, m)
     scales, mins = decode(records)
     s = scales.reshape(x.shape[:3])[..., None]
-    q = np.rint((x + mins.reshape(x.shape[:3])[..., None]) / np.where(s > 0, s, 1))
-    q = np.clip(q, 0, nmax).astype(np.int8).reshape(n, k)
-    return q, scales, mins, records
+    q = _rounded(x, s, 0, nmax, s <= 0, offset=mins.reshape(x.shape[:3])[..., None], zero_unscaled=False)
+    return q.reshape(n, k), scales, mins, records
 
 
 def quantize_q6k(w: np.ndarray, group_scales) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -134,6 +136,18 @@ def quantize_q6k(w: np.ndarray, group_scales) -> tuple[np.ndarray, np.ndarray, n
     records = encode6(d, sc)
     scales = decode6(records)
     s = scales.reshape(x.shape[:3])[..., None]
-    q = np.rint(x / np.where(s != 0, s, 1))
-    q = np.clip(np.where(s != 0, q, 0), -32, 31).astype(np.int8).reshape(n, k)
-    return q, scales, records
+    return _rounded(x, s, -32, 31, s == 0).reshape(n, k), scales, records
+
+
+def _rounded(x, s, lo: int, hi: int, unscaled, offset=None, zero_unscaled: bool = True) -> np.ndarray:
+    """int8 clip(rint((x + offset) / s), lo, hi), s taken as 1 where `unscaled` (and q 0 there with zero_unscaled):
+    in place and on every core (torch), each value as numpy gives it (correctly rounded adds and divisions, then
+    round half to even)."""
+    import torch
+
+    q = torch.from_numpy(x) if offset is None else torch.from_numpy(x) + torch.from_numpy(offset)
+    q = q / torch.from_numpy(np.where(unscaled, 1, s).astype(np.float32))
+    q.round_().clamp_(lo, hi)
+    if zero_unscaled:
+        q.masked_fill_(torch.from_numpy(unscaled), 0)
+    return q.to(torch.int8).numpy()

@@ -249,11 +249,11 @@ def _quantize_q6k(w: np.ndarray, scheme: QuantScheme, importance: np.ndarray | N
     quantize_q6_K weighs it: w^2, or given an imatrix importance * sqrt(sigma2 + w^2), sigma2 = 2 mean(w^2) a row."""
     lo, hi = scheme.qrange
     n, k = w.shape
-    if importance is None:  # make_qx_quants' rmse_type 1, as quantize_row_q6_K_ref calls it: w^2
-        weight = np.square(w).reshape(n, k // 16, 16)
-    else:
-        sigma2 = 2 * np.square(w).mean(axis=1)[:, None]
-        weight = (np.asarray(importance, np.float32) * np.sqrt(sigma2 + np.square(w))).reshape(n, k // 16, 16)
+    weight = np.square(w)  # make_qx_quants' rmse_type 1, as quantize_row_q6_K_ref calls it: w^2
+    if importance is not None:  # in place: a 128256 x 4096 head's weights are 2 GB of float32
+        np.add(weight, 2 * weight.mean(axis=1)[:, None], out=weight)
+        np.multiply(np.sqrt(weight, out=weight), np.asarray(importance, np.float32), out=weight)
+    weight = weight.reshape(n, k // 16, 16)
     q, scales, records = kquant.quantize_q6k(
         w, lambda blocks: searched_scales(blocks, lo, hi, weight, llama_cpp_grid=True)
     )

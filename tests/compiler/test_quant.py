@@ -215,7 +215,12 @@ def test_common_scheme_of_fused_sources():
 
 
 def test_quant_config_defaults_and_refusals():
-    assert QuantConfig("int8").scheme(96) == QuantScheme(8, 96)  # one scale per output channel
+    assert QuantConfig("int8").scheme(96) == QuantScheme(8, 32)  # as Q8_0
+    assert QuantConfig("int8", group_size="channel").scheme(96) == QuantScheme(8, 96)  # one scale per output channel
+    assert QuantConfig("int8", group_size="channel").describe() == "int8 per channel"
+    assert QuantConfig("int8").describe() == "int8 g32"
+    with pytest.raises(CompileError, match="--group-size channel is int8's"):
+        QuantConfig("int4", group_size="channel")
     assert QuantConfig("int8", group_size=64).scheme(128) == QuantScheme(8, 64)
     assert QuantConfig("int4").scheme(64) == QuantScheme(4, 32)
     assert QuantConfig("int4").scheme(72) is None  # K not a multiple of 32: stays float
@@ -291,7 +296,7 @@ def test_tensor_overrides_take_precedence_in_order():
     config = QuantConfig(
         "q4_k_m", overrides=((r"layers\.[0-9]+\.mlp\.down_proj", "int8"), ("down_proj", "float"), ("lm_head", "q4_k"))
     )
-    assert config.tensor_scheme("model.layers.4.mlp.down_proj.weight", 512, 32) == QuantScheme(8, 512)  # per channel
+    assert config.tensor_scheme("model.layers.4.mlp.down_proj.weight", 512, 32) == QuantScheme(8, 32)
     assert config.tensor_scheme("lm_head.weight", 512, 32) == q4_k  # the recipe's Q6_K overridden
     assert not QuantConfig("q8_0", overrides=(("lm_head", "float"),)).quantizes_head  # the manifest's lm_head
     assert QuantConfig("int4", overrides=(("lm_head", "q8_0"),)).quantizes_head

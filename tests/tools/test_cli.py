@@ -591,7 +591,9 @@ def test_quant_flag_errors(tmp_path, checkpoint_dir, fake_artifact):
     r = _invoke("compile", ckpt, "-o", out, "--quant", "int3")
     assert r.exit_code == 2 and "'int3' is not one of 'none', 'int8', 'int4'" in r.stderr
     r = _invoke("compile", ckpt, "-o", out, "--quant", "int4", "--group-size", "48")
-    assert r.exit_code == 2 and "'48' is not one of '32', '64', '128'" in r.stderr
+    assert r.exit_code == 2 and "'48' is not one of '32', '64', '128', 'channel'" in r.stderr
+    r = _invoke("compile", ckpt, "-o", out, "--quant", "int4", "--group-size", "channel")
+    assert r.exit_code == 1 and "--group-size channel is int8's" in r.stderr and "Traceback" not in r.output
     r = _invoke("compile", ckpt, "-o", out, "--quant-lm-head")
     assert r.exit_code == 1 and "apply to a quantized build" in r.stderr and "add --quant int8 or int4" in r.stderr
     r = _invoke("run", fake_artifact, "--quant", "int4", "--prompt", "hi")
@@ -620,17 +622,22 @@ def test_run_compiles_a_checkpoint_with_quant_under_its_own_cache_key(tmp_path, 
         [],
         ["--quant", "int4"],
         ["--quant", "int8", "--group-size", "64", "--quant-lm-head"],
-        [],
+        ["--quant", "int8", "--group-size", "channel"],
         override,
         [*override[:-1], "mlp.down=q8_0"],  # the same key but for the characters a key drops
     ):
         r = _invoke("run", ckpt, *flags, "--prompt", "hi", "--max-tokens", 2, "--kv-cache-memory", "8MiB", env=env)
         assert r.exit_code == 0, r.output
-    assert [q for _, q in calls][:4] == [QuantConfig(), QuantConfig("int4"), QuantConfig("int8", 64, lm_head=True)] + [
-        QuantConfig("int4", overrides=(("mlp[.]down", "q8_0"),))
+    assert [q for _, q in calls][:5] == [
+        QuantConfig(),
+        QuantConfig("int4"),
+        QuantConfig("int8", 64, lm_head=True),
+        QuantConfig("int8", "channel"),
+        QuantConfig("int4", overrides=(("mlp[.]down", "q8_0"),)),
     ]
     keys = [out.name for out, _ in calls]
-    assert keys[1].endswith("-int4-g32") and keys[2].endswith("-int8-g64-lm-head") and len(set(keys)) == 5
+    assert keys[1].endswith("-int4-g32") and keys[2].endswith("-int8-g64-lm-head")
+    assert keys[3].endswith("-int8-per-channel") and len(set(keys)) == 6
 
 
 def test_inspect_shows_the_quant_entry(tmp_path, checkpoint_dir, fake_lib):

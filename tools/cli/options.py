@@ -13,7 +13,8 @@ from pathlib import Path
 
 import click
 
-from llmc.compiler.quant import QUANT_MODES, TENSOR_TYPES, QuantConfig  # numpy only: neither torch nor TVM
+# numpy only: neither torch nor TVM
+from llmc.compiler.quant import GROUP_SIZES, PER_CHANNEL, QUANT_MODES, TENSOR_TYPES, QuantConfig
 from llmc.errors import LlmcError
 
 
@@ -130,7 +131,8 @@ def quant_options(command):
             if not eq or not pattern:
                 raise click.BadParameter(f"{text!r} is not PATTERN=TYPE", param_hint="--tensor-quant")
             overrides.append((pattern, kind))
-        config = QuantConfig(quant, None if group_size is None else int(group_size), quant_lm_head, tuple(overrides))
+        group = int(group_size) if group_size is not None and group_size.isdigit() else group_size
+        config = QuantConfig(quant, group, quant_lm_head, tuple(overrides))
         return command(*args, quant=config, **kwargs)
 
     options = [
@@ -139,9 +141,8 @@ def quant_options(command):
             type=click.Choice(QUANT_MODES),
             default="none",
             show_default=True,
-            help="Quantize the linears' weights: int8 (one scale per output channel, or per group with "
-            "--group-size) or int4 (groups of 32 by default), symmetric; q4_k / q5_k as llama.cpp's Q4_K / Q5_K "
-            "(asymmetric 4- / 5-bit groups of 32 with 6-bit scales and mins per 256). Recipes, as llama.cpp's file "
+            help="Quantize the linears' weights: int8 or int4, symmetric, in groups of 32 by default; q4_k / "
+            "q5_k as llama.cpp's Q4_K / Q5_K (asymmetric 4- / 5-bit groups of 32 with 6-bit scales and mins per 256). Recipes, as llama.cpp's file "
             "types, choose per tensor, the lm_head and embedding included: q8_0 (int8 groups of 32 throughout), "
             "q4_k_m / q5_k_m (q4_k / q5_k; the lm_head, and ffn_down and attn_v on an "
             "eighth-and-a-third of the layers, as Q6_K). A linear whose input size is not a multiple of 32 stays "
@@ -149,9 +150,10 @@ def quant_options(command):
         ),
         click.option(
             "--group-size",
-            type=click.Choice(["32", "64", "128"]),
+            type=click.Choice([*map(str, GROUP_SIZES), PER_CHANNEL]),
             default=None,
-            help="Weights per scale, along the input dim [default: int8 per channel, int4 32].",
+            help=f"Weights per scale, along the input dim [default: 32]; {PER_CHANNEL}: int8 with one scale per "
+            "output channel (fewer bytes, coarser).",
         ),
         click.option("--quant-lm-head", is_flag=True, help="Quantize the lm_head too (off: it stays float)."),
         click.option(
