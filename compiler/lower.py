@@ -49,6 +49,7 @@ from .passes.common import (
     scalar,
     static_dim,
     tensor_args,
+    users,
     weight_params,
 )
 from .program import KernelProgram, ModelGeometry
@@ -97,10 +98,7 @@ class _Lowering(LlmcOpLowering):
             for p in func.params
             if p.name in ("input_ids", "logits_indices")
         }
-        self.uses: dict = {}
-        for b in bindings(func):
-            relax.analysis.post_order_visit(b.value, self._count_use)
-        relax.analysis.post_order_visit(func.body.body, self._count_use)
+        self.uses = users(func)
         num_weights = len(weight_params(func))
         if num_weights != len(weight_names):
             raise CompileError(f"main has {num_weights} weight parameters but {len(weight_names)} weight names")
@@ -117,10 +115,6 @@ class _Lowering(LlmcOpLowering):
                 name = next(weights)
                 self.env[p] = _Weight((name,), tuple(static_dim(d) for d in p.ty.shape.values))
         self.output = func.body.body
-
-    def _count_use(self, e):
-        if isinstance(e, relax.Var):
-            self.uses[e] = self.uses.get(e, 0) + 1
 
     # --- values ---------------------------------------------------------------------------------
 

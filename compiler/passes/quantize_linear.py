@@ -16,9 +16,8 @@ stays fused. Where they differ (GGUF Q4_K_M: attn_v Q6_K beside q and k Q4_K):
     Lowering has each GEMM write its columns of one buffer (qgemm's ldy), so nothing is copied;
   - else: one scheme that holds each exactly (quant.common_scheme), wider than the file.
 A GEMM with any source lacking a scheme stays float, and so does every matmul whose weight is computed
-(attention's). A
-mixture-of-experts MLP (`llmc.moe`) takes its experts' schemes as its attrs, gate_up's and down's, the same
-way (the router stays float).
+(attention's). A mixture-of-experts MLP (`llmc.moe`) takes its experts' schemes as its attrs, gate_up's and
+down's, the same way (the router stays float).
 
 Runs last: the GEMMs it reads are the fused ones lowering will launch.
 """
