@@ -1,6 +1,7 @@
 """Launches between lowering and the kernel program: their pending form, the SwiGLU epilogue, the buffer plan.
 
-Lowering (compiler/lower.py) emits `PendingLaunch`es whose tensor arguments are `View`s of values, not yet
+Lowering (compiler/lower.py) binds each Relax variable to a `View` of an activation value or a `WeightRef` of
+checkpoint tensors, and emits `PendingLaunch`es whose tensor arguments are `View`s of values, not yet
 of buffers. Two steps follow, in this order:
   - `fuse_gemm_swiglu` (CUDA targets): a bf16 gate_up GEMM and the silu_mul that alone reads its product
     become one `gemm_swiglu` launch, whose weight the packer interleaves (WeightSpec.interleave), so the
@@ -25,6 +26,20 @@ class View:
     cols: int
     stride: int
     rows: str
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightRef:
+    """A weight as lowering reads it: checkpoint tensors, concatenated along dim 0 when the packer writes them."""
+
+    sources: tuple[str, ...]  # HF tensor names, concatenated along dim 0
+    shape: tuple[int, ...]
+    transposed: bool = False
+    affine: tuple[float, float] = (1.0, 0.0)  # (scale, offset) applied when packed (WeightSpec.affine)
+
+    @property
+    def key(self) -> tuple:
+        return self.sources if self.affine == (1.0, 0.0) else (self.sources, self.affine)
 
 
 @dataclasses.dataclass

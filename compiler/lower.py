@@ -32,19 +32,16 @@ from tvm import relax
 from llmc.dtypes import DTYPES
 from llmc.errors import CompileError
 
-from .launches import PendingLaunch, View, fuse_gemm_swiglu, plan_buffers
+from .launches import PendingLaunch, View, WeightRef, fuse_gemm_swiglu, plan_buffers
 from .legalize import legalize_call
 from .lower_llmc_ops import LlmcOpLowering
 from .passes.common import (
     ABI_PARAMS,
-    QUANT_ATTRS,
     bindings,
     calls,
     last_dim,
-    llmc_args,
     llmc_op_name,
     main_function,
-    prim_value,
     rewrite_counts,
     scalar,
     static_dim,
@@ -54,21 +51,9 @@ from .passes.common import (
 )
 from .program import KernelProgram, ModelGeometry
 from .quant import QuantScheme
-from .weights import QUANT_PARTS, WeightSpec, linear_name, packed_name, quant_part_dtype
+from .weights import WeightSpec, linear_name, packed_name, quant_part_dtype
 
 _BIAS_ARG = {"gemm": 2, "qgemm": 4}  # where a GEMM launch takes its bias (nullptr until an add joins it)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Weight:
-    sources: tuple[str, ...]  # HF tensor names, concatenated along dim 0
-    shape: tuple[int, ...]
-    transposed: bool = False
-    affine: tuple[float, float] = (1.0, 0.0)  # (scale, offset) applied when packed (WeightSpec.affine)
-
-    @property
-    def key(self) -> tuple:
-        return self.sources if self.affine == (1.0, 0.0) else (self.sources, self.affine)
 
 
 class _Unlowered(Exception):
@@ -82,7 +67,7 @@ class _Lowering(LlmcOpLowering):
         self.weight_dtype = weight_dtype
         self.block_size = block_size
         self.kv_dtype = kv_dtype
-        self.env: dict = {}  # relax var -> View | _Weight | str (an ABI argument) | tuple
+        self.env: dict = {}  # relax var -> View | WeightRef | str (an ABI argument) | tuple
         self.value_cols: list[int] = []
         self.value_rows: list[str] = []
         self.launches: list[PendingLaunch] = []
@@ -113,7 +98,7 @@ class _Lowering(LlmcOpLowering):
                 self.kv_cache_heads.append(tuple(static_dim(d) for d in p.ty.shape.values[3:]))
             else:
                 name = next(weights)
-                self.env[p] = _Weight((name,), tuple(static_dim(d) for d in p.ty.shape.values))
+                self.env[p] = WeightRef((name,), tuple(static_dim(d) for d in p.ty.shape.values))
         self.output = func.body.body
 
     # --- values ---------------------------------------------------------------------------------
@@ -131,11 +116,11 @@ class _Lowering(LlmcOpLowering):
 
     def weight(self, expr) -> int:
         w = self.env.get(expr) if isinstance(expr, relax.Var) else None
-        if not isinstance(w, _Weight):
+        if not isinstance(w, WeightRef):
             raise CompileError(f"expected a weight, got {expr}")
         return self.weight_index(w)
 
-    def weight_index(self, w: _Weight, dtype: str | None = None) -> int:
+    def weight_index(self, w: WeightRef, dtype: str | None = None) -> int:
         if w.key not in self.weight_specs:
             dtype = dtype or (self.weight_dtype if len(w.shape) == 2 else "float32")
             name = packed_name(w.sources)
@@ -145,7 +130,7 @@ class _Lowering(LlmcOpLowering):
             self.weight_list.append(WeightSpec(name, w.sources, dtype, w.shape, affine=w.affine))
         return self.weight_specs[w.key]
 
-    def quant_index(self, w: _Weight, scheme: QuantScheme, part: str) -> int:
+    def quant_index(self, w: WeightRef, scheme: QuantScheme, part: str) -> int:
         if w.affine != (1.0, 0.0):
             raise CompileError(f"{packed_name(w.sources)} is scaled when packed, and cannot also be quantized")
         key = (w.sources, part)
@@ -201,8 +186,8 @@ class _Lowering(LlmcOpLowering):
         args, shapes = [], []
         for v in inputs:
             src = self.env.get(v)
-            shapes.append(self.dims(v, where, rows=not isinstance(src, _Weight)))
-            if isinstance(src, _Weight) and not src.transposed:
+            shapes.append(self.dims(v, where, rows=not isinstance(src, WeightRef)))
+            if isinstance(src, WeightRef) and not src.transposed:
                 w = self.weight_index(src, dtype="float32")
                 if self.weight_list[w].dtype != "float32":
                     raise CompileError(
@@ -260,10 +245,10 @@ class _Lowering(LlmcOpLowering):
         if all(isinstance(p, View) for p in parts) and int(value.attrs.axis) == len(var.ty.shape.values) - 1:
             self.env[var] = self._columns_of_one_value(parts)
             return
-        if not all(isinstance(p, _Weight) for p in parts) or int(value.attrs.axis) != 0:
+        if not all(isinstance(p, WeightRef) for p in parts) or int(value.attrs.axis) != 0:
             raise _Unlowered
         shape = (sum(p.shape[0] for p in parts), *parts[0].shape[1:])
-        self.env[var] = _Weight(tuple(s for p in parts for s in p.sources), shape)
+        self.env[var] = WeightRef(tuple(s for p in parts for s in p.sources), shape)
 
     def _columns_of_one_value(self, parts: list[View]) -> View:
         """Activations joined along the columns, each the whole output of a qgemm (quantize_linear's split of a
@@ -286,13 +271,13 @@ class _Lowering(LlmcOpLowering):
 
     def relax_permute_dims(self, var, value):
         src = self.env[value.args[0]]
-        if not isinstance(src, _Weight) or len(src.shape) != 2:
+        if not isinstance(src, WeightRef) or len(src.shape) != 2:
             raise _Unlowered
         self.env[var] = dataclasses.replace(src, transposed=True)
 
     def relax_take(self, var, value):
         table, indices = (self.env.get(a) for a in value.args)
-        if isinstance(table, _Weight) and indices == "token_ids":
+        if isinstance(table, WeightRef) and indices == "token_ids":
             w = self.weight_index(table)
             out = self.new_value(table.shape[1], "T")
             self.emit(
@@ -320,9 +305,9 @@ class _Lowering(LlmcOpLowering):
 
     def relax_matmul(self, var, value):
         x, wt = (self.env.get(a) for a in value.args)
-        if not (isinstance(x, View) and isinstance(wt, _Weight) and wt.transposed) or x.stride != x.cols:
+        if not (isinstance(x, View) and isinstance(wt, WeightRef) and wt.transposed) or x.stride != x.cols:
             raise _Unlowered
-        w = self.weight_index(_Weight(wt.sources, wt.shape))
+        w = self.weight_index(WeightRef(wt.sources, wt.shape))
         n, k = wt.shape
         out = self.new_value(n, x.rows)
         self.emit(
@@ -339,7 +324,7 @@ class _Lowering(LlmcOpLowering):
         """A weight times or plus a scalar constant (Gemma's 1 + w, a folded logits scale) is a weight, packed
         with that affine map."""
         w, c = self.env.get(value.args[0]), scalar(value.args[1])
-        if not isinstance(w, _Weight) or w.transposed or c is None:
+        if not isinstance(w, WeightRef) or w.transposed or c is None:
             return False
         scale, offset = w.affine
         self.env[var] = dataclasses.replace(
@@ -381,9 +366,9 @@ class _Lowering(LlmcOpLowering):
         if self._affine_weight(var, value, "add"):
             return
         a, b = (self.env.get(x) for x in value.args)
-        if isinstance(a, _Weight):
+        if isinstance(a, WeightRef):
             a, b = b, a
-        gemm = self._sole_writer(a) if isinstance(a, View) and isinstance(b, _Weight) else None
+        gemm = self._sole_writer(a) if isinstance(a, View) and isinstance(b, WeightRef) else None
         if gemm is not None and gemm.op in _BIAS_ARG and not gemm.params["has_bias"]:
             # The bias add of the GEMM that made a joins it (gemm reads bias in the weight dtype, qgemm float32).
             dtype = self.weight_list[gemm.weight].dtype if gemm.op == "gemm" else "float32"
@@ -418,41 +403,6 @@ class _Lowering(LlmcOpLowering):
             View(src.value, src.col_offset + lo, hi - lo, src.stride, src.rows)
             for lo, hi in zip(bounds, bounds[1:], strict=False)
         )
-
-    # --- the quantized matmul (the other llmc ops: lower_llmc_ops.py) ---------------------------------
-
-    def _quantized(self, args: dict, w: _Weight) -> tuple[dict, list[str]]:
-        """(the scheme's kernel parameters, the packed parts' args: qweight, scales, mins or nullptr)."""
-        quant = {a: int(prim_value(args[a])) for a in QUANT_ATTRS}
-        quant["asymmetric"] = bool(quant["asymmetric"])
-        scheme = QuantScheme.of_kernel(quant)
-        q, scales, *mins = (self.quant_index(w, scheme, p) for p in QUANT_PARTS if p != "mins" or scheme.stores_mins)
-        return quant, [f"W[{q}]", f"W[{scales}]", f"W[{mins[0]}]" if mins else "nullptr"]
-
-    def op_quantized_matmul(self, var, value):
-        args = llmc_args(value)
-        x, w = self.env.get(args["x"]), self.env.get(args["weight"])
-        if not (isinstance(x, View) and x.stride == x.cols and isinstance(w, _Weight) and len(w.shape) == 2):
-            raise CompileError(f"quantized matmul {var.name}: expected a whole activation and an [N, K] weight")
-        quant, weights = self._quantized(args, w)
-        n, k = w.shape
-        out = self.new_value(n, x.rows)
-        params = {"n": n, "k": k, **quant, "has_bias": False}
-        q = self.weight_specs[(w.sources, "qweight")]
-        self.emit("qgemm", params, [x, *weights, "nullptr", out, x.rows], [linear_name(w.sources)], [out], weight=q)
-        self.env[var] = out
-
-    def op_quantized_take(self, var, value):
-        """The embedding gather from the packed table (a tied head's qgemm reads the same parts)."""
-        args = llmc_args(value)
-        table = self.env.get(args["table"])
-        if not (isinstance(table, _Weight) and len(table.shape) == 2 and self.env.get(args["ids"]) == "token_ids"):
-            raise CompileError(f"quantized take {var.name}: expected a [vocab, hidden] weight gathered by token ids")
-        quant, weights = self._quantized(args, table)
-        out = self.new_value(table.shape[1], "T")
-        params = {"hidden": table.shape[1], **quant}
-        self.emit("qembedding", params, ["token_ids", "T", *weights, out], ["take(embed_tokens)"], [out])
-        self.env[var] = out
 
     # --- buffer plan ----------------------------------------------------------------------------
 

@@ -10,12 +10,14 @@ from __future__ import annotations
 from llmc.dtypes import DTYPES
 from llmc.errors import CompileError
 
+from .launches import View, WeightRef
 from .passes.common import QUANT_ATTRS, llmc_args, prim_value
+from .quant import QuantScheme
+from .weights import QUANT_PARTS, linear_name
 
 
 class LlmcOpLowering:
-    """Mixed into _Lowering, whose helpers (view, weight, new_value, emit, wdtype) these use; the quantized matmul,
-    which reads the lowering's own weight records, stays there."""
+    """Mixed into _Lowering, whose helpers (view, weight, quant_index, new_value, emit, wdtype) these use."""
 
     def _norm(self, var, value, add_residual: bool):
         args = llmc_args(value)
@@ -203,3 +205,38 @@ class LlmcOpLowering:
             i = self.weight_index(w)
             params["wdtype"] = self.wdtype(i)
             self.emit("moe_gemm", params, [x, route, f"W[{i}]", out, x.rows], fused, [out])
+
+    # --- the quantized matmul and gather ------------------------------------------------------------
+
+    def _quantized(self, args: dict, w: WeightRef) -> tuple[dict, list[str]]:
+        """(the scheme's kernel parameters, the packed parts' args: qweight, scales, mins or nullptr)."""
+        quant = {a: int(prim_value(args[a])) for a in QUANT_ATTRS}
+        quant["asymmetric"] = bool(quant["asymmetric"])
+        scheme = QuantScheme.of_kernel(quant)
+        q, scales, *mins = (self.quant_index(w, scheme, p) for p in QUANT_PARTS if p != "mins" or scheme.stores_mins)
+        return quant, [f"W[{q}]", f"W[{scales}]", f"W[{mins[0]}]" if mins else "nullptr"]
+
+    def op_quantized_matmul(self, var, value):
+        args = llmc_args(value)
+        x, w = self.env.get(args["x"]), self.env.get(args["weight"])
+        if not (isinstance(x, View) and x.stride == x.cols and isinstance(w, WeightRef) and len(w.shape) == 2):
+            raise CompileError(f"quantized matmul {var.name}: expected a whole activation and an [N, K] weight")
+        quant, weights = self._quantized(args, w)
+        n, k = w.shape
+        out = self.new_value(n, x.rows)
+        params = {"n": n, "k": k, **quant, "has_bias": False}
+        q = self.weight_specs[(w.sources, "qweight")]
+        self.emit("qgemm", params, [x, *weights, "nullptr", out, x.rows], [linear_name(w.sources)], [out], weight=q)
+        self.env[var] = out
+
+    def op_quantized_take(self, var, value):
+        """The embedding gather from the packed table (a tied head's qgemm reads the same parts)."""
+        args = llmc_args(value)
+        table = self.env.get(args["table"])
+        if not (isinstance(table, WeightRef) and len(table.shape) == 2 and self.env.get(args["ids"]) == "token_ids"):
+            raise CompileError(f"quantized take {var.name}: expected a [vocab, hidden] weight gathered by token ids")
+        quant, weights = self._quantized(args, table)
+        out = self.new_value(table.shape[1], "T")
+        params = {"hidden": table.shape[1], **quant}
+        self.emit("qembedding", params, ["token_ids", "T", *weights, out], ["take(embed_tokens)"], [out])
+        self.env[var] = out

@@ -161,10 +161,11 @@ def quantize_linear(
             if not found or None in found:
                 continue
             if split_mixed and len(set(found)) > 1:
-                edits[b.var] = _split_by_scheme(x, weight, found, b.var.ty, var2val)
                 add, bias = bias_adds.get(b.var, (None, None))
                 if add is not None and len(_sources(bias, var2val, names)) == len(found):
-                    edits[add] = _split_by_scheme(x, weight, found, b.var.ty, var2val, bias)
+                    edits[add] = _split_by_scheme(x, weight, found, b.var.ty, var2val, bias)  # the GEMM goes unused
+                else:
+                    edits[b.var] = _split_by_scheme(x, weight, found, b.var.ty, var2val)
             else:
                 edits[b.var] = llmc_call("quantized_matmul", [x, weight, *_attrs(found, weight)], b.var.ty)
             count += 1

@@ -142,8 +142,8 @@ def quant_options(command):
             default="none",
             show_default=True,
             help="Quantize the linears' weights: int8 or int4, symmetric, in groups of 32 by default; q4_k / "
-            "q5_k as llama.cpp's Q4_K / Q5_K (asymmetric 4- / 5-bit groups of 32 with 6-bit scales and mins per 256). Recipes, as llama.cpp's file "
-            "types, choose per tensor, the lm_head and embedding included: q8_0 (int8 groups of 32 throughout), "
+            "q5_k as llama.cpp's Q4_K / Q5_K (asymmetric 4- / 5-bit groups of 32 with 6-bit scales and mins per "
+            "256). Recipes, as llama.cpp's file types, choose per tensor, the lm_head and embedding included: q8_0 (int8 groups of 32 throughout), "
             "q4_k_m / q5_k_m (q4_k / q5_k; the lm_head, and ffn_down and attn_v on an "
             "eighth-and-a-third of the layers, as Q6_K). A linear whose input size is not a multiple of 32 stays "
             "float.",

@@ -498,9 +498,10 @@ def test_a_q4_k_m_file_streams_its_own_bytes(kquant_file, tmp_path):
     it is the head too), and `llmc profile` says so."""
     path = kquant_file(T.Q6_K)
     art = compile_checkpoint(path, target="cpu", output=tmp_path / "m.cpu")
+    tensors = {t.name: t for t in gguf.GGUFReader(path).tensors}
     # rope_freqs (Llama 3's scaled frequencies) is folded into the rope kernel's constants: no weight to read
-    sizes = {t.name: int(t.n_bytes) for t in gguf.GGUFReader(path).tensors if t.name != "rope_freqs.weight"}
-    rows = {t.name: int(t.shape[-1]) for t in gguf.GGUFReader(path).tensors}["token_embd.weight"]
+    sizes = {name: int(t.n_bytes) for name, t in tensors.items() if name != "rope_freqs.weight"}
+    rows = int(tensors["token_embd.weight"].shape[-1])  # GGUF lists dims innermost first
     want = sum(v for k, v in sizes.items() if k != "token_embd.weight") + sizes["token_embd.weight"] // rows
     if "output.weight" not in sizes:
         want += sizes["token_embd.weight"]
