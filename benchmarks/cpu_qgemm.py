@@ -130,8 +130,9 @@ def weight_parts(n: int, k: int, scheme: tuple, rng) -> list:
     """The arrays the kernel reads for a random w [n, k]: (qweight, scales, mins | None) or (w,)."""
     import numpy as np
 
-    from llmc.compiler.quant import QuantScheme, quantize, widen_exactly
+    from llmc.compiler.quant import QuantScheme, quantize
     from llmc.compiler.quant_pack import pack_cpu
+    from llmc.compiler.quant_widen import widen_exactly
 
     w = rng.standard_normal((n, k), dtype=np.float32) / np.float32(np.sqrt(k))
     _, bits, g, asym, scale_bits = scheme

@@ -2,19 +2,23 @@
 """llmc's quantization against llama.cpp's file types of the same weights, by quality, all run by llmc.
 
     python benchmarks/quant_quality.py [CHECKPOINT] [--calibration FILE] [--types Q4_0,Q4_K_M,...] [--modes ...]
+                                       [--tokens N]
 
 The checkpoint (default: the bundled model; a GGUF file is taken at its values, dequantized) is written as an F32
 GGUF (llmc.compiler.frontend.gguf_write) and quantized to each llama.cpp type by llama.cpp itself
 (llama-cpp-python's llama_model_quantize, no imatrix); llmc imports each file exactly and compiles it, and compiles the checkpoint with each `--quant` mode. Every build is
-measured against the unquantized build on the same calibration tokens the quality gate scores (the first 2,048
-of the bundled model's held-out text, or --calibration): mean KL, top-1 agreement and the perplexity change
-(tools/quality.measure_artifacts), and its weights' bytes. Needs the `bench` extra (llama-cpp-python).
+measured against the unquantized build on the same tokens: the first --tokens (default 2,048, what the quality
+gate scores; 0: all of it) of the bundled model's held-out text, or --calibration, scored in windows of the
+model's context as the gate scores them: mean KL, top-1 agreement and the perplexity change
+(tools/quality.measure_artifacts), and its weights' bytes. At 2,048 tokens a perplexity change of a few tenths of a
+percent is within its noise; a longer text steadies it. Needs the `bench` extra (llama-cpp-python).
 """
 
 from __future__ import annotations
 
 import argparse
 import ctypes
+import sys
 import tempfile
 from pathlib import Path
 
@@ -29,6 +33,7 @@ def main() -> None:
     parser.add_argument("--calibration", type=Path, default=None)
     parser.add_argument("--types", default=",".join(LLAMA_CPP_TYPES))
     parser.add_argument("--modes", default="int8,q8_0,int4,q4_k,q4_k_m")
+    parser.add_argument("--tokens", type=int, default=None, help="tokens to score (default 2048; 0: the whole text)")
     args = parser.parse_args()
 
     import llama_cpp
@@ -37,7 +42,7 @@ def main() -> None:
     from llmc.compiler.frontend.load import load_checkpoint
     from llmc.compiler.quant import QuantConfig
     from llmc.tools.build import compile_checkpoint
-    from llmc.tools.quality import calibration_tokens, measure_artifacts
+    from llmc.tools.quality import DEFAULT_CALIBRATION_TOKENS, calibration_tokens, measure_artifacts
 
     src = args.checkpoint or bundled_checkpoint()
     with tempfile.TemporaryDirectory() as d:
@@ -45,7 +50,8 @@ def main() -> None:
         f32 = write_gguf(src, root / "f32.gguf", "F32")
         if src.suffix == ".gguf":  # a quantized download: every build starts from its values, unquantized
             src = f32
-        ids, label = calibration_tokens(load_checkpoint(src).tokenizer_path, args.calibration)
+        tokens = DEFAULT_CALIBRATION_TOKENS if args.tokens is None else args.tokens or sys.maxsize
+        ids, label = calibration_tokens(load_checkpoint(src).tokenizer_path, args.calibration, tokens)
         reference = compile_checkpoint(src, target="cpu", output=root / "reference")
         builds = []
         for name in args.types.split(","):

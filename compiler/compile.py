@@ -37,7 +37,8 @@ from .passes.pipeline import run_passes
 from .passes.quantize_embedding import quantize_embedding
 from .passes.quantize_linear import quantize_linear
 from .program import KernelProgram
-from .quant import K_MULTIPLE, Q8_0, QuantConfig, QuantScheme, held_on_cuda
+from .quant import K_MULTIPLE, Q8_0, QuantConfig, QuantScheme
+from .quant_widen import held_on_cuda
 from .tuning.database import TuningDB
 from .weights import WeightSpec, write_packed_weights
 
@@ -82,7 +83,7 @@ def quant_schemes(ckpt: Checkpoint, quant: QuantConfig, cuda: bool = False) -> d
     and an untied embedding, as the mode chooses. A tensor the checkpoint holds quantized (GGUF) keeps its own
     scheme whatever the flags, so a file imports with no requantization: an untied embedding too, which the
     gather reads quantized (passes/quantize_embedding.py). cuda: a held int5 or int6 tensor (GGUF Q5_* and Q6_K)
-    becomes the int8 scheme that holds it exactly (quant.held_on_cuda), one quantized here to int6 becomes Q8_0,
+    becomes the int8 scheme that holds it exactly (quant_widen.held_on_cuda), one quantized here to int6 becomes Q8_0,
     and one to int5 (q5_k) is refused: the CUDA kernels read no 5- or 6-bit layout yet.
     """
     shapes = ckpt.config.weight_shapes()

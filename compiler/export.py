@@ -27,7 +27,7 @@ from llmc.errors import CompileError
 from .frontend.checkpoint import Checkpoint
 from .frontend.model import LlamaFamily, moe_reference, softcapped_attention_reference
 from .frontend.trace import Traced, trace
-from .passes.common import llmc_call, prim
+from .passes.common import QUANT_ATTRS, llmc_call, prim
 
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 
@@ -108,7 +108,11 @@ def _moe(node, importer):
     x, router, gate_up, down = (importer.env[a] for a in node.args[:4])
     top_k, norm_topk = node.args[4:]
     return importer.block_builder.emit(
-        llmc_call("moe", [x, router, gate_up, down, prim(int(top_k)), prim(int(norm_topk)), *[prim(0)] * 8], x.ty)
+        llmc_call(
+            "moe",
+            [x, router, gate_up, down, prim(int(top_k)), prim(int(norm_topk)), *[prim(0)] * (2 * len(QUANT_ATTRS))],
+            x.ty,
+        )
     )
 
 

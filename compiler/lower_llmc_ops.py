@@ -210,9 +210,8 @@ class LlmcOpLowering:
 
     def _quantized(self, args: dict, w: WeightRef) -> tuple[dict, list[str]]:
         """(the scheme's kernel parameters, the packed parts' args: qweight, scales, mins or nullptr)."""
-        quant = {a: int(prim_value(args[a])) for a in QUANT_ATTRS}
-        quant["asymmetric"] = bool(quant["asymmetric"])
-        scheme = QuantScheme.of_kernel(quant)
+        scheme = QuantScheme.of_kernel({a: int(prim_value(args[a])) for a in QUANT_ATTRS})
+        quant = scheme.kernel_params()
         q, scales, *mins = (self.quant_index(w, scheme, p) for p in QUANT_PARTS if p != "mins" or scheme.stores_mins)
         return quant, [f"W[{q}]", f"W[{scales}]", f"W[{mins[0]}]" if mins else "nullptr"]
 

@@ -9,7 +9,8 @@ A weight matrix w[N, K] (HF Linear layout, one row per output) is quantized alon
 - `q` is int8 [N, K], one value per element whatever the width: bits=8 holds -128..127, bits=6 -32..31
   (llama.cpp's Q6_K: symmetric groups of 16 under its superblock records, the one 6-bit scheme), bits=5 and
   bits=4 hold -16..15 / -8..7 when symmetric and 0..31 / 0..15 when asymmetric (5 bits: llama.cpp's Q5_0, Q5_1
-  and Q5_K, groups of 32).
+  and Q5_K, groups of 32). A codebook scheme (llama.cpp's IQ4_NL and IQ4_XS: 4 bits an element, each an index into
+  IQ4_LEVELS) holds the levels themselves in q, -127..113.
 - `scales` and `mins` are float32 arrays [N, ceil(K / group_size)]. The last group of a row may be shorter
   than `group_size` when it does not divide K. The scheme's `scale_dtype` says how they are stored: float16
   (the default: llmc's quantizer picks fp16 values, and GGUF Q8_0 / Q4_0 hold fp16 scales), float32 (GGUF
@@ -48,14 +49,19 @@ KQUANTS = {"q4_k": 4, "q5_k": 5, "q4_k_m": 4, "q5_k_m": 5}  # K-quant modes and 
 TENSOR_TYPES = ("float", "int8", "int4", "q4_k", "q5_k", "q6_k", "q8_0")  # what --tensor-quant gives one tensor
 GROUP_SIZES = (32, 64, 128)
 PER_CHANNEL = "channel"  # int8's --group-size for one scale per output channel (group_size K)
+# IQ4_NL / IQ4_XS's 16 levels (llama.cpp's kvalues_iq4nl): what a codebook scheme's 4-bit indices stand for
+IQ4_LEVELS = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8)
 K_MULTIPLE = 32  # a quantized weight's K is a multiple of this (the kernels' activation blocks); else it stays float
 SCALE_DTYPES = ("float16", "float32", "kquant")  # kquant: compiler/kquant.py's superblock records
 # kquant: 16 bytes per 8 scales and 8 mins (asymmetric, Q4_K / Q5_K), or 18 per 16 scales (symmetric, Q6_K)
 _SCALE_BITS = {"float16": 16, "float32": 32, "kquant": 8}
 
 
-def q_range(bits: int, asymmetric: bool) -> tuple[int, int]:
-    """The range q holds at `bits`: signed, but for asymmetric int4 and int5, whose q count up from the min."""
+def q_range(bits: int, asymmetric: bool, codebook: bool = False) -> tuple[int, int]:
+    """The range q holds at `bits`: signed, but for asymmetric int4 and int5, whose q count up from the min; a
+    codebook's, that of its levels."""
+    if codebook:
+        return int(IQ4_LEVELS[0]), int(IQ4_LEVELS[-1])
     top = 1 << bits
     return (0, top - 1) if asymmetric and bits in (4, 5) else (-top // 2, top // 2 - 1)
 
@@ -66,6 +72,7 @@ class QuantScheme:
     group_size: int  # elements of a row per scale; K for one scale per output channel
     asymmetric: bool = False  # per-group mins
     scale_dtype: str = "float16"  # how scales and mins are stored: SCALE_DTYPES
+    codebook: bool = False  # 4-bit indices into IQ4_LEVELS (IQ4_NL, IQ4_XS): symmetric groups of 32
 
     def __post_init__(self):
         if self.bits not in (4, 5, 6, 8):
@@ -82,17 +89,35 @@ class QuantScheme:
             raise CompileError("6-bit weights are Q6_K's: symmetric groups of 16 under K-quant records")
         if self.bits == 5 and self.group_size != 32:
             raise CompileError("5-bit weights are in groups of 32 (Q5_0, Q5_1, Q5_K)")
+        if self.codebook and (self.bits, self.group_size, self.asymmetric, self.scale_dtype == "kquant") != (
+            4,
+            32,
+            False,
+            False,
+        ):
+            raise CompileError(
+                "codebook weights are IQ4's: 4-bit indices in symmetric groups of 32, fp16 or fp32 scales"
+            )
 
     @property
     def qrange(self) -> tuple[int, int]:
         """The range q holds (q_range)."""
-        return q_range(self.bits, self.asymmetric)
+        return q_range(self.bits, self.asymmetric, self.codebook)
 
     @classmethod
     def of_kernel(cls, params) -> QuantScheme:
-        """The scheme of a qgemm kernel's parameters (bits, group_size, asymmetric, scale_bits)."""
+        """The scheme of a qgemm kernel's parameters (bits, group_size, asymmetric, scale_bits, codebook)."""
         dtype = {bits: dtype for dtype, bits in _SCALE_BITS.items()}[params["scale_bits"]]
-        return cls(params["bits"], params["group_size"], params["asymmetric"], dtype)
+        asymmetric, codebook = bool(params["asymmetric"]), bool(params.get("codebook", False))
+        return cls(params["bits"], params["group_size"], asymmetric, dtype, codebook)
+
+    def kernel_params(self) -> dict:
+        """The quantized kernels' parameters of this scheme (of_kernel's inverse): bits, group_size, asymmetric,
+        scale_bits, and codebook where it is one (so that the other kernels' names and tuning keys stay as they were)."""
+        params = dict(
+            bits=self.bits, group_size=self.group_size, asymmetric=self.asymmetric, scale_bits=self.scale_bits
+        )
+        return {**params, "codebook": True} if self.codebook else params
 
     @property
     def scale_bits(self) -> int:
@@ -112,9 +137,9 @@ class QuantScheme:
 
     def describe(self) -> str:
         """`int4 g32 asym`, as `llmc inspect` shows it (`int8 g16 fp32-scales` where scales are not fp16,
-        `int4 g32 asym k-scales` for the K-quants' superblocks)."""
+        `int4 g32 asym k-scales` for the K-quants' superblocks, `iq4 g32` for the codebook)."""
         return (
-            f"int{self.bits} g{self.group_size}"
+            f"{'iq' if self.codebook else 'int'}{self.bits} g{self.group_size}"
             + (" asym" if self.asymmetric else "")
             + {"float16": "", "float32": " fp32-scales", "kquant": " k-scales"}[self.scale_dtype]
         )
@@ -148,6 +173,8 @@ class QuantizedTensor:
             raise CompileError(
                 f"quantized tensor: scales or mins are not fp16 values, as {self.scheme.describe()} needs"
             )
+        if self.scheme.codebook:
+            codebook_indices(self.q)
         if (self.records is not None) != (self.scheme.scale_dtype == "kquant"):
             raise CompileError(f"quantized tensor: K-quant records go with k-scales only, not {self.scheme.describe()}")
         if self.records is not None:
@@ -165,6 +192,19 @@ class QuantizedTensor:
     @property
     def shape(self) -> tuple[int, int]:
         return self.q.shape
+
+
+_LEVEL_INDEX = np.full(256, -1, np.int8)
+_LEVEL_INDEX[IQ4_LEVELS.view(np.uint8)] = np.arange(len(IQ4_LEVELS))
+
+
+def codebook_indices(q: np.ndarray) -> np.ndarray:
+    """A codebook tensor's q (IQ4_LEVELS values) -> uint8 indices into IQ4_LEVELS; a q that is no level is a
+    CompileError."""
+    index = _LEVEL_INDEX[np.asarray(q, np.int8).view(np.uint8)]
+    if (index < 0).any():
+        raise CompileError("quantized tensor: a codebook weight holds a value that is none of IQ4's levels")
+    return index.view(np.uint8)
 
 
 def _per_element(a: np.ndarray, k: int, group_size: int) -> np.ndarray:
@@ -207,6 +247,8 @@ def quantize(w: np.ndarray, scheme: QuantScheme, importance: np.ndarray | None =
                 "such a weight cannot be quantized with fp16 scales; leave it unquantized",
             )
         return QuantizedTensor(q, scales, mins, scheme, records)
+    if scheme.codebook:
+        return _quantize_codebook(w, scheme)
     g = scheme.group_size
     groups = -(-k // g)
     padded = np.zeros((n, groups * g), np.float32)
@@ -243,6 +285,21 @@ def quantize(w: np.ndarray, scheme: QuantScheme, importance: np.ndarray | None =
         mins = None
     q = np.clip(q, lo, hi).astype(np.int8).reshape(n, groups * g)[:, :k]
     return QuantizedTensor(np.ascontiguousarray(q), scales, mins, scheme)
+
+
+def _quantize_codebook(w: np.ndarray, scheme: QuantScheme) -> QuantizedTensor:
+    """IQ4 groups as llama.cpp's IQ4_NL starts its search: scale = m / -127 (m the group's largest-magnitude
+    value, so it lands on the lowest level), each weight at its nearest level. llmc imports IQ4 files; this
+    makes such tensors for the kernels' tests and the tuner."""
+    n, k = w.shape
+    blocks = w.reshape(n, k // 32, 32)
+    m = np.take_along_axis(blocks, np.abs(blocks).argmax(axis=2)[..., None], axis=2)[..., 0]
+    scales = _stored(m / float(IQ4_LEVELS[0]), scheme.scale_dtype == "float16", up=False)
+    safe = np.where(scales != 0, scales, 1.0).astype(np.float32)
+    levels = IQ4_LEVELS.astype(np.float32)
+    x = blocks / safe[..., None]
+    q = IQ4_LEVELS[np.abs(x[..., None] - levels).argmin(axis=-1)]
+    return QuantizedTensor(np.ascontiguousarray(q.reshape(n, k)), scales, None, scheme)
 
 
 def _quantize_q6k(w: np.ndarray, scheme: QuantScheme, importance: np.ndarray | None) -> QuantizedTensor:
@@ -286,70 +343,8 @@ def _stored(a: np.ndarray, fp16: bool, up: bool) -> np.ndarray:
     return h.astype(np.float32)
 
 
-def widen_exactly(t: QuantizedTensor, scheme: QuantScheme) -> QuantizedTensor:
-    """t in `scheme`, exactly: the same q, each scale (and min) repeated over the smaller groups.
-
-    Only widening is exact: scheme has at least t's bits, a group that divides t's, and mins if t has them
-    (a symmetric t gains zero mins). A symmetric int4 q (-8..7) is a valid int8 q as it stands. K-quant scales
-    widen to fp32 ones (their values are float32 products); into K-quant records, only q widens (the same records).
-    """
-    if scheme == t.scheme:
-        return t
-    k = t.q.shape[1]
-    old = t.scheme
-    if (
-        scheme.bits < old.bits
-        or (old.asymmetric and not scheme.asymmetric)
-        # int4 / int5 q: -8..7 / -16..15 or 0..15 / 0..31
-        or (scheme.bits == old.bits and old.bits in (4, 5) and scheme.asymmetric != old.asymmetric)
-        or (old.group_size % scheme.group_size and -(-k // old.group_size) > 1)
-        or (old.scale_dtype != "float16" and scheme.scale_dtype == "float16")
-        or (scheme.scale_dtype == "kquant" and dataclasses.replace(old, bits=scheme.bits) != scheme)
-    ):
-        raise CompileError(f"a {old.describe()} weight cannot be stored exactly as {scheme.describe()}")
-    if scheme.scale_dtype == "kquant":  # the same records, wider q (Q5_K's int5 as int8)
-        return QuantizedTensor(t.q, t.scales, t.mins, scheme, t.records)
-    groups = -(-k // scheme.group_size)
-
-    def spread(a: np.ndarray) -> np.ndarray:  # per old group -> per new group: group j lies in old group j*g'//g
-        return np.ascontiguousarray(a[:, (np.arange(groups) * scheme.group_size) // old.group_size])
-
-    mins = spread(t.mins) if t.mins is not None else np.zeros((t.q.shape[0], groups), np.float32)
-    return QuantizedTensor(t.q, spread(t.scales), mins if scheme.asymmetric else None, scheme)
-
-
-def common_scheme(schemes: list[QuantScheme], k: int) -> QuantScheme:
-    """One scheme that holds weights of each of `schemes` exactly (`widen_exactly`), for sources fused into one GEMM.
-
-    Equal schemes stay as they are; different ones (GGUF Q4_K_M: attn_v Q6_K beside q/k Q4_K) become int8 with
-    the smallest group, asymmetric if any is. Scales are fp32 if any source's are not fp16.
-    """
-    if len(set(schemes)) == 1:
-        return schemes[0]
-    scale_dtype = "float32" if any(s.scale_dtype != "float16" for s in schemes) else "float16"
-    same_but_scales = {(s.bits, s.group_size, s.asymmetric) for s in schemes}
-    if len(same_but_scales) == 1 and schemes[0].bits != 6:
-        return dataclasses.replace(schemes[0], scale_dtype=scale_dtype)
-    group = min(s.group_size for s in schemes)
-    if any(s.group_size % group and -(-k // s.group_size) > 1 for s in schemes):
-        raise CompileError(
-            f"fused weights quantized as {', '.join(s.describe() for s in schemes)} have no common group size"
-        )
-    return QuantScheme(8, group, asymmetric=any(s.asymmetric for s in schemes), scale_dtype=scale_dtype)
-
-
 Q8_0 = QuantScheme(8, 32)  # llama.cpp's Q8_0: symmetric int8 groups of 32, fp16 scales
 Q6_K = QuantScheme(6, 16, scale_dtype="kquant")  # llama.cpp's Q6_K: int6 groups of 16 under superblock records
-
-
-def held_on_cuda(scheme: QuantScheme) -> QuantScheme:
-    """The scheme a CUDA build holds a weight of `scheme` in, exactly (widen_exactly): the CUDA kernels read int8
-    and int4 layouts only, so int6 (Q6_K) becomes int8 g16 with fp32 scales and int5 int8 with its groups."""
-    if scheme.bits == 6:
-        return QuantScheme(8, 16, scale_dtype="float32")
-    if scheme.bits == 5:
-        return dataclasses.replace(scheme, bits=8)
-    return scheme
 
 
 def more_bits(layer: int, num_layers: int) -> bool:

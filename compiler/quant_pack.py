@@ -10,6 +10,8 @@ For a QuantizedTensor of w[N, K] (K a multiple of 32, see compiler/quant.py):
     byte j = u[32c + j] | (u[32c + j + 16] << 4), j < 16, with u = q + 8 (symmetric) or u = q
     (asymmetric), so u is 0..15. This is llama.cpp's Q4_0 nibble order: one 16-byte load, `& 0xF` and
     `>> 4` give elements 0..15 and 16..31 of the chunk in order.
+  * bits 4, codebook (IQ4_NL, IQ4_XS): int4's layout with u the index of q in quant.IQ4_LEVELS, as the GGUF blocks
+    hold it.
 - scales: [N, G], mins: [N, G] (asymmetric) or None, in the scheme's scale_dtype (float16 or float32,
   both exact); G = ceil(K / group_size), the last group may be short. Copied as they are (C-contiguous).
   * bits 6 (Q6_K): K * 3/4 bytes per row; chunk c (32 elements) is 24 bytes: int4's 16 bytes of low nibbles of
@@ -46,7 +48,7 @@ import numpy as np
 
 from llmc.errors import CompileError
 
-from .quant import QuantizedTensor, q_range
+from .quant import IQ4_LEVELS, QuantizedTensor, codebook_indices, q_range
 
 
 def _stored_scales(t: QuantizedTensor) -> tuple[np.ndarray, np.ndarray | None]:
@@ -65,7 +67,7 @@ def pack_cpu(t: QuantizedTensor) -> tuple[np.ndarray, np.ndarray, np.ndarray | N
         raise CompileError(f"a quantized weight needs K a multiple of 32, got K={k}")
     scales, mins = _stored_scales(t)
     lo, _ = t.scheme.qrange  # stored as u = 0
-    u = (t.q.astype(np.int16) - lo).astype(np.uint8)
+    u = codebook_indices(t.q) if t.scheme.codebook else (t.q.astype(np.int16) - lo).astype(np.uint8)
     if t.scheme.bits == 8:
         return np.ascontiguousarray(u), scales, mins
     if t.scheme.bits in (5, 6):
@@ -83,7 +85,9 @@ def pack_cpu(t: QuantizedTensor) -> tuple[np.ndarray, np.ndarray, np.ndarray | N
     return np.ascontiguousarray(packed.reshape(n, k // 2)), scales, mins
 
 
-def unpack_cpu(qweight: np.ndarray, t_shape: tuple[int, int], bits: int, asymmetric: bool) -> np.ndarray:
+def unpack_cpu(
+    qweight: np.ndarray, t_shape: tuple[int, int], bits: int, asymmetric: bool, codebook: bool = False
+) -> np.ndarray:
     """The inverse of pack_cpu's qweight: int8 q [N, K] (for tests and inspection)."""
     n, k = t_shape
     b = np.asarray(qweight, np.uint8)
@@ -100,6 +104,8 @@ def unpack_cpu(qweight: np.ndarray, t_shape: tuple[int, int], bits: int, asymmet
     else:
         b = b.reshape(n, k // 32, 16)
         u = np.stack([b & 0xF, b >> 4], axis=2).reshape(n, k)
+        if codebook:
+            return IQ4_LEVELS[u]
     return (u.astype(np.int16) + q_range(bits, asymmetric)[0]).astype(np.int8)
 
 
@@ -130,6 +136,8 @@ def pack_cuda(t: QuantizedTensor) -> tuple[np.ndarray, np.ndarray, np.ndarray | 
     n, k = t.shape
     if k % 32:
         raise CompileError(f"a quantized weight needs K a multiple of 32, got K={k}")
+    if t.scheme.codebook:
+        raise CompileError(f"the CUDA kernels hold {t.scheme.describe()} weights in int8 (quant_widen.held_on_cuda)")
     scales, mins = _stored_scales(t)
     bits = t.scheme.bits
     lo, _ = t.scheme.qrange

@@ -48,7 +48,8 @@ from llmc.digests import remember_sha256
 from llmc.dtypes import DTYPES, ELEMENT_DTYPES
 from llmc.errors import CompileError
 
-from .quant import QuantScheme, quantize, widen_exactly
+from .quant import QuantScheme, quantize
+from .quant_widen import widen_exactly
 
 ALIGN = 64
 _CHUNK_BYTES = 64 << 20  # conversion buffer for one slab of rows

@@ -25,6 +25,7 @@ COMPILER_STAGES = (
         "llmc.compiler.quant",
         "llmc.compiler.quant_pack",
         "llmc.compiler.quant_search",
+        "llmc.compiler.quant_widen",
         "llmc.compiler.weights",
     ),
     ("llmc.compiler.frontend", "llmc.compiler.importance"),  # importance runs the frontend's model

@@ -19,6 +19,7 @@ from __future__ import annotations
 import codecs
 import dataclasses
 import math
+import os
 import re
 from collections.abc import Sequence
 from pathlib import Path
@@ -174,8 +175,8 @@ def _text_prefix(path: Path, max_bytes: int) -> str:
     Only the prefix is read: a gigabyte of text costs what a page does."""
     hint = "pass a UTF-8 text file to --calibration"
     try:
-        with open(path, "rb") as f:
-            data = f.read(max_bytes + 1)
+        with open(path, "rb") as f:  # a read allocates what it asks for: no more than the file holds
+            data = f.read(min(max_bytes, os.fstat(f.fileno()).st_size or max_bytes) + 1)
     except OSError as e:
         raise CompileError(f"calibration text {path}: cannot be read ({e.strerror})", hint) from None
     whole, data = len(data) <= max_bytes, data[:max_bytes]

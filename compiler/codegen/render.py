@@ -91,6 +91,11 @@ def scale_ctype(scale_bits: int, asymmetric: bool) -> str:
     return {16: "uint16_t", 32: "float"}[scale_bits]
 
 
+def weight_bits(bits: int, codebook: bool = False) -> str:
+    """The BITS a quantized kernel's template takes: the width, or llmc::kIq4 for the IQ4 codebook."""
+    return "llmc::kIq4" if codebook else _cint(bits)
+
+
 @functools.cache
 def _environment() -> jinja2.Environment:
     env = jinja2.Environment(
@@ -101,6 +106,7 @@ def _environment() -> jinja2.Environment:
     )
     env.filters.update(f32=_f32, ctype=_ctype, cbool=_cbool, cint=_cint)
     env.globals["scale_ctype"] = scale_ctype
+    env.globals["weight_bits"] = weight_bits
     return env
 
 
@@ -177,6 +183,12 @@ def _check_quant(target: str, params: Mapping[str, Any], k: Any) -> None:
         )
     if (bits == 6) != (params["scale_bits"] == 8 and not params["asymmetric"]):
         raise ValueError("int6 weights are Q6_K's: symmetric, under K-quant records (scale_bits 8), and only they are")
+    if params.get("codebook") and (
+        target == "cuda" or (bits, g, bool(params["asymmetric"])) != (4, 32, False) or params["scale_bits"] == 8
+    ):
+        raise ValueError(
+            "codebook (IQ4) weights are 4-bit, symmetric groups of 32 with fp16 or fp32 scales, on the CPU"
+        )
 
 
 def template_path(target: str, op: str) -> str:
@@ -228,7 +240,8 @@ OPTIONAL_PARAMS = {
     # Qwen3's per-head q / k norm before the rotation; OLMo 2's whole one; Phi-3's LongRoPE
     "rope": {"norm_eps", "norm_over_heads", "long_inv_freq", "attention_factor"},
     "embedding": {"scale"},  # Granite's and Gemma's scaled embedding
-    "qembedding": {"scale"},
+    "qembedding": {"scale", "codebook"},  # codebook: IQ4's 4-bit indices (qgemm's and moe_qgemm's too)
+    "moe_qgemm": {"codebook"},
     # Granite's scaled branch; Gemma's normed branch; OLMo 2's normed branch added with no norm of the sum
     "rmsnorm": {"residual_scale", "residual_norm", "output_norm"},
     "silu_mul": {"activation"},  # "gelu_tanh": Gemma's GeGLU
@@ -237,7 +250,7 @@ OPTIONAL_PARAMS = {
     "gemm": {"softcap"},  # Gemma 2's soft-capped final logits, the lm_head's epilogue
     # act_passes 2 (CPU): the lm_head's int8 activations in two passes; ldy (CPU): y's row stride, where the GEMM
     # writes a column range of a fused q / k / v whose parts have different schemes
-    "qgemm": {"softcap", "act_passes", "ldy"},
+    "qgemm": {"softcap", "act_passes", "ldy", "codebook"},
 }
 
 
@@ -301,6 +314,7 @@ _ID_PREFIX = {
     "group_size": "g",
     "asymmetric": "asym",
     "scale_bits": "s",
+    "codebook": "cb",
     "prefetch_bytes": "pf",
     "task_bytes": "task",
     "gemv_warps": "gw",
@@ -327,8 +341,8 @@ _ID_ORDER = {
     ],
     "silu_mul": ["inter", "adtype"],
     "gather_rows": ["cols", "adtype"],
-    "qgemm": ["n", "k", "bits", "group_size", "asymmetric", "scale_bits", "has_bias", "adtype"],
-    "qembedding": ["hidden", "bits", "group_size", "asymmetric", "scale_bits", "adtype"],
+    "qgemm": ["n", "k", "bits", "group_size", "asymmetric", "scale_bits", "codebook", "has_bias", "adtype"],
+    "qembedding": ["hidden", "bits", "group_size", "asymmetric", "scale_bits", "codebook", "adtype"],
 }
 _LIST_INLINE_MAX = 4  # longer lists are spelled as length + content hash
 

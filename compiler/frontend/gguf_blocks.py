@@ -8,7 +8,7 @@ import numpy as np
 
 from .. import kquant
 from ..kquant import fp16_values
-from ..quant import QuantizedTensor, QuantScheme
+from ..quant import IQ4_LEVELS, QuantizedTensor, QuantScheme
 
 GGMLType = gguf.GGMLQuantizationType
 FLOAT_TYPES = (GGMLType.F32, GGMLType.F16, GGMLType.BF16)  # read as they are (GGML spells them as safetensors)
@@ -27,8 +27,9 @@ def _rows(a: np.ndarray) -> np.ndarray:
 # What each imported type is in compiler/quant.py's terms: exactly its blocks' values. The legacy types' scales
 # (and mins) are the blocks' fp16 d (and m). Q4_K's, Q5_K's and Q6_K's are their own superblock records (kquant,
 # compiler/kquant.py); the other K-quants' and IQ4_XS's are fp16 d x a 4- or 6-bit sub-scale, held in fp32.
-# The legacy types, Q4_K, Q5_K and Q6_K keep the file's bytes per weight (a CUDA build holds the 5- and 6-bit ones
-# in int8: compile.quant_schemes); Q2_K, Q3_K and the IQ4 codebook (values -127..113) are held widened, in int8.
+# The legacy types, Q4_K, Q5_K, Q6_K and IQ4_NL keep the file's bytes per weight, IQ4_XS its 4-bit indices (a CUDA
+# build holds the 5- and 6-bit ones and the codebook in int8: compile.quant_schemes); Q2_K and Q3_K are held
+# widened, in int8.
 SCHEMES = {
     GGMLType.Q8_0: QuantScheme(8, 32),
     GGMLType.Q4_0: QuantScheme(4, 32),
@@ -40,11 +41,9 @@ SCHEMES = {
     GGMLType.Q4_K: QuantScheme(4, 32, asymmetric=True, scale_dtype="kquant"),
     GGMLType.Q5_K: QuantScheme(5, 32, asymmetric=True, scale_dtype="kquant"),
     GGMLType.Q6_K: QuantScheme(6, 16, scale_dtype="kquant"),
-    GGMLType.IQ4_NL: QuantScheme(8, 32),
-    GGMLType.IQ4_XS: QuantScheme(8, 32, scale_dtype="float32"),
+    GGMLType.IQ4_NL: QuantScheme(4, 32, codebook=True),
+    GGMLType.IQ4_XS: QuantScheme(4, 32, scale_dtype="float32", codebook=True),
 }
-# IQ4_NL / IQ4_XS's 16 levels (llama.cpp's kvalues_iq4nl)
-_IQ4_LEVELS = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8)
 
 
 def _nibbles(qs: np.ndarray) -> np.ndarray:
@@ -90,7 +89,7 @@ def _q5_1(b: np.ndarray) -> QuantizedTensor:  # d: f16 | m: f16 | qh: uint8[4] |
 
 
 def _iq4_nl(b: np.ndarray) -> QuantizedTensor:  # d: f16 | qs: uint8[16], indices into _IQ4_LEVELS
-    return _legacy(GGMLType.IQ4_NL, fp16_values(b[..., :2]), _IQ4_LEVELS[_nibbles(b[..., 2:18])])
+    return _legacy(GGMLType.IQ4_NL, fp16_values(b[..., :2]), IQ4_LEVELS[_nibbles(b[..., 2:18])])
 
 
 def _q2_k(b: np.ndarray) -> QuantizedTensor:
@@ -156,7 +155,7 @@ def _iq4_xs(b: np.ndarray) -> QuantizedTensor:
     sh = np.ascontiguousarray(b[..., 2:4]).view("<u2")
     high = ((sh >> np.arange(0, 16, 2, dtype=np.uint16)) & 3).astype(np.uint8)
     sc = (low | (high << 4)).astype(np.int8) - 32
-    q = _IQ4_LEVELS[_nibbles(b[..., 8:136].reshape(*b.shape[:2], 8, 16))]
+    q = IQ4_LEVELS[_nibbles(b[..., 8:136].reshape(*b.shape[:2], 8, 16))]
     scales = _rows(fp16_values(b[..., 0:2])[..., None] * sc.astype(np.float32))
     return QuantizedTensor(_rows(q), scales, None, SCHEMES[GGMLType.IQ4_XS])
 

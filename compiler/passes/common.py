@@ -33,7 +33,8 @@ def weight_params(func: relax.Function) -> list[relax.Var]:
     return [p for p in func.params if p.name not in ABI_PARAMS and not p.name.startswith("kv_cache_")]
 
 
-QUANT_ATTRS = ("bits", "group_size", "asymmetric", "scale_bits")  # a quantized weight's scheme (compiler/quant.py)
+# a quantized weight's scheme (compiler/quant.py)
+QUANT_ATTRS = ("bits", "group_size", "asymmetric", "scale_bits", "codebook")
 OPS = {
     "rms_norm": ("x", "weight", "eps"),
     # -> (h, rms_norm(h)), h = x + residual_scale * r, where r is rms_norm(residual) by residual_weight (Gemma's
@@ -127,6 +128,13 @@ NO_WEIGHT = relax.const(np.zeros(0, dtype="float32"))  # an optional weight argu
 def prim(value: int | float) -> relax.Expr:
     dtype = "int64" if isinstance(value, int) else "float64"  # a Python float is a double: keep every bit
     return relax.prim_value(tvm.tirx.const(value, dtype))
+
+
+def scheme_attrs(scheme) -> list[relax.Expr]:
+    """A compiler/quant.py QuantScheme as the values of QUANT_ATTRS (QuantScheme.of_kernel reads them back)."""
+    return [
+        prim(int(v)) for v in (scheme.bits, scheme.group_size, scheme.asymmetric, scheme.scale_bits, scheme.codebook)
+    ]
 
 
 def prim_value(expr: relax.Expr) -> int | float:

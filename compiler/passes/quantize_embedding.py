@@ -3,7 +3,7 @@
 `quantize_embedding(schemes, weight_names)` makes the pass, with quantize_linear's arguments. The gather
 `take(W, input_ids, axis=0)` (of the ids or their int32 cast) of a weight parameter W with a scheme becomes
 
-    llmc.quantized_take(W, input_ids, bits, group_size, asymmetric, scale_bits)
+    llmc.quantized_take(W, input_ids, bits, group_size, asymmetric, scale_bits, codebook)
 
 with W as it was (the float [vocab, hidden] table; lowering packs it quantized). A tied head's GEMM reads the
 same parameter, so with quantize_linear both read one packed table: a tied model stores it once, at the
@@ -18,7 +18,7 @@ import tvm
 from tvm import relax
 
 from ..quant import QuantScheme
-from .common import bindings, calls, llmc_call, main_function, prim, rewrite, weight_params
+from .common import bindings, calls, llmc_call, main_function, rewrite, scheme_attrs, weight_params
 
 
 def quantize_embedding(
@@ -39,8 +39,7 @@ def quantize_embedding(
             scheme = schemes.get(names.get(table))
             if scheme is None or not any(source.same_as(p) for p in input_ids):
                 continue
-            attrs = [prim(scheme.bits), prim(scheme.group_size), prim(int(scheme.asymmetric)), prim(scheme.scale_bits)]
-            edits[b.var] = llmc_call("quantized_take", [table, ids, *attrs], b.var.ty)
+            edits[b.var] = llmc_call("quantized_take", [table, ids, *scheme_attrs(scheme)], b.var.ty)
         return rewrite(mod, edits, pass_name="quantize_embedding", count=len(edits))
 
     return quantize_embedding

@@ -6,7 +6,7 @@ main's weight parameters in order (Traced.weight_names), which is how a paramete
 checkpoint tensor. A matched GEMM is `matmul(x, permute_dims(W))` with W a weight parameter or, after
 merge_qkv / fuse_swiglu, a concat of weight parameters: it is rewritten to
 
-    llmc.quantized_matmul(x, W, bits, group_size, asymmetric, scale_bits)
+    llmc.quantized_matmul(x, W, bits, group_size, asymmetric, scale_bits, codebook)
 
 with W as it was (the float [N, K] weight; lowering packs it quantized) and a bias add left where it is (it
 joins the quantized GEMM in lowering, as it joins the float one). A fused weight whose sources share a scheme
@@ -14,7 +14,7 @@ stays fused. Where they differ (GGUF Q4_K_M: attn_v Q6_K beside q and k Q4_K):
   - `split_mixed` (the CPU): each run of sources with one scheme becomes its own quantized GEMM, at its own
     size, and their results are concatenated along the columns (each bias add goes with its run's GEMM).
     Lowering has each GEMM write its columns of one buffer (qgemm's ldy), so nothing is copied;
-  - else: one scheme that holds each exactly (quant.common_scheme), wider than the file.
+  - else: one scheme that holds each exactly (quant_widen.common_scheme), wider than the file.
 A GEMM with any source lacking a scheme stays float, and so does every matmul whose weight is computed
 (attention's). A mixture-of-experts MLP (`llmc.moe`) takes its experts' schemes as its attrs, gate_up's and
 down's, the same way (the router stays float).
@@ -29,7 +29,8 @@ from collections.abc import Callable, Mapping
 import tvm
 from tvm import relax
 
-from ..quant import QuantScheme, common_scheme
+from ..quant import QuantScheme
+from ..quant_widen import common_scheme
 from .common import (
     QUANT_ATTRS,
     bindings,
@@ -41,6 +42,7 @@ from .common import (
     prim,
     prim_value,
     rewrite,
+    scheme_attrs,
     users,
     weight_params,
 )
@@ -64,8 +66,7 @@ def _attrs(found: list[QuantScheme], weight: relax.Expr) -> list[relax.Expr]:
 
 
 def _scheme_attrs(found: list[QuantScheme], k: int) -> list[relax.Expr]:
-    scheme = common_scheme(found, k)
-    return [prim(scheme.bits), prim(scheme.group_size), prim(int(scheme.asymmetric)), prim(scheme.scale_bits)]
+    return scheme_attrs(common_scheme(found, k))
 
 
 def _runs(found: list[QuantScheme]) -> list[tuple[int, int]]:

@@ -42,6 +42,7 @@ _NOT_SHAPE = {
     "group_size",
     "asymmetric",
     "scale_bits",
+    "codebook",
     "act_passes",
     "ldy",
 }
@@ -53,6 +54,7 @@ def entry_key(template: str, params: Mapping[str, Any], tunables: set[str]) -> d
     if "bits" in params:
         quant = f"int{params['bits']}_g{params['group_size']}" + ("_asym" if params.get("asymmetric") else "")
         quant += {32: "_fp32scales", 8: "_kscales"}.get(params.get("scale_bits"), "")
+        quant += "_iq4" if params.get("codebook") else ""
     shape = {k: v for k, v in sorted(params.items()) if k not in _NOT_SHAPE and k not in tunables}
     dtype = params.get("wdtype") or params.get("kv_dtype") or "f32"
     return {"template": template, "shape": shape, "dtype": dtype, "quant": quant}

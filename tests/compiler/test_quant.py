@@ -7,16 +7,16 @@ import pytest
 
 from llmc.compiler import kquant
 from llmc.compiler.quant import (
+    IQ4_LEVELS,
     Q6_K,
     QuantConfig,
     QuantizedTensor,
     QuantScheme,
-    common_scheme,
     dequantize,
     more_bits,
     quantize,
-    widen_exactly,
 )
+from llmc.compiler.quant_widen import common_scheme, held_on_cuda, widen_exactly
 from llmc.errors import CompileError
 
 SYMMETRIC = [QuantScheme(8, 37), QuantScheme(8, 32), QuantScheme(4, 32), QuantScheme(4, 32, scale_dtype="float32")]
@@ -360,3 +360,24 @@ def test_kquant_records_hold_the_scales_and_beat_round_to_nearest():
     assert np.sum((dequantize(t) - w) ** 2) < 0.9 * np.sum((dequantize(rtn) - w) ** 2)
     with pytest.raises(CompileError, match="do not hold its scales"):
         QuantizedTensor(t.q, t.scales * 2, t.mins, t.scheme, t.records)
+
+
+def test_a_codebook_scheme_holds_iq4_levels():
+    """IQ4_NL / IQ4_XS: q holds the levels themselves; an int8 scheme holds them exactly (the CUDA build's), int4
+    does not, and a value that is no level is refused."""
+    scheme = QuantScheme(4, 32, codebook=True)
+    assert scheme.describe() == "iq4 g32" and scheme.kernel_params()["codebook"] is True
+    assert QuantScheme.of_kernel(scheme.kernel_params()) == scheme
+    assert "codebook" not in QuantScheme(4, 32).kernel_params()
+    t = quantize(np.random.default_rng(0).standard_normal((6, 96), dtype=np.float32), scheme)
+    assert set(np.unique(t.q)) <= set(IQ4_LEVELS.tolist())
+    wide = widen_exactly(t, held_on_cuda(scheme))
+    assert wide.scheme == QuantScheme(8, 32) and np.array_equal(dequantize(wide), dequantize(t))
+    with pytest.raises(CompileError, match="cannot be stored exactly"):
+        widen_exactly(t, QuantScheme(4, 32))
+    with pytest.raises(CompileError, match="codebook weights are IQ4's"):
+        QuantScheme(4, 32, asymmetric=True, codebook=True)
+    q = t.q.copy()
+    q[0, 0] = 2
+    with pytest.raises(CompileError, match="none of IQ4's levels"):
+        QuantizedTensor(q, t.scales, None, scheme)

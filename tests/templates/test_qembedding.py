@@ -36,7 +36,12 @@ def _params(hidden, bits, g, asym, scale_bits, **extra):
     return dict(hidden=hidden, bits=bits, group_size=g, asymmetric=asym, scale_bits=scale_bits, **extra)
 
 
-F32_SPECS = [("qembedding", _params(*s)) for s in SCHEMES]
+# IQ4_NL and IQ4_XS (the CPU's): int4's nibbles, each a level's index
+IQ4_SPECS = [
+    ("qembedding", _params(hidden, 4, 32, False, scale_bits, codebook=True))
+    for hidden, scale_bits in ((160, 16), (96, 32))
+]
+F32_SPECS = [("qembedding", _params(*s)) for s in SCHEMES] + IQ4_SPECS
 BF16_SPECS = [("qembedding", _params(*SCHEMES[i], adtype="bf16")) for i in (1, 2)]
 SCALED_SPECS = [("qembedding", _params(*SCHEMES[i], scale=8.0)) for i in (0, 2)]
 SPECS = F32_SPECS + BF16_SPECS + SCALED_SPECS
@@ -57,7 +62,11 @@ def _inputs(target, params, T, seed):
 
 
 F32_CASES = [
-    pytest.param(*spec, id=spec_id(spec), marks=[pytest.mark.targets("cpu")] if spec[1]["bits"] in (5, 6) else [])
+    pytest.param(
+        *spec,
+        id=spec_id(spec),
+        marks=[pytest.mark.targets("cpu")] if spec[1]["bits"] in (5, 6) or "codebook" in spec[1] else [],
+    )
     for spec in F32_SPECS
 ]
 

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from llmc.compiler.codegen.render import render_kernel
-from llmc.compiler.quant import QuantScheme, dequantize, quantize
+from llmc.compiler.quant import IQ4_LEVELS, QuantScheme, dequantize, quantize
 from llmc.compiler.quant_pack import pack_cpu, unpack_cpu
 from llmc.errors import CompileError
 from tests.templates.kernel_harness import spec_id
@@ -47,7 +47,7 @@ SCHEMES = [
     (37, 96, 4, 64, True, 16),
     (53, 576, 4, 128, True, 16),
     (37, 160, 4, 128, True, 32),
-    (37, 160, 8, 16, True, 32),  # GGUF Q4_K beside Q6_K in one fused GEMM (quant.common_scheme)
+    (37, 160, 8, 16, True, 32),  # GGUF Q4_K beside Q6_K in one fused GEMM (quant_widen.common_scheme)
     (53, 96, 8, 32, True, 16),
     (37, 576, 8, 576, True, 16),
     (53, 96, 8, 32, True, 32),  # GGUF Q5_K
@@ -70,8 +70,15 @@ def _params(n, k, bits, g, asym, scale_bits, bias):
 SOFTCAP_SPECS = [
     ("qgemm", dict(_params(*SCHEMES[i], i == 20), softcap=cap)) for i, cap in ((1, 30.0), (6, 0.5), (20, 2.0))
 ]
-SPECS = [("qgemm", _params(*s, bias)) for s in SCHEMES for bias in (False, True)] + SOFTCAP_SPECS
-CASES = [pytest.param(*spec, id=spec_id(spec)) for spec in SPECS if "softcap" not in spec[1]]
+# GGUF IQ4_NL (fp16 scales) and IQ4_XS (fp32: d x its 6-bit sub-scales): int4's nibbles, each a level's index
+IQ4_SPECS = [
+    ("qgemm", {**_params(n, k, 4, 32, False, scale_bits, bias), "codebook": True})
+    for n, k, scale_bits in ((53, 160, 16), (37, 576, 32), (19, 256, 16))
+    for bias in (False, True)
+]
+SPECS = [("qgemm", _params(*s, bias)) for s in SCHEMES for bias in (False, True)] + SOFTCAP_SPECS + IQ4_SPECS
+CASES = [pytest.param(*spec, id=spec_id(spec)) for spec in SPECS if not {"softcap", "codebook"} & set(spec[1])]
+IQ4_CASES = [pytest.param(*spec, id=spec_id(spec)) for spec in IQ4_SPECS]
 # the decode GEMV with 4 outputs in flight (qgemm.tune.toml gemv_cols; the default is 2): int8, int4 with an odd
 # tail, asymmetric int4. A CPU tunable, so not in SPECS, which every target's harness builds.
 COLS4 = [_params(*SCHEMES[i], True) for i in (1, 6, 13)]
@@ -92,7 +99,7 @@ def qgemm_inputs(params, T, seed):
 
 
 @pytest.mark.parametrize("T", [1, 2, 3, 4, 5, 17, 64, 129])
-@pytest.mark.parametrize("op,params", CASES)
+@pytest.mark.parametrize("op,params", CASES + IQ4_CASES)
 def test_qgemm_matches_dequantized_matmul(kernels, op, params, T):
     x, t, (qweight, scales, mins), bias = qgemm_inputs(params, T, seed=T)
     y = np.full((T, params["n"]), np.nan, dtype=np.float32)
@@ -113,7 +120,7 @@ def test_softcapped_qgemm_is_the_qgemm_soft_capped(kernels, op, params, T):
     assert_softcapped(capped, y, params["softcap"])
 
 
-@pytest.mark.parametrize("op,params", CASES[1::2])
+@pytest.mark.parametrize("op,params", CASES[1::2] + IQ4_CASES[::2])
 def test_qgemm_row_independent_of_batch(kernels, op, params):
     """Each row of any batch is bit-identical to the same row computed alone (T = 1)."""
     fn = kernels(op, params)
@@ -128,7 +135,7 @@ def test_qgemm_row_independent_of_batch(kernels, op, params):
 
 
 @pytest.mark.parametrize("T", [1, 4, 17, 129])
-@pytest.mark.parametrize("op,params", [CASES[5], CASES[-11], CASES[-9], CASES[-5], CASES[-1]])
+@pytest.mark.parametrize("op,params", [CASES[5], CASES[-11], CASES[-9], CASES[-5], CASES[-1], IQ4_CASES[2]])
 def test_qgemm_independent_of_schedule(kernels, schedules, op, params, T):
     """Thread counts 1, 2 and 3 give bit-identical results."""
     fn = kernels(op, params)
@@ -143,16 +150,25 @@ def test_qgemm_independent_of_schedule(kernels, schedules, op, params, T):
 
 
 @pytest.mark.parametrize(
-    "bits,g,asym", [(8, 16, False), (8, 96, False), (4, 32, False), (4, 64, True), (6, 16, False), (5, 32, False)]
+    "bits,g,asym,codebook",
+    [
+        (8, 16, False, False),
+        (8, 96, False, False),
+        (4, 32, False, False),
+        (4, 64, True, False),
+        (6, 16, False, False),
+        (5, 32, False, False),
+        (4, 32, False, True),
+    ],
 )
-def test_pack_cpu_layout(bits, g, asym):
+def test_pack_cpu_layout(bits, g, asym, codebook):
     """pack_cpu writes the contract's layout: int8 as u = q + 128; int4's chunk c byte j = u[32c + j] |
     u[32c + j + 16] << 4; int6's 24-byte chunk: those nibbles of u = q + 32, then byte 16 + j holding element
     32c + j + 8i's top 2 bits at bits 2i; int5's 20-byte chunk: the nibbles of u = q + 16, then the fifth bits as
-    a little-endian uint32."""
+    a little-endian uint32; IQ4: int4's nibbles of u, the index of q among IQ4_LEVELS."""
     rng = np.random.default_rng(0)
     k = 256 if bits == 6 else 96
-    scheme = QuantScheme(bits, g, asym, "kquant" if bits == 6 else "float16")
+    scheme = QuantScheme(bits, g, asym, "kquant" if bits == 6 else "float16", codebook)
     t = quantize(rng.standard_normal((5, k), dtype=np.float32), scheme)
     qweight, scales, mins = pack_cpu(t)
     if bits == 6:
@@ -160,11 +176,16 @@ def test_pack_cpu_layout(bits, g, asym):
     else:
         assert qweight.dtype == np.uint8 and scales.dtype == np.float16 and np.array_equal(scales, t.scales)
     assert (mins is None) == (not asym)
-    assert np.array_equal(unpack_cpu(qweight, t.shape, bits, asym), t.q)
+    assert np.array_equal(unpack_cpu(qweight, t.shape, bits, asym, codebook), t.q)
     if bits == 8:
         assert np.array_equal(qweight.astype(np.int64), t.q.astype(np.int64) + 128)
         return
-    u = t.q.astype(np.int64) + {4: 0 if asym else 8, 6: 32, 5: 16}[bits]
+    if codebook:
+        assert len(np.unique(t.q)) > 8  # the levels in use, not a few
+        u = np.searchsorted(IQ4_LEVELS, t.q).astype(np.int64)
+        assert np.array_equal(IQ4_LEVELS[u], t.q)
+    else:
+        u = t.q.astype(np.int64) + {4: 0 if asym else 8, 6: 32, 5: 16}[bits]
     chunk = {6: 24, 5: 20, 4: 16}[bits]
     for n, c, j in [(0, 0, 0), (4, 2, 15), (2, 1, 7)]:
         assert qweight[n, chunk * c + j] == (u[n, 32 * c + j] & 15) | ((u[n, 32 * c + j + 16] & 15) << 4)
@@ -190,6 +211,8 @@ def test_pack_cpu_layout(bits, g, asym):
         (dict(bits=6, group_size=16, scale_bits=8, k=256, asymmetric=True), "K-quant scales"),
         (dict(scale_bits=12), "scale_bits must be 16"),
         (dict(scale_bits=8), "K-quant scales"),  # int8 g32 symmetric, K = 96
+        (dict(codebook=True), "codebook"),  # 8 bits
+        (dict(bits=4, asymmetric=True, codebook=True), "codebook"),
     ],
 )
 def test_qgemm_render_refuses_other_schemes(change, message):

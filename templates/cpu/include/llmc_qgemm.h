@@ -1,4 +1,4 @@
-// llmc CPU target: the quantized GEMM / GEMV of a linear layer with int8, int6 (Q6_K), int5 or int4 weights.
+// llmc CPU target: the quantized GEMM / GEMV of a linear layer with int8, int6 (Q6_K), int5, int4 or IQ4 weights.
 #pragma once
 
 #include <type_traits>
@@ -16,7 +16,8 @@ namespace llmc {
 //   u = q + 8 (symmetric) or q (ASYM, with mins);  BITS 6: 3K/4 bytes, per chunk int4's 16 bytes of the low
 //   nibbles of u = q + 32, then 8 bytes of the top 2 bits (byte j: element j + 8i's at bits 2i);  BITS 5: 5K/8
 //   bytes, per chunk int4's 16 bytes of the low nibbles of u = q + 16 (symmetric) or q (ASYM), then the fifth
-//   bits as a little-endian uint32 (bit j: element j);  scales / mins
+//   bits as a little-endian uint32 (bit j: element j);  BITS kIq4 (IQ4_NL / IQ4_XS's codebook): int4's K/2 bytes,
+//   u the index of q's level (kIq4LevelsU);  scales / mins
 //   SC [N, ceil(K / GS)], SC float, or uint16_t holding fp16 bits (converted exactly to float in registers as a
 //   tile goes; fp16 cuts int4 g32's bytes by 10%), or KScales: the K-quants' superblock records [N, K / 256],
 //   which hold the mins (mins null; see KScales), or KScales6: Q6_K's records [N, K / 256] (int6, GS 16).
@@ -26,9 +27,9 @@ namespace llmc {
 // -128). The manifest records this as "activations": "int8 per 32". The dot products are then exact
 // integer sums, turned into float once per block.
 //
-// Numerics. A row is walked in steps: int8, int6 and int5, one block of 32; int4, a pair of blocks (2i, 2i + 1), whose 16
+// Numerics. A row is walked in steps: int8, int6, int5 and IQ4, one block of 32; int4, a pair of blocks (2i, 2i + 1), whose 16
 // packed bytes each load as one 32-byte vector (the second block absent at an odd tail). Each step gives
-// 8 int32 lanes P[l], exact: int8 / int6 / int5, lane l sums elements 4l..4l+3 of the block; int4, lanes 0-3 hold block
+// 8 int32 lanes P[l], exact: int8 / int6 / int5 / IQ4, lane l sums elements 4l..4l+3 of the block; int4, lanes 0-3 hold block
 // 2i and lanes 4-7 block 2i + 1, lane l sums elements {4l', 16 + 4l'} + 0..3 (l' = l % 4). DX[l] is the
 // lane's activation scale, S[l] its weight scale. When a step spans two weight groups (int8 g16, int4 g32):
 // acc[l] += float(P[l]) * (DX[l] * S[l]) per step. Otherwise, per group g in order: gacc[l] = sum over the
@@ -47,6 +48,11 @@ namespace llmc {
 // ahead; larger T (prefill) runs register tiles of kQgemmRows rows x kQgemmCols outputs (on AVX-512 VNNI with
 // symmetric weights, kQgemmPairRows row pairs x kQgemmPairCols) over blocks of kQgemmTChunk rows x
 // ~kQgemmBlockBytes of weights (kept in L2).
+
+// BITS of the codebook types IQ4_NL and IQ4_XS: not a width but a kind (4 bits an element, an index into
+// kIq4LevelsU); their steps are int8's, one block of 32 decoded by a byte shuffle (qsimd::decode_iq4).
+constexpr int kIq4 = 104;
+constexpr int stored_bits(int bits) { return bits == kIq4 ? 4 : bits; }
 
 constexpr int kQgemmRows = 4;
 constexpr int kQgemmCols = 2;  // 4 x 2 float accumulators + 2 weight vectors + temporaries in 16 ymm registers
@@ -76,6 +82,8 @@ struct QStep<6> : QStep<8> {};  // int6 and int5 steps are int8's: one block of 
 template <>
 struct QStep<5> : QStep<8> {};
 template <>
+struct QStep<kIq4> : QStep<8> {};
+template <>
 struct QStep<4> {
   int8_t x[64];  // xlo = [block 2i elements 0..15, block 2i + 1 elements 0..15], xhi = the elements 16..31
   float dx[8];
@@ -85,14 +93,14 @@ struct QStep<4> {
 template <int K, int BITS, int GS>
 struct QShape {
   static_assert(K % 32 == 0, "qgemm: K must be a multiple of 32");
-  static_assert(BITS == 8 || BITS == 6 || BITS == 5 || BITS == 4, "qgemm: 8, 6, 5 or 4 bits");
+  static_assert(BITS == 8 || BITS == 6 || BITS == 5 || BITS == 4 || BITS == kIq4, "qgemm: 8, 6, 5, 4 bits or IQ4");
   static_assert(GS == 16 || GS % 32 == 0, "qgemm: group size 16 or a multiple of 32");
   static constexpr int NB = K / 32;                     // blocks of 32 per row
   static constexpr int NS = BITS == 4 ? (NB + 1) / 2 : NB;  // steps per row
   static constexpr int G = (K + GS - 1) / GS;               // groups per row
-  static constexpr long RB = (long)K * BITS / 8;            // packed bytes per row
+  static constexpr long RB = (long)K * stored_bits(BITS) / 8;  // packed bytes per row
   static constexpr int SE = BITS == 4 ? 64 : 32;            // row elements per step
-  static constexpr int SB = BITS == 4 ? 32 : 4 * BITS;      // packed bytes per step
+  static constexpr int SB = BITS == 4 ? 32 : 4 * stored_bits(BITS);  // packed bytes per step
   // The two weight-scale groups of a step's lanes 0-3 and 4-7 differ for int8 / int6 g16 and int4 g32.
   static constexpr bool SPLIT = GS < SE;
   static LLMC_INLINE int group_lo(int s) { return s * SE / GS; }
@@ -180,7 +188,7 @@ LLMC_INLINE void qdot_tile(const QStep<BITS>* LLMC_RESTRICT steps, const float* 
   // Q6_K records: decoded in registers a record (16 groups, 8 steps) at a time
   constexpr bool KQ6 = std::is_same_v<SC, KScales6>;
   static_assert(!KQ6 || (GS == 16 && !ASYM && S::G % 16 == 0), "qgemm: Q6_K records need K % 256 == 0");
-  static_assert(BITS != 6 || !ASYM, "qgemm: int6 weights are symmetric");
+  static_assert((BITS != 6 && BITS != kIq4) || !ASYM, "qgemm: int6 and IQ4 weights are symmetric");
   constexpr int SROW = S::G / groups_per_scale<SC>;  // a row's scales: G values, or its records
   const SC* sp = scales + (long)j * SROW;
   float mbuf[HALF && ASYM ? C * S::G : 1];
@@ -209,7 +217,7 @@ LLMC_INLINE void qdot_tile(const QStep<BITS>* LLMC_RESTRICT steps, const float* 
     Bytes wlo[C], whi[C];
     LLMC_UNROLL for (int c = 0; c < C; ++c) {
       const uint8_t* p = wr + c * S::RB + (long)s * SB;
-      if constexpr (PF > 0 && (BITS == 6 || BITS == 5)) {
+      if constexpr (PF > 0 && (BITS == 6 || BITS == 5 || BITS == kIq4)) {
         if ((s * SB) % 64 < SB) __builtin_prefetch(p + PF, 0, 3);  // one per 64-byte line the step starts
       } else if constexpr (PF > 0) {
         if (s % 2 == 0) {  // one per 64-byte line: in address order over a tile shorter than PF (llmc_gemm.h)
@@ -226,6 +234,8 @@ LLMC_INLINE void qdot_tile(const QStep<BITS>* LLMC_RESTRICT steps, const float* 
         wlo[c] = decode6(p);
       } else if constexpr (BITS == 5) {
         wlo[c] = decode5(p);
+      } else if constexpr (BITS == kIq4) {
+        wlo[c] = decode_iq4(p);
       } else if constexpr (decltype(tail)::value) {
         nibbles16(p, wlo[c], whi[c]);
       } else {
@@ -236,7 +246,7 @@ LLMC_INLINE void qdot_tile(const QStep<BITS>* LLMC_RESTRICT steps, const float* 
       const QStep<BITS>& a = steps[(long)r * S::NS + s];
       const Floats dx = load_floats(a.dx);
       if constexpr (BITS != 4) {
-        constexpr int BIAS = BITS == 8 ? 128 : BITS == 6 ? 32 : ASYM ? 0 : 16;  // the u of q = 0
+        constexpr int BIAS = BITS == 8 || BITS == kIq4 ? 128 : BITS == 6 ? 32 : ASYM ? 0 : 16;  // the u of q = 0
         const Bytes xv = load32(a.x);
         const Ints base = neg_bias_of<BIAS>(xv);
         LLMC_UNROLL for (int c = 0; c < C; ++c) into(r, c, dot_biased<BIAS>(base, wlo[c], xv), dx);
@@ -512,16 +522,17 @@ LLMC_INLINE unsigned char* qgemm_scratch(size_t bytes) {
 }
 }  // namespace
 
-// rows [0, n) of int5 / int6 packed weights w as int8's (u + 128 - the u of q = 0): K bytes a row.
+// rows [0, n) of int5 / int6 / IQ4 packed weights w as int8's (u + 128 - the u of q = 0): K bytes a row.
 template <int K, int BITS, bool ASYM>
 inline void widen_to_int8(const uint8_t* LLMC_RESTRICT w, int n, uint8_t* LLMC_RESTRICT out) {
   using S = QShape<K, BITS, 32>;
-  constexpr int BIAS = BITS == 6 ? 32 : ASYM ? 0 : 16;
+  constexpr int BIAS = BITS == kIq4 ? 128 : BITS == 6 ? 32 : ASYM ? 0 : 16;
   const qsimd::Bytes shift = qsimd::splat_bytes(int8_t(128 - BIAS));
   for (long r = 0; r < n; ++r) {
     for (int c = 0; c < S::NB; ++c) {
       const uint8_t* p = w + r * S::RB + (long)c * S::SB;
-      qsimd::store32(out + r * K + 32 * c, qsimd::add_bytes(BITS == 6 ? qsimd::decode6(p) : qsimd::decode5(p), shift));
+      const qsimd::Bytes u = BITS == kIq4 ? qsimd::decode_iq4(p) : BITS == 6 ? qsimd::decode6(p) : qsimd::decode5(p);
+      qsimd::store32(out + r * K + 32 * c, qsimd::add_bytes(u, shift));
     }
   }
 }
@@ -592,10 +603,10 @@ inline void qgemm(const float* LLMC_RESTRICT x, const uint8_t* LLMC_RESTRICT qwe
     return;
   }
   // Prefill: tasks of kQgemmTChunk rows x a block of outputs whose weights stay in L2, each output at index
-  // j - j0 of its block (block_weights). int5 / int6 blocks are widened to int8 there, once per task, and run as
+  // j - j0 of its block (block_weights). int5 / int6 / IQ4 blocks are widened to int8 there, once per task, and run as
   // int8: the same integer dots as their decode tiles (so the same numbers), without decoding a weight vector
   // again for every few rows (decoding per tile made SmolLM-135M Q4_K_M's 128-token prefill 1.3x slower).
-  constexpr int KB = BITS == 5 || BITS == 6 ? 8 : BITS;  // the bits the prefill's tiles read
+  constexpr int KB = BITS == 5 || BITS == 6 || BITS == kIq4 ? 8 : BITS;  // the bits the prefill's tiles read
   using SK = QShape<K, KB, GS>;
   const QStep<KB>* ksteps = steps;
   constexpr int NB0 = (int)std::max<long>(16, kQgemmBlockBytes / RB) / 8 * 8;
@@ -729,8 +740,9 @@ inline void qembedding(const int32_t* ids, int T, const uint8_t* LLMC_RESTRICT q
 #endif
   static_assert(H % 32 == 0, "qembedding: a quantized table's rows are whole blocks of 32");
   constexpr int G = (H + GS - 1) / GS;
-  constexpr int RB = H * BITS / 8;
-  constexpr int LO = BITS == 8 ? -128 : BITS == 6 ? -32 : ASYM ? 0 : BITS == 5 ? -16 : -8;  // the q stored as u = 0
+  constexpr int RB = H * stored_bits(BITS) / 8;
+  // the q stored as u = 0 (IQ4: u is an index, its level kIq4LevelsU[u] - 128)
+  constexpr int LO = BITS == 8 ? -128 : BITS == 6 ? -32 : ASYM || BITS == kIq4 ? 0 : BITS == 5 ? -16 : -8;
   parallel_for(T, (long)T * H >= kParallelWork, [&](int t) {
     const long row = ids[t];
     const uint8_t* u = qweight + row * RB;
@@ -738,8 +750,8 @@ inline void qembedding(const int32_t* ids, int T, const uint8_t* LLMC_RESTRICT q
     for (int k = 0; k < H; ++k) {
       // int4: chunk c's byte j holds elements 32c + j (low nibble) and 32c + j + 16 (high); int6: the same
       // nibbles in 24-byte chunks, then element 32c + j + 8i's top 2 bits at bits 2i of byte 16 + j; int5: in
-      // 20-byte chunks, then element 32c + j's fifth bit at bit j of the uint32 at byte 16
-      const int cb = k / 32 * (BITS == 4 ? 16 : 4 * BITS), e = k % 32;
+      // 20-byte chunks, then element 32c + j's fifth bit at bit j of the uint32 at byte 16; IQ4: int4's nibbles
+      const int cb = k / 32 * (BITS == 4 ? 16 : 4 * stored_bits(BITS)), e = k % 32;
       int q = LO;
       if constexpr (BITS == 8) {
         q += u[k];
@@ -747,6 +759,7 @@ inline void qembedding(const int32_t* ids, int T, const uint8_t* LLMC_RESTRICT q
         q += (u[cb + e % 16] >> (e / 16 * 4)) & 0xF;
         if constexpr (BITS == 6) q += ((u[cb + 16 + e % 8] >> (2 * (e / 8))) & 3) << 4;
         if constexpr (BITS == 5) q += ((u[cb + 16 + e / 8] >> (e % 8)) & 1) << 4;
+        if constexpr (BITS == kIq4) q = int(kIq4LevelsU[q]) - 128;
       }
       float s, m;
       group_scale_min(scales, mins, row * G + k / GS, s, m);

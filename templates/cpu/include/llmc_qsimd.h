@@ -8,6 +8,10 @@
 #include "llmc_qscales.h"
 
 namespace llmc {
+// IQ4_NL / IQ4_XS's 16 levels (compiler/quant.py IQ4_LEVELS, llama.cpp's kvalues_iq4nl) plus 128: the u a codebook
+// index decodes to, so that a codebook weight's dot is int8's (u = q + 128).
+alignas(16) constexpr uint8_t kIq4LevelsU[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
+
 // The integer dot products of one step, per ISA. Bytes: 32 int8/uint8; Ints: 8 int32; Floats: 8 float.
 #if defined(__AVX2__) && defined(__FMA__)
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
@@ -52,6 +56,11 @@ LLMC_INLINE Bytes decode6(const uint8_t* p) {
   std::memcpy(&top, p + 16, 8);
   const __m256i hv = _mm256_srlv_epi64(_mm256_set1_epi64x(top), _mm256_setr_epi64x(0, 2, 4, 6));
   return _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(hv, _mm256_set1_epi8(0x03)), 4));
+}
+// 16 bytes of an IQ4 chunk -> its 32 u = level + 128 in order: each nibble looks its level up (one byte shuffle).
+LLMC_INLINE Bytes decode_iq4(const uint8_t* p) {
+  const __m256i lut = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(kIq4LevelsU)));
+  return _mm256_shuffle_epi8(lut, nibbles_in_order(p));
 }
 // 20 bytes of an int5 chunk -> its 32 u in order: the low nibbles, element j's fifth bit from bit j of the
 // uint32 at byte 16 (each byte spread to 8 lanes, each lane testing its own bit), as llama.cpp's Q5_0.
@@ -238,6 +247,11 @@ LLMC_INLINE Bytes decode6(const uint8_t* p) {
   Bytes r;
   for (int j = 0; j < 32; ++j)
     r.v[j] = int8_t(((p[j % 16] >> (j / 16 * 4)) & 0x0F) | (((p[16 + j % 8] >> (2 * (j / 8))) & 3) << 4));
+  return r;
+}
+LLMC_INLINE Bytes decode_iq4(const uint8_t* p) {
+  Bytes r;
+  for (int j = 0; j < 32; ++j) r.v[j] = int8_t(kIq4LevelsU[(p[j % 16] >> (j / 16 * 4)) & 0x0F]);
   return r;
 }
 LLMC_INLINE Bytes decode5(const uint8_t* p) {

@@ -28,7 +28,8 @@ from llmc.compiler.frontend.gguf import _llama3_scaling
 from llmc.compiler.frontend.gguf_write import _llama3_rope_freqs, write_gguf
 from llmc.compiler.frontend.load import load_checkpoint
 from llmc.compiler.frontend.model import rope_inv_freq
-from llmc.compiler.quant import Q6_K, QuantConfig, dequantize, quantize, widen_exactly
+from llmc.compiler.quant import Q6_K, QuantConfig, dequantize, quantize
+from llmc.compiler.quant_widen import widen_exactly
 from llmc.errors import CheckpointError, CompileError, LlmcError
 from llmc.model_config import ModelConfig
 from llmc.runtime.batch import StepBatch
@@ -123,8 +124,8 @@ MORE_TYPES = {
     "Q2_K": "int8 g16 asym fp32-scales",
     "Q3_K": "int8 g16 fp32-scales",
     "Q5_K": "int5 g32 asym k-scales",
-    "IQ4_NL": "int8 g32",
-    "IQ4_XS": "int8 g32 fp32-scales",
+    "IQ4_NL": "iq4 g32",
+    "IQ4_XS": "iq4 g32 fp32-scales",
 }
 
 
@@ -471,7 +472,7 @@ def _assert_logits_match(artifact, reference_dir, quantized: set[str]):
 
 @pytest.mark.slow
 # Q4_K_M: llama.cpp's mix puts attn_v in Q6_K beside Q4_K q / k, so the fused qkv GEMM is int8 g16 with mins
-# (quant.common_scheme)
+# (quant_widen.common_scheme)
 @pytest.mark.parametrize("dtype", ["Q8_0", "Q4_0", "Q4_K+Q6_K", "Q4_K_M", "mixed"])
 def test_quantized_file_compiles_and_matches_fp32_of_its_weights(
     dtype, checkpoint_dir, gguf_file, kquant_file, mixed_types_file, tmp_path
@@ -492,19 +493,41 @@ def test_quantized_file_compiles_and_matches_fp32_of_its_weights(
     _assert_logits_match(artifact, reference, quantized)
 
 
+def _file_decode_bytes(path) -> int:
+    """What a decode token reads of a GGUF file: its tensors' bytes, of the token embedding one row (the whole
+    table where it is the head too)."""
+    tensors = {t.name: t for t in gguf.GGUFReader(path).tensors}
+    # rope_freqs (Llama 3's scaled frequencies) is folded into the rope kernel's constants: no weight to read
+    sizes = {name: int(t.n_bytes) for name, t in tensors.items() if name != "rope_freqs.weight"}
+    rows = int(tensors["token_embd.weight"].shape[-1])  # GGUF lists dims innermost first
+    want = sum(v for k, v in sizes.items() if k != "token_embd.weight") + sizes["token_embd.weight"] // rows
+    return want + (sizes["token_embd.weight"] if "output.weight" not in sizes else 0)
+
+
+def test_an_iq4_nl_file_is_held_at_its_size(checkpoint_dir, tmp_path):
+    """Every matrix IQ4_NL, the embedding and the head too: held as the file's 4-bit indices and fp16 scales (the
+    kernels look the levels up), so a decode token reads the file's tensor bytes, and the logits are those of
+    the file's values."""
+    source = checkpoint_dir("llama", **KQUANT)
+    src = write_gguf(source, tmp_path / "f32.gguf", "F32")
+    types = {t.name: T.IQ4_NL for t in gguf.GGUFReader(src).tensors if len(t.shape) == 2}
+    path = _rewrite(src, tmp_path / "iq4_nl.gguf", np.random.default_rng(5), types)
+    ckpt = load_checkpoint(path)
+    art = compile_checkpoint(path, target="cpu", output=tmp_path / "m.cpu")
+    manifest = json.loads((art / "manifest.json").read_text())
+    assert set(manifest["quant"]["weights"].values()) == {"iq4 g32"}
+    assert CompiledModel.load(art).artifact.decode_weight_bytes == _file_decode_bytes(path)
+    quantized = {n for n, k in ckpt.gguf_types.items() if k == "IQ4_NL"}
+    _assert_logits_match(art, _dequantized_checkpoint(ckpt, source, tmp_path / "dequantized"), quantized)
+
+
 def test_a_q4_k_m_file_streams_its_own_bytes(kquant_file, tmp_path):
     """attn_v in Q6_K beside Q4_K q and k (llama.cpp's Q4_K_M mix) is read at the file's types, each in its own
     GEMM: a decode token reads the file's tensor bytes, of the token embedding one row (the whole table where
     it is the head too), and `llmc profile` says so."""
     path = kquant_file(T.Q6_K)
     art = compile_checkpoint(path, target="cpu", output=tmp_path / "m.cpu")
-    tensors = {t.name: t for t in gguf.GGUFReader(path).tensors}
-    # rope_freqs (Llama 3's scaled frequencies) is folded into the rope kernel's constants: no weight to read
-    sizes = {name: int(t.n_bytes) for name, t in tensors.items() if name != "rope_freqs.weight"}
-    rows = int(tensors["token_embd.weight"].shape[-1])  # GGUF lists dims innermost first
-    want = sum(v for k, v in sizes.items() if k != "token_embd.weight") + sizes["token_embd.weight"] // rows
-    if "output.weight" not in sizes:
-        want += sizes["token_embd.weight"]
+    want = _file_decode_bytes(path)
     artifact = CompiledModel.load(art).artifact
     assert artifact.decode_weight_bytes == want
     launches = json.loads((art / "manifest.json").read_text())["kernel_program"]["launches"]

@@ -48,7 +48,7 @@ SCHEMES = [
     (53, 160, 4, 32, True, 32),  # GGUF Q4_K
     (37, 576, 4, 128, True, 16),
     (70, 160, 4, 128, True, 32),
-    (37, 160, 8, 16, True, 32),  # GGUF Q4_K beside Q6_K in one fused GEMM (quant.common_scheme)
+    (37, 160, 8, 16, True, 32),  # GGUF Q4_K beside Q6_K in one fused GEMM (quant_widen.common_scheme)
     (19, 1056, 8, 32, True, 16),  # GGUF Q5_1
     (53, 160, 4, 32, True, 16),  # GGUF Q4_1
     (37, 160, 8, 32, True, 32),  # GGUF Q5_K
