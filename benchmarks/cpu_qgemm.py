@@ -120,7 +120,11 @@ def build(headers: dict[str, str], specs: list[tuple]) -> ctypes.CDLL:
         seen.add(kid)
         parts.append(render_kernel("cpu", op, name=kid, **params))
         if op == "qgemm":
-            parts.append(_QLOOP.format(kid=kid, sc=scale_ctype(params["scale_bits"], params["asymmetric"])))
+            parts.append(
+                _QLOOP.format(
+                    kid=kid, sc=scale_ctype(params["scale_bits"], params["asymmetric"], params.get("codebook", False))
+                )
+            )
         else:
             parts.append(_LOOP.format(kid=kid, wt=ELEMENTS_BY_SHORT[params["wdtype"]].ctype))
     return ctypes.CDLL(str(build_shared_library({**headers, "bench.cc": "".join(parts)}, flags=CPU_FLAGS)))

@@ -19,6 +19,13 @@ Q6_K's superblock (symmetric groups of 16, no mins) has a record of its own, 18 
 
 with group j's scale d * sc[j] (exact in float32): 0.5625 bits a weight. `quantize_q6k` is llama.cpp's Q6_K
 quantizer: each group's scale searched (make_qx_quants), then the superblock's int8 codes.
+
+IQ4_XS's superblock (symmetric groups of 32 of IQ4's levels, no mins) is 8 bytes, as its GGUF block begins:
+
+    d: fp16 | scales_h: uint16 | scales_l: uint8[4]
+
+with group j's 6-bit code ls (low 4 bits in nibble j % 2 of scales_l[j / 2], high 2 at bits 2j of scales_h) and
+scale d * (ls - 32), exact in float32: 0.25 bits a weight.
 """
 
 from __future__ import annotations
@@ -33,11 +40,22 @@ SUPERBLOCK = GROUP * GROUPS
 RECORD_BYTES = 16
 GROUP6, GROUPS6 = 16, 16  # Q6_K: groups of 16, 16 a superblock
 RECORD6_BYTES = 18
+RECORD_IQ4_BYTES = 8
 
 
-def record_row_bytes(k: int, asymmetric: bool) -> int:
-    """Bytes of records in a row of K (a multiple of 256): Q4_K / Q5_K's (asymmetric) or Q6_K's."""
-    return k // SUPERBLOCK * (RECORD_BYTES if asymmetric else RECORD6_BYTES)
+def record_row_bytes(k: int, asymmetric: bool, codebook: bool = False) -> int:
+    """Bytes of records in a row of K (a multiple of 256): Q4_K / Q5_K's (asymmetric), IQ4_XS's (codebook) or
+    Q6_K's."""
+    return k // SUPERBLOCK * (RECORD_BYTES if asymmetric else RECORD_IQ4_BYTES if codebook else RECORD6_BYTES)
+
+
+def decode_records(
+    records: np.ndarray, asymmetric: bool, codebook: bool = False
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """Records of any kind (record_row_bytes) -> (scales, mins or None) float32, exactly."""
+    if asymmetric:
+        return decode(records)
+    return (decode_iq4xs(records) if codebook else decode6(records)), None
 
 
 def scale_min_codes(codes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -68,6 +86,25 @@ def decode6(records: np.ndarray) -> np.ndarray:
     r = records.reshape(n, -1, RECORD6_BYTES)
     sc = np.ascontiguousarray(r[..., :16]).view(np.int8).astype(np.float32)
     return (fp16_values(r[..., 16:18])[..., None] * sc).reshape(n, -1)
+
+
+def decode_iq4xs(records: np.ndarray) -> np.ndarray:
+    """uint8 [N, S * 8] (IQ4_XS records) -> scales float32 [N, S * 8], exactly."""
+    n = records.shape[0]
+    r = records.reshape(n, -1, RECORD_IQ4_BYTES)
+    low = np.stack([r[..., 4:8] & 0xF, r[..., 4:8] >> 4], axis=-1).reshape(*r.shape[:2], GROUPS)
+    high = (np.ascontiguousarray(r[..., 2:4]).view("<u2") >> np.arange(0, 16, 2, dtype=np.uint16)) & 3
+    ls = (low | (high.astype(np.uint8) << 4)).astype(np.float32) - 32
+    return (fp16_values(r[..., 0:2])[..., None] * ls).reshape(n, -1)
+
+
+def encode_iq4xs(d: np.ndarray, ls: np.ndarray) -> np.ndarray:
+    """d float16 [N, S], ls integers [N, S, 8] in 0..63 -> IQ4_XS records uint8 [N, S * 8]."""
+    ls = ls.astype(np.uint16)
+    high = np.bitwise_or.reduce((ls >> 4) << np.arange(0, 16, 2, dtype=np.uint16), axis=-1).astype("<u2")
+    low = (ls[..., 0::2] & 0xF) | ((ls[..., 1::2] & 0xF) << 4)
+    parts = [d.astype(np.float16)[..., None].view(np.uint8), high[..., None].view(np.uint8), low.astype(np.uint8)]
+    return np.ascontiguousarray(np.concatenate(parts, axis=-1).reshape(d.shape[0], -1))
 
 
 def encode6(d: np.ndarray, sc: np.ndarray) -> np.ndarray:

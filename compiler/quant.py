@@ -81,23 +81,18 @@ class QuantScheme:
             raise CompileError(f"quantization group size {self.group_size} must be positive")
         if self.scale_dtype not in SCALE_DTYPES:
             raise CompileError(f"quantization scales in {self.scale_dtype} are not supported")
-        if self.scale_dtype == "kquant" and (self.group_size, self.asymmetric) not in ((32, True), (16, False)):
+        records = ((32, True, False), (16, False, False), (32, False, True))  # Q4_K / Q5_K, Q6_K, IQ4_XS
+        if self.scale_dtype == "kquant" and (self.group_size, self.asymmetric, self.codebook) not in records:
             raise CompileError(
-                "K-quant superblock scales are for asymmetric groups of 32 (Q4_K, Q5_K) or symmetric ones of 16 (Q6_K)"
+                "K-quant superblock scales are for asymmetric groups of 32 (Q4_K, Q5_K), symmetric ones of 16 "
+                "(Q6_K) or IQ4's groups of 32 (IQ4_XS)"
             )
         if self.bits == 6 and (self.group_size, self.asymmetric, self.scale_dtype) != (16, False, "kquant"):
             raise CompileError("6-bit weights are Q6_K's: symmetric groups of 16 under K-quant records")
         if self.bits == 5 and self.group_size != 32:
             raise CompileError("5-bit weights are in groups of 32 (Q5_0, Q5_1, Q5_K)")
-        if self.codebook and (self.bits, self.group_size, self.asymmetric, self.scale_dtype == "kquant") != (
-            4,
-            32,
-            False,
-            False,
-        ):
-            raise CompileError(
-                "codebook weights are IQ4's: 4-bit indices in symmetric groups of 32, fp16 or fp32 scales"
-            )
+        if self.codebook and (self.bits, self.group_size, self.asymmetric) != (4, 32, False):
+            raise CompileError("codebook weights are IQ4's: 4-bit indices in symmetric groups of 32")
 
     @property
     def qrange(self) -> tuple[int, int]:
@@ -127,7 +122,7 @@ class QuantScheme:
     def scale_row_bytes(self, k: int) -> int:
         """Bytes of scales (and mins) that a row of K stores."""
         if self.scale_dtype == "kquant":
-            return kquant.record_row_bytes(k, self.asymmetric)
+            return kquant.record_row_bytes(k, self.asymmetric, self.codebook)
         return -(-k // self.group_size) * (self.scale_bits // 8) * (2 if self.asymmetric else 1)
 
     @property
@@ -182,10 +177,10 @@ class QuantizedTensor:
             if (
                 k % kquant.SUPERBLOCK
                 or self.records.dtype != np.uint8
-                or self.records.shape != (n, kquant.record_row_bytes(k, asym))
+                or self.records.shape != (n, kquant.record_row_bytes(k, asym, self.scheme.codebook))
             ):
                 raise CompileError(f"quantized tensor: K-quant records do not fit [{n}, {k}] (K a multiple of 256)")
-            held = kquant.decode(self.records) if asym else (kquant.decode6(self.records), None)
+            held = kquant.decode_records(self.records, asym, self.scheme.codebook)
             if not all(a is b or np.array_equal(a, b) for a, b in zip(held, (self.scales, self.mins), strict=True)):
                 raise CompileError("quantized tensor: the K-quant records do not hold its scales and mins")
 
@@ -231,6 +226,8 @@ def quantize(w: np.ndarray, scheme: QuantScheme, importance: np.ndarray | None =
     n, k = w.shape
     if importance is not None and np.shape(importance) != (k,):
         raise CompileError(f"importance of {np.shape(importance)} for a weight of K = {k}")
+    if scheme.codebook:
+        return _quantize_codebook(w, scheme)
     if scheme.scale_dtype == "kquant":
         if scheme.bits not in (4, 5, 6) or k % kquant.SUPERBLOCK:
             raise CompileError(
@@ -247,8 +244,6 @@ def quantize(w: np.ndarray, scheme: QuantScheme, importance: np.ndarray | None =
                 "such a weight cannot be quantized with fp16 scales; leave it unquantized",
             )
         return QuantizedTensor(q, scales, mins, scheme, records)
-    if scheme.codebook:
-        return _quantize_codebook(w, scheme)
     g = scheme.group_size
     groups = -(-k // g)
     padded = np.zeros((n, groups * g), np.float32)
@@ -289,17 +284,29 @@ def quantize(w: np.ndarray, scheme: QuantScheme, importance: np.ndarray | None =
 
 def _quantize_codebook(w: np.ndarray, scheme: QuantScheme) -> QuantizedTensor:
     """IQ4 groups as llama.cpp's IQ4_NL starts its search: scale = m / -127 (m the group's largest-magnitude
-    value, so it lands on the lowest level), each weight at its nearest level. llmc imports IQ4 files; this
-    makes such tensors for the kernels' tests and the tuner."""
+    value, so it lands on the lowest level), each weight at its nearest level; under IQ4_XS's records (kquant) a
+    superblock's d = -(its largest-magnitude scale) / 32 and each group's code round(scale / d) + 32. llmc imports
+    IQ4 files; this makes such tensors for the kernels' tests and the tuner."""
     n, k = w.shape
     blocks = w.reshape(n, k // 32, 32)
     m = np.take_along_axis(blocks, np.abs(blocks).argmax(axis=2)[..., None], axis=2)[..., 0]
-    scales = _stored(m / float(IQ4_LEVELS[0]), scheme.scale_dtype == "float16", up=False)
+    records = None
+    if scheme.scale_dtype == "kquant":
+        if k % kquant.SUPERBLOCK:
+            raise CompileError(f"IQ4_XS records need K a multiple of 256, not K={k}")
+        raw = (m / float(IQ4_LEVELS[0])).reshape(n, -1, kquant.GROUPS)
+        big = np.take_along_axis(raw, np.abs(raw).argmax(axis=2)[..., None], axis=2)[..., 0]
+        d = (big / -32).astype(np.float16)
+        ls = np.clip(np.rint(raw / np.where(d != 0, d, 1).astype(np.float32)[..., None]), -32, 31) + 32
+        records = kquant.encode_iq4xs(d, ls)
+        scales = kquant.decode_iq4xs(records)
+    else:
+        scales = _stored(m / float(IQ4_LEVELS[0]), scheme.scale_dtype == "float16", up=False)
     safe = np.where(scales != 0, scales, 1.0).astype(np.float32)
     levels = IQ4_LEVELS.astype(np.float32)
     x = blocks / safe[..., None]
     q = IQ4_LEVELS[np.abs(x[..., None] - levels).argmin(axis=-1)]
-    return QuantizedTensor(np.ascontiguousarray(q.reshape(n, k)), scales, None, scheme)
+    return QuantizedTensor(np.ascontiguousarray(q.reshape(n, k)), scales, None, scheme, records)
 
 
 def _quantize_q6k(w: np.ndarray, scheme: QuantScheme, importance: np.ndarray | None) -> QuantizedTensor:

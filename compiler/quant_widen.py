@@ -71,6 +71,8 @@ def held_on_cuda(scheme: QuantScheme) -> QuantScheme:
     with their groups."""
     if scheme.bits == 6:
         return QuantScheme(8, 16, scale_dtype="float32")
-    if scheme.bits == 5 or scheme.codebook:
-        return dataclasses.replace(scheme, bits=8, codebook=False)
+    if scheme.codebook:  # IQ4_XS's records as fp32 scales
+        return QuantScheme(8, 32, scale_dtype="float16" if scheme.scale_dtype == "float16" else "float32")
+    if scheme.bits == 5:
+        return dataclasses.replace(scheme, bits=8)
     return scheme

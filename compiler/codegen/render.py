@@ -83,11 +83,12 @@ def _cint(value: Any, minimum: int = 1) -> str:
     return str(int(value))
 
 
-def scale_ctype(scale_bits: int, asymmetric: bool) -> str:
+def scale_ctype(scale_bits: int, asymmetric: bool, codebook: bool = False) -> str:
     """The C type a quantized kernel reads its scales (and mins) as (qgemm's S in docs/contracts.md): fp16 bits,
-    float, or one K-quant record each (Q4_K / Q5_K's llmc::KScales, asymmetric; Q6_K's llmc::KScales6)."""
+    float, or one K-quant record each (Q4_K / Q5_K's llmc::KScales, asymmetric; IQ4_XS's llmc::Iq4Scales, a
+    codebook's; Q6_K's llmc::KScales6)."""
     if scale_bits == 8:
-        return "llmc::KScales" if asymmetric else "llmc::KScales6"
+        return "llmc::KScales" if asymmetric else "llmc::Iq4Scales" if codebook else "llmc::KScales6"
     return {16: "uint16_t", 32: "float"}[scale_bits]
 
 
@@ -175,20 +176,18 @@ def _check_quant(target: str, params: Mapping[str, Any], k: Any) -> None:
         raise ValueError(
             f"scale_bits must be 16 (fp16 scales), 32 or 8 (K-quant records), got {params['scale_bits']!r}"
         )
-    records = (32, True) if params["asymmetric"] else (16, False)  # Q4_K / Q5_K's, or Q6_K's
+    codebook = bool(params.get("codebook"))
+    # Q4_K / Q5_K's, IQ4_XS's, or Q6_K's
+    records = (32, True) if params["asymmetric"] else (32, False) if codebook else (16, False)
     if params["scale_bits"] == 8 and ((g, bool(params["asymmetric"])) != records or k % 256):
         raise ValueError(
-            "K-quant scales (scale_bits 8) need asymmetric groups of 32 or symmetric ones of 16, and k a multiple of "
-            f"256, got group_size {g!r}, k {k!r}"
+            "K-quant scales (scale_bits 8) need asymmetric groups of 32, symmetric ones of 16 or IQ4's of 32, and k a "
+            f"multiple of 256, got group_size {g!r}, k {k!r}"
         )
-    if (bits == 6) != (params["scale_bits"] == 8 and not params["asymmetric"]):
+    if (bits == 6) != (params["scale_bits"] == 8 and not params["asymmetric"] and not codebook):
         raise ValueError("int6 weights are Q6_K's: symmetric, under K-quant records (scale_bits 8), and only they are")
-    if params.get("codebook") and (
-        target == "cuda" or (bits, g, bool(params["asymmetric"])) != (4, 32, False) or params["scale_bits"] == 8
-    ):
-        raise ValueError(
-            "codebook (IQ4) weights are 4-bit, symmetric groups of 32 with fp16 or fp32 scales, on the CPU"
-        )
+    if codebook and (target == "cuda" or (bits, g, bool(params["asymmetric"])) != (4, 32, False)):
+        raise ValueError("codebook (IQ4) weights are 4-bit, in symmetric groups of 32, on the CPU")
 
 
 def template_path(target: str, op: str) -> str:

@@ -26,10 +26,9 @@ def _rows(a: np.ndarray) -> np.ndarray:
 
 # What each imported type is in compiler/quant.py's terms: exactly its blocks' values. The legacy types' scales
 # (and mins) are the blocks' fp16 d (and m). Q4_K's, Q5_K's and Q6_K's are their own superblock records (kquant,
-# compiler/kquant.py); the other K-quants' and IQ4_XS's are fp16 d x a 4- or 6-bit sub-scale, held in fp32.
-# The legacy types, Q4_K, Q5_K, Q6_K and IQ4_NL keep the file's bytes per weight, IQ4_XS its 4-bit indices (a CUDA
-# build holds the 5- and 6-bit ones and the codebook in int8: compile.quant_schemes); Q2_K and Q3_K are held
-# widened, in int8.
+# compiler/kquant.py), as are IQ4_XS's; Q2_K's and Q3_K's are fp16 d x a 4- or 6-bit sub-scale, held in fp32.
+# The legacy types, Q4_K, Q5_K, Q6_K, IQ4_NL and IQ4_XS keep the file's bytes per weight (a CUDA build holds the 5-
+# and 6-bit ones and the IQ4 codebook in int8: compile.quant_schemes); Q2_K and Q3_K are held widened, in int8.
 SCHEMES = {
     GGMLType.Q8_0: QuantScheme(8, 32),
     GGMLType.Q4_0: QuantScheme(4, 32),
@@ -42,7 +41,7 @@ SCHEMES = {
     GGMLType.Q5_K: QuantScheme(5, 32, asymmetric=True, scale_dtype="kquant"),
     GGMLType.Q6_K: QuantScheme(6, 16, scale_dtype="kquant"),
     GGMLType.IQ4_NL: QuantScheme(4, 32, codebook=True),
-    GGMLType.IQ4_XS: QuantScheme(4, 32, scale_dtype="float32", codebook=True),
+    GGMLType.IQ4_XS: QuantScheme(4, 32, scale_dtype="kquant", codebook=True),
 }
 
 
@@ -148,16 +147,11 @@ def _q6_k(b: np.ndarray) -> QuantizedTensor:
 
 
 def _iq4_xs(b: np.ndarray) -> QuantizedTensor:
-    """d: f16 | scales_h: uint16 | scales_l: uint8[4] | qs: uint8[128]; 8 groups of 32 of IQ4_NL's levels, each
-    with a 6-bit scale (offset 32): low 4 bits in nibble g % 2 of scales_l[g / 2], high 2 at bit 2g of scales_h."""
-    sl = b[..., 4:8]
-    low = np.stack([sl & 0xF, sl >> 4], axis=-1).reshape(*b.shape[:2], 8)
-    sh = np.ascontiguousarray(b[..., 2:4]).view("<u2")
-    high = ((sh >> np.arange(0, 16, 2, dtype=np.uint16)) & 3).astype(np.uint8)
-    sc = (low | (high << 4)).astype(np.int8) - 32
+    """d: f16 | scales_h: uint16 | scales_l: uint8[4] | qs: uint8[128]; 8 groups of 32 of IQ4_NL's levels under
+    the first 8 bytes, compiler/kquant.py's IQ4_XS record as it is."""
     q = IQ4_LEVELS[_nibbles(b[..., 8:136].reshape(*b.shape[:2], 8, 16))]
-    scales = _rows(fp16_values(b[..., 0:2])[..., None] * sc.astype(np.float32))
-    return QuantizedTensor(_rows(q), scales, None, SCHEMES[GGMLType.IQ4_XS])
+    records = _rows(b[..., 0:8])
+    return QuantizedTensor(_rows(q), kquant.decode_iq4xs(records), None, SCHEMES[GGMLType.IQ4_XS], records)
 
 
 UNPACK = {

@@ -108,7 +108,9 @@ HEADERS = {"cpu": "common.h", "cuda": "llmc_kernels.cuh"}
 
 def _element(kind: str, params: dict) -> tuple[str, type]:
     if kind == "S*":
-        return f"{scale_ctype(params['scale_bits'], params['asymmetric'])}*", _S_DTYPES[params["scale_bits"]]
+        return f"{scale_ctype(params['scale_bits'], params['asymmetric'], params.get('codebook', False))}*", _S_DTYPES[
+            params["scale_bits"]
+        ]
     param, types = _ELEMENT[kind]
     return types[params.get(param, "f32") if kind == "A*" else params[param]]
 

@@ -39,7 +39,7 @@ def _params(hidden, bits, g, asym, scale_bits, **extra):
 # IQ4_NL and IQ4_XS (the CPU's): int4's nibbles, each a level's index
 IQ4_SPECS = [
     ("qembedding", _params(hidden, 4, 32, False, scale_bits, codebook=True))
-    for hidden, scale_bits in ((160, 16), (96, 32))
+    for hidden, scale_bits in ((160, 16), (96, 32), (512, 8))
 ]
 F32_SPECS = [("qembedding", _params(*s)) for s in SCHEMES] + IQ4_SPECS
 BF16_SPECS = [("qembedding", _params(*SCHEMES[i], adtype="bf16")) for i in (1, 2)]

@@ -70,10 +70,11 @@ def _params(n, k, bits, g, asym, scale_bits, bias):
 SOFTCAP_SPECS = [
     ("qgemm", dict(_params(*SCHEMES[i], i == 20), softcap=cap)) for i, cap in ((1, 30.0), (6, 0.5), (20, 2.0))
 ]
-# GGUF IQ4_NL (fp16 scales) and IQ4_XS (fp32: d x its 6-bit sub-scales): int4's nibbles, each a level's index
+# GGUF IQ4_NL (fp16 scales) and IQ4_XS (its own records, scale_bits 8; or fp32 scales, fused beside IQ4_NL):
+# int4's nibbles, each a level's index
 IQ4_SPECS = [
     ("qgemm", {**_params(n, k, 4, 32, False, scale_bits, bias), "codebook": True})
-    for n, k, scale_bits in ((53, 160, 16), (37, 576, 32), (19, 256, 16))
+    for n, k, scale_bits in ((53, 160, 16), (37, 576, 32), (19, 256, 8), (37, 768, 8))
     for bias in (False, True)
 ]
 SPECS = [("qgemm", _params(*s, bias)) for s in SCHEMES for bias in (False, True)] + SOFTCAP_SPECS + IQ4_SPECS

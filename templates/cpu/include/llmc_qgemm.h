@@ -20,7 +20,8 @@ namespace llmc {
 //   u the index of q's level (kIq4LevelsU);  scales / mins
 //   SC [N, ceil(K / GS)], SC float, or uint16_t holding fp16 bits (converted exactly to float in registers as a
 //   tile goes; fp16 cuts int4 g32's bytes by 10%), or KScales: the K-quants' superblock records [N, K / 256],
-//   which hold the mins (mins null; see KScales), or KScales6: Q6_K's records [N, K / 256] (int6, GS 16).
+//   which hold the mins (mins null; see KScales), or KScales6: Q6_K's records [N, K / 256] (int6, GS 16), or
+//   Iq4Scales: IQ4_XS's [N, K / 256].
 //
 // Activations are quantized to int8 first, llama.cpp Q8_0-style: per block of 32 of a row, d = amax / 127,
 // q = round-to-nearest-even(x * (127 / amax)) in [-127, 127] (so the AVX2 sign trick below never meets
@@ -188,6 +189,9 @@ LLMC_INLINE void qdot_tile(const QStep<BITS>* LLMC_RESTRICT steps, const float* 
   // Q6_K records: decoded in registers a record (16 groups, 8 steps) at a time
   constexpr bool KQ6 = std::is_same_v<SC, KScales6>;
   static_assert(!KQ6 || (GS == 16 && !ASYM && S::G % 16 == 0), "qgemm: Q6_K records need K % 256 == 0");
+  // IQ4_XS records: a record's 8 scales decoded in registers as its first group is reached
+  constexpr bool IQ4R = std::is_same_v<SC, Iq4Scales>;
+  static_assert(!IQ4R || (GS == 32 && !ASYM && S::G % 8 == 0), "qgemm: IQ4_XS records need K % 256 == 0");
   static_assert((BITS != 6 && BITS != kIq4) || !ASYM, "qgemm: int6 and IQ4 weights are symmetric");
   constexpr int SROW = S::G / groups_per_scale<SC>;  // a row's scales: G values, or its records
   const SC* sp = scales + (long)j * SROW;
@@ -303,7 +307,7 @@ LLMC_INLINE void qdot_tile(const QStep<BITS>* LLMC_RESTRICT steps, const float* 
   } else {
     // whole steps per group: gacc = sum of P * DX over the group's steps, then acc += gacc * S
     constexpr int SPG = GS / S::SE;
-    Floats s8[C];  // fp16 scales: groups g - g % 8 .. + 7 of each output, as floats
+    Floats s8[C];  // fp16 scales or an IQ4_XS record: groups g - g % 8 .. + 7 of each output, as floats
     for (int g = 0; g < S::G; ++g) {
       Floats gacc[R][C];
       LLMC_UNROLL for (int r = 0; r < R; ++r) {
@@ -320,6 +324,9 @@ LLMC_INLINE void qdot_tile(const QStep<BITS>* LLMC_RESTRICT steps, const float* 
         if constexpr (KQ) {
           if (g % 8 == 0) kq_record(c, g);
           sc = lane(k8[c], g % 8);
+        } else if constexpr (IQ4R) {
+          if (g % 8 == 0) s8[c] = iq4_scales8(sp[c * SROW + g / 8]);
+          sc = lane(s8[c], g % 8);
         } else if constexpr (HALF) {
           if (g % 8 == 0) s8[c] = widen8(sp + c * S::G + g, std::min(8, S::G - g));
           sc = lane(s8[c], g % 8);

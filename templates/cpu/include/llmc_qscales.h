@@ -75,9 +75,22 @@ struct KScales6 {
   uint16_t d;
 };
 static_assert(sizeof(KScales6) == 18, "a Q6_K record is 18 bytes");
+// IQ4_XS's superblock scales (SC = Iq4Scales; compiler/kquant.py): one 8-byte record per 8 groups of 32, fp16 d
+// and each group's 6-bit code ls (low 4 bits in nibble j % 2 of sl[j / 2], high 2 at bits 2j of sh); group j's
+// scale is d * (ls - 32), an exact float product. Symmetric: no mins.
+struct Iq4Scales {
+  uint16_t d, sh;
+  uint8_t sl[4];
+};
+static_assert(sizeof(Iq4Scales) == 8, "an IQ4_XS record is 8 bytes");
+LLMC_INLINE int iq4_code(const Iq4Scales& r, int j) {
+  return ((r.sl[j / 2] >> (4 * (j % 2))) & 0xF) | (((r.sh >> (2 * j)) & 3) << 4);
+}
 // Groups per SC item: a record's, or 1.
 template <typename SC>
-constexpr int groups_per_scale = std::is_same_v<SC, KScales> ? 8 : std::is_same_v<SC, KScales6> ? 16 : 1;
+constexpr int groups_per_scale = std::is_same_v<SC, KScales> || std::is_same_v<SC, Iq4Scales> ? 8
+                                 : std::is_same_v<SC, KScales6>                                ? 16
+                                                                                                : 1;
 // Bytes of scales (and mins) per row of G groups.
 template <typename SC>
 constexpr long scale_row_bytes(int G, bool asym) {
@@ -96,7 +109,11 @@ LLMC_INLINE void group_scale_min(const KScales6* scales, const KScales6*, long g
   scale = scale_value(scales[gi / 16].d) * float(scales[gi / 16].sc[gi % 16]);
   min = 0.0f;
 }
-// The n scales of K-quant records (KScales, KScales6) as floats, into buf: the prefill's row-pair tiles read
+LLMC_INLINE void group_scale_min(const Iq4Scales* scales, const Iq4Scales*, long gi, float& scale, float& min) {
+  scale = scale_value(scales[gi / 8].d) * float(iq4_code(scales[gi / 8], int(gi % 8)) - 32);
+  min = 0.0f;
+}
+// The n scales of K-quant records (KScales, KScales6, Iq4Scales) as floats, into buf: the prefill's row-pair tiles read
 // float scales.
 template <typename R, std::enable_if_t<(groups_per_scale<R> > 1), int> = 0>
 LLMC_INLINE const float* scales_as_float(const R* p, long n, float* buf) {

@@ -177,6 +177,18 @@ LLMC_INLINE Floats kscales8(const KScales& r, Floats& mins) {
                        _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8))));
   return _mm256_mul_ps(_mm256_set1_ps(scale_value(r.d)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)));
 }
+// An IQ4_XS record's 8 scales, as floats (exact products): the low nibbles interleaved into bytes, the high bits
+// shifted out of sh per lane
+LLMC_INLINE Floats iq4_scales8(const Iq4Scales& r) {
+  int32_t sl;
+  std::memcpy(&sl, r.sl, 4);
+  const __m128i v = _mm_cvtsi32_si128(sl), m = _mm_set1_epi8(0x0F);
+  const __m128i low = _mm_unpacklo_epi8(_mm_and_si128(v, m), _mm_and_si128(_mm_srli_epi16(v, 4), m));
+  const __m256i high = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(r.sh), _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14)),
+                                        _mm256_set1_epi32(3));
+  const __m256i ls = _mm256_or_si256(_mm256_cvtepu8_epi32(low), _mm256_slli_epi32(high, 4));
+  return _mm256_mul_ps(_mm256_set1_ps(scale_value(r.d)), _mm256_cvtepi32_ps(_mm256_sub_epi32(ls, _mm256_set1_epi32(32))));
+}
 LLMC_INLINE Floats mul(Floats a, Floats b) { return _mm256_mul_ps(a, b); }
 LLMC_INLINE Floats fma(Floats a, Floats b, Floats acc) { return _mm256_fmadd_ps(a, b, acc); }
 LLMC_INLINE Floats fma_ints(Ints p, Floats d, Floats acc) { return fma(_mm256_cvtepi32_ps(p), d, acc); }
@@ -335,6 +347,11 @@ LLMC_INLINE void kscales16(const KScales6& r, Floats& lo, Floats& hi) {
 LLMC_INLINE Floats kscales8(const KScales& r, Floats& mins) {
   Floats scales;
   for (int j = 0; j < 8; ++j) kscale_min(r, j, scales.v[j], mins.v[j]);
+  return scales;
+}
+LLMC_INLINE Floats iq4_scales8(const Iq4Scales& r) {
+  Floats scales;
+  for (int j = 0; j < 8; ++j) scales.v[j] = scale_value(r.d) * float(iq4_code(r, j) - 32);
   return scales;
 }
 LLMC_INLINE Floats mul(Floats a, Floats b) {

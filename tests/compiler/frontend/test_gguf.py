@@ -125,7 +125,7 @@ MORE_TYPES = {
     "Q3_K": "int8 g16 fp32-scales",
     "Q5_K": "int5 g32 asym k-scales",
     "IQ4_NL": "iq4 g32",
-    "IQ4_XS": "iq4 g32 fp32-scales",
+    "IQ4_XS": "iq4 g32 k-scales",
 }
 
 
@@ -504,20 +504,21 @@ def _file_decode_bytes(path) -> int:
     return want + (sizes["token_embd.weight"] if "output.weight" not in sizes else 0)
 
 
-def test_an_iq4_nl_file_is_held_at_its_size(checkpoint_dir, tmp_path):
-    """Every matrix IQ4_NL, the embedding and the head too: held as the file's 4-bit indices and fp16 scales (the
-    kernels look the levels up), so a decode token reads the file's tensor bytes, and the logits are those of
-    the file's values."""
+@pytest.mark.parametrize("qtype", [T.IQ4_NL, T.IQ4_XS])
+def test_an_iq4_file_is_held_at_its_size(qtype, checkpoint_dir, tmp_path):
+    """Every matrix IQ4_NL (IQ4_XS), the embedding and the head too: held as the file's 4-bit indices and fp16
+    scales (IQ4_XS's superblock records), the kernels looking the levels up, so a decode token reads the file's
+    tensor bytes, and the logits are those of the file's values."""
     source = checkpoint_dir("llama", **KQUANT)
     src = write_gguf(source, tmp_path / "f32.gguf", "F32")
-    types = {t.name: T.IQ4_NL for t in gguf.GGUFReader(src).tensors if len(t.shape) == 2}
-    path = _rewrite(src, tmp_path / "iq4_nl.gguf", np.random.default_rng(5), types)
+    types = {t.name: qtype for t in gguf.GGUFReader(src).tensors if len(t.shape) == 2}
+    path = _rewrite(src, tmp_path / f"{qtype.name}.gguf", np.random.default_rng(5), types)
     ckpt = load_checkpoint(path)
     art = compile_checkpoint(path, target="cpu", output=tmp_path / "m.cpu")
     manifest = json.loads((art / "manifest.json").read_text())
-    assert set(manifest["quant"]["weights"].values()) == {"iq4 g32"}
+    assert set(manifest["quant"]["weights"].values()) == {SCHEMES[qtype.name]}
     assert CompiledModel.load(art).artifact.decode_weight_bytes == _file_decode_bytes(path)
-    quantized = {n for n, k in ckpt.gguf_types.items() if k == "IQ4_NL"}
+    quantized = {n for n, k in ckpt.gguf_types.items() if k == qtype.name}
     _assert_logits_match(art, _dequantized_checkpoint(ckpt, source, tmp_path / "dequantized"), quantized)
 
 
