@@ -18,7 +18,8 @@ Q6_K's superblock (symmetric groups of 16, no mins) has a record of its own, 18 
     sc: int8[16] | d: fp16
 
 with group j's scale d * sc[j] (exact in float32): 0.5625 bits a weight. `quantize_q6k` is llama.cpp's Q6_K
-quantizer: each group's scale searched (make_qx_quants), then the superblock's int8 codes.
+quantizer: each group's scale searched (make_qx_quants), then the superblock's int8 codes. Q3_K's scales (fp16 d,
+sixteen 6-bit codes less 32, packed in 14 bytes) are held in the same record.
 
 IQ4_XS's superblock (symmetric groups of 32 of IQ4's levels, no mins) is 8 bytes, as its GGUF block begins:
 

@@ -7,7 +7,8 @@ A weight matrix w[N, K] (HF Linear layout, one row per output) is quantized alon
     w[n, k] = q[n, k] * scales[n, k // group_size] - mins[n, k // group_size]      (mins: asymmetric only)
 
 - `q` is int8 [N, K], one value per element whatever the width: bits=8 holds -128..127, bits=6 -32..31
-  (llama.cpp's Q6_K: symmetric groups of 16 under its superblock records, the one 6-bit scheme), bits=5 and
+  (llama.cpp's Q6_K: symmetric groups of 16 under its superblock records, the one 6-bit scheme), bits=3 -4..3
+  (llama.cpp's Q3_K, its scales held in Q6_K's records), bits=5 and
   bits=4 hold -16..15 / -8..7 when symmetric and 0..31 / 0..15 when asymmetric (5 bits: llama.cpp's Q5_0, Q5_1
   and Q5_K, groups of 32). A codebook scheme (llama.cpp's IQ4_NL and IQ4_XS: 4 bits an element, each an index into
   IQ4_LEVELS) holds the levels themselves in q, -127..113.
@@ -68,14 +69,14 @@ def q_range(bits: int, asymmetric: bool, codebook: bool = False) -> tuple[int, i
 
 @dataclasses.dataclass(frozen=True)
 class QuantScheme:
-    bits: int  # 8, 6 (Q6_K only), 5 (groups of 32: Q5_0, Q5_1, Q5_K) or 4
+    bits: int  # 8, 6 (Q6_K only), 5 (groups of 32: Q5_0, Q5_1, Q5_K), 4 or 3 (Q3_K only)
     group_size: int  # elements of a row per scale; K for one scale per output channel
     asymmetric: bool = False  # per-group mins
     scale_dtype: str = "float16"  # how scales and mins are stored: SCALE_DTYPES
     codebook: bool = False  # 4-bit indices into IQ4_LEVELS (IQ4_NL, IQ4_XS): symmetric groups of 32
 
     def __post_init__(self):
-        if self.bits not in (4, 5, 6, 8):
+        if self.bits not in (3, 4, 5, 6, 8):
             raise CompileError(f"quantization to {self.bits} bits is not supported", "use int8 or int4")
         if self.group_size <= 0:
             raise CompileError(f"quantization group size {self.group_size} must be positive")
@@ -87,8 +88,10 @@ class QuantScheme:
                 "K-quant superblock scales are for asymmetric groups of 32 (Q4_K, Q5_K), symmetric ones of 16 "
                 "(Q6_K) or IQ4's groups of 32 (IQ4_XS)"
             )
-        if self.bits == 6 and (self.group_size, self.asymmetric, self.scale_dtype) != (16, False, "kquant"):
-            raise CompileError("6-bit weights are Q6_K's: symmetric groups of 16 under K-quant records")
+        if self.bits in (3, 6) and (self.group_size, self.asymmetric, self.scale_dtype) != (16, False, "kquant"):
+            raise CompileError(
+                f"{self.bits}-bit weights are Q{self.bits}_K's: symmetric groups of 16 under K-quant records"
+            )
         if self.bits == 5 and self.group_size != 32:
             raise CompileError("5-bit weights are in groups of 32 (Q5_0, Q5_1, Q5_K)")
         if self.codebook and (self.bits, self.group_size, self.asymmetric) != (4, 32, False):

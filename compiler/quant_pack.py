@@ -20,6 +20,9 @@ For a QuantizedTensor of w[N, K] (K a multiple of 32, see compiler/quant.py):
   * bits 5 (Q5_0, Q5_1, Q5_K): K * 5/8 bytes per row; chunk c is 20 bytes: int4's 16 bytes of low nibbles of u =
     q + 16 (symmetric) or q (asymmetric), 0..31, then the fifth bits as a little-endian uint32, bit j element
     32c + j (GGUF Q5_0's qh).
+  * bits 3 (Q3_K): K * 3/8 bytes per row; chunk c is 12 bytes: 8 bytes of the low 2 bits of u = q + 4 (0..7), byte j
+    holding elements 32c + j + 8i's at bits 2i..2i+1 (i < 4, as int6's top bits), then the third bits as a
+    little-endian uint32, bit j element 32c + j (as int5's fifth).
   K-quant scales (compiler/kquant.py): scales are the records, uint8 [N, kquant.record_row_bytes(K)], and there are
   no mins.
 
@@ -70,6 +73,11 @@ def pack_cpu(t: QuantizedTensor) -> tuple[np.ndarray, np.ndarray, np.ndarray | N
     u = codebook_indices(t.q) if t.scheme.codebook else (t.q.astype(np.int16) - lo).astype(np.uint8)
     if t.scheme.bits == 8:
         return np.ascontiguousarray(u), scales, mins
+    if t.scheme.bits == 3:
+        c = u.reshape(n, k // 32, 4, 8)
+        low = np.bitwise_or.reduce((c & 3) << (2 * np.arange(4, dtype=np.uint8))[:, None], axis=2)
+        third = np.packbits((c >> 2).reshape(n, k // 32, 32), axis=-1, bitorder="little")
+        return np.ascontiguousarray(np.concatenate([low, third], axis=-1).reshape(n, k * 3 // 8)), scales, mins
     if t.scheme.bits in (5, 6):
         c = u.reshape(n, k // 32, 32)
         low = (c[..., :16] & 0xF) | ((c[..., 16:] & 0xF) << 4)
@@ -93,6 +101,11 @@ def unpack_cpu(
     b = np.asarray(qweight, np.uint8)
     if bits == 8:
         u = b.reshape(n, k)
+    elif bits == 3:
+        c = b.reshape(n, k // 32, 12)
+        low = (c[..., None, :8] >> (2 * np.arange(4, dtype=np.uint8))[:, None]) & 3
+        third = np.unpackbits(c[..., 8:], axis=-1, bitorder="little")
+        u = (low.reshape(n, k // 32, 32) | (third << 2)).reshape(n, k)
     elif bits in (5, 6):
         c = b.reshape(n, k // 32, 4 * bits)
         low = np.concatenate([c[..., :16] & 0xF, c[..., :16] >> 4], axis=-1)

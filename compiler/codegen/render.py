@@ -165,11 +165,13 @@ def _check_quant(target: str, params: Mapping[str, Any], k: Any) -> None:
     """The schemes of compiler/quant.py that the packed layouts (compiler/quant_pack.py) hold, for rows of k: int6
     and int5 on the CPU only (a CUDA build holds them widened to int8, compile.quant_schemes)."""
     bits, g = params["bits"], params["group_size"]
-    if bits not in ((4, 8) if target == "cuda" else (4, 5, 6, 8)):
-        raise ValueError(f"bits must be 8{'' if target == 'cuda' else ', 6, 5'} or 4 on target {target}, got {bits!r}")
+    if bits not in ((4, 8) if target == "cuda" else (3, 4, 5, 6, 8)):
+        raise ValueError(
+            f"bits must be 8{'' if target == 'cuda' else ', 6, 5, 3'} or 4 on target {target}, got {bits!r}"
+        )
     if not isinstance(k, int) or k % 32:
         raise ValueError(f"k must be a multiple of 32 for a quantized weight, got {k!r}")
-    groups = {8: (16, 32, 64, 128, k), 6: (16,), 5: (32,), 4: (32, 64, 128)}[bits]
+    groups = {8: (16, 32, 64, 128, k), 6: (16,), 5: (32,), 4: (32, 64, 128), 3: (16,)}[bits]
     if g not in groups:
         raise ValueError(f"group_size must be one of {sorted(set(groups))} for int{bits}, got {g!r}")
     if params["scale_bits"] not in (16, 32, 8):
@@ -184,8 +186,11 @@ def _check_quant(target: str, params: Mapping[str, Any], k: Any) -> None:
             "K-quant scales (scale_bits 8) need asymmetric groups of 32, symmetric ones of 16 or IQ4's of 32, and k a "
             f"multiple of 256, got group_size {g!r}, k {k!r}"
         )
-    if (bits == 6) != (params["scale_bits"] == 8 and not params["asymmetric"] and not codebook):
-        raise ValueError("int6 weights are Q6_K's: symmetric, under K-quant records (scale_bits 8), and only they are")
+    if (bits in (3, 6)) != (params["scale_bits"] == 8 and not params["asymmetric"] and not codebook):
+        raise ValueError(
+            "int6 and int3 weights are Q6_K's and Q3_K's: symmetric, under Q6_K's records (scale_bits 8), and only "
+            "they are"
+        )
     if codebook and (target == "cuda" or (bits, g, bool(params["asymmetric"])) != (4, 32, False)):
         raise ValueError("codebook (IQ4) weights are 4-bit, in symmetric groups of 32, on the CPU")
 

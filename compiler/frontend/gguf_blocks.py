@@ -26,9 +26,11 @@ def _rows(a: np.ndarray) -> np.ndarray:
 
 # What each imported type is in compiler/quant.py's terms: exactly its blocks' values. The legacy types' scales
 # (and mins) are the blocks' fp16 d (and m). Q4_K's, Q5_K's and Q6_K's are their own superblock records (kquant,
-# compiler/kquant.py), as are IQ4_XS's; Q2_K's and Q3_K's are fp16 d x a 4- or 6-bit sub-scale, held in fp32.
-# The legacy types, Q4_K, Q5_K, Q6_K, IQ4_NL and IQ4_XS keep the file's bytes per weight (a CUDA build holds the 5-
-# and 6-bit ones and the IQ4 codebook in int8: compile.quant_schemes); Q2_K and Q3_K are held widened, in int8.
+# compiler/kquant.py), as are IQ4_XS's, and Q3_K's are held in Q6_K's (its 6-bit codes as int8: 18 bytes a
+# superblock for the file's 14); Q2_K's are fp16 d x a 4-bit sub-scale, held in fp32.
+# The legacy types, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL and IQ4_XS keep the file's bytes per weight, Q3_K but for 4
+# bytes a superblock (a CUDA build holds the 3-, 5- and 6-bit ones and the IQ4 codebook in int8:
+# compile.quant_schemes); Q2_K is held widened, in int8.
 SCHEMES = {
     GGMLType.Q8_0: QuantScheme(8, 32),
     GGMLType.Q4_0: QuantScheme(4, 32),
@@ -36,7 +38,7 @@ SCHEMES = {
     GGMLType.Q5_0: QuantScheme(5, 32),
     GGMLType.Q5_1: QuantScheme(5, 32, asymmetric=True),
     GGMLType.Q2_K: QuantScheme(8, 16, asymmetric=True, scale_dtype="float32"),
-    GGMLType.Q3_K: QuantScheme(8, 16, scale_dtype="float32"),
+    GGMLType.Q3_K: QuantScheme(3, 16, scale_dtype="kquant"),
     GGMLType.Q4_K: QuantScheme(4, 32, asymmetric=True, scale_dtype="kquant"),
     GGMLType.Q5_K: QuantScheme(5, 32, asymmetric=True, scale_dtype="kquant"),
     GGMLType.Q6_K: QuantScheme(6, 16, scale_dtype="kquant"),
@@ -112,8 +114,8 @@ def _q3_k(b: np.ndarray) -> QuantizedTensor:
     lo = np.concatenate([s[..., 0:8] & 0xF, s[..., 0:8] >> 4], axis=-1)
     hi = (s[..., None, 8:12] >> np.array([0, 2, 4, 6], np.uint8)[:, None]).reshape(*b.shape[:2], 16) & 3
     sc = (lo | (hi << 4)).astype(np.int8) - 32
-    scales = _rows(fp16_values(b[..., 108:110])[..., None] * sc.astype(np.float32))
-    return QuantizedTensor(_rows(q), scales, None, SCHEMES[GGMLType.Q3_K])
+    records = kquant.encode6(b[..., 108:110].copy().view("<f2")[..., 0], sc)  # Q6_K's record holds them exactly
+    return QuantizedTensor(_rows(q), kquant.decode6(records), None, SCHEMES[GGMLType.Q3_K], records)
 
 
 def _q4_k(b: np.ndarray) -> QuantizedTensor:

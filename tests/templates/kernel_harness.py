@@ -350,13 +350,13 @@ class CudaTemplates:
     target = "cuda"
 
     def spec(self, op: str, params: dict) -> tuple[str, dict] | None:
-        """None for an op with no CUDA template (the CPU's mixture-of-experts kernels), and for int6, int5
-        and IQ4 weights (a CUDA build holds them widened to int8)."""
+        """None for an op with no CUDA template (the CPU's mixture-of-experts kernels), and for int6, int5,
+        int3 and IQ4 weights (a CUDA build holds them widened to int8)."""
         try:
             template_path("cuda", op)
         except CompileError:
             return None
-        if params.get("bits") in (5, 6) or params.get("codebook"):
+        if params.get("bits") in (3, 5, 6) or params.get("codebook"):
             return None
         return op, target_params("cuda", params)
 

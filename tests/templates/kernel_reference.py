@@ -47,8 +47,8 @@ def bf16_bits_of(a):
 
 
 def quantized_weight(w, scheme, rng):
-    """compiler/quant.py's quantize(w, scheme), or for K-quant records at 5 or 8 bits (GGUF Q5_K, which llmc's
-    quantizer does not write) random 5-bit q under random records."""
+    """compiler/quant.py's quantize(w, scheme), or for K-quant records at 5 or 8 bits (GGUF Q5_K) and 3 (Q3_K),
+    which llmc's quantizer does not write, random q under random records."""
     from llmc.compiler import kquant
     from llmc.compiler.quant import QuantizedTensor, quantize
 
@@ -56,6 +56,11 @@ def quantized_weight(w, scheme, rng):
         return quantize(w, scheme)
     n, k = w.shape
     half = (n, k // kquant.SUPERBLOCK)
+    if scheme.bits == 3:  # Q3_K: 6-bit codes less 32 in Q6_K's record
+        records = kquant.encode6((rng.random(half) * 0.004).astype(np.float16), rng.integers(-32, 32, (*half, 16)))
+        return QuantizedTensor(
+            rng.integers(-4, 4, (n, k)).astype(np.int8), kquant.decode6(records), None, scheme, records
+        )
     d, dmin = ((rng.random(half) * 0.004).astype(np.float16) for _ in range(2))
     sc, m = (rng.integers(0, 64, (*half, kquant.GROUPS)) for _ in range(2))
     records = kquant.encode(d, dmin, sc, m)

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from llmc.compiler.codegen.render import render_kernel
-from llmc.compiler.quant import IQ4_LEVELS, QuantScheme, dequantize, quantize
+from llmc.compiler.quant import IQ4_LEVELS, QuantScheme, dequantize
 from llmc.compiler.quant_pack import pack_cpu, unpack_cpu
 from llmc.errors import CompileError
 from tests.templates.kernel_harness import spec_id
@@ -59,6 +59,8 @@ SCHEMES = [
     (53, 160, 5, 32, False, 16),  # GGUF Q5_0
     (37, 96, 5, 32, True, 16),  # GGUF Q5_1
     (19, 512, 5, 32, True, 8),  # GGUF Q5_K under its own records
+    (37, 256, 3, 16, False, 8),  # GGUF Q3_K: int3 under Q6_K's records
+    (53, 768, 3, 16, False, 8),
 ]
 
 
@@ -136,7 +138,7 @@ def test_qgemm_row_independent_of_batch(kernels, op, params):
 
 
 @pytest.mark.parametrize("T", [1, 4, 17, 129])
-@pytest.mark.parametrize("op,params", [CASES[5], CASES[-11], CASES[-9], CASES[-5], CASES[-1], IQ4_CASES[2]])
+@pytest.mark.parametrize("op,params", [CASES[5], CASES[-15], CASES[-13], CASES[-9], CASES[-5], CASES[-1], IQ4_CASES[2]])
 def test_qgemm_independent_of_schedule(kernels, schedules, op, params, T):
     """Thread counts 1, 2 and 3 give bit-identical results."""
     fn = kernels(op, params)
@@ -160,19 +162,21 @@ def test_qgemm_independent_of_schedule(kernels, schedules, op, params, T):
         (6, 16, False, False),
         (5, 32, False, False),
         (4, 32, False, True),
+        (3, 16, False, False),
     ],
 )
 def test_pack_cpu_layout(bits, g, asym, codebook):
     """pack_cpu writes the contract's layout: int8 as u = q + 128; int4's chunk c byte j = u[32c + j] |
     u[32c + j + 16] << 4; int6's 24-byte chunk: those nibbles of u = q + 32, then byte 16 + j holding element
     32c + j + 8i's top 2 bits at bits 2i; int5's 20-byte chunk: the nibbles of u = q + 16, then the fifth bits as
-    a little-endian uint32; IQ4: int4's nibbles of u, the index of q among IQ4_LEVELS."""
+    a little-endian uint32; IQ4: int4's nibbles of u, the index of q among IQ4_LEVELS; int3's 12-byte chunk: the
+    low 2 bits of u = q + 4 as int6's top bits, then the third bits as int5's fifth."""
     rng = np.random.default_rng(0)
-    k = 256 if bits == 6 else 96
-    scheme = QuantScheme(bits, g, asym, "kquant" if bits == 6 else "float16", codebook)
-    t = quantize(rng.standard_normal((5, k), dtype=np.float32), scheme)
+    k = 256 if bits in (3, 6) else 96
+    scheme = QuantScheme(bits, g, asym, "kquant" if bits in (3, 6) else "float16", codebook)
+    t = quantized_weight(rng.standard_normal((5, k), dtype=np.float32), scheme, rng)
     qweight, scales, mins = pack_cpu(t)
-    if bits == 6:
+    if bits in (3, 6):
         assert np.array_equal(scales, t.records)
     else:
         assert qweight.dtype == np.uint8 and scales.dtype == np.float16 and np.array_equal(scales, t.scales)
@@ -186,7 +190,13 @@ def test_pack_cpu_layout(bits, g, asym, codebook):
         u = np.searchsorted(IQ4_LEVELS, t.q).astype(np.int64)
         assert np.array_equal(IQ4_LEVELS[u], t.q)
     else:
-        u = t.q.astype(np.int64) + {4: 0 if asym else 8, 6: 32, 5: 16}[bits]
+        u = t.q.astype(np.int64) + {4: 0 if asym else 8, 6: 32, 5: 16, 3: 4}[bits]
+    if bits == 3:
+        for n, c, j in [(0, 0, 0), (4, 2, 7), (2, 7, 3)]:
+            assert qweight[n, 12 * c + j] == sum((u[n, 32 * c + j + 8 * i] & 3) << (2 * i) for i in range(4))
+            third = int.from_bytes(qweight[n, 12 * c + 8 : 12 * c + 12].tobytes(), "little")
+            assert third == sum(int(u[n, 32 * c + e] >> 2) << e for e in range(32))
+        return
     chunk = {6: 24, 5: 20, 4: 16}[bits]
     for n, c, j in [(0, 0, 0), (4, 2, 15), (2, 1, 7)]:
         assert qweight[n, chunk * c + j] == (u[n, 32 * c + j] & 15) | ((u[n, 32 * c + j + 16] & 15) << 4)
@@ -206,9 +216,10 @@ def test_pack_cpu_layout(bits, g, asym, codebook):
         (dict(k=100), "multiple of 32"),
         (dict(bits=4, group_size=16), "group_size must be one of"),
         (dict(group_size=48), "group_size must be one of"),
-        (dict(bits=3), "bits must be 8, 6, 5 or 4"),
+        (dict(bits=2), "bits must be 8, 6, 5, 3 or 4"),
+        (dict(bits=3, group_size=16), "int6 and int3 weights"),  # fp16 scales
         (dict(bits=5, group_size=64), "group_size must be one of"),
-        (dict(bits=6, group_size=16), "int6 weights are Q6_K's"),  # fp16 scales
+        (dict(bits=6, group_size=16), "int6 and int3 weights"),  # fp16 scales
         (dict(bits=6, group_size=16, scale_bits=8, k=256, asymmetric=True), "K-quant scales"),
         (dict(scale_bits=12), "scale_bits must be 16"),
         (dict(scale_bits=8), "K-quant scales"),  # int8 g32 symmetric, K = 96

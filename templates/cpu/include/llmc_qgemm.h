@@ -1,4 +1,5 @@
-// llmc CPU target: the quantized GEMM / GEMV of a linear layer with int8, int6 (Q6_K), int5, int4 or IQ4 weights.
+// llmc CPU target: the quantized GEMM / GEMV of a linear layer with int8, int6 (Q6_K), int5, int4, int3 (Q3_K) or
+// IQ4 weights.
 #pragma once
 
 #include <type_traits>
@@ -16,11 +17,12 @@ namespace llmc {
 //   u = q + 8 (symmetric) or q (ASYM, with mins);  BITS 6: 3K/4 bytes, per chunk int4's 16 bytes of the low
 //   nibbles of u = q + 32, then 8 bytes of the top 2 bits (byte j: element j + 8i's at bits 2i);  BITS 5: 5K/8
 //   bytes, per chunk int4's 16 bytes of the low nibbles of u = q + 16 (symmetric) or q (ASYM), then the fifth
-//   bits as a little-endian uint32 (bit j: element j);  BITS kIq4 (IQ4_NL / IQ4_XS's codebook): int4's K/2 bytes,
+//   bits as a little-endian uint32 (bit j: element j);  BITS 3 (Q3_K): 3K/8 bytes, per chunk 8 bytes of the low 2
+//   bits of u = q + 4 (byte j: element j + 8i's at bits 2i), then the third bits as int5's fifth;  BITS kIq4 (IQ4_NL / IQ4_XS's codebook): int4's K/2 bytes,
 //   u the index of q's level (kIq4LevelsU);  scales / mins
 //   SC [N, ceil(K / GS)], SC float, or uint16_t holding fp16 bits (converted exactly to float in registers as a
 //   tile goes; fp16 cuts int4 g32's bytes by 10%), or KScales: the K-quants' superblock records [N, K / 256],
-//   which hold the mins (mins null; see KScales), or KScales6: Q6_K's records [N, K / 256] (int6, GS 16), or
+//   which hold the mins (mins null; see KScales), or KScales6: Q6_K's records [N, K / 256] (int6 and int3, GS 16), or
 //   Iq4Scales: IQ4_XS's [N, K / 256].
 //
 // Activations are quantized to int8 first, llama.cpp Q8_0-style: per block of 32 of a row, d = amax / 127,
@@ -28,9 +30,9 @@ namespace llmc {
 // -128). The manifest records this as "activations": "int8 per 32". The dot products are then exact
 // integer sums, turned into float once per block.
 //
-// Numerics. A row is walked in steps: int8, int6, int5 and IQ4, one block of 32; int4, a pair of blocks (2i, 2i + 1), whose 16
+// Numerics. A row is walked in steps: int8, int6, int5, int3 and IQ4, one block of 32; int4, a pair of blocks (2i, 2i + 1), whose 16
 // packed bytes each load as one 32-byte vector (the second block absent at an odd tail). Each step gives
-// 8 int32 lanes P[l], exact: int8 / int6 / int5 / IQ4, lane l sums elements 4l..4l+3 of the block; int4, lanes 0-3 hold block
+// 8 int32 lanes P[l], exact: int8 / int6 / int5 / int3 / IQ4, lane l sums elements 4l..4l+3 of the block; int4, lanes 0-3 hold block
 // 2i and lanes 4-7 block 2i + 1, lane l sums elements {4l', 16 + 4l'} + 0..3 (l' = l % 4). DX[l] is the
 // lane's activation scale, S[l] its weight scale. When a step spans two weight groups (int8 g16, int4 g32):
 // acc[l] += float(P[l]) * (DX[l] * S[l]) per step. Otherwise, per group g in order: gacc[l] = sum over the
@@ -83,6 +85,8 @@ struct QStep<6> : QStep<8> {};  // int6 and int5 steps are int8's: one block of 
 template <>
 struct QStep<5> : QStep<8> {};
 template <>
+struct QStep<3> : QStep<8> {};
+template <>
 struct QStep<kIq4> : QStep<8> {};
 template <>
 struct QStep<4> {
@@ -94,7 +98,8 @@ struct QStep<4> {
 template <int K, int BITS, int GS>
 struct QShape {
   static_assert(K % 32 == 0, "qgemm: K must be a multiple of 32");
-  static_assert(BITS == 8 || BITS == 6 || BITS == 5 || BITS == 4 || BITS == kIq4, "qgemm: 8, 6, 5, 4 bits or IQ4");
+  static_assert(BITS == 8 || BITS == 6 || BITS == 5 || BITS == 4 || BITS == 3 || BITS == kIq4,
+                "qgemm: 8, 6, 5, 4, 3 bits or IQ4");
   static_assert(GS == 16 || GS % 32 == 0, "qgemm: group size 16 or a multiple of 32");
   static constexpr int NB = K / 32;                     // blocks of 32 per row
   static constexpr int NS = BITS == 4 ? (NB + 1) / 2 : NB;  // steps per row
@@ -192,7 +197,7 @@ LLMC_INLINE void qdot_tile(const QStep<BITS>* LLMC_RESTRICT steps, const float* 
   // IQ4_XS records: a record's 8 scales decoded in registers as its first group is reached
   constexpr bool IQ4R = std::is_same_v<SC, Iq4Scales>;
   static_assert(!IQ4R || (GS == 32 && !ASYM && S::G % 8 == 0), "qgemm: IQ4_XS records need K % 256 == 0");
-  static_assert((BITS != 6 && BITS != kIq4) || !ASYM, "qgemm: int6 and IQ4 weights are symmetric");
+  static_assert((BITS != 6 && BITS != 3 && BITS != kIq4) || !ASYM, "qgemm: int6, int3 and IQ4 weights are symmetric");
   constexpr int SROW = S::G / groups_per_scale<SC>;  // a row's scales: G values, or its records
   const SC* sp = scales + (long)j * SROW;
   float mbuf[HALF && ASYM ? C * S::G : 1];
@@ -221,7 +226,7 @@ LLMC_INLINE void qdot_tile(const QStep<BITS>* LLMC_RESTRICT steps, const float* 
     Bytes wlo[C], whi[C];
     LLMC_UNROLL for (int c = 0; c < C; ++c) {
       const uint8_t* p = wr + c * S::RB + (long)s * SB;
-      if constexpr (PF > 0 && (BITS == 6 || BITS == 5 || BITS == kIq4)) {
+      if constexpr (PF > 0 && (BITS == 6 || BITS == 5 || BITS == 3 || BITS == kIq4)) {
         if ((s * SB) % 64 < SB) __builtin_prefetch(p + PF, 0, 3);  // one per 64-byte line the step starts
       } else if constexpr (PF > 0) {
         if (s % 2 == 0) {  // one per 64-byte line: in address order over a tile shorter than PF (llmc_gemm.h)
@@ -238,6 +243,8 @@ LLMC_INLINE void qdot_tile(const QStep<BITS>* LLMC_RESTRICT steps, const float* 
         wlo[c] = decode6(p);
       } else if constexpr (BITS == 5) {
         wlo[c] = decode5(p);
+      } else if constexpr (BITS == 3) {
+        wlo[c] = decode3(p);
       } else if constexpr (BITS == kIq4) {
         wlo[c] = decode_iq4(p);
       } else if constexpr (decltype(tail)::value) {
@@ -250,7 +257,8 @@ LLMC_INLINE void qdot_tile(const QStep<BITS>* LLMC_RESTRICT steps, const float* 
       const QStep<BITS>& a = steps[(long)r * S::NS + s];
       const Floats dx = load_floats(a.dx);
       if constexpr (BITS != 4) {
-        constexpr int BIAS = BITS == 8 || BITS == kIq4 ? 128 : BITS == 6 ? 32 : ASYM ? 0 : 16;  // the u of q = 0
+        // the u of q = 0
+        constexpr int BIAS = BITS == 8 || BITS == kIq4 ? 128 : BITS == 6 ? 32 : BITS == 3 ? 4 : ASYM ? 0 : 16;
         const Bytes xv = load32(a.x);
         const Ints base = neg_bias_of<BIAS>(xv);
         LLMC_UNROLL for (int c = 0; c < C; ++c) into(r, c, dot_biased<BIAS>(base, wlo[c], xv), dx);
@@ -529,16 +537,24 @@ LLMC_INLINE unsigned char* qgemm_scratch(size_t bytes) {
 }
 }  // namespace
 
-// rows [0, n) of int5 / int6 / IQ4 packed weights w as int8's (u + 128 - the u of q = 0): K bytes a row.
+// rows [0, n) of int5 / int6 / int3 / IQ4 packed weights w as int8's (u + 128 - the u of q = 0): K bytes a row.
 template <int K, int BITS, bool ASYM>
 inline void widen_to_int8(const uint8_t* LLMC_RESTRICT w, int n, uint8_t* LLMC_RESTRICT out) {
   using S = QShape<K, BITS, 32>;
-  constexpr int BIAS = BITS == kIq4 ? 128 : BITS == 6 ? 32 : ASYM ? 0 : 16;
+  constexpr int BIAS = BITS == kIq4 ? 128 : BITS == 6 ? 32 : BITS == 3 ? 4 : ASYM ? 0 : 16;
   const qsimd::Bytes shift = qsimd::splat_bytes(int8_t(128 - BIAS));
   for (long r = 0; r < n; ++r) {
     for (int c = 0; c < S::NB; ++c) {
       const uint8_t* p = w + r * S::RB + (long)c * S::SB;
-      const qsimd::Bytes u = BITS == kIq4 ? qsimd::decode_iq4(p) : BITS == 6 ? qsimd::decode6(p) : qsimd::decode5(p);
+      qsimd::Bytes u;
+      if constexpr (BITS == kIq4)
+        u = qsimd::decode_iq4(p);
+      else if constexpr (BITS == 6)
+        u = qsimd::decode6(p);
+      else if constexpr (BITS == 3)
+        u = qsimd::decode3(p);
+      else
+        u = qsimd::decode5(p);
       qsimd::store32(out + r * K + 32 * c, qsimd::add_bytes(u, shift));
     }
   }
@@ -610,10 +626,10 @@ inline void qgemm(const float* LLMC_RESTRICT x, const uint8_t* LLMC_RESTRICT qwe
     return;
   }
   // Prefill: tasks of kQgemmTChunk rows x a block of outputs whose weights stay in L2, each output at index
-  // j - j0 of its block (block_weights). int5 / int6 / IQ4 blocks are widened to int8 there, once per task, and run as
+  // j - j0 of its block (block_weights). int5 / int6 / int3 / IQ4 blocks are widened to int8 there, once per task, and run as
   // int8: the same integer dots as their decode tiles (so the same numbers), without decoding a weight vector
   // again for every few rows (decoding per tile made SmolLM-135M Q4_K_M's 128-token prefill 1.3x slower).
-  constexpr int KB = BITS == 5 || BITS == 6 || BITS == kIq4 ? 8 : BITS;  // the bits the prefill's tiles read
+  constexpr int KB = BITS == 4 ? 4 : 8;  // the bits the prefill's tiles read: int4's own, else int8's
   using SK = QShape<K, KB, GS>;
   const QStep<KB>* ksteps = steps;
   constexpr int NB0 = (int)std::max<long>(16, kQgemmBlockBytes / RB) / 8 * 8;
@@ -749,7 +765,7 @@ inline void qembedding(const int32_t* ids, int T, const uint8_t* LLMC_RESTRICT q
   constexpr int G = (H + GS - 1) / GS;
   constexpr int RB = H * stored_bits(BITS) / 8;
   // the q stored as u = 0 (IQ4: u is an index, its level kIq4LevelsU[u] - 128)
-  constexpr int LO = BITS == 8 ? -128 : BITS == 6 ? -32 : ASYM || BITS == kIq4 ? 0 : BITS == 5 ? -16 : -8;
+  constexpr int LO = BITS == 8 ? -128 : BITS == 6 ? -32 : BITS == 3 ? -4 : ASYM || BITS == kIq4 ? 0 : BITS == 5 ? -16 : -8;
   parallel_for(T, (long)T * H >= kParallelWork, [&](int t) {
     const long row = ids[t];
     const uint8_t* u = qweight + row * RB;
@@ -762,6 +778,9 @@ inline void qembedding(const int32_t* ids, int T, const uint8_t* LLMC_RESTRICT q
       int q = LO;
       if constexpr (BITS == 8) {
         q += u[k];
+      } else if constexpr (BITS == 3) {  // 12-byte chunks: the low 2 bits of element 32c + j + 8i at bits 2i of
+        // byte j, then the third bit at bit j of the uint32 at byte 8
+        q += ((u[cb + e % 8] >> (2 * (e / 8))) & 3) | (((u[cb + 8 + e / 8] >> (e % 8)) & 1) << 2);
       } else {
         q += (u[cb + e % 16] >> (e / 16 * 4)) & 0xF;
         if constexpr (BITS == 6) q += ((u[cb + 16 + e % 8] >> (2 * (e / 8))) & 3) << 4;

@@ -48,31 +48,40 @@ LLMC_INLINE Bytes nibbles_in_order(const uint8_t* p) {
   const __m128i nib = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(nib, 4), nib), _mm256_set1_epi8(0x0F));
 }
-// 24 bytes of an int6 chunk -> its 32 u = q + 32 in order: the low nibbles, the top 2 bits of element j + 8i
-// from bits 2i of byte 16 + j, one 64-bit lane i each.
+// 8 bytes of 2-bit fields -> 32 values in order: element j + 8i's from bits 2i of byte j, one 64-bit lane i each
+// (int6's top 2 bits, int3's low 2).
+LLMC_INLINE Bytes bit_pairs_in_order(const uint8_t* p) {
+  int64_t v;
+  std::memcpy(&v, p, 8);
+  const __m256i lanes = _mm256_srlv_epi64(_mm256_set1_epi64x(v), _mm256_setr_epi64x(0, 2, 4, 6));
+  return _mm256_and_si256(lanes, _mm256_set1_epi8(0x03));
+}
+// A little-endian uint32 of bit planes -> 32 bytes, 0xFF where element j's bit j is set (each byte spread to 8
+// lanes, each lane testing its own bit), as llama.cpp's Q5_0 (int5's fifth bit, int3's third).
+LLMC_INLINE Bytes bits_in_order(const uint8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  const __m256i spread = _mm256_shuffle_epi8(
+      _mm256_set1_epi32(v), _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0));
+  const __m256i bit = _mm256_set1_epi64x(int64_t(0x8040201008040201));
+  return _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+}
+// 24 bytes of an int6 chunk -> its 32 u = q + 32 in order: the low nibbles, then the top 2 bits' 8 bytes.
 LLMC_INLINE Bytes decode6(const uint8_t* p) {
-  const __m256i lo = nibbles_in_order(p);
-  int64_t top;
-  std::memcpy(&top, p + 16, 8);
-  const __m256i hv = _mm256_srlv_epi64(_mm256_set1_epi64x(top), _mm256_setr_epi64x(0, 2, 4, 6));
-  return _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(hv, _mm256_set1_epi8(0x03)), 4));
+  return _mm256_or_si256(nibbles_in_order(p), _mm256_slli_epi16(bit_pairs_in_order(p + 16), 4));
+}
+// 12 bytes of an int3 chunk -> its 32 u = q + 4 in order: the low 2 bits' 8 bytes, then the third bits' uint32.
+LLMC_INLINE Bytes decode3(const uint8_t* p) {
+  return _mm256_or_si256(bit_pairs_in_order(p), _mm256_and_si256(bits_in_order(p + 8), _mm256_set1_epi8(0x04)));
 }
 // 16 bytes of an IQ4 chunk -> its 32 u = level + 128 in order: each nibble looks its level up (one byte shuffle).
 LLMC_INLINE Bytes decode_iq4(const uint8_t* p) {
   const __m256i lut = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(kIq4LevelsU)));
   return _mm256_shuffle_epi8(lut, nibbles_in_order(p));
 }
-// 20 bytes of an int5 chunk -> its 32 u in order: the low nibbles, element j's fifth bit from bit j of the
-// uint32 at byte 16 (each byte spread to 8 lanes, each lane testing its own bit), as llama.cpp's Q5_0.
+// 20 bytes of an int5 chunk -> its 32 u in order: the low nibbles, then the fifth bits' uint32.
 LLMC_INLINE Bytes decode5(const uint8_t* p) {
-  const __m256i lo = nibbles_in_order(p);
-  int32_t top;
-  std::memcpy(&top, p + 16, 4);
-  const __m256i spread = _mm256_shuffle_epi8(
-      _mm256_set1_epi32(top), _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0));
-  const __m256i bit = _mm256_set1_epi64x(int64_t(0x8040201008040201));
-  const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
-  return _mm256_or_si256(lo, _mm256_and_si256(set, _mm256_set1_epi8(0x10)));
+  return _mm256_or_si256(nibbles_in_order(p), _mm256_and_si256(bits_in_order(p + 16), _mm256_set1_epi8(0x10)));
 }
 // acc + sum of 4 products u[4l + i] * s[4l + i] per lane l: u unsigned, s signed (u * s pairs fit int16:
 // u <= 255 with |s| <= 127 would not, callers pass u <= 128, or u <= 15 two at a time).
@@ -264,6 +273,11 @@ LLMC_INLINE Bytes decode6(const uint8_t* p) {
 LLMC_INLINE Bytes decode_iq4(const uint8_t* p) {
   Bytes r;
   for (int j = 0; j < 32; ++j) r.v[j] = int8_t(kIq4LevelsU[(p[j % 16] >> (j / 16 * 4)) & 0x0F]);
+  return r;
+}
+LLMC_INLINE Bytes decode3(const uint8_t* p) {
+  Bytes r;
+  for (int j = 0; j < 32; ++j) r.v[j] = int8_t(((p[j % 8] >> (2 * (j / 8))) & 3) | (((p[8 + j / 8] >> (j % 8)) & 1) << 2));
   return r;
 }
 LLMC_INLINE Bytes decode5(const uint8_t* p) {
