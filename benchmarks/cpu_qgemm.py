@@ -122,7 +122,10 @@ def build(headers: dict[str, str], specs: list[tuple]) -> ctypes.CDLL:
         if op == "qgemm":
             parts.append(
                 _QLOOP.format(
-                    kid=kid, sc=scale_ctype(params["scale_bits"], params["asymmetric"], params.get("codebook", False))
+                    kid=kid,
+                    sc=scale_ctype(
+                        params["scale_bits"], params["asymmetric"], params.get("codebook", False), params["group_size"]
+                    ),
                 )
             )
         else:

@@ -31,8 +31,8 @@ gguf.quants, every matrix including the embedding, norms F32):
   int4   llmc --quant int4 --group-size 32 --quant-lm-head    llama.cpp Q4_0
 and, not run by default (--rows), llama.cpp's own file types, quantized by llama.cpp (llama_model_quantize) from
 the F32 file, where llmc compiles that same file (imported exactly, at the types it holds natively or widened):
-  q4_k_m  q5_k_m  q6_k  q4_1  iq4_nl  iq4_xs  q3_k_m          llama.cpp Q4_K_M, Q5_K_M, Q6_K, Q4_1, IQ4_NL, IQ4_XS,
-                                                              Q3_K_M
+  q4_k_m  q5_k_m  q6_k  q4_1  iq4_nl  iq4_xs  q3_k_m  q2_k    llama.cpp Q4_K_M, Q5_K_M, Q6_K, Q4_1, IQ4_NL, IQ4_XS,
+                                                              Q3_K_M, Q2_K
 A row whose llmc options are None measures llama.cpp alone and prints "—" for llmc.
 For each row, both peers get the same prompt token ids (--prompt-len random ids of the checkpoint's tokenizer),
 the same --tokens greedy decode tokens and the same --threads, and a KV cache of the same bytes: 16 bits a value,
@@ -100,7 +100,7 @@ SHAPE_FAMILY = {"qwen3-30b-a3b-4l": "qwen3_moe"}  # common.FAMILIES; the others 
 
 GGUF_ITSELF = {"dtype": "float32", "from_gguf": True}  # llmc compiles the llama.cpp file of the row
 # llama.cpp's quantizer's file types (llama_model_quantize ftypes): the gguf package does not write them
-LLAMA_CPP_FTYPES = {"Q4_1": 3, "Q4_K_M": 15, "Q5_K_M": 17, "Q6_K": 18, "IQ4_NL": 25, "IQ4_XS": 30, "Q3_K_M": 12}
+LLAMA_CPP_FTYPES = {"Q4_1": 3, "Q4_K_M": 15, "Q5_K_M": 17, "Q6_K": 18, "IQ4_NL": 25, "IQ4_XS": 30, "Q3_K_M": 12, "Q2_K": 10}
 
 # row -> (llmc compile options for common.compiled, None for a row llmc has no build for; llama.cpp GGUF type).
 # The quantized rows match llama.cpp's files: symmetric groups of 32 over every matrix, the tied lm_head included
@@ -118,6 +118,7 @@ ROWS = {
     "iq4_nl": (GGUF_ITSELF, "IQ4_NL"),
     "iq4_xs": (GGUF_ITSELF, "IQ4_XS"),
     "q3_k_m": (GGUF_ITSELF, "Q3_K_M"),
+    "q2_k": (GGUF_ITSELF, "Q2_K"),
 }
 DEFAULT_ROWS = ("fp32", "bf16", "int8", "int4")
 

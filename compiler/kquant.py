@@ -21,6 +21,12 @@ with group j's scale d * sc[j] (exact in float32): 0.5625 bits a weight. `quanti
 quantizer: each group's scale searched (make_qx_quants), then the superblock's int8 codes. Q3_K's scales (fp16 d,
 sixteen 6-bit codes less 32, packed in 14 bytes) are held in the same record.
 
+Q2_K's superblock (asymmetric groups of 16) is 20 bytes, its GGUF block's fields but for the 2-bit values:
+
+    codes: uint8[16], group j's 4-bit scale code (low nibble) and min code (high) | d: fp16 | dmin: fp16
+
+with group j's scale d * sc[j] and min dmin * m[j], exact in float32.
+
 IQ4_XS's superblock (symmetric groups of 32 of IQ4's levels, no mins) is 8 bytes, as its GGUF block begins:
 
     d: fp16 | scales_h: uint16 | scales_l: uint8[4]
@@ -42,20 +48,27 @@ RECORD_BYTES = 16
 GROUP6, GROUPS6 = 16, 16  # Q6_K: groups of 16, 16 a superblock
 RECORD6_BYTES = 18
 RECORD_IQ4_BYTES = 8
+RECORD2_BYTES = 20
+# The records, by the groups they scale (group size, asymmetric, codebook): their bytes a superblock
+RECORD_KINDS = {
+    (32, True, False): RECORD_BYTES,  # Q4_K, Q5_K
+    (16, False, False): RECORD6_BYTES,  # Q6_K (Q3_K's scales too)
+    (32, False, True): RECORD_IQ4_BYTES,  # IQ4_XS
+    (16, True, False): RECORD2_BYTES,  # Q2_K
+}
 
 
-def record_row_bytes(k: int, asymmetric: bool, codebook: bool = False) -> int:
-    """Bytes of records in a row of K (a multiple of 256): Q4_K / Q5_K's (asymmetric), IQ4_XS's (codebook) or
-    Q6_K's."""
-    return k // SUPERBLOCK * (RECORD_BYTES if asymmetric else RECORD_IQ4_BYTES if codebook else RECORD6_BYTES)
+def record_row_bytes(k: int, group_size: int, asymmetric: bool, codebook: bool = False) -> int:
+    """Bytes of records in a row of K (a multiple of 256) for groups of that kind (RECORD_KINDS)."""
+    return k // SUPERBLOCK * RECORD_KINDS[group_size, asymmetric, codebook]
 
 
 def decode_records(
-    records: np.ndarray, asymmetric: bool, codebook: bool = False
+    records: np.ndarray, group_size: int, asymmetric: bool, codebook: bool = False
 ) -> tuple[np.ndarray, np.ndarray | None]:
-    """Records of any kind (record_row_bytes) -> (scales, mins or None) float32, exactly."""
+    """Records of any kind (RECORD_KINDS) -> (scales, mins or None) float32, exactly."""
     if asymmetric:
-        return decode(records)
+        return decode(records) if group_size == GROUP else decode_q2k(records)
     return (decode_iq4xs(records) if codebook else decode6(records)), None
 
 
@@ -87,6 +100,15 @@ def decode6(records: np.ndarray) -> np.ndarray:
     r = records.reshape(n, -1, RECORD6_BYTES)
     sc = np.ascontiguousarray(r[..., :16]).view(np.int8).astype(np.float32)
     return (fp16_values(r[..., 16:18])[..., None] * sc).reshape(n, -1)
+
+
+def decode_q2k(records: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """uint8 [N, S * 20] (Q2_K records) -> (scales, mins) float32 [N, S * 16], exactly."""
+    n = records.shape[0]
+    r = records.reshape(n, -1, RECORD2_BYTES)
+    codes, d, dmin = r[..., :16], fp16_values(r[..., 16:18]), fp16_values(r[..., 18:20])
+    scales = d[..., None] * (codes & 0xF).astype(np.float32)
+    return scales.reshape(n, -1), (dmin[..., None] * (codes >> 4).astype(np.float32)).reshape(n, -1)
 
 
 def decode_iq4xs(records: np.ndarray) -> np.ndarray:

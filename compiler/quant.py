@@ -8,7 +8,7 @@ A weight matrix w[N, K] (HF Linear layout, one row per output) is quantized alon
 
 - `q` is int8 [N, K], one value per element whatever the width: bits=8 holds -128..127, bits=6 -32..31
   (llama.cpp's Q6_K: symmetric groups of 16 under its superblock records, the one 6-bit scheme), bits=3 -4..3
-  (llama.cpp's Q3_K, its scales held in Q6_K's records), bits=5 and
+  (llama.cpp's Q3_K, its scales held in Q6_K's records), bits=2 0..3 with mins (Q2_K), bits=5 and
   bits=4 hold -16..15 / -8..7 when symmetric and 0..31 / 0..15 when asymmetric (5 bits: llama.cpp's Q5_0, Q5_1
   and Q5_K, groups of 32). A codebook scheme (llama.cpp's IQ4_NL and IQ4_XS: 4 bits an element, each an index into
   IQ4_LEVELS) holds the levels themselves in q, -127..113.
@@ -64,34 +64,38 @@ def q_range(bits: int, asymmetric: bool, codebook: bool = False) -> tuple[int, i
     if codebook:
         return int(IQ4_LEVELS[0]), int(IQ4_LEVELS[-1])
     top = 1 << bits
-    return (0, top - 1) if asymmetric and bits in (4, 5) else (-top // 2, top // 2 - 1)
+    return (0, top - 1) if asymmetric and bits in (2, 4, 5) else (-top // 2, top // 2 - 1)
 
 
 @dataclasses.dataclass(frozen=True)
 class QuantScheme:
-    bits: int  # 8, 6 (Q6_K only), 5 (groups of 32: Q5_0, Q5_1, Q5_K), 4 or 3 (Q3_K only)
+    bits: int  # 8, 6 (Q6_K only), 5 (groups of 32: Q5_0, Q5_1, Q5_K), 4, 3 (Q3_K only) or 2 (Q2_K only)
     group_size: int  # elements of a row per scale; K for one scale per output channel
     asymmetric: bool = False  # per-group mins
     scale_dtype: str = "float16"  # how scales and mins are stored: SCALE_DTYPES
     codebook: bool = False  # 4-bit indices into IQ4_LEVELS (IQ4_NL, IQ4_XS): symmetric groups of 32
 
     def __post_init__(self):
-        if self.bits not in (3, 4, 5, 6, 8):
+        if self.bits not in (2, 3, 4, 5, 6, 8):
             raise CompileError(f"quantization to {self.bits} bits is not supported", "use int8 or int4")
         if self.group_size <= 0:
             raise CompileError(f"quantization group size {self.group_size} must be positive")
         if self.scale_dtype not in SCALE_DTYPES:
             raise CompileError(f"quantization scales in {self.scale_dtype} are not supported")
-        records = ((32, True, False), (16, False, False), (32, False, True))  # Q4_K / Q5_K, Q6_K, IQ4_XS
-        if self.scale_dtype == "kquant" and (self.group_size, self.asymmetric, self.codebook) not in records:
+        if (
+            self.scale_dtype == "kquant"
+            and (self.group_size, self.asymmetric, self.codebook) not in kquant.RECORD_KINDS
+        ):
             raise CompileError(
-                "K-quant superblock scales are for asymmetric groups of 32 (Q4_K, Q5_K), symmetric ones of 16 "
-                "(Q6_K) or IQ4's groups of 32 (IQ4_XS)"
+                "K-quant superblock scales are for asymmetric groups of 32 (Q4_K, Q5_K) or 16 (Q2_K), symmetric ones "
+                "of 16 (Q6_K, Q3_K) or IQ4's groups of 32 (IQ4_XS)"
             )
         if self.bits in (3, 6) and (self.group_size, self.asymmetric, self.scale_dtype) != (16, False, "kquant"):
             raise CompileError(
                 f"{self.bits}-bit weights are Q{self.bits}_K's: symmetric groups of 16 under K-quant records"
             )
+        if self.bits == 2 and (self.group_size, self.asymmetric, self.scale_dtype) != (16, True, "kquant"):
+            raise CompileError("2-bit weights are Q2_K's: groups of 16 with mins under K-quant records")
         if self.bits == 5 and self.group_size != 32:
             raise CompileError("5-bit weights are in groups of 32 (Q5_0, Q5_1, Q5_K)")
         if self.codebook and (self.bits, self.group_size, self.asymmetric) != (4, 32, False):
@@ -125,7 +129,7 @@ class QuantScheme:
     def scale_row_bytes(self, k: int) -> int:
         """Bytes of scales (and mins) that a row of K stores."""
         if self.scale_dtype == "kquant":
-            return kquant.record_row_bytes(k, self.asymmetric, self.codebook)
+            return kquant.record_row_bytes(k, self.group_size, self.asymmetric, self.codebook)
         return -(-k // self.group_size) * (self.scale_bits // 8) * (2 if self.asymmetric else 1)
 
     @property
@@ -180,10 +184,10 @@ class QuantizedTensor:
             if (
                 k % kquant.SUPERBLOCK
                 or self.records.dtype != np.uint8
-                or self.records.shape != (n, kquant.record_row_bytes(k, asym, self.scheme.codebook))
+                or self.records.shape != (n, self.scheme.scale_row_bytes(k))
             ):
                 raise CompileError(f"quantized tensor: K-quant records do not fit [{n}, {k}] (K a multiple of 256)")
-            held = kquant.decode_records(self.records, asym, self.scheme.codebook)
+            held = kquant.decode_records(self.records, self.scheme.group_size, asym, self.scheme.codebook)
             if not all(a is b or np.array_equal(a, b) for a, b in zip(held, (self.scales, self.mins), strict=True)):
                 raise CompileError("quantized tensor: the K-quant records do not hold its scales and mins")
 

@@ -23,6 +23,8 @@ For a QuantizedTensor of w[N, K] (K a multiple of 32, see compiler/quant.py):
   * bits 3 (Q3_K): K * 3/8 bytes per row; chunk c is 12 bytes: 8 bytes of the low 2 bits of u = q + 4 (0..7), byte j
     holding elements 32c + j + 8i's at bits 2i..2i+1 (i < 4, as int6's top bits), then the third bits as a
     little-endian uint32, bit j element 32c + j (as int5's fifth).
+  * bits 2 (Q2_K): K / 4 bytes per row; chunk c is 8 bytes, byte j holding u = q (0..3) of elements 32c + j + 8i at
+    bits 2i..2i+1 (as int3's low bits).
   K-quant scales (compiler/kquant.py): scales are the records, uint8 [N, kquant.record_row_bytes(K)], and there are
   no mins.
 
@@ -73,9 +75,11 @@ def pack_cpu(t: QuantizedTensor) -> tuple[np.ndarray, np.ndarray, np.ndarray | N
     u = codebook_indices(t.q) if t.scheme.codebook else (t.q.astype(np.int16) - lo).astype(np.uint8)
     if t.scheme.bits == 8:
         return np.ascontiguousarray(u), scales, mins
-    if t.scheme.bits == 3:
+    if t.scheme.bits in (2, 3):
         c = u.reshape(n, k // 32, 4, 8)
         low = np.bitwise_or.reduce((c & 3) << (2 * np.arange(4, dtype=np.uint8))[:, None], axis=2)
+        if t.scheme.bits == 2:
+            return np.ascontiguousarray(low.reshape(n, k // 4)), scales, mins
         third = np.packbits((c >> 2).reshape(n, k // 32, 32), axis=-1, bitorder="little")
         return np.ascontiguousarray(np.concatenate([low, third], axis=-1).reshape(n, k * 3 // 8)), scales, mins
     if t.scheme.bits in (5, 6):
@@ -101,11 +105,12 @@ def unpack_cpu(
     b = np.asarray(qweight, np.uint8)
     if bits == 8:
         u = b.reshape(n, k)
-    elif bits == 3:
-        c = b.reshape(n, k // 32, 12)
-        low = (c[..., None, :8] >> (2 * np.arange(4, dtype=np.uint8))[:, None]) & 3
-        third = np.unpackbits(c[..., 8:], axis=-1, bitorder="little")
-        u = (low.reshape(n, k // 32, 32) | (third << 2)).reshape(n, k)
+    elif bits in (2, 3):
+        c = b.reshape(n, k // 32, 4 * bits)
+        u = ((c[..., None, :8] >> (2 * np.arange(4, dtype=np.uint8))[:, None]) & 3).reshape(n, k // 32, 32)
+        if bits == 3:
+            u = u | (np.unpackbits(c[..., 8:], axis=-1, bitorder="little") << 2)
+        u = u.reshape(n, k)
     elif bits in (5, 6):
         c = b.reshape(n, k // 32, 4 * bits)
         low = np.concatenate([c[..., :16] & 0xF, c[..., :16] >> 4], axis=-1)

@@ -55,7 +55,7 @@ def common_scheme(schemes: list[QuantScheme], k: int) -> QuantScheme:
         return schemes[0]
     scale_dtype = "float32" if any(s.scale_dtype != "float16" for s in schemes) else "float16"
     same_but_scales = {(s.bits, s.group_size, s.asymmetric, s.codebook) for s in schemes}
-    if len(same_but_scales) == 1 and schemes[0].bits not in (3, 6):
+    if len(same_but_scales) == 1 and schemes[0].bits not in (2, 3, 6):
         return dataclasses.replace(schemes[0], scale_dtype=scale_dtype)
     group = min(s.group_size for s in schemes)
     if any(s.group_size % group and -(-k // s.group_size) > 1 for s in schemes):
@@ -69,8 +69,8 @@ def held_on_cuda(scheme: QuantScheme) -> QuantScheme:
     """The scheme a CUDA build holds a weight of `scheme` in, exactly (widen_exactly): the CUDA kernels read int8
     and int4 layouts only, so int6 (Q6_K) becomes int8 g16 with fp32 scales, and int5 and the IQ4 codebook int8
     with their groups."""
-    if scheme.bits in (3, 6):
-        return QuantScheme(8, 16, scale_dtype="float32")
+    if scheme.bits in (2, 3, 6):
+        return QuantScheme(8, 16, asymmetric=scheme.asymmetric, scale_dtype="float32")
     if scheme.codebook:  # IQ4_XS's records as fp32 scales
         return QuantScheme(8, 32, scale_dtype="float16" if scheme.scale_dtype == "float16" else "float32")
     if scheme.bits == 5:

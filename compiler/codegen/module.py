@@ -77,7 +77,11 @@ def _c_expr(arg: str, program: KernelProgram, device: bool) -> str:
         spec = program.weights[int(m.group(1))]
         # K-quant records are bytes in the file and one struct each to the kernels
         kquant = spec.quant is not None and spec.quant.scale_dtype == "kquant" and spec.part == "scales"
-        ctype = scale_ctype(8, spec.quant.asymmetric, spec.quant.codebook) if kquant else DTYPES[spec.dtype].ctype
+        ctype = (
+            scale_ctype(8, spec.quant.asymmetric, spec.quant.codebook, spec.quant.group_size)
+            if kquant
+            else DTYPES[spec.dtype].ctype
+        )
         return f"static_cast<const {ctype}*>(m->w[{m.group(1)}])"
 
     arg = re.sub(r"\bW\[(\d+)\]", weight, arg)

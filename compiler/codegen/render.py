@@ -29,6 +29,7 @@ from llmc.dtypes import ELEMENTS_BY_SHORT
 from llmc.errors import CompileError
 from llmc.templates import TEMPLATE_DIR
 
+from ..kquant import RECORD_KINDS
 from ..tuning.space import tune_space
 
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -83,12 +84,14 @@ def _cint(value: Any, minimum: int = 1) -> str:
     return str(int(value))
 
 
-def scale_ctype(scale_bits: int, asymmetric: bool, codebook: bool = False) -> str:
+def scale_ctype(scale_bits: int, asymmetric: bool, codebook: bool = False, group_size: int = 32) -> str:
     """The C type a quantized kernel reads its scales (and mins) as (qgemm's S in docs/contracts.md): fp16 bits,
-    float, or one K-quant record each (Q4_K / Q5_K's llmc::KScales, asymmetric; IQ4_XS's llmc::Iq4Scales, a
-    codebook's; Q6_K's llmc::KScales6)."""
+    float, or one K-quant record each (compiler/kquant.py RECORD_KINDS: Q4_K / Q5_K's llmc::KScales, asymmetric
+    groups of 32; Q2_K's llmc::KScales2, of 16; IQ4_XS's llmc::Iq4Scales, a codebook's; Q6_K's llmc::KScales6)."""
     if scale_bits == 8:
-        return "llmc::KScales" if asymmetric else "llmc::Iq4Scales" if codebook else "llmc::KScales6"
+        if asymmetric:
+            return "llmc::KScales" if group_size == 32 else "llmc::KScales2"
+        return "llmc::Iq4Scales" if codebook else "llmc::KScales6"
     return {16: "uint16_t", 32: "float"}[scale_bits]
 
 
@@ -162,16 +165,17 @@ def _check_params(target: str, op: str, params: Mapping[str, Any]) -> None:
 
 
 def _check_quant(target: str, params: Mapping[str, Any], k: Any) -> None:
-    """The schemes of compiler/quant.py that the packed layouts (compiler/quant_pack.py) hold, for rows of k: int6
-    and int5 on the CPU only (a CUDA build holds them widened to int8, compile.quant_schemes)."""
+    """The schemes of compiler/quant.py that the packed layouts (compiler/quant_pack.py) hold, for rows of k: int6,
+    int5, int3, int2 and the IQ4 codebook on the CPU only (a CUDA build holds them widened to int8,
+    compile.quant_schemes)."""
     bits, g = params["bits"], params["group_size"]
-    if bits not in ((4, 8) if target == "cuda" else (3, 4, 5, 6, 8)):
+    if bits not in ((4, 8) if target == "cuda" else (2, 3, 4, 5, 6, 8)):
         raise ValueError(
-            f"bits must be 8{'' if target == 'cuda' else ', 6, 5, 3'} or 4 on target {target}, got {bits!r}"
+            f"bits must be 8{'' if target == 'cuda' else ', 6, 5, 3, 2'} or 4 on target {target}, got {bits!r}"
         )
     if not isinstance(k, int) or k % 32:
         raise ValueError(f"k must be a multiple of 32 for a quantized weight, got {k!r}")
-    groups = {8: (16, 32, 64, 128, k), 6: (16,), 5: (32,), 4: (32, 64, 128), 3: (16,)}[bits]
+    groups = {8: (16, 32, 64, 128, k), 6: (16,), 5: (32,), 4: (32, 64, 128), 3: (16,), 2: (16,)}[bits]
     if g not in groups:
         raise ValueError(f"group_size must be one of {sorted(set(groups))} for int{bits}, got {g!r}")
     if params["scale_bits"] not in (16, 32, 8):
@@ -179,13 +183,13 @@ def _check_quant(target: str, params: Mapping[str, Any], k: Any) -> None:
             f"scale_bits must be 16 (fp16 scales), 32 or 8 (K-quant records), got {params['scale_bits']!r}"
         )
     codebook = bool(params.get("codebook"))
-    # Q4_K / Q5_K's, IQ4_XS's, or Q6_K's
-    records = (32, True) if params["asymmetric"] else (32, False) if codebook else (16, False)
-    if params["scale_bits"] == 8 and ((g, bool(params["asymmetric"])) != records or k % 256):
+    if params["scale_bits"] == 8 and ((g, bool(params["asymmetric"]), codebook) not in RECORD_KINDS or k % 256):
         raise ValueError(
-            "K-quant scales (scale_bits 8) need asymmetric groups of 32, symmetric ones of 16 or IQ4's of 32, and k a "
-            f"multiple of 256, got group_size {g!r}, k {k!r}"
+            "K-quant scales (scale_bits 8) need asymmetric groups of 32 or 16, symmetric ones of 16 or IQ4's of 32, "
+            f"and k a multiple of 256, got group_size {g!r}, k {k!r}"
         )
+    if (bits == 2) != (params["scale_bits"] == 8 and params["asymmetric"] and g == 16):
+        raise ValueError("int2 weights are Q2_K's: groups of 16 with mins under Q2_K's records, and only they are")
     if (bits in (3, 6)) != (params["scale_bits"] == 8 and not params["asymmetric"] and not codebook):
         raise ValueError(
             "int6 and int3 weights are Q6_K's and Q3_K's: symmetric, under Q6_K's records (scale_bits 8), and only "

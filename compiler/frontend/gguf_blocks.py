@@ -27,17 +27,16 @@ def _rows(a: np.ndarray) -> np.ndarray:
 # What each imported type is in compiler/quant.py's terms: exactly its blocks' values. The legacy types' scales
 # (and mins) are the blocks' fp16 d (and m). Q4_K's, Q5_K's and Q6_K's are their own superblock records (kquant,
 # compiler/kquant.py), as are IQ4_XS's, and Q3_K's are held in Q6_K's (its 6-bit codes as int8: 18 bytes a
-# superblock for the file's 14); Q2_K's are fp16 d x a 4-bit sub-scale, held in fp32.
-# The legacy types, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL and IQ4_XS keep the file's bytes per weight, Q3_K but for 4
-# bytes a superblock (a CUDA build holds the 3-, 5- and 6-bit ones and the IQ4 codebook in int8:
-# compile.quant_schemes); Q2_K is held widened, in int8.
+# superblock for the file's 14), and Q2_K's in a record of its own fields.
+# Every type keeps the file's bytes per weight, Q3_K but for 4 bytes a superblock (a CUDA build holds the 2-, 3-,
+# 5- and 6-bit ones and the IQ4 codebook in int8: compile.quant_schemes).
 SCHEMES = {
     GGMLType.Q8_0: QuantScheme(8, 32),
     GGMLType.Q4_0: QuantScheme(4, 32),
     GGMLType.Q4_1: QuantScheme(4, 32, asymmetric=True),
     GGMLType.Q5_0: QuantScheme(5, 32),
     GGMLType.Q5_1: QuantScheme(5, 32, asymmetric=True),
-    GGMLType.Q2_K: QuantScheme(8, 16, asymmetric=True, scale_dtype="float32"),
+    GGMLType.Q2_K: QuantScheme(2, 16, asymmetric=True, scale_dtype="kquant"),
     GGMLType.Q3_K: QuantScheme(3, 16, scale_dtype="kquant"),
     GGMLType.Q4_K: QuantScheme(4, 32, asymmetric=True, scale_dtype="kquant"),
     GGMLType.Q5_K: QuantScheme(5, 32, asymmetric=True, scale_dtype="kquant"),
@@ -96,12 +95,10 @@ def _iq4_nl(b: np.ndarray) -> QuantizedTensor:  # d: f16 | qs: uint8[16], indice
 def _q2_k(b: np.ndarray) -> QuantizedTensor:
     """scales: uint8[16] (4-bit scale, 4-bit min) | qs: uint8[64] | d: f16 | dmin: f16; 16 groups of 16 2-bit
     values: half h, shift s, byte l is value 128h + 32s + l."""
-    sc, d, dmin = b[..., 0:16], fp16_values(b[..., 80:82]), fp16_values(b[..., 82:84])
     qs = b[..., 16:80].reshape(*b.shape[:2], 2, 1, 32)
     q = (qs >> np.array([0, 2, 4, 6], np.uint8)[:, None]) & 3
-    scales = _rows(d[..., None] * (sc & 0xF).astype(np.float32))
-    mins = _rows(dmin[..., None] * (sc >> 4).astype(np.float32))
-    return QuantizedTensor(_rows(q.astype(np.int8)), scales, mins, SCHEMES[GGMLType.Q2_K])
+    records = _rows(np.concatenate([b[..., 0:16], b[..., 80:84]], axis=-1))  # compiler/kquant.py's Q2_K record
+    return QuantizedTensor(_rows(q.astype(np.int8)), *kquant.decode_q2k(records), SCHEMES[GGMLType.Q2_K], records)
 
 
 def _q3_k(b: np.ndarray) -> QuantizedTensor:

@@ -164,7 +164,9 @@ def test_shapes_that_do_not_fit_the_scheme_are_refused():
     with pytest.raises(CompileError, match="mins"):
         QuantizedTensor(np.zeros((2, 64), np.int8), np.zeros((2, 2), np.float32), None, QuantScheme(4, 32, True))
     with pytest.raises(CompileError, match="bits"):
-        QuantScheme(2, 32)
+        QuantScheme(1, 32)
+    with pytest.raises(CompileError, match="2-bit weights are Q2_K's"):
+        QuantScheme(2, 16)
     with pytest.raises(CompileError, match="3-bit weights are Q3_K's"):
         QuantScheme(3, 32)
 

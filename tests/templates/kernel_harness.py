@@ -108,9 +108,10 @@ HEADERS = {"cpu": "common.h", "cuda": "llmc_kernels.cuh"}
 
 def _element(kind: str, params: dict) -> tuple[str, type]:
     if kind == "S*":
-        return f"{scale_ctype(params['scale_bits'], params['asymmetric'], params.get('codebook', False))}*", _S_DTYPES[
-            params["scale_bits"]
-        ]
+        return (
+            f"{scale_ctype(params['scale_bits'], params['asymmetric'], params.get('codebook', False), params['group_size'])}*",
+            _S_DTYPES[params["scale_bits"]],
+        )
     param, types = _ELEMENT[kind]
     return types[params.get(param, "f32") if kind == "A*" else params[param]]
 
@@ -351,12 +352,12 @@ class CudaTemplates:
 
     def spec(self, op: str, params: dict) -> tuple[str, dict] | None:
         """None for an op with no CUDA template (the CPU's mixture-of-experts kernels), and for int6, int5,
-        int3 and IQ4 weights (a CUDA build holds them widened to int8)."""
+        int3, int2 and IQ4 weights (a CUDA build holds them widened to int8)."""
         try:
             template_path("cuda", op)
         except CompileError:
             return None
-        if params.get("bits") in (3, 5, 6) or params.get("codebook"):
+        if params.get("bits") in (2, 3, 5, 6) or params.get("codebook"):
             return None
         return op, target_params("cuda", params)
 

@@ -47,8 +47,8 @@ def bf16_bits_of(a):
 
 
 def quantized_weight(w, scheme, rng):
-    """compiler/quant.py's quantize(w, scheme), or for K-quant records at 5 or 8 bits (GGUF Q5_K) and 3 (Q3_K),
-    which llmc's quantizer does not write, random q under random records."""
+    """compiler/quant.py's quantize(w, scheme), or for K-quant records at 5 or 8 bits (GGUF Q5_K), 3 (Q3_K) and 2
+    (Q2_K), which llmc's quantizer does not write, random q under random records."""
     from llmc.compiler import kquant
     from llmc.compiler.quant import QuantizedTensor, quantize
 
@@ -56,6 +56,11 @@ def quantized_weight(w, scheme, rng):
         return quantize(w, scheme)
     n, k = w.shape
     half = (n, k // kquant.SUPERBLOCK)
+    if scheme.bits == 2:  # Q2_K: 4-bit scale and min codes, fp16 d and dmin
+        halves = (rng.random((*half, 2)) * 0.004).astype(np.float16).view(np.uint8).reshape(*half, 4)
+        records = np.concatenate([rng.integers(0, 256, (*half, 16), dtype=np.uint8), halves], -1).reshape(n, -1)
+        q = rng.integers(0, 4, (n, k)).astype(np.int8)
+        return QuantizedTensor(q, *kquant.decode_q2k(records), scheme, np.ascontiguousarray(records))
     if scheme.bits == 3:  # Q3_K: 6-bit codes less 32 in Q6_K's record
         records = kquant.encode6((rng.random(half) * 0.004).astype(np.float16), rng.integers(-32, 32, (*half, 16)))
         return QuantizedTensor(

@@ -30,6 +30,7 @@ SCHEMES = [
     (96, 5, 32, True, 16),  # Q5_1
     (512, 5, 32, True, 8),  # Q5_K
     (768, 3, 16, False, 8),  # Q3_K: int3 under Q6_K's records (the CPU's)
+    (512, 2, 16, True, 8),  # Q2_K: int2 under its own records
 ]
 
 
@@ -66,7 +67,7 @@ F32_CASES = [
     pytest.param(
         *spec,
         id=spec_id(spec),
-        marks=[pytest.mark.targets("cpu")] if spec[1]["bits"] in (3, 5, 6) or "codebook" in spec[1] else [],
+        marks=[pytest.mark.targets("cpu")] if spec[1]["bits"] in (2, 3, 5, 6) or "codebook" in spec[1] else [],
     )
     for spec in F32_SPECS
 ]

@@ -61,6 +61,8 @@ SCHEMES = [
     (19, 512, 5, 32, True, 8),  # GGUF Q5_K under its own records
     (37, 256, 3, 16, False, 8),  # GGUF Q3_K: int3 under Q6_K's records
     (53, 768, 3, 16, False, 8),
+    (37, 256, 2, 16, True, 8),  # GGUF Q2_K: int2 with mins under its own records
+    (53, 512, 2, 16, True, 8),
 ]
 
 
@@ -138,7 +140,9 @@ def test_qgemm_row_independent_of_batch(kernels, op, params):
 
 
 @pytest.mark.parametrize("T", [1, 4, 17, 129])
-@pytest.mark.parametrize("op,params", [CASES[5], CASES[-15], CASES[-13], CASES[-9], CASES[-5], CASES[-1], IQ4_CASES[2]])
+@pytest.mark.parametrize(
+    "op,params", [CASES[5], CASES[-19], CASES[-17], CASES[-13], CASES[-9], CASES[-5], CASES[-1], IQ4_CASES[2]]
+)
 def test_qgemm_independent_of_schedule(kernels, schedules, op, params, T):
     """Thread counts 1, 2 and 3 give bit-identical results."""
     fn = kernels(op, params)
@@ -163,6 +167,7 @@ def test_qgemm_independent_of_schedule(kernels, schedules, op, params, T):
         (5, 32, False, False),
         (4, 32, False, True),
         (3, 16, False, False),
+        (2, 16, True, False),
     ],
 )
 def test_pack_cpu_layout(bits, g, asym, codebook):
@@ -172,15 +177,15 @@ def test_pack_cpu_layout(bits, g, asym, codebook):
     a little-endian uint32; IQ4: int4's nibbles of u, the index of q among IQ4_LEVELS; int3's 12-byte chunk: the
     low 2 bits of u = q + 4 as int6's top bits, then the third bits as int5's fifth."""
     rng = np.random.default_rng(0)
-    k = 256 if bits in (3, 6) else 96
-    scheme = QuantScheme(bits, g, asym, "kquant" if bits in (3, 6) else "float16", codebook)
+    k = 256 if bits in (2, 3, 6) else 96
+    scheme = QuantScheme(bits, g, asym, "kquant" if bits in (2, 3, 6) else "float16", codebook)
     t = quantized_weight(rng.standard_normal((5, k), dtype=np.float32), scheme, rng)
     qweight, scales, mins = pack_cpu(t)
-    if bits in (3, 6):
+    if bits in (2, 3, 6):
         assert np.array_equal(scales, t.records)
     else:
         assert qweight.dtype == np.uint8 and scales.dtype == np.float16 and np.array_equal(scales, t.scales)
-    assert (mins is None) == (not asym)
+    assert (mins is None) == (not scheme.stores_mins)
     assert np.array_equal(unpack_cpu(qweight, t.shape, bits, asym, codebook), t.q)
     if bits == 8:
         assert np.array_equal(qweight.astype(np.int64), t.q.astype(np.int64) + 128)
@@ -190,10 +195,13 @@ def test_pack_cpu_layout(bits, g, asym, codebook):
         u = np.searchsorted(IQ4_LEVELS, t.q).astype(np.int64)
         assert np.array_equal(IQ4_LEVELS[u], t.q)
     else:
-        u = t.q.astype(np.int64) + {4: 0 if asym else 8, 6: 32, 5: 16, 3: 4}[bits]
-    if bits == 3:
+        u = t.q.astype(np.int64) + {4: 0 if asym else 8, 6: 32, 5: 16, 3: 4, 2: 0}[bits]
+    if bits in (2, 3):
         for n, c, j in [(0, 0, 0), (4, 2, 7), (2, 7, 3)]:
-            assert qweight[n, 12 * c + j] == sum((u[n, 32 * c + j + 8 * i] & 3) << (2 * i) for i in range(4))
+            chunk = 4 * bits
+            assert qweight[n, chunk * c + j] == sum((u[n, 32 * c + j + 8 * i] & 3) << (2 * i) for i in range(4))
+            if bits == 2:
+                continue
             third = int.from_bytes(qweight[n, 12 * c + 8 : 12 * c + 12].tobytes(), "little")
             assert third == sum(int(u[n, 32 * c + e] >> 2) << e for e in range(32))
         return
@@ -216,11 +224,12 @@ def test_pack_cpu_layout(bits, g, asym, codebook):
         (dict(k=100), "multiple of 32"),
         (dict(bits=4, group_size=16), "group_size must be one of"),
         (dict(group_size=48), "group_size must be one of"),
-        (dict(bits=2), "bits must be 8, 6, 5, 3 or 4"),
+        (dict(bits=7), "bits must be 8, 6, 5, 3, 2 or 4"),
+        (dict(bits=2, group_size=16, asymmetric=True), "int2 weights are Q2_K's"),  # fp16 scales
         (dict(bits=3, group_size=16), "int6 and int3 weights"),  # fp16 scales
         (dict(bits=5, group_size=64), "group_size must be one of"),
         (dict(bits=6, group_size=16), "int6 and int3 weights"),  # fp16 scales
-        (dict(bits=6, group_size=16, scale_bits=8, k=256, asymmetric=True), "K-quant scales"),
+        (dict(bits=6, group_size=16, scale_bits=8, k=256, asymmetric=True), "under Q2_K's records"),
         (dict(scale_bits=12), "scale_bits must be 16"),
         (dict(scale_bits=8), "K-quant scales"),  # int8 g32 symmetric, K = 96
         (dict(codebook=True), "codebook"),  # 8 bits

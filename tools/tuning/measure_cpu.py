@@ -65,7 +65,7 @@ def render_candidate(shape: KernelShape, config: dict) -> tuple[str, str]:
     call = call.format(
         kid=kid,
         wt=ELEMENTS_BY_SHORT[params.get("wdtype", "f32")].ctype,
-        st=scale_ctype(params["scale_bits"], params["asymmetric"], params.get("codebook", False))
+        st=scale_ctype(params["scale_bits"], params["asymmetric"], params.get("codebook", False), params["group_size"])
         if "scale_bits" in params
         else "float",
     )  # bf16 weights, fp16 scales: their bits; K-quant records as the kernel reads them

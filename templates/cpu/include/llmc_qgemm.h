@@ -18,21 +18,22 @@ namespace llmc {
 //   nibbles of u = q + 32, then 8 bytes of the top 2 bits (byte j: element j + 8i's at bits 2i);  BITS 5: 5K/8
 //   bytes, per chunk int4's 16 bytes of the low nibbles of u = q + 16 (symmetric) or q (ASYM), then the fifth
 //   bits as a little-endian uint32 (bit j: element j);  BITS 3 (Q3_K): 3K/8 bytes, per chunk 8 bytes of the low 2
-//   bits of u = q + 4 (byte j: element j + 8i's at bits 2i), then the third bits as int5's fifth;  BITS kIq4 (IQ4_NL / IQ4_XS's codebook): int4's K/2 bytes,
+//   bits of u = q + 4 (byte j: element j + 8i's at bits 2i), then the third bits as int5's fifth;  BITS 2 (Q2_K):
+//   K/4 bytes, per chunk int3's 8 bytes of u = q (with mins);  BITS kIq4 (IQ4_NL / IQ4_XS's codebook): int4's K/2 bytes,
 //   u the index of q's level (kIq4LevelsU);  scales / mins
 //   SC [N, ceil(K / GS)], SC float, or uint16_t holding fp16 bits (converted exactly to float in registers as a
 //   tile goes; fp16 cuts int4 g32's bytes by 10%), or KScales: the K-quants' superblock records [N, K / 256],
 //   which hold the mins (mins null; see KScales), or KScales6: Q6_K's records [N, K / 256] (int6 and int3, GS 16), or
-//   Iq4Scales: IQ4_XS's [N, K / 256].
+//   Iq4Scales: IQ4_XS's [N, K / 256], or KScales2: Q2_K's [N, K / 256], which hold the mins (int2, GS 16).
 //
 // Activations are quantized to int8 first, llama.cpp Q8_0-style: per block of 32 of a row, d = amax / 127,
 // q = round-to-nearest-even(x * (127 / amax)) in [-127, 127] (so the AVX2 sign trick below never meets
 // -128). The manifest records this as "activations": "int8 per 32". The dot products are then exact
 // integer sums, turned into float once per block.
 //
-// Numerics. A row is walked in steps: int8, int6, int5, int3 and IQ4, one block of 32; int4, a pair of blocks (2i, 2i + 1), whose 16
+// Numerics. A row is walked in steps: int8, int6, int5, int3, int2 and IQ4, one block of 32; int4, a pair of blocks (2i, 2i + 1), whose 16
 // packed bytes each load as one 32-byte vector (the second block absent at an odd tail). Each step gives
-// 8 int32 lanes P[l], exact: int8 / int6 / int5 / int3 / IQ4, lane l sums elements 4l..4l+3 of the block; int4, lanes 0-3 hold block
+// 8 int32 lanes P[l], exact: int8 / int6 / int5 / int3 / int2 / IQ4, lane l sums elements 4l..4l+3 of the block; int4, lanes 0-3 hold block
 // 2i and lanes 4-7 block 2i + 1, lane l sums elements {4l', 16 + 4l'} + 0..3 (l' = l % 4). DX[l] is the
 // lane's activation scale, S[l] its weight scale. When a step spans two weight groups (int8 g16, int4 g32):
 // acc[l] += float(P[l]) * (DX[l] * S[l]) per step. Otherwise, per group g in order: gacc[l] = sum over the
@@ -87,6 +88,8 @@ struct QStep<5> : QStep<8> {};
 template <>
 struct QStep<3> : QStep<8> {};
 template <>
+struct QStep<2> : QStep<8> {};
+template <>
 struct QStep<kIq4> : QStep<8> {};
 template <>
 struct QStep<4> {
@@ -98,8 +101,8 @@ struct QStep<4> {
 template <int K, int BITS, int GS>
 struct QShape {
   static_assert(K % 32 == 0, "qgemm: K must be a multiple of 32");
-  static_assert(BITS == 8 || BITS == 6 || BITS == 5 || BITS == 4 || BITS == 3 || BITS == kIq4,
-                "qgemm: 8, 6, 5, 4, 3 bits or IQ4");
+  static_assert(BITS == 8 || BITS == 6 || BITS == 5 || BITS == 4 || BITS == 3 || BITS == 2 || BITS == kIq4,
+                "qgemm: 8, 6, 5, 4, 3, 2 bits or IQ4");
   static_assert(GS == 16 || GS % 32 == 0, "qgemm: group size 16 or a multiple of 32");
   static constexpr int NB = K / 32;                     // blocks of 32 per row
   static constexpr int NS = BITS == 4 ? (NB + 1) / 2 : NB;  // steps per row
@@ -194,6 +197,10 @@ LLMC_INLINE void qdot_tile(const QStep<BITS>* LLMC_RESTRICT steps, const float* 
   // Q6_K records: decoded in registers a record (16 groups, 8 steps) at a time
   constexpr bool KQ6 = std::is_same_v<SC, KScales6>;
   static_assert(!KQ6 || (GS == 16 && !ASYM && S::G % 16 == 0), "qgemm: Q6_K records need K % 256 == 0");
+  // Q2_K records: as Q6_K's, with their mins' term summed as K-quant records' (kq_record)
+  constexpr bool KQ2 = std::is_same_v<SC, KScales2>;
+  static_assert(!KQ2 || (GS == 16 && ASYM && S::G % 16 == 0), "qgemm: Q2_K records need K % 256 == 0");
+  constexpr bool RECORD_MINS = KQ || KQ2;
   // IQ4_XS records: a record's 8 scales decoded in registers as its first group is reached
   constexpr bool IQ4R = std::is_same_v<SC, Iq4Scales>;
   static_assert(!IQ4R || (GS == 32 && !ASYM && S::G % 8 == 0), "qgemm: IQ4_XS records need K % 256 == 0");
@@ -202,9 +209,9 @@ LLMC_INLINE void qdot_tile(const QStep<BITS>* LLMC_RESTRICT steps, const float* 
   const SC* sp = scales + (long)j * SROW;
   float mbuf[HALF && ASYM ? C * S::G : 1];
   const float* mr = nullptr;
-  if constexpr (ASYM && !KQ) mr = scales_as_float(mins + (long)j * S::G, C * S::G, mbuf);
-  Floats k8[KQ ? C : 1], macc[KQ ? R : 1][KQ ? C : 1];  // a record's scales; the mins' term
-  if constexpr (KQ) {
+  if constexpr (ASYM && !RECORD_MINS) mr = scales_as_float(mins + (long)j * S::G, C * S::G, mbuf);
+  Floats k8[KQ ? C : 1], macc[RECORD_MINS ? R : 1][RECORD_MINS ? C : 1];  // a record's scales; the mins' term
+  if constexpr (RECORD_MINS) {
     LLMC_UNROLL for (int r = 0; r < R; ++r) {
       LLMC_UNROLL for (int c = 0; c < C; ++c) macc[r][c] = zero_floats();
     }
@@ -226,7 +233,7 @@ LLMC_INLINE void qdot_tile(const QStep<BITS>* LLMC_RESTRICT steps, const float* 
     Bytes wlo[C], whi[C];
     LLMC_UNROLL for (int c = 0; c < C; ++c) {
       const uint8_t* p = wr + c * S::RB + (long)s * SB;
-      if constexpr (PF > 0 && (BITS == 6 || BITS == 5 || BITS == 3 || BITS == kIq4)) {
+      if constexpr (PF > 0 && BITS != 8 && BITS != 4) {
         if ((s * SB) % 64 < SB) __builtin_prefetch(p + PF, 0, 3);  // one per 64-byte line the step starts
       } else if constexpr (PF > 0) {
         if (s % 2 == 0) {  // one per 64-byte line: in address order over a tile shorter than PF (llmc_gemm.h)
@@ -245,6 +252,8 @@ LLMC_INLINE void qdot_tile(const QStep<BITS>* LLMC_RESTRICT steps, const float* 
         wlo[c] = decode5(p);
       } else if constexpr (BITS == 3) {
         wlo[c] = decode3(p);
+      } else if constexpr (BITS == 2) {
+        wlo[c] = decode2(p);
       } else if constexpr (BITS == kIq4) {
         wlo[c] = decode_iq4(p);
       } else if constexpr (decltype(tail)::value) {
@@ -276,6 +285,26 @@ LLMC_INLINE void qdot_tile(const QStep<BITS>* LLMC_RESTRICT steps, const float* 
       for (int s0 = 0; s0 < FULL; s0 += 8) {
         Floats k16[C][2];
         LLMC_UNROLL for (int c = 0; c < C; ++c) kscales16(sp[c * SROW + s0 / 8], k16[c][0], k16[c][1]);
+        LLMC_UNROLL for (int i = 0; i < 8; ++i) {
+          Floats sc[C];
+          LLMC_UNROLL for (int c = 0; c < C; ++c) sc[c] = pair(k16[c][i / 4], i % 4);
+          step(s0 + i, std::false_type{}, [&](int r, int c, Ints p, Floats dx) {
+            acc[r][c] = fma_ints(p, mul(dx, sc[c]), acc[r][c]);
+          });
+        }
+      }
+    } else if constexpr (KQ2) {
+      // as KQ6's, the record's 16 mins times the rows' xs into macc as it is reached
+      for (int s0 = 0; s0 < FULL; s0 += 8) {
+        Floats k16[C][2];
+        LLMC_UNROLL for (int c = 0; c < C; ++c) {
+          Floats m16[2];
+          kscales2(sp[c * SROW + s0 / 8], k16[c], m16);
+          LLMC_UNROLL for (int r = 0; r < R; ++r) {
+            const float* x = xs + (long)r * S::NX + 2 * s0;
+            macc[r][c] = fma(m16[1], load_floats(x + 8), fma(m16[0], load_floats(x), macc[r][c]));
+          }
+        }
         LLMC_UNROLL for (int i = 0; i < 8; ++i) {
           Floats sc[C];
           LLMC_UNROLL for (int c = 0; c < C; ++c) sc[c] = pair(k16[c][i / 4], i % 4);
@@ -348,7 +377,7 @@ LLMC_INLINE void qdot_tile(const QStep<BITS>* LLMC_RESTRICT steps, const float* 
   LLMC_UNROLL for (int r = 0; r < R; ++r) {
     LLMC_UNROLL for (int c = 0; c < C; ++c) {
       float y = hsum(acc[r][c]);
-      if constexpr (KQ) {
+      if constexpr (RECORD_MINS) {
         y -= hsum(macc[r][c]);
       } else if constexpr (ASYM) {
         y -= min_term<K, BITS, GS>(xs + (long)r * S::NX, mr + c * S::G);
@@ -537,7 +566,7 @@ LLMC_INLINE unsigned char* qgemm_scratch(size_t bytes) {
 }
 }  // namespace
 
-// rows [0, n) of int5 / int6 / int3 / IQ4 packed weights w as int8's (u + 128 - the u of q = 0): K bytes a row.
+// rows [0, n) of int5 / int6 / int3 / int2 / IQ4 packed weights w as int8's (u + 128 - the u of q = 0): K bytes a row.
 template <int K, int BITS, bool ASYM>
 inline void widen_to_int8(const uint8_t* LLMC_RESTRICT w, int n, uint8_t* LLMC_RESTRICT out) {
   using S = QShape<K, BITS, 32>;
@@ -553,6 +582,8 @@ inline void widen_to_int8(const uint8_t* LLMC_RESTRICT w, int n, uint8_t* LLMC_R
         u = qsimd::decode6(p);
       else if constexpr (BITS == 3)
         u = qsimd::decode3(p);
+      else if constexpr (BITS == 2)
+        u = qsimd::decode2(p);
       else
         u = qsimd::decode5(p);
       qsimd::store32(out + r * K + 32 * c, qsimd::add_bytes(u, shift));
@@ -668,7 +699,7 @@ inline void qgemm(const float* LLMC_RESTRICT x, const uint8_t* LLMC_RESTRICT qwe
       const float* mb = nullptr;  // the mins as floats, for the results' min_term
       if constexpr (ASYM) {
         float* mbuf = reinterpret_cast<float*>(qgemm_scratch<kQScratchMins>((size_t)NBLK_N * S::G * sizeof(float)));
-        if constexpr (KQ)
+        if constexpr (groups_per_scale<SC> > 1)  // records that hold the mins
           mb = mins_as_float(sc, (long)(j1 - j0) * S::G, mbuf);
         else
           mb = scales_as_float(mins + (long)j0 * S::G, (long)(j1 - j0) * S::G, mbuf);
@@ -778,6 +809,8 @@ inline void qembedding(const int32_t* ids, int T, const uint8_t* LLMC_RESTRICT q
       int q = LO;
       if constexpr (BITS == 8) {
         q += u[k];
+      } else if constexpr (BITS == 2) {  // 8-byte chunks: element 32c + j + 8i at bits 2i of byte j
+        q += (u[cb + e % 8] >> (2 * (e / 8))) & 3;
       } else if constexpr (BITS == 3) {  // 12-byte chunks: the low 2 bits of element 32c + j + 8i at bits 2i of
         // byte j, then the third bit at bit j of the uint32 at byte 8
         q += ((u[cb + e % 8] >> (2 * (e / 8))) & 3) | (((u[cb + 8 + e / 8] >> (e % 8)) & 1) << 2);

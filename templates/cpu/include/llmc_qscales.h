@@ -86,11 +86,19 @@ static_assert(sizeof(Iq4Scales) == 8, "an IQ4_XS record is 8 bytes");
 LLMC_INLINE int iq4_code(const Iq4Scales& r, int j) {
   return ((r.sl[j / 2] >> (4 * (j % 2))) & 0xF) | (((r.sh >> (2 * j)) & 3) << 4);
 }
+// Q2_K's superblock scales and mins (SC = KScales2; compiler/kquant.py): one 20-byte record per 16 groups of 16,
+// each group's 4-bit scale code (low nibble) and min code (high), then fp16 d and dmin; group j's scale is
+// d * sc[j] and its min dmin * m[j], exact float products. The record holds the mins: the mins pointer is null.
+struct KScales2 {
+  uint8_t codes[16];
+  uint16_t d, dmin;
+};
+static_assert(sizeof(KScales2) == 20, "a Q2_K record is 20 bytes");
 // Groups per SC item: a record's, or 1.
 template <typename SC>
-constexpr int groups_per_scale = std::is_same_v<SC, KScales> || std::is_same_v<SC, Iq4Scales> ? 8
-                                 : std::is_same_v<SC, KScales6>                                ? 16
-                                                                                                : 1;
+constexpr int groups_per_scale = std::is_same_v<SC, KScales> || std::is_same_v<SC, Iq4Scales>   ? 8
+                                 : std::is_same_v<SC, KScales6> || std::is_same_v<SC, KScales2> ? 16
+                                                                                                 : 1;
 // Bytes of scales (and mins) per row of G groups.
 template <typename SC>
 constexpr long scale_row_bytes(int G, bool asym) {
@@ -109,11 +117,16 @@ LLMC_INLINE void group_scale_min(const KScales6* scales, const KScales6*, long g
   scale = scale_value(scales[gi / 16].d) * float(scales[gi / 16].sc[gi % 16]);
   min = 0.0f;
 }
+LLMC_INLINE void group_scale_min(const KScales2* scales, const KScales2*, long gi, float& scale, float& min) {
+  const KScales2& r = scales[gi / 16];
+  scale = scale_value(r.d) * float(r.codes[gi % 16] & 0xF);
+  min = scale_value(r.dmin) * float(r.codes[gi % 16] >> 4);
+}
 LLMC_INLINE void group_scale_min(const Iq4Scales* scales, const Iq4Scales*, long gi, float& scale, float& min) {
   scale = scale_value(scales[gi / 8].d) * float(iq4_code(scales[gi / 8], int(gi % 8)) - 32);
   min = 0.0f;
 }
-// The n scales of K-quant records (KScales, KScales6, Iq4Scales) as floats, into buf: the prefill's row-pair tiles read
+// The n scales of K-quant records (KScales, KScales2, KScales6, Iq4Scales) as floats, into buf: the prefill's row-pair tiles read
 // float scales.
 template <typename R, std::enable_if_t<(groups_per_scale<R> > 1), int> = 0>
 LLMC_INLINE const float* scales_as_float(const R* p, long n, float* buf) {
@@ -121,8 +134,9 @@ LLMC_INLINE const float* scales_as_float(const R* p, long n, float* buf) {
   for (long i = 0; i < n; ++i) group_scale_min(p, p, i, buf[i], min);
   return buf;
 }
-// The n mins of K-quant records as floats, into buf.
-LLMC_INLINE const float* mins_as_float(const KScales* p, long n, float* buf) {
+// The n mins of K-quant records with mins (KScales, KScales2) as floats, into buf.
+template <typename R>
+LLMC_INLINE const float* mins_as_float(const R* p, long n, float* buf) {
   float scale;
   for (long i = 0; i < n; ++i) group_scale_min(p, p, i, scale, buf[i]);
   return buf;

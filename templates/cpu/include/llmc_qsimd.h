@@ -70,6 +70,8 @@ LLMC_INLINE Bytes bits_in_order(const uint8_t* p) {
 LLMC_INLINE Bytes decode6(const uint8_t* p) {
   return _mm256_or_si256(nibbles_in_order(p), _mm256_slli_epi16(bit_pairs_in_order(p + 16), 4));
 }
+// 8 bytes of an int2 chunk -> its 32 u = q in order.
+LLMC_INLINE Bytes decode2(const uint8_t* p) { return bit_pairs_in_order(p); }
 // 12 bytes of an int3 chunk -> its 32 u = q + 4 in order: the low 2 bits' 8 bytes, then the third bits' uint32.
 LLMC_INLINE Bytes decode3(const uint8_t* p) {
   return _mm256_or_si256(bit_pairs_in_order(p), _mm256_and_si256(bits_in_order(p + 8), _mm256_set1_epi8(0x04)));
@@ -186,6 +188,16 @@ LLMC_INLINE Floats kscales8(const KScales& r, Floats& mins) {
                        _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8))));
   return _mm256_mul_ps(_mm256_set1_ps(scale_value(r.d)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)));
 }
+// A Q2_K record's 16 scales and 16 mins, as floats (exact products): groups 0-7 and 8-15 of each
+LLMC_INLINE void kscales2(const KScales2& r, Floats (&scales)[2], Floats (&mins)[2]) {
+  const __m128i codes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(r.codes)), m = _mm_set1_epi8(0x0F);
+  const __m128i sc = _mm_and_si128(codes, m), mn = _mm_and_si128(_mm_srli_epi16(codes, 4), m);
+  const __m256 d = _mm256_set1_ps(scale_value(r.d)), dmin = _mm256_set1_ps(scale_value(r.dmin));
+  for (int h = 0; h < 2; ++h) {
+    scales[h] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(h ? _mm_srli_si128(sc, 8) : sc)));
+    mins[h] = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(h ? _mm_srli_si128(mn, 8) : mn)));
+  }
+}
 // An IQ4_XS record's 8 scales, as floats (exact products): the low nibbles interleaved into bytes, the high bits
 // shifted out of sh per lane
 LLMC_INLINE Floats iq4_scales8(const Iq4Scales& r) {
@@ -275,6 +287,11 @@ LLMC_INLINE Bytes decode_iq4(const uint8_t* p) {
   for (int j = 0; j < 32; ++j) r.v[j] = int8_t(kIq4LevelsU[(p[j % 16] >> (j / 16 * 4)) & 0x0F]);
   return r;
 }
+LLMC_INLINE Bytes decode2(const uint8_t* p) {
+  Bytes r;
+  for (int j = 0; j < 32; ++j) r.v[j] = int8_t((p[j % 8] >> (2 * (j / 8))) & 3);
+  return r;
+}
 LLMC_INLINE Bytes decode3(const uint8_t* p) {
   Bytes r;
   for (int j = 0; j < 32; ++j) r.v[j] = int8_t(((p[j % 8] >> (2 * (j / 8))) & 3) | (((p[8 + j / 8] >> (j % 8)) & 1) << 2));
@@ -362,6 +379,9 @@ LLMC_INLINE Floats kscales8(const KScales& r, Floats& mins) {
   Floats scales;
   for (int j = 0; j < 8; ++j) kscale_min(r, j, scales.v[j], mins.v[j]);
   return scales;
+}
+LLMC_INLINE void kscales2(const KScales2& r, Floats (&scales)[2], Floats (&mins)[2]) {
+  for (int j = 0; j < 16; ++j) group_scale_min(&r, &r, j, scales[j / 8].v[j % 8], mins[j / 8].v[j % 8]);
 }
 LLMC_INLINE Floats iq4_scales8(const Iq4Scales& r) {
   Floats scales;

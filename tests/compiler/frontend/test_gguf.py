@@ -122,7 +122,7 @@ MORE_TYPES = {
     "Q4_1": "int4 g32 asym",
     "Q5_0": "int5 g32",
     "Q5_1": "int5 g32 asym",
-    "Q2_K": "int8 g16 asym fp32-scales",
+    "Q2_K": "int2 g16 asym k-scales",
     "Q3_K": "int3 g16 k-scales",
     "Q5_K": "int5 g32 asym k-scales",
     "IQ4_NL": "iq4 g32",
@@ -511,7 +511,7 @@ def _prefill_logits(artifact, ids) -> np.ndarray:
         return model.step(StepBatch.build([ids], [0], [table], model.block_size, num_logits=[len(ids)]))
 
 
-@pytest.mark.parametrize("qtype", [T.IQ4_NL, T.IQ4_XS, T.Q3_K])
+@pytest.mark.parametrize("qtype", [T.IQ4_NL, T.IQ4_XS, T.Q3_K, T.Q2_K])
 def test_a_file_is_held_at_its_size(qtype, checkpoint_dir, tmp_path, monkeypatch):
     """Every matrix IQ4_NL (IQ4_XS, Q3_K), the embedding and the head too: held as the file's 4-bit indices and
     fp16 scales (IQ4_XS's superblock records; Q3_K's 3-bit values, its scales in Q6_K's records, 4 bytes a
@@ -545,7 +545,7 @@ def test_a_file_is_held_at_its_size(qtype, checkpoint_dir, tmp_path, monkeypatch
     int8 = compile_checkpoint(path, target="cpu", output=tmp_path / "int8.cpu")
     assert set(json.loads((int8 / "manifest.json").read_text())["quant"]["weights"].values()) == {wide.describe()}
     assert np.array_equal(_prefill_logits(art, ids), _prefill_logits(int8, ids))
-    if qtype != T.Q3_K:
+    if qtype in (T.IQ4_NL, T.IQ4_XS):
         quantized = {n for n, k in ckpt.gguf_types.items() if k == qtype.name}
         _assert_logits_match(art, _dequantized_checkpoint(ckpt, source, tmp_path / "dequantized"), quantized)
 
