@@ -100,7 +100,16 @@ SHAPE_FAMILY = {"qwen3-30b-a3b-4l": "qwen3_moe"}  # common.FAMILIES; the others 
 
 GGUF_ITSELF = {"dtype": "float32", "from_gguf": True}  # llmc compiles the llama.cpp file of the row
 # llama.cpp's quantizer's file types (llama_model_quantize ftypes): the gguf package does not write them
-LLAMA_CPP_FTYPES = {"Q4_1": 3, "Q4_K_M": 15, "Q5_K_M": 17, "Q6_K": 18, "IQ4_NL": 25, "IQ4_XS": 30, "Q3_K_M": 12, "Q2_K": 10}
+LLAMA_CPP_FTYPES = {
+    "Q4_1": 3,
+    "Q4_K_M": 15,
+    "Q5_K_M": 17,
+    "Q6_K": 18,
+    "IQ4_NL": 25,
+    "IQ4_XS": 30,
+    "Q3_K_M": 12,
+    "Q2_K": 10,
+}
 
 # row -> (llmc compile options for common.compiled, None for a row llmc has no build for; llama.cpp GGUF type).
 # The quantized rows match llama.cpp's files: symmetric groups of 32 over every matrix, the tied lm_head included
