@@ -19,6 +19,7 @@
 #include "llmc_elementwise.h"
 #include "llmc_gemm.h"
 #include "llmc_qgemm.h"
+#include "llmc_qembedding.h"
 #include "llmc_moe.h"
 #include "llmc_attention.h"
 #include "llmc_tvm_abi.h"
