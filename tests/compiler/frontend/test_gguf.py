@@ -332,11 +332,11 @@ def test_routers_stay_f32_and_experts_quantize(arch, gguf_file):
     assert ckpt.gguf_types[router] == "F32" and ckpt.gguf_types[f"{experts}0.{gate}.weight"] == "Q8_0"
 
 
-@pytest.mark.parametrize("expert_type", ["Q4_0", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("expert_type", ["Q4_0", "Q4_K", "Q6_K", "IQ4_XS", "Q3_K", "Q2_K"])
 def test_expert_tensors_import_exactly_and_run(expert_type, checkpoint_dir, tmp_path, monkeypatch):
-    """A qwen3moe file whose stacked experts are Q4_0, Q4_K or Q6_K blocks (hidden and expert sizes 256): each
-    expert's rows equal gguf dequantize, and the build's logits are the family's module on those values, its
-    experts' inputs rounded as the kernels round them."""
+    """A qwen3moe file whose stacked experts are Q4_0, Q4_K, Q6_K, IQ4_XS, Q3_K or Q2_K blocks (hidden and expert
+    sizes 256), each held at its size: each expert's rows equal gguf dequantize, and the build's logits are the
+    family's module on those values, its experts' inputs rounded as the kernels round them."""
     src = checkpoint_dir("qwen3_moe", **KQUANT, moe_intermediate_size=256, mlp_only_layers=[])
     f32 = write_gguf(src, tmp_path / "f32.gguf", "F32")
     types = {t.name: T[expert_type] for t in gguf.GGUFReader(f32).tensors if "_exps." in t.name}
