@@ -26,6 +26,9 @@ COMMON = {
     "gather_rows": dict(cols=32),
     "qembedding": dict(hidden=64, bits=4, group_size=32, asymmetric=False, scale_bits=16),
 }
+# parameters of a CPU template that the CUDA one lacks: a CUDA build holds the IQ4 codebook in int8
+# (compiler/quant_widen.py held_on_cuda), so its kernels take no codebook
+CPU_ONLY = {"qembedding": {"codebook"}}
 
 
 def _signature(src: str, name: str) -> str:
@@ -40,7 +43,7 @@ def test_same_params_and_signature_as_cpu(op):
         space = tune_space(target, op)
         return template_params(target, op) - (space.names if space else set())
 
-    assert contract("cuda") == contract("cpu") | {"adtype"}
+    assert contract("cuda") == contract("cpu") - CPU_ONLY.get(op, set()) | {"adtype"}
     cpu = _signature(render_kernel("cpu", op, name="f", **COMMON[op]), "f")
     cuda = _signature(render_kernel("cuda", op, name="f", adtype="f32", **COMMON[op]), "f")
     assert cuda == cpu + ", cudaStream_t stream"
