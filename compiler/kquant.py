@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .quant_search import search_scale_min
+from .quant_search import search_scale_min, searched_scales
 
 GROUP = 32
 GROUPS = 8  # groups per superblock
@@ -197,6 +197,42 @@ def quantize_q6k(w: np.ndarray, group_scales) -> tuple[np.ndarray, np.ndarray, n
     scales = decode6(records)
     s = scales.reshape(x.shape[:3])[..., None]
     return _rounded(x, s, -32, 31, s == 0).reshape(n, k), scales, records
+
+
+def quantize_q3k(w: np.ndarray) -> tuple[np.ndarray, np.ndarray, None, np.ndarray]:
+    """float32 w [N, K] (K a multiple of 256) -> (q int8 in -4..3, scales float32 [N, K / 16], None, Q6_K-style
+    records): each group of 16's scale searched as Q6_K's are, the superblock's d = -(its largest-magnitude scale)
+    / 32 and codes round(scale / d) in -32..31 (Q3_K's 6 bits), q rounded against d * code. For the kernels' tests
+    and the tuner: llmc imports Q3_K files, it does not offer the type as a --quant."""
+    n, k = w.shape
+    x = w.reshape(n, k // SUPERBLOCK, GROUPS6, GROUP6)
+    scale = searched_scales(x.reshape(n, -1, GROUP6), -4, 3).reshape(x.shape[:3])
+    big = np.take_along_axis(scale, np.abs(scale).argmax(-1)[..., None], -1)[..., 0]
+    d = (big / -32).astype(np.float16)
+    sc = np.clip(np.rint(scale / np.where(d != 0, d, 1).astype(np.float32)[..., None]), -32, 31)
+    records = encode6(d, sc)
+    scales = decode6(records)
+    s = scales.reshape(x.shape[:3])[..., None]
+    return _rounded(x, s, -4, 3, s == 0).reshape(n, k), scales, None, records
+
+
+def quantize_q2k(w: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """float32 w [N, K] (K a multiple of 256) -> (q int8 in 0..3, scales, mins float32 [N, K / 16], Q2_K records):
+    each group of 16 rounded to nearest over its range (min <= 0), the superblock's d and dmin the largest scale and
+    min / 15 and each group's 4-bit codes, q rounded against the coded values. For the kernels' tests and the tuner,
+    as quantize_q3k."""
+    n, k = w.shape
+    x = w.reshape(n, k // SUPERBLOCK, GROUPS6, GROUP6)
+    lo = np.minimum(x.min(-1), 0)
+    scale, mn = (x.max(-1) - lo) / 3, -lo
+    d, dmin = (scale.max(-1) / 15).astype(np.float16), (mn.max(-1) / 15).astype(np.float16)
+    sc = np.clip(np.rint(scale / np.where(d > 0, d, 1).astype(np.float32)[..., None]), 0, 15).astype(np.uint8)
+    m = np.clip(np.rint(mn / np.where(dmin > 0, dmin, 1).astype(np.float32)[..., None]), 0, 15).astype(np.uint8)
+    halves = np.stack([d, dmin], axis=-1).view(np.uint8)
+    records = np.ascontiguousarray(np.concatenate([sc | (m << 4), halves], axis=-1).reshape(n, -1))
+    scales, mins = decode_q2k(records)
+    s, offset = scales.reshape(x.shape[:3])[..., None], mins.reshape(x.shape[:3])[..., None]
+    return _rounded(x, s, 0, 3, s <= 0, offset=offset, zero_unscaled=False).reshape(n, k), scales, mins, records
 
 
 def _rounded(x, s, lo: int, hi: int, unscaled, offset=None, zero_unscaled: bool = True) -> np.ndarray:

@@ -236,11 +236,14 @@ def quantize(w: np.ndarray, scheme: QuantScheme, importance: np.ndarray | None =
     if scheme.codebook:
         return _quantize_codebook(w, scheme)
     if scheme.scale_dtype == "kquant":
-        if scheme.bits not in (4, 5, 6) or k % kquant.SUPERBLOCK:
+        if k % kquant.SUPERBLOCK:
             raise CompileError(
-                f"llmc quantizes to K-quant scales at 4, 5 or 6 bits with K a multiple of 256, not "
-                f"{scheme.describe()}, K={k}"
+                f"llmc quantizes to K-quant scales with K a multiple of 256, not {scheme.describe()}, K={k}"
             )
+        if scheme.bits in (2, 3):
+            quantizer = kquant.quantize_q2k if scheme.bits == 2 else kquant.quantize_q3k
+            q, scales, mins, records = quantizer(w)
+            return QuantizedTensor(q, scales, mins, scheme, records)
         if scheme.bits == 6:
             return _quantize_q6k(w, scheme, importance)
         with np.errstate(over="ignore", invalid="ignore"):

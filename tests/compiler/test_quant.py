@@ -385,3 +385,18 @@ def test_a_codebook_scheme_holds_iq4_levels():
     q[0, 0] = 2
     with pytest.raises(CompileError, match="none of IQ4's levels"):
         QuantizedTensor(q, t.scales, None, scheme)
+
+
+@pytest.mark.parametrize(
+    "scheme,bound", [(QuantScheme(3, 16, scale_dtype="kquant"), 0.2), (QuantScheme(2, 16, True, "kquant"), 0.4)]
+)
+def test_q3_k_and_q2_k_quantize_under_their_records(scheme, bound):
+    """llmc's Q3_K and Q2_K (for the kernels' tests and the tuner): q in range, the records hold the scales (and
+    mins), and the error is about the types'."""
+    w = np.random.default_rng(1).standard_normal((5, 512), dtype=np.float32)
+    t = quantize(w, scheme)
+    lo, hi = scheme.qrange
+    assert t.q.min() >= lo and t.q.max() <= hi and len(np.unique(t.q)) == hi - lo + 1
+    held = kquant.decode_records(t.records, scheme.group_size, scheme.asymmetric)
+    assert all(a is b or np.array_equal(a, b) for a, b in zip(held, (t.scales, t.mins), strict=True))
+    assert np.sqrt(np.mean((dequantize(t) - w) ** 2) / np.mean(w**2)) < bound
