@@ -180,40 +180,49 @@ def quantize_kquant(
     return q.reshape(n, k), scales, mins, records
 
 
+def largest_magnitude(a: np.ndarray) -> np.ndarray:
+    """The value of largest magnitude along the last axis, with its sign."""
+    return np.take_along_axis(a, np.abs(a).argmax(-1)[..., None], -1)[..., 0]
+
+
+def signed_codes(scale: np.ndarray, levels: int) -> tuple[np.ndarray, np.ndarray]:
+    """A superblock's scales [..., groups] -> (d float16 [...], codes in -levels..levels - 1), as llama.cpp's
+    quantize_row_q6_K codes them (levels 128): iscale = -levels / (the largest-magnitude scale), d = 1 / iscale,
+    codes round(iscale * scale)."""
+    big = largest_magnitude(scale)
+    with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
+        iscale = np.where(big != 0, -levels / big, 0).astype(np.float32)
+        d = np.where(big != 0, 1.0 / iscale, 0).astype(np.float16)
+    return d, np.clip(np.rint(iscale[..., None] * scale), -levels, levels - 1)
+
+
+def _quantize_signed16(w: np.ndarray, group_scales, levels: int, lo: int, hi: int):
+    """Symmetric groups of 16 under Q6_K's records: group_scales(blocks [N, K / 16, 16]) gives each group's scale,
+    coded per superblock by signed_codes(levels); q in lo..hi rounded against the coded values."""
+    n, k = w.shape
+    x = w.reshape(n, k // SUPERBLOCK, GROUPS6, GROUP6)
+    scale = np.asarray(group_scales(x.reshape(n, -1, GROUP6)), np.float32).reshape(x.shape[:3])
+    records = encode6(*signed_codes(scale, levels))
+    scales = decode6(records)
+    s = scales.reshape(x.shape[:3])[..., None]
+    return _rounded(x, s, lo, hi, s == 0).reshape(n, k), scales, records
+
+
 def quantize_q6k(w: np.ndarray, group_scales) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """float32 w [N, K] (K a multiple of 256) -> (q int8 [N, K] in -32..31, scales float32 [N, K / 16], records
     uint8 [N, K / 256 * 18]), as llama.cpp's quantize_row_q6_K: group_scales(blocks [N, K / 16, 16]) gives each
     group's searched scale; the superblock's d = -(its largest-magnitude scale) / 128 in fp16, each group's code
     round(scale / d) clamped to int8, and q rounded against d * code."""
-    n, k = w.shape
-    x = w.reshape(n, k // SUPERBLOCK, GROUPS6, GROUP6)
-    scale = np.asarray(group_scales(x.reshape(n, -1, GROUP6)), np.float32).reshape(x.shape[:3])
-    big = np.take_along_axis(scale, np.abs(scale).argmax(-1)[..., None], -1)[..., 0]
-    with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
-        iscale = np.where(big != 0, -128.0 / big, 0).astype(np.float32)
-        d = np.where(big != 0, 1.0 / iscale, 0).astype(np.float16)
-    sc = np.clip(np.rint(iscale[..., None] * scale), -128, 127)
-    records = encode6(d, sc)
-    scales = decode6(records)
-    s = scales.reshape(x.shape[:3])[..., None]
-    return _rounded(x, s, -32, 31, s == 0).reshape(n, k), scales, records
+    return _quantize_signed16(w, group_scales, 128, -32, 31)
 
 
 def quantize_q3k(w: np.ndarray) -> tuple[np.ndarray, np.ndarray, None, np.ndarray]:
     """float32 w [N, K] (K a multiple of 256) -> (q int8 in -4..3, scales float32 [N, K / 16], None, Q6_K-style
-    records): each group of 16's scale searched as Q6_K's are, the superblock's d = -(its largest-magnitude scale)
-    / 32 and codes round(scale / d) in -32..31 (Q3_K's 6 bits), q rounded against d * code. For the kernels' tests
-    and the tuner: llmc imports Q3_K files, it does not offer the type as a --quant."""
-    n, k = w.shape
-    x = w.reshape(n, k // SUPERBLOCK, GROUPS6, GROUP6)
-    scale = searched_scales(x.reshape(n, -1, GROUP6), -4, 3).reshape(x.shape[:3])
-    big = np.take_along_axis(scale, np.abs(scale).argmax(-1)[..., None], -1)[..., 0]
-    d = (big / -32).astype(np.float16)
-    sc = np.clip(np.rint(scale / np.where(d != 0, d, 1).astype(np.float32)[..., None]), -32, 31)
-    records = encode6(d, sc)
-    scales = decode6(records)
-    s = scales.reshape(x.shape[:3])[..., None]
-    return _rounded(x, s, -4, 3, s == 0).reshape(n, k), scales, None, records
+    records): each group of 16's scale searched as Q6_K's are, coded as Q6_K's in 6 bits (-32..31, Q3_K's), q
+    rounded against the coded values. For the kernels' tests and the tuner: llmc imports Q3_K files, it does not
+    offer the type as a --quant."""
+    q, scales, records = _quantize_signed16(w, lambda blocks: searched_scales(blocks, -4, 3), 32, -4, 3)
+    return q, scales, None, records
 
 
 def quantize_q2k(w: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:

@@ -53,8 +53,7 @@ PER_CHANNEL = "channel"  # int8's --group-size for one scale per output channel 
 # IQ4_NL / IQ4_XS's 16 levels (llama.cpp's kvalues_iq4nl): what a codebook scheme's 4-bit indices stand for
 IQ4_LEVELS = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8)
 K_MULTIPLE = 32  # a quantized weight's K is a multiple of this (the kernels' activation blocks); else it stays float
-SCALE_DTYPES = ("float16", "float32", "kquant")  # kquant: compiler/kquant.py's superblock records
-# kquant: 16 bytes per 8 scales and 8 mins (asymmetric, Q4_K / Q5_K), or 18 per 16 scales (symmetric, Q6_K)
+SCALE_DTYPES = ("float16", "float32", "kquant")  # kquant: compiler/kquant.py's superblock records (RECORD_KINDS)
 _SCALE_BITS = {"float16": 16, "float32": 32, "kquant": 8}
 
 
@@ -294,21 +293,18 @@ def quantize(w: np.ndarray, scheme: QuantScheme, importance: np.ndarray | None =
 
 def _quantize_codebook(w: np.ndarray, scheme: QuantScheme) -> QuantizedTensor:
     """IQ4 groups as llama.cpp's IQ4_NL starts its search: scale = m / -127 (m the group's largest-magnitude
-    value, so it lands on the lowest level), each weight at its nearest level; under IQ4_XS's records (kquant) a
-    superblock's d = -(its largest-magnitude scale) / 32 and each group's code round(scale / d) + 32. llmc imports
+    value, so it lands on the lowest level), each weight at its nearest level; under IQ4_XS's records (kquant) the
+    scales coded in 6 bits as Q6_K's are (kquant.signed_codes), stored plus 32. llmc imports
     IQ4 files; this makes such tensors for the kernels' tests and the tuner."""
     n, k = w.shape
     blocks = w.reshape(n, k // 32, 32)
-    m = np.take_along_axis(blocks, np.abs(blocks).argmax(axis=2)[..., None], axis=2)[..., 0]
+    m = kquant.largest_magnitude(blocks)
     records = None
     if scheme.scale_dtype == "kquant":
         if k % kquant.SUPERBLOCK:
             raise CompileError(f"IQ4_XS records need K a multiple of 256, not K={k}")
-        raw = (m / float(IQ4_LEVELS[0])).reshape(n, -1, kquant.GROUPS)
-        big = np.take_along_axis(raw, np.abs(raw).argmax(axis=2)[..., None], axis=2)[..., 0]
-        d = (big / -32).astype(np.float16)
-        ls = np.clip(np.rint(raw / np.where(d != 0, d, 1).astype(np.float32)[..., None]), -32, 31) + 32
-        records = kquant.encode_iq4xs(d, ls)
+        d, codes = kquant.signed_codes((m / float(IQ4_LEVELS[0])).reshape(n, -1, kquant.GROUPS), 32)
+        records = kquant.encode_iq4xs(d, codes + 32)
         scales = kquant.decode_iq4xs(records)
     else:
         scales = _stored(m / float(IQ4_LEVELS[0]), scheme.scale_dtype == "float16", up=False)
