@@ -22,7 +22,7 @@ inline void qembedding(const int32_t* ids, int T, const uint8_t* LLMC_RESTRICT q
   constexpr int G = (H + GS - 1) / GS;
   constexpr int RB = H * stored_bits(BITS) / 8;
   // the q stored as u = 0 (IQ4: u is an index, its level kIq4LevelsU[u] - 128)
-  constexpr int LO = BITS == 8 ? -128 : BITS == 6 ? -32 : BITS == 3 ? -4 : ASYM || BITS == kIq4 ? 0 : BITS == 5 ? -16 : -8;
+  constexpr int LO = BITS == kIq4 ? 0 : -kZeroU<BITS, ASYM>;
   parallel_for(T, (long)T * H >= kParallelWork, [&](int t) {
     const long row = ids[t];
     const uint8_t* u = qweight + row * RB;

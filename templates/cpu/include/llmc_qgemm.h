@@ -57,6 +57,24 @@ namespace llmc {
 // kIq4LevelsU); their steps are int8's, one block of 32 decoded by a byte shuffle (qsimd::decode_iq4).
 constexpr int kIq4 = 104;
 constexpr int stored_bits(int bits) { return bits == kIq4 ? 4 : bits; }
+// The u a q of 0 is stored as (u = q + it): half the range for symmetric widths, 0 with mins but for int8 (always
+// q + 128); IQ4's decoded u (level + 128) as int8's.
+template <int BITS, bool ASYM>
+constexpr int kZeroU = BITS == 8 || BITS == kIq4 ? 128 : ASYM ? 0 : 1 << (BITS - 1);
+// A 32-element chunk of the widths whose steps are int8's (int6, int5, int3, int2, IQ4) -> its u in order.
+template <int BITS>
+LLMC_INLINE qsimd::Bytes decode_chunk(const uint8_t* p) {
+  if constexpr (BITS == 6)
+    return qsimd::decode6(p);
+  else if constexpr (BITS == 5)
+    return qsimd::decode5(p);
+  else if constexpr (BITS == 3)
+    return qsimd::decode3(p);
+  else if constexpr (BITS == 2)
+    return qsimd::decode2(p);
+  else
+    return qsimd::decode_iq4(p);
+}
 
 constexpr int kQgemmRows = 4;
 constexpr int kQgemmCols = 2;  // 4 x 2 float accumulators + 2 weight vectors + temporaries in 16 ymm registers
@@ -246,16 +264,8 @@ LLMC_INLINE void qdot_tile(const QStep<BITS>* LLMC_RESTRICT steps, const float* 
       }
       if constexpr (BITS == 8) {
         wlo[c] = load32(p);
-      } else if constexpr (BITS == 6) {
-        wlo[c] = decode6(p);
-      } else if constexpr (BITS == 5) {
-        wlo[c] = decode5(p);
-      } else if constexpr (BITS == 3) {
-        wlo[c] = decode3(p);
-      } else if constexpr (BITS == 2) {
-        wlo[c] = decode2(p);
-      } else if constexpr (BITS == kIq4) {
-        wlo[c] = decode_iq4(p);
+      } else if constexpr (BITS != 4) {
+        wlo[c] = decode_chunk<BITS>(p);
       } else if constexpr (decltype(tail)::value) {
         nibbles16(p, wlo[c], whi[c]);
       } else {
@@ -266,8 +276,7 @@ LLMC_INLINE void qdot_tile(const QStep<BITS>* LLMC_RESTRICT steps, const float* 
       const QStep<BITS>& a = steps[(long)r * S::NS + s];
       const Floats dx = load_floats(a.dx);
       if constexpr (BITS != 4) {
-        // the u of q = 0
-        constexpr int BIAS = BITS == 8 || BITS == kIq4 ? 128 : BITS == 6 ? 32 : BITS == 3 ? 4 : ASYM ? 0 : 16;
+        constexpr int BIAS = kZeroU<BITS, ASYM>;
         const Bytes xv = load32(a.x);
         const Ints base = neg_bias_of<BIAS>(xv);
         LLMC_UNROLL for (int c = 0; c < C; ++c) into(r, c, dot_biased<BIAS>(base, wlo[c], xv), dx);
@@ -570,23 +579,11 @@ LLMC_INLINE unsigned char* qgemm_scratch(size_t bytes) {
 template <int K, int BITS, bool ASYM>
 inline void widen_to_int8(const uint8_t* LLMC_RESTRICT w, int n, uint8_t* LLMC_RESTRICT out) {
   using S = QShape<K, BITS, 32>;
-  constexpr int BIAS = BITS == kIq4 ? 128 : BITS == 6 ? 32 : BITS == 3 ? 4 : ASYM ? 0 : 16;
-  const qsimd::Bytes shift = qsimd::splat_bytes(int8_t(128 - BIAS));
+  const qsimd::Bytes shift = qsimd::splat_bytes(int8_t(128 - kZeroU<BITS, ASYM>));
   for (long r = 0; r < n; ++r) {
     for (int c = 0; c < S::NB; ++c) {
       const uint8_t* p = w + r * S::RB + (long)c * S::SB;
-      qsimd::Bytes u;
-      if constexpr (BITS == kIq4)
-        u = qsimd::decode_iq4(p);
-      else if constexpr (BITS == 6)
-        u = qsimd::decode6(p);
-      else if constexpr (BITS == 3)
-        u = qsimd::decode3(p);
-      else if constexpr (BITS == 2)
-        u = qsimd::decode2(p);
-      else
-        u = qsimd::decode5(p);
-      qsimd::store32(out + r * K + 32 * c, qsimd::add_bytes(u, shift));
+      qsimd::store32(out + r * K + 32 * c, qsimd::add_bytes(decode_chunk<BITS>(p), shift));
     }
   }
 }
