@@ -17,26 +17,25 @@ percent is within its noise; a longer text steadies it. Needs the `bench` extra 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import sys
 import tempfile
 from pathlib import Path
 
+from llamacpp_peer import llama_cpp_quantize
+
 from llmc.examples import bundled_checkpoint
 
-LLAMA_CPP_TYPES = {"Q4_0": 2, "Q8_0": 7, "Q4_K_M": 15, "Q5_K_M": 17, "Q6_K": 18}
+DEFAULT_TYPES = ("Q4_0", "Q8_0", "Q4_K_M", "Q5_K_M", "Q6_K")  # llama.cpp's file types (LLAMA_FTYPE_MOSTLY_<type>)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("checkpoint", nargs="?", type=Path, default=None)
     parser.add_argument("--calibration", type=Path, default=None)
-    parser.add_argument("--types", default=",".join(LLAMA_CPP_TYPES))
+    parser.add_argument("--types", default=",".join(DEFAULT_TYPES))
     parser.add_argument("--modes", default="int8,q8_0,int4,q4_k,q4_k_m")
     parser.add_argument("--tokens", type=int, default=None, help="tokens to score (default 2048; 0: the whole text)")
     args = parser.parse_args()
-
-    import llama_cpp
 
     from llmc.compiler.frontend.gguf_write import write_gguf
     from llmc.compiler.frontend.load import load_checkpoint
@@ -55,11 +54,7 @@ def main() -> None:
         reference = compile_checkpoint(src, target="cpu", output=root / "reference")
         builds = []
         for name in args.types.split(","):
-            params = llama_cpp.llama_model_quantize_default_params()
-            params.ftype = LLAMA_CPP_TYPES[name]
-            gguf = root / f"{name}.gguf"
-            if llama_cpp.llama_model_quantize(str(f32).encode(), str(gguf).encode(), ctypes.byref(params)) != 0:
-                raise SystemExit(f"llama.cpp could not quantize {f32} to {name}")
+            gguf = llama_cpp_quantize(f32, root / f"{name}.gguf", name)
             builds.append((f"llama.cpp {name}", compile_checkpoint(gguf, target="cpu", output=root / name)))
         for mode in args.modes.split(","):
             out = compile_checkpoint(

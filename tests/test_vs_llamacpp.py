@@ -1,4 +1,4 @@
-"""benchmarks/vs_llamacpp.py's measuring: on a tiny checkpoint, llmc and llama.cpp (its F32 GGUF) decode the same
+"""benchmarks/vs_llamacpp.py's measuring (and its peer, llamacpp_peer.py): on a tiny checkpoint, llmc and llama.cpp (its F32 GGUF) decode the same
 greedy tokens from the same prompt ids, and read the same weight bytes per decode token."""
 
 import sys
@@ -12,6 +12,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 pytest.importorskip("gguf")
 pytest.importorskip("llama_cpp")
 
+import llamacpp_peer  # noqa: E402
 import vs_llamacpp  # noqa: E402
 
 from llmc.compiler.compile import compile_checkpoint  # noqa: E402
@@ -21,7 +22,7 @@ from llmc.compiler.compile import compile_checkpoint  # noqa: E402
 def test_measure_row_peers_agree(checkpoint_dir, tmp_path):
     ckpt = checkpoint_dir("llama", rope_scaling=None, intermediate_size=96)  # untied lm_head, GQA 4
     llmc_path = compile_checkpoint(ckpt, target="cpu", output=tmp_path / "m.cpu", weight_dtype="float32")
-    gguf_path = vs_llamacpp.gguf_file(ckpt, tmp_path, "tiny", "F32", log=lambda _: None)
+    gguf_path = llamacpp_peer.gguf_file(ckpt, tmp_path, "tiny", "F32", log=lambda _: None)
     prompt = np.random.default_rng(3).integers(2, 384, 13).tolist()
     m = vs_llamacpp.measure_row(llmc_path, gguf_path, prompt, tokens=20, rounds=2, threads=1, log=lambda _: None)
     assert m["tokens"]["llmc"] == m["tokens"]["llama.cpp"]
@@ -40,7 +41,7 @@ def test_measure_row_peers_agree(checkpoint_dir, tmp_path):
 def test_llamacpp_only_row(checkpoint_dir, tmp_path):
     """A row with no llmc build (llmc options None) measures llama.cpp alone and prints no ratio."""
     ckpt = checkpoint_dir("llama", rope_scaling=None, intermediate_size=96)
-    gguf_path = vs_llamacpp.gguf_file(ckpt, tmp_path, "tiny", "F32", log=lambda _: None)
+    gguf_path = llamacpp_peer.gguf_file(ckpt, tmp_path, "tiny", "F32", log=lambda _: None)
     prompt = np.random.default_rng(3).integers(2, 384, 13).tolist()
     m = vs_llamacpp.measure_row(None, gguf_path, prompt, tokens=6, rounds=1, threads=1, log=lambda _: None)
     assert set(m["tokens"]) == {"llama.cpp"} and len(m["tokens"]["llama.cpp"]) == 7
@@ -71,5 +72,5 @@ def test_a_peer_that_dies_is_reported_not_measured(tmp_path):
     """llama.cpp runs a file in a child process first, so a crash (or a refusal) is an error naming the file."""
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"GGUF" + bytes(60))
-    with pytest.raises(vs_llamacpp.PeerCrashed, match="bad.gguf"):
-        vs_llamacpp.check_llamacpp_runs(bad, threads=1)
+    with pytest.raises(llamacpp_peer.PeerCrashed, match="bad.gguf"):
+        llamacpp_peer.check_llamacpp_runs(bad, threads=1)

@@ -132,9 +132,7 @@ def prim(value: int | float) -> relax.Expr:
 
 def scheme_attrs(scheme) -> list[relax.Expr]:
     """A compiler/quant.py QuantScheme as the values of QUANT_ATTRS (QuantScheme.of_kernel reads them back)."""
-    return [
-        prim(int(v)) for v in (scheme.bits, scheme.group_size, scheme.asymmetric, scheme.scale_bits, scheme.codebook)
-    ]
+    return [prim(int(getattr(scheme, a))) for a in QUANT_ATTRS]
 
 
 def prim_value(expr: relax.Expr) -> int | float:
