@@ -111,7 +111,7 @@ def _q3_k(b: np.ndarray) -> QuantizedTensor:
     lo = np.concatenate([s[..., 0:8] & 0xF, s[..., 0:8] >> 4], axis=-1)
     hi = (s[..., None, 8:12] >> np.array([0, 2, 4, 6], np.uint8)[:, None]).reshape(*b.shape[:2], 16) & 3
     sc = (lo | (hi << 4)).astype(np.int8) - 32
-    records = kquant.encode6(b[..., 108:110].copy().view("<f2")[..., 0], sc)  # Q6_K's record holds them exactly
+    records = kquant.encode6(fp16_values(b[..., 108:110]), sc)  # Q6_K's record holds them exactly
     return QuantizedTensor(_rows(q), kquant.decode6(records), None, SCHEMES[GGMLType.Q3_K], records)
 
 

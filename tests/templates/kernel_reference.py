@@ -47,8 +47,9 @@ def bf16_bits_of(a):
 
 
 def quantized_weight(w, scheme, rng):
-    """compiler/quant.py's quantize(w, scheme), or for K-quant records at 5 or 8 bits (GGUF Q5_K), 3 (Q3_K) and 2
-    (Q2_K), which llmc's quantizer does not write, random q under random records."""
+    """compiler/quant.py's quantize(w, scheme), or for K-quant records at 5 or 8 bits (GGUF Q5_K, which llmc's
+    quantizer does not write), 3 (Q3_K) and 2 (Q2_K) random q under random records: every code a file may hold,
+    not only those a quantizer picks."""
     from llmc.compiler import kquant
     from llmc.compiler.quant import QuantizedTensor, quantize
 
