@@ -55,6 +55,8 @@ SIGNAL_AT_ENV = "LLMC_TEST_SIGNAL_AT"
 # manifest records it; CUDA's by the build's activation dtype.
 CPU_QGEMM_ACTIVATIONS = "int8 per 32"
 CUDA_QGEMM_ACTIVATIONS = {"float32": "float32 (GEMV, T <= 8), bf16 (tensor-core GEMM)", "bfloat16": "bf16"}
+# a bf16 CUDA build holds a token's routed expert ids in its activation dtype: integers exact up to 256
+MAX_BF16_EXPERTS = 256
 
 
 def resolve_weight_dtype(ckpt: Checkpoint, requested: str) -> str:
@@ -229,12 +231,13 @@ def compile_checkpoint(
             f"--kv-cache-dtype takes auto or one of {', '.join(ELEMENT_DTYPES)}",
         )
     ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else load_checkpoint(checkpoint)
-    if tgt.is_cuda and ckpt.config.moe_layers:
-        raise UnsupportedModelError(
-            f"{ckpt.config.architecture}: mixture-of-experts layers have kernels for the cpu target only so far",
-            "compile it with --target cpu",
-        )
     dtype = resolve_weight_dtype(ckpt, weight_dtype)
+    if tgt.is_cuda and ckpt.config.moe_layers and dtype == "bfloat16" and ckpt.config.num_experts > MAX_BF16_EXPERTS:
+        raise UnsupportedModelError(
+            f"{ckpt.config.architecture}: {ckpt.config.num_experts} experts; a bf16 CUDA build holds the routed "
+            f"expert ids in bf16, exact up to {MAX_BF16_EXPERTS}",
+            "compile it with --dtype float32, or for --target cpu",
+        )
     kv_dtype = resolve_kv_dtype(kv_dtype, cuda=tgt.is_cuda, weight_dtype=dtype)
     schemes = quant_schemes(ckpt, quant, cuda=tgt.is_cuda)
     if quant.enabled and not schemes:

@@ -21,7 +21,7 @@ from llmc.runtime.batch import StepBatch
 from llmc.runtime.engine import LLMEngine
 from llmc.runtime.module import CompiledModel
 from llmc.sampling_params import SamplingParams
-from tests.checkpoints import ARCHS, hf_model
+from tests.checkpoints import ARCHS, MOE_ARCHS, hf_model
 from tests.cuda_mode import cuda_library
 from tests.logits_rows import assert_logits_rows_match_transformers
 
@@ -44,7 +44,7 @@ def _greedy(model, ids):
     return LLMEngine(model).generate([ids], params)[0].outputs[0].token_ids
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", (*ARCHS, *MOE_ARCHS))
 def test_simulated_sm90_matches_cpu_and_transformers(arch, checkpoint_dir, tmp_path_factory):
     path = checkpoint_dir(arch)
     ids = Tokenizer.from_file(str(path / "tokenizer.json")).encode(PROMPT).ids

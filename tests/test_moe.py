@@ -1,5 +1,6 @@
 """Mixture-of-experts builds beyond fp32 parity (test_cpu_parity.py runs the three families against transformers):
-quantized experts compute what their packed weights say, and a CUDA target refuses them plainly."""
+quantized experts compute what their packed weights say, and a bf16 CUDA build refuses more experts than its
+bf16 expert ids hold."""
 
 import pytest
 import torch
@@ -13,9 +14,10 @@ from llmc.runtime.module import CompiledModel
 from tests.cpu_activations import assert_quantized_experts_match
 
 
-def test_cuda_target_refuses_experts(checkpoint_dir, tmp_path):
-    with pytest.raises(UnsupportedModelError, match="cpu target only"):
-        compile_checkpoint(checkpoint_dir("mixtral"), target="sm90", output=tmp_path / "m")
+def test_bf16_cuda_build_refuses_more_experts_than_bf16_ids_hold(checkpoint_dir, tmp_path):
+    path = checkpoint_dir("olmoe", num_experts=257)
+    with pytest.raises(UnsupportedModelError, match="257 experts"):
+        compile_checkpoint(path, target="sm90", output=tmp_path / "m", weight_dtype="bfloat16")
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4", "q4_k_m"])

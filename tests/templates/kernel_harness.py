@@ -68,18 +68,18 @@ SIGNATURES = {
     "silu_mul": [("gate_up", "A*"), ("out", "A*"), ("T", "int")],
     "gather_rows": [("x", "A*"), ("rows", "i32*"), ("n", "int"), ("out", "A*")],
     "qembedding": [("ids", "i32*"), ("T", "int"), ("qweight", "u8*"), ("scales", "S*"), ("mins", "S*"), ("out", "A*")],
-    "moe_route": [("x", "A*"), ("router", "W*"), ("route", "f32*"), ("T", "int")],
-    "moe_gemm": [("x", "A*"), ("route", "f32*"), ("w", "W*"), ("out", "A*"), ("T", "int")],
+    "moe_route": [("x", "A*"), ("router", "W*"), ("route", "A*"), ("T", "int")],
+    "moe_gemm": [("x", "A*"), ("route", "A*"), ("w", "W*"), ("out", "A*"), ("T", "int")],
     "moe_qgemm": [
         ("x", "A*"),
-        ("route", "f32*"),
+        ("route", "A*"),
         ("qweight", "u8*"),
         ("scales", "S*"),
         ("mins", "S*"),
         ("out", "A*"),
         ("T", "int"),
     ],
-    "moe_combine": [("y", "A*"), ("route", "f32*"), ("out", "A*"), ("T", "int")],
+    "moe_combine": [("y", "A*"), ("route", "A*"), ("out", "A*"), ("T", "int")],
     "qgemm": [
         ("x", "A*"),
         ("qweight", "u8*"),
@@ -351,8 +351,8 @@ class CudaTemplates:
     target = "cuda"
 
     def spec(self, op: str, params: dict) -> tuple[str, dict] | None:
-        """None for an op with no CUDA template (the CPU's mixture-of-experts kernels), and for int6, int5,
-        int3, int2 and IQ4 weights (a CUDA build holds them widened to int8)."""
+        """None for an op with no CUDA template, and for int6, int5, int3, int2 and IQ4 weights (a CUDA build
+        holds them widened to int8)."""
         try:
             template_path("cuda", op)
         except CompileError:

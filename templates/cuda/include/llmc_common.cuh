@@ -104,6 +104,18 @@ __device__ __forceinline__ void store_act2(float* p, float a, float b) { vstore(
 __device__ __forceinline__ void store_act2(uint16_t* p, float a, float b) {
   *reinterpret_cast<uint32_t*>(p) = pack_bf16x2(a, b);
 }
+// The rows a GEMM runs over: its row r reads x's row x_row(r) and goes to y's row y_row(r), stored by store /
+// store2. DenseRows: row r itself, the block's first row from the grid; a grouped GEMM gathers its rows instead
+// (llmc_moe.cuh ExpertRows: kGathered, each block's rows from 0).
+struct DenseRows {
+  static constexpr bool kGathered = false;
+  __device__ __forceinline__ int64_t x_row(int r) const { return r; }
+  __device__ __forceinline__ int64_t y_row(int r) const { return r; }
+  template <typename A>
+  __device__ __forceinline__ void store(A* p, float v) const { astore(p, v); }
+  template <typename A>
+  __device__ __forceinline__ void store2(A* p, float a, float b) const { store_act2(p, a, b); }
+};
 // V (a multiple of 4) consecutive activations from f: 16-byte stores where they hold 16 bytes.
 template <int V>
 __device__ __forceinline__ void store_acts(float* p, const float (&f)[V]) {

@@ -71,8 +71,11 @@ struct Gemm {
       return soft_cap(s[0] + b, cap);
   }
 
-  // cap > 0: every output soft-capped (Gemma 2's final logits), as it is stored.
-  static __device__ __forceinline__ void gemv(const A* x, const W* w, const W* bias, A* y, int T, float cap = 0.0f) {
+  // cap > 0: every output soft-capped (Gemma 2's final logits), as it is stored. rows: which rows of x and y
+  // (llmc_common.cuh DenseRows).
+  template <class Rows = DenseRows>
+  static __device__ __forceinline__ void gemv(const A* x, const W* w, const W* bias, A* y, int T, float cap = 0.0f,
+                                              Rows rows_of = {}) {
     constexpr int R = kGemvRows, NR = kRowsPerOut;
     __shared__ float part[kSplit > 1 ? kGemvWarps * kSplit : 1][NR][R];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, slice = warp % kSplit;
@@ -86,7 +89,6 @@ struct Gemm {
     const float b = BIAS && live ? wload(bias[j]) : 0.0f;
     for (int t0 = 0; t0 < T; t0 += R) {
       const int rows = min(R, T - t0);
-      const A* x0 = x + static_cast<int64_t>(t0) * K;
       float acc[NR][R];
 #pragma unroll
       for (int q = 0; q < NR; ++q)
@@ -103,7 +105,7 @@ struct Gemm {
           for (int r = 0; r < R; ++r) {
             if (r < rows) {
               float xv[4];
-              load_act4(x0 + static_cast<int64_t>(r) * K + k, xv);
+              load_act4(x + rows_of.x_row(t0 + r) * K + k, xv);
 #pragma unroll
               for (int q = 0; q < NR; ++q)
                 acc[q][r] += xv[0] * wv[q][0] + xv[1] * wv[q][1] + xv[2] * wv[q][2] + xv[3] * wv[q][3];
@@ -119,7 +121,7 @@ struct Gemm {
           for (int r = 0; r < R; ++r)
             if (r < rows) {
 #pragma unroll
-              for (int q = 0; q < NR; ++q) acc[q][r] += wload(x0[static_cast<int64_t>(r) * K + k]) * wv[q];
+              for (int q = 0; q < NR; ++q) acc[q][r] += wload(x[rows_of.x_row(t0 + r) * K + k]) * wv[q];
             }
         }
       }
@@ -130,7 +132,7 @@ struct Gemm {
 #pragma unroll
           for (int q = 0; q < NR; ++q) s[q] = warp_sum(acc[q][r]);
           if constexpr (kSplit == 1) {
-            if (lane == 0) astore(y + static_cast<int64_t>(t0 + r) * kOut + j, gemv_out(s, b, cap));
+            if (lane == 0) rows_of.store(y + rows_of.y_row(t0 + r) * kOut + j, gemv_out(s, b, cap));
           } else if (lane == 0) {
 #pragma unroll
             for (int q = 0; q < NR; ++q) part[warp][q][r] = s[q];
@@ -147,22 +149,26 @@ struct Gemm {
 #pragma unroll
             for (int sl = 0; sl < kSplit; ++sl) v[q] += part[warp + sl][q][lane];
           }
-          astore(y + static_cast<int64_t>(t0 + lane) * kOut + j, gemv_out(v, b, cap));
+          rows_of.store(y + rows_of.y_row(t0 + lane) * kOut + j, gemv_out(v, b, cap));
         }
         __syncthreads();  // part is rewritten by the next rows
       }
     }
   }
 
-  static __device__ __forceinline__ void tiled(const A* x, const W* w, const W* bias, A* y, int T, float cap = 0.0f) {
+  // rows: as gemv's; a gathered block's rows are [0, T), else [blockIdx.y * BM, + BM).
+  template <class Rows = DenseRows>
+  static __device__ __forceinline__ void tiled(const A* x, const W* w, const W* bias, A* y, int T, float cap = 0.0f,
+                                               Rows rows = {}) {
     if constexpr (kMma)
-      tiled_mma(x, w, bias, y, T, cap);
+      tiled_mma(x, w, bias, y, T, cap, rows);
     else
-      tiled_simt(x, w, bias, y, T, cap);
+      tiled_simt(x, w, bias, y, T, cap, rows);
   }
 
+  template <class Rows>
   static __device__ __forceinline__ void tiled_mma(const A* x, const uint16_t* w, const uint16_t* bias, A* y, int T,
-                                                   float cap) {
+                                                   float cap, Rows rows) {
     static_assert(BM % 32 == 0 && BN % 32 == 0 && BK % 16 == 0 && STAGES >= 2, "gemm: mma tile shape");
     constexpr bool kBf16X = sizeof(A) == 2;
     // row strides in elements: 16-byte multiples that shift banks
@@ -175,7 +181,7 @@ struct Gemm {
     };
     __shared__ Stage sm[STAGES];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
-    const int m0 = blockIdx.y * BM, n0 = blockIdx.x * BN;
+    const int m0 = Rows::kGathered ? 0 : blockIdx.y * BM, n0 = blockIdx.x * BN;
     const int wm = (warp >> 1) * (BM / 2), wn = (warp & 1) * (BN / 2);
 
     auto load_stage = [&](int st, int kt) {
@@ -184,7 +190,7 @@ struct Gemm {
       for (int c = tid; c < BM * XC; c += kTileThreads) {
         const int r = c / XC, kk = k0 + XE * (c % XC);
         const bool in = m0 + r < T && kk < K;  // K % 8 == 0: a chunk is wholly in or out
-        cp_async_16_zfill(&sm[st].x[r][XE * (c % XC)], x + (in ? static_cast<int64_t>(m0 + r) * K + kk : 0), in ? 16 : 0);
+        cp_async_16_zfill(&sm[st].x[r][XE * (c % XC)], x + (in ? rows.x_row(m0 + r) * K + kk : 0), in ? 16 : 0);
       }
       for (int c = tid; c < BN * WC; c += kTileThreads) {
         const int r = c / WC, kk = k0 + 8 * (c % WC);
@@ -255,7 +261,7 @@ struct Gemm {
             if (row >= T) continue;
             const float* gate = acc[mi][j];
             const float* up = acc[mi][j + 1];
-            store_act2(y + static_cast<int64_t>(row) * kOut + col,
+            rows.store2(y + rows.y_row(row) * kOut + col,
                        gated_mul<GELU>(act_round<A>(gate[2 * h]), act_round<A>(up[2 * h])),
                        gated_mul<GELU>(act_round<A>(gate[2 * h + 1]), act_round<A>(up[2 * h + 1])));
           }
@@ -274,20 +280,22 @@ struct Gemm {
         for (int h = 0; h < 2; ++h) {
           const int row = m0 + wm + 16 * mi + g + 8 * h;
           if (row >= T) continue;
-          A* yr = y + static_cast<int64_t>(row) * N + col;
+          A* yr = y + rows.y_row(row) * N + col;
           const float v0 = soft_cap(acc[mi][j][2 * h] + b0, cap), v1 = soft_cap(acc[mi][j][2 * h + 1] + b1, cap);
           if (kPairs && col + 1 < N) {
-            store_act2(yr, v0, v1);
+            rows.store2(yr, v0, v1);
           } else {
-            if (col < N) astore(yr, v0);
-            if (col + 1 < N) astore(yr + 1, v1);
+            if (col < N) rows.store(yr, v0);
+            if (col + 1 < N) rows.store(yr + 1, v1);
           }
         }
       }
     }
   }
 
-  static __device__ __forceinline__ void tiled_simt(const A* x, const W* w, const W* bias, A* y, int T, float cap) {
+  template <class Rows>
+  static __device__ __forceinline__ void tiled_simt(const A* x, const W* w, const W* bias, A* y, int T, float cap,
+                                                    Rows rows) {
     static_assert(BM * BK % kTileThreads == 0 && BN * BK % kTileThreads == 0, "gemm: tile loads");
     static_assert((BM / 4) * (BN / 4) == kTileThreads, "gemm: 4 x 4 outputs per thread");
     struct alignas(16) Smem {
@@ -297,7 +305,7 @@ struct Gemm {
     __shared__ Smem sm;
     const int tid = threadIdx.x;
     const int tx = tid % (BN / 4), ty = tid / (BN / 4);
-    const int m0 = blockIdx.y * BM, n0 = blockIdx.x * BN;
+    const int m0 = Rows::kGathered ? 0 : blockIdx.y * BM, n0 = blockIdx.x * BN;
     float acc[4][4];
 #pragma unroll
     for (int i = 0; i < 4; ++i)
@@ -309,7 +317,7 @@ struct Gemm {
       for (int e = 0; e < BM * BK / kTileThreads; ++e) {  // consecutive threads read consecutive k
         const int idx = tid + e * kTileThreads, r = idx / BK, c = idx % BK;
         const int gm = m0 + r, gk = k0 + c;
-        sm.x[c][r] = (gm < T && gk < K) ? wload(x[static_cast<int64_t>(gm) * K + gk]) : 0.0f;
+        sm.x[c][r] = (gm < T && gk < K) ? wload(x[rows.x_row(gm) * K + gk]) : 0.0f;
       }
 #pragma unroll
       for (int e = 0; e < BN * BK / kTileThreads; ++e) {
@@ -337,7 +345,7 @@ struct Gemm {
 #pragma unroll
       for (int jj = 0; jj < 4; ++jj) {
         const int gn = n0 + tx * 4 + jj;
-        if (gn < N) astore(y + static_cast<int64_t>(gm) * N + gn, soft_cap(BIAS ? acc[i][jj] + wload(bias[gn]) : acc[i][jj], cap));
+        if (gn < N) rows.store(y + rows.y_row(gm) * N + gn, soft_cap(BIAS ? acc[i][jj] + wload(bias[gn]) : acc[i][jj], cap));
       }
     }
   }

@@ -25,3 +25,4 @@
 #include "llmc_gemm.cuh"
 #include "llmc_attention.cuh"
 #include "llmc_qgemm.cuh"  // quantized GEMMs (w8a16 / w4a16)
+#include "llmc_moe.cuh"

@@ -95,10 +95,11 @@ struct QGemm {
 
   // ----------------------------------------------------------------------------------------------------
   // gemv: the words w < nw of lane slot t in row block b, one per output row i (wd[i][w]), added to
-  // acc[i][r] for the rows r < rows of x. Each word's q become floats once; each x pair is loaded once for all
-  // NR output rows (x[r, k0 + 16 (j >> 1) + 8 (j & 1) + 2t + {0, 1}] for pair j).
+  // acc[i][r] for the rows r < rows of x (x's row rows_of.x_row(r)). Each word's q become floats once; each x pair
+  // is loaded once for all NR output rows (x[r, k0 + 16 (j >> 1) + 8 (j & 1) + 2t + {0, 1}] for pair j).
+  template <class Rows>
   static __device__ __forceinline__ void gemv_words(const uint32_t (&wd)[NR][BW], int nw, int b, int t,
-                                                    const int (&n)[NR], const A* x, int rows,
+                                                    const int (&n)[NR], const A* x, Rows rows_of, int rows,
                                                     const SC* scales, const SC* mins,
                                                     float (&acc)[NR][kGemvMaxT]) {
 #pragma unroll
@@ -116,7 +117,6 @@ struct QGemm {
         }
         group_scale_min(scales, mins, static_cast<int64_t>(n[i]) * NG + k0 / G, s[i], m[i]);
       }
-      const A* x0 = x + k0 + 2 * t;
 #pragma unroll
       for (int r = 0; r < kGemvMaxT; ++r) {
         if (r < rows) {  // warp-uniform
@@ -124,7 +124,7 @@ struct QGemm {
           float xs = 0.0f;
 #pragma unroll
           for (int j = 0; j < PAIRS; ++j) {
-            const A* xp = x0 + static_cast<int64_t>(r) * K + 16 * (j >> 1) + 8 * (j & 1);
+            const A* xp = x + rows_of.x_row(r) * K + k0 + 2 * t + 16 * (j >> 1) + 8 * (j & 1);
             if constexpr (sizeof(A) == 2)
               xv[j] = load_bf16x2(xp);
             else
@@ -144,9 +144,12 @@ struct QGemm {
     }
   }
 
-  // cap > 0: every output soft-capped (Gemma 2's final logits), as it is stored.
+  // cap > 0: every output soft-capped (Gemma 2's final logits), as it is stored. rows: which rows of x and y
+  // (llmc_common.cuh DenseRows).
+  template <class Rows = DenseRows>
   static __device__ __forceinline__ void gemv(const A* x, const uint8_t* qweight, const SC* scales,
-                                              const SC* mins, const float* bias, A* y, int T, float cap = 0.0f) {
+                                              const SC* mins, const float* bias, A* y, int T, float cap = 0.0f,
+                                              Rows rows = {}) {
     __shared__ float part[kGemvWarps][NR][kGemvMaxT];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int slice = warp % kSplit, n0 = (blockIdx.x * kGroupsPerBlock + warp / kSplit) * NR;
@@ -173,7 +176,7 @@ struct QGemm {
           const uint4 v = vload<uint4>(row[i] + 16 * p);
           wd[i][0] = v.x, wd[i][1] = v.y, wd[i][2] = v.z, wd[i][3] = v.w;
         }
-        gemv_words(wd, BW, p >> 2, p & 3, n, x, T, scales, mins, acc);
+        gemv_words(wd, BW, p >> 2, p & 3, n, x, rows, T, scales, mins, acc);
       }
       if constexpr (TAIL_WORDS > 0) {
         if (slice == kSplit - 1 && lane < 4) {
@@ -184,7 +187,7 @@ struct QGemm {
 #pragma unroll
             for (int w = 0; w < BW; ++w) wd[i][w] = w < TAIL_WORDS ? tw[w] : 0u;
           }
-          gemv_words(wd, TAIL_WORDS, NB, lane, n, x, T, scales, mins, acc);
+          gemv_words(wd, TAIL_WORDS, NB, lane, n, x, rows, T, scales, mins, acc);
         }
       }
     }
@@ -205,7 +208,7 @@ struct QGemm {
       float v = 0.0f;
 #pragma unroll
       for (int sl = 0; sl < kSplit; ++sl) v += part[grp * kSplit + sl][i][r];
-      astore(y + static_cast<int64_t>(r) * N + ni, soft_cap(BIAS ? v + bias[ni] : v, cap));
+      rows.store(y + rows.y_row(r) * N + ni, soft_cap(BIAS ? v + bias[ni] : v, cap));
     }
   }
 
@@ -225,11 +228,14 @@ struct QGemm {
     }
   }
 
+  // rows: as gemv's; a gathered block's rows are [0, T), else [blockIdx.y * BM, + BM).
+  template <class Rows = DenseRows>
   static __device__ __forceinline__ void tiled(const A* x, const uint8_t* qweight, const SC* scales,
-                                               const SC* mins, const float* bias, A* y, int T, float cap = 0.0f) {
+                                               const SC* mins, const float* bias, A* y, int T, float cap = 0.0f,
+                                               Rows rows = {}) {
     __shared__ __align__(16) uint16_t xs[BM][XS];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
-    const int m0 = blockIdx.y * BM, nw0 = blockIdx.x * BN + warp * WN;
+    const int m0 = Rows::kGathered ? 0 : blockIdx.y * BM, nw0 = blockIdx.x * BN + warp * WN;
     constexpr int MT = BM / 16;
     float acc[MT][NT][4], part[MT][NT][4], xsum[MT][4];
 #pragma unroll
@@ -265,7 +271,7 @@ struct QGemm {
 #pragma unroll 1  // unrolled, ptxas spilled around the bf16 copies (sm_80, n = 53, k = 160)
       for (int idx = tid; idx < BM * (kb / 4); idx += kTileThreads) {
         const int r = idx / (kb / 4), c = 4 * (idx % (kb / 4));
-        const A* xp = x + static_cast<int64_t>(m0 + r) * K + kb0 + c;
+        const A* xp = x + (m0 + r < T ? rows.x_row(m0 + r) * K : 0) + kb0 + c;
         if constexpr (sizeof(A) == 2) {
           vstore(&xs[r][c], m0 + r < T ? vload<uint2>(xp) : uint2{0u, 0u});
         } else {
@@ -329,7 +335,7 @@ struct QGemm {
         for (int e = 0; e < 4; ++e) {
           const int row = m0 + 16 * mi + g + 8 * (e >> 1), col = nw0 + 8 * j + 2 * t + (e & 1);
           if (row < T && col < N)
-            astore(y + static_cast<int64_t>(row) * N + col, soft_cap(BIAS ? acc[mi][j][e] + bias[col] : acc[mi][j][e], cap));
+            rows.store(y + rows.y_row(row) * N + col, soft_cap(BIAS ? acc[mi][j][e] + bias[col] : acc[mi][j][e], cap));
         }
       }
     }

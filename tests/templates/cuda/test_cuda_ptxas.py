@@ -70,6 +70,22 @@ _REPRESENTATIVE = [
         "qgemm",
         dict(n=256000, k=2304, bits=8, group_size=32, asymmetric=False, scale_bits=16, has_bias=False, softcap=30.0),
     ),
+    # Qwen3-30B-A3B's experts, and a tail shape
+    ("moe_route", dict(experts=128, hidden=2048, top_k=8, norm_topk=True, wdtype="bf16")),
+    ("moe_route", dict(experts=9, hidden=72, top_k=3, norm_topk=False, wdtype="f32")),
+    ("moe_gemm", dict(experts=128, n=2 * 768, k=2048, top_k=8, per_slot=False, swiglu=True, wdtype="bf16")),
+    ("moe_gemm", dict(experts=9, n=72, k=40, top_k=3, per_slot=True, swiglu=False, wdtype="f32")),
+    (
+        "moe_qgemm",
+        dict(experts=128, n=2048, k=768, top_k=8, per_slot=True, swiglu=False, bits=4, group_size=32)
+        | dict(asymmetric=True, scale_bits=8),
+    ),
+    (
+        "moe_qgemm",
+        dict(experts=9, n=80, k=96, top_k=2, per_slot=False, swiglu=True, bits=8, group_size=32)
+        | dict(asymmetric=False, scale_bits=16),
+    ),
+    ("moe_combine", dict(hidden=2048, top_k=8)),
 ]
 # Activations as llmc compile gives them: float32 beside float32 weights, a float32 cache or float32 scales (a
 # float32 build), else bf16; rope, silu_mul and gather_rows both ways.
@@ -83,6 +99,8 @@ KERNELS = {
     "gemm": ["gemv", "tiled"],
     "gemm_swiglu": ["gemv", "tiled"],
     "qgemm": ["gemv", "tiled"],
+    "moe_gemm": ["sort_rows", "gemv", "tiled"],
+    "moe_qgemm": ["sort_rows", "gemv", "tiled"],
     "paged_attention": ["write", "attend", "prefill"],
 }
 
