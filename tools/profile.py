@@ -280,18 +280,24 @@ def profile_simulated(
         progress("load")
     with _load_for_step(artifact, lib_path, step, blocks) as model:
         lib = ctypes.CDLL(str(Path(lib_path).resolve()))  # the same loaded object: dlopen counts references
-        for fn in ("llmc_sim_prof_num_fields", "llmc_sim_prof_num_kernels", "llmc_sim_prof_kernel"):
+        for fn in ("llmc_sim_prof_num_fields", "llmc_sim_prof_num_kernels", "llmc_sim_prof_kernel", *_TIMING):
             getattr(lib, fn).restype = ctypes.c_int
         if progress:
             progress("run")
         lib.llmc_sim_prof_clear()
         lib.llmc_sim_prof_enable(1)
         try:
-            model.step(step)
+            launched = _timed_launches(lib, model, step)  # the launches' order and the experts each read
         finally:
             lib.llmc_sim_prof_enable(0)
         counters = read_counters(lib)
-    kernels = [_kernel_row(name, v, ceil) for name, v in counters.items()]
+    shape = StepShape(tuple(step_seqs(phase, batch, context, prompt_len)), step.num_seqs)
+    program_floors, experts = _program_floors(artifact, shape, launched)
+    ids = list(program_floors)
+    kernels = [
+        {**_kernel_row(name, v, ceil), "kernel": _kernel_id(name.removeprefix("void "), ids)}
+        for name, v in counters.items()
+    ]
     floor_bytes = sum(k["floor_bytes"] for k in kernels)
     flops = program_flops(c, phase, batch, context, prompt_len)
     floor_us = max(ceil.byte_us(floor_bytes), _flop_us(ceil, artifact, flops))
@@ -308,8 +314,13 @@ def profile_simulated(
             "floor_us": floor_us,
             "time_us": time_us,
             "floor_fraction": floor_us / time_us if time_us else 0.0,
+            # the measured path's floor (floors.py: the bytes the program's shapes must move, the expert GEMMs' at
+            # the experts they read), beside the counters' own (floor_bytes: the distinct bytes the kernels touched)
+            "program_floor_bytes": sum(f.bytes for f in program_floors.values()),
+            **({"experts": experts} if experts else {}),
         },
         "kernels": kernels,
+        "program_floors": {kid: f.bytes for kid, f in program_floors.items()},  # by manifest kernel id
     }
 
 
@@ -319,7 +330,7 @@ _TIMING = ("llmc_profile_timing", "llmc_profile_num_launches", "llmc_profile_lau
 def _timed_launches(lib: ctypes.CDLL, model: CompiledModel, step: StepBatch) -> list[tuple[str, float, int]]:
     """(kernel, microseconds, experts it read: an expert GEMM's, else 0) of each launch of one step, in order."""
     lib.llmc_profile_timing(1)
-    experts = getattr(lib, "llmc_profile_launch_experts", None)  # a CPU module's, with expert kernels
+    experts = getattr(lib, "llmc_profile_launch_experts", None)  # optional in the C ABI
     try:
         model.step(step)
         name, ms, out = ctypes.create_string_buffer(_NAME_LEN), ctypes.c_float(), []
@@ -330,6 +341,21 @@ def _timed_launches(lib: ctypes.CDLL, model: CompiledModel, step: StepBatch) -> 
         return out
     finally:
         lib.llmc_profile_timing(0)
+
+
+def _program_floors(artifact, shape: StepShape, launched: list[tuple[str, float, int]]) -> tuple[dict, dict | None]:
+    """The floor of each kernel a step launched (floors.py, from the kernel program's shapes; an expert GEMM's at
+    the experts it read), by kernel id; and the report's `experts` entry (None for a model without experts)."""
+    kernels = {k["id"]: k for k in artifact.manifest.get("kernels") or []}
+    ids, read, seen = list(kernels), [], {}
+    for name, _, n in launched:
+        kid = _kernel_id(name, ids)
+        seen[kid] = kernels[kid]
+        if n and kernels[kid].get("template", "").split("/")[-1] in EXPERT_GEMMS:  # a CUDA SwiGLU's up half: 0
+            read.append((kid, n))
+    floors = {kid: kernel_floor(k, shape) for kid, k in seen.items()}
+    expert_floors, experts = _experts(kernels, read, shape)
+    return floors | expert_floors, experts
 
 
 def _experts(kernels: dict[str, dict], read: list[tuple[str, int]], shape: StepShape) -> tuple[dict, dict | None]:
@@ -391,10 +417,8 @@ def profile_measured(
         ceil = ceilings(artifact.target) if artifact.is_cuda else Ceilings(**cpu_ceilings())
     step, blocks = step_batch(phase, batch, context, prompt_len, artifact.block_size, artifact.config.vocab_size, seed)
     shape = StepShape(tuple(step_seqs(phase, batch, context, prompt_len)), step.num_seqs)
-    manifest_kernels = artifact.manifest.get("kernels") or []
-    floors = {k["id"]: kernel_floor(k, shape) for k in manifest_kernels}
-    templates = {k["id"]: k.get("template", "") for k in manifest_kernels}
-    experts_kernels = {k["id"]: k for k in manifest_kernels if templates[k["id"]].split("/")[-1] in EXPERT_GEMMS}
+    ids = [k["id"] for k in artifact.manifest.get("kernels") or []]
+    templates = {k["id"]: k.get("template", "") for k in artifact.manifest.get("kernels") or []}
     if progress:
         progress("load")
     with _load_for_step(artifact, library, step, blocks) as model:
@@ -415,24 +439,20 @@ def profile_measured(
             start = time.perf_counter()
             model.step(step)
             wall.append(1e6 * (time.perf_counter() - start))
-        ids = list(floors)
         per_kernel: dict[str, list[float]] = {}
         launches: dict[str, int] = {}
         for _ in range(repeats):
             step_times: dict[str, float] = {}
             counts: dict[str, int] = {}
-            read = []  # (expert kernel, experts it read) of the step: the same each repeat, the step being one
-            for name, us, n in _timed_launches(lib, model, step):
+            launched = _timed_launches(lib, model, step)  # the same launches each repeat, the step being one
+            for name, us, _ in launched:
                 kid = _kernel_id(name, ids)
                 step_times[kid] = step_times.get(kid, 0.0) + us
                 counts[kid] = counts.get(kid, 0) + 1
-                if kid in experts_kernels:
-                    read.append((kid, n))
             for kid, us in step_times.items():
                 per_kernel.setdefault(kid, []).append(us)
             launches = counts
-    expert_floors, experts = _experts(experts_kernels, read, shape)
-    floors.update(expert_floors)
+    floors, experts = _program_floors(artifact, shape, launched)
     kernels, step_flop_us = [], 0.0
     for kid, times in per_kernel.items():
         f = floors[kid]

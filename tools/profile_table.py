@@ -52,13 +52,7 @@ def _format_measured(report: dict, shape: str) -> str:
             "kernels read from the cache, which the DRAM floor does not bound"
         )
     lines.extend(_weights_line(report))
-    e = s.get("experts")
-    if e:
-        per = e["per_layer"]
-        lines.append(
-            f"experts: {sum(per) / len(per):.1f} of {e['of']} a layer activated (per layer {per}), "
-            f"{_mb(e['weight_bytes'])} MB of their weights streamed once each"
-        )
+    lines.extend(_experts_line(s))
     served = "host copies; a CUDA graph at decode" if on_gpu else "the C ABI call from Python, logits out"
     lines.append(
         f"whole step as served ({served}): {s['wall_us']:.2f} us, {s['wall_us'] - s['time_us']:.2f} us of it "
@@ -66,6 +60,17 @@ def _format_measured(report: dict, shape: str) -> str:
         "once)"
     )
     return "\n".join(lines)
+
+
+def _experts_line(step: dict) -> list[str]:
+    e = step.get("experts")
+    if not e:
+        return []
+    per = e["per_layer"]
+    return [
+        f"experts: {sum(per) / len(per):.1f} of {e['of']} a layer activated (per layer {per}), "
+        f"{_mb(e['weight_bytes'])} MB of their weights streamed once each"
+    ]
 
 
 def format_table(report: dict) -> str:
@@ -102,5 +107,10 @@ def format_table(report: dict) -> str:
         f"floor / predicted time: {100 * s['floor_fraction']:.1f}%; DRAM/fl = DRAM bytes / floor bytes; "
         "a kernel's FLOPs are its mma.sync ones, the step's the program's"
     )
+    lines.append(
+        f"the program's floor (its shapes' bytes, read and written once; experts as activated): "
+        f"{_mb(s['program_floor_bytes'])} MB; DRAM / it = {s['dram_bytes'] / s['program_floor_bytes']:.3f}"
+    )
     lines.extend(_weights_line(report))
+    lines.extend(_experts_line(s))
     return "\n".join(lines)

@@ -137,16 +137,16 @@ def launch_floor(
         return Floor(new + queries + tables + cached * kv_row * kv, 4 * p["num_heads"] * p["head_dim"] * pairs)
     if op == "moe_route":  # the router's weights, x in, ids and weights out
         w = p["experts"] * p["hidden"] * _bytes(p["wdtype"])
-        return Floor(w + rows * (p["hidden"] + 2 * p["top_k"]) * _F32, 2 * rows * p["experts"] * p["hidden"])
+        return Floor(w + rows * (p["hidden"] + 2 * p["top_k"]) * _act(p), 2 * rows * p["experts"] * p["hidden"])
     if op in EXPERT_GEMMS:  # the chosen experts' weights once each, a row in and out per slot
         n, k, top_k = p["n"], p["k"], p["top_k"]
         read = moe_experts_read(p["experts"], top_k, rows) if experts_read is None else experts_read
         expert = expert_bytes(op, p)
         x = rows * (top_k if p["per_slot"] else 1) * k
         out = rows * top_k * (n // 2 if p["swiglu"] else n)
-        return Floor(read * expert + (x + out) * _F32 + rows * 2 * top_k * _F32, 2 * rows * top_k * n * k)
+        return Floor(read * expert + (x + out + rows * 2 * top_k) * _act(p), 2 * rows * top_k * n * k)
     if op == "moe_combine":
-        return Floor(rows * (p["top_k"] * (p["hidden"] + 1) + p["hidden"]) * _F32, 0)  # elementwise, as silu_mul
+        return Floor(rows * (p["top_k"] * (p["hidden"] + 1) + p["hidden"]) * _act(p), 0)  # elementwise, as silu_mul
     if op == "tvm_call":
         return Floor(
             sum(math.prod(shape.rows(d) if isinstance(d, str) else d for d in t) for t in p["shapes"]) * _F32, 0

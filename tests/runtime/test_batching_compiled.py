@@ -1,22 +1,39 @@
 """Batching changes nothing, on a real compiled module: N greedy requests with random arrival times and
 lengths, through the scheduler with chunked prefill and a cache so small that it must preempt, give each
 request exactly the tokens it gets alone. Dense and mixture-of-experts (whose experts see other tokens beside a
-request's when batched)."""
+request's when batched), the latter on the CPU and on sm90 under the simulator (fp32)."""
 
 import numpy as np
 import pytest
 
+from llmc.artifact import load_artifact
 from llmc.compiler.compile import compile_checkpoint
 from llmc.runtime.engine import LLMEngine
 from llmc.runtime.module import CompiledModel
 from llmc.sampling_params import SamplingParams
+from tests.cuda_mode import cuda_library
 from tests.runtime.runtime_fakes import run_with_arrivals
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3_moe"])
+@pytest.fixture(
+    scope="module",
+    params=[
+        ("llama", "cpu"),
+        ("qwen3_moe", "cpu"),
+        pytest.param(("qwen3_moe", "sm90"), marks=pytest.mark.slow),  # about a minute of simulated steps
+    ],
+    ids=lambda p: "-".join(p),
+)
 def artifact(request, checkpoint_dir, tmp_path_factory):
+    arch, target = request.param
     out = tmp_path_factory.mktemp("art") / "m"
-    return compile_checkpoint(checkpoint_dir(request.param), target="cpu", output=out)
+    return compile_checkpoint(checkpoint_dir(arch), target=target, output=out)
+
+
+def _load(artifact, **kw):
+    """The artifact's module: a CUDA one under the simulator (or on the GPU, tests/cuda_mode.py)."""
+    cuda = load_artifact(artifact, verify=False).is_cuda
+    return CompiledModel.load(artifact, library=cuda_library(artifact) if cuda else None, **kw)
 
 
 def test_concurrent_requests_equal_each_alone_under_preemption(artifact):
@@ -29,12 +46,12 @@ def test_concurrent_requests_equal_each_alone_under_preemption(artifact):
         for _ in range(10)
     ]
     arrivals = [int(a) for a in rng.integers(0, 12, len(requests))]
-    with CompiledModel.load(artifact, max_num_seqs=8) as roomy:
+    with _load(artifact, max_num_seqs=8) as roomy:
         alone = [LLMEngine(roomy).generate([p], [sp])[0].outputs[0].token_ids for p, sp in requests]
         c = roomy.config
         per_block = 2 * c.num_layers * roomy.block_size * c.num_kv_heads * c.head_dim * 4  # k and v, fp32
     # 12 blocks of 16 tokens for up to 8 sequences of up to 63 tokens: preemption is certain.
-    with CompiledModel.load(artifact, kv_cache_memory=12 * per_block, max_num_seqs=8) as tight:
+    with _load(artifact, kv_cache_memory=12 * per_block, max_num_seqs=8) as tight:
         engine = LLMEngine(tight, max_num_batched_tokens=24)
         together = run_with_arrivals(engine, requests, arrivals)
         assert engine.scheduler.num_preemptions > 0, "the cache was not small enough to force preemption"

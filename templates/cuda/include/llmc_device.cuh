@@ -70,6 +70,7 @@ struct LaunchTiming {
   struct Launch {
     const char* kernel;
     cudaEvent_t start, stop;
+    int experts = 0;  // an expert GEMM's: the experts it read (record_launch_experts)
   };
   bool on = false;
   std::vector<Launch> launches;  // since the last clear(), in launch order
@@ -116,6 +117,12 @@ class TimedLaunch {
   cudaStream_t stream_;
   cudaEvent_t stop_ = nullptr;
 };
+
+// While timing is on: the experts the last launch read, for `llmc profile` (an expert GEMM's launcher).
+inline void record_launch_experts(int experts) {
+  LaunchTiming& t = launch_timing();
+  if (t.on && !t.launches.empty()) t.launches.back().experts = experts;
+}
 
 // ---------------------------------------------------------------------------------------------------
 // reductions

@@ -17,7 +17,8 @@
 // (non-fast-math) versions.
 //
 // Headers: llmc_common.cuh (shared helpers), llmc_elementwise.cuh (embedding, rmsnorm, rope, silu_mul,
-// gather_rows), llmc_gemm.cuh (gemm, gemm_swiglu), llmc_attention.cuh (paged_attention), llmc_qgemm.cuh (qgemm).
+// gather_rows), llmc_gemm.cuh (gemm, gemm_swiglu), llmc_attention.cuh (paged_attention), llmc_qgemm.cuh (qgemm),
+// llmc_moe.cuh (moe_route, moe_gemm, moe_qgemm, moe_combine).
 #pragma once
 
 #include "llmc_common.cuh"

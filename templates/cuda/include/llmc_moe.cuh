@@ -144,6 +144,18 @@ __device__ __forceinline__ bool expert_tile(const int* start, int tile, int& e, 
 // The most BM-row tiles that `rows` rows over E experts can need: each expert's last tile may be partial.
 __host__ __device__ constexpr int expert_tiles_bound(int rows, int E, int BM) { return rows / BM + (E < rows ? E : rows); }
 
+// Host, while `llmc profile` times the launches: the experts the last sort found rows for (start: its device
+// array). The copy back waits for the stream, which only a timed step (no CUDA graph) pays.
+template <int E1>
+inline int experts_chosen(const int (&start)[E1], cudaStream_t stream) {
+  int host[E1];
+  cudaMemcpyFromSymbolAsync(host, start, sizeof host, 0, cudaMemcpyDeviceToHost, stream);
+  cudaStreamSynchronize(stream);
+  int n = 0;
+  for (int e = 0; e + 1 < E1; ++e) n += host[e + 1] > host[e];
+  return n;
+}
+
 // combine: out[t] = sum over j of route's weight j times y's slot j, in slot order. A thread per output.
 template <int H, int TOPK, typename A>
 struct MoeCombine {

@@ -179,6 +179,11 @@ inline cudaError_t cudaMemcpyFromSymbol(void* dst, const T& symbol, size_t n, si
   std::memcpy(dst, reinterpret_cast<const char*>(&symbol) + offset, n);
   return cudaSuccess;
 }
+template <class T>
+inline cudaError_t cudaMemcpyFromSymbolAsync(void* dst, const T& symbol, size_t n, size_t offset = 0,
+                                             cudaMemcpyKind k = cudaMemcpyDeviceToHost, cudaStream_t = nullptr) {
+  return cudaMemcpyFromSymbol(dst, symbol, n, offset, k);
+}
 inline cudaError_t cudaDeviceSynchronize() { return cudaSuccess; }
 inline cudaError_t cudaStreamSynchronize(cudaStream_t) { return cudaSuccess; }
 inline cudaError_t cudaStreamCreate(cudaStream_t* s) {
