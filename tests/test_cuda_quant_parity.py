@@ -26,11 +26,17 @@ REL = 1e-3
 BF16_REL = 3e-2
 # qwen2's qkv bias joins the quantized GEMM; llama's down_proj (K = 136) stays float; llama's embedding is tied,
 # so its head's qgemm and the qembedding gather read one packed table
-BUILDS = [("llama", QuantConfig("int4", lm_head=True)), ("qwen2", QuantConfig("int8", group_size=32))]
+# olmoe: its experts quantized too (moe_qgemm), intermediate 64 so that every expert's down projection packs
+BUILDS = [
+    ("llama", QuantConfig("int4", lm_head=True)),
+    ("qwen2", QuantConfig("int8", group_size=32)),
+    ("olmoe", QuantConfig("int4")),
+]
+OVERRIDES = {"olmoe": dict(intermediate_size=64)}
 
 
 def _dequantized_checkpoint(root, arch, quant):
-    ckpt = make_checkpoint(root / "ckpt", arch, seed=3, tie_word_embeddings=arch == "llama")
+    ckpt = make_checkpoint(root / "ckpt", arch, seed=3, tie_word_embeddings=arch == "llama", **OVERRIDES.get(arch, {}))
     (weights,) = ckpt.glob("*.safetensors")
     state = load_file(weights)
     head = "lm_head.weight" if "lm_head.weight" in state else "model.embed_tokens.weight"

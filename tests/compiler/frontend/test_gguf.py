@@ -103,6 +103,7 @@ def _rewrite(src, out, rng, types=None, meta=None):
 
 # Where each type's fp16 d (and m / dmin) lie in its block, and their size: about the tiny model's weight scale
 _FP16_FIELDS = {
+    T.Q8_0: ((0, 1e-3),),
     T.Q4_0: ((0, 1e-2),),
     T.Q4_1: ((0, 3e-3), (2, 3e-2)),
     T.Q5_0: ((0, 3e-3),),
@@ -337,15 +338,40 @@ def test_expert_tensors_import_exactly_and_run(expert_type, checkpoint_dir, tmp_
     """A qwen3moe file whose stacked experts are Q4_0, Q4_K, Q6_K, IQ4_XS, Q3_K or Q2_K blocks (hidden and expert
     sizes 256), each held at its size: each expert's rows equal gguf dequantize, and the build's logits are the
     family's module on those values, its experts' inputs rounded as the kernels round them."""
-    src = checkpoint_dir("qwen3_moe", **KQUANT, moe_intermediate_size=256, mlp_only_layers=[])
-    f32 = write_gguf(src, tmp_path / "f32.gguf", "F32")
-    types = {t.name: T[expert_type] for t in gguf.GGUFReader(f32).tensors if "_exps." in t.name}
-    path = _rewrite(f32, tmp_path / f"{expert_type}.gguf", np.random.default_rng(3), types)
+    path = _experts_file(expert_type, checkpoint_dir, tmp_path)
     ckpt = load_checkpoint(path)
     _assert_exact(ckpt, [expert_type])
     artifact = compile_checkpoint(path, target="cpu", output=tmp_path / "m.cpu")
     model = build_eager_model(ckpt)
     assert_quantized_experts_match(artifact, model, monkeypatch, 23)
+
+
+def _experts_file(expert_type, checkpoint_dir, tmp_path):
+    """A qwen3moe file (hidden and expert sizes 256) whose stacked experts are random expert_type blocks."""
+    src = checkpoint_dir("qwen3_moe", **KQUANT, moe_intermediate_size=256, mlp_only_layers=[])
+    f32 = write_gguf(src, tmp_path / "f32.gguf", "F32")
+    types = {t.name: T[expert_type] for t in gguf.GGUFReader(f32).tensors if "_exps." in t.name}
+    return _rewrite(f32, tmp_path / f"{expert_type}.gguf", np.random.default_rng(3), types)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("expert_type", ["Q8_0", "Q4_0", "Q4_K", "Q6_K"])
+def test_expert_tensors_run_on_cuda(expert_type, checkpoint_dir, tmp_path):
+    """The same files built for sm90 (Q6_K's experts widened to int8, exactly) and run under the simulator one
+    token a step (the expert GEMV: fp32 dequantization and sums): the family's module's logits on the file's
+    values, within the fp32 parity tolerance (1e-3 of the row's largest)."""
+    from tests.cuda_mode import cuda_library
+
+    path = _experts_file(expert_type, checkpoint_dir, tmp_path)
+    artifact = compile_checkpoint(path, target="sm90", output=tmp_path / "m.sm90")
+    ids = [int(i) for i in np.random.default_rng(5).integers(2, 384, 7)]
+    with torch.no_grad():
+        want = build_eager_model(load_checkpoint(path))(torch.tensor(ids), torch.arange(len(ids))).numpy()
+    with CompiledModel.load(artifact, library=cuda_library(artifact), max_num_seqs=1) as m:
+        table = list(range(m.num_blocks))[: -(-len(ids) // m.block_size)]
+        got = np.concatenate([m.step(StepBatch.build([[t]], [i], [table], m.block_size)) for i, t in enumerate(ids)])
+    rel = np.abs(got - want).max(axis=1) / np.abs(want).max(axis=1)
+    assert rel.max() <= 1e-3, f"relative logit errors per row {np.round(rel, 5)}"
 
 
 def test_kquant_tensors_equal_gguf_dequantize(kquant_file):
