@@ -104,7 +104,7 @@ def _run_level(
     structured: StructuredOutputs | None = None,
 ) -> dict:
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True, structured=structured)
-    counter = getattr(engine.model, "experts_activated", None)  # a CPU module of a mixture of experts
+    counter = getattr(engine.model, "experts_activated", None)  # a module of a mixture of experts
     activated = counter() if counter else None
     steps = 0
     pending = collections.deque(range(len(prompts)))

@@ -257,7 +257,7 @@ class CompiledModel:
 
     def experts_activated(self) -> int | None:
         """(layer, expert) pairs whose weights this module's steps have read since it loaded (its gate/up GEMMs'),
-        None for a module that does not count them (a CUDA build, or an older one)."""
+        None for a module that does not count them (an older build)."""
         count = getattr(self._lib, "llmc_experts_activated", None)
         if count is None:
             return None

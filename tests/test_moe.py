@@ -66,3 +66,18 @@ def test_bench_reports_the_experts_each_step_activates(checkpoint_dir, tmp_path)
             level["experts_per_layer_step"] * 2 * (80 * 64 + 64 * 40) * 4
         )
     assert "a layer per step" in format_bench_table(result)
+
+
+def test_a_cuda_module_counts_the_experts_its_steps_read(checkpoint_dir, tmp_path):
+    """sm90 under the simulator: the device-side count that `llmc bench` reads (llmc_experts_activated), 2 experts
+    in each of Qwen3-MoE's 2 sparse layers for one token, and at most all 6 for a 7-token prefill."""
+    from llmc.runtime.batch import StepBatch
+    from tests.cuda_mode import cuda_library
+
+    artifact = compile_checkpoint(checkpoint_dir("qwen3_moe"), target="sm90", output=tmp_path / "m")
+    with CompiledModel.load(artifact, library=cuda_library(artifact), max_num_seqs=1) as model:
+        assert model.experts_activated() == 0
+        model.step(StepBatch.build([[5]], [0], [[0]], model.block_size))
+        assert model.experts_activated() == 2 * 2
+        model.step(StepBatch.build([[7, 8, 9, 10, 11, 12, 13]], [0], [[1]], model.block_size))
+        assert 2 * 2 + 2 * 2 < model.experts_activated() <= 2 * 2 + 2 * 6

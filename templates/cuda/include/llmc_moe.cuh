@@ -75,7 +75,10 @@ struct MoeSort {
   static constexpr int kChunkTokens = kSortRows / TOPK;
   static_assert(E < 32768, "moe: expert ids are held as int16");
 
-  static __device__ __forceinline__ void run(const A* route, int T, int* start, int* order) {
+  // activated (gate_up's, else null) += the experts the rows chose: `llmc bench`'s count, which the device keeps
+  // so that a CUDA graph's replays count too
+  static __device__ __forceinline__ void run(const A* route, int T, int* start, int* order,
+                                             unsigned long long* activated) {
     __shared__ int16_t expert[kSortRows];
     __shared__ int first[E + 1];
     const int rows = T * TOPK;
@@ -89,6 +92,9 @@ struct MoeSort {
     }
     __syncthreads();
     if (threadIdx.x == 0) {
+      unsigned long long chosen = 0;
+      for (int e = 0; e < E; ++e) chosen += first[e + 1] > 0;
+      if (activated) atomicAdd(activated, chosen);
       first[0] = 0;
       for (int e = 0; e < E; ++e) first[e + 1] += first[e];
     }
@@ -154,6 +160,28 @@ inline int experts_chosen(const int (&start)[E1], cudaStream_t stream) {
   int n = 0;
   for (int e = 0; e + 1 < E1; ++e) n += host[e + 1] > host[e];
   return n;
+}
+
+// The (layer, expert) pairs the gate/up GEMMs have read since the module loaded, for llmc_experts_activated:
+// each gate/up kernel's device counter, registered by its launcher's first call.
+inline std::vector<unsigned long long*>& experts_counters() {
+  static std::vector<unsigned long long*> counters;
+  return counters;
+}
+template <class Counter>
+inline void register_experts_counter(const Counter& symbol) {
+  void* p = nullptr;
+  cudaGetSymbolAddress(&p, symbol);
+  experts_counters().push_back(static_cast<unsigned long long*>(p));
+}
+inline long long experts_activated() {
+  unsigned long long total = 0;
+  for (unsigned long long* c : experts_counters()) {
+    unsigned long long v = 0;
+    cudaMemcpy(&v, c, sizeof v, cudaMemcpyDeviceToHost);
+    total += v;
+  }
+  return static_cast<long long>(total);
 }
 
 // combine: out[t] = sum over j of route's weight j times y's slot j, in slot order. A thread per output.

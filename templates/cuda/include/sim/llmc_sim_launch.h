@@ -247,6 +247,11 @@ inline unsigned atomicAdd(unsigned* p, unsigned v) {
   *p = old + v;
   return old;
 }
+inline unsigned long long atomicAdd(unsigned long long* p, unsigned long long v) {
+  const unsigned long long old = *p;
+  *p = old + v;
+  return old;
+}
 inline void __threadfence() {}
 inline void __threadfence_block() {}
 inline void __threadfence_system() {}

@@ -184,6 +184,11 @@ inline cudaError_t cudaMemcpyFromSymbolAsync(void* dst, const T& symbol, size_t 
                                              cudaMemcpyKind k = cudaMemcpyDeviceToHost, cudaStream_t = nullptr) {
   return cudaMemcpyFromSymbol(dst, symbol, n, offset, k);
 }
+template <class T>
+inline cudaError_t cudaGetSymbolAddress(void** p, const T& symbol) {
+  *p = const_cast<void*>(static_cast<const void*>(&symbol));
+  return cudaSuccess;
+}
 inline cudaError_t cudaDeviceSynchronize() { return cudaSuccess; }
 inline cudaError_t cudaStreamSynchronize(cudaStream_t) { return cudaSuccess; }
 inline cudaError_t cudaStreamCreate(cudaStream_t* s) {
