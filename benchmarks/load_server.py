@@ -110,7 +110,7 @@ def kv_cache_bytes(artifact: Path, num_blocks: int) -> int:
 
     a = load_artifact(artifact)
     c = a.config
-    return num_blocks * kv_bytes_per_block(c.num_layers, c.num_kv_heads, c.head_dim, a.block_size, 4)  # fp32 on CPU
+    return num_blocks * kv_bytes_per_block(c.num_layers, c.num_kv_heads, c.head_dim, a.block_size, a.kv_dtype)
 
 
 def free_port() -> int:

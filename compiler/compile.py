@@ -17,7 +17,7 @@ import tvm
 from tqdm import tqdm
 
 from llmc.artifact_writer import write_artifact
-from llmc.dtypes import ELEMENT_DTYPES, resolve_kv_dtype
+from llmc.dtypes import ELEMENT_DTYPES, KV_DTYPES, resolve_kv_dtype
 from llmc.errors import CompileError, UnsupportedModelError
 from llmc.targets import Target, load_target, tuning_db_path
 
@@ -212,8 +212,9 @@ def compile_checkpoint(
     importance_tokens: calibration token ids (one sequence) over which each quantized linear's input channels
     are measured (compiler/importance.py); llmc's quantizer then weighs each weight's error by its channel's
     importance. None: unweighted.
-    kv_dtype: what the KV cache stores (`--kv-cache-dtype`): float32, or bfloat16 at half the bytes;
-    "auto" (resolve_kv_dtype): bfloat16 for a bf16 / fp16 CUDA build, else float32.
+    kv_dtype: what the KV cache stores (`--kv-cache-dtype`): float32, bfloat16 at half the bytes, or int8 (CPU)
+    with a float32 scale per (token, kv head); "auto" (resolve_kv_dtype): bfloat16 for a bf16 / fp16 CUDA build,
+    else float32.
     gate: a last check of the built directory before it is written (Gate); the quality gate of a quantized
     build is one (tools/build.py).
     tuning_db: the tuning database whose matching entries set kernel tunables (None: the target's own,
@@ -225,10 +226,10 @@ def compile_checkpoint(
         tuning = TuningDB.load(tuning_db or tuning_db_path(target), target, required=tuning_db is not None)
     block_size = block_size or tgt.block_size
     quant = quant or QuantConfig()
-    if kv_dtype not in ("auto", *ELEMENT_DTYPES):
+    if kv_dtype not in ("auto", *KV_DTYPES):
         raise CompileError(
             f"KV cache dtype {kv_dtype!r} is not supported",
-            f"--kv-cache-dtype takes auto or one of {', '.join(ELEMENT_DTYPES)}",
+            f"--kv-cache-dtype takes auto or one of {', '.join(KV_DTYPES)}",
         )
     ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else load_checkpoint(checkpoint)
     dtype = resolve_weight_dtype(ckpt, weight_dtype)
@@ -239,6 +240,11 @@ def compile_checkpoint(
             "compile it with --dtype float32, or for --target cpu",
         )
     kv_dtype = resolve_kv_dtype(kv_dtype, cuda=tgt.is_cuda, weight_dtype=dtype)
+    if tgt.is_cuda and kv_dtype == "int8":
+        raise CompileError(
+            f"--kv-cache-dtype int8 has attention kernels for the cpu target only so far, not {tgt.name}",
+            "use --kv-cache-dtype bfloat16 (half of float32's bytes) on a CUDA target",
+        )
     schemes = quant_schemes(ckpt, quant, cuda=tgt.is_cuda)
     if quant.enabled and not schemes:
         raise CompileError(

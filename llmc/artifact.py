@@ -110,7 +110,7 @@ class Artifact:
 
     @property
     def kv_dtype(self) -> str:
-        """What the module's KV cache stores (the manifest's kv_cache_dtype), one of ELEMENT_DTYPES. A manifest
+        """What the module's KV cache stores (the manifest's kv_cache_dtype), one of KV_DTYPES. A manifest
         without the field was written before it existed, by modules whose cache was float32."""
         return self.manifest.get("kv_cache_dtype", "float32")
 

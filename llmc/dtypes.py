@@ -34,7 +34,7 @@ _ALL = (
     DType("int64", 8, "I64", "int64_t"),
     DType("int32", 4, "I32", "int32_t"),
     DType("int16", 2, "I16", "int16_t"),
-    DType("int8", 1, "I8", "int8_t"),
+    DType("int8", 1, "I8", "int8_t", "i8"),
     DType("uint64", 8, "U64", "uint64_t"),
     DType("uint32", 4, "U32", "uint32_t"),
     DType("uint16", 2, "U16", "uint16_t"),
@@ -49,6 +49,15 @@ BY_SAFETENSORS: dict[str, DType] = {d.safetensors: d for d in _ALL}
 ELEMENT_DTYPES = ("float32", "bfloat16")
 # A template parameter's short name -> its element dtype ("bf16" -> bfloat16)
 ELEMENTS_BY_SHORT: dict[str, DType] = {DTYPES[n].short: DTYPES[n] for n in ELEMENT_DTYPES}
+# What the KV cache may store: an element, or int8 with a float32 scale per (token, kv head), quantized as it is
+# written (symmetric, the row's largest magnitude at 127)
+KV_DTYPES = (*ELEMENT_DTYPES, "int8")
+KV_BY_SHORT: dict[str, DType] = {DTYPES[n].short: DTYPES[n] for n in KV_DTYPES}
+
+
+def kv_slot_bytes(kv_dtype: str, num_kv_heads: int, head_dim: int) -> int:
+    """Bytes one token's k (or v) takes in the cache: its values, and an int8 cache's scale per kv head."""
+    return num_kv_heads * (head_dim * DTYPES[kv_dtype].nbytes + (4 if kv_dtype == "int8" else 0))
 
 
 def resolve_kv_dtype(kv_dtype: str, *, cuda: bool, weight_dtype: str) -> str:

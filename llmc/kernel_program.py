@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 
-from llmc.dtypes import DTYPES, ELEMENT_DTYPES
+from llmc.dtypes import DTYPES, ELEMENT_DTYPES, KV_DTYPES
 
 SCHEMA = 1
 _KEYS = {"schema", "kv_dtype", "act_dtype", "buffers", "weights", "launches", "tvm_funcs"}
@@ -111,9 +111,9 @@ def schema_problem(program) -> str | None:
         return f"has schema {_short(program.get('schema'))}; this llmc reads schema {SCHEMA}"
     if set(program) != _KEYS:
         return f"has fields {_names(program)}, not {', '.join(sorted(_KEYS))}"
-    for key in ("kv_dtype", "act_dtype"):
-        if program[key] not in ELEMENT_DTYPES:
-            return f"{key} {_short(program[key])} is not one of {', '.join(ELEMENT_DTYPES)}"
+    for key, allowed in (("kv_dtype", KV_DTYPES), ("act_dtype", ELEMENT_DTYPES)):
+        if program[key] not in allowed:
+            return f"{key} {_short(program[key])} is not one of {', '.join(allowed)}"
     for key in ("buffers", "weights", "launches"):
         if not isinstance(program[key], list):
             return f"{key} is not a list"

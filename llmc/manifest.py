@@ -27,7 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from llmc import __version__
-from llmc.dtypes import ELEMENT_DTYPES
+from llmc.dtypes import KV_DTYPES
 from llmc.errors import ArtifactError, CompileError
 from llmc.host import host_cpu_target
 from llmc.kernel_program import schema_problem
@@ -198,9 +198,9 @@ def check_manifest(m: dict, path: Path) -> None:
     if not isinstance(m.get("weight_dtype"), str | None):
         raise ArtifactError(f"{path}: manifest weight_dtype {_show(m['weight_dtype'])} is not a name", hint)
     kv_dtype = m.get("kv_cache_dtype", "float32")
-    if not isinstance(kv_dtype, str) or kv_dtype not in ELEMENT_DTYPES:
+    if not isinstance(kv_dtype, str) or kv_dtype not in KV_DTYPES:
         raise ArtifactError(
-            f"{path}: manifest kv_cache_dtype {_show(kv_dtype)} is not one of {', '.join(ELEMENT_DTYPES)}", hint
+            f"{path}: manifest kv_cache_dtype {_show(kv_dtype)} is not one of {', '.join(KV_DTYPES)}", hint
         )
     if "kernel_program" in m and (problem := schema_problem(m["kernel_program"])):
         raise ArtifactError(f"{path}: manifest kernel_program {problem}", hint)

@@ -125,7 +125,7 @@ class CompiledModel:
         self.max_num_logits = max_num_logits
         self.max_blocks_per_seq = max_blocks_per_seq
         self.kv_cache_bytes = num_blocks * kv_bytes_per_block(
-            info.num_layers, info.num_kv_heads, info.head_dim, block_size, info.kv_dtype_bytes
+            info.num_layers, info.num_kv_heads, info.head_dim, block_size, artifact.kv_dtype
         )
         self.tokenizer_path = artifact.tokenizer_path
         self.chat_template = artifact.chat_template
@@ -201,9 +201,7 @@ class CompiledModel:
                 "pass max_num_logits >= max_num_seqs, or leave it unset",
             )
         max_blocks_per_seq = cdiv(c.max_context, block_size)
-        per_block = kv_bytes_per_block(
-            info.num_layers, info.num_kv_heads, info.head_dim, block_size, info.kv_dtype_bytes
-        )
+        per_block = kv_bytes_per_block(info.num_layers, info.num_kv_heads, info.head_dim, block_size, artifact.kv_dtype)
         try:
             free = None
             if not artifact.is_cuda and kv_cache_memory is None:  # llmc_create reads the weights into memory next

@@ -119,8 +119,10 @@ def test_manifest_inspect_and_cache_memory(checkpoint_dir, tmp_path_factory):
     with CompiledModel.load(out, kv_cache_memory=budget) as model:
         c = model.config
         assert model.info["kv_dtype_bytes"] == 2
-        per_block = kv_bytes_per_block(c.num_layers, c.num_kv_heads, c.head_dim, model.block_size, 2)
-        assert 2 * per_block == kv_bytes_per_block(c.num_layers, c.num_kv_heads, c.head_dim, model.block_size, 4)
+        per_block = kv_bytes_per_block(c.num_layers, c.num_kv_heads, c.head_dim, model.block_size, "bfloat16")
+        assert 2 * per_block == kv_bytes_per_block(
+            c.num_layers, c.num_kv_heads, c.head_dim, model.block_size, "float32"
+        )
         assert model.num_blocks == budget // per_block  # twice a float32 cache's blocks in the same bytes
         assert model.kv_cache_bytes == model.num_blocks * per_block
 
@@ -138,12 +140,12 @@ def test_manifest_that_disagrees_with_the_module_is_refused(checkpoint_dir, tmp_
 
 
 def test_unknown_kv_cache_dtype_is_refused_before_compiling(checkpoint_dir, tmp_path):
-    with pytest.raises(CompileError, match="--kv-cache-dtype takes auto or one of float32, bfloat16"):
+    with pytest.raises(CompileError, match="--kv-cache-dtype takes auto or one of float32, bfloat16, int8"):
         compile_checkpoint(checkpoint_dir("llama"), target="cpu", output=tmp_path / "m", kv_dtype="float16")
     result = CliRunner().invoke(
-        main, ["compile", str(checkpoint_dir("llama")), "-o", str(tmp_path / "m"), "--kv-cache-dtype", "int8"]
+        main, ["compile", str(checkpoint_dir("llama")), "-o", str(tmp_path / "m"), "--kv-cache-dtype", "float16"]
     )
-    assert result.exit_code == 2 and "'int8' is not one of 'auto', 'float32', 'bfloat16'" in result.output
+    assert result.exit_code == 2 and "'float16' is not one of 'auto', 'float32', 'bfloat16', 'int8'" in result.output
     assert not (tmp_path / "m").exists()
 
 

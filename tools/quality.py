@@ -27,7 +27,6 @@ from pathlib import Path
 import numpy as np
 
 from llmc.digests import file_sha256
-from llmc.dtypes import DTYPES, ELEMENT_DTYPES
 from llmc.errors import CompileError
 from llmc.manifest import read_manifest
 from llmc.model_config import ModelConfig
@@ -199,10 +198,8 @@ def _load_for_scoring(path: Path, num_tokens: int) -> CompiledModel:
     c = ModelConfig.from_dict(manifest["model_config"])
     block_size = manifest["block_size"]
     tokens = min(num_tokens, c.max_context)
-    # bytes per k/v value: the budget holds the window whatever the dtype
-    widest = max(DTYPES[d].nbytes for d in ELEMENT_DTYPES)
     kv_bytes = cdiv(tokens, block_size) * kv_bytes_per_block(
-        c.num_layers, c.num_kv_heads, c.head_dim, block_size, widest
+        c.num_layers, c.num_kv_heads, c.head_dim, block_size, manifest.get("kv_cache_dtype", "float32")
     )
     return CompiledModel.load(path, kv_cache_memory=kv_bytes, max_num_seqs=1, max_num_logits=512)
 

@@ -25,7 +25,7 @@ from typing import Any
 import jinja2
 import jinja2.meta
 
-from llmc.dtypes import ELEMENTS_BY_SHORT
+from llmc.dtypes import ELEMENTS_BY_SHORT, KV_BY_SHORT
 from llmc.errors import CompileError
 from llmc.templates import TEMPLATE_DIR
 
@@ -66,10 +66,10 @@ def _f32(value: Any) -> str:
 
 
 def _ctype(wdtype: Any) -> str:
-    """The C type of a pointer to a template's element (bf16 stays raw uint16_t bits)."""
-    if wdtype not in ELEMENTS_BY_SHORT:
-        raise ValueError(f"wdtype must be one of {sorted(ELEMENTS_BY_SHORT)}, got {wdtype!r}")
-    return ELEMENTS_BY_SHORT[wdtype].ctype
+    """The C type of a pointer to a template's element (bf16 stays raw uint16_t bits), or to a KV cache's (int8)."""
+    if wdtype not in KV_BY_SHORT:
+        raise ValueError(f"wdtype must be one of {sorted(KV_BY_SHORT)}, got {wdtype!r}")
+    return KV_BY_SHORT[wdtype].ctype
 
 
 def _cbool(value: Any) -> str:
@@ -160,8 +160,9 @@ def _check_params(target: str, op: str, params: Mapping[str, Any]) -> None:
         w = params["sliding_window"]
         if isinstance(w, bool) or not isinstance(w, int) or w < 0:
             raise ValueError(f"sliding_window must be an int >= 0 (0: no window), got {w!r}")
-        if params["kv_dtype"] not in ELEMENTS_BY_SHORT:
-            raise ValueError(f"kv_dtype must be one of {sorted(ELEMENTS_BY_SHORT)}, got {params['kv_dtype']!r}")
+        kv = ELEMENTS_BY_SHORT if target == "cuda" else KV_BY_SHORT  # int8 (i8): the CPU's attention only
+        if params["kv_dtype"] not in kv:
+            raise ValueError(f"kv_dtype must be one of {sorted(kv)} on target {target}, got {params['kv_dtype']!r}")
 
 
 def _check_quant(target: str, params: Mapping[str, Any], k: Any) -> None:

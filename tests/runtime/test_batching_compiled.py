@@ -1,7 +1,7 @@
 """Batching changes nothing, on a real compiled module: N greedy requests with random arrival times and
 lengths, through the scheduler with chunked prefill and a cache so small that it must preempt, give each
 request exactly the tokens it gets alone. Dense and mixture-of-experts (whose experts see other tokens beside a
-request's when batched), the latter on the CPU and on sm90 under the simulator (fp32)."""
+request's when batched), the latter on the CPU and on sm90 under the simulator (fp32); and an int8 KV cache."""
 
 import numpy as np
 import pytest
@@ -9,6 +9,7 @@ import pytest
 from llmc.artifact import load_artifact
 from llmc.compiler.compile import compile_checkpoint
 from llmc.runtime.engine import LLMEngine
+from llmc.runtime.kv_cache import kv_bytes_per_block
 from llmc.runtime.module import CompiledModel
 from llmc.sampling_params import SamplingParams
 from tests.cuda_mode import cuda_library
@@ -18,16 +19,17 @@ from tests.runtime.runtime_fakes import run_with_arrivals
 @pytest.fixture(
     scope="module",
     params=[
-        ("llama", "cpu"),
-        ("qwen3_moe", "cpu"),
-        pytest.param(("qwen3_moe", "sm90"), marks=pytest.mark.slow),  # about a minute of simulated steps
+        ("llama", "cpu", "auto"),
+        ("llama", "cpu", "int8"),  # an int8 KV cache: each row quantized alone as it is written
+        ("qwen3_moe", "cpu", "auto"),
+        pytest.param(("qwen3_moe", "sm90", "auto"), marks=pytest.mark.slow),  # about a minute of simulated steps
     ],
     ids=lambda p: "-".join(p),
 )
 def artifact(request, checkpoint_dir, tmp_path_factory):
-    arch, target = request.param
+    arch, target, kv_dtype = request.param
     out = tmp_path_factory.mktemp("art") / "m"
-    return compile_checkpoint(checkpoint_dir(arch), target=target, output=out)
+    return compile_checkpoint(checkpoint_dir(arch), target=target, output=out, kv_dtype=kv_dtype)
 
 
 def _load(artifact, **kw):
@@ -49,7 +51,9 @@ def test_concurrent_requests_equal_each_alone_under_preemption(artifact):
     with _load(artifact, max_num_seqs=8) as roomy:
         alone = [LLMEngine(roomy).generate([p], [sp])[0].outputs[0].token_ids for p, sp in requests]
         c = roomy.config
-        per_block = 2 * c.num_layers * roomy.block_size * c.num_kv_heads * c.head_dim * 4  # k and v, fp32
+        per_block = kv_bytes_per_block(
+            c.num_layers, c.num_kv_heads, c.head_dim, roomy.block_size, roomy.artifact.kv_dtype
+        )
     # 12 blocks of 16 tokens for up to 8 sequences of up to 63 tokens: preemption is certain.
     with _load(artifact, kv_cache_memory=12 * per_block, max_num_seqs=8) as tight:
         engine = LLMEngine(tight, max_num_batched_tokens=24)

@@ -211,7 +211,7 @@ def test_slot_mapping_follows_the_block_table():
 
 
 def test_sizing_helpers(tmp_path):
-    per_block = kv_bytes_per_block(num_layers=2, num_kv_heads=4, head_dim=8, block_size=16, dtype_bytes=4)
+    per_block = kv_bytes_per_block(num_layers=2, num_kv_heads=4, head_dim=8, block_size=16, kv_dtype="float32")
     assert per_block == 2 * 2 * 16 * 4 * 8 * 4
     assert blocks_for_memory(10 * per_block + per_block - 1, per_block) == 10
     assert blocks_for_memory(per_block - 1, per_block) == 0

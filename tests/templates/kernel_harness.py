@@ -93,12 +93,13 @@ SIGNATURES = {
 _C_TYPE = {"f32*": "float*", "u8*": "uint8_t*", "i32*": "int32_t*", "i64*": "int64_t*", "int": "int"}
 _NP_TYPE = {"f32*": np.float32, "u8*": np.uint8, "i32*": np.int32, "i64*": np.int64}
 W_TYPES = {"f32": ("float*", np.float32), "bf16": ("uint16_t*", np.uint16)}
+KV_TYPES = {**W_TYPES, "i8": ("int8_t*", np.int8)}  # an int8 cache: its blocks' bytes (values and scales)
 _S_DTYPES = {32: np.float32, 16: np.float16, 8: np.uint8}  # scales by scale_bits (8: K-quant record bytes)
 # kind -> (the kernel parameter that picks the element type, its (C type, numpy dtype) per value); and S*, the
 # scales, whose C type render.scale_ctype gives
 _ELEMENT = {
     "W*": ("wdtype", W_TYPES),
-    "KV*": ("kv_dtype", W_TYPES),
+    "KV*": ("kv_dtype", KV_TYPES),
     "A*": ("adtype", W_TYPES),
 }
 _ELEMENTS = {*_ELEMENT, "S*"}
@@ -351,13 +352,13 @@ class CudaTemplates:
     target = "cuda"
 
     def spec(self, op: str, params: dict) -> tuple[str, dict] | None:
-        """None for an op with no CUDA template, and for int6, int5, int3, int2 and IQ4 weights (a CUDA build
-        holds them widened to int8)."""
+        """None for an op with no CUDA template, for int6, int5, int3, int2 and IQ4 weights (a CUDA build holds
+        them widened to int8), and for an int8 KV cache (the CPU's only)."""
         try:
             template_path("cuda", op)
         except CompileError:
             return None
-        if params.get("bits") in (2, 3, 5, 6) or params.get("codebook"):
+        if params.get("bits") in (2, 3, 5, 6) or params.get("codebook") or params.get("kv_dtype") == "i8":
             return None
         return op, target_params("cuda", params)
 

@@ -4,7 +4,8 @@ A ragged batch mixes prefill, chunked prefill and decode sequences whose cache b
 and non-contiguous; the cache holds earlier tokens' k/v and garbage elsewhere. q/k/v are column
 slices of one fused qkv buffer, as the qkv gemm produces them. Context lengths cross CUDA's 32-position
 chunks (33, 70 + new tokens) and its 64-position KV splits (up to 301). A bf16 cache (kv_dtype bf16) is checked against the same reference over k/v
-rounded to bf16 (nearest even) as the kernel must store them. On CUDA, a bf16 cache's sequences of 16 or more
+rounded to bf16 (nearest even) as the kernel must store them, an int8 cache (CPU) over k/v quantized per
+(position, kv head) as the kernel must store them, within float32 rounding. On CUDA, a bf16 cache's sequences of 16 or more
 new tokens take the tensor-core prefill, whose q and softmax weights are bf16: checked against the reference
 over bf16-rounded q, within P's rounding.
 """
@@ -64,7 +65,10 @@ F32_SPECS += [(op, dict(p, softcap=2.0)) for op, p in (F32_SPECS[i] for i in (5,
 # bf16 activations (q, k, v and out bf16): an f32 cache with GQA 4, bf16 caches with head_dim 64 and 8 (a window
 # of 13), and one of head_dim 32 with a window across the tensor-core prefill's key tiles
 BF16_SPECS = [(op, dict(p, adtype="bf16")) for op, p in (F32_SPECS[i] for i in (1, 9, 13, 15))]
-SPECS = F32_SPECS + BF16_SPECS
+# An int8 cache (CPU): GQA 4 and 3, head_dims 64, 8 and 20 (no whole SIMD vector), a window mid-block, soft-capped
+# scores
+INT8_SPECS = [(op, dict(p, kv_dtype="i8")) for op, p in (F32_SPECS[i] for i in (1, 2, 5, 10, 16))]
+SPECS = F32_SPECS + BF16_SPECS + INT8_SPECS
 IDS = [spec_id(s) for s in F32_SPECS]
 WINDOWED = [pytest.param(*s, id=IDS[i]) for i, s in enumerate(F32_SPECS) if s[1]["sliding_window"] > 0]
 # Under the CUDA simulator, where a mixed batch takes ~60 ms, the batch and schedule test runs GQA 4 and 3 and
@@ -73,7 +77,7 @@ ON_CUDA_TOO = {1, 2, 7, 9, 14}
 INDEPENDENCE_CASES = [
     pytest.param(*s, id=IDS[i], marks=[] if i in ON_CUDA_TOO else [pytest.mark.targets("cpu")])
     for i, s in enumerate(F32_SPECS)
-]
+] + [pytest.param(*s, id=spec_id(s), marks=[pytest.mark.targets("cpu")]) for s in INT8_SPECS]
 
 
 class Bf16Batch(Batch):
@@ -123,8 +127,51 @@ def assert_matches_reference(out, batch, target, params):
         np.testing.assert_allclose(out[flash], rounded.reference()[flash], rtol=0, atol=4e-3 * scale)
 
 
+def quantize_kv(rows):
+    """rows [..., hd] float32 -> (int8 q, float32 scale [...]): s = max |x| / 127, q = round(x / s), ties to even."""
+    s = (np.abs(rows).max(axis=-1) / np.float32(127)).astype(np.float32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        q = np.where(s[..., None] > 0, np.rint(rows / s[..., None]), 0)
+    return q.astype(np.int8), s
+
+
+class Int8Batch(Batch):
+    """A step on an int8 cache: each block its [bs, nkv, hd] int8 values, then [bs, nkv] float32 scales
+    (llmc_attention.h KvLayout), as int8 bytes [NUM_BLOCKS, block bytes]. The history is stored quantized, and
+    the reference's K/V (history and this step's rows) are the dequantized rows the kernel must store."""
+
+    def __init__(self, p, seqs, seed):
+        super().__init__(p, seqs, seed)
+        self.k_cache, self.v_cache = self._packed(self.k_cache), self._packed(self.v_cache)
+        self.K, self.V = [self._dequantized(k) for k in self.K], [self._dequantized(v) for v in self.V]
+
+    @staticmethod
+    def _dequantized(rows):
+        q, s = quantize_kv(rows)
+        return q.astype(np.float32) * s[..., None]
+
+    @staticmethod
+    def _packed(cache):
+        q, s = quantize_kv(cache)
+        n = cache.shape[0]
+        return np.ascontiguousarray(np.concatenate([q.reshape(n, -1), s.reshape(n, -1).view(np.int8)], axis=1))
+
+    def cache_after(self, k_before, v_before):
+        nh, nkv, hd, bs = self.p["num_heads"], self.p["num_kv_heads"], self.p["head_dim"], self.p["block_size"]
+        keep = self.slots >= 0
+        blocks, offsets = np.divmod(self.slots[keep], bs)
+        out = []
+        for before, cols in ((k_before, slice(nh * hd, (nh + nkv) * hd)), (v_before, slice((nh + nkv) * hd, None))):
+            cache = before.copy()
+            q, s = quantize_kv(self.qkv[keep, cols].reshape(-1, nkv, hd))
+            cache[:, : bs * nkv * hd].reshape(-1, bs, nkv, hd)[blocks, offsets] = q
+            cache[:, bs * nkv * hd :].view(np.float32).reshape(-1, bs, nkv)[blocks, offsets] = s
+            out.append(cache)
+        return tuple(out)
+
+
 def make_batch(params, seqs, seed):
-    return (Bf16Batch if params["kv_dtype"] == "bf16" else Batch)(params, seqs, seed)
+    return {"bf16": Bf16Batch, "i8": Int8Batch}.get(params["kv_dtype"], Batch)(params, seqs, seed)
 
 
 # long: contexts of 301 and 132 (CUDA: 5 and 3 KV splits of 64 positions or fewer, combined) beside a 70-token
@@ -141,6 +188,18 @@ def test_paged_attention_matches_numpy(kernels, target, op, params, seqs):
     assert_matches_reference(batch.run(kernels(op, params)), batch, target, params)
 
     # this step's k/v went to their slots, and nothing else in the cache changed
+    k_want, v_want = batch.cache_after(k_before, v_before)
+    assert np.array_equal(batch.k_cache, k_want) and np.array_equal(batch.v_cache, v_want)
+
+
+@pytest.mark.targets("cpu")
+@pytest.mark.parametrize("seqs", [MIXED, [(300, 1), (130, 2), (0, 70)]], ids=["mixed", "long"])
+@pytest.mark.parametrize("op,params", INT8_SPECS, ids=map(spec_id, INT8_SPECS))
+def test_paged_attention_int8_cache_matches_numpy(kernels, target, op, params, seqs):
+    """Attention over the dequantized rows, and this step's rows quantized into their slots (values and scales)."""
+    batch = make_batch(params, seqs, seed=len(seqs))
+    k_before, v_before = batch.k_cache.copy(), batch.v_cache.copy()
+    assert_matches_reference(batch.run(kernels(op, params)), batch, target, params)
     k_want, v_want = batch.cache_after(k_before, v_before)
     assert np.array_equal(batch.k_cache, k_want) and np.array_equal(batch.v_cache, v_want)
 

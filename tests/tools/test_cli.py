@@ -160,7 +160,7 @@ def _created_args(model) -> list[int]:
 def test_load_sizes_the_kv_cache(fake_artifact):
     a = load_artifact(fake_artifact)
     c = a.config
-    per_block = kv_bytes_per_block(c.num_layers, c.num_kv_heads, c.head_dim, 16, 4)
+    per_block = kv_bytes_per_block(c.num_layers, c.num_kv_heads, c.head_dim, 16, "float32")
     with CompiledModel.load(fake_artifact, kv_cache_memory=7 * per_block + 5, max_num_seqs=4) as m:
         assert m.num_blocks == 7
         assert m.max_blocks_per_seq == cdiv(c.max_context, 16)

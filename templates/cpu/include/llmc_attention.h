@@ -7,8 +7,11 @@
 
 namespace llmc {
 
-// The KV cache element: float32, or bf16 (uint16_t bits) at half the bytes. A bf16 cache holds each k/v value
-// rounded to nearest even when it is written; attention widens it back to float32 (exactly) as it reads.
+// The KV cache element: float32, bf16 (uint16_t bits) at half the bytes, or int8 at a quarter with a float32 scale
+// per (position, kv head). A bf16 cache holds each k/v value rounded to nearest even when it is written; attention
+// widens it back to float32 (exactly) as it reads. An int8 cache holds a head's row as q = round(x / s) (ties to
+// even), s = max |x| / 127 (0 for a zero row), and attention reads q * s: the score of a key is s times its dot
+// with q, and a value's softmax weight p becomes p * s.
 LLMC_INLINE uint16_t f32_to_bf16(float f) {
   uint32_t u;
   std::memcpy(&u, &f, sizeof u);
@@ -19,6 +22,41 @@ LLMC_INLINE void store_kv(float* dst, const float* src, long n) { std::memcpy(ds
 LLMC_INLINE void store_kv(uint16_t* dst, const float* src, long n) {
   for (long i = 0; i < n; ++i) dst[i] = f32_to_bf16(src[i]);
 }
+
+// A cache block (model_abi's kKvBlockBytes): [BS][NKV][D] values, then for int8 [BS][NKV] float scales. kElems: the
+// KV elements of one block.
+template <typename KV, int BS, int NKV, int D>
+struct KvLayout {
+  static constexpr bool kScaled = std::is_same_v<KV, int8_t>;
+  static constexpr long kSlot = (long)NKV * D;  // values per cache slot
+  static constexpr long kValues = BS * kSlot;
+  static constexpr long kElems = kScaled ? kValues + (long)sizeof(float) * BS * NKV : kValues;
+  // the [BS][NKV] scales of block `block`
+  static LLMC_INLINE float* scales(KV* cache, long block) {
+    return reinterpret_cast<float*>(cache + block * kElems + kValues);
+  }
+  static LLMC_INLINE const float* scales(const KV* cache, long block) {
+    return reinterpret_cast<const float*>(cache + block * kElems + kValues);
+  }
+  // One token's k or v rows (NKV heads of D) into cache slot `slot`.
+  static LLMC_INLINE void write(KV* cache, int64_t slot, const float* src) {
+    const long block = slot / BS, off = slot % BS;
+    KV* dst = cache + block * kElems + off * kSlot;
+    if constexpr (kScaled) {
+      float* scale = scales(cache, block) + off * NKV;
+      for (int h = 0; h < NKV; ++h) {
+        const float* x = src + h * D;
+        float amax = 0.0f;
+        for (int d = 0; d < D; ++d) amax = std::max(amax, std::fabs(x[d]));
+        const float s = amax / 127.0f;
+        for (int d = 0; d < D; ++d) dst[h * D + d] = s > 0.0f ? int8_t(std::nearbyint(x[d] / s)) : int8_t(0);
+        scale[h] = s;
+      }
+    } else {
+      store_kv(dst, src, kSlot);
+    }
+  }
+};
 
 // The vectors of a V row that attend<> accumulates at once for G heads: the largest divisor of the row's nv vectors
 // with G x it accumulators, at most half the vector registers (32 with AVX-512, 16 with AVX2).
@@ -36,10 +74,13 @@ constexpr int v_chunk(int nv, int g) {
 // dot_block (a function of D and the data only), an online softmax in float32 with one rescale per cache block
 // (the running max m; the sum l gains each block's p as one vector sum), p = exp(score - m) by Vec::exp, and
 // acc[d] += p * v[d] over positions in order.
-template <int G, int D, int BS, long SLOT, typename KV>
+// L: the cache's KvLayout; kvo: the kv head's offset in a slot (head * D).
+template <int G, int D, int BS, class L, typename KV>
 LLMC_INLINE void attend(const float* LLMC_RESTRICT q, const KV* LLMC_RESTRICT k_cache, const KV* LLMC_RESTRICT v_cache,
                         long kvo, const int32_t* LLMC_RESTRICT table, int first, int ctx, float scale,
                         float softcap, float* LLMC_RESTRICT out) {
+  constexpr long SLOT = L::kSlot;
+  constexpr int NKV = SLOT / D;
   constexpr int VW = Vec::W;
   constexpr int NP = (BS + VW - 1) / VW * VW;  // a block's scores, padded to whole vectors
   constexpr int C = G <= 4 ? 4 : 2;            // keys per dot_block: G x C accumulators
@@ -51,11 +92,11 @@ LLMC_INLINE void attend(const float* LLMC_RESTRICT q, const KV* LLMC_RESTRICT k_
   for (int g = 0; g < G; ++g) m[g] = -std::numeric_limits<float>::infinity(), l[g] = 0.0f;
   for (int j0 = first - first % BS; j0 < ctx; j0 += BS) {
     const int lo = std::max(0, first - j0), n = std::min(BS, ctx - j0);  // this block's positions [lo, n)
-    const long base = (long)table[j0 / BS] * BS * SLOT + kvo;
+    const long block = table[j0 / BS], base = block * L::kElems + kvo;
     // The next block's rows of this kv head, into L2 (prefetch_l2): decode attention over a cold cache 1.08-1.56x
     // faster (benchmarks/cpu_attention.py --baseline, 2-core Zen 4 EPYC).
     if (j0 + BS < ctx) {
-      const long next = (long)table[j0 / BS + 1] * BS * SLOT + kvo;
+      const long next = (long)table[j0 / BS + 1] * L::kElems + kvo;
       for (int r = 0; r < BS; ++r)
         for (int b = 0; b < D * (int)sizeof(KV); b += 64) {
           prefetch_l2(reinterpret_cast<const char*>(k_cache + next + r * SLOT) + b);
@@ -78,6 +119,15 @@ LLMC_INLINE void attend(const float* LLMC_RESTRICT q, const KV* LLMC_RESTRICT k_
     for (; i < n; ++i) {
       dot_block<G, 1, D>(q, D, k_cache + base + i * SLOT, SLOT, s);
       for (int g = 0; g < G; ++g) p[g][i] = s[g];
+    }
+    // int8: each position's k and v scales (their kv head's), the scores times k's
+    const float* ks = nullptr;
+    const float* vs = nullptr;
+    if constexpr (L::kScaled) {
+      ks = L::scales(k_cache, block) + kvo / D;
+      vs = L::scales(v_cache, block) + kvo / D;
+      for (int g = 0; g < G; ++g)
+        for (i = lo; i < n; ++i) p[g][i] *= ks[i * NKV];
     }
     // The block's softmax terms, a vector at a time: positions outside [lo, n) score -inf (no part in the max)
     // and end as 0 (none in the sum; the V loop never reads them).
@@ -123,8 +173,9 @@ LLMC_INLINE void attend(const float* LLMC_RESTRICT q, const KV* LLMC_RESTRICT k_
       for (i = lo; i < n; ++i) {
         Vec v[DC];
         LLMC_UNROLL for (int c = 0; c < DC; ++c) v[c] = Vec::load(v_cache + base + i * SLOT + d + c * VW);
+        const float vscale = L::kScaled ? vs[i * NKV] : 1.0f;
         LLMC_UNROLL for (int g = 0; g < G; ++g) {
-          const Vec pg = Vec::splat(p[g][i]);
+          const Vec pg = Vec::splat(L::kScaled ? p[g][i] * vscale : p[g][i]);
           LLMC_UNROLL for (int c = 0; c < DC; ++c) a[g][c].fma(pg, v[c]);
         }
       }
@@ -135,7 +186,8 @@ LLMC_INLINE void attend(const float* LLMC_RESTRICT q, const KV* LLMC_RESTRICT k_
     for (int d = DV; d < D; ++d) {
       for (i = lo; i < n; ++i) {
         const float v = load_w(v_cache[base + i * SLOT + d]);
-        for (int g = 0; g < G; ++g) acc[g][d] = std::fma(p[g][i], v, acc[g][d]);
+        const float vscale = L::kScaled ? vs[i * NKV] : 1.0f;
+        for (int g = 0; g < G; ++g) acc[g][d] = std::fma(L::kScaled ? p[g][i] * vscale : p[g][i], v, acc[g][d]);
       }
     }
   }
@@ -154,8 +206,8 @@ constexpr int attend_heads(int group) {
 
 // paged attention over a ragged batch (docs/contracts.md, "The step").
 // 1. Write this step's k/v rows (kv heads [0, NKV) of k/v + t*row_stride) to their cache slots, as KV
-//    (float, or uint16_t bf16 bits); a negative slot (padding) is skipped. Cache layout: [num_blocks, BS, NKV, D]
-//    each.
+//    (float, uint16_t bf16 bits, or int8 with its scales); a negative slot (padding) is skipped. Cache layout:
+//    KvLayout's blocks, [num_blocks, BS, NKV, D] values each.
 // 2. For each query token t of sequence b at position p and each head h: causal attention over
 //    cache positions 0..p of b (W > 0, a sliding window: p-W+1..p) through its block table, kv head
 //    h / (NH / NKV), by attend<>. One (t, kv head, attend_heads heads of its group, or one head) is one task: no
@@ -166,16 +218,18 @@ inline void paged_attention(const float* q, const float* k, const float* v, int 
                             const int32_t* seq_lens, const int32_t* block_tables, int max_blocks, int B,
                             float* out, float scale, float softcap) {
   static_assert(NH % NKV == 0, "paged_attention: num_heads must be a multiple of num_kv_heads");
-  static_assert(std::is_same_v<KV, float> || std::is_same_v<KV, uint16_t>, "paged_attention: KV is float or bf16");
+  static_assert(std::is_same_v<KV, float> || std::is_same_v<KV, uint16_t> || std::is_same_v<KV, int8_t>,
+                "paged_attention: KV is float, bf16 or int8");
+  using L = KvLayout<KV, BS, NKV, D>;
   constexpr int GROUP = NH / NKV;
-  constexpr long SLOT = (long)NKV * D;  // values per cache slot
+  constexpr long SLOT = L::kSlot;
   const int T = query_start_loc[B];
 
   parallel_for(T, (long)T * SLOT >= kParallelWork, [&](int t) {
     const int64_t slot = slot_mapping[t];
     if (slot < 0) return;
-    store_kv(k_cache + slot * SLOT, k + (long)t * row_stride, SLOT);
-    store_kv(v_cache + slot * SLOT, v + (long)t * row_stride, SLOT);
+    L::write(k_cache, slot, k + (long)t * row_stride);
+    L::write(v_cache, slot, v + (long)t * row_stride);
   });
 
   long work = 0;  // rough multiply-adds, to decide whether to go parallel
@@ -190,7 +244,7 @@ inline void paged_attention(const float* q, const float* k, const float* v, int 
       const int n_new = query_start_loc[b + 1] - query_start_loc[b];
       const int ctx = seq_lens[b] - n_new + (t - query_start_loc[b]) + 1;  // positions 0..p
       const int first = W > 0 ? std::max(0, ctx - W) : 0;                   // the window's first position
-      attend<G, D, BS, SLOT>(q + (long)t * row_stride + h * D, k_cache, v_cache, (long)(h / GROUP) * D,
+      attend<G, D, BS, L>(q + (long)t * row_stride + h * D, k_cache, v_cache, (long)(h / GROUP) * D,
                              block_tables + (long)b * max_blocks, first, ctx, scale, softcap,
                              out + (long)t * NH * D + h * D);
     });

@@ -13,6 +13,7 @@ LLMC_INLINE float bf16_to_f32(uint16_t h) {
 }
 LLMC_INLINE float load_w(float v) { return v; }
 LLMC_INLINE float load_w(uint16_t v) { return bf16_to_f32(v); }
+LLMC_INLINE float load_w(int8_t v) { return float(v); }  // an int8 KV cache's value, before its scale
 
 // exp_poly: the SIMD exp of Vec::exp (Cephes' expf: e^x = 2^n e^r, n = floor(x log2 e + 1/2), r = x - n ln 2 in
 // two parts, e^r by a degree-7 polynomial; within 2 ulp of expf), with x clamped to [kExpLo, kExpHi] so that
@@ -43,6 +44,12 @@ struct Vec {
   static LLMC_INLINE Vec load_part(const uint16_t* p, int n) {
     __m256i h = _mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << n) - 1), p);
     return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))};
+  }
+  static LLMC_INLINE Vec load(const int8_t* p) {
+    return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))))};
+  }
+  static LLMC_INLINE Vec load_part(const int8_t* p, int n) {
+    return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(static_cast<__mmask16>((1u << n) - 1), p)))};
   }
   // 2W bf16 at p, widened: even = p[0], p[2], ..., odd = p[1], p[3], ... One shift or one and per W
   // weights (a 32-bit lane holds the pair), against a zero-extend (a shuffle) and a shift in load().
@@ -117,6 +124,9 @@ struct Vec {
   static LLMC_INLINE Vec load(const uint16_t* p) {
     __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
     return {_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16))};
+  }
+  static LLMC_INLINE Vec load(const int8_t* p) {
+    return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))))};
   }
   template <typename T>
   static LLMC_INLINE Vec load_part(const T* p, int n) {
