@@ -1,19 +1,22 @@
 #!/usr/bin/env python
-"""Decode tokens/s at long context with a float32 vs a bf16 KV cache (`llmc compile --kv-cache-dtype`).
+"""Decode tokens/s at long context with a float32, bf16 or int8 KV cache (`llmc compile --kv-cache-dtype`).
 
-    python benchmarks/kv_cache_decode.py [--context 1920] [--tokens 64] [--weight-dtypes bfloat16,float32]
+    python benchmarks/kv_cache_decode.py [--shape smollm-135m] [--context 1920] [--tokens 64]
+        [--weight-dtypes bfloat16,float32] [--kv-dtypes float32,bfloat16,int8]
 
-The model is benchmarks/cpu_decode.py's random SmolLM-135M-shaped checkpoint (30 layers, 3 KV heads of 64), compiled
-for the CPU target once per (weight dtype, KV cache dtype, llmc source state) into the benchmark cache dir. Each
+The model is a random checkpoint of --shape (benchmarks/common.py): SmolLM-135M's (30 layers, 3 KV heads of 64) or
+Llama-3.2-1B's (16 layers, 8 KV heads of 64), compiled for the CPU target once per (weight dtype, KV cache dtype,
+llmc source state) into the benchmark cache dir. Each
 build prefills a prompt of --context tokens once (untimed, in chunks of --chunk tokens). Each round, for each build
 in turn (interleaved, so machine noise hits every build), --tokens greedy decode steps from the end of the prompt
 are timed through CompiledModel.step at batch 1: every round rewrites the same cache slots with the same values.
 A row's figure is the median over --rounds rounds.
 
 A decode step reads every weight once and the whole KV cache of its context once: the table shows both byte
-counts per step, so the gain of a bf16 cache is read against its share of the step's bytes. The builds must agree
-on the first greedy tokens (a bf16 cache changes k/v by a rounding, not the argmax of a clear margin); the table
-says how many of the decoded tokens agree with the float32-cache build of the same weights.
+counts per step (an int8 cache's with its scales), so the gain of a smaller cache is read against its share of the
+step's bytes. The table says how many of the decoded tokens agree with the first --kv-dtypes build of the same
+weights (a smaller cache changes k/v by a rounding, not the argmax of a clear margin), and each build's speed
+against that one's.
 """
 
 from __future__ import annotations
@@ -26,24 +29,30 @@ import sys
 import time
 from pathlib import Path
 
-from cpu_decode import SMOLLM_135M, cache_dir, make_checkpoint, set_threads, source_hash
+from common import LLAMA_32_1B, random_checkpoint
+from cpu_decode import SMOLLM_135M, cache_dir, set_threads, source_hash
 
-from llmc.dtypes import DTYPES
+from llmc.dtypes import kv_slot_bytes
 from llmc.runtime.bench import align_columns
+
+SHAPES = {"smollm-135m": SMOLLM_135M, "llama-3.2-1b": LLAMA_32_1B}
+CHECKPOINTS = {"smollm-135m": "smollm135m-random", "llama-3.2-1b": "llama-3.2-1b-random"}  # as the other scripts'
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--shape", choices=sorted(SHAPES), default="smollm-135m")
     p.add_argument("--context", type=int, default=1920, help="prompt tokens before the timed decode steps")
     p.add_argument("--tokens", type=int, default=64, help="timed decode steps per round")
     p.add_argument("--chunk", type=int, default=512, help="prefill chunk (tokens per step)")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS (default: all cores)")
     p.add_argument("--weight-dtypes", default="bfloat16", help="comma-separated: float32, bfloat16")
+    p.add_argument("--kv-dtypes", default="float32,bfloat16,int8", help="comma-separated; the first is the base")
     p.add_argument("--cache-dir", type=Path, default=None)
     args = p.parse_args(argv)
-    if args.context + args.tokens > SMOLLM_135M["max_position_embeddings"]:
-        p.error(f"--context + --tokens exceeds the model's {SMOLLM_135M['max_position_embeddings']} positions")
+    if args.context + args.tokens > SHAPES[args.shape]["max_position_embeddings"]:
+        p.error(f"--context + --tokens exceeds the model's {SHAPES[args.shape]['max_position_embeddings']} positions")
     return args
 
 
@@ -51,10 +60,10 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def build(ckpt: Path, cache: Path, weight_dtype: str, kv_dtype: str) -> Path:
+def build(ckpt: Path, cache: Path, shape: str, weight_dtype: str, kv_dtype: str) -> Path:
     from llmc.compiler.compile import compile_checkpoint
 
-    stem = f"smollm135m-{weight_dtype}-kv{kv_dtype}"
+    stem = f"{shape}-{weight_dtype}-kv{kv_dtype}"
     out = cache / f"{stem}-{source_hash()}.cpu"
     if (out / "manifest.json").is_file():
         return out
@@ -74,7 +83,7 @@ class Decoder:
         from llmc.runtime.batch import StepBatch
         from llmc.runtime.module import CompiledModel
 
-        self.model = CompiledModel.load(path, kv_cache_memory=256 << 20, max_num_tokens=chunk, max_num_seqs=1)
+        self.model = CompiledModel.load(path, kv_cache_memory=1 << 30, max_num_tokens=chunk, max_num_seqs=1)
         bs = self.model.block_size
         assert self.model.num_blocks * bs >= max_len, "the cache holds one sequence of max_len"
         self.blocks = list(range(-(-max_len // bs)))
@@ -103,9 +112,10 @@ def main(argv=None) -> None:
         set_threads(args.threads)
     cache = cache_dir(args.cache_dir)
     cache.mkdir(parents=True, exist_ok=True)
-    ckpt = make_checkpoint(cache / "smollm135m-ckpt", log)
-    weight_dtypes = args.weight_dtypes.split(",")
-    builds = {(w, kv): build(ckpt, cache, w, kv) for w in weight_dtypes for kv in ("float32", "bfloat16")}
+    c = SHAPES[args.shape]
+    ckpt = random_checkpoint(cache / CHECKPOINTS[args.shape], c, log)
+    weight_dtypes, kv_dtypes = args.weight_dtypes.split(","), args.kv_dtypes.split(",")
+    builds = {(w, kv): build(ckpt, cache, args.shape, w, kv) for w in weight_dtypes for kv in kv_dtypes}
     rng = random.Random(0)
     prompt = [rng.randrange(3, 384) for _ in range(args.context)]  # ids of the checkpoint's 384-token tokenizer
     decoders = {}
@@ -125,22 +135,22 @@ def main(argv=None) -> None:
             + ", ".join(f"{w}/{kv} {args.tokens / t[-1]:.1f}" for (w, kv), t in times.items())
         )
 
-    c = SMOLLM_135M
     head_dim = c["hidden_size"] // c["num_attention_heads"]
-    values_per_token = c["num_hidden_layers"] * 2 * c["num_key_value_heads"] * head_dim
     ctx = args.context + args.tokens // 2  # the mean context of the timed steps
-    rows = [["weights", "KV cache", "decode tok/s", "vs float32 KV", "KV MB/step", "weights MB", "tokens equal"]]
+    base_kv = kv_dtypes[0]
+    rows = [["weights", "KV cache", "decode tok/s", f"vs {base_kv} KV", "KV MB/step", "weights MB", "tokens equal"]]
     for (w, kv), ts in times.items():
         tps = args.tokens / statistics.median(ts)
-        base = args.tokens / statistics.median(times[(w, "float32")])
-        same = sum(a == b for a, b in zip(tokens[(w, kv)], tokens[(w, "float32")], strict=True))
+        base = args.tokens / statistics.median(times[(w, base_kv)])
+        same = sum(a == b for a, b in zip(tokens[(w, kv)], tokens[(w, base_kv)], strict=True))
         weights = decoders[(w, kv)].model.weight_bytes
-        kv_mb = values_per_token * ctx * DTYPES[kv].nbytes / 1e6
+        slot = kv_slot_bytes(kv, c["num_key_value_heads"], head_dim)
+        kv_mb = c["num_hidden_layers"] * 2 * slot * ctx / 1e6
         rows.append(
             [w, kv, f"{tps:.1f}", f"{tps / base:.2f}x", f"{kv_mb:.1f}", f"{weights / 1e6:.0f}", f"{same}/{args.tokens}"]
         )
     print(
-        f"SmolLM-135M shape, context {args.context} + {args.tokens} decode steps, batch 1, median of "
+        f"{args.shape} shape, context {args.context} + {args.tokens} decode steps, batch 1, median of "
         f"{args.rounds} interleaved rounds"
     )
     print("\n".join(align_columns(rows, left=2)))

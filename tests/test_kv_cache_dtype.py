@@ -1,10 +1,12 @@
-"""`llmc compile --kv-cache-dtype bfloat16`: a KV cache of bf16 values, at half the bytes of float32.
+"""`llmc compile --kv-cache-dtype bfloat16 | int8`: a KV cache of bf16 values at half the bytes of float32, or of
+int8 values (CPU target) with a float32 scale per (token, kv head).
 
-The module stores each k/v value (k after RoPE) rounded to bf16, nearest even, and attends over the widened
-values. The reference is transformers whose attention reads k and v rounded the same way (torch's own bf16
-rounding): greedy tokens equal on the CPU target and on the simulated sm90 one, and logits of every prompt row
-within the fp32 parity tolerance. The manifest and `llmc inspect` name the dtype, llmc_info reports 2 bytes per
-value, and the runtime fits twice the blocks in the same memory.
+The module stores each k/v value (k after RoPE) rounded to bf16, nearest even, or quantized head by head as it
+writes them (s = max |x| / 127, q = round(x / s), ties to even), and attends over the values they hold. The
+reference is transformers whose attention reads k and v rounded or quantized the same way: greedy tokens equal
+(bf16: on the CPU target and on the simulated sm90 one), and logits of every prompt row within the fp32 parity
+tolerance. The manifest and `llmc inspect` name the dtype, llmc_info reports the bytes per value, and the runtime
+sizes blocks by them (an int8 block with its scales); a CUDA target refuses int8 in one line.
 """
 
 import json
@@ -36,32 +38,46 @@ PROMPTS = [
     "def",
 ]
 NEW_TOKENS = 32
-BF16_KV_ATTENTION = "llmc_test_bf16_kv"
 
 
-def _bf16_kv_attention(module, query, key, value, attention_mask, **kwargs):
-    return sdpa_attention_forward(
-        module, query, key.bfloat16().float(), value.bfloat16().float(), attention_mask, **kwargs
-    )
+def _int8(x):
+    """x [batch, kv heads, tokens, head_dim] as an int8 cache holds it: per (token, head) s = max |x| / 127."""
+    s = x.abs().amax(dim=-1, keepdim=True) / 127
+    return torch.where(s > 0, torch.round(x / s), 0.0) * s
 
 
-AttentionInterface.register(BF16_KV_ATTENTION, _bf16_kv_attention)
+# the KV cache dtype -> what it does to a k or v row
+STORED = {"bfloat16": lambda x: x.bfloat16().float(), "int8": _int8}
 
 
-def bf16_kv_reference(path):
+def _stored_kv_attention(kv_dtype):
+    def attention(module, query, key, value, attention_mask, **kwargs):
+        store = STORED[kv_dtype]
+        return sdpa_attention_forward(module, query, store(key), store(value), attention_mask, **kwargs)
+
+    return attention
+
+
+for _kv in STORED:
+    AttentionInterface.register(f"llmc_test_{_kv}_kv", _stored_kv_attention(_kv))
+
+
+def stored_kv_reference(path, kv_dtype):
     model = hf_model(path)
-    model.set_attn_implementation(BF16_KV_ATTENTION)
+    model.set_attn_implementation(f"llmc_test_{kv_dtype}_kv")
     return model
 
 
 _built = {}
 
 
-def artifact(checkpoint_dir, tmp_path_factory, target: str):
-    if target not in _built:
-        out = tmp_path_factory.mktemp(f"kv_bf16_{target}") / "model"
-        _built[target] = compile_checkpoint(checkpoint_dir("llama"), target=target, output=out, kv_dtype="bfloat16")
-    return _built[target]
+def artifact(checkpoint_dir, tmp_path_factory, target: str, kv_dtype: str = "bfloat16"):
+    if (target, kv_dtype) not in _built:
+        out = tmp_path_factory.mktemp(f"kv_{kv_dtype}_{target}") / "model"
+        _built[target, kv_dtype] = compile_checkpoint(
+            checkpoint_dir("llama"), target=target, output=out, kv_dtype=kv_dtype
+        )
+    return _built[target, kv_dtype]
 
 
 def _load(path, target: str, **kw) -> CompiledModel:
@@ -69,16 +85,18 @@ def _load(path, target: str, **kw) -> CompiledModel:
     return CompiledModel.load(path, library=library, **kw)
 
 
-@pytest.mark.parametrize("target", ["cpu", pytest.param("sm90", marks=pytest.mark.slow)])
-def test_greedy_tokens_match_transformers_reading_bf16_kv(target, checkpoint_dir, tmp_path_factory):
-    """The three prompts run as one batch; each continuation equals transformers' with bf16-rounded k/v."""
+@pytest.mark.parametrize(
+    "target,kv_dtype", [("cpu", "bfloat16"), ("cpu", "int8"), pytest.param("sm90", "bfloat16", marks=pytest.mark.slow)]
+)
+def test_greedy_tokens_match_transformers_reading_the_stored_kv(target, kv_dtype, checkpoint_dir, tmp_path_factory):
+    """The three prompts run as one batch; each continuation equals transformers' with k/v as the cache holds them."""
     path = checkpoint_dir("llama")
     tok = Tokenizer.from_file(str(path / "tokenizer.json"))
     prompts = [tok.encode(p).ids for p in PROMPTS]
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS)
-    with _load(artifact(checkpoint_dir, tmp_path_factory, target), target, max_num_seqs=4) as model:
+    with _load(artifact(checkpoint_dir, tmp_path_factory, target, kv_dtype), target, max_num_seqs=4) as model:
         results = LLMEngine(model).generate(prompts, params)
-    reference = bf16_kv_reference(path)
+    reference = stored_kv_reference(path, kv_dtype)
     for ids, result in zip(prompts, results, strict=True):
         with torch.no_grad():
             expected = reference.generate(
@@ -87,14 +105,15 @@ def test_greedy_tokens_match_transformers_reading_bf16_kv(target, checkpoint_dir
         assert result.outputs[0].token_ids == expected
 
 
-def test_prompt_logits_match_transformers_reading_bf16_kv(checkpoint_dir, tmp_path_factory):
+@pytest.mark.parametrize("kv_dtype", ["bfloat16", "int8"])
+def test_prompt_logits_match_transformers_reading_the_stored_kv(kv_dtype, checkpoint_dir, tmp_path_factory):
     """Every row of a prefill, then the same prompt again as a decode step over the first's cache."""
     path = checkpoint_dir("llama")
     ids = Tokenizer.from_file(str(path / "tokenizer.json")).encode(PROMPTS[1]).ids
     with torch.no_grad():
-        want = bf16_kv_reference(path)(torch.tensor([ids])).logits[0].numpy()
+        want = stored_kv_reference(path, kv_dtype)(torch.tensor([ids])).logits[0].numpy()
     with CompiledModel.load(
-        artifact(checkpoint_dir, tmp_path_factory, "cpu"), max_num_seqs=1, max_num_logits=len(ids)
+        artifact(checkpoint_dir, tmp_path_factory, "cpu", kv_dtype), max_num_seqs=1, max_num_logits=len(ids)
     ) as model:
         table = list(range(model.num_blocks))[::-1][: -(-len(ids) // model.block_size)]  # non-trivial blocks
         got = model.step(StepBatch.build([ids], [0], [table], model.block_size, num_logits=[len(ids)]))
@@ -104,27 +123,35 @@ def test_prompt_logits_match_transformers_reading_bf16_kv(checkpoint_dir, tmp_pa
         assert rel <= REL, f"row {i}: relative logit error {rel:.2e}"
 
 
-def test_manifest_inspect_and_cache_memory(checkpoint_dir, tmp_path_factory):
-    out = artifact(checkpoint_dir, tmp_path_factory, "cpu")
+@pytest.mark.parametrize("kv_dtype,short,nbytes", [("bfloat16", "bf16", 2), ("int8", "i8", 1)])
+def test_manifest_inspect_and_cache_memory(kv_dtype, short, nbytes, checkpoint_dir, tmp_path_factory):
+    out = artifact(checkpoint_dir, tmp_path_factory, "cpu", kv_dtype)
     manifest = json.loads((out / "manifest.json").read_text())
-    assert manifest["kv_cache_dtype"] == "bfloat16"
+    assert manifest["kv_cache_dtype"] == kv_dtype
     attention = [k for k in manifest["kernels"] if k["template"] == "cpu/paged_attention"]
-    assert attention and all(k["params"]["kv_dtype"] == "bf16" for k in attention)
+    assert attention and all(k["params"]["kv_dtype"] == short for k in attention)
     shown = CliRunner().invoke(main, ["inspect", str(out)])
     assert shown.exit_code == 0, shown.output
-    assert "KV cache       bfloat16, blocks of 16 tokens" in shown.output
+    assert f"KV cache       {kv_dtype}, blocks of 16 tokens" in shown.output
     assert manifest["activation_dtype"] == "float32" and "activations    float32" in shown.output  # the CPU's
 
     budget = 1 << 20
     with CompiledModel.load(out, kv_cache_memory=budget) as model:
         c = model.config
-        assert model.info["kv_dtype_bytes"] == 2
-        per_block = kv_bytes_per_block(c.num_layers, c.num_kv_heads, c.head_dim, model.block_size, "bfloat16")
-        assert 2 * per_block == kv_bytes_per_block(
-            c.num_layers, c.num_kv_heads, c.head_dim, model.block_size, "float32"
+        assert model.info["kv_dtype_bytes"] == nbytes
+        per_block = kv_bytes_per_block(c.num_layers, c.num_kv_heads, c.head_dim, model.block_size, kv_dtype)
+        # a float32 cache's block over the value's size, and an int8 one's float32 scale per (token, kv head)
+        values = kv_bytes_per_block(c.num_layers, c.num_kv_heads, c.head_dim, model.block_size, "float32") // 4
+        assert per_block == values * nbytes + (
+            2 * c.num_layers * model.block_size * c.num_kv_heads * 4 if nbytes == 1 else 0
         )
-        assert model.num_blocks == budget // per_block  # twice a float32 cache's blocks in the same bytes
+        assert model.num_blocks == budget // per_block
         assert model.kv_cache_bytes == model.num_blocks * per_block
+
+
+def test_cuda_target_refuses_an_int8_cache(checkpoint_dir, tmp_path):
+    with pytest.raises(CompileError, match="int8 has attention kernels for the cpu target only"):
+        compile_checkpoint(checkpoint_dir("llama"), target="sm90", output=tmp_path / "m", kv_dtype="int8")
 
 
 def test_manifest_that_disagrees_with_the_module_is_refused(checkpoint_dir, tmp_path_factory, tmp_path):

@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from llmc.dtypes import DTYPES, ELEMENTS_BY_SHORT
+from llmc.dtypes import DTYPES, ELEMENTS_BY_SHORT, KV_BY_SHORT, kv_slot_bytes
 from llmc.errors import LlmcError
 from llmc.kernel_program import EXPERT_GEMMS
 
@@ -129,12 +129,12 @@ def launch_floor(
         return Floor(rows * (4 + 2 * p["cols"] * _act(p)), 0)
     if op == "paged_attention":
         kv_row = 2 * p["num_kv_heads"] * p["head_dim"]  # one position's key and value
-        kv = _bytes(p["kv_dtype"])
+        cache_row = 2 * kv_slot_bytes(KV_BY_SHORT[p["kv_dtype"]].name, p["num_kv_heads"], p["head_dim"])
         cached, pairs = shape.attention(p["sliding_window"])
-        new = rows * (kv_row * (_act(p) + kv) + 8)  # read from the QKV buffer, stored at its slot
+        new = rows * (kv_row * _act(p) + cache_row + 8)  # read from the QKV buffer, stored at its slot
         queries = rows * 2 * p["num_heads"] * p["head_dim"] * _act(p)  # q in, the output out
         tables = 4 * sum(-(-(c + n) // p["block_size"]) + 2 for c, n in shape.seqs)  # block tables, lens
-        return Floor(new + queries + tables + cached * kv_row * kv, 4 * p["num_heads"] * p["head_dim"] * pairs)
+        return Floor(new + queries + tables + cached * cache_row, 4 * p["num_heads"] * p["head_dim"] * pairs)
     if op == "moe_route":  # the router's weights, x in, ids and weights out
         w = p["experts"] * p["hidden"] * _bytes(p["wdtype"])
         return Floor(w + rows * (p["hidden"] + 2 * p["top_k"]) * _act(p), 2 * rows * p["experts"] * p["hidden"])

@@ -58,6 +58,15 @@ struct KvLayout {
   }
 };
 
+// dst[0, D) = src's int8 values times s, float32.
+template <int D>
+LLMC_INLINE void widen_scaled(const int8_t* LLMC_RESTRICT src, float s, float* LLMC_RESTRICT dst) {
+  constexpr int VW = Vec::W, DV = D / VW * VW;
+  const Vec sv = Vec::splat(s);
+  for (int d = 0; d < DV; d += VW) (Vec::load(src + d) * sv).store(dst + d);
+  for (int d = DV; d < D; ++d) dst[d] = float(src[d]) * s;
+}
+
 // The vectors of a V row that attend<> accumulates at once for G heads: the largest divisor of the row's nv vectors
 // with G x it accumulators, at most half the vector registers (32 with AVX-512, 16 with AVX2).
 constexpr int v_chunk(int nv, int g) {
@@ -88,6 +97,7 @@ LLMC_INLINE void attend(const float* LLMC_RESTRICT q, const KV* LLMC_RESTRICT k_
   constexpr int DC = v_chunk(DV / VW, G);
   alignas(64) float acc[G][D] = {};
   alignas(64) float p[G][NP];
+  alignas(64) float kf[L::kScaled ? BS : 1][D];  // an int8 block's K rows, widened
   float m[G], l[G];
   for (int g = 0; g < G; ++g) m[g] = -std::numeric_limits<float>::infinity(), l[g] = 0.0f;
   for (int j0 = first - first % BS; j0 < ctx; j0 += BS) {
@@ -103,31 +113,35 @@ LLMC_INLINE void attend(const float* LLMC_RESTRICT q, const KV* LLMC_RESTRICT k_
           prefetch_l2(reinterpret_cast<const char*>(v_cache + next + r * SLOT) + b);
         }
     }
+    // int8: each position's k and v scales (their kv head's)
+    const float* vs = L::kScaled ? L::scales(v_cache, block) + kvo / D : nullptr;
+    // An int8 block's K rows of this kv head as float (q * s), widened once for the G heads, which read them
+    // from L1: widening each row per head cost more than the bytes it saves (1B decode at context 4096, 1 thread).
+    const std::conditional_t<L::kScaled, float, KV>* krows;
+    long kstride = SLOT;
+    if constexpr (L::kScaled) {
+      const float* ks = L::scales(k_cache, block) + kvo / D;
+      for (int r = lo; r < n; ++r) widen_scaled<D>(k_cache + base + r * SLOT, ks[r * NKV], kf[r]);
+      krows = &kf[0][0], kstride = D;
+    } else {
+      krows = k_cache + base;
+    }
     float s[G * C];
     int i = lo;
 #ifdef LLMC_SUM16
     // Whole runs of 16 keys, head by head: 16 accumulators and one sum16 where G x C sums take a shuffle tree
     // each. The same numbers as dot_block<G, C> (a head's K rows come again from L1).
     for (; i + 16 <= n; i += 16)
-      for (int g = 0; g < G; ++g) dot_block<1, 16, D>(q + g * D, D, k_cache + base + i * SLOT, SLOT, p[g] + i);
+      for (int g = 0; g < G; ++g) dot_block<1, 16, D>(q + g * D, D, krows + i * kstride, kstride, p[g] + i);
 #endif
     for (; i + C <= n; i += C) {
-      dot_block<G, C, D>(q, D, k_cache + base + i * SLOT, SLOT, s);
+      dot_block<G, C, D>(q, D, krows + i * kstride, kstride, s);
       for (int g = 0; g < G; ++g)
         for (int c = 0; c < C; ++c) p[g][i + c] = s[g * C + c];
     }
     for (; i < n; ++i) {
-      dot_block<G, 1, D>(q, D, k_cache + base + i * SLOT, SLOT, s);
+      dot_block<G, 1, D>(q, D, krows + i * kstride, kstride, s);
       for (int g = 0; g < G; ++g) p[g][i] = s[g];
-    }
-    // int8: each position's k and v scales (their kv head's), the scores times k's
-    const float* ks = nullptr;
-    const float* vs = nullptr;
-    if constexpr (L::kScaled) {
-      ks = L::scales(k_cache, block) + kvo / D;
-      vs = L::scales(v_cache, block) + kvo / D;
-      for (int g = 0; g < G; ++g)
-        for (i = lo; i < n; ++i) p[g][i] *= ks[i * NKV];
     }
     // The block's softmax terms, a vector at a time: positions outside [lo, n) score -inf (no part in the max)
     // and end as 0 (none in the sum; the V loop never reads them).
