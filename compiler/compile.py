@@ -212,9 +212,9 @@ def compile_checkpoint(
     importance_tokens: calibration token ids (one sequence) over which each quantized linear's input channels
     are measured (compiler/importance.py); llmc's quantizer then weighs each weight's error by its channel's
     importance. None: unweighted.
-    kv_dtype: what the KV cache stores (`--kv-cache-dtype`): float32, bfloat16 at half the bytes, or int8 (CPU)
-    with a float32 scale per (token, kv head); "auto" (resolve_kv_dtype): bfloat16 for a bf16 / fp16 CUDA build,
-    else float32.
+    kv_dtype: what the KV cache stores (`--kv-cache-dtype`): float32, bfloat16 at half the bytes, or int8 with a
+    float32 scale per (token, kv head); "auto" (resolve_kv_dtype): bfloat16 for a bf16 / fp16 CUDA build, else
+    float32.
     gate: a last check of the built directory before it is written (Gate); the quality gate of a quantized
     build is one (tools/build.py).
     tuning_db: the tuning database whose matching entries set kernel tunables (None: the target's own,
@@ -240,11 +240,6 @@ def compile_checkpoint(
             "compile it with --dtype float32, or for --target cpu",
         )
     kv_dtype = resolve_kv_dtype(kv_dtype, cuda=tgt.is_cuda, weight_dtype=dtype)
-    if tgt.is_cuda and kv_dtype == "int8":
-        raise CompileError(
-            f"--kv-cache-dtype int8 has attention kernels for the cpu target only so far, not {tgt.name}",
-            "use --kv-cache-dtype bfloat16 (half of float32's bytes) on a CUDA target",
-        )
     schemes = quant_schemes(ckpt, quant, cuda=tgt.is_cuda)
     if quant.enabled and not schemes:
         raise CompileError(

@@ -60,6 +60,13 @@ def kv_slot_bytes(kv_dtype: str, num_kv_heads: int, head_dim: int) -> int:
     return num_kv_heads * (head_dim * DTYPES[kv_dtype].nbytes + (4 if kv_dtype == "int8" else 0))
 
 
+def kv_block_bytes(kv_dtype: str, block_size: int, num_kv_heads: int, head_dim: int) -> int:
+    """Bytes of one block of one layer's k (or v): its slots, an int8 block padded to 16 bytes so that every block's
+    rows stay 16-byte aligned (the model's kKvBlockBytes)."""
+    n = block_size * kv_slot_bytes(kv_dtype, num_kv_heads, head_dim)
+    return -(-n // 16) * 16 if kv_dtype == "int8" else n
+
+
 def resolve_kv_dtype(kv_dtype: str, *, cuda: bool, weight_dtype: str) -> str:
     """The KV cache element of a build. "auto" is the build's own precision, as vLLM's: bfloat16 for bf16 / fp16
     weights on a CUDA target (half the cache bytes, and the tensor-core prefill attention reads bf16 tiles),

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from llmc.dtypes import kv_slot_bytes
+from llmc.dtypes import kv_block_bytes
 
 
 def cdiv(a: int, b: int) -> int:
@@ -335,8 +335,8 @@ class KVCacheManager:
 
 def kv_bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, kv_dtype: str) -> int:
     """Bytes one block takes over all layers: k and v, [block_size, n_kv_heads, head_dim] each (an int8 cache's
-    with its scales: llmc/dtypes.py kv_slot_bytes)."""
-    return 2 * num_layers * block_size * kv_slot_bytes(kv_dtype, num_kv_heads, head_dim)
+    with its scales: llmc/dtypes.py kv_block_bytes)."""
+    return 2 * num_layers * kv_block_bytes(kv_dtype, block_size, num_kv_heads, head_dim)
 
 
 def blocks_for_memory(budget_bytes: int, bytes_per_block: int) -> int:

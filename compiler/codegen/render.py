@@ -160,9 +160,8 @@ def _check_params(target: str, op: str, params: Mapping[str, Any]) -> None:
         w = params["sliding_window"]
         if isinstance(w, bool) or not isinstance(w, int) or w < 0:
             raise ValueError(f"sliding_window must be an int >= 0 (0: no window), got {w!r}")
-        kv = ELEMENTS_BY_SHORT if target == "cuda" else KV_BY_SHORT  # int8 (i8): the CPU's attention only
-        if params["kv_dtype"] not in kv:
-            raise ValueError(f"kv_dtype must be one of {sorted(kv)} on target {target}, got {params['kv_dtype']!r}")
+        if params["kv_dtype"] not in KV_BY_SHORT:
+            raise ValueError(f"kv_dtype must be one of {sorted(KV_BY_SHORT)}, got {params['kv_dtype']!r}")
 
 
 def _check_quant(target: str, params: Mapping[str, Any], k: Any) -> None:

@@ -352,13 +352,13 @@ class CudaTemplates:
     target = "cuda"
 
     def spec(self, op: str, params: dict) -> tuple[str, dict] | None:
-        """None for an op with no CUDA template, for int6, int5, int3, int2 and IQ4 weights (a CUDA build holds
-        them widened to int8), and for an int8 KV cache (the CPU's only)."""
+        """None for an op with no CUDA template, and for int6, int5, int3, int2 and IQ4 weights (a CUDA build
+        holds them widened to int8)."""
         try:
             template_path("cuda", op)
         except CompileError:
             return None
-        if params.get("bits") in (2, 3, 5, 6) or params.get("codebook") or params.get("kv_dtype") == "i8":
+        if params.get("bits") in (2, 3, 5, 6) or params.get("codebook"):
             return None
         return op, target_params("cuda", params)
 

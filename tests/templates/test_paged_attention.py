@@ -4,7 +4,7 @@ A ragged batch mixes prefill, chunked prefill and decode sequences whose cache b
 and non-contiguous; the cache holds earlier tokens' k/v and garbage elsewhere. q/k/v are column
 slices of one fused qkv buffer, as the qkv gemm produces them. Context lengths cross CUDA's 32-position
 chunks (33, 70 + new tokens) and its 64-position KV splits (up to 301). A bf16 cache (kv_dtype bf16) is checked against the same reference over k/v
-rounded to bf16 (nearest even) as the kernel must store them, an int8 cache (CPU) over k/v quantized per
+rounded to bf16 (nearest even) as the kernel must store them, an int8 cache over k/v quantized per
 (position, kv head) as the kernel must store them, within float32 rounding. On CUDA, a bf16 cache's sequences of 16 or more
 new tokens take the tensor-core prefill, whose q and softmax weights are bf16: checked against the reference
 over bf16-rounded q, within P's rounding.
@@ -65,8 +65,8 @@ F32_SPECS += [(op, dict(p, softcap=2.0)) for op, p in (F32_SPECS[i] for i in (5,
 # bf16 activations (q, k, v and out bf16): an f32 cache with GQA 4, bf16 caches with head_dim 64 and 8 (a window
 # of 13), and one of head_dim 32 with a window across the tensor-core prefill's key tiles
 BF16_SPECS = [(op, dict(p, adtype="bf16")) for op, p in (F32_SPECS[i] for i in (1, 9, 13, 15))]
-# An int8 cache (CPU): GQA 4 and 3, head_dims 64, 8 and 20 (no whole SIMD vector), a window mid-block, soft-capped
-# scores
+# An int8 cache: GQA 4 and 3, head_dims 64, 8 and 20 (no whole SIMD vector, nor CUDA's 16-value rows), a window
+# mid-block, soft-capped scores
 INT8_SPECS = [(op, dict(p, kv_dtype="i8")) for op, p in (F32_SPECS[i] for i in (1, 2, 5, 10, 16))]
 SPECS = F32_SPECS + BF16_SPECS + INT8_SPECS
 IDS = [spec_id(s) for s in F32_SPECS]
@@ -77,7 +77,10 @@ ON_CUDA_TOO = {1, 2, 7, 9, 14}
 INDEPENDENCE_CASES = [
     pytest.param(*s, id=IDS[i], marks=[] if i in ON_CUDA_TOO else [pytest.mark.targets("cpu")])
     for i, s in enumerate(F32_SPECS)
-] + [pytest.param(*s, id=spec_id(s), marks=[pytest.mark.targets("cpu")]) for s in INT8_SPECS]
+] + [
+    pytest.param(*s, id=spec_id(s), marks=[] if i == 0 else [pytest.mark.targets("cpu")])
+    for i, s in enumerate(INT8_SPECS)
+]
 
 
 class Bf16Batch(Batch):
@@ -136,8 +139,8 @@ def quantize_kv(rows):
 
 
 class Int8Batch(Batch):
-    """A step on an int8 cache: each block its [bs, nkv, hd] int8 values, then [bs, nkv] float32 scales
-    (llmc_attention.h KvLayout), as int8 bytes [NUM_BLOCKS, block bytes]. The history is stored quantized, and
+    """A step on an int8 cache: each block its [bs, nkv, hd] int8 values, then [nkv, bs] float32 scales, padded to
+    16 bytes (llmc_attention.h KvLayout), as int8 bytes [NUM_BLOCKS, block bytes]. The history is stored quantized, and
     the reference's K/V (history and this step's rows) are the dequantized rows the kernel must store."""
 
     def __init__(self, p, seqs, seed):
@@ -154,7 +157,9 @@ class Int8Batch(Batch):
     def _packed(cache):
         q, s = quantize_kv(cache)
         n = cache.shape[0]
-        return np.ascontiguousarray(np.concatenate([q.reshape(n, -1), s.reshape(n, -1).view(np.int8)], axis=1))
+        block = np.concatenate([q.reshape(n, -1), s.transpose(0, 2, 1).reshape(n, -1).view(np.int8)], axis=1)
+        pad = -block.shape[1] % 16  # blocks of whole 16-byte pieces
+        return np.ascontiguousarray(np.pad(block, ((0, 0), (0, pad))))
 
     def cache_after(self, k_before, v_before):
         nh, nkv, hd, bs = self.p["num_heads"], self.p["num_kv_heads"], self.p["head_dim"], self.p["block_size"]
@@ -165,7 +170,8 @@ class Int8Batch(Batch):
             cache = before.copy()
             q, s = quantize_kv(self.qkv[keep, cols].reshape(-1, nkv, hd))
             cache[:, : bs * nkv * hd].reshape(-1, bs, nkv, hd)[blocks, offsets] = q
-            cache[:, bs * nkv * hd :].view(np.float32).reshape(-1, bs, nkv)[blocks, offsets] = s
+            scales = cache[:, bs * nkv * hd : bs * nkv * (hd + 4)]
+            scales.view(np.float32).reshape(-1, nkv, bs)[blocks, :, offsets] = s
             out.append(cache)
         return tuple(out)
 
@@ -192,7 +198,6 @@ def test_paged_attention_matches_numpy(kernels, target, op, params, seqs):
     assert np.array_equal(batch.k_cache, k_want) and np.array_equal(batch.v_cache, v_want)
 
 
-@pytest.mark.targets("cpu")
 @pytest.mark.parametrize("seqs", [MIXED, [(300, 1), (130, 2), (0, 70)]], ids=["mixed", "long"])
 @pytest.mark.parametrize("op,params", INT8_SPECS, ids=map(spec_id, INT8_SPECS))
 def test_paged_attention_int8_cache_matches_numpy(kernels, target, op, params, seqs):

@@ -23,15 +23,16 @@ LLMC_INLINE void store_kv(uint16_t* dst, const float* src, long n) {
   for (long i = 0; i < n; ++i) dst[i] = f32_to_bf16(src[i]);
 }
 
-// A cache block (model_abi's kKvBlockBytes): [BS][NKV][D] values, then for int8 [BS][NKV] float scales. kElems: the
-// KV elements of one block.
+// A cache block (model_abi's kKvBlockBytes): [BS][NKV][D] values, then for int8 [NKV][BS] float scales (a kv head's
+// in one run: a cache line at block size 16, which attention reads beside the head's rows), padded to 16 bytes
+// (CUDA's rows stay 16-byte aligned). kElems: the KV elements of one block.
 template <typename KV, int BS, int NKV, int D>
 struct KvLayout {
   static constexpr bool kScaled = std::is_same_v<KV, int8_t>;
   static constexpr long kSlot = (long)NKV * D;  // values per cache slot
   static constexpr long kValues = BS * kSlot;
-  static constexpr long kElems = kScaled ? kValues + (long)sizeof(float) * BS * NKV : kValues;
-  // the [BS][NKV] scales of block `block`
+  static constexpr long kElems = kScaled ? (kValues + (long)sizeof(float) * BS * NKV + 15) / 16 * 16 : kValues;
+  // the [NKV][BS] scales of block `block`
   static LLMC_INLINE float* scales(KV* cache, long block) {
     return reinterpret_cast<float*>(cache + block * kElems + kValues);
   }
@@ -43,14 +44,14 @@ struct KvLayout {
     const long block = slot / BS, off = slot % BS;
     KV* dst = cache + block * kElems + off * kSlot;
     if constexpr (kScaled) {
-      float* scale = scales(cache, block) + off * NKV;
+      float* scale = scales(cache, block) + off;
       for (int h = 0; h < NKV; ++h) {
         const float* x = src + h * D;
         float amax = 0.0f;
         for (int d = 0; d < D; ++d) amax = std::max(amax, std::fabs(x[d]));
         const float s = amax / 127.0f;
         for (int d = 0; d < D; ++d) dst[h * D + d] = s > 0.0f ? int8_t(std::nearbyint(x[d] / s)) : int8_t(0);
-        scale[h] = s;
+        scale[h * BS] = s;
       }
     } else {
       store_kv(dst, src, kSlot);
@@ -112,16 +113,23 @@ LLMC_INLINE void attend(const float* LLMC_RESTRICT q, const KV* LLMC_RESTRICT k_
           prefetch_l2(reinterpret_cast<const char*>(k_cache + next + r * SLOT) + b);
           prefetch_l2(reinterpret_cast<const char*>(v_cache + next + r * SLOT) + b);
         }
+      if constexpr (L::kScaled) {  // and its scales: missed one by one, they cost a 1B decode at 4096 positions 20%
+        const long nb = table[j0 / BS + 1];
+        for (int b = 0; b < BS * (int)sizeof(float); b += 64) {
+          prefetch_l2(reinterpret_cast<const char*>(L::scales(k_cache, nb) + kvo / D * BS) + b);
+          prefetch_l2(reinterpret_cast<const char*>(L::scales(v_cache, nb) + kvo / D * BS) + b);
+        }
+      }
     }
     // int8: each position's k and v scales (their kv head's)
-    const float* vs = L::kScaled ? L::scales(v_cache, block) + kvo / D : nullptr;
+    const float* vs = L::kScaled ? L::scales(v_cache, block) + kvo / D * BS : nullptr;
     // An int8 block's K rows of this kv head as float (q * s), widened once for the G heads, which read them
     // from L1: widening each row per head cost more than the bytes it saves (1B decode at context 4096, 1 thread).
     const std::conditional_t<L::kScaled, float, KV>* krows;
     long kstride = SLOT;
     if constexpr (L::kScaled) {
-      const float* ks = L::scales(k_cache, block) + kvo / D;
-      for (int r = lo; r < n; ++r) widen_scaled<D>(k_cache + base + r * SLOT, ks[r * NKV], kf[r]);
+      const float* ks = L::scales(k_cache, block) + kvo / D * BS;
+      for (int r = lo; r < n; ++r) widen_scaled<D>(k_cache + base + r * SLOT, ks[r], kf[r]);
       krows = &kf[0][0], kstride = D;
     } else {
       krows = k_cache + base;
@@ -187,7 +195,7 @@ LLMC_INLINE void attend(const float* LLMC_RESTRICT q, const KV* LLMC_RESTRICT k_
       for (i = lo; i < n; ++i) {
         Vec v[DC];
         LLMC_UNROLL for (int c = 0; c < DC; ++c) v[c] = Vec::load(v_cache + base + i * SLOT + d + c * VW);
-        const float vscale = L::kScaled ? vs[i * NKV] : 1.0f;
+        const float vscale = L::kScaled ? vs[i] : 1.0f;
         LLMC_UNROLL for (int g = 0; g < G; ++g) {
           const Vec pg = Vec::splat(L::kScaled ? p[g][i] * vscale : p[g][i]);
           LLMC_UNROLL for (int c = 0; c < DC; ++c) a[g][c].fma(pg, v[c]);
@@ -200,7 +208,7 @@ LLMC_INLINE void attend(const float* LLMC_RESTRICT q, const KV* LLMC_RESTRICT k_
     for (int d = DV; d < D; ++d) {
       for (i = lo; i < n; ++i) {
         const float v = load_w(v_cache[base + i * SLOT + d]);
-        const float vscale = L::kScaled ? vs[i * NKV] : 1.0f;
+        const float vscale = L::kScaled ? vs[i] : 1.0f;
         for (int g = 0; g < G; ++g) acc[g][d] = std::fma(L::kScaled ? p[g][i] * vscale : p[g][i], v, acc[g][d]);
       }
     }

@@ -2,6 +2,8 @@
 // decode kernel and the flash-attention prefill on tensor cores.
 #pragma once
 
+#include <type_traits>
+
 #include "llmc_common.cuh"
 
 namespace llmc {
@@ -50,6 +52,11 @@ struct PagedAttention {
   static constexpr int kHeadBlocks = NH / HPB;
   static constexpr int DPL = ceil_div(D, 32);  // output dims per lane
   static constexpr int SLOT = NKV * D;         // values per cache slot
+  // int8: a block's [NKV][BS] float scales follow its values, the block padded to 16 bytes (llmc/dtypes.py
+  // kv_block_bytes); kBlock: the KV elements of a block
+  static constexpr bool kScaled = std::is_same_v<KV, int8_t>;
+  static constexpr int64_t kBlock = kScaled ? (static_cast<int64_t>(BS) * NKV * (D + 4) + 15) / 16 * 16
+                                            : static_cast<int64_t>(BS) * SLOT;
   static constexpr int kWriteThreads = row_threads(SLOT, 256);
   static constexpr int64_t kMaxGrid = 1024;
   static constexpr int VW = Vec16<KV>::N;                  // values per 16-byte piece of a K row
@@ -81,13 +88,44 @@ struct PagedAttention {
     return clamp_grid((by_tables < by_tokens ? by_tables : by_tokens) * NH);
   }
 
-  // The cache offset (elements) of kv head kvh's row at position pos of a sequence with block table `table`.
+  // The cache offset (elements) of slot `slot`'s row of kv head kvh, and of position pos of a sequence with block
+  // table `table`.
+  static __device__ __forceinline__ int64_t slot_row(int64_t slot, int kvh) {
+    return slot / BS * kBlock + slot % BS * SLOT + kvh * D;
+  }
+  static __device__ __forceinline__ int64_t pos_slot(const int32_t* table, int pos) {
+    return static_cast<int64_t>(table[pos / BS]) * BS + pos % BS;
+  }
   static __device__ __forceinline__ int64_t cache_row(const int32_t* table, int pos, int kvh) {
-    return (static_cast<int64_t>(table[pos / BS]) * BS + pos % BS) * SLOT + kvh * D;
+    return slot_row(pos_slot(table, pos), kvh);
+  }
+  // int8: where the scale of slot `slot`'s row of kv head kvh lies
+  template <typename C>  // KV or const KV
+  static __device__ __forceinline__ auto scale_at(C* cache, int64_t slot, int kvh) {
+    using F = std::conditional_t<std::is_const_v<C>, const float, float>;
+    return reinterpret_cast<F*>(cache + slot / BS * kBlock + static_cast<int64_t>(BS) * SLOT) + kvh * BS + slot % BS;
+  }
+  // the scale of that row: int8's, else 1
+  static __device__ __forceinline__ float row_scale(const KV* cache, int64_t slot, int kvh) {
+    if constexpr (kScaled)
+      return *scale_at(cache, slot, kvh);
+    else
+      return 1.0f;
   }
 
   static __device__ __forceinline__ float to_kv(float x, float*) { return x; }
   static __device__ __forceinline__ uint16_t to_kv(float x, uint16_t*) { return bf16_bits(x); }
+
+  // int8: one head's row (D values at src) quantized into dst and its scale, by one warp: s = max |x| / 127,
+  // q = round(x / s), ties to even (as the CPU's KvLayout::write).
+  static __device__ __forceinline__ void write_int8(const A* src, int8_t* dst, float* scale) {
+    const int lane = threadIdx.x & 31;
+    float amax = 0.0f;
+    for (int d = lane; d < D; d += 32) amax = fmaxf(amax, fabsf(wload(src[d])));
+    const float s = warp_max(amax) / 127.0f;
+    for (int d = lane; d < D; d += 32) dst[d] = s > 0.0f ? static_cast<int8_t>(rintf(wload(src[d]) / s)) : 0;
+    if (lane == 0) *scale = s;
+  }
 
   static __device__ __forceinline__ void write(const A* k, const A* v, int row_stride, KV* k_cache,
                                                KV* v_cache, const int64_t* slot_mapping,
@@ -96,10 +134,19 @@ struct PagedAttention {
     for (int t = blockIdx.x; t < T; t += gridDim.x) {
       const int64_t slot = slot_mapping[t];
       if (slot < 0) continue;
-      const int64_t src = static_cast<int64_t>(t) * row_stride, dst = slot * SLOT;
-      for (int i = threadIdx.x; i < SLOT; i += kWriteThreads) {
-        k_cache[dst + i] = to_kv(wload(k[src + i]), k_cache);
-        v_cache[dst + i] = to_kv(wload(v[src + i]), v_cache);
+      const int64_t src = static_cast<int64_t>(t) * row_stride;
+      if constexpr (kScaled) {  // a warp per (k or v, kv head)
+        for (int r = threadIdx.x / 32; r < 2 * NKV; r += kWriteThreads / 32) {
+          const int kvh = r % NKV;
+          KV* cache = r < NKV ? k_cache : v_cache;
+          write_int8((r < NKV ? k : v) + src + kvh * D, cache + slot_row(slot, kvh), scale_at(cache, slot, kvh));
+        }
+      } else {
+        const int64_t dst = slot_row(slot, 0);
+        for (int i = threadIdx.x; i < SLOT; i += kWriteThreads) {
+          k_cache[dst + i] = to_kv(wload(k[src + i]), k_cache);
+          v_cache[dst + i] = to_kv(wload(v[src + i]), v_cache);
+        }
       }
     }
   }
@@ -174,6 +221,7 @@ struct PagedAttention {
       float q[HPB][D];     // this warp's query row
       float p[HPB][32];    // softmax weights of the current 32 positions
       int64_t row[HPB][32];  // their V rows (element offsets into the cache)
+      float ks[HPB][32], vs[HPB][32];  // int8: their K and V rows' scales
       int last;            // this block finished its token's last split
     };
     __shared__ Smem sm;
@@ -221,7 +269,11 @@ struct PagedAttention {
         float s = -INFINITY;
         if constexpr (kRowVec) {
           // the chunk's cache rows, one block-table read per lane (not one per K access: 32 / RPA of them)
-          if (pos < hi) sm.row[warp][lane] = cache_row(table, pos, kvh);
+          if (pos < hi) {
+            const int64_t slot = pos_slot(table, pos);
+            sm.row[warp][lane] = slot_row(slot, kvh);
+            if constexpr (kScaled) sm.ks[warp][lane] = row_scale(k_cache, slot, kvh), sm.vs[warp][lane] = row_scale(v_cache, slot, kvh);
+          }
           __syncwarp();
 #pragma unroll 2
           for (int r0 = 0; r0 < 32; r0 += RPA) {
@@ -238,15 +290,16 @@ struct PagedAttention {
               }
             }
             part = warp_sum<LPR>(part);  // every lane of the row's group: its dot
-            if (lane % LPR == 0 && pj < hi) sm.p[warp][j] = part;
+            if (lane % LPR == 0 && pj < hi) sm.p[warp][j] = kScaled ? part * sm.ks[warp][j] : part;
           }
           __syncwarp();
           if (pos < hi) s = soft_cap(sm.p[warp][lane] * scale, softcap);
           __syncwarp();  // sm.p is rewritten with the weights below
         } else if (pos < hi) {
-          const int64_t row = cache_row(table, pos, kvh);
+          const int64_t slot = pos_slot(table, pos), row = slot_row(slot, kvh);
           sm.row[warp][lane] = row;
-          s = soft_cap(dot_q(sm.q[warp], k_cache + row) * scale, softcap);
+          if constexpr (kScaled) sm.vs[warp][lane] = row_scale(v_cache, slot, kvh);
+          s = soft_cap(dot_q(sm.q[warp], k_cache + row) * row_scale(k_cache, slot, kvh) * scale, softcap);
         }
         const float m_new = fmaxf(m, warp_max(s));  // finite: position c0 is always < hi
         const float corr = expf(m - m_new);         // 0 on the first chunk (m = -inf)
@@ -258,7 +311,7 @@ struct PagedAttention {
 #pragma unroll
         for (int i = 0; i < DPL; ++i) acc[i] *= corr;
         for (int j = 0; j < n; ++j) {
-          const float pj = sm.p[warp][j];
+          const float pj = kScaled ? sm.p[warp][j] * sm.vs[warp][j] : sm.p[warp][j];
           const KV* vr = v_cache + sm.row[warp][j];
 #pragma unroll
           for (int i = 0; i < DPL; ++i) {

@@ -47,6 +47,7 @@ __host__ __device__ constexpr int largest_divisor_le(int n, int cap) {
 // a weight, KV or activation element: float or uint16_t (bf16 bits) -> float
 __device__ __forceinline__ float wload(float v) { return v; }
 __device__ __forceinline__ float wload(uint16_t v) { return bf16_to_float(v); }
+__device__ __forceinline__ float wload(int8_t v) { return static_cast<float>(v); }  // an int8 KV value, unscaled
 
 __device__ __forceinline__ float4 load4(const float* p) {
   LLMC_CHECK_ALIGNED16(p);
@@ -74,6 +75,17 @@ struct Vec16<uint16_t> {
   static __device__ __forceinline__ void load(const uint16_t* p, float (&o)[8]) {
     LLMC_CHECK_ALIGNED16(p);
     load_bf16x8(p, o);
+  }
+};
+template <>
+struct Vec16<int8_t> {  // an int8 KV cache's values, unscaled
+  static constexpr int N = 16;
+  static __device__ __forceinline__ void load(const int8_t* p, float (&o)[16]) {
+    LLMC_CHECK_ALIGNED16(p);
+    const uint4 v = vload<uint4>(p);
+    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < 16; ++i) o[i] = static_cast<float>(static_cast<int8_t>(w[i / 4] >> (8 * (i % 4))));
   }
 };
 

@@ -61,6 +61,18 @@ _REPRESENTATIVE = [
             kv_dtype="f32",
         ),
     ),
+    (  # an int8 cache
+        "paged_attention",
+        dict(
+            num_heads=32,
+            num_kv_heads=8,
+            head_dim=128,
+            block_size=16,
+            scale=1 / math.sqrt(128),
+            sliding_window=0,
+            kv_dtype="i8",
+        ),
+    ),
     ("silu_mul", dict(inter=14336)),
     ("gather_rows", dict(cols=4096)),
     ("qgemm", dict(n=14336, k=4096, bits=4, group_size=32, asymmetric=True, scale_bits=32, has_bias=False)),
