@@ -113,7 +113,7 @@ LLMC_INLINE void attend(const float* LLMC_RESTRICT q, const KV* LLMC_RESTRICT k_
           prefetch_l2(reinterpret_cast<const char*>(k_cache + next + r * SLOT) + b);
           prefetch_l2(reinterpret_cast<const char*>(v_cache + next + r * SLOT) + b);
         }
-      if constexpr (L::kScaled) {  // and its scales: missed one by one, they cost a 1B decode at 4096 positions 20%
+      if constexpr (L::kScaled) {  // and its scales (1B, 4096 positions, 1 thread: 0.84x a bf16 cache's decode without)
         const long nb = table[j0 / BS + 1];
         for (int b = 0; b < BS * (int)sizeof(float); b += 64) {
           prefetch_l2(reinterpret_cast<const char*>(L::scales(k_cache, nb) + kvo / D * BS) + b);
