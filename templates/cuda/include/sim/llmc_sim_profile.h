@@ -46,6 +46,7 @@
 
 #include <map>
 #include <string>
+#include <unordered_set>
 
 extern "C" char __start_llmc_sim_smem[] __attribute__((weak));
 extern "C" char __stop_llmc_sim_smem[] __attribute__((weak));
@@ -103,6 +104,10 @@ struct State {
   bool block_stored = false;  // the running block has stored to global memory
   // symbols of this library's data looked up so far: start -> (size, a function-local static)
   std::map<uintptr_t, std::pair<size_t, bool>> symbols;
+  // 4 KB pages that no loaded object maps (fiber stacks, the heap): not a static, and no dladdr1 again. A kernel
+  // whose struct arguments live on its fibers' stacks reads them on every access (an expert GEMM's row list:
+  // a simulated MoE layer took minutes in dladdr1 alone).
+  std::unordered_set<uintptr_t> foreign_pages;
 };
 inline State s;
 
@@ -135,11 +140,14 @@ inline bool is_local_static(uintptr_t a) {
   auto it = s.symbols.upper_bound(a);
   if (it != s.symbols.begin() && a < std::prev(it)->first + std::prev(it)->second.first)
     return std::prev(it)->second.second;
+  if (s.foreign_pages.count(a >> 12)) return false;
   Dl_info info{};
   ElfW(Sym)* sym = nullptr;
-  if (!dladdr1(reinterpret_cast<void*>(a), &info, reinterpret_cast<void**>(&sym), RTLD_DL_SYMENT) || !sym ||
-      !info.dli_sname || !info.dli_saddr)
+  if (!dladdr1(reinterpret_cast<void*>(a), &info, reinterpret_cast<void**>(&sym), RTLD_DL_SYMENT)) {
+    s.foreign_pages.insert(a >> 12);
     return false;
+  }
+  if (!sym || !info.dli_sname || !info.dli_saddr) return false;
   const uintptr_t start = reinterpret_cast<uintptr_t>(info.dli_saddr);
   if (sym->st_size == 0 || a >= start + sym->st_size) return false;  // past the symbol: a stack or the heap
   const bool local = std::strncmp(info.dli_sname, "_ZZ", 3) == 0;
@@ -316,6 +324,7 @@ void llmc_sim_prof_access(const void* addr, size_t n, int store, const void* sit
 __attribute__((visibility("default"))) void llmc_sim_prof_enable(int on) { llmc_sim_prof::s.enabled = on != 0; }
 __attribute__((visibility("default"))) void llmc_sim_prof_clear() {
   for (auto& k : llmc_sim_prof::s.kernels) std::fill(std::begin(k.v), std::end(k.v), 0);
+  llmc_sim_prof::s.foreign_pages.clear();
 }
 __attribute__((visibility("default"))) int llmc_sim_prof_num_kernels() {
   return static_cast<int>(llmc_sim_prof::s.kernels.size());
