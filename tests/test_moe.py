@@ -70,7 +70,8 @@ def test_bench_reports_the_experts_each_step_activates(checkpoint_dir, tmp_path)
 
 def test_a_cuda_module_counts_the_experts_its_steps_read(checkpoint_dir, tmp_path):
     """sm90 under the simulator: the device-side count that `llmc bench` reads (llmc_experts_activated), 2 experts
-    in each of Qwen3-MoE's 2 sparse layers for one token, and at most all 6 for a 7-token prefill."""
+    in each of Qwen3-MoE's 2 sparse layers for one token, and at most all 6 for a 7-token prefill; a module loaded
+    again (the same library, its device arrays kept) counts from 0."""
     from llmc.runtime.batch import StepBatch
     from tests.cuda_mode import cuda_library
 
@@ -81,3 +82,5 @@ def test_a_cuda_module_counts_the_experts_its_steps_read(checkpoint_dir, tmp_pat
         assert model.experts_activated() == 2 * 2
         model.step(StepBatch.build([[7, 8, 9, 10, 11, 12, 13]], [0], [[1]], model.block_size))
         assert 2 * 2 + 2 * 2 < model.experts_activated() <= 2 * 2 + 2 * 6
+    with CompiledModel.load(artifact, library=cuda_library(artifact), max_num_seqs=1) as again:  # the same library
+        assert again.experts_activated() == 0

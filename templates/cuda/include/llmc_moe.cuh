@@ -174,6 +174,9 @@ inline void register_experts_counter(const Counter& symbol) {
   cudaGetSymbolAddress(&p, symbol);
   experts_counters().push_back(static_cast<unsigned long long*>(p));
 }
+inline void reset_experts_counters() {
+  for (unsigned long long* c : experts_counters()) cudaMemset(c, 0, sizeof *c);
+}
 inline long long experts_activated() {
   unsigned long long total = 0;
   for (unsigned long long* c : experts_counters()) {
