@@ -61,18 +61,6 @@ _REPRESENTATIVE = [
             kv_dtype="f32",
         ),
     ),
-    (  # an int8 cache
-        "paged_attention",
-        dict(
-            num_heads=32,
-            num_kv_heads=8,
-            head_dim=128,
-            block_size=16,
-            scale=1 / math.sqrt(128),
-            sliding_window=0,
-            kv_dtype="i8",
-        ),
-    ),
     ("silu_mul", dict(inter=14336)),
     ("gather_rows", dict(cols=4096)),
     ("qgemm", dict(n=14336, k=4096, bits=4, group_size=32, asymmetric=True, scale_bits=32, has_bias=False)),
@@ -99,6 +87,8 @@ _REPRESENTATIVE = [
     ),
     ("moe_combine", dict(hidden=2048, top_k=8)),
 ]
+# the bf16 cache's attention with an int8 cache
+_REPRESENTATIVE += [(op, dict(p, kv_dtype="i8")) for op, p in _REPRESENTATIVE if p.get("kv_dtype") == "bf16"]
 # Activations as llmc compile gives them: float32 beside float32 weights, a float32 cache or float32 scales (a
 # float32 build), else bf16; rope, silu_mul and gather_rows both ways.
 _F32_BUILD = {"wdtype": "f32", "kv_dtype": "f32", "scale_bits": 32}
