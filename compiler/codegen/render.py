@@ -25,7 +25,7 @@ from typing import Any
 import jinja2
 import jinja2.meta
 
-from llmc.dtypes import ELEMENTS_BY_SHORT, KV_BY_SHORT
+from llmc.dtypes import ELEMENTS_BY_SHORT, KV_BY_SHORT, kv_block_bytes
 from llmc.errors import CompileError
 from llmc.templates import TEMPLATE_DIR
 
@@ -111,6 +111,7 @@ def _environment() -> jinja2.Environment:
     env.filters.update(f32=_f32, ctype=_ctype, cbool=_cbool, cint=_cint)
     env.globals["scale_ctype"] = scale_ctype
     env.globals["weight_bits"] = weight_bits
+    env.globals["kv_block_bytes"] = kv_block_bytes
     return env
 
 
