@@ -294,10 +294,7 @@ def profile_simulated(
     shape = StepShape(tuple(step_seqs(phase, batch, context, prompt_len)), step.num_seqs)
     program_floors, experts = _program_floors(artifact, shape, launched)
     ids = list(program_floors)
-    kernels = [
-        {**_kernel_row(name, v, ceil), "kernel": _kernel_id(name.removeprefix("void "), ids)}
-        for name, v in counters.items()
-    ]
+    kernels = [{**_kernel_row(name, v, ceil), "kernel": _kernel_id(name, ids)} for name, v in counters.items()]
     floor_bytes = sum(k["floor_bytes"] for k in kernels)
     flops = program_flops(c, phase, batch, context, prompt_len)
     floor_us = max(ceil.byte_us(floor_bytes), _flop_us(ceil, artifact, flops))
@@ -379,7 +376,9 @@ def _experts(kernels: dict[str, dict], read: list[tuple[str, int]], shape: StepS
 
 
 def _kernel_id(launched: str, ids: list[str]) -> str:
-    """The manifest kernel a launched __global__ belongs to: its name is the kernel id plus a suffix."""
+    """The manifest kernel a launched __global__ belongs to: its name is the kernel id plus a suffix (a template
+    kernel's demangled name starts with its return type, `void `)."""
+    launched = launched.removeprefix("void ")
     owners = [kid for kid in ids if launched == kid or launched.startswith(kid + "_")]
     if not owners:
         raise LlmcError(f"the module launched {launched!r}, which no kernel of the manifest names")
@@ -417,8 +416,8 @@ def profile_measured(
         ceil = ceilings(artifact.target) if artifact.is_cuda else Ceilings(**cpu_ceilings())
     step, blocks = step_batch(phase, batch, context, prompt_len, artifact.block_size, artifact.config.vocab_size, seed)
     shape = StepShape(tuple(step_seqs(phase, batch, context, prompt_len)), step.num_seqs)
-    ids = [k["id"] for k in artifact.manifest.get("kernels") or []]
     templates = {k["id"]: k.get("template", "") for k in artifact.manifest.get("kernels") or []}
+    ids = list(templates)
     if progress:
         progress("load")
     with _load_for_step(artifact, library, step, blocks) as model:
