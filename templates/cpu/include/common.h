@@ -18,6 +18,7 @@
 #include "llmc_simd.h"
 #include "llmc_elementwise.h"
 #include "llmc_gemm.h"
+#include "llmc_gemm_amx.h"
 #include "llmc_qgemm.h"
 #include "llmc_qembedding.h"
 #include "llmc_moe.h"

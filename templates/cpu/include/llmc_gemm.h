@@ -227,6 +227,17 @@ inline bool bf16_gemm_emulates_dot() {
 LLMC_INLINE void gemm_ftz_daz(bool) {}
 #endif
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && LLMC_BF16_DOT
+// bf16 weights on AMX tiles, every T: llmc_gemm_amx.h.
+#define LLMC_AMX 1
+constexpr int kAmxK = 32;  // bf16 per tile row (64 bytes): k per tdpbf16ps
+inline bool bf16_gemm_uses_amx();
+template <int N, int K, bool HAS_BIAS, long TASK>
+void gemm_amx(const float* x, const uint16_t* w, const uint16_t* bias, float* y, int T, float cap);
+#else
+#define LLMC_AMX 0
+#endif
+
 // ---------------------------------------------------------------------------------------------
 // gemm_steps<O, R, C, LDW, PF, XPACK>: acc[r][c] += the main-part steps [0, n) of row r and weight row c (w,
 // stride LDW): the caller offsets both to a block's first step. x: rows of stride ldxp, or with XPACK the R
@@ -485,6 +496,11 @@ XT* gemm_scratch(long n) {
 template <int N, int K, bool HAS_BIAS, int PF = kGemvPrefetchBytes, long TASK = kGemvTaskBytes, typename WT>
 inline void gemm(const float* LLMC_RESTRICT x, const WT* LLMC_RESTRICT w, const WT* LLMC_RESTRICT bias,
                  float* LLMC_RESTRICT y, int T, float cap = 0.0f) {
+#if LLMC_AMX
+  if constexpr (std::is_same<WT, uint16_t>::value && K >= kAmxK) {
+    if (bf16_gemm_uses_amx()) return gemm_amx<N, K, HAS_BIAS, TASK>(x, w, bias, y, T, cap);
+  }
+#endif
   using O = GemmOrder<WT>;
   using XT = typename O::XT;
   constexpr int KMAIN = K / O::KS * O::KS;

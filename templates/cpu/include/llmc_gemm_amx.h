@@ -1,0 +1,207 @@
+// llmc CPU target: bf16 GEMMs on AMX tiles (tdpbf16ps), where the host has them (Sapphire Rapids and later).
+#pragma once
+
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include "llmc_gemm.h"
+
+#if LLMC_AMX
+
+namespace llmc {
+
+// gemm_amx: y[T, N] = x[T, K] @ w[N, K]^T (+ bias) for bf16 w, every T, on AMX tiles.
+//
+// Roles. tdpbf16ps multiplies a row-major A tile (16 rows x 32 bf16) by a B tile in "VNNI" order (16 rows of 16
+// bf16 pairs: two consecutive k of one column). The weights, in HF Linear layout, are A as they lie (16 output
+// rows, 32 k of each, a row stride of K), so they need no packing at load or at compile and a tied embedding's
+// gather reads the same table. x takes B's place: each call rounds it to bf16 (as the vdpbf16ps path does)
+// and lays it out as B tiles, 16 rows at a time, T x K elements against the N x K of the weights. A C tile is
+// then y^T: 16 outputs x 16 rows, stored transposed.
+//
+// Numerics. tdpbf16ps's own order (not the vdpbf16ps path's: the two differ in rounding, so no AVX-512
+// kernel reproduces it). Each output of each row is the chain of K / 32 tdpbf16ps over its k tiles, the same
+// instructions whatever T is (a row's B column never meets another's) and whichever thread runs it, so a row
+// never depends on T, on its neighbours or on the thread count, as with the AVX-512 kernels ("Numerics" in
+// llmc_gemm.h). The tail k >= K / 32 * 32 is summed in fp32 over the fp32 x, in order, then added.
+//
+// Blocking. A task is a range of 32-output blocks (two A tiles) over a chunk of rows; per k tile two weight
+// tiles and two x tiles feed four C tiles (all eight tile registers). The weights stream from memory once per
+// row chunk, prefetched ahead as the AVX-512 GEMV's; x's chunk stays in L2 (kGemmXBytes).
+constexpr int kAmxRows = 16;  // tile rows, and the outputs or x rows a tile covers
+
+// Linux hands out AMX state on request, per process (arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)).
+inline bool amx_permitted() {
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return ok;
+}
+
+// Whether bf16 GEMMs run on AMX: where permitted, unless LLMC_CPU_BF16_GEMM forces an AVX-512 path (dot or
+// fma, llmc_gemm.h), read at every call so tests can take each.
+inline bool bf16_gemm_uses_amx() {
+  const char* force = std::getenv("LLMC_CPU_BF16_GEMM");
+  if (force && (std::strcmp(force, "dot") == 0 || std::strcmp(force, "fma") == 0)) return false;
+  return amx_permitted();
+}
+
+// Tiles 0-3 are C (16 outputs x `cols` rows), 4-5 weights (A: 16 outputs x 32 k), 6-7 x (B: 16 pairs x `cols`
+// rows). Loaded at the start of each task: the configuration is per thread, and another library on the thread
+// may have changed it. Below 16 rows a call's tiles are that narrow: the packed x needs no zero padding, and
+// each C element is computed alike whatever the width (a row never depends on T).
+struct alignas(64) AmxTileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+LLMC_INLINE void amx_configure(int cols) {
+  AmxTileConfig c;
+  for (int i = 0; i < 8; ++i) c.colsb[i] = i == 4 || i == 5 ? 64 : 4 * cols, c.rows[i] = kAmxRows;
+  _tile_loadconfig(&c);
+}
+
+// x rows [0, T) of K, their k < KMAIN -> B tiles: [row block][k tile][16 pairs][16 rows] of bf16 pairs (uint32).
+// The last block's columns past T are left as they are: a C column reads only its own.
+template <int K, int KMAIN>
+void amx_pack_x(const float* x, int T, uint32_t* out) {
+  constexpr int KT = KMAIN / kAmxK, PAIRS = kAmxK / 2;
+  alignas(64) uint16_t row[KT * kAmxK + 1];
+  const uint32_t* pairs = reinterpret_cast<const uint32_t*>(row);
+  for (int t = 0; t < T; ++t) {
+    GemmOrder<uint16_t>::prepare(x + (long)t * K, row, KMAIN);
+    uint32_t* blk = out + (long)(t / kAmxRows) * KT * PAIRS * kAmxRows + t % kAmxRows;
+    for (int kt = 0; kt < KT; ++kt) {
+      uint32_t* tile = blk + (long)kt * PAIRS * kAmxRows;
+      for (int p = 0; p < PAIRS; ++p) tile[p * kAmxRows] = pairs[kt * PAIRS + p];
+    }
+  }
+}
+
+// One block of A_TILES x 16 outputs from w (stride K; its k < KMAIN) by B_TILES x 16 rows of packed x (xb: the first row
+// block's tiles): c[a * 2 + b] = the 16 x 16 C tile of weight tile a and x tile b (outputs x rows).
+template <int A_TILES, int B_TILES, int K, int KMAIN>
+LLMC_INLINE void amx_block(const uint16_t* w, const uint32_t* xb, float (*c)[kAmxRows * kAmxRows]) {
+  constexpr int KT = KMAIN / kAmxK;
+  constexpr long XTILE = (long)kAmxK / 2 * kAmxRows;  // uint32 per x tile
+  constexpr long LDW = (long)K * sizeof(uint16_t);
+  _tile_zero(0);
+  if constexpr (B_TILES > 1) _tile_zero(1);
+  if constexpr (A_TILES > 1) _tile_zero(2);
+  if constexpr (A_TILES > 1 && B_TILES > 1) _tile_zero(3);
+  for (int kt = 0; kt < KT; ++kt) {
+    const uint16_t* wk = w + kt * kAmxK;
+    _tile_loadd(4, wk, LDW);
+    _tile_loadd(6, xb + kt * XTILE, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (B_TILES > 1) {
+      _tile_loadd(7, xb + (KT + kt) * XTILE, 64);
+      _tile_dpbf16ps(1, 4, 7);
+    }
+    if constexpr (A_TILES > 1) {
+      _tile_loadd(5, wk + (long)kAmxRows * K, LDW);
+      _tile_dpbf16ps(2, 5, 6);
+      if constexpr (B_TILES > 1) _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, c[0], 64);
+  if constexpr (B_TILES > 1) _tile_stored(1, c[1], 64);
+  if constexpr (A_TILES > 1) _tile_stored(2, c[2], 64);
+  if constexpr (A_TILES > 1 && B_TILES > 1) _tile_stored(3, c[3], 64);
+}
+
+// y[t0 + i, j + o] = c[o][i] + the tail k >= KMAIN + bias, for outputs o < no and rows i < nt of one C tile.
+template <int N, int K, int KMAIN, bool HAS_BIAS>
+LLMC_INLINE void amx_store(const float* c, const float* x, const uint16_t* w, const uint16_t* bias, float* y, int t0,
+                           int nt, int j, int no) {
+  for (int i = 0; i < nt; ++i) {
+    const float* xt = x + (long)(t0 + i) * K;
+    float* yt = y + (long)(t0 + i) * N + j;
+    for (int o = 0; o < no; ++o) {
+      float s = c[o * kAmxRows + i];
+      if constexpr (K > KMAIN) {
+        const uint16_t* wo = w + (long)(j + o) * K;
+        float tail = 0.0f;
+        for (int k = KMAIN; k < K; ++k) tail = std::fma(xt[k], bf16_to_f32(wo[k]), tail);
+        s += tail;
+      }
+      yt[o] = HAS_BIAS ? s + bf16_to_f32(bias[j + o]) : s;
+    }
+  }
+}
+
+namespace {
+enum { kAmxScratchX, kAmxScratchTail };
+template <typename T, int USE>
+T* amx_scratch(long n) {
+  static thread_local std::vector<T> buf;
+  if ((long)buf.size() < n) buf.resize(n);
+  return buf.data();
+}
+}  // namespace
+
+template <int N, int K, bool HAS_BIAS, long TASK>
+void gemm_amx(const float* x, const uint16_t* w, const uint16_t* bias, float* y, int T, float cap) {
+  constexpr int KMAIN = K / kAmxK * kAmxK;
+  constexpr int KT = KMAIN / kAmxK;
+  constexpr long XROW = (long)KMAIN * sizeof(uint16_t);  // one packed x row
+  constexpr int BLOCK = 2 * kAmxRows;                    // outputs per weight block
+  static_assert(KT > 0, "gemm_amx: K below one tile");
+  const int TB = (T + kAmxRows - 1) / kAmxRows;
+  uint32_t* xb = amx_scratch<uint32_t, kAmxScratchX>((long)TB * kAmxRows * KMAIN / 2);
+  amx_pack_x<K, KMAIN>(x, T, xb);
+  // The last block, where N is no multiple of 16 (a tile load would read past the weights): its rows copied,
+  // zero padded to the block.
+  constexpr int JLAST = (N - 1) / BLOCK * BLOCK;
+  const uint16_t* wlast = w + (long)JLAST * K;
+  if constexpr (N % kAmxRows != 0) {
+    uint16_t* pad = amx_scratch<uint16_t, kAmxScratchTail>((long)BLOCK * K);
+    std::memcpy(pad, wlast, (size_t)(N - JLAST) * K * sizeof(uint16_t));
+    std::memset(pad + (long)(N - JLAST) * K, 0, (size_t)(JLAST + BLOCK - N) * K * sizeof(uint16_t));
+    wlast = pad;
+  }
+  // Row chunks whose packed x stays in L2 (kGemmXBytes), in whole row blocks of 16; output blocks per task of
+  // about TASK weight bytes.
+  constexpr int TB_MAX = (int)std::max<long>(1, kGemmXBytes / (XROW * kAmxRows));
+  const int nrc = (TB + TB_MAX - 1) / TB_MAX;
+  const int rc_blocks = (TB + nrc - 1) / nrc;
+  constexpr int BPT = (int)std::max<long>(4, TASK / (BLOCK * (long)K * sizeof(uint16_t)));
+  constexpr int NBLK = (N + BLOCK - 1) / BLOCK;
+  constexpr int NTASK = (NBLK + BPT - 1) / BPT;
+  const bool par = (long)T * N * K >= kParallelWork;
+  parallel_for(nrc * NTASK, par, [&](int task) {
+    const int rc = task / NTASK, nt = task % NTASK;
+    const int tb0 = rc * rc_blocks, tb1 = std::min(TB, tb0 + rc_blocks);
+    if (tb0 >= tb1) return;
+    amx_configure(std::min(T, kAmxRows));
+    alignas(64) float c[4][kAmxRows * kAmxRows];
+    const int jb1 = std::min(NBLK, (nt + 1) * BPT);
+    for (int jb = nt * BPT; jb < jb1; ++jb) {
+      const int j = jb * BLOCK;
+      const int outs = std::min(BLOCK, N - j);
+      const uint16_t* wj = j == JLAST ? wlast : w + (long)j * K;
+      const int a_tiles = outs > kAmxRows ? 2 : 1;
+      for (int tb = tb0; tb < tb1; tb += 2) {
+        const uint32_t* xt = xb + (long)tb * KT * (kAmxK / 2) * kAmxRows;
+        const int b_tiles = tb + 1 < tb1 ? 2 : 1;
+        if (a_tiles == 2) {
+          b_tiles == 2 ? amx_block<2, 2, K, KMAIN>(wj, xt, c) : amx_block<2, 1, K, KMAIN>(wj, xt, c);
+        } else {
+          b_tiles == 2 ? amx_block<1, 2, K, KMAIN>(wj, xt, c) : amx_block<1, 1, K, KMAIN>(wj, xt, c);
+        }
+        for (int b = 0; b < b_tiles; ++b) {
+          const int t0 = (tb + b) * kAmxRows, rows = std::min(kAmxRows, T - t0);
+          for (int a = 0; a < a_tiles; ++a)
+            amx_store<N, K, KMAIN, HAS_BIAS>(c[a * 2 + b], x, w, bias, y, t0, rows, j + a * kAmxRows,
+                                             std::min(kAmxRows, outs - a * kAmxRows));
+        }
+      }
+    }
+    _tile_release();
+    if (cap > 0.0f) {
+      const int j0 = nt * BPT * BLOCK, j1 = std::min(N, jb1 * BLOCK);
+      softcap_block(y, N, tb0 * kAmxRows, std::min(T, tb1 * kAmxRows), j0, j1, cap);
+    }
+  });
+}
+
+}  // namespace llmc
+#endif
