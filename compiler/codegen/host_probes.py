@@ -2,10 +2,10 @@
 benchmarks' rooflines.
 
 - `Bandwidth(threads)`: memory read bandwidth over one buffer far above any last-level cache.
-- `probes()`: the peak rates of the instructions llmc's CPU kernels compute with: fp32 FMA, vdpbf16ps (bf16
-  weights, where the host has avx512_bf16) and the int8 dot product of quantized weights against int8
-  activations (vpdpbusd where the host has VNNI, else vpmaddubsw + vpmaddwd). A peak of those instructions,
-  not of every unit the machine has (AMX): it is what the kernels could reach.
+- `probes()`: the peak rates of the instructions llmc's CPU kernels compute with: fp32 FMA, vdpbf16ps and AMX's
+  tdpbf16ps (bf16 weights, where the host has avx512_bf16 / amx_bf16) and the int8 dot product of quantized
+  weights against int8 activations (vpdpbusd where the host has VNNI, else vpmaddubsw + vpmaddwd). A peak of
+  those instructions, not of every unit the machine has (AMX int8): it is what the kernels could reach.
 - `cpu_ceilings()`: both, as `llmc profile`'s ceilings.
 
 The probes are C++ built with the CPU target's flags (-march=native, OpenMP), cached as any build.
@@ -98,6 +98,48 @@ extern "C" double dpbf16_probe(int threads, long iters, int cpu) {
 #endif
 }
 
+// tdpbf16ps (AMX, llmc_gemm_amx.h): 16 x 16 x 32 multiply-adds per instruction, four independent C tiles.
+// iters / 8 rounds of four: one round is about as long as eight of the vector probes' 16 chains.
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+extern "C" double amx_bf16_probe(int threads, long iters, int cpu) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  if (syscall(SYS_arch_prctl, 0x1023, 18) != 0) return 0;  // ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
+  const long rounds = iters / 8;
+  const double t0 = bench_clock(cpu);
+#pragma omp parallel num_threads(threads)
+  {
+    struct alignas(64) {
+      uint8_t palette = 1, start_row = 0, reserved[14] = {};
+      uint16_t colsb[16] = {64, 64, 64, 64, 64, 0, 64};
+      uint8_t rows[16] = {16, 16, 16, 16, 16, 0, 16};
+    } cfg;
+    alignas(64) static const uint16_t ones[16 * 32] = {};  // zeros: the sums stay finite
+    asm volatile("" : : "m"(cfg));  // g++ 12's ldtilecfg does not tell the optimizer it reads cfg
+    _tile_loadconfig(&cfg);
+    _tile_loadd(4, ones, 64);
+    _tile_loadd(6, ones, 64);
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (long i = 0; i < rounds; ++i) {
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(1, 4, 6);
+      _tile_dpbf16ps(2, 4, 6);
+      _tile_dpbf16ps(3, 4, 6);
+    }
+    _tile_release();
+  }
+  const double s = bench_clock(cpu) - t0;
+  return 4.0 * 2 * 16 * 16 * 32 * rounds * threads / s;
+#else
+  return 0;
+#endif
+}
+
 // The int8 dot product of the quantized GEMMs (llmc_qgemm.h): 4 u8 x s8 multiply-adds per int32 lane.
 #if defined(__AVX512VNNI__) && defined(__AVX512F__)
 using DotVec = __m512i;
@@ -146,7 +188,7 @@ def probes() -> ctypes.CDLL:
     lib.llmc_probe_threads.restype = ctypes.c_int
     lib.llmc_read_probe.restype = ctypes.c_uint64
     lib.llmc_read_probe.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_int]
-    for name in ("fma_probe", "dpbf16_probe", "int8_probe"):
+    for name in ("fma_probe", "dpbf16_probe", "amx_bf16_probe", "int8_probe"):
         getattr(lib, name).restype = ctypes.c_double
         getattr(lib, name).argtypes = [ctypes.c_int, ctypes.c_long, ctypes.c_int]
     return lib
@@ -188,22 +230,24 @@ class Bandwidth:
 
 
 def peak_rate(probe: str, threads: int, repeats: int = 3, iters: int = 20_000_000) -> float:
-    """Operations/s of one of the probes (fma_probe, dpbf16_probe, int8_probe): the best of `repeats`."""
+    """Operations/s of one of the probes (fma_probe, dpbf16_probe, amx_bf16_probe, int8_probe): the best of
+    `repeats`; 0 where the host lacks the instruction."""
     fn = getattr(probes(), probe)
     return max(fn(threads, iters, 0) for _ in range(repeats))
 
 
 def cpu_ceilings() -> dict:
     """`llmc profile`'s ceilings for this host, measured with the thread count a CPU module runs on (OpenMP's):
-    read bandwidth, the fp32 FMA rate, the bf16 rate (vdpbf16ps, else the FMA rate: bf16 weights then widen
-    to fp32) and the int8 rate of the quantized GEMMs. No launch cost: a kernel's time includes its pool
+    read bandwidth, the fp32 FMA rate, the bf16 rate (AMX tiles where the host has them, as bf16 GEMMs run
+    there; else vdpbf16ps, else the FMA rate: bf16 weights then widen to fp32) and the int8 rate of the quantized GEMMs. No launch cost: a kernel's time includes its pool
     dispatch."""
     threads = probes().llmc_probe_threads()
     fp32 = peak_rate("fma_probe", threads)
+    bf16_amx = peak_rate("amx_bf16_probe", threads)
     return {
         "part": f"{host_cpu_model()}, {threads} threads (measured)",
         "bandwidth_gb_s": round(Bandwidth(threads).read(threads, 3), 1),
-        "bf16_tensor_tflop_s": round(max(fp32, peak_rate("dpbf16_probe", threads)) / 1e12, 3),
+        "bf16_tensor_tflop_s": round(max(fp32, peak_rate("dpbf16_probe", threads), bf16_amx) / 1e12, 3),
         "fp32_tflop_s": round(fp32 / 1e12, 3),
         "int8_tops": round(peak_rate("int8_probe", threads) / 1e12, 3),
         "launch_us": 0.0,

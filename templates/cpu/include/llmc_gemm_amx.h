@@ -56,6 +56,7 @@ struct alignas(64) AmxTileConfig {
 LLMC_INLINE void amx_configure(int cols) {
   AmxTileConfig c;
   for (int i = 0; i < 8; ++i) c.colsb[i] = i == 4 || i == 5 ? 64 : 4 * cols, c.rows[i] = kAmxRows;
+  asm volatile("" : : "m"(c));  // g++ 12's ldtilecfg does not tell the optimizer it reads c: keep c's stores
   _tile_loadconfig(&c);
 }
 
