@@ -10,7 +10,8 @@
 // Work is split across rows / outputs / heads, never inside one reduction, so a row's result does not
 // depend on T, on its neighbours in the batch, or on the thread count.
 //
-// SIMD: AVX-512 (F+BW+VL) intrinsics, else AVX2+FMA intrinsics, else a portable 8-lane fallback.
+// SIMD: AVX-512 (F+BW+VL) intrinsics, else AVX2+FMA intrinsics, else a portable 8-lane fallback. bf16 GEMMs
+// run on AMX tiles where the host has them (llmc_gemm_amx.h), in that instruction's own order.
 // Threads: llmc's own small pool (parallel_for, llmc_pool.h), sized by OpenMP's thread count.
 #pragma once
 

@@ -11,6 +11,8 @@ namespace llmc {
 
 // gemm: y[T, N] = x[T, K] @ w[N, K]^T (+ bias[N]); w in HF Linear layout, one row per output.
 //
+// On an AMX host bf16 weights take llmc_gemm_amx.h instead, at every T (its own order, as row-independent).
+//
 // Numerics. Each (row, output) is one accumulator Vec over K, summed by Vec::sum(), in an order fixed by
 // the weight type and the ISA (GemmOrder below) and nothing else: register tiles of any R x C, the GEMV and
 // the GEMM paths, any thread count give bit-identical numbers for one row, so a row never depends on T.

@@ -60,14 +60,14 @@ LLMC_INLINE void amx_configure(int cols) {
   _tile_loadconfig(&c);
 }
 
-// x rows [0, T) of K, their k < KMAIN -> B tiles: [row block][k tile][16 pairs][16 rows] of bf16 pairs (uint32).
-// The last block's columns past T are left as they are: a C column reads only its own.
+// x rows [t0, t1) of K, their k < KMAIN -> B tiles: [row block][k tile][16 pairs][16 rows] of bf16 pairs
+// (uint32). The last block's columns past T are left as they are: a C column reads only its own.
 template <int K, int KMAIN>
-void amx_pack_x(const float* x, int T, uint32_t* out) {
+void amx_pack_x(const float* x, int t0, int t1, uint32_t* out) {
   constexpr int KT = KMAIN / kAmxK, PAIRS = kAmxK / 2;
   alignas(64) uint16_t row[KT * kAmxK + 1];
   const uint32_t* pairs = reinterpret_cast<const uint32_t*>(row);
-  for (int t = 0; t < T; ++t) {
+  for (int t = t0; t < t1; ++t) {
     GemmOrder<uint16_t>::prepare(x + (long)t * K, row, KMAIN);
     uint32_t* blk = out + (long)(t / kAmxRows) * KT * PAIRS * kAmxRows + t % kAmxRows;
     for (int kt = 0; kt < KT; ++kt) {
@@ -148,7 +148,10 @@ void gemm_amx(const float* x, const uint16_t* w, const uint16_t* bias, float* y,
   static_assert(KT > 0, "gemm_amx: K below one tile");
   const int TB = (T + kAmxRows - 1) / kAmxRows;
   uint32_t* xb = amx_scratch<uint32_t, kAmxScratchX>((long)TB * kAmxRows * KMAIN / 2);
-  amx_pack_x<K, KMAIN>(x, T, xb);
+  const bool par = (long)T * N * K >= kParallelWork;
+  parallel_for(TB, par && TB > 1, [&](int tb) {
+    amx_pack_x<K, KMAIN>(x, tb * kAmxRows, std::min(T, (tb + 1) * kAmxRows), xb);
+  });
   // The last block, where N is no multiple of 16 (a tile load would read past the weights): its rows copied,
   // zero padded to the block.
   constexpr int JLAST = (N - 1) / BLOCK * BLOCK;
@@ -159,15 +162,14 @@ void gemm_amx(const float* x, const uint16_t* w, const uint16_t* bias, float* y,
     std::memset(pad + (long)(N - JLAST) * K, 0, (size_t)(JLAST + BLOCK - N) * K * sizeof(uint16_t));
     wlast = pad;
   }
-  // Row chunks whose packed x stays in L2 (kGemmXBytes), in whole row blocks of 16; output blocks per task of
-  // about TASK weight bytes.
+  // Row chunks whose packed x stays in L2 (kGemmXBytes), in whole row blocks of 16; tasks of about TASK weight
+  // bytes, and at least four output blocks to a tile configuration.
   constexpr int TB_MAX = (int)std::max<long>(1, kGemmXBytes / (XROW * kAmxRows));
   const int nrc = (TB + TB_MAX - 1) / TB_MAX;
   const int rc_blocks = (TB + nrc - 1) / nrc;
   constexpr int BPT = (int)std::max<long>(4, TASK / (BLOCK * (long)K * sizeof(uint16_t)));
   constexpr int NBLK = (N + BLOCK - 1) / BLOCK;
   constexpr int NTASK = (NBLK + BPT - 1) / BPT;
-  const bool par = (long)T * N * K >= kParallelWork;
   parallel_for(nrc * NTASK, par, [&](int task) {
     const int rc = task / NTASK, nt = task % NTASK;
     const int tb0 = rc * rc_blocks, tb1 = std::min(TB, tb0 + rc_blocks);
