@@ -1,20 +1,21 @@
 #!/usr/bin/env python
 """Decode tokens/s at long context with a float32, bf16 or int8 KV cache (`llmc compile --kv-cache-dtype`).
 
-    python benchmarks/kv_cache_decode.py [--shape smollm-135m] [--context 1920] [--tokens 64]
+    python benchmarks/kv_cache_decode.py [--shape smollm-135m] [--context 1920] [--tokens 64] [--batch 1]
         [--weight-dtypes bfloat16,float32] [--kv-dtypes float32,bfloat16,int8]
 
 The model is a random checkpoint of --shape (benchmarks/common.py): SmolLM-135M's (30 layers, 3 KV heads of 64) or
 Llama-3.2-1B's (16 layers, 8 KV heads of 64), compiled for the CPU target once per (weight dtype, KV cache dtype,
 llmc source state) into the benchmark cache dir. Each
-build prefills a prompt of --context tokens once (untimed, in chunks of --chunk tokens). Each round, for each build
-in turn (interleaved, so machine noise hits every build), --tokens greedy decode steps from the end of the prompt
-are timed through CompiledModel.step at batch 1: every round rewrites the same cache slots with the same values.
-A row's figure is the median over --rounds rounds.
+build prefills --batch prompts of --context tokens once (untimed, in chunks of --chunk tokens; each sequence its own
+random ids and its own cache blocks). Each round, for each build in turn (interleaved, so machine noise hits every
+build), --tokens greedy decode steps of --batch rows from the end of the prompts are timed through
+CompiledModel.step: every round rewrites the same cache slots with the same values. A row's figure is the median
+over --rounds rounds, in output tokens/s (--batch tokens a step).
 
-A decode step reads every weight once and the whole KV cache of its context once: the table shows both byte
-counts per step (an int8 cache's with its scales), so the gain of a smaller cache is read against its share of the
-step's bytes. The table says how many of the decoded tokens agree with the first --kv-dtypes build of the same
+A decode step reads every weight once and the whole KV cache of each sequence's context once: the table shows both
+byte counts per step (an int8 cache's with its scales), so the gain of a smaller cache is read against its share of
+the step's bytes; batched, the cache's share grows with the batch. The table says how many of the decoded tokens agree with the first --kv-dtypes build of the same
 weights (a smaller cache changes k/v by a rounding, not the argmax of a clear margin), and each build's speed
 against that one's.
 """
@@ -45,6 +46,7 @@ def parse_args(argv=None):
     p.add_argument("--context", type=int, default=1920, help="prompt tokens before the timed decode steps")
     p.add_argument("--tokens", type=int, default=64, help="timed decode steps per round")
     p.add_argument("--chunk", type=int, default=512, help="prefill chunk (tokens per step)")
+    p.add_argument("--batch", type=int, default=1, help="sequences decoded together, one row each a step")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS (default: all cores)")
     p.add_argument("--weight-dtypes", default="bfloat16", help="comma-separated: float32, bfloat16")
@@ -75,34 +77,42 @@ def build(ckpt: Path, cache: Path, shape: str, weight_dtype: str, kv_dtype: str)
 
 
 class Decoder:
-    """One build at batch 1: the prompt prefilled once in chunks, then timed greedy decode steps after it."""
+    """One build: the prompts prefilled once in chunks, then timed greedy decode steps of one row each after them."""
 
-    def __init__(self, path: Path, prompt: list[int], max_len: int, chunk: int):
+    def __init__(self, path: Path, prompts: list[list[int]], max_len: int, chunk: int):
         import numpy as np
 
         from llmc.runtime.batch import StepBatch
         from llmc.runtime.module import CompiledModel
 
-        self.model = CompiledModel.load(path, kv_cache_memory=1 << 30, max_num_tokens=chunk, max_num_seqs=1)
-        bs = self.model.block_size
-        assert self.model.num_blocks * bs >= max_len, "the cache holds one sequence of max_len"
-        self.blocks = list(range(-(-max_len // bs)))
-        for start in range(0, len(prompt), chunk):
-            logits = self.model.step(StepBatch.build([prompt[start : start + chunk]], [start], [self.blocks], bs))
-        self.first, self.context = int(np.argmax(logits[0])), len(prompt)
+        n = len(prompts)
+        sizes = CompiledModel.load(path, kv_cache_memory=4 << 20, max_num_tokens=max(chunk, n), max_num_seqs=n)
+        bs, per_block = sizes.block_size, sizes.kv_cache_bytes // sizes.num_blocks
+        del sizes
+        per_seq = -(-max_len // bs)
+        memory = n * per_seq * per_block
+        self.model = CompiledModel.load(path, kv_cache_memory=memory, max_num_tokens=max(chunk, n), max_num_seqs=n)
+        assert self.model.num_blocks >= n * per_seq, "the cache holds every sequence's max_len"
+        self.blocks = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(n)]
+        self.first = []
+        for prompt, blocks in zip(prompts, self.blocks, strict=True):
+            for start in range(0, len(prompt), chunk):
+                logits = self.model.step(StepBatch.build([prompt[start : start + chunk]], [start], [blocks], bs))
+            self.first.append(int(np.argmax(logits[0])))
+        self.context = len(prompts[0])
 
-    def run(self, n: int) -> tuple[float, list[int]]:
+    def run(self, n: int) -> tuple[float, list[list[int]]]:
         import numpy as np
 
         from llmc.runtime.batch import StepBatch
 
-        bs = self.model.block_size
-        tok, pos, out = self.first, self.context, []
+        bs, b = self.model.block_size, len(self.blocks)
+        toks, pos, out = list(self.first), self.context, []
         t = time.perf_counter()
         for _ in range(n):
-            out.append(tok)
-            logits = self.model.step(StepBatch.build([[tok]], [pos], [self.blocks], bs))
-            tok, pos = int(np.argmax(logits[0])), pos + 1
+            out.append(toks)
+            logits = self.model.step(StepBatch.build([[tok] for tok in toks], [pos] * b, self.blocks, bs))
+            toks, pos = [int(i) for i in np.argmax(logits[:b], axis=-1)], pos + 1
         return time.perf_counter() - t, out
 
 
@@ -117,11 +127,12 @@ def main(argv=None) -> None:
     weight_dtypes, kv_dtypes = args.weight_dtypes.split(","), args.kv_dtypes.split(",")
     builds = {(w, kv): build(ckpt, cache, args.shape, w, kv) for w in weight_dtypes for kv in kv_dtypes}
     rng = random.Random(0)
-    prompt = [rng.randrange(3, 384) for _ in range(args.context)]  # ids of the checkpoint's 384-token tokenizer
+    # ids of the checkpoint's 384-token tokenizer
+    prompts = [[rng.randrange(3, 384) for _ in range(args.context)] for _ in range(args.batch)]
     decoders = {}
     for key, path in builds.items():
-        log(f"prefilling {args.context} tokens: weights {key[0]}, KV cache {key[1]}")
-        decoders[key] = Decoder(path, prompt, args.context + args.tokens, args.chunk)
+        log(f"prefilling {args.batch} x {args.context} tokens: weights {key[0]}, KV cache {key[1]}")
+        decoders[key] = Decoder(path, prompts, args.context + args.tokens, args.chunk)
 
     times: dict = {key: [] for key in decoders}
     tokens: dict = {}
@@ -132,25 +143,30 @@ def main(argv=None) -> None:
             tokens[key] = out
         log(
             f"round {r + 1}/{args.rounds}: "
-            + ", ".join(f"{w}/{kv} {args.tokens / t[-1]:.1f}" for (w, kv), t in times.items())
+            + ", ".join(f"{w}/{kv} {args.batch * args.tokens / t[-1]:.1f}" for (w, kv), t in times.items())
         )
 
     head_dim = c["hidden_size"] // c["num_attention_heads"]
     ctx = args.context + args.tokens // 2  # the mean context of the timed steps
     base_kv = kv_dtypes[0]
     rows = [["weights", "KV cache", "decode tok/s", f"vs {base_kv} KV", "KV MB/step", "weights MB", "tokens equal"]]
+    n_out = args.batch * args.tokens
     for (w, kv), ts in times.items():
-        tps = args.tokens / statistics.median(ts)
-        base = args.tokens / statistics.median(times[(w, base_kv)])
-        same = sum(a == b for a, b in zip(tokens[(w, kv)], tokens[(w, base_kv)], strict=True))
+        tps = n_out / statistics.median(ts)
+        base = n_out / statistics.median(times[(w, base_kv)])
+        same = sum(
+            a == b
+            for step, base_step in zip(tokens[(w, kv)], tokens[(w, base_kv)], strict=True)
+            for a, b in zip(step, base_step, strict=True)
+        )
         weights = decoders[(w, kv)].model.weight_bytes
         slot = kv_slot_bytes(kv, c["num_key_value_heads"], head_dim)
-        kv_mb = c["num_hidden_layers"] * 2 * slot * ctx / 1e6
+        kv_mb = args.batch * c["num_hidden_layers"] * 2 * slot * ctx / 1e6
         rows.append(
-            [w, kv, f"{tps:.1f}", f"{tps / base:.2f}x", f"{kv_mb:.1f}", f"{weights / 1e6:.0f}", f"{same}/{args.tokens}"]
+            [w, kv, f"{tps:.1f}", f"{tps / base:.2f}x", f"{kv_mb:.1f}", f"{weights / 1e6:.0f}", f"{same}/{n_out}"]
         )
     print(
-        f"{args.shape} shape, context {args.context} + {args.tokens} decode steps, batch 1, median of "
+        f"{args.shape} shape, context {args.context} + {args.tokens} decode steps, batch {args.batch}, median of "
         f"{args.rounds} interleaved rounds"
     )
     print("\n".join(align_columns(rows, left=2)))

@@ -484,7 +484,7 @@ void gemm_pack_rows(const XT* rows, long ld, int T, int kmain, XT* out) {
 
 namespace {
 // Per-thread scratch of one call (grows, never shrinks: no allocation in steady state), one per use.
-enum { kScratchPrepared, kScratchWide, kScratchPacked, kScratchSpill };
+enum { kScratchPrepared, kScratchWide, kScratchPacked, kScratchSpill, kScratchAmxX, kScratchAmxTail, kScratchGemmEnd };
 template <typename XT, int USE>
 XT* gemm_scratch(long n) {
   static thread_local std::vector<XT> buf;

@@ -77,10 +77,12 @@ void amx_pack_x(const float* x, int t0, int t1, uint32_t* out) {
   }
 }
 
-// One block of A_TILES x 16 outputs from w (stride K; its k < KMAIN) by B_TILES x 16 rows of packed x (xb: the first row
-// block's tiles): c[a * 2 + b] = the 16 x 16 C tile of weight tile a and x tile b (outputs x rows).
+// One block of A_TILES x 16 outputs from w (stride K; its k < KMAIN) by B_TILES x 16 rows of packed x (xb: the
+// first row block's tiles): c[a * 2 + b] = the 16 x 16 C tile of weight tile a and x tile b (outputs x rows).
+// pf_lines > 0: also prefetch that many cache lines from pf on per k tile, in address order (into L2).
 template <int A_TILES, int B_TILES, int K, int KMAIN>
-LLMC_INLINE void amx_block(const uint16_t* w, const uint32_t* xb, float (*c)[kAmxRows * kAmxRows]) {
+LLMC_INLINE void amx_block(const uint16_t* w, const uint32_t* xb, float (*c)[kAmxRows * kAmxRows], const char* pf,
+                           int pf_lines) {
   constexpr int KT = KMAIN / kAmxK;
   constexpr long XTILE = (long)kAmxK / 2 * kAmxRows;  // uint32 per x tile
   constexpr long LDW = (long)K * sizeof(uint16_t);
@@ -90,6 +92,7 @@ LLMC_INLINE void amx_block(const uint16_t* w, const uint32_t* xb, float (*c)[kAm
   if constexpr (A_TILES > 1 && B_TILES > 1) _tile_zero(3);
   for (int kt = 0; kt < KT; ++kt) {
     const uint16_t* wk = w + kt * kAmxK;
+    for (int i = 0; i < pf_lines; ++i) prefetch_l2(pf + ((long)kt * pf_lines + i) * 64);
     _tile_loadd(4, wk, LDW);
     _tile_loadd(6, xb + kt * XTILE, 64);
     _tile_dpbf16ps(0, 4, 6);
@@ -109,10 +112,53 @@ LLMC_INLINE void amx_block(const uint16_t* w, const uint32_t* xb, float (*c)[kAm
   if constexpr (A_TILES > 1 && B_TILES > 1) _tile_stored(3, c[3], 64);
 }
 
-// y[t0 + i, j + o] = c[o][i] + the tail k >= KMAIN + bias, for outputs o < no and rows i < nt of one C tile.
+// r[i] holds row i of a 16 x 16 matrix; afterwards r[i] holds its column i.
+LLMC_INLINE void transpose16(__m512 (&r)[16]) {
+  __m512 t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  auto lo = [](__m512 a, __m512 b) {
+    return _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(a), _mm512_castps_pd(b)));
+  };
+  auto hi = [](__m512 a, __m512 b) {
+    return _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(a), _mm512_castps_pd(b)));
+  };
+  for (int i = 0; i < 4; ++i) {
+    r[4 * i] = lo(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 1] = hi(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 2] = lo(t[4 * i + 1], t[4 * i + 3]);
+    r[4 * i + 3] = hi(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    t[i] = _mm512_shuffle_f32x4(r[i], r[4 + i], 0x88);
+    t[4 + i] = _mm512_shuffle_f32x4(r[i], r[4 + i], 0xdd);
+    t[8 + i] = _mm512_shuffle_f32x4(r[8 + i], r[12 + i], 0x88);
+    t[12 + i] = _mm512_shuffle_f32x4(r[8 + i], r[12 + i], 0xdd);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm512_shuffle_f32x4(t[i], t[8 + i], 0x88);
+    r[8 + i] = _mm512_shuffle_f32x4(t[i], t[8 + i], 0xdd);
+    r[4 + i] = _mm512_shuffle_f32x4(t[4 + i], t[12 + i], 0x88);
+    r[12 + i] = _mm512_shuffle_f32x4(t[4 + i], t[12 + i], 0xdd);
+  }
+}
+
+// y[t0 + i, j + o] = c[o][i] + the tail k >= KMAIN + bias, for outputs o < no and rows i < nt of one C tile. A
+// whole tile with no tail is transposed in registers; every path adds the same terms in the same order.
 template <int N, int K, int KMAIN, bool HAS_BIAS>
 LLMC_INLINE void amx_store(const float* c, const float* x, const uint16_t* w, const uint16_t* bias, float* y, int t0,
                            int nt, int j, int no) {
+  if (K == KMAIN && nt == kAmxRows && no == kAmxRows) {
+    __m512 r[kAmxRows];
+    for (int o = 0; o < kAmxRows; ++o) r[o] = _mm512_load_ps(c + o * kAmxRows);
+    transpose16(r);
+    const __m512 b = HAS_BIAS ? Vec::load(bias + j).v : _mm512_setzero_ps();
+    for (int i = 0; i < kAmxRows; ++i)
+      _mm512_storeu_ps(y + (long)(t0 + i) * N + j, HAS_BIAS ? _mm512_add_ps(r[i], b) : r[i]);
+    return;
+  }
   for (int i = 0; i < nt; ++i) {
     const float* xt = x + (long)(t0 + i) * K;
     float* yt = y + (long)(t0 + i) * N + j;
@@ -129,16 +175,6 @@ LLMC_INLINE void amx_store(const float* c, const float* x, const uint16_t* w, co
   }
 }
 
-namespace {
-enum { kAmxScratchX, kAmxScratchTail };
-template <typename T, int USE>
-T* amx_scratch(long n) {
-  static thread_local std::vector<T> buf;
-  if ((long)buf.size() < n) buf.resize(n);
-  return buf.data();
-}
-}  // namespace
-
 template <int N, int K, bool HAS_BIAS, long TASK>
 void gemm_amx(const float* x, const uint16_t* w, const uint16_t* bias, float* y, int T, float cap) {
   constexpr int KMAIN = K / kAmxK * kAmxK;
@@ -147,7 +183,7 @@ void gemm_amx(const float* x, const uint16_t* w, const uint16_t* bias, float* y,
   constexpr int BLOCK = 2 * kAmxRows;                    // outputs per weight block
   static_assert(KT > 0, "gemm_amx: K below one tile");
   const int TB = (T + kAmxRows - 1) / kAmxRows;
-  uint32_t* xb = amx_scratch<uint32_t, kAmxScratchX>((long)TB * kAmxRows * KMAIN / 2);
+  uint32_t* xb = gemm_scratch<uint32_t, kScratchAmxX>((long)TB * kAmxRows * KMAIN / 2);
   const bool par = (long)T * N * K >= kParallelWork;
   parallel_for(TB, par && TB > 1, [&](int tb) {
     amx_pack_x<K, KMAIN>(x, tb * kAmxRows, std::min(T, (tb + 1) * kAmxRows), xb);
@@ -157,7 +193,7 @@ void gemm_amx(const float* x, const uint16_t* w, const uint16_t* bias, float* y,
   constexpr int JLAST = (N - 1) / BLOCK * BLOCK;
   const uint16_t* wlast = w + (long)JLAST * K;
   if constexpr (N % kAmxRows != 0) {
-    uint16_t* pad = amx_scratch<uint16_t, kAmxScratchTail>((long)BLOCK * K);
+    uint16_t* pad = gemm_scratch<uint16_t, kScratchAmxTail>((long)BLOCK * K);
     std::memcpy(pad, wlast, (size_t)(N - JLAST) * K * sizeof(uint16_t));
     std::memset(pad + (long)(N - JLAST) * K, 0, (size_t)(JLAST + BLOCK - N) * K * sizeof(uint16_t));
     wlast = pad;
@@ -182,13 +218,22 @@ void gemm_amx(const float* x, const uint16_t* w, const uint16_t* bias, float* y,
       const int outs = std::min(BLOCK, N - j);
       const uint16_t* wj = j == JLAST ? wlast : w + (long)j * K;
       const int a_tiles = outs > kAmxRows ? 2 : 1;
+      // With several passes over the block (more than 32 rows), they prefetch the next block's weights between
+      // them, so its stream from memory overlaps this block's tiles; one pass streams alone (the hardware
+      // prefetchers keep up with a GEMV).
+      const int passes = (tb1 - tb0 + 1) / 2;
+      const int pf_lines = passes > 1 ? (int)((BLOCK * (long)K * 2 / 64 + passes * KT - 1) / (passes * KT)) : 0;
+      const char* next = reinterpret_cast<const char*>(w + (long)(j + BLOCK) * K);
       for (int tb = tb0; tb < tb1; tb += 2) {
         const uint32_t* xt = xb + (long)tb * KT * (kAmxK / 2) * kAmxRows;
         const int b_tiles = tb + 1 < tb1 ? 2 : 1;
+        const char* pf = next + (long)(tb - tb0) / 2 * KT * pf_lines * 64;
         if (a_tiles == 2) {
-          b_tiles == 2 ? amx_block<2, 2, K, KMAIN>(wj, xt, c) : amx_block<2, 1, K, KMAIN>(wj, xt, c);
+          b_tiles == 2 ? amx_block<2, 2, K, KMAIN>(wj, xt, c, pf, pf_lines)
+                       : amx_block<2, 1, K, KMAIN>(wj, xt, c, pf, pf_lines);
         } else {
-          b_tiles == 2 ? amx_block<1, 2, K, KMAIN>(wj, xt, c) : amx_block<1, 1, K, KMAIN>(wj, xt, c);
+          b_tiles == 2 ? amx_block<1, 2, K, KMAIN>(wj, xt, c, pf, pf_lines)
+                       : amx_block<1, 1, K, KMAIN>(wj, xt, c, pf, pf_lines);
         }
         for (int b = 0; b < b_tiles; ++b) {
           const int t0 = (tb + b) * kAmxRows, rows = std::min(kAmxRows, T - t0);

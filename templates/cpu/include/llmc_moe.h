@@ -19,7 +19,7 @@ namespace llmc {
 
 namespace {
 // gemm_scratch's uses (llmc_gemm.h), after the GEMM's own
-enum { kScratchMoeLogits = kScratchSpill + 1, kScratchMoeOrder, kScratchMoeRows, kScratchMoeOut };
+enum { kScratchMoeLogits = kScratchGemmEnd, kScratchMoeOrder, kScratchMoeRows, kScratchMoeOut };
 // (layer, expert) pairs the gate/up GEMMs have read since the module was loaded: llmc_experts_activated, for
 // `llmc bench`'s experts a step
 long long experts_activated = 0;
