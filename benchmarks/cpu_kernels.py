@@ -12,7 +12,8 @@ other layers' when they come round again); "hot" cases reuse one copy (the weigh
 Floors, measured in this process: read bandwidth (a C++ loop reading 1 GiB with --threads threads; best of 3)
 and FMA peak (independent FMAs of the build's widest vector, zmm on an AVX-512 host, on --threads threads, i.e.
 FMA pipes x lanes x 2 flops x clock); where the host has AVX-512 BF16, also vdpbf16ps's peak (4 flops per fp32
-lane), the bf16 rows' peak where it beats the FMAs'.
+lane), the bf16 rows' peak where it beats the FMAs'; where it has AMX, tdpbf16ps's (four C tiles), the bf16 rows'
+peak there, as bf16 GEMMs run on AMX tiles.
 A gemv's floor is weight bytes / bandwidth; a gemm's is max(bytes / bandwidth, flops / peak).
 
 --step times a whole SmolLM-135M decode step's kernels (30 layers of rmsnorm, qkv GEMV, RoPE, o GEMV, rmsnorm,
@@ -308,11 +309,12 @@ def main(argv=None) -> None:
             fns[name] = fn
         data.append(dict(label=label, n=n, k=k, T=T, wd=wd, w=w, ptrs=ptrs, x=x, y=y, fns=fns, times={}))
 
-    bws, peaks, dot_peaks = [], [], []
+    bws, peaks, dot_peaks, amx_peaks = [], [], [], []
     for _ in range(args.rounds):
         bws.append(_bandwidth_probe(args.threads))
         peaks.append(probes.fma_probe(args.threads, 20_000_000, args.cpu_time))
         dot_peaks.append(probes.dpbf16_probe(args.threads, 20_000_000, args.cpu_time))
+        amx_peaks.append(probes.amx_bf16_probe(args.threads, 20_000_000, args.cpu_time))
         for d in data:
             for name, fn in d["fns"].items():
                 args_ = (d["x"].ctypes.data, d["ptrs"], len(d["ptrs"]), d["y"].ctypes.data, d["T"])
@@ -321,11 +323,14 @@ def main(argv=None) -> None:
                 iters = max(4, int(args.min_time / max(once, 1e-7)))
                 d["times"].setdefault(name, []).append(fn(*args_, iters, args.cpu_time))
     bw, peak, dot_peak = statistics.median(bws), statistics.median(peaks), statistics.median(dot_peaks)
-    # bf16 weights run as vdpbf16ps or as fp32 FMAs, whichever is faster here (llmc_gemm.h)
-    bf16_peak = max(peak, dot_peak)
+    amx_peak = statistics.median(amx_peaks)
+    # bf16 weights run on AMX tiles where the host has them (llmc_gemm_amx.h), else as vdpbf16ps or as fp32 FMAs,
+    # whichever is faster here (llmc_gemm.h)
+    bf16_peak = amx_peak or max(peak, dot_peak)
     print(
         f"threads {args.threads}; read bandwidth {bw / 1e9:.1f} GB/s; FMA peak {peak / 1e9:.0f} GFLOP/s (fp32)"
         + (f", {dot_peak / 1e9:.0f} (vdpbf16ps)" if dot_peak else "")
+        + (f", {amx_peak / 1e9:.0f} (AMX tdpbf16ps)" if amx_peak else "")
         + "; "
         f"LLC {host_llc_bytes() >> 20} MiB; medians of {args.rounds} interleaved rounds"
         + ("; times are the thread's CPU time" if args.cpu_time else "")
@@ -348,8 +353,8 @@ def main(argv=None) -> None:
 
     print("\n".join(align_columns(rows)))
     print(
-        "floor = max(weight bytes / read bandwidth, flops / peak: fp32 FMA, or for bf16 the faster of it and "
-        "vdpbf16ps); % roof = floor / time"
+        "floor = max(weight bytes / read bandwidth, flops / peak: fp32 FMA, or for bf16 AMX's where the host has "
+        "it, else the faster of the FMA's and vdpbf16ps's); % roof = floor / time"
     )
     sys.stdout.flush()
 
