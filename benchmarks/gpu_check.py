@@ -42,7 +42,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 from common import cache_dir, log, random_checkpoint  # noqa: E402
 from torch_llama import TorchLlama  # noqa: E402
 
-from llmc.tools.profile import profile_measured  # noqa: E402
+from llmc.tools.profile_measured import profile_measured  # noqa: E402
 from llmc.tools.profile_table import format_table  # noqa: E402
 
 _BASE = {

@@ -1,11 +1,12 @@
 """`llmc profile ARTIFACT`: one decode or prefill step of an artifact, per kernel against its floor.
 
-Measured (profile_measured), each kernel is timed around its launches (the module's llmc_profile_* exports):
+Measured (profile_measured.py), each kernel is timed around its launches (the module's llmc_profile_* exports):
 on a GPU with CUDA events, on the CPU with the host's clock (a launch's time includes its thread pool's
 dispatch). Each kernel's time is the median of several steps after a warm-up, and its floor comes from its
 template parameters and the step's shape (floors.py): floor_us = max(floor bytes / bandwidth, FLOPs / rate),
 at the rate its operands run at. A GPU's ceilings are its target's [ceilings]; a CPU's are measured on this host
-(host_probes.cpu_ceilings: read bandwidth, and the fp32 FMA, vdpbf16ps and int8 dot-product rates). The byte
+(host_probes.cpu_ceilings: read bandwidth, and the fp32 FMA, bf16 (AMX or vdpbf16ps) and int8 dot-product
+rates). A decode step's cached context is written first, as serving would have. The byte
 and sector counters need the simulator and are null there. The step's time_us is the sum of its kernels'
 (on a GPU with graphs off, as the events need), and wall_us the whole step as `llmc run` takes it (host
 copies, a CUDA graph replay at decode, logits back): wall_us - time_us is what a step costs outside its
@@ -41,8 +42,6 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import math
-import statistics
-import time
 import tomllib
 from pathlib import Path
 
@@ -50,10 +49,8 @@ import numpy as np
 
 from llmc.artifact import load_artifact
 from llmc.compiler.codegen.floors import StepShape, expert_bytes, kernel_floor, launch_floor
-from llmc.compiler.codegen.host_probes import cpu_ceilings
 from llmc.compiler.codegen.simulator import build_profiled_library
 from llmc.errors import LlmcError
-from llmc.host import host_llc_bytes
 from llmc.kernel_program import EXPERT_GEMMS
 from llmc.manifest import quant_bits_per_weight
 from llmc.runtime.batch import StepBatch
@@ -193,7 +190,7 @@ def read_counters(lib: ctypes.CDLL) -> dict[str, dict]:
     return out
 
 
-def _check_shape(artifact, phase: str, batch: int, context: int, prompt_len: int) -> None:
+def check_shape(artifact, phase: str, batch: int, context: int, prompt_len: int) -> None:
     if phase not in ("decode", "prefill"):
         raise LlmcError(f"unknown phase {phase!r}", "use --phase decode or --phase prefill")
     if min(batch, prompt_len) < 1 or context < 0:
@@ -206,15 +203,18 @@ def _check_shape(artifact, phase: str, batch: int, context: int, prompt_len: int
         )
 
 
-def _load_for_step(artifact, library, step: StepBatch, blocks: int) -> CompiledModel:
-    """The artifact's module (or `library`) with a KV cache of the step's blocks, sized for that one step."""
+def load_for_step(
+    artifact, library, step: StepBatch, blocks: int, context: int = 0, fill_chunk: int = 0
+) -> CompiledModel:
+    """The artifact's module (or `library`) with a KV cache of the step's blocks, sized for that one step (and
+    for the chunks of up to `fill_chunk` tokens that write a decode step's `context` first)."""
     c = artifact.config
     per_block = 2 * c.num_layers * c.num_kv_heads * c.head_dim * artifact.block_size * 4
     model = CompiledModel.load(
         artifact.path,
         library=library,
         kv_cache_memory=blocks * per_block,
-        max_num_tokens=step.num_tokens,
+        max_num_tokens=max(step.num_tokens, min(context, fill_chunk)),
         max_num_seqs=step.num_seqs,
     )
     if model.num_blocks < blocks:
@@ -223,7 +223,7 @@ def _load_for_step(artifact, library, step: StepBatch, blocks: int) -> CompiledM
     return model
 
 
-def _flop_us(ceil: Ceilings, artifact, flops: float, template: str = "") -> float:
+def flops_us(ceil: Ceilings, artifact, flops: float, template: str = "") -> float:
     """FLOPs at the rate their operands run at: a quantized GEMM's on int8 activations where the ceilings
     give that rate, else the artifact's weight dtype's (the tensor cores' or vdpbf16ps for bf16 / fp16, else
     fp32 FMAs)."""
@@ -236,7 +236,7 @@ def _flop_us(ceil: Ceilings, artifact, flops: float, template: str = "") -> floa
     return flops / (rate * 1e6)
 
 
-def _header(artifact, ceil: Ceilings, mode: str, phase: str, batch: int, context: int, prompt_len: int) -> dict:
+def report_header(artifact, ceil: Ceilings, mode: str, phase: str, batch: int, context: int, prompt_len: int) -> dict:
     return {
         "artifact": str(artifact.path),
         "target": artifact.target_name,
@@ -269,7 +269,7 @@ def profile_simulated(
 
     progress(stage) is called as each stage starts ("build", "load", "run")."""
     artifact = load_artifact(artifact_path, verify=False)
-    _check_shape(artifact, phase, batch, context, prompt_len)
+    check_shape(artifact, phase, batch, context, prompt_len)
     ceil = ceilings(artifact.target)
     c = artifact.config
     step, blocks = step_batch(phase, batch, context, prompt_len, artifact.block_size, c.vocab_size, seed)
@@ -278,31 +278,31 @@ def profile_simulated(
     lib_path = build_profiled_library(artifact.path)
     if progress:
         progress("load")
-    with _load_for_step(artifact, lib_path, step, blocks) as model:
+    with load_for_step(artifact, lib_path, step, blocks) as model:
         lib = ctypes.CDLL(str(Path(lib_path).resolve()))  # the same loaded object: dlopen counts references
-        for fn in ("llmc_sim_prof_num_fields", "llmc_sim_prof_num_kernels", "llmc_sim_prof_kernel", *_TIMING):
+        for fn in ("llmc_sim_prof_num_fields", "llmc_sim_prof_num_kernels", "llmc_sim_prof_kernel", *TIMING):
             getattr(lib, fn).restype = ctypes.c_int
         if progress:
             progress("run")
         lib.llmc_sim_prof_clear()
         lib.llmc_sim_prof_enable(1)
         try:
-            launched = _timed_launches(lib, model, step)  # the launches' order and the experts each read
+            launched = timed_launches(lib, model, step)  # the launches' order and the experts each read
         finally:
             lib.llmc_sim_prof_enable(0)
         counters = read_counters(lib)
     shape = StepShape(tuple(step_seqs(phase, batch, context, prompt_len)), step.num_seqs)
-    program_floors, experts = _program_floors(artifact, shape, launched)
+    program_floors, experts = program_floors_of(artifact, shape, launched)
     ids = list(program_floors)
-    kernels = [{**_kernel_row(name, v, ceil), "kernel": _kernel_id(name, ids)} for name, v in counters.items()]
+    kernels = [{**_kernel_row(name, v, ceil), "kernel": manifest_kernel_id(name, ids)} for name, v in counters.items()]
     floor_bytes = sum(k["floor_bytes"] for k in kernels)
     flops = program_flops(c, phase, batch, context, prompt_len)
-    floor_us = max(ceil.byte_us(floor_bytes), _flop_us(ceil, artifact, flops))
+    floor_us = max(ceil.byte_us(floor_bytes), flops_us(ceil, artifact, flops))
     launches = sum(k["launches"] for k in kernels)
     # at least the floor plus the launches, even where SIMT FLOPs the kernels' counts miss bound the step
     time_us = max(sum(k["time_us"] for k in kernels), floor_us + launches * ceil.launch_us)
     return {
-        **_header(artifact, ceil, "simulate", phase, batch, context, prompt_len),
+        **report_header(artifact, ceil, "simulate", phase, batch, context, prompt_len),
         "step": {
             "floor_bytes": floor_bytes,
             "dram_bytes": sum(k["dram_bytes"] for k in kernels),
@@ -321,10 +321,10 @@ def profile_simulated(
     }
 
 
-_TIMING = ("llmc_profile_timing", "llmc_profile_num_launches", "llmc_profile_launch")
+TIMING = ("llmc_profile_timing", "llmc_profile_num_launches", "llmc_profile_launch")
 
 
-def _timed_launches(lib: ctypes.CDLL, model: CompiledModel, step: StepBatch) -> list[tuple[str, float, int]]:
+def timed_launches(lib: ctypes.CDLL, model: CompiledModel, step: StepBatch) -> list[tuple[str, float, int]]:
     """(kernel, microseconds, experts it read: an expert GEMM's, else 0) of each launch of one step, in order."""
     lib.llmc_profile_timing(1)
     experts = getattr(lib, "llmc_profile_launch_experts", None)  # optional in the C ABI
@@ -340,13 +340,13 @@ def _timed_launches(lib: ctypes.CDLL, model: CompiledModel, step: StepBatch) -> 
         lib.llmc_profile_timing(0)
 
 
-def _program_floors(artifact, shape: StepShape, launched: list[tuple[str, float, int]]) -> tuple[dict, dict | None]:
+def program_floors_of(artifact, shape: StepShape, launched: list[tuple[str, float, int]]) -> tuple[dict, dict | None]:
     """The floor of each kernel a step launched (floors.py, from the kernel program's shapes; an expert GEMM's at
     the experts it read), by kernel id; and the report's `experts` entry (None for a model without experts)."""
     kernels = {k["id"]: k for k in artifact.manifest.get("kernels") or []}
     ids, read, seen = list(kernels), [], {}
     for name, _, n in launched:
-        kid = _kernel_id(name, ids)
+        kid = manifest_kernel_id(name, ids)
         seen[kid] = kernels[kid]
         if n and kernels[kid].get("template", "").split("/")[-1] in EXPERT_GEMMS:  # a CUDA SwiGLU's up half: 0
             read.append((kid, n))
@@ -375,7 +375,7 @@ def _experts(kernels: dict[str, dict], read: list[tuple[str, int]], shape: StepS
     return floors, {"per_layer": per_layer, "of": total, "weight_bytes": streamed}
 
 
-def _kernel_id(launched: str, ids: list[str]) -> str:
+def manifest_kernel_id(launched: str, ids: list[str]) -> str:
     """The manifest kernel a launched __global__ belongs to: its name is the kernel id plus a suffix (a template
     kernel's demangled name starts with its return type, `void `)."""
     launched = launched.removeprefix("void ")
@@ -383,115 +383,3 @@ def _kernel_id(launched: str, ids: list[str]) -> str:
     if not owners:
         raise LlmcError(f"the module launched {launched!r}, which no kernel of the manifest names")
     return max(owners, key=len)
-
-
-def profile_measured(
-    artifact_path: str | Path,
-    *,
-    phase: str,
-    batch: int = 1,
-    context: int = 0,
-    prompt_len: int = 1,
-    seed: int = 0,
-    repeats: int = 10,
-    library: str | Path | None = None,
-    ceil: Ceilings | None = None,
-    progress=None,
-) -> dict:
-    """Time one step of the stated shape, per kernel (CUDA events on a GPU, the host's clock on the CPU): the
-    median of `repeats` steps after two warm-up steps. The `llmc profile --json` object, with the byte
-    counters null.
-
-    library: a module to load instead of the artifact's, e.g. a CUDA artifact's simulated build, whose events
-    hold the host clock (so the mechanics run in CI). ceil: the ceilings of the floors; default the target's
-    for a GPU, this host's measured for the CPU. progress(stage) is called as each stage starts ("ceilings",
-    "load", "run")."""
-    if repeats < 1:
-        raise LlmcError("--repeats must be >= 1")
-    artifact = load_artifact(artifact_path, verify=False)
-    _check_shape(artifact, phase, batch, context, prompt_len)
-    if progress:
-        progress("ceilings")
-    if ceil is None:
-        ceil = ceilings(artifact.target) if artifact.is_cuda else Ceilings(**cpu_ceilings())
-    step, blocks = step_batch(phase, batch, context, prompt_len, artifact.block_size, artifact.config.vocab_size, seed)
-    shape = StepShape(tuple(step_seqs(phase, batch, context, prompt_len)), step.num_seqs)
-    templates = {k["id"]: k.get("template", "") for k in artifact.manifest.get("kernels") or []}
-    ids = list(templates)
-    if progress:
-        progress("load")
-    with _load_for_step(artifact, library, step, blocks) as model:
-        lib = ctypes.CDLL(str(Path(library or artifact.library_path).resolve()))  # the loaded object, again
-        if not all(hasattr(lib, fn) for fn in _TIMING):
-            raise LlmcError(
-                f"{artifact.path}: its module does not time kernels (compiled by an older llmc)",
-                "recompile the artifact",
-            )
-        for fn in _TIMING:
-            getattr(lib, fn).restype = ctypes.c_int
-        if progress:
-            progress("run")
-        for _ in range(2):  # warm-up: first-touch costs, the decode step's graph capture, the pool's threads
-            model.step(step)
-        wall = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            model.step(step)
-            wall.append(1e6 * (time.perf_counter() - start))
-        per_kernel: dict[str, list[float]] = {}
-        launches: dict[str, int] = {}
-        for _ in range(repeats):
-            step_times: dict[str, float] = {}
-            counts: dict[str, int] = {}
-            launched = _timed_launches(lib, model, step)  # the same launches each repeat, the step being one
-            for name, us, _ in launched:
-                kid = _kernel_id(name, ids)
-                step_times[kid] = step_times.get(kid, 0.0) + us
-                counts[kid] = counts.get(kid, 0) + 1
-            for kid, us in step_times.items():
-                per_kernel.setdefault(kid, []).append(us)
-            launches = counts
-    floors, experts = _program_floors(artifact, shape, launched)
-    kernels, step_flop_us = [], 0.0
-    for kid, times in per_kernel.items():
-        f = floors[kid]
-        flop_us = _flop_us(ceil, artifact, f.flops, templates[kid])
-        floor_us = max(ceil.byte_us(f.bytes), flop_us)
-        time_us = statistics.median(times)
-        kernels.append(
-            {
-                "name": kid,
-                "launches": launches[kid],
-                "requested_bytes": None,
-                "dram_bytes": None,
-                "floor_bytes": f.bytes,
-                "sector_efficiency": None,
-                "bank_conflicts_per_request": None,
-                "tensor_core_instructions": None,
-                "flops": f.flops,
-                "floor_us": floor_us,
-                "time_us": time_us,
-            }
-        )
-        step_flop_us += flop_us
-    floor_bytes = sum(k["floor_bytes"] for k in kernels)
-    flops = sum(k["flops"] for k in kernels)
-    floor_us = max(ceil.byte_us(floor_bytes), step_flop_us)
-    time_us = sum(k["time_us"] for k in kernels)
-    return {
-        **_header(artifact, ceil, "gpu" if artifact.is_cuda else "cpu", phase, batch, context, prompt_len),
-        **({} if artifact.is_cuda else {"host_llc_bytes": host_llc_bytes()}),
-        "repeats": repeats,
-        "step": {
-            "floor_bytes": floor_bytes,
-            "dram_bytes": None,
-            "flops": flops,
-            "launches": sum(k["launches"] for k in kernels),
-            "floor_us": floor_us,
-            "time_us": time_us,
-            "wall_us": statistics.median(wall),
-            "floor_fraction": floor_us / time_us if time_us else 0.0,
-            **({"experts": experts} if experts else {}),
-        },
-        "kernels": kernels,
-    }

@@ -16,12 +16,12 @@ from llmc.compiler.codegen.simulator import build_profiled, build_simulated, bui
 from llmc.tools.cli import main
 from llmc.tools.profile import (
     Ceilings,
-    _kernel_id,
-    profile_measured,
+    manifest_kernel_id,
     profile_simulated,
     program_flops,
     read_counters,
 )
+from llmc.tools.profile_measured import profile_measured
 from llmc.tools.profile_table import format_table
 
 N = 1000  # not a multiple of the 128-thread block: the last warp has 8 lanes
@@ -225,7 +225,7 @@ def test_floors_match_the_simulators_distinct_bytes(tiny_sm90, shape):
     simulated = profile_simulated(tiny_sm90, **shape)
     touched: dict[str, int] = {}
     for k in simulated["kernels"]:
-        kid = _kernel_id(k["name"], [m["name"] for m in measured["kernels"]])
+        kid = manifest_kernel_id(k["name"], [m["name"] for m in measured["kernels"]])
         touched[kid] = touched.get(kid, 0) + k["floor_bytes"]
     for k in measured["kernels"]:
         if "paged_attention" in k["name"]:

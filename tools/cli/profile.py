@@ -47,7 +47,8 @@ def profile(
     ceilings. A CPU artifact: each kernel timed on the host, floors at this host's bandwidth and peak rates,
     measured first. --simulate (CUDA): bytes, DRAM sectors, sector efficiency, bank conflicts and tensor-core
     instructions counted, the time predicted from them."""
-    from llmc.tools.profile import profile_measured, profile_simulated
+    from llmc.tools.profile import profile_simulated
+    from llmc.tools.profile_measured import profile_measured
     from llmc.tools.profile_table import format_table
 
     stages = ("build", "load", "run") if simulate else ("ceilings", "load", "run")
