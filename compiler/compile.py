@@ -17,7 +17,7 @@ import tvm
 from tqdm import tqdm
 
 from llmc.artifact_writer import write_artifact
-from llmc.dtypes import ELEMENT_DTYPES, KV_DTYPES, resolve_kv_dtype
+from llmc.dtypes import ELEMENT_DTYPES, FP8_KV_MIN_COMPUTE_CAPABILITY, KV_DTYPES, resolve_kv_dtype
 from llmc.errors import CompileError, UnsupportedModelError
 from llmc.targets import Target, load_target, tuning_db_path
 
@@ -212,9 +212,9 @@ def compile_checkpoint(
     importance_tokens: calibration token ids (one sequence) over which each quantized linear's input channels
     are measured (compiler/importance.py); llmc's quantizer then weighs each weight's error by its channel's
     importance. None: unweighted.
-    kv_dtype: what the KV cache stores (`--kv-cache-dtype`): float32, bfloat16 at half the bytes, or int8 with a
-    float32 scale per (token, kv head); "auto" (resolve_kv_dtype): bfloat16 for a bf16 / fp16 CUDA build, else
-    float32.
+    kv_dtype: what the KV cache stores (`--kv-cache-dtype`): float32, bfloat16 at half the bytes, or int8 or (CUDA
+    sm89 and later) fp8 e4m3 ("fp8" or "float8_e4m3fn") with a float32 scale per (token, kv head); "auto"
+    (resolve_kv_dtype): bfloat16 for a bf16 / fp16 CUDA build, else float32.
     gate: a last check of the built directory before it is written (Gate); the quality gate of a quantized
     build is one (tools/build.py).
     tuning_db: the tuning database whose matching entries set kernel tunables (None: the target's own,
@@ -226,10 +226,15 @@ def compile_checkpoint(
         tuning = TuningDB.load(tuning_db or tuning_db_path(target), target, required=tuning_db is not None)
     block_size = block_size or tgt.block_size
     quant = quant or QuantConfig()
-    if kv_dtype not in ("auto", *KV_DTYPES):
+    if kv_dtype not in ("auto", "fp8", *KV_DTYPES):
         raise CompileError(
             f"KV cache dtype {kv_dtype!r} is not supported",
-            f"--kv-cache-dtype takes auto or one of {', '.join(KV_DTYPES)}",
+            f"--kv-cache-dtype takes auto, fp8 or one of {', '.join(KV_DTYPES)}",
+        )
+    if kv_dtype in ("fp8", "float8_e4m3fn") and (tgt.compute_capability or 0) < FP8_KV_MIN_COMPUTE_CAPABILITY:
+        raise CompileError(
+            f"an fp8 KV cache needs a CUDA target of sm{FP8_KV_MIN_COMPUTE_CAPABILITY} or later, not {tgt.name}",
+            "use --kv-cache-dtype int8 (a quarter of float32's bytes plus a scale, on every target) or bfloat16",
         )
     ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else load_checkpoint(checkpoint)
     dtype = resolve_weight_dtype(ckpt, weight_dtype)

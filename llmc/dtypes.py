@@ -29,7 +29,7 @@ _ALL = (
     DType("float32", 4, "F32", "float", "f32"),
     DType("bfloat16", 2, "BF16", "uint16_t", "bf16"),
     DType("float16", 2, "F16", "uint16_t", "f16"),
-    DType("float8_e4m3fn", 1, "F8_E4M3", "uint8_t"),
+    DType("float8_e4m3fn", 1, "F8_E4M3", "uint8_t", "fp8"),
     DType("float8_e5m2", 1, "F8_E5M2", "uint8_t"),
     DType("int64", 8, "I64", "int64_t"),
     DType("int32", 4, "I32", "int32_t"),
@@ -49,28 +49,33 @@ BY_SAFETENSORS: dict[str, DType] = {d.safetensors: d for d in _ALL}
 ELEMENT_DTYPES = ("float32", "bfloat16")
 # A template parameter's short name -> its element dtype ("bf16" -> bfloat16)
 ELEMENTS_BY_SHORT: dict[str, DType] = {DTYPES[n].short: DTYPES[n] for n in ELEMENT_DTYPES}
-# What the KV cache may store: an element, or int8 with a float32 scale per (token, kv head), quantized as it is
-# written (symmetric, the row's largest magnitude at 127)
-KV_DTYPES = (*ELEMENT_DTYPES, "int8")
+# What the KV cache may store: an element, or int8 or fp8 (e4m3) with a float32 scale per (token, kv head),
+# quantized as it is written (symmetric, the row's largest magnitude at the type's largest value: 127, 448). fp8 is
+# a CUDA cache of sm89 and later (FP8_KV_MIN_COMPUTE_CAPABILITY), the generations with fp8 in hardware.
+KV_DTYPES = (*ELEMENT_DTYPES, "int8", "float8_e4m3fn")
+SCALED_KV_DTYPES = ("int8", "float8_e4m3fn")
+FP8_KV_MIN_COMPUTE_CAPABILITY = 89
 KV_BY_SHORT: dict[str, DType] = {DTYPES[n].short: DTYPES[n] for n in KV_DTYPES}
 
 
 def kv_slot_bytes(kv_dtype: str, num_kv_heads: int, head_dim: int) -> int:
-    """Bytes one token's k (or v) takes in the cache: its values, and an int8 cache's scale per kv head."""
-    return num_kv_heads * (head_dim * DTYPES[kv_dtype].nbytes + (4 if kv_dtype == "int8" else 0))
+    """Bytes one token's k (or v) takes in the cache: its values, and a scaled cache's scale per kv head."""
+    return num_kv_heads * (head_dim * DTYPES[kv_dtype].nbytes + (4 if kv_dtype in SCALED_KV_DTYPES else 0))
 
 
 def kv_block_bytes(kv_dtype: str, block_size: int, num_kv_heads: int, head_dim: int) -> int:
-    """Bytes of one block of one layer's k (or v): its slots, an int8 block padded to 16 bytes so that every block's
-    rows stay 16-byte aligned (the model's kKvBlockBytes)."""
+    """Bytes of one block of one layer's k (or v): its slots, a scaled block padded to 16 bytes so that every
+    block's rows stay 16-byte aligned (the model's kKvBlockBytes)."""
     n = block_size * kv_slot_bytes(kv_dtype, num_kv_heads, head_dim)
-    return -(-n // 16) * 16 if kv_dtype == "int8" else n
+    return -(-n // 16) * 16 if kv_dtype in SCALED_KV_DTYPES else n
 
 
 def resolve_kv_dtype(kv_dtype: str, *, cuda: bool, weight_dtype: str) -> str:
     """The KV cache element of a build. "auto" is the build's own precision, as vLLM's: bfloat16 for bf16 / fp16
     weights on a CUDA target (half the cache bytes, and the tensor-core prefill attention reads bf16 tiles),
     float32 otherwise (the CPU target and fp32 builds keep an exact cache)."""
+    if kv_dtype == "fp8":  # vLLM's spelling
+        return "float8_e4m3fn"
     if kv_dtype != "auto":
         return kv_dtype
     return "bfloat16" if cuda and weight_dtype in ("bfloat16", "float16") else "float32"

@@ -1,8 +1,9 @@
-"""`llmc compile --kv-cache-dtype bfloat16 | int8`: a KV cache of bf16 values at half the bytes of float32, or of
-int8 values with a float32 scale per (token, kv head).
+"""`llmc compile --kv-cache-dtype bfloat16 | int8 | fp8`: a KV cache of bf16 values at half the bytes of float32,
+or of int8 or (CUDA sm89 and later) fp8 e4m3 values with a float32 scale per (token, kv head).
 
 The module stores each k/v value (k after RoPE) rounded to bf16, nearest even, or quantized head by head as it
-writes them (s = max |x| / 127, q = round(x / s), ties to even), and attends over the values they hold. The
+writes them (s = max |x| / 127 or 448, q = x / s rounded to the type, ties to even), and attends over the values
+they hold. The
 reference is transformers whose attention reads k and v rounded or quantized the same way: greedy tokens equal
 (bf16: on the CPU target and on the simulated sm90 one), and logits of every prompt row within the fp32 parity
 tolerance. The manifest and `llmc inspect` name the dtype, llmc_info reports the bytes per value, and the runtime
@@ -46,8 +47,14 @@ def _int8(x):
     return torch.where(s > 0, torch.round(x / s), 0.0) * s
 
 
+def _fp8(x):
+    """x as an fp8 cache holds it: per (token, head) s = max |x| / 448, x / s as float8_e4m3fn."""
+    s = x.abs().amax(dim=-1, keepdim=True) / 448
+    return torch.where(s > 0, (x / s).to(torch.float8_e4m3fn).float(), 0.0) * s
+
+
 # the KV cache dtype -> what it does to a k or v row
-STORED = {"bfloat16": lambda x: x.bfloat16().float(), "int8": _int8}
+STORED = {"bfloat16": lambda x: x.bfloat16().float(), "int8": _int8, "float8_e4m3fn": _fp8}
 
 
 def _stored_kv_attention(kv_dtype):
@@ -92,6 +99,7 @@ def _load(path, target: str, **kw) -> CompiledModel:
         ("cpu", "int8"),
         pytest.param("sm90", "bfloat16", marks=pytest.mark.slow),
         pytest.param("sm90", "int8", marks=pytest.mark.slow),
+        pytest.param("sm90", "float8_e4m3fn", marks=pytest.mark.slow),
     ],
 )
 def test_greedy_tokens_match_transformers_reading_the_stored_kv(target, kv_dtype, checkpoint_dir, tmp_path_factory):
@@ -167,13 +175,33 @@ def test_manifest_that_disagrees_with_the_module_is_refused(checkpoint_dir, tmp_
 
 
 def test_unknown_kv_cache_dtype_is_refused_before_compiling(checkpoint_dir, tmp_path):
-    with pytest.raises(CompileError, match="--kv-cache-dtype takes auto or one of float32, bfloat16, int8"):
+    with pytest.raises(CompileError, match="--kv-cache-dtype takes auto, fp8 or one of float32, bfloat16, int8"):
         compile_checkpoint(checkpoint_dir("llama"), target="cpu", output=tmp_path / "m", kv_dtype="float16")
     result = CliRunner().invoke(
         main, ["compile", str(checkpoint_dir("llama")), "-o", str(tmp_path / "m"), "--kv-cache-dtype", "float16"]
     )
     assert result.exit_code == 2 and "'float16' is not one of 'auto', 'float32', 'bfloat16', 'int8'" in result.output
     assert not (tmp_path / "m").exists()
+
+
+@pytest.mark.parametrize("target", ["cpu", "sm80"])
+def test_fp8_cache_is_refused_before_sm89(target, checkpoint_dir, tmp_path):
+    with pytest.raises(CompileError, match=f"an fp8 KV cache needs a CUDA target of sm89 or later, not {target}"):
+        compile_checkpoint(checkpoint_dir("llama"), target=target, output=tmp_path / "m", kv_dtype="fp8")
+    assert not (tmp_path / "m").exists()
+
+
+def test_fp8_cache_on_sm89(checkpoint_dir, tmp_path):
+    """vLLM's spelling, fp8, is float8_e4m3fn in the manifest; the attention kernels take an fp8 cache, whose
+    blocks are an int8 one's bytes (a value a byte, a float32 scale per (token, kv head), padded to 16 bytes)."""
+    out = compile_checkpoint(checkpoint_dir("llama"), target="sm89", output=tmp_path / "m", kv_dtype="fp8")
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["kv_cache_dtype"] == "float8_e4m3fn"
+    attention = [k for k in manifest["kernels"] if k["template"] == "cuda/paged_attention"]
+    assert attention and all(k["params"]["kv_dtype"] == "fp8" for k in attention)
+    c = json.loads((checkpoint_dir("llama") / "config.json").read_text())
+    layers, kvh, hd = c["num_hidden_layers"], c["num_key_value_heads"], c["hidden_size"] // c["num_attention_heads"]
+    assert kv_bytes_per_block(layers, kvh, hd, 16, "float8_e4m3fn") == kv_bytes_per_block(layers, kvh, hd, 16, "int8")
 
 
 def test_run_compiles_a_checkpoint_with_the_kv_cache_dtype(checkpoint_dir, tmp_path_factory, monkeypatch):

@@ -93,7 +93,8 @@ SIGNATURES = {
 _C_TYPE = {"f32*": "float*", "u8*": "uint8_t*", "i32*": "int32_t*", "i64*": "int64_t*", "int": "int"}
 _NP_TYPE = {"f32*": np.float32, "u8*": np.uint8, "i32*": np.int32, "i64*": np.int64}
 W_TYPES = {"f32": ("float*", np.float32), "bf16": ("uint16_t*", np.uint16)}
-KV_TYPES = {**W_TYPES, "i8": ("int8_t*", np.int8)}  # an int8 cache: its blocks' bytes (values and scales)
+# an int8 or fp8 (e4m3 bits) cache: its blocks' bytes (values and scales)
+KV_TYPES = {**W_TYPES, "i8": ("int8_t*", np.int8), "fp8": ("uint8_t*", np.uint8)}
 _S_DTYPES = {32: np.float32, 16: np.float16, 8: np.uint8}  # scales by scale_bits (8: K-quant record bytes)
 # kind -> (the kernel parameter that picks the element type, its (C type, numpy dtype) per value); and S*, the
 # scales, whose C type render.scale_ctype gives
@@ -307,8 +308,9 @@ class CpuHarness(Harness):
     units = os.cpu_count() or 1  # build_shared_library compiles them in parallel: the build is most of a run
 
     def spec(self, op: str, params: dict) -> tuple[str, dict] | None:
-        """The CPU templates take no adtype: their activations are float32, and bf16 ones are CUDA's alone."""
-        if params.get("adtype", "f32") != "f32":
+        """The CPU templates take no adtype: their activations are float32, and bf16 ones are CUDA's alone; so is
+        an fp8 KV cache (llmc/dtypes.py FP8_KV_MIN_COMPUTE_CAPABILITY)."""
+        if params.get("adtype", "f32") != "f32" or params.get("kv_dtype") == "fp8":
             return None
         return op, {k: v for k, v in params.items() if k != "adtype"}
 

@@ -4,8 +4,9 @@ A ragged batch mixes prefill, chunked prefill and decode sequences whose cache b
 and non-contiguous; the cache holds earlier tokens' k/v and garbage elsewhere. q/k/v are column
 slices of one fused qkv buffer, as the qkv gemm produces them. Context lengths cross CUDA's 32-position
 chunks (33, 70 + new tokens) and its 64-position KV splits (up to 301). A bf16 cache (kv_dtype bf16) is checked against the same reference over k/v
-rounded to bf16 (nearest even) as the kernel must store them, an int8 cache over k/v quantized per
-(position, kv head) as the kernel must store them, within float32 rounding. On CUDA, a bf16 cache's sequences of 16 or more
+rounded to bf16 (nearest even) as the kernel must store them, an int8 or (CUDA) fp8 e4m3 cache over k/v quantized
+per (position, kv head) as the kernel must store them (fp8 codes as torch's float8_e4m3fn rounds them), within
+float32 rounding. On CUDA, a bf16 cache's sequences of 16 or more
 new tokens take the tensor-core prefill, whose q and softmax weights are bf16: checked against the reference
 over bf16-rounded q, within P's rounding.
 """
@@ -15,6 +16,7 @@ import math
 
 import numpy as np
 import pytest
+import torch
 
 from llmc.compiler.codegen.render import render_kernel
 from llmc.errors import CompileError
@@ -68,7 +70,9 @@ BF16_SPECS = [(op, dict(p, adtype="bf16")) for op, p in (F32_SPECS[i] for i in (
 # An int8 cache: GQA 4 and 3, head_dims 64, 8 and 20 (no whole SIMD vector, nor CUDA's 16-value rows), a window
 # mid-block, soft-capped scores
 INT8_SPECS = [(op, dict(p, kv_dtype="i8")) for op, p in (F32_SPECS[i] for i in (1, 2, 5, 10, 16))]
-SPECS = F32_SPECS + BF16_SPECS + INT8_SPECS
+# An fp8 (e4m3) cache, CUDA's alone: the int8 cases'
+FP8_SPECS = [(op, dict(p, kv_dtype="fp8")) for op, p in INT8_SPECS]
+SPECS = F32_SPECS + BF16_SPECS + INT8_SPECS + FP8_SPECS
 IDS = [spec_id(s) for s in F32_SPECS]
 WINDOWED = [pytest.param(*s, id=IDS[i]) for i, s in enumerate(F32_SPECS) if s[1]["sliding_window"] > 0]
 # Under the CUDA simulator, where a mixed batch takes ~60 ms, the batch and schedule test runs GQA 4 and 3 and
@@ -130,34 +134,41 @@ def assert_matches_reference(out, batch, target, params):
         np.testing.assert_allclose(out[flash], rounded.reference()[flash], rtol=0, atol=4e-3 * scale)
 
 
-def quantize_kv(rows):
-    """rows [..., hd] float32 -> (int8 q, float32 scale [...]): s = max |x| / 127, q = round(x / s), ties to even."""
-    s = (np.abs(rows).max(axis=-1) / np.float32(127)).astype(np.float32)
+def quantize_kv(rows, kind):
+    """rows [..., hd] float32 -> (codes, float32 scale [...]) of an int8 ("i8") or fp8 ("fp8") cache: s = max |x| /
+    the type's largest value (127, 448), codes = x / s rounded to the type, ties to even: int8 values, or e4m3 bits
+    as torch's float8_e4m3fn rounds them."""
+    s = (np.abs(rows).max(axis=-1) / np.float32(127 if kind == "i8" else 448)).astype(np.float32)
     with np.errstate(divide="ignore", invalid="ignore"):
-        q = np.where(s[..., None] > 0, np.rint(rows / s[..., None]), 0)
-    return q.astype(np.int8), s
+        x = np.where(s[..., None] > 0, rows / s[..., None], 0).astype(np.float32)
+    if kind == "i8":
+        return np.rint(x).astype(np.int8), s
+    return torch.from_numpy(x).to(torch.float8_e4m3fn).view(torch.uint8).numpy(), s
 
 
-class Int8Batch(Batch):
-    """A step on an int8 cache: each block its [bs, nkv, hd] int8 values, then [nkv, bs] float32 scales, padded to
-    16 bytes (llmc_attention.h KvLayout), as int8 bytes [NUM_BLOCKS, block bytes]. The history is stored quantized, and
+def dequantize_kv(codes, s, kind):
+    values = codes if kind == "i8" else torch.from_numpy(codes).view(torch.float8_e4m3fn).float().numpy()
+    return values.astype(np.float32) * s[..., None]
+
+
+class ScaledBatch(Batch):
+    """A step on an int8 or fp8 cache: each block its [bs, nkv, hd] codes, then [nkv, bs] float32 scales, padded to
+    16 bytes (llmc_attention.h KvLayout), as bytes [NUM_BLOCKS, block bytes]. The history is stored quantized, and
     the reference's K/V (history and this step's rows) are the dequantized rows the kernel must store."""
 
     def __init__(self, p, seqs, seed):
         super().__init__(p, seqs, seed)
+        self.kind = p["kv_dtype"]
         self.k_cache, self.v_cache = self._packed(self.k_cache), self._packed(self.v_cache)
         self.K, self.V = [self._dequantized(k) for k in self.K], [self._dequantized(v) for v in self.V]
 
-    @staticmethod
-    def _dequantized(rows):
-        q, s = quantize_kv(rows)
-        return q.astype(np.float32) * s[..., None]
+    def _dequantized(self, rows):
+        return dequantize_kv(*quantize_kv(rows, self.kind), self.kind)
 
-    @staticmethod
-    def _packed(cache):
-        q, s = quantize_kv(cache)
+    def _packed(self, cache):
+        q, s = quantize_kv(cache, self.kind)
         n = cache.shape[0]
-        block = np.concatenate([q.reshape(n, -1), s.transpose(0, 2, 1).reshape(n, -1).view(np.int8)], axis=1)
+        block = np.concatenate([q.reshape(n, -1), s.transpose(0, 2, 1).reshape(n, -1).view(q.dtype)], axis=1)
         pad = -block.shape[1] % 16  # blocks of whole 16-byte pieces
         return np.ascontiguousarray(np.pad(block, ((0, 0), (0, pad))))
 
@@ -168,7 +179,7 @@ class Int8Batch(Batch):
         out = []
         for before, cols in ((k_before, slice(nh * hd, (nh + nkv) * hd)), (v_before, slice((nh + nkv) * hd, None))):
             cache = before.copy()
-            q, s = quantize_kv(self.qkv[keep, cols].reshape(-1, nkv, hd))
+            q, s = quantize_kv(self.qkv[keep, cols].reshape(-1, nkv, hd), self.kind)
             cache[:, : bs * nkv * hd].reshape(-1, bs, nkv, hd)[blocks, offsets] = q
             scales = cache[:, bs * nkv * hd : bs * nkv * (hd + 4)]
             scales.view(np.float32).reshape(-1, nkv, bs)[blocks, :, offsets] = s
@@ -177,7 +188,7 @@ class Int8Batch(Batch):
 
 
 def make_batch(params, seqs, seed):
-    return {"bf16": Bf16Batch, "i8": Int8Batch}.get(params["kv_dtype"], Batch)(params, seqs, seed)
+    return {"bf16": Bf16Batch, "i8": ScaledBatch, "fp8": ScaledBatch}.get(params["kv_dtype"], Batch)(params, seqs, seed)
 
 
 # long: contexts of 301 and 132 (CUDA: 5 and 3 KV splits of 64 positions or fewer, combined) beside a 70-token
@@ -187,7 +198,15 @@ def make_batch(params, seqs, seed):
     [MIXED, [(0, 17)], [(40, 1), (3, 1), (0, 1)], [(300, 1), (130, 2), (0, 70)]],
     ids=["mixed", "prefill", "decode", "long"],
 )
-@pytest.mark.parametrize("op,params", F32_SPECS + INT8_SPECS, ids=IDS + [spec_id(s) for s in INT8_SPECS])
+@pytest.mark.parametrize(
+    "op,params",
+    [
+        *F32_SPECS,
+        *INT8_SPECS,
+        *(pytest.param(*s, marks=pytest.mark.targets("cuda")) for s in FP8_SPECS),
+    ],
+    ids=IDS + [spec_id(s) for s in INT8_SPECS + FP8_SPECS],
+)
 def test_paged_attention_matches_numpy(kernels, target, op, params, seqs):
     batch = make_batch(params, seqs, seed=len(seqs))
     k_before, v_before = batch.k_cache.copy(), batch.v_cache.copy()

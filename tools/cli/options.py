@@ -172,13 +172,13 @@ def quant_options(command):
 
 kv_cache_dtype_option = click.option(
     "--kv-cache-dtype",
-    type=click.Choice(["auto", "float32", "bfloat16", "int8"]),
+    type=click.Choice(["auto", "float32", "bfloat16", "int8", "fp8", "float8_e4m3fn"]),
     default="auto",
     show_default=True,
     help="What the KV cache stores: bfloat16 halves its bytes (twice the tokens in the same memory, half the "
-    "attention reads) for k/v rounded to bf16; int8 (CPU target) a quarter of float32's plus a scale per token "
-    "and kv head; auto is bfloat16 for a bf16 / fp16 build on a CUDA target, else float32. run, serve and bench: "
-    "when they compile a checkpoint.",
+    "attention reads) for k/v rounded to bf16; int8 a quarter of float32's plus a scale per token and kv head; "
+    "fp8 (float8_e4m3fn; CUDA sm89 and later) the same bytes as e4m3; auto is bfloat16 for a bf16 / fp16 build on "
+    "a CUDA target, else float32. run, serve and bench: when they compile a checkpoint.",
 )
 
 no_prefix_caching = click.option(

@@ -52,9 +52,9 @@ struct PagedAttention {
   static constexpr int kHeadBlocks = NH / HPB;
   static constexpr int DPL = ceil_div(D, 32);  // output dims per lane
   static constexpr int SLOT = NKV * D;         // values per cache slot
-  // int8: a block's [NKV][BS] float scales follow its values, the block padded to 16 bytes (llmc/dtypes.py
-  // kv_block_bytes); kBlock: the KV elements of a block
-  static constexpr bool kScaled = std::is_same_v<KV, int8_t>;
+  // int8 and fp8 (uint8_t: e4m3 bits): a block's [NKV][BS] float scales follow its values, the block padded to 16
+  // bytes (llmc/dtypes.py kv_block_bytes); kBlock: the KV elements of a block
+  static constexpr bool kScaled = std::is_same_v<KV, int8_t> || std::is_same_v<KV, uint8_t>;
   static constexpr int64_t kBlock = kScaled ? (static_cast<int64_t>(BS) * NKV * (D + 4) + 15) / 16 * 16
                                             : static_cast<int64_t>(BS) * SLOT;
   static constexpr int kWriteThreads = row_threads(SLOT, 256);
@@ -99,13 +99,13 @@ struct PagedAttention {
   static __device__ __forceinline__ int64_t cache_row(const int32_t* table, int pos, int kvh) {
     return slot_row(pos_slot(table, pos), kvh);
   }
-  // int8: where the scale of slot `slot`'s row of kv head kvh lies
+  // int8, fp8: where the scale of slot `slot`'s row of kv head kvh lies
   template <typename C>  // KV or const KV
   static __device__ __forceinline__ auto scale_at(C* cache, int64_t slot, int kvh) {
     using F = std::conditional_t<std::is_const_v<C>, const float, float>;
     return reinterpret_cast<F*>(cache + slot / BS * kBlock + static_cast<int64_t>(BS) * SLOT) + kvh * BS + slot % BS;
   }
-  // the scale of that row: int8's, else 1
+  // the scale of that row: int8's or fp8's, else 1
   static __device__ __forceinline__ float row_scale(const KV* cache, int64_t slot, int kvh) {
     if constexpr (kScaled)
       return *scale_at(cache, slot, kvh);
@@ -116,14 +116,22 @@ struct PagedAttention {
   static __device__ __forceinline__ float to_kv(float x, float*) { return x; }
   static __device__ __forceinline__ uint16_t to_kv(float x, uint16_t*) { return bf16_bits(x); }
 
-  // int8: one head's row (D values at src) quantized into dst and its scale, by one warp: s = max |x| / 127,
-  // q = round(x / s), ties to even (as the CPU's KvLayout::write).
-  static __device__ __forceinline__ void write_int8(const A* src, int8_t* dst, float* scale) {
+  // int8 and fp8: one head's row (D values at src) quantized into dst and its scale, by one warp: s = max |x| /
+  // the type's largest value (127, 448), q = x / s rounded to the type, ties to even (int8 as the CPU's
+  // KvLayout::write).
+  static __device__ __forceinline__ void write_scaled(const A* src, KV* dst, float* scale) {
+    constexpr float kMax = std::is_same_v<KV, int8_t> ? 127.0f : 448.0f;
     const int lane = threadIdx.x & 31;
     float amax = 0.0f;
     for (int d = lane; d < D; d += 32) amax = fmaxf(amax, fabsf(wload(src[d])));
-    const float s = warp_max(amax) / 127.0f;
-    for (int d = lane; d < D; d += 32) dst[d] = s > 0.0f ? static_cast<int8_t>(rintf(wload(src[d]) / s)) : 0;
+    const float s = warp_max(amax) / kMax;
+    for (int d = lane; d < D; d += 32) {
+      const float q = s > 0.0f ? wload(src[d]) / s : 0.0f;
+      if constexpr (std::is_same_v<KV, int8_t>)
+        dst[d] = static_cast<int8_t>(rintf(q));
+      else
+        dst[d] = float_to_fp8_e4m3(q);
+    }
     if (lane == 0) *scale = s;
   }
 
@@ -139,7 +147,7 @@ struct PagedAttention {
         for (int r = threadIdx.x / 32; r < 2 * NKV; r += kWriteThreads / 32) {
           const int kvh = r % NKV;
           KV* cache = r < NKV ? k_cache : v_cache;
-          write_int8((r < NKV ? k : v) + src + kvh * D, cache + slot_row(slot, kvh), scale_at(cache, slot, kvh));
+          write_scaled((r < NKV ? k : v) + src + kvh * D, cache + slot_row(slot, kvh), scale_at(cache, slot, kvh));
         }
       } else {
         const int64_t dst = slot_row(slot, 0);
@@ -221,7 +229,7 @@ struct PagedAttention {
       float q[HPB][D];     // this warp's query row
       float p[HPB][32];    // softmax weights of the current 32 positions
       int64_t row[HPB][32];  // their V rows (element offsets into the cache)
-      float ks[HPB][32], vs[HPB][32];  // int8: their K and V rows' scales
+      float ks[HPB][32], vs[HPB][32];  // int8, fp8: their K and V rows' scales
       int last;            // this block finished its token's last split
     };
     __shared__ Smem sm;

@@ -49,6 +49,33 @@ __device__ __forceinline__ float wload(float v) { return v; }
 __device__ __forceinline__ float wload(uint16_t v) { return bf16_to_float(v); }
 __device__ __forceinline__ float wload(int8_t v) { return static_cast<float>(v); }  // an int8 KV value, unscaled
 
+// fp8 e4m3 (OCP "fn": bias 7, no infinities, 0x7f / 0xff NaN; largest 448, subnormals m * 2^-9), the element of an
+// fp8 KV cache, held as uint8_t bits. In integer arithmetic, so the simulator and every sm run the same code.
+__device__ __forceinline__ float fp8_e4m3_to_float(uint8_t b) {
+  const uint32_t e = (b >> 3) & 0xfu, m = b & 7u;
+  // normal: the fp32 with that exponent (rebiased 7 -> 127) and mantissa; subnormal: m * 2^-9, exact in fp32
+  const float a = e ? __uint_as_float(((e + 120u) << 23) | (m << 20)) : static_cast<float>(m) * 0x1p-9f;
+  return b & 0x80u ? -a : a;
+}
+// x -> e4m3, rounded to nearest even, |x| past 448 saturated to 448 (a scaled KV row never gets there by more
+// than a rounding)
+__device__ __forceinline__ uint8_t float_to_fp8_e4m3(float x) {
+  const uint32_t u = __float_as_uint(x), sign = (u >> 24) & 0x80u;
+  const float a = fabsf(x);
+  uint32_t code;
+  if (a < 0x1p-6f) {
+    code = static_cast<uint32_t>(rintf(a * 0x1p9f));  // subnormals (8: the smallest normal, 2^-6, as it should)
+  } else {
+    const uint32_t ua = __float_as_uint(a), mant = ua & 0x7fffffu, rem = mant & 0xfffffu;
+    uint32_t e = (ua >> 23) - 120u, m = mant >> 20;  // e4m3's biased exponent, 3 mantissa bits
+    if (rem > 0x80000u || (rem == 0x80000u && (m & 1u))) ++m;
+    if (m == 8u) m = 0, ++e;
+    code = e > 15u || (e == 15u && m == 7u) ? 0x7eu : (e << 3) | m;
+  }
+  return static_cast<uint8_t>(sign | code);
+}
+__device__ __forceinline__ float wload(uint8_t v) { return fp8_e4m3_to_float(v); }  // an fp8 KV value, unscaled
+
 __device__ __forceinline__ float4 load4(const float* p) {
   LLMC_CHECK_ALIGNED16(p);
   return vload<float4>(p);
@@ -75,6 +102,17 @@ struct Vec16<uint16_t> {
   static __device__ __forceinline__ void load(const uint16_t* p, float (&o)[8]) {
     LLMC_CHECK_ALIGNED16(p);
     load_bf16x8(p, o);
+  }
+};
+template <>
+struct Vec16<uint8_t> {  // an fp8 (e4m3) KV cache's values, unscaled
+  static constexpr int N = 16;
+  static __device__ __forceinline__ void load(const uint8_t* p, float (&o)[16]) {
+    LLMC_CHECK_ALIGNED16(p);
+    const uint4 v = vload<uint4>(p);
+    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < 16; ++i) o[i] = fp8_e4m3_to_float(static_cast<uint8_t>(w[i / 4] >> (8 * (i % 4))));
   }
 };
 template <>
