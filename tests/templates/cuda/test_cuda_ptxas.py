@@ -87,8 +87,11 @@ _REPRESENTATIVE = [
     ),
     ("moe_combine", dict(hidden=2048, top_k=8)),
 ]
-# the bf16 cache's attention with an int8 cache
-_REPRESENTATIVE += [(op, dict(p, kv_dtype="i8")) for op, p in _REPRESENTATIVE if p.get("kv_dtype") == "bf16"]
+# the bf16 cache's attention with an int8 cache, and with an fp8 one (sm89 and later in llmc compile; the same
+# source for sm_80 here)
+_REPRESENTATIVE += [
+    (op, dict(p, kv_dtype=kv)) for kv in ("i8", "fp8") for op, p in _REPRESENTATIVE if p.get("kv_dtype") == "bf16"
+]
 # Activations as llmc compile gives them: float32 beside float32 weights, a float32 cache or float32 scales (a
 # float32 build), else bf16; rope, silu_mul and gather_rows both ways.
 _F32_BUILD = {"wdtype": "f32", "kv_dtype": "f32", "scale_bits": 32}
