@@ -104,28 +104,22 @@ struct Vec16<uint16_t> {
     load_bf16x8(p, o);
   }
 };
-template <>
-struct Vec16<uint8_t> {  // an fp8 (e4m3) KV cache's values, unscaled
+// A scaled KV cache's 16 one-byte values, unscaled: int8, or fp8 e4m3 bits (uint8_t), each as wload reads it
+template <typename B>
+struct Vec16Bytes {
   static constexpr int N = 16;
-  static __device__ __forceinline__ void load(const uint8_t* p, float (&o)[16]) {
+  static __device__ __forceinline__ void load(const B* p, float (&o)[16]) {
     LLMC_CHECK_ALIGNED16(p);
     const uint4 v = vload<uint4>(p);
     const uint32_t w[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
-    for (int i = 0; i < 16; ++i) o[i] = fp8_e4m3_to_float(static_cast<uint8_t>(w[i / 4] >> (8 * (i % 4))));
+    for (int i = 0; i < 16; ++i) o[i] = wload(static_cast<B>(w[i / 4] >> (8 * (i % 4))));
   }
 };
 template <>
-struct Vec16<int8_t> {  // an int8 KV cache's values, unscaled
-  static constexpr int N = 16;
-  static __device__ __forceinline__ void load(const int8_t* p, float (&o)[16]) {
-    LLMC_CHECK_ALIGNED16(p);
-    const uint4 v = vload<uint4>(p);
-    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-    for (int i = 0; i < 16; ++i) o[i] = static_cast<float>(static_cast<int8_t>(w[i / 4] >> (8 * (i % 4))));
-  }
-};
+struct Vec16<int8_t> : Vec16Bytes<int8_t> {};
+template <>
+struct Vec16<uint8_t> : Vec16Bytes<uint8_t> {};
 
 // ---------------------------------------------------------------------------------------------------
 // activations: float, or uint16_t (bf16 bits)
