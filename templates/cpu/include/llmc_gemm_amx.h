@@ -27,7 +27,7 @@ namespace llmc {
 //
 // Blocking. A task is a range of 32-output blocks (two A tiles) over a chunk of rows; per k tile two weight
 // tiles and two x tiles feed four C tiles (all eight tile registers). The weights stream from memory once per
-// row chunk, prefetched ahead as the AVX-512 GEMV's; x's chunk stays in L2 (kGemmXBytes).
+// row chunk (amx_block says how they are prefetched); x's chunk stays in L2 (kGemmXBytes).
 constexpr int kAmxRows = 16;  // tile rows, and the outputs or x rows a tile covers
 
 // Linux hands out AMX state on request, per process (arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)).
