@@ -137,6 +137,8 @@ def _check_params(target: str, op: str, params: Mapping[str, Any]) -> None:
             raise ValueError(f"norm_eps must be a float > 0 (absent: no per-head norm), got {eps!r}")
     if params.get("activation", "gelu_tanh") != "gelu_tanh":
         raise ValueError(f"activation must be 'gelu_tanh' (absent: silu), got {params['activation']!r}")
+    if "wdtype" in params and params["wdtype"] not in ELEMENTS_BY_SHORT:  # the ctype filter takes KV dtypes too
+        raise ValueError(f"wdtype must be one of {sorted(ELEMENTS_BY_SHORT)}, got {params['wdtype']!r}")
     for key in ("scale", "residual_scale", "attention_factor"):
         value = params.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, float) or not math.isfinite(value)):
