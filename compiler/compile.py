@@ -17,7 +17,13 @@ import tvm
 from tqdm import tqdm
 
 from llmc.artifact_writer import write_artifact
-from llmc.dtypes import ELEMENT_DTYPES, FP8_KV_MIN_COMPUTE_CAPABILITY, KV_DTYPES, resolve_kv_dtype
+from llmc.dtypes import (
+    ELEMENT_DTYPES,
+    FP8_KV_MIN_COMPUTE_CAPABILITY,
+    KV_DTYPE_SPELLINGS,
+    KV_DTYPES,
+    resolve_kv_dtype,
+)
 from llmc.errors import CompileError, UnsupportedModelError
 from llmc.targets import Target, load_target, tuning_db_path
 
@@ -226,12 +232,13 @@ def compile_checkpoint(
         tuning = TuningDB.load(tuning_db or tuning_db_path(target), target, required=tuning_db is not None)
     block_size = block_size or tgt.block_size
     quant = quant or QuantConfig()
-    if kv_dtype not in ("auto", "fp8", *KV_DTYPES):
+    kv_dtype = KV_DTYPE_SPELLINGS.get(kv_dtype, kv_dtype)
+    if kv_dtype not in ("auto", *KV_DTYPES):
         raise CompileError(
             f"KV cache dtype {kv_dtype!r} is not supported",
             f"--kv-cache-dtype takes auto, fp8 or one of {', '.join(KV_DTYPES)}",
         )
-    if kv_dtype in ("fp8", "float8_e4m3fn") and (tgt.compute_capability or 0) < FP8_KV_MIN_COMPUTE_CAPABILITY:
+    if kv_dtype == "float8_e4m3fn" and (tgt.compute_capability or 0) < FP8_KV_MIN_COMPUTE_CAPABILITY:
         raise CompileError(
             f"an fp8 KV cache needs a CUDA target of sm{FP8_KV_MIN_COMPUTE_CAPABILITY} or later, not {tgt.name}",
             "use --kv-cache-dtype int8 (a quarter of float32's bytes plus a scale, on every target) or bfloat16",

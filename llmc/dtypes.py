@@ -54,6 +54,7 @@ ELEMENTS_BY_SHORT: dict[str, DType] = {DTYPES[n].short: DTYPES[n] for n in ELEME
 # a CUDA cache of sm89 and later (FP8_KV_MIN_COMPUTE_CAPABILITY), the generations with fp8 in hardware.
 KV_DTYPES = (*ELEMENT_DTYPES, "int8", "float8_e4m3fn")
 SCALED_KV_DTYPES = ("int8", "float8_e4m3fn")
+KV_DTYPE_SPELLINGS = {"fp8": "float8_e4m3fn"}  # other names a user may give a KV dtype (vLLM's) -> llmc's
 FP8_KV_MIN_COMPUTE_CAPABILITY = 89
 KV_BY_SHORT: dict[str, DType] = {DTYPES[n].short: DTYPES[n] for n in KV_DTYPES}
 
@@ -74,8 +75,7 @@ def resolve_kv_dtype(kv_dtype: str, *, cuda: bool, weight_dtype: str) -> str:
     """The KV cache element of a build. "auto" is the build's own precision, as vLLM's: bfloat16 for bf16 / fp16
     weights on a CUDA target (half the cache bytes, and the tensor-core prefill attention reads bf16 tiles),
     float32 otherwise (the CPU target and fp32 builds keep an exact cache)."""
-    if kv_dtype == "fp8":  # vLLM's spelling
-        return "float8_e4m3fn"
+    kv_dtype = KV_DTYPE_SPELLINGS.get(kv_dtype, kv_dtype)
     if kv_dtype != "auto":
         return kv_dtype
     return "bfloat16" if cuda and weight_dtype in ("bfloat16", "float16") else "float32"

@@ -239,8 +239,8 @@ def peak_rate(probe: str, threads: int, repeats: int = 3, iters: int = 20_000_00
 def cpu_ceilings() -> dict:
     """`llmc profile`'s ceilings for this host, measured with the thread count a CPU module runs on (OpenMP's):
     read bandwidth, the fp32 FMA rate, the bf16 rate (AMX tiles where the host has them, as bf16 GEMMs run
-    there; else vdpbf16ps, else the FMA rate: bf16 weights then widen to fp32) and the int8 rate of the quantized GEMMs. No launch cost: a kernel's time includes its pool
-    dispatch."""
+    there; else vdpbf16ps, else the FMA rate: bf16 weights then widen to fp32) and the int8 rate of the
+    quantized GEMMs. No launch cost: a kernel's time includes its pool dispatch."""
     threads = probes().llmc_probe_threads()
     fp32 = peak_rate("fma_probe", threads)
     bf16_amx = peak_rate("amx_bf16_probe", threads)

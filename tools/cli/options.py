@@ -15,6 +15,7 @@ import click
 
 # numpy only: neither torch nor TVM
 from llmc.compiler.quant import GROUP_SIZES, PER_CHANNEL, QUANT_MODES, TENSOR_TYPES, QuantConfig
+from llmc.dtypes import KV_DTYPE_SPELLINGS, KV_DTYPES
 from llmc.errors import LlmcError
 
 
@@ -172,7 +173,7 @@ def quant_options(command):
 
 kv_cache_dtype_option = click.option(
     "--kv-cache-dtype",
-    type=click.Choice(["auto", "float32", "bfloat16", "int8", "fp8", "float8_e4m3fn"]),
+    type=click.Choice(["auto", *KV_DTYPES, *KV_DTYPE_SPELLINGS]),
     default="auto",
     show_default=True,
     help="What the KV cache stores: bfloat16 halves its bytes (twice the tokens in the same memory, half the "
