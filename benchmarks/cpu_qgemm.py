@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """CPU quantized gemm / gemv kernels (templates/cpu/qgemm.cc.j2) alone: GB/s against the read roofline.
 
-    python benchmarks/cpu_qgemm.py [--threads 2] [--rounds 5] [--only gemv,gemv1b,hot,gemm] [--schemes "int4 g32,bf16"]
+    python benchmarks/cpu_qgemm.py [--threads 2] [--rounds 5] [--only gemv,gemv1b,hot,gemm,batch] [--schemes "int4 g32,bf16"]
                                    [--baseline REV]
 
 Each case renders the qgemm template with llmc's own build flags and times it in a C++ loop (no Python between
@@ -103,6 +103,8 @@ def cases(only: set[str], schemes: set[str] | None = None) -> list[tuple]:
             rows += [(f"{lab} T=1 hot", n, k, 1, scheme, False) for lab, n, k in [*SHAPES[:4], BIG]]
         if "gemm" in only:
             rows += [(f"{lab} T=128", n, k, 128, scheme, False) for lab, n, k in SHAPES[:4]]
+        if "batch" in only:  # a batched decode step's 16 rows
+            rows += [(f"{lab} T=16", n, k, 16, scheme, False) for lab, n, k in SHAPES[:4]]
         out += [r for r in rows if scheme[4] != 8 or r[2] % 256 == 0]  # K-quant records: superblocks of 256
     return out
 
@@ -157,7 +159,7 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--threads", type=int, default=os.cpu_count())
     p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--only", default="gemv,gemm", help="comma-separated of gemv, gemv1b, hot, gemm")
+    p.add_argument("--only", default="gemv,gemm", help="comma-separated of gemv, gemv1b, hot, gemm, batch")
     p.add_argument("--schemes", help="comma-separated of " + ", ".join(s[0] for s in SCHEMES) + " (default: all)")
     p.add_argument("--min-time", type=float, default=0.05, help="seconds per timed sample")
     p.add_argument("--baseline", help="git revision whose templates/cpu/include is timed too, interleaved")
