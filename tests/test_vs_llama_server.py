@@ -28,9 +28,8 @@ def tiny(tmp_path_factory):
 
 
 def test_full_vocab_checkpoint_makes_every_token_text(tiny, tmp_path):
-    from tokenizers import Tokenizer
-
     from gguf import GGUFReader
+    from tokenizers import Tokenizer
 
     from llmc.compiler.frontend.gguf_write import write_gguf
 
