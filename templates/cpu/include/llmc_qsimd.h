@@ -116,9 +116,16 @@ template <int BIAS>
 LLMC_INLINE Ints neg_bias_of(Bytes) { return _mm256_setzero_si256(); }
 template <int BIAS>
 LLMC_INLINE Ints dot_biased(Ints, Bytes u, Bytes x) {
-  // w = u - BIAS as int8, then |w| * (x with w's sign), llama.cpp's sign trick (x in [-127, 127])
-  const __m256i w = _mm256_sub_epi8(u, _mm256_set1_epi8(int8_t(BIAS)));
-  return dot_us(_mm256_setzero_si256(), _mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+  if constexpr (BIAS == 0) {
+    // asymmetric int5 and int2 (Q5_K, Q5_1, Q2_K): u = q < 32, whose pairs u * x cannot saturate maddubs' int16.
+    // Unsigned u with BIAS > 0 would need -BIAS * sum4(x) too, two more multiplies a row and step, which cost what
+    // the sign trick's three instructions an output do (benchmarks/cpu_qgemm.py, 2-core Zen 3 EPYC).
+    return dot_us(_mm256_setzero_si256(), u, x);
+  } else {
+    // w = u - BIAS as int8, then |w| * (x with w's sign), llama.cpp's sign trick (x in [-127, 127])
+    const __m256i w = _mm256_sub_epi8(u, _mm256_set1_epi8(int8_t(BIAS)));
+    return dot_us(_mm256_setzero_si256(), _mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+  }
 }
 #endif
 // nibbles (lo, hi) times x (xlo, xhi), plus acc.
