@@ -50,6 +50,9 @@ def run_and_check(tmp_path, monkeypatch, duration_s: float) -> dict:
     return report
 
 
+# Slow, though short: its latency bounds (health p99 < 100 ms) need the machine to itself, and the fast suite runs
+# two workers side by side (pyproject.toml); on a 2-core host the other worker's builds took p99 to 104 ms.
+@pytest.mark.slow
 def test_64_clients_and_hostile_ones_for_a_few_seconds(tmp_path, monkeypatch):
     run_and_check(tmp_path, monkeypatch, duration_s=6.0)
 
