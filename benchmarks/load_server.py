@@ -119,6 +119,32 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_healthy(proc: subprocess.Popen, base: str, name: str, log_tail) -> None:
+    """Until the server at base answers /health with 200: RuntimeError (with log_tail()) if it exits first or takes
+    longer than STARTUP_TIMEOUT_S."""
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{name} exited with {proc.returncode}:\n{log_tail()}")
+        with contextlib.suppress(httpx.TransportError):
+            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                return
+        time.sleep(0.2)
+    raise RuntimeError(f"{name} did not answer /health in {STARTUP_TIMEOUT_S:.0f} s:\n{log_tail()}")
+
+
+def terminate(proc: subprocess.Popen) -> int:
+    """SIGTERM, then SIGKILL after 30 s; the exit code (negative: killed by that signal)."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=30)
+    return proc.returncode
+
+
 class Server:
     """`llmc serve` in a subprocess on a loopback port; its output goes to `log`."""
 
@@ -142,15 +168,7 @@ class Server:
         return self.log.read_text(errors="replace")[-n:]
 
     def wait_up(self) -> None:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"llmc serve exited with {self.proc.returncode}:\n{self.log_tail()}")
-            with contextlib.suppress(httpx.TransportError):
-                if httpx.get(f"{self.base}/health", timeout=2).status_code == 200:
-                    return
-            time.sleep(0.2)
-        raise RuntimeError(f"llmc serve did not answer /health in {STARTUP_TIMEOUT_S:.0f} s:\n{self.log_tail()}")
+        wait_healthy(self.proc, self.base, "llmc serve", self.log_tail)
 
     def rss_bytes(self) -> int:
         for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
@@ -169,12 +187,4 @@ class Server:
         return out
 
     def stop(self) -> int:
-        """SIGTERM, then SIGKILL after 30 s; the exit code (negative: killed by that signal)."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=30)
-        return self.proc.returncode
+        return terminate(self.proc)

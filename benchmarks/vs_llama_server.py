@@ -33,11 +33,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -48,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 from common import TOKENIZER_VOCAB, log  # noqa: E402
 from llamacpp_peer import gguf_file  # noqa: E402
-from load_server import STARTUP_TIMEOUT_S, free_port  # noqa: E402
+from load_server import free_port, terminate, wait_healthy  # noqa: E402
 from vs_llamacpp import SHAPES  # noqa: E402
 
 ROWS = {"bf16": ("bfloat16", "BF16"), "int8": ("float32", "Q8_0")}  # row -> (llmc weight dtype, GGUF type)
@@ -89,27 +87,13 @@ class Served:
             )
 
     def wait_up(self) -> None:
-        import httpx
-
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                tail = self.log_path.read_text(errors="replace")[-3000:]
-                raise SystemExit(f"{self.name} exited with {self.proc.returncode}:\n{tail}")
-            with contextlib.suppress(httpx.TransportError):
-                if httpx.get(f"{self.base}/health", timeout=2).status_code == 200:
-                    return
-            time.sleep(0.3)
-        raise SystemExit(f"{self.name} did not answer /health in {STARTUP_TIMEOUT_S:.0f} s (log: {self.log_path})")
+        try:
+            wait_healthy(self.proc, self.base, self.name, lambda: self.log_path.read_text(errors="replace")[-3000:])
+        except RuntimeError as e:
+            raise SystemExit(str(e)) from None
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        terminate(self.proc)
 
 
 async def one_request(client, base: str, prompt: list[int], output_len: int) -> dict:
