@@ -202,7 +202,7 @@ def servers(artifact, tmp_path_factory):
     with _serving(
         artifact,
         tmp_path_factory.mktemp("serve"),
-        ("--kv-cache-memory", KV, "--header-timeout", "1"),
+        ("--kv-cache-memory", KV, "--header-timeout", "1", "--keep-alive-timeout", "20"),
         ("--kv-cache-memory", SMALL_KV, "--max-num-seqs", "4"),
     ) as both:
         yield both

@@ -157,6 +157,7 @@ def uvicorn_config(app: FastAPI, host: str, port: int, *, log_level: str = "info
         port=port,
         log_level=log_level,
         http=protocol_class(limits.header_timeout_s, limits.max_connections),
+        timeout_keep_alive=limits.keep_alive_s,
         timeout_graceful_shutdown=limits.shutdown_timeout_s + 5,
         **kw,
     )

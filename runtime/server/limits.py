@@ -24,5 +24,8 @@ class ServerLimits:
     header_timeout_s: float = 10.0  # a connection's request line and headers must arrive within this (`serve`)
     body_timeout_s: float = 30.0  # a request's whole body must arrive within this; 408 past it
     max_connections: int = 512  # open connections (`serve`); a request on one past it gets 503
+    # an idle kept-alive connection closes after this (`serve`); past clients' own idle expiry (httpx 5 s,
+    # aiohttp 15 s), or a client sends its next request as the server closes the connection and gets no answer
+    keep_alive_s: float = 75.0
     chat_template: TemplateLimits = DEFAULT_LIMITS  # time and size bounds of the checkpoint's chat template
     shutdown_timeout_s: float = 30.0  # after SIGTERM, requests in flight get this long to finish (`serve`)

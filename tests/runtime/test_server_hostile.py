@@ -299,6 +299,19 @@ def test_slow_headers_and_bodies_time_out_and_the_server_goes_on(tok, config):
                 time.sleep(0.3)
 
 
+def test_an_idle_kept_alive_connection_closes_after_keep_alive_s_and_not_before(tok, config):
+    assert ServerLimits().keep_alive_s > httpx.Limits().keepalive_expiry  # else httpx reuses what the server closes
+    with serving(new_app(tok, config, limits=ServerLimits(keep_alive_s=1.5))) as (host, port):
+        sock = socket.create_connection((host, port))
+        sock.sendall(f"GET /health HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
+        answered = time.monotonic()
+        closed, sent = closed_by_server(sock, 0.8)
+        assert not closed and b" 200 " in sent.split(b"\r\n")[0], "closed before keep_alive_s"
+        closed, _ = closed_by_server(sock, 3.0)
+        assert closed and 1.4 < time.monotonic() - answered < 3.5
+        sock.close()
+
+
 def test_past_max_connections_a_request_gets_503_until_one_closes(tok, config):
     limits = ServerLimits(max_connections=4, header_timeout_s=30)
     with serving(new_app(tok, config, limits=limits)) as (host, port):

@@ -88,6 +88,12 @@ def _byte_size(text: str) -> int:
     help="Open connections; a request on one more gets 503 [default: 512].",
 )
 @click.option(
+    "--keep-alive-timeout",
+    type=click.FloatRange(min=0, min_open=True),
+    default=None,
+    help="Seconds an idle kept-alive connection stays open; keep it past your clients' own idle expiry [default: 75].",
+)
+@click.option(
     "--api-key",
     envvar="LLMC_API_KEY",
     default=None,
@@ -171,6 +177,7 @@ def serve(
     header_timeout: float | None,
     body_timeout: float | None,
     max_connections: int | None,
+    keep_alive_timeout: float | None,
     api_key: str | None,
     allowed_hosts: tuple[str, ...],
     allowed_origins: tuple[str, ...],
@@ -205,7 +212,11 @@ def serve(
             f"{', '.join(given_without_ray)} applies to `llmc serve --ray` only",
             "add --ray (pip install 'llmc[ray]'), or drop it",
         )
-    not_on_ray = {"--header-timeout": header_timeout, "--max-connections": max_connections}
+    not_on_ray = {
+        "--header-timeout": header_timeout,
+        "--max-connections": max_connections,
+        "--keep-alive-timeout": keep_alive_timeout,
+    }
     given_with_ray = [name for name, value in not_on_ray.items() if value is not None and use_ray]
     if given_with_ray:  # Ray Serve's HTTP proxy holds the connections
         raise LlmcError(
@@ -229,6 +240,7 @@ def serve(
         "header_timeout_s": header_timeout,
         "body_timeout_s": body_timeout,
         "max_connections": max_connections,
+        "keep_alive_s": keep_alive_timeout,
     }
     limits = server.ServerLimits(**{k: v for k, v in given.items() if v is not None})  # unset: the library's default
     path = resolve_artifact(artifact, quant, kv_cache_dtype)
