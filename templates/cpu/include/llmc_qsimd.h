@@ -188,9 +188,14 @@ LLMC_INLINE void kscales16(const KScales6& r, Floats& lo, Floats& hi) {
 }
 // A K-quant record's 8 scales (returned) and 8 mins, as floats (exact products)
 LLMC_INLINE Floats kscales8(const KScales& r, Floats& mins) {
-  uint32_t b[4];
-  kscale_bytes(r, b);
-  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b));
+  // kscale_bytes' words formed in one register: its four 32-bit stores read back as one 16-byte load missed
+  // store-to-load forwarding, a stall per record and output
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(&r));  // [d | dmin, u0, u1, u2]
+  const __m128i low = _mm_and_si128(_mm_srlv_epi32(_mm_shuffle_epi32(v, _MM_SHUFFLE(3, 2, 3, 1)), _mm_setr_epi32(0, 0, 0, 4)),
+                                    _mm_setr_epi32(0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f));
+  const __m128i top = _mm_and_si128(_mm_srli_epi32(_mm_shuffle_epi32(v, _MM_SHUFFLE(2, 0, 1, 0)), 2),
+                                    _mm_setr_epi32(0, 0x30303030, 0, 0x30303030));
+  const __m128i bytes = _mm_or_si128(low, top);  // sc 0..7, m 0..7
   mins = _mm256_mul_ps(_mm256_set1_ps(scale_value(r.dmin)),
                        _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8))));
   return _mm256_mul_ps(_mm256_set1_ps(scale_value(r.d)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)));
