@@ -18,11 +18,11 @@ For a QuantizedTensor of w[N, K] (K a multiple of 32, see compiler/quant.py):
     u = q + 32 (0..63), then 8 bytes of the top 2 bits, byte j holding those of elements 32c + j + 8i at bits
     2i..2i+1 (i < 4): one 8-byte broadcast and a shift per 64-bit lane give all 32 in order.
   * bits 5 (Q5_0, Q5_1, Q5_K): K * 5/8 bytes per row; chunk c is 20 bytes: int4's 16 bytes of low nibbles of u =
-    q + 16 (symmetric) or q (asymmetric), 0..31, then the fifth bits as a little-endian uint32, bit j element
-    32c + j (GGUF Q5_0's qh).
+    q + 16 (symmetric) or q (asymmetric), 0..31, then 4 bytes of the fifth bits, bit i of byte r element
+    32c + 4i + r's: a variable right shift of each 32-bit lane i of the broadcast word puts its elements' at bit 0.
   * bits 3 (Q3_K): K * 3/8 bytes per row; chunk c is 12 bytes: 8 bytes of the low 2 bits of u = q + 4 (0..7), byte j
-    holding elements 32c + j + 8i's at bits 2i..2i+1 (i < 4, as int6's top bits), then the third bits as a
-    little-endian uint32, bit j element 32c + j (as int5's fifth).
+    holding elements 32c + j + 8i's at bits 2i..2i+1 (i < 4, as int6's top bits), then 4 bytes of the third bits,
+    as int5's fifth.
   * bits 2 (Q2_K): K / 4 bytes per row; chunk c is 8 bytes, byte j holding u = q (0..3) of elements 32c + j + 8i at
     bits 2i..2i+1 (as int3's low bits).
   K-quant scales (compiler/kquant.py): scales are the records, uint8 [N, kquant.record_row_bytes(K)], and there are
@@ -65,6 +65,18 @@ def _stored_scales(t: QuantizedTensor) -> tuple[np.ndarray, np.ndarray | None]:
     return np.ascontiguousarray(t.scales, dtype), None if t.mins is None else np.ascontiguousarray(t.mins, dtype)
 
 
+def _pack_planes(bits: np.ndarray) -> np.ndarray:
+    """[..., 32] of 0 / 1 -> [..., 4] bytes: element 4i + r's at bit i of byte r."""
+    by_r = bits.reshape(*bits.shape[:-1], 8, 4).swapaxes(-1, -2)
+    return np.packbits(by_r, axis=-1, bitorder="little").reshape(*bits.shape[:-1], 4)
+
+
+def _unpack_planes(b: np.ndarray) -> np.ndarray:
+    """The inverse of _pack_planes."""
+    by_r = np.unpackbits(b, axis=-1, bitorder="little").reshape(*b.shape[:-1], 4, 8)
+    return by_r.swapaxes(-1, -2).reshape(*b.shape[:-1], 32)
+
+
 def pack_cpu(t: QuantizedTensor) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """(qweight uint8 [N, K] or [N, K/2], scales [N, G], mins [N, G] | None)."""
     n, k = t.shape
@@ -80,17 +92,16 @@ def pack_cpu(t: QuantizedTensor) -> tuple[np.ndarray, np.ndarray, np.ndarray | N
         low = np.bitwise_or.reduce((c & 3) << (2 * np.arange(4, dtype=np.uint8))[:, None], axis=2)
         if t.scheme.bits == 2:
             return np.ascontiguousarray(low.reshape(n, k // 4)), scales, mins
-        third = np.packbits((c >> 2).reshape(n, k // 32, 32), axis=-1, bitorder="little")
+        third = _pack_planes(c.reshape(n, k // 32, 32) >> 2)
         return np.ascontiguousarray(np.concatenate([low, third], axis=-1).reshape(n, k * 3 // 8)), scales, mins
     if t.scheme.bits in (5, 6):
         c = u.reshape(n, k // 32, 32)
         low = (c[..., :16] & 0xF) | ((c[..., 16:] & 0xF) << 4)
         if t.scheme.bits == 6:
             top = (c >> 4).reshape(n, k // 32, 4, 8) << (2 * np.arange(4, dtype=np.uint8))[:, None]
+            packed = np.concatenate([low, np.bitwise_or.reduce(top, axis=2)], axis=-1)
         else:
-            top = (c >> 4).reshape(n, k // 32, 4, 8) << np.arange(8, dtype=np.uint8)
-            top = top.swapaxes(2, 3)
-        packed = np.concatenate([low, np.bitwise_or.reduce(top, axis=2)], axis=-1)
+            packed = np.concatenate([low, _pack_planes(c >> 4)], axis=-1)
         return np.ascontiguousarray(packed.reshape(n, k * t.scheme.bits // 8)), scales, mins
     u = u.reshape(n, k // 32, 2, 16)
     packed = u[:, :, 0, :] | (u[:, :, 1, :] << 4)
@@ -109,15 +120,15 @@ def unpack_cpu(
         c = b.reshape(n, k // 32, 4 * bits)
         u = ((c[..., None, :8] >> (2 * np.arange(4, dtype=np.uint8))[:, None]) & 3).reshape(n, k // 32, 32)
         if bits == 3:
-            u = u | (np.unpackbits(c[..., 8:], axis=-1, bitorder="little") << 2)
+            u = u | (_unpack_planes(c[..., 8:]) << 2)
         u = u.reshape(n, k)
     elif bits in (5, 6):
         c = b.reshape(n, k // 32, 4 * bits)
         low = np.concatenate([c[..., :16] & 0xF, c[..., :16] >> 4], axis=-1)
         if bits == 6:
             top = (c[..., None, 16:] >> (2 * np.arange(4, dtype=np.uint8))[:, None]) & 3
-        else:  # byte i holds elements 8i..8i+7
-            top = (c[..., 16:, None] >> np.arange(8, dtype=np.uint8)) & 1
+        else:
+            top = _unpack_planes(c[..., 16:])
         u = (low | (top.reshape(n, k // 32, 32) << 4)).reshape(n, k)
     else:
         b = b.reshape(n, k // 32, 16)

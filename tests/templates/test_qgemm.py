@@ -173,8 +173,8 @@ def test_qgemm_independent_of_schedule(kernels, schedules, op, params, T):
 def test_pack_cpu_layout(bits, g, asym, codebook):
     """pack_cpu writes the contract's layout: int8 as u = q + 128; int4's chunk c byte j = u[32c + j] |
     u[32c + j + 16] << 4; int6's 24-byte chunk: those nibbles of u = q + 32, then byte 16 + j holding element
-    32c + j + 8i's top 2 bits at bits 2i; int5's 20-byte chunk: the nibbles of u = q + 16, then the fifth bits as
-    a little-endian uint32; IQ4: int4's nibbles of u, the index of q among IQ4_LEVELS; int3's 12-byte chunk: the
+    32c + j + 8i's top 2 bits at bits 2i; int5's 20-byte chunk: the nibbles of u = q + 16, then 4 bytes of the
+    fifth bits, element 32c + 4i + r's at bit i of byte r; IQ4: int4's nibbles of u, the index of q among IQ4_LEVELS; int3's 12-byte chunk: the
     low 2 bits of u = q + 4 as int6's top bits, then the third bits as int5's fifth."""
     rng = np.random.default_rng(0)
     k = 256 if bits in (2, 3, 6) else 96
@@ -202,8 +202,9 @@ def test_pack_cpu_layout(bits, g, asym, codebook):
             assert qweight[n, chunk * c + j] == sum((u[n, 32 * c + j + 8 * i] & 3) << (2 * i) for i in range(4))
             if bits == 2:
                 continue
-            third = int.from_bytes(qweight[n, 12 * c + 8 : 12 * c + 12].tobytes(), "little")
-            assert third == sum(int(u[n, 32 * c + e] >> 2) << e for e in range(32))
+            for r in range(4):
+                third = sum(int(u[n, 32 * c + 4 * i + r] >> 2) << i for i in range(8))
+                assert qweight[n, 12 * c + 8 + r] == third
         return
     chunk = {6: 24, 5: 20, 4: 16}[bits]
     for n, c, j in [(0, 0, 0), (4, 2, 15), (2, 1, 7)]:
@@ -213,9 +214,8 @@ def test_pack_cpu_layout(bits, g, asym, codebook):
             top = sum((u[n, 32 * c + j + 8 * i] >> 4) << (2 * i) for i in range(4))
             assert qweight[n, 24 * c + 16 + j] == top
     if bits == 5:
-        for n, c in [(0, 0), (4, 2), (2, 1)]:
-            top = int.from_bytes(qweight[n, 20 * c + 16 : 20 * c + 20].tobytes(), "little")
-            assert top == sum(int(u[n, 32 * c + j] >> 4) << j for j in range(32))
+        for n, c, r in [(0, 0, 0), (4, 2, 3), (2, 1, 1)]:
+            assert qweight[n, 20 * c + 16 + r] == sum(int(u[n, 32 * c + 4 * i + r] >> 4) << i for i in range(8))
 
 
 @pytest.mark.parametrize(

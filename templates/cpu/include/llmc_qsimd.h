@@ -43,10 +43,11 @@ LLMC_INLINE void nibbles16(const uint8_t* p, Bytes& lo, Bytes& hi) {
   lo = _mm256_and_si256(b, m);
   hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), m);
 }
-// A chunk's 16 bytes of nibbles -> its 32 low nibbles in element order (int5's and int6's low 4 bits).
+// A chunk's 16 bytes of nibbles -> its 32 low nibbles in element order (int5's and int6's low 4 bits): the 16
+// bytes in both halves (a broadcast load), the upper half's shifted down a nibble.
 LLMC_INLINE Bytes nibbles_in_order(const uint8_t* p) {
-  const __m128i nib = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(nib, 4), nib), _mm256_set1_epi8(0x0F));
+  const __m256i b = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_and_si256(_mm256_srlv_epi32(b, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)), _mm256_set1_epi8(0x0F));
 }
 // 8 bytes of 2-bit fields -> 32 values in order: element j + 8i's from bits 2i of byte j, one 64-bit lane i each
 // (int6's top 2 bits, int3's low 2).
@@ -56,15 +57,13 @@ LLMC_INLINE Bytes bit_pairs_in_order(const uint8_t* p) {
   const __m256i lanes = _mm256_srlv_epi64(_mm256_set1_epi64x(v), _mm256_setr_epi64x(0, 2, 4, 6));
   return _mm256_and_si256(lanes, _mm256_set1_epi8(0x03));
 }
-// A little-endian uint32 of bit planes -> 32 bytes, 0xFF where element j's bit j is set (each byte spread to 8
-// lanes, each lane testing its own bit), as llama.cpp's Q5_0 (int5's fifth bit, int3's third).
-LLMC_INLINE Bytes bits_in_order(const uint8_t* p) {
+// 4 bytes of one bit per element (int5's fifth, int3's third), element 4q + r's at bit q of byte r -> 32 bytes of
+// 0 / 1 in order: 32-bit lane q shifted right by q has each of its bytes' bit q at bit 0.
+LLMC_INLINE Bytes plane_bits(const uint8_t* p) {
   int32_t v;
   std::memcpy(&v, p, 4);
-  const __m256i spread = _mm256_shuffle_epi8(
-      _mm256_set1_epi32(v), _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0));
-  const __m256i bit = _mm256_set1_epi64x(int64_t(0x8040201008040201));
-  return _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+  const __m256i lanes = _mm256_srlv_epi32(_mm256_set1_epi32(v), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  return _mm256_and_si256(lanes, _mm256_set1_epi8(0x01));
 }
 // 24 bytes of an int6 chunk -> its 32 u = q + 32 in order: the low nibbles, then the top 2 bits' 8 bytes.
 LLMC_INLINE Bytes decode6(const uint8_t* p) {
@@ -74,7 +73,7 @@ LLMC_INLINE Bytes decode6(const uint8_t* p) {
 LLMC_INLINE Bytes decode2(const uint8_t* p) { return bit_pairs_in_order(p); }
 // 12 bytes of an int3 chunk -> its 32 u = q + 4 in order: the low 2 bits' 8 bytes, then the third bits' uint32.
 LLMC_INLINE Bytes decode3(const uint8_t* p) {
-  return _mm256_or_si256(bit_pairs_in_order(p), _mm256_and_si256(bits_in_order(p + 8), _mm256_set1_epi8(0x04)));
+  return _mm256_or_si256(bit_pairs_in_order(p), _mm256_slli_epi16(plane_bits(p + 8), 2));
 }
 // 16 bytes of an IQ4 chunk -> its 32 u = level + 128 in order: each nibble looks its level up (one byte shuffle).
 LLMC_INLINE Bytes decode_iq4(const uint8_t* p) {
@@ -83,7 +82,7 @@ LLMC_INLINE Bytes decode_iq4(const uint8_t* p) {
 }
 // 20 bytes of an int5 chunk -> its 32 u in order: the low nibbles, then the fifth bits' uint32.
 LLMC_INLINE Bytes decode5(const uint8_t* p) {
-  return _mm256_or_si256(nibbles_in_order(p), _mm256_and_si256(bits_in_order(p + 16), _mm256_set1_epi8(0x10)));
+  return _mm256_or_si256(nibbles_in_order(p), _mm256_slli_epi16(plane_bits(p + 16), 4));
 }
 // acc + sum of 4 products u[4l + i] * s[4l + i] per lane l: u unsigned, s signed (u * s pairs fit int16:
 // u <= 255 with |s| <= 127 would not, callers pass u <= 128, or u <= 15 two at a time).
@@ -112,15 +111,27 @@ LLMC_INLINE Ints dot_biased(Ints base, Bytes u, Bytes x) {
   return dot_us(base, u, x);  // one instruction: u * x pairs would saturate only maddubs' int16
 }
 #else
+// Without VNNI the products go through maddubs' int16 pair sums, which saturate past 32767. Where u < 2 BIAS <= 64
+// (int6, symmetric int5, int3), a pair sum of (u - BIAS) * x is at most 2 * 127 * (63 + 32) = 24130 either way:
+// base is then the int16 pair sums of BIAS * x, once per row and step, and each output takes
+// maddubs, one int16 subtraction and madd, where the sign trick took five instructions. int8 and IQ4 (BIAS 128)
+// keep the sign trick.
 template <int BIAS>
-LLMC_INLINE Ints neg_bias_of(Bytes) { return _mm256_setzero_si256(); }
+constexpr bool kFoldBias = BIAS > 0 && BIAS <= 32;
 template <int BIAS>
-LLMC_INLINE Ints dot_biased(Ints, Bytes u, Bytes x) {
+LLMC_INLINE Ints neg_bias_of(Bytes x) {
+  if constexpr (kFoldBias<BIAS>)
+    return _mm256_maddubs_epi16(_mm256_set1_epi8(int8_t(BIAS)), x);
+  else
+    return _mm256_setzero_si256();
+}
+template <int BIAS>
+LLMC_INLINE Ints dot_biased(Ints base, Bytes u, Bytes x) {
   if constexpr (BIAS == 0) {
-    // asymmetric int5 and int2 (Q5_K, Q5_1, Q2_K): u = q < 32, whose pairs u * x cannot saturate maddubs' int16.
-    // Unsigned u with BIAS > 0 would need -BIAS * sum4(x) too, two more multiplies a row and step, which cost what
-    // the sign trick's three instructions an output do (benchmarks/cpu_qgemm.py, 2-core Zen 3 EPYC).
+    // asymmetric int5 and int2 (Q5_K, Q5_1, Q2_K): u = q < 32, whose pairs u * x cannot saturate maddubs' int16
     return dot_us(_mm256_setzero_si256(), u, x);
+  } else if constexpr (kFoldBias<BIAS>) {
+    return _mm256_madd_epi16(_mm256_sub_epi16(_mm256_maddubs_epi16(u, x), base), _mm256_set1_epi16(1));
   } else {
     // w = u - BIAS as int8, then |w| * (x with w's sign), llama.cpp's sign trick (x in [-127, 127])
     const __m256i w = _mm256_sub_epi8(u, _mm256_set1_epi8(int8_t(BIAS)));
@@ -306,12 +317,12 @@ LLMC_INLINE Bytes decode2(const uint8_t* p) {
 }
 LLMC_INLINE Bytes decode3(const uint8_t* p) {
   Bytes r;
-  for (int j = 0; j < 32; ++j) r.v[j] = int8_t(((p[j % 8] >> (2 * (j / 8))) & 3) | (((p[8 + j / 8] >> (j % 8)) & 1) << 2));
+  for (int j = 0; j < 32; ++j) r.v[j] = int8_t(((p[j % 8] >> (2 * (j / 8))) & 3) | (((p[8 + j % 4] >> (j / 4)) & 1) << 2));
   return r;
 }
 LLMC_INLINE Bytes decode5(const uint8_t* p) {
   Bytes r;
-  for (int j = 0; j < 32; ++j) r.v[j] = int8_t(((p[j % 16] >> (j / 16 * 4)) & 0x0F) | (((p[16 + j / 8] >> (j % 8)) & 1) << 4));
+  for (int j = 0; j < 32; ++j) r.v[j] = int8_t(((p[j % 16] >> (j / 16 * 4)) & 0x0F) | (((p[16 + j % 4] >> (j / 4)) & 1) << 4));
   return r;
 }
 template <int BIAS>
