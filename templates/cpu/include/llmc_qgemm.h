@@ -195,8 +195,9 @@ LLMC_INLINE float min_term(const float* LLMC_RESTRICT x, const float* LLMC_RESTR
   }
 }
 
-// out[r * C + c] = the (row t0 + r, output j + c) result before bias, r < R, c < C (see Numerics).
-template <int R, int C, int K, int BITS, int GS, bool ASYM, int PF, typename SC>
+// out[r * C + c] = the (row t0 + r, output j + c) result before bias, r < R, c < C (see Numerics). ZU: the u of q = 0,
+// the width's own but where BITS 8 reads a narrower width widened to bytes (widen_to_bytes keeps its u).
+template <int R, int C, int K, int BITS, int GS, bool ASYM, int PF, int ZU = kZeroU<BITS, ASYM>, typename SC>
 LLMC_INLINE void qdot_tile(const QStep<BITS>* LLMC_RESTRICT steps, const float* LLMC_RESTRICT xs,
                            const uint8_t* LLMC_RESTRICT w, const SC* LLMC_RESTRICT scales,
                            const SC* LLMC_RESTRICT mins, int j, float* LLMC_RESTRICT out) {
@@ -276,7 +277,7 @@ LLMC_INLINE void qdot_tile(const QStep<BITS>* LLMC_RESTRICT steps, const float* 
       const QStep<BITS>& a = steps[(long)r * S::NS + s];
       const Floats dx = load_floats(a.dx);
       if constexpr (BITS != 4) {
-        constexpr int BIAS = kZeroU<BITS, ASYM>;
+        constexpr int BIAS = ZU;
         const Bytes xv = load32(a.x);
         const Ints base = neg_bias_of<BIAS>(xv);
         LLMC_UNROLL for (int c = 0; c < C; ++c) into(r, c, dot_biased<BIAS>(base, wlo[c], xv), dx);
@@ -400,8 +401,8 @@ LLMC_INLINE void qdot_tile(const QStep<BITS>* LLMC_RESTRICT steps, const float* 
 #define LLMC_QGEMM_PAIRS 1
 // Prefill on AVX-512 VNNI: the same sequence as qdot_tile, two rows per 512-bit vector (row
 // 2p in lanes 0-7, row 2p + 1 in lanes 8-15, each output's weights in both halves), so each instruction does
-// the work of two ymm ones. The integer lanes are formed as in qdot_tile's VNNI path: P = dpbusd(-128 * sum4(x),
-// u, x) for int8 (-128 * sum4(x) once per row pair and step), dpbusd twice from -8 * sum4(x) over the nibbles
+// the work of two ymm ones. The integer lanes are formed as in qdot_tile's VNNI path: P = dpbusd(-ZU * sum4(x),
+// u, x) for bytes (ZU 128 for int8, a widened width's own u of q = 0; formed once per row pair and step), dpbusd twice from -8 * sum4(x) over the nibbles
 // for int4 (from 0 with mins: u is q). Scales come as floats (scales_as_float: fp16 ones and K-quant records
 // decoded once per task); with mins, qgemm_pairs_rows subtracts each result's min_term after the tile.
 template <int BITS>
@@ -444,7 +445,7 @@ inline void qpack_pairs(const QStep<BITS>* steps, int T, QPair<BITS>* pairs) {
 
 // out[r * C + c], r < 2 RP, c < C: as qdot_tile<2 RP, C, K, BITS, GS, ASYM> gives them before the mins' term;
 // pairs: RP row pairs of stride NS.
-template <int RP, int C, int K, int BITS, int GS, bool ASYM>
+template <int RP, int C, int K, int BITS, int GS, bool ASYM, int ZU>
 LLMC_INLINE void qdot_pairs_tile(const QPair<BITS>* LLMC_RESTRICT pairs, const uint8_t* LLMC_RESTRICT w,
                                  const float* LLMC_RESTRICT scales, int j, float* LLMC_RESTRICT out) {
   using S = QShape<K, BITS, GS>;
@@ -478,7 +479,8 @@ LLMC_INLINE void qdot_pairs_tile(const QPair<BITS>* LLMC_RESTRICT pairs, const u
       const __m512 dx = _mm512_loadu_ps(a.dx);
       if constexpr (BITS == 8) {
         const __m512i zero = _mm512_setzero_si512(), xv = _mm512_loadu_si512(a.x);
-        const __m512i base = _mm512_sub_epi32(zero, _mm512_dpbusd_epi32(zero, _mm512_set1_epi8(int8_t(0x80)), xv));
+        const __m512i base =
+            ZU == 0 ? zero : _mm512_sub_epi32(zero, _mm512_dpbusd_epi32(zero, _mm512_set1_epi8(int8_t(ZU)), xv));
         LLMC_UNROLL for (int c = 0; c < C; ++c) into(p, c, _mm512_dpbusd_epi32(base, wa[c], xv), dx);
       } else {
         const __m512i base = ASYM ? _mm512_setzero_si512() : _mm512_loadu_si512(a.neg8);
@@ -535,14 +537,14 @@ LLMC_INLINE void qdot_pairs_tile(const QPair<BITS>* LLMC_RESTRICT pairs, const u
 
 // Rows [0, 2 RP) (pairs from row 0; rows: how many are real; xs: theirs, ASYM) x outputs [j0, j1), stored with bias;
 // scales (and mins, ASYM: for each result's min_term) as floats.
-template <int RP, int LDY, int K, int BITS, int GS, bool ASYM, bool HAS_BIAS>
+template <int RP, int LDY, int K, int BITS, int GS, bool ASYM, bool HAS_BIAS, int ZU>
 LLMC_INLINE void qgemm_pairs_rows(int rows, const QPair<BITS>* pairs, const float* xs, const uint8_t* w,
                                   const float* scales, const float* mins, const float* bias, float* y, int j0, int j1) {
   using S = QShape<K, BITS, GS>;
   auto tile = [&](auto cols, int j) {
     constexpr int C = decltype(cols)::value;
     float s[2 * RP * C];
-    qdot_pairs_tile<RP, C, K, BITS, GS, ASYM>(pairs, w, scales, j, s);
+    qdot_pairs_tile<RP, C, K, BITS, GS, ASYM, ZU>(pairs, w, scales, j, s);
     if constexpr (ASYM) {
       for (int r = 0; r < rows; ++r) {
         LLMC_UNROLL for (int c = 0; c < C; ++c)
@@ -575,27 +577,25 @@ LLMC_INLINE unsigned char* qgemm_scratch(size_t bytes) {
 }
 }  // namespace
 
-// rows [0, n) of int5 / int6 / int3 / int2 / IQ4 packed weights w as int8's (u + 128 - the u of q = 0): K bytes a row.
-template <int K, int BITS, bool ASYM>
-inline void widen_to_int8(const uint8_t* LLMC_RESTRICT w, int n, uint8_t* LLMC_RESTRICT out) {
+// rows [0, n) of int5 / int6 / int3 / int2 / IQ4 packed weights w as bytes of their u in order, K a row: int8's layout,
+// read by BITS 8 tiles with ZU the width's u of q = 0. The u stay small but IQ4's (level + 128), so without VNNI
+// their dots skip the sign trick (qsimd::dot_biased).
+template <int K, int BITS>
+inline void widen_to_bytes(const uint8_t* LLMC_RESTRICT w, int n, uint8_t* LLMC_RESTRICT out) {
   using S = QShape<K, BITS, 32>;
-  const qsimd::Bytes shift = qsimd::splat_bytes(int8_t(128 - kZeroU<BITS, ASYM>));
   for (long r = 0; r < n; ++r) {
-    for (int c = 0; c < S::NB; ++c) {
-      const uint8_t* p = w + r * S::RB + (long)c * S::SB;
-      qsimd::store32(out + r * K + 32 * c, qsimd::add_bytes(decode_chunk<BITS>(p), shift));
-    }
+    for (int c = 0; c < S::NB; ++c) qsimd::store32(out + r * K + 32 * c, decode_chunk<BITS>(w + r * S::RB + (long)c * S::SB));
   }
 }
 
-template <int R, int LDY, int K, int BITS, int GS, bool ASYM, bool HAS_BIAS, int PF, int GEMV_COLS, typename SC>
+template <int R, int LDY, int K, int BITS, int GS, bool ASYM, bool HAS_BIAS, int PF, int GEMV_COLS, int ZU, typename SC>
 LLMC_INLINE void qgemm_tile_rows(const QStep<BITS>* steps, const float* xs, const uint8_t* w, const SC* scales,
                                  const SC* mins, const float* bias, float* y, int j0, int j1) {
   constexpr int C = R == 1 ? GEMV_COLS : kQgemmCols;
   int j = j0;
   for (; j + C <= j1; j += C) {
     float s[R * C];
-    qdot_tile<R, C, K, BITS, GS, ASYM, PF>(steps, xs, w, scales, mins, j, s);
+    qdot_tile<R, C, K, BITS, GS, ASYM, PF, ZU>(steps, xs, w, scales, mins, j, s);
     LLMC_UNROLL for (int c = 0; c < C; ++c) {
       const float b = HAS_BIAS ? bias[j + c] : 0.0f;
       LLMC_UNROLL for (int r = 0; r < R; ++r) y[(long)r * LDY + j + c] = HAS_BIAS ? s[r * C + c] + b : s[r * C + c];
@@ -603,21 +603,22 @@ LLMC_INLINE void qgemm_tile_rows(const QStep<BITS>* steps, const float* xs, cons
   }
   for (; j < j1; ++j) {
     float s[R];
-    qdot_tile<R, 1, K, BITS, GS, ASYM, PF>(steps, xs, w, scales, mins, j, s);
+    qdot_tile<R, 1, K, BITS, GS, ASYM, PF, ZU>(steps, xs, w, scales, mins, j, s);
     LLMC_UNROLL for (int r = 0; r < R; ++r) y[(long)r * LDY + j] = HAS_BIAS ? s[r] + bias[j] : s[r];
   }
 }
 
-template <int LDY, int K, int BITS, int GS, bool ASYM, bool HAS_BIAS, int PF, int GEMV_COLS, typename SC>
+template <int LDY, int K, int BITS, int GS, bool ASYM, bool HAS_BIAS, int PF, int GEMV_COLS,
+          int ZU = kZeroU<BITS, ASYM>, typename SC>
 LLMC_INLINE void qgemm_rows(int rows, const QStep<BITS>* steps, const float* xs, const uint8_t* w,
                             const SC* scales, const SC* mins, const float* bias, float* y, int j0, int j1) {
   static_assert(kQgemmRows == 4, "qgemm_rows: extend the switch");
   constexpr int GC = GEMV_COLS;
   switch (rows) {
-    case 1: qgemm_tile_rows<1, LDY, K, BITS, GS, ASYM, HAS_BIAS, PF, GC>(steps, xs, w, scales, mins, bias, y, j0, j1); break;
-    case 2: qgemm_tile_rows<2, LDY, K, BITS, GS, ASYM, HAS_BIAS, PF, GC>(steps, xs, w, scales, mins, bias, y, j0, j1); break;
-    case 3: qgemm_tile_rows<3, LDY, K, BITS, GS, ASYM, HAS_BIAS, PF, GC>(steps, xs, w, scales, mins, bias, y, j0, j1); break;
-    case 4: qgemm_tile_rows<4, LDY, K, BITS, GS, ASYM, HAS_BIAS, PF, GC>(steps, xs, w, scales, mins, bias, y, j0, j1); break;
+    case 1: qgemm_tile_rows<1, LDY, K, BITS, GS, ASYM, HAS_BIAS, PF, GC, ZU>(steps, xs, w, scales, mins, bias, y, j0, j1); break;
+    case 2: qgemm_tile_rows<2, LDY, K, BITS, GS, ASYM, HAS_BIAS, PF, GC, ZU>(steps, xs, w, scales, mins, bias, y, j0, j1); break;
+    case 3: qgemm_tile_rows<3, LDY, K, BITS, GS, ASYM, HAS_BIAS, PF, GC, ZU>(steps, xs, w, scales, mins, bias, y, j0, j1); break;
+    case 4: qgemm_tile_rows<4, LDY, K, BITS, GS, ASYM, HAS_BIAS, PF, GC, ZU>(steps, xs, w, scales, mins, bias, y, j0, j1); break;
   }
 }
 
@@ -654,10 +655,11 @@ inline void qgemm(const float* LLMC_RESTRICT x, const uint8_t* LLMC_RESTRICT qwe
     return;
   }
   // Prefill: tasks of kQgemmTChunk rows x a block of outputs whose weights stay in L2, each output at index
-  // j - j0 of its block (block_weights). int5 / int6 / int3 / IQ4 blocks are widened to int8 there, once per task, and run as
+  // j - j0 of its block (block_weights). int5 / int6 / int3 / IQ4 blocks are widened to bytes there, once per task, and run as
   // int8: the same integer dots as their decode tiles (so the same numbers), without decoding a weight vector
   // again for every few rows (decoding per tile made SmolLM-135M Q4_K_M's 128-token prefill 1.3x slower).
   constexpr int KB = BITS == 4 ? 4 : 8;  // the bits the prefill's tiles read: int4's own, else int8's
+  constexpr int WZU = kZeroU<BITS, ASYM>;  // and the u of q = 0 in them: the width's own, kept by widen_to_bytes
   using SK = QShape<K, KB, GS>;
   const QStep<KB>* ksteps = steps;
   constexpr int NB0 = (int)std::max<long>(16, kQgemmBlockBytes / RB) / 8 * 8;
@@ -671,7 +673,7 @@ inline void qgemm(const float* LLMC_RESTRICT x, const uint8_t* LLMC_RESTRICT qwe
       return qweight + (long)j0 * S::RB;
     } else {
       uint8_t* wide = reinterpret_cast<uint8_t*>(qgemm_scratch<kQScratchWiden>((size_t)NBLK_N * K));
-      widen_to_int8<K, BITS, ASYM>(qweight + (long)j0 * S::RB, j1 - j0, wide);
+      widen_to_bytes<K, BITS>(qweight + (long)j0 * S::RB, j1 - j0, wide);
       return wide;
     }
   };
@@ -707,10 +709,10 @@ inline void qgemm(const float* LLMC_RESTRICT x, const uint8_t* LLMC_RESTRICT qwe
         const float* xt = xs + (long)t * SK::NX;
         float* yt = y + (long)t * LDY + j0;
         if (t1 - t > 2)
-          qgemm_pairs_rows<kQgemmPairRows, LDY, K, KB, GS, ASYM, HAS_BIAS>(std::min(RT, t1 - t), pt, xt, wb, sb, mb, bb,
+          qgemm_pairs_rows<kQgemmPairRows, LDY, K, KB, GS, ASYM, HAS_BIAS, WZU>(std::min(RT, t1 - t), pt, xt, wb, sb, mb, bb,
                                                                           yt, 0, j1 - j0);
         else
-          qgemm_pairs_rows<1, LDY, K, KB, GS, ASYM, HAS_BIAS>(t1 - t, pt, xt, wb, sb, mb, bb, yt, 0, j1 - j0);
+          qgemm_pairs_rows<1, LDY, K, KB, GS, ASYM, HAS_BIAS, WZU>(t1 - t, pt, xt, wb, sb, mb, bb, yt, 0, j1 - j0);
       }
       if (cap > 0.0f) softcap_block(y, LDY, tc * kQgemmTChunk, t1, j0, j1, cap);
     });
@@ -726,7 +728,7 @@ inline void qgemm(const float* LLMC_RESTRICT x, const uint8_t* LLMC_RESTRICT qwe
     const SC* mb = mins ? mins + (long)j0 * S::G : nullptr;
     const float* bb = HAS_BIAS ? bias + j0 : nullptr;
     for (int t = tc * kQgemmTChunk; t < t1; t += R)
-      qgemm_rows<LDY, K, KB, GS, ASYM, HAS_BIAS, 0, kQgemvCols>(std::min(R, t1 - t), ksteps + (long)t * SK::NS,
+      qgemm_rows<LDY, K, KB, GS, ASYM, HAS_BIAS, 0, kQgemvCols, WZU>(std::min(R, t1 - t), ksteps + (long)t * SK::NS,
                                                              xs + (long)t * SK::NX, wb, sb, mb, bb, y + (long)t * LDY + j0,
                                                            0, j1 - j0);
     if (cap > 0.0f) softcap_block(y, LDY, tc * kQgemmTChunk, t1, j0, j1, cap);

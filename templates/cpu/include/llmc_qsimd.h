@@ -27,7 +27,6 @@ using Ints = __m256i;
 using Floats = __m256;
 LLMC_INLINE Bytes load32(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
 LLMC_INLINE void store32(void* p, Bytes v) { _mm256_storeu_si256(static_cast<__m256i*>(p), v); }
-LLMC_INLINE Bytes add_bytes(Bytes a, Bytes b) { return _mm256_add_epi8(a, b); }
 // 32 packed bytes (two chunks) -> (low nibbles of both, high nibbles of both).
 LLMC_INLINE void nibbles32(const uint8_t* p, Bytes& lo, Bytes& hi) {
   const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
@@ -283,10 +282,6 @@ LLMC_INLINE Bytes load32(const void* p) {
   return r;
 }
 LLMC_INLINE void store32(void* p, Bytes v) { std::memcpy(p, v.v, 32); }
-LLMC_INLINE Bytes add_bytes(Bytes a, Bytes b) {
-  for (int i = 0; i < 32; ++i) a.v[i] = int8_t(uint8_t(a.v[i]) + uint8_t(b.v[i]));
-  return a;
-}
 LLMC_INLINE void nibbles32(const uint8_t* p, Bytes& lo, Bytes& hi) {
   for (int j = 0; j < 32; ++j) {
     lo.v[j] = int8_t(p[j] & 0x0F);
