@@ -30,7 +30,7 @@ inline void qembedding(const int32_t* ids, int T, const uint8_t* LLMC_RESTRICT q
     for (int k = 0; k < H; ++k) {
       // int4: chunk c's byte j holds elements 32c + j (low nibble) and 32c + j + 16 (high); int6: the same
       // nibbles in 24-byte chunks, then element 32c + j + 8i's top 2 bits at bits 2i of byte 16 + j; int5: in
-      // 20-byte chunks, then element 32c + j's fifth bit at bit j of the uint32 at byte 16; IQ4: int4's nibbles
+      // 20-byte chunks, then element 32c + 4i + r's fifth bit at bit i of byte 16 + r; IQ4: int4's nibbles
       const int cb = k / 32 * (BITS == 4 ? 16 : 4 * stored_bits(BITS)), e = k % 32;
       int q = LO;
       if constexpr (BITS == 8) {
@@ -38,12 +38,12 @@ inline void qembedding(const int32_t* ids, int T, const uint8_t* LLMC_RESTRICT q
       } else if constexpr (BITS == 2) {  // 8-byte chunks: element 32c + j + 8i at bits 2i of byte j
         q += (u[cb + e % 8] >> (2 * (e / 8))) & 3;
       } else if constexpr (BITS == 3) {  // 12-byte chunks: the low 2 bits of element 32c + j + 8i at bits 2i of
-        // byte j, then the third bit at bit j of the uint32 at byte 8
-        q += ((u[cb + e % 8] >> (2 * (e / 8))) & 3) | (((u[cb + 8 + e / 8] >> (e % 8)) & 1) << 2);
+        // byte j, then the third bits as int5's fifth, from byte 8
+        q += ((u[cb + e % 8] >> (2 * (e / 8))) & 3) | (((u[cb + 8 + e % 4] >> (e / 4)) & 1) << 2);
       } else {
         q += (u[cb + e % 16] >> (e / 16 * 4)) & 0xF;
         if constexpr (BITS == 6) q += ((u[cb + 16 + e % 8] >> (2 * (e / 8))) & 3) << 4;
-        if constexpr (BITS == 5) q += ((u[cb + 16 + e / 8] >> (e % 8)) & 1) << 4;
+        if constexpr (BITS == 5) q += ((u[cb + 16 + e % 4] >> (e / 4)) & 1) << 4;
         if constexpr (BITS == kIq4) q = int(kIq4LevelsU[q]) - 128;
       }
       float s, m;
