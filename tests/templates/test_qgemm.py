@@ -174,8 +174,9 @@ def test_pack_cpu_layout(bits, g, asym, codebook):
     """pack_cpu writes the contract's layout: int8 as u = q + 128; int4's chunk c byte j = u[32c + j] |
     u[32c + j + 16] << 4; int6's 24-byte chunk: those nibbles of u = q + 32, then byte 16 + j holding element
     32c + j + 8i's top 2 bits at bits 2i; int5's 20-byte chunk: the nibbles of u = q + 16, then 4 bytes of the
-    fifth bits, element 32c + 4i + r's at bit i of byte r; IQ4: int4's nibbles of u, the index of q among IQ4_LEVELS; int3's 12-byte chunk: the
-    low 2 bits of u = q + 4 as int6's top bits, then the third bits as int5's fifth."""
+    fifth bits, element 32c + 4i + r's at bit i of byte r; IQ4: int4's nibbles of u, the index of q among
+    IQ4_LEVELS; int3's 12-byte chunk: the low 2 bits of u = q + 4 as int6's top bits, then the third bits as
+    int5's fifth."""
     rng = np.random.default_rng(0)
     k = 256 if bits in (2, 3, 6) else 96
     scheme = QuantScheme(bits, g, asym, "kquant" if bits in (2, 3, 6) else "float16", codebook)

@@ -16,8 +16,8 @@ namespace llmc {
 //   BITS 8: qweight row n = K bytes u = q + 128;  BITS 4: K/2 bytes, per 32-element chunk byte j = u[j] | u[j + 16] << 4,
 //   u = q + 8 (symmetric) or q (ASYM, with mins);  BITS 6: 3K/4 bytes, per chunk int4's 16 bytes of the low
 //   nibbles of u = q + 32, then 8 bytes of the top 2 bits (byte j: element j + 8i's at bits 2i);  BITS 5: 5K/8
-//   bytes, per chunk int4's 16 bytes of the low nibbles of u = q + 16 (symmetric) or q (ASYM), then the fifth
-//   bits as a little-endian uint32 (bit j: element j);  BITS 3 (Q3_K): 3K/8 bytes, per chunk 8 bytes of the low 2
+//   bytes, per chunk int4's 16 bytes of the low nibbles of u = q + 16 (symmetric) or q (ASYM), then 4 bytes
+//   of the fifth bits (bit i of byte r: element 4i + r);  BITS 3 (Q3_K): 3K/8 bytes, per chunk 8 bytes of the low 2
 //   bits of u = q + 4 (byte j: element j + 8i's at bits 2i), then the third bits as int5's fifth;  BITS 2 (Q2_K):
 //   K/4 bytes, per chunk int3's 8 bytes of u = q (with mins);  BITS kIq4 (IQ4_NL / IQ4_XS's codebook): int4's K/2 bytes,
 //   u the index of q's level (kIq4LevelsU);  scales / mins

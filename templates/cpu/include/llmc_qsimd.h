@@ -79,7 +79,7 @@ LLMC_INLINE Bytes decode_iq4(const uint8_t* p) {
   const __m256i lut = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(kIq4LevelsU)));
   return _mm256_shuffle_epi8(lut, nibbles_in_order(p));
 }
-// 20 bytes of an int5 chunk -> its 32 u in order: the low nibbles, then the fifth bits' uint32.
+// 20 bytes of an int5 chunk -> its 32 u in order: the low nibbles, then the fifth bits' 4 bytes (plane_bits).
 LLMC_INLINE Bytes decode5(const uint8_t* p) {
   return _mm256_or_si256(nibbles_in_order(p), _mm256_slli_epi16(plane_bits(p + 16), 4));
 }
