@@ -230,7 +230,9 @@ def test_tune_command_writes_the_database_and_resumes(checkpoint_dir, tmp_path):
     assert json.loads(db.read_text())["entries"] == entries
 
 
+# exclusive: all 40 candidates must be built and timed within the budget, which another worker's builds would eat
 @pytest.mark.slow
+@pytest.mark.exclusive
 def test_tune_quantized_gemms(checkpoint_dir, tmp_path):
     """int4 linears with fp16 scales (the default): every candidate checked and timed, none rejected."""
     db = tmp_path / "cpu.tuning.json"
