@@ -6,10 +6,11 @@ output tok/s, TTFT and TPOT under concurrency.
     python benchmarks/vs_llama_server.py [--shape smollm-135m] [--rows bf16,int8] [--threads N] [--json]
 
 The model: a random checkpoint of the shape (vs_llamacpp.py's SHAPES, benchmarks/common.py), written to GGUF by
-llmc's writer (BF16, or Q8_0 for int8: every matrix in groups of 32, the tied head included). llmc compiles that
-file (a BF16 file to bfloat16 weights, a Q8_0 file at its own int8 groups); llama-server loads it. The
-checkpoint's tokenizer gets one added token per id past its own 384, so that every token either server generates
-is text: each token is then one streamed chunk in both (a token without text is held back by both servers).
+llmc's writer (BF16, or Q8_0 for int8: every matrix in groups of 32, the tied head included), or for the K-quant
+rows by llama.cpp's quantizer. llmc compiles that file (a BF16 file to bfloat16 weights, a quantized one at its
+own types); llama-server loads it. The checkpoint's tokenizer gets one added token per id past its own 384, so
+that every token either server generates is text: each token is then one streamed chunk in both (a token without
+text is held back by both servers).
 
 The servers: both up at once on loopback ports, each with --threads threads (llmc: OMP_NUM_THREADS; llama-server:
 -t and -tb), each started as a user would start it for this load:
@@ -49,7 +50,14 @@ from llamacpp_peer import gguf_file  # noqa: E402
 from load_server import free_port, terminate, wait_healthy  # noqa: E402
 from vs_llamacpp import SHAPES  # noqa: E402
 
-ROWS = {"bf16": ("bfloat16", "BF16"), "int8": ("float32", "Q8_0")}  # row -> (llmc weight dtype, GGUF type)
+# row -> (llmc weight dtype, GGUF type); the K-quant files, Ollama's default Q4_K_M among them, written by llama.cpp's
+# own quantizer from the F32 file (llamacpp_peer.gguf_file) and compiled by llmc at their own types
+ROWS = {
+    "bf16": ("bfloat16", "BF16"),
+    "int8": ("float32", "Q8_0"),
+    "q4_k_m": ("float32", "Q4_K_M"),
+    "q5_k_m": ("float32", "Q5_K_M"),
+}
 SLACK_TOKENS = 16  # per sequence, beyond prompt + output, in either server's context
 
 
