@@ -3,7 +3,7 @@
 output tok/s, TTFT and TPOT under concurrency.
 
     bash benchmarks/build_llama_server.sh            # once: llama-server for this host
-    python benchmarks/vs_llama_server.py [--shape smollm-135m] [--rows bf16,int8] [--threads N] [--json]
+    python benchmarks/vs_llama_server.py [--shape smollm-135m] [--rows bf16,int8,q4_k_m,q5_k_m] [--threads N] [--json]
 
 The model: a random checkpoint of the shape (vs_llamacpp.py's SHAPES, benchmarks/common.py), written to GGUF by
 llmc's writer (BF16, or Q8_0 for int8: every matrix in groups of 32, the tied head included), or for the K-quant
