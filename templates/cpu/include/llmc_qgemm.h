@@ -398,12 +398,13 @@ LLMC_INLINE void qdot_tile(const QStep<BITS>* LLMC_RESTRICT steps, const float* 
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
 #define LLMC_QGEMM_PAIRS 1
-// Prefill on AVX-512 VNNI: the same sequence as qdot_tile, two rows per 512-bit vector (row
-// 2p in lanes 0-7, row 2p + 1 in lanes 8-15, each output's weights in both halves), so each instruction does
-// the work of two ymm ones. The integer lanes are formed as in qdot_tile's VNNI path: P = dpbusd(-ZU * sum4(x),
-// u, x) for bytes (ZU: 128 for int8, a widened width's own u of q = 0; -ZU * sum4(x) once per row pair and
-// step), dpbusd twice from -8 * sum4(x) over the nibbles for int4 (from 0 with mins: u is q). Scales come as floats (scales_as_float: fp16 ones and K-quant records
-// decoded once per task); with mins, qgemm_pairs_rows subtracts each result's min_term after the tile.
+// Prefill on AVX-512 VNNI: the same sequence as qdot_tile, two rows per 512-bit vector (row 2p in lanes 0-7, row
+// 2p + 1 in lanes 8-15, each output's weights in both halves), so each instruction does the work of two ymm ones.
+// The integer lanes are formed as in qdot_tile's VNNI path: P = dpbusd(-ZU * sum4(x), u, x) for bytes (ZU: 128 for
+// int8, a widened width's own u of q = 0; -ZU * sum4(x) once per row pair and step), dpbusd twice from -8 * sum4(x)
+// over the nibbles for int4 (from 0 with mins: u is q). Scales come as floats (scales_as_float: fp16 ones and
+// K-quant records decoded once per task); with mins, qgemm_pairs_rows subtracts each result's min_term after the
+// tile.
 template <int BITS>
 struct QPair;
 template <>
@@ -653,10 +654,11 @@ inline void qgemm(const float* LLMC_RESTRICT x, const uint8_t* LLMC_RESTRICT qwe
     });
     return;
   }
-  // Prefill: tasks of kQgemmTChunk rows x a block of outputs whose weights stay in L2, each output at index
-  // j - j0 of its block (block_weights). int5 / int6 / int3 / int2 / IQ4 blocks are widened to bytes there, once per
-  // task, and run by the byte tiles: the same integer dots as their decode tiles (so the same numbers), without
-  // decoding a weight vector again for every few rows (decoding per tile made SmolLM-135M Q4_K_M's 128-token prefill 1.3x slower).
+  // Prefill: tasks of kQgemmTChunk rows x a block of outputs whose weights stay in L2, each output at index j - j0
+  // of its block (block_weights). int5 / int6 / int3 / int2 / IQ4 blocks are widened to bytes there, once per task,
+  // and run by the byte tiles: the same integer dots as their decode tiles (so the same numbers), without decoding
+  // a weight vector again for every few rows (decoding per tile made SmolLM-135M Q4_K_M's 128-token prefill 1.3x
+  // slower).
   constexpr int KB = BITS == 4 ? 4 : 8;  // the bits the prefill's tiles read: int4's own, else int8's
   constexpr int WZU = kZeroU<BITS, ASYM>;  // and the u of q = 0 in them: the width's own, kept by widen_to_bytes
   using SK = QShape<K, KB, GS>;
